@@ -1,0 +1,2 @@
+//! `train`: the trainer loop, optimizer schedule, mixed precision, data and tokenizers,
+//! checkpoints and metrics.
