@@ -5,7 +5,11 @@ use clap::{Parser, Subcommand};
 mod cmd;
 
 #[derive(Parser)]
-#[command(name = "xtrain", version, about = "Distributed LLM pre-training from first principles")]
+#[command(
+    name = "xtrain",
+    version,
+    about = "Distributed LLM pre-training from first principles"
+)]
 struct Cli {
     #[command(subcommand)]
     command: Command,
