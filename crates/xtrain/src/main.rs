@@ -16,7 +16,10 @@ struct Cli {
 }
 
 #[derive(Subcommand)]
-enum Command {}
+enum Command {
+    /// Start this host's worker processes with the launch variables and supervise them.
+    Launch(cmd::launch::Args),
+}
 
 fn main() -> anyhow::Result<()> {
     tracing_subscriber::fmt()
@@ -27,5 +30,7 @@ fn main() -> anyhow::Result<()> {
         .with_writer(std::io::stderr)
         .init();
     let cli = Cli::parse();
-    match cli.command {}
+    match cli.command {
+        Command::Launch(args) => cmd::launch::run(args),
+    }
 }
