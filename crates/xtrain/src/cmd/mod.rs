@@ -1,1 +1,2 @@
 //! One module per `xtrain` subcommand.
+pub mod launch;
