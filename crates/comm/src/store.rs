@@ -12,7 +12,10 @@ use std::time::{Duration, Instant};
 #[derive(Debug, thiserror::Error)]
 pub enum StoreError {
     #[error("store: timed out after {timeout:?} waiting for key(s) {keys:?}")]
-    Timeout { keys: Vec<String>, timeout: Duration },
+    Timeout {
+        keys: Vec<String>,
+        timeout: Duration,
+    },
     #[error("store: {0}")]
     Io(String),
     #[error("store: malformed message: {0}")]
@@ -56,7 +59,10 @@ impl MemStore {
 
 impl Store for MemStore {
     fn set(&self, key: &str, value: &[u8]) -> Result<(), StoreError> {
-        self.map.lock().unwrap().insert(key.to_string(), value.to_vec());
+        self.map
+            .lock()
+            .unwrap()
+            .insert(key.to_string(), value.to_vec());
         self.changed.notify_all();
         Ok(())
     }
@@ -80,7 +86,10 @@ impl Store for MemStore {
             }
             let now = Instant::now();
             if now >= deadline {
-                return Err(StoreError::Timeout { keys: missing, timeout });
+                return Err(StoreError::Timeout {
+                    keys: missing,
+                    timeout,
+                });
             }
             map = self.changed.wait_timeout(map, deadline - now).unwrap().0;
         }
@@ -126,7 +135,9 @@ pub fn parse_counter(key: &str, value: &[u8]) -> Result<i64, StoreError> {
     std::str::from_utf8(value)
         .ok()
         .and_then(|s| s.parse().ok())
-        .ok_or_else(|| StoreError::Protocol(format!("key {key:?} does not hold an integer counter")))
+        .ok_or_else(|| {
+            StoreError::Protocol(format!("key {key:?} does not hold an integer counter"))
+        })
 }
 
 #[cfg(test)]
@@ -142,7 +153,10 @@ mod tests {
             std::thread::sleep(Duration::from_millis(20));
             writer.set("addr/1", b"hello").unwrap();
         });
-        assert_eq!(store.get("addr/1", Duration::from_secs(5)).unwrap(), b"hello");
+        assert_eq!(
+            store.get("addr/1", Duration::from_secs(5)).unwrap(),
+            b"hello"
+        );
         t.join().unwrap();
     }
 
@@ -150,7 +164,9 @@ mod tests {
     fn wait_times_out_naming_the_missing_key() {
         let store = MemStore::new();
         store.set("a", b"1").unwrap();
-        let err = store.wait(&["a", "b"], Duration::from_millis(10)).unwrap_err();
+        let err = store
+            .wait(&["a", "b"], Duration::from_millis(10))
+            .unwrap_err();
         assert!(err.to_string().contains("\"b\""), "{err}");
     }
 
