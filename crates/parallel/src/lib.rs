@@ -6,12 +6,19 @@
 //! - [`bucket`]: gradient buckets in reverse layer order and their readiness during backward;
 //! - [`sampler`]: which samples of a global batch each dp rank reads;
 //! - [`memory`]: per-rank memory accounting and the ZeRO formulas;
+//! - [`staged`]: the unit-by-unit model contract the engines drive;
+//! - [`optim`]: AdamW over flat ranges and clipping from partial sums;
+//! - [`engine`]: DDP and ZeRO-1/2/3 training steps (one engine, parameterised by stage);
 //! - [`reshard`]: re-cutting saved flat shards for a different dp size or stage.
 pub mod bucket;
+pub mod engine;
 pub mod memory;
+pub mod optim;
 pub mod reshard;
 pub mod sampler;
 pub mod shard;
+pub mod staged;
+pub mod testing;
 
 /// Errors of the parallel layer.
 #[derive(Debug, thiserror::Error)]
@@ -22,4 +29,8 @@ pub enum ParallelError {
     Layout(String),
     #[error("parallel protocol: {0}")]
     Protocol(String),
+    #[error("model: {0}")]
+    Model(String),
+    #[error(transparent)]
+    Comm(#[from] comm::CommError),
 }
