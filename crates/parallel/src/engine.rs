@@ -63,7 +63,8 @@ pub enum TraceKind {
     BackwardStart(usize),
     BackwardEnd(usize),
     BucketLaunched(usize),
-    /// The bucket's reduction was observed complete (polled after each unit's backward).
+    /// The bucket's reduction was observed complete (polled after each unit's backward; a
+    /// bucket first seen complete at the end of backward is recorded then).
     BucketDone(usize),
 }
 
@@ -101,6 +102,14 @@ enum Pending {
         range: Range<usize>,
         work: Work<Vec<f32>>,
     },
+}
+
+impl Pending {
+    fn bucket(&self) -> usize {
+        match self {
+            Pending::AllReduce { bucket, .. } | Pending::Reduce { bucket, .. } => *bucket,
+        }
+    }
 }
 
 pub struct DataParallel<M: StagedModel> {
@@ -306,7 +315,6 @@ impl<M: StagedModel> DataParallel<M> {
 
         let mut tracker = reduce.then(|| ReadyTracker::new(&self.plan));
         let mut pending: Vec<Pending> = Vec::new();
-        let mut done_seen = vec![false; self.plan.buckets.len()];
         let mut dy = None;
         let mut prefetch = stage3.then(|| self.gather_async(n - 1));
         for u in (0..n).rev() {
@@ -357,18 +365,9 @@ impl<M: StagedModel> DataParallel<M> {
                     self.launch(b, &mut pending)?;
                 }
             }
-            if self.trace.is_some() {
-                for p in &pending {
-                    let (b, done) = match p {
-                        Pending::AllReduce { bucket, work } => (*bucket, work.is_completed()),
-                        Pending::Reduce { bucket, work, .. } => (*bucket, work.is_completed()),
-                    };
-                    if done && !done_seen[b] {
-                        done_seen[b] = true;
-                        self.record(TraceKind::BucketDone(b));
-                    }
-                }
-            }
+            // Consume reductions that already finished, so their buffers are freed during
+            // backward rather than at its end.
+            self.drain(&mut pending, false)?;
             dy = dx;
         }
         if let Some(tr) = &tracker {
@@ -379,7 +378,7 @@ impl<M: StagedModel> DataParallel<M> {
                 )));
             }
         }
-        self.finish(pending)?;
+        self.drain(&mut pending, true)?;
         Ok(loss)
     }
 
@@ -417,12 +416,25 @@ impl<M: StagedModel> DataParallel<M> {
         Ok(())
     }
 
-    /// Waits for every reduction and stores the averaged gradients.
-    fn finish(&mut self, pending: Vec<Pending>) -> Result<(), ParallelError> {
+    /// Stores the averaged gradients of the finished reductions (all of them, waiting, when
+    /// `all`). Every gradient element receives exactly one reduction result per micro-step, so
+    /// the order in which they are consumed does not change the numbers.
+    fn drain(&mut self, pending: &mut Vec<Pending>, all: bool) -> Result<(), ParallelError> {
         let inv = 1.0 / self.group.size() as f32;
         let me = self.group.rank();
-        for p in pending {
-            match p {
+        let mut keep = Vec::new();
+        let mut consumed = Vec::new();
+        for p in pending.drain(..) {
+            let ready = match &p {
+                Pending::AllReduce { work, .. } | Pending::Reduce { work, .. } => {
+                    work.is_completed()
+                }
+            };
+            if !(all || ready) {
+                keep.push(p);
+                continue;
+            }
+            let bucket = match p {
                 Pending::AllReduce { bucket, work } => {
                     let sum = work.wait()?;
                     let r = self.plan.buckets[bucket].range.clone();
@@ -430,9 +442,13 @@ impl<M: StagedModel> DataParallel<M> {
                         *g = s * inv;
                     }
                     self.comm_bytes.sub(sum.len() * F32);
+                    bucket
                 }
                 Pending::Reduce {
-                    root, range, work, ..
+                    bucket,
+                    root,
+                    range,
+                    work,
                 } => {
                     let sum = work.wait()?;
                     if root == me {
@@ -442,9 +458,19 @@ impl<M: StagedModel> DataParallel<M> {
                         }
                     }
                     self.comm_bytes.sub(sum.len() * F32);
+                    bucket
                 }
+            };
+            if consumed.last() != Some(&bucket) {
+                consumed.push(bucket);
             }
         }
+        for b in consumed {
+            if !keep.iter().any(|k| k.bucket() == b) {
+                self.record(TraceKind::BucketDone(b));
+            }
+        }
+        *pending = keep;
         Ok(())
     }
 
