@@ -262,9 +262,13 @@ impl LaunchEnv {
 /// `XTRAIN_TCP_ADDR` says otherwise, each rank listens on the address of the interface
 /// that routes to the master, so peers on other hosts can reach it.
 pub fn init_from_env() -> crate::Result<(Communicator, LaunchEnv)> {
+    init_with(Options::from_env()?)
+}
+
+/// [`init_from_env`] with explicit options (e.g. a transport chosen on a command line).
+pub fn init_with(mut options: Options) -> crate::Result<(Communicator, LaunchEnv)> {
     let env =
         LaunchEnv::from_env().map_err(|e| CommError::invalid("init_from_env", e.to_string()))?;
-    let mut options = Options::from_env()?;
     // The launcher's job id names the job unless the options set one explicitly.
     if std::env::var_os(JOB_ID_VAR).is_none() {
         options.job_id = env.job_id.clone();
