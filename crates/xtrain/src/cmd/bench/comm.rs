@@ -261,7 +261,7 @@ fn worker(args: &Args) -> anyhow::Result<()> {
     options.transport = args.transport.unwrap_or(options.transport);
     options.algo = args.algo.unwrap_or(options.algo);
     let (transport, algo) = (options.transport, options.algo);
-    let (comm, _env) = comm::env::init_with(options)
+    let (comm, env) = comm::env::init_with(options)
         .context("bench comm: joining the job (run with --nproc N, or under `xtrain launch`)")?;
     let (n, rank) = (comm.size(), comm.rank());
     let lead = rank == 0;
@@ -298,7 +298,17 @@ fn worker(args: &Args) -> anyhow::Result<()> {
         };
         let count = (bytes / 4) / unit * unit;
         if count > 0 {
-            let row = measure(&comm, args, count, first)?;
+            let row = match measure(&comm, args, count, first) {
+                Ok(row) => row,
+                Err(e) => {
+                    if env.hosts_store() {
+                        // Peers look up why a group was aborted in the store this rank
+                        // hosts: keep it up a moment so their errors can name the cause.
+                        std::thread::sleep(Duration::from_secs(1));
+                    }
+                    return Err(e);
+                }
+            };
             first = false;
             if lead && !args.json {
                 println!(
