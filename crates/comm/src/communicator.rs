@@ -360,6 +360,14 @@ fn connect_group(ctx: &Arc<Ctx>, label: &str, members: &[usize]) -> Result<Proce
         timeout: o.timeout,
         spin: o.spin,
     };
-    let engine = Engine::new(desc, links, shm, config, Arc::new(Counters::default()));
+    let board = Some((Arc::clone(&ctx.store), format!("{ns}/abort")));
+    let engine = Engine::new(
+        desc,
+        links,
+        shm,
+        config,
+        Arc::new(Counters::default()),
+        board,
+    );
     Ok(ProcessGroup::new(engine, o.algo))
 }

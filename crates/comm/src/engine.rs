@@ -14,6 +14,7 @@ use std::time::{Duration, Instant};
 
 use crate::element::{DType, ReduceBytesFn, ReduceOp};
 use crate::error::{CommError, Result};
+use crate::store::Store;
 use crate::transport::shm::Segment;
 use crate::transport::{Link, LinkError, OutMsg, RecvReject};
 use crate::wire::{Header, OpKind, HEADER_LEN};
@@ -201,6 +202,9 @@ pub(crate) struct Engine {
     pub config: EngineConfig,
     poisoned: Option<String>,
     pub counters: Arc<Counters>,
+    /// Where aborting ranks post their reason (`<prefix>/<group rank>`), so peers that see the
+    /// connection close can report the original cause.
+    abort_board: Option<(Arc<dyn Store>, String)>,
 }
 
 impl Engine {
@@ -210,6 +214,7 @@ impl Engine {
         shm: Option<(Arc<Segment>, usize)>,
         config: EngineConfig,
         counters: Arc<Counters>,
+        abort_board: Option<(Arc<dyn Store>, String)>,
     ) -> Self {
         Engine {
             desc,
@@ -219,6 +224,7 @@ impl Engine {
             config,
             poisoned: None,
             counters,
+            abort_board,
         }
     }
 
@@ -286,6 +292,9 @@ impl Engine {
     pub fn abort(&mut self, reason: String) {
         if self.poisoned.is_none() {
             tracing::debug!(group = %self.desc.name, "aborting group: {reason}");
+            if let Some((store, prefix)) = &self.abort_board {
+                let _ = store.set(&format!("{prefix}/{}", self.desc.rank), reason.as_bytes());
+            }
             self.poisoned = Some(reason);
         }
         for link in self.links.iter_mut().flatten() {
@@ -298,7 +307,22 @@ impl Engine {
         let op = ctx.kind.name().to_string();
         let rank = self.desc.world_ranks[peer];
         match e {
-            LinkError::Closed => CommError::PeerClosed { group, op, rank },
+            LinkError::Closed => {
+                let cause = self
+                    .abort_board
+                    .as_ref()
+                    .and_then(|(store, prefix)| {
+                        store.get(&format!("{prefix}/{peer}"), Duration::ZERO).ok()
+                    })
+                    .map(|b| String::from_utf8_lossy(&b).into_owned())
+                    .unwrap_or_default();
+                CommError::PeerClosed {
+                    group,
+                    op,
+                    rank,
+                    cause,
+                }
+            }
             LinkError::Rejected(RecvReject::Mismatch(detail)) => CommError::Mismatch {
                 group,
                 op,

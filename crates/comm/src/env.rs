@@ -19,7 +19,14 @@
 //! budget) and [`RESTART_VAR`] (which restart of the group this is).
 //!
 //! Parsing takes a lookup function, so tests pass a map instead of the process env.
+//! [`init_from_env`] turns the environment into a connected world communicator.
 use std::collections::HashMap;
+use std::sync::Arc;
+use std::time::Duration;
+
+use crate::communicator::{Communicator, Options};
+use crate::error::CommError;
+use crate::store::TcpStore;
 
 /// Job id / token shared by all ranks of one job (set by `xtrain launch`).
 pub const JOB_ID_VAR: &str = "XTRAIN_JOB_ID";
@@ -245,6 +252,66 @@ impl LaunchEnv {
         }
         Ok(())
     }
+}
+
+/// Builds the world communicator of a launched job: reads [`LaunchEnv`] and the
+/// `XTRAIN_*` options ([`Options::from_env`]); rank 0 hosts the TCP rendezvous store at
+/// `MASTER_ADDR:MASTER_PORT` and every rank connects to it (retrying until the
+/// communication timeout, since rank 0 may start late). The host identity that decides
+/// shared memory vs TCP is the host name. On a job spanning several hosts, unless
+/// `XTRAIN_TCP_ADDR` says otherwise, each rank listens on the address of the interface
+/// that routes to the master, so peers on other hosts can reach it.
+pub fn init_from_env() -> crate::Result<(Communicator, LaunchEnv)> {
+    init_with(Options::from_env()?)
+}
+
+/// [`init_from_env`] with explicit options (e.g. a transport chosen on a command line).
+pub fn init_with(mut options: Options) -> crate::Result<(Communicator, LaunchEnv)> {
+    let env =
+        LaunchEnv::from_env().map_err(|e| CommError::invalid("init_from_env", e.to_string()))?;
+    // The launcher's job id names the job unless the options set one explicitly.
+    if std::env::var_os(JOB_ID_VAR).is_none() {
+        options.job_id = env.job_id.clone();
+    }
+    if env.local_world_size < env.world_size && std::env::var_os("XTRAIN_TCP_ADDR").is_none() {
+        if let Some(ip) = route_to(&env.master_addr, env.master_port) {
+            options.tcp_addr = ip;
+        }
+    }
+    let store = TcpStore::rendezvous(
+        &env.master_addr,
+        env.master_port,
+        env.hosts_store(),
+        options.timeout.max(Duration::from_secs(1)),
+    )?;
+    let comm = Communicator::init(
+        Arc::new(store),
+        env.rank,
+        env.world_size,
+        &hostname(),
+        options,
+    )?;
+    Ok((comm, env))
+}
+
+/// This machine's host name (the identity ranks compare to pick shared memory).
+pub fn hostname() -> String {
+    let mut buf = [0u8; 256];
+    // SAFETY: gethostname writes at most `buf.len()` bytes into the buffer we own.
+    let rc = unsafe { libc::gethostname(buf.as_mut_ptr().cast(), buf.len()) };
+    if rc != 0 {
+        return "localhost".to_string();
+    }
+    let end = buf.iter().position(|&b| b == 0).unwrap_or(buf.len());
+    String::from_utf8_lossy(&buf[..end]).into_owned()
+}
+
+/// The local address of the interface that routes to `host` (a UDP "connect" sends nothing).
+fn route_to(host: &str, port: u16) -> Option<String> {
+    let sock = std::net::UdpSocket::bind("0.0.0.0:0").ok()?;
+    sock.connect((host, port)).ok()?;
+    let ip = sock.local_addr().ok()?.ip();
+    (!ip.is_unspecified()).then(|| ip.to_string())
 }
 
 /// Variable access with typed parsing and errors that name the variable.

@@ -17,16 +17,18 @@ pub enum CommError {
         ranks: Vec<usize>,
         timeout: Duration,
     },
-    /// A peer closed its side (its process/thread exited, it dropped the group, or it aborted
-    /// after an error of its own).
+    /// A peer closed its side: its process/thread exited or dropped the group (`cause` empty),
+    /// or it aborted after an error of its own (`cause` holds that error, which names the rank
+    /// at the origin of the failure).
     #[error(
-        "{op} on group {group}: rank {rank} closed its connection \
-         (it exited, dropped its communicator, or aborted after an error)"
+        "{op} on group {group}: rank {rank} closed its connection{}",
+        closed_cause(cause)
     )]
     PeerClosed {
         group: String,
         op: String,
         rank: usize,
+        cause: String,
     },
     /// Ranks called different operations, or the same one with different lengths/types/roots.
     #[error("{op} on group {group}: mismatch with rank {rank}: {detail}")]
@@ -62,6 +64,14 @@ pub enum CommError {
     /// The group failed earlier; its links are closed and it cannot be used again.
     #[error("group {group} is unusable after an earlier error: {first}")]
     Poisoned { group: String, first: String },
+}
+
+fn closed_cause(cause: &str) -> String {
+    if cause.is_empty() {
+        " (it exited or dropped its communicator)".to_string()
+    } else {
+        format!(" after an error of its own: {cause}")
+    }
 }
 
 impl CommError {

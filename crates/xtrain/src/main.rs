@@ -19,6 +19,8 @@ struct Cli {
 enum Command {
     /// Start this host's worker processes with the launch variables and supervise them.
     Launch(cmd::launch::Args),
+    /// Benchmarks (collectives: `xtrain bench comm`).
+    Bench(cmd::bench::Args),
 }
 
 fn main() -> anyhow::Result<()> {
@@ -32,5 +34,6 @@ fn main() -> anyhow::Result<()> {
     let cli = Cli::parse();
     match cli.command {
         Command::Launch(args) => cmd::launch::run(args),
+        Command::Bench(args) => cmd::bench::run(args),
     }
 }
