@@ -7,10 +7,12 @@
 //! - [`schedule`]: warmup + cosine learning rate;
 //! - [`memory`]: byte accounting of parameters, gradients, optimizer state, activations;
 //! - [`rng`]: the seekable RNG whose state goes into checkpoints.
+pub mod checkpoint;
 pub mod config;
 pub mod data;
 pub mod error;
 pub mod memory;
+pub mod metrics;
 pub mod rng;
 pub mod schedule;
 
