@@ -652,6 +652,60 @@ impl<M: StagedModel> DataParallel<M> {
     }
 }
 
+impl<M: StagedModel> DataParallel<M> {
+    fn unit_sizes(&self) -> Vec<usize> {
+        self.units.iter().map(|u| u.len()).collect()
+    }
+
+    /// Saves this rank's shard under `dir` (replicated DDP state is written by rank 0 only) and
+    /// waits until every rank has written. A collective: every rank calls it.
+    pub fn save_checkpoint(&self, dir: &std::path::Path) -> Result<(), ParallelError> {
+        let state = self.export_shard();
+        let result = if state.world > 1 || self.group.rank() == 0 {
+            crate::checkpoint::save_shard(dir, &state, &self.unit_sizes())
+        } else {
+            Ok(())
+        };
+        self.group.barrier()?;
+        result
+    }
+
+    /// Loads a checkpoint saved at any dp size and stage, re-cut for this engine's.
+    pub fn load_checkpoint(&mut self, dir: &std::path::Path) -> Result<(), ParallelError> {
+        let states = crate::checkpoint::load_shards(dir, &self.unit_sizes())?;
+        self.restore(&states)
+    }
+
+    /// Restores parameters, moments and step from saved shards (any world, same layout).
+    pub fn restore(&mut self, states: &[ShardState]) -> Result<(), ParallelError> {
+        let total = self.spec.total();
+        if states.first().map(|s| s.total) != Some(total) {
+            return Err(ParallelError::Layout(format!(
+                "checkpoint does not hold {total} parameters"
+            )));
+        }
+        let me = self.group.rank();
+        let stage = self.cfg.stage;
+        let (world, rank) = (self.group.size(), me);
+        let full = crate::checkpoint::reshard_states(states, 1, 0)?;
+        let own = crate::checkpoint::reshard_states(states, world, rank)?;
+        self.params = if stage.shards_params() {
+            own.params.clone()
+        } else {
+            full.params[..total].to_vec()
+        };
+        if stage.shards_optimizer() {
+            self.m = own.exp_avg;
+            self.v = own.exp_avg_sq;
+        } else {
+            self.m = full.exp_avg[..total].to_vec();
+            self.v = full.exp_avg_sq[..total].to_vec();
+        }
+        self.step = own.step;
+        Ok(())
+    }
+}
+
 /// One rank's saved flat shard of parameters and AdamW moments (padded to `ceil(total/world)`).
 #[derive(Clone, Debug, PartialEq)]
 pub struct ShardState {

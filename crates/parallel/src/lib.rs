@@ -9,8 +9,10 @@
 //! - [`staged`]: the unit-by-unit model contract the engines drive;
 //! - [`optim`]: AdamW over flat ranges and clipping from partial sums;
 //! - [`engine`]: DDP and ZeRO-1/2/3 training steps (one engine, parameterised by stage);
-//! - [`reshard`]: re-cutting saved flat shards for a different dp size or stage.
+//! - [`reshard`]: re-cutting saved flat shards for a different dp size or stage;
+//! - [`checkpoint`]: sharded checkpoints that load into any dp size or stage.
 pub mod bucket;
+pub mod checkpoint;
 pub mod engine;
 pub mod memory;
 pub mod optim;
@@ -29,6 +31,8 @@ pub enum ParallelError {
     Layout(String),
     #[error("parallel protocol: {0}")]
     Protocol(String),
+    #[error("checkpoint: {0}")]
+    Checkpoint(String),
     #[error("model: {0}")]
     Model(String),
     #[error(transparent)]
