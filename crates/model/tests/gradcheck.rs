@@ -70,6 +70,9 @@ fn check_dir(what: &str, f: Eval, at: &[f32], grad: &[f32], range: Range<usize>,
     );
 }
 
+/// A layer as a function of (parameters, input): output, weighted aux loss, routing signature.
+type LayerFn<'a> = &'a dyn Fn(&[f32], &[f32]) -> (Vec<f32>, f64, Vec<usize>);
+
 fn route_key(r: &model::layers::moe::Routing) -> Vec<usize> {
     let mut k = r.experts.clone();
     for a in &r.assigned {
@@ -96,7 +99,7 @@ fn small_cfg(moe: bool) -> ModelConfig {
 #[allow(clippy::too_many_arguments)]
 fn check_layer(
     what: &str,
-    fwd: &dyn Fn(&[f32], &[f32]) -> (Vec<f32>, f64, Vec<usize>),
+    fwd: LayerFn,
     p: &[f32],
     x: &[f32],
     r: &[f32],
