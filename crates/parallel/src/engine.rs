@@ -18,10 +18,10 @@ use std::ops::Range;
 use std::time::Instant;
 
 use comm::{ProcessGroup, ReduceOp, Work};
+use model::optim::{clip_factor, grad_sq_sum, scale_grads, AdamW};
 
 use crate::bucket::{BucketPlan, ReadyTracker};
 use crate::memory::{formula, MemoryBytes, Precision, ZeroStage};
-use crate::optim::{clip_coef, sum_sq, AdamW};
 use crate::shard::ShardSpec;
 use crate::staged::StagedModel;
 use crate::ParallelError;
@@ -32,6 +32,8 @@ pub struct DpConfig {
     pub stage: ZeroStage,
     /// Gradient bucket size in bytes (PyTorch DDP's default 25 MB).
     pub bucket_bytes: usize,
+    /// AdamW hyper-parameters; `adamw.lr` is the initial learning rate (see
+    /// [`DataParallel::set_lr`]).
     pub adamw: AdamW,
     /// Global gradient-norm clipping threshold.
     pub max_grad_norm: Option<f32>,
@@ -130,6 +132,7 @@ pub struct DataParallel<M: StagedModel> {
     m: Vec<f32>,
     v: Vec<f32>,
     step: u64,
+    lr: f32,
     comm_bytes: Gauge,
     gathered_bytes: Gauge,
     act_bytes: Gauge,
@@ -191,6 +194,7 @@ impl<M: StagedModel> DataParallel<M> {
         let grads = per(stage.shards_grads());
         let m = per(stage.shards_optimizer());
         let v = per(stage.shards_optimizer());
+        let lr = cfg.adamw.lr;
         Ok(Self {
             model,
             group,
@@ -205,6 +209,7 @@ impl<M: StagedModel> DataParallel<M> {
             m,
             v,
             step: 0,
+            lr,
             comm_bytes: Gauge::default(),
             gathered_bytes: Gauge::default(),
             act_bytes: Gauge::default(),
@@ -233,6 +238,11 @@ impl<M: StagedModel> DataParallel<M> {
     /// Optimizer steps taken.
     pub fn step_count(&self) -> u64 {
         self.step
+    }
+
+    /// Learning rate of the next steps (from the schedule).
+    pub fn set_lr(&mut self, lr: f32) {
+        self.lr = lr;
     }
 
     /// Starts recording a timeline of backward and bucket events.
@@ -302,7 +312,7 @@ impl<M: StagedModel> DataParallel<M> {
                 Some(o) => o.as_slice(),
                 None => &self.params[self.units[u].clone()],
             };
-            let (y, cache) = self.model.forward(u, p, x.take(), batch)?;
+            let (y, cache) = self.model.forward(u, p, x.take(), batch, scale)?;
             self.act_bytes.add(self.model.cache_bytes(&cache));
             caches.push(cache);
             if let Some(o) = owned {
@@ -519,57 +529,35 @@ impl<M: StagedModel> DataParallel<M> {
         let own = self.spec.range(me);
         let n_own = own.len();
         let stage = self.cfg.stage;
-        let g_own: &[f32] = match stage {
-            ZeroStage::Ddp => &self.grads,
-            ZeroStage::One => &self.grads[own.clone()],
-            ZeroStage::Two | ZeroStage::Three => &self.grads[..n_own],
+        // The gradients this rank updates: all of them (DDP), or its shard's real elements.
+        let (g_own, p_own): (&mut [f32], &mut [f32]) = match stage {
+            ZeroStage::Ddp => (&mut self.grads[..], &mut self.params[..]),
+            ZeroStage::One => (&mut self.grads[own.clone()], &mut self.params[own.clone()]),
+            ZeroStage::Two => (&mut self.grads[..n_own], &mut self.params[own.clone()]),
+            ZeroStage::Three => (&mut self.grads[..n_own], &mut self.params[..n_own]),
         };
-        let norm = if stage.shards_optimizer() {
-            // Partial sums gathered and added in rank order: the same f64 total on every rank.
-            let partial = [sum_sq(g_own) as f32];
+        let sq = if stage.shards_optimizer() {
+            // Partial sums gathered and added in rank order: the same total on every rank.
+            let partial = [grad_sq_sum(g_own) as f32];
             let mut all = vec![0.0f32; self.group.size()];
             self.group.all_gather(&partial, &mut all)?;
-            all.iter().map(|&x| x as f64).sum::<f64>().sqrt()
+            all.iter().map(|&x| x as f64).sum::<f64>()
         } else {
-            sum_sq(g_own).sqrt()
+            grad_sq_sum(g_own)
         };
-        let coef = clip_coef(norm, self.cfg.max_grad_norm);
+        let (norm, coef) = match self.cfg.max_grad_norm {
+            Some(c) => clip_factor(sq, c),
+            None => (sq.sqrt() as f32, 1.0),
+        };
+        scale_grads(g_own, coef);
         self.step += 1;
-        let (t, opt) = (self.step, self.cfg.adamw);
-        match stage {
-            ZeroStage::Ddp => opt.update(
-                t,
-                coef,
-                &mut self.params,
-                &self.grads,
-                &mut self.m,
-                &mut self.v,
-            ),
-            ZeroStage::One => opt.update(
-                t,
-                coef,
-                &mut self.params[own.clone()],
-                &self.grads[own.clone()],
-                &mut self.m[..n_own],
-                &mut self.v[..n_own],
-            ),
-            ZeroStage::Two => opt.update(
-                t,
-                coef,
-                &mut self.params[own.clone()],
-                &self.grads[..n_own],
-                &mut self.m[..n_own],
-                &mut self.v[..n_own],
-            ),
-            ZeroStage::Three => opt.update(
-                t,
-                coef,
-                &mut self.params[..n_own],
-                &self.grads[..n_own],
-                &mut self.m[..n_own],
-                &mut self.v[..n_own],
-            ),
-        }
+        let opt = self.cfg.adamw;
+        let (m, v) = if stage.shards_optimizer() {
+            (&mut self.m[..n_own], &mut self.v[..n_own])
+        } else {
+            (&mut self.m[..], &mut self.v[..])
+        };
+        opt.update(self.step, self.lr, opt.weight_decay, p_own, g_own, m, v);
         if matches!(stage, ZeroStage::One | ZeroStage::Two) {
             // All-gather the updated parameters unit by unit (buffer bounded by one unit).
             for u in 0..self.units.len() {
@@ -580,7 +568,7 @@ impl<M: StagedModel> DataParallel<M> {
                 self.params[r].copy_from_slice(&full);
             }
         }
-        Ok(norm as f32)
+        Ok(norm)
     }
 
     /// The full parameter vector (a collective at stage 3: every rank must call it).

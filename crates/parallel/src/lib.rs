@@ -7,15 +7,15 @@
 //! - [`sampler`]: which samples of a global batch each dp rank reads;
 //! - [`memory`]: per-rank memory accounting and the ZeRO formulas;
 //! - [`staged`]: the unit-by-unit model contract the engines drive;
-//! - [`optim`]: AdamW over flat ranges and clipping from partial sums;
+//! - [`llm`]: the Llama / Mixtral decoders as staged models;
 //! - [`engine`]: DDP and ZeRO-1/2/3 training steps (one engine, parameterised by stage);
 //! - [`reshard`]: re-cutting saved flat shards for a different dp size or stage;
 //! - [`checkpoint`]: sharded checkpoints that load into any dp size or stage.
 pub mod bucket;
 pub mod checkpoint;
 pub mod engine;
+pub mod llm;
 pub mod memory;
-pub mod optim;
 pub mod reshard;
 pub mod sampler;
 pub mod shard;

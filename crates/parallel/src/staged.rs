@@ -23,12 +23,15 @@ pub trait StagedModel: Sync {
     fn tensors(&self) -> Vec<Range<usize>>;
     /// Forward of `unit` with its parameters `params`. The first unit gets `x = None` and reads
     /// the batch; the last unit returns the loss (mean over the micro-batch) as its output.
+    /// `scale` is d(total loss)/d(this micro-batch's loss), for losses added inside units (MoE
+    /// auxiliary loss); the same value is passed to backward.
     fn forward(
         &self,
         unit: usize,
         params: &[f32],
         x: Option<Self::Act>,
         batch: &Self::Batch,
+        scale: f32,
     ) -> Result<(Self::Act, Self::Cache), ParallelError>;
     /// Scalar loss from the last unit's output.
     fn loss(&self, out: &Self::Act) -> f32;

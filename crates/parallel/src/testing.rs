@@ -127,6 +127,7 @@ impl StagedModel for ToyModel {
         p: &[f32],
         x: Option<Vec<f32>>,
         batch: &Vec<Sample>,
+        _scale: f32,
     ) -> Result<(Vec<f32>, ToyCache), ParallelError> {
         let (d, n) = (self.dim, batch.len());
         if unit == 0 {
@@ -270,7 +271,7 @@ mod tests {
             let mut x = None;
             let mut caches = Vec::new();
             for (u, r) in units.iter().enumerate() {
-                let (y, c) = m.forward(u, &p[r.clone()], x.take(), &batch).unwrap();
+                let (y, c) = m.forward(u, &p[r.clone()], x.take(), &batch, 1.0).unwrap();
                 caches.push(c);
                 x = Some(y);
             }

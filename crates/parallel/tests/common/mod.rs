@@ -1,8 +1,8 @@
 // Shared helpers of the data-parallel integration tests (included with `mod common;`).
 #![allow(dead_code)]
+use model::optim::{clip_factor, grad_sq_sum, scale_grads, AdamW};
 use parallel::engine::{DataParallel, DpConfig, StepStats};
 use parallel::memory::ZeroStage;
-use parallel::optim::{clip_coef, sum_sq, AdamW};
 use parallel::sampler::DistributedSampler;
 use parallel::staged::StagedModel;
 use parallel::testing::ToyModel;
@@ -43,7 +43,9 @@ pub fn reference(
         let mut x = None;
         let mut caches = Vec::new();
         for (u, r) in units.iter().enumerate() {
-            let (y, c) = model.forward(u, &p[r.clone()], x.take(), &batch).unwrap();
+            let (y, c) = model
+                .forward(u, &p[r.clone()], x.take(), &batch, 1.0)
+                .unwrap();
             caches.push(c);
             x = Some(y);
         }
@@ -62,11 +64,19 @@ pub fn reference(
                 )
                 .unwrap();
         }
-        let norm = sum_sq(&g).sqrt();
-        norms.push(norm as f32);
-        let coef = clip_coef(norm, cfg.max_grad_norm);
-        cfg.adamw
-            .update(step as u64 + 1, coef, &mut p, &g, &mut m, &mut v);
+        let (norm, coef) = clip_factor(grad_sq_sum(&g), cfg.max_grad_norm.unwrap());
+        norms.push(norm);
+        scale_grads(&mut g, coef);
+        let a = cfg.adamw;
+        a.update(
+            step as u64 + 1,
+            a.lr,
+            a.weight_decay,
+            &mut p,
+            &g,
+            &mut m,
+            &mut v,
+        );
     }
     (losses, norms, p)
 }
