@@ -9,6 +9,7 @@
 //! - [`staged`]: the unit-by-unit model contract the engines drive;
 //! - [`llm`]: the Llama / Mixtral decoders as staged models;
 //! - [`engine`]: DDP and ZeRO-1/2/3 training steps (one engine, parameterised by stage);
+//! - [`worker`]: a data-parallel training run of a `RunConfig` on one rank;
 //! - [`reshard`]: re-cutting saved flat shards for a different dp size or stage;
 //! - [`checkpoint`]: sharded checkpoints that load into any dp size or stage.
 pub mod bucket;
@@ -21,6 +22,7 @@ pub mod sampler;
 pub mod shard;
 pub mod staged;
 pub mod testing;
+pub mod worker;
 
 /// Errors of the parallel layer.
 #[derive(Debug, thiserror::Error)]

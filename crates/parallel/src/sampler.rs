@@ -1,9 +1,10 @@
 //! Distributed sampler math: which samples of a global batch each data-parallel rank reads on
 //! each accumulation micro-step.
 //!
-//! A global batch of `B = dp * micro_batch * accum` samples is cut into `dp` contiguous
-//! chunks of `micro_batch * accum` (one per rank), each chunk into `accum` micro-batches.
-//! Every sample is read by exactly one (rank, micro-step), so the mean loss over the global
+//! A global batch of `B = dp * micro_batch * accum` samples is cut into `dp * accum`
+//! micro-batches of `micro_batch`; micro-batch `k = a * dp + r` goes to rank `r` on
+//! accumulation step `a` (the order of `train::data::Sampler`, so the single-process run with
+//! `dp * accum` accumulation steps reads exactly the same micro-batches). Every sample is read by exactly one (rank, micro-step), so the mean loss over the global
 //! batch — the single-process objective — is
 //! `L = 1/dp * sum_r 1/accum * sum_a L(r, a)` when every micro-batch has the same token count;
 //! hence gradients are scaled by `1/accum` on each micro-step and averaged over ranks.
@@ -57,7 +58,7 @@ impl DistributedSampler {
 
     /// Positions within the global batch read by `rank` on micro-step `micro`.
     pub fn positions(&self, rank: usize, micro: usize) -> Range<usize> {
-        let start = (rank * self.accum + micro) * self.micro_batch;
+        let start = (micro * self.dp + rank) * self.micro_batch;
         start..start + self.micro_batch
     }
 
