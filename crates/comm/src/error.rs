@@ -10,11 +10,15 @@ use crate::store::StoreError;
 #[derive(Debug, thiserror::Error)]
 pub enum CommError {
     /// A blocking wait ran past the configured timeout.
-    #[error("{op} on group {group}: timed out after {timeout:?} waiting for rank(s) {ranks:?}")]
+    /// `note` tells, when known, whom the awaited ranks were themselves waiting for.
+    #[error(
+        "{op} on group {group}: timed out after {timeout:?} waiting for rank(s) {ranks:?}{note}"
+    )]
     Timeout {
         group: String,
         op: String,
         ranks: Vec<usize>,
+        note: String,
         timeout: Duration,
     },
     /// A peer closed its side: its process/thread exited or dropped the group (`cause` empty),

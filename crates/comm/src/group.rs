@@ -458,7 +458,6 @@ impl ProcessGroup {
     }
 
     #[cfg(test)]
-    #[allow(dead_code)]
     pub(crate) fn with_engine<R>(&self, f: impl FnOnce(&mut Engine) -> R) -> R {
         f(&mut self.shared.engine.lock().unwrap())
     }
