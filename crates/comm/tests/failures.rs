@@ -196,7 +196,7 @@ fn bad_arguments_are_errors() {
 
 #[test]
 fn forcing_shm_across_hosts_is_an_error() {
-    let hosts = vec!["a".to_string(), "b".to_string()];
+    let hosts = ["a".to_string(), "b".to_string()];
     let store: std::sync::Arc<dyn Store> = std::sync::Arc::new(MemStore::new());
     let errs: Vec<String> = std::thread::scope(|s| {
         let hs: Vec<_> = (0..2)
