@@ -28,16 +28,27 @@ fn parse_size(s: &str) -> usize {
 fn main() {
     let args: Vec<String> = std::env::args().collect();
     let get = |k: &str, d: &str| -> String {
-        args.iter().position(|a| a == k).and_then(|i| args.get(i + 1).cloned()).unwrap_or_else(|| d.to_string())
+        args.iter()
+            .position(|a| a == k)
+            .and_then(|i| args.get(i + 1).cloned())
+            .unwrap_or_else(|| d.to_string())
     };
     let n: usize = get("--ranks", "2").parse().unwrap();
     let transport: TransportKind = get("--transport", "shm").parse().unwrap();
     let algo: AllReduceAlgo = get("--algo", "auto").parse().unwrap();
     let op = get("--op", "all_reduce");
     let iters: usize = get("--iters", "20").parse().unwrap();
-    let sizes: Vec<usize> = get("--sizes", "4K,64K,1M,16M,64M").split(',').map(parse_size).collect();
+    let sizes: Vec<usize> = get("--sizes", "4K,64K,1M,16M,64M")
+        .split(',')
+        .map(parse_size)
+        .collect();
     let ring: usize = get("--ring", "0").parse().unwrap();
-    let mut options = Options { transport, algo, timeout: Duration::from_secs(120), ..Options::from_env().unwrap() };
+    let mut options = Options {
+        transport,
+        algo,
+        timeout: Duration::from_secs(120),
+        ..Options::from_env().unwrap()
+    };
     if ring > 0 {
         options.shm_ring_bytes = ring;
     }
@@ -51,9 +62,18 @@ fn main() {
         best = best.min(t0.elapsed().as_secs_f64());
         std::hint::black_box(&dst);
     }
-    println!("# memcpy 64 MiB: {:.2} GB/s", (64 << 20) as f64 / best / 1e9);
-    println!("# {op} ranks={n} transport={transport:?} algo={algo:?} ring={} (f32, ranks as threads)", options.shm_ring_bytes);
-    println!("{:>10} {:>12} {:>12} {:>12}", "bytes", "time_us", "algbw_GB/s", "busbw_GB/s");
+    println!(
+        "# memcpy 64 MiB: {:.2} GB/s",
+        (64 << 20) as f64 / best / 1e9
+    );
+    println!(
+        "# {op} ranks={n} transport={transport:?} algo={algo:?} ring={} (f32, ranks as threads)",
+        options.shm_ring_bytes
+    );
+    println!(
+        "{:>10} {:>12} {:>12} {:>12}",
+        "bytes", "time_us", "algbw_GB/s", "busbw_GB/s"
+    );
     run_threads_with(n, options, |c| {
         for &bytes in &sizes {
             let len = bytes / 4;
@@ -97,7 +117,13 @@ fn main() {
             };
             let algbw = bytes as f64 / t / 1e9;
             if c.rank() == 0 {
-                println!("{:>10} {:>12.1} {:>12.3} {:>12.3}", bytes, t * 1e6, algbw, algbw * factor);
+                println!(
+                    "{:>10} {:>12.1} {:>12.3} {:>12.3}",
+                    bytes,
+                    t * 1e6,
+                    algbw,
+                    algbw * factor
+                );
             }
         }
     });

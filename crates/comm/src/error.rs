@@ -65,6 +65,9 @@ pub enum CommError {
         context: String,
         source: std::io::Error,
     },
+    /// An asynchronous operation panicked on the group's worker (a bug); the group is aborted.
+    #[error("asynchronous operation panicked: {0}")]
+    Panicked(String),
     /// The group failed earlier; its links are closed and it cannot be used again.
     #[error("group {group} is unusable after an earlier error: {first}")]
     Poisoned { group: String, first: String },
