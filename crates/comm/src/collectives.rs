@@ -30,6 +30,9 @@ pub enum AllReduceAlgo {
     Ring,
     Tree,
     HalvingDoubling,
+    /// Whole-vector exchanges with partners at distance 1, 2, 4, ...: the fewest message
+    /// latencies (log2 n), for small messages.
+    RecursiveDoubling,
 }
 
 impl std::str::FromStr for AllReduceAlgo {
@@ -40,15 +43,18 @@ impl std::str::FromStr for AllReduceAlgo {
             "ring" => Ok(AllReduceAlgo::Ring),
             "tree" => Ok(AllReduceAlgo::Tree),
             "hd" | "halving-doubling" | "halving_doubling" => Ok(AllReduceAlgo::HalvingDoubling),
+            "rd" | "recursive-doubling" | "recursive_doubling" => {
+                Ok(AllReduceAlgo::RecursiveDoubling)
+            }
             other => Err(format!(
-                "unknown all-reduce algorithm {other:?} (ring, tree, hd, auto)"
+                "unknown all-reduce algorithm {other:?} (ring, tree, hd, rd, auto)"
             )),
         }
     }
 }
 
-/// Messages up to this many bytes use the tree under `Auto` (latency-bound regime).
-pub const TREE_MAX_BYTES: usize = 32 << 10;
+/// Messages up to this many bytes use recursive doubling under `Auto` (latency-bound regime).
+pub const RD_MAX_BYTES: usize = 32 << 10;
 /// Messages up to this many bytes use halving-doubling under `Auto` when n > 2.
 pub const HD_MAX_BYTES: usize = 256 << 10;
 
@@ -56,7 +62,7 @@ impl AllReduceAlgo {
     /// The concrete algorithm `Auto` resolves to for `bytes` over `n` ranks.
     pub fn choose(self, bytes: usize, n: usize) -> AllReduceAlgo {
         match self {
-            AllReduceAlgo::Auto if bytes <= TREE_MAX_BYTES => AllReduceAlgo::Tree,
+            AllReduceAlgo::Auto if bytes <= RD_MAX_BYTES => AllReduceAlgo::RecursiveDoubling,
             AllReduceAlgo::Auto if n > 2 && bytes <= HD_MAX_BYTES => AllReduceAlgo::HalvingDoubling,
             AllReduceAlgo::Auto => AllReduceAlgo::Ring,
             other => other,
@@ -188,7 +194,8 @@ impl Engine {
         }
         match algo.choose(std::mem::size_of_val(buf), n) {
             AllReduceAlgo::Tree => self.tree_all_reduce(&ctx, buf, op),
-            AllReduceAlgo::HalvingDoubling => self.hd_all_reduce(&ctx, buf, op),
+            AllReduceAlgo::HalvingDoubling => self.hd_all_reduce(&ctx, buf, op, false),
+            AllReduceAlgo::RecursiveDoubling => self.hd_all_reduce(&ctx, buf, op, true),
             _ => self.ring_all_reduce(&ctx, buf, op),
         }
     }
@@ -348,7 +355,17 @@ impl Engine {
         self.tree_broadcast(ctx, buf, 0)
     }
 
-    fn hd_all_reduce<T: Element>(&mut self, ctx: &Ctx, buf: &mut [T], op: ReduceOp) -> Result<()> {
+    /// Halving-doubling (`full = false`) or recursive doubling (`full = true`: every step
+    /// exchanges the whole vector, log2 p message latencies; results are bit-identical on all
+    /// ranks because each step combines the same two partial results, and + / max / min are
+    /// commutative).
+    fn hd_all_reduce<T: Element>(
+        &mut self,
+        ctx: &Ctx,
+        buf: &mut [T],
+        op: ReduceOp,
+        full: bool,
+    ) -> Result<()> {
         let (n, r) = (self.size(), self.rank());
         let p = 1usize << (usize::BITS - 1 - n.leading_zeros());
         let rem = n - p;
@@ -366,7 +383,25 @@ impl Engine {
             Some(r - rem)
         };
         let real = |v: usize| if v < rem { 2 * v + 1 } else { v + rem };
-        if let Some(v) = new_rank {
+        if let (Some(v), true) = (new_rank, full) {
+            let mut mine = buf.to_vec();
+            let mut d = 1;
+            while d < p {
+                let partner = real(v ^ d);
+                mine.copy_from_slice(buf);
+                let t = tag(0x1800 + d.trailing_zeros() as usize, 0);
+                self.step(
+                    ctx,
+                    t,
+                    Some((partner, bytes(&mine))),
+                    Some((partner, reduce_sink(buf, op))),
+                )?;
+                d *= 2;
+            }
+            if op == ReduceOp::Avg {
+                scale_avg(buf, n);
+            }
+        } else if let Some(v) = new_rank {
             // Recursive halving: keep the half on my side of bit d, send the other half.
             let mut lo = 0;
             let mut hi = buf.len();
