@@ -53,17 +53,20 @@ impl std::str::FromStr for AllReduceAlgo {
     }
 }
 
-/// Messages up to this many bytes use recursive doubling under `Auto` (latency-bound regime).
+/// Messages up to this many bytes use recursive doubling under `Auto` (latency-bound: log2 n
+/// message latencies, every rank busy each step).
 pub const RD_MAX_BYTES: usize = 32 << 10;
-/// Messages up to this many bytes use halving-doubling under `Auto` when n > 2.
-pub const HD_MAX_BYTES: usize = 256 << 10;
+/// Above `RD_MAX_BYTES` and up to this many bytes, groups of more than 2 ranks use the binomial
+/// tree under `Auto`: measured fastest there with 3–8 ranks on 2 cores (docs/PERFORMANCE.md),
+/// where every step that needs all ranks scheduled at once costs a scheduler round.
+pub const TREE_MAX_BYTES: usize = 512 << 10;
 
 impl AllReduceAlgo {
     /// The concrete algorithm `Auto` resolves to for `bytes` over `n` ranks.
     pub fn choose(self, bytes: usize, n: usize) -> AllReduceAlgo {
         match self {
             AllReduceAlgo::Auto if bytes <= RD_MAX_BYTES => AllReduceAlgo::RecursiveDoubling,
-            AllReduceAlgo::Auto if n > 2 && bytes <= HD_MAX_BYTES => AllReduceAlgo::HalvingDoubling,
+            AllReduceAlgo::Auto if n > 2 && bytes <= TREE_MAX_BYTES => AllReduceAlgo::Tree,
             AllReduceAlgo::Auto => AllReduceAlgo::Ring,
             other => other,
         }
