@@ -510,12 +510,36 @@ impl Engine {
             Some(op),
             input.len() as u64,
         )?;
-        let mut work = input.to_vec();
-        if n > 1 {
-            let segs: Vec<Range<usize>> = (0..n).map(|i| shard_range(input.len(), n, i)).collect();
-            self.ring_reduce_scatter(&ctx, &mut work, &segs, op, n - 1)?;
+        // Out of place (the input stays untouched, nothing of its size is allocated): at step s
+        // rank r sends its partial of segment (r − s − 1) — its own input at s = 0 — and builds
+        // the partial of segment (r − s − 2) = own input + what arrives; the last one is its shard.
+        let segs: Vec<Range<usize>> = (0..n).map(|i| shard_range(input.len(), n, i)).collect();
+        let (right, left) = ((r + 1) % n, (r + n - 1) % n);
+        let (mut prev, mut cur): (Vec<T>, Vec<T>) = (Vec::new(), Vec::new());
+        output.copy_from_slice(&input[mine]);
+        for s in 0..n.saturating_sub(1) {
+            let seg = segs[(r + 2 * n - s - 2) % n].clone();
+            let dst: &mut [T] = if s == n - 2 {
+                output.copy_from_slice(&input[seg]);
+                &mut *output
+            } else {
+                cur.clear();
+                cur.extend_from_slice(&input[seg]);
+                &mut cur
+            };
+            let send: &[T] = if s == 0 {
+                &input[segs[(r + n - 1) % n].clone()]
+            } else {
+                &prev
+            };
+            self.step(
+                &ctx,
+                tag(s, 0),
+                Some((right, bytes(send))),
+                Some((left, reduce_sink(dst, op))),
+            )?;
+            std::mem::swap(&mut prev, &mut cur);
         }
-        output.copy_from_slice(&work[mine]);
         if op == ReduceOp::Avg {
             scale_avg(output, n);
         }
