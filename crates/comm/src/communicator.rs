@@ -414,7 +414,7 @@ mod tests {
                         }
                         if r == 1 {
                             // Give the intruder time to knock on rank 0 first.
-                            std::thread::sleep(Duration::from_millis(300));
+                            std::thread::sleep(Duration::from_millis(800));
                         }
                         let g = c.new_group(&[0, 1]).unwrap();
                         let mut v = [1.0f32; 3];

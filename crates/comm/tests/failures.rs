@@ -158,9 +158,9 @@ fn mismatched_lengths_types_ops_and_roots_are_reported() {
                     .map(|e| e.to_string())
                     .unwrap_or_default()
             });
-            // Far less than the 2 s timeout: detection aborts the group, peers fail at once.
+            // Less than the 2 s timeout (+ grace): detection aborts the group, peers fail at once.
             assert!(
-                t0.elapsed() < Duration::from_secs(1),
+                t0.elapsed() < Duration::from_millis(1900),
                 "{what}: took {:?}",
                 t0.elapsed()
             );
