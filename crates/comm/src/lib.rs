@@ -2,6 +2,8 @@
 //!
 //! Layout (one module per concern):
 //! - [`store`]: the rendezvous key-value store ranks use to find each other.
+//! - [`env`]: rank, world size and rendezvous address from the launcher's variables;
+//!   [`env::init_from_env`] builds the world communicator from them.
 //! - [`communicator`]: initialisation from a store + rank identity; creating groups.
 //! - [`group`]: [`ProcessGroup`] with point-to-point and collectives, sync and async ([`Work`]).
 //! - [`mesh`]: [`DeviceMesh`], named dimensions from which every group is sliced.
@@ -14,6 +16,7 @@ pub mod collectives;
 pub mod communicator;
 pub mod element;
 mod engine;
+pub mod env;
 pub mod error;
 pub mod group;
 pub mod mesh;

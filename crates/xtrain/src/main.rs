@@ -5,14 +5,23 @@ use clap::{Parser, Subcommand};
 mod cmd;
 
 #[derive(Parser)]
-#[command(name = "xtrain", version, about = "Distributed LLM pre-training from first principles")]
+#[command(
+    name = "xtrain",
+    version,
+    about = "Distributed LLM pre-training from first principles"
+)]
 struct Cli {
     #[command(subcommand)]
     command: Command,
 }
 
 #[derive(Subcommand)]
-enum Command {}
+enum Command {
+    /// Start this host's worker processes with the launch variables and supervise them.
+    Launch(cmd::launch::Args),
+    /// Benchmarks (collectives: `xtrain bench comm`).
+    Bench(cmd::bench::Args),
+}
 
 fn main() -> anyhow::Result<()> {
     tracing_subscriber::fmt()
@@ -23,5 +32,8 @@ fn main() -> anyhow::Result<()> {
         .with_writer(std::io::stderr)
         .init();
     let cli = Cli::parse();
-    match cli.command {}
+    match cli.command {
+        Command::Launch(args) => cmd::launch::run(args),
+        Command::Bench(args) => cmd::bench::run(args),
+    }
 }

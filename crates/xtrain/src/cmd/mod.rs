@@ -1,1 +1,3 @@
 //! One module per `xtrain` subcommand.
+pub mod bench;
+pub mod launch;

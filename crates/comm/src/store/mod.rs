@@ -2,8 +2,12 @@
 //! in-process implementation used when ranks are threads of one process.
 //!
 //! A TCP implementation hosted by rank 0 at `MASTER_ADDR:MASTER_PORT` lives beside
-//! this one and implements the same trait, so transports bootstrap the same way
-//! whether ranks are threads or processes.
+//! this one ([`tcp`]) and implements the same trait, so transports bootstrap the same
+//! way whether ranks are threads or processes.
+pub mod tcp;
+
+pub use tcp::{TcpStore, TcpStoreServer};
+
 use std::collections::HashMap;
 use std::sync::{Condvar, Mutex};
 use std::time::{Duration, Instant};
@@ -20,6 +24,9 @@ pub enum StoreError {
     Io(String),
     #[error("store: malformed message: {0}")]
     Protocol(String),
+    /// A well-formed request the store refused (e.g. `add` on a key holding text).
+    #[error("store: request rejected: {0}")]
+    Rejected(String),
 }
 
 /// The operations of the rendezvous store (the same as torch.distributed's TCPStore).
@@ -136,7 +143,7 @@ pub fn parse_counter(key: &str, value: &[u8]) -> Result<i64, StoreError> {
         .ok()
         .and_then(|s| s.parse().ok())
         .ok_or_else(|| {
-            StoreError::Protocol(format!("key {key:?} does not hold an integer counter"))
+            StoreError::Rejected(format!("key {key:?} does not hold an integer counter"))
         })
 }
 

@@ -1,0 +1,504 @@
+//! Softmax cross-entropy fused with the LM-head matmul, computed in chunks of rows so the
+//! full `[tokens, vocab]` logits never exist at once.
+//!
+//! Per row with logits `z` and target `t`: `loss = lse(z) − z_t`, `lse(z) = m + log Σ e^(z−m)`,
+//! `∂loss/∂z = softmax(z) − onehot(t)`. Rows whose target equals the ignore index contribute
+//! neither loss nor gradient; the mean is over valid rows. The backward takes the gradient
+//! scale explicitly (`1 / n_valid` for a per-batch mean; `1 / global_valid` when data-parallel
+//! ranks or micro-batches share one mean).
+//!
+//! The row pieces ([`logits_row_stats`], [`combine_row_stats`], [`logits_grad_inplace`]) work
+//! on a vocabulary *shard* `[vocab_start, vocab_start + shard)`, so a vocab-parallel
+//! cross-entropy reuses them: all-reduce the per-row max, then the rescaled sums and target
+//! logits, then apply the same gradient formula to the local shard.
+
+use crate::error::check_len;
+use crate::gemm::matmul;
+use crate::threads;
+use crate::TensorError;
+use rayon::prelude::*;
+
+/// PyTorch's default ignore index.
+pub const IGNORE_INDEX: i64 = -100;
+
+/// Settings of the fused loss.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct CeConfig {
+    /// Target value meaning "no loss for this row".
+    pub ignore_index: i64,
+    /// Rows of logits materialised at once (memory: `chunk_rows · vocab` floats).
+    pub chunk_rows: usize,
+}
+
+impl Default for CeConfig {
+    fn default() -> Self {
+        CeConfig {
+            ignore_index: IGNORE_INDEX,
+            chunk_rows: 128,
+        }
+    }
+}
+
+/// Result of a loss forward: the sum over valid rows and their count.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct CeOutput {
+    pub loss_sum: f64,
+    pub n_valid: usize,
+}
+
+impl CeOutput {
+    /// Mean loss over valid rows (0 when there are none).
+    pub fn mean(&self) -> f32 {
+        if self.n_valid == 0 {
+            0.0
+        } else {
+            (self.loss_sum / self.n_valid as f64) as f32
+        }
+    }
+}
+
+/// Checks every target is in `[0, vocab)` or the ignore index; returns the valid count.
+pub fn count_valid(targets: &[i64], vocab: usize, ignore_index: i64) -> Result<usize, TensorError> {
+    let mut n = 0;
+    for (pos, &t) in targets.iter().enumerate() {
+        if t == ignore_index {
+            continue;
+        }
+        if t < 0 || t as usize >= vocab {
+            return Err(TensorError::IdOutOfRange { id: t, pos, vocab });
+        }
+        n += 1;
+    }
+    Ok(n)
+}
+
+/// Per-row statistics of a logits block `[rows, shard]` covering vocabulary ids
+/// `[vocab_start, vocab_start + shard)`: the row max, `Σ exp(z − max)` and the target's logit
+/// (0 when the target is outside the shard or ignored).
+#[allow(clippy::too_many_arguments)]
+pub fn logits_row_stats(
+    logits: &[f32],
+    shard: usize,
+    vocab_start: usize,
+    targets: &[i64],
+    ignore_index: i64,
+    max: &mut [f32],
+    sumexp: &mut [f32],
+    target_logit: &mut [f32],
+) {
+    let rows = targets.len();
+    debug_assert_eq!(logits.len(), rows * shard);
+    debug_assert!(max.len() == rows && sumexp.len() == rows && target_logit.len() == rows);
+    threads::install(|| {
+        logits
+            .par_chunks(shard)
+            .zip(targets.par_iter())
+            .zip(
+                max.par_iter_mut()
+                    .zip(sumexp.par_iter_mut())
+                    .zip(target_logit.par_iter_mut()),
+            )
+            .with_min_len(4)
+            .for_each(|((z, &t), ((mx, se), tl))| {
+                let m = z.iter().fold(f32::NEG_INFINITY, |a, &b| a.max(b));
+                *mx = m;
+                *se = z.iter().map(|&v| (v - m).exp()).sum();
+                *tl = match local_target(t, ignore_index, vocab_start, shard) {
+                    Some(j) => z[j],
+                    None => 0.0,
+                };
+            });
+    });
+}
+
+/// Combines per-shard `(max, sumexp)` of one row into its log-sum-exp:
+/// `M = max_r m_r`, `lse = M + log Σ_r s_r·e^(m_r − M)`.
+pub fn combine_row_stats(parts: &[(f32, f32)]) -> f32 {
+    let m = parts.iter().fold(f32::NEG_INFINITY, |a, p| a.max(p.0));
+    if m == f32::NEG_INFINITY {
+        return m;
+    }
+    m + parts
+        .iter()
+        .map(|&(mi, si)| si * (mi - m).exp())
+        .sum::<f32>()
+        .ln()
+}
+
+/// Turns a logits block over a vocabulary shard into its gradient, in place:
+/// `dz = (e^(z − lse) − onehot(t)) · grad_scale` for valid rows, `0` for ignored rows.
+pub fn logits_grad_inplace(
+    logits: &mut [f32],
+    shard: usize,
+    vocab_start: usize,
+    targets: &[i64],
+    ignore_index: i64,
+    lse: &[f32],
+    grad_scale: f32,
+) {
+    debug_assert_eq!(logits.len(), targets.len() * shard);
+    threads::install(|| {
+        logits
+            .par_chunks_mut(shard)
+            .zip(targets.par_iter().zip(lse.par_iter()))
+            .with_min_len(4)
+            .for_each(|(z, (&t, &l))| {
+                if t == ignore_index {
+                    z.fill(0.0);
+                    return;
+                }
+                z.iter_mut().for_each(|v| *v = (*v - l).exp() * grad_scale);
+                if let Some(j) = local_target(t, ignore_index, vocab_start, shard) {
+                    z[j] -= grad_scale;
+                }
+            });
+    });
+}
+
+#[inline]
+fn local_target(t: i64, ignore_index: i64, vocab_start: usize, shard: usize) -> Option<usize> {
+    if t == ignore_index || t < vocab_start as i64 || t >= (vocab_start + shard) as i64 {
+        None
+    } else {
+        Some(t as usize - vocab_start)
+    }
+}
+
+/// Cross-entropy over given logits `[rows, vocab]`: writes `lse` (`[rows]`) and returns the
+/// loss sum over valid rows.
+pub fn cross_entropy_forward(
+    logits: &[f32],
+    targets: &[i64],
+    vocab: usize,
+    ignore_index: i64,
+    lse: &mut [f32],
+) -> Result<CeOutput, TensorError> {
+    check_len("ce logits", logits.len(), targets.len() * vocab)?;
+    check_len("ce lse", lse.len(), targets.len())?;
+    let n_valid = count_valid(targets, vocab, ignore_index)?;
+    let rows = targets.len();
+    let (mut mx, mut se, mut tl) = (vec![0.0; rows], vec![0.0; rows], vec![0.0; rows]);
+    logits_row_stats(
+        logits,
+        vocab,
+        0,
+        targets,
+        ignore_index,
+        &mut mx,
+        &mut se,
+        &mut tl,
+    );
+    let mut loss_sum = 0.0f64;
+    for r in 0..rows {
+        lse[r] = combine_row_stats(&[(mx[r], se[r])]);
+        if targets[r] != ignore_index {
+            loss_sum += (lse[r] - tl[r]) as f64;
+        }
+    }
+    Ok(CeOutput { loss_sum, n_valid })
+}
+
+/// Gradient of `grad_scale · Σ_valid loss` with respect to the logits (written into `dlogits`).
+pub fn cross_entropy_backward(
+    logits: &[f32],
+    targets: &[i64],
+    lse: &[f32],
+    vocab: usize,
+    ignore_index: i64,
+    grad_scale: f32,
+    dlogits: &mut [f32],
+) -> Result<(), TensorError> {
+    check_len("ce logits", logits.len(), targets.len() * vocab)?;
+    check_len("ce dlogits", dlogits.len(), logits.len())?;
+    check_len("ce lse", lse.len(), targets.len())?;
+    count_valid(targets, vocab, ignore_index)?;
+    dlogits.copy_from_slice(logits);
+    logits_grad_inplace(dlogits, vocab, 0, targets, ignore_index, lse, grad_scale);
+    Ok(())
+}
+
+fn check_fused(
+    x: &[f32],
+    w: &[f32],
+    targets: &[i64],
+    dim: usize,
+    vocab: usize,
+    cfg: &CeConfig,
+) -> Result<usize, TensorError> {
+    check_len("fused ce x", x.len(), targets.len() * dim)?;
+    check_len("fused ce w", w.len(), vocab * dim)?;
+    if cfg.chunk_rows == 0 {
+        return Err(TensorError::Shape(
+            "fused ce: chunk_rows must be positive".into(),
+        ));
+    }
+    count_valid(targets, vocab, cfg.ignore_index)
+}
+
+/// Fused `loss = CE(x·Wᵀ, targets)` with `x [rows, dim]`, `W [vocab, dim]` (HF `lm_head`
+/// layout). Writes `lse` (`[rows]`, needed by the backward) and returns the loss sum.
+pub fn fused_linear_ce_forward(
+    x: &[f32],
+    w: &[f32],
+    targets: &[i64],
+    dim: usize,
+    vocab: usize,
+    cfg: &CeConfig,
+    lse: &mut [f32],
+) -> Result<CeOutput, TensorError> {
+    let n_valid = check_fused(x, w, targets, dim, vocab, cfg)?;
+    check_len("fused ce lse", lse.len(), targets.len())?;
+    let rows = targets.len();
+    let mut logits = vec![0.0f32; cfg.chunk_rows.min(rows) * vocab];
+    let mut loss_sum = 0.0f64;
+    for r0 in (0..rows).step_by(cfg.chunk_rows) {
+        let n = cfg.chunk_rows.min(rows - r0);
+        let z = &mut logits[..n * vocab];
+        matmul(
+            z,
+            &x[r0 * dim..(r0 + n) * dim],
+            w,
+            n,
+            dim,
+            vocab,
+            false,
+            true,
+            false,
+        )?;
+        let out = cross_entropy_forward(
+            z,
+            &targets[r0..r0 + n],
+            vocab,
+            cfg.ignore_index,
+            &mut lse[r0..r0 + n],
+        )?;
+        loss_sum += out.loss_sum;
+    }
+    Ok(CeOutput { loss_sum, n_valid })
+}
+
+/// Backward of [`fused_linear_ce_forward`] for `grad_scale · loss_sum`: recomputes each chunk
+/// of logits, then writes `dx = dz·W` (if given) and accumulates `dW += dzᵀ·x` (if given).
+#[allow(clippy::too_many_arguments)]
+pub fn fused_linear_ce_backward(
+    x: &[f32],
+    w: &[f32],
+    targets: &[i64],
+    lse: &[f32],
+    dim: usize,
+    vocab: usize,
+    cfg: &CeConfig,
+    grad_scale: f32,
+    mut dx: Option<&mut [f32]>,
+    mut dw_accum: Option<&mut [f32]>,
+) -> Result<(), TensorError> {
+    check_fused(x, w, targets, dim, vocab, cfg)?;
+    check_len("fused ce lse", lse.len(), targets.len())?;
+    if let Some(dx) = dx.as_deref() {
+        check_len("fused ce dx", dx.len(), x.len())?;
+    }
+    if let Some(dw) = dw_accum.as_deref() {
+        check_len("fused ce dw", dw.len(), w.len())?;
+    }
+    let rows = targets.len();
+    let mut logits = vec![0.0f32; cfg.chunk_rows.min(rows) * vocab];
+    for r0 in (0..rows).step_by(cfg.chunk_rows) {
+        let n = cfg.chunk_rows.min(rows - r0);
+        let t = &targets[r0..r0 + n];
+        let xc = &x[r0 * dim..(r0 + n) * dim];
+        if t.iter().all(|&v| v == cfg.ignore_index) {
+            if let Some(dx) = dx.as_deref_mut() {
+                dx[r0 * dim..(r0 + n) * dim].fill(0.0);
+            }
+            continue;
+        }
+        let z = &mut logits[..n * vocab];
+        matmul(z, xc, w, n, dim, vocab, false, true, false)?;
+        logits_grad_inplace(
+            z,
+            vocab,
+            0,
+            t,
+            cfg.ignore_index,
+            &lse[r0..r0 + n],
+            grad_scale,
+        );
+        if let Some(dx) = dx.as_deref_mut() {
+            matmul(
+                &mut dx[r0 * dim..(r0 + n) * dim],
+                z,
+                w,
+                n,
+                vocab,
+                dim,
+                false,
+                false,
+                false,
+            )?;
+        }
+        if let Some(dw) = dw_accum.as_deref_mut() {
+            matmul(dw, z, xc, vocab, n, dim, true, false, true)?;
+        }
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::testutil::{assert_close, fd_grad, rand_vec};
+
+    /// f64 reference: full logits, then mean CE over valid rows.
+    fn loss_ref(x: &[f64], w: &[f64], targets: &[i64], dim: usize, vocab: usize) -> f64 {
+        let (mut sum, mut n) = (0.0, 0);
+        for (r, &t) in targets.iter().enumerate() {
+            if t == IGNORE_INDEX {
+                continue;
+            }
+            let z: Vec<f64> = (0..vocab)
+                .map(|v| (0..dim).map(|c| x[r * dim + c] * w[v * dim + c]).sum())
+                .collect();
+            let m = z.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
+            let lse = m + z.iter().map(|v| (v - m).exp()).sum::<f64>().ln();
+            sum += lse - z[t as usize];
+            n += 1;
+        }
+        sum / n as f64
+    }
+
+    #[test]
+    fn fused_equals_naive_and_gradients_match() {
+        let (rows, dim, vocab) = (11, 6, 13);
+        let x: Vec<f32> = rand_vec(rows * dim, 1).iter().map(|v| v * 2.0).collect();
+        let w = rand_vec(vocab * dim, 2);
+        let mut targets: Vec<i64> = (0..rows as i64).map(|i| (i * 5) % vocab as i64).collect();
+        targets[3] = IGNORE_INDEX;
+        targets[7] = IGNORE_INDEX;
+        let (x64, w64): (Vec<f64>, Vec<f64>) = (
+            x.iter().map(|&v| v as f64).collect(),
+            w.iter().map(|&v| v as f64).collect(),
+        );
+        let want = loss_ref(&x64, &w64, &targets, dim, vocab);
+        // Chunk sizes: 1 row, not dividing rows, and larger than rows.
+        for chunk_rows in [1, 4, 64] {
+            let cfg = CeConfig {
+                chunk_rows,
+                ..Default::default()
+            };
+            let mut lse = vec![0.0; rows];
+            let out =
+                fused_linear_ce_forward(&x, &w, &targets, dim, vocab, &cfg, &mut lse).unwrap();
+            assert_eq!(out.n_valid, rows - 2);
+            assert!(
+                (out.mean() as f64 - want).abs() < 1e-5,
+                "{} vs {want}",
+                out.mean()
+            );
+            let scale = 1.0 / out.n_valid as f32;
+            let mut dx = vec![0.0; rows * dim];
+            let mut dw = vec![0.5; vocab * dim];
+            fused_linear_ce_backward(
+                &x,
+                &w,
+                &targets,
+                &lse,
+                dim,
+                vocab,
+                &cfg,
+                scale,
+                Some(&mut dx),
+                Some(&mut dw),
+            )
+            .unwrap();
+            // f64 central differences (h = 1e-4; truncation ~1e-8).
+            let gx = fd_grad(&x, 1e-4, &mut |xv| loss_ref(xv, &w64, &targets, dim, vocab));
+            let gw: Vec<f64> =
+                fd_grad(&w, 1e-4, &mut |wv| loss_ref(&x64, wv, &targets, dim, vocab))
+                    .iter()
+                    .map(|g| g + 0.5)
+                    .collect();
+            assert_close("dx", &dx, &gx, 1e-5, 1e-4);
+            assert_close("dw", &dw, &gw, 1e-5, 1e-4);
+            assert!(dx[3 * dim..4 * dim].iter().all(|&v| v == 0.0));
+        }
+    }
+
+    #[test]
+    fn shard_pieces_combine_to_full_softmax() {
+        // Two vocabulary shards give the same lse and gradient as the full vocabulary.
+        let (rows, vocab, split) = (5, 9, 4);
+        let z = rand_vec(rows * vocab, 3)
+            .iter()
+            .map(|v| v * 5.0)
+            .collect::<Vec<f32>>();
+        let targets = vec![0i64, 8, 3, IGNORE_INDEX, 4];
+        let mut lse = vec![0.0; rows];
+        let out = cross_entropy_forward(&z, &targets, vocab, IGNORE_INDEX, &mut lse).unwrap();
+        let mut dz = vec![0.0; z.len()];
+        cross_entropy_backward(&z, &targets, &lse, vocab, IGNORE_INDEX, 0.5, &mut dz).unwrap();
+        let shards = [(0usize, split), (split, vocab - split)];
+        let mut stats = vec![Vec::new(); rows];
+        let mut tl_sum = vec![0.0f32; rows];
+        let blocks: Vec<Vec<f32>> = shards
+            .iter()
+            .map(|&(s0, n)| {
+                (0..rows)
+                    .flat_map(|r| z[r * vocab + s0..r * vocab + s0 + n].to_vec())
+                    .collect()
+            })
+            .collect();
+        for (blk, &(s0, n)) in blocks.iter().zip(&shards) {
+            let (mut m, mut s, mut t) = (vec![0.0; rows], vec![0.0; rows], vec![0.0; rows]);
+            logits_row_stats(blk, n, s0, &targets, IGNORE_INDEX, &mut m, &mut s, &mut t);
+            for r in 0..rows {
+                stats[r].push((m[r], s[r]));
+                tl_sum[r] += t[r];
+            }
+        }
+        let mut loss = 0.0f64;
+        for r in 0..rows {
+            let l = combine_row_stats(&stats[r]);
+            assert!((l - lse[r]).abs() < 1e-5);
+            if targets[r] != IGNORE_INDEX {
+                loss += (l - tl_sum[r]) as f64;
+            }
+        }
+        assert!((loss - out.loss_sum).abs() < 1e-4);
+        for (blk, &(s0, n)) in blocks.iter().zip(&shards) {
+            let mut g = blk.clone();
+            logits_grad_inplace(&mut g, n, s0, &targets, IGNORE_INDEX, &lse, 0.5);
+            for r in 0..rows {
+                for j in 0..n {
+                    assert!((g[r * n + j] - dz[r * vocab + s0 + j]).abs() < 1e-6);
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn rejects_bad_targets_and_shapes() {
+        let mut lse = vec![0.0; 2];
+        let z = vec![0.0; 6];
+        let e = cross_entropy_forward(&z, &[0, 3], 3, IGNORE_INDEX, &mut lse).unwrap_err();
+        assert_eq!(
+            e,
+            TensorError::IdOutOfRange {
+                id: 3,
+                pos: 1,
+                vocab: 3
+            }
+        );
+        assert!(cross_entropy_forward(&z, &[0, -5], 3, IGNORE_INDEX, &mut lse).is_err());
+        let cfg = CeConfig {
+            chunk_rows: 0,
+            ..Default::default()
+        };
+        assert!(
+            fused_linear_ce_forward(&[0.0; 4], &[0.0; 6], &[0, 1], 2, 3, &cfg, &mut lse).is_err()
+        );
+        let out =
+            cross_entropy_forward(&z, &[IGNORE_INDEX, IGNORE_INDEX], 3, IGNORE_INDEX, &mut lse)
+                .unwrap();
+        assert_eq!(out.mean(), 0.0);
+    }
+}

@@ -1,0 +1,281 @@
+//! Matrix products through the `gemm` crate (its `x86-v4`/AVX-512 kernels are selected at
+//! run time), parallelised over the thread budget.
+//!
+//! Transposed operands are read through strides, never copied: a row-major `[r, c]` matrix
+//! read as its transpose is the same memory with row stride 1 and column stride `c`.
+//! For a linear layer with HF weight layout `W [out, in]`:
+//! `y = x·Wᵀ` is `matmul(y, x, w, tokens, in, out, false, true, false)`,
+//! `dx = dy·W` is `matmul(dx, dy, w, tokens, out, in, false, false, false)` and
+//! `dW += dyᵀ·x` is `matmul(dw, dy, x, out, tokens, in, true, false, true)`.
+
+use crate::error::check_len;
+use crate::threads;
+use crate::TensorError;
+use gemm::Parallelism;
+
+/// Below this many multiply-adds a product runs on the calling thread (threading overhead
+/// would dominate).
+const PARALLEL_MIN_WORK: usize = 64 * 64 * 64;
+
+/// A strided matrix view for [`matmul_strided`]: element `(i, j)` is at
+/// `ptr[i * row_stride + j * col_stride]`.
+#[derive(Debug, Clone, Copy)]
+pub struct Strides {
+    pub row: isize,
+    pub col: isize,
+}
+
+impl Strides {
+    /// Row-major `[rows, cols]` matrix, read as is (`trans = false`) or as its transpose.
+    pub fn row_major(cols: usize, trans: bool) -> Strides {
+        if trans {
+            Strides {
+                row: 1,
+                col: cols as isize,
+            }
+        } else {
+            Strides {
+                row: cols as isize,
+                col: 1,
+            }
+        }
+    }
+}
+
+/// `C = op(A)·op(B)` (or `C += op(A)·op(B)` when `accumulate`), with `C [m, n]` row-major.
+///
+/// `op(A)` is `[m, k]`: `A` is stored row-major as `[m, k]`, or as `[k, m]` when `trans_a`.
+/// `op(B)` is `[k, n]`: `B` is stored row-major as `[k, n]`, or as `[n, k]` when `trans_b`.
+#[allow(clippy::too_many_arguments)]
+pub fn matmul(
+    c: &mut [f32],
+    a: &[f32],
+    b: &[f32],
+    m: usize,
+    k: usize,
+    n: usize,
+    trans_a: bool,
+    trans_b: bool,
+    accumulate: bool,
+) -> Result<(), TensorError> {
+    check_len("matmul C", c.len(), m * n)?;
+    check_len("matmul A", a.len(), m * k)?;
+    check_len("matmul B", b.len(), k * n)?;
+    let sa = Strides::row_major(if trans_a { m } else { k }, trans_a);
+    let sb = Strides::row_major(if trans_b { k } else { n }, trans_b);
+    // SAFETY: lengths checked above; every index (i, p) / (p, j) / (i, j) with i < m, p < k,
+    // j < n lies inside the corresponding slice for these row-major strides.
+    unsafe {
+        gemm_raw(
+            c.as_mut_ptr(),
+            Strides::row_major(n, false),
+            a.as_ptr(),
+            sa,
+            b.as_ptr(),
+            sb,
+            m,
+            k,
+            n,
+            accumulate,
+            Some(threads::thread_budget()),
+        )
+    };
+    Ok(())
+}
+
+/// Single-threaded [`matmul`] for callers that already parallelise outside (e.g. one product
+/// per attention head inside a rayon task).
+#[allow(clippy::too_many_arguments)]
+pub fn matmul_serial(
+    c: &mut [f32],
+    a: &[f32],
+    b: &[f32],
+    m: usize,
+    k: usize,
+    n: usize,
+    trans_a: bool,
+    trans_b: bool,
+    accumulate: bool,
+) -> Result<(), TensorError> {
+    check_len("matmul C", c.len(), m * n)?;
+    check_len("matmul A", a.len(), m * k)?;
+    check_len("matmul B", b.len(), k * n)?;
+    let sa = Strides::row_major(if trans_a { m } else { k }, trans_a);
+    let sb = Strides::row_major(if trans_b { k } else { n }, trans_b);
+    // SAFETY: as in `matmul`.
+    unsafe {
+        gemm_raw(
+            c.as_mut_ptr(),
+            Strides::row_major(n, false),
+            a.as_ptr(),
+            sa,
+            b.as_ptr(),
+            sb,
+            m,
+            k,
+            n,
+            accumulate,
+            None,
+        )
+    };
+    Ok(())
+}
+
+/// General strided product `C (+)= A·B` with `A [m, k]`, `B [k, n]`, `C [m, n]` described by
+/// pointers and strides. `threads = None` runs on the calling thread, `Some(t)` on up to `t`
+/// threads of the budget pool.
+///
+/// # Safety
+/// Every addressed element must be inside its allocation; `c` must not alias `a` or `b`.
+#[allow(clippy::too_many_arguments)]
+pub unsafe fn gemm_raw(
+    c: *mut f32,
+    sc: Strides,
+    a: *const f32,
+    sa: Strides,
+    b: *const f32,
+    sb: Strides,
+    m: usize,
+    k: usize,
+    n: usize,
+    accumulate: bool,
+    threads: Option<usize>,
+) {
+    if m == 0 || n == 0 {
+        return;
+    }
+    if k == 0 {
+        if !accumulate {
+            for i in 0..m {
+                for j in 0..n {
+                    *c.offset(i as isize * sc.row + j as isize * sc.col) = 0.0;
+                }
+            }
+        }
+        return;
+    }
+    let work = m.saturating_mul(n).saturating_mul(k);
+    let par = match threads {
+        Some(t) if t > 1 && work >= PARALLEL_MIN_WORK => Parallelism::Rayon(t),
+        _ => Parallelism::None,
+    };
+    if matches!(par, Parallelism::Rayon(_)) {
+        let c = SendPtr(c);
+        let a = SendPtr(a as *mut f32);
+        let b = SendPtr(b as *mut f32);
+        threads::install(move || {
+            let (c, a, b) = (c, a, b);
+            gemm::gemm(
+                m, n, k, c.0, sc.col, sc.row, accumulate, a.0, sa.col, sa.row, b.0, sb.col, sb.row,
+                1.0f32, 1.0f32, false, false, false, par,
+            )
+        });
+    } else {
+        // gemm computes dst = alpha·dst + beta·lhs·rhs (dst read only when read_dst).
+        gemm::gemm(
+            m, n, k, c, sc.col, sc.row, accumulate, a, sa.col, sa.row, b, sb.col, sb.row, 1.0f32,
+            1.0f32, false, false, false, par,
+        )
+    }
+}
+
+/// Raw pointer that may cross into the pool (the caller guarantees exclusive access).
+#[derive(Clone, Copy)]
+struct SendPtr(*mut f32);
+// SAFETY: only used to move pointers into a closure that runs while the caller blocks.
+unsafe impl Send for SendPtr {}
+unsafe impl Sync for SendPtr {}
+
+/// Naive triple-loop reference product (f64 accumulation) with the same conventions as
+/// [`matmul`]; used by tests across the crate.
+#[allow(clippy::too_many_arguments)]
+pub fn matmul_reference(
+    c: &mut [f32],
+    a: &[f32],
+    b: &[f32],
+    m: usize,
+    k: usize,
+    n: usize,
+    trans_a: bool,
+    trans_b: bool,
+    accumulate: bool,
+) {
+    for i in 0..m {
+        for j in 0..n {
+            let mut s = 0.0f64;
+            for p in 0..k {
+                let av = if trans_a { a[p * m + i] } else { a[i * k + p] };
+                let bv = if trans_b { b[j * k + p] } else { b[p * n + j] };
+                s += av as f64 * bv as f64;
+            }
+            let dst = &mut c[i * n + j];
+            *dst = if accumulate {
+                *dst + s as f32
+            } else {
+                s as f32
+            };
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::tensor::max_abs_diff;
+    use crate::testutil::rand_vec;
+
+    #[test]
+    fn matches_naive_for_all_transposes_and_odd_sizes() {
+        // Sizes include odd values and ones large enough to take the parallel path.
+        for &(m, k, n) in &[
+            (1, 1, 1),
+            (3, 5, 7),
+            (17, 13, 9),
+            (33, 65, 31),
+            (70, 80, 90),
+        ] {
+            for ta in [false, true] {
+                for tb in [false, true] {
+                    for acc in [false, true] {
+                        let a = rand_vec(m * k, 1);
+                        let b = rand_vec(k * n, 2);
+                        let c0 = rand_vec(m * n, 3);
+                        let mut c = c0.clone();
+                        let mut r = c0.clone();
+                        matmul(&mut c, &a, &b, m, k, n, ta, tb, acc).unwrap();
+                        matmul_reference(&mut r, &a, &b, m, k, n, ta, tb, acc);
+                        // f32 sums of k products of values in [-1, 1]: error ~ k·eps.
+                        let tol = 1e-6 * k as f32 * 4.0;
+                        let d = max_abs_diff(&c, &r);
+                        assert!(d <= tol, "{m}x{k}x{n} ta={ta} tb={tb} acc={acc}: {d}");
+                        let mut cs = c0.clone();
+                        matmul_serial(&mut cs, &a, &b, m, k, n, ta, tb, acc).unwrap();
+                        assert!(max_abs_diff(&cs, &r) <= tol);
+                    }
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn rejects_bad_lengths_and_handles_k0() {
+        let mut c = vec![1.0; 4];
+        assert!(matmul(&mut c, &[0.0; 3], &[0.0; 4], 2, 2, 2, false, false, false).is_err());
+        assert!(matmul(
+            &mut c[..3],
+            &[0.0; 4],
+            &[0.0; 4],
+            2,
+            2,
+            2,
+            false,
+            false,
+            false
+        )
+        .is_err());
+        matmul(&mut c, &[], &[], 2, 0, 2, false, false, true).unwrap();
+        assert_eq!(c, vec![1.0; 4]);
+        matmul(&mut c, &[], &[], 2, 0, 2, false, false, false).unwrap();
+        assert_eq!(c, vec![0.0; 4]);
+    }
+}

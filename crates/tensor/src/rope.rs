@@ -1,0 +1,163 @@
+//! Rotary position embedding, Hugging Face "rotate-half" layout (Llama/Mixtral).
+//!
+//! For a head vector `x` of size `d` with halves `x₁ = x[..d/2]`, `x₂ = x[d/2..]` and
+//! angle `a_i = pos · inv_freq_i`, `inv_freq_i = theta^(−2i/d)`:
+//! `out₁ = x₁ cos a − x₂ sin a`, `out₂ = x₂ cos a + x₁ sin a`.
+//! The map is a rotation, so its backward (the transpose) is the rotation by `−a`.
+//!
+//! Angles are computed in f32 exactly as transformers does (`inv_freq` in f32, `pos·inv_freq`
+//! rounded to f32, then `cos`/`sin`), so results match Hugging Face references bit-closely.
+//! Positions are given per token, so offsets (pipeline/context-parallel chunks, zigzag
+//! layouts) are just different position lists.
+
+use crate::error::check_len;
+use crate::threads;
+use crate::TensorError;
+use rayon::prelude::*;
+
+/// Precomputed inverse frequencies for one head size.
+#[derive(Debug, Clone)]
+pub struct Rope {
+    head_dim: usize,
+    inv_freq: Vec<f32>,
+}
+
+impl Rope {
+    /// `head_dim` must be even and positive; `theta` is the RoPE base (e.g. 10000 or 500000).
+    pub fn new(head_dim: usize, theta: f32) -> Result<Rope, TensorError> {
+        if head_dim == 0 || !head_dim.is_multiple_of(2) {
+            return Err(TensorError::Shape(format!(
+                "rope head_dim must be even and positive, got {head_dim}"
+            )));
+        }
+        if theta.is_nan() || theta <= 0.0 {
+            return Err(TensorError::Shape(format!(
+                "rope theta must be > 0, got {theta}"
+            )));
+        }
+        // transformers: 1.0 / (base ** (torch.arange(0, dim, 2).float() / dim))
+        let inv_freq = (0..head_dim / 2)
+            .map(|i| 1.0 / theta.powf((2 * i) as f32 / head_dim as f32))
+            .collect();
+        Ok(Rope { head_dim, inv_freq })
+    }
+
+    pub fn head_dim(&self) -> usize {
+        self.head_dim
+    }
+
+    /// `theta^(−2i/d)` for `i < d/2`.
+    pub fn inv_freq(&self) -> &[f32] {
+        &self.inv_freq
+    }
+
+    /// Rotates `x` (`[n_tokens, n_heads, head_dim]`, token `t` at position `positions[t]`)
+    /// in place.
+    pub fn apply(
+        &self,
+        x: &mut [f32],
+        n_heads: usize,
+        positions: &[usize],
+    ) -> Result<(), TensorError> {
+        self.rotate(x, n_heads, positions, 1.0)
+    }
+
+    /// Backward of [`Rope::apply`]: rotates the gradient by `−a`, in place.
+    pub fn apply_backward(
+        &self,
+        dx: &mut [f32],
+        n_heads: usize,
+        positions: &[usize],
+    ) -> Result<(), TensorError> {
+        self.rotate(dx, n_heads, positions, -1.0)
+    }
+
+    fn rotate(
+        &self,
+        x: &mut [f32],
+        n_heads: usize,
+        positions: &[usize],
+        sign: f32,
+    ) -> Result<(), TensorError> {
+        let d = self.head_dim;
+        let half = d / 2;
+        check_len("rope x", x.len(), positions.len() * n_heads * d)?;
+        if x.is_empty() {
+            return Ok(());
+        }
+        threads::install(|| {
+            x.par_chunks_mut(n_heads * d)
+                .zip(positions.par_iter())
+                .with_min_len(4)
+                .for_each_init(
+                    || (vec![0.0f32; half], vec![0.0f32; half]),
+                    |(cos, sin), (tok, &pos)| {
+                        for i in 0..half {
+                            let a = pos as f32 * self.inv_freq[i];
+                            cos[i] = a.cos();
+                            sin[i] = sign * a.sin();
+                        }
+                        for h in tok.chunks_mut(d) {
+                            let (x1, x2) = h.split_at_mut(half);
+                            for i in 0..half {
+                                let (a, b) = (x1[i], x2[i]);
+                                x1[i] = a * cos[i] - b * sin[i];
+                                x2[i] = b * cos[i] + a * sin[i];
+                            }
+                        }
+                    },
+                );
+        });
+        Ok(())
+    }
+}
+
+/// Positions `[offset, offset + seq)` repeated for each of `batch` sequences, laid out
+/// `[batch, seq]` (the usual token order).
+pub fn positions_range(batch: usize, seq: usize, offset: usize) -> Vec<usize> {
+    (0..batch).flat_map(|_| offset..offset + seq).collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::testutil::rand_vec;
+
+    #[test]
+    fn matches_direct_formula_and_inverts() {
+        let (batch, seq, heads, d) = (2, 5, 3, 8);
+        let rope = Rope::new(d, 10000.0).unwrap();
+        let pos = positions_range(batch, seq, 7);
+        assert_eq!(pos[5], 7);
+        let x = rand_vec(batch * seq * heads * d, 3);
+        let mut y = x.clone();
+        rope.apply(&mut y, heads, &pos).unwrap();
+        for (t, &p) in pos.iter().enumerate() {
+            for h in 0..heads {
+                let base = (t * heads + h) * d;
+                for i in 0..d / 2 {
+                    // Direct formula in f64.
+                    let a = p as f64 * 10000f64.powf(-(2.0 * i as f64) / d as f64);
+                    let (x1, x2) = (x[base + i] as f64, x[base + i + d / 2] as f64);
+                    let o1 = x1 * a.cos() - x2 * a.sin();
+                    let o2 = x2 * a.cos() + x1 * a.sin();
+                    // f32 angle pos·inv_freq has relative error ~6e-8, i.e. ~1e-6 rad here.
+                    assert!((y[base + i] as f64 - o1).abs() < 1e-5, "{t} {h} {i}");
+                    assert!((y[base + i + d / 2] as f64 - o2).abs() < 1e-5);
+                }
+            }
+        }
+        // Backward is the transpose of the rotation: <R x, g> == <x, Rᵀ g>.
+        let g = rand_vec(x.len(), 4);
+        let mut rtg = g.clone();
+        rope.apply_backward(&mut rtg, heads, &pos).unwrap();
+        let lhs: f64 = y.iter().zip(&g).map(|(a, b)| *a as f64 * *b as f64).sum();
+        let rhs: f64 = x.iter().zip(&rtg).map(|(a, b)| *a as f64 * *b as f64).sum();
+        assert!((lhs - rhs).abs() < 1e-4, "{lhs} {rhs}");
+        // And it inverts the forward.
+        rope.apply_backward(&mut y, heads, &pos).unwrap();
+        assert!(crate::tensor::max_abs_diff(&x, &y) < 1e-6);
+        assert!(Rope::new(7, 1e4).is_err());
+        assert!(rope.apply(&mut y[1..], heads, &pos).is_err());
+    }
+}

@@ -1,0 +1,122 @@
+//! The per-process thread budget: every parallel kernel of this crate runs on one dedicated
+//! rayon pool whose size is the budget, so N ranks sharing a host can each be given
+//! `cores / N` threads instead of all of them oversubscribing the machine.
+//!
+//! The budget is read once from the environment variable `XTRAIN_THREADS` (a positive
+//! integer) when first needed, defaulting to the number of available cores, and can be
+//! changed at any time with [`set_thread_budget`] (work already running keeps its pool).
+
+use crate::TensorError;
+use rayon::{ThreadPool, ThreadPoolBuilder};
+use std::sync::{Arc, OnceLock, RwLock};
+
+/// Environment variable holding the thread budget of this process.
+pub const THREADS_ENV: &str = "XTRAIN_THREADS";
+
+fn pool_cell() -> &'static RwLock<Arc<ThreadPool>> {
+    static POOL: OnceLock<RwLock<Arc<ThreadPool>>> = OnceLock::new();
+    POOL.get_or_init(|| {
+        let n = budget_from_env().unwrap_or_else(default_budget);
+        RwLock::new(Arc::new(
+            build_pool(n).expect("building the xtrain thread pool"),
+        ))
+    })
+}
+
+fn default_budget() -> usize {
+    std::thread::available_parallelism()
+        .map(|n| n.get())
+        .unwrap_or(1)
+}
+
+fn budget_from_env() -> Option<usize> {
+    std::env::var(THREADS_ENV)
+        .ok()
+        .and_then(|s| s.trim().parse::<usize>().ok())
+        .filter(|&n| n > 0)
+}
+
+fn build_pool(n: usize) -> Result<ThreadPool, TensorError> {
+    ThreadPoolBuilder::new()
+        .num_threads(n)
+        .thread_name(|i| format!("xtrain-kernel-{i}"))
+        .build()
+        .map_err(|e| TensorError::Threads(e.to_string()))
+}
+
+fn current_pool() -> Arc<ThreadPool> {
+    pool_cell()
+        .read()
+        .unwrap_or_else(|e| e.into_inner())
+        .clone()
+}
+
+/// Parses a thread budget as written in `XTRAIN_THREADS` (positive integer).
+pub fn parse_budget(s: &str) -> Result<usize, TensorError> {
+    match s.trim().parse::<usize>() {
+        Ok(n) if n > 0 => Ok(n),
+        _ => Err(TensorError::Threads(format!(
+            "{THREADS_ENV} must be a positive integer, got {s:?}"
+        ))),
+    }
+}
+
+/// Sets the number of threads kernels may use in this process (replaces the pool).
+pub fn set_thread_budget(n: usize) -> Result<(), TensorError> {
+    if n == 0 {
+        return Err(TensorError::Threads("budget must be at least 1".into()));
+    }
+    let pool = Arc::new(build_pool(n)?);
+    *pool_cell().write().unwrap_or_else(|e| e.into_inner()) = pool;
+    Ok(())
+}
+
+/// The current thread budget of this process.
+pub fn thread_budget() -> usize {
+    current_pool().current_num_threads()
+}
+
+/// Runs `f` inside the budgeted pool: rayon parallel iterators (and `gemm`) inside `f` use at
+/// most [`thread_budget`] threads. Calling it from inside the pool just runs `f`.
+pub fn install<R: Send>(f: impl FnOnce() -> R + Send) -> R {
+    let pool = current_pool();
+    if pool.current_thread_index().is_some() {
+        // Already on one of this pool's workers: run directly, no re-entry.
+        f()
+    } else {
+        pool.install(f)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use rayon::prelude::*;
+    use std::collections::HashSet;
+    use std::sync::Mutex;
+
+    #[test]
+    fn budget_is_respected() {
+        for n in [1usize, 3, 2] {
+            set_thread_budget(n).unwrap();
+            assert_eq!(thread_budget(), n);
+            let seen = Mutex::new(HashSet::new());
+            let inside = install(|| {
+                (0..2000).into_par_iter().for_each(|_| {
+                    seen.lock().unwrap().insert(std::thread::current().id());
+                    std::hint::black_box((0..200).sum::<u64>());
+                });
+                rayon::current_num_threads()
+            });
+            assert_eq!(inside, n);
+            let distinct = seen.lock().unwrap().len();
+            assert!(distinct <= n, "{distinct} threads used with budget {n}");
+        }
+        assert!(set_thread_budget(0).is_err());
+        assert!(parse_budget("0").is_err());
+        assert!(parse_budget("x").is_err());
+        assert_eq!(parse_budget(" 4 ").unwrap(), 4);
+        // Nested install does not deadlock.
+        assert_eq!(install(|| install(|| 7)), 7);
+    }
+}
