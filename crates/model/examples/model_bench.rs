@@ -27,7 +27,12 @@ fn main() {
     while let Some(a) = args.next() {
         match a.as_str() {
             "--iters" => iters = args.next().and_then(|v| v.parse().ok()).expect("--iters N"),
-            "--threads" => threads = args.next().and_then(|v| v.parse().ok()).expect("--threads T"),
+            "--threads" => {
+                threads = args
+                    .next()
+                    .and_then(|v| v.parse().ok())
+                    .expect("--threads T")
+            }
             "--recompute" => {
                 recompute = match args.next().as_deref() {
                     Some("full") => Recompute::Full,
@@ -48,13 +53,20 @@ fn main() {
         let params = m.init_params(0);
         let mut grads = vec![0.0; m.num_params()];
         let (b, s) = shape(&name);
-        let ids: Vec<u32> = (0..b * s).map(|i| ((i * 7919 + 13) % cfg.vocab_size) as u32).collect();
+        let ids: Vec<u32> = (0..b * s)
+            .map(|i| ((i * 7919 + 13) % cfg.vocab_size) as u32)
+            .collect();
         let batch = Batch::next_token(b, s, &ids).expect("batch");
-        let opts = StepOptions { recompute, loss_scale: 1.0 };
+        let opts = StepOptions {
+            recompute,
+            loss_scale: 1.0,
+        };
         let mut step = || {
             grads.fill(0.0);
             let t = Instant::now();
-            let r = m.forward_backward(&params, &mut grads, &batch, &opts, &mut |_| {}).expect("step");
+            let r = m
+                .forward_backward(&params, &mut grads, &batch, &opts, &mut |_| {})
+                .expect("step");
             (t.elapsed().as_secs_f64(), r.loss)
         };
         step(); // warm-up
@@ -79,6 +91,10 @@ fn main() {
             .filter(|(_, s)| *s > 0.0)
             .map(|(k, s)| format!("{k:?} {:.0}%", 100.0 * s / total))
             .collect();
-        println!("  split of one step ({:.1} ms): {}", total * 1e3, split.join(", "));
+        println!(
+            "  split of one step ({:.1} ms): {}",
+            total * 1e3,
+            split.join(", ")
+        );
     }
 }

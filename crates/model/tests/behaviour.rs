@@ -441,3 +441,24 @@ fn bad_batches_are_errors() {
         Err(ModelError::BufferSize { .. })
     ));
 }
+
+#[test]
+fn decay_segments_cover_shards() {
+    let c = ModelConfig::preset("tiny").unwrap();
+    let l = model::ParamLayout::new(&c);
+    // A shard cutting through tensors: segments tile it exactly, norms get their own decay.
+    let shard = 1000..l.total() - 777;
+    let segs = l.decay_segments(shard.clone(), 0.1, 0.0);
+    assert_eq!(segs.first().unwrap().0.start, 0);
+    assert_eq!(segs.last().unwrap().0.end, shard.len());
+    assert!(segs
+        .windows(2)
+        .all(|w| w[0].0.end == w[1].0.start && w[0].1 != w[1].1));
+    let norm = l
+        .get("model.layers.1.input_layernorm.weight")
+        .unwrap()
+        .view
+        .range();
+    let local = norm.start - shard.start;
+    assert!(segs.iter().any(|(r, wd)| r.contains(&local) && *wd == 0.0));
+}
