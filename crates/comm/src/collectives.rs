@@ -30,6 +30,9 @@ pub enum AllReduceAlgo {
     Ring,
     Tree,
     HalvingDoubling,
+    /// Whole-vector exchanges with partners at distance 1, 2, 4, ...: the fewest message
+    /// latencies (log2 n), for small messages.
+    RecursiveDoubling,
 }
 
 impl std::str::FromStr for AllReduceAlgo {
@@ -40,24 +43,30 @@ impl std::str::FromStr for AllReduceAlgo {
             "ring" => Ok(AllReduceAlgo::Ring),
             "tree" => Ok(AllReduceAlgo::Tree),
             "hd" | "halving-doubling" | "halving_doubling" => Ok(AllReduceAlgo::HalvingDoubling),
+            "rd" | "recursive-doubling" | "recursive_doubling" => {
+                Ok(AllReduceAlgo::RecursiveDoubling)
+            }
             other => Err(format!(
-                "unknown all-reduce algorithm {other:?} (ring, tree, hd, auto)"
+                "unknown all-reduce algorithm {other:?} (ring, tree, hd, rd, auto)"
             )),
         }
     }
 }
 
-/// Messages up to this many bytes use the tree under `Auto` (latency-bound regime).
-pub const TREE_MAX_BYTES: usize = 32 << 10;
-/// Messages up to this many bytes use halving-doubling under `Auto` when n > 2.
-pub const HD_MAX_BYTES: usize = 256 << 10;
+/// Messages up to this many bytes use recursive doubling under `Auto` (latency-bound: log2 n
+/// message latencies, every rank busy each step).
+pub const RD_MAX_BYTES: usize = 32 << 10;
+/// Above `RD_MAX_BYTES` and up to this many bytes, groups of more than 2 ranks use the binomial
+/// tree under `Auto`: measured fastest there with 3–8 ranks on 2 cores (docs/PERFORMANCE.md),
+/// where every step that needs all ranks scheduled at once costs a scheduler round.
+pub const TREE_MAX_BYTES: usize = 512 << 10;
 
 impl AllReduceAlgo {
     /// The concrete algorithm `Auto` resolves to for `bytes` over `n` ranks.
     pub fn choose(self, bytes: usize, n: usize) -> AllReduceAlgo {
         match self {
-            AllReduceAlgo::Auto if bytes <= TREE_MAX_BYTES => AllReduceAlgo::Tree,
-            AllReduceAlgo::Auto if n > 2 && bytes <= HD_MAX_BYTES => AllReduceAlgo::HalvingDoubling,
+            AllReduceAlgo::Auto if bytes <= RD_MAX_BYTES => AllReduceAlgo::RecursiveDoubling,
+            AllReduceAlgo::Auto if n > 2 && bytes <= TREE_MAX_BYTES => AllReduceAlgo::Tree,
             AllReduceAlgo::Auto => AllReduceAlgo::Ring,
             other => other,
         }
@@ -188,7 +197,8 @@ impl Engine {
         }
         match algo.choose(std::mem::size_of_val(buf), n) {
             AllReduceAlgo::Tree => self.tree_all_reduce(&ctx, buf, op),
-            AllReduceAlgo::HalvingDoubling => self.hd_all_reduce(&ctx, buf, op),
+            AllReduceAlgo::HalvingDoubling => self.hd_all_reduce(&ctx, buf, op, false),
+            AllReduceAlgo::RecursiveDoubling => self.hd_all_reduce(&ctx, buf, op, true),
             _ => self.ring_all_reduce(&ctx, buf, op),
         }
     }
@@ -348,7 +358,17 @@ impl Engine {
         self.tree_broadcast(ctx, buf, 0)
     }
 
-    fn hd_all_reduce<T: Element>(&mut self, ctx: &Ctx, buf: &mut [T], op: ReduceOp) -> Result<()> {
+    /// Halving-doubling (`full = false`) or recursive doubling (`full = true`: every step
+    /// exchanges the whole vector, log2 p message latencies; results are bit-identical on all
+    /// ranks because each step combines the same two partial results, and + / max / min are
+    /// commutative).
+    fn hd_all_reduce<T: Element>(
+        &mut self,
+        ctx: &Ctx,
+        buf: &mut [T],
+        op: ReduceOp,
+        full: bool,
+    ) -> Result<()> {
         let (n, r) = (self.size(), self.rank());
         let p = 1usize << (usize::BITS - 1 - n.leading_zeros());
         let rem = n - p;
@@ -366,7 +386,25 @@ impl Engine {
             Some(r - rem)
         };
         let real = |v: usize| if v < rem { 2 * v + 1 } else { v + rem };
-        if let Some(v) = new_rank {
+        if let (Some(v), true) = (new_rank, full) {
+            let mut mine = buf.to_vec();
+            let mut d = 1;
+            while d < p {
+                let partner = real(v ^ d);
+                mine.copy_from_slice(buf);
+                let t = tag(0x1800 + d.trailing_zeros() as usize, 0);
+                self.step(
+                    ctx,
+                    t,
+                    Some((partner, bytes(&mine))),
+                    Some((partner, reduce_sink(buf, op))),
+                )?;
+                d *= 2;
+            }
+            if op == ReduceOp::Avg {
+                scale_avg(buf, n);
+            }
+        } else if let Some(v) = new_rank {
             // Recursive halving: keep the half on my side of bit d, send the other half.
             let mut lo = 0;
             let mut hi = buf.len();
@@ -472,12 +510,36 @@ impl Engine {
             Some(op),
             input.len() as u64,
         )?;
-        let mut work = input.to_vec();
-        if n > 1 {
-            let segs: Vec<Range<usize>> = (0..n).map(|i| shard_range(input.len(), n, i)).collect();
-            self.ring_reduce_scatter(&ctx, &mut work, &segs, op, n - 1)?;
+        // Out of place (the input stays untouched, nothing of its size is allocated): at step s
+        // rank r sends its partial of segment (r − s − 1) — its own input at s = 0 — and builds
+        // the partial of segment (r − s − 2) = own input + what arrives; the last one is its shard.
+        let segs: Vec<Range<usize>> = (0..n).map(|i| shard_range(input.len(), n, i)).collect();
+        let (right, left) = ((r + 1) % n, (r + n - 1) % n);
+        let (mut prev, mut cur): (Vec<T>, Vec<T>) = (Vec::new(), Vec::new());
+        output.copy_from_slice(&input[mine]);
+        for s in 0..n.saturating_sub(1) {
+            let seg = segs[(r + 2 * n - s - 2) % n].clone();
+            let dst: &mut [T] = if s == n - 2 {
+                output.copy_from_slice(&input[seg]);
+                &mut *output
+            } else {
+                cur.clear();
+                cur.extend_from_slice(&input[seg]);
+                &mut cur
+            };
+            let send: &[T] = if s == 0 {
+                &input[segs[(r + n - 1) % n].clone()]
+            } else {
+                &prev
+            };
+            self.step(
+                &ctx,
+                tag(s, 0),
+                Some((right, bytes(send))),
+                Some((left, reduce_sink(dst, op))),
+            )?;
+            std::mem::swap(&mut prev, &mut cur);
         }
-        output.copy_from_slice(&work[mine]);
         if op == ReduceOp::Avg {
             scale_avg(output, n);
         }

@@ -187,6 +187,16 @@ fn fnv(bytes: &[u8]) -> u64 {
     })
 }
 
+/// Store/handshake key of the `k`-th group this rank created over `members`.
+fn group_key(members: &[usize], k: usize) -> String {
+    let member_str = members
+        .iter()
+        .map(|r| r.to_string())
+        .collect::<Vec<_>>()
+        .join(",");
+    format!("g{:016x}-{k}", fnv(member_str.as_bytes()))
+}
+
 fn shm_dir() -> PathBuf {
     let d = PathBuf::from("/dev/shm");
     if d.is_dir() {
@@ -225,7 +235,7 @@ fn connect_group(ctx: &Arc<Ctx>, label: &str, members: &[usize]) -> Result<Proce
         .map(|r| r.to_string())
         .collect::<Vec<_>>()
         .join(",");
-    let key = format!("g{:016x}-{k}", fnv(member_str.as_bytes()));
+    let key = group_key(members, k);
     let ns = format!("xtrain/{}/{key}", ctx.options.job_id);
     let name = format!("{label}[{member_str}]");
     let o = &ctx.options;
@@ -342,6 +352,7 @@ fn connect_group(ctx: &Arc<Ctx>, label: &str, members: &[usize]) -> Result<Proce
                 op: format!("{op} ({e})"),
                 ranks: expected.iter().map(|&g| members[g as usize]).collect(),
                 timeout: o.timeout,
+                note: String::new(),
             })?;
             for (g, s) in got {
                 links[g as usize] = Some(Link::Tcp(
@@ -370,4 +381,118 @@ fn connect_group(ctx: &Arc<Ctx>, label: &str, members: &[usize]) -> Result<Proce
         board,
     );
     Ok(ProcessGroup::new(engine, o.algo))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::store::MemStore;
+    use crate::wire::Header;
+
+    fn opts(transport: TransportKind, job: &str) -> Options {
+        Options {
+            transport,
+            job_id: job.to_string(),
+            timeout: Duration::from_secs(5),
+            ..Options::default()
+        }
+    }
+
+    #[test]
+    fn a_foreign_connection_with_the_wrong_job_id_is_refused() {
+        let store: Arc<dyn Store> = Arc::new(MemStore::new());
+        let job = crate::testing::unique_job_id();
+        let o = opts(TransportKind::Tcp, &job);
+        let sums: Vec<f32> = std::thread::scope(|s| {
+            let ranks: Vec<_> = (0..3)
+                .map(|r| {
+                    let (store, o) = (Arc::clone(&store), o.clone());
+                    s.spawn(move || {
+                        let c = Communicator::init(store, r, 3, "h", o).unwrap();
+                        if r == 2 {
+                            return 0.0;
+                        }
+                        if r == 1 {
+                            // Give the intruder time to knock on rank 0 first.
+                            std::thread::sleep(Duration::from_millis(800));
+                        }
+                        let g = c.new_group(&[0, 1]).unwrap();
+                        let mut v = [1.0f32; 3];
+                        g.all_reduce(&mut v, crate::ReduceOp::Sum).unwrap();
+                        v[0]
+                    })
+                })
+                .collect();
+            // The intruder reads rank 0's address of the new group from the store.
+            let ns = format!("xtrain/{job}/{}", group_key(&[0, 1], 1));
+            let addr = store
+                .get(&format!("{ns}/addr/0"), Duration::from_secs(5))
+                .unwrap();
+            let addr = String::from_utf8(addr).unwrap();
+            let deadline = Instant::now() + Duration::from_secs(2);
+            let mut hello = Hello {
+                job: "someone-else".into(),
+                key: group_key(&[0, 1], 1),
+                from: 1,
+                to: 0,
+            };
+            let refused = tcp::connect(&addr, &hello, deadline).unwrap_err();
+            assert!(refused.contains("foreign job id"), "{refused}");
+            hello.job = job.clone();
+            hello.key = "another-group".into();
+            let refused = tcp::connect(&addr, &hello, deadline).unwrap_err();
+            assert!(refused.contains("expected"), "{refused}");
+            ranks.into_iter().map(|h| h.join().unwrap()).collect()
+        });
+        // The real peer still got through.
+        assert_eq!(sums[..2], [2.0, 2.0]);
+    }
+
+    #[test]
+    fn malformed_header_bytes_are_an_error_not_a_panic() {
+        for transport in [TransportKind::Shm, TransportKind::Tcp] {
+            let hdr = Header {
+                kind: crate::OpKind::P2p,
+                dtype: crate::DType::F32,
+                op: 0,
+                seq: 0,
+                tag: 0,
+                count: 0,
+                payload_len: 12,
+            }
+            .encode();
+            let mut bad_magic = hdr;
+            bad_magic[0] ^= 0xff;
+            let mut bad_dtype = hdr;
+            bad_dtype[4] = 99;
+            let mut huge = hdr;
+            huge[24..32].copy_from_slice(&u64::MAX.to_le_bytes());
+            let mut odd_len = hdr;
+            odd_len[24] = 13;
+            for (what, bytes) in [
+                ("magic", bad_magic),
+                ("dtype", bad_dtype),
+                ("limit", huge),
+                ("whole number", odd_len),
+            ] {
+                let o = Options {
+                    job_id: crate::testing::unique_job_id(),
+                    ..opts(transport, "x")
+                };
+                let errs = crate::testing::run_threads_with(2, o, |c| {
+                    if c.rank() == 1 {
+                        c.world().with_engine(|e| e.inject_raw(0, bytes));
+                        // Stay until rank 0 has read the bytes.
+                        let _ = c.barrier();
+                        return None;
+                    }
+                    let mut b = [0.0f32; 3];
+                    Some(c.recv(&mut b, 1, 0).unwrap_err())
+                });
+                let e = errs.into_iter().flatten().next().unwrap();
+                assert!(matches!(e, CommError::Malformed { rank: 1, .. }), "{e}");
+                assert!(e.to_string().contains(what), "{what}: {e}");
+            }
+        }
+    }
 }

@@ -281,6 +281,23 @@ impl Engine {
                 first: first.clone(),
             });
         }
+        // Argument errors leave the links untouched; failures after this abort the group.
+        let n = self.size();
+        for p in sends
+            .iter()
+            .map(|s| s.peer)
+            .chain(recvs.iter().map(|r| r.peer))
+        {
+            if p >= n || self.links[p].is_none() {
+                return Err(CommError::invalid(
+                    ctx.kind.name(),
+                    format!(
+                        "peer {p} is not another rank of group {} (size {n})",
+                        self.desc.name
+                    ),
+                ));
+            }
+        }
         let result = self.exchange_inner(ctx, sends, recvs);
         if let Err(e) = &result {
             self.abort(e.to_string());
@@ -341,6 +358,46 @@ impl Engine {
         }
     }
 
+    /// Records on the board which group ranks this rank is stuck waiting for.
+    fn post_waiting(&self, peers: &[usize]) {
+        if let Some((store, prefix)) = &self.abort_board {
+            let list: Vec<String> = peers
+                .iter()
+                .map(|&p| self.desc.world_ranks[p].to_string())
+                .collect();
+            let _ = store.set(
+                &format!("{prefix}/wait/{}", self.desc.rank),
+                list.join(",").as_bytes(),
+            );
+        }
+    }
+
+    /// " (rank X is itself waiting for rank(s) [..])" for every waited-on peer that posted.
+    fn waiting_note(&self, peers: &[usize]) -> String {
+        let Some((store, prefix)) = &self.abort_board else {
+            return String::new();
+        };
+        let mut note = String::new();
+        for &p in peers {
+            if let Ok(v) = store.get(&format!("{prefix}/wait/{p}"), Duration::ZERO) {
+                let me = self.desc.world_ranks[self.desc.rank].to_string();
+                let theirs: Vec<String> = String::from_utf8_lossy(&v)
+                    .split(',')
+                    .filter(|r| *r != me)
+                    .map(String::from)
+                    .collect();
+                if !theirs.is_empty() {
+                    note += &format!(
+                        " (rank {} is itself waiting for rank(s) [{}])",
+                        self.desc.world_ranks[p],
+                        theirs.join(", ")
+                    );
+                }
+            }
+        }
+        note
+    }
+
     fn exchange_inner(
         &mut self,
         ctx: &Ctx,
@@ -348,23 +405,10 @@ impl Engine {
         recvs: &mut [Incoming<'_>],
     ) -> Result<()> {
         let n = self.size();
-        for p in sends
-            .iter()
-            .map(|s| s.peer)
-            .chain(recvs.iter().map(|r| r.peer))
-        {
-            if p >= n || self.links[p].is_none() {
-                return Err(CommError::invalid(
-                    ctx.kind.name(),
-                    format!(
-                        "peer {p} is not another rank of group {} (size {n})",
-                        self.desc.name
-                    ),
-                ));
-            }
-        }
         let mut busy = vec![false; n];
         let mut idle_since: Option<Instant> = None;
+        let mut posted_wait = false;
+        let mut idle_rounds = 0u32;
         loop {
             let seen = self.shm.as_ref().map(|(seg, me)| seg.doorbell(*me));
             let mut progress = false;
@@ -406,35 +450,53 @@ impl Engine {
                 idle_since = None;
                 continue;
             }
-            // Idle: spin briefly, then yield for as long again, then sleep.
+            // Idle: spin briefly, then yield for as long again, then sleep. (The clock is read
+            // every 16th idle round only: it costs more than a poll of the rings.)
+            idle_rounds += 1;
+            if idle_since.is_some() && !idle_rounds.is_multiple_of(16) {
+                for _ in 0..8 {
+                    std::hint::spin_loop();
+                }
+                continue;
+            }
             let now = Instant::now();
             let idle = now.duration_since(*idle_since.get_or_insert(now));
             if idle < self.config.spin {
-                std::hint::spin_loop();
                 continue;
             }
             if idle < self.config.spin * 2 {
                 std::thread::yield_now();
                 continue;
             }
+            // At the deadline, post whom we wait for and linger a little, so that if a peer we
+            // wait on is itself stuck on a third rank, the error can say so (naming the origin).
+            let grace = (self.config.timeout / 4).min(Duration::from_secs(2));
             if now >= ctx.deadline {
-                let mut ranks: Vec<usize> = sends
+                let mut waiting: Vec<usize> = sends
                     .iter()
                     .filter(|s| !s.done)
                     .map(|s| s.peer)
                     .chain(recvs.iter().filter(|r| !r.done).map(|r| r.peer))
-                    .map(|p| self.desc.world_ranks[p])
                     .collect();
-                ranks.sort_unstable();
-                ranks.dedup();
-                return Err(CommError::Timeout {
-                    group: self.desc.name.clone(),
-                    op: ctx.kind.name().to_string(),
-                    ranks,
-                    timeout: self.config.timeout,
-                });
+                waiting.sort_unstable();
+                waiting.dedup();
+                if !posted_wait {
+                    posted_wait = true;
+                    self.post_waiting(&waiting);
+                }
+                if now >= ctx.deadline + grace {
+                    return Err(CommError::Timeout {
+                        group: self.desc.name.clone(),
+                        op: ctx.kind.name().to_string(),
+                        ranks: waiting.iter().map(|&p| self.desc.world_ranks[p]).collect(),
+                        timeout: self.config.timeout,
+                        note: self.waiting_note(&waiting),
+                    });
+                }
             }
-            let nap = (ctx.deadline - now).min(Duration::from_millis(50));
+            let nap = (ctx.deadline + grace)
+                .saturating_duration_since(now)
+                .min(Duration::from_millis(50));
             self.sleep(sends, recvs, seen, nap);
         }
     }
@@ -488,6 +550,18 @@ impl Engine {
         }
         if any_shm {
             std::thread::yield_now();
+        }
+    }
+}
+
+#[cfg(test)]
+impl Engine {
+    /// Writes 32 raw bytes (a would-be header) to `peer`, bypassing all framing.
+    pub fn inject_raw(&mut self, peer: usize, bytes: [u8; HEADER_LEN]) {
+        let mut msg = OutMsg::new(bytes, &[]);
+        let link = self.links[peer].as_mut().expect("peer link");
+        while msg.remaining() > 0 {
+            link.try_write(&mut msg).expect("raw write");
         }
     }
 }

@@ -10,11 +10,15 @@ use crate::store::StoreError;
 #[derive(Debug, thiserror::Error)]
 pub enum CommError {
     /// A blocking wait ran past the configured timeout.
-    #[error("{op} on group {group}: timed out after {timeout:?} waiting for rank(s) {ranks:?}")]
+    /// `note` tells, when known, whom the awaited ranks were themselves waiting for.
+    #[error(
+        "{op} on group {group}: timed out after {timeout:?} waiting for rank(s) {ranks:?}{note}"
+    )]
     Timeout {
         group: String,
         op: String,
         ranks: Vec<usize>,
+        note: String,
         timeout: Duration,
     },
     /// A peer closed its side: its process/thread exited or dropped the group (`cause` empty),
@@ -61,6 +65,9 @@ pub enum CommError {
         context: String,
         source: std::io::Error,
     },
+    /// An asynchronous operation panicked on the group's worker (a bug); the group is aborted.
+    #[error("asynchronous operation panicked: {0}")]
+    Panicked(String),
     /// The group failed earlier; its links are closed and it cannot be used again.
     #[error("group {group} is unusable after an earlier error: {first}")]
     Poisoned { group: String, first: String },

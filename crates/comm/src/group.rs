@@ -12,7 +12,7 @@ use std::sync::{Arc, Condvar, Mutex};
 use crate::collectives::AllReduceAlgo;
 use crate::element::{Element, ReduceOp};
 use crate::engine::{Counters, Engine, GroupDesc};
-use crate::error::Result;
+use crate::error::{CommError, Result};
 use crate::wire::OpKind;
 
 type Job = Box<dyn FnOnce(&mut Engine) + Send>;
@@ -182,7 +182,17 @@ impl ProcessGroup {
         let out = Arc::clone(&slot);
         let outstanding = Arc::clone(&self.shared.outstanding);
         let job: Job = Box::new(move |engine| {
-            let r = f(engine);
+            // A panic must not leave the handle (and every later synchronous call) waiting.
+            let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| f(engine)))
+                .unwrap_or_else(|p| {
+                    let msg = p
+                        .downcast_ref::<&str>()
+                        .map(|s| s.to_string())
+                        .or_else(|| p.downcast_ref::<String>().cloned())
+                        .unwrap_or_default();
+                    engine.abort(format!("asynchronous operation panicked: {msg}"));
+                    Err(CommError::Panicked(msg))
+                });
             *out.value.lock().unwrap_or_else(|e| e.into_inner()) = Some(r);
             out.done.notify_all();
             let (lock, cv) = &*outstanding;
@@ -458,7 +468,6 @@ impl ProcessGroup {
     }
 
     #[cfg(test)]
-    #[allow(dead_code)]
     pub(crate) fn with_engine<R>(&self, f: impl FnOnce(&mut Engine) -> R) -> R {
         f(&mut self.shared.engine.lock().unwrap())
     }

@@ -9,10 +9,11 @@ use comm::*;
 use common::*;
 use proptest::prelude::*;
 
-const ALGOS: [AllReduceAlgo; 4] = [
+const ALGOS: [AllReduceAlgo; 5] = [
     AllReduceAlgo::Ring,
     AllReduceAlgo::Tree,
     AllReduceAlgo::HalvingDoubling,
+    AllReduceAlgo::RecursiveDoubling,
     AllReduceAlgo::Auto,
 ];
 

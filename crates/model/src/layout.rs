@@ -205,6 +205,36 @@ impl ParamLayout {
     pub fn get(&self, name: &str) -> Option<&ParamEntry> {
         self.entries.iter().find(|e| e.name == name)
     }
+    /// AdamW parameter groups over `range` (e.g. a ZeRO shard), as segments relative to
+    /// `range.start`: matrices get `weight_decay`, norm gains `norm_decay` (torch recipes
+    /// commonly use 0 there; the HF golden run decays everything). Pass the result to
+    /// [`crate::optim::AdamW::step_segments`].
+    pub fn decay_segments(
+        &self,
+        range: Range<usize>,
+        weight_decay: f32,
+        norm_decay: f32,
+    ) -> Vec<(Range<usize>, f32)> {
+        let mut out: Vec<(Range<usize>, f32)> = Vec::new();
+        for e in &self.entries {
+            let r = e.view.range();
+            let (s, t) = (r.start.max(range.start), r.end.min(range.end));
+            if s >= t {
+                continue;
+            }
+            let wd = match e.kind {
+                ParamKind::Matrix => weight_decay,
+                ParamKind::NormGain => norm_decay,
+            };
+            let seg = s - range.start..t - range.start;
+            match out.last_mut() {
+                Some((last, lwd)) if *lwd == wd && last.end == seg.start => last.end = seg.end,
+                _ => out.push((seg, wd)),
+            }
+        }
+        out
+    }
+
     /// The entries whose data lies inside `range` (e.g. one block).
     pub fn entries_in(&self, range: Range<usize>) -> impl Iterator<Item = &ParamEntry> {
         self.entries

@@ -13,7 +13,7 @@ use crate::config::ModelConfig;
 use crate::error::{ModelError, Result};
 use crate::layers::attention::Attention;
 use crate::layers::block::{Block, BlockCache, Ffn};
-use crate::layers::head::{Head, HeadCache};
+use crate::layers::head::{Head, HeadCache, HeadWeightGrad};
 use crate::layers::mlp::SwiGlu;
 use crate::layers::moe::Moe;
 use crate::layers::{Act, Pass, Recompute, WeightGradStore};
@@ -350,6 +350,53 @@ impl Model {
         };
         self.head
             .backward(p_head, lm, cache, grad_scale, g_norm, g_lm)
+    }
+
+    /// Head input gradient only (zero-bubble `B` for the last stage); the norm and LM-head
+    /// weight gradients are deferred to [`Model::head_backward_weight`].
+    pub fn head_backward_input(
+        &self,
+        p_head: &[f32],
+        p_embed: &[f32],
+        cache: HeadCache,
+        grad_scale: f32,
+    ) -> Result<(Vec<f32>, HeadWeightGrad)> {
+        self.head
+            .backward_input(p_head, self.lm(p_head, p_embed), cache, grad_scale)
+    }
+
+    /// Deferred head weight gradients, accumulated like [`Model::head_backward`].
+    pub fn head_backward_weight(
+        &self,
+        p_head: &[f32],
+        p_embed: &[f32],
+        g_head: &mut [f32],
+        g_embed: Option<&mut [f32]>,
+        pending: HeadWeightGrad,
+    ) -> Result<()> {
+        let lm = self.lm(p_head, p_embed);
+        let (g_norm, g_lm) = self.split_head_grads(g_head, g_embed)?;
+        self.head.backward_weight(p_head, lm, pending, g_norm, g_lm)
+    }
+
+    /// The norm-gain and LM-head gradient slices for the head.
+    fn split_head_grads<'a>(
+        &self,
+        g_head: &'a mut [f32],
+        g_embed: Option<&'a mut [f32]>,
+    ) -> Result<(&'a mut [f32], &'a mut [f32])> {
+        let h = self.cfg.hidden_size;
+        let (g_norm, g_rest) = g_head.split_at_mut(h);
+        let g_lm: &mut [f32] = match (&self.lm_head, g_embed) {
+            (Some(v), _) => &mut g_rest[v.offset - h..v.offset - h + v.numel()],
+            (None, Some(g)) => g,
+            (None, None) => {
+                return Err(ModelError::InvalidBatch(
+                    "tied embeddings: the head backward needs the embedding gradient".into(),
+                ))
+            }
+        };
+        Ok((g_norm, g_lm))
     }
 
     /// Full logits `[batch·seq, vocab]` for token ids `[batch, seq]` (no gradient).

