@@ -102,6 +102,8 @@ enum Pending {
         bucket: usize,
         root: usize,
         range: Range<usize>,
+        /// Bytes accounted for this reduction's buffer.
+        bytes: usize,
         work: Work<Vec<f32>>,
     },
 }
@@ -410,15 +412,32 @@ impl<M: StagedModel> DataParallel<M> {
         })?;
         // Reduce-scatter with uneven pieces: each piece of the bucket is summed onto the rank
         // whose shard contains it (one reduce per owning rank, issued in the same order
-        // everywhere).
-        for (root, piece) in self.spec.split(br.clone()) {
+        // everywhere). A bucket inside one shard (the usual case when buckets are smaller than
+        // shards) is handed over without a copy; a bucket spanning shards is copied piece by
+        // piece and its staging buffer freed, so in-flight bytes never exceed the bucket's.
+        let pieces = self.spec.split(br.clone());
+        if let [(root, piece)] = pieces.as_slice() {
+            let bytes = buf.len() * F32;
+            let work = self.group.reduce_async(buf, ReduceOp::Sum, *root);
+            pending.push(Pending::Reduce {
+                bucket: b,
+                root: *root,
+                range: piece.clone(),
+                bytes,
+                work,
+            });
+            return Ok(());
+        }
+        for (root, piece) in pieces {
             let data = buf[piece.start - br.start..piece.end - br.start].to_vec();
-            self.comm_bytes.add(data.len() * F32);
+            let bytes = data.len() * F32;
+            self.comm_bytes.add(bytes);
             let work = self.group.reduce_async(data, ReduceOp::Sum, root);
             pending.push(Pending::Reduce {
                 bucket: b,
                 root,
                 range: piece,
+                bytes,
                 work,
             });
         }
@@ -458,6 +477,7 @@ impl<M: StagedModel> DataParallel<M> {
                     bucket,
                     root,
                     range,
+                    bytes,
                     work,
                 } => {
                     let sum = work.wait()?;
@@ -467,7 +487,7 @@ impl<M: StagedModel> DataParallel<M> {
                             *g += s * inv;
                         }
                     }
-                    self.comm_bytes.sub(sum.len() * F32);
+                    self.comm_bytes.sub(bytes);
                     bucket
                 }
             };

@@ -51,7 +51,7 @@ fn accounted_bytes_equal_the_formula() {
                 // Buffers: never more than one extra gradient copy plus two gathered units.
                 assert!(
                     mem.comm_buffers <= 4 * phi + 2 * 4 * max_unit,
-                    "zero={k} dp={dp}: {mem}"
+                    "zero={k} dp={dp}: {mem:?}"
                 );
                 assert!(mem.activations > 0);
                 if stage == ZeroStage::Three {
