@@ -212,7 +212,7 @@ impl Engine {
         let n = self.size();
         let segs: Vec<Range<usize>> = (0..n).map(|i| shard_range(buf.len(), n, i)).collect();
         // Reduce-scatter leaves segment r+1 complete on rank r.
-        self.ring_reduce_scatter(ctx, buf, &segs, op, 0)?;
+        self.ring_reduce_scatter(ctx, buf, &segs, op)?;
         let owned = segs[self.wrap(self.rank() + 1)].clone();
         if op == ReduceOp::Avg {
             scale_avg(&mut buf[owned], n);
@@ -220,22 +220,20 @@ impl Engine {
         self.ring_all_gather(ctx, buf, &segs, 1)
     }
 
-    /// Ring reduce-scatter over `segs`: at step s rank r sends segment (r − s + k) to r+1 and
-    /// reduces segment (r − s − 1 + k) from r−1 into place; afterwards rank r holds the full
-    /// reduction of segment (r + 1 + k). `k` is 0 (all-reduce) or n−1 (≡ −1: reduce-scatter,
-    /// rank r ends with segment r).
+    /// In-place ring reduce-scatter over `segs`: at step s rank r sends segment (r − s) to r+1
+    /// and reduces segment (r − s − 1) from r−1 into place (straight out of the transport);
+    /// afterwards rank r holds the full reduction of segment (r + 1).
     fn ring_reduce_scatter<T: Element>(
         &mut self,
         ctx: &Ctx,
         buf: &mut [T],
         segs: &[Range<usize>],
         op: ReduceOp,
-        k: usize,
     ) -> Result<()> {
         let (n, r) = (self.size(), self.rank());
         for s in 0..n - 1 {
-            let send = segs[self.wrap(r + n - s + k)].clone();
-            let recv = segs[self.wrap(r + 2 * n - s - 1 + k)].clone();
+            let send = segs[self.wrap(r + n - s)].clone();
+            let recv = segs[self.wrap(r + 2 * n - s - 1)].clone();
             let (sb, rb) = split_pair(buf, send, recv);
             let sink = reduce_sink(rb, op);
             self.step(
