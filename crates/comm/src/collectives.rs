@@ -53,6 +53,25 @@ impl std::str::FromStr for AllReduceAlgo {
     }
 }
 
+impl AllReduceAlgo {
+    /// Short name, as accepted by `FromStr` (`auto`, `ring`, `tree`, `hd`, `rd`).
+    pub fn name(self) -> &'static str {
+        match self {
+            AllReduceAlgo::Auto => "auto",
+            AllReduceAlgo::Ring => "ring",
+            AllReduceAlgo::Tree => "tree",
+            AllReduceAlgo::HalvingDoubling => "hd",
+            AllReduceAlgo::RecursiveDoubling => "rd",
+        }
+    }
+}
+
+impl std::fmt::Display for AllReduceAlgo {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
 /// Messages up to this many bytes use recursive doubling under `Auto` (latency-bound: log2 n
 /// message latencies, every rank busy each step).
 pub const RD_MAX_BYTES: usize = 32 << 10;
@@ -765,5 +784,38 @@ impl Engine {
             self.tree_all_reduce::<u8>(&ctx, &mut [], ReduceOp::Max)?;
         }
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn shards_cover_the_buffer_in_order_and_differ_by_at_most_one() {
+        for len in [0, 1, 5, 7, 16, 1031] {
+            for n in 1..=8 {
+                let shards: Vec<Range<usize>> = (0..n).map(|i| shard_range(len, n, i)).collect();
+                assert_eq!(shards[0].start, 0);
+                assert_eq!(shards[n - 1].end, len);
+                assert!(shards.windows(2).all(|w| w[0].end == w[1].start));
+                let (lo, hi) = (len / n, len.div_ceil(n));
+                assert!(shards.iter().all(|s| s.len() == lo || s.len() == hi));
+            }
+        }
+    }
+
+    #[test]
+    fn auto_picks_by_size_and_group_size() {
+        use AllReduceAlgo::*;
+        assert_eq!(Auto.choose(4096, 2), RecursiveDoubling);
+        assert_eq!(Auto.choose(RD_MAX_BYTES + 4, 4), Tree);
+        assert_eq!(Auto.choose(RD_MAX_BYTES + 4, 2), Ring);
+        assert_eq!(Auto.choose(TREE_MAX_BYTES + 4, 8), Ring);
+        assert_eq!(Ring.choose(4, 8), Ring);
+        for a in [Auto, Ring, Tree, HalvingDoubling, RecursiveDoubling] {
+            assert_eq!(a.name().parse::<AllReduceAlgo>().unwrap(), a);
+        }
+        assert!("fastest".parse::<AllReduceAlgo>().is_err());
     }
 }
