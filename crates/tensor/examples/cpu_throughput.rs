@@ -3,7 +3,7 @@
 //! `XTRAIN_THREADS` (use 1) and divides useful FLOPs by the process CPU time (user + system,
 //! from `getrusage`), which other processes do not inflate.
 //!
-//! `XTRAIN_THREADS=1 cargo run --release -p tensor --example cpu_throughput`
+//! `XTRAIN_THREADS=1 cargo run --release -p tensor --example cpu_throughput [gemm|attention [q_tile k_tile]]`
 
 use std::hint::black_box;
 use tensor::attention::{attention_backward, attention_forward, AttnShape, AttnTiles};
@@ -66,7 +66,17 @@ fn main() {
             vec![0.0; s.kv_elems()],
             vec![0.0; s.kv_elems()],
         );
-        let t = AttnTiles::default();
+        let arg = |i: usize, def: usize| {
+            std::env::args()
+                .nth(i)
+                .and_then(|a| a.parse().ok())
+                .unwrap_or(def)
+        };
+        let t = AttnTiles {
+            q_tile: arg(2, AttnTiles::default().q_tile),
+            k_tile: arg(3, AttnTiles::default().k_tile),
+        };
+        println!("tiles {t:?}");
         let (ff, fb) = s.flops();
         let (cpu, wall) = measure(ff, 10, || {
             attention_forward(&s, &q, &k, &v, &mut out, &mut lse, t).unwrap()
