@@ -5,14 +5,31 @@ use clap::{Parser, Subcommand};
 mod cmd;
 
 #[derive(Parser)]
-#[command(name = "xtrain", version, about = "Distributed LLM pre-training from first principles")]
+#[command(
+    name = "xtrain",
+    version,
+    about = "Distributed LLM pre-training from first principles"
+)]
 struct Cli {
     #[command(subcommand)]
     command: Command,
 }
 
 #[derive(Subcommand)]
-enum Command {}
+enum Command {
+    /// Start this host's worker processes with the launch variables and supervise them.
+    Launch(cmd::launch::Args),
+    /// Train a model (single process).
+    Train(cmd::train::TrainArgs),
+    /// Sample text from a checkpoint.
+    Generate(cmd::generate::GenerateArgs),
+    /// Tokenize text files into a token file (optionally training a BPE tokenizer).
+    Tokenize(cmd::tokenize::TokenizeArgs),
+    /// Convert checkpoints to and from Hugging Face format.
+    Convert(cmd::convert::ConvertArgs),
+    /// Benchmarks (`xtrain bench comm`, `xtrain bench train`).
+    Bench(cmd::bench::Args),
+}
 
 fn main() -> anyhow::Result<()> {
     tracing_subscriber::fmt()
@@ -23,5 +40,12 @@ fn main() -> anyhow::Result<()> {
         .with_writer(std::io::stderr)
         .init();
     let cli = Cli::parse();
-    match cli.command {}
+    match cli.command {
+        Command::Launch(args) => cmd::launch::run(args),
+        Command::Train(a) => cmd::train::run_cmd(a),
+        Command::Generate(a) => cmd::generate::run_cmd(a),
+        Command::Tokenize(a) => cmd::tokenize::run_cmd(a),
+        Command::Convert(a) => cmd::convert::run_cmd(a),
+        Command::Bench(args) => cmd::bench::run(args),
+    }
 }

@@ -1,1 +1,7 @@
 //! One module per `xtrain` subcommand.
+pub mod bench;
+pub mod convert;
+pub mod generate;
+pub mod launch;
+pub mod tokenize;
+pub mod train;

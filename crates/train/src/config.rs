@@ -1,0 +1,480 @@
+//! Run configuration: the TOML schema, the three presets, and `--set key=value` overrides.
+//!
+//! Resolution order: preset (or defaults) → TOML file → `--set` overrides. Every layer is merged
+//! into the previous one key by key, and a key the schema does not have is an error naming it
+//! (`config: unknown key `train.lrr``) rather than being silently ignored.
+use crate::error::{IoContext, Result, TrainError};
+use serde::{Deserialize, Serialize};
+use std::path::Path;
+
+/// Numeric format of the training step.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Precision {
+    /// fp32 everything: 4Φ weights + 4Φ grads + 8Φ AdamW moments = 16Φ bytes.
+    Fp32,
+    /// bf16 weights/grads/activations, fp32 master weights and moments: 2Φ + 2Φ + 12Φ bytes.
+    Bf16,
+    /// As bf16 but fp16 storage with dynamic loss scaling (fp16 has 5 exponent bits, so small
+    /// gradients underflow unless the loss is scaled up first).
+    Fp16,
+}
+
+/// Model shape. Names follow Hugging Face's LlamaConfig where one exists.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ModelConfig {
+    /// `llama` (dense SwiGLU MLP) or `mixtral` (top-k routed experts).
+    pub arch: String,
+    pub vocab_size: usize,
+    pub hidden_size: usize,
+    pub intermediate_size: usize,
+    pub num_layers: usize,
+    pub num_heads: usize,
+    pub num_kv_heads: usize,
+    /// Training context length (tokens per sample).
+    pub seq_len: usize,
+    pub rope_theta: f64,
+    pub norm_eps: f64,
+    /// Number of experts (mixtral only).
+    pub num_experts: usize,
+    /// Experts per token (mixtral only).
+    pub experts_per_token: usize,
+}
+
+/// Optimisation and loop settings.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct TrainConfig {
+    /// Sequences per micro-batch per data-parallel rank.
+    pub micro_batch: usize,
+    /// Micro-batches accumulated per optimizer step.
+    pub grad_accum: usize,
+    /// Optimizer steps in the run.
+    pub steps: usize,
+    /// Peak learning rate, reached after `warmup_steps`.
+    pub lr: f64,
+    /// Final learning rate of the cosine decay.
+    pub min_lr: f64,
+    pub warmup_steps: usize,
+    pub weight_decay: f64,
+    pub beta1: f64,
+    pub beta2: f64,
+    pub eps: f64,
+    /// Global gradient-norm clip (0 disables).
+    pub grad_clip: f64,
+    pub precision: Precision,
+    /// Validation every N steps (0 disables); also run at the end.
+    pub eval_every: usize,
+    /// Micro-batches per validation.
+    pub eval_batches: usize,
+    /// Checkpoint every N steps (0: only at the end).
+    pub ckpt_every: usize,
+    /// Initial fp16 loss scale (fp16 only).
+    pub loss_scale: f64,
+    /// Std of the normal initialisation of linear and embedding weights.
+    pub init_std: f64,
+    pub seed: u64,
+    /// Rayon threads (0: library default).
+    pub threads: usize,
+    /// Tokens sampled from the model at the end of a run (0 disables).
+    pub sample_tokens: usize,
+    /// Prompt for that sample.
+    pub sample_prompt: String,
+}
+
+/// Where tokens come from.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct DataConfig {
+    /// Empty: the built-in procedural corpus. Otherwise a `.tok` token file or a text file.
+    pub path: String,
+    /// `byte` or the path of a Hugging Face `tokenizer.json`.
+    pub tokenizer: String,
+    /// Fraction of the tokens held out for validation (the tail of the stream).
+    pub val_fraction: f64,
+    /// Size of the built-in corpus in bytes.
+    pub corpus_bytes: usize,
+    /// Seed of the built-in corpus (independent of the training seed).
+    pub corpus_seed: u64,
+}
+
+/// Process layout. Only the single-process layout runs until data parallelism is wired in.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ParallelConfig {
+    pub nproc: usize,
+    pub dp: usize,
+    /// ZeRO stage (0 = plain data parallel).
+    pub zero: usize,
+}
+
+/// The whole run.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RunConfig {
+    pub model: ModelConfig,
+    pub train: TrainConfig,
+    pub data: DataConfig,
+    pub parallel: ParallelConfig,
+}
+
+/// The named presets.
+pub const PRESETS: [&str; 3] = ["tiny", "small", "medium"];
+
+impl RunConfig {
+    /// A preset by name: tiny, small or medium (see the README's trainer tour).
+    pub fn preset(name: &str) -> Result<Self> {
+        // (vocab, hidden, ffn, layers, heads, kv heads, seq, batch, steps, lr)
+        let (v, h, f, l, nh, kv, s, b, steps, lr) = match name {
+            "tiny" => (256, 64, 176, 2, 4, 2, 64, 8, 1500, 3e-3),
+            "small" => (256, 256, 688, 6, 8, 4, 256, 8, 2000, 1e-3),
+            "medium" => (4096, 512, 1376, 8, 8, 4, 512, 4, 5000, 6e-4),
+            other => {
+                return Err(TrainError::Config(format!(
+                    "unknown preset `{other}` (expected one of {PRESETS:?})"
+                )))
+            }
+        };
+        Ok(Self {
+            model: ModelConfig {
+                arch: "llama".into(),
+                vocab_size: v,
+                hidden_size: h,
+                intermediate_size: f,
+                num_layers: l,
+                num_heads: nh,
+                num_kv_heads: kv,
+                seq_len: s,
+                rope_theta: 10000.0,
+                norm_eps: 1e-5,
+                num_experts: 0,
+                experts_per_token: 0,
+            },
+            train: TrainConfig {
+                micro_batch: b,
+                grad_accum: 1,
+                steps,
+                lr,
+                min_lr: lr / 10.0,
+                warmup_steps: steps / 20,
+                weight_decay: 0.1,
+                beta1: 0.9,
+                beta2: 0.95,
+                eps: 1e-8,
+                grad_clip: 1.0,
+                precision: Precision::Fp32,
+                eval_every: (steps / 6).max(1),
+                eval_batches: 4,
+                ckpt_every: 0,
+                loss_scale: 65536.0,
+                init_std: 0.02,
+                seed: 1234,
+                threads: 0,
+                sample_tokens: 200,
+                sample_prompt: "the ".into(),
+            },
+            data: DataConfig {
+                path: String::new(),
+                tokenizer: "byte".into(),
+                val_fraction: 0.05,
+                corpus_bytes: 2_000_000,
+                corpus_seed: 42,
+            },
+            parallel: ParallelConfig {
+                nproc: 1,
+                dp: 1,
+                zero: 0,
+            },
+        })
+    }
+
+    /// Resolves preset → TOML text → overrides (`key.path=value`, value parsed as TOML,
+    /// falling back to a bare string).
+    pub fn resolve(preset: &str, toml_text: Option<&str>, overrides: &[String]) -> Result<Self> {
+        let base = Self::preset(preset)?;
+        let mut tree = toml::Value::try_from(&base)
+            .map_err(|e| TrainError::Config(format!("serialising preset: {e}")))?;
+        if let Some(text) = toml_text {
+            let user: toml::Value = toml::from_str(text)
+                .map_err(|e| TrainError::Config(format!("parsing TOML: {e}")))?;
+            merge(&mut tree, &user, "")?;
+        }
+        for item in overrides {
+            let (key, raw) = item.split_once('=').ok_or_else(|| {
+                TrainError::Config(format!("override `{item}` is not of the form key=value"))
+            })?;
+            set_path(&mut tree, key.trim(), parse_value(raw.trim()))?;
+        }
+        let cfg: Self = tree
+            .try_into()
+            .map_err(|e: toml::de::Error| TrainError::Config(e.to_string()))?;
+        cfg.validate()?;
+        Ok(cfg)
+    }
+
+    /// Loads a TOML file on top of a preset.
+    pub fn load(preset: &str, path: Option<&Path>, overrides: &[String]) -> Result<Self> {
+        let text = match path {
+            Some(p) => {
+                Some(std::fs::read_to_string(p).ctx(|| format!("reading config {}", p.display()))?)
+            }
+            None => None,
+        };
+        Self::resolve(preset, text.as_deref(), overrides)
+    }
+
+    /// Checks the relations between fields that types cannot express.
+    pub fn validate(&self) -> Result<()> {
+        let m = &self.model;
+        let t = &self.train;
+        let bad = |msg: String| Err(TrainError::Config(msg));
+        if m.arch != "llama" && m.arch != "mixtral" {
+            return bad(format!(
+                "model.arch must be `llama` or `mixtral`, not `{}`",
+                m.arch
+            ));
+        }
+        for (name, v) in [
+            ("model.vocab_size", m.vocab_size),
+            ("model.hidden_size", m.hidden_size),
+            ("model.intermediate_size", m.intermediate_size),
+            ("model.num_layers", m.num_layers),
+            ("model.num_heads", m.num_heads),
+            ("model.num_kv_heads", m.num_kv_heads),
+            ("model.seq_len", m.seq_len),
+            ("train.micro_batch", t.micro_batch),
+            ("train.grad_accum", t.grad_accum),
+            ("parallel.nproc", self.parallel.nproc),
+            ("parallel.dp", self.parallel.dp),
+        ] {
+            if v == 0 {
+                return bad(format!("{name} must be > 0"));
+            }
+        }
+        if !m.hidden_size.is_multiple_of(m.num_heads) {
+            return bad(format!(
+                "model.hidden_size {} is not divisible by model.num_heads {}",
+                m.hidden_size, m.num_heads
+            ));
+        }
+        if !m.num_heads.is_multiple_of(m.num_kv_heads) {
+            return bad(format!(
+                "model.num_heads {} is not a multiple of model.num_kv_heads {}",
+                m.num_heads, m.num_kv_heads
+            ));
+        }
+        if !(m.hidden_size / m.num_heads).is_multiple_of(2) {
+            return bad("head dim must be even for RoPE".into());
+        }
+        if m.arch == "mixtral" && (m.num_experts == 0 || m.experts_per_token == 0) {
+            return bad("mixtral needs model.num_experts and model.experts_per_token > 0".into());
+        }
+        if m.experts_per_token > m.num_experts {
+            return bad("model.experts_per_token exceeds model.num_experts".into());
+        }
+        if !(t.lr.is_finite() && t.lr > 0.0) || t.min_lr < 0.0 || t.min_lr > t.lr {
+            return bad(format!(
+                "need 0 <= train.min_lr <= train.lr, lr > 0 (lr {}, min_lr {})",
+                t.lr, t.min_lr
+            ));
+        }
+        if !(0.0..1.0).contains(&t.beta1) || !(0.0..1.0).contains(&t.beta2) {
+            return bad("train.beta1 and train.beta2 must lie in [0, 1)".into());
+        }
+        if !(0.0..0.5).contains(&self.data.val_fraction) {
+            return bad("data.val_fraction must lie in [0, 0.5)".into());
+        }
+        if t.precision == Precision::Fp16 && (t.loss_scale.is_nan() || t.loss_scale < 1.0) {
+            return bad("train.loss_scale must be >= 1".into());
+        }
+        Ok(())
+    }
+
+    /// Sequences per optimizer step over all ranks: dp × micro × accum.
+    pub fn global_batch(&self) -> usize {
+        self.parallel.dp * self.train.micro_batch * self.train.grad_accum
+    }
+
+    /// Rejects layouts this build cannot run yet.
+    pub fn require_single_process(&self) -> Result<()> {
+        let p = &self.parallel;
+        if p.nproc != 1 || p.dp != 1 || p.zero != 0 {
+            return Err(TrainError::Unsupported(format!(
+                "parallel layout nproc={} dp={} zero={}: the single-process trainer runs nproc=1, dp=1, zero=0 only",
+                p.nproc, p.dp, p.zero
+            )));
+        }
+        Ok(())
+    }
+
+    pub fn to_toml(&self) -> String {
+        toml::to_string_pretty(self).expect("config serialises")
+    }
+}
+
+fn parse_value(raw: &str) -> toml::Value {
+    // Parse `x = <raw>` so TOML decides the type (int, float, bool, array, quoted string).
+    toml::from_str::<toml::Table>(&format!("x = {raw}"))
+        .ok()
+        .and_then(|mut t| t.remove("x"))
+        .unwrap_or_else(|| toml::Value::String(raw.to_string()))
+}
+
+fn merge(base: &mut toml::Value, user: &toml::Value, prefix: &str) -> Result<()> {
+    let (Some(bt), Some(ut)) = (base.as_table_mut(), user.as_table()) else {
+        return Err(TrainError::Config(format!("`{prefix}` must be a table")));
+    };
+    for (k, v) in ut {
+        let path = if prefix.is_empty() {
+            k.clone()
+        } else {
+            format!("{prefix}.{k}")
+        };
+        match bt.get_mut(k) {
+            None => return Err(TrainError::UnknownKey(path)),
+            Some(slot) if slot.is_table() => merge(slot, v, &path)?,
+            Some(slot) => *slot = coerce(slot, v.clone()),
+        }
+    }
+    Ok(())
+}
+
+fn set_path(tree: &mut toml::Value, key: &str, value: toml::Value) -> Result<()> {
+    let mut node = tree;
+    let parts: Vec<&str> = key.split('.').collect();
+    for (i, part) in parts.iter().enumerate() {
+        let table = node
+            .as_table_mut()
+            .ok_or_else(|| TrainError::UnknownKey(key.to_string()))?;
+        let slot = table
+            .get_mut(*part)
+            .ok_or_else(|| TrainError::UnknownKey(key.to_string()))?;
+        if i + 1 == parts.len() {
+            if slot.is_table() {
+                return Err(TrainError::Config(format!(
+                    "`{key}` is a section, not a value"
+                )));
+            }
+            *slot = coerce(slot, value);
+            return Ok(());
+        }
+        node = slot;
+    }
+    Err(TrainError::UnknownKey(key.to_string()))
+}
+
+/// `lr = 1` in TOML is an integer; accept it where a float is expected.
+fn coerce(slot: &toml::Value, v: toml::Value) -> toml::Value {
+    match (slot, &v) {
+        (toml::Value::Float(_), toml::Value::Integer(i)) => toml::Value::Float(*i as f64),
+        (
+            toml::Value::String(_),
+            toml::Value::Integer(_) | toml::Value::Float(_) | toml::Value::Boolean(_),
+        ) => toml::Value::String(v.to_string()),
+        _ => v,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn presets_match_the_spec() {
+        let t = RunConfig::preset("tiny").unwrap();
+        let m = &t.model;
+        assert_eq!(
+            (
+                m.vocab_size,
+                m.hidden_size,
+                m.intermediate_size,
+                m.num_layers,
+                m.num_heads,
+                m.num_kv_heads,
+                m.seq_len,
+                t.train.micro_batch
+            ),
+            (256, 64, 176, 2, 4, 2, 64, 8)
+        );
+        let s = RunConfig::preset("small").unwrap();
+        let m = &s.model;
+        assert_eq!(
+            (
+                m.vocab_size,
+                m.hidden_size,
+                m.intermediate_size,
+                m.num_layers,
+                m.num_heads,
+                m.num_kv_heads,
+                m.seq_len,
+                s.train.micro_batch
+            ),
+            (256, 256, 688, 6, 8, 4, 256, 8)
+        );
+        let d = RunConfig::preset("medium").unwrap();
+        let m = &d.model;
+        assert_eq!(
+            (
+                m.vocab_size,
+                m.hidden_size,
+                m.intermediate_size,
+                m.num_layers,
+                m.num_heads,
+                m.num_kv_heads,
+                m.seq_len,
+                d.train.micro_batch
+            ),
+            (4096, 512, 1376, 8, 8, 4, 512, 4)
+        );
+        assert!(RunConfig::preset("huge").is_err());
+    }
+
+    #[test]
+    fn toml_then_overrides() {
+        let text = "[train]\nlr = 1\nprecision = \"bf16\"\n[model]\nseq_len = 32\n";
+        let c = RunConfig::resolve(
+            "tiny",
+            Some(text),
+            &["train.steps=7".into(), "data.tokenizer=byte".into()],
+        )
+        .unwrap();
+        assert_eq!(c.train.lr, 1.0);
+        assert_eq!(c.train.precision, Precision::Bf16);
+        assert_eq!(c.model.seq_len, 32);
+        assert_eq!(c.train.steps, 7);
+        // Round trip through the written form.
+        assert_eq!(
+            RunConfig::resolve("tiny", Some(&c.to_toml()), &[]).unwrap(),
+            c
+        );
+    }
+
+    #[test]
+    fn unknown_keys_are_named() {
+        let e = RunConfig::resolve("tiny", Some("[train]\nlrr = 1.0\n"), &[]).unwrap_err();
+        assert_eq!(e.to_string(), "config: unknown key `train.lrr`");
+        let e = RunConfig::resolve("tiny", None, &["model.hiden_size=3".into()]).unwrap_err();
+        assert!(e.to_string().contains("`model.hiden_size`"), "{e}");
+        let e = RunConfig::resolve("tiny", Some("[optim]\nx=1\n"), &[]).unwrap_err();
+        assert!(e.to_string().contains("`optim`"), "{e}");
+        let e = RunConfig::resolve("tiny", None, &["train.steps".into()]).unwrap_err();
+        assert!(e.to_string().contains("key=value"), "{e}");
+    }
+
+    #[test]
+    fn invalid_values_are_errors() {
+        let e = RunConfig::resolve("tiny", None, &["model.num_kv_heads=3".into()]).unwrap_err();
+        assert!(e.to_string().contains("num_kv_heads"), "{e}");
+        let e = RunConfig::resolve("tiny", None, &["train.precision=fp8".into()]).unwrap_err();
+        assert!(e.to_string().contains("fp8"), "{e}");
+        let e = RunConfig::resolve("tiny", None, &["train.steps=-1".into()]).unwrap_err();
+        assert!(matches!(e, TrainError::Config(_)), "{e}");
+        let c = RunConfig::resolve("tiny", None, &["parallel.nproc=2".into()]).unwrap();
+        assert!(c
+            .require_single_process()
+            .unwrap_err()
+            .to_string()
+            .contains("nproc=2"));
+    }
+}
