@@ -29,7 +29,10 @@ fn parse_size(s: &str) -> usize {
 /// CPU time consumed by the calling thread (on an idle machine, wall time approaches it; on a
 /// shared one it separates the cost of the code from waiting for a core).
 fn thread_cpu() -> f64 {
-    let mut ts = libc::timespec { tv_sec: 0, tv_nsec: 0 };
+    let mut ts = libc::timespec {
+        tv_sec: 0,
+        tv_nsec: 0,
+    };
     // SAFETY: clock_gettime writes into the timespec we own.
     unsafe { libc::clock_gettime(libc::CLOCK_THREAD_CPUTIME_ID, &mut ts) };
     ts.tv_sec as f64 + ts.tv_nsec as f64 * 1e-9
