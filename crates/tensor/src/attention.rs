@@ -20,7 +20,7 @@
 //! contribution".
 
 use crate::error::check_len;
-use crate::microkernel::{mm_nn, mm_tn_acc};
+use crate::microkernel::{exp_tile, gather_t, mm, mm_raw, online_softmax_tile, softmax_grad_tile};
 use crate::threads;
 use crate::TensorError;
 use rayon::prelude::*;
@@ -134,10 +134,13 @@ pub struct AttnTiles {
 }
 
 impl Default for AttnTiles {
+    /// Short query tiles waste little work on the causal diagonal; long key tiles amortise the
+    /// per-row softmax bookkeeping (max, sums, rescaling) over many scores. A `16 × 256` score
+    /// tile is 16 KiB and stays in L1. Measured in docs/PERFORMANCE.md ("Kernels").
     fn default() -> Self {
         AttnTiles {
-            q_tile: 64,
-            k_tile: 64,
+            q_tile: 16,
+            k_tile: 256,
         }
     }
 }
@@ -160,69 +163,27 @@ struct SyncPtr(*mut f32);
 unsafe impl Send for SyncPtr {}
 unsafe impl Sync for SyncPtr {}
 
-/// Copies head `h` of a `[batch, len, heads, d]` tensor (batch `b`) into `dst [len, d]`,
-/// multiplied by `mul`.
-#[allow(clippy::too_many_arguments)]
-fn gather_head(
-    src: &[f32],
-    b: usize,
-    len: usize,
-    heads: usize,
-    h: usize,
-    d: usize,
-    mul: f32,
-    dst: &mut [f32],
-) {
-    for i in 0..len {
-        let s = &src[((b * len + i) * heads + h) * d..][..d];
-        for (o, &x) in dst[i * d..(i + 1) * d].iter_mut().zip(s) {
-            *o = x * mul;
-        }
+impl SyncPtr {
+    /// The pointer (a method, so closures capture the whole `Sync` wrapper).
+    #[inline]
+    fn get(self) -> *mut f32 {
+        self.0
     }
 }
 
-/// Transposed gather: `dst [d, len]` with `dst[c, j] = src[b, j, h, c]`.
-#[allow(clippy::too_many_arguments)]
-fn gather_head_t(
-    src: &[f32],
-    b: usize,
-    len: usize,
-    heads: usize,
-    h: usize,
-    d: usize,
-    dst: &mut [f32],
-) {
-    for j in 0..len {
-        let s = &src[((b * len + j) * heads + h) * d..][..d];
-        for (c, &x) in s.iter().enumerate() {
-            dst[c * len + j] = x;
-        }
+/// Per-thread scratch buffer reused across tasks (avoids page-faulting fresh allocations in
+/// every task). Taken out of the thread-local while in use, so re-entry just allocates.
+fn with_scratch<R>(len: usize, f: impl FnOnce(&mut [f32]) -> R) -> R {
+    thread_local! {
+        static SCRATCH: std::cell::RefCell<Vec<f32>> = const { std::cell::RefCell::new(Vec::new()) };
     }
-}
-
-/// Adds `mul · src [len, d]` into head `h` (batch `b`) of the `[batch, len, heads, d]` buffer
-/// behind `dst`.
-///
-/// # Safety
-/// `dst` must point to a buffer of `batch·len·heads·d` elements, and no other thread may access
-/// the (b, h) slice concurrently.
-#[allow(clippy::too_many_arguments)]
-unsafe fn scatter_add_head(
-    dst: SyncPtr,
-    src: &[f32],
-    b: usize,
-    len: usize,
-    heads: usize,
-    h: usize,
-    d: usize,
-    mul: f32,
-) {
-    for i in 0..len {
-        let o = std::slice::from_raw_parts_mut(dst.0.add(((b * len + i) * heads + h) * d), d);
-        for (o, &x) in o.iter_mut().zip(&src[i * d..(i + 1) * d]) {
-            *o += mul * x;
-        }
+    let mut buf = SCRATCH.with(|c| std::mem::take(&mut *c.borrow_mut()));
+    if buf.len() < len {
+        buf.resize(len, 0.0);
     }
+    let r = f(&mut buf[..len]);
+    SCRATCH.with(|c| *c.borrow_mut() = buf);
+    r
 }
 
 /// Masks the score tile `s [bq, bk]` (row stride `bk`) for queries `i0..` and keys `j0..`:
@@ -255,95 +216,98 @@ pub fn attention_forward(
     check_len("attention lse", lse.len(), shape.lse_elems())?;
     let s = *shape;
     let (sq, sk, d) = (s.q_len, s.kv_len, s.head_dim);
+    if sq == 0 {
+        return Ok(());
+    }
     let group = s.n_heads / s.n_kv_heads;
     let scale = s.scale();
+    // Row strides of q/out and k/v.
+    let (hd, kvd) = (s.n_heads * d, s.n_kv_heads * d);
+    // Keys beyond what the last query sees are never needed.
+    let n_keys = s.visible_keys(sq - 1);
+    let (tq, tk) = (tiles.q_tile.min(sq), tiles.k_tile.min(n_keys.max(1)));
     let out_ptr = SyncPtr(out.as_mut_ptr());
     threads::install(|| {
         // One task per (batch, head): it owns out[b, :, h, :] and lse[b, h, :].
-        lse.par_chunks_mut(sq.max(1))
-            .take(s.batch * s.n_heads)
+        lse.par_chunks_mut(sq)
             .enumerate()
             .for_each(|(bh, lse_row)| {
                 let (b, h) = (bh / s.n_heads, bh % s.n_heads);
-                let kvh = h / group;
-                // Keys beyond what the last query sees are never needed.
-                let n_keys = if sq == 0 { 0 } else { s.visible_keys(sq - 1) };
-                let mut qs = vec![0.0f32; sq * d];
-                let mut kt = vec![0.0f32; d * sk];
-                let mut vv = vec![0.0f32; sk * d];
-                gather_head(q, b, sq, s.n_heads, h, d, scale, &mut qs);
-                gather_head_t(k, b, sk, s.n_kv_heads, kvh, d, &mut kt);
-                gather_head(v, b, sk, s.n_kv_heads, kvh, d, 1.0, &mut vv);
-                let mut o = vec![0.0f32; sq * d];
-                let mut st = vec![0.0f32; tiles.q_tile * tiles.k_tile];
-                let mut m = vec![0.0f32; tiles.q_tile];
-                let mut l = vec![0.0f32; tiles.q_tile];
-                for i0 in (0..sq).step_by(tiles.q_tile) {
-                    let bq = tiles.q_tile.min(sq - i0);
-                    m[..bq].fill(f32::NEG_INFINITY);
-                    l[..bq].fill(0.0);
-                    let acc = &mut o[i0 * d..(i0 + bq) * d];
-                    let kend = s.visible_keys(i0 + bq - 1).min(n_keys);
-                    for j0 in (0..kend).step_by(tiles.k_tile) {
-                        let bk = tiles.k_tile.min(kend - j0);
-                        let st = &mut st[..bq * bk];
-                        // S̃ = (s·Q) · Kᵀ for this tile
-                        mm_nn(st, bk, &qs[i0 * d..], d, &kt[j0..], sk, bq, d, bk, false);
-                        if s.causal && s.visible_keys(i0) < j0 + bk {
-                            mask_tile(&s, st, i0, bq, j0, bk);
+                let qbase = b * sq * hd + h * d;
+                let kvbase = b * sk * kvd + (h / group) * d;
+                let scratch_len = d * n_keys + tq * tk + tq * d + 2 * tq;
+                with_scratch(scratch_len, |buf| {
+                    let (kt, rest) = buf.split_at_mut(d * n_keys);
+                    let (st, rest) = rest.split_at_mut(tq * tk);
+                    let (acc, rest) = rest.split_at_mut(tq * d);
+                    let (m, l) = rest.split_at_mut(tq);
+                    gather_t(&k[kvbase..], kvd, n_keys, d, kt);
+                    for i0 in (0..sq).step_by(tq) {
+                        let bq = tq.min(sq - i0);
+                        m[..bq].fill(f32::NEG_INFINITY);
+                        l[..bq].fill(0.0);
+                        acc[..bq * d].fill(0.0);
+                        let kend = s.visible_keys(i0 + bq - 1);
+                        for j0 in (0..kend).step_by(tk) {
+                            let bk = tk.min(kend - j0);
+                            let st = &mut st[..bq * bk];
+                            // S̃ = Q·Kᵀ for this tile (the scale is applied inside the exp)
+                            mm(
+                                st,
+                                bk,
+                                &q[qbase + i0 * hd..],
+                                hd,
+                                1,
+                                &kt[j0..],
+                                n_keys,
+                                bq,
+                                d,
+                                bk,
+                                false,
+                            );
+                            if s.causal && s.visible_keys(i0) < j0 + bk {
+                                mask_tile(&s, st, i0, bq, j0, bk);
+                            }
+                            online_softmax_tile(st, bq, bk, scale, m, l, acc, d);
+                            // acc += P̃ · V
+                            mm(
+                                &mut acc[..bq * d],
+                                d,
+                                st,
+                                bk,
+                                1,
+                                &v[kvbase + j0 * kvd..],
+                                kvd,
+                                bq,
+                                bk,
+                                d,
+                                true,
+                            );
                         }
                         for r in 0..bq {
-                            let row = &mut st[r * bk..(r + 1) * bk];
-                            let tmax = row.iter().fold(f32::NEG_INFINITY, |a, &x| a.max(x));
-                            let m_new = m[r].max(tmax);
-                            if m_new == f32::NEG_INFINITY {
-                                // Nothing visible yet in this row: contributes zero.
-                                row.fill(0.0);
-                                continue;
-                            }
-                            let alpha = (m[r] - m_new).exp();
-                            let mut sum = 0.0f32;
-                            for x in row.iter_mut() {
-                                *x = (*x - m_new).exp();
-                                sum += *x;
-                            }
-                            l[r] = l[r] * alpha + sum;
-                            m[r] = m_new;
-                            if alpha != 1.0 {
-                                acc[r * d..(r + 1) * d].iter_mut().for_each(|a| *a *= alpha);
+                            let (inv, lse_v) = if l[r] > 0.0 {
+                                (1.0 / l[r], m[r] + l[r].ln())
+                            } else {
+                                (0.0, f32::NEG_INFINITY)
+                            };
+                            lse_row[i0 + r] = lse_v;
+                            // SAFETY: row (b, i0 + r, h) of `out` is in bounds (q_elems checked)
+                            // and belongs to this task only.
+                            let o = unsafe {
+                                std::slice::from_raw_parts_mut(
+                                    out_ptr.get().add(qbase + (i0 + r) * hd),
+                                    d,
+                                )
+                            };
+                            for (o, a) in o.iter_mut().zip(&acc[r * d..(r + 1) * d]) {
+                                *o = a * inv;
                             }
                         }
-                        // acc += P̃ · V
-                        mm_nn(acc, d, st, bk, &vv[j0 * d..], d, bq, bk, d, true);
                     }
-                    for r in 0..bq {
-                        if l[r] > 0.0 {
-                            let inv = 1.0 / l[r];
-                            acc[r * d..(r + 1) * d].iter_mut().for_each(|a| *a *= inv);
-                            lse_row[i0 + r] = m[r] + l[r].ln();
-                        } else {
-                            acc[r * d..(r + 1) * d].fill(0.0);
-                            lse_row[i0 + r] = f32::NEG_INFINITY;
-                        }
-                    }
-                }
-                // SAFETY: this task is the only one touching out[b, :, h, :]; out has
-                // q_elems() elements (checked above). It was not read, so write = 0 + o.
-                unsafe {
-                    zero_head(out_ptr, b, sq, s.n_heads, h, d);
-                    scatter_add_head(out_ptr, &o, b, sq, s.n_heads, h, d, 1.0);
-                }
+                });
             });
     });
     Ok(())
-}
-
-/// # Safety
-/// As for [`scatter_add_head`].
-unsafe fn zero_head(dst: SyncPtr, b: usize, len: usize, heads: usize, h: usize, d: usize) {
-    for i in 0..len {
-        std::slice::from_raw_parts_mut(dst.0.add(((b * len + i) * heads + h) * d), d).fill(0.0);
-    }
 }
 
 /// Backward. Given the forward's `out` and `lse` and the output gradient `dout`, accumulates
@@ -384,8 +348,17 @@ pub fn attention_backward(
     check_len("attention lse", lse.len(), shape.lse_elems())?;
     let s = *shape;
     let (sq, sk, d) = (s.q_len, s.kv_len, s.head_dim);
+    if sq == 0 {
+        return Ok(());
+    }
+    let n_keys = s.visible_keys(sq - 1);
+    if n_keys == 0 {
+        return Ok(());
+    }
     let group = s.n_heads / s.n_kv_heads;
     let scale = s.scale();
+    let (hd, kvd) = (s.n_heads * d, s.n_kv_heads * d);
+    let (tq, tk) = (tiles.q_tile.min(sq), tiles.k_tile.min(n_keys));
     let (dq_ptr, dk_ptr, dv_ptr) = (
         SyncPtr(dq.as_mut_ptr()),
         SyncPtr(dk.as_mut_ptr()),
@@ -393,98 +366,102 @@ pub fn attention_backward(
     );
     threads::install(|| {
         // One task per (batch, kv head): it owns dk/dv[b, :, kvh, :] and dq[b, :, h, :] for the
-        // query heads h of its group, so no two tasks write the same element.
+        // query heads h of its group, so no two tasks write the same element. Products that
+        // update those gradients write them in place through raw pointers (`mm_raw`).
         (0..s.batch * s.n_kv_heads)
             .into_par_iter()
             .for_each(|task| {
                 let (b, kvh) = (task / s.n_kv_heads, task % s.n_kv_heads);
-                let n_keys = if sq == 0 { 0 } else { s.visible_keys(sq - 1) };
-                let mut kk = vec![0.0f32; sk * d];
-                let mut kt = vec![0.0f32; d * sk];
-                let mut vt = vec![0.0f32; d * sk];
-                gather_head(k, b, sk, s.n_kv_heads, kvh, d, 1.0, &mut kk);
-                gather_head_t(k, b, sk, s.n_kv_heads, kvh, d, &mut kt);
-                gather_head_t(v, b, sk, s.n_kv_heads, kvh, d, &mut vt);
-                let mut dkl = vec![0.0f32; sk * d];
-                let mut dvl = vec![0.0f32; sk * d];
-                let mut qs = vec![0.0f32; sq * d];
-                let mut o = vec![0.0f32; sq * d];
-                let mut dov = vec![0.0f32; sq * d];
-                let mut dql = vec![0.0f32; sq * d];
-                let mut delta = vec![0.0f32; sq];
-                let mut p = vec![0.0f32; tiles.q_tile * tiles.k_tile];
-                let mut dp = vec![0.0f32; tiles.q_tile * tiles.k_tile];
-                for h in kvh * group..(kvh + 1) * group {
-                    gather_head(q, b, sq, s.n_heads, h, d, scale, &mut qs);
-                    gather_head(out, b, sq, s.n_heads, h, d, 1.0, &mut o);
-                    gather_head(dout, b, sq, s.n_heads, h, d, 1.0, &mut dov);
-                    let lse_row = &lse[(b * s.n_heads + h) * sq..][..sq];
-                    for i in 0..sq {
-                        delta[i] = dov[i * d..(i + 1) * d]
-                            .iter()
-                            .zip(&o[i * d..(i + 1) * d])
-                            .map(|(a, b)| a * b)
-                            .sum();
-                    }
-                    dql.fill(0.0);
-                    for i0 in (0..sq).step_by(tiles.q_tile) {
-                        let bq = tiles.q_tile.min(sq - i0);
-                        let kend = s.visible_keys(i0 + bq - 1).min(n_keys);
-                        for j0 in (0..kend).step_by(tiles.k_tile) {
-                            let bk = tiles.k_tile.min(kend - j0);
-                            let p = &mut p[..bq * bk];
-                            let dp = &mut dp[..bq * bk];
-                            // P = exp(s·Q·Kᵀ − lse)
-                            mm_nn(p, bk, &qs[i0 * d..], d, &kt[j0..], sk, bq, d, bk, false);
-                            if s.causal && s.visible_keys(i0) < j0 + bk {
-                                mask_tile(&s, p, i0, bq, j0, bk);
-                            }
-                            for r in 0..bq {
-                                let l = lse_row[i0 + r];
-                                let row = &mut p[r * bk..(r + 1) * bk];
-                                if l == f32::NEG_INFINITY {
-                                    row.fill(0.0);
-                                } else {
-                                    row.iter_mut().for_each(|x| *x = (*x - l).exp());
+                let kvbase = b * sk * kvd + kvh * d;
+                with_scratch(2 * d * n_keys + 2 * tq * tk + sq, |buf| {
+                    let (kt, rest) = buf.split_at_mut(d * n_keys);
+                    let (vt, rest) = rest.split_at_mut(d * n_keys);
+                    let (p, rest) = rest.split_at_mut(tq * tk);
+                    let (dp, delta) = rest.split_at_mut(tq * tk);
+                    gather_t(&k[kvbase..], kvd, n_keys, d, kt);
+                    gather_t(&v[kvbase..], kvd, n_keys, d, vt);
+                    for h in kvh * group..(kvh + 1) * group {
+                        let qbase = b * sq * hd + h * d;
+                        let lse_row = &lse[(b * s.n_heads + h) * sq..][..sq];
+                        for (i, dl) in delta.iter_mut().enumerate() {
+                            let o = &out[qbase + i * hd..][..d];
+                            *dl = dout[qbase + i * hd..][..d]
+                                .iter()
+                                .zip(o)
+                                .map(|(a, b)| a * b)
+                                .sum();
+                        }
+                        for i0 in (0..sq).step_by(tq) {
+                            let bq = tq.min(sq - i0);
+                            let kend = s.visible_keys(i0 + bq - 1);
+                            let q_i = &q[qbase + i0 * hd..];
+                            let do_i = &dout[qbase + i0 * hd..];
+                            for j0 in (0..kend).step_by(tk) {
+                                let bk = tk.min(kend - j0);
+                                let p = &mut p[..bq * bk];
+                                let dp = &mut dp[..bq * bk];
+                                // P = exp(s·Q·Kᵀ − lse)
+                                mm(p, bk, q_i, hd, 1, &kt[j0..], n_keys, bq, d, bk, false);
+                                if s.causal && s.visible_keys(i0) < j0 + bk {
+                                    mask_tile(&s, p, i0, bq, j0, bk);
+                                }
+                                exp_tile(p, bq, bk, scale, &lse_row[i0..]);
+                                // dP = dO·Vᵀ, then dS' = s·P∘(dP − D) in place
+                                mm(dp, bk, do_i, hd, 1, &vt[j0..], n_keys, bq, d, bk, false);
+                                softmax_grad_tile(dp, p, &delta[i0..i0 + bq], bk, scale);
+                                // SAFETY: rows j0..j0+bk of dk/dv (head kvh, batch b) and rows
+                                // i0..i0+bq of dq (head h, batch b) are in bounds (lengths checked,
+                                // j0 + bk <= n_keys <= kv_len, i0 + bq <= q_len) and written only by
+                                // this task; the outputs are distinct from all inputs.
+                                unsafe {
+                                    let kv_off = kvbase + j0 * kvd;
+                                    // dV += Pᵀ·dO
+                                    mm_raw(
+                                        dv_ptr.get().add(kv_off),
+                                        kvd,
+                                        p.as_ptr(),
+                                        1,
+                                        bk,
+                                        do_i.as_ptr(),
+                                        hd,
+                                        bk,
+                                        bq,
+                                        d,
+                                        true,
+                                    );
+                                    // dK += dS'ᵀ·Q
+                                    mm_raw(
+                                        dk_ptr.get().add(kv_off),
+                                        kvd,
+                                        dp.as_ptr(),
+                                        1,
+                                        bk,
+                                        q_i.as_ptr(),
+                                        hd,
+                                        bk,
+                                        bq,
+                                        d,
+                                        true,
+                                    );
+                                    // dQ += dS'·K
+                                    mm_raw(
+                                        dq_ptr.get().add(qbase + i0 * hd),
+                                        hd,
+                                        dp.as_ptr(),
+                                        bk,
+                                        1,
+                                        k.as_ptr().add(kv_off),
+                                        kvd,
+                                        bq,
+                                        bk,
+                                        d,
+                                        true,
+                                    );
                                 }
                             }
-                            // dV += Pᵀ·dO
-                            mm_tn_acc(&mut dvl[j0 * d..], d, p, bk, &dov[i0 * d..], d, bk, bq, d);
-                            // dP = dO·Vᵀ ; dS = P∘(dP − D)  (stored in dp)
-                            mm_nn(dp, bk, &dov[i0 * d..], d, &vt[j0..], sk, bq, d, bk, false);
-                            for r in 0..bq {
-                                let dl = delta[i0 + r];
-                                for (x, &pv) in dp[r * bk..(r + 1) * bk]
-                                    .iter_mut()
-                                    .zip(&p[r * bk..(r + 1) * bk])
-                                {
-                                    *x = pv * (*x - dl);
-                                }
-                            }
-                            // dQ += dS·K (scaled by s at the end); dK += dSᵀ·(s·Q)
-                            mm_nn(
-                                &mut dql[i0 * d..],
-                                d,
-                                dp,
-                                bk,
-                                &kk[j0 * d..],
-                                d,
-                                bq,
-                                bk,
-                                d,
-                                true,
-                            );
-                            mm_tn_acc(&mut dkl[j0 * d..], d, dp, bk, &qs[i0 * d..], d, bk, bq, d);
                         }
                     }
-                    // SAFETY: dq[b, :, h, :] belongs to this task only (h is in its group).
-                    unsafe { scatter_add_head(dq_ptr, &dql, b, sq, s.n_heads, h, d, scale) };
-                }
-                // SAFETY: dk/dv[b, :, kvh, :] belong to this task only.
-                unsafe {
-                    scatter_add_head(dk_ptr, &dkl, b, sk, s.n_kv_heads, kvh, d, 1.0);
-                    scatter_add_head(dv_ptr, &dvl, b, sk, s.n_kv_heads, kvh, d, 1.0);
-                }
+                });
             });
     });
     Ok(())

@@ -127,7 +127,7 @@ impl RunConfig {
     pub fn preset(name: &str) -> Result<Self> {
         // (vocab, hidden, ffn, layers, heads, kv heads, seq, batch, steps, lr)
         let (v, h, f, l, nh, kv, s, b, steps, lr) = match name {
-            "tiny" => (256, 64, 176, 2, 4, 2, 64, 8, 600, 3e-3),
+            "tiny" => (256, 64, 176, 2, 4, 2, 64, 8, 1500, 3e-3),
             "small" => (256, 256, 688, 6, 8, 4, 256, 8, 2000, 1e-3),
             "medium" => (4096, 512, 1376, 8, 8, 4, 512, 4, 5000, 6e-4),
             other => {
@@ -252,19 +252,19 @@ impl RunConfig {
                 return bad(format!("{name} must be > 0"));
             }
         }
-        if m.hidden_size % m.num_heads != 0 {
+        if !m.hidden_size.is_multiple_of(m.num_heads) {
             return bad(format!(
                 "model.hidden_size {} is not divisible by model.num_heads {}",
                 m.hidden_size, m.num_heads
             ));
         }
-        if m.num_heads % m.num_kv_heads != 0 {
+        if !m.num_heads.is_multiple_of(m.num_kv_heads) {
             return bad(format!(
                 "model.num_heads {} is not a multiple of model.num_kv_heads {}",
                 m.num_heads, m.num_kv_heads
             ));
         }
-        if (m.hidden_size / m.num_heads) % 2 != 0 {
+        if !(m.hidden_size / m.num_heads).is_multiple_of(2) {
             return bad("head dim must be even for RoPE".into());
         }
         if m.arch == "mixtral" && (m.num_experts == 0 || m.experts_per_token == 0) {
@@ -285,7 +285,7 @@ impl RunConfig {
         if !(0.0..0.5).contains(&self.data.val_fraction) {
             return bad("data.val_fraction must lie in [0, 0.5)".into());
         }
-        if t.precision == Precision::Fp16 && !(t.loss_scale >= 1.0) {
+        if t.precision == Precision::Fp16 && (t.loss_scale.is_nan() || t.loss_scale < 1.0) {
             return bad("train.loss_scale must be >= 1".into());
         }
         Ok(())

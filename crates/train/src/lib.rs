@@ -7,12 +7,21 @@
 //! - [`schedule`]: warmup + cosine learning rate;
 //! - [`memory`]: byte accounting of parameters, gradients, optimizer state, activations;
 //! - [`rng`]: the seekable RNG whose state goes into checkpoints.
+pub mod bench;
+pub mod checkpoint;
 pub mod config;
 pub mod data;
 pub mod error;
+pub mod generate;
+pub mod hf;
 pub mod memory;
+pub mod metrics;
+pub mod optim;
+pub mod precision;
 pub mod rng;
+pub mod run;
 pub mod schedule;
+pub mod trainer;
 
 pub use config::{Precision, RunConfig};
 pub use error::{Result, TrainError};

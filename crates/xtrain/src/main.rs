@@ -19,7 +19,15 @@ struct Cli {
 enum Command {
     /// Start this host's worker processes with the launch variables and supervise them.
     Launch(cmd::launch::Args),
-    /// Benchmarks (collectives: `xtrain bench comm`).
+    /// Train a model (single process).
+    Train(cmd::train::TrainArgs),
+    /// Sample text from a checkpoint.
+    Generate(cmd::generate::GenerateArgs),
+    /// Tokenize text files into a token file (optionally training a BPE tokenizer).
+    Tokenize(cmd::tokenize::TokenizeArgs),
+    /// Convert checkpoints to and from Hugging Face format.
+    Convert(cmd::convert::ConvertArgs),
+    /// Benchmarks (`xtrain bench comm`, `xtrain bench train`).
     Bench(cmd::bench::Args),
 }
 
@@ -34,6 +42,10 @@ fn main() -> anyhow::Result<()> {
     let cli = Cli::parse();
     match cli.command {
         Command::Launch(args) => cmd::launch::run(args),
+        Command::Train(a) => cmd::train::run_cmd(a),
+        Command::Generate(a) => cmd::generate::run_cmd(a),
+        Command::Tokenize(a) => cmd::tokenize::run_cmd(a),
+        Command::Convert(a) => cmd::convert::run_cmd(a),
         Command::Bench(args) => cmd::bench::run(args),
     }
 }

@@ -84,7 +84,7 @@ fn every_collective_is_exact_through_launch_over_shm_and_tcp() {
 
 #[test]
 fn bench_spawns_its_own_workers_for_every_algorithm() {
-    for algo in ["ring", "tree", "rhd", "auto"] {
+    for algo in ["ring", "tree", "rhd", "rd", "auto"] {
         let out = xtrain()
             .args(["bench", "comm", "--nproc", "3", "--algo", algo, "--json"])
             .args([
@@ -232,4 +232,61 @@ fn a_rank_killed_mid_run_fails_the_launch_naming_it() {
         "took {:?}",
         start.elapsed()
     );
+}
+
+#[test]
+fn two_launchers_form_one_job_like_two_hosts() {
+    // What `--nnodes 2` on two hosts does, with both "hosts" here: each launcher starts 2
+    // ranks, they meet at the store hosted by rank 0 and run collectives over TCP.
+    let port = free_port().to_string();
+    let node = |rank: &str| {
+        xtrain()
+            .env("XTRAIN_COMM_TIMEOUT", "20")
+            .args([
+                "launch",
+                "--nproc-per-node",
+                "2",
+                "--nnodes",
+                "2",
+                "--node-rank",
+                rank,
+            ])
+            .args(["--master-addr", "127.0.0.1", "--master-port", &port, "--"])
+            .args([
+                XTRAIN,
+                "bench",
+                "comm",
+                "--transport",
+                "tcp",
+                "--min",
+                "4K",
+                "--max",
+                "64K",
+            ])
+            .args(["--factor", "4", "--iters", "2"])
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap()
+    };
+    // Node 1 first: its ranks must wait for rank 0's store to appear.
+    let second = node("1");
+    std::thread::sleep(Duration::from_millis(200));
+    let first = node("0");
+    let (a, b) = (
+        first.wait_with_output().unwrap(),
+        second.wait_with_output().unwrap(),
+    );
+    assert!(a.status.success(), "node 0: {}", text(&a.stderr));
+    assert!(b.status.success(), "node 1: {}", text(&b.stderr));
+    let stdout = text(&a.stdout);
+    assert!(
+        stdout.contains("all_reduce over 4 rank(s), transport tcp"),
+        "{stdout}"
+    );
+    let rows = rows(&stdout);
+    assert_eq!(rows.len(), 3, "{stdout}");
+    assert!(rows.iter().all(|&(_, wrong)| wrong == 0), "{stdout}");
+    // Only rank 0 (on node 0) prints the table.
+    assert!(text(&b.stdout).trim().is_empty(), "{}", text(&b.stdout));
 }

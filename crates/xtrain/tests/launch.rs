@@ -189,6 +189,8 @@ fn bad_launch_arguments_are_clear_errors() {
         "true",
     );
     assert!(text(&out.stderr).contains("--node-rank 2 must be below --nnodes 2"));
+    let (out, _) = launch(&["--nproc-per-node", "1", "--grace-period", "inf"], "true");
+    assert!(text(&out.stderr).contains("--grace-period inf must be between 0 and 3600"));
     let out = xtrain()
         .args([
             "launch",

@@ -80,7 +80,8 @@ impl Store for MemStore {
     }
 
     fn wait(&self, keys: &[&str], timeout: Duration) -> Result<(), StoreError> {
-        let deadline = Instant::now() + timeout;
+        // A timeout too large for a deadline (e.g. Duration::MAX from a client) waits forever.
+        let deadline = Instant::now().checked_add(timeout);
         let mut map = self.map.lock().unwrap();
         loop {
             let missing: Vec<String> = keys
@@ -91,14 +92,19 @@ impl Store for MemStore {
             if missing.is_empty() {
                 return Ok(());
             }
-            let now = Instant::now();
-            if now >= deadline {
-                return Err(StoreError::Timeout {
-                    keys: missing,
-                    timeout,
-                });
-            }
-            map = self.changed.wait_timeout(map, deadline - now).unwrap().0;
+            map = match deadline {
+                None => self.changed.wait(map).unwrap(),
+                Some(deadline) => {
+                    let now = Instant::now();
+                    if now >= deadline {
+                        return Err(StoreError::Timeout {
+                            keys: missing,
+                            timeout,
+                        });
+                    }
+                    self.changed.wait_timeout(map, deadline - now).unwrap().0
+                }
+            };
         }
     }
 
@@ -175,6 +181,13 @@ mod tests {
             .wait(&["a", "b"], Duration::from_millis(10))
             .unwrap_err();
         assert!(err.to_string().contains("\"b\""), "{err}");
+    }
+
+    #[test]
+    fn huge_timeouts_do_not_overflow() {
+        let store = MemStore::new();
+        store.set("k", b"v").unwrap();
+        assert_eq!(store.get("k", Duration::MAX).unwrap(), b"v");
     }
 
     #[test]

@@ -417,7 +417,9 @@ impl TcpStore {
     /// Connects to the store at `addr` ("host:port"), retrying until `timeout` so that
     /// ranks may start before rank 0 has bound the port.
     pub fn connect(addr: &str, timeout: Duration) -> Result<Self, StoreError> {
-        let deadline = Instant::now() + timeout;
+        // Saturate: a timeout of Duration::MAX means "keep trying".
+        let far = Duration::from_secs(u32::MAX as u64);
+        let deadline = Instant::now() + timeout.min(far);
         let mut backoff = Duration::from_millis(10);
         let mut stream = loop {
             let last = match try_connect(addr, deadline) {
@@ -435,7 +437,9 @@ impl TcpStore {
             backoff = (backoff * 2).min(Duration::from_millis(500));
         };
         let _ = stream.set_nodelay(true);
-        let op_timeout = timeout.max(Duration::from_secs(1)) + SERVER_SLACK;
+        let op_timeout = timeout
+            .max(Duration::from_secs(1))
+            .saturating_add(SERVER_SLACK);
         let hello = Writer::default().u8(OP_HELLO).u32(MAGIC).u32(VERSION).0;
         roundtrip(&mut stream, addr, &hello, op_timeout)?;
         Ok(Self {
@@ -484,7 +488,12 @@ impl TcpStore {
                 self.addr
             )));
         };
-        let result = roundtrip(stream, &self.addr, body, self.op_timeout + wait);
+        let result = roundtrip(
+            stream,
+            &self.addr,
+            body,
+            self.op_timeout.saturating_add(wait),
+        );
         if matches!(
             result,
             Err(StoreError::Io(_)) | Err(StoreError::Protocol(_))
@@ -680,6 +689,7 @@ mod tests {
         assert!(a.delete("k").unwrap());
         assert!(!b.delete("k").unwrap());
         // Empty values and binary data survive the framing.
+        assert_eq!(b.get("addr/0", Duration::MAX).unwrap(), b"10.0.0.1:5000");
         a.set("empty", b"").unwrap();
         assert_eq!(b.get("empty", T).unwrap(), b"");
         let blob: Vec<u8> = (0..=255).collect();
@@ -839,6 +849,24 @@ mod tests {
         let s = TcpStore::connect(&addr, T).unwrap();
         s.set("alive", b"yes").unwrap();
         assert_eq!(s.get("alive", T).unwrap(), b"yes");
+    }
+
+    proptest::proptest! {
+        /// Any body at all decodes to a reply or an error, never a panic; a byte flipped in a
+        /// valid request is no different.
+        #[test]
+        fn arbitrary_request_bodies_never_panic(
+            body in proptest::collection::vec(proptest::prelude::any::<u8>(), 0..64),
+            flip in 0usize..64,
+        ) {
+            let state = MemStore::new();
+            let mut greeted = true;
+            let _ = handle(&body, &state, &mut greeted);
+            let mut valid = Writer::default().u8(OP_CAS).bytes(b"key").opt_bytes(Some(b"a")).bytes(b"b").0;
+            let i = flip % valid.len();
+            valid[i] ^= 0x5a;
+            let _ = handle(&valid, &state, &mut greeted);
+        }
     }
 
     #[test]

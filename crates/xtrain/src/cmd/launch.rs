@@ -94,20 +94,29 @@ pub struct GroupSpec {
 }
 
 impl GroupSpec {
-    pub fn from_args(a: Args) -> Self {
-        GroupSpec {
+    pub fn from_args(a: Args) -> Result<Self, LaunchError> {
+        let grace = Duration::try_from_secs_f64(a.grace_period)
+            .ok()
+            .filter(|g| *g <= Duration::from_secs(3600))
+            .ok_or_else(|| {
+                LaunchError::Invalid(format!(
+                    "--grace-period {} must be between 0 and 3600 seconds",
+                    a.grace_period
+                ))
+            })?;
+        Ok(GroupSpec {
             nproc_per_node: a.nproc_per_node,
             nnodes: a.nnodes,
             node_rank: a.node_rank,
             master_addr: a.master_addr,
             master_port: a.master_port,
             max_restarts: a.max_restarts,
-            grace: Duration::from_secs_f64(a.grace_period.max(0.0)),
+            grace,
             job_id: a.job_id,
             command: a.command,
             extra_env: Vec::new(),
             prefix_stdout: true,
-        }
+        })
     }
 
     fn validate(&self) -> Result<(), LaunchError> {
@@ -135,7 +144,7 @@ impl GroupSpec {
 }
 
 pub fn run(args: Args) -> anyhow::Result<()> {
-    run_group(&GroupSpec::from_args(args))?;
+    run_group(&GroupSpec::from_args(args)?)?;
     Ok(())
 }
 

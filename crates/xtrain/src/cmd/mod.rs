@@ -1,3 +1,8 @@
 //! One module per `xtrain` subcommand.
 pub mod bench;
+pub mod convert;
+pub mod generate;
 pub mod launch;
+pub mod tokenize;
+pub mod train;
+pub mod train_dp;

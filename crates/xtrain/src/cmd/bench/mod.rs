@@ -1,6 +1,7 @@
 //! `xtrain bench ...`: benchmarks that print tables with the figures quoted in
 //! `docs/PERFORMANCE.md`. One module per benchmark.
 pub mod comm;
+pub mod train;
 
 /// `xtrain bench` options.
 #[derive(clap::Args, Debug)]
@@ -13,10 +14,13 @@ pub struct Args {
 pub enum What {
     /// Collective bandwidth and latency in the style of nccl-tests.
     Comm(comm::Args),
+    /// Training throughput (tokens/s, MFU) of a preset.
+    Train(train::BenchTrainArgs),
 }
 
 pub fn run(args: Args) -> anyhow::Result<()> {
     match args.what {
         What::Comm(a) => comm::run(a),
+        What::Train(a) => train::run_cmd(a),
     }
 }

@@ -1,0 +1,248 @@
+//! A pre-norm decoder block: `h = x + Attn(RMSNorm(x))`, `y = h + FFN(RMSNorm(h))`, with the
+//! FFN a SwiGLU MLP (Llama) or a mixture of experts (Mixtral), and activation recomputation.
+//!
+//! Tensor (and sequence) parallelism reuse this block unchanged: build it with a rank's local
+//! head counts / FFN width and views into a local shard, and give it [`RegionHooks`], the
+//! Megatron `f`/`g` operators around each parallel region (attention and FFN):
+//! `enter` (TP: identity forward, all-reduce backward; SP: all-gather / reduce-scatter) and
+//! `exit` (TP: all-reduce forward, identity backward; SP: reduce-scatter / all-gather).
+
+use std::sync::Arc;
+
+use super::attention::{Attention, AttnCache};
+use super::mlp::{MlpCache, SwiGlu};
+use super::moe::{Moe, MoeCache};
+use super::{rmsnorm, rmsnorm_backward_input, Act, Pass, Recompute, WeightGradStore, WeightTask};
+use crate::error::Result;
+use crate::layout::View;
+
+/// Communication at the borders of a block's parallel regions (see the module doc). Each
+/// method takes and returns a whole activation / gradient buffer.
+pub trait RegionHooks: Send + Sync + std::fmt::Debug {
+    /// Input of a region, forward (TP: identity).
+    fn enter_forward(&self, x: Vec<f32>) -> Result<Vec<f32>>;
+    /// Gradient of a region's input, backward (TP: all-reduce sum).
+    fn enter_backward(&self, dx: Vec<f32>) -> Result<Vec<f32>>;
+    /// Output of a region, forward (TP: all-reduce sum of the partial outputs).
+    fn exit_forward(&self, y: Vec<f32>) -> Result<Vec<f32>>;
+    /// Gradient of a region's output, backward (TP: identity).
+    fn exit_backward(&self, dy: Vec<f32>) -> Result<Vec<f32>>;
+}
+
+/// The feed-forward half of a block.
+#[derive(Debug, Clone)]
+pub enum Ffn {
+    Dense(SwiGlu),
+    Moe(Moe),
+}
+
+#[derive(Debug, Clone)]
+enum FfnCache {
+    Dense(MlpCache),
+    Moe(MoeCache),
+}
+
+/// A decoder block (views relative to the block's parameter range).
+#[derive(Debug, Clone)]
+pub struct Block {
+    pub attn_norm: View,
+    pub attn: Attention,
+    pub ffn_norm: View,
+    pub ffn: Ffn,
+    pub eps: f32,
+    /// Parallel-region communication (`None`: single device).
+    pub hooks: Option<Arc<dyn RegionHooks>>,
+}
+
+#[derive(Debug, Clone)]
+struct Saved {
+    xn1: Option<Act>,
+    rstd1: Act,
+    attn: AttnCache,
+    h: Act,
+    xn2: Option<Act>,
+    rstd2: Act,
+    ffn: FfnCache,
+}
+
+/// What a block's backward needs; with [`Recompute::Full`] only the input is held.
+#[derive(Debug, Clone)]
+pub struct BlockCache {
+    pass: Pass,
+    x: Act,
+    saved: Option<Saved>,
+    aux: f32,
+    routing: Option<super::moe::Routing>,
+}
+
+impl BlockCache {
+    /// Weighted auxiliary loss of this block (its contribution to the total loss; 0 if dense).
+    pub fn aux_loss(&self) -> f32 {
+        self.aux
+    }
+    /// The pass this cache was made with.
+    pub fn pass(&self) -> &Pass {
+        &self.pass
+    }
+    /// The MoE routing of the forward, when recorded (not under full recomputation).
+    pub fn routing(&self) -> Option<&super::moe::Routing> {
+        self.routing.as_ref()
+    }
+}
+
+impl Block {
+    /// `x [tokens, hidden] -> y [tokens, hidden]`.
+    pub fn forward(&self, p: &[f32], x: Act, pass: &Pass) -> Result<(Vec<f32>, BlockCache)> {
+        let (y, saved, aux) = self.forward_saved(p, &x, pass)?;
+        let keep = pass.recompute != Recompute::Full;
+        let routing = match (&saved.ffn, keep) {
+            (FfnCache::Moe(c), true) => Some(c.routing.clone()),
+            _ => None,
+        };
+        let cache = BlockCache {
+            pass: *pass,
+            x,
+            saved: keep.then_some(saved),
+            aux,
+            routing,
+        };
+        Ok((y, cache))
+    }
+
+    fn forward_saved(&self, p: &[f32], x: &Act, pass: &Pass) -> Result<(Vec<f32>, Saved, f32)> {
+        let selective = pass.recompute == Recompute::Selective;
+        let (xn1, rstd1) = rmsnorm(p, &self.attn_norm, x, self.eps)?;
+        let xn1 = self.enter(xn1)?;
+        let (a, attn) = self.attn.forward(p, &xn1, pass)?;
+        let mut h = self.exit(a)?;
+        h.iter_mut().zip(x.iter()).for_each(|(a, b)| *a += b);
+        let (xn2, rstd2) = rmsnorm(p, &self.ffn_norm, &h, self.eps)?;
+        let xn2 = self.enter(xn2)?;
+        let (mut y, ffn, aux) = match &self.ffn {
+            Ffn::Dense(m) => {
+                let (y, c) = m.forward(p, &xn2, !selective)?;
+                (y, FfnCache::Dense(c), 0.0)
+            }
+            Ffn::Moe(m) => {
+                let (y, c) = m.forward(p, &xn2, pass)?;
+                let aux = m.aux_coef * c.aux;
+                (y, FfnCache::Moe(c), aux)
+            }
+        };
+        y = self.exit(y)?;
+        y.iter_mut().zip(&h).for_each(|(a, b)| *a += b);
+        let saved = Saved {
+            xn1: (!selective).then(|| Arc::new(xn1)),
+            rstd1: Arc::new(rstd1),
+            attn,
+            h: Arc::new(h),
+            xn2: (!selective).then(|| Arc::new(xn2)),
+            rstd2: Arc::new(rstd2),
+            ffn,
+        };
+        Ok((y, saved, aux))
+    }
+
+    fn enter(&self, x: Vec<f32>) -> Result<Vec<f32>> {
+        match &self.hooks {
+            Some(h) => h.enter_forward(x),
+            None => Ok(x),
+        }
+    }
+    fn exit(&self, y: Vec<f32>) -> Result<Vec<f32>> {
+        match &self.hooks {
+            Some(h) => h.exit_forward(y),
+            None => Ok(y),
+        }
+    }
+    fn enter_backward(&self, dx: Vec<f32>) -> Result<Vec<f32>> {
+        match &self.hooks {
+            Some(h) => h.enter_backward(dx),
+            None => Ok(dx),
+        }
+    }
+    fn exit_backward(&self, dy: Vec<f32>) -> Result<Vec<f32>> {
+        match &self.hooks {
+            Some(h) => h.exit_backward(dy),
+            None => Ok(dy),
+        }
+    }
+
+    /// Input gradient of the block; every weight gradient is left in the returned store.
+    pub fn backward_input(
+        &self,
+        p: &[f32],
+        cache: BlockCache,
+        dy: Vec<f32>,
+    ) -> Result<(Vec<f32>, WeightGradStore)> {
+        let pass = cache.pass;
+        let x = cache.x;
+        let s = match cache.saved {
+            Some(s) => s,
+            None => {
+                let full = pass.with_recompute(Recompute::None);
+                self.forward_saved(p, &x, &full)?.1
+            }
+        };
+        let mut store = WeightGradStore::new();
+        // FFN half.
+        let xn2 = match s.xn2 {
+            Some(v) => v,
+            None => Arc::new(self.enter(rmsnorm(p, &self.ffn_norm, &s.h, self.eps)?.0)?),
+        };
+        let dm = Arc::new(self.exit_backward(dy.clone())?);
+        let dxn2 = match (&self.ffn, s.ffn) {
+            (Ffn::Dense(m), FfnCache::Dense(c)) => m.backward_input(p, &xn2, c, dm, &mut store)?,
+            (Ffn::Moe(m), FfnCache::Moe(c)) => {
+                m.backward_input(p, &xn2, c, dm, &pass, &mut store)?
+            }
+            _ => unreachable!("cache built by this block's own forward"),
+        };
+        let dxn2 = self.enter_backward(dxn2)?;
+        let mut dh = dy;
+        rmsnorm_backward_input(p, &self.ffn_norm, &s.h, &s.rstd2, &dxn2, &mut dh)?;
+        store.push(WeightTask::Norm {
+            w: self.ffn_norm.clone(),
+            dy: Arc::new(dxn2),
+            x: s.h,
+            rstd: s.rstd2,
+        });
+        // Attention half.
+        let xn1 = match s.xn1 {
+            Some(v) => v,
+            None => Arc::new(self.enter(rmsnorm(p, &self.attn_norm, &x, self.eps)?.0)?),
+        };
+        let da = Arc::new(self.exit_backward(dh.clone())?);
+        let dxn1 = self
+            .attn
+            .backward_input(p, &xn1, s.attn, da, &pass, &mut store)?;
+        let dxn1 = self.enter_backward(dxn1)?;
+        let mut dx = dh;
+        rmsnorm_backward_input(p, &self.attn_norm, &x, &s.rstd1, &dxn1, &mut dx)?;
+        store.push(WeightTask::Norm {
+            w: self.attn_norm.clone(),
+            dy: Arc::new(dxn1),
+            x,
+            rstd: s.rstd1,
+        });
+        Ok((dx, store))
+    }
+
+    /// Weight gradients recorded by [`Block::backward_input`], accumulated into `g`.
+    pub fn backward_weight(&self, p: &[f32], store: WeightGradStore, g: &mut [f32]) -> Result<()> {
+        store.apply(p, g)
+    }
+
+    /// Fused backward: input gradient returned, weight gradients accumulated into `g`.
+    pub fn backward(
+        &self,
+        p: &[f32],
+        g: &mut [f32],
+        cache: BlockCache,
+        dy: Vec<f32>,
+    ) -> Result<Vec<f32>> {
+        let (dx, store) = self.backward_input(p, cache, dy)?;
+        self.backward_weight(p, store, g)?;
+        Ok(dx)
+    }
+}

@@ -1,0 +1,109 @@
+//! SwiGLU feed-forward: `y = W_down · (silu(W_gate·x) ∘ (W_up·x))` (Llama MLP). The same struct
+//! is a Mixtral expert (views into the fused `gate_up_proj` / `down_proj` tensors), the shared
+//! expert, or a tensor-parallel shard (column-split gate/up, row-split down).
+
+use std::sync::Arc;
+
+use super::{linear_backward_input, linear_forward, Act, WeightGradStore, WeightTask};
+use crate::error::Result;
+use crate::layout::View;
+use crate::profile::{time, Kernel};
+
+/// Weights of one SwiGLU MLP: `gate [ffn, hidden]`, `up [ffn, hidden]`, `down [hidden, ffn]`.
+#[derive(Debug, Clone)]
+pub struct SwiGlu {
+    pub gate: View,
+    pub up: View,
+    pub down: View,
+}
+
+/// Activations SwiGLU backward needs (besides its input): the gate and up projections and,
+/// unless dropped for selective recomputation, their product `s = silu(g)∘u`.
+#[derive(Debug, Clone)]
+pub struct MlpCache {
+    pub g: Act,
+    pub u: Act,
+    pub s: Option<Act>,
+}
+
+impl SwiGlu {
+    pub fn ffn(&self) -> usize {
+        self.gate.shape[0]
+    }
+
+    fn product(g: &[f32], u: &[f32]) -> Result<Vec<f32>> {
+        let mut s = vec![0.0; g.len()];
+        time(Kernel::Activation, || {
+            tensor::activation::swiglu_forward(g, u, &mut s)
+        })?;
+        Ok(s)
+    }
+
+    /// `x [n, hidden] -> y [n, hidden]`; `keep_product = false` drops `s` from the cache.
+    pub fn forward(
+        &self,
+        p: &[f32],
+        x: &[f32],
+        keep_product: bool,
+    ) -> Result<(Vec<f32>, MlpCache)> {
+        let hidden = self.gate.shape[1];
+        let n = x.len() / hidden;
+        let f = self.ffn();
+        let mut g = vec![0.0; n * f];
+        let mut u = vec![0.0; n * f];
+        linear_forward(p, &self.gate, x, &mut g)?;
+        linear_forward(p, &self.up, x, &mut u)?;
+        let s = Self::product(&g, &u)?;
+        let mut y = vec![0.0; n * hidden];
+        linear_forward(p, &self.down, &s, &mut y)?;
+        let cache = MlpCache {
+            g: Arc::new(g),
+            u: Arc::new(u),
+            s: keep_product.then(|| Arc::new(s)),
+        };
+        Ok((y, cache))
+    }
+
+    /// Input gradient (written) from `dy`; records the three weight gradients. `x` is the
+    /// forward input.
+    pub fn backward_input(
+        &self,
+        p: &[f32],
+        x: &Act,
+        cache: MlpCache,
+        dy: Act,
+        store: &mut WeightGradStore,
+    ) -> Result<Vec<f32>> {
+        let s = match cache.s {
+            Some(s) => s,
+            None => Arc::new(Self::product(&cache.g, &cache.u)?),
+        };
+        let n = cache.g.len();
+        let mut ds = vec![0.0; n];
+        linear_backward_input(p, &self.down, &dy, &mut ds, false)?;
+        store.push(WeightTask::Linear {
+            w: self.down.clone(),
+            dy,
+            x: s,
+        });
+        let mut dg = vec![0.0; n];
+        let mut du = vec![0.0; n];
+        time(Kernel::Activation, || {
+            tensor::activation::swiglu_backward(&ds, &cache.g, &cache.u, &mut dg, &mut du)
+        })?;
+        let mut dx = vec![0.0; x.len()];
+        linear_backward_input(p, &self.gate, &dg, &mut dx, false)?;
+        linear_backward_input(p, &self.up, &du, &mut dx, true)?;
+        store.push(WeightTask::Linear {
+            w: self.gate.clone(),
+            dy: Arc::new(dg),
+            x: x.clone(),
+        });
+        store.push(WeightTask::Linear {
+            w: self.up.clone(),
+            dy: Arc::new(du),
+            x: x.clone(),
+        });
+        Ok(dx)
+    }
+}

@@ -1,0 +1,199 @@
+//! Layers with explicit forward/backward over views of a flat parameter buffer.
+//!
+//! Every layer follows one protocol:
+//! - `forward(p, x, ..) -> (y, cache)`: `p` is the parameter slice the layer's [`View`]s are
+//!   relative to (a block's range, or a gathered ZeRO-3 / TP-local copy of it);
+//! - `backward_input(p, cache, dy, store) -> dx`: the input gradient only; every weight
+//!   gradient is *recorded* in a [`WeightGradStore`] (the inputs and output-gradients it needs);
+//! - `WeightGradStore::apply(p, g)`: the weight gradients, accumulated (`+=`) into `g`.
+//!
+//! Fused backward is simply both in a row, so splitting them (zero-bubble, DualPipe) cannot
+//! change the result. Activations are shared [`Act`]s, so caches and stores never copy them.
+
+pub mod attention;
+pub mod block;
+pub mod head;
+pub mod mlp;
+pub mod moe;
+
+use std::sync::Arc;
+
+use crate::error::Result;
+use crate::layout::View;
+
+/// A shared, immutable activation buffer.
+pub type Act = Arc<Vec<f32>>;
+
+/// Activation recomputation policy of a block.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Recompute {
+    /// Keep every activation backward needs.
+    #[default]
+    None,
+    /// Keep only the block input; rerun the block's forward before its backward.
+    Full,
+    /// Drop the cheap-to-recompute element-wise activations (the two RMSNorm outputs and the
+    /// SwiGLU product `silu(g)∘u`) and rebuild them in backward; keep matmul outputs and the
+    /// attention output / log-sum-exp (the expensive parts).
+    Selective,
+}
+
+/// Per-call settings of a forward pass (stored in caches, so backward needs nothing more).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Pass {
+    pub batch: usize,
+    pub seq: usize,
+    /// Global position of the first token of every sequence (0 unless the sequence is split).
+    pub pos_offset: usize,
+    pub recompute: Recompute,
+    /// d(total loss)/d(this micro-batch's loss): scales the MoE auxiliary-loss gradient the
+    /// same way the trainer scales the cross-entropy gradient (gradient accumulation).
+    pub loss_scale: f32,
+}
+
+impl Pass {
+    pub fn new(batch: usize, seq: usize) -> Self {
+        Pass {
+            batch,
+            seq,
+            pos_offset: 0,
+            recompute: Recompute::None,
+            loss_scale: 1.0,
+        }
+    }
+    pub fn with_recompute(mut self, r: Recompute) -> Self {
+        self.recompute = r;
+        self
+    }
+    pub fn tokens(&self) -> usize {
+        self.batch * self.seq
+    }
+}
+
+/// `y = x·Wᵀ` for `W [out, in]` (HF nn.Linear layout), `x [tokens, in]`, `y [tokens, out]`.
+pub fn linear_forward(p: &[f32], w: &View, x: &[f32], y: &mut [f32]) -> Result<()> {
+    let (dout, din) = (w.shape[0], w.shape[1]);
+    let tokens = x.len() / din;
+    crate::profile::time(crate::profile::Kernel::Matmul, || {
+        tensor::gemm::matmul(y, x, w.of(p), tokens, din, dout, false, true, false)
+    })?;
+    Ok(())
+}
+
+/// `dx (+)= dy·W` for `W [out, in]`.
+pub fn linear_backward_input(
+    p: &[f32],
+    w: &View,
+    dy: &[f32],
+    dx: &mut [f32],
+    accumulate: bool,
+) -> Result<()> {
+    let (dout, din) = (w.shape[0], w.shape[1]);
+    let tokens = dy.len() / dout;
+    crate::profile::time(crate::profile::Kernel::Matmul, || {
+        tensor::gemm::matmul(dx, dy, w.of(p), tokens, dout, din, false, false, accumulate)
+    })?;
+    Ok(())
+}
+
+/// One deferred weight-gradient computation.
+#[derive(Debug, Clone)]
+pub enum WeightTask {
+    /// `dW += dyᵀ·x` for a linear `W [out, in]`.
+    Linear { w: View, dy: Act, x: Act },
+    /// RMSNorm gain gradient `dγ += Σ_rows dy ∘ x ∘ rstd`.
+    Norm { w: View, dy: Act, x: Act, rstd: Act },
+}
+
+/// The weight gradients that a `backward_input` left to do (DualPipe's WeightGradStore).
+#[derive(Debug, Clone, Default)]
+pub struct WeightGradStore {
+    tasks: Vec<WeightTask>,
+}
+
+impl WeightGradStore {
+    pub fn new() -> Self {
+        Self::default()
+    }
+    pub fn push(&mut self, t: WeightTask) {
+        self.tasks.push(t);
+    }
+    pub fn is_empty(&self) -> bool {
+        self.tasks.is_empty()
+    }
+    pub fn len(&self) -> usize {
+        self.tasks.len()
+    }
+    /// Move all tasks of `other` into this store.
+    pub fn append(&mut self, other: WeightGradStore) {
+        self.tasks.extend(other.tasks);
+    }
+    /// Run every task: accumulate into `g` (same indexing as `p`).
+    pub fn apply(self, p: &[f32], g: &mut [f32]) -> Result<()> {
+        for t in self.tasks {
+            match t {
+                WeightTask::Linear { w, dy, x } => {
+                    let (dout, din) = (w.shape[0], w.shape[1]);
+                    let tokens = x.len() / din;
+                    crate::profile::time(crate::profile::Kernel::MatmulWeight, || {
+                        tensor::gemm::matmul(
+                            w.of_mut(g),
+                            &dy,
+                            &x,
+                            dout,
+                            tokens,
+                            din,
+                            true,
+                            false,
+                            true,
+                        )
+                    })?;
+                }
+                WeightTask::Norm { w, dy, x, rstd } => {
+                    crate::profile::time(crate::profile::Kernel::Norm, || {
+                        tensor::norm::rmsnorm_backward(
+                            &dy,
+                            &x,
+                            w.of(p),
+                            &rstd,
+                            w.numel(),
+                            None,
+                            Some(w.of_mut(g)),
+                        )
+                    })?;
+                }
+            }
+        }
+        Ok(())
+    }
+}
+
+/// RMSNorm forward over rows of `x`: returns `(y, rstd)`.
+pub fn rmsnorm(p: &[f32], w: &View, x: &[f32], eps: f32) -> Result<(Vec<f32>, Vec<f32>)> {
+    let dim = w.numel();
+    let mut y = vec![0.0; x.len()];
+    let mut rstd = vec![0.0; x.len() / dim];
+    crate::profile::time(crate::profile::Kernel::Norm, || {
+        tensor::norm::rmsnorm_forward(x, w.of(p), dim, eps, &mut y, &mut rstd)
+    })?;
+    Ok((y, rstd))
+}
+
+/// RMSNorm input gradient, accumulated into `dx` through a temporary (residual stream).
+pub fn rmsnorm_backward_input(
+    p: &[f32],
+    w: &View,
+    x: &[f32],
+    rstd: &[f32],
+    dy: &[f32],
+    dx_accum: &mut [f32],
+) -> Result<()> {
+    let mut dx = vec![0.0; x.len()];
+    crate::profile::time(crate::profile::Kernel::Norm, || {
+        tensor::norm::rmsnorm_backward(dy, x, w.of(p), rstd, w.numel(), Some(&mut dx), None)
+    })?;
+    for (a, b) in dx_accum.iter_mut().zip(&dx) {
+        *a += *b;
+    }
+    Ok(())
+}

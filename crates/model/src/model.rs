@@ -1,0 +1,522 @@
+//! The decoder as a whole: embedding, blocks, final norm + LM head + cross-entropy over one flat
+//! parameter buffer. Each part is exposed separately (taking just its own parameter range), so
+//! pipeline / ZeRO-3 executors drive the model block by block; `forward_backward` is the
+//! single-process convenience, reporting each range as soon as its gradients are final.
+
+use std::ops::Range;
+use std::sync::Arc;
+
+use tensor::cross_entropy::{CeConfig, IGNORE_INDEX};
+use tensor::rope::Rope;
+
+use crate::config::ModelConfig;
+use crate::error::{ModelError, Result};
+use crate::layers::attention::Attention;
+use crate::layers::block::{Block, BlockCache, Ffn};
+use crate::layers::head::{Head, HeadCache, HeadWeightGrad};
+use crate::layers::mlp::SwiGlu;
+use crate::layers::moe::Moe;
+use crate::layers::{Act, Pass, Recompute, WeightGradStore};
+use crate::layout::{ParamLayout, View};
+use crate::profile::{time, Kernel};
+
+/// A micro-batch of token ids `[batch, seq]` and next-token targets (`IGNORE_INDEX` = no loss).
+#[derive(Debug, Clone, PartialEq)]
+pub struct Batch {
+    pub batch: usize,
+    pub seq: usize,
+    pub inputs: Vec<u32>,
+    pub targets: Vec<i64>,
+}
+
+impl Batch {
+    /// A batch from explicit inputs and targets (both `[batch, seq]`).
+    pub fn new(batch: usize, seq: usize, inputs: Vec<u32>, targets: Vec<i64>) -> Result<Self> {
+        if batch == 0 || seq == 0 {
+            return Err(ModelError::InvalidBatch("batch and seq must be > 0".into()));
+        }
+        if inputs.len() != batch * seq || targets.len() != batch * seq {
+            return Err(ModelError::InvalidBatch(format!(
+                "expected {} inputs and targets, got {} and {}",
+                batch * seq,
+                inputs.len(),
+                targets.len()
+            )));
+        }
+        Ok(Batch {
+            batch,
+            seq,
+            inputs,
+            targets,
+        })
+    }
+
+    /// Causal-LM batch from rows of `ids` (`[batch, seq]`): position `t` predicts `ids[t+1]` of
+    /// the same row; the last position of each row has no target (the HF golden convention).
+    pub fn next_token(batch: usize, seq: usize, ids: &[u32]) -> Result<Self> {
+        if ids.len() != batch * seq {
+            return Err(ModelError::InvalidBatch(format!(
+                "expected {} ids, got {}",
+                batch * seq,
+                ids.len()
+            )));
+        }
+        let mut targets = vec![IGNORE_INDEX; ids.len()];
+        for b in 0..batch {
+            for t in 0..seq.saturating_sub(1) {
+                targets[b * seq + t] = ids[b * seq + t + 1] as i64;
+            }
+        }
+        Self::new(batch, seq, ids.to_vec(), targets)
+    }
+
+    pub fn tokens(&self) -> usize {
+        self.batch * self.seq
+    }
+}
+
+/// Options of a whole-model step.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct StepOptions {
+    pub recompute: Recompute,
+    /// Multiplies every gradient (e.g. `1 / accumulation_steps`).
+    pub loss_scale: f32,
+}
+
+impl Default for StepOptions {
+    fn default() -> Self {
+        StepOptions {
+            recompute: Recompute::None,
+            loss_scale: 1.0,
+        }
+    }
+}
+
+/// Losses of one micro-batch.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct LossReport {
+    /// `ce + aux`: what the gradients differentiate (before `loss_scale`).
+    pub loss: f32,
+    /// Mean cross-entropy over valid targets.
+    pub ce: f32,
+    /// Weighted MoE auxiliary loss summed over blocks (0 when off).
+    pub aux: f32,
+    /// Number of valid targets.
+    pub n_valid: usize,
+}
+
+/// A Llama / Mixtral-style decoder over a flat parameter buffer laid out by [`ParamLayout`].
+#[derive(Debug, Clone)]
+pub struct Model {
+    pub cfg: ModelConfig,
+    pub layout: ParamLayout,
+    /// Block layers; their views are relative to `layout.block_range(i)`.
+    pub blocks: Vec<Block>,
+    /// Final norm + CE; its views are relative to `layout.head_range()`.
+    pub head: Head,
+    /// `lm_head.weight` relative to the head range (`None` when tied to the embedding).
+    lm_head: Option<View>,
+}
+
+fn view(layout: &ParamLayout, name: &str, base: usize) -> View {
+    layout
+        .get(name)
+        .unwrap_or_else(|| panic!("layout has {name}"))
+        .view
+        .relative_to(base)
+}
+
+/// Slice views of expert `e` out of the fused `[E, 2F, H]` / `[E, H, F]` tensors.
+fn expert_views(gate_up: &View, down: &View, e: usize) -> SwiGlu {
+    let (f2, h) = (gate_up.shape[1], gate_up.shape[2]);
+    let f = f2 / 2;
+    let base = gate_up.offset + e * f2 * h;
+    SwiGlu {
+        gate: View {
+            offset: base,
+            shape: vec![f, h],
+        },
+        up: View {
+            offset: base + f * h,
+            shape: vec![f, h],
+        },
+        down: View {
+            offset: down.offset + e * h * f,
+            shape: vec![h, f],
+        },
+    }
+}
+
+impl Model {
+    /// Build the model for a config (validated here).
+    pub fn new(cfg: ModelConfig) -> Result<Self> {
+        cfg.validate()?;
+        let layout = ParamLayout::new(&cfg);
+        let rope = Arc::new(Rope::new(cfg.head_dim(), cfg.rope_theta)?);
+        let layers = cfg.num_hidden_layers;
+        let blocks = (0..layers)
+            .map(|l| {
+                let base = layout.block_range(l).start;
+                let p = format!("model.layers.{l}.");
+                let v = |n: &str| view(&layout, &format!("{p}{n}"), base);
+                let ffn = if cfg.is_moe() {
+                    let gate_up = v("mlp.experts.gate_up_proj");
+                    let down = v("mlp.experts.down_proj");
+                    Ffn::Moe(Moe {
+                        router: v("mlp.gate.weight"),
+                        experts: (0..cfg.num_local_experts)
+                            .map(|e| expert_views(&gate_up, &down, e))
+                            .collect(),
+                        shared: (cfg.shared_ffn() > 0).then(|| SwiGlu {
+                            gate: v("mlp.shared_expert.gate_proj.weight"),
+                            up: v("mlp.shared_expert.up_proj.weight"),
+                            down: v("mlp.shared_expert.down_proj.weight"),
+                        }),
+                        top_k: cfg.num_experts_per_tok,
+                        capacity_factor: cfg.capacity_factor,
+                        aux_coef: cfg.effective_aux_coef() / layers as f32,
+                    })
+                } else {
+                    Ffn::Dense(SwiGlu {
+                        gate: v("mlp.gate_proj.weight"),
+                        up: v("mlp.up_proj.weight"),
+                        down: v("mlp.down_proj.weight"),
+                    })
+                };
+                Block {
+                    attn_norm: v("input_layernorm.weight"),
+                    attn: Attention {
+                        wq: v("self_attn.q_proj.weight"),
+                        wk: v("self_attn.k_proj.weight"),
+                        wv: v("self_attn.v_proj.weight"),
+                        wo: v("self_attn.o_proj.weight"),
+                        n_heads: cfg.num_attention_heads,
+                        n_kv_heads: cfg.kv_heads(),
+                        head_dim: cfg.head_dim(),
+                        rope: rope.clone(),
+                    },
+                    ffn_norm: v("post_attention_layernorm.weight"),
+                    ffn,
+                    eps: cfg.rms_norm_eps,
+                    hooks: None,
+                }
+            })
+            .collect();
+        let hb = layout.head_range().start;
+        let head = Head {
+            norm: view(&layout, "model.norm.weight", hb),
+            vocab: cfg.vocab_size,
+            eps: cfg.rms_norm_eps,
+            ce: CeConfig::default(),
+        };
+        let lm_head = (!cfg.tie_word_embeddings).then(|| view(&layout, "lm_head.weight", hb));
+        Ok(Model {
+            cfg,
+            layout,
+            blocks,
+            head,
+            lm_head,
+        })
+    }
+
+    /// Number of parameters (length of the flat buffers).
+    pub fn num_params(&self) -> usize {
+        self.layout.total()
+    }
+
+    /// Deterministically initialised parameters for `seed`.
+    pub fn init_params(&self, seed: u64) -> Vec<f32> {
+        let mut p = vec![0.0; self.layout.total()];
+        crate::init::init_params(&self.layout, self.cfg.initializer_range, seed, &mut p);
+        p
+    }
+
+    fn check_len(&self, what: &'static str, len: usize) -> Result<()> {
+        if len != self.layout.total() {
+            return Err(ModelError::BufferSize {
+                what,
+                expected: self.layout.total(),
+                found: len,
+            });
+        }
+        Ok(())
+    }
+
+    fn check_ids(&self, ids: &[u32]) -> Result<()> {
+        if let Some(&bad) = ids.iter().find(|&&i| i as usize >= self.cfg.vocab_size) {
+            return Err(ModelError::InvalidBatch(format!(
+                "token id {bad} out of range for vocab_size {}",
+                self.cfg.vocab_size
+            )));
+        }
+        Ok(())
+    }
+
+    /// Embedding lookup: `p_embed` is the embedding range, output `[tokens, hidden]`.
+    pub fn embed_forward(&self, p_embed: &[f32], ids: &[u32]) -> Result<Vec<f32>> {
+        self.check_ids(ids)?;
+        let h = self.cfg.hidden_size;
+        let mut x = vec![0.0; ids.len() * h];
+        time(Kernel::Embedding, || {
+            tensor::embedding::embedding_forward(ids, p_embed, h, &mut x)
+        })?;
+        Ok(x)
+    }
+
+    /// Embedding backward: scatter-add `dx` into the embedding-range gradient `g_embed`.
+    pub fn embed_backward(&self, g_embed: &mut [f32], ids: &[u32], dx: &[f32]) -> Result<()> {
+        time(Kernel::Embedding, || {
+            tensor::embedding::embedding_backward(ids, dx, self.cfg.hidden_size, g_embed)
+        })?;
+        Ok(())
+    }
+
+    /// Forward of block `i` with its parameter range `p_block`.
+    pub fn block_forward(
+        &self,
+        i: usize,
+        p_block: &[f32],
+        x: Act,
+        pass: &Pass,
+    ) -> Result<(Vec<f32>, BlockCache)> {
+        self.blocks[i].forward(p_block, x, pass)
+    }
+
+    /// Input gradient of block `i`; its weight gradients stay in the returned store.
+    pub fn block_backward_input(
+        &self,
+        i: usize,
+        p_block: &[f32],
+        cache: BlockCache,
+        dy: Vec<f32>,
+    ) -> Result<(Vec<f32>, WeightGradStore)> {
+        self.blocks[i].backward_input(p_block, cache, dy)
+    }
+
+    /// Weight gradients of block `i`, accumulated into its gradient range `g_block`.
+    pub fn block_backward_weight(
+        &self,
+        i: usize,
+        p_block: &[f32],
+        store: WeightGradStore,
+        g_block: &mut [f32],
+    ) -> Result<()> {
+        self.blocks[i].backward_weight(p_block, store, g_block)
+    }
+
+    /// The LM-head weight: `lm_head.weight` inside the head range, or the tied embedding.
+    fn lm<'a>(&self, p_head: &'a [f32], p_embed: &'a [f32]) -> &'a [f32] {
+        match &self.lm_head {
+            Some(v) => v.of(p_head),
+            None => p_embed,
+        }
+    }
+
+    /// Final norm + LM head + CE forward. `p_embed` is only read when embeddings are tied
+    /// (pass `&[]` otherwise).
+    pub fn head_forward(
+        &self,
+        p_head: &[f32],
+        p_embed: &[f32],
+        x: Act,
+        targets: Arc<Vec<i64>>,
+    ) -> Result<HeadCache> {
+        self.head
+            .forward(p_head, self.lm(p_head, p_embed), x, targets)
+    }
+
+    /// Head backward for `grad_scale · loss_sum` (use `loss_scale / n_valid` for a mean):
+    /// returns `dx`, accumulates the norm and LM-head gradients into `g_head` (and into
+    /// `g_embed` when embeddings are tied).
+    pub fn head_backward(
+        &self,
+        p_head: &[f32],
+        p_embed: &[f32],
+        g_head: &mut [f32],
+        g_embed: Option<&mut [f32]>,
+        cache: HeadCache,
+        grad_scale: f32,
+    ) -> Result<Vec<f32>> {
+        let lm = self.lm(p_head, p_embed);
+        let h = self.cfg.hidden_size;
+        let (g_norm, g_rest) = g_head.split_at_mut(h);
+        let g_lm: &mut [f32] = match (&self.lm_head, g_embed) {
+            (Some(v), _) => &mut g_rest[v.offset - h..v.offset - h + v.numel()],
+            (None, Some(g)) => g,
+            (None, None) => {
+                return Err(ModelError::InvalidBatch(
+                    "tied embeddings: the head backward needs the embedding gradient".into(),
+                ))
+            }
+        };
+        self.head
+            .backward(p_head, lm, cache, grad_scale, g_norm, g_lm)
+    }
+
+    /// Head input gradient only (zero-bubble `B` for the last stage); the norm and LM-head
+    /// weight gradients are deferred to [`Model::head_backward_weight`].
+    pub fn head_backward_input(
+        &self,
+        p_head: &[f32],
+        p_embed: &[f32],
+        cache: HeadCache,
+        grad_scale: f32,
+    ) -> Result<(Vec<f32>, HeadWeightGrad)> {
+        self.head
+            .backward_input(p_head, self.lm(p_head, p_embed), cache, grad_scale)
+    }
+
+    /// Deferred head weight gradients, accumulated like [`Model::head_backward`].
+    pub fn head_backward_weight(
+        &self,
+        p_head: &[f32],
+        p_embed: &[f32],
+        g_head: &mut [f32],
+        g_embed: Option<&mut [f32]>,
+        pending: HeadWeightGrad,
+    ) -> Result<()> {
+        let lm = self.lm(p_head, p_embed);
+        let (g_norm, g_lm) = self.split_head_grads(g_head, g_embed)?;
+        self.head.backward_weight(p_head, lm, pending, g_norm, g_lm)
+    }
+
+    /// The norm-gain and LM-head gradient slices for the head.
+    fn split_head_grads<'a>(
+        &self,
+        g_head: &'a mut [f32],
+        g_embed: Option<&'a mut [f32]>,
+    ) -> Result<(&'a mut [f32], &'a mut [f32])> {
+        let h = self.cfg.hidden_size;
+        let (g_norm, g_rest) = g_head.split_at_mut(h);
+        let g_lm: &mut [f32] = match (&self.lm_head, g_embed) {
+            (Some(v), _) => &mut g_rest[v.offset - h..v.offset - h + v.numel()],
+            (None, Some(g)) => g,
+            (None, None) => {
+                return Err(ModelError::InvalidBatch(
+                    "tied embeddings: the head backward needs the embedding gradient".into(),
+                ))
+            }
+        };
+        Ok((g_norm, g_lm))
+    }
+
+    /// Full logits `[batch·seq, vocab]` for token ids `[batch, seq]` (no gradient).
+    pub fn logits(
+        &self,
+        params: &[f32],
+        ids: &[u32],
+        batch: usize,
+        seq: usize,
+    ) -> Result<Vec<f32>> {
+        self.check_len("params", params.len())?;
+        if ids.len() != batch * seq {
+            return Err(ModelError::InvalidBatch(format!(
+                "expected {} ids, got {}",
+                batch * seq,
+                ids.len()
+            )));
+        }
+        let pass = Pass::new(batch, seq);
+        let mut x = self.embed_forward(&params[self.layout.embed_range()], ids)?;
+        for (i, b) in self.blocks.iter().enumerate() {
+            x = b
+                .forward(&params[self.layout.block_range(i)], Arc::new(x), &pass)?
+                .0;
+        }
+        let ph = &params[self.layout.head_range()];
+        self.head
+            .logits(ph, self.lm(ph, &params[self.layout.embed_range()]), &x)
+    }
+
+    fn forward_all(
+        &self,
+        params: &[f32],
+        batch: &Batch,
+        pass: &Pass,
+    ) -> Result<(Vec<BlockCache>, HeadCache)> {
+        self.check_len("params", params.len())?;
+        let mut x = self.embed_forward(&params[self.layout.embed_range()], &batch.inputs)?;
+        let mut caches = Vec::with_capacity(self.blocks.len());
+        for (i, b) in self.blocks.iter().enumerate() {
+            let (y, c) = b.forward(&params[self.layout.block_range(i)], Arc::new(x), pass)?;
+            caches.push(c);
+            x = y;
+        }
+        let head = self.head_forward(
+            &params[self.layout.head_range()],
+            &params[self.layout.embed_range()],
+            Arc::new(x),
+            Arc::new(batch.targets.clone()),
+        )?;
+        Ok((caches, head))
+    }
+
+    fn report(caches: &[BlockCache], head: &HeadCache) -> LossReport {
+        let ce = if head.n_valid == 0 {
+            0.0
+        } else {
+            (head.loss_sum / head.n_valid as f64) as f32
+        };
+        let aux: f32 = caches.iter().map(BlockCache::aux_loss).sum();
+        LossReport {
+            loss: ce + aux,
+            ce,
+            aux,
+            n_valid: head.n_valid,
+        }
+    }
+
+    /// Forward only: the losses of `batch`.
+    pub fn forward_loss(&self, params: &[f32], batch: &Batch) -> Result<LossReport> {
+        let pass = Pass::new(batch.batch, batch.seq);
+        let (caches, head) = self.forward_all(params, batch, &pass)?;
+        Ok(Self::report(&caches, &head))
+    }
+
+    /// Forward and backward of one micro-batch: gradients of `loss_scale · (ce + aux)` are
+    /// accumulated (`+=`) into `grads`. `on_grads_ready(range)` is called as soon as the
+    /// gradients of a parameter range are final for this micro-batch: the head range, then
+    /// blocks from last to first, then the embedding (DDP launches bucket reductions there).
+    pub fn forward_backward(
+        &self,
+        params: &[f32],
+        grads: &mut [f32],
+        batch: &Batch,
+        opts: &StepOptions,
+        on_grads_ready: &mut dyn FnMut(Range<usize>),
+    ) -> Result<LossReport> {
+        self.check_len("grads", grads.len())?;
+        let mut pass = Pass::new(batch.batch, batch.seq).with_recompute(opts.recompute);
+        pass.loss_scale = opts.loss_scale;
+        let (caches, head) = self.forward_all(params, batch, &pass)?;
+        let report = Self::report(&caches, &head);
+        let scale = if head.n_valid == 0 {
+            0.0
+        } else {
+            opts.loss_scale / head.n_valid as f32
+        };
+        let (er, hr) = (self.layout.embed_range(), self.layout.head_range());
+        // Embedding range comes first in the layout, the head range last.
+        let (g_embed, g_rest) = grads.split_at_mut(er.end);
+        let (g_mid, g_head) = g_rest.split_at_mut(hr.start - er.end);
+        let tied = self.lm_head.is_none();
+        let mut dx = self.head_backward(
+            &params[hr.clone()],
+            &params[er.clone()],
+            g_head,
+            tied.then_some(&mut *g_embed),
+            head,
+            scale,
+        )?;
+        on_grads_ready(hr);
+        for (i, cache) in caches.into_iter().enumerate().rev() {
+            let r = self.layout.block_range(i);
+            let g = &mut g_mid[r.start - er.end..r.end - er.end];
+            dx = self.blocks[i].backward(&params[r.clone()], g, cache, dx)?;
+            on_grads_ready(r);
+        }
+        self.embed_backward(g_embed, &batch.inputs, &dx)?;
+        on_grads_ready(er);
+        Ok(report)
+    }
+}

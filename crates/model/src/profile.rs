@@ -1,0 +1,67 @@
+//! Optional per-kernel wall-clock timers for benchmarks: off by default (one relaxed atomic load
+//! per call), switched on with [`enable`], read with [`report`].
+
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::time::Instant;
+
+/// The kernel classes time is attributed to.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Kernel {
+    /// Activation-side matmuls (forward and input gradient).
+    Matmul,
+    /// Weight-gradient matmuls.
+    MatmulWeight,
+    Attention,
+    Norm,
+    Rope,
+    Activation,
+    /// MoE routing, gather and scatter.
+    Router,
+    Embedding,
+    /// Final norm, LM head and cross-entropy.
+    Head,
+}
+
+const ALL: [Kernel; 9] = [
+    Kernel::Matmul,
+    Kernel::MatmulWeight,
+    Kernel::Attention,
+    Kernel::Norm,
+    Kernel::Rope,
+    Kernel::Activation,
+    Kernel::Router,
+    Kernel::Embedding,
+    Kernel::Head,
+];
+
+static ENABLED: AtomicBool = AtomicBool::new(false);
+static NANOS: [AtomicU64; 9] = [const { AtomicU64::new(0) }; 9];
+
+/// Turn timing on or off.
+pub fn enable(on: bool) {
+    ENABLED.store(on, Ordering::Relaxed);
+}
+
+/// Zero all counters.
+pub fn reset() {
+    NANOS.iter().for_each(|n| n.store(0, Ordering::Relaxed));
+}
+
+/// Run `f`, charging its wall time to `k` when timing is on.
+#[inline]
+pub fn time<R>(k: Kernel, f: impl FnOnce() -> R) -> R {
+    if !ENABLED.load(Ordering::Relaxed) {
+        return f();
+    }
+    let t = Instant::now();
+    let r = f();
+    NANOS[k as usize].fetch_add(t.elapsed().as_nanos() as u64, Ordering::Relaxed);
+    r
+}
+
+/// Seconds spent per kernel class since the last [`reset`].
+pub fn report() -> Vec<(Kernel, f64)> {
+    ALL.iter()
+        .map(|&k| (k, NANOS[k as usize].load(Ordering::Relaxed) as f64 * 1e-9))
+        .collect()
+}

@@ -1,0 +1,107 @@
+//! Throughput per CPU-second of the key kernels, for a shared machine where wall-clock
+//! benchmarks are distorted by other load: runs each kernel with the thread budget given by
+//! `XTRAIN_THREADS` (use 1) and divides useful FLOPs by the process CPU time (user + system,
+//! from `getrusage`), which other processes do not inflate.
+//!
+//! `XTRAIN_THREADS=1 cargo run --release -p tensor --example cpu_throughput [gemm [n] | attention [q_tile k_tile]]`
+
+use std::hint::black_box;
+use tensor::attention::{attention_backward, attention_forward, AttnShape, AttnTiles};
+use tensor::gemm::matmul;
+
+fn cpu_seconds() -> f64 {
+    // SAFETY: getrusage only writes the struct we pass.
+    let mut ru: libc::rusage = unsafe { std::mem::zeroed() };
+    unsafe { libc::getrusage(libc::RUSAGE_SELF, &mut ru) };
+    let tv = |t: libc::timeval| t.tv_sec as f64 + t.tv_usec as f64 * 1e-6;
+    tv(ru.ru_utime) + tv(ru.ru_stime)
+}
+
+/// Runs `f` `reps` times after one warm-up; returns (GFLOP per CPU-second, GFLOP/s wall).
+fn measure(flops: f64, reps: usize, mut f: impl FnMut()) -> (f64, f64) {
+    f();
+    let (c0, w0) = (cpu_seconds(), std::time::Instant::now());
+    for _ in 0..reps {
+        f();
+    }
+    let (cpu, wall) = (cpu_seconds() - c0, w0.elapsed().as_secs_f64());
+    (
+        flops * reps as f64 / cpu / 1e9,
+        flops * reps as f64 / wall / 1e9,
+    )
+}
+
+fn data(n: usize) -> Vec<f32> {
+    (0..n)
+        .map(|i| ((i * 7919 % 1000) as f32 / 1000.0) - 0.5)
+        .collect()
+}
+
+fn main() {
+    let threads = tensor::threads::thread_budget();
+    println!("thread budget {threads}");
+    let only = std::env::args().nth(1).unwrap_or_default();
+    if only.is_empty() || only == "gemm" {
+        let arg = |i: usize, def: usize| {
+            std::env::args()
+                .nth(i)
+                .and_then(|a| a.parse().ok())
+                .unwrap_or(def)
+        };
+        let n = arg(2, 1024);
+        let (a, b) = (data(n * n), data(n * n));
+        let mut c = vec![0.0; n * n];
+        for trans_b in [false, true] {
+            let (cpu, wall) = measure(2.0 * (n * n * n) as f64, 5, || {
+                matmul(&mut c, &a, &b, n, n, n, false, trans_b, false).unwrap();
+                black_box(&c);
+            });
+            println!(
+                "gemm f32 {n}^3 trans_b={trans_b}: {cpu:.1} GFLOP/cpu-s, {wall:.1} GFLOP/s wall"
+            );
+        }
+    }
+    if only.is_empty() || only == "attention" {
+        let s = AttnShape::causal(8, 256, 8, 8, 32);
+        let (q, k, v, dout) = (
+            data(s.q_elems()),
+            data(s.kv_elems()),
+            data(s.kv_elems()),
+            data(s.q_elems()),
+        );
+        let mut out = vec![0.0; s.q_elems()];
+        let mut lse = vec![0.0; s.lse_elems()];
+        let (mut dq, mut dk, mut dv) = (
+            vec![0.0; s.q_elems()],
+            vec![0.0; s.kv_elems()],
+            vec![0.0; s.kv_elems()],
+        );
+        let arg = |i: usize, def: usize| {
+            std::env::args()
+                .nth(i)
+                .and_then(|a| a.parse().ok())
+                .unwrap_or(def)
+        };
+        let t = AttnTiles {
+            q_tile: arg(2, AttnTiles::default().q_tile),
+            k_tile: arg(3, AttnTiles::default().k_tile),
+        };
+        println!("tiles {t:?}");
+        let (ff, fb) = s.flops();
+        let (cpu, wall) = measure(ff, 10, || {
+            attention_forward(&s, &q, &k, &v, &mut out, &mut lse, t).unwrap()
+        });
+        println!(
+            "attention fwd b8 h8 d32 s256 causal: {cpu:.1} GFLOP/cpu-s, {wall:.1} GFLOP/s wall"
+        );
+        let (cpu, wall) = measure(fb, 10, || {
+            attention_backward(
+                &s, &q, &k, &v, &out, &lse, &dout, &mut dq, &mut dk, &mut dv, t,
+            )
+            .unwrap()
+        });
+        println!(
+            "attention bwd b8 h8 d32 s256 causal: {cpu:.1} GFLOP/cpu-s, {wall:.1} GFLOP/s wall"
+        );
+    }
+}

@@ -1,0 +1,329 @@
+//! AVX-512 versions of the tile kernels: register-blocked `MR × (16·NV)` products with
+//! broadcast-FMA inner loops, and a vectorised `exp` (Cephes polynomial + `vscalefps`).
+//!
+//! Every function requires AVX-512F (callers check) and trusts the caller for bounds; the
+//! last vector of a row block is handled with masked loads/stores, which never touch memory
+//! outside the mask.
+
+use std::arch::x86_64::*;
+
+/// See [`super::mm`]; pointers/strides as there.
+#[allow(clippy::too_many_arguments)]
+#[target_feature(enable = "avx512f")]
+pub(super) unsafe fn mm(
+    c: *mut f32,
+    ldc: usize,
+    a: *const f32,
+    a_rs: usize,
+    a_cs: usize,
+    b: *const f32,
+    ldb: usize,
+    m: usize,
+    k: usize,
+    n: usize,
+    acc: bool,
+) {
+    let mut j = 0;
+    while j < n {
+        let w = (n - j).min(64);
+        let nv = w.div_ceil(16);
+        let rem = w - (nv - 1) * 16; // lanes used in the last vector, 1..=16
+        let mask: __mmask16 = if rem == 16 { 0xFFFF } else { (1u16 << rem) - 1 };
+        let (cj, bj) = (c.add(j), b.add(j));
+        // Register budget: MR·NV accumulators + NV B-vectors + 1 broadcast <= 32 zmm.
+        match nv {
+            4 => rows::<4, 4>(cj, ldc, a, a_rs, a_cs, bj, ldb, m, k, mask, acc),
+            3 => rows::<6, 3>(cj, ldc, a, a_rs, a_cs, bj, ldb, m, k, mask, acc),
+            2 => rows::<8, 2>(cj, ldc, a, a_rs, a_cs, bj, ldb, m, k, mask, acc),
+            _ => rows::<8, 1>(cj, ldc, a, a_rs, a_cs, bj, ldb, m, k, mask, acc),
+        }
+        j += w;
+    }
+}
+
+#[allow(clippy::too_many_arguments)]
+#[target_feature(enable = "avx512f")]
+#[inline]
+unsafe fn rows<const MR: usize, const NV: usize>(
+    c: *mut f32,
+    ldc: usize,
+    a: *const f32,
+    a_rs: usize,
+    a_cs: usize,
+    b: *const f32,
+    ldb: usize,
+    m: usize,
+    k: usize,
+    mask: __mmask16,
+    acc: bool,
+) {
+    let mut i = 0;
+    while i + MR <= m {
+        block::<MR, NV>(
+            c.add(i * ldc),
+            ldc,
+            a.add(i * a_rs),
+            a_rs,
+            a_cs,
+            b,
+            ldb,
+            k,
+            mask,
+            acc,
+        );
+        i += MR;
+    }
+    while i < m {
+        block::<1, NV>(
+            c.add(i * ldc),
+            ldc,
+            a.add(i * a_rs),
+            a_rs,
+            a_cs,
+            b,
+            ldb,
+            k,
+            mask,
+            acc,
+        );
+        i += 1;
+    }
+}
+
+/// `C[MR × 16·NV] (+)= A[MR × k] · B[k × 16·NV]` with all accumulators in registers.
+#[allow(clippy::too_many_arguments)]
+#[target_feature(enable = "avx512f")]
+#[inline]
+unsafe fn block<const MR: usize, const NV: usize>(
+    c: *mut f32,
+    ldc: usize,
+    a: *const f32,
+    a_rs: usize,
+    a_cs: usize,
+    b: *const f32,
+    ldb: usize,
+    k: usize,
+    mask: __mmask16,
+    acc: bool,
+) {
+    let mut s = [[_mm512_setzero_ps(); NV]; MR];
+    for p in 0..k {
+        let bp = b.add(p * ldb);
+        let mut bv = [_mm512_setzero_ps(); NV];
+        for (v, bvv) in bv.iter_mut().enumerate() {
+            *bvv = if v + 1 == NV {
+                _mm512_maskz_loadu_ps(mask, bp.add(16 * v))
+            } else {
+                _mm512_loadu_ps(bp.add(16 * v))
+            };
+        }
+        let ap = a.add(p * a_cs);
+        for (r, sr) in s.iter_mut().enumerate() {
+            let av = _mm512_set1_ps(*ap.add(r * a_rs));
+            for (sv, bvv) in sr.iter_mut().zip(&bv) {
+                *sv = _mm512_fmadd_ps(av, *bvv, *sv);
+            }
+        }
+    }
+    for (r, sr) in s.iter().enumerate() {
+        for (v, &sv) in sr.iter().enumerate() {
+            let mk = if v + 1 == NV { mask } else { 0xFFFF };
+            let ptr = c.add(r * ldc + 16 * v);
+            let x = if acc {
+                _mm512_add_ps(sv, _mm512_maskz_loadu_ps(mk, ptr))
+            } else {
+                sv
+            };
+            _mm512_mask_storeu_ps(ptr, mk, x);
+        }
+    }
+}
+
+/// Mask selecting the first `n` (< 16) lanes.
+#[inline]
+fn tail_mask(n: usize) -> __mmask16 {
+    ((1u32 << n) - 1) as __mmask16
+}
+
+#[target_feature(enable = "avx512f")]
+#[inline]
+pub(super) unsafe fn row_max(x: *const f32, n: usize) -> f32 {
+    let mut m = _mm512_set1_ps(f32::NEG_INFINITY);
+    let mut i = 0;
+    while i + 16 <= n {
+        m = _mm512_max_ps(m, _mm512_loadu_ps(x.add(i)));
+        i += 16;
+    }
+    if i < n {
+        let v = _mm512_mask_loadu_ps(
+            _mm512_set1_ps(f32::NEG_INFINITY),
+            tail_mask(n - i),
+            x.add(i),
+        );
+        m = _mm512_max_ps(m, v);
+    }
+    _mm512_reduce_max_ps(m)
+}
+
+/// `e^x` for 16 lanes: `x = n·ln2 + r`, `|r| <= ln2/2`, `e^r` by the Cephes `expf` polynomial
+/// (relative error ~1e-7), then `vscalefps` multiplies by `2^n`. Inputs are clamped to
+/// [−87, 88.37] so the result is always a normal number: subnormal or underflowing results
+/// would take slow microcode assists. Lanes below −87 (`e^x < 1.7e-38`, including `−∞`) are
+/// then set to exactly 0 — negligible next to the softmax sums (>= 1) they enter.
+#[target_feature(enable = "avx512f")]
+#[inline]
+unsafe fn exp_ps(x: __m512) -> __m512 {
+    let xc = _mm512_min_ps(
+        _mm512_max_ps(x, _mm512_set1_ps(-87.0)),
+        _mm512_set1_ps(88.37),
+    );
+    let n = _mm512_roundscale_ps::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(
+        _mm512_mul_ps(xc, _mm512_set1_ps(std::f32::consts::LOG2_E)),
+    );
+    // r = x − n·ln2 with ln2 split in two parts for accuracy (Cody–Waite).
+    let r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693_359_4), xc);
+    let r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.121_944_4e-4), r);
+    let mut p = _mm512_set1_ps(1.987_569_1e-4);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.398_2e-3));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.333_452e-3));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.166_579_6e-2));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.166_666_65));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5));
+    // e^r ≈ 1 + r + r²·p
+    let r2 = _mm512_mul_ps(r, r);
+    let er = _mm512_add_ps(_mm512_fmadd_ps(p, r2, r), _mm512_set1_ps(1.0));
+    let e = _mm512_scalef_ps(er, n);
+    let tiny = _mm512_cmp_ps_mask::<_CMP_LT_OQ>(x, _mm512_set1_ps(-87.0));
+    _mm512_maskz_mov_ps(!tiny, e)
+}
+
+#[target_feature(enable = "avx512f")]
+#[inline]
+pub(super) unsafe fn exp_sub_sum(x: *mut f32, n: usize, scale: f32, m: f32) -> f32 {
+    let mv = _mm512_set1_ps(m);
+    let sv = _mm512_set1_ps(scale);
+    let mut s = _mm512_setzero_ps();
+    let mut i = 0;
+    while i + 16 <= n {
+        let e = exp_ps(_mm512_fmsub_ps(sv, _mm512_loadu_ps(x.add(i)), mv));
+        _mm512_storeu_ps(x.add(i), e);
+        s = _mm512_add_ps(s, e);
+        i += 16;
+    }
+    if i < n {
+        let k = tail_mask(n - i);
+        let e = exp_ps(_mm512_fmsub_ps(sv, _mm512_maskz_loadu_ps(k, x.add(i)), mv));
+        let e = _mm512_maskz_mov_ps(k, e);
+        _mm512_mask_storeu_ps(x.add(i), k, e);
+        s = _mm512_add_ps(s, e);
+    }
+    _mm512_reduce_add_ps(s)
+}
+
+/// The portable softmax-gradient loop compiled with AVX-512 enabled (the compiler
+/// vectorises it with 16 lanes).
+#[target_feature(enable = "avx512f")]
+pub(super) unsafe fn softmax_grad_tile(
+    dp: &mut [f32],
+    p: &[f32],
+    delta: &[f32],
+    cols: usize,
+    scale: f32,
+) {
+    super::softmax_grad_tile_portable(dp, p, delta, cols, scale)
+}
+
+/// `e^x` of one scalar through the vector polynomial (same accuracy as the tile exps).
+#[target_feature(enable = "avx512f")]
+#[inline]
+unsafe fn exp_scalar(x: f32) -> f32 {
+    _mm512_cvtss_f32(exp_ps(_mm512_set1_ps(x)))
+}
+
+/// `x[..n] *= a`.
+#[target_feature(enable = "avx512f")]
+#[inline]
+unsafe fn scale_row(x: *mut f32, n: usize, a: f32) {
+    let av = _mm512_set1_ps(a);
+    let mut i = 0;
+    while i + 16 <= n {
+        _mm512_storeu_ps(x.add(i), _mm512_mul_ps(av, _mm512_loadu_ps(x.add(i))));
+        i += 16;
+    }
+    if i < n {
+        let k = tail_mask(n - i);
+        _mm512_mask_storeu_ps(
+            x.add(i),
+            k,
+            _mm512_mul_ps(av, _mm512_maskz_loadu_ps(k, x.add(i))),
+        );
+    }
+}
+
+/// See [`super::online_softmax_tile`] (same loop, with the row kernels inlined).
+#[allow(clippy::too_many_arguments)]
+#[target_feature(enable = "avx512f")]
+pub(super) unsafe fn online_softmax_tile(
+    st: *mut f32,
+    bq: usize,
+    bk: usize,
+    scale: f32,
+    m: *mut f32,
+    l: *mut f32,
+    acc: *mut f32,
+    d: usize,
+) {
+    for r in 0..bq {
+        let row = st.add(r * bk);
+        let m_old = *m.add(r);
+        let m_new = m_old.max(scale * row_max(row, bk));
+        if m_new == f32::NEG_INFINITY {
+            std::ptr::write_bytes(row, 0, bk);
+            continue;
+        }
+        let alpha = exp_scalar(m_old - m_new);
+        let sum = exp_sub_sum(row, bk, scale, m_new);
+        *l.add(r) = *l.add(r) * alpha + sum;
+        *m.add(r) = m_new;
+        if alpha != 1.0 {
+            scale_row(acc.add(r * d), d, alpha);
+        }
+    }
+}
+
+/// See [`super::exp_tile`].
+#[target_feature(enable = "avx512f")]
+pub(super) unsafe fn exp_tile(p: *mut f32, bq: usize, bk: usize, scale: f32, lse: *const f32) {
+    for r in 0..bq {
+        let row = p.add(r * bk);
+        let l = *lse.add(r);
+        if l == f32::NEG_INFINITY {
+            std::ptr::write_bytes(row, 0, bk);
+        } else {
+            exp_sub_sum(row, bk, scale, l);
+        }
+    }
+}
+
+/// See [`super::gather_t`]: 16 keys at a time with one hardware gather per component.
+#[target_feature(enable = "avx512f")]
+pub(super) unsafe fn gather_t(src: *const f32, stride: usize, n: usize, d: usize, dst: *mut f32) {
+    let idx = _mm512_mullo_epi32(
+        _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+        _mm512_set1_epi32(stride as i32),
+    );
+    let mut j0 = 0;
+    while j0 < n {
+        let k = if n - j0 >= 16 {
+            0xFFFF
+        } else {
+            tail_mask(n - j0)
+        };
+        let rows = src.add(j0 * stride);
+        for c in 0..d {
+            let v = _mm512_mask_i32gather_ps::<4>(_mm512_setzero_ps(), k, idx, rows.add(c));
+            _mm512_mask_storeu_ps(dst.add(c * n + j0), k, v);
+        }
+        j0 += 16;
+    }
+}

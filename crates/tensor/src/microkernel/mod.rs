@@ -1,0 +1,387 @@
+//! Small dense products and row reductions on row-major tiles, used inside attention where
+//! each rayon task multiplies tiles of a few dozen rows (too small for `gemm`'s packing to
+//! pay off).
+//!
+//! One product kernel serves every tile product: `C[m×n] (+)= A·B` with `A` addressed by a
+//! row stride and a column stride (so `A` or `Aᵀ` is read without copying) and `B` row-major.
+//! On CPUs with AVX-512 it runs register-blocked intrinsics (see [`avx512`]); elsewhere a
+//! portable loop nest whose inner loop (`c_row += a · b_row`) the compiler vectorises.
+
+#[cfg(target_arch = "x86_64")]
+mod avx512;
+
+#[cfg(test)]
+thread_local! {
+    /// Tests set this to exercise the portable kernels on AVX-512 machines too.
+    static FORCE_PORTABLE: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+}
+
+/// Whether the AVX-512 kernels can run here (std caches the CPUID query).
+#[inline]
+fn use_avx512() -> bool {
+    #[cfg(test)]
+    if FORCE_PORTABLE.with(|f| f.get()) {
+        return false;
+    }
+    #[cfg(target_arch = "x86_64")]
+    {
+        std::arch::is_x86_feature_detected!("avx512f")
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        false
+    }
+}
+
+/// `C[m×n] (+)= A[m×k] · B[k×n]` where `A(i, p) = a[i·a_rs + p·a_cs]`, `B(p, j) =
+/// b[p·ldb + j]`, `C(i, j) = c[i·ldc + j]`.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn mm(
+    c: &mut [f32],
+    ldc: usize,
+    a: &[f32],
+    a_rs: usize,
+    a_cs: usize,
+    b: &[f32],
+    ldb: usize,
+    m: usize,
+    k: usize,
+    n: usize,
+    accumulate: bool,
+) {
+    if m == 0 || n == 0 {
+        return;
+    }
+    // Bounds of every addressed element (the kernels use raw pointers).
+    assert!(c.len() > (m - 1) * ldc + n - 1, "mm: C too short");
+    if k > 0 {
+        assert!(a.len() > (m - 1) * a_rs + (k - 1) * a_cs, "mm: A too short");
+        assert!(b.len() > (k - 1) * ldb + n - 1, "mm: B too short");
+    }
+    // SAFETY: bounds asserted above; `c` is exclusively borrowed, so it aliases neither input.
+    unsafe {
+        mm_raw(
+            c.as_mut_ptr(),
+            ldc,
+            a.as_ptr(),
+            a_rs,
+            a_cs,
+            b.as_ptr(),
+            ldb,
+            m,
+            k,
+            n,
+            accumulate,
+        )
+    }
+}
+
+/// Pointer form of [`mm`], for outputs that are strided slices of a buffer shared between
+/// tasks (e.g. one head of a `[tokens, heads, dim]` gradient).
+///
+/// # Safety
+/// Every addressed element must be in bounds, `c`'s elements must not be accessed by anyone
+/// else during the call, and `c` must not overlap `a` or `b`.
+#[allow(clippy::too_many_arguments)]
+pub(crate) unsafe fn mm_raw(
+    c: *mut f32,
+    ldc: usize,
+    a: *const f32,
+    a_rs: usize,
+    a_cs: usize,
+    b: *const f32,
+    ldb: usize,
+    m: usize,
+    k: usize,
+    n: usize,
+    accumulate: bool,
+) {
+    if m == 0 || n == 0 {
+        return;
+    }
+    #[cfg(target_arch = "x86_64")]
+    if use_avx512() {
+        avx512::mm(c, ldc, a, a_rs, a_cs, b, ldb, m, k, n, accumulate);
+        return;
+    }
+    for i in 0..m {
+        let crow = c.add(i * ldc);
+        if !accumulate {
+            (0..n).for_each(|j| *crow.add(j) = 0.0);
+        }
+        for p in 0..k {
+            let av = *a.add(i * a_rs + p * a_cs);
+            let brow = b.add(p * ldb);
+            for j in 0..n {
+                *crow.add(j) += av * *brow.add(j);
+            }
+        }
+    }
+}
+
+/// Maximum of a row (`−∞` for an empty row).
+#[inline]
+pub(crate) fn row_max(x: &[f32]) -> f32 {
+    #[cfg(target_arch = "x86_64")]
+    if use_avx512() {
+        // SAFETY: AVX-512F available; the kernel reads exactly x.len() elements.
+        return unsafe { avx512::row_max(x.as_ptr(), x.len()) };
+    }
+    x.iter().fold(f32::NEG_INFINITY, |a, &b| a.max(b))
+}
+
+/// `x ← exp(scale·x − m)` elementwise; returns the sum of the new values. Inputs at `−∞`
+/// give 0 (`scale > 0`).
+#[inline]
+pub(crate) fn exp_sub_sum(x: &mut [f32], scale: f32, m: f32) -> f32 {
+    #[cfg(target_arch = "x86_64")]
+    if use_avx512() {
+        // SAFETY: AVX-512F available; the kernel touches exactly x.len() elements.
+        return unsafe { avx512::exp_sub_sum(x.as_mut_ptr(), x.len(), scale, m) };
+    }
+    let mut s = 0.0;
+    for v in x.iter_mut() {
+        *v = (scale * *v - m).exp();
+        s += *v;
+    }
+    s
+}
+
+/// Softmax backward on a tile, in place: `dp ← scale · p ∘ (dp − delta_row)` for rows of
+/// width `cols`.
+#[inline]
+pub(crate) fn softmax_grad_tile(dp: &mut [f32], p: &[f32], delta: &[f32], cols: usize, scale: f32) {
+    #[cfg(target_arch = "x86_64")]
+    if use_avx512() {
+        // SAFETY: AVX-512F available; the body is the portable loop below.
+        return unsafe { avx512::softmax_grad_tile(dp, p, delta, cols, scale) };
+    }
+    softmax_grad_tile_portable(dp, p, delta, cols, scale)
+}
+
+#[inline(always)]
+fn softmax_grad_tile_portable(dp: &mut [f32], p: &[f32], delta: &[f32], cols: usize, scale: f32) {
+    for ((dr, pr), &dl) in dp.chunks_mut(cols).zip(p.chunks(cols)).zip(delta) {
+        for (x, &pv) in dr.iter_mut().zip(pr) {
+            *x = scale * pv * (*x - dl);
+        }
+    }
+}
+
+/// One step of the online softmax (FlashAttention) on a score tile `st [bq, bk]`, for rows
+/// with running max `m` (in scaled units), running sum `l` and unnormalised output rows
+/// `acc [bq, d]`: `m' = max(m, scale·max_j S)`, `st ← exp(scale·S − m')`,
+/// `l' = l·e^(m−m') + Σ_j st`, `acc ← acc·e^(m−m')`. Rows with nothing visible yet
+/// (`m' = −∞`) get `st = 0` and keep their state.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn online_softmax_tile(
+    st: &mut [f32],
+    bq: usize,
+    bk: usize,
+    scale: f32,
+    m: &mut [f32],
+    l: &mut [f32],
+    acc: &mut [f32],
+    d: usize,
+) {
+    assert!(st.len() >= bq * bk && m.len() >= bq && l.len() >= bq && acc.len() >= bq * d);
+    #[cfg(target_arch = "x86_64")]
+    if use_avx512() {
+        // SAFETY: AVX-512F available; lengths asserted above.
+        unsafe {
+            avx512::online_softmax_tile(
+                st.as_mut_ptr(),
+                bq,
+                bk,
+                scale,
+                m.as_mut_ptr(),
+                l.as_mut_ptr(),
+                acc.as_mut_ptr(),
+                d,
+            )
+        };
+        return;
+    }
+    for r in 0..bq {
+        let row = &mut st[r * bk..(r + 1) * bk];
+        let m_new = m[r].max(scale * row_max(row));
+        if m_new == f32::NEG_INFINITY {
+            row.fill(0.0);
+            continue;
+        }
+        let alpha = (m[r] - m_new).exp();
+        let sum = exp_sub_sum(row, scale, m_new);
+        l[r] = l[r] * alpha + sum;
+        m[r] = m_new;
+        if alpha != 1.0 {
+            acc[r * d..(r + 1) * d].iter_mut().for_each(|a| *a *= alpha);
+        }
+    }
+}
+
+/// Probabilities from saved log-sum-exps: `p ← exp(scale·p − lse_row)` on a tile `[bq, bk]`;
+/// rows with `lse = −∞` (no visible key) become 0.
+pub(crate) fn exp_tile(p: &mut [f32], bq: usize, bk: usize, scale: f32, lse: &[f32]) {
+    assert!(p.len() >= bq * bk && lse.len() >= bq);
+    #[cfg(target_arch = "x86_64")]
+    if use_avx512() {
+        // SAFETY: AVX-512F available; lengths asserted above.
+        unsafe { avx512::exp_tile(p.as_mut_ptr(), bq, bk, scale, lse.as_ptr()) };
+        return;
+    }
+    for (row, &l) in p[..bq * bk].chunks_mut(bk).zip(lse) {
+        if l == f32::NEG_INFINITY {
+            row.fill(0.0);
+        } else {
+            exp_sub_sum(row, scale, l);
+        }
+    }
+}
+
+/// Transposed gather of `n` rows: `dst[c·n + j] = src[j·stride + c]` for `j < n`, `c < d`.
+pub(crate) fn gather_t(src: &[f32], stride: usize, n: usize, d: usize, dst: &mut [f32]) {
+    if n == 0 || d == 0 {
+        return;
+    }
+    assert!(src.len() > (n - 1) * stride + d - 1 && dst.len() >= n * d);
+    #[cfg(target_arch = "x86_64")]
+    if use_avx512() && (15 * stride + d) < i32::MAX as usize {
+        // SAFETY: AVX-512F available; every gathered index j·stride + c (j < n, c < d) is in
+        // bounds (asserted) and fits the i32 gather offsets (checked); masked lanes load nothing.
+        unsafe { avx512::gather_t(src.as_ptr(), stride, n, d, dst.as_mut_ptr()) };
+        return;
+    }
+    // Blocks of 8 keys: reads stay within 8 rows, writes are 8 contiguous floats.
+    for j0 in (0..n).step_by(8) {
+        let jn = 8.min(n - j0);
+        for c in 0..d {
+            for (jj, o) in dst[c * n + j0..c * n + j0 + jn].iter_mut().enumerate() {
+                *o = src[(j0 + jj) * stride + c];
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::gemm::matmul_reference;
+    use crate::tensor::max_abs_diff;
+    use crate::testutil::rand_vec;
+
+    /// Runs `f` once with the fastest kernels and once with the portable ones.
+    fn both_paths(f: impl Fn()) {
+        for portable in [false, true] {
+            FORCE_PORTABLE.with(|c| c.set(portable));
+            f();
+        }
+        FORCE_PORTABLE.with(|c| c.set(false));
+    }
+
+    #[test]
+    fn tile_products_match_reference() {
+        both_paths(tile_products);
+    }
+
+    #[test]
+    fn row_reductions() {
+        both_paths(row_reductions_once);
+    }
+
+    #[test]
+    fn softmax_grad_tile_matches_formula() {
+        both_paths(softmax_grad_once);
+    }
+
+    fn tile_products() {
+        // Widths cover full and partial 16-lane vectors and every column-block width (1-4
+        // vectors), heights cover full register blocks and remainders.
+        for &(m, k, n) in &[
+            (1, 1, 1),
+            (5, 7, 3),
+            (16, 32, 64),
+            (13, 29, 17),
+            (9, 3, 50),
+            (11, 8, 100),
+            (8, 5, 33),
+        ] {
+            let a = rand_vec(m * k, 1);
+            let b = rand_vec(k * n, 2);
+            let mut c = rand_vec(m * n, 3);
+            let mut r = c.clone();
+            mm(&mut c, n, &a, k, 1, &b, n, m, k, n, true);
+            matmul_reference(&mut r, &a, &b, m, k, n, false, false, true);
+            assert!(max_abs_diff(&c, &r) < 1e-5, "{m} {k} {n}");
+            mm(&mut c, n, &a, k, 1, &b, n, m, k, n, false);
+            matmul_reference(&mut r, &a, &b, m, k, n, false, false, false);
+            assert!(max_abs_diff(&c, &r) < 1e-5);
+            let at = rand_vec(k * m, 4);
+            mm(&mut c, n, &at, 1, m, &b, n, m, k, n, true);
+            matmul_reference(&mut r, &at, &b, m, k, n, true, false, true);
+            assert!(max_abs_diff(&c, &r) < 1e-5);
+        }
+    }
+
+    #[test]
+    fn gather_transposed() {
+        both_paths(|| {
+            for &(n, d, stride) in &[
+                (1usize, 1usize, 1usize),
+                (17, 8, 24),
+                (40, 32, 32),
+                (5, 3, 7),
+            ] {
+                let src = rand_vec((n - 1) * stride + d, 5);
+                let mut dst = vec![0.0; n * d];
+                gather_t(&src, stride, n, d, &mut dst);
+                for j in 0..n {
+                    for c in 0..d {
+                        assert_eq!(dst[c * n + j], src[j * stride + c]);
+                    }
+                }
+            }
+        });
+    }
+
+    fn softmax_grad_once() {
+        let (rows, cols) = (3, 37);
+        let p = rand_vec(rows * cols, 1);
+        let dp0 = rand_vec(rows * cols, 2);
+        let delta = [0.1f32, -0.3, 0.7];
+        let mut dp = dp0.clone();
+        softmax_grad_tile(&mut dp, &p, &delta, cols, 0.5);
+        for i in 0..rows * cols {
+            let want = 0.5 * p[i] * (dp0[i] - delta[i / cols]);
+            assert!((dp[i] - want).abs() < 1e-6);
+        }
+        // Scaled exp.
+        let mut x = vec![2.0f32; 20];
+        let s = exp_sub_sum(&mut x, 0.5, 1.0);
+        assert!((x[19] - 1.0).abs() < 1e-6 && (s - 20.0).abs() < 1e-4);
+    }
+
+    fn row_reductions_once() {
+        for n in [0usize, 1, 15, 16, 17, 64, 100] {
+            let x: Vec<f32> = rand_vec(n, 9).iter().map(|v| v * 40.0).collect();
+            let want = x.iter().fold(f32::NEG_INFINITY, |a, &b| a.max(b));
+            assert_eq!(row_max(&x), want);
+            let mut y = x.clone();
+            if n > 2 {
+                y[1] = f32::NEG_INFINITY;
+            }
+            // Reference from the same f32 difference, so only the exp approximation is tested.
+            let expect: Vec<f64> = y.iter().map(|&v| ((v - 3.0) as f64).exp()).collect();
+            let s = exp_sub_sum(&mut y, 1.0, 3.0);
+            for (got, e) in y.iter().zip(&expect) {
+                // The polynomial exp is accurate to a few ulp (relative 1e-6); results below
+                // 1.7e-38 (inputs < −87) are flushed to 0 on the AVX-512 path.
+                assert!((*got as f64 - e).abs() <= 1e-6 * e + 2e-38, "{got} vs {e}");
+            }
+            if n > 2 {
+                assert_eq!(y[1], 0.0);
+            }
+            let es: f64 = expect.iter().sum();
+            assert!((s as f64 - es).abs() <= 1e-5 * es + 1e-30);
+        }
+    }
+}

@@ -1,0 +1,93 @@
+//! `xtrain bench train`: steady-state step time, tokens/s and MFU of a preset on this machine,
+//! plus peak RSS against the memory account.
+use crate::config::RunConfig;
+use crate::error::Result;
+use crate::memory::{human, peak_rss_bytes};
+use crate::run::gemm_peak_flops;
+use crate::trainer::Trainer;
+use std::time::Instant;
+
+/// Benchmark figures.
+#[derive(Clone, Debug, serde::Serialize)]
+pub struct BenchReport {
+    pub preset: String,
+    pub threads: usize,
+    pub params: usize,
+    pub tokens_per_step: usize,
+    pub median_step_s: f64,
+    pub tokens_per_s: f64,
+    pub flops_per_token: f64,
+    pub achieved_gflops: f64,
+    pub gemm_peak_gflops: f64,
+    pub mfu: f64,
+    pub accounted_bytes: u64,
+    pub peak_rss_bytes: Option<u64>,
+}
+
+impl std::fmt::Display for BenchReport {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        writeln!(
+            f,
+            "preset {} ({} params), {} thread(s), {} tokens/step",
+            self.preset, self.params, self.threads, self.tokens_per_step
+        )?;
+        writeln!(
+            f,
+            "median step {:.4} s  ->  {:.0} tokens/s",
+            self.median_step_s, self.tokens_per_s
+        )?;
+        writeln!(
+            f,
+            "FLOPs/token (6N + 12·L·H·S, N = all parameters) {:.3e}  ->  {:.1} GFLOP/s; GEMM peak {:.1} GFLOP/s; MFU {:.1}%",
+            self.flops_per_token,
+            self.achieved_gflops,
+            self.gemm_peak_gflops,
+            100.0 * self.mfu
+        )?;
+        write!(
+            f,
+            "memory accounted {} ; peak RSS {} ({})",
+            human(self.accounted_bytes),
+            self.peak_rss_bytes.map(human).unwrap_or_else(|| "?".into()),
+            self.peak_rss_bytes
+                .map(|r| format!("{:.2}x the account", r as f64 / self.accounted_bytes as f64))
+                .unwrap_or_default()
+        )
+    }
+}
+
+/// Runs `steps` timed optimizer steps (after one warm-up step) of `cfg` with synthetic-free,
+/// real data (the built-in corpus) and reports the median.
+pub fn bench_train(preset: &str, mut cfg: RunConfig, steps: usize) -> Result<BenchReport> {
+    cfg.train.steps = steps + 1;
+    cfg.data.corpus_bytes = cfg.data.corpus_bytes.min(400_000);
+    let mut t = Trainer::new(cfg)?;
+    let threads = tensor::threads::thread_budget();
+    t.train_step()?; // warm-up: page in buffers, size the thread pool
+    let mut times: Vec<f64> = (0..steps.max(1))
+        .map(|_| {
+            let s = Instant::now();
+            t.train_step().map(|_| s.elapsed().as_secs_f64())
+        })
+        .collect::<Result<_>>()?;
+    times.sort_by(f64::total_cmp);
+    let median = times[times.len() / 2];
+    let tokens = t.cfg.train.micro_batch * t.cfg.train.grad_accum * t.cfg.model.seq_len;
+    let tps = tokens as f64 / median;
+    let fpt = t.flops_per_token();
+    let peak = gemm_peak_flops();
+    Ok(BenchReport {
+        preset: preset.to_string(),
+        threads,
+        params: t.num_params(),
+        tokens_per_step: tokens,
+        median_step_s: median,
+        tokens_per_s: tps,
+        flops_per_token: fpt,
+        achieved_gflops: tps * fpt / 1e9,
+        gemm_peak_gflops: peak / 1e9,
+        mfu: tps * fpt / peak,
+        accounted_bytes: t.memory().total(),
+        peak_rss_bytes: peak_rss_bytes(),
+    })
+}

@@ -1,0 +1,100 @@
+//! `xtrain train`: a single-process training run from a preset, a TOML config and overrides,
+//! or resumed from a checkpoint.
+use anyhow::Result;
+use clap::Args;
+use std::path::PathBuf;
+use train::run::{run, RunOptions};
+use train::trainer::Trainer;
+use train::RunConfig;
+
+#[derive(Args, Debug)]
+pub struct TrainArgs {
+    /// TOML run configuration (applied on top of the preset).
+    #[arg(long)]
+    pub config: Option<PathBuf>,
+    /// Base preset: tiny, small or medium.
+    #[arg(long, default_value = "tiny")]
+    pub preset: String,
+    /// Dataset: a `.tok` token file or a text file (default: the built-in corpus).
+    #[arg(long)]
+    pub data: Option<String>,
+    /// Config overrides `section.key=value` (repeatable), e.g. `--set train.steps=100`.
+    #[arg(long = "set", value_name = "KEY=VALUE")]
+    pub overrides: Vec<String>,
+    /// Resume from a checkpoint directory or a run directory (uses its `latest`).
+    #[arg(long)]
+    pub resume: Option<PathBuf>,
+    /// Run directory (default: runs/<preset>).
+    #[arg(long)]
+    pub out: Option<PathBuf>,
+    /// Processes (same as `--set parallel.nproc=N`).
+    #[arg(long)]
+    pub nproc: Option<usize>,
+    /// Data-parallel degree (same as `--set parallel.dp=N`).
+    #[arg(long)]
+    pub dp: Option<usize>,
+    /// ZeRO stage (same as `--set parallel.zero=N`).
+    #[arg(long)]
+    pub zero: Option<usize>,
+    /// No progress bar.
+    #[arg(long)]
+    pub quiet: bool,
+}
+
+pub fn run_cmd(a: TrainArgs) -> Result<()> {
+    let mut overrides = Vec::new();
+    if let Some(d) = &a.data {
+        overrides.push(format!("data.path={}", toml_string(d)));
+    }
+    for (k, v) in [("nproc", a.nproc), ("dp", a.dp), ("zero", a.zero)] {
+        if let Some(v) = v {
+            overrides.push(format!("parallel.{k}={v}"));
+        }
+    }
+    overrides.extend(a.overrides.iter().cloned());
+    if a.resume.is_none() {
+        let cfg = RunConfig::load(&a.preset, a.config.as_deref(), &overrides)?;
+        if super::train_dp::wants_dp(&cfg) {
+            let out = a
+                .out
+                .clone()
+                .unwrap_or_else(|| PathBuf::from("runs").join(&a.preset));
+            return super::train_dp::run(&cfg, &out);
+        }
+    }
+    let mut trainer = match &a.resume {
+        Some(dir) => {
+            let ck = train::checkpoint::resolve(dir)?;
+            eprintln!("resuming from {}", ck.display());
+            Trainer::from_checkpoint(&ck, &overrides)?
+        }
+        None => Trainer::new(RunConfig::load(&a.preset, a.config.as_deref(), &overrides)?)?,
+    };
+    let out = a.out.clone().unwrap_or_else(|| match &a.resume {
+        // A resumed run continues in its run directory when given one.
+        Some(dir) if dir.join("latest").is_file() => dir.clone(),
+        _ => PathBuf::from("runs").join(&a.preset),
+    });
+    let s = run(
+        &mut trainer,
+        &RunOptions {
+            out_dir: out,
+            quiet: a.quiet,
+        },
+    )?;
+    println!(
+        "loss {:.4} -> {:.4}{} ; checkpoint {}",
+        s.first_loss,
+        s.last_loss,
+        s.val_loss
+            .map(|v| format!(" (validation {v:.4})"))
+            .unwrap_or_default(),
+        s.checkpoint.display()
+    );
+    Ok(())
+}
+
+/// Quotes a path as a TOML string for an override.
+fn toml_string(s: &str) -> String {
+    toml::Value::String(s.to_string()).to_string()
+}
