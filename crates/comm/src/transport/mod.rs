@@ -140,6 +140,15 @@ impl Link {
         }
     }
 
+    /// False when the peer's process is known to be gone (shared memory only; a TCP peer's
+    /// death closes the socket, which reads report by themselves).
+    pub fn peer_alive(&self) -> bool {
+        match self {
+            Link::Shm(l) => l.peer_alive(),
+            Link::Tcp(_) => true,
+        }
+    }
+
     /// Tells the peer this side is gone (it then fails instead of waiting for a timeout).
     pub fn close(&mut self) {
         match self {
