@@ -119,6 +119,7 @@ fn algo_name(a: AllReduceAlgo) -> &'static str {
         AllReduceAlgo::Ring => "ring",
         AllReduceAlgo::Tree => "tree",
         AllReduceAlgo::HalvingDoubling => "rhd",
+        AllReduceAlgo::RecursiveDoubling => "rd",
     }
 }
 
