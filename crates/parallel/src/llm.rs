@@ -29,7 +29,7 @@ pub struct LlmAct {
 
 pub enum LlmCache {
     Embed(Vec<u32>),
-    Block(BlockCache),
+    Block(Box<BlockCache>),
     Head(HeadCache, f32),
 }
 
@@ -121,7 +121,7 @@ impl StagedModel for StagedLlm {
                 .block_forward(unit - 1, p, Arc::new(act.x), &pass)
                 .map_err(merr)?;
             let aux = act.aux + cache.aux_loss();
-            return Ok((LlmAct { x: y, aux }, LlmCache::Block(cache)));
+            return Ok((LlmAct { x: y, aux }, LlmCache::Block(Box::new(cache))));
         }
         let cache = self
             .model
@@ -174,7 +174,7 @@ impl StagedModel for StagedLlm {
             }
             LlmCache::Block(cache) => {
                 let dx = self.model.blocks[unit - 1]
-                    .backward(p, g, cache, need(dy)?)
+                    .backward(p, g, *cache, need(dy)?)
                     .map_err(merr)?;
                 Ok(Some(LlmAct { x: dx, aux: 0.0 }))
             }

@@ -75,8 +75,8 @@ pub fn from_model_config(
         num_heads: mc.num_attention_heads,
         num_kv_heads: mc.kv_heads(),
         seq_len,
-        rope_theta: mc.rope_theta as f64,
-        norm_eps: mc.rms_norm_eps as f64,
+        rope_theta: f32_decimal(mc.rope_theta),
+        norm_eps: f32_decimal(mc.rms_norm_eps),
         num_experts: mc.num_local_experts,
         experts_per_token: if mc.is_moe() {
             mc.num_experts_per_tok
@@ -84,6 +84,12 @@ pub fn from_model_config(
             0
         },
     })
+}
+
+/// The f64 with the same shortest decimal form as an f32 (`1e-5f32` → `1e-5`, not
+/// `9.99999974e-6`), so configs survive an f32 round trip unchanged.
+fn f32_decimal(x: f32) -> f64 {
+    x.to_string().parse().expect("an f32 prints as a float")
 }
 
 /// Training FLOPs per token: `6N + 12·L·H·S` (Kaplan et al. 2020 / PaLM appendix B), with N =

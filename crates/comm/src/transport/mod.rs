@@ -40,6 +40,16 @@ impl std::str::FromStr for TransportKind {
     }
 }
 
+impl std::fmt::Display for TransportKind {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            TransportKind::Auto => "auto",
+            TransportKind::Shm => "shm",
+            TransportKind::Tcp => "tcp",
+        })
+    }
+}
+
 /// Why a link operation failed.
 #[derive(Debug)]
 pub(crate) enum LinkError {

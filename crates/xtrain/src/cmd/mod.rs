@@ -5,3 +5,4 @@ pub mod generate;
 pub mod launch;
 pub mod tokenize;
 pub mod train;
+pub mod train_dp;
