@@ -138,6 +138,7 @@ pub fn run(
         println!("memory per rank (accounted): {}", engine.memory());
     }
     let mut losses = Vec::with_capacity(t.steps);
+    let mut step_ms_all = Vec::with_capacity(t.steps);
     for step in 0..t.steps {
         let batches = (0..t.grad_accum)
             .map(|a| {
@@ -148,7 +149,9 @@ pub fn run(
             .collect::<Result<Vec<_>, _>>()?;
         let lr = schedule.lr(step);
         engine.set_lr(lr as f32);
+        let t0 = std::time::Instant::now();
         let s = engine.train_step(&batches)?;
+        let step_ms = t0.elapsed().as_secs_f64() * 1e3;
         if !s.loss.is_finite() {
             return Err(ParallelError::Protocol(format!(
                 "loss is {} at step {step}",
@@ -158,7 +161,7 @@ pub fn run(
         if log && rank == 0 {
             let m = engine.memory();
             println!(
-                "step {:>5} | loss {:.4} | lr {lr:.2e} | grad norm {:.3} | mem/rank params {} grads {} optim {} comm {} act {}",
+                "step {:>5} | loss {:.4} | lr {lr:.2e} | grad norm {:.3} | {step_ms:.1} ms | mem/rank params {} grads {} optim {} comm {} act {}",
                 step + 1,
                 s.loss,
                 s.grad_norm,
@@ -170,6 +173,19 @@ pub fn run(
             );
         }
         losses.push(s.loss);
+        step_ms_all.push(step_ms);
+    }
+    if log {
+        // Every rank reports its measured peak resident set (Linux `VmHWM`).
+        if let Some(kib) = peak_rss_kib() {
+            let mut sorted = step_ms_all.clone();
+            sorted.sort_by(f64::total_cmp);
+            let median = sorted.get(sorted.len() / 2).copied().unwrap_or(0.0);
+            println!(
+                "rank {rank}: peak RSS {:.1} MiB, median step {median:.1} ms",
+                kib as f64 / 1024.0
+            );
+        }
     }
     if let Some(dir) = checkpoint {
         engine.save_checkpoint(dir)?;
@@ -179,4 +195,11 @@ pub fn run(
         memory: engine.memory(),
         formula,
     })
+}
+
+/// Peak resident set size of this process in KiB (`VmHWM` of `/proc/self/status`).
+fn peak_rss_kib() -> Option<u64> {
+    let s = std::fs::read_to_string("/proc/self/status").ok()?;
+    let line = s.lines().find(|l| l.starts_with("VmHWM:"))?;
+    line.split_whitespace().nth(1)?.parse().ok()
 }

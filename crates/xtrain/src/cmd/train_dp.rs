@@ -15,7 +15,13 @@ pub fn wants_dp(cfg: &RunConfig) -> bool {
 }
 
 /// Runs `cfg` data-parallel: spawns the workers when not inside a launched job, else trains.
+/// `--nproc N` alone means `--dp N` (data parallelism is the only layout wired in so far).
 pub fn run(cfg: &RunConfig, out: &Path) -> Result<()> {
+    let mut cfg = cfg.clone();
+    if cfg.parallel.dp == 1 && cfg.parallel.nproc > 1 {
+        cfg.parallel.dp = cfg.parallel.nproc;
+    }
+    let cfg = &cfg;
     if comm::env::LaunchEnv::from_env().is_err() {
         let mut command = vec![std::env::current_exe()?.into_os_string()];
         command.extend(std::env::args_os().skip(1));
