@@ -53,6 +53,25 @@ impl std::str::FromStr for AllReduceAlgo {
     }
 }
 
+impl AllReduceAlgo {
+    /// Short name, as accepted by `FromStr` (`auto`, `ring`, `tree`, `hd`, `rd`).
+    pub fn name(self) -> &'static str {
+        match self {
+            AllReduceAlgo::Auto => "auto",
+            AllReduceAlgo::Ring => "ring",
+            AllReduceAlgo::Tree => "tree",
+            AllReduceAlgo::HalvingDoubling => "hd",
+            AllReduceAlgo::RecursiveDoubling => "rd",
+        }
+    }
+}
+
+impl std::fmt::Display for AllReduceAlgo {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
 /// Messages up to this many bytes use recursive doubling under `Auto` (latency-bound: log2 n
 /// message latencies, every rank busy each step).
 pub const RD_MAX_BYTES: usize = 32 << 10;
@@ -212,7 +231,7 @@ impl Engine {
         let n = self.size();
         let segs: Vec<Range<usize>> = (0..n).map(|i| shard_range(buf.len(), n, i)).collect();
         // Reduce-scatter leaves segment r+1 complete on rank r.
-        self.ring_reduce_scatter(ctx, buf, &segs, op, 0)?;
+        self.ring_reduce_scatter(ctx, buf, &segs, op)?;
         let owned = segs[self.wrap(self.rank() + 1)].clone();
         if op == ReduceOp::Avg {
             scale_avg(&mut buf[owned], n);
@@ -220,22 +239,20 @@ impl Engine {
         self.ring_all_gather(ctx, buf, &segs, 1)
     }
 
-    /// Ring reduce-scatter over `segs`: at step s rank r sends segment (r − s + k) to r+1 and
-    /// reduces segment (r − s − 1 + k) from r−1 into place; afterwards rank r holds the full
-    /// reduction of segment (r + 1 + k). `k` is 0 (all-reduce) or n−1 (≡ −1: reduce-scatter,
-    /// rank r ends with segment r).
+    /// In-place ring reduce-scatter over `segs`: at step s rank r sends segment (r − s) to r+1
+    /// and reduces segment (r − s − 1) from r−1 into place (straight out of the transport);
+    /// afterwards rank r holds the full reduction of segment (r + 1).
     fn ring_reduce_scatter<T: Element>(
         &mut self,
         ctx: &Ctx,
         buf: &mut [T],
         segs: &[Range<usize>],
         op: ReduceOp,
-        k: usize,
     ) -> Result<()> {
         let (n, r) = (self.size(), self.rank());
         for s in 0..n - 1 {
-            let send = segs[self.wrap(r + n - s + k)].clone();
-            let recv = segs[self.wrap(r + 2 * n - s - 1 + k)].clone();
+            let send = segs[self.wrap(r + n - s)].clone();
+            let recv = segs[self.wrap(r + 2 * n - s - 1)].clone();
             let (sb, rb) = split_pair(buf, send, recv);
             let sink = reduce_sink(rb, op);
             self.step(
@@ -767,5 +784,38 @@ impl Engine {
             self.tree_all_reduce::<u8>(&ctx, &mut [], ReduceOp::Max)?;
         }
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn shards_cover_the_buffer_in_order_and_differ_by_at_most_one() {
+        for len in [0, 1, 5, 7, 16, 1031] {
+            for n in 1..=8 {
+                let shards: Vec<Range<usize>> = (0..n).map(|i| shard_range(len, n, i)).collect();
+                assert_eq!(shards[0].start, 0);
+                assert_eq!(shards[n - 1].end, len);
+                assert!(shards.windows(2).all(|w| w[0].end == w[1].start));
+                let (lo, hi) = (len / n, len.div_ceil(n));
+                assert!(shards.iter().all(|s| s.len() == lo || s.len() == hi));
+            }
+        }
+    }
+
+    #[test]
+    fn auto_picks_by_size_and_group_size() {
+        use AllReduceAlgo::*;
+        assert_eq!(Auto.choose(4096, 2), RecursiveDoubling);
+        assert_eq!(Auto.choose(RD_MAX_BYTES + 4, 4), Tree);
+        assert_eq!(Auto.choose(RD_MAX_BYTES + 4, 2), Ring);
+        assert_eq!(Auto.choose(TREE_MAX_BYTES + 4, 8), Ring);
+        assert_eq!(Ring.choose(4, 8), Ring);
+        for a in [Auto, Ring, Tree, HalvingDoubling, RecursiveDoubling] {
+            assert_eq!(a.name().parse::<AllReduceAlgo>().unwrap(), a);
+        }
+        assert!("fastest".parse::<AllReduceAlgo>().is_err());
     }
 }

@@ -303,6 +303,7 @@ fn connect_group(ctx: &Arc<Ctx>, label: &str, members: &[usize]) -> Result<Proce
             ctx.store.set(&format!("{host_key}/attached/{li}"), b"1")?;
             seg
         };
+        seg.set_pid(li);
         for (lj, &g) in local.iter().enumerate() {
             if g != me {
                 links[g] = Some(Link::Shm(ShmLink::new(Arc::clone(&seg), li, lj)));

@@ -498,6 +498,19 @@ impl Engine {
                 .saturating_duration_since(now)
                 .min(Duration::from_millis(50));
             self.sleep(sends, recvs, seen, nap);
+            // After a long idle stretch, check that shared-memory peers' processes still exist.
+            if now.duration_since(idle_since.unwrap_or(now)) > Duration::from_millis(10) {
+                let pending = sends
+                    .iter()
+                    .filter(|s| !s.done)
+                    .map(|s| s.peer)
+                    .chain(recvs.iter().filter(|r| !r.done).map(|r| r.peer));
+                for p in pending.collect::<Vec<_>>() {
+                    if self.links[p].as_ref().is_some_and(|l| !l.peer_alive()) {
+                        return Err(self.err_for(ctx, p, LinkError::Closed));
+                    }
+                }
+            }
         }
     }
 

@@ -1,4 +1,4 @@
-//! Helpers to run N ranks as threads of one process (for this crate's and other crates' tests).
+//! Utilities to run N ranks as threads of one process (for this crate's and other crates' tests).
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 

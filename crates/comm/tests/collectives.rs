@@ -438,3 +438,12 @@ proptest! {
         });
     }
 }
+
+#[test]
+fn handles_are_shareable_across_threads() {
+    fn is_send_sync<T: Send + Sync>() {}
+    is_send_sync::<Communicator>();
+    is_send_sync::<ProcessGroup>();
+    is_send_sync::<DeviceMesh>();
+    is_send_sync::<Work<Vec<f32>>>();
+}

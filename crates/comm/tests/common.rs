@@ -1,4 +1,4 @@
-//! Shared helpers for the integration tests: deterministic small-integer inputs (so every
+//! Shared utilities for the integration tests: deterministic small-integer inputs (so every
 //! reduction is exact in every dtype, and results can be compared bit for bit with a naive
 //! reference that gathers everything and computes serially).
 #![allow(dead_code)]

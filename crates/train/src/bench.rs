@@ -22,6 +22,9 @@ pub struct BenchReport {
     pub mfu: f64,
     pub accounted_bytes: u64,
     pub peak_rss_bytes: Option<u64>,
+    /// Seconds per step in each model kernel class, and the rest ("other": optimizer,
+    /// precision conversions, data, glue), from the model's kernel timers.
+    pub profile: Vec<(String, f64)>,
 }
 
 impl std::fmt::Display for BenchReport {
@@ -44,6 +47,12 @@ impl std::fmt::Display for BenchReport {
             self.gemm_peak_gflops,
             100.0 * self.mfu
         )?;
+        let parts: Vec<String> = self
+            .profile
+            .iter()
+            .map(|(k, s)| format!("{k} {:.0}%", 100.0 * s / self.median_step_s.max(1e-12)))
+            .collect();
+        writeln!(f, "time per step by kernel: {}", parts.join(", "))?;
         write!(
             f,
             "memory accounted {} ; peak RSS {} ({})",
@@ -64,12 +73,24 @@ pub fn bench_train(preset: &str, mut cfg: RunConfig, steps: usize) -> Result<Ben
     let mut t = Trainer::new(cfg)?;
     let threads = tensor::threads::thread_budget();
     t.train_step()?; // warm-up: page in buffers, size the thread pool
+    model::profile::reset();
+    model::profile::enable(true);
     let mut times: Vec<f64> = (0..steps.max(1))
         .map(|_| {
             let s = Instant::now();
             t.train_step().map(|_| s.elapsed().as_secs_f64())
         })
         .collect::<Result<_>>()?;
+    model::profile::enable(false);
+    let n = times.len() as f64;
+    let mean_step = times.iter().sum::<f64>() / n;
+    let mut profile: Vec<(String, f64)> = model::profile::report()
+        .into_iter()
+        .map(|(k, s)| (format!("{k:?}"), s / n))
+        .filter(|(_, s)| *s > 0.0)
+        .collect();
+    let kernels: f64 = profile.iter().map(|p| p.1).sum();
+    profile.push(("other".into(), (mean_step - kernels).max(0.0)));
     times.sort_by(f64::total_cmp);
     let median = times[times.len() / 2];
     let tokens = t.cfg.train.micro_batch * t.cfg.train.grad_accum * t.cfg.model.seq_len;
@@ -89,5 +110,6 @@ pub fn bench_train(preset: &str, mut cfg: RunConfig, steps: usize) -> Result<Ben
         mfu: tps * fpt / peak,
         accounted_bytes: t.memory().total(),
         peak_rss_bytes: peak_rss_bytes(),
+        profile,
     })
 }

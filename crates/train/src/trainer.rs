@@ -75,8 +75,8 @@ pub fn from_model_config(
         num_heads: mc.num_attention_heads,
         num_kv_heads: mc.kv_heads(),
         seq_len,
-        rope_theta: mc.rope_theta as f64,
-        norm_eps: mc.rms_norm_eps as f64,
+        rope_theta: f32_decimal(mc.rope_theta),
+        norm_eps: f32_decimal(mc.rms_norm_eps),
         num_experts: mc.num_local_experts,
         experts_per_token: if mc.is_moe() {
             mc.num_experts_per_tok
@@ -84,6 +84,12 @@ pub fn from_model_config(
             0
         },
     })
+}
+
+/// The f64 with the same shortest decimal form as an f32 (`1e-5f32` → `1e-5`, not
+/// `9.99999974e-6`), so configs survive an f32 round trip unchanged.
+fn f32_decimal(x: f32) -> f64 {
+    x.to_string().parse().expect("an f32 prints as a float")
 }
 
 /// Training FLOPs per token: `6N + 12·L·H·S` (Kaplan et al. 2020 / PaLM appendix B), with N =
@@ -184,6 +190,54 @@ impl Trainer {
         tokenizer_json: Option<Vec<u8>>,
     ) -> Result<Self> {
         cfg.require_single_process()?;
+        Self::build(cfg, model, master, tokenizer, tokenizer_json)
+    }
+
+    /// A fresh run on data-parallel rank `rank` of `cfg.parallel.dp`, with the engine that
+    /// `make_engine(hyper, clip, num_params)` builds (DDP / ZeRO plug in here). The sampler
+    /// reads this rank's share of every global batch; gradients handed to the engine are this
+    /// rank's mean over its micro-batches, and the engine averages them over ranks.
+    pub fn new_with_engine(
+        cfg: RunConfig,
+        rank: usize,
+        make_engine: impl FnOnce(AdamW, f64, usize) -> Box<dyn StepEngine + Send>,
+    ) -> Result<Self> {
+        cfg.validate()?;
+        if rank >= cfg.parallel.dp {
+            return Err(TrainError::Config(format!(
+                "rank {rank} outside dp {}",
+                cfg.parallel.dp
+            )));
+        }
+        let model = Model::new(model_config(&cfg)).map_err(merr)?;
+        let master = model.init_params(cfg.train.seed);
+        let (tk, json) = load_tokenizer(&cfg.data.tokenizer)?;
+        let mut t = Self::build(cfg, model, master, tk, json)?;
+        t.engine = make_engine(t.hyper(), t.cfg.train.grad_clip, t.num_params());
+        t.sampler.dp = t.cfg.parallel.dp;
+        t.sampler.rank = rank;
+        Ok(t)
+    }
+
+    /// The AdamW hyper-parameters of the config.
+    pub fn hyper(&self) -> AdamW {
+        let t = &self.cfg.train;
+        AdamW {
+            lr: t.lr as f32,
+            beta1: t.beta1 as f32,
+            beta2: t.beta2 as f32,
+            eps: t.eps as f32,
+            weight_decay: t.weight_decay as f32,
+        }
+    }
+
+    fn build(
+        cfg: RunConfig,
+        model: Model,
+        master: Vec<f32>,
+        tokenizer: Tokenizer,
+        tokenizer_json: Option<Vec<u8>>,
+    ) -> Result<Self> {
         if cfg.train.threads > 0 {
             tensor::threads::set_thread_budget(cfg.train.threads)
                 .map_err(|e| TrainError::Config(e.to_string()))?;

@@ -84,7 +84,7 @@ fn every_collective_is_exact_through_launch_over_shm_and_tcp() {
 
 #[test]
 fn bench_spawns_its_own_workers_for_every_algorithm() {
-    for algo in ["ring", "tree", "rhd", "auto"] {
+    for algo in ["ring", "tree", "rhd", "rd", "auto"] {
         let out = xtrain()
             .args(["bench", "comm", "--nproc", "3", "--algo", algo, "--json"])
             .args([

@@ -40,6 +40,16 @@ impl std::str::FromStr for TransportKind {
     }
 }
 
+impl std::fmt::Display for TransportKind {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            TransportKind::Auto => "auto",
+            TransportKind::Shm => "shm",
+            TransportKind::Tcp => "tcp",
+        })
+    }
+}
+
 /// Why a link operation failed.
 #[derive(Debug)]
 pub(crate) enum LinkError {
@@ -127,6 +137,15 @@ impl Link {
         match self {
             Link::Shm(l) => l.try_read(f),
             Link::Tcp(l) => l.try_read(f),
+        }
+    }
+
+    /// False when the peer's process is known to be gone (shared memory only; a TCP peer's
+    /// death closes the socket, which reads report by themselves).
+    pub fn peer_alive(&self) -> bool {
+        match self {
+            Link::Shm(l) => l.peer_alive(),
+            Link::Tcp(_) => true,
         }
     }
 

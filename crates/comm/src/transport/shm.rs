@@ -148,6 +148,28 @@ impl Segment {
         self.at(PAGE + i * BELL_STRIDE + 64)
     }
 
+    fn pid_slot(&self, i: usize) -> &AtomicU32 {
+        self.at(PAGE + i * BELL_STRIDE + 8)
+    }
+
+    /// Records this process as local rank `i` (so peers can tell when it died).
+    pub fn set_pid(&self, i: usize) {
+        self.pid_slot(i)
+            .store(std::process::id(), Ordering::Release);
+    }
+
+    /// False only if local rank `i` recorded a pid and that process no longer exists (a rank
+    /// killed without closing its rings is then noticed long before the timeout).
+    pub fn alive(&self, i: usize) -> bool {
+        let pid = self.pid_slot(i).load(Ordering::Acquire);
+        if pid == 0 {
+            return true;
+        }
+        // SAFETY: signal 0 only checks that the process exists.
+        let r = unsafe { libc::kill(pid as libc::pid_t, 0) };
+        r == 0 || std::io::Error::last_os_error().raw_os_error() != Some(libc::ESRCH)
+    }
+
     /// Current doorbell value of local rank `i` (read before checking for progress).
     pub fn doorbell(&self, i: usize) -> u32 {
         self.bell(i).load(Ordering::SeqCst)
@@ -351,6 +373,11 @@ impl ShmLink {
             self.seg.notify(self.peer);
         }
         Ok(used)
+    }
+
+    /// Whether the peer's process still exists.
+    pub fn peer_alive(&self) -> bool {
+        self.seg.alive(self.peer)
     }
 
     pub fn close(&mut self) {

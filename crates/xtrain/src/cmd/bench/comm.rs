@@ -67,7 +67,8 @@ pub struct Args {
     /// Start this many worker processes on this host (else: be a worker of a launched job).
     #[arg(long)]
     pub nproc: Option<usize>,
-    /// All-reduce algorithm: ring, tree, rhd (recursive halving-doubling) or auto
+    /// All-reduce algorithm: ring, tree, rhd (recursive halving-doubling), rd (recursive
+    /// doubling) or auto
     /// (default: XTRAIN_ALLREDUCE_ALGO, else auto).
     #[arg(long, value_parser = parse_algo)]
     pub algo: Option<AllReduceAlgo>,
