@@ -17,7 +17,7 @@ use gemm::Parallelism;
 /// would dominate).
 const PARALLEL_MIN_WORK: usize = 64 * 64 * 64;
 
-/// A strided matrix view for [`matmul_strided`]: element `(i, j)` is at
+/// A strided matrix view for [`gemm_raw`]: element `(i, j)` is at
 /// `ptr[i * row_stride + j * col_stride]`.
 #[derive(Debug, Clone, Copy)]
 pub struct Strides {

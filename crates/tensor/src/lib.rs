@@ -11,6 +11,17 @@
 //! - Kernels that validate their input return [`TensorError`]; hot inner loops only
 //!   `debug_assert!`.
 //! - Parallel kernels run on the process-wide thread budget of [`threads`].
+//! - Results are bitwise reproducible run to run (fixed reduction orders).
+//!
+//! Map of the crate:
+//! - [`gemm::matmul`]: `C (+)= op(A)·op(B)` through the `gemm` crate, transposes by strides.
+//! - [`norm`]: RMSNorm; [`rope::Rope`]: rotary embedding (HF rotate-half);
+//!   [`activation`]: SiLU / SwiGLU; [`softmax`]: row softmax.
+//! - [`attention`]: tiled online-softmax attention with GQA, causal offsets, log-sum-exp and
+//!   [`attention::merge_partial`] for ring attention.
+//! - [`cross_entropy`]: LM head + cross-entropy fused in row chunks, with vocab-shard pieces.
+//! - [`embedding`]: lookup and scatter-add (full table or a vocabulary shard).
+//! - [`dtype`]: bf16 / f16 storage conversions; [`Tensor`]: small owned tensor.
 
 pub mod activation;
 pub mod attention;

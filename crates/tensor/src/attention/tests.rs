@@ -117,13 +117,16 @@ fn check_lse(what: &str, got: &[f32], want: &[f64]) {
 #[test]
 fn forward_matches_naive_reference() {
     let shapes = [
-        shape(2, 13, 13, 4, 4, 8, true, 0, 0),  // GQA ratio 1
-        shape(1, 13, 13, 4, 2, 8, true, 0, 0),  // ratio 2
-        shape(2, 11, 11, 8, 2, 4, true, 0, 0),  // ratio 4
-        shape(1, 9, 14, 4, 1, 8, true, 5, 0),   // queries later in the sequence than keys
-        shape(1, 10, 7, 2, 1, 8, true, 3, 6),   // keys start later: early queries see nothing
-        shape(2, 9, 12, 4, 2, 8, false, 0, 0),  // non-causal
-        shape(1, 70, 70, 2, 1, 16, true, 0, 0), // longer than the default tile
+        shape(2, 13, 13, 4, 4, 8, true, 0, 0),    // GQA ratio 1
+        shape(1, 13, 13, 4, 2, 8, true, 0, 0),    // ratio 2
+        shape(2, 11, 11, 8, 2, 4, true, 0, 0),    // ratio 4
+        shape(1, 9, 14, 4, 1, 8, true, 5, 0),     // queries later in the sequence than keys
+        shape(1, 10, 7, 2, 1, 8, true, 3, 6),     // keys start later: early queries see nothing
+        shape(2, 9, 12, 4, 2, 8, false, 0, 0),    // non-causal
+        shape(1, 70, 70, 2, 1, 16, true, 0, 0),   // longer than the default tile
+        shape(1, 33, 33, 2, 1, 64, true, 0, 0),   // head_dim 64: full 4-vector blocks
+        shape(1, 21, 300, 2, 2, 40, false, 0, 0), // head_dim 40 (masked lanes), > 256 keys
+        shape(1, 300, 300, 1, 1, 8, true, 0, 0),  // several default-size key tiles
     ];
     let tiles = [(1, 1), (3, 5), (4, 4), (8, 3), (64, 64), (16, 32)];
     for (n, s) in shapes.iter().enumerate() {
@@ -190,6 +193,12 @@ fn backward_matches_finite_differences() {
     check_backward(shape(1, 5, 8, 2, 1, 4, true, 4, 0), t(2, 3), 4); // query offset
     check_backward(shape(1, 8, 5, 2, 1, 4, true, 0, 3), t(3, 2), 5); // key offset, empty rows
     check_backward(shape(1, 6, 7, 4, 2, 4, false, 0, 0), t(4, 3), 6); // non-causal
+    check_backward(shape(1, 5, 5, 1, 1, 64, true, 0, 0), t(2, 3), 7); // head_dim 64
+    check_backward(
+        shape(1, 6, 6, 2, 1, 40, true, 0, 0),
+        AttnTiles::default(),
+        8,
+    ); // lanes
 }
 
 #[test]
