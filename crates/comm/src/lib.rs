@@ -2,6 +2,36 @@
 //!
 //! Layout (one module per concern):
 //! - [`store`]: the rendezvous key-value store ranks use to find each other.
+//! - [`env`]: rank, world size and rendezvous address from the launcher's variables;
+//!   [`env::init_from_env`] builds the world communicator from them.
+//! - [`communicator`]: initialisation from a store + rank identity; creating groups.
+//! - [`group`]: [`ProcessGroup`] with point-to-point and collectives, sync and async ([`Work`]).
+//! - [`mesh`]: [`DeviceMesh`], named dimensions from which every group is sliced.
+//! - [`collectives`]: the algorithms (ring, tree, halving-doubling, ...).
+//! - `engine`, `transport` (shm, tcp), `wire`: progress engine, transports, message headers.
+//! - [`element`]: element types and reductions. [`testing`]: ranks as threads.
 //!
 //! `comm` knows nothing about tensors: collectives work on plain element slices.
+pub mod collectives;
+pub mod communicator;
+pub mod element;
+mod engine;
+pub mod env;
+pub mod error;
+pub mod group;
+pub mod mesh;
 pub mod store;
+pub mod testing;
+pub mod transport;
+mod wire;
+
+pub use collectives::{shard_range, AllReduceAlgo};
+pub use communicator::{Communicator, Options};
+pub use element::{DType, Element, ReduceOp};
+pub use error::{CommError, Result};
+pub use group::{CommStats, ProcessGroup, Work};
+pub use half::{bf16, f16};
+pub use mesh::{DeviceMesh, MeshShape};
+pub use store::{MemStore, Store, StoreError};
+pub use transport::TransportKind;
+pub use wire::OpKind;

@@ -6,6 +6,9 @@
 //! ```
 //! Presets: tiny (batch 8, seq 64), small (8 × 256), medium (4 × 512), tiny-moe (8 × 64).
 //! Prints the median tokens/s over the timed iterations, then one profiled iteration's split.
+//! On a shared machine wall time depends on the other load, so the process CPU time per step
+//! is printed too (Linux `/proc/self/stat`): `tokens / (cpu_seconds / threads)` estimates the
+//! throughput with the threads' cores to ourselves.
 
 use std::time::Instant;
 
@@ -18,6 +21,16 @@ fn shape(preset: &str) -> (usize, usize) {
         "medium" => (4, 512),
         _ => (8, 64),
     }
+}
+
+/// User + system CPU seconds of this process so far (None where `/proc` is unavailable).
+fn cpu_seconds() -> Option<f64> {
+    let stat = std::fs::read_to_string("/proc/self/stat").ok()?;
+    // Fields after the parenthesised command name; utime and stime are fields 14 and 15.
+    let rest = &stat[stat.rfind(')')? + 2..];
+    let f: Vec<&str> = rest.split_whitespace().collect();
+    let ticks: f64 = f.get(11)?.parse::<f64>().ok()? + f.get(12)?.parse::<f64>().ok()?;
+    Some(ticks / 100.0) // USER_HZ is 100 on Linux
 }
 
 fn main() {
@@ -70,7 +83,9 @@ fn main() {
             (t.elapsed().as_secs_f64(), r.loss)
         };
         step(); // warm-up
+        let cpu0 = cpu_seconds();
         let mut times: Vec<f64> = (0..iters).map(|_| step().0).collect();
+        let cpu = cpu_seconds().zip(cpu0).map(|(a, b)| (a - b) / iters as f64);
         times.sort_by(f64::total_cmp);
         let med = times[times.len() / 2];
         println!(
@@ -82,6 +97,13 @@ fn main() {
             times[0] * 1e3,
             times[times.len() - 1] * 1e3
         );
+        if let Some(c) = cpu {
+            println!(
+                "  cpu {:.2} s/step -> {:.0} tokens/s with {threads} uncontended cores (estimate)",
+                c,
+                (b * s) as f64 / (c / threads as f64)
+            );
+        }
         profile::reset();
         profile::enable(true);
         let (total, _) = step();

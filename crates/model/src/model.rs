@@ -198,6 +198,7 @@ impl Model {
                     ffn_norm: v("post_attention_layernorm.weight"),
                     ffn,
                     eps: cfg.rms_norm_eps,
+                    hooks: None,
                 }
             })
             .collect();

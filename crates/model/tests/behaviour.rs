@@ -462,3 +462,29 @@ fn decay_segments_cover_shards() {
     let local = norm.start - shard.start;
     assert!(segs.iter().any(|(r, wd)| r.contains(&local) && *wd == 0.0));
 }
+
+/// RoPE makes attention depend on relative positions only, so shifting every position by the
+/// same offset (a pipeline / context-parallel chunk convention) leaves a block's output unchanged
+/// up to rounding of the rotation angles.
+#[test]
+fn position_offset_is_relative() {
+    let m = Model::new(cfg(false)).unwrap();
+    let p = m.init_params(8);
+    let pb = &p[m.layout.block_range(0)];
+    let pass = Pass::new(2, 9);
+    let mut r = model::init::SplitMix64::new(2);
+    let x: Vec<f32> = (0..pass.tokens() * 32)
+        .map(|_| r.next_normal() as f32)
+        .collect();
+    let (y0, _) = m.block_forward(0, pb, Arc::new(x.clone()), &pass).unwrap();
+    let shifted = Pass {
+        pos_offset: 7,
+        ..pass
+    };
+    let (y1, _) = m.block_forward(0, pb, Arc::new(x), &shifted).unwrap();
+    let err = y0
+        .iter()
+        .zip(&y1)
+        .fold(0.0f32, |a, (u, v)| a.max((u - v).abs()));
+    assert!(err < 1e-5, "{err}");
+}

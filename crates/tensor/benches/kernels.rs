@@ -95,8 +95,9 @@ fn bench_misc(c: &mut Criterion) {
     g.sample_size(10)
         .measurement_time(Duration::from_secs(3))
         .warm_up_time(Duration::from_secs(1));
-    // Fused LM head + CE: 2048 tokens, dim 512, vocab 8192 (3 GEMM-sized products per step).
-    let (rows, dim, vocab) = (2048usize, 512usize, 8192usize);
+    // Fused LM head + CE: 256 tokens, dim 256, vocab 8192 (forward recomputes nothing; the
+    // backward recomputes the logits: 4 products of 2·rows·dim·vocab FLOPs in all).
+    let (rows, dim, vocab) = (256usize, 256usize, 8192usize);
     let x = data(rows * dim, 1);
     let w = data(vocab * dim, 2);
     let targets: Vec<i64> = (0..rows as i64)
@@ -107,7 +108,7 @@ fn bench_misc(c: &mut Criterion) {
     let mut dx = vec![0.0; rows * dim];
     let mut dw = vec![0.0; vocab * dim];
     g.throughput(Throughput::Elements((2 * rows * dim * vocab * 4) as u64));
-    g.bench_function("fused_ce_fwd_bwd_2048x512x8192", |bench| {
+    g.bench_function("fused_ce_fwd_bwd_256x256x8192", |bench| {
         bench.iter(|| {
             let o = fused_linear_ce_forward(&x, &w, &targets, dim, vocab, &cfg, &mut lse).unwrap();
             fused_linear_ce_backward(

@@ -3,7 +3,7 @@
 //! `XTRAIN_THREADS` (use 1) and divides useful FLOPs by the process CPU time (user + system,
 //! from `getrusage`), which other processes do not inflate.
 //!
-//! `XTRAIN_THREADS=1 cargo run --release -p tensor --example cpu_throughput`
+//! `XTRAIN_THREADS=1 cargo run --release -p tensor --example cpu_throughput [gemm [n] | attention [q_tile k_tile]]`
 
 use std::hint::black_box;
 use tensor::attention::{attention_backward, attention_forward, AttnShape, AttnTiles};
@@ -42,14 +42,24 @@ fn main() {
     println!("thread budget {threads}");
     let only = std::env::args().nth(1).unwrap_or_default();
     if only.is_empty() || only == "gemm" {
-        let n = 1024;
+        let arg = |i: usize, def: usize| {
+            std::env::args()
+                .nth(i)
+                .and_then(|a| a.parse().ok())
+                .unwrap_or(def)
+        };
+        let n = arg(2, 1024);
         let (a, b) = (data(n * n), data(n * n));
         let mut c = vec![0.0; n * n];
-        let (cpu, wall) = measure(2.0 * (n * n * n) as f64, 5, || {
-            matmul(&mut c, &a, &b, n, n, n, false, true, false).unwrap();
-            black_box(&c);
-        });
-        println!("gemm f32 {n}^3 (A·Bᵀ): {cpu:.1} GFLOP/cpu-s, {wall:.1} GFLOP/s wall");
+        for trans_b in [false, true] {
+            let (cpu, wall) = measure(2.0 * (n * n * n) as f64, 5, || {
+                matmul(&mut c, &a, &b, n, n, n, false, trans_b, false).unwrap();
+                black_box(&c);
+            });
+            println!(
+                "gemm f32 {n}^3 trans_b={trans_b}: {cpu:.1} GFLOP/cpu-s, {wall:.1} GFLOP/s wall"
+            );
+        }
     }
     if only.is_empty() || only == "attention" {
         let s = AttnShape::causal(8, 256, 8, 8, 32);
@@ -66,7 +76,17 @@ fn main() {
             vec![0.0; s.kv_elems()],
             vec![0.0; s.kv_elems()],
         );
-        let t = AttnTiles::default();
+        let arg = |i: usize, def: usize| {
+            std::env::args()
+                .nth(i)
+                .and_then(|a| a.parse().ok())
+                .unwrap_or(def)
+        };
+        let t = AttnTiles {
+            q_tile: arg(2, AttnTiles::default().q_tile),
+            k_tile: arg(3, AttnTiles::default().k_tile),
+        };
+        println!("tiles {t:?}");
         let (ff, fb) = s.flops();
         let (cpu, wall) = measure(ff, 10, || {
             attention_forward(&s, &q, &k, &v, &mut out, &mut lse, t).unwrap()

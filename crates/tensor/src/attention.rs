@@ -20,7 +20,7 @@
 //! contribution".
 
 use crate::error::check_len;
-use crate::microkernel::{exp_sub_sum, mm, mm_raw, row_max, softmax_grad_tile};
+use crate::microkernel::{exp_tile, gather_t, mm, mm_raw, online_softmax_tile, softmax_grad_tile};
 use crate::threads;
 use crate::TensorError;
 use rayon::prelude::*;
@@ -134,10 +134,13 @@ pub struct AttnTiles {
 }
 
 impl Default for AttnTiles {
+    /// Short query tiles waste little work on the causal diagonal; long key tiles amortise the
+    /// per-row softmax bookkeeping (max, sums, rescaling) over many scores. A `16 × 256` score
+    /// tile is 16 KiB and stays in L1. Measured in docs/PERFORMANCE.md ("Kernels").
     fn default() -> Self {
         AttnTiles {
-            q_tile: 64,
-            k_tile: 64,
+            q_tile: 16,
+            k_tile: 256,
         }
     }
 }
@@ -165,21 +168,6 @@ impl SyncPtr {
     #[inline]
     fn get(self) -> *mut f32 {
         self.0
-    }
-}
-
-/// Transposed gather of one head's keys: `dst[c·n + j] = src[base + j·stride + c]` for
-/// `j < n`, `c < d` (so `Kᵀ` rows are contiguous for the tile products).
-fn gather_t(src: &[f32], base: usize, stride: usize, n: usize, d: usize, dst: &mut [f32]) {
-    // Blocks of 8 keys: reads stay within 8 rows, writes are 8 contiguous floats.
-    for j0 in (0..n).step_by(8) {
-        let jn = 8.min(n - j0);
-        for c in 0..d {
-            let out = &mut dst[c * n + j0..c * n + j0 + jn];
-            for (jj, o) in out.iter_mut().enumerate() {
-                *o = src[base + (j0 + jj) * stride + c];
-            }
-        }
     }
 }
 
@@ -253,7 +241,7 @@ pub fn attention_forward(
                     let (st, rest) = rest.split_at_mut(tq * tk);
                     let (acc, rest) = rest.split_at_mut(tq * d);
                     let (m, l) = rest.split_at_mut(tq);
-                    gather_t(k, kvbase, kvd, n_keys, d, kt);
+                    gather_t(&k[kvbase..], kvd, n_keys, d, kt);
                     for i0 in (0..sq).step_by(tq) {
                         let bq = tq.min(sq - i0);
                         m[..bq].fill(f32::NEG_INFINITY);
@@ -280,22 +268,7 @@ pub fn attention_forward(
                             if s.causal && s.visible_keys(i0) < j0 + bk {
                                 mask_tile(&s, st, i0, bq, j0, bk);
                             }
-                            for r in 0..bq {
-                                let row = &mut st[r * bk..(r + 1) * bk];
-                                let m_new = m[r].max(scale * row_max(row));
-                                if m_new == f32::NEG_INFINITY {
-                                    // Nothing visible yet in this row: contributes zero.
-                                    row.fill(0.0);
-                                    continue;
-                                }
-                                let alpha = (m[r] - m_new).exp();
-                                let sum = exp_sub_sum(row, scale, m_new);
-                                l[r] = l[r] * alpha + sum;
-                                m[r] = m_new;
-                                if alpha != 1.0 {
-                                    acc[r * d..(r + 1) * d].iter_mut().for_each(|a| *a *= alpha);
-                                }
-                            }
+                            online_softmax_tile(st, bq, bk, scale, m, l, acc, d);
                             // acc += P̃ · V
                             mm(
                                 &mut acc[..bq * d],
@@ -405,8 +378,8 @@ pub fn attention_backward(
                     let (vt, rest) = rest.split_at_mut(d * n_keys);
                     let (p, rest) = rest.split_at_mut(tq * tk);
                     let (dp, delta) = rest.split_at_mut(tq * tk);
-                    gather_t(k, kvbase, kvd, n_keys, d, kt);
-                    gather_t(v, kvbase, kvd, n_keys, d, vt);
+                    gather_t(&k[kvbase..], kvd, n_keys, d, kt);
+                    gather_t(&v[kvbase..], kvd, n_keys, d, vt);
                     for h in kvh * group..(kvh + 1) * group {
                         let qbase = b * sq * hd + h * d;
                         let lse_row = &lse[(b * s.n_heads + h) * sq..][..sq];
@@ -432,15 +405,7 @@ pub fn attention_backward(
                                 if s.causal && s.visible_keys(i0) < j0 + bk {
                                     mask_tile(&s, p, i0, bq, j0, bk);
                                 }
-                                for r in 0..bq {
-                                    let l = lse_row[i0 + r];
-                                    let row = &mut p[r * bk..(r + 1) * bk];
-                                    if l == f32::NEG_INFINITY {
-                                        row.fill(0.0);
-                                    } else {
-                                        exp_sub_sum(row, scale, l);
-                                    }
-                                }
+                                exp_tile(p, bq, bk, scale, &lse_row[i0..]);
                                 // dP = dO·Vᵀ, then dS' = s·P∘(dP − D) in place
                                 mm(dp, bk, do_i, hd, 1, &vt[j0..], n_keys, bq, d, bk, false);
                                 softmax_grad_tile(dp, p, &delta[i0..i0 + bq], bk, scale);

@@ -33,19 +33,21 @@ pub fn embedding_forward(
     dim: usize,
     out: &mut [f32],
 ) -> Result<(), TensorError> {
-    let vocab = vocab_of(table.len(), dim)?;
-    check_len("embedding out", out.len(), ids.len() * dim)?;
-    check_ids(ids, vocab)?;
-    threads::install(|| {
-        out.par_chunks_mut(dim)
-            .zip(ids.par_iter())
-            .with_min_len(64)
-            .for_each(|(o, &id)| {
-                let id = id as usize;
-                o.copy_from_slice(&table[id * dim..(id + 1) * dim]);
-            });
-    });
-    Ok(())
+    check_ids(ids, vocab_of(table.len(), dim)?)?;
+    lookup(ids, table, dim, 0, out)
+}
+
+/// Vocabulary-parallel lookup: `table_shard` holds rows `[vocab_start, vocab_start + shard)` of
+/// the full table; tokens whose id falls outside the shard get zero rows (the rank owning them
+/// supplies theirs, and summing the partial outputs over ranks gives the full lookup).
+pub fn embedding_forward_shard(
+    ids: &[u32],
+    table_shard: &[f32],
+    dim: usize,
+    vocab_start: usize,
+    out: &mut [f32],
+) -> Result<(), TensorError> {
+    lookup(ids, table_shard, dim, vocab_start, out)
 }
 
 /// `dtable[ids[t]] += dout[t]` (accumulated; repeated ids add up).
@@ -55,26 +57,78 @@ pub fn embedding_backward(
     dim: usize,
     dtable: &mut [f32],
 ) -> Result<(), TensorError> {
-    let vocab = vocab_of(dtable.len(), dim)?;
+    check_ids(ids, vocab_of(dtable.len(), dim)?)?;
+    scatter_add(ids, dout, dim, 0, dtable)
+}
+
+/// Backward of [`embedding_forward_shard`]: accumulates the rows of tokens whose id is in this
+/// shard into `dtable_shard`; other tokens are skipped.
+pub fn embedding_backward_shard(
+    ids: &[u32],
+    dout: &[f32],
+    dim: usize,
+    vocab_start: usize,
+    dtable_shard: &mut [f32],
+) -> Result<(), TensorError> {
+    scatter_add(ids, dout, dim, vocab_start, dtable_shard)
+}
+
+/// Row of `id` inside a shard starting at `vocab_start` with `rows` rows, if it is there.
+#[inline]
+fn local_row(id: u32, vocab_start: usize, rows: usize) -> Option<usize> {
+    (id as usize).checked_sub(vocab_start).filter(|&r| r < rows)
+}
+
+fn lookup(
+    ids: &[u32],
+    table: &[f32],
+    dim: usize,
+    vocab_start: usize,
+    out: &mut [f32],
+) -> Result<(), TensorError> {
+    let rows = vocab_of(table.len(), dim)?;
+    check_len("embedding out", out.len(), ids.len() * dim)?;
+    threads::install(|| {
+        out.par_chunks_mut(dim)
+            .zip(ids.par_iter())
+            .with_min_len(64)
+            .for_each(|(o, &id)| match local_row(id, vocab_start, rows) {
+                Some(r) => o.copy_from_slice(&table[r * dim..(r + 1) * dim]),
+                None => o.fill(0.0),
+            });
+    });
+    Ok(())
+}
+
+fn scatter_add(
+    ids: &[u32],
+    dout: &[f32],
+    dim: usize,
+    vocab_start: usize,
+    dtable: &mut [f32],
+) -> Result<(), TensorError> {
+    let rows = vocab_of(dtable.len(), dim)?;
     check_len("embedding dout", dout.len(), ids.len() * dim)?;
-    check_ids(ids, vocab)?;
     // Parallel over column blocks of the table: each task owns columns [c0, c1) of every
-    // row, so repeated ids never race and summation order is deterministic.
+    // row, so repeated ids never race, and each element sums its tokens in token order
+    // (bitwise reproducible for any thread count).
     let n_tasks = threads::thread_budget().min(dim.div_ceil(16)).max(1);
     let block = dim.div_ceil(n_tasks);
     let table = SyncPtr(dtable.as_mut_ptr());
     threads::install(|| {
         (0..n_tasks).into_par_iter().for_each(|task| {
-            let c0 = task * block;
+            let c0 = (task * block).min(dim);
             let c1 = ((task + 1) * block).min(dim);
             let table = &table;
             for (t, &id) in ids.iter().enumerate() {
-                let src = &dout[t * dim + c0..t * dim + c1];
-                // SAFETY: row `id < vocab` checked above; columns [c0, c1) belong only to
-                // this task, so the mutable slices of different tasks are disjoint.
-                let dst = unsafe {
-                    std::slice::from_raw_parts_mut(table.0.add(id as usize * dim + c0), c1 - c0)
+                let Some(r) = local_row(id, vocab_start, rows) else {
+                    continue;
                 };
+                let src = &dout[t * dim + c0..t * dim + c1];
+                // SAFETY: row r < rows is inside the table; columns [c0, c1) belong only to
+                // this task, so the mutable slices of different tasks are disjoint.
+                let dst =
+                    unsafe { std::slice::from_raw_parts_mut(table.0.add(r * dim + c0), c1 - c0) };
                 dst.iter_mut().zip(src).for_each(|(d, s)| *d += s);
             }
         });
@@ -125,5 +179,21 @@ mod tests {
             }
         );
         assert!(embedding_backward(&[11], &dout[..dim], dim, &mut dt).is_err());
+
+        // Two vocabulary shards [0, 4) and [4, 10): partial lookups sum to the full one, and
+        // shard gradients are the matching rows of the full gradient.
+        let mut sum = vec![0.0; ids.len() * dim];
+        let mut dfull = vec![0.0; vocab * dim];
+        embedding_backward(&ids, &dout, dim, &mut dfull).unwrap();
+        for (start, rows) in [(0usize, 4usize), (4, 6)] {
+            let shard = &table[start * dim..(start + rows) * dim];
+            let mut part = vec![f32::NAN; ids.len() * dim];
+            embedding_forward_shard(&ids, shard, dim, start, &mut part).unwrap();
+            sum.iter_mut().zip(&part).for_each(|(s, p)| *s += p);
+            let mut dshard = vec![0.0; rows * dim];
+            embedding_backward_shard(&ids, &dout, dim, start, &mut dshard).unwrap();
+            assert_eq!(&dshard[..], &dfull[start * dim..(start + rows) * dim]);
+        }
+        assert_eq!(sum, out);
     }
 }

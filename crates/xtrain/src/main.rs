@@ -17,6 +17,8 @@ struct Cli {
 
 #[derive(Subcommand)]
 enum Command {
+    /// Start this host's worker processes with the launch variables and supervise them.
+    Launch(cmd::launch::Args),
     /// Train a model (single process).
     Train(cmd::train::TrainArgs),
     /// Sample text from a checkpoint.
@@ -25,9 +27,8 @@ enum Command {
     Tokenize(cmd::tokenize::TokenizeArgs),
     /// Convert checkpoints to and from Hugging Face format.
     Convert(cmd::convert::ConvertArgs),
-    /// Benchmarks.
-    #[command(subcommand)]
-    Bench(cmd::bench::BenchCommand),
+    /// Benchmarks (`xtrain bench comm`, `xtrain bench train`).
+    Bench(cmd::bench::Args),
 }
 
 fn main() -> anyhow::Result<()> {
@@ -40,10 +41,11 @@ fn main() -> anyhow::Result<()> {
         .init();
     let cli = Cli::parse();
     match cli.command {
+        Command::Launch(args) => cmd::launch::run(args),
         Command::Train(a) => cmd::train::run_cmd(a),
         Command::Generate(a) => cmd::generate::run_cmd(a),
         Command::Tokenize(a) => cmd::tokenize::run_cmd(a),
         Command::Convert(a) => cmd::convert::run_cmd(a),
-        Command::Bench(c) => cmd::bench::run_cmd(c),
+        Command::Bench(args) => cmd::bench::run(args),
     }
 }

@@ -1,5 +1,11 @@
 //! A pre-norm decoder block: `h = x + Attn(RMSNorm(x))`, `y = h + FFN(RMSNorm(h))`, with the
 //! FFN a SwiGLU MLP (Llama) or a mixture of experts (Mixtral), and activation recomputation.
+//!
+//! Tensor (and sequence) parallelism reuse this block unchanged: build it with a rank's local
+//! head counts / FFN width and views into a local shard, and give it [`RegionHooks`], the
+//! Megatron `f`/`g` operators around each parallel region (attention and FFN):
+//! `enter` (TP: identity forward, all-reduce backward; SP: all-gather / reduce-scatter) and
+//! `exit` (TP: all-reduce forward, identity backward; SP: reduce-scatter / all-gather).
 
 use std::sync::Arc;
 
@@ -9,6 +15,19 @@ use super::moe::{Moe, MoeCache};
 use super::{rmsnorm, rmsnorm_backward_input, Act, Pass, Recompute, WeightGradStore, WeightTask};
 use crate::error::Result;
 use crate::layout::View;
+
+/// Communication at the borders of a block's parallel regions (see the module doc). Each
+/// method takes and returns a whole activation / gradient buffer.
+pub trait RegionHooks: Send + Sync + std::fmt::Debug {
+    /// Input of a region, forward (TP: identity).
+    fn enter_forward(&self, x: Vec<f32>) -> Result<Vec<f32>>;
+    /// Gradient of a region's input, backward (TP: all-reduce sum).
+    fn enter_backward(&self, dx: Vec<f32>) -> Result<Vec<f32>>;
+    /// Output of a region, forward (TP: all-reduce sum of the partial outputs).
+    fn exit_forward(&self, y: Vec<f32>) -> Result<Vec<f32>>;
+    /// Gradient of a region's output, backward (TP: identity).
+    fn exit_backward(&self, dy: Vec<f32>) -> Result<Vec<f32>>;
+}
 
 /// The feed-forward half of a block.
 #[derive(Debug, Clone)]
@@ -31,6 +50,8 @@ pub struct Block {
     pub ffn_norm: View,
     pub ffn: Ffn,
     pub eps: f32,
+    /// Parallel-region communication (`None`: single device).
+    pub hooks: Option<Arc<dyn RegionHooks>>,
 }
 
 #[derive(Debug, Clone)]
@@ -91,10 +112,12 @@ impl Block {
     fn forward_saved(&self, p: &[f32], x: &Act, pass: &Pass) -> Result<(Vec<f32>, Saved, f32)> {
         let selective = pass.recompute == Recompute::Selective;
         let (xn1, rstd1) = rmsnorm(p, &self.attn_norm, x, self.eps)?;
+        let xn1 = self.enter(xn1)?;
         let (a, attn) = self.attn.forward(p, &xn1, pass)?;
-        let mut h = a;
+        let mut h = self.exit(a)?;
         h.iter_mut().zip(x.iter()).for_each(|(a, b)| *a += b);
         let (xn2, rstd2) = rmsnorm(p, &self.ffn_norm, &h, self.eps)?;
+        let xn2 = self.enter(xn2)?;
         let (mut y, ffn, aux) = match &self.ffn {
             Ffn::Dense(m) => {
                 let (y, c) = m.forward(p, &xn2, !selective)?;
@@ -106,6 +129,7 @@ impl Block {
                 (y, FfnCache::Moe(c), aux)
             }
         };
+        y = self.exit(y)?;
         y.iter_mut().zip(&h).for_each(|(a, b)| *a += b);
         let saved = Saved {
             xn1: (!selective).then(|| Arc::new(xn1)),
@@ -117,6 +141,31 @@ impl Block {
             ffn,
         };
         Ok((y, saved, aux))
+    }
+
+    fn enter(&self, x: Vec<f32>) -> Result<Vec<f32>> {
+        match &self.hooks {
+            Some(h) => h.enter_forward(x),
+            None => Ok(x),
+        }
+    }
+    fn exit(&self, y: Vec<f32>) -> Result<Vec<f32>> {
+        match &self.hooks {
+            Some(h) => h.exit_forward(y),
+            None => Ok(y),
+        }
+    }
+    fn enter_backward(&self, dx: Vec<f32>) -> Result<Vec<f32>> {
+        match &self.hooks {
+            Some(h) => h.enter_backward(dx),
+            None => Ok(dx),
+        }
+    }
+    fn exit_backward(&self, dy: Vec<f32>) -> Result<Vec<f32>> {
+        match &self.hooks {
+            Some(h) => h.exit_backward(dy),
+            None => Ok(dy),
+        }
     }
 
     /// Input gradient of the block; every weight gradient is left in the returned store.
@@ -136,22 +185,21 @@ impl Block {
             }
         };
         let mut store = WeightGradStore::new();
-        let dy = Arc::new(dy);
         // FFN half.
         let xn2 = match s.xn2 {
             Some(v) => v,
-            None => Arc::new(rmsnorm(p, &self.ffn_norm, &s.h, self.eps)?.0),
+            None => Arc::new(self.enter(rmsnorm(p, &self.ffn_norm, &s.h, self.eps)?.0)?),
         };
+        let dm = Arc::new(self.exit_backward(dy.clone())?);
         let dxn2 = match (&self.ffn, s.ffn) {
-            (Ffn::Dense(m), FfnCache::Dense(c)) => {
-                m.backward_input(p, &xn2, c, dy.clone(), &mut store)?
-            }
+            (Ffn::Dense(m), FfnCache::Dense(c)) => m.backward_input(p, &xn2, c, dm, &mut store)?,
             (Ffn::Moe(m), FfnCache::Moe(c)) => {
-                m.backward_input(p, &xn2, c, dy.clone(), &pass, &mut store)?
+                m.backward_input(p, &xn2, c, dm, &pass, &mut store)?
             }
             _ => unreachable!("cache built by this block's own forward"),
         };
-        let mut dh = Arc::try_unwrap(dy).unwrap_or_else(|a| (*a).clone());
+        let dxn2 = self.enter_backward(dxn2)?;
+        let mut dh = dy;
         rmsnorm_backward_input(p, &self.ffn_norm, &s.h, &s.rstd2, &dxn2, &mut dh)?;
         store.push(WeightTask::Norm {
             w: self.ffn_norm.clone(),
@@ -162,13 +210,14 @@ impl Block {
         // Attention half.
         let xn1 = match s.xn1 {
             Some(v) => v,
-            None => Arc::new(rmsnorm(p, &self.attn_norm, &x, self.eps)?.0),
+            None => Arc::new(self.enter(rmsnorm(p, &self.attn_norm, &x, self.eps)?.0)?),
         };
-        let dh = Arc::new(dh);
+        let da = Arc::new(self.exit_backward(dh.clone())?);
         let dxn1 = self
             .attn
-            .backward_input(p, &xn1, s.attn, dh.clone(), &pass, &mut store)?;
-        let mut dx = (*dh).clone();
+            .backward_input(p, &xn1, s.attn, da, &pass, &mut store)?;
+        let dxn1 = self.enter_backward(dxn1)?;
+        let mut dx = dh;
         rmsnorm_backward_input(p, &self.attn_norm, &x, &s.rstd1, &dxn1, &mut dx)?;
         store.push(WeightTask::Norm {
             w: self.attn_norm.clone(),

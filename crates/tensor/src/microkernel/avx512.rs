@@ -146,6 +146,7 @@ fn tail_mask(n: usize) -> __mmask16 {
 }
 
 #[target_feature(enable = "avx512f")]
+#[inline]
 pub(super) unsafe fn row_max(x: *const f32, n: usize) -> f32 {
     let mut m = _mm512_set1_ps(f32::NEG_INFINITY);
     let mut i = 0;
@@ -165,13 +166,15 @@ pub(super) unsafe fn row_max(x: *const f32, n: usize) -> f32 {
 }
 
 /// `e^x` for 16 lanes: `x = n·ln2 + r`, `|r| <= ln2/2`, `e^r` by the Cephes `expf` polynomial
-/// (relative error ~1e-7), then `vscalefps` multiplies by `2^n`. Lanes below −103 (where
-/// `e^x` is under the smallest subnormal), including `−∞`, give exactly 0.
+/// (relative error ~1e-7), then `vscalefps` multiplies by `2^n`. Inputs are clamped to
+/// [−87, 88.37] so the result is always a normal number: subnormal or underflowing results
+/// would take slow microcode assists. Lanes below −87 (`e^x < 1.7e-38`, including `−∞`) are
+/// then set to exactly 0 — negligible next to the softmax sums (>= 1) they enter.
 #[target_feature(enable = "avx512f")]
 #[inline]
 unsafe fn exp_ps(x: __m512) -> __m512 {
     let xc = _mm512_min_ps(
-        _mm512_max_ps(x, _mm512_set1_ps(-103.0)),
+        _mm512_max_ps(x, _mm512_set1_ps(-87.0)),
         _mm512_set1_ps(88.37),
     );
     let n = _mm512_roundscale_ps::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(
@@ -190,11 +193,12 @@ unsafe fn exp_ps(x: __m512) -> __m512 {
     let r2 = _mm512_mul_ps(r, r);
     let er = _mm512_add_ps(_mm512_fmadd_ps(p, r2, r), _mm512_set1_ps(1.0));
     let e = _mm512_scalef_ps(er, n);
-    let under = _mm512_cmp_ps_mask::<_CMP_LT_OQ>(x, _mm512_set1_ps(-103.0));
-    _mm512_maskz_mov_ps(!under, e)
+    let tiny = _mm512_cmp_ps_mask::<_CMP_LT_OQ>(x, _mm512_set1_ps(-87.0));
+    _mm512_maskz_mov_ps(!tiny, e)
 }
 
 #[target_feature(enable = "avx512f")]
+#[inline]
 pub(super) unsafe fn exp_sub_sum(x: *mut f32, n: usize, scale: f32, m: f32) -> f32 {
     let mv = _mm512_set1_ps(m);
     let sv = _mm512_set1_ps(scale);
@@ -227,4 +231,99 @@ pub(super) unsafe fn softmax_grad_tile(
     scale: f32,
 ) {
     super::softmax_grad_tile_portable(dp, p, delta, cols, scale)
+}
+
+/// `e^x` of one scalar through the vector polynomial (same accuracy as the tile exps).
+#[target_feature(enable = "avx512f")]
+#[inline]
+unsafe fn exp_scalar(x: f32) -> f32 {
+    _mm512_cvtss_f32(exp_ps(_mm512_set1_ps(x)))
+}
+
+/// `x[..n] *= a`.
+#[target_feature(enable = "avx512f")]
+#[inline]
+unsafe fn scale_row(x: *mut f32, n: usize, a: f32) {
+    let av = _mm512_set1_ps(a);
+    let mut i = 0;
+    while i + 16 <= n {
+        _mm512_storeu_ps(x.add(i), _mm512_mul_ps(av, _mm512_loadu_ps(x.add(i))));
+        i += 16;
+    }
+    if i < n {
+        let k = tail_mask(n - i);
+        _mm512_mask_storeu_ps(
+            x.add(i),
+            k,
+            _mm512_mul_ps(av, _mm512_maskz_loadu_ps(k, x.add(i))),
+        );
+    }
+}
+
+/// See [`super::online_softmax_tile`] (same loop, with the row kernels inlined).
+#[allow(clippy::too_many_arguments)]
+#[target_feature(enable = "avx512f")]
+pub(super) unsafe fn online_softmax_tile(
+    st: *mut f32,
+    bq: usize,
+    bk: usize,
+    scale: f32,
+    m: *mut f32,
+    l: *mut f32,
+    acc: *mut f32,
+    d: usize,
+) {
+    for r in 0..bq {
+        let row = st.add(r * bk);
+        let m_old = *m.add(r);
+        let m_new = m_old.max(scale * row_max(row, bk));
+        if m_new == f32::NEG_INFINITY {
+            std::ptr::write_bytes(row, 0, bk);
+            continue;
+        }
+        let alpha = exp_scalar(m_old - m_new);
+        let sum = exp_sub_sum(row, bk, scale, m_new);
+        *l.add(r) = *l.add(r) * alpha + sum;
+        *m.add(r) = m_new;
+        if alpha != 1.0 {
+            scale_row(acc.add(r * d), d, alpha);
+        }
+    }
+}
+
+/// See [`super::exp_tile`].
+#[target_feature(enable = "avx512f")]
+pub(super) unsafe fn exp_tile(p: *mut f32, bq: usize, bk: usize, scale: f32, lse: *const f32) {
+    for r in 0..bq {
+        let row = p.add(r * bk);
+        let l = *lse.add(r);
+        if l == f32::NEG_INFINITY {
+            std::ptr::write_bytes(row, 0, bk);
+        } else {
+            exp_sub_sum(row, bk, scale, l);
+        }
+    }
+}
+
+/// See [`super::gather_t`]: 16 keys at a time with one hardware gather per component.
+#[target_feature(enable = "avx512f")]
+pub(super) unsafe fn gather_t(src: *const f32, stride: usize, n: usize, d: usize, dst: *mut f32) {
+    let idx = _mm512_mullo_epi32(
+        _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+        _mm512_set1_epi32(stride as i32),
+    );
+    let mut j0 = 0;
+    while j0 < n {
+        let k = if n - j0 >= 16 {
+            0xFFFF
+        } else {
+            tail_mask(n - j0)
+        };
+        let rows = src.add(j0 * stride);
+        for c in 0..d {
+            let v = _mm512_mask_i32gather_ps::<4>(_mm512_setzero_ps(), k, idx, rows.add(c));
+            _mm512_mask_storeu_ps(dst.add(c * n + j0), k, v);
+        }
+        j0 += 16;
+    }
 }

@@ -2,5 +2,7 @@
 pub mod bench;
 pub mod convert;
 pub mod generate;
+pub mod launch;
 pub mod tokenize;
 pub mod train;
+pub mod train_dp;

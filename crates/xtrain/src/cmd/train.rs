@@ -52,6 +52,16 @@ pub fn run_cmd(a: TrainArgs) -> Result<()> {
         }
     }
     overrides.extend(a.overrides.iter().cloned());
+    if a.resume.is_none() {
+        let cfg = RunConfig::load(&a.preset, a.config.as_deref(), &overrides)?;
+        if super::train_dp::wants_dp(&cfg) {
+            let out = a
+                .out
+                .clone()
+                .unwrap_or_else(|| PathBuf::from("runs").join(&a.preset));
+            return super::train_dp::run(&cfg, &out);
+        }
+    }
     let mut trainer = match &a.resume {
         Some(dir) => {
             let ck = train::checkpoint::resolve(dir)?;

@@ -1,16 +1,26 @@
-//! `xtrain bench`: one subcommand per benchmark, each in its own file.
-use clap::Subcommand;
-
+//! `xtrain bench ...`: benchmarks that print tables with the figures quoted in
+//! `docs/PERFORMANCE.md`. One module per benchmark.
+pub mod comm;
 pub mod train;
 
-#[derive(Subcommand, Debug)]
-pub enum BenchCommand {
+/// `xtrain bench` options.
+#[derive(clap::Args, Debug)]
+pub struct Args {
+    #[command(subcommand)]
+    pub what: What,
+}
+
+#[derive(clap::Subcommand, Debug)]
+pub enum What {
+    /// Collective bandwidth and latency in the style of nccl-tests.
+    Comm(comm::Args),
     /// Training throughput (tokens/s, MFU) of a preset.
     Train(train::BenchTrainArgs),
 }
 
-pub fn run_cmd(c: BenchCommand) -> anyhow::Result<()> {
-    match c {
-        BenchCommand::Train(a) => train::run_cmd(a),
+pub fn run(args: Args) -> anyhow::Result<()> {
+    match args.what {
+        What::Comm(a) => comm::run(a),
+        What::Train(a) => train::run_cmd(a),
     }
 }

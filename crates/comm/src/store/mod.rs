@@ -2,8 +2,12 @@
 //! in-process implementation used when ranks are threads of one process.
 //!
 //! A TCP implementation hosted by rank 0 at `MASTER_ADDR:MASTER_PORT` lives beside
-//! this one and implements the same trait, so transports bootstrap the same way
-//! whether ranks are threads or processes.
+//! this one ([`tcp`]) and implements the same trait, so transports bootstrap the same
+//! way whether ranks are threads or processes.
+pub mod tcp;
+
+pub use tcp::{TcpStore, TcpStoreServer};
+
 use std::collections::HashMap;
 use std::sync::{Condvar, Mutex};
 use std::time::{Duration, Instant};
@@ -12,11 +16,17 @@ use std::time::{Duration, Instant};
 #[derive(Debug, thiserror::Error)]
 pub enum StoreError {
     #[error("store: timed out after {timeout:?} waiting for key(s) {keys:?}")]
-    Timeout { keys: Vec<String>, timeout: Duration },
+    Timeout {
+        keys: Vec<String>,
+        timeout: Duration,
+    },
     #[error("store: {0}")]
     Io(String),
     #[error("store: malformed message: {0}")]
     Protocol(String),
+    /// A well-formed request the store refused (e.g. `add` on a key holding text).
+    #[error("store: request rejected: {0}")]
+    Rejected(String),
 }
 
 /// The operations of the rendezvous store (the same as torch.distributed's TCPStore).
@@ -56,7 +66,10 @@ impl MemStore {
 
 impl Store for MemStore {
     fn set(&self, key: &str, value: &[u8]) -> Result<(), StoreError> {
-        self.map.lock().unwrap().insert(key.to_string(), value.to_vec());
+        self.map
+            .lock()
+            .unwrap()
+            .insert(key.to_string(), value.to_vec());
         self.changed.notify_all();
         Ok(())
     }
@@ -67,7 +80,8 @@ impl Store for MemStore {
     }
 
     fn wait(&self, keys: &[&str], timeout: Duration) -> Result<(), StoreError> {
-        let deadline = Instant::now() + timeout;
+        // A timeout too large for a deadline (e.g. Duration::MAX from a client) waits forever.
+        let deadline = Instant::now().checked_add(timeout);
         let mut map = self.map.lock().unwrap();
         loop {
             let missing: Vec<String> = keys
@@ -78,11 +92,19 @@ impl Store for MemStore {
             if missing.is_empty() {
                 return Ok(());
             }
-            let now = Instant::now();
-            if now >= deadline {
-                return Err(StoreError::Timeout { keys: missing, timeout });
-            }
-            map = self.changed.wait_timeout(map, deadline - now).unwrap().0;
+            map = match deadline {
+                None => self.changed.wait(map).unwrap(),
+                Some(deadline) => {
+                    let now = Instant::now();
+                    if now >= deadline {
+                        return Err(StoreError::Timeout {
+                            keys: missing,
+                            timeout,
+                        });
+                    }
+                    self.changed.wait_timeout(map, deadline - now).unwrap().0
+                }
+            };
         }
     }
 
@@ -126,7 +148,9 @@ pub fn parse_counter(key: &str, value: &[u8]) -> Result<i64, StoreError> {
     std::str::from_utf8(value)
         .ok()
         .and_then(|s| s.parse().ok())
-        .ok_or_else(|| StoreError::Protocol(format!("key {key:?} does not hold an integer counter")))
+        .ok_or_else(|| {
+            StoreError::Rejected(format!("key {key:?} does not hold an integer counter"))
+        })
 }
 
 #[cfg(test)]
@@ -142,7 +166,10 @@ mod tests {
             std::thread::sleep(Duration::from_millis(20));
             writer.set("addr/1", b"hello").unwrap();
         });
-        assert_eq!(store.get("addr/1", Duration::from_secs(5)).unwrap(), b"hello");
+        assert_eq!(
+            store.get("addr/1", Duration::from_secs(5)).unwrap(),
+            b"hello"
+        );
         t.join().unwrap();
     }
 
@@ -150,8 +177,17 @@ mod tests {
     fn wait_times_out_naming_the_missing_key() {
         let store = MemStore::new();
         store.set("a", b"1").unwrap();
-        let err = store.wait(&["a", "b"], Duration::from_millis(10)).unwrap_err();
+        let err = store
+            .wait(&["a", "b"], Duration::from_millis(10))
+            .unwrap_err();
         assert!(err.to_string().contains("\"b\""), "{err}");
+    }
+
+    #[test]
+    fn huge_timeouts_do_not_overflow() {
+        let store = MemStore::new();
+        store.set("k", b"v").unwrap();
+        assert_eq!(store.get("k", Duration::MAX).unwrap(), b"v");
     }
 
     #[test]

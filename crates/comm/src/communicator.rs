@@ -1,0 +1,499 @@
+//! [`Communicator`]: this rank's entry point. Built from any [`Store`] plus the rank's
+//! identity (rank, world size, host), it connects the world group and creates sub-groups.
+//!
+//! Group set-up (collective over the group's members only):
+//! 1. the group gets a key from its member list and how many groups with those members this
+//!    rank created before (all members create groups in the same order), so store keys are
+//!    `xtrain/<job>/<key>/...`;
+//! 2. each pair of members picks shared memory (same host, or forced) or TCP;
+//! 3. shared memory: the lowest member on each host creates the segment file (under
+//!    `/dev/shm`), publishes its path, waits until all local members mapped it, and unlinks it;
+//! 4. TCP: every member with TCP peers listens on an ephemeral port and publishes its address;
+//!    the higher rank of each pair connects and presents the job id, group key and ranks.
+use std::collections::HashMap;
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use crate::collectives::AllReduceAlgo;
+use crate::engine::{Counters, Engine, EngineConfig, GroupDesc};
+use crate::error::{CommError, Result};
+use crate::group::ProcessGroup;
+use crate::store::Store;
+use crate::transport::shm::{Segment, ShmLink};
+use crate::transport::tcp::{self, Hello, TcpLink};
+use crate::transport::{Link, TransportKind};
+
+/// Communication settings. `Options::default()` ignores the environment; [`Options::from_env`]
+/// applies `XTRAIN_TRANSPORT` (shm|tcp|auto), `XTRAIN_COMM_TIMEOUT` (seconds),
+/// `XTRAIN_ALLREDUCE_ALGO` (ring|tree|hd|auto), `XTRAIN_JOB_ID`, `XTRAIN_TCP_ADDR` (address this
+/// rank listens on and advertises) and `XTRAIN_SPIN_US`.
+#[derive(Clone, Debug)]
+pub struct Options {
+    /// Shared token: connections presenting another job id are refused; store keys and
+    /// shared-memory names are namespaced by it.
+    pub job_id: String,
+    pub transport: TransportKind,
+    /// Limit of every blocking wait.
+    pub timeout: Duration,
+    /// Default all-reduce algorithm of groups.
+    pub algo: AllReduceAlgo,
+    /// IP address to listen on and advertise for TCP (port chosen by the OS).
+    pub tcp_addr: String,
+    /// Bytes of each shared-memory ring (rounded up to 4 KiB).
+    pub shm_ring_bytes: usize,
+    /// How long an idle wait spins before sleeping.
+    pub spin: Duration,
+}
+
+impl Default for Options {
+    fn default() -> Self {
+        Options {
+            job_id: "xtrain".to_string(),
+            transport: TransportKind::Auto,
+            timeout: Duration::from_secs(300),
+            algo: AllReduceAlgo::Auto,
+            tcp_addr: "127.0.0.1".to_string(),
+            shm_ring_bytes: 1 << 20,
+            spin: Duration::from_micros(20),
+        }
+    }
+}
+
+impl Options {
+    /// Defaults overridden by the `XTRAIN_*` environment variables listed on [`Options`].
+    pub fn from_env() -> Result<Self> {
+        let mut o = Options::default();
+        let var = |k: &str| std::env::var(k).ok().filter(|v| !v.is_empty());
+        let bad = |k: &str, e: String| CommError::invalid("Options::from_env", format!("{k}: {e}"));
+        if let Some(v) = var("XTRAIN_TRANSPORT") {
+            o.transport = v.parse().map_err(|e| bad("XTRAIN_TRANSPORT", e))?;
+        }
+        if let Some(v) = var("XTRAIN_ALLREDUCE_ALGO") {
+            o.algo = v.parse().map_err(|e| bad("XTRAIN_ALLREDUCE_ALGO", e))?;
+        }
+        if let Some(v) = var("XTRAIN_COMM_TIMEOUT") {
+            let s: f64 = v
+                .parse()
+                .map_err(|_| bad("XTRAIN_COMM_TIMEOUT", format!("{v:?} is not seconds")))?;
+            o.timeout = Duration::from_secs_f64(s);
+        }
+        if let Some(v) = var("XTRAIN_SPIN_US") {
+            let s: u64 = v
+                .parse()
+                .map_err(|_| bad("XTRAIN_SPIN_US", format!("{v:?} is not an integer")))?;
+            o.spin = Duration::from_micros(s);
+        }
+        if let Some(v) = var("XTRAIN_JOB_ID") {
+            o.job_id = v;
+        }
+        if let Some(v) = var("XTRAIN_TCP_ADDR") {
+            o.tcp_addr = v;
+        }
+        Ok(o)
+    }
+}
+
+struct Ctx {
+    store: Arc<dyn Store>,
+    rank: usize,
+    hosts: Vec<String>,
+    options: Options,
+    /// Groups this rank created so far, per member list (for unique, agreed group keys).
+    created: Mutex<HashMap<Vec<usize>, usize>>,
+}
+
+/// This rank's communicator: the world group plus the means to create sub-groups.
+/// Dereferences to the world [`ProcessGroup`].
+#[derive(Clone)]
+pub struct Communicator {
+    ctx: Arc<Ctx>,
+    world: ProcessGroup,
+}
+
+impl std::ops::Deref for Communicator {
+    type Target = ProcessGroup;
+    fn deref(&self) -> &ProcessGroup {
+        &self.world
+    }
+}
+
+impl Communicator {
+    /// Joins the job: publishes this rank's host, learns everyone's, and connects the world.
+    /// Every rank of the world must call it with the same store, world size and job id.
+    pub fn init(
+        store: Arc<dyn Store>,
+        rank: usize,
+        world_size: usize,
+        host: &str,
+        options: Options,
+    ) -> Result<Self> {
+        if world_size == 0 || rank >= world_size {
+            return Err(CommError::invalid(
+                "Communicator::init",
+                format!("rank {rank} of world size {world_size}"),
+            ));
+        }
+        let ns = format!("xtrain/{}", options.job_id);
+        store.set(&format!("{ns}/host/{rank}"), host.as_bytes())?;
+        let mut hosts = Vec::with_capacity(world_size);
+        for r in 0..world_size {
+            let h = store.get(&format!("{ns}/host/{r}"), options.timeout)?;
+            hosts.push(String::from_utf8_lossy(&h).into_owned());
+        }
+        let ctx = Arc::new(Ctx {
+            store,
+            rank,
+            hosts,
+            options,
+            created: Mutex::new(HashMap::new()),
+        });
+        let world = connect_group(&ctx, "world", &(0..world_size).collect::<Vec<_>>())?;
+        Ok(Communicator { ctx, world })
+    }
+
+    /// The world group.
+    pub fn world(&self) -> &ProcessGroup {
+        &self.world
+    }
+
+    /// Options this communicator was built with.
+    pub fn options(&self) -> &Options {
+        &self.ctx.options
+    }
+
+    /// Host identity of every world rank.
+    pub fn hosts(&self) -> &[String] {
+        &self.ctx.hosts
+    }
+
+    /// Creates a group over `world_ranks` (in that order: group rank i is `world_ranks[i]`).
+    /// Collective over the listed ranks only; this rank must be one of them.
+    pub fn new_group(&self, world_ranks: &[usize]) -> Result<ProcessGroup> {
+        self.new_named_group("group", world_ranks)
+    }
+
+    /// [`new_group`](Self::new_group) with a label used in error messages (e.g. `"dp"`).
+    pub fn new_named_group(&self, label: &str, world_ranks: &[usize]) -> Result<ProcessGroup> {
+        connect_group(&self.ctx, label, world_ranks)
+    }
+}
+
+/// FNV-1a, for short stable identifiers derived from strings.
+fn fnv(bytes: &[u8]) -> u64 {
+    bytes.iter().fold(0xcbf2_9ce4_8422_2325u64, |h, &b| {
+        (h ^ b as u64).wrapping_mul(0x100_0000_01b3)
+    })
+}
+
+/// Store/handshake key of the `k`-th group this rank created over `members`.
+fn group_key(members: &[usize], k: usize) -> String {
+    let member_str = members
+        .iter()
+        .map(|r| r.to_string())
+        .collect::<Vec<_>>()
+        .join(",");
+    format!("g{:016x}-{k}", fnv(member_str.as_bytes()))
+}
+
+fn shm_dir() -> PathBuf {
+    let d = PathBuf::from("/dev/shm");
+    if d.is_dir() {
+        d
+    } else {
+        std::env::temp_dir()
+    }
+}
+
+fn connect_group(ctx: &Arc<Ctx>, label: &str, members: &[usize]) -> Result<ProcessGroup> {
+    let op = "new_group";
+    let n_world = ctx.hosts.len();
+    let mut sorted = members.to_vec();
+    sorted.sort_unstable();
+    sorted.dedup();
+    if members.is_empty() || sorted.len() != members.len() || sorted.iter().any(|&r| r >= n_world) {
+        return Err(CommError::invalid(
+            op,
+            format!("members {members:?} must be distinct world ranks < {n_world}"),
+        ));
+    }
+    let me = members.iter().position(|&r| r == ctx.rank).ok_or_else(|| {
+        CommError::invalid(
+            op,
+            format!("rank {} is not a member of {members:?}", ctx.rank),
+        )
+    })?;
+    let k = {
+        let mut created = ctx.created.lock().unwrap_or_else(|e| e.into_inner());
+        let c = created.entry(members.to_vec()).or_insert(0);
+        *c += 1;
+        *c
+    };
+    let member_str = members
+        .iter()
+        .map(|r| r.to_string())
+        .collect::<Vec<_>>()
+        .join(",");
+    let key = group_key(members, k);
+    let ns = format!("xtrain/{}/{key}", ctx.options.job_id);
+    let name = format!("{label}[{member_str}]");
+    let o = &ctx.options;
+    let deadline = Instant::now() + o.timeout;
+    let n = members.len();
+    let host_of = |g: usize| &ctx.hosts[members[g]];
+    let use_shm = |g: usize| match o.transport {
+        TransportKind::Shm => true,
+        TransportKind::Tcp => false,
+        TransportKind::Auto => host_of(g) == host_of(me),
+    };
+    if o.transport == TransportKind::Shm {
+        if let Some(g) = (0..n).find(|&g| host_of(g) != host_of(me)) {
+            return Err(CommError::invalid(
+                op,
+                format!(
+                    "transport forced to shm, but rank {} is on host {:?} and rank {} on {:?}",
+                    members[g],
+                    host_of(g),
+                    ctx.rank,
+                    host_of(me)
+                ),
+            ));
+        }
+    }
+    let mut links: Vec<Option<Link>> = (0..n).map(|_| None).collect();
+
+    // Shared memory among the members on this host.
+    let local: Vec<usize> = (0..n).filter(|&g| g == me || use_shm(g)).collect();
+    let mut shm = None;
+    if local.len() > 1 {
+        let li = local.iter().position(|&g| g == me).expect("me is local");
+        let cap = o.shm_ring_bytes.max(4096).next_multiple_of(4096);
+        let token = fnv(o.job_id.as_bytes());
+        let host_key = format!("{ns}/shm/{:016x}", fnv(host_of(me).as_bytes()));
+        let seg = if li == 0 {
+            static SEQ: AtomicU64 = AtomicU64::new(0);
+            let file = format!(
+                "xtrain-{}-{}-{}",
+                std::process::id(),
+                SEQ.fetch_add(1, Ordering::Relaxed),
+                fnv(format!("{ns}{:?}", Instant::now()).as_bytes()) % 1_000_000
+            );
+            let path = shm_dir().join(file);
+            let seg = Segment::create(&path, local.len(), cap, token).map_err(|e| {
+                CommError::io(format!("{op} {name}: creating {}", path.display()), e)
+            })?;
+            ctx.store
+                .set(&host_key, path.to_string_lossy().as_bytes())?;
+            let attached: Vec<String> = (1..local.len())
+                .map(|i| format!("{host_key}/attached/{i}"))
+                .collect();
+            let keys: Vec<&str> = attached.iter().map(|s| s.as_str()).collect();
+            let waited = ctx.store.wait(&keys, o.timeout);
+            let _ = std::fs::remove_file(&path);
+            waited?;
+            seg
+        } else {
+            let path = PathBuf::from(
+                String::from_utf8_lossy(&ctx.store.get(&host_key, o.timeout)?).into_owned(),
+            );
+            let seg = Segment::open(&path, local.len(), cap, token).map_err(|e| {
+                CommError::io(format!("{op} {name}: attaching {}", path.display()), e)
+            })?;
+            ctx.store.set(&format!("{host_key}/attached/{li}"), b"1")?;
+            seg
+        };
+        seg.set_pid(li);
+        for (lj, &g) in local.iter().enumerate() {
+            if g != me {
+                links[g] = Some(Link::Shm(ShmLink::new(Arc::clone(&seg), li, lj)));
+            }
+        }
+        shm = Some((seg, li));
+    }
+
+    // TCP to everyone else.
+    let tcp_peers: Vec<usize> = (0..n).filter(|&g| g != me && !use_shm(g)).collect();
+    if !tcp_peers.is_empty() {
+        let listener = std::net::TcpListener::bind((o.tcp_addr.as_str(), 0))
+            .map_err(|e| CommError::io(format!("{op} {name}: listening on {}", o.tcp_addr), e))?;
+        let addr = listener
+            .local_addr()
+            .map_err(|e| CommError::io("local_addr", e))?;
+        ctx.store
+            .set(&format!("{ns}/addr/{me}"), addr.to_string().as_bytes())?;
+        for &g in tcp_peers.iter().filter(|&&g| g < me) {
+            let a = ctx.store.get(&format!("{ns}/addr/{g}"), o.timeout)?;
+            let a = String::from_utf8_lossy(&a).into_owned();
+            let hello = Hello {
+                job: o.job_id.clone(),
+                key: key.clone(),
+                from: me as u32,
+                to: g as u32,
+            };
+            let s = tcp::connect(&a, &hello, deadline).map_err(|e| {
+                CommError::Refused(format!(
+                    "{op} {name}: rank {} connecting to rank {}: {e}",
+                    ctx.rank, members[g]
+                ))
+            })?;
+            links[g] = Some(Link::Tcp(
+                TcpLink::new(s).map_err(|e| CommError::io("configuring socket", e))?,
+            ));
+        }
+        let expected: Vec<u32> = tcp_peers
+            .iter()
+            .filter(|&&g| g > me)
+            .map(|&g| g as u32)
+            .collect();
+        if !expected.is_empty() {
+            let got = tcp::accept_all(&listener, &o.job_id, &key, me as u32, &expected, deadline)
+                .map_err(|e| CommError::Timeout {
+                group: name.clone(),
+                op: format!("{op} ({e})"),
+                ranks: expected.iter().map(|&g| members[g as usize]).collect(),
+                timeout: o.timeout,
+                note: String::new(),
+            })?;
+            for (g, s) in got {
+                links[g as usize] = Some(Link::Tcp(
+                    TcpLink::new(s).map_err(|e| CommError::io("configuring socket", e))?,
+                ));
+            }
+        }
+    }
+
+    let desc = Arc::new(GroupDesc {
+        name,
+        world_ranks: members.to_vec(),
+        rank: me,
+    });
+    let config = EngineConfig {
+        timeout: o.timeout,
+        spin: o.spin,
+    };
+    let board = Some((Arc::clone(&ctx.store), format!("{ns}/abort")));
+    let engine = Engine::new(
+        desc,
+        links,
+        shm,
+        config,
+        Arc::new(Counters::default()),
+        board,
+    );
+    Ok(ProcessGroup::new(engine, o.algo))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::store::MemStore;
+    use crate::wire::Header;
+
+    fn opts(transport: TransportKind, job: &str) -> Options {
+        Options {
+            transport,
+            job_id: job.to_string(),
+            timeout: Duration::from_secs(5),
+            ..Options::default()
+        }
+    }
+
+    #[test]
+    fn a_foreign_connection_with_the_wrong_job_id_is_refused() {
+        let store: Arc<dyn Store> = Arc::new(MemStore::new());
+        let job = crate::testing::unique_job_id();
+        let o = opts(TransportKind::Tcp, &job);
+        let sums: Vec<f32> = std::thread::scope(|s| {
+            let ranks: Vec<_> = (0..3)
+                .map(|r| {
+                    let (store, o) = (Arc::clone(&store), o.clone());
+                    s.spawn(move || {
+                        let c = Communicator::init(store, r, 3, "h", o).unwrap();
+                        if r == 2 {
+                            return 0.0;
+                        }
+                        if r == 1 {
+                            // Give the intruder time to knock on rank 0 first.
+                            std::thread::sleep(Duration::from_millis(800));
+                        }
+                        let g = c.new_group(&[0, 1]).unwrap();
+                        let mut v = [1.0f32; 3];
+                        g.all_reduce(&mut v, crate::ReduceOp::Sum).unwrap();
+                        v[0]
+                    })
+                })
+                .collect();
+            // The intruder reads rank 0's address of the new group from the store.
+            let ns = format!("xtrain/{job}/{}", group_key(&[0, 1], 1));
+            let addr = store
+                .get(&format!("{ns}/addr/0"), Duration::from_secs(5))
+                .unwrap();
+            let addr = String::from_utf8(addr).unwrap();
+            let deadline = Instant::now() + Duration::from_secs(2);
+            let mut hello = Hello {
+                job: "someone-else".into(),
+                key: group_key(&[0, 1], 1),
+                from: 1,
+                to: 0,
+            };
+            let refused = tcp::connect(&addr, &hello, deadline).unwrap_err();
+            assert!(refused.contains("foreign job id"), "{refused}");
+            hello.job = job.clone();
+            hello.key = "another-group".into();
+            let refused = tcp::connect(&addr, &hello, deadline).unwrap_err();
+            assert!(refused.contains("expected"), "{refused}");
+            ranks.into_iter().map(|h| h.join().unwrap()).collect()
+        });
+        // The real peer still got through.
+        assert_eq!(sums[..2], [2.0, 2.0]);
+    }
+
+    #[test]
+    fn malformed_header_bytes_are_an_error_not_a_panic() {
+        for transport in [TransportKind::Shm, TransportKind::Tcp] {
+            let hdr = Header {
+                kind: crate::OpKind::P2p,
+                dtype: crate::DType::F32,
+                op: 0,
+                seq: 0,
+                tag: 0,
+                count: 0,
+                payload_len: 12,
+            }
+            .encode();
+            let mut bad_magic = hdr;
+            bad_magic[0] ^= 0xff;
+            let mut bad_dtype = hdr;
+            bad_dtype[4] = 99;
+            let mut huge = hdr;
+            huge[24..32].copy_from_slice(&u64::MAX.to_le_bytes());
+            let mut odd_len = hdr;
+            odd_len[24] = 13;
+            for (what, bytes) in [
+                ("magic", bad_magic),
+                ("dtype", bad_dtype),
+                ("limit", huge),
+                ("whole number", odd_len),
+            ] {
+                let o = Options {
+                    job_id: crate::testing::unique_job_id(),
+                    ..opts(transport, "x")
+                };
+                let errs = crate::testing::run_threads_with(2, o, |c| {
+                    if c.rank() == 1 {
+                        c.world().with_engine(|e| e.inject_raw(0, bytes));
+                        // Stay until rank 0 has read the bytes.
+                        let _ = c.barrier();
+                        return None;
+                    }
+                    let mut b = [0.0f32; 3];
+                    Some(c.recv(&mut b, 1, 0).unwrap_err())
+                });
+                let e = errs.into_iter().flatten().next().unwrap();
+                assert!(matches!(e, CommError::Malformed { rank: 1, .. }), "{e}");
+                assert!(e.to_string().contains(what), "{what}: {e}");
+            }
+        }
+    }
+}

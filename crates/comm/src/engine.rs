@@ -1,0 +1,588 @@
+//! The progress engine: one per group per rank, owning the links to every peer of the group.
+//!
+//! `exchange` drives any set of sends and receives concurrently to completion (this is what
+//! makes ring shifts, where every rank sends and receives at once, deadlock-free), enforcing
+//! the deadline and turning transport failures into errors that name the peer, the group and
+//! the operation. Idle waiting spins briefly (configurable), yields, then sleeps on the shared
+//! memory doorbell futex or in `poll(2)` for TCP sockets.
+//!
+//! After any error the engine closes all its links ("abort"), so peers fail promptly instead
+//! of waiting for their own timeouts, and refuses further operations.
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use crate::element::{DType, ReduceBytesFn, ReduceOp};
+use crate::error::{CommError, Result};
+use crate::store::Store;
+use crate::transport::shm::Segment;
+use crate::transport::{Link, LinkError, OutMsg, RecvReject};
+use crate::wire::{Header, OpKind, HEADER_LEN};
+
+/// Names and ranks of a group (shared by the engine and the public handle).
+#[derive(Debug)]
+pub(crate) struct GroupDesc {
+    /// e.g. `world[0,1,2,3]` or `dp[0,2]`.
+    pub name: String,
+    /// World rank of each group rank.
+    pub world_ranks: Vec<usize>,
+    /// This rank's index in the group.
+    pub rank: usize,
+}
+
+/// Per-group counters, per [`OpKind`].
+#[derive(Default, Debug)]
+pub(crate) struct Counters {
+    pub ops: [AtomicU64; 12],
+    pub bytes: [AtomicU64; 12],
+}
+
+/// Tunables the engine needs.
+#[derive(Clone, Debug)]
+pub(crate) struct EngineConfig {
+    pub timeout: Duration,
+    pub spin: Duration,
+}
+
+/// Context of one operation: what goes into headers and error messages.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Ctx {
+    pub kind: OpKind,
+    pub dtype: DType,
+    pub op: u8,
+    pub seq: u32,
+    pub count: u64,
+    pub deadline: Instant,
+}
+
+impl Ctx {
+    pub fn header(&self, tag: u32, payload_len: usize) -> Header {
+        Header {
+            kind: self.kind,
+            dtype: self.dtype,
+            op: self.op,
+            seq: self.seq,
+            tag,
+            count: self.count,
+            payload_len: payload_len as u64,
+        }
+    }
+}
+
+/// Where received payload bytes go.
+pub(crate) enum Sink<'a> {
+    Copy(&'a mut [u8]),
+    Reduce {
+        dst: &'a mut [u8],
+        f: ReduceBytesFn,
+        op: ReduceOp,
+    },
+}
+
+impl Sink<'_> {
+    fn len(&self) -> usize {
+        match self {
+            Sink::Copy(d) | Sink::Reduce { dst: d, .. } => d.len(),
+        }
+    }
+
+    fn accept(&mut self, offset: usize, bytes: &[u8]) {
+        match self {
+            Sink::Copy(d) => d[offset..offset + bytes.len()].copy_from_slice(bytes),
+            Sink::Reduce { dst, f, op } => f(&mut dst[offset..offset + bytes.len()], bytes, *op),
+        }
+    }
+}
+
+/// A send in progress.
+pub(crate) struct Outgoing<'a> {
+    pub peer: usize,
+    msg: OutMsg<'a>,
+    done: bool,
+}
+
+impl<'a> Outgoing<'a> {
+    pub fn new(ctx: &Ctx, tag: u32, peer: usize, payload: &'a [u8]) -> Self {
+        let hdr = ctx.header(tag, payload.len()).encode();
+        Outgoing {
+            peer,
+            msg: OutMsg::new(hdr, payload),
+            done: false,
+        }
+    }
+}
+
+/// A receive in progress: header bytes, then payload delivered to the sink.
+pub(crate) struct Incoming<'a> {
+    pub peer: usize,
+    expect: Header,
+    sink: Sink<'a>,
+    hdr: [u8; HEADER_LEN],
+    got_hdr: usize,
+    /// Padded payload bytes consumed so far (valid once the header is in).
+    consumed: usize,
+    done: bool,
+}
+
+impl<'a> Incoming<'a> {
+    pub fn new(ctx: &Ctx, tag: u32, peer: usize, sink: Sink<'a>) -> Self {
+        let expect = ctx.header(tag, sink.len());
+        Incoming {
+            peer,
+            expect,
+            sink,
+            hdr: [0; HEADER_LEN],
+            got_hdr: 0,
+            consumed: 0,
+            done: false,
+        }
+    }
+
+    /// Consumes a prefix of `region` (a multiple of 8 bytes) belonging to this message.
+    fn consume(&mut self, region: &[u8]) -> std::result::Result<usize, RecvReject> {
+        let usable = region.len() & !7;
+        let mut used = 0;
+        if self.got_hdr < HEADER_LEN {
+            let take = (HEADER_LEN - self.got_hdr).min(usable);
+            self.hdr[self.got_hdr..self.got_hdr + take].copy_from_slice(&region[..take]);
+            self.got_hdr += take;
+            used = take;
+            if self.got_hdr < HEADER_LEN {
+                return Ok(used);
+            }
+            let h = Header::decode(&self.hdr).map_err(RecvReject::Malformed)?;
+            self.check(&h)?;
+        }
+        let payload = self.expect.payload_len as usize;
+        let padded = payload.next_multiple_of(8);
+        let take = (padded - self.consumed).min(usable - used);
+        let real_end = (self.consumed + take).min(payload);
+        if real_end > self.consumed {
+            self.sink.accept(
+                self.consumed,
+                &region[used..used + real_end - self.consumed],
+            );
+        }
+        self.consumed += take;
+        used += take;
+        if self.consumed == padded {
+            self.done = true;
+        }
+        Ok(used)
+    }
+
+    fn check(&self, h: &Header) -> std::result::Result<(), RecvReject> {
+        let e = &self.expect;
+        let same = h.kind == e.kind
+            && h.dtype == e.dtype
+            && h.op == e.op
+            && h.seq == e.seq
+            && h.tag == e.tag
+            && h.count == e.count
+            && h.payload_len == e.payload_len;
+        if same {
+            Ok(())
+        } else {
+            Err(RecvReject::Mismatch(format!(
+                "this rank expected {}, the peer sent {}",
+                e.describe(),
+                h.describe()
+            )))
+        }
+    }
+}
+
+/// One rank's connections within one group.
+pub(crate) struct Engine {
+    pub desc: Arc<GroupDesc>,
+    links: Vec<Option<Link>>,
+    /// The group's shared-memory segment on this host and this rank's index in it.
+    shm: Option<(Arc<Segment>, usize)>,
+    seq: u32,
+    pub config: EngineConfig,
+    poisoned: Option<String>,
+    pub counters: Arc<Counters>,
+    /// Where aborting ranks post their reason (`<prefix>/<group rank>`), so peers that see the
+    /// connection close can report the original cause.
+    abort_board: Option<(Arc<dyn Store>, String)>,
+}
+
+impl Engine {
+    pub fn new(
+        desc: Arc<GroupDesc>,
+        links: Vec<Option<Link>>,
+        shm: Option<(Arc<Segment>, usize)>,
+        config: EngineConfig,
+        counters: Arc<Counters>,
+        abort_board: Option<(Arc<dyn Store>, String)>,
+    ) -> Self {
+        Engine {
+            desc,
+            links,
+            shm,
+            seq: 0,
+            config,
+            poisoned: None,
+            counters,
+            abort_board,
+        }
+    }
+
+    pub fn rank(&self) -> usize {
+        self.desc.rank
+    }
+
+    pub fn size(&self) -> usize {
+        self.desc.world_ranks.len()
+    }
+
+    /// Starts an operation: checks the group is usable, counts it and builds its context.
+    pub fn begin(
+        &mut self,
+        kind: OpKind,
+        dtype: DType,
+        op: Option<ReduceOp>,
+        count: u64,
+    ) -> Result<Ctx> {
+        if let Some(first) = &self.poisoned {
+            return Err(CommError::Poisoned {
+                group: self.desc.name.clone(),
+                first: first.clone(),
+            });
+        }
+        self.counters.ops[kind.index()].fetch_add(1, Ordering::Relaxed);
+        let seq = if kind == OpKind::P2p {
+            0 // point-to-point order is per link (FIFO), not per group
+        } else {
+            self.seq = self.seq.wrapping_add(1);
+            self.seq
+        };
+        Ok(Ctx {
+            kind,
+            dtype,
+            op: op.map_or(0, |o| o as u8),
+            seq,
+            count,
+            deadline: Instant::now() + self.config.timeout,
+        })
+    }
+
+    /// Drives all `sends` and `recvs` to completion. Several operations with the same peer and
+    /// direction complete in list order.
+    pub fn exchange(
+        &mut self,
+        ctx: &Ctx,
+        sends: &mut [Outgoing<'_>],
+        recvs: &mut [Incoming<'_>],
+    ) -> Result<()> {
+        if let Some(first) = &self.poisoned {
+            return Err(CommError::Poisoned {
+                group: self.desc.name.clone(),
+                first: first.clone(),
+            });
+        }
+        // Argument errors leave the links untouched; failures after this abort the group.
+        let n = self.size();
+        for p in sends
+            .iter()
+            .map(|s| s.peer)
+            .chain(recvs.iter().map(|r| r.peer))
+        {
+            if p >= n || self.links[p].is_none() {
+                return Err(CommError::invalid(
+                    ctx.kind.name(),
+                    format!(
+                        "peer {p} is not another rank of group {} (size {n})",
+                        self.desc.name
+                    ),
+                ));
+            }
+        }
+        let result = self.exchange_inner(ctx, sends, recvs);
+        if let Err(e) = &result {
+            self.abort(e.to_string());
+        }
+        result
+    }
+
+    /// Closes every link and refuses further operations.
+    pub fn abort(&mut self, reason: String) {
+        if self.poisoned.is_none() {
+            tracing::debug!(group = %self.desc.name, "aborting group: {reason}");
+            if let Some((store, prefix)) = &self.abort_board {
+                let _ = store.set(&format!("{prefix}/{}", self.desc.rank), reason.as_bytes());
+            }
+            self.poisoned = Some(reason);
+        }
+        for link in self.links.iter_mut().flatten() {
+            link.close();
+        }
+    }
+
+    fn err_for(&self, ctx: &Ctx, peer: usize, e: LinkError) -> CommError {
+        let group = self.desc.name.clone();
+        let op = ctx.kind.name().to_string();
+        let rank = self.desc.world_ranks[peer];
+        match e {
+            LinkError::Closed => {
+                let cause = self
+                    .abort_board
+                    .as_ref()
+                    .and_then(|(store, prefix)| {
+                        store.get(&format!("{prefix}/{peer}"), Duration::ZERO).ok()
+                    })
+                    .map(|b| String::from_utf8_lossy(&b).into_owned())
+                    .unwrap_or_default();
+                CommError::PeerClosed {
+                    group,
+                    op,
+                    rank,
+                    cause,
+                }
+            }
+            LinkError::Rejected(RecvReject::Mismatch(detail)) => CommError::Mismatch {
+                group,
+                op,
+                rank,
+                detail,
+            },
+            LinkError::Rejected(RecvReject::Malformed(detail)) => CommError::Malformed {
+                group,
+                op,
+                rank,
+                detail,
+            },
+            LinkError::Io(source) => {
+                CommError::io(format!("{op} on group {group} with rank {rank}"), source)
+            }
+        }
+    }
+
+    /// Records on the board which group ranks this rank is stuck waiting for.
+    fn post_waiting(&self, peers: &[usize]) {
+        if let Some((store, prefix)) = &self.abort_board {
+            let list: Vec<String> = peers
+                .iter()
+                .map(|&p| self.desc.world_ranks[p].to_string())
+                .collect();
+            let _ = store.set(
+                &format!("{prefix}/wait/{}", self.desc.rank),
+                list.join(",").as_bytes(),
+            );
+        }
+    }
+
+    /// " (rank X is itself waiting for rank(s) [..])" for every waited-on peer that posted.
+    fn waiting_note(&self, peers: &[usize]) -> String {
+        let Some((store, prefix)) = &self.abort_board else {
+            return String::new();
+        };
+        let mut note = String::new();
+        for &p in peers {
+            if let Ok(v) = store.get(&format!("{prefix}/wait/{p}"), Duration::ZERO) {
+                let me = self.desc.world_ranks[self.desc.rank].to_string();
+                let theirs: Vec<String> = String::from_utf8_lossy(&v)
+                    .split(',')
+                    .filter(|r| *r != me)
+                    .map(String::from)
+                    .collect();
+                if !theirs.is_empty() {
+                    note += &format!(
+                        " (rank {} is itself waiting for rank(s) [{}])",
+                        self.desc.world_ranks[p],
+                        theirs.join(", ")
+                    );
+                }
+            }
+        }
+        note
+    }
+
+    fn exchange_inner(
+        &mut self,
+        ctx: &Ctx,
+        sends: &mut [Outgoing<'_>],
+        recvs: &mut [Incoming<'_>],
+    ) -> Result<()> {
+        let n = self.size();
+        let mut busy = vec![false; n];
+        let mut idle_since: Option<Instant> = None;
+        let mut posted_wait = false;
+        let mut idle_rounds = 0u32;
+        loop {
+            let seen = self.shm.as_ref().map(|(seg, me)| seg.doorbell(*me));
+            let mut progress = false;
+            let mut all_done = true;
+            busy.fill(false);
+            for s in sends.iter_mut().filter(|s| !s.done) {
+                if std::mem::replace(&mut busy[s.peer], true) {
+                    all_done = false;
+                    continue;
+                }
+                let link = self.links[s.peer].as_mut().expect("checked above");
+                let wrote = link.try_write(&mut s.msg);
+                let wrote = wrote.map_err(|e| self.err_for(ctx, s.peer, e))?;
+                progress |= wrote > 0;
+                if s.msg.remaining() == 0 {
+                    s.done = true;
+                    self.counters.bytes[ctx.kind.index()]
+                        .fetch_add(s.msg.payload_len() as u64, Ordering::Relaxed);
+                } else {
+                    all_done = false;
+                }
+            }
+            busy.fill(false);
+            for r in recvs.iter_mut().filter(|r| !r.done) {
+                if std::mem::replace(&mut busy[r.peer], true) {
+                    all_done = false;
+                    continue;
+                }
+                let link = self.links[r.peer].as_mut().expect("checked above");
+                let got = link.try_read(&mut |region| r.consume(region));
+                let got = got.map_err(|e| self.err_for(ctx, r.peer, e))?;
+                progress |= got > 0;
+                all_done &= r.done;
+            }
+            if all_done {
+                return Ok(());
+            }
+            if progress {
+                idle_since = None;
+                continue;
+            }
+            // Idle: spin briefly, then yield for as long again, then sleep. (The clock is read
+            // every 16th idle round only: it costs more than a poll of the rings.)
+            idle_rounds += 1;
+            if idle_since.is_some() && !idle_rounds.is_multiple_of(16) {
+                for _ in 0..8 {
+                    std::hint::spin_loop();
+                }
+                continue;
+            }
+            let now = Instant::now();
+            let idle = now.duration_since(*idle_since.get_or_insert(now));
+            if idle < self.config.spin {
+                continue;
+            }
+            if idle < self.config.spin * 2 {
+                std::thread::yield_now();
+                continue;
+            }
+            // At the deadline, post whom we wait for and linger a little, so that if a peer we
+            // wait on is itself stuck on a third rank, the error can say so (naming the origin).
+            let grace = (self.config.timeout / 4).min(Duration::from_secs(2));
+            if now >= ctx.deadline {
+                let mut waiting: Vec<usize> = sends
+                    .iter()
+                    .filter(|s| !s.done)
+                    .map(|s| s.peer)
+                    .chain(recvs.iter().filter(|r| !r.done).map(|r| r.peer))
+                    .collect();
+                waiting.sort_unstable();
+                waiting.dedup();
+                if !posted_wait {
+                    posted_wait = true;
+                    self.post_waiting(&waiting);
+                }
+                if now >= ctx.deadline + grace {
+                    return Err(CommError::Timeout {
+                        group: self.desc.name.clone(),
+                        op: ctx.kind.name().to_string(),
+                        ranks: waiting.iter().map(|&p| self.desc.world_ranks[p]).collect(),
+                        timeout: self.config.timeout,
+                        note: self.waiting_note(&waiting),
+                    });
+                }
+            }
+            let nap = (ctx.deadline + grace)
+                .saturating_duration_since(now)
+                .min(Duration::from_millis(50));
+            self.sleep(sends, recvs, seen, nap);
+            // After a long idle stretch, check that shared-memory peers' processes still exist.
+            if now.duration_since(idle_since.unwrap_or(now)) > Duration::from_millis(10) {
+                let pending = sends
+                    .iter()
+                    .filter(|s| !s.done)
+                    .map(|s| s.peer)
+                    .chain(recvs.iter().filter(|r| !r.done).map(|r| r.peer));
+                for p in pending.collect::<Vec<_>>() {
+                    if self.links[p].as_ref().is_some_and(|l| !l.peer_alive()) {
+                        return Err(self.err_for(ctx, p, LinkError::Closed));
+                    }
+                }
+            }
+        }
+    }
+
+    /// Sleeps until something may have changed: on the shm doorbell if only shared-memory links
+    /// are pending, in poll(2) if only TCP ones are, alternating briefly if both.
+    fn sleep(
+        &self,
+        sends: &[Outgoing<'_>],
+        recvs: &[Incoming<'_>],
+        seen: Option<u32>,
+        nap: Duration,
+    ) {
+        let mut fds: Vec<libc::pollfd> = Vec::new();
+        let mut any_shm = false;
+        let pending = sends
+            .iter()
+            .filter(|s| !s.done)
+            .map(|s| (s.peer, libc::POLLOUT))
+            .chain(
+                recvs
+                    .iter()
+                    .filter(|r| !r.done)
+                    .map(|r| (r.peer, libc::POLLIN)),
+            );
+        for (peer, events) in pending {
+            match &self.links[peer] {
+                Some(Link::Tcp(t)) => fds.push(libc::pollfd {
+                    fd: t.fd(),
+                    events,
+                    revents: 0,
+                }),
+                Some(Link::Shm(_)) => any_shm = true,
+                None => {}
+            }
+        }
+        if fds.is_empty() {
+            if let (Some((seg, me)), Some(seen)) = (&self.shm, seen) {
+                seg.wait(*me, seen, nap);
+            }
+            return;
+        }
+        let ms = if any_shm {
+            0
+        } else {
+            nap.as_millis().max(1) as libc::c_int
+        };
+        // SAFETY: poll on a valid array of pollfds we own.
+        unsafe {
+            libc::poll(fds.as_mut_ptr(), fds.len() as libc::nfds_t, ms);
+        }
+        if any_shm {
+            std::thread::yield_now();
+        }
+    }
+}
+
+#[cfg(test)]
+impl Engine {
+    /// Writes 32 raw bytes (a would-be header) to `peer`, bypassing all framing.
+    pub fn inject_raw(&mut self, peer: usize, bytes: [u8; HEADER_LEN]) {
+        let mut msg = OutMsg::new(bytes, &[]);
+        let link = self.links[peer].as_mut().expect("peer link");
+        while msg.remaining() > 0 {
+            link.try_write(&mut msg).expect("raw write");
+        }
+    }
+}
+
+impl Drop for Engine {
+    fn drop(&mut self) {
+        for link in self.links.iter_mut().flatten() {
+            link.close();
+        }
+    }
+}

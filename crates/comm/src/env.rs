@@ -1,0 +1,694 @@
+//! Launch environment: which rank this process is, how many there are, and where the
+//! rendezvous store lives, read from the variables a launcher sets.
+//!
+//! Three launchers are understood, checked in this order (the most specific first):
+//! 1. torchrun-style variables, also set by `xtrain launch`: `RANK`, `WORLD_SIZE`,
+//!    `LOCAL_RANK`, `LOCAL_WORLD_SIZE`, `MASTER_ADDR`, `MASTER_PORT`;
+//! 2. Open MPI's `mpirun`: `OMPI_COMM_WORLD_{RANK,SIZE,LOCAL_RANK,LOCAL_SIZE}`;
+//! 3. Slurm's `srun`: `SLURM_PROCID`, `SLURM_NTASKS`, `SLURM_LOCALID`, the tasks per node
+//!    (`SLURM_STEP_TASKS_PER_NODE`, `SLURM_TASKS_PER_NODE` or `SLURM_NTASKS_PER_NODE`, in
+//!    Slurm's compressed `2(x3),1` form, indexed by `SLURM_NODEID`), and the master host
+//!    from the first node of `SLURM_STEP_NODELIST` / `SLURM_JOB_NODELIST`.
+//!
+//! (Open MPI comes before Slurm because `mpirun` inside an `sbatch` script inherits the
+//! batch step's `SLURM_PROCID=0` on every rank.) `MASTER_ADDR` / `MASTER_PORT` override
+//! the derived rendezvous address under every launcher.
+//!
+//! xtrain's own variables: [`JOB_ID_VAR`] (a token the transports' handshake checks so
+//! that connections from another job are refused), [`THREADS_VAR`] (the per-rank thread
+//! budget) and [`RESTART_VAR`] (which restart of the group this is).
+//!
+//! Parsing takes a lookup function, so tests pass a map instead of the process env.
+//! [`init_from_env`] turns the environment into a connected world communicator.
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::time::Duration;
+
+use crate::communicator::{Communicator, Options};
+use crate::error::CommError;
+use crate::store::TcpStore;
+
+/// Job id / token shared by all ranks of one job (set by `xtrain launch`).
+pub const JOB_ID_VAR: &str = "XTRAIN_JOB_ID";
+/// Threads this rank may use (cores / ranks per host, at least 1).
+pub const THREADS_VAR: &str = "XTRAIN_THREADS";
+/// How many times the launcher has restarted the group (0 on the first run).
+pub const RESTART_VAR: &str = "XTRAIN_RESTART_COUNT";
+/// `MASTER_PORT` used under Open MPI when none is set (torch's default port).
+pub const DEFAULT_MASTER_PORT: u16 = 29500;
+
+/// Which launcher's variables the environment was read from.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Launcher {
+    /// torchrun-style variables (`xtrain launch` sets these).
+    Torchrun,
+    OpenMpi,
+    Slurm,
+}
+
+impl std::fmt::Display for Launcher {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            Launcher::Torchrun => "torchrun-style",
+            Launcher::OpenMpi => "Open MPI",
+            Launcher::Slurm => "Slurm",
+        })
+    }
+}
+
+/// Where this process sits in the job.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct LaunchEnv {
+    pub rank: usize,
+    pub world_size: usize,
+    /// Rank among the processes on this host.
+    pub local_rank: usize,
+    /// Processes on this host.
+    pub local_world_size: usize,
+    /// Host of the rendezvous store (rank 0's host).
+    pub master_addr: String,
+    pub master_port: u16,
+    /// Token identical on all ranks of the job and different between jobs.
+    pub job_id: String,
+    /// Per-rank thread budget, when the launcher set one.
+    pub threads: Option<usize>,
+    /// Restart generation (0 unless the launcher restarted the group).
+    pub restart_count: u32,
+    pub launcher: Launcher,
+}
+
+/// A launch environment that cannot be used.
+#[derive(Debug, thiserror::Error, PartialEq, Eq)]
+pub enum EnvError {
+    #[error(
+        "no launch environment: set RANK and WORLD_SIZE (or start through `xtrain launch`), \
+         or run under Open MPI (OMPI_COMM_WORLD_RANK) or Slurm (SLURM_PROCID)"
+    )]
+    NoLauncher,
+    #[error("{launcher} launch environment: {var} is not set")]
+    Missing { launcher: Launcher, var: String },
+    #[error("{var}={value:?} is malformed: {reason}")]
+    Malformed {
+        var: String,
+        value: String,
+        reason: String,
+    },
+    #[error("inconsistent launch environment: {0}")]
+    Inconsistent(String),
+}
+
+impl LaunchEnv {
+    /// Reads the process environment.
+    pub fn from_env() -> Result<Self, EnvError> {
+        Self::from_lookup(|k| std::env::var(k).ok())
+    }
+
+    /// Reads a map of variables (for tests and for launchers preparing a child's env).
+    pub fn from_map(vars: &HashMap<String, String>) -> Result<Self, EnvError> {
+        Self::from_lookup(|k| vars.get(k).cloned())
+    }
+
+    /// `host:port` of the rendezvous store.
+    pub fn store_addr(&self) -> String {
+        format!("{}:{}", self.master_addr, self.master_port)
+    }
+
+    /// Whether this rank hosts the rendezvous store (rank 0 does).
+    pub fn hosts_store(&self) -> bool {
+        self.rank == 0
+    }
+
+    /// Reads the variables through `get` (unset and empty are the same).
+    pub fn from_lookup(get: impl Fn(&str) -> Option<String>) -> Result<Self, EnvError> {
+        let get = |k: &str| get(k).filter(|v| !v.trim().is_empty());
+        let has = |k: &str| get(k).is_some();
+        let launcher = if has("RANK") || has("WORLD_SIZE") {
+            Launcher::Torchrun
+        } else if has("OMPI_COMM_WORLD_RANK") {
+            Launcher::OpenMpi
+        } else if has("SLURM_PROCID") {
+            Launcher::Slurm
+        } else {
+            return Err(EnvError::NoLauncher);
+        };
+        let v = Vars {
+            get: &get,
+            launcher,
+        };
+        let (rank, world_size, local_rank, local_world_size) = match launcher {
+            Launcher::Torchrun => {
+                let (rank, world) = (v.usize("RANK")?, v.usize("WORLD_SIZE")?);
+                // Both local variables absent: a hand-set single-host job.
+                let (local_rank, local_size) = if !v.has("LOCAL_RANK") && !v.has("LOCAL_WORLD_SIZE")
+                {
+                    (rank, world)
+                } else {
+                    (v.usize("LOCAL_RANK")?, v.usize("LOCAL_WORLD_SIZE")?)
+                };
+                (rank, world, local_rank, local_size)
+            }
+            Launcher::OpenMpi => (
+                v.usize("OMPI_COMM_WORLD_RANK")?,
+                v.usize("OMPI_COMM_WORLD_SIZE")?,
+                v.usize("OMPI_COMM_WORLD_LOCAL_RANK")?,
+                v.usize("OMPI_COMM_WORLD_LOCAL_SIZE")?,
+            ),
+            Launcher::Slurm => {
+                let world = match v.has("SLURM_NTASKS") {
+                    true => v.usize("SLURM_NTASKS")?,
+                    false => v.usize("SLURM_NPROCS")?,
+                };
+                (
+                    v.usize("SLURM_PROCID")?,
+                    world,
+                    v.usize("SLURM_LOCALID")?,
+                    v.slurm_local_size()?,
+                )
+            }
+        };
+
+        let master_addr = match (v.raw("MASTER_ADDR"), launcher) {
+            (Some(a), _) => a.trim().to_string(),
+            (None, Launcher::Slurm) => v.slurm_master_host()?,
+            // mpirun on one host needs no address.
+            (None, Launcher::OpenMpi) if local_world_size == world_size => "127.0.0.1".into(),
+            (None, _) => return Err(v.missing("MASTER_ADDR")),
+        };
+        let master_port = match (v.has("MASTER_PORT"), launcher) {
+            (true, _) => v.port("MASTER_PORT")?,
+            // A port every rank of the job derives alike (Lightning's convention).
+            (false, Launcher::Slurm) => 15000 + (v.u64("SLURM_JOB_ID")? % 10000) as u16,
+            (false, Launcher::OpenMpi) => DEFAULT_MASTER_PORT,
+            (false, Launcher::Torchrun) => return Err(v.missing("MASTER_PORT")),
+        };
+        let job_id = match v.raw(JOB_ID_VAR) {
+            Some(id) => id,
+            None => match launcher {
+                Launcher::Slurm if v.has("SLURM_JOB_ID") => format!(
+                    "slurm-{}.{}",
+                    v.raw("SLURM_JOB_ID").unwrap_or_default(),
+                    v.raw("SLURM_STEP_ID").unwrap_or_default()
+                ),
+                Launcher::OpenMpi if v.has("PMIX_NAMESPACE") => {
+                    v.raw("PMIX_NAMESPACE").unwrap_or_default()
+                }
+                // Every rank agrees on the rendezvous address, so it names the job.
+                _ => format!("{master_addr}:{master_port}"),
+            },
+        };
+        let threads = match v.has(THREADS_VAR) {
+            true => match v.usize(THREADS_VAR)? {
+                0 => return Err(v.malformed(THREADS_VAR, "must be at least 1")),
+                t => Some(t),
+            },
+            false => None,
+        };
+        let restart_count = match v.has(RESTART_VAR) {
+            true => v.usize(RESTART_VAR)? as u32,
+            false => 0,
+        };
+
+        let env = LaunchEnv {
+            rank,
+            world_size,
+            local_rank,
+            local_world_size,
+            master_addr,
+            master_port,
+            job_id,
+            threads,
+            restart_count,
+            launcher,
+        };
+        env.validate()?;
+        Ok(env)
+    }
+
+    fn validate(&self) -> Result<(), EnvError> {
+        let bad = |m: String| Err(EnvError::Inconsistent(m));
+        if self.world_size == 0 {
+            return bad("world size is 0".into());
+        }
+        if self.rank >= self.world_size {
+            return bad(format!(
+                "rank {} is not below world size {}",
+                self.rank, self.world_size
+            ));
+        }
+        if self.local_world_size == 0 || self.local_world_size > self.world_size {
+            return bad(format!(
+                "local world size {} must be between 1 and the world size {}",
+                self.local_world_size, self.world_size
+            ));
+        }
+        if self.local_rank >= self.local_world_size {
+            return bad(format!(
+                "local rank {} is not below local world size {}",
+                self.local_rank, self.local_world_size
+            ));
+        }
+        if self.master_addr.is_empty() {
+            return bad("empty master address".into());
+        }
+        Ok(())
+    }
+}
+
+/// Builds the world communicator of a launched job: reads [`LaunchEnv`] and the
+/// `XTRAIN_*` options ([`Options::from_env`]); rank 0 hosts the TCP rendezvous store at
+/// `MASTER_ADDR:MASTER_PORT` and every rank connects to it (retrying until the
+/// communication timeout, since rank 0 may start late). The host identity that decides
+/// shared memory vs TCP is the host name. On a job spanning several hosts, unless
+/// `XTRAIN_TCP_ADDR` says otherwise, each rank listens on the address of the interface
+/// that routes to the master, so peers on other hosts can reach it.
+pub fn init_from_env() -> crate::Result<(Communicator, LaunchEnv)> {
+    init_with(Options::from_env()?)
+}
+
+/// [`init_from_env`] with explicit options (e.g. a transport chosen on a command line).
+pub fn init_with(mut options: Options) -> crate::Result<(Communicator, LaunchEnv)> {
+    let env =
+        LaunchEnv::from_env().map_err(|e| CommError::invalid("init_from_env", e.to_string()))?;
+    // The launcher's job id names the job unless the options set one explicitly.
+    if std::env::var_os(JOB_ID_VAR).is_none() {
+        options.job_id = env.job_id.clone();
+    }
+    if env.local_world_size < env.world_size && std::env::var_os("XTRAIN_TCP_ADDR").is_none() {
+        if let Some(ip) = route_to(&env.master_addr, env.master_port) {
+            options.tcp_addr = ip;
+        }
+    }
+    let store = TcpStore::rendezvous(
+        &env.master_addr,
+        env.master_port,
+        env.hosts_store(),
+        options.timeout.max(Duration::from_secs(1)),
+    )?;
+    let comm = Communicator::init(
+        Arc::new(store),
+        env.rank,
+        env.world_size,
+        &hostname(),
+        options,
+    )?;
+    Ok((comm, env))
+}
+
+/// This machine's host name (the identity ranks compare to pick shared memory).
+pub fn hostname() -> String {
+    let mut buf = [0u8; 256];
+    // SAFETY: gethostname writes at most `buf.len()` bytes into the buffer we own.
+    let rc = unsafe { libc::gethostname(buf.as_mut_ptr().cast(), buf.len()) };
+    if rc != 0 {
+        return "localhost".to_string();
+    }
+    let end = buf.iter().position(|&b| b == 0).unwrap_or(buf.len());
+    String::from_utf8_lossy(&buf[..end]).into_owned()
+}
+
+/// The local address of the interface that routes to `host` (a UDP "connect" sends nothing).
+fn route_to(host: &str, port: u16) -> Option<String> {
+    let sock = std::net::UdpSocket::bind("0.0.0.0:0").ok()?;
+    sock.connect((host, port)).ok()?;
+    let ip = sock.local_addr().ok()?.ip();
+    (!ip.is_unspecified()).then(|| ip.to_string())
+}
+
+/// Variable access with typed parsing and errors that name the variable.
+struct Vars<'a> {
+    get: &'a dyn Fn(&str) -> Option<String>,
+    launcher: Launcher,
+}
+
+impl Vars<'_> {
+    fn raw(&self, k: &str) -> Option<String> {
+        (self.get)(k)
+    }
+    fn has(&self, k: &str) -> bool {
+        self.raw(k).is_some()
+    }
+    fn missing(&self, k: &str) -> EnvError {
+        EnvError::Missing {
+            launcher: self.launcher,
+            var: k.to_string(),
+        }
+    }
+    fn malformed(&self, k: &str, reason: &str) -> EnvError {
+        EnvError::Malformed {
+            var: k.to_string(),
+            value: self.raw(k).unwrap_or_default(),
+            reason: reason.to_string(),
+        }
+    }
+    fn required(&self, k: &str) -> Result<String, EnvError> {
+        self.raw(k).ok_or_else(|| self.missing(k))
+    }
+    fn u64(&self, k: &str) -> Result<u64, EnvError> {
+        self.required(k)?
+            .trim()
+            .parse()
+            .map_err(|_| self.malformed(k, "expected a non-negative integer"))
+    }
+    fn usize(&self, k: &str) -> Result<usize, EnvError> {
+        Ok(self.u64(k)? as usize)
+    }
+    fn port(&self, k: &str) -> Result<u16, EnvError> {
+        match self.required(k)?.trim().parse::<u16>() {
+            Ok(p) if p > 0 => Ok(p),
+            _ => Err(self.malformed(k, "expected a TCP port between 1 and 65535")),
+        }
+    }
+
+    /// This node's task count from Slurm's compressed tasks-per-node list.
+    fn slurm_local_size(&self) -> Result<usize, EnvError> {
+        let var = [
+            "SLURM_STEP_TASKS_PER_NODE",
+            "SLURM_TASKS_PER_NODE",
+            "SLURM_NTASKS_PER_NODE",
+        ]
+        .into_iter()
+        .find(|k| self.has(k))
+        .ok_or_else(|| self.missing("SLURM_TASKS_PER_NODE"))?;
+        let counts = parse_tasks_per_node(&self.required(var)?)
+            .map_err(|reason| self.malformed(var, &reason))?;
+        let node = if self.has("SLURM_NODEID") {
+            self.usize("SLURM_NODEID")?
+        } else {
+            0
+        };
+        // SLURM_NTASKS_PER_NODE is a single value that applies to every node.
+        let idx = if counts.len() == 1 { 0 } else { node };
+        counts.get(idx).copied().ok_or_else(|| {
+            EnvError::Inconsistent(format!(
+                "SLURM_NODEID {node} but {var} lists only {} node(s)",
+                counts.len()
+            ))
+        })
+    }
+
+    fn slurm_master_host(&self) -> Result<String, EnvError> {
+        let var = [
+            "SLURM_STEP_NODELIST",
+            "SLURM_JOB_NODELIST",
+            "SLURM_NODELIST",
+        ]
+        .into_iter()
+        .find(|k| self.has(k))
+        .ok_or_else(|| self.missing("MASTER_ADDR (or SLURM_STEP_NODELIST)"))?;
+        first_host(&self.required(var)?).map_err(|reason| self.malformed(var, &reason))
+    }
+}
+
+/// Expands Slurm's tasks-per-node form: `"2(x3),1"` → `[2, 2, 2, 1]`.
+pub fn parse_tasks_per_node(s: &str) -> Result<Vec<usize>, String> {
+    let mut out = Vec::new();
+    for part in s.split(',').map(str::trim) {
+        let (count, repeat) = match part.split_once("(x") {
+            Some((c, r)) => {
+                let r = r
+                    .strip_suffix(')')
+                    .ok_or_else(|| format!("unclosed repeat in {part:?}"))?;
+                (
+                    c,
+                    r.parse::<usize>()
+                        .map_err(|_| format!("bad repeat in {part:?}"))?,
+                )
+            }
+            None => (part, 1),
+        };
+        let count: usize = count
+            .parse()
+            .map_err(|_| format!("bad task count {count:?}"))?;
+        if count == 0 || repeat == 0 || repeat > 1 << 20 {
+            return Err(format!("bad entry {part:?}"));
+        }
+        out.extend(std::iter::repeat_n(count, repeat));
+    }
+    Ok(out)
+}
+
+/// The first host of a Slurm hostlist: `"gpu[003-004,9],cpu1"` → `"gpu003"`;
+/// `"rack[1-2]-n[07-08]"` → `"rack1-n07"` (each bracket contributes its first number,
+/// zero padding kept).
+pub fn first_host(list: &str) -> Result<String, String> {
+    let mut host = String::new();
+    let mut chars = list.trim().chars();
+    while let Some(c) = chars.next() {
+        match c {
+            ',' => break,
+            '[' => {
+                let group: String = chars.by_ref().take_while(|&c| c != ']').collect();
+                let first = group.split(',').next().unwrap_or("");
+                let first = first.split('-').next().unwrap_or("").trim();
+                if first.is_empty() || !first.chars().all(|c| c.is_ascii_digit()) {
+                    return Err(format!("bad range [{group}]"));
+                }
+                host.push_str(first);
+            }
+            ']' => return Err("unbalanced ']'".into()),
+            c => host.push(c),
+        }
+    }
+    if host.is_empty() {
+        return Err("empty host list".into());
+    }
+    Ok(host)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn parse(vars: &[(&str, &str)]) -> Result<LaunchEnv, EnvError> {
+        let map = vars
+            .iter()
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect();
+        LaunchEnv::from_map(&map)
+    }
+
+    const TORCHRUN: &[(&str, &str)] = &[
+        ("RANK", "5"),
+        ("WORLD_SIZE", "8"),
+        ("LOCAL_RANK", "1"),
+        ("LOCAL_WORLD_SIZE", "4"),
+        ("MASTER_ADDR", "node0"),
+        ("MASTER_PORT", "29501"),
+        ("XTRAIN_JOB_ID", "job-42"),
+        ("XTRAIN_THREADS", "3"),
+        ("XTRAIN_RESTART_COUNT", "2"),
+    ];
+
+    #[test]
+    fn torchrun_variables() {
+        let env = parse(TORCHRUN).unwrap();
+        assert_eq!(
+            env,
+            LaunchEnv {
+                rank: 5,
+                world_size: 8,
+                local_rank: 1,
+                local_world_size: 4,
+                master_addr: "node0".into(),
+                master_port: 29501,
+                job_id: "job-42".into(),
+                threads: Some(3),
+                restart_count: 2,
+                launcher: Launcher::Torchrun,
+            }
+        );
+        assert_eq!(env.store_addr(), "node0:29501");
+        assert!(!env.hosts_store());
+    }
+
+    #[test]
+    fn torchrun_missing_and_malformed_values_are_named() {
+        let without = |k: &str| -> Vec<(&str, &str)> {
+            TORCHRUN.iter().copied().filter(|(n, _)| *n != k).collect()
+        };
+        let with = |k: &'static str, v: &'static str| -> Vec<(&str, &str)> {
+            let mut vars = without(k);
+            vars.push((k, v));
+            vars
+        };
+        let err = parse(&without("MASTER_PORT")).unwrap_err();
+        assert_eq!(
+            err.to_string(),
+            "torchrun-style launch environment: MASTER_PORT is not set"
+        );
+        let err = parse(&without("WORLD_SIZE")).unwrap_err();
+        assert!(err.to_string().contains("WORLD_SIZE is not set"), "{err}");
+        let err = parse(&without("LOCAL_WORLD_SIZE")).unwrap_err();
+        assert!(
+            err.to_string().contains("LOCAL_WORLD_SIZE is not set"),
+            "{err}"
+        );
+        let err = parse(&with("RANK", "two")).unwrap_err();
+        assert_eq!(
+            err.to_string(),
+            "RANK=\"two\" is malformed: expected a non-negative integer"
+        );
+        let err = parse(&with("MASTER_PORT", "70000")).unwrap_err();
+        assert!(err.to_string().contains("MASTER_PORT=\"70000\""), "{err}");
+        let err = parse(&with("XTRAIN_THREADS", "0")).unwrap_err();
+        assert!(err.to_string().contains("at least 1"), "{err}");
+        let err = parse(&with("RANK", "8")).unwrap_err();
+        assert!(
+            err.to_string().contains("rank 8 is not below world size 8"),
+            "{err}"
+        );
+        let err = parse(&with("LOCAL_RANK", "4")).unwrap_err();
+        assert!(err.to_string().contains("local rank 4"), "{err}");
+        assert_eq!(parse(&[]).unwrap_err(), EnvError::NoLauncher);
+    }
+
+    #[test]
+    fn torchrun_minimal_set_defaults() {
+        let env = parse(&[
+            ("RANK", "0"),
+            ("WORLD_SIZE", "2"),
+            ("MASTER_ADDR", "127.0.0.1"),
+            ("MASTER_PORT", "1234"),
+        ])
+        .unwrap();
+        assert_eq!((env.local_rank, env.local_world_size), (0, 2));
+        assert_eq!(env.job_id, "127.0.0.1:1234");
+        assert_eq!((env.threads, env.restart_count), (None, 0));
+        assert!(env.hosts_store());
+    }
+
+    #[test]
+    fn slurm_variables() {
+        let env = parse(&[
+            ("SLURM_PROCID", "5"),
+            ("SLURM_NTASKS", "7"),
+            ("SLURM_LOCALID", "1"),
+            ("SLURM_NODEID", "2"),
+            ("SLURM_STEP_TASKS_PER_NODE", "2(x3),1"),
+            ("SLURM_STEP_NODELIST", "gpu[003-005,9]"),
+            ("SLURM_JOB_ID", "123456"),
+            ("SLURM_STEP_ID", "0"),
+        ])
+        .unwrap();
+        assert_eq!(env.launcher, Launcher::Slurm);
+        assert_eq!(
+            (
+                env.rank,
+                env.world_size,
+                env.local_rank,
+                env.local_world_size
+            ),
+            (5, 7, 1, 2)
+        );
+        assert_eq!(env.master_addr, "gpu003");
+        assert_eq!(env.master_port, 15000 + 3456);
+        assert_eq!(env.job_id, "slurm-123456.0");
+
+        // MASTER_ADDR/MASTER_PORT override; SLURM_NTASKS_PER_NODE applies to every node.
+        let env = parse(&[
+            ("SLURM_PROCID", "3"),
+            ("SLURM_NTASKS", "4"),
+            ("SLURM_LOCALID", "1"),
+            ("SLURM_NODEID", "1"),
+            ("SLURM_NTASKS_PER_NODE", "2"),
+            ("MASTER_ADDR", "10.1.2.3"),
+            ("MASTER_PORT", "4000"),
+        ])
+        .unwrap();
+        assert_eq!(
+            (
+                env.local_world_size,
+                env.master_addr.as_str(),
+                env.master_port
+            ),
+            (2, "10.1.2.3", 4000)
+        );
+
+        let err = parse(&[
+            ("SLURM_PROCID", "0"),
+            ("SLURM_NTASKS", "2"),
+            ("SLURM_LOCALID", "0"),
+            ("SLURM_TASKS_PER_NODE", "2"),
+            ("SLURM_JOB_ID", "1"),
+        ])
+        .unwrap_err();
+        assert!(
+            err.to_string()
+                .contains("MASTER_ADDR (or SLURM_STEP_NODELIST) is not set"),
+            "{err}"
+        );
+        let err = parse(&[
+            ("SLURM_PROCID", "0"),
+            ("SLURM_NTASKS", "2"),
+            ("SLURM_LOCALID", "0"),
+            ("SLURM_TASKS_PER_NODE", "2(x"),
+        ])
+        .unwrap_err();
+        assert!(
+            err.to_string()
+                .contains("SLURM_TASKS_PER_NODE=\"2(x\" is malformed"),
+            "{err}"
+        );
+    }
+
+    #[test]
+    fn open_mpi_variables() {
+        let vars = [
+            ("OMPI_COMM_WORLD_RANK", "3"),
+            ("OMPI_COMM_WORLD_SIZE", "4"),
+            ("OMPI_COMM_WORLD_LOCAL_RANK", "3"),
+            ("OMPI_COMM_WORLD_LOCAL_SIZE", "4"),
+            ("PMIX_NAMESPACE", "prterun-host-77@1"),
+            // A batch step's Slurm variables must not win over mpirun's.
+            ("SLURM_PROCID", "0"),
+        ];
+        let env = parse(&vars).unwrap();
+        assert_eq!(env.launcher, Launcher::OpenMpi);
+        assert_eq!(
+            (
+                env.rank,
+                env.world_size,
+                env.local_rank,
+                env.local_world_size
+            ),
+            (3, 4, 3, 4)
+        );
+        assert_eq!(env.store_addr(), "127.0.0.1:29500");
+        assert_eq!(env.job_id, "prterun-host-77@1");
+
+        // Several hosts: the store's host must be given.
+        let err = parse(&[
+            ("OMPI_COMM_WORLD_RANK", "3"),
+            ("OMPI_COMM_WORLD_SIZE", "4"),
+            ("OMPI_COMM_WORLD_LOCAL_RANK", "1"),
+            ("OMPI_COMM_WORLD_LOCAL_SIZE", "2"),
+        ])
+        .unwrap_err();
+        assert_eq!(
+            err.to_string(),
+            "Open MPI launch environment: MASTER_ADDR is not set"
+        );
+        let err = parse(&[
+            ("OMPI_COMM_WORLD_RANK", "0"),
+            ("OMPI_COMM_WORLD_SIZE", "-1"),
+        ])
+        .unwrap_err();
+        assert!(
+            err.to_string().contains("OMPI_COMM_WORLD_SIZE=\"-1\""),
+            "{err}"
+        );
+    }
+
+    #[test]
+    fn slurm_list_forms() {
+        assert_eq!(parse_tasks_per_node("4").unwrap(), vec![4]);
+        assert_eq!(parse_tasks_per_node("2(x3),1").unwrap(), vec![2, 2, 2, 1]);
+        assert!(parse_tasks_per_node("0").is_err());
+        assert!(parse_tasks_per_node("a").is_err());
+        assert_eq!(first_host("node7").unwrap(), "node7");
+        assert_eq!(first_host("gpu[003-004,9],cpu1").unwrap(), "gpu003");
+        assert_eq!(first_host("rack[1-2]-n[07-08]").unwrap(), "rack1-n07");
+        assert!(first_host("n[x-y]").is_err());
+        assert!(first_host("").is_err());
+    }
+}

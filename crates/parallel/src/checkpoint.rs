@@ -1,0 +1,168 @@
+//! Sharded data-parallel checkpoints that load into any dp size or ZeRO stage.
+//!
+//! Each rank that owns state writes its flat shard (parameters, AdamW m and v, padded to
+//! `ceil(Φ/world)`) as its own atomically-saved, CRC-verified directory `rank-NNNNN` (through
+//! [`train::checkpoint`]), with a `shard.json` stating the layout: total Φ, the world it was cut
+//! for, its rank, the optimizer step and the unit sizes of the model. Replicated state (DDP) is
+//! saved once, as world 1. Loading reads every shard, checks they describe one layout, and
+//! re-cuts them for the loading configuration with [`crate::reshard`].
+use std::path::Path;
+
+use serde::{Deserialize, Serialize};
+
+use crate::engine::ShardState;
+use crate::reshard::reshard;
+use crate::shard::ShardSpec;
+use crate::ParallelError;
+
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+struct ShardMeta {
+    total: usize,
+    world: usize,
+    rank: usize,
+    step: u64,
+    /// Sizes of the model's units, so a checkpoint of another model is refused.
+    units: Vec<usize>,
+    shard_len: usize,
+}
+
+const META: &str = "shard.json";
+const BUFFERS: [&str; 3] = ["params.f32", "exp_avg.f32", "exp_avg_sq.f32"];
+
+fn err(dir: &Path, msg: impl std::fmt::Display) -> ParallelError {
+    ParallelError::Checkpoint(format!("{}: {msg}", dir.display()))
+}
+
+/// Writes `state` into `dir/rank-NNNNN` (`units`: the model's unit sizes).
+pub fn save_shard(dir: &Path, state: &ShardState, units: &[usize]) -> Result<(), ParallelError> {
+    let meta = ShardMeta {
+        total: state.total,
+        world: state.world,
+        rank: state.rank,
+        step: state.step,
+        units: units.to_vec(),
+        shard_len: state.params.len(),
+    };
+    let mut files = vec![(
+        META.to_string(),
+        serde_json::to_vec_pretty(&meta).map_err(|e| err(dir, e))?,
+    )];
+    for (name, buf) in BUFFERS
+        .iter()
+        .zip([&state.params, &state.exp_avg, &state.exp_avg_sq])
+    {
+        files.push((
+            name.to_string(),
+            buf.iter().flat_map(|x| x.to_le_bytes()).collect(),
+        ));
+    }
+    std::fs::create_dir_all(dir).map_err(|e| err(dir, e))?;
+    let sub = dir.join(format!("rank-{:05}", state.rank));
+    train::checkpoint::save(&sub, &files, Default::default()).map_err(|e| err(&sub, e))
+}
+
+fn f32s(dir: &Path, name: &str, bytes: &[u8], want: usize) -> Result<Vec<f32>, ParallelError> {
+    if bytes.len() != want * 4 {
+        return Err(err(
+            dir,
+            format!("{name} holds {} bytes, expected {}", bytes.len(), want * 4),
+        ));
+    }
+    Ok(bytes
+        .chunks_exact(4)
+        .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+        .collect())
+}
+
+/// Reads every shard of the checkpoint in `dir`, verified and in rank order; `units` must match.
+pub fn load_shards(dir: &Path, units: &[usize]) -> Result<Vec<ShardState>, ParallelError> {
+    let mut subs: Vec<_> = std::fs::read_dir(dir)
+        .map_err(|e| err(dir, e))?
+        .filter_map(|e| e.ok())
+        .map(|e| e.path())
+        .filter(|p| {
+            p.file_name()
+                .and_then(|n| n.to_str())
+                .is_some_and(|n| n.starts_with("rank-"))
+        })
+        .collect();
+    subs.sort();
+    if subs.is_empty() {
+        return Err(err(dir, "no rank-NNNNN shard directories"));
+    }
+    let mut out = Vec::new();
+    for sub in &subs {
+        let files = train::checkpoint::load(sub).map_err(|e| err(sub, e))?;
+        let get = |n: &str| files.get(n).ok_or_else(|| err(sub, format!("missing {n}")));
+        let meta: ShardMeta = serde_json::from_slice(get(META)?).map_err(|e| err(sub, e))?;
+        if meta.units != units {
+            return Err(err(
+                sub,
+                format!("saved for units {:?}, the model has {units:?}", meta.units),
+            ));
+        }
+        let spec = ShardSpec::new(meta.total, meta.world)?;
+        if meta.shard_len != spec.shard_len() || meta.rank != out.len() {
+            return Err(err(sub, "shard length or rank does not match its layout"));
+        }
+        let mut bufs = BUFFERS
+            .iter()
+            .map(|n| f32s(sub, n, get(n)?, meta.shard_len));
+        let (params, exp_avg, exp_avg_sq) = (
+            bufs.next().unwrap()?,
+            bufs.next().unwrap()?,
+            bufs.next().unwrap()?,
+        );
+        out.push(ShardState {
+            total: meta.total,
+            world: meta.world,
+            rank: meta.rank,
+            step: meta.step,
+            params,
+            exp_avg,
+            exp_avg_sq,
+        });
+    }
+    let first = &out[0];
+    if out.len() != first.world
+        || out
+            .iter()
+            .any(|s| (s.total, s.world, s.step) != (first.total, first.world, first.step))
+    {
+        return Err(err(
+            dir,
+            format!(
+                "found {} shards that do not form one world-{} checkpoint",
+                out.len(),
+                first.world
+            ),
+        ));
+    }
+    Ok(out)
+}
+
+/// Re-cuts saved shards for rank `rank` of a world of `world` ranks (world 1: the full buffers).
+pub fn reshard_states(
+    states: &[ShardState],
+    world: usize,
+    rank: usize,
+) -> Result<ShardState, ParallelError> {
+    let first = states
+        .first()
+        .ok_or_else(|| ParallelError::Checkpoint("no shards".into()))?;
+    let old = ShardSpec::new(first.total, first.world)?;
+    let new = ShardSpec::new(first.total, world)?;
+    let cut = |f: fn(&ShardState) -> &Vec<f32>| {
+        let refs: Vec<&[f32]> = states.iter().map(|s| f(s).as_slice()).collect();
+        reshard(&old, &refs, &new, rank)
+    };
+    Ok(ShardState {
+        total: first.total,
+        world,
+        rank,
+        step: first.step,
+        params: cut(|s| &s.params)?,
+        exp_avg: cut(|s| &s.exp_avg)?,
+        exp_avg_sq: cut(|s| &s.exp_avg_sq)?,
+    })
+}

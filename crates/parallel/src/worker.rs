@@ -1,0 +1,205 @@
+//! A data-parallel training run of a [`RunConfig`] on one rank: the model, the data stream of
+//! `train::data` (rank-aware sampler), the LR schedule and the [`DataParallel`] engine at the
+//! configured ZeRO stage. `xtrain train` calls [`run`] in each worker when `parallel.dp > 1`.
+//! Rank 0 prints the memory accounting at start (with its formula) and per-step metrics.
+use std::path::Path;
+
+use comm::Communicator;
+use model::{Model, ModelConfig};
+use train::config::Precision as TrainPrecision;
+use train::data::{Dataset, Sampler, Tokenizer};
+use train::schedule::CosineSchedule;
+use train::RunConfig;
+
+use crate::engine::{DataParallel, DpConfig};
+use crate::llm::StagedLlm;
+use crate::memory::{formula_text, mib, MemoryBytes, ZeroStage};
+use crate::ParallelError;
+
+/// What a run reports.
+#[derive(Clone, Debug)]
+pub struct DpRunSummary {
+    /// Mean loss of every step (over the global batch).
+    pub losses: Vec<f32>,
+    /// Accounted bytes on this rank after the run (peaks for transient buffers).
+    pub memory: MemoryBytes,
+    /// The formula's model-state bytes.
+    pub formula: MemoryBytes,
+}
+
+fn cfg_err(e: impl std::fmt::Display) -> ParallelError {
+    ParallelError::Config(e.to_string())
+}
+
+/// The model of a run config (Hugging Face names), as the single-process trainer builds it.
+pub fn model_config(cfg: &RunConfig) -> ModelConfig {
+    let m = &cfg.model;
+    let mut mc = ModelConfig::llama(
+        m.vocab_size,
+        m.hidden_size,
+        m.intermediate_size,
+        m.num_layers,
+        m.num_heads,
+        m.num_kv_heads,
+    );
+    mc.rope_theta = m.rope_theta as f32;
+    mc.rms_norm_eps = m.norm_eps as f32;
+    mc.initializer_range = cfg.train.init_std as f32;
+    mc.max_position_embeddings = m.seq_len;
+    if m.arch == "mixtral" {
+        mc = mc.with_experts(m.num_experts, m.experts_per_token);
+    }
+    mc
+}
+
+/// Trains `cfg.train.steps` steps on this rank; `checkpoint`, when given, receives the sharded
+/// checkpoint at the end. Every rank of `comm`'s world must call it.
+pub fn run(
+    cfg: &RunConfig,
+    comm: &Communicator,
+    checkpoint: Option<&Path>,
+    log: bool,
+) -> Result<DpRunSummary, ParallelError> {
+    cfg.validate().map_err(cfg_err)?;
+    let p = &cfg.parallel;
+    let world = comm.world().clone();
+    if p.dp != world.size() || p.nproc != world.size() {
+        return Err(ParallelError::Config(format!(
+            "parallel.dp = {} and parallel.nproc = {} must both equal the number of ranks ({}): only data parallelism is wired into the trainer",
+            p.dp, p.nproc, world.size()
+        )));
+    }
+    let stage = ZeroStage::from_index(p.zero).ok_or_else(|| {
+        ParallelError::Config(format!(
+            "parallel.zero = {} (expected 0, 1, 2 or 3)",
+            p.zero
+        ))
+    })?;
+    let t = &cfg.train;
+    if t.precision != TrainPrecision::Fp32 {
+        return Err(ParallelError::Config(format!(
+            "train.precision = {:?}: the data-parallel engine trains in fp32 only so far",
+            t.precision
+        )));
+    }
+    if t.threads > 0 {
+        tensor::threads::set_thread_budget(t.threads).map_err(cfg_err)?;
+    }
+    let model = Model::new(model_config(cfg)).map_err(cfg_err)?;
+    let tokenizer = Tokenizer::from_spec(&cfg.data.tokenizer).map_err(cfg_err)?;
+    let data = Dataset::load(
+        &cfg.data,
+        &tokenizer,
+        cfg.model.vocab_size,
+        cfg.model.seq_len,
+    )
+    .map_err(cfg_err)?;
+    let rank = world.rank();
+    let sampler = Sampler {
+        seed: t.seed,
+        seq_len: cfg.model.seq_len,
+        micro_batch: t.micro_batch,
+        grad_accum: t.grad_accum,
+        dp: p.dp,
+        rank,
+    };
+    let schedule = CosineSchedule {
+        peak: t.lr,
+        min: t.min_lr,
+        warmup: t.warmup_steps,
+        total: t.steps,
+    };
+    let dp_cfg = DpConfig {
+        stage,
+        bucket_bytes: crate::bucket::DEFAULT_BUCKET_BYTES,
+        adamw: model::AdamW {
+            lr: t.lr as f32,
+            beta1: t.beta1 as f32,
+            beta2: t.beta2 as f32,
+            eps: t.eps as f32,
+            weight_decay: t.weight_decay as f32,
+        },
+        max_grad_norm: (t.grad_clip > 0.0).then_some(t.grad_clip as f32),
+    };
+    let init = model.init_params(t.seed);
+    let mut engine = DataParallel::new(StagedLlm::new(model)?, world, dp_cfg, &init)?;
+    drop(init);
+    let formula = engine.formula();
+    let phi = engine.spec().total();
+    if log && rank == 0 {
+        println!(
+            "data parallel: dp={} ZeRO-{} Φ={phi} params; model states per rank by formula {} = {} ({})",
+            p.dp,
+            stage.index(),
+            formula_text(stage, crate::memory::Precision::Fp32),
+            mib(formula.model_states()),
+            formula
+        );
+        println!("memory per rank (accounted): {}", engine.memory());
+    }
+    let mut losses = Vec::with_capacity(t.steps);
+    let mut step_ms_all = Vec::with_capacity(t.steps);
+    for step in 0..t.steps {
+        let batches = (0..t.grad_accum)
+            .map(|a| {
+                let b = sampler.train_batch(&data.train, step as u64, a);
+                let targets = b.targets.iter().map(|&x| x as i64).collect();
+                model::Batch::new(b.batch, b.seq, b.inputs, targets).map_err(cfg_err)
+            })
+            .collect::<Result<Vec<_>, _>>()?;
+        let lr = schedule.lr(step);
+        engine.set_lr(lr as f32);
+        let t0 = std::time::Instant::now();
+        let s = engine.train_step(&batches)?;
+        let step_ms = t0.elapsed().as_secs_f64() * 1e3;
+        if !s.loss.is_finite() {
+            return Err(ParallelError::Protocol(format!(
+                "loss is {} at step {step}",
+                s.loss
+            )));
+        }
+        if log && rank == 0 {
+            let m = engine.memory();
+            println!(
+                "step {:>5} | loss {:.4} | lr {lr:.2e} | grad norm {:.3} | {step_ms:.1} ms | mem/rank params {} grads {} optim {} comm {} act {}",
+                step + 1,
+                s.loss,
+                s.grad_norm,
+                mib(m.params),
+                mib(m.grads),
+                mib(m.optimizer),
+                mib(m.comm_buffers),
+                mib(m.activations)
+            );
+        }
+        losses.push(s.loss);
+        step_ms_all.push(step_ms);
+    }
+    if log {
+        // Every rank reports its measured peak resident set (Linux `VmHWM`).
+        if let Some(kib) = peak_rss_kib() {
+            let mut sorted = step_ms_all.clone();
+            sorted.sort_by(f64::total_cmp);
+            let median = sorted.get(sorted.len() / 2).copied().unwrap_or(0.0);
+            println!(
+                "rank {rank}: peak RSS {:.1} MiB, median step {median:.1} ms",
+                kib as f64 / 1024.0
+            );
+        }
+    }
+    if let Some(dir) = checkpoint {
+        engine.save_checkpoint(dir)?;
+    }
+    Ok(DpRunSummary {
+        losses,
+        memory: engine.memory(),
+        formula,
+    })
+}
+
+/// Peak resident set size of this process in KiB (`VmHWM` of `/proc/self/status`).
+fn peak_rss_kib() -> Option<u64> {
+    let s = std::fs::read_to_string("/proc/self/status").ok()?;
+    let line = s.lines().find(|l| l.starts_with("VmHWM:"))?;
+    line.split_whitespace().nth(1)?.parse().ok()
+}

@@ -1,0 +1,124 @@
+// Shared helpers of the data-parallel integration tests (included with `mod common;`).
+#![allow(dead_code)]
+use model::optim::{clip_factor, grad_sq_sum, scale_grads, AdamW};
+use parallel::engine::{DataParallel, DpConfig, StepStats};
+use parallel::memory::ZeroStage;
+use parallel::sampler::DistributedSampler;
+use parallel::staged::StagedModel;
+use parallel::testing::ToyModel;
+
+pub fn toy() -> ToyModel {
+    // 12*6 + 3*(36+6) + 6*10 = 258 parameters: not a multiple of 4, so shards are padded.
+    ToyModel::new(12, 6, 3, 10)
+}
+
+pub fn config(stage: ZeroStage) -> DpConfig {
+    DpConfig {
+        stage,
+        // 40 elements: several buckets, cutting across units.
+        bucket_bytes: 160,
+        adamw: AdamW {
+            lr: 2e-2,
+            ..AdamW::default()
+        },
+        max_grad_norm: Some(0.5),
+    }
+}
+
+/// The single-process reference: each step one forward/backward over the whole global batch
+/// with the full parameters, clipping and AdamW. Returns (losses, grad norms, final parameters).
+pub fn reference(
+    model: &ToyModel,
+    cfg: &DpConfig,
+    global: usize,
+    steps: usize,
+) -> (Vec<f32>, Vec<f32>, Vec<f32>) {
+    let mut p = model.init(7);
+    let (mut m, mut v) = (vec![0.0; p.len()], vec![0.0; p.len()]);
+    let units = model.units();
+    let mut losses = Vec::new();
+    let mut norms = Vec::new();
+    for step in 0..steps {
+        let batch = model.samples(step * global, global);
+        let mut x = None;
+        let mut caches = Vec::new();
+        for (u, r) in units.iter().enumerate() {
+            let (y, c) = model
+                .forward(u, &p[r.clone()], x.take(), &batch, 1.0)
+                .unwrap();
+            caches.push(c);
+            x = Some(y);
+        }
+        losses.push(model.loss(x.as_ref().unwrap()));
+        let mut g = vec![0.0; p.len()];
+        let mut dy = None;
+        for (u, r) in units.iter().enumerate().rev() {
+            dy = model
+                .backward(
+                    u,
+                    &p[r.clone()],
+                    caches.pop().unwrap(),
+                    dy.take(),
+                    1.0,
+                    &mut g[r.clone()],
+                )
+                .unwrap();
+        }
+        let (norm, coef) = clip_factor(grad_sq_sum(&g), cfg.max_grad_norm.unwrap());
+        norms.push(norm);
+        scale_grads(&mut g, coef);
+        let a = cfg.adamw;
+        a.update(
+            step as u64 + 1,
+            a.lr,
+            a.weight_decay,
+            &mut p,
+            &g,
+            &mut m,
+            &mut v,
+        );
+    }
+    (losses, norms, p)
+}
+
+/// Runs `steps` steps on `dp` thread ranks; returns rank 0's (stats, final full parameters).
+pub fn run_dp(
+    model: &ToyModel,
+    cfg: &DpConfig,
+    dp: usize,
+    global: usize,
+    accum: usize,
+    steps: usize,
+) -> (Vec<StepStats>, Vec<f32>) {
+    let micro = global / (dp * accum);
+    let sampler = DistributedSampler::new(dp, micro, accum).unwrap();
+    assert_eq!(sampler.global_batch(), global);
+    let out = comm::testing::run_threads(dp, |c| {
+        let group = c.world().clone();
+        let rank = group.rank();
+        let mut e = DataParallel::new(model.clone(), group, cfg.clone(), &model.init(7)).unwrap();
+        let mut stats = Vec::new();
+        for step in 0..steps {
+            let batches: Vec<_> = (0..accum)
+                .map(|a| {
+                    let r = sampler.samples(step, rank, a);
+                    model.samples(r.start, r.len())
+                })
+                .collect();
+            stats.push(e.train_step(&batches).unwrap());
+        }
+        (stats, e.full_params().unwrap())
+    });
+    out.into_iter().next().unwrap()
+}
+
+/// Max |a-b| / max |b|: relative error in the infinity norm.
+pub fn rel_err(a: &[f32], b: &[f32]) -> f32 {
+    assert_eq!(a.len(), b.len());
+    let scale = b.iter().fold(0.0f32, |m, x| m.max(x.abs())).max(1e-30);
+    a.iter()
+        .zip(b)
+        .map(|(x, y)| (x - y).abs())
+        .fold(0.0, f32::max)
+        / scale
+}

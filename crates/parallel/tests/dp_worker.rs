@@ -1,0 +1,57 @@
+//! The trainer-level data-parallel run (`parallel::worker::run`, what `xtrain train --dp N
+//! --zero K` executes in each worker) on the tiny preset and the built-in corpus: dp = 2 at
+//! every ZeRO stage gives the losses of dp = 1 with twice the accumulation steps (the same
+//! global batch), and a config that cannot work is a clear error.
+use parallel::worker::run;
+use train::RunConfig;
+
+fn cfg(dp: usize, zero: usize, accum: usize) -> RunConfig {
+    let o: Vec<String> = [
+        "train.steps=3".to_string(),
+        "train.micro_batch=2".into(),
+        format!("train.grad_accum={accum}"),
+        "model.seq_len=16".into(),
+        "data.corpus_bytes=20000".into(),
+        format!("parallel.dp={dp}"),
+        format!("parallel.nproc={dp}"),
+        format!("parallel.zero={zero}"),
+    ]
+    .into();
+    RunConfig::resolve("tiny", None, &o).unwrap()
+}
+
+#[test]
+fn dp2_every_stage_matches_dp1_with_accumulation() {
+    let single = comm::testing::run_threads(1, |c| run(&cfg(1, 0, 2), &c, None, false).unwrap());
+    let want = &single[0].losses;
+    for zero in 0..4 {
+        let out =
+            comm::testing::run_threads(2, |c| run(&cfg(2, zero, 1), &c, None, false).unwrap());
+        for r in &out {
+            for (a, b) in r.losses.iter().zip(want) {
+                assert!(
+                    (a - b).abs() / b.abs() < 1e-5,
+                    "zero={zero}: {:?} vs {want:?}",
+                    r.losses
+                );
+            }
+            let f = r.formula;
+            assert_eq!(
+                (r.memory.params, r.memory.grads, r.memory.optimizer),
+                (f.params, f.grads, f.optimizer)
+            );
+        }
+    }
+}
+
+#[test]
+fn mismatched_layout_is_a_clear_error() {
+    let err = comm::testing::run_threads(1, |c| {
+        run(&cfg(2, 0, 1), &c, None, false).unwrap_err().to_string()
+    });
+    assert!(err[0].contains("parallel.dp"), "{}", err[0]);
+    let err = comm::testing::run_threads(2, |c| {
+        run(&cfg(2, 4, 1), &c, None, false).unwrap_err().to_string()
+    });
+    assert!(err[0].contains("zero"), "{}", err[0]);
+}

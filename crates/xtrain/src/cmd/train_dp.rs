@@ -1,0 +1,56 @@
+//! `xtrain train --nproc N --dp N --zero K`: data-parallel training. Without a launch
+//! environment the command re-runs itself as `N` worker processes through the launcher
+//! machinery (`xtrain launch`'s process group); each worker joins the job's communicator and
+//! runs [`parallel::worker::run`]. The sharded checkpoint goes to `<out>/dp-checkpoint`.
+use anyhow::Result;
+use std::path::Path;
+use std::time::Duration;
+use train::RunConfig;
+
+use super::launch::{run_group, GroupSpec};
+
+/// Whether a run config asks for data parallelism (more than one process or rank).
+pub fn wants_dp(cfg: &RunConfig) -> bool {
+    cfg.parallel.nproc > 1 || cfg.parallel.dp > 1 || cfg.parallel.zero > 0
+}
+
+/// Runs `cfg` data-parallel: spawns the workers when not inside a launched job, else trains.
+/// `--nproc N` alone means `--dp N` (data parallelism is the only layout wired in so far).
+pub fn run(cfg: &RunConfig, out: &Path) -> Result<()> {
+    let mut cfg = cfg.clone();
+    if cfg.parallel.dp == 1 && cfg.parallel.nproc > 1 {
+        cfg.parallel.dp = cfg.parallel.nproc;
+    }
+    let cfg = &cfg;
+    if comm::env::LaunchEnv::from_env().is_err() {
+        let mut command = vec![std::env::current_exe()?.into_os_string()];
+        command.extend(std::env::args_os().skip(1));
+        let spec = GroupSpec {
+            nproc_per_node: cfg.parallel.nproc,
+            nnodes: 1,
+            node_rank: 0,
+            master_addr: "127.0.0.1".into(),
+            master_port: None,
+            max_restarts: 0,
+            grace: Duration::from_secs(5),
+            job_id: None,
+            command,
+            extra_env: Vec::new(),
+            prefix_stdout: false,
+        };
+        run_group(&spec)?;
+        return Ok(());
+    }
+    let (comm, _) = comm::env::init_from_env()?;
+    let ckpt = out.join("dp-checkpoint");
+    let s = parallel::worker::run(cfg, &comm, Some(&ckpt), true)?;
+    if comm.world().rank() == 0 {
+        println!(
+            "loss {:.4} -> {:.4} ; sharded checkpoint {}",
+            s.losses.first().copied().unwrap_or(f32::NAN),
+            s.losses.last().copied().unwrap_or(f32::NAN),
+            ckpt.display()
+        );
+    }
+    Ok(())
+}
