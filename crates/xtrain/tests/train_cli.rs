@@ -1,0 +1,153 @@
+//! The trainer's subcommands end to end through the real binary: train, resume, convert both
+//! ways, generate, tokenize, and clear errors for bad arguments.
+use std::path::PathBuf;
+use std::process::Command;
+
+fn xtrain(args: &[&str]) -> (bool, String) {
+    let out = Command::new(env!("CARGO_BIN_EXE_xtrain"))
+        .args(args)
+        .env("RUST_BACKTRACE", "0")
+        .output()
+        .unwrap();
+    (
+        out.status.success(),
+        format!(
+            "{}{}",
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        ),
+    )
+}
+
+fn tmp(tag: &str) -> PathBuf {
+    let d = std::env::temp_dir().join(format!("xtrain-cli-train-{tag}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&d);
+    std::fs::create_dir_all(&d).unwrap();
+    d
+}
+
+#[test]
+fn train_resume_convert_generate() {
+    let d = tmp("run");
+    let run = d.join("run");
+    let r = run.to_str().unwrap();
+    let small = [
+        "--set",
+        "data.corpus_bytes=60000",
+        "--set",
+        "train.sample_tokens=20",
+        "--quiet",
+    ];
+    let (ok, out) = xtrain(
+        &[
+            &[
+                "train",
+                "--preset",
+                "tiny",
+                "--out",
+                r,
+                "--set",
+                "train.steps=6",
+            ][..],
+            &small,
+        ]
+        .concat(),
+    );
+    assert!(ok, "{out}");
+    assert!(out.contains("loss "), "{out}");
+    for f in [
+        "metrics.jsonl",
+        "loss.png",
+        "loss.svg",
+        "config.toml",
+        "latest",
+    ] {
+        assert!(run.join(f).exists(), "{f}");
+    }
+    let (ok, out) = xtrain(
+        &[
+            &["train", "--resume", r, "--set", "train.steps=8"][..],
+            &small,
+        ]
+        .concat(),
+    );
+    assert!(ok, "{out}");
+    assert!(run.join("checkpoints/step_000008/manifest.json").exists());
+    assert_eq!(
+        std::fs::read_to_string(run.join("metrics.jsonl"))
+            .unwrap()
+            .lines()
+            .count(),
+        8
+    );
+    let hf = d.join("hf");
+    let (ok, out) = xtrain(&["convert", "--to-hf", r, hf.to_str().unwrap()]);
+    assert!(ok, "{out}");
+    let back = d.join("back");
+    let (ok, out) = xtrain(&[
+        "convert",
+        "--from-hf",
+        hf.to_str().unwrap(),
+        back.to_str().unwrap(),
+        "--set",
+        "data.corpus_bytes=60000",
+    ]);
+    assert!(ok, "{out}");
+    let (ok, out) = xtrain(&[
+        "generate",
+        "--ckpt",
+        back.to_str().unwrap(),
+        "--prompt",
+        "the ",
+        "--max-new-tokens",
+        "10",
+        "--seed",
+        "1",
+    ]);
+    assert!(ok && out.starts_with("the "), "{out}");
+    std::fs::remove_dir_all(&d).unwrap();
+}
+
+#[test]
+fn tokenize_then_train_on_the_token_file() {
+    let d = tmp("tok");
+    let text = d.join("a.txt");
+    std::fs::write(&text, train::data::corpus::generate(9, 30_000)).unwrap();
+    let tok = d.join("a.tok");
+    let (ok, out) = xtrain(&[
+        "tokenize",
+        text.to_str().unwrap(),
+        "-o",
+        tok.to_str().unwrap(),
+    ]);
+    assert!(ok, "{out}");
+    let (ok, out) = xtrain(&[
+        "train",
+        "--preset",
+        "tiny",
+        "--data",
+        tok.to_str().unwrap(),
+        "--out",
+        d.join("run").to_str().unwrap(),
+        "--set",
+        "train.steps=2",
+        "--set",
+        "train.sample_tokens=0",
+        "--quiet",
+    ]);
+    assert!(ok, "{out}");
+    std::fs::remove_dir_all(&d).unwrap();
+}
+
+#[test]
+fn bad_arguments_are_clear_errors() {
+    let (ok, out) = xtrain(&["train", "--set", "train.lrr=1"]);
+    assert!(!ok && out.contains("unknown key `train.lrr`"), "{out}");
+    let (ok, out) = xtrain(&["train", "--preset", "huge"]);
+    assert!(!ok && out.contains("unknown preset"), "{out}");
+    let (ok, out) = xtrain(&["train", "--data", "/nonexistent/x.tok"]);
+    assert!(!ok && out.contains("does not exist"), "{out}");
+    let (ok, out) = xtrain(&["generate", "--ckpt", "/nonexistent"]);
+    assert!(!ok && out.contains("checkpoint"), "{out}");
+    assert!(!out.contains("panicked"), "{out}");
+}
