@@ -77,3 +77,23 @@ fn memory_account_matches_formulas() {
     );
     assert_eq!(b.cfg.train.precision, Precision::Bf16);
 }
+
+#[test]
+fn engine_plug_in_sets_the_rank_share() {
+    let mut c = cfg("fp32", 2);
+    c.parallel.dp = 2;
+    c.parallel.nproc = 2;
+    let make = |h, clip, n| {
+        Box::new(train::optim::LocalAdamW::new(h, clip, n))
+            as Box<dyn train::optim::StepEngine + Send>
+    };
+    assert!(
+        Trainer::new_with_engine(c.clone(), 2, make).is_err(),
+        "rank outside dp"
+    );
+    let t = Trainer::new_with_engine(c, 1, make).unwrap();
+    assert_eq!(
+        (t.sampler.dp, t.sampler.rank, t.sampler.global_batch()),
+        (2, 1, 16)
+    );
+}
