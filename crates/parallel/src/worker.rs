@@ -158,7 +158,10 @@ pub fn run(
                 s.loss
             )));
         }
-        if log && rank == 0 {
+        // About 50 lines per run (plus the first and last step), not one per step.
+        let report_every = (t.steps / 50).max(1);
+        let report = step == 0 || (step + 1) % report_every == 0 || step + 1 == t.steps;
+        if log && rank == 0 && report {
             let m = engine.memory();
             println!(
                 "step {:>5} | loss {:.4} | lr {lr:.2e} | grad norm {:.3} | {step_ms:.1} ms | mem/rank params {} grads {} optim {} comm {} act {}",
