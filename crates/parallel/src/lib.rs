@@ -1,28 +1,20 @@
-//! `parallel`: every parallelism of xtrain, one folder each (dp, zero, tp, pp, cp, ep),
-//! all derived from one device mesh.
+//! `parallel`: every parallelism of xtrain, one folder each, all derived from one device mesh.
 //!
-//! Shared data-parallel pieces:
-//! - [`shard`]: equal padded ranges of a flat buffer (ZeRO partitioning);
-//! - [`bucket`]: gradient buckets in reverse layer order and their readiness during backward;
-//! - [`sampler`]: which samples of a global batch each dp rank reads;
-//! - [`memory`]: per-rank memory accounting and the ZeRO formulas;
-//! - [`staged`]: the unit-by-unit model contract the engines drive;
-//! - [`llm`]: the Llama / Mixtral decoders as staged models;
-//! - [`engine`]: DDP and ZeRO-1/2/3 training steps (one engine, parameterised by stage);
-//! - [`worker`]: a data-parallel training run of a `RunConfig` on one rank;
-//! - [`reshard`]: re-cutting saved flat shards for a different dp size or stage;
-//! - [`checkpoint`]: sharded checkpoints that load into any dp size or stage.
-pub mod bucket;
-pub mod checkpoint;
-pub mod engine;
+//! - [`data_parallel`]: DDP and ZeRO-1/2/3 (one engine parameterised by stage), with its
+//!   sharding, gradient buckets, distributed sampler, memory accounting and resharding
+//!   checkpoints. Its modules are re-exported at the crate root (`parallel::engine`, ...).
+//! - [`staged`]: the unit-by-unit model contract the engines drive (embedding, blocks, head);
+//!   [`llm`] adapts the Llama / Mixtral decoders to it.
+//! - [`testing`]: small models and helpers for parity tests.
+//!
+//! Tensor, pipeline, context and expert parallelism get folders of their own beside
+//! `data_parallel/` as they land.
+pub mod data_parallel;
 pub mod llm;
-pub mod memory;
-pub mod reshard;
-pub mod sampler;
-pub mod shard;
 pub mod staged;
 pub mod testing;
-pub mod worker;
+
+pub use data_parallel::{bucket, checkpoint, engine, memory, reshard, sampler, shard, worker};
 
 /// Errors of the parallel layer.
 #[derive(Debug, thiserror::Error)]
