@@ -5,7 +5,7 @@
 use std::path::Path;
 
 use comm::Communicator;
-use model::{Model, ModelConfig};
+use model::Model;
 use train::config::Precision as TrainPrecision;
 use train::data::{Dataset, Sampler, Tokenizer};
 use train::schedule::CosineSchedule;
@@ -31,26 +31,8 @@ fn cfg_err(e: impl std::fmt::Display) -> ParallelError {
     ParallelError::Config(e.to_string())
 }
 
-/// The model of a run config (Hugging Face names), as the single-process trainer builds it.
-pub fn model_config(cfg: &RunConfig) -> ModelConfig {
-    let m = &cfg.model;
-    let mut mc = ModelConfig::llama(
-        m.vocab_size,
-        m.hidden_size,
-        m.intermediate_size,
-        m.num_layers,
-        m.num_heads,
-        m.num_kv_heads,
-    );
-    mc.rope_theta = m.rope_theta as f32;
-    mc.rms_norm_eps = m.norm_eps as f32;
-    mc.initializer_range = cfg.train.init_std as f32;
-    mc.max_position_embeddings = m.seq_len;
-    if m.arch == "mixtral" {
-        mc = mc.with_experts(m.num_experts, m.experts_per_token);
-    }
-    mc
-}
+/// The model of a run config, exactly as the single-process trainer builds it.
+pub use train::trainer::model_config;
 
 /// Trains `cfg.train.steps` steps on this rank; `checkpoint`, when given, receives the sharded
 /// checkpoint at the end. Every rank of `comm`'s world must call it.
