@@ -58,6 +58,42 @@ pub fn matmul(
     trans_b: bool,
     accumulate: bool,
 ) -> Result<(), TensorError> {
+    matmul_with(
+        c,
+        a,
+        b,
+        [m, k, n],
+        [trans_a, trans_b, accumulate],
+        Some(threads::thread_budget()),
+    )
+}
+
+/// Single-threaded [`matmul`] for callers that already parallelise outside (e.g. one product
+/// per attention head inside a rayon task).
+#[allow(clippy::too_many_arguments)]
+pub fn matmul_serial(
+    c: &mut [f32],
+    a: &[f32],
+    b: &[f32],
+    m: usize,
+    k: usize,
+    n: usize,
+    trans_a: bool,
+    trans_b: bool,
+    accumulate: bool,
+) -> Result<(), TensorError> {
+    matmul_with(c, a, b, [m, k, n], [trans_a, trans_b, accumulate], None)
+}
+
+/// The checked body of [`matmul`] and [`matmul_serial`]; `threads: None` runs serially.
+fn matmul_with(
+    c: &mut [f32],
+    a: &[f32],
+    b: &[f32],
+    [m, k, n]: [usize; 3],
+    [trans_a, trans_b, accumulate]: [bool; 3],
+    threads: Option<usize>,
+) -> Result<(), TensorError> {
     check_len("matmul C", c.len(), m * n)?;
     check_len("matmul A", a.len(), m * k)?;
     check_len("matmul B", b.len(), k * n)?;
@@ -77,45 +113,7 @@ pub fn matmul(
             k,
             n,
             accumulate,
-            Some(threads::thread_budget()),
-        )
-    };
-    Ok(())
-}
-
-/// Single-threaded [`matmul`] for callers that already parallelise outside (e.g. one product
-/// per attention head inside a rayon task).
-#[allow(clippy::too_many_arguments)]
-pub fn matmul_serial(
-    c: &mut [f32],
-    a: &[f32],
-    b: &[f32],
-    m: usize,
-    k: usize,
-    n: usize,
-    trans_a: bool,
-    trans_b: bool,
-    accumulate: bool,
-) -> Result<(), TensorError> {
-    check_len("matmul C", c.len(), m * n)?;
-    check_len("matmul A", a.len(), m * k)?;
-    check_len("matmul B", b.len(), k * n)?;
-    let sa = Strides::row_major(if trans_a { m } else { k }, trans_a);
-    let sb = Strides::row_major(if trans_b { k } else { n }, trans_b);
-    // SAFETY: as in `matmul`.
-    unsafe {
-        gemm_raw(
-            c.as_mut_ptr(),
-            Strides::row_major(n, false),
-            a.as_ptr(),
-            sa,
-            b.as_ptr(),
-            sb,
-            m,
-            k,
-            n,
-            accumulate,
-            None,
+            threads,
         )
     };
     Ok(())
