@@ -382,10 +382,15 @@ mod tests {
 
     #[test]
     fn presets_match_the_spec() {
-        let t = RunConfig::preset("tiny").unwrap();
-        let m = &t.model;
-        assert_eq!(
-            (
+        // (vocab, hidden, ffn, layers, heads, kv heads, seq, micro-batch) as the issue states them.
+        for (name, want) in [
+            ("tiny", (256, 64, 176, 2, 4, 2, 64, 8)),
+            ("small", (256, 256, 688, 6, 8, 4, 256, 8)),
+            ("medium", (4096, 512, 1376, 8, 8, 4, 512, 4)),
+        ] {
+            let c = RunConfig::preset(name).unwrap();
+            let m = &c.model;
+            let got = (
                 m.vocab_size,
                 m.hidden_size,
                 m.intermediate_size,
@@ -393,40 +398,10 @@ mod tests {
                 m.num_heads,
                 m.num_kv_heads,
                 m.seq_len,
-                t.train.micro_batch
-            ),
-            (256, 64, 176, 2, 4, 2, 64, 8)
-        );
-        let s = RunConfig::preset("small").unwrap();
-        let m = &s.model;
-        assert_eq!(
-            (
-                m.vocab_size,
-                m.hidden_size,
-                m.intermediate_size,
-                m.num_layers,
-                m.num_heads,
-                m.num_kv_heads,
-                m.seq_len,
-                s.train.micro_batch
-            ),
-            (256, 256, 688, 6, 8, 4, 256, 8)
-        );
-        let d = RunConfig::preset("medium").unwrap();
-        let m = &d.model;
-        assert_eq!(
-            (
-                m.vocab_size,
-                m.hidden_size,
-                m.intermediate_size,
-                m.num_layers,
-                m.num_heads,
-                m.num_kv_heads,
-                m.seq_len,
-                d.train.micro_batch
-            ),
-            (4096, 512, 1376, 8, 8, 4, 512, 4)
-        );
+                c.train.micro_batch,
+            );
+            assert_eq!(got, want, "preset {name}");
+        }
         assert!(RunConfig::preset("huge").is_err());
     }
 
