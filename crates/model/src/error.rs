@@ -41,6 +41,9 @@ pub enum ModelError {
     /// A kernel rejected its input.
     #[error(transparent)]
     Tensor(#[from] tensor::TensorError),
+    /// A collective inside a parallel layer failed (tensor / sequence parallel regions).
+    #[error("collective in a parallel layer: {0}")]
+    Collective(String),
     /// Filesystem error.
     #[error("I/O error on {path}: {source}")]
     Io {

@@ -5,6 +5,8 @@
 //!   checkpoints. Its modules are re-exported at the crate root (`parallel::engine`, ...).
 //! - [`staged`]: the unit-by-unit model contract the engines drive (embedding, blocks, head);
 //!   [`llm`] adapts the Llama / Mixtral decoders to it.
+//! - [`tensor_parallel`]: Megatron-style tensor + sequence parallelism (column / row linears,
+//!   head-split GQA attention, split MLP / MoE experts, vocab-parallel embedding and CE).
 //! - [`testing`]: small models and helpers for parity tests.
 //!
 //! Tensor, pipeline, context and expert parallelism get folders of their own beside
@@ -12,6 +14,7 @@
 pub mod data_parallel;
 pub mod llm;
 pub mod staged;
+pub mod tensor_parallel;
 pub mod testing;
 
 pub use data_parallel::{bucket, checkpoint, engine, memory, reshard, sampler, shard, worker};

@@ -1,0 +1,356 @@
+//! Which slice of every parameter a tensor-parallel rank holds, and moving whole buffers
+//! (parameters, gradients, optimizer moments) between the full layout and the ranks' shards.
+//!
+//! A rank's shard is itself a valid model: [`TpPlan::local_cfg`] is the full config with
+//! `heads/tp`, `kv_heads/tp` (or one replicated KV head when `tp > kv_heads`), `ffn/tp`,
+//! `expert_ffn/tp` and `vocab/tp`, and its flat layout has the same tensor names as the full
+//! one. Per tensor ([`Split`]):
+//! - attention: q split by heads (rows), k/v by whole KV heads (rows), o by input columns;
+//! - MLP / shared expert: gate, up by rows, down by columns; MoE experts the same per expert
+//!   (the fused `[E, 2F, H]` gate_up is `2E` row groups), the router replicated;
+//! - embedding and LM head: by vocabulary rows; norms replicated.
+//!
+//! A replicated tensor whose gradient each rank only sees part of ([`TensorShard::partial_grad`]:
+//! the router, replicated KV heads, and under sequence parallelism the norm gains) is summed
+//! over its replicas by [`TpPlan::sync_grads`] before the optimizer step.
+
+use comm::{ProcessGroup, ReduceOp};
+use model::{Model, ModelConfig, ParamLayout, View};
+
+use crate::ParallelError;
+
+/// How one tensor is cut over the tp group. `parts` distinct shards; rank `r` holds part
+/// `r·parts/tp` (so `tp/parts` consecutive ranks hold the same part).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Split {
+    /// Every rank holds the whole tensor.
+    Replicated,
+    /// Viewed as `[groups, rows, cols]`, each group's rows are cut into `parts`.
+    Rows { groups: usize, parts: usize },
+    /// The last dimension is cut into `parts`.
+    Cols { parts: usize },
+}
+
+impl Split {
+    pub fn parts(&self) -> usize {
+        match *self {
+            Split::Replicated => 1,
+            Split::Rows { parts, .. } | Split::Cols { parts } => parts,
+        }
+    }
+}
+
+/// One tensor's placement: its view in the full and in the local layout.
+#[derive(Debug, Clone)]
+pub struct TensorShard {
+    pub name: String,
+    pub full: View,
+    pub local: View,
+    pub split: Split,
+    /// The local gradient is a partial sum over the tensor's replicas.
+    pub partial_grad: bool,
+}
+
+/// The tensor-parallel layout of one model config at one tp size.
+#[derive(Debug, Clone)]
+pub struct TpPlan {
+    pub cfg: ModelConfig,
+    pub local_cfg: ModelConfig,
+    pub tp: usize,
+    pub sp: bool,
+    pub full_layout: ParamLayout,
+    pub local_layout: ParamLayout,
+    pub tensors: Vec<TensorShard>,
+}
+
+fn divides(what: &str, n: usize, tp: usize) -> Result<usize, ParallelError> {
+    if n.is_multiple_of(tp) {
+        Ok(n / tp)
+    } else {
+        Err(ParallelError::Layout(format!(
+            "{what} = {n} is not divisible by tp = {tp}"
+        )))
+    }
+}
+
+impl TpPlan {
+    /// The plan of `cfg` over `tp` ranks (`sp`: sequence parallel). Impossible layouts are
+    /// errors naming the offending size.
+    pub fn new(cfg: &ModelConfig, tp: usize, sp: bool) -> Result<Self, ParallelError> {
+        cfg.validate()
+            .map_err(|e| ParallelError::Config(e.to_string()))?;
+        if tp == 0 {
+            return Err(ParallelError::Layout("tp must be >= 1".into()));
+        }
+        if cfg.tie_word_embeddings {
+            return Err(ParallelError::Config(
+                "tensor parallelism needs untied embeddings (tie_word_embeddings = false)".into(),
+            ));
+        }
+        let mut lc = cfg.clone();
+        lc.num_attention_heads = divides("num_attention_heads", cfg.num_attention_heads, tp)?;
+        let kv = cfg.kv_heads();
+        let kv_parts = if kv >= tp {
+            lc.num_key_value_heads = Some(divides("num_key_value_heads", kv, tp)?);
+            tp
+        } else if tp.is_multiple_of(kv) {
+            // Fewer KV heads than ranks: each rank holds the one KV head its query heads use.
+            lc.num_key_value_heads = Some(1);
+            kv
+        } else {
+            return Err(ParallelError::Layout(format!(
+                "num_key_value_heads = {kv} < tp = {tp} and tp is not a multiple of it: \
+                 KV heads cannot be replicated evenly"
+            )));
+        };
+        lc.head_dim = Some(cfg.head_dim());
+        lc.vocab_size = divides("vocab_size", cfg.vocab_size, tp)?;
+        if cfg.is_moe() {
+            let f = divides("expert ffn size", cfg.expert_ffn(), tp)?;
+            lc.moe_intermediate_size = Some(f);
+            lc.intermediate_size = f;
+            if cfg.shared_ffn() > 0 {
+                lc.shared_expert_intermediate_size =
+                    Some(divides("shared expert ffn size", cfg.shared_ffn(), tp)?);
+            }
+        } else {
+            lc.intermediate_size = divides("intermediate_size", cfg.intermediate_size, tp)?;
+        }
+        lc.validate()
+            .map_err(|e| ParallelError::Layout(format!("local shard config: {e}")))?;
+        let full_layout = ParamLayout::new(cfg);
+        let local_layout = ParamLayout::new(&lc);
+        let experts = cfg.num_local_experts;
+        let tensors = local_layout
+            .entries
+            .iter()
+            .map(|e| {
+                let full = full_layout
+                    .get(&e.name)
+                    .ok_or_else(|| ParallelError::Layout(format!("{} not in full layout", e.name)))?
+                    .view
+                    .clone();
+                let n = e.name.as_str();
+                let rows = Split::Rows {
+                    groups: 1,
+                    parts: tp,
+                };
+                let (split, partial_grad) =
+                    if n.ends_with("layernorm.weight") || n == "model.norm.weight" {
+                        (Split::Replicated, sp && tp > 1)
+                    } else if n.ends_with("mlp.gate.weight") {
+                        (Split::Replicated, tp > 1)
+                    } else if n.ends_with("k_proj.weight") || n.ends_with("v_proj.weight") {
+                        let s = Split::Rows {
+                            groups: 1,
+                            parts: kv_parts,
+                        };
+                        (s, kv_parts < tp)
+                    } else if n.ends_with("o_proj.weight")
+                        || n.ends_with("down_proj.weight")
+                        || n.ends_with("experts.down_proj")
+                    {
+                        (Split::Cols { parts: tp }, false)
+                    } else if n.ends_with("experts.gate_up_proj") {
+                        let s = Split::Rows {
+                            groups: 2 * experts,
+                            parts: tp,
+                        };
+                        (s, false)
+                    } else {
+                        // q, gate, up, embedding, LM head.
+                        (rows, false)
+                    };
+                Ok(TensorShard {
+                    name: e.name.clone(),
+                    full,
+                    local: e.view.clone(),
+                    split,
+                    partial_grad,
+                })
+            })
+            .collect::<Result<Vec<_>, ParallelError>>()?;
+        Ok(TpPlan {
+            cfg: cfg.clone(),
+            local_cfg: lc,
+            tp,
+            sp,
+            full_layout,
+            local_layout,
+            tensors,
+        })
+    }
+
+    /// The local shard as a model (its blocks still without region hooks).
+    pub fn local_model(&self) -> Result<Model, ParallelError> {
+        Model::new(self.local_cfg.clone()).map_err(|e| ParallelError::Model(e.to_string()))
+    }
+
+    /// Sequence parallelism splits the tokens of every sequence's norm / residual regions
+    /// over tp ranks, so the sequence length must divide.
+    pub fn check_seq(&self, seq: usize) -> Result<(), ParallelError> {
+        if self.sp && !seq.is_multiple_of(self.tp) {
+            return Err(ParallelError::Layout(format!(
+                "sequence parallel: seq len {seq} is not divisible by tp = {}",
+                self.tp
+            )));
+        }
+        Ok(())
+    }
+
+    /// Part of a tensor with `parts` shards that rank `r` holds.
+    pub fn part(&self, rank: usize, parts: usize) -> usize {
+        rank * parts / self.tp
+    }
+
+    /// Whether rank `r` is the first holder of its part (counted once in global sums).
+    pub fn owns(&self, rank: usize, split: Split) -> bool {
+        rank.is_multiple_of(self.tp / split.parts())
+    }
+
+    /// Copies part `part` of a full tensor into `local` (`to_local`) or back.
+    fn copy(t: &TensorShard, part: usize, full: &mut [f32], local: &mut [f32], to_local: bool) {
+        let mv = |f: &mut [f32], l: &mut [f32]| {
+            if to_local {
+                l.copy_from_slice(f)
+            } else {
+                f.copy_from_slice(l)
+            }
+        };
+        let (fv, lv) = (t.full.of_mut(full), t.local.of_mut(local));
+        match t.split {
+            Split::Replicated => mv(fv, lv),
+            Split::Rows { groups, .. } => {
+                let n = lv.len() / groups;
+                for (gi, l) in lv.chunks_mut(n).enumerate() {
+                    let start = gi * fv.len() / groups + part * n;
+                    mv(&mut fv[start..start + n], l);
+                }
+            }
+            Split::Cols { parts } => {
+                let cols = *t.full.shape.last().expect("matrix");
+                let c = cols / parts;
+                for (f, l) in fv.chunks_mut(cols).zip(lv.chunks_mut(c)) {
+                    mv(&mut f[part * c..(part + 1) * c], l);
+                }
+            }
+        }
+    }
+
+    /// Rank `rank`'s shard of a full-layout buffer (parameters, or any per-parameter state).
+    pub fn shard(&self, full: &[f32], rank: usize) -> Vec<f32> {
+        let mut full = full.to_vec();
+        let mut local = vec![0.0; self.local_layout.total()];
+        for t in &self.tensors {
+            let part = self.part(rank, t.split.parts());
+            Self::copy(t, part, &mut full, &mut local, true);
+        }
+        local
+    }
+
+    /// The full-layout buffer from every rank's shard (rank order); each part is taken from
+    /// its first holder.
+    pub fn gather(&self, locals: &[Vec<f32>]) -> Result<Vec<f32>, ParallelError> {
+        if locals.len() != self.tp || locals.iter().any(|l| l.len() != self.local_layout.total()) {
+            return Err(ParallelError::Layout(format!(
+                "gather needs {} shards of {} elements",
+                self.tp,
+                self.local_layout.total()
+            )));
+        }
+        let mut full = vec![0.0; self.full_layout.total()];
+        for t in &self.tensors {
+            for (r, l) in locals.iter().enumerate() {
+                if self.owns(r, t.split) {
+                    let mut l = l.clone();
+                    Self::copy(t, self.part(r, t.split.parts()), &mut full, &mut l, false);
+                }
+            }
+        }
+        Ok(full)
+    }
+
+    /// Sums every partial gradient over the ranks holding the same part (one all-reduce over
+    /// the tp group of the full-size partial tensors; each rank adds into its part's slot).
+    pub fn sync_grads(&self, group: &ProcessGroup, grads: &mut [f32]) -> Result<(), ParallelError> {
+        let partial: Vec<&TensorShard> = self.tensors.iter().filter(|t| t.partial_grad).collect();
+        if partial.is_empty() {
+            return Ok(());
+        }
+        let rank = group.rank();
+        let size: usize = partial.iter().map(|t| t.full.numel()).sum();
+        let mut buf = vec![0.0f32; size];
+        let mut at = 0;
+        for t in &partial {
+            let slot = View {
+                offset: at,
+                shape: t.full.shape.clone(),
+            };
+            let shard = TensorShard {
+                full: slot,
+                ..(*t).clone()
+            };
+            Self::copy(
+                &shard,
+                self.part(rank, t.split.parts()),
+                &mut buf,
+                grads,
+                false,
+            );
+            at += t.full.numel();
+        }
+        group.all_reduce(&mut buf, ReduceOp::Sum)?;
+        let mut at = 0;
+        for t in &partial {
+            let shard = TensorShard {
+                full: View {
+                    offset: at,
+                    shape: t.full.shape.clone(),
+                },
+                ..(*t).clone()
+            };
+            Self::copy(
+                &shard,
+                self.part(rank, t.split.parts()),
+                &mut buf,
+                grads,
+                true,
+            );
+            at += t.full.numel();
+        }
+        Ok(())
+    }
+
+    /// `Σ g²` of the *full* gradient (after [`Self::sync_grads`]): each rank sums the parts it
+    /// owns, and the f64 partials are all-gathered and added in rank order (bitwise the same
+    /// on every rank).
+    pub fn grad_sq_sum(&self, group: &ProcessGroup, grads: &[f32]) -> Result<f64, ParallelError> {
+        let rank = group.rank();
+        let local: f64 = self
+            .tensors
+            .iter()
+            .filter(|t| self.owns(rank, t.split))
+            .map(|t| model::optim::grad_sq_sum(t.local.of(grads)))
+            .sum();
+        let bits = [local.to_bits() as i64];
+        let mut all = vec![0i64; group.size()];
+        group.all_gather(&bits, &mut all)?;
+        Ok(all.iter().map(|&b| f64::from_bits(b as u64)).sum())
+    }
+
+    /// Re-cut per-rank buffers (parameters or optimizer moments) saved under `from` into the
+    /// shards of `self` (same model config, any tp).
+    pub fn reshard_from(
+        &self,
+        from: &TpPlan,
+        locals: &[Vec<f32>],
+    ) -> Result<Vec<Vec<f32>>, ParallelError> {
+        if from.cfg != self.cfg {
+            return Err(ParallelError::Checkpoint(
+                "resharding needs the same model config".into(),
+            ));
+        }
+        let full = from.gather(locals)?;
+        Ok((0..self.tp).map(|r| self.shard(&full, r)).collect())
+    }
+}
