@@ -13,7 +13,8 @@ use std::sync::Arc;
 
 use comm::ProcessGroup;
 use model::layers::Pass;
-use model::{Batch, LossReport, Model, ModelConfig, StepOptions};
+use model::optim::{clip_factor, scale_grads};
+use model::{AdamW, AdamWState, Batch, LossReport, Model, ModelConfig, StepOptions};
 
 use super::embedding::VocabParallelEmbedding;
 use super::head::VocabParallelHead;
@@ -172,5 +173,36 @@ impl TpModel {
     /// `Σ g²` of the full model's gradient (for global-norm clipping).
     pub fn grad_sq_sum(&self, g: &[f32]) -> Result<f64, ParallelError> {
         self.plan.grad_sq_sum(self.group(), g)
+    }
+
+    /// One optimizer step over `batches` (accumulated micro-batches, each weighted
+    /// `1/batches.len()`): forward/backward, partial-gradient sync, global-norm clipping over
+    /// the whole (unsharded) model, AdamW on the local shard (element-wise, so the shards'
+    /// updates are exactly the slices of the full update). Returns the mean loss.
+    pub fn train_step(
+        &self,
+        params: &mut [f32],
+        state: &mut AdamWState,
+        batches: &[Batch],
+        adamw: &AdamW,
+        max_grad_norm: Option<f32>,
+    ) -> Result<f32, ParallelError> {
+        let mut g = vec![0.0; params.len()];
+        let n = batches.len() as f32;
+        let opts = StepOptions {
+            loss_scale: 1.0 / n,
+            ..StepOptions::default()
+        };
+        let mut loss = 0.0;
+        for b in batches {
+            loss += self.forward_backward(params, &mut g, b, &opts)?.loss / n;
+        }
+        self.finish_grads(&mut g)?;
+        if let Some(max) = max_grad_norm {
+            let (_, coef) = clip_factor(self.grad_sq_sum(&g)?, max);
+            scale_grads(&mut g, coef);
+        }
+        adamw.step(state, params, &g, adamw.lr);
+        Ok(loss)
     }
 }
