@@ -49,4 +49,12 @@ pub trait StagedModel: Sync {
     ) -> Result<Option<Self::Act>, ParallelError>;
     /// Bytes held by a cache (activation accounting).
     fn cache_bytes(&self, cache: &Self::Cache) -> usize;
+    /// `Σ g²` (for global-norm clipping) of the gradients `g` of flat range `range`. A model
+    /// that is itself sharded over a model-parallel group (tensor parallel) counts replicated
+    /// tensors once and sums over that group here (every member calls it); the default is the
+    /// plain local sum.
+    fn grad_sq_sum(&self, range: Range<usize>, g: &[f32]) -> Result<f64, ParallelError> {
+        let _ = range;
+        Ok(model::optim::grad_sq_sum(g))
+    }
 }

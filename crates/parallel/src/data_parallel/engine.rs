@@ -18,7 +18,7 @@ use std::ops::Range;
 use std::time::Instant;
 
 use comm::{ProcessGroup, ReduceOp, Work};
-use model::optim::{clip_factor, grad_sq_sum, scale_grads, AdamW};
+use model::optim::{clip_factor, scale_grads, AdamW};
 
 use crate::bucket::{BucketPlan, ReadyTracker};
 use crate::memory::{formula, MemoryBytes, Precision, ZeroStage};
@@ -558,12 +558,13 @@ impl<M: StagedModel> DataParallel<M> {
         };
         let sq = if stage.shards_optimizer() {
             // Partial sums gathered and added in rank order: the same total on every rank.
-            let partial = [grad_sq_sum(g_own) as f32];
+            let partial = [self.model.grad_sq_sum(own.clone(), g_own)? as f32];
             let mut all = vec![0.0f32; self.group.size()];
             self.group.all_gather(&partial, &mut all)?;
             all.iter().map(|&x| x as f64).sum::<f64>()
         } else {
-            grad_sq_sum(g_own)
+            let total = self.spec.total();
+            self.model.grad_sq_sum(0..total, g_own)?
         };
         let (norm, coef) = match self.cfg.max_grad_norm {
             Some(c) => clip_factor(sq, c),

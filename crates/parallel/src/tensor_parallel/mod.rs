@@ -8,6 +8,8 @@
 //!   gathering shards back, resharding to another tp size, syncing partial gradients.
 //! - [`embedding`], [`head`]: vocab-parallel embedding and LM head fused with cross-entropy.
 //! - [`model`]: a whole decoder shard driving all of the above.
+//! - [`staged`]: that shard as a [`crate::staged::StagedModel`], so the data-parallel engine
+//!   (DDP / ZeRO-1/2/3) composes with TP on a `dp × tp` mesh.
 //!
 //! The math (which collective where, forward and backward) is in `docs/TENSOR_PARALLEL.md`.
 pub mod embedding;
@@ -16,6 +18,7 @@ pub mod linear;
 pub mod model;
 pub mod plan;
 pub mod region;
+pub mod staged;
 
 pub use embedding::VocabParallelEmbedding;
 pub use head::VocabParallelHead;
@@ -23,3 +26,4 @@ pub use linear::{ColumnParallelLinear, RowParallelLinear};
 pub use model::TpModel;
 pub use plan::{Split, TpPlan};
 pub use region::TpRegion;
+pub use staged::StagedTp;

@@ -273,50 +273,50 @@ impl TpPlan {
     /// Sums every partial gradient over the ranks holding the same part (one all-reduce over
     /// the tp group of the full-size partial tensors; each rank adds into its part's slot).
     pub fn sync_grads(&self, group: &ProcessGroup, grads: &mut [f32]) -> Result<(), ParallelError> {
-        let partial: Vec<&TensorShard> = self.tensors.iter().filter(|t| t.partial_grad).collect();
+        self.sync_grads_in(group, grads, 0..self.local_layout.total())
+    }
+
+    /// [`Self::sync_grads`] for the tensors inside local flat `range`, with `grads` holding
+    /// just that range (e.g. one unit).
+    pub fn sync_grads_in(
+        &self,
+        group: &ProcessGroup,
+        grads: &mut [f32],
+        range: std::ops::Range<usize>,
+    ) -> Result<(), ParallelError> {
+        // Each partial tensor, re-based: `local` relative to `range`, `full` to its slot in
+        // the reduction buffer.
+        let mut at = 0;
+        let partial: Vec<TensorShard> = self
+            .tensors
+            .iter()
+            .filter(|t| {
+                t.partial_grad && t.local.offset >= range.start && t.local.range().end <= range.end
+            })
+            .map(|t| {
+                let s = TensorShard {
+                    full: View {
+                        offset: at,
+                        shape: t.full.shape.clone(),
+                    },
+                    local: t.local.relative_to(range.start),
+                    ..t.clone()
+                };
+                at += t.full.numel();
+                s
+            })
+            .collect();
         if partial.is_empty() {
             return Ok(());
         }
         let rank = group.rank();
-        let size: usize = partial.iter().map(|t| t.full.numel()).sum();
-        let mut buf = vec![0.0f32; size];
-        let mut at = 0;
+        let mut buf = vec![0.0f32; at];
         for t in &partial {
-            let slot = View {
-                offset: at,
-                shape: t.full.shape.clone(),
-            };
-            let shard = TensorShard {
-                full: slot,
-                ..(*t).clone()
-            };
-            Self::copy(
-                &shard,
-                self.part(rank, t.split.parts()),
-                &mut buf,
-                grads,
-                false,
-            );
-            at += t.full.numel();
+            Self::copy(t, self.part(rank, t.split.parts()), &mut buf, grads, false);
         }
         group.all_reduce(&mut buf, ReduceOp::Sum)?;
-        let mut at = 0;
         for t in &partial {
-            let shard = TensorShard {
-                full: View {
-                    offset: at,
-                    shape: t.full.shape.clone(),
-                },
-                ..(*t).clone()
-            };
-            Self::copy(
-                &shard,
-                self.part(rank, t.split.parts()),
-                &mut buf,
-                grads,
-                true,
-            );
-            at += t.full.numel();
+            Self::copy(t, self.part(rank, t.split.parts()), &mut buf, grads, true);
         }
         Ok(())
     }
@@ -325,12 +325,31 @@ impl TpPlan {
     /// owns, and the f64 partials are all-gathered and added in rank order (bitwise the same
     /// on every rank).
     pub fn grad_sq_sum(&self, group: &ProcessGroup, grads: &[f32]) -> Result<f64, ParallelError> {
+        self.grad_sq_sum_in(group, 0..self.local_layout.total(), grads)
+    }
+
+    /// [`Self::grad_sq_sum`] over the part of the model in local flat `range` (`grads` holds
+    /// that range; e.g. a ZeRO shard, whose tensors may be cut anywhere).
+    pub fn grad_sq_sum_in(
+        &self,
+        group: &ProcessGroup,
+        range: std::ops::Range<usize>,
+        grads: &[f32],
+    ) -> Result<f64, ParallelError> {
         let rank = group.rank();
         let local: f64 = self
             .tensors
             .iter()
             .filter(|t| self.owns(rank, t.split))
-            .map(|t| model::optim::grad_sq_sum(t.local.of(grads)))
+            .map(|t| {
+                let r = t.local.range();
+                let (s, e) = (r.start.max(range.start), r.end.min(range.end));
+                if s >= e {
+                    0.0
+                } else {
+                    model::optim::grad_sq_sum(&grads[s - range.start..e - range.start])
+                }
+            })
             .sum();
         let bits = [local.to_bits() as i64];
         let mut all = vec![0i64; group.size()];
