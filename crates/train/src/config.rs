@@ -107,6 +107,16 @@ pub struct ParallelConfig {
     pub dp: usize,
     /// ZeRO stage (0 = plain data parallel).
     pub zero: usize,
+    /// Tensor-parallel degree (the fastest-varying mesh dimension; `nproc = dp × tp`).
+    #[serde(default = "one")]
+    pub tp: usize,
+    /// Sequence parallelism inside the tensor-parallel group.
+    #[serde(default)]
+    pub sp: bool,
+}
+
+fn one() -> usize {
+    1
 }
 
 /// The whole run.
@@ -185,6 +195,8 @@ impl RunConfig {
                 nproc: 1,
                 dp: 1,
                 zero: 0,
+                tp: 1,
+                sp: false,
             },
         })
     }
@@ -247,6 +259,7 @@ impl RunConfig {
             ("train.grad_accum", t.grad_accum),
             ("parallel.nproc", self.parallel.nproc),
             ("parallel.dp", self.parallel.dp),
+            ("parallel.tp", self.parallel.tp),
         ] {
             if v == 0 {
                 return bad(format!("{name} must be > 0"));
@@ -299,7 +312,7 @@ impl RunConfig {
     /// Rejects layouts this build cannot run yet.
     pub fn require_single_process(&self) -> Result<()> {
         let p = &self.parallel;
-        if p.nproc != 1 || p.dp != 1 || p.zero != 0 {
+        if p.nproc != 1 || p.dp != 1 || p.zero != 0 || p.tp != 1 || p.sp {
             return Err(TrainError::Unsupported(format!(
                 "parallel layout nproc={} dp={} zero={}: the single-process trainer runs nproc=1, dp=1, zero=0 only",
                 p.nproc, p.dp, p.zero

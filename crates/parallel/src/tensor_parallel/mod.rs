@@ -10,6 +10,8 @@
 //! - [`model`]: a whole decoder shard driving all of the above.
 //! - [`staged`]: that shard as a [`crate::staged::StagedModel`], so the data-parallel engine
 //!   (DDP / ZeRO-1/2/3) composes with TP on a `dp × tp` mesh.
+//! - [`worker`]: a `dp × tp` training run of a run config (what `xtrain train --tp` runs), with
+//!   checkpoints that load into another tp size.
 //!
 //! The math (which collective where, forward and backward) is in `docs/TENSOR_PARALLEL.md`.
 pub mod embedding;
@@ -19,6 +21,7 @@ pub mod model;
 pub mod plan;
 pub mod region;
 pub mod staged;
+pub mod worker;
 
 pub use embedding::VocabParallelEmbedding;
 pub use head::VocabParallelHead;

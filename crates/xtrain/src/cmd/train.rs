@@ -36,6 +36,12 @@ pub struct TrainArgs {
     /// ZeRO stage (same as `--set parallel.zero=N`).
     #[arg(long)]
     pub zero: Option<usize>,
+    /// Tensor-parallel degree (same as `--set parallel.tp=N`; `nproc = dp × tp`).
+    #[arg(long)]
+    pub tp: Option<usize>,
+    /// Sequence parallelism in the tensor-parallel group (same as `--set parallel.sp=true`).
+    #[arg(long)]
+    pub sp: bool,
     /// No progress bar.
     #[arg(long)]
     pub quiet: bool,
@@ -46,20 +52,31 @@ pub fn run_cmd(a: TrainArgs) -> Result<()> {
     if let Some(d) = &a.data {
         overrides.push(format!("data.path={}", toml_string(d)));
     }
-    for (k, v) in [("nproc", a.nproc), ("dp", a.dp), ("zero", a.zero)] {
+    if a.sp {
+        overrides.push("parallel.sp=true".into());
+    }
+    for (k, v) in [
+        ("nproc", a.nproc),
+        ("dp", a.dp),
+        ("zero", a.zero),
+        ("tp", a.tp),
+    ] {
         if let Some(v) = v {
             overrides.push(format!("parallel.{k}={v}"));
         }
     }
     overrides.extend(a.overrides.iter().cloned());
-    if a.resume.is_none() {
+    // A tensor-parallel checkpoint (`tp-*` shards) resumes through the parallel path, at any
+    // tp size; its layout flags are given again on the command line.
+    let tp_resume = a.resume.as_deref().filter(|d| d.join("tp-0").is_dir());
+    if a.resume.is_none() || tp_resume.is_some() {
         let cfg = RunConfig::load(&a.preset, a.config.as_deref(), &overrides)?;
         if super::train_dp::wants_dp(&cfg) {
             let out = a
                 .out
                 .clone()
                 .unwrap_or_else(|| PathBuf::from("runs").join(&a.preset));
-            return super::train_dp::run(&cfg, &out);
+            return super::train_dp::run(&cfg, &out, tp_resume);
         }
     }
     let mut trainer = match &a.resume {

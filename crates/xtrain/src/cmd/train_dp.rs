@@ -11,15 +11,16 @@ use super::launch::{run_group, GroupSpec};
 
 /// Whether a run config asks for data parallelism (more than one process or rank).
 pub fn wants_dp(cfg: &RunConfig) -> bool {
-    cfg.parallel.nproc > 1 || cfg.parallel.dp > 1 || cfg.parallel.zero > 0
+    let p = &cfg.parallel;
+    p.nproc > 1 || p.dp > 1 || p.zero > 0 || p.tp > 1 || p.sp
 }
 
 /// Runs `cfg` data-parallel: spawns the workers when not inside a launched job, else trains.
 /// `--nproc N` alone means `--dp N` (data parallelism is the only layout wired in so far).
-pub fn run(cfg: &RunConfig, out: &Path) -> Result<()> {
+pub fn run(cfg: &RunConfig, out: &Path, resume: Option<&Path>) -> Result<()> {
     let mut cfg = cfg.clone();
-    if cfg.parallel.dp == 1 && cfg.parallel.nproc > 1 {
-        cfg.parallel.dp = cfg.parallel.nproc;
+    if cfg.parallel.dp == 1 && cfg.parallel.nproc > cfg.parallel.tp {
+        cfg.parallel.dp = cfg.parallel.nproc / cfg.parallel.tp.max(1);
     }
     let cfg = &cfg;
     if comm::env::LaunchEnv::from_env().is_err() {
@@ -42,6 +43,19 @@ pub fn run(cfg: &RunConfig, out: &Path) -> Result<()> {
         return Ok(());
     }
     let (comm, _) = comm::env::init_from_env()?;
+    if cfg.parallel.tp > 1 || cfg.parallel.sp {
+        let ckpt = out.join("tp-checkpoint");
+        let s = parallel::tensor_parallel::worker::run(cfg, &comm, Some(&ckpt), resume, true)?;
+        if comm.world().rank() == 0 {
+            println!(
+                "loss {:.4} -> {:.4} ; tp-sharded checkpoint {}",
+                s.losses.first().copied().unwrap_or(f32::NAN),
+                s.losses.last().copied().unwrap_or(f32::NAN),
+                ckpt.display()
+            );
+        }
+        return Ok(());
+    }
     let ckpt = out.join("dp-checkpoint");
     let s = parallel::worker::run(cfg, &comm, Some(&ckpt), true)?;
     if comm.world().rank() == 0 {

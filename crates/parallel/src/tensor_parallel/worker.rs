@@ -1,0 +1,220 @@
+//! A `dp × tp` training run of a [`RunConfig`] on one rank: the world laid out as the mesh
+//! `[dp, tp]` (tp fastest-varying, so tp neighbours are adjacent ranks), a [`TpModel`] shard over
+//! the tp group driven by the data-parallel engine (any ZeRO stage) over the dp group. The data
+//! stream is the data-parallel one, indexed by the dp coordinate (all tp ranks of a replica
+//! read the same batch).
+//!
+//! Checkpoints: tp rank `r` saves its engine's sharded checkpoint under `dir/tp-r`. Loading
+//! reads every `tp-*` directory of a checkpoint saved at any tp (and dp / ZeRO) size, rebuilds
+//! each old tp shard's full local state, re-cuts parameters *and* AdamW moments through the full
+//! layout for this tp size ([`TpPlan::reshard_from`]), and restores the engine.
+use std::path::Path;
+
+use comm::{Communicator, DeviceMesh};
+use train::config::Precision as TrainPrecision;
+use train::data::{Dataset, Sampler, Tokenizer};
+use train::schedule::CosineSchedule;
+use train::RunConfig;
+
+use super::model::TpModel;
+use super::plan::TpPlan;
+use super::staged::StagedTp;
+use crate::checkpoint::{load_shards, reshard_states};
+use crate::engine::{DataParallel, DpConfig, ShardState};
+use crate::memory::ZeroStage;
+use crate::worker::{model_config, DpRunSummary};
+use crate::ParallelError;
+
+fn cfg_err(e: impl std::fmt::Display) -> ParallelError {
+    ParallelError::Config(e.to_string())
+}
+
+/// Unit sizes of a plan's local shard (embedding, blocks, head), as the engine saves them.
+fn unit_sizes(plan: &TpPlan) -> Vec<usize> {
+    let l = &plan.local_layout;
+    let mut u = vec![l.embed_range().len()];
+    u.extend((0..l.num_blocks()).map(|i| l.block_range(i).len()));
+    u.push(l.head_range().len());
+    u
+}
+
+/// This tp rank's engine state from a checkpoint saved at any tp size (see the module doc).
+pub fn load_resharded(dir: &Path, plan: &TpPlan, rank: usize) -> Result<ShardState, ParallelError> {
+    let old_tp = (0..)
+        .take_while(|r| dir.join(format!("tp-{r}")).is_dir())
+        .count();
+    if old_tp == 0 {
+        return Err(ParallelError::Checkpoint(format!(
+            "{}: no tp-0 directory (not a tensor-parallel checkpoint)",
+            dir.display()
+        )));
+    }
+    let old = TpPlan::new(&plan.cfg, old_tp, plan.sp)?;
+    let full_locals = (0..old_tp)
+        .map(|r| {
+            let states = load_shards(&dir.join(format!("tp-{r}")), &unit_sizes(&old))?;
+            reshard_states(&states, 1, 0)
+        })
+        .collect::<Result<Vec<_>, _>>()?;
+    let n = old.local_layout.total();
+    let cut = |f: fn(&ShardState) -> &Vec<f32>| -> Result<Vec<f32>, ParallelError> {
+        let locals: Vec<Vec<f32>> = full_locals.iter().map(|s| f(s)[..n].to_vec()).collect();
+        Ok(plan.reshard_from(&old, &locals)?.swap_remove(rank))
+    };
+    Ok(ShardState {
+        total: plan.local_layout.total(),
+        world: 1,
+        rank: 0,
+        step: full_locals[0].step,
+        params: cut(|s| &s.params)?,
+        exp_avg: cut(|s| &s.exp_avg)?,
+        exp_avg_sq: cut(|s| &s.exp_avg_sq)?,
+    })
+}
+
+/// Trains `cfg.train.steps` steps on this rank (optionally resuming from `resume`, saved at
+/// any tp size); `checkpoint` receives the checkpoint at the end. Every rank calls it.
+pub fn run(
+    cfg: &RunConfig,
+    comm: &Communicator,
+    checkpoint: Option<&Path>,
+    resume: Option<&Path>,
+    log: bool,
+) -> Result<DpRunSummary, ParallelError> {
+    cfg.validate().map_err(cfg_err)?;
+    let p = &cfg.parallel;
+    let world = comm.world().size();
+    if p.dp * p.tp != world || p.nproc != world {
+        return Err(ParallelError::Config(format!(
+            "parallel.dp × parallel.tp = {} × {} and parallel.nproc = {} must equal the number of ranks ({world})",
+            p.dp, p.tp, p.nproc
+        )));
+    }
+    let stage = ZeroStage::from_index(p.zero)
+        .ok_or_else(|| cfg_err(format!("parallel.zero = {} (expected 0..=3)", p.zero)))?;
+    let t = &cfg.train;
+    if t.precision != TrainPrecision::Fp32 {
+        return Err(cfg_err(format!(
+            "train.precision = {:?}: tensor parallel trains in fp32 only so far",
+            t.precision
+        )));
+    }
+    if t.threads > 0 {
+        tensor::threads::set_thread_budget(t.threads).map_err(cfg_err)?;
+    }
+    let mesh = DeviceMesh::new(comm, &[("dp", p.dp), ("tp", p.tp)])?;
+    let (tp_group, dp_group) = (mesh.group(&["tp"])?, mesh.group(&["dp"])?);
+    let (tp_rank, dp_rank) = (tp_group.rank(), dp_group.rank());
+    let mc = model_config(cfg);
+    let tp = TpModel::new(&mc, tp_group, p.sp)?;
+    tp.plan.check_seq(cfg.model.seq_len)?;
+    let plan = tp.plan.clone();
+    let tokenizer = Tokenizer::from_spec(&cfg.data.tokenizer).map_err(cfg_err)?;
+    let data = Dataset::load(
+        &cfg.data,
+        &tokenizer,
+        cfg.model.vocab_size,
+        cfg.model.seq_len,
+    )
+    .map_err(cfg_err)?;
+    let sampler = Sampler {
+        seed: t.seed,
+        seq_len: cfg.model.seq_len,
+        micro_batch: t.micro_batch,
+        grad_accum: t.grad_accum,
+        dp: p.dp,
+        rank: dp_rank,
+    };
+    let schedule = CosineSchedule {
+        peak: t.lr,
+        min: t.min_lr,
+        warmup: t.warmup_steps,
+        total: t.steps,
+    };
+    let dp_cfg = DpConfig {
+        stage,
+        bucket_bytes: crate::bucket::DEFAULT_BUCKET_BYTES,
+        adamw: model::AdamW {
+            lr: t.lr as f32,
+            beta1: t.beta1 as f32,
+            beta2: t.beta2 as f32,
+            eps: t.eps as f32,
+            weight_decay: t.weight_decay as f32,
+        },
+        max_grad_norm: (t.grad_clip > 0.0).then_some(t.grad_clip as f32),
+    };
+    let init = tp.shard_params(
+        &model::Model::new(mc.clone())
+            .map_err(cfg_err)?
+            .init_params(t.seed),
+    );
+    let mut engine = DataParallel::new(StagedTp { tp }, dp_group, dp_cfg, &init)?;
+    drop(init);
+    let mut first = 0;
+    if let Some(dir) = resume {
+        engine.restore(&[load_resharded(dir, &plan, tp_rank)?])?;
+        first = engine.step_count() as usize;
+    }
+    let rank = comm.world().rank();
+    if log && rank == 0 {
+        println!(
+            "tensor parallel: dp={} × tp={}{} ZeRO-{}; {} of {} params per tp shard{}",
+            p.dp,
+            p.tp,
+            if p.sp { " + sp" } else { "" },
+            stage.index(),
+            plan.local_layout.total(),
+            plan.full_layout.total(),
+            if first > 0 {
+                format!("; resumed at step {first}")
+            } else {
+                String::new()
+            }
+        );
+    }
+    let mut losses = Vec::new();
+    let mut step_ms = Vec::new();
+    for step in first..t.steps {
+        let batches = (0..t.grad_accum)
+            .map(|a| {
+                let b = sampler.train_batch(&data.train, step as u64, a);
+                let targets = b.targets.iter().map(|&x| x as i64).collect();
+                model::Batch::new(b.batch, b.seq, b.inputs, targets).map_err(cfg_err)
+            })
+            .collect::<Result<Vec<_>, _>>()?;
+        engine.set_lr(schedule.lr(step) as f32);
+        let t0 = std::time::Instant::now();
+        let s = engine.train_step(&batches)?;
+        step_ms.push(t0.elapsed().as_secs_f64() * 1e3);
+        if !s.loss.is_finite() {
+            return Err(ParallelError::Protocol(format!(
+                "loss is {} at step {step}",
+                s.loss
+            )));
+        }
+        let every = (t.steps / 50).max(1);
+        if log && rank == 0 && (step == first || (step + 1) % every == 0 || step + 1 == t.steps) {
+            println!(
+                "step {:>5} | loss {:.4} | grad norm {:.3} | {:.1} ms",
+                step + 1,
+                s.loss,
+                s.grad_norm,
+                step_ms.last().copied().unwrap_or(0.0)
+            );
+        }
+        losses.push(s.loss);
+    }
+    if log && rank == 0 && !step_ms.is_empty() {
+        let mut sorted = step_ms.clone();
+        sorted.sort_by(f64::total_cmp);
+        println!("median step {:.1} ms", sorted[sorted.len() / 2]);
+    }
+    if let Some(dir) = checkpoint {
+        engine.save_checkpoint(&dir.join(format!("tp-{tp_rank}")))?;
+    }
+    Ok(DpRunSummary {
+        losses,
+        memory: engine.memory(),
+        formula: engine.formula(),
+    })
+}
