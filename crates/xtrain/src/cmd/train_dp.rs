@@ -43,7 +43,7 @@ pub fn run(cfg: &RunConfig, out: &Path, resume: Option<&Path>) -> Result<()> {
         return Ok(());
     }
     let (comm, _) = comm::env::init_from_env()?;
-    if cfg.parallel.tp > 1 || cfg.parallel.sp {
+    if cfg.parallel.tp > 1 || cfg.parallel.sp || resume.is_some() {
         let ckpt = out.join("tp-checkpoint");
         let s = parallel::tensor_parallel::worker::run(cfg, &comm, Some(&ckpt), resume, true)?;
         if comm.world().rank() == 0 {
