@@ -84,6 +84,13 @@ impl BlockCache {
     pub fn pass(&self) -> &Pass {
         &self.pass
     }
+    /// Bytes this cache holds in the norm / residual region: the block input, the residual
+    /// after attention `h`, and the two RMSNorm `rstd` vectors (what sequence parallelism
+    /// splits over the tp group). The region-internal activations are not counted.
+    pub fn residual_bytes(&self) -> usize {
+        let saved = self.saved.as_ref();
+        4 * (self.x.len() + saved.map_or(0, |s| s.h.len() + s.rstd1.len() + s.rstd2.len()))
+    }
     /// The MoE routing of the forward, when recorded (not under full recomputation).
     pub fn routing(&self) -> Option<&super::moe::Routing> {
         self.routing.as_ref()

@@ -48,10 +48,6 @@ pub struct TpHeadCache {
     pub n_valid: usize,
 }
 
-fn cerr(e: comm::CommError) -> ModelError {
-    ModelError::Collective(e.to_string())
-}
-
 impl VocabParallelHead {
     fn dim(&self) -> usize {
         self.norm.numel()
@@ -112,10 +108,7 @@ impl VocabParallelHead {
             );
         }
         let mut gmax = max.clone();
-        let group = self.region.group();
-        if self.region.tp() > 1 {
-            group.all_reduce(&mut gmax, ReduceOp::Max).map_err(cerr)?;
-        }
+        self.region.all_reduce_op(&mut gmax, ReduceOp::Max)?;
         // Rescale to the global max, then one all-reduce of [Σ e^(z−M) | z_t].
         let mut st: Vec<f32> = sum
             .iter()
@@ -123,9 +116,7 @@ impl VocabParallelHead {
             .map(|(s, (m, g))| s * (m - g).exp())
             .chain(tl.iter().copied())
             .collect();
-        if self.region.tp() > 1 {
-            group.all_reduce(&mut st, ReduceOp::Sum).map_err(cerr)?;
-        }
+        self.region.all_reduce_op(&mut st, ReduceOp::Sum)?;
         let (s, t) = st.split_at(rows);
         let lse: Vec<f32> = gmax.iter().zip(s).map(|(m, s)| m + s.ln()).collect();
         let loss_sum = targets

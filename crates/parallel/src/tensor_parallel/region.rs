@@ -17,6 +17,10 @@
 //! token axis in the norm / residual regions (every op there is per token, so which tokens are
 //! local does not matter; for `batch = 1` this is exactly Megatron's sequence split).
 
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::Instant;
+
 use comm::{ProcessGroup, ReduceOp};
 use model::layers::block::RegionHooks;
 use model::{ModelError, Result};
@@ -26,6 +30,9 @@ use model::{ModelError, Result};
 pub struct TpRegion {
     group: ProcessGroup,
     sp: bool,
+    /// Wall time spent inside this group's activation collectives (shared by clones), for the
+    /// compute / communication split of a step.
+    comm_nanos: Arc<AtomicU64>,
 }
 
 fn cerr(e: comm::CommError) -> ModelError {
@@ -35,7 +42,32 @@ fn cerr(e: comm::CommError) -> ModelError {
 impl TpRegion {
     /// Operators over `group` (the tp group), with sequence parallelism when `sp`.
     pub fn new(group: ProcessGroup, sp: bool) -> Self {
-        TpRegion { group, sp }
+        TpRegion {
+            group,
+            sp,
+            comm_nanos: Arc::default(),
+        }
+    }
+
+    /// Nanoseconds spent in collectives issued through this region (and its clones) so far.
+    pub fn comm_nanos(&self) -> u64 {
+        self.comm_nanos.load(Ordering::Relaxed)
+    }
+
+    fn timed<R>(&self, f: impl FnOnce() -> comm::Result<R>) -> Result<R> {
+        let t0 = Instant::now();
+        let r = f().map_err(cerr);
+        self.comm_nanos
+            .fetch_add(t0.elapsed().as_nanos() as u64, Ordering::Relaxed);
+        r
+    }
+
+    /// In-place all-reduce over the group with `op` (timed; a no-op at tp = 1).
+    pub fn all_reduce_op(&self, x: &mut [f32], op: ReduceOp) -> Result<()> {
+        if self.tp() == 1 {
+            return Ok(());
+        }
+        self.timed(|| self.group.all_reduce(x, op))
     }
     pub fn group(&self) -> &ProcessGroup {
         &self.group
@@ -51,9 +83,7 @@ impl TpRegion {
     }
 
     fn all_reduce(&self, mut x: Vec<f32>) -> Result<Vec<f32>> {
-        if self.tp() > 1 {
-            self.group.all_reduce(&mut x, ReduceOp::Sum).map_err(cerr)?;
-        }
+        self.all_reduce_op(&mut x, ReduceOp::Sum)?;
         Ok(x)
     }
 
@@ -62,7 +92,7 @@ impl TpRegion {
             return Ok(x);
         }
         let mut out = vec![0.0; x.len() * self.tp()];
-        self.group.all_gather(&x, &mut out).map_err(cerr)?;
+        self.timed(|| self.group.all_gather(&x, &mut out))?;
         Ok(out)
     }
 
@@ -78,9 +108,7 @@ impl TpRegion {
             )));
         }
         let mut out = vec![0.0; x.len() / n];
-        self.group
-            .reduce_scatter(&x, &mut out, ReduceOp::Sum)
-            .map_err(cerr)?;
+        self.timed(|| self.group.reduce_scatter(&x, &mut out, ReduceOp::Sum))?;
         Ok(out)
     }
 

@@ -174,6 +174,7 @@ pub fn run(
     }
     let mut losses = Vec::new();
     let mut step_ms = Vec::new();
+    let mut comm_ms = Vec::new();
     for step in first..t.steps {
         let batches = (0..t.grad_accum)
             .map(|a| {
@@ -183,9 +184,11 @@ pub fn run(
             })
             .collect::<Result<Vec<_>, _>>()?;
         engine.set_lr(schedule.lr(step) as f32);
+        let c0 = engine.model().tp.region.comm_nanos();
         let t0 = std::time::Instant::now();
         let s = engine.train_step(&batches)?;
         step_ms.push(t0.elapsed().as_secs_f64() * 1e3);
+        comm_ms.push((engine.model().tp.region.comm_nanos() - c0) as f64 / 1e6);
         if !s.loss.is_finite() {
             return Err(ParallelError::Protocol(format!(
                 "loss is {} at step {step}",
@@ -205,9 +208,20 @@ pub fn run(
         losses.push(s.loss);
     }
     if log && rank == 0 && !step_ms.is_empty() {
-        let mut sorted = step_ms.clone();
-        sorted.sort_by(f64::total_cmp);
-        println!("median step {:.1} ms", sorted[sorted.len() / 2]);
+        let median = |v: &[f64]| {
+            let mut s = v.to_vec();
+            s.sort_by(f64::total_cmp);
+            s[s.len() / 2]
+        };
+        // Time inside the tp activation collectives (region operators and the head's
+        // statistics), waiting for the slower rank included; the rest is compute (and the
+        // dp engine's own communication when dp > 1).
+        let (st, cm) = (median(&step_ms), median(&comm_ms));
+        println!(
+            "median step {st:.1} ms; tp collectives {cm:.1} ms ({:.0}%), rest {:.1} ms",
+            100.0 * cm / st,
+            st - cm
+        );
     }
     if let Some(dir) = checkpoint {
         engine.save_checkpoint(&dir.join(format!("tp-{tp_rank}")))?;

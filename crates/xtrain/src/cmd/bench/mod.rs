@@ -1,6 +1,7 @@
 //! `xtrain bench ...`: benchmarks that print tables with the figures quoted in
 //! `docs/PERFORMANCE.md`. One module per benchmark.
 pub mod comm;
+pub mod tp;
 pub mod train;
 
 /// `xtrain bench` options.
@@ -16,11 +17,14 @@ pub enum What {
     Comm(comm::Args),
     /// Training throughput (tokens/s, MFU) of a preset.
     Train(train::BenchTrainArgs),
+    /// Tensor-parallel activation bytes with and without sequence parallelism.
+    Tp(tp::Args),
 }
 
 pub fn run(args: Args) -> anyhow::Result<()> {
     match args.what {
         What::Comm(a) => comm::run(a),
         What::Train(a) => train::run_cmd(a),
+        What::Tp(a) => tp::run(a),
     }
 }
