@@ -8,7 +8,7 @@ use std::sync::Arc;
 
 use comm::testing::run_threads;
 use model::init::SplitMix64;
-use model::layers::Pass;
+use model::layers::{Pass, Recompute};
 use model::{Model, ModelConfig, View};
 use parallel::tensor_parallel::{ColumnParallelLinear, RowParallelLinear, TpModel, TpRegion};
 
@@ -103,9 +103,17 @@ fn column_then_row_linear_match_dense() {
 /// Block 0 of `cfg` under tp ranks vs the single-device block: output, input gradient and
 /// every weight gradient (gathered).
 fn check_block(cfg: &ModelConfig, tp: usize, sp: bool) {
+    for recompute in [Recompute::None, Recompute::Selective, Recompute::Full] {
+        check_block_with(cfg, tp, sp, recompute);
+    }
+}
+
+/// [`check_block`] with one activation-recomputation policy (recomputation reissues the
+/// forward's region collectives inside backward).
+fn check_block_with(cfg: &ModelConfig, tp: usize, sp: bool, recompute: Recompute) {
     let full = Model::new(cfg.clone()).unwrap();
     let params = full.init_params(3);
-    let pass = Pass::new(2, 8);
+    let pass = Pass::new(2, 8).with_recompute(recompute);
     let h = cfg.hidden_size;
     let (t, fr) = (pass.tokens(), full.layout.block_range(0));
     let x = randn(t * h, 5);
@@ -159,7 +167,7 @@ fn check_block(cfg: &ModelConfig, tp: usize, sp: bool) {
         close(
             e.view.of(&g),
             e.view.of(&g_ref),
-            &format!("tp={tp} sp={sp} grad {}", e.name),
+            &format!("tp={tp} sp={sp} {recompute:?} grad {}", e.name),
         );
     }
 }

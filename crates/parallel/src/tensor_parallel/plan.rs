@@ -259,11 +259,11 @@ impl TpPlan {
             )));
         }
         let mut full = vec![0.0; self.full_layout.total()];
+        let mut locals = locals.to_vec();
         for t in &self.tensors {
-            for (r, l) in locals.iter().enumerate() {
+            for (r, l) in locals.iter_mut().enumerate() {
                 if self.owns(r, t.split) {
-                    let mut l = l.clone();
-                    Self::copy(t, self.part(r, t.split.parts()), &mut full, &mut l, false);
+                    Self::copy(t, self.part(r, t.split.parts()), &mut full, l, false);
                 }
             }
         }
