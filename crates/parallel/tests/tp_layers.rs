@@ -281,3 +281,27 @@ fn vocab_parallel_embedding_and_head_match_single_device() {
         }
     }
 }
+
+/// Cutting a full buffer into tp shards and gathering them back is the identity, and each
+/// tensor's distinct parts tile it exactly (local size × parts = full size).
+#[test]
+fn shard_then_gather_is_identity() {
+    for cfg in [llama_gqa(), moe()] {
+        let full: Vec<f32> = (0..Model::new(cfg.clone()).unwrap().num_params())
+            .map(|i| i as f32)
+            .collect();
+        for tp in [1, 2, 4] {
+            let plan = parallel::tensor_parallel::TpPlan::new(&cfg, tp, false).unwrap();
+            let shards: Vec<Vec<f32>> = (0..tp).map(|r| plan.shard(&full, r)).collect();
+            assert_eq!(plan.gather(&shards).unwrap(), full, "tp={tp}");
+            for t in &plan.tensors {
+                assert_eq!(
+                    t.local.numel() * t.split.parts(),
+                    t.full.numel(),
+                    "{}",
+                    t.name
+                );
+            }
+        }
+    }
+}
