@@ -2,7 +2,8 @@
 //! data-parallel engine (DDP, ZeRO-1/2/3) driving a tensor-parallel shard over the dp group,
 //! with and without sequence parallelism, Llama and MoE. Against the single-process run on
 //! the same global batch (split into the same micro-batches, as the MoE auxiliary loss is a
-//! per-micro-batch quantity): every loss of 5 AdamW steps and every parameter within 1e-5.
+//! per-micro-batch quantity), with 1 or 2 accumulated micro-batches per rank: every loss of
+//! 5 AdamW steps and every parameter within 1e-5.
 use comm::testing::run_threads;
 use comm::DeviceMesh;
 use model::optim::{clip_factor, grad_sq_sum, scale_grads};
@@ -40,27 +41,27 @@ fn dp_config(stage: ZeroStage) -> DpConfig {
     }
 }
 
-/// Single process: each step's global batch as `DP` accumulated micro-batches.
-fn reference(model: &Model) -> (Vec<f32>, Vec<f32>) {
+/// Single process: each step's global batch as `n_micro` accumulated micro-batches.
+fn reference(model: &Model, n_micro: usize) -> (Vec<f32>, Vec<f32>) {
     let cfg = dp_config(ZeroStage::Ddp);
     let mut p = model.init_params(3);
     let (mut m, mut v) = (vec![0.0; p.len()], vec![0.0; p.len()]);
-    let micro = GLOBAL / DP;
+    let micro = GLOBAL / n_micro;
     let mut losses = Vec::new();
     for step in 0..STEPS {
         let mut g = vec![0.0; p.len()];
         let mut loss = 0.0;
-        for a in 0..DP {
+        for a in 0..n_micro {
             let b = rows(&model.cfg, step * GLOBAL + a * micro, micro);
             let opts = StepOptions {
-                loss_scale: 1.0 / DP as f32,
+                loss_scale: 1.0 / n_micro as f32,
                 ..StepOptions::default()
             };
             loss += model
                 .forward_backward(&p, &mut g, &b, &opts, &mut |_| {})
                 .unwrap()
                 .loss
-                / DP as f32;
+                / n_micro as f32;
         }
         losses.push(loss);
         let (_, coef) = clip_factor(grad_sq_sum(&g), cfg.max_grad_norm.unwrap());
@@ -79,7 +80,8 @@ fn reference(model: &Model) -> (Vec<f32>, Vec<f32>) {
     (losses, p)
 }
 
-fn run(model: &Model, stage: ZeroStage, sp: bool) -> (Vec<f32>, Vec<f32>) {
+/// `accum` micro-batches per dp rank and step; rank `d` takes micro-batches `d·accum..`.
+fn run(model: &Model, stage: ZeroStage, sp: bool, accum: usize) -> (Vec<f32>, Vec<f32>) {
     let out = run_threads(DP * TP, |c| {
         let mesh = DeviceMesh::new(&c, &[("dp", DP), ("tp", TP)]).unwrap();
         let (tp_group, dp_group) = (mesh.group(&["tp"]).unwrap(), mesh.group(&["dp"]).unwrap());
@@ -88,11 +90,19 @@ fn run(model: &Model, stage: ZeroStage, sp: bool) -> (Vec<f32>, Vec<f32>) {
         let init = tp.shard_params(&model.init_params(3));
         let plan = tp.plan.clone();
         let mut e = DataParallel::new(StagedTp { tp }, dp_group, dp_config(stage), &init).unwrap();
-        let micro = GLOBAL / DP;
+        let micro = GLOBAL / (DP * accum);
         let losses: Vec<f32> = (0..STEPS)
             .map(|s| {
-                let b = rows(&model.cfg, s * GLOBAL + dp_rank * micro, micro);
-                e.train_step(&[b]).unwrap().loss
+                let batches: Vec<Batch> = (0..accum)
+                    .map(|a| {
+                        rows(
+                            &model.cfg,
+                            s * GLOBAL + (dp_rank * accum + a) * micro,
+                            micro,
+                        )
+                    })
+                    .collect();
+                e.train_step(&batches).unwrap().loss
             })
             .collect();
         (
@@ -115,36 +125,43 @@ fn run(model: &Model, stage: ZeroStage, sp: bool) -> (Vec<f32>, Vec<f32>) {
     (out[0].0.clone(), plan.gather(&shards).unwrap())
 }
 
-fn check(cfg: ModelConfig, sps: &[bool]) {
+fn check(cfg: ModelConfig, sps: &[bool], accums: &[usize]) {
     let model = Model::new(cfg).unwrap();
-    let (ref_losses, ref_params) = reference(&model);
-    for &sp in sps {
-        for k in [0, 1, 2, 3] {
-            let stage = ZeroStage::from_index(k).unwrap();
-            let (losses, params) = run(&model, stage, sp);
-            for (s, (a, b)) in losses.iter().zip(&ref_losses).enumerate() {
+    for &accum in accums {
+        let (ref_losses, ref_params) = reference(&model, DP * accum);
+        for &sp in sps {
+            for k in [0, 1, 2, 3] {
+                let stage = ZeroStage::from_index(k).unwrap();
+                let (losses, params) = run(&model, stage, sp, accum);
+                let what = format!("zero={k} sp={sp} accum={accum}");
+                for (s, (a, b)) in losses.iter().zip(&ref_losses).enumerate() {
+                    assert!(
+                        (a - b).abs() / b.abs() < 1e-5,
+                        "{what} step {s}: {a} vs {b}"
+                    );
+                }
+                let scale = ref_params.iter().fold(0.0f32, |m, x| m.max(x.abs()));
+                let err = params
+                    .iter()
+                    .zip(&ref_params)
+                    .fold(0.0f32, |m, (a, b)| m.max((a - b).abs()));
                 assert!(
-                    (a - b).abs() / b.abs() < 1e-5,
-                    "zero={k} sp={sp} step {s}: {a} vs {b}"
+                    err / scale < 1e-5,
+                    "{what}: params differ by {:e}",
+                    err / scale
                 );
             }
-            let scale = ref_params.iter().fold(0.0f32, |m, x| m.max(x.abs()));
-            let err = params
-                .iter()
-                .zip(&ref_params)
-                .fold(0.0f32, |m, (a, b)| m.max((a - b).abs()));
-            assert!(
-                err / scale < 1e-5,
-                "zero={k} sp={sp}: params differ by {:e}",
-                err / scale
-            );
         }
     }
 }
 
 #[test]
 fn llama_tp2_dp2_matches_single_process() {
-    check(ModelConfig::llama(64, 32, 48, 2, 4, 2), &[false, true]);
+    check(
+        ModelConfig::llama(64, 32, 48, 2, 4, 2),
+        &[false, true],
+        &[1, 2],
+    );
 }
 
 #[test]
@@ -152,5 +169,6 @@ fn moe_tp2_dp2_matches_single_process() {
     let mut cfg = ModelConfig::llama(64, 32, 48, 2, 4, 2).with_experts(4, 2);
     cfg.output_router_logits = true;
     cfg.router_aux_loss_coef = 0.05;
-    check(cfg, &[false, true]);
+    // Accumulation: per-unit partial-gradient syncs must not re-sum earlier micro-batches.
+    check(cfg, &[false, true], &[1, 2]);
 }
