@@ -1,5 +1,5 @@
-//! Vocabulary-parallel token embedding: rank `r` owns table rows
-//! `[r·V/tp, (r+1)·V/tp)`. Forward: every rank looks up all tokens in its rows (zeros for ids
+//! Vocabulary-parallel token embedding: rank `r` owns table rows `[r·n, (r+1)·n)`,
+//! `n = ⌈V/tp⌉` (rows past `V` are padding no id reaches). Forward: every rank looks up all tokens in its rows (zeros for ids
 //! it does not own), then `g` sums the partial outputs (all-reduce; reduce-scatter to the local
 //! tokens under sequence parallelism). Backward: `g*` (identity; all-gather under sp), then
 //! each rank scatter-adds the rows it owns: no further communication.
@@ -12,17 +12,17 @@ use super::region::TpRegion;
 
 #[derive(Debug, Clone)]
 pub struct VocabParallelEmbedding {
+    /// Full vocabulary size (ids must be below it).
     pub vocab: usize,
+    /// Table rows per rank, `⌈vocab/tp⌉`.
+    pub rows: usize,
     pub dim: usize,
     pub region: TpRegion,
 }
 
 impl VocabParallelEmbedding {
-    fn rows(&self) -> usize {
-        self.vocab / self.region.tp()
-    }
     fn start(&self) -> usize {
-        self.region.rank() * self.rows()
+        self.region.rank() * self.rows
     }
 
     /// `ids [tokens]`, `table` the local `[V/tp, dim]` rows -> `x [tokens (local under sp), dim]`.

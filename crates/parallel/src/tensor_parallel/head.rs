@@ -1,6 +1,7 @@
 //! Final RMSNorm + vocabulary-parallel LM head fused with cross-entropy. Rank `r` holds LM-head
-//! rows `[r·V/tp, (r+1)·V/tp)` and computes only its `[tokens, V/tp]` logits, chunk by chunk;
-//! the full `[tokens, V]` logits never exist anywhere.
+//! rows `[r·n, (r+1)·n)`, `n = ⌈V/tp⌉`, and computes only the logits of its rows below `V`
+//! (padding rows are left out of the softmax), chunk by chunk; the full `[tokens, V]` logits
+//! never exist anywhere.
 //!
 //! Per row, with shard logits `z_r`, target `t` (Megatron's vocab-parallel CE):
 //! ```text
@@ -52,11 +53,20 @@ impl VocabParallelHead {
     fn dim(&self) -> usize {
         self.norm.numel()
     }
-    fn shard(&self) -> usize {
+    /// Vocabulary rows this rank holds (padding included).
+    fn rows(&self) -> usize {
         self.lm.shape[0]
     }
     fn start(&self) -> usize {
-        self.region.rank() * self.shard()
+        self.region.rank() * self.rows()
+    }
+    /// Real (non-padding) vocabulary rows of this rank: the width of its logits.
+    fn shard(&self) -> usize {
+        self.rows().min(self.vocab.saturating_sub(self.start()))
+    }
+    /// The LM-head rows of the real vocabulary.
+    fn weights<'a>(&self, p: &'a [f32]) -> &'a [f32] {
+        &self.lm.of(p)[..self.shard() * self.dim()]
     }
 
     /// Local logits of rows `[r0, r0 + n)` of `xn`.
@@ -89,11 +99,13 @@ impl VocabParallelHead {
                 xn.len()
             )));
         }
-        let (w, v) = (self.lm.of(p), self.shard());
-        let (mut max, mut sum, mut tl) = (vec![0.0; rows], vec![0.0; rows], vec![0.0; rows]);
+        let (w, v) = (self.weights(p), self.shard());
+        // A rank whose rows are all padding has no logits: max −∞ and sum 0 drop out below.
+        let mut max = vec![f32::NEG_INFINITY; rows];
+        let (mut sum, mut tl) = (vec![0.0; rows], vec![0.0; rows]);
         let chunk = self.ce.chunk_rows.max(1);
         let mut z = vec![0.0; chunk.min(rows) * v];
-        for r0 in (0..rows).step_by(chunk) {
+        for r0 in (0..rows).step_by(chunk).filter(|_| v > 0) {
             let n = chunk.min(rows - r0);
             self.logits(w, &xn, r0, n, &mut z[..n * v])?;
             logits_row_stats(
@@ -145,12 +157,12 @@ impl VocabParallelHead {
         cache: TpHeadCache,
         grad_scale: f32,
     ) -> Result<Vec<f32>> {
-        let (w, v, d) = (self.lm.of(p), self.shard(), self.dim());
+        let (w, v, d) = (self.weights(p), self.shard(), self.dim());
         let rows = cache.targets.len();
         let chunk = self.ce.chunk_rows.max(1);
         let mut z = vec![0.0; chunk.min(rows) * v];
         let mut dxn = vec![0.0; rows * d];
-        for r0 in (0..rows).step_by(chunk) {
+        for r0 in (0..rows).step_by(chunk).filter(|_| v > 0) {
             let n = chunk.min(rows - r0);
             let zc = &mut z[..n * v];
             self.logits(w, &cache.xn, r0, n, zc)?;
@@ -175,7 +187,7 @@ impl VocabParallelHead {
                 false,
             )?;
             matmul(
-                self.lm.of_mut(g),
+                &mut self.lm.of_mut(g)[..v * d],
                 zc,
                 &cache.xn[r0 * d..(r0 + n) * d],
                 v,

@@ -64,6 +64,7 @@ impl TpModel {
         };
         let embed = VocabParallelEmbedding {
             vocab: cfg.vocab_size,
+            rows: plan.local_cfg.vocab_size,
             dim: cfg.hidden_size,
             region: region.clone(),
         };

@@ -3,12 +3,14 @@
 //!
 //! A rank's shard is itself a valid model: [`TpPlan::local_cfg`] is the full config with
 //! `heads/tp`, `kv_heads/tp` (or one replicated KV head when `tp > kv_heads`), `ffn/tp`,
-//! `expert_ffn/tp` and `vocab/tp`, and its flat layout has the same tensor names as the full
+//! `expert_ffn/tp` and `⌈vocab/tp⌉`, and its flat layout has the same tensor names as the full
 //! one. Per tensor ([`Split`]):
 //! - attention: q split by heads (rows), k/v by whole KV heads (rows), o by input columns;
 //! - MLP / shared expert: gate, up by rows, down by columns; MoE experts the same per expert
 //!   (the fused `[E, 2F, H]` gate_up is `2E` row groups), the router replicated;
-//! - embedding and LM head: by vocabulary rows; norms replicated.
+//! - embedding and LM head: by vocabulary rows, the vocabulary padded to a multiple of tp (the
+//!   padding rows stay zero: no id looks them up and the vocab-parallel head leaves them out
+//!   of the softmax); norms replicated.
 //!
 //! A replicated tensor whose gradient each rank only sees part of ([`TensorShard::partial_grad`]:
 //! the router, replicated KV heads, and under sequence parallelism the norm gains) is summed
@@ -29,13 +31,18 @@ pub enum Split {
     Rows { groups: usize, parts: usize },
     /// The last dimension is cut into `parts`.
     Cols { parts: usize },
+    /// Rows cut into `parts` blocks of `⌈rows/parts⌉` (the vocabulary); the last blocks are
+    /// zero-padded past `rows`.
+    PaddedRows { rows: usize, parts: usize },
 }
 
 impl Split {
     pub fn parts(&self) -> usize {
         match *self {
             Split::Replicated => 1,
-            Split::Rows { parts, .. } | Split::Cols { parts } => parts,
+            Split::Rows { parts, .. } | Split::Cols { parts } | Split::PaddedRows { parts, .. } => {
+                parts
+            }
         }
     }
 }
@@ -104,7 +111,7 @@ impl TpPlan {
             )));
         };
         lc.head_dim = Some(cfg.head_dim());
-        lc.vocab_size = divides("vocab_size", cfg.vocab_size, tp)?;
+        lc.vocab_size = cfg.vocab_size.div_ceil(tp);
         if cfg.is_moe() {
             let f = divides("expert ffn size", cfg.expert_ffn(), tp)?;
             lc.moe_intermediate_size = Some(f);
@@ -157,8 +164,14 @@ impl TpPlan {
                             parts: tp,
                         };
                         (s, false)
+                    } else if n == "model.embed_tokens.weight" || n == "lm_head.weight" {
+                        let s = Split::PaddedRows {
+                            rows: cfg.vocab_size,
+                            parts: tp,
+                        };
+                        (s, false)
                     } else {
-                        // q, gate, up, embedding, LM head.
+                        // q, gate, up.
                         (rows, false)
                     };
                 Ok(TensorShard {
@@ -225,6 +238,17 @@ impl TpPlan {
                 for (gi, l) in lv.chunks_mut(n).enumerate() {
                     let start = gi * fv.len() / groups + part * n;
                     mv(&mut fv[start..start + n], l);
+                }
+            }
+            Split::PaddedRows { rows, .. } => {
+                let cols = t.full.shape[1];
+                let n = lv.len() / cols;
+                let first = (part * n).min(rows);
+                let real = n.min(rows - first);
+                let (a, b) = (first * cols, (first + real) * cols);
+                mv(&mut fv[a..b], &mut lv[..real * cols]);
+                if to_local {
+                    lv[real * cols..].fill(0.0);
                 }
             }
             Split::Cols { parts } => {
