@@ -44,7 +44,13 @@ fn rows(stdout: &str) -> Vec<(usize, i64)> {
 
 /// Transports of the end-to-end tests: shared memory through its rings (single copy off),
 /// shared memory with single-copy ring steps at every size (the ring all-reduce too), and TCP.
-const PATHS: [(&str, &str, &[(&str, &str)]); 3] = [
+/// (name, transport, extra environment).
+type Path = (
+    &'static str,
+    &'static str,
+    &'static [(&'static str, &'static str)],
+);
+const PATHS: [Path; 3] = [
     ("shm", "shm", &[("XTRAIN_SHM_SINGLE_COPY", "0")]),
     (
         "shm single copy",
