@@ -16,9 +16,10 @@
 //! have one extra element, so any length (0 included) works for any n.
 use std::ops::Range;
 
-use crate::element::{reduce_bytes, scale_avg, Element, ReduceOp};
+use crate::element::{reduce_bytes, scale_avg, scale_avg_bytes, Element, ReduceOp, ScaleBytesFn};
 use crate::engine::{Ctx, Engine, Incoming, Outgoing, Sink};
 use crate::error::{CommError, Result};
+use crate::single_copy::WriteBack;
 use crate::wire::OpKind;
 
 /// All-reduce algorithm.
@@ -231,23 +232,38 @@ impl Engine {
         let n = self.size();
         let sc = self.use_single_copy(std::mem::size_of_val(buf));
         let segs: Vec<Range<usize>> = (0..n).map(|i| shard_range(buf.len(), n, i)).collect();
-        // Reduce-scatter leaves segment r+1 complete on rank r.
-        self.ring_reduce_scatter(ctx, buf, &segs, op, sc)?;
+        // Reduce-scatter leaves segment r+1 complete on rank r. With single copy its last step
+        // also writes that result back into the left neighbour, so rank r then holds segments
+        // r+1 and r+2 and the all-gather needs one step fewer (it receives r, r−1, …, r+3).
+        let wb = sc.then_some(WriteBack {
+            scale: (op == ReduceOp::Avg).then_some((scale_avg_bytes::<T> as ScaleBytesFn, n)),
+        });
+        self.ring_reduce_scatter(ctx, buf, &segs, op, sc, wb)?;
         let owned = segs[self.wrap(self.rank() + 1)].clone();
-        if op == ReduceOp::Avg {
+        if op == ReduceOp::Avg && wb.is_none() {
             scale_avg(&mut buf[owned], n);
         }
-        self.ring_all_gather(ctx, buf, &segs, 1, sc)?;
+        let gather_steps = n - 1 - usize::from(wb.is_some());
+        self.ring_all_gather(ctx, buf, &segs, 1, sc, gather_steps)?;
         self.ring_finish(ctx, sc)
     }
 
     /// One ring step: send `sb` to the right neighbour and deliver what the left one sends
     /// into `sink`, through the transport or, when `sc`, as a single-copy step.
-    fn ring_step(&mut self, ctx: &Ctx, t: u32, sc: bool, sb: &[u8], sink: Sink<'_>) -> Result<()> {
+    fn ring_step(
+        &mut self,
+        ctx: &Ctx,
+        t: u32,
+        sc: bool,
+        sb: &[u8],
+        sink: Sink<'_>,
+        write_back: Option<WriteBack>,
+    ) -> Result<()> {
         let (n, r) = (self.size(), self.rank());
         if sc {
-            self.sc_step(ctx, t, sb, sink)
+            self.sc_step(ctx, t, sb, sink, write_back)
         } else {
+            debug_assert!(write_back.is_none(), "write-back needs single copy");
             self.step(
                 ctx,
                 t,
@@ -277,19 +293,22 @@ impl Engine {
         segs: &[Range<usize>],
         op: ReduceOp,
         sc: bool,
+        last_write_back: Option<WriteBack>,
     ) -> Result<()> {
         let (n, r) = (self.size(), self.rank());
         for s in 0..n - 1 {
             let send = segs[self.wrap(r + n - s)].clone();
             let recv = segs[self.wrap(r + 2 * n - s - 1)].clone();
             let (sb, rb) = split_pair(buf, send, recv);
-            self.ring_step(ctx, tag(s, 0), sc, bytes(sb), reduce_sink(rb, op))?;
+            let wb = last_write_back.filter(|_| s == n - 2);
+            self.ring_step(ctx, tag(s, 0), sc, bytes(sb), reduce_sink(rb, op), wb)?;
         }
         Ok(())
     }
 
     /// Ring all-gather over `segs` when rank r starts owning segment (r + k): at step s it sends
-    /// segment (r + k − s) to r+1 and receives segment (r + k − s − 1) from r−1.
+    /// segment (r + k − s) to r+1 and receives segment (r + k − s − 1) from r−1, for the first
+    /// `steps` of the n−1 steps.
     fn ring_all_gather<T: Element>(
         &mut self,
         ctx: &Ctx,
@@ -297,14 +316,15 @@ impl Engine {
         segs: &[Range<usize>],
         k: usize,
         sc: bool,
+        steps: usize,
     ) -> Result<()> {
         let (n, r) = (self.size(), self.rank());
-        for s in 0..n - 1 {
+        for s in 0..steps {
             let send = segs[self.wrap(r + n + k - s)].clone();
             let recv = segs[self.wrap(r + 2 * n + k - s - 1)].clone();
             let (sb, rb) = split_pair(buf, send, recv);
             let t = tag(0x8000 + s, 0);
-            self.ring_step(ctx, t, sc, bytes(sb), copy_sink(rb))?;
+            self.ring_step(ctx, t, sc, bytes(sb), copy_sink(rb), None)?;
         }
         Ok(())
     }
@@ -576,7 +596,7 @@ impl Engine {
                 f: reduce_bytes::<T>,
                 op,
             };
-            self.ring_step(&ctx, tag(s, 0), sc, bytes(send), sink)?;
+            self.ring_step(&ctx, tag(s, 0), sc, bytes(send), sink, None)?;
             std::mem::swap(&mut prev, &mut cur);
         }
         self.ring_finish(&ctx, sc)?;
@@ -602,7 +622,7 @@ impl Engine {
         output[r * m..(r + 1) * m].copy_from_slice(input);
         let segs: Vec<Range<usize>> = (0..n).map(|i| i * m..(i + 1) * m).collect();
         let sc = self.use_single_copy(std::mem::size_of_val(output));
-        self.ring_all_gather(&ctx, output, &segs, 0, sc)?;
+        self.ring_all_gather(&ctx, output, &segs, 0, sc, n - 1)?;
         self.ring_finish(&ctx, sc)
     }
 
@@ -619,7 +639,7 @@ impl Engine {
             dtype: crate::element::DType::I64,
             ..ctx
         };
-        self.ring_all_gather(&count_ctx, &mut counts, &unit, 0, false)?;
+        self.ring_all_gather(&count_ctx, &mut counts, &unit, 0, false, n - 1)?;
         let counts: Vec<usize> = counts.iter().map(|&c| c as usize).collect();
         let mut offs = vec![0usize; n + 1];
         for i in 0..n {
@@ -630,7 +650,7 @@ impl Engine {
         let segs: Vec<Range<usize>> = (0..n).map(|i| offs[i]..offs[i + 1]).collect();
         let data_ctx = Ctx { count: 1, ..ctx };
         let sc = self.use_single_copy(std::mem::size_of_val(&out[..]));
-        self.ring_all_gather(&data_ctx, &mut out, &segs, 0, sc)?;
+        self.ring_all_gather(&data_ctx, &mut out, &segs, 0, sc, n - 1)?;
         self.ring_finish(&data_ctx, sc)?;
         Ok((out, counts))
     }

@@ -97,6 +97,13 @@ impl Sink<'_> {
         }
     }
 
+    /// The destination bytes.
+    pub(crate) fn dst(&mut self) -> &mut [u8] {
+        match self {
+            Sink::Copy(d) | Sink::Reduce { dst: d, .. } | Sink::ReduceInto { dst: d, .. } => d,
+        }
+    }
+
     /// Delivers `bytes`, the received bytes `[offset, offset + bytes.len())` of the payload.
     pub(crate) fn accept(&mut self, offset: usize, bytes: &[u8]) {
         let range = offset..offset + bytes.len();

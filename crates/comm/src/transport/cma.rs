@@ -1,4 +1,5 @@
-//! Cross-memory attach: reading another process's memory with `process_vm_readv(2)`, the
+//! Cross-memory attach: reading (and writing) another process's memory with
+//! `process_vm_readv(2)` / `process_vm_writev(2)`, the
 //! kernel primitive behind the single-copy shared-memory path (see `crate::single_copy`).
 //!
 //! The kernel copies straight from the peer's pages into ours: one copy instead of the two of
@@ -55,22 +56,46 @@ impl Offer {
     }
 }
 
-/// Copies `dst.len()` bytes from `addr` in process `pid` into `dst` (looping over partial
-/// transfers, which the kernel may return when it meets an unmapped page part-way).
+/// Copies `dst.len()` bytes from `addr` in process `pid` into `dst`.
 pub(crate) fn read(pid: u32, addr: u64, dst: &mut [u8]) -> Result<(), CmaError> {
+    transfer(pid, addr, dst.as_mut_ptr(), dst.len(), false)
+}
+
+/// Copies `src` to `addr` in process `pid` (memory that process handed over for writing).
+pub(crate) fn write(pid: u32, addr: u64, src: &[u8]) -> Result<(), CmaError> {
+    transfer(pid, addr, src.as_ptr() as *mut u8, src.len(), true)
+}
+
+/// `process_vm_readv` (or `_writev` when `to_remote`) of `len` bytes between `local` and
+/// `addr` in `pid`, looping over partial transfers (the kernel stops at an unmapped page).
+fn transfer(
+    pid: u32,
+    addr: u64,
+    local: *mut u8,
+    len: usize,
+    to_remote: bool,
+) -> Result<(), CmaError> {
     let mut done = 0;
-    while done < dst.len() {
-        let local = libc::iovec {
-            iov_base: dst[done..].as_mut_ptr() as *mut libc::c_void,
-            iov_len: dst.len() - done,
+    while done < len {
+        // SAFETY (pointer arithmetic): `done < len`, inside the caller's slice.
+        let local_iov = libc::iovec {
+            iov_base: unsafe { local.add(done) } as *mut libc::c_void,
+            iov_len: len - done,
         };
-        let remote = libc::iovec {
+        let remote_iov = libc::iovec {
             iov_base: (addr as usize + done) as *mut libc::c_void,
-            iov_len: dst.len() - done,
+            iov_len: len - done,
         };
-        // SAFETY: `local` describes memory we own exclusively (`dst`); the kernel validates
-        // the remote range and reports bad addresses as EFAULT instead of faulting.
-        let got = unsafe { libc::process_vm_readv(pid as libc::pid_t, &local, 1, &remote, 1, 0) };
+        // SAFETY: `local_iov` describes the caller's slice (written only when reading, for
+        // which the caller passed `&mut`); the kernel validates the remote range and reports
+        // bad addresses as EFAULT instead of faulting.
+        let got = unsafe {
+            if to_remote {
+                libc::process_vm_writev(pid as libc::pid_t, &local_iov, 1, &remote_iov, 1, 0)
+            } else {
+                libc::process_vm_readv(pid as libc::pid_t, &local_iov, 1, &remote_iov, 1, 0)
+            }
+        };
         if got < 0 {
             let e = std::io::Error::last_os_error();
             return Err(match e.raw_os_error() {
@@ -123,6 +148,9 @@ mod tests {
         assert_eq!(Offer::decode(&o.encode()), o);
         read(o.pid, o.addr, &mut dst).unwrap();
         assert_eq!(dst, bytes);
+        let back: Vec<u8> = dst.iter().map(|b| b ^ 0x5a).collect();
+        write(o.pid, dst.as_mut_ptr() as u64, &back).unwrap();
+        assert_eq!(dst, back);
         // Page 0 is never mapped: EFAULT, reported as the peer's memory being gone.
         assert!(matches!(read(o.pid, 8, &mut dst[..8]), Err(CmaError::Gone)));
         // A pid that cannot exist.
