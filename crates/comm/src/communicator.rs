@@ -58,7 +58,7 @@ pub struct Options {
 
 /// Default of [`Options::single_copy_min_bytes`]: below it the ring path is as fast
 /// (measured crossover, docs/PERFORMANCE.md "Single-copy shared memory").
-pub const SINGLE_COPY_MIN_BYTES: usize = 2 << 20;
+pub const SINGLE_COPY_MIN_BYTES: usize = 512 << 10;
 
 impl Default for Options {
     fn default() -> Self {
