@@ -20,10 +20,11 @@
 //!    left neighbour already holds that segment's result and the all-gather needs n−2 steps
 //!    instead of n−1 (none with 2 ranks).
 //!
-//! A region offered at step s is read by right only between exchange s and exchange s+1 (or
-//! the closing exchange [`Engine::sc_finish`], a last round of acks). The collectives keep the
-//! rest: the region written at step s is disjoint from the one offered at step s, data offered
-//! at step s was final before exchange s, and they return (freeing or reusing the buffer) only
+//! A region offered at step s is read (with write-back: read, then overwritten piece by piece)
+//! by right only between exchange s and exchange s+1 (or the closing exchange
+//! [`Engine::sc_finish`], a last round of acks); its owner neither reads nor writes it in that
+//! interval. The collectives keep the rest: the region written at step s is disjoint from the
+//! one offered at step s, data offered at step s was final before exchange s, and they return (freeing or reusing the buffer) only
 //! after `sc_finish`, so no rank reads memory its owner has moved on from. If a peer dies its
 //! pid reads as `ESRCH`; if it gave up and returned, its memory reads as `EFAULT` or the next
 //! exchange finds its links closed: both become `PeerClosed` naming it.
