@@ -187,14 +187,12 @@ impl StagedModel for StagedLlm {
         }
     }
 
-    /// Lower bound: the unit's input activation (the model does not report the size of what
-    /// its caches save beyond it).
+    /// Everything the unit's cache holds, as the model's caches report it.
     fn cache_bytes(&self, cache: &LlmCache) -> usize {
-        let h = self.model.cfg.hidden_size;
         match cache {
-            LlmCache::Embed(ids) => ids.len() * 4,
-            LlmCache::Block(c) => c.pass().tokens() * h * 4,
-            LlmCache::Head(_, _) => 0,
+            LlmCache::Embed(ids) => std::mem::size_of_val(ids.as_slice()),
+            LlmCache::Block(c) => c.bytes(),
+            LlmCache::Head(c, _) => c.bytes(),
         }
     }
 }

@@ -1,7 +1,8 @@
 //! The trainer-level data-parallel run (`parallel::worker::run`, what `xtrain train --dp N
 //! --zero K` executes in each worker) on the tiny preset and the built-in corpus: dp = 2 at
 //! every ZeRO stage gives the losses of dp = 1 with twice the accumulation steps (the same
-//! global batch), and a config that cannot work is a clear error.
+//! global batch; ZeRO-3 ranks generate only their shard of the initial parameters, so this also
+//! checks the range initialiser end to end), and a config that cannot work is a clear error.
 use parallel::worker::run;
 use train::RunConfig;
 
@@ -54,4 +55,9 @@ fn mismatched_layout_is_a_clear_error() {
         run(&cfg(2, 4, 1), &c, None, false).unwrap_err().to_string()
     });
     assert!(err[0].contains("zero"), "{}", err[0]);
+    let mut bad = cfg(2, 1, 1);
+    bad.parallel.bucket_mb = 0.0;
+    let err =
+        comm::testing::run_threads(2, |c| run(&bad, &c, None, false).unwrap_err().to_string());
+    assert!(err[0].contains("bucket_mb"), "{}", err[0]);
 }

@@ -136,6 +136,10 @@ pub struct DataParallel<M: StagedModel> {
     step: u64,
     lr: f32,
     comm_bytes: Gauge,
+    /// Largest reduction a non-root rank has sent: comm's `reduce` sums partial results in a
+    /// scratch copy of the input there, and the group's worker runs one collective at a time,
+    /// so at most one such copy is alive.
+    reduce_scratch: usize,
     gathered_bytes: Gauge,
     act_bytes: Gauge,
     trace: Option<Vec<TraceEvent>>,
@@ -151,15 +155,28 @@ impl<M: StagedModel> DataParallel<M> {
         cfg: DpConfig,
         init: &[f32],
     ) -> Result<Self, ParallelError> {
-        let units = model.units();
-        let total = units.last().map(|u| u.end).unwrap_or(0);
-        check_units(&units)?;
+        let total = model.units().last().map(|u| u.end).unwrap_or(0);
         if init.len() != total {
             return Err(ParallelError::Layout(format!(
                 "initial parameters have {} elements, the model's units cover {total}",
                 init.len()
             )));
         }
+        Self::with_init(model, group, cfg, |r, out| out.copy_from_slice(&init[r]))
+    }
+
+    /// Builds the engine from an initialiser that writes elements `range` of the flat initial
+    /// parameters into `out` (e.g. `model::Model::init_range`). Only the elements this rank
+    /// keeps are generated: its shard at ZeRO-3, so no rank ever holds the full fp32 model.
+    pub fn with_init(
+        model: M,
+        group: ProcessGroup,
+        cfg: DpConfig,
+        init: impl Fn(Range<usize>, &mut [f32]),
+    ) -> Result<Self, ParallelError> {
+        let units = model.units();
+        let total = units.last().map(|u| u.end).unwrap_or(0);
+        check_units(&units)?;
         let spec = ShardSpec::new(total, group.size())?;
         let stage = cfg.stage;
         // Stages 0/1 keep the full gradient buffer, so buckets can cut at tensor boundaries;
@@ -181,16 +198,15 @@ impl<M: StagedModel> DataParallel<M> {
             .collect();
         let staging = vec![None; plan.buckets.len()];
         let me = group.rank();
-        let shard = |src: &[f32]| {
+        let params = if stage.shards_params() {
             let mut s = vec![0.0; spec.shard_len()];
             let r = spec.range(me);
-            s[..r.len()].copy_from_slice(&src[r]);
+            init(r.clone(), &mut s[..r.len()]);
             s
-        };
-        let params = if stage.shards_params() {
-            shard(init)
         } else {
-            init.to_vec()
+            let mut p = vec![0.0; total];
+            init(0..total, &mut p);
+            p
         };
         let per = |sharded: bool| vec![0.0; if sharded { spec.shard_len() } else { total }];
         let grads = per(stage.shards_grads());
@@ -213,6 +229,7 @@ impl<M: StagedModel> DataParallel<M> {
             step: 0,
             lr,
             comm_bytes: Gauge::default(),
+            reduce_scratch: 0,
             gathered_bytes: Gauge::default(),
             act_bytes: Gauge::default(),
             trace: None,
@@ -416,6 +433,12 @@ impl<M: StagedModel> DataParallel<M> {
         // shards) is handed over without a copy; a bucket spanning shards is copied piece by
         // piece and its staging buffer freed, so in-flight bytes never exceed the bucket's.
         let pieces = self.spec.split(br.clone());
+        let me = self.group.rank();
+        for (root, piece) in &pieces {
+            if *root != me {
+                self.reduce_scratch = self.reduce_scratch.max(piece.len() * F32);
+            }
+        }
         if let [(root, piece)] = pieces.as_slice() {
             let bytes = buf.len() * F32;
             let work = self.group.reduce_async(buf, ReduceOp::Sum, *root);
@@ -609,7 +632,7 @@ impl<M: StagedModel> DataParallel<M> {
             params: self.params.len() * F32,
             grads: self.grads.len() * F32,
             optimizer: (self.m.len() + self.v.len()) * F32,
-            comm_buffers: self.comm_bytes.peak + self.gathered_bytes.peak,
+            comm_buffers: self.comm_bytes.peak + self.reduce_scratch + self.gathered_bytes.peak,
             activations: self.act_bytes.peak,
         }
     }
@@ -668,9 +691,10 @@ impl<M: StagedModel> DataParallel<M> {
     /// Saves this rank's shard under `dir` (replicated DDP state is written by rank 0 only) and
     /// waits until every rank has written. A collective: every rank calls it.
     pub fn save_checkpoint(&self, dir: &std::path::Path) -> Result<(), ParallelError> {
-        let state = self.export_shard();
-        let result = if state.world > 1 || self.group.rank() == 0 {
-            crate::checkpoint::save_shard(dir, &state, &self.unit_sizes())
+        // Replicated (DDP) state is exported by rank 0 only: the copy is the full model.
+        let writes = self.cfg.stage.shards_optimizer() || self.group.rank() == 0;
+        let result = if writes {
+            crate::checkpoint::save_shard(dir, &self.export_shard(), &self.unit_sizes())
         } else {
             Ok(())
         };

@@ -64,6 +64,7 @@ pub fn run(
             t.precision
         )));
     }
+    release_large_frees();
     if t.threads > 0 {
         tensor::threads::set_thread_budget(t.threads).map_err(cfg_err)?;
     }
@@ -91,9 +92,12 @@ pub fn run(
         warmup: t.warmup_steps,
         total: t.steps,
     };
+    // The process before any model state exists (code, threads, communicator, dataset): the
+    // baseline that the accounted bytes come on top of.
+    let baseline_kib = rss_kib("VmRSS:");
     let dp_cfg = DpConfig {
         stage,
-        bucket_bytes: crate::bucket::DEFAULT_BUCKET_BYTES,
+        bucket_bytes: (p.bucket_mb * 1024.0 * 1024.0) as usize,
         adamw: model::AdamW {
             lr: t.lr as f32,
             beta1: t.beta1 as f32,
@@ -103,9 +107,14 @@ pub fn run(
         },
         max_grad_norm: (t.grad_clip > 0.0).then_some(t.grad_clip as f32),
     };
-    let init = model.init_params(t.seed);
-    let mut engine = DataParallel::new(StagedLlm::new(model)?, world, dp_cfg, &init)?;
-    drop(init);
+    // Each rank generates only the initial parameters it keeps (its shard at ZeRO-3).
+    let staged = StagedLlm::new(model)?;
+    let init_model = staged.model.clone();
+    let seed = t.seed;
+    let mut engine = DataParallel::with_init(staged, world, dp_cfg, |r, out| {
+        init_model.init_range(seed, r, out)
+    })?;
+    drop(init_model);
     let formula = engine.formula();
     let phi = engine.spec().total();
     if log && rank == 0 {
@@ -161,14 +170,19 @@ pub fn run(
         step_ms_all.push(step_ms);
     }
     if log {
-        // Every rank reports its measured peak resident set (Linux `VmHWM`).
-        if let Some(kib) = peak_rss_kib() {
+        // Every rank reports its measured peak resident set (Linux `VmHWM`, before the
+        // checkpoint is written), the baseline and the accounted total on top of it.
+        if let (Some(kib), Some(base)) = (rss_kib("VmHWM:"), baseline_kib) {
             let mut sorted = step_ms_all.clone();
             sorted.sort_by(f64::total_cmp);
             let median = sorted.get(sorted.len() / 2).copied().unwrap_or(0.0);
+            let accounted = engine.memory().total();
             println!(
-                "rank {rank}: peak RSS {:.1} MiB, median step {median:.1} ms",
-                kib as f64 / 1024.0
+                "rank {rank}: peak RSS {:.1} MiB | baseline {:.1} MiB + accounted {} = {:.1} MiB | median step {median:.1} ms",
+                kib as f64 / 1024.0,
+                base as f64 / 1024.0,
+                mib(accounted),
+                base as f64 / 1024.0 + accounted as f64 / (1024.0 * 1024.0),
             );
         }
     }
@@ -182,9 +196,25 @@ pub fn run(
     })
 }
 
-/// Peak resident set size of this process in KiB (`VmHWM` of `/proc/self/status`).
-fn peak_rss_kib() -> Option<u64> {
+/// Makes glibc serve every allocation of 1 MiB or more with its own `mmap`, returned to the OS
+/// on free. By default the threshold adapts upwards (to 32 MiB) after large frees, so the
+/// per-step buckets and gathered units would then come from the heaps of the compute and the
+/// communication threads, where freed space is only reused or trimmed piecemeal and the
+/// resident set drifts above the live bytes the engine accounts for. With a fixed threshold
+/// the resident set follows the accounting (one page-fault pass per buffer per step, small
+/// beside a step).
+fn release_large_frees() {
+    #[cfg(all(target_os = "linux", target_env = "gnu"))]
+    // SAFETY: mallopt only changes allocator tuning; M_MMAP_THRESHOLD takes a byte count.
+    unsafe {
+        libc::mallopt(libc::M_MMAP_THRESHOLD, 1 << 20);
+    }
+}
+
+/// A size of this process in KiB from `/proc/self/status` (`VmHWM:` the peak resident set,
+/// `VmRSS:` the current one); `None` off Linux.
+fn rss_kib(field: &str) -> Option<u64> {
     let s = std::fs::read_to_string("/proc/self/status").ok()?;
-    let line = s.lines().find(|l| l.starts_with("VmHWM:"))?;
+    let line = s.lines().find(|l| l.starts_with(field))?;
     line.split_whitespace().nth(1)?.parse().ok()
 }
