@@ -4,6 +4,7 @@
 //! - [`bucket`]: gradient buckets in reverse layer order and their readiness during backward;
 //! - [`sampler`]: which samples of a global batch each dp rank reads;
 //! - [`memory`]: per-rank memory accounting and the ZeRO formulas;
+//! - [`flat`]: parameter and gradient buffers in fp32 or bf16;
 //! - [`engine`]: DDP and ZeRO-1/2/3 training steps (one engine, parameterised by stage);
 //! - [`worker`]: a data-parallel training run of a `RunConfig` on one rank;
 //! - [`reshard`]: re-cutting saved flat shards for a different dp size or stage;
@@ -13,6 +14,7 @@
 pub mod bucket;
 pub mod checkpoint;
 pub mod engine;
+pub mod flat;
 pub mod memory;
 pub mod reshard;
 pub mod sampler;

@@ -13,7 +13,7 @@ use train::RunConfig;
 
 use crate::engine::{DataParallel, DpConfig};
 use crate::llm::StagedLlm;
-use crate::memory::{formula_text, mib, MemoryBytes, ZeroStage};
+use crate::memory::{formula_text, mib, MemoryBytes, Precision, ZeroStage};
 use crate::ParallelError;
 
 /// What a run reports.
@@ -58,12 +58,16 @@ pub fn run(
         ))
     })?;
     let t = &cfg.train;
-    if t.precision != TrainPrecision::Fp32 {
-        return Err(ParallelError::Config(format!(
-            "train.precision = {:?}: the data-parallel engine trains in fp32 only so far",
-            t.precision
-        )));
-    }
+    let precision = match t.precision {
+        TrainPrecision::Fp32 => Precision::Fp32,
+        TrainPrecision::Bf16 => Precision::Bf16Mixed,
+        TrainPrecision::Fp16 => {
+            return Err(ParallelError::Config(
+                "train.precision = fp16: the data-parallel engine has no loss scaling; use bf16 or fp32"
+                    .into(),
+            ))
+        }
+    };
     release_large_frees();
     if t.threads > 0 {
         tensor::threads::set_thread_budget(t.threads).map_err(cfg_err)?;
@@ -106,6 +110,7 @@ pub fn run(
             weight_decay: t.weight_decay as f32,
         },
         max_grad_norm: (t.grad_clip > 0.0).then_some(t.grad_clip as f32),
+        precision,
     };
     // Each rank generates only the initial parameters it keeps (its shard at ZeRO-3).
     let staged = StagedLlm::new(model)?;
@@ -122,7 +127,7 @@ pub fn run(
             "data parallel: dp={} ZeRO-{} Φ={phi} params; model states per rank by formula {} = {} ({})",
             p.dp,
             stage.index(),
-            formula_text(stage, crate::memory::Precision::Fp32),
+            formula_text(stage, precision),
             mib(formula.model_states()),
             formula
         );
