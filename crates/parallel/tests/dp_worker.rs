@@ -60,4 +60,9 @@ fn mismatched_layout_is_a_clear_error() {
     let err =
         comm::testing::run_threads(2, |c| run(&bad, &c, None, false).unwrap_err().to_string());
     assert!(err[0].contains("bucket_mb"), "{}", err[0]);
+    let mut fp16 = cfg(2, 1, 1);
+    fp16.train.precision = train::config::Precision::Fp16;
+    let err =
+        comm::testing::run_threads(2, |c| run(&fp16, &c, None, false).unwrap_err().to_string());
+    assert!(err[0].contains("fp16"), "{}", err[0]);
 }
