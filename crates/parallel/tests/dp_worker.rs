@@ -23,11 +23,13 @@ fn cfg(dp: usize, zero: usize, accum: usize) -> RunConfig {
 
 #[test]
 fn dp2_every_stage_matches_dp1_with_accumulation() {
-    let single = comm::testing::run_threads(1, |c| run(&cfg(1, 0, 2), &c, None, false).unwrap());
+    let single =
+        comm::testing::run_threads(1, |c| run(&cfg(1, 0, 2), &c, &Default::default()).unwrap());
     let want = &single[0].losses;
     for zero in 0..4 {
-        let out =
-            comm::testing::run_threads(2, |c| run(&cfg(2, zero, 1), &c, None, false).unwrap());
+        let out = comm::testing::run_threads(2, |c| {
+            run(&cfg(2, zero, 1), &c, &Default::default()).unwrap()
+        });
         for r in &out {
             for (a, b) in r.losses.iter().zip(want) {
                 assert!(
@@ -48,21 +50,27 @@ fn dp2_every_stage_matches_dp1_with_accumulation() {
 #[test]
 fn mismatched_layout_is_a_clear_error() {
     let err = comm::testing::run_threads(1, |c| {
-        run(&cfg(2, 0, 1), &c, None, false).unwrap_err().to_string()
+        run(&cfg(2, 0, 1), &c, &Default::default())
+            .unwrap_err()
+            .to_string()
     });
     assert!(err[0].contains("parallel.dp"), "{}", err[0]);
     let err = comm::testing::run_threads(2, |c| {
-        run(&cfg(2, 4, 1), &c, None, false).unwrap_err().to_string()
+        run(&cfg(2, 4, 1), &c, &Default::default())
+            .unwrap_err()
+            .to_string()
     });
     assert!(err[0].contains("zero"), "{}", err[0]);
     let mut bad = cfg(2, 1, 1);
     bad.parallel.bucket_mb = 0.0;
-    let err =
-        comm::testing::run_threads(2, |c| run(&bad, &c, None, false).unwrap_err().to_string());
+    let err = comm::testing::run_threads(2, |c| {
+        run(&bad, &c, &Default::default()).unwrap_err().to_string()
+    });
     assert!(err[0].contains("bucket_mb"), "{}", err[0]);
     let mut fp16 = cfg(2, 1, 1);
     fp16.train.precision = train::config::Precision::Fp16;
-    let err =
-        comm::testing::run_threads(2, |c| run(&fp16, &c, None, false).unwrap_err().to_string());
+    let err = comm::testing::run_threads(2, |c| {
+        run(&fp16, &c, &Default::default()).unwrap_err().to_string()
+    });
     assert!(err[0].contains("fp16"), "{}", err[0]);
 }

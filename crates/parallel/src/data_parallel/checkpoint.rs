@@ -6,7 +6,11 @@
 //! for, its rank, the optimizer step and the unit sizes of the model. Replicated state (DDP) is
 //! saved once, as world 1. Loading reads every shard, checks they describe one layout, and
 //! re-cuts them for the loading configuration with [`crate::reshard`].
-use std::path::Path;
+//!
+//! A training run keeps them as `<run>/dp-checkpoints/step_NNNNNN/` with the run's
+//! `config.toml` beside the shards, and `<run>/latest` naming the newest (the single-process
+//! trainer's convention), so `xtrain train --resume <run or checkpoint>` finds both.
+use std::path::{Path, PathBuf};
 
 use serde::{Deserialize, Serialize};
 
@@ -27,6 +31,10 @@ struct ShardMeta {
 }
 
 const META: &str = "shard.json";
+/// The run configuration saved beside the shards.
+pub const CONFIG: &str = "config.toml";
+/// Where a run keeps its sharded checkpoints, relative to the run directory.
+pub const DIR: &str = "dp-checkpoints";
 const BUFFERS: [&str; 3] = ["params.f32", "exp_avg.f32", "exp_avg_sq.f32"];
 
 fn err(dir: &Path, msg: impl std::fmt::Display) -> ParallelError {
@@ -165,4 +173,33 @@ pub fn reshard_states(
         exp_avg: cut(|s| &s.exp_avg)?,
         exp_avg_sq: cut(|s| &s.exp_avg_sq)?,
     })
+}
+
+/// Writes the run configuration into checkpoint `dir` (write, then rename: never half-written).
+pub fn save_config(dir: &Path, toml_text: &str) -> Result<(), ParallelError> {
+    let tmp = dir.join(format!(".{CONFIG}.tmp"));
+    std::fs::write(&tmp, toml_text).map_err(|e| err(&tmp, e))?;
+    std::fs::rename(&tmp, dir.join(CONFIG)).map_err(|e| err(dir, e))
+}
+
+/// The run configuration saved in checkpoint `dir`.
+pub fn load_config(dir: &Path) -> Result<String, ParallelError> {
+    std::fs::read_to_string(dir.join(CONFIG)).map_err(|e| err(dir, format!("{CONFIG}: {e}")))
+}
+
+/// Whether `dir` holds a sharded checkpoint (its first shard directory).
+pub fn is_sharded(dir: &Path) -> bool {
+    dir.join("rank-00000").is_dir()
+}
+
+/// Resolves a `--resume` argument to a sharded checkpoint: the checkpoint itself, or a run
+/// directory whose `latest` names one. `None` when it is neither (e.g. a single-process
+/// checkpoint, which the caller handles).
+pub fn resolve(path: &Path) -> Option<PathBuf> {
+    if is_sharded(path) {
+        return Some(path.to_path_buf());
+    }
+    let name = std::fs::read_to_string(path.join("latest")).ok()?;
+    let dir = path.join(name.trim());
+    is_sharded(&dir).then_some(dir)
 }

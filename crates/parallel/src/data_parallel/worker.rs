@@ -2,7 +2,12 @@
 //! `train::data` (rank-aware sampler), the LR schedule and the [`DataParallel`] engine at the
 //! configured ZeRO stage. `xtrain train` calls [`run`] in each worker when `parallel.dp > 1`.
 //! Rank 0 prints the memory accounting at start (with its formula) and per-step metrics.
-use std::path::Path;
+//!
+//! With a run directory, sharded checkpoints go to `<out>/dp-checkpoints/step_NNNNNN` every
+//! `train.ckpt_every` steps and at the end, each with the run's `config.toml`, and
+//! `<out>/latest` names the newest. A run resumed from one (saved at any dp size, ZeRO stage
+//! or precision) continues at its step with the same data and learning rate schedule.
+use std::path::{Path, PathBuf};
 
 use comm::Communicator;
 use model::Model;
@@ -11,6 +16,7 @@ use train::data::{Dataset, Sampler, Tokenizer};
 use train::schedule::CosineSchedule;
 use train::RunConfig;
 
+use crate::checkpoint;
 use crate::engine::{DataParallel, DpConfig};
 use crate::llm::StagedLlm;
 use crate::memory::{formula_text, mib, MemoryBytes, Precision, ZeroStage};
@@ -34,14 +40,25 @@ fn cfg_err(e: impl std::fmt::Display) -> ParallelError {
 /// The model of a run config, exactly as the single-process trainer builds it.
 pub use train::trainer::model_config;
 
-/// Trains `cfg.train.steps` steps on this rank; `checkpoint`, when given, receives the sharded
-/// checkpoint at the end. Every rank of `comm`'s world must call it.
+/// Where a run writes and what it resumes from.
+#[derive(Clone, Debug, Default)]
+pub struct DpRunOptions {
+    /// Run directory for checkpoints (none: nothing is written).
+    pub out: Option<PathBuf>,
+    /// A sharded checkpoint to continue from.
+    pub resume: Option<PathBuf>,
+    /// Print the memory account and per-step lines (rank 0) and peak RSS (every rank).
+    pub log: bool,
+}
+
+/// Trains this rank up to `cfg.train.steps` optimizer steps (from the resumed step, if any).
+/// Every rank of `comm`'s world must call it.
 pub fn run(
     cfg: &RunConfig,
     comm: &Communicator,
-    checkpoint: Option<&Path>,
-    log: bool,
+    opts: &DpRunOptions,
 ) -> Result<DpRunSummary, ParallelError> {
+    let log = opts.log;
     cfg.validate().map_err(cfg_err)?;
     let p = &cfg.parallel;
     let world = comm.world().clone();
@@ -120,6 +137,19 @@ pub fn run(
         init_model.init_range(seed, r, out)
     })?;
     drop(init_model);
+    if let Some(dir) = &opts.resume {
+        engine.load_checkpoint(dir)?;
+    }
+    let start = engine.step_count() as usize;
+    if start > t.steps {
+        return Err(ParallelError::Config(format!(
+            "the checkpoint is at step {start}, beyond train.steps = {}",
+            t.steps
+        )));
+    }
+    if log && rank == 0 && opts.resume.is_some() {
+        println!("resumed at step {start}");
+    }
     let formula = engine.formula();
     let phi = engine.spec().total();
     if log && rank == 0 {
@@ -135,7 +165,7 @@ pub fn run(
     }
     let mut losses = Vec::with_capacity(t.steps);
     let mut step_ms_all = Vec::with_capacity(t.steps);
-    for step in 0..t.steps {
+    for step in start..t.steps {
         let batches = (0..t.grad_accum)
             .map(|a| {
                 let b = sampler.train_batch(&data.train, step as u64, a);
@@ -173,6 +203,12 @@ pub fn run(
         }
         losses.push(s.loss);
         step_ms_all.push(step_ms);
+        let every = t.ckpt_every;
+        if let Some(out) = &opts.out {
+            if every > 0 && (step + 1) % every == 0 && step + 1 < t.steps {
+                save(&engine, cfg, out, step + 1)?;
+            }
+        }
     }
     if log {
         // Every rank reports its measured peak resident set (Linux `VmHWM`, before the
@@ -191,14 +227,38 @@ pub fn run(
             );
         }
     }
-    if let Some(dir) = checkpoint {
-        engine.save_checkpoint(dir)?;
+    if let Some(out) = &opts.out {
+        let dir = save(&engine, cfg, out, t.steps)?;
+        if log && rank == 0 {
+            println!("sharded checkpoint {}", dir.display());
+        }
     }
     Ok(DpRunSummary {
         losses,
         memory: engine.memory(),
         formula,
     })
+}
+
+/// Saves the sharded checkpoint of step `step` into `out/dp-checkpoints/step_NNNNNN` with the
+/// run's config, and points `out/latest` at it. A collective.
+fn save(
+    engine: &DataParallel<StagedLlm>,
+    cfg: &RunConfig,
+    out: &Path,
+    step: usize,
+) -> Result<PathBuf, ParallelError> {
+    let name = format!("{}/step_{step:06}", checkpoint::DIR);
+    let dir = out.join(&name);
+    engine.save_checkpoint(&dir)?;
+    if engine.group().rank() == 0 {
+        checkpoint::save_config(&dir, &cfg.to_toml())?;
+        train::checkpoint::set_latest(out, &name)
+            .map_err(|e| ParallelError::Checkpoint(e.to_string()))?;
+    }
+    // No rank returns (and no caller reads `latest`) before rank 0 has written it.
+    engine.group().barrier()?;
+    Ok(dir)
 }
 
 /// Makes glibc serve every allocation of 1 MiB or more with its own `mmap`, returned to the OS
