@@ -15,7 +15,7 @@ pub mod staged;
 pub mod testing;
 
 pub use data_parallel::{
-    bucket, checkpoint, engine, flat, memory, reshard, sampler, shard, worker,
+    bucket, checkpoint, engine, flat, memory, reshard, run_log, sampler, shard, worker,
 };
 
 /// Errors of the parallel layer.

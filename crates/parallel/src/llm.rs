@@ -145,6 +145,13 @@ impl StagedModel for StagedLlm {
         out.x[0]
     }
 
+    fn eval_metric(&self, out: &LlmAct, last: &LlmCache) -> f32 {
+        match last {
+            LlmCache::Head(_, ce) => *ce,
+            _ => self.loss(out),
+        }
+    }
+
     fn backward(
         &self,
         unit: usize,

@@ -35,6 +35,13 @@ pub trait StagedModel: Sync {
     ) -> Result<(Self::Act, Self::Cache), ParallelError>;
     /// Scalar loss from the last unit's output.
     fn loss(&self, out: &Self::Act) -> f32;
+    /// The validation metric of a forward-only pass (`last`: the last unit's cache); by
+    /// default the loss. The decoders report the cross-entropy alone, without the MoE
+    /// auxiliary loss, as the single-process trainer's validation does.
+    fn eval_metric(&self, out: &Self::Act, last: &Self::Cache) -> f32 {
+        let _ = last;
+        self.loss(out)
+    }
     /// Backward of `unit`: `dy = None` for the last unit, which seeds d(loss) = `scale`.
     /// Adds the unit's parameter gradients into `grads` (the unit's slice) and returns dX
     /// (`None` for the first unit).

@@ -74,3 +74,39 @@ fn mismatched_layout_is_a_clear_error() {
     });
     assert!(err[0].contains("fp16"), "{}", err[0]);
 }
+
+#[test]
+fn rank0_writes_the_trainers_metrics_and_validation() {
+    let out = std::env::temp_dir().join(format!("xtrain-dp-worker-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&out);
+    let opts = parallel::worker::DpRunOptions {
+        out: Some(out.clone()),
+        ..Default::default()
+    };
+    let mut c = cfg(2, 2, 1);
+    c.train.sample_tokens = 0;
+    comm::testing::run_threads(2, |comm| run(&c, &comm, &opts).unwrap());
+    let records = train::metrics::read(&out.join("metrics.jsonl")).unwrap();
+    assert_eq!(
+        records.iter().map(|r| r.step).collect::<Vec<_>>(),
+        [1, 2, 3]
+    );
+    assert!(out.join("loss.png").is_file() && out.join("config.toml").is_file());
+    // The single-process trainer on the same global batch: same losses, same validation.
+    let mut single = c.clone();
+    (
+        single.parallel.dp,
+        single.parallel.nproc,
+        single.parallel.zero,
+    ) = (1, 1, 0);
+    single.train.grad_accum = 2;
+    let mut t = train::trainer::Trainer::new(single).unwrap();
+    for r in &records {
+        let s = t.train_step().unwrap();
+        assert!((s.loss - r.loss).abs() / r.loss < 1e-5, "{s:?} vs {r:?}");
+    }
+    let val = t.evaluate().unwrap().unwrap();
+    let got = records[2].val_loss.unwrap();
+    assert!((val - got).abs() / val < 1e-5, "validation {got} vs {val}");
+    let _ = std::fs::remove_dir_all(&out);
+}

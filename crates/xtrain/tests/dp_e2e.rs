@@ -1,6 +1,7 @@
 //! End-to-end data parallelism with real processes: `xtrain train --nproc 2 --dp 2 --zero K`
 //! spawns two workers through the launcher; ZeRO-0 and ZeRO-3 print the same losses, each
-//! rank writes its checkpoint shard, a checkpoint saved at dp=4 ZeRO-3 resumes at dp=2 ZeRO-1
+//! rank writes its checkpoint shard, rank 0 writes the single-process trainer's metrics and loss
+//! plot, a checkpoint saved at dp=4 ZeRO-3 resumes at dp=2 ZeRO-1
 //! with the uninterrupted run's losses, and an impossible layout fails with a clear message.
 use std::path::Path;
 use std::process::{Command, Output};
@@ -86,6 +87,21 @@ fn zero0_and_zero3_agree_across_processes() {
                 ))
                 .is_file());
         }
+        // Rank 0 writes what the single-process trainer writes: config, one JSON record per
+        // step (with validation at the last step), the loss plot.
+        for f in [
+            "config.toml",
+            "metrics.jsonl",
+            "loss.png",
+            "loss.svg",
+            "latest",
+        ] {
+            assert!(out.join(f).is_file(), "zero={zero}: {f} missing");
+        }
+        let metrics = std::fs::read_to_string(out.join("metrics.jsonl")).unwrap();
+        let lines: Vec<_> = metrics.lines().collect();
+        assert_eq!(lines.len(), 2, "{metrics}");
+        assert!(lines[1].contains("\"val_loss\""), "{metrics}");
         seen.push(l);
     }
     assert_eq!(seen[0], seen[1]);

@@ -381,16 +381,28 @@ impl<M: StagedModel> DataParallel<M> {
         Ok(Some(self.params.read(r)))
     }
 
-    /// Forward and backward of one micro-batch; returns its loss.
-    fn micro_step(
+    /// The validation metric of a forward-only pass over `batch` with the current weights
+    /// (the model's [`StagedModel::eval_metric`]). A collective at ZeRO-3 (the units are
+    /// gathered): every rank must call it, with a batch of its choice.
+    pub fn evaluate(&mut self, batch: &M::Batch) -> Result<f32, ParallelError> {
+        let (out, caches) = self.forward(batch, 1.0, false)?;
+        let last = caches
+            .last()
+            .ok_or_else(|| ParallelError::Layout("the model has no units".into()))?;
+        Ok(self.model.eval_metric(&out, last))
+    }
+
+    /// Forward of every unit; returns the output and the caches for backward (`keep`), or
+    /// only the last unit's cache.
+    fn forward(
         &mut self,
         batch: &M::Batch,
         scale: f32,
-        reduce: bool,
-    ) -> Result<f32, ParallelError> {
+        keep: bool,
+    ) -> Result<(M::Act, Vec<M::Cache>), ParallelError> {
         let n = self.units.len();
         let stage3 = self.cfg.stage.shards_params();
-        let mut caches = Vec::with_capacity(n);
+        let mut caches = Vec::with_capacity(if keep { n } else { 1 });
         let mut x = None;
         let mut prefetch = stage3.then(|| self.gather_async(0));
         for u in 0..n {
@@ -404,7 +416,11 @@ impl<M: StagedModel> DataParallel<M> {
                 None => &self.params.as_f32().expect("fp32 weights")[self.units[u].clone()],
             };
             let (y, cache) = self.model.forward(u, p, x.take(), batch, scale)?;
-            self.act_bytes.add(self.model.cache_bytes(&cache));
+            if keep {
+                self.act_bytes.add(self.model.cache_bytes(&cache));
+            } else {
+                caches.clear();
+            }
             caches.push(cache);
             if let Some(o) = owned {
                 self.gathered_bytes.sub(o.len() * F32);
@@ -412,6 +428,19 @@ impl<M: StagedModel> DataParallel<M> {
             x = Some(y);
         }
         let out = x.ok_or_else(|| ParallelError::Layout("the model has no units".into()))?;
+        Ok((out, caches))
+    }
+
+    /// Forward and backward of one micro-batch; returns its loss.
+    fn micro_step(
+        &mut self,
+        batch: &M::Batch,
+        scale: f32,
+        reduce: bool,
+    ) -> Result<f32, ParallelError> {
+        let n = self.units.len();
+        let stage3 = self.cfg.stage.shards_params();
+        let (out, mut caches) = self.forward(batch, scale, true)?;
         let loss = self.model.loss(&out);
 
         let mut tracker = reduce.then(|| ReadyTracker::new(&self.plan));

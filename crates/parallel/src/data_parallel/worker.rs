@@ -13,6 +13,7 @@ use comm::Communicator;
 use model::Model;
 use train::config::Precision as TrainPrecision;
 use train::data::{Dataset, Sampler, Tokenizer};
+use train::generate::{generate, SampleOptions};
 use train::schedule::CosineSchedule;
 use train::RunConfig;
 
@@ -20,6 +21,7 @@ use crate::checkpoint;
 use crate::engine::{DataParallel, DpConfig};
 use crate::llm::StagedLlm;
 use crate::memory::{formula_text, mib, MemoryBytes, Precision, ZeroStage};
+use crate::run_log::RunLog;
 use crate::ParallelError;
 
 /// What a run reports.
@@ -163,6 +165,11 @@ pub fn run(
         );
         println!("memory per rank (accounted): {}", engine.memory());
     }
+    let mut run_log = match &opts.out {
+        Some(out) if rank == 0 => Some(RunLog::open(out, cfg, phi)?),
+        _ => None,
+    };
+    let global_tokens = p.dp * t.micro_batch * t.grad_accum * cfg.model.seq_len;
     let mut losses = Vec::with_capacity(t.steps);
     let mut step_ms_all = Vec::with_capacity(t.steps);
     for step in start..t.steps {
@@ -203,6 +210,23 @@ pub fn run(
         }
         losses.push(s.loss);
         step_ms_all.push(step_ms);
+        let done = step + 1;
+        if opts.out.is_some() {
+            // Validation as the single-process trainer does it: every `eval_every` steps and
+            // at the end, on the same fixed held-out micro-batches (every rank evaluates all
+            // of them with the same weights, so ZeRO-3's gathers stay matched).
+            let val = if (t.eval_every > 0 && done % t.eval_every == 0) || done == t.steps {
+                evaluate(&mut engine, cfg, &sampler, &data)?
+            } else {
+                None
+            };
+            if let Some(l) = &mut run_log {
+                l.step(done, &s, lr, global_tokens, step_ms / 1e3, val)?;
+            }
+            if let (Some(v), true) = (val, log && rank == 0) {
+                println!("validation loss {v:.4} after step {done}");
+            }
+        }
         let every = t.ckpt_every;
         if let Some(out) = &opts.out {
             if every > 0 && (step + 1) % every == 0 && step + 1 < t.steps {
@@ -232,12 +256,53 @@ pub fn run(
         if log && rank == 0 {
             println!("sharded checkpoint {}", dir.display());
         }
+        if let Some(l) = &run_log {
+            l.finish()?;
+        }
+        if t.sample_tokens > 0 {
+            // The full weights are a collective at ZeRO-1/2/3 (sharded master weights).
+            let full = engine.full_params()?;
+            if log && rank == 0 {
+                let o = SampleOptions {
+                    max_new_tokens: t.sample_tokens,
+                    temperature: 0.8,
+                    top_k: 20,
+                    seed: t.seed,
+                    context: cfg.model.seq_len,
+                };
+                let m = &engine.model().model;
+                let text = generate(m, &full, &tokenizer, &t.sample_prompt, &o).map_err(cfg_err)?;
+                println!("sample: {}{text}", t.sample_prompt);
+            }
+        }
     }
     Ok(DpRunSummary {
         losses,
         memory: engine.memory(),
         formula,
     })
+}
+
+/// Mean validation cross-entropy over `train.eval_batches` held-out micro-batches (`None`
+/// without validation data). A collective at ZeRO-3.
+fn evaluate(
+    engine: &mut DataParallel<StagedLlm>,
+    cfg: &RunConfig,
+    sampler: &Sampler,
+    data: &Dataset,
+) -> Result<Option<f64>, ParallelError> {
+    let n = cfg.train.eval_batches;
+    if data.val.is_empty() || n == 0 {
+        return Ok(None);
+    }
+    let mut sum = 0.0f64;
+    for i in 0..n {
+        let b = sampler.val_batch(&data.val, i);
+        let targets = b.targets.iter().map(|&x| x as i64).collect();
+        let batch = model::Batch::new(b.batch, b.seq, b.inputs, targets).map_err(cfg_err)?;
+        sum += engine.evaluate(&batch)? as f64;
+    }
+    Ok(Some(sum / n as f64))
 }
 
 /// Saves the sharded checkpoint of step `step` into `out/dp-checkpoints/step_NNNNNN` with the
