@@ -194,3 +194,32 @@ fn zero3_dp4_checkpoint_resumes_at_dp2_zero1_through_the_cli() {
     assert!(!o.status.success());
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+#[test]
+fn bench_train_times_the_data_parallel_engine() {
+    let o = Command::new(env!("CARGO_BIN_EXE_xtrain"))
+        .args([
+            "bench",
+            "train",
+            "--preset",
+            "tiny",
+            "--threads",
+            "1",
+            "--steps",
+            "1",
+        ])
+        .args(["--nproc", "2", "--zero", "2"])
+        .args(SMALL)
+        .env_remove("RANK")
+        .env_remove("WORLD_SIZE")
+        .output()
+        .expect("running xtrain");
+    let stdout = ok(&o);
+    assert!(stdout.contains("ZeRO-2"), "{stdout}");
+    for r in 0..2 {
+        assert!(
+            stdout.contains(&format!("rank {r}: peak RSS")) && stdout.contains("median step"),
+            "{stdout}"
+        );
+    }
+}

@@ -59,7 +59,7 @@ pub fn run_cmd(a: TrainArgs) -> Result<()> {
                 .out
                 .clone()
                 .unwrap_or_else(|| PathBuf::from("runs").join(&a.preset));
-            return super::train_dp::run(&cfg, &out, None);
+            return super::train_dp::run(&cfg, Some(&out), None);
         }
     }
     // A sharded (data-parallel) checkpoint resumes data-parallel, at the dp size and stage of
@@ -76,7 +76,7 @@ pub fn run_cmd(a: TrainArgs) -> Result<()> {
             Some(dir) if dir.join("latest").is_file() => dir.clone(),
             _ => PathBuf::from("runs").join(&a.preset),
         });
-        return super::train_dp::run(&cfg, &out, Some(&ck));
+        return super::train_dp::run(&cfg, Some(&out), Some(&ck));
     }
     let mut trainer = match &a.resume {
         Some(dir) => {

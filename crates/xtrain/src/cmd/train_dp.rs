@@ -18,7 +18,7 @@ pub fn wants_dp(cfg: &RunConfig) -> bool {
 /// Runs `cfg` data-parallel (continuing from the sharded checkpoint `resume`, if given):
 /// spawns the workers when not inside a launched job, else trains. `--nproc N` alone means
 /// `--dp N` (data parallelism is the only layout wired in so far).
-pub fn run(cfg: &RunConfig, out: &Path, resume: Option<&Path>) -> Result<()> {
+pub fn run(cfg: &RunConfig, out: Option<&Path>, resume: Option<&Path>) -> Result<()> {
     let mut cfg = cfg.clone();
     if cfg.parallel.dp == 1 && cfg.parallel.nproc > 1 {
         cfg.parallel.dp = cfg.parallel.nproc;
@@ -45,7 +45,7 @@ pub fn run(cfg: &RunConfig, out: &Path, resume: Option<&Path>) -> Result<()> {
     }
     let (comm, _) = comm::env::init_from_env()?;
     let opts = parallel::worker::DpRunOptions {
-        out: Some(out.to_path_buf()),
+        out: out.map(Path::to_path_buf),
         resume: resume.map(Path::to_path_buf),
         log: true,
     };
