@@ -58,6 +58,13 @@ fn accounted_bytes_equal_the_formula() {
                     "zero={k} dp={dp}: {mem:?}"
                 );
                 assert!(mem.activations > 0);
+                // DDP and ZeRO-1 all-reduce each bucket in its own allocation: no copies in
+                // flight, only ZeRO-1's gather of the updated weights (one unit at a time).
+                match stage {
+                    ZeroStage::Ddp => assert_eq!(mem.comm_buffers, 0, "dp={dp}"),
+                    ZeroStage::One => assert_eq!(mem.comm_buffers, gathered, "dp={dp}"),
+                    _ => {}
+                }
                 if stage == ZeroStage::Three {
                     // Peak parameter bytes: the shard plus at most two gathered units.
                     assert!(

@@ -11,7 +11,9 @@
 //! Shards are the equal padded ranges of [`ShardSpec`]. Buckets are launched asynchronously the
 //! moment the backward of the last unit they cover returns (an all-reduce for stages 0/1, a
 //! reduce-scatter with uneven pieces for 2/3), so communication runs on the group's worker
-//! thread while backward continues on this one. ZeRO-3 gathers a unit's parameters just before its forward
+//! thread while backward continues on this one. Stages 0/1 keep their gradients one
+//! allocation per bucket ([`Bucketed`]) and lend the bucket itself to the all-reduce: an
+//! in-place reduction, no copy in flight. ZeRO-3 gathers a unit's parameters just before its forward
 //! (prefetching the next unit's asynchronously), frees them after, and does the same in reverse
 //! for backward, so at most two gathered units are alive beside the shard.
 //!
@@ -33,7 +35,7 @@ use model::optim::{clip_factor, scale_grads, AdamW};
 use train::precision::CHUNK;
 
 use crate::bucket::{BucketPlan, ReadyTracker};
-use crate::flat::{Flat, Piece};
+use crate::flat::{Bucketed, Flat, Piece};
 use crate::memory::{formula, MemoryBytes, Precision, ZeroStage};
 use crate::shard::ShardSpec;
 use crate::staged::StagedModel;
@@ -145,8 +147,8 @@ pub struct DataParallel<M: StagedModel> {
     /// Compute weights: full (stages 0-2) or this rank's padded shard (stage 3). In fp32 they
     /// are also the master weights.
     params: Flat,
-    /// Full (stages 0-1) or this rank's padded shard (stages 2-3).
-    grads: Flat,
+    /// Full, bucket by bucket (stages 0-1), or this rank's padded shard (stages 2-3).
+    grads: Bucketed,
     /// bf16-mixed only (empty in fp32): the fp32 master weights of the range AdamW updates,
     /// like `m` and `v`.
     master: Vec<f32>,
@@ -207,14 +209,10 @@ impl<M: StagedModel> DataParallel<M> {
         check_units(&units)?;
         let spec = ShardSpec::new(total, group.size())?;
         let stage = cfg.stage;
-        // Stages 0/1 keep the full gradient buffer, so buckets can cut at tensor boundaries;
-        // stages 2/3 stage gradients per bucket, which must then hold whole units.
-        let grain = if stage.shards_grads() {
-            units.clone()
-        } else {
-            model.tensors()
-        };
-        let plan = BucketPlan::new(&grain, BucketPlan::cap_elems(cfg.bucket_bytes, F32))?;
+        // Buckets hold whole units: a unit's gradients are written by one backward call into
+        // one contiguous slice (of the bucket's own allocation at stages 0/1, of its staging
+        // buffer at 2/3), and a unit's backward returning is the grads-ready event anyway.
+        let plan = BucketPlan::new(&units, BucketPlan::cap_elems(cfg.bucket_bytes, F32))?;
         let unit_bucket = units
             .iter()
             .map(|u| {
@@ -266,7 +264,14 @@ impl<M: StagedModel> DataParallel<M> {
                 (params, master)
             }
         };
-        let grads = Flat::zeros(per(stage.shards_grads()), precision);
+        // Stages 0/1: the full gradients, one allocation per bucket (all-reduced in place);
+        // stages 2/3: the shard.
+        let grads = if stage.shards_grads() {
+            Bucketed::zeros(vec![0..spec.shard_len()], precision)
+        } else {
+            let ranges = plan.buckets.iter().map(|b| b.range.clone()).collect();
+            Bucketed::zeros(ranges, precision)
+        };
         let m = vec![0.0; per(stage.shards_optimizer())];
         let v = vec![0.0; per(stage.shards_optimizer())];
         let lr = cfg.adamw.lr;
@@ -475,15 +480,16 @@ impl<M: StagedModel> DataParallel<M> {
             } else {
                 // Stages 0/1: accumulated into the gradient buffer (through an fp32 copy of
                 // the unit's gradients when they are stored in bf16).
-                let widened = matches!(self.grads, Flat::Bf16(_));
+                let widened = !self.grads.is_f32();
                 if widened {
                     self.gathered_bytes.add(range.len() * F32);
                 }
                 let model = &self.model;
                 let dy = dy.take();
-                let dx = self
-                    .grads
-                    .update(range.clone(), |g| model.backward(u, p, cache, dy, scale, g))?;
+                let b = self.unit_bucket[u];
+                let dx = self.grads.update(b, range.clone(), |g| {
+                    model.backward(u, p, cache, dy, scale, g)
+                })?;
                 if widened {
                     self.gathered_bytes.sub(range.len() * F32);
                 }
@@ -521,9 +527,23 @@ impl<M: StagedModel> DataParallel<M> {
         self.record(TraceKind::BucketLaunched(b));
         let br = self.plan.buckets[b].range.clone();
         if !self.cfg.stage.shards_grads() {
-            // An fp32 copy of the bucket (widened from bf16): reductions run in fp32.
-            let buf = self.grads.read(br.clone());
-            self.comm_bytes.add(buf.len() * F32);
+            // fp32: the bucket's own allocation is all-reduced in place (lent to the
+            // collective, returned in `drain`). bf16: an fp32 copy, since reductions run in
+            // fp32.
+            let buf = if self.grads.is_f32() {
+                match self.grads.take(b) {
+                    Some(Flat::F32(v)) => v,
+                    _ => {
+                        return Err(ParallelError::Protocol(format!(
+                            "bucket {b} is already in flight"
+                        )))
+                    }
+                }
+            } else {
+                let buf = self.grads.read(b, br.clone());
+                self.comm_bytes.add(buf.len() * F32);
+                buf
+            };
             pending.push(Pending::AllReduce {
                 bucket: b,
                 work: self.group.all_reduce_async(buf, ReduceOp::Sum),
@@ -597,8 +617,12 @@ impl<M: StagedModel> DataParallel<M> {
                     let mut sum = work.wait()?;
                     let r = self.plan.buckets[bucket].range.clone();
                     sum.iter_mut().for_each(|s| *s *= inv);
-                    self.grads.write(r.start, &sum);
-                    self.comm_bytes.sub(sum.len() * F32);
+                    if self.grads.has(bucket) {
+                        self.grads.write(bucket, r.start, &sum);
+                        self.comm_bytes.sub(sum.len() * F32);
+                    } else {
+                        self.grads.put(bucket, Flat::F32(sum));
+                    }
                     bucket
                 }
                 Pending::Reduce {
@@ -611,7 +635,7 @@ impl<M: StagedModel> DataParallel<M> {
                     let sum = work.wait()?;
                     if root == me {
                         let local = self.spec.to_local(me, &range);
-                        self.grads.update(local, |g| {
+                        self.grads.update(0, local, |g| {
                             for (g, s) in g.iter_mut().zip(&sum) {
                                 *g += s * inv;
                             }
@@ -726,10 +750,23 @@ impl<M: StagedModel> DataParallel<M> {
         let (t, lr) = (self.step, self.lr);
         let (m, v) = (&mut self.m[mr.clone()], &mut self.v[mr.clone()]);
         match (&mut self.params, &mut self.grads) {
-            (Flat::F32(p), Flat::F32(g)) => {
-                let g = &mut g[gr];
-                scale_grads(g, coef);
-                opt.update(t, lr, opt.weight_decay, &mut p[pr], g, m, v);
+            (Flat::F32(p), grads) if grads.is_f32() => {
+                // Bucket by bucket (AdamW is elementwise): the piece at flat offset `s` of the
+                // gradients pairs with the same offset from the starts of `pr` and `mr`.
+                grads.f32_pieces_mut(gr.clone(), |s, g| {
+                    let o = s - gr.start;
+                    let n = g.len();
+                    scale_grads(g, coef);
+                    opt.update(
+                        t,
+                        lr,
+                        opt.weight_decay,
+                        &mut p[pr.start + o..pr.start + o + n],
+                        g,
+                        &mut m[o..o + n],
+                        &mut v[o..o + n],
+                    );
+                });
             }
             (params, grads) => {
                 // bf16-mixed, as `train::optim::apply_update` does it: chunk by chunk, widen

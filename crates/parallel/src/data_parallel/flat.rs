@@ -189,4 +189,168 @@ mod tests {
         g.write(0, &[0.1, 0.2]);
         assert_eq!(g.as_f32(), Some(&[0.1f32, 0.2][..]));
     }
+
+    #[test]
+    fn bucketed_pieces_follow_addresses_whatever_the_bucket_order() {
+        // Buckets in reverse address order, as gradient buckets are planned.
+        let mut b = Bucketed::zeros(vec![6..10, 2..6, 0..2], Precision::Fp32);
+        assert_eq!(b.bytes(), 40);
+        b.update(1, 3..5, |g| g.copy_from_slice(&[3.0, 4.0]));
+        b.update(0, 6..8, |g| g.copy_from_slice(&[6.0, 7.0]));
+        let mut out = vec![0.0; 6];
+        b.read_into(2..8, &mut out);
+        assert_eq!(out, vec![0.0, 3.0, 4.0, 0.0, 6.0, 7.0]);
+        assert_eq!(b.sq_sum(0..10), 9.0 + 16.0 + 36.0 + 49.0);
+        let lent = b.take(1).unwrap();
+        assert!(!b.has(1));
+        b.put(1, lent);
+        let mut seen = Vec::new();
+        b.f32_pieces_mut(1..7, |s, p| seen.push((s, p.len())))
+            .unwrap();
+        assert_eq!(seen, vec![(1, 1), (2, 4), (6, 1)]);
+    }
+}
+
+/// A flat buffer kept as one allocation per bucket (contiguous ranges that tile `0..len`), so
+/// a bucket can be handed to an asynchronous collective by value and put back afterwards —
+/// an in-place all-reduce of a bucket of the gradient buffer, with no copy. A single bucket
+/// covering everything is an ordinary flat buffer (a ZeRO-2/3 gradient shard).
+#[derive(Debug)]
+pub struct Bucketed {
+    /// Flat range of each bucket (any order; together they tile `0..len`).
+    ranges: Vec<Range<usize>>,
+    /// Bucket indices by increasing start.
+    order: Vec<usize>,
+    /// `None` while the bucket is lent out.
+    bufs: Vec<Option<Flat>>,
+    elem_bytes: usize,
+}
+
+impl Bucketed {
+    /// Zeros cut into `ranges`, which must tile `0..n` for some `n`.
+    pub fn zeros(ranges: Vec<Range<usize>>, precision: Precision) -> Self {
+        let mut order: Vec<usize> = (0..ranges.len()).collect();
+        order.sort_by_key(|&b| ranges[b].start);
+        let mut next = 0;
+        for &b in &order {
+            assert_eq!(ranges[b].start, next, "buckets must tile the buffer");
+            next = ranges[b].end;
+        }
+        let bufs = ranges
+            .iter()
+            .map(|r| Some(Flat::zeros(r.len(), precision)))
+            .collect();
+        let elem_bytes = Flat::zeros(1, precision).bytes();
+        Self {
+            ranges,
+            order,
+            bufs,
+            elem_bytes,
+        }
+    }
+
+    /// Bytes of the whole buffer (lent buckets included).
+    pub fn bytes(&self) -> usize {
+        self.ranges.iter().map(|r| r.len()).sum::<usize>() * self.elem_bytes
+    }
+
+    fn buf(&self, b: usize) -> &Flat {
+        self.bufs[b].as_ref().expect("bucket is not lent out")
+    }
+
+    fn buf_mut(&mut self, b: usize) -> &mut Flat {
+        self.bufs[b].as_mut().expect("bucket is not lent out")
+    }
+
+    /// The buckets' pieces of flat range `r`, in address order: (bucket, range inside it).
+    fn pieces(&self, r: Range<usize>) -> Vec<(usize, Range<usize>)> {
+        self.order
+            .iter()
+            .filter_map(|&b| {
+                let br = &self.ranges[b];
+                let (s, e) = (r.start.max(br.start), r.end.min(br.end));
+                (s < e).then(|| (b, s - br.start..e - br.start))
+            })
+            .collect()
+    }
+
+    pub fn fill_zero(&mut self) {
+        self.bufs
+            .iter_mut()
+            .for_each(|b| b.as_mut().expect("bucket is not lent out").fill_zero());
+    }
+
+    /// [`Flat::update`] of range `r`, which must lie inside bucket `b`.
+    pub fn update<T>(&mut self, b: usize, r: Range<usize>, f: impl FnOnce(&mut [f32]) -> T) -> T {
+        let start = self.ranges[b].start;
+        debug_assert!(self.ranges[b].start <= r.start && r.end <= self.ranges[b].end);
+        self.buf_mut(b).update(r.start - start..r.end - start, f)
+    }
+
+    /// Lends bucket `b` out (e.g. to a collective).
+    pub fn take(&mut self, b: usize) -> Option<Flat> {
+        self.bufs[b].take()
+    }
+
+    /// Returns bucket `b`.
+    pub fn put(&mut self, b: usize, buf: Flat) {
+        debug_assert_eq!(buf.len(), self.ranges[b].len());
+        self.bufs[b] = Some(buf);
+    }
+
+    /// Whether bucket `b` is at home.
+    pub fn has(&self, b: usize) -> bool {
+        self.bufs[b].is_some()
+    }
+
+    /// Elements `r` of bucket `b` as fp32 (a copy).
+    pub fn read(&self, b: usize, r: Range<usize>) -> Vec<f32> {
+        let start = self.ranges[b].start;
+        self.buf(b).read(r.start - start..r.end - start)
+    }
+
+    /// Stores `src` at flat offset `start` (inside bucket `b`).
+    pub fn write(&mut self, b: usize, start: usize, src: &[f32]) {
+        let base = self.ranges[b].start;
+        self.buf_mut(b).write(start - base, src)
+    }
+
+    /// Σ x² over flat range `r` (bucket by bucket).
+    pub fn sq_sum(&self, r: Range<usize>) -> f64 {
+        self.pieces(r)
+            .into_iter()
+            .map(|(b, p)| self.buf(b).sq_sum(p))
+            .sum()
+    }
+
+    /// Flat range `r` as fp32 into `out`.
+    pub fn read_into(&self, r: Range<usize>, out: &mut [f32]) {
+        let base = r.start;
+        for (b, p) in self.pieces(r) {
+            let s = self.ranges[b].start + p.start - base;
+            self.buf(b).read_into(p.clone(), &mut out[s..s + p.len()]);
+        }
+    }
+
+    /// Runs `f(flat offset, piece)` on the fp32 pieces of flat range `r`, in address order
+    /// (`None` for bf16 storage).
+    pub fn f32_pieces_mut(
+        &mut self,
+        r: Range<usize>,
+        mut f: impl FnMut(usize, &mut [f32]),
+    ) -> Option<()> {
+        for (b, p) in self.pieces(r) {
+            let start = self.ranges[b].start + p.start;
+            match self.buf_mut(b) {
+                Flat::F32(v) => f(start, &mut v[p]),
+                Flat::Bf16(_) => return None,
+            }
+        }
+        Some(())
+    }
+
+    /// Whether the buffers hold fp32.
+    pub fn is_f32(&self) -> bool {
+        self.elem_bytes == 4
+    }
 }
