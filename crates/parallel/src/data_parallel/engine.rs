@@ -267,7 +267,7 @@ impl<M: StagedModel> DataParallel<M> {
         // Stages 0/1: the full gradients, one allocation per bucket (all-reduced in place);
         // stages 2/3: the shard.
         let grads = if stage.shards_grads() {
-            Bucketed::zeros(Vec::from([0..spec.shard_len()]), precision)
+            Bucketed::zeros(std::iter::once(0..spec.shard_len()).collect(), precision)
         } else {
             let ranges = plan.buckets.iter().map(|b| b.range.clone()).collect();
             Bucketed::zeros(ranges, precision)
