@@ -28,8 +28,9 @@ use model::optim::AdamW;
 use model::{Model, ModelConfig, StepOptions};
 use parallel::engine::{DataParallel, DpConfig, StepStats};
 use parallel::llm::StagedLlm;
-use parallel::memory::{formula, Precision, ZeroStage};
+use parallel::memory::{formula, MemoryBytes, Precision, ZeroStage};
 use parallel::sampler::DistributedSampler;
+use parallel::staged::StagedModel;
 use train::config::Precision as TrainPrecision;
 use train::optim::{LocalAdamW, StepEngine};
 use train::precision::{LossScaler, Weights};
@@ -87,7 +88,7 @@ fn run(
     model: &Model,
     stage: ZeroStage,
     accum: usize,
-) -> (Vec<StepStats>, Vec<f32>, Vec<parallel::memory::MemoryBytes>) {
+) -> (Vec<StepStats>, Vec<f32>, Vec<(MemoryBytes, usize)>) {
     let sampler = DistributedSampler::new(DP, GLOBAL / (DP * accum), accum).unwrap();
     let out = comm::testing::run_threads(DP, |c| {
         let group = c.world().clone();
@@ -107,7 +108,8 @@ fn run(
                 .collect();
             losses.push(e.train_step(&batches).unwrap());
         }
-        (losses, e.full_params().unwrap(), e.memory())
+        let mem = (e.memory(), e.peak_gathered_bytes());
+        (losses, e.full_params().unwrap(), mem)
     });
     let mems = out.iter().map(|o| o.2).collect();
     let (losses, params, _) = out.into_iter().next().unwrap();
@@ -126,6 +128,13 @@ fn check(cfg: ModelConfig) {
     let model = Model::new(cfg).unwrap();
     let phi = model.num_params();
     let init = model.init_params(3);
+    let max_unit = StagedLlm::new(model.clone())
+        .unwrap()
+        .units()
+        .iter()
+        .map(|u| u.len())
+        .max()
+        .unwrap();
     for accum in [1, 2] {
         let (ref_losses, ref_norms, ref_params) = reference(&model, DP * accum);
         let update = l2(ref_params.iter().zip(&init).map(|(a, b)| a - b));
@@ -163,12 +172,15 @@ fn check(cfg: ModelConfig) {
                 "{tag}: params {diff} vs update {update}"
             );
             let want = formula(phi, DP, stage, Precision::Bf16Mixed);
-            for m in mems {
+            for (m, gathered) in mems {
                 assert_eq!(
                     (m.params, m.grads, m.optimizer),
                     (want.params, want.grads, want.optimizer),
                     "{tag}"
                 );
+                // Unit working copies: at most two gathered bf16 units, each widened to fp32
+                // (6 bytes per element), or one widened unit's weights and gradients.
+                assert!(gathered <= 2 * 6 * max_unit, "{tag}: {gathered}");
             }
         }
     }
