@@ -92,6 +92,17 @@ fn rank0_writes_the_trainers_metrics_and_validation() {
         [1, 2, 3]
     );
     assert!(out.join("loss.png").is_file() && out.join("config.toml").is_file());
+    // memory.json: every rank's account, whose model states are the formula's (ZeRO-2).
+    let mem: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(out.join("memory.json")).unwrap()).unwrap();
+    let states = mem["formula_bytes"]["model_states"].as_i64().unwrap();
+    let ranks = mem["ranks"].as_array().unwrap();
+    assert_eq!(ranks.len(), 2);
+    for r in ranks {
+        let sum = ["params", "grads", "optimizer"].map(|k| r[k].as_i64().unwrap());
+        assert_eq!(sum.iter().sum::<i64>(), states, "{mem}");
+    }
+    assert_eq!(mem["formula"], "4Φ + 12Φ/N");
     // The single-process trainer on the same global batch: same losses, same validation.
     let mut single = c.clone();
     (

@@ -88,12 +88,13 @@ fn zero0_and_zero3_agree_across_processes() {
                 .is_file());
         }
         // Rank 0 writes what the single-process trainer writes: config, one JSON record per
-        // step (with validation at the last step), the loss plot.
+        // step (with validation at the last step), the loss plot; and every rank's memory account.
         for f in [
             "config.toml",
             "metrics.jsonl",
             "loss.png",
             "loss.svg",
+            "memory.json",
             "latest",
         ] {
             assert!(out.join(f).is_file(), "zero={zero}: {f} missing");

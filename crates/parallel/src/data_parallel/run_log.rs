@@ -1,7 +1,8 @@
 //! Rank 0's run-directory outputs of a data-parallel run, the same files the single-process
 //! `train::run` writes: `config.toml`, one `train::metrics::StepRecord` per step in
 //! `metrics.jsonl` (appended, so a resumed run continues the file), and the loss plot
-//! (`loss.png`, `loss.svg`). Throughput is the global batch's tokens per second; MFU divides
+//! (`loss.png`, `loss.svg`); and `memory.json`, every rank's accounted bytes by category
+//! beside the formula, its measured peak RSS and baseline (see `docs/DATA_PARALLEL.md`). Throughput is the global batch's tokens per second; MFU divides
 //! the model FLOPs by `dp` times the fp32 GEMM peak measured on rank 0 (one rank per core set).
 use std::path::{Path, PathBuf};
 
@@ -9,6 +10,7 @@ use train::metrics::{self, MetricsWriter, StepRecord};
 use train::RunConfig;
 
 use crate::engine::StepStats;
+use crate::memory::{formula_text, MemoryBytes, Precision, ZeroStage};
 use crate::ParallelError;
 
 fn io_err(e: impl std::fmt::Display) -> ParallelError {
@@ -61,6 +63,49 @@ impl RunLog {
             skipped: false,
         };
         self.writer.write(&rec).map_err(io_err)
+    }
+
+    /// Writes `memory.json`: the formula's model-state bytes and, per rank, its accounted
+    /// bytes and measured resident sizes (`per_rank`: 7 numbers per rank — params, grads,
+    /// optimizer, comm buffers, activations, peak RSS, baseline RSS; -1 where unmeasured).
+    pub fn write_memory(
+        &self,
+        formula: &MemoryBytes,
+        stage: ZeroStage,
+        precision: Precision,
+        per_rank: &[i64],
+    ) -> Result<(), ParallelError> {
+        let ranks: Vec<_> = per_rank
+            .chunks_exact(7)
+            .enumerate()
+            .map(|(r, v)| {
+                serde_json::json!({
+                    "rank": r,
+                    "params": v[0],
+                    "grads": v[1],
+                    "optimizer": v[2],
+                    "comm_buffers_peak": v[3],
+                    "activations_peak": v[4],
+                    "accounted_total": v[..5].iter().sum::<i64>(),
+                    "peak_rss": v[5],
+                    "baseline_rss": v[6],
+                })
+            })
+            .collect();
+        let doc = serde_json::json!({
+            "zero": stage.index(),
+            "precision": format!("{precision:?}"),
+            "formula": formula_text(stage, precision),
+            "formula_bytes": {
+                "params": formula.params,
+                "grads": formula.grads,
+                "optimizer": formula.optimizer,
+                "model_states": formula.model_states(),
+            },
+            "ranks": ranks,
+        });
+        let text = serde_json::to_string_pretty(&doc).map_err(io_err)?;
+        std::fs::write(self.out.join("memory.json"), text).map_err(io_err)
     }
 
     /// Draws the loss plot from the whole metrics file.

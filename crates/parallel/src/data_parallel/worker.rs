@@ -100,7 +100,7 @@ pub fn run(
         cfg.model.seq_len,
     )
     .map_err(cfg_err)?;
-    let rank = world.rank();
+    let (rank, world_size) = (world.rank(), world.size());
     let sampler = Sampler {
         seed: t.seed,
         seq_len: cfg.model.seq_len,
@@ -256,6 +256,23 @@ pub fn run(
         }
     }
     if let Some(out) = &opts.out {
+        // Every rank's account and measured peak, gathered to rank 0 for `memory.json`.
+        let m = engine.memory();
+        let kib = |k: Option<u64>| k.map_or(-1, |k| k as i64 * 1024);
+        let mine = [
+            m.params as i64,
+            m.grads as i64,
+            m.optimizer as i64,
+            m.comm_buffers as i64,
+            m.activations as i64,
+            kib(rss_kib("VmHWM:")),
+            kib(baseline_kib),
+        ];
+        let mut all = vec![0i64; mine.len() * world_size];
+        engine.group().all_gather(&mine, &mut all)?;
+        if let Some(l) = &run_log {
+            l.write_memory(&engine.formula(), stage, precision, &all)?;
+        }
         let dir = save(&engine, cfg, out, t.steps)?;
         if log && rank == 0 {
             println!("sharded checkpoint {}", dir.display());
