@@ -14,7 +14,7 @@ use std::path::{Path, PathBuf};
 
 use serde::{Deserialize, Serialize};
 
-use crate::engine::ShardState;
+use crate::engine::{ShardRef, ShardState};
 use crate::reshard::reshard;
 use crate::shard::ShardSpec;
 use crate::ParallelError;
@@ -41,15 +41,17 @@ fn err(dir: &Path, msg: impl std::fmt::Display) -> ParallelError {
     ParallelError::Checkpoint(format!("{}: {msg}", dir.display()))
 }
 
-/// Writes `state` into `dir/rank-NNNNN` (`units`: the model's unit sizes).
-pub fn save_shard(dir: &Path, state: &ShardState, units: &[usize]) -> Result<(), ParallelError> {
+/// Writes `state` into `dir/rank-NNNNN` (`units`: the model's unit sizes), straight from the
+/// borrowed buffers (one byte copy each, zero-padded to the shard length).
+pub fn save_shard(dir: &Path, state: &ShardRef, units: &[usize]) -> Result<(), ParallelError> {
+    let shard_len = state.shard_len();
     let meta = ShardMeta {
         total: state.total,
         world: state.world,
         rank: state.rank,
         step: state.step,
         units: units.to_vec(),
-        shard_len: state.params.len(),
+        shard_len,
     };
     let mut files = vec![(
         META.to_string(),
@@ -57,12 +59,15 @@ pub fn save_shard(dir: &Path, state: &ShardState, units: &[usize]) -> Result<(),
     )];
     for (name, buf) in BUFFERS
         .iter()
-        .zip([&state.params, &state.exp_avg, &state.exp_avg_sq])
+        .zip([state.params, state.exp_avg, state.exp_avg_sq])
     {
-        files.push((
-            name.to_string(),
-            buf.iter().flat_map(|x| x.to_le_bytes()).collect(),
-        ));
+        if buf.len() > shard_len {
+            return Err(err(dir, format!("{name} holds more than a shard")));
+        }
+        let mut bytes = Vec::with_capacity(shard_len * 4);
+        bytes.extend(buf.iter().flat_map(|x| x.to_le_bytes()));
+        bytes.resize(shard_len * 4, 0);
+        files.push((name.to_string(), bytes));
     }
     std::fs::create_dir_all(dir).map_err(|e| err(dir, e))?;
     let sub = dir.join(format!("rank-{:05}", state.rank));

@@ -851,36 +851,37 @@ impl<M: StagedModel> DataParallel<M> {
         )
     }
 
-    /// This rank's training state as a flat shard for checkpoints: the fp32 master weights
-    /// and the moments, whatever the compute precision.
-    pub fn export_shard(&self) -> ShardState {
-        let me = self.group.rank();
+    /// This rank's training state as a flat shard for checkpoints (borrowed, no copy): the
+    /// fp32 master weights and the moments, whatever the compute precision. Replicated (DDP)
+    /// state is the world-1 shard.
+    pub fn shard_ref(&self) -> ShardRef<'_> {
         let (world, rank) = if self.cfg.stage.shards_optimizer() {
-            (self.group.size(), me)
+            (self.group.size(), self.group.rank())
         } else {
             (1, 0)
         };
-        let spec = ShardSpec::new(self.spec.total(), world).expect("world >= 1");
-        let cut = |buf: &[f32], sharded: bool| {
-            if sharded {
-                buf.to_vec()
-            } else {
-                let r = spec.range(rank);
-                let mut s = vec![0.0; spec.shard_len()];
-                s[..r.len()].copy_from_slice(&buf[r]);
-                s
-            }
-        };
         let (master, sharded) = self.master_view();
-        ShardState {
+        let params = if sharded {
+            master
+        } else {
+            // Full weights (fp32 ZeRO-1/2 keep them all): this rank's range of them.
+            let spec = ShardSpec::new(self.spec.total(), world).expect("world >= 1");
+            &master[spec.range(rank)]
+        };
+        ShardRef {
             total: self.spec.total(),
             world,
             rank,
             step: self.step,
-            params: cut(master, sharded || world == 1),
-            exp_avg: cut(&self.m, true),
-            exp_avg_sq: cut(&self.v, true),
+            params,
+            exp_avg: &self.m,
+            exp_avg_sq: &self.v,
         }
+    }
+
+    /// [`Self::shard_ref`] as an owned, padded shard.
+    pub fn export_shard(&self) -> ShardState {
+        self.shard_ref().to_owned()
     }
 }
 
@@ -892,10 +893,10 @@ impl<M: StagedModel> DataParallel<M> {
     /// Saves this rank's shard under `dir` (replicated DDP state is written by rank 0 only) and
     /// waits until every rank has written. A collective: every rank calls it.
     pub fn save_checkpoint(&self, dir: &std::path::Path) -> Result<(), ParallelError> {
-        // Replicated (DDP) state is exported by rank 0 only: the copy is the full model.
+        // Replicated (DDP) state is written by rank 0 only.
         let writes = self.cfg.stage.shards_optimizer() || self.group.rank() == 0;
         let result = if writes {
-            crate::checkpoint::save_shard(dir, &self.export_shard(), &self.unit_sizes())
+            crate::checkpoint::save_shard(dir, &self.shard_ref(), &self.unit_sizes())
         } else {
             Ok(())
         };
@@ -943,6 +944,44 @@ impl<M: StagedModel> DataParallel<M> {
         self.v = pick(stage.shards_optimizer(), |s| &s.exp_avg_sq);
         self.step = own.step;
         Ok(())
+    }
+}
+
+/// A borrowed shard: like [`ShardState`], but its buffers may stop short of the padded length
+/// `ceil(total/world)` (the missing tail is padding, zeros).
+#[derive(Clone, Copy, Debug)]
+pub struct ShardRef<'a> {
+    pub total: usize,
+    pub world: usize,
+    pub rank: usize,
+    pub step: u64,
+    pub params: &'a [f32],
+    pub exp_avg: &'a [f32],
+    pub exp_avg_sq: &'a [f32],
+}
+
+impl ShardRef<'_> {
+    /// Padded length of a shard of this layout.
+    pub fn shard_len(&self) -> usize {
+        self.total.div_ceil(self.world.max(1))
+    }
+
+    /// An owned copy, padded with zeros.
+    pub fn to_owned(&self) -> ShardState {
+        let pad = |b: &[f32]| {
+            let mut v = b.to_vec();
+            v.resize(self.shard_len(), 0.0);
+            v
+        };
+        ShardState {
+            total: self.total,
+            world: self.world,
+            rank: self.rank,
+            step: self.step,
+            params: pad(self.params),
+            exp_avg: pad(self.exp_avg),
+            exp_avg_sq: pad(self.exp_avg_sq),
+        }
     }
 }
 
