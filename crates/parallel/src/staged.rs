@@ -19,7 +19,8 @@ pub trait StagedModel: Sync {
 
     /// Flat ranges of the units in forward order; contiguous, starting at 0.
     fn units(&self) -> Vec<Range<usize>>;
-    /// Flat ranges of the individual tensors in layout order (DDP bucket granularity).
+    /// Flat ranges of the individual tensors in layout order (for planners finer than a unit;
+    /// the data-parallel engine's buckets hold whole units).
     fn tensors(&self) -> Vec<Range<usize>>;
     /// Forward of `unit` with its parameters `params`. The first unit gets `x = None` and reads
     /// the batch; the last unit returns the loss (mean over the micro-batch) as its output.
