@@ -163,12 +163,7 @@ pub fn reshard_states(
     let first = states
         .first()
         .ok_or_else(|| ParallelError::Checkpoint("no shards".into()))?;
-    let old = ShardSpec::new(first.total, first.world)?;
-    let new = ShardSpec::new(first.total, world)?;
-    let cut = |f: fn(&ShardState) -> &Vec<f32>| {
-        let refs: Vec<&[f32]> = states.iter().map(|s| f(s).as_slice()).collect();
-        reshard(&old, &refs, &new, rank)
-    };
+    let cut = |f| reshard_buffer(states, world, rank, f);
     Ok(ShardState {
         total: first.total,
         world,
@@ -178,6 +173,22 @@ pub fn reshard_states(
         exp_avg: cut(|s| &s.exp_avg)?,
         exp_avg_sq: cut(|s| &s.exp_avg_sq)?,
     })
+}
+
+/// One buffer (`f`: parameters, m or v) of saved shards, re-cut for rank `rank` of `world`.
+pub fn reshard_buffer(
+    states: &[ShardState],
+    world: usize,
+    rank: usize,
+    f: fn(&ShardState) -> &Vec<f32>,
+) -> Result<Vec<f32>, ParallelError> {
+    let first = states
+        .first()
+        .ok_or_else(|| ParallelError::Checkpoint("no shards".into()))?;
+    let old = ShardSpec::new(first.total, first.world)?;
+    let new = ShardSpec::new(first.total, world)?;
+    let refs: Vec<&[f32]> = states.iter().map(|s| f(s).as_slice()).collect();
+    reshard(&old, &refs, &new, rank)
 }
 
 /// Writes the run configuration into checkpoint `dir` (write, then rename: never half-written).

@@ -921,28 +921,26 @@ impl<M: StagedModel> DataParallel<M> {
         }
         let stage = self.cfg.stage;
         let (world, rank) = (self.group.size(), self.group.rank());
-        // The full buffers only where this stage keeps something unsharded.
-        let full = if stage.shards_params() {
-            None
-        } else {
-            Some(crate::checkpoint::reshard_states(states, 1, 0)?)
-        };
-        let own = crate::checkpoint::reshard_states(states, world, rank)?;
-        let pick = |sharded: bool, f: fn(&ShardState) -> &Vec<f32>| -> Vec<f32> {
-            match (&full, sharded) {
-                (Some(full), false) => f(full)[..total].to_vec(),
-                _ => f(&own).clone(),
+        // Each buffer re-cut once, to this rank's shard or to the full buffer, as this stage
+        // keeps it.
+        let cut = |sharded: bool, f: fn(&ShardState) -> &Vec<f32>| {
+            if sharded {
+                crate::checkpoint::reshard_buffer(states, world, rank, f)
+            } else {
+                let mut full = crate::checkpoint::reshard_buffer(states, 1, 0, f)?;
+                full.truncate(total);
+                Ok(full)
             }
         };
         let precision = self.cfg.precision;
-        let weights = pick(stage.shards_params(), |s| &s.params);
+        let weights = cut(stage.shards_params(), |s| &s.params)?;
         if precision == Precision::Bf16Mixed {
-            self.master = pick(stage.shards_optimizer(), |s| &s.params);
+            self.master = cut(stage.shards_optimizer(), |s| &s.params)?;
         }
         self.params = Flat::from_f32(weights, precision);
-        self.m = pick(stage.shards_optimizer(), |s| &s.exp_avg);
-        self.v = pick(stage.shards_optimizer(), |s| &s.exp_avg_sq);
-        self.step = own.step;
+        self.m = cut(stage.shards_optimizer(), |s| &s.exp_avg)?;
+        self.v = cut(stage.shards_optimizer(), |s| &s.exp_avg_sq)?;
+        self.step = states[0].step;
         Ok(())
     }
 }
