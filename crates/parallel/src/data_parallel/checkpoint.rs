@@ -154,27 +154,6 @@ pub fn load_shards(dir: &Path, units: &[usize]) -> Result<Vec<ShardState>, Paral
     Ok(out)
 }
 
-/// Re-cuts saved shards for rank `rank` of a world of `world` ranks (world 1: the full buffers).
-pub fn reshard_states(
-    states: &[ShardState],
-    world: usize,
-    rank: usize,
-) -> Result<ShardState, ParallelError> {
-    let first = states
-        .first()
-        .ok_or_else(|| ParallelError::Checkpoint("no shards".into()))?;
-    let cut = |f| reshard_buffer(states, world, rank, f);
-    Ok(ShardState {
-        total: first.total,
-        world,
-        rank,
-        step: first.step,
-        params: cut(|s| &s.params)?,
-        exp_avg: cut(|s| &s.exp_avg)?,
-        exp_avg_sq: cut(|s| &s.exp_avg_sq)?,
-    })
-}
-
 /// One buffer (`f`: parameters, m or v) of saved shards, re-cut for rank `rank` of `world`.
 pub fn reshard_buffer(
     states: &[ShardState],
