@@ -16,9 +16,10 @@
 //! have one extra element, so any length (0 included) works for any n.
 use std::ops::Range;
 
-use crate::element::{reduce_bytes, scale_avg, Element, ReduceOp};
+use crate::element::{reduce_bytes, scale_avg, scale_avg_bytes, Element, ReduceOp, ScaleBytesFn};
 use crate::engine::{Ctx, Engine, Incoming, Outgoing, Sink};
 use crate::error::{CommError, Result};
+use crate::single_copy::WriteBack;
 use crate::wire::OpKind;
 
 /// All-reduce algorithm.
@@ -229,14 +230,57 @@ impl Engine {
         op: ReduceOp,
     ) -> Result<()> {
         let n = self.size();
+        let sc = self.use_single_copy(std::mem::size_of_val(buf));
         let segs: Vec<Range<usize>> = (0..n).map(|i| shard_range(buf.len(), n, i)).collect();
-        // Reduce-scatter leaves segment r+1 complete on rank r.
-        self.ring_reduce_scatter(ctx, buf, &segs, op)?;
+        // Reduce-scatter leaves segment r+1 complete on rank r. With single copy its last step
+        // also writes that result back into the left neighbour, so rank r then holds segments
+        // r+1 and r+2 and the all-gather needs one step fewer (it receives r, r−1, …, r+3).
+        let wb = sc.then_some(WriteBack {
+            scale: (op == ReduceOp::Avg).then_some((scale_avg_bytes::<T> as ScaleBytesFn, n)),
+        });
+        self.ring_reduce_scatter(ctx, buf, &segs, op, sc, wb)?;
         let owned = segs[self.wrap(self.rank() + 1)].clone();
-        if op == ReduceOp::Avg {
+        if op == ReduceOp::Avg && wb.is_none() {
             scale_avg(&mut buf[owned], n);
         }
-        self.ring_all_gather(ctx, buf, &segs, 1)
+        let gather_steps = n - 1 - usize::from(wb.is_some());
+        self.ring_all_gather(ctx, buf, &segs, 1, sc, gather_steps)?;
+        self.ring_finish(ctx, sc)
+    }
+
+    /// One ring step: send `sb` to the right neighbour and deliver what the left one sends
+    /// into `sink`, through the transport or, when `sc`, as a single-copy step.
+    fn ring_step(
+        &mut self,
+        ctx: &Ctx,
+        t: u32,
+        sc: bool,
+        sb: &[u8],
+        sink: Sink<'_>,
+        write_back: Option<WriteBack>,
+    ) -> Result<()> {
+        let (n, r) = (self.size(), self.rank());
+        if sc {
+            self.sc_step(ctx, t, sb, sink, write_back)
+        } else {
+            debug_assert!(write_back.is_none(), "write-back needs single copy");
+            self.step(
+                ctx,
+                t,
+                Some(((r + 1) % n, sb)),
+                Some(((r + n - 1) % n, sink)),
+            )
+        }
+    }
+
+    /// Ends a sequence of ring steps: with single-copy steps, waits until the right neighbour
+    /// has read everything offered to it (so the caller's buffers may be reused or freed).
+    fn ring_finish(&mut self, ctx: &Ctx, sc: bool) -> Result<()> {
+        if sc {
+            self.sc_finish(ctx)
+        } else {
+            Ok(())
+        }
     }
 
     /// In-place ring reduce-scatter over `segs`: at step s rank r sends segment (r − s) to r+1
@@ -248,44 +292,39 @@ impl Engine {
         buf: &mut [T],
         segs: &[Range<usize>],
         op: ReduceOp,
+        sc: bool,
+        last_write_back: Option<WriteBack>,
     ) -> Result<()> {
         let (n, r) = (self.size(), self.rank());
         for s in 0..n - 1 {
             let send = segs[self.wrap(r + n - s)].clone();
             let recv = segs[self.wrap(r + 2 * n - s - 1)].clone();
             let (sb, rb) = split_pair(buf, send, recv);
-            let sink = reduce_sink(rb, op);
-            self.step(
-                ctx,
-                tag(s, 0),
-                Some(((r + 1) % n, bytes(sb))),
-                Some(((r + n - 1) % n, sink)),
-            )?;
+            let wb = last_write_back.filter(|_| s == n - 2);
+            self.ring_step(ctx, tag(s, 0), sc, bytes(sb), reduce_sink(rb, op), wb)?;
         }
         Ok(())
     }
 
     /// Ring all-gather over `segs` when rank r starts owning segment (r + k): at step s it sends
-    /// segment (r + k − s) to r+1 and receives segment (r + k − s − 1) from r−1.
+    /// segment (r + k − s) to r+1 and receives segment (r + k − s − 1) from r−1, for the first
+    /// `steps` of the n−1 steps.
     fn ring_all_gather<T: Element>(
         &mut self,
         ctx: &Ctx,
         buf: &mut [T],
         segs: &[Range<usize>],
         k: usize,
+        sc: bool,
+        steps: usize,
     ) -> Result<()> {
         let (n, r) = (self.size(), self.rank());
-        for s in 0..n - 1 {
+        for s in 0..steps {
             let send = segs[self.wrap(r + n + k - s)].clone();
             let recv = segs[self.wrap(r + 2 * n + k - s - 1)].clone();
             let (sb, rb) = split_pair(buf, send, recv);
             let t = tag(0x8000 + s, 0);
-            self.step(
-                ctx,
-                t,
-                Some(((r + 1) % n, bytes(sb))),
-                Some(((r + n - 1) % n, copy_sink(rb))),
-            )?;
+            self.ring_step(ctx, t, sc, bytes(sb), copy_sink(rb), None)?;
         }
         Ok(())
     }
@@ -529,34 +568,38 @@ impl Engine {
         )?;
         // Out of place (the input stays untouched, nothing of its size is allocated): at step s
         // rank r sends its partial of segment (r − s − 1) — its own input at s = 0 — and builds
-        // the partial of segment (r − s − 2) = own input + what arrives; the last one is its shard.
+        // the partial of segment (r − s − 2) = own input op what arrives (written only while
+        // receiving, so a single-copy reader of the other scratch is never disturbed); the last
+        // one is its shard.
         let segs: Vec<Range<usize>> = (0..n).map(|i| shard_range(input.len(), n, i)).collect();
-        let (right, left) = ((r + 1) % n, (r + n - 1) % n);
-        let (mut prev, mut cur): (Vec<T>, Vec<T>) = (Vec::new(), Vec::new());
-        output.copy_from_slice(&input[mine]);
+        let sc = self.use_single_copy(std::mem::size_of_val(input));
+        let most = if n > 2 { segs[0].len() } else { 0 };
+        let (mut prev, mut cur) = (vec![T::zeroed(); most], vec![T::zeroed(); most]);
+        if n == 1 {
+            output.copy_from_slice(&input[mine]);
+        }
         for s in 0..n.saturating_sub(1) {
             let seg = segs[(r + 2 * n - s - 2) % n].clone();
             let dst: &mut [T] = if s == n - 2 {
-                output.copy_from_slice(&input[seg]);
                 &mut *output
             } else {
-                cur.clear();
-                cur.extend_from_slice(&input[seg]);
-                &mut cur
+                &mut cur[..seg.len()]
             };
-            let send: &[T] = if s == 0 {
+            let send = if s == 0 {
                 &input[segs[(r + n - 1) % n].clone()]
             } else {
-                &prev
+                &prev[..segs[(r + 2 * n - s - 1) % n].len()]
             };
-            self.step(
-                &ctx,
-                tag(s, 0),
-                Some((right, bytes(send))),
-                Some((left, reduce_sink(dst, op))),
-            )?;
+            let sink = Sink::ReduceInto {
+                dst: bytes_mut(dst),
+                base: bytes(&input[seg]),
+                f: reduce_bytes::<T>,
+                op,
+            };
+            self.ring_step(&ctx, tag(s, 0), sc, bytes(send), sink, None)?;
             std::mem::swap(&mut prev, &mut cur);
         }
+        self.ring_finish(&ctx, sc)?;
         if op == ReduceOp::Avg {
             scale_avg(output, n);
         }
@@ -578,7 +621,9 @@ impl Engine {
         let ctx = self.begin(OpKind::AllGather, T::DTYPE, None, m as u64)?;
         output[r * m..(r + 1) * m].copy_from_slice(input);
         let segs: Vec<Range<usize>> = (0..n).map(|i| i * m..(i + 1) * m).collect();
-        self.ring_all_gather(&ctx, output, &segs, 0)
+        let sc = self.use_single_copy(std::mem::size_of_val(output));
+        self.ring_all_gather(&ctx, output, &segs, 0, sc, n - 1)?;
+        self.ring_finish(&ctx, sc)
     }
 
     /// All-gather of per-rank inputs of different lengths: returns the concatenation in rank
@@ -594,7 +639,7 @@ impl Engine {
             dtype: crate::element::DType::I64,
             ..ctx
         };
-        self.ring_all_gather(&count_ctx, &mut counts, &unit, 0)?;
+        self.ring_all_gather(&count_ctx, &mut counts, &unit, 0, false, n - 1)?;
         let counts: Vec<usize> = counts.iter().map(|&c| c as usize).collect();
         let mut offs = vec![0usize; n + 1];
         for i in 0..n {
@@ -603,7 +648,10 @@ impl Engine {
         let mut out = vec![T::zeroed(); offs[n]];
         out[offs[r]..offs[r + 1]].copy_from_slice(input);
         let segs: Vec<Range<usize>> = (0..n).map(|i| offs[i]..offs[i + 1]).collect();
-        self.ring_all_gather(&Ctx { count: 1, ..ctx }, &mut out, &segs, 0)?;
+        let data_ctx = Ctx { count: 1, ..ctx };
+        let sc = self.use_single_copy(std::mem::size_of_val(&out[..]));
+        self.ring_all_gather(&data_ctx, &mut out, &segs, 0, sc, n - 1)?;
+        self.ring_finish(&data_ctx, sc)?;
         Ok((out, counts))
     }
 

@@ -21,6 +21,7 @@ use crate::engine::{Counters, Engine, EngineConfig, GroupDesc};
 use crate::error::{CommError, Result};
 use crate::group::ProcessGroup;
 use crate::store::Store;
+use crate::transport::cma;
 use crate::transport::shm::{Segment, ShmLink};
 use crate::transport::tcp::{self, Hello, TcpLink};
 use crate::transport::{Link, TransportKind};
@@ -28,7 +29,8 @@ use crate::transport::{Link, TransportKind};
 /// Communication settings. `Options::default()` ignores the environment; [`Options::from_env`]
 /// applies `XTRAIN_TRANSPORT` (shm|tcp|auto), `XTRAIN_COMM_TIMEOUT` (seconds),
 /// `XTRAIN_ALLREDUCE_ALGO` (ring|tree|hd|auto), `XTRAIN_JOB_ID`, `XTRAIN_TCP_ADDR` (address this
-/// rank listens on and advertises) and `XTRAIN_SPIN_US`.
+/// rank listens on and advertises), `XTRAIN_SPIN_US`, `XTRAIN_SHM_SINGLE_COPY` (0|1) and
+/// `XTRAIN_SHM_SINGLE_COPY_MIN` (bytes).
 #[derive(Clone, Debug)]
 pub struct Options {
     /// Shared token: connections presenting another job id are refused; store keys and
@@ -45,7 +47,18 @@ pub struct Options {
     pub shm_ring_bytes: usize,
     /// How long an idle wait spins before sleeping.
     pub spin: Duration,
+    /// Whether groups whose members all share one host may use single-copy ring steps
+    /// (the receiver reads the sender's buffer with `process_vm_readv`). Used only where a probe
+    /// at group set-up shows the OS allows it; otherwise the ring path runs, silently.
+    pub shm_single_copy: bool,
+    /// Ring collectives (ring all-reduce, reduce-scatter, all-gather) over at least this many
+    /// bytes use single-copy steps when the group can.
+    pub single_copy_min_bytes: usize,
 }
+
+/// Default of [`Options::single_copy_min_bytes`]: below it the ring path is as fast
+/// (measured crossover, docs/PERFORMANCE.md "Single-copy shared memory").
+pub const SINGLE_COPY_MIN_BYTES: usize = 512 << 10;
 
 impl Default for Options {
     fn default() -> Self {
@@ -57,6 +70,8 @@ impl Default for Options {
             tcp_addr: "127.0.0.1".to_string(),
             shm_ring_bytes: 1 << 20,
             spin: Duration::from_micros(20),
+            shm_single_copy: true,
+            single_copy_min_bytes: SINGLE_COPY_MIN_BYTES,
         }
     }
 }
@@ -84,6 +99,26 @@ impl Options {
                 .parse()
                 .map_err(|_| bad("XTRAIN_SPIN_US", format!("{v:?} is not an integer")))?;
             o.spin = Duration::from_micros(s);
+        }
+        if let Some(v) = var("XTRAIN_SHM_SINGLE_COPY") {
+            o.shm_single_copy = match v.to_ascii_lowercase().as_str() {
+                "1" | "on" | "true" | "yes" => true,
+                "0" | "off" | "false" | "no" => false,
+                _ => {
+                    return Err(bad(
+                        "XTRAIN_SHM_SINGLE_COPY",
+                        format!("{v:?} is not 0 or 1"),
+                    ))
+                }
+            };
+        }
+        if let Some(v) = var("XTRAIN_SHM_SINGLE_COPY_MIN") {
+            o.single_copy_min_bytes = v.parse().map_err(|_| {
+                bad(
+                    "XTRAIN_SHM_SINGLE_COPY_MIN",
+                    format!("{v:?} is not a byte count"),
+                )
+            })?;
         }
         if let Some(v) = var("XTRAIN_JOB_ID") {
             o.job_id = v;
@@ -373,7 +408,8 @@ fn connect_group(ctx: &Arc<Ctx>, label: &str, members: &[usize]) -> Result<Proce
         spin: o.spin,
     };
     let board = Some((Arc::clone(&ctx.store), format!("{ns}/abort")));
-    let engine = Engine::new(
+    let single_copy = shm.is_some() && local.len() == n && probe_single_copy(ctx, &ns, me, n)?;
+    let mut engine = Engine::new(
         desc,
         links,
         shm,
@@ -381,7 +417,46 @@ fn connect_group(ctx: &Arc<Ctx>, label: &str, members: &[usize]) -> Result<Proce
         Arc::new(Counters::default()),
         board,
     );
+    engine.single_copy = single_copy.then_some(o.single_copy_min_bytes);
     Ok(ProcessGroup::new(engine, o.algo))
+}
+
+/// Whether the members of a group on one host may use single-copy ring steps: each member
+/// publishes its pid and the address of a known word, reads its left ring neighbour's word
+/// (the only reads single-copy steps make) and publishes the verdict, or "disabled" when its
+/// options forbid single copy; the group uses it only if every verdict is "ok", so all members
+/// decide alike even if their options differ. A refusal (Yama `ptrace_scope`, seccomp, other
+/// users) is logged once at debug level, not an error.
+fn probe_single_copy(ctx: &Ctx, ns: &str, me: usize, n: usize) -> Result<bool> {
+    let timeout = ctx.options.timeout;
+    let word = &cma::PROBE_WORD as *const u64 as u64;
+    let at = format!("{} {word}", std::process::id());
+    ctx.store.set(&format!("{ns}/cma/at/{me}"), at.as_bytes())?;
+    let left = (me + n - 1) % n;
+    let theirs = ctx.store.get(&format!("{ns}/cma/at/{left}"), timeout)?;
+    let theirs = String::from_utf8_lossy(&theirs).into_owned();
+    let verdict = match theirs.split_once(' ').map(|(p, a)| (p.parse(), a.parse())) {
+        _ if !ctx.options.shm_single_copy => Err("disabled by option".to_string()),
+        Some((Ok(pid), Ok(addr))) => cma::probe(pid, addr),
+        _ => Err(format!("malformed probe address {theirs:?}")),
+    };
+    let mine = verdict.err().unwrap_or_else(|| "ok".to_string());
+    ctx.store
+        .set(&format!("{ns}/cma/ok/{me}"), mine.as_bytes())?;
+    for g in 0..n {
+        let reason = ctx.store.get(&format!("{ns}/cma/ok/{g}"), timeout)?;
+        if reason != b"ok" {
+            static LOGGED: std::sync::Once = std::sync::Once::new();
+            LOGGED.call_once(|| {
+                tracing::debug!(
+                    "single-copy shared memory unavailable, using the ring path: {}",
+                    String::from_utf8_lossy(&reason)
+                )
+            });
+            return Ok(false);
+        }
+    }
+    Ok(true)
 }
 
 #[cfg(test)]

@@ -174,6 +174,13 @@ pub fn scale_avg<T: Element>(buf: &mut [T], n: usize) {
     }
 }
 
+/// [`scale_avg`] on bytes holding `T`s (type-erased, for the single-copy receive path).
+pub(crate) type ScaleBytesFn = fn(&mut [u8], usize);
+
+pub(crate) fn scale_avg_bytes<T: Element>(buf: &mut [u8], n: usize) {
+    scale_avg::<T>(bytemuck::cast_slice_mut(buf), n)
+}
+
 /// A type-erased reduction of raw bytes into raw bytes, used by the receive path so a receiver
 /// can reduce straight out of a transport buffer.
 pub(crate) type ReduceBytesFn = fn(&mut [u8], &[u8], ReduceOp);

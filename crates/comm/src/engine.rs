@@ -71,25 +71,49 @@ impl Ctx {
 
 /// Where received payload bytes go.
 pub(crate) enum Sink<'a> {
+    /// `dst = received`.
     Copy(&'a mut [u8]),
+    /// `dst = dst op received`.
     Reduce {
         dst: &'a mut [u8],
+        f: ReduceBytesFn,
+        op: ReduceOp,
+    },
+    /// `dst = base op received` (out-of-place: `dst` is not read, so it needs no prior copy).
+    ReduceInto {
+        dst: &'a mut [u8],
+        base: &'a [u8],
         f: ReduceBytesFn,
         op: ReduceOp,
     },
 }
 
 impl Sink<'_> {
-    fn len(&self) -> usize {
+    pub(crate) fn len(&self) -> usize {
         match self {
-            Sink::Copy(d) | Sink::Reduce { dst: d, .. } => d.len(),
+            Sink::Copy(d) | Sink::Reduce { dst: d, .. } | Sink::ReduceInto { dst: d, .. } => {
+                d.len()
+            }
         }
     }
 
-    fn accept(&mut self, offset: usize, bytes: &[u8]) {
+    /// The destination bytes.
+    pub(crate) fn dst(&mut self) -> &mut [u8] {
         match self {
-            Sink::Copy(d) => d[offset..offset + bytes.len()].copy_from_slice(bytes),
-            Sink::Reduce { dst, f, op } => f(&mut dst[offset..offset + bytes.len()], bytes, *op),
+            Sink::Copy(d) | Sink::Reduce { dst: d, .. } | Sink::ReduceInto { dst: d, .. } => d,
+        }
+    }
+
+    /// Delivers `bytes`, the received bytes `[offset, offset + bytes.len())` of the payload.
+    pub(crate) fn accept(&mut self, offset: usize, bytes: &[u8]) {
+        let range = offset..offset + bytes.len();
+        match self {
+            Sink::Copy(d) => d[range].copy_from_slice(bytes),
+            Sink::Reduce { dst, f, op } => f(&mut dst[range], bytes, *op),
+            Sink::ReduceInto { dst, base, f, op } => {
+                dst[range.clone()].copy_from_slice(&base[range.clone()]);
+                f(&mut dst[range], bytes, *op)
+            }
         }
     }
 }
@@ -99,6 +123,8 @@ pub(crate) struct Outgoing<'a> {
     pub peer: usize,
     msg: OutMsg<'a>,
     done: bool,
+    /// Whether the payload counts in the bytes-sent counters (not for control messages).
+    counted: bool,
 }
 
 impl<'a> Outgoing<'a> {
@@ -108,6 +134,15 @@ impl<'a> Outgoing<'a> {
             peer,
             msg: OutMsg::new(hdr, payload),
             done: false,
+            counted: true,
+        }
+    }
+
+    /// A control message (e.g. a single-copy offer): not counted as data sent.
+    pub fn control(ctx: &Ctx, tag: u32, peer: usize, payload: &'a [u8]) -> Self {
+        Outgoing {
+            counted: false,
+            ..Self::new(ctx, tag, peer, payload)
         }
     }
 }
@@ -202,6 +237,11 @@ pub(crate) struct Engine {
     pub config: EngineConfig,
     poisoned: Option<String>,
     pub counters: Arc<Counters>,
+    /// Single-copy ring steps (`crate::single_copy`) for collectives of at least this many
+    /// bytes; `None` when the group cannot or may not use them.
+    pub single_copy: Option<usize>,
+    /// Piece buffer of single-copy reductions (u64 for 8-byte alignment).
+    pub scratch: Vec<u64>,
     /// Where aborting ranks post their reason (`<prefix>/<group rank>`), so peers that see the
     /// connection close can report the original cause.
     abort_board: Option<(Arc<dyn Store>, String)>,
@@ -224,6 +264,8 @@ impl Engine {
             config,
             poisoned: None,
             counters,
+            single_copy: None,
+            scratch: Vec::new(),
             abort_board,
         }
     }
@@ -319,7 +361,12 @@ impl Engine {
         }
     }
 
-    fn err_for(&self, ctx: &Ctx, peer: usize, e: LinkError) -> CommError {
+    /// Adds `bytes` of payload to the bytes-sent counter of `ctx`'s operation kind.
+    pub(crate) fn count_sent(&self, ctx: &Ctx, bytes: usize) {
+        self.counters.bytes[ctx.kind.index()].fetch_add(bytes as u64, Ordering::Relaxed);
+    }
+
+    pub(crate) fn err_for(&self, ctx: &Ctx, peer: usize, e: LinkError) -> CommError {
         let group = self.desc.name.clone();
         let op = ctx.kind.name().to_string();
         let rank = self.desc.world_ranks[peer];
@@ -425,8 +472,9 @@ impl Engine {
                 progress |= wrote > 0;
                 if s.msg.remaining() == 0 {
                     s.done = true;
-                    self.counters.bytes[ctx.kind.index()]
-                        .fetch_add(s.msg.payload_len() as u64, Ordering::Relaxed);
+                    if s.counted {
+                        self.count_sent(ctx, s.msg.payload_len());
+                    }
                 } else {
                     all_done = false;
                 }

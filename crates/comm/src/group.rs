@@ -81,6 +81,8 @@ struct Shared {
     engine: Arc<Mutex<Engine>>,
     counters: Arc<Counters>,
     default_algo: AllReduceAlgo,
+    /// Threshold of single-copy ring steps, when the group uses them.
+    single_copy: Option<usize>,
     /// Background worker (started on first async call) and the count of jobs not yet done.
     worker: Mutex<Option<mpsc::Sender<Job>>>,
     outstanding: Arc<(Mutex<usize>, Condvar)>,
@@ -107,12 +109,14 @@ impl ProcessGroup {
     pub(crate) fn new(engine: Engine, default_algo: AllReduceAlgo) -> Self {
         let desc = Arc::clone(&engine.desc);
         let counters = Arc::clone(&engine.counters);
+        let single_copy = engine.single_copy;
         ProcessGroup {
             shared: Arc::new(Shared {
                 desc,
                 engine: Arc::new(Mutex::new(engine)),
                 counters,
                 default_algo,
+                single_copy,
                 worker: Mutex::new(None),
                 outstanding: Arc::new((Mutex::new(0), Condvar::new())),
             }),
@@ -137,6 +141,12 @@ impl ProcessGroup {
     /// Name used in errors, e.g. `dp[0,2,4,6]`.
     pub fn name(&self) -> &str {
         &self.shared.desc.name
+    }
+
+    /// `Some(min bytes)` when ring collectives of at least that size read same-host peers'
+    /// buffers directly (single copy), `None` when this group always uses its links' rings.
+    pub fn single_copy_min_bytes(&self) -> Option<usize> {
+        self.shared.single_copy
     }
 
     /// Snapshot of this rank's counters for this group.

@@ -8,7 +8,8 @@
 //! - [`group`]: [`ProcessGroup`] with point-to-point and collectives, sync and async ([`Work`]).
 //! - [`mesh`]: [`DeviceMesh`], named dimensions from which every group is sliced.
 //! - [`collectives`]: the algorithms (ring, tree, halving-doubling, ...).
-//! - `engine`, `transport` (shm, tcp), `wire`: progress engine, transports, message headers.
+//! - `engine`, `transport` (shm, tcp, cma), `wire`: progress engine, transports, message headers;
+//!   `single_copy`: ring steps that read a same-host peer's buffer directly.
 //! - [`element`]: element types and reductions. [`testing`]: ranks as threads.
 //!
 //! `comm` knows nothing about tensors: collectives work on plain element slices.
@@ -20,6 +21,7 @@ pub mod env;
 pub mod error;
 pub mod group;
 pub mod mesh;
+mod single_copy;
 pub mod store;
 pub mod testing;
 pub mod transport;

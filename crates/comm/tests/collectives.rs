@@ -17,9 +17,9 @@ const ALGOS: [AllReduceAlgo; 5] = [
     AllReduceAlgo::Auto,
 ];
 
-fn check_reductions<T: TestElem>(c: &ProcessGroup, seed: u64) {
+fn check_reductions<T: TestElem>(c: &ProcessGroup, seed: u64, lens: &[usize]) {
     let (n, r) = (c.size(), c.rank());
-    for len in lengths(n) {
+    for &len in lens {
         for op in OPS {
             let want = reference::<T>(n, len, seed, op);
             for algo in ALGOS {
@@ -56,9 +56,9 @@ fn check_reductions<T: TestElem>(c: &ProcessGroup, seed: u64) {
     }
 }
 
-fn check_data_movement<T: TestElem>(c: &ProcessGroup, seed: u64) {
+fn check_data_movement<T: TestElem>(c: &ProcessGroup, seed: u64, lens: &[usize]) {
     let (n, r) = (c.size(), c.rank());
-    for len in lengths(n) {
+    for &len in lens {
         let mine = input::<T>(r, len, seed);
         let everyone: Vec<T> = (0..n).flat_map(|q| input::<T>(q, len, seed)).collect();
         for root in [0, n - 1] {
@@ -125,24 +125,21 @@ fn check_data_movement<T: TestElem>(c: &ProcessGroup, seed: u64) {
     c.barrier().unwrap();
 }
 
-fn check_every_dtype(c: &ProcessGroup, seed: u64) {
-    check_reductions::<f32>(c, seed);
-    check_reductions::<bf16>(c, seed + 1);
-    check_reductions::<f16>(c, seed + 2);
-    check_reductions::<i32>(c, seed + 3);
-    check_reductions::<i64>(c, seed + 4);
-    check_reductions::<u8>(c, seed + 5);
-    check_data_movement::<f32>(c, seed + 6);
-    check_data_movement::<bf16>(c, seed + 7);
-    check_data_movement::<u8>(c, seed + 8);
-    check_data_movement::<i64>(c, seed + 9);
+fn check_every_dtype_at(c: &ProcessGroup, seed: u64, lens: &[usize]) {
+    check_reductions::<f32>(c, seed, lens);
+    check_reductions::<bf16>(c, seed + 1, lens);
+    check_reductions::<f16>(c, seed + 2, lens);
+    check_reductions::<i32>(c, seed + 3, lens);
+    check_reductions::<i64>(c, seed + 4, lens);
+    check_reductions::<u8>(c, seed + 5, lens);
+    check_data_movement::<f32>(c, seed + 6, lens);
+    check_data_movement::<bf16>(c, seed + 7, lens);
+    check_data_movement::<u8>(c, seed + 8, lens);
+    check_data_movement::<i64>(c, seed + 9, lens);
 }
 
-#[test]
-fn every_collective_over_shared_memory_world_sizes_1_to_8() {
-    for n in 1..=8 {
-        run_threads(n, |c| check_every_dtype(&c, n as u64));
-    }
+fn check_every_dtype(c: &ProcessGroup, seed: u64) {
+    check_every_dtype_at(c, seed, &lengths(c.size()));
 }
 
 fn opts(transport: TransportKind) -> Options {
@@ -151,6 +148,120 @@ fn opts(transport: TransportKind) -> Options {
         timeout: Duration::from_secs(30),
         ..Options::default()
     }
+}
+
+/// The two shared-memory data paths: every ring step through the shared rings (single copy
+/// forced off), and single copy forced on for every size (threshold 0: even empty and 1-element
+/// ring collectives read the peer's buffer directly).
+fn shm_paths() -> [(&'static str, Options); 2] {
+    let shm = opts(TransportKind::Shm);
+    [
+        (
+            "rings",
+            Options {
+                shm_single_copy: false,
+                ..shm.clone()
+            },
+        ),
+        (
+            "single copy",
+            Options {
+                shm_single_copy: true,
+                single_copy_min_bytes: 0,
+                ..shm
+            },
+        ),
+    ]
+}
+
+/// Asserts that `c` runs the path `o` asks for (single copy wherever this process may use
+/// `process_vm_readv`: a sandbox may forbid it, and then the group must fall back).
+fn assert_path(c: &ProcessGroup, o: &Options) {
+    let want = (o.shm_single_copy && c.size() > 1 && comm::transport::cma::available_here())
+        .then_some(o.single_copy_min_bytes);
+    assert_eq!(c.single_copy_min_bytes(), want);
+}
+
+#[test]
+fn every_collective_over_shared_memory_world_sizes_1_to_8() {
+    for (path, o) in shm_paths() {
+        for n in 1..=8 {
+            run_threads_with(n, o.clone(), |c| {
+                assert_path(&c, &o);
+                check_every_dtype(&c, n as u64);
+            });
+            eprintln!("{path}: n={n} ok");
+        }
+    }
+}
+
+#[test]
+fn single_copy_threshold_boundary_and_large_messages() {
+    // Threshold 4 KiB: f32 ring collectives of 1023 elements take the rings, 1024 and more
+    // read directly; all-gathers compare the whole output (n × len elements) to it.
+    let o = Options {
+        single_copy_min_bytes: 4096,
+        ..opts(TransportKind::Shm)
+    };
+    for n in [2, 3, 4] {
+        run_threads_with(n, o.clone(), |c| {
+            assert_path(&c, &o);
+            check_every_dtype_at(&c, 40 + n as u64, &[255, 256, 1023, 1024, 1025, 4099]);
+            // Larger than one reduction piece (256 KiB), uneven over n: pieces and tails.
+            let len = (3 << 16) + 5;
+            let mut b = input::<f32>(c.rank(), len, 3);
+            c.all_reduce_with(&mut b, ReduceOp::Avg, AllReduceAlgo::Ring)
+                .unwrap();
+            assert!(b == reference::<f32>(n, len, 3, ReduceOp::Avg));
+            let mut shard = vec![0i64; shard_range(len, n, c.rank()).len()];
+            c.reduce_scatter(&input::<i64>(c.rank(), len, 4), &mut shard, ReduceOp::Max)
+                .unwrap();
+            assert!(
+                shard == reference::<i64>(n, len, 4, ReduceOp::Max)[shard_range(len, n, c.rank())]
+            );
+        });
+    }
+}
+
+#[test]
+fn single_copy_forced_off_by_option() {
+    let o = Options {
+        shm_single_copy: false,
+        single_copy_min_bytes: 0,
+        ..opts(TransportKind::Shm)
+    };
+    run_threads_with(3, o.clone(), |c| {
+        assert_eq!(c.single_copy_min_bytes(), None);
+        let mut b = input::<f32>(c.rank(), 100_003, 9);
+        c.all_reduce_with(&mut b, ReduceOp::Sum, AllReduceAlgo::Ring)
+            .unwrap();
+        assert!(b == reference::<f32>(3, 100_003, 9, ReduceOp::Sum));
+    });
+    // Members that disagree still agree on the outcome: one refusal turns it off for all.
+    let o = Options {
+        single_copy_min_bytes: 0,
+        ..opts(TransportKind::Shm)
+    };
+    let store: std::sync::Arc<dyn Store> = std::sync::Arc::new(MemStore::new());
+    let job = comm::testing::unique_job_id();
+    std::thread::scope(|s| {
+        for r in 0..2 {
+            let (store, job) = (store.clone(), job.clone());
+            let o = Options {
+                job_id: job,
+                shm_single_copy: r == 0,
+                ..o.clone()
+            };
+            s.spawn(move || {
+                let c = Communicator::init(store, r, 2, "h", o).unwrap();
+                assert_eq!(c.single_copy_min_bytes(), None);
+                let mut b = input::<i32>(r, 5000, 1);
+                c.all_reduce_with(&mut b, ReduceOp::Sum, AllReduceAlgo::Ring)
+                    .unwrap();
+                assert_eq!(b, reference::<i32>(2, 5000, 1, ReduceOp::Sum));
+            });
+        }
+    });
 }
 
 #[test]
@@ -175,11 +286,18 @@ fn mixed_hosts_use_shm_within_and_tcp_across() {
 
 #[test]
 fn large_all_reduce_streams_through_small_rings() {
-    // 1 M f32 = 4 MiB through 16 KiB rings: many wrap-arounds, partial chunks.
-    for transport in [TransportKind::Shm, TransportKind::Tcp] {
+    // 1 M f32 = 4 MiB through 16 KiB rings: many wrap-arounds, partial chunks (and, on the
+    // single-copy path at its default threshold, ring steps of many 256 KiB pieces).
+    let [rings, single] = shm_paths();
+    let single = Options {
+        single_copy_min_bytes: Options::default().single_copy_min_bytes,
+        ..single.1
+    };
+    for o in [rings.1, single, opts(TransportKind::Tcp)] {
+        let transport = o.transport;
         let o = Options {
             shm_ring_bytes: 16 << 10,
-            ..opts(transport)
+            ..o
         };
         run_threads_with(3, o, |c| {
             let len = (1 << 20) + 3;

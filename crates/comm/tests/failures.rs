@@ -17,11 +17,34 @@ fn opts(transport: TransportKind, timeout_ms: u64) -> Options {
 
 const BOTH: [TransportKind; 2] = [TransportKind::Shm, TransportKind::Tcp];
 
+/// Shared memory through the rings, shared memory with single-copy ring steps for every size
+/// (and the ring algorithm by default, so small all-reduces take them too), and TCP.
+fn paths(timeout_ms: u64) -> [(&'static str, Options); 3] {
+    [
+        (
+            "shm",
+            Options {
+                shm_single_copy: false,
+                ..opts(TransportKind::Shm, timeout_ms)
+            },
+        ),
+        (
+            "shm single copy",
+            Options {
+                single_copy_min_bytes: 0,
+                algo: AllReduceAlgo::Ring,
+                ..opts(TransportKind::Shm, timeout_ms)
+            },
+        ),
+        ("tcp", opts(TransportKind::Tcp, timeout_ms)),
+    ]
+}
+
 #[test]
 fn a_rank_that_drops_its_communicator_mid_job_is_named_by_every_peer() {
-    for transport in BOTH {
+    for (transport, o) in paths(20_000) {
         let t0 = Instant::now();
-        let results = run_threads_with(3, opts(transport, 20_000), |c| {
+        let results = run_threads_with(3, o, |c| {
             let mut b = vec![1.0f32; 10_000];
             c.all_reduce_with(&mut b, ReduceOp::Sum, AllReduceAlgo::Ring)
                 .unwrap();
@@ -148,10 +171,10 @@ fn mismatched_lengths_types_ops_and_roots_are_reported() {
                 .and_then(|_| c.barrier())
         }),
     ];
-    for transport in BOTH {
+    for (transport, o) in paths(2_000) {
         for (what, case) in cases {
             let t0 = Instant::now();
-            let errs = run_threads_with(3, opts(transport, 2_000), |c| {
+            let errs = run_threads_with(3, o.clone(), |c| {
                 case(&c)
                     .and_then(|_| c.barrier())
                     .err()

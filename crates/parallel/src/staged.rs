@@ -19,7 +19,8 @@ pub trait StagedModel: Sync {
 
     /// Flat ranges of the units in forward order; contiguous, starting at 0.
     fn units(&self) -> Vec<Range<usize>>;
-    /// Flat ranges of the individual tensors in layout order (DDP bucket granularity).
+    /// Flat ranges of the individual tensors in layout order (for planners finer than a unit;
+    /// the data-parallel engine's buckets hold whole units).
     fn tensors(&self) -> Vec<Range<usize>>;
     /// Forward of `unit` with its parameters `params`. The first unit gets `x = None` and reads
     /// the batch; the last unit returns the loss (mean over the micro-batch) as its output.
@@ -35,6 +36,13 @@ pub trait StagedModel: Sync {
     ) -> Result<(Self::Act, Self::Cache), ParallelError>;
     /// Scalar loss from the last unit's output.
     fn loss(&self, out: &Self::Act) -> f32;
+    /// The validation metric of a forward-only pass (`last`: the last unit's cache); by
+    /// default the loss. The decoders report the cross-entropy alone, without the MoE
+    /// auxiliary loss, as the single-process trainer's validation does.
+    fn eval_metric(&self, out: &Self::Act, last: &Self::Cache) -> f32 {
+        let _ = last;
+        self.loss(out)
+    }
     /// Backward of `unit`: `dy = None` for the last unit, which seeds d(loss) = `scale`.
     /// Adds the unit's parameter gradients into `grads` (the unit's slice) and returns dX
     /// (`None` for the first unit).
@@ -49,12 +57,15 @@ pub trait StagedModel: Sync {
     ) -> Result<Option<Self::Act>, ParallelError>;
     /// Bytes held by a cache (activation accounting).
     fn cache_bytes(&self, cache: &Self::Cache) -> usize;
-    /// `Σ g²` (for global-norm clipping) of the gradients `g` of flat range `range`. A model
-    /// that is itself sharded over a model-parallel group (tensor parallel) counts replicated
-    /// tensors once and sums over that group here (every member calls it); the default is the
-    /// plain local sum.
-    fn grad_sq_sum(&self, range: Range<usize>, g: &[f32]) -> Result<f64, ParallelError> {
-        let _ = range;
-        Ok(model::optim::grad_sq_sum(g))
+    /// `Σ g²` (for global-norm clipping) of this rank's gradients in flat range `range`, where
+    /// `sq(r)` is the plain sum of squares of a flat sub-range `r` of it. A model that is itself
+    /// sharded over a model-parallel group (tensor parallel) counts replicated tensors once and
+    /// sums over that group here (every member calls it); the default is `sq(range)`.
+    fn grad_sq_sum(
+        &self,
+        range: Range<usize>,
+        sq: &dyn Fn(Range<usize>) -> f64,
+    ) -> Result<f64, ParallelError> {
+        Ok(sq(range))
     }
 }

@@ -38,6 +38,7 @@ fn dp_config(stage: ZeroStage) -> DpConfig {
             ..AdamW::default()
         },
         max_grad_norm: Some(1.0),
+        ..DpConfig::default()
     }
 }
 

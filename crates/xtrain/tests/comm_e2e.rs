@@ -17,6 +17,8 @@ fn xtrain() -> Command {
         "XTRAIN_ALLREDUCE_ALGO",
         "XTRAIN_COMM_TIMEOUT",
         "XTRAIN_JOB_ID",
+        "XTRAIN_SHM_SINGLE_COPY",
+        "XTRAIN_SHM_SINGLE_COPY_MIN",
     ] {
         c.env_remove(v);
     }
@@ -40,9 +42,31 @@ fn rows(stdout: &str) -> Vec<(usize, i64)> {
         .collect()
 }
 
+/// Transports of the end-to-end tests: shared memory through its rings (single copy off),
+/// shared memory with single-copy ring steps at every size (the ring all-reduce too), and TCP.
+/// (name, transport, extra environment).
+type Path = (
+    &'static str,
+    &'static str,
+    &'static [(&'static str, &'static str)],
+);
+const PATHS: [Path; 3] = [
+    ("shm", "shm", &[("XTRAIN_SHM_SINGLE_COPY", "0")]),
+    (
+        "shm single copy",
+        "shm",
+        &[
+            ("XTRAIN_SHM_SINGLE_COPY", "1"),
+            ("XTRAIN_SHM_SINGLE_COPY_MIN", "0"),
+            ("XTRAIN_ALLREDUCE_ALGO", "ring"),
+        ],
+    ),
+    ("tcp", "tcp", &[]),
+];
+
 #[test]
 fn every_collective_is_exact_through_launch_over_shm_and_tcp() {
-    for transport in ["shm", "tcp"] {
+    for (path, transport, env) in PATHS {
         for op in [
             "all_reduce",
             "all_gather",
@@ -52,6 +76,7 @@ fn every_collective_is_exact_through_launch_over_shm_and_tcp() {
         ] {
             // Sizes 1000, 4000, 16000, 64000 bytes: counts that do not split evenly too.
             let out = xtrain()
+                .envs(env.iter().copied())
                 .env("XTRAIN_TRANSPORT", transport)
                 .env("XTRAIN_COMM_TIMEOUT", "20")
                 .args([
@@ -70,11 +95,16 @@ fn every_collective_is_exact_through_launch_over_shm_and_tcp() {
                 .output()
                 .unwrap();
             let (stdout, stderr) = (text(&out.stdout), text(&out.stderr));
-            assert!(out.status.success(), "{op} over {transport}: {stderr}");
+            assert!(out.status.success(), "{op} over {path}: {stderr}");
             assert!(
                 stdout.contains(&format!("{op} over 3 rank(s), transport {transport}")),
                 "{stdout}"
             );
+            // Forced off, the rings carry everything (forced on, it depends on whether this
+            // host lets sibling processes use process_vm_readv, e.g. Yama's ptrace_scope).
+            if env.contains(&("XTRAIN_SHM_SINGLE_COPY", "0")) {
+                assert!(stdout.contains("single-copy shared memory off"), "{stdout}");
+            }
             let rows = rows(&stdout);
             assert_eq!(rows.len(), 4, "{stdout}");
             assert!(rows.iter().all(|&(_, wrong)| wrong == 0), "{stdout}");
@@ -122,8 +152,15 @@ fn free_port() -> u16 {
 
 /// Starts rank `rank` of `n` by hand (no launcher), running the bench with rank 1 set to
 /// kill itself after a few timed iterations.
-fn spawn_rank(rank: usize, n: usize, port: u16, transport: &str, timeout_s: u64) -> Child {
+fn spawn_rank(
+    rank: usize,
+    n: usize,
+    port: u16,
+    (transport, env): (&str, &[(&str, &str)]),
+    timeout_s: u64,
+) -> Child {
     xtrain()
+        .envs(env.iter().copied())
         .env("RANK", rank.to_string())
         .env("WORLD_SIZE", n.to_string())
         .env("MASTER_ADDR", "127.0.0.1")
@@ -158,11 +195,11 @@ fn spawn_rank(rank: usize, n: usize, port: u16, transport: &str, timeout_s: u64)
 #[test]
 fn a_rank_killed_mid_run_makes_the_others_fail_within_the_timeout() {
     let timeout_s = 3;
-    for transport in ["tcp", "shm"] {
+    for (path, transport, env) in PATHS {
         let start = Instant::now();
         let port = free_port();
         let children: Vec<Child> = (0..3)
-            .map(|r| spawn_rank(r, 3, port, transport, timeout_s))
+            .map(|r| spawn_rank(r, 3, port, (transport, env), timeout_s))
             .collect();
         let outs: Vec<Output> = children
             .into_iter()
@@ -171,13 +208,13 @@ fn a_rank_killed_mid_run_makes_the_others_fail_within_the_timeout() {
         let took = start.elapsed();
         assert!(
             took < Duration::from_secs(timeout_s + 10),
-            "{transport}: took {took:?}"
+            "{path}: took {took:?}"
         );
         use std::os::unix::process::ExitStatusExt;
         assert_eq!(
             outs[1].status.signal(),
             Some(9),
-            "{transport}: rank 1 kills itself"
+            "{path}: rank 1 kills itself"
         );
         // An error names a rank as "rank 1 closed ..." or "waiting for rank(s) [1]".
         let names = |stderr: &str, r: usize| {
@@ -186,10 +223,10 @@ fn a_rank_killed_mid_run_makes_the_others_fail_within_the_timeout() {
         let err: Vec<String> = outs.iter().map(|o| text(&o.stderr)).collect();
         assert!(
             !outs[0].status.success() && !outs[2].status.success(),
-            "{transport}: {err:?}"
+            "{path}: {err:?}"
         );
         // Rank 0 waits on rank 1 directly in the barrier and collectives of 3 ranks.
-        assert!(names(&err[0], 1), "{transport}: rank 0: {}", err[0]);
+        assert!(names(&err[0], 1), "{path}: rank 0: {}", err[0]);
         // Rank 2 may be waiting on rank 0, which gave up because of rank 1. Over TCP it sees
         // rank 0 close and reads rank 0's reason (naming rank 1) from the store; over shared
         // memory both may reach their timeout at the same moment.

@@ -9,6 +9,7 @@
 //!
 //! Every write and every consumption is a multiple of 8 bytes (messages are padded), so offered
 //! regions start 8-byte aligned and hold whole elements of any supported type.
+pub mod cma;
 pub(crate) mod shm;
 pub(crate) mod tcp;
 

@@ -47,6 +47,18 @@ pub struct HeadWeightGrad {
     grad_scale: f32,
 }
 
+impl HeadCache {
+    /// Bytes this cache holds (input, normed input, rstd, lse, targets): the fused loss keeps
+    /// no logits, so this is all the head keeps alive until its backward.
+    pub fn bytes(&self) -> usize {
+        super::act_bytes(&self.x)
+            + super::act_bytes(&self.xn)
+            + super::act_bytes(&self.rstd)
+            + super::act_bytes(&self.lse)
+            + std::mem::size_of_val(self.targets.as_slice())
+    }
+}
+
 impl Head {
     fn hidden(&self) -> usize {
         self.norm.numel()

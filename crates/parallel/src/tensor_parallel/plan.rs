@@ -349,16 +349,18 @@ impl TpPlan {
     /// owns, and the f64 partials are all-gathered and added in rank order (bitwise the same
     /// on every rank).
     pub fn grad_sq_sum(&self, group: &ProcessGroup, grads: &[f32]) -> Result<f64, ParallelError> {
-        self.grad_sq_sum_in(group, 0..self.local_layout.total(), grads)
+        let sq = |r: std::ops::Range<usize>| model::optim::grad_sq_sum(&grads[r]);
+        self.grad_sq_sum_in(group, 0..self.local_layout.total(), &sq)
     }
 
-    /// [`Self::grad_sq_sum`] over the part of the model in local flat `range` (`grads` holds
-    /// that range; e.g. a ZeRO shard, whose tensors may be cut anywhere).
+    /// [`Self::grad_sq_sum`] over the part of the model in local flat `range` (e.g. a ZeRO
+    /// shard, whose tensors may be cut anywhere); `sq(r)` is the plain sum of squares of the
+    /// local flat sub-range `r`.
     pub fn grad_sq_sum_in(
         &self,
         group: &ProcessGroup,
         range: std::ops::Range<usize>,
-        grads: &[f32],
+        sq: &dyn Fn(std::ops::Range<usize>) -> f64,
     ) -> Result<f64, ParallelError> {
         let rank = group.rank();
         let local: f64 = self
@@ -371,7 +373,7 @@ impl TpPlan {
                 if s >= e {
                     0.0
                 } else {
-                    model::optim::grad_sq_sum(&grads[s - range.start..e - range.start])
+                    sq(s..e)
                 }
             })
             .sum();

@@ -174,17 +174,25 @@ impl StagedModel for StagedTp {
     }
 
     fn cache_bytes(&self, cache: &TpCache) -> usize {
-        let h = self.tp.plan.cfg.hidden_size;
         match cache {
             TpCache::Embed(ids) => ids.len() * 4,
-            TpCache::Block(c) => {
-                c.pass().tokens() * h * 4 / if self.tp.plan.sp { self.tp.plan.tp } else { 1 }
-            }
+            TpCache::Block(c) => c.bytes(),
             TpCache::Head(_) => 0,
         }
     }
 
-    fn grad_sq_sum(&self, range: Range<usize>, g: &[f32]) -> Result<f64, ParallelError> {
-        self.tp.plan.grad_sq_sum_in(self.tp.group(), range, g)
+    fn eval_metric(&self, out: &LlmAct, last: &TpCache) -> f32 {
+        match last {
+            TpCache::Head(c) if c.n_valid > 0 => (c.loss_sum / c.n_valid as f64) as f32,
+            _ => out.x[0] - out.aux,
+        }
+    }
+
+    fn grad_sq_sum(
+        &self,
+        range: Range<usize>,
+        sq: &dyn Fn(Range<usize>) -> f64,
+    ) -> Result<f64, ParallelError> {
+        self.tp.plan.grad_sq_sum_in(self.tp.group(), range, sq)
     }
 }

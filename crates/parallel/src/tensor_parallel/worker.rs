@@ -19,7 +19,7 @@ use train::RunConfig;
 use super::model::TpModel;
 use super::plan::TpPlan;
 use super::staged::StagedTp;
-use crate::checkpoint::{load_shards, reshard_states};
+use crate::checkpoint::{load_shards, reshard_buffer};
 use crate::engine::{DataParallel, DpConfig, ShardState};
 use crate::memory::ZeroStage;
 use crate::worker::{model_config, DpRunSummary};
@@ -50,22 +50,27 @@ pub fn load_resharded(dir: &Path, plan: &TpPlan, rank: usize) -> Result<ShardSta
         )));
     }
     let old = TpPlan::new(&plan.cfg, old_tp, plan.sp)?;
-    let full_locals = (0..old_tp)
-        .map(|r| {
-            let states = load_shards(&dir.join(format!("tp-{r}")), &unit_sizes(&old))?;
-            reshard_states(&states, 1, 0)
-        })
+    let saved = (0..old_tp)
+        .map(|r| load_shards(&dir.join(format!("tp-{r}")), &unit_sizes(&old)))
         .collect::<Result<Vec<_>, _>>()?;
     let n = old.local_layout.total();
     let cut = |f: fn(&ShardState) -> &Vec<f32>| -> Result<Vec<f32>, ParallelError> {
-        let locals: Vec<Vec<f32>> = full_locals.iter().map(|s| f(s)[..n].to_vec()).collect();
+        // Each old tp shard's full local buffer (its dp shards joined), then re-cut over tp.
+        let locals = saved
+            .iter()
+            .map(|states| Ok(reshard_buffer(states, 1, 0, f)?[..n].to_vec()))
+            .collect::<Result<Vec<_>, ParallelError>>()?;
         Ok(plan.reshard_from(&old, &locals)?.swap_remove(rank))
     };
+    let step = saved[0]
+        .first()
+        .ok_or_else(|| ParallelError::Checkpoint(format!("{}: empty tp-0", dir.display())))?
+        .step;
     Ok(ShardState {
         total: plan.local_layout.total(),
         world: 1,
         rank: 0,
-        step: full_locals[0].step,
+        step,
         params: cut(|s| &s.params)?,
         exp_avg: cut(|s| &s.exp_avg)?,
         exp_avg_sq: cut(|s| &s.exp_avg_sq)?,
@@ -133,7 +138,7 @@ pub fn run(
     };
     let dp_cfg = DpConfig {
         stage,
-        bucket_bytes: crate::bucket::DEFAULT_BUCKET_BYTES,
+        bucket_bytes: (p.bucket_mb * 1024.0 * 1024.0) as usize,
         adamw: model::AdamW {
             lr: t.lr as f32,
             beta1: t.beta1 as f32,
@@ -142,6 +147,7 @@ pub fn run(
             weight_decay: t.weight_decay as f32,
         },
         max_grad_norm: (t.grad_clip > 0.0).then_some(t.grad_clip as f32),
+        precision: crate::memory::Precision::Fp32,
     };
     let init = tp.shard_params(
         &model::Model::new(mc.clone())

@@ -275,6 +275,11 @@ fn worker(args: &Args) -> anyhow::Result<()> {
             transport_name(transport),
             algo_name(algo)
         );
+        // Which shared-memory data path large ring collectives take (XTRAIN_SHM_SINGLE_COPY).
+        match comm.single_copy_min_bytes() {
+            Some(min) => println!("# single-copy shared memory from {min} bytes"),
+            None => println!("# single-copy shared memory off"),
+        }
         println!(
             "#{:>11} {:>12} {:>6} {:>6} {:>6} {:>12} {:>12} {:>12} {:>7}",
             "size(B)",
