@@ -9,6 +9,7 @@
 //! `dW += dyᵀ·x` is `matmul(dw, dy, x, out, tokens, in, true, false, true)`.
 
 use crate::error::check_len;
+use crate::sgemm;
 use crate::threads;
 use crate::TensorError;
 use gemm::Parallelism;
@@ -85,8 +86,59 @@ pub fn matmul_serial(
     matmul_with(c, a, b, [m, k, n], [trans_a, trans_b, accumulate], None)
 }
 
+/// Which implementation computes a product.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Backend {
+    /// The faster of the two for this CPU and shape (see [`gemm_raw`]).
+    Auto,
+    /// The own AVX-512 SGEMM of [`crate::sgemm`] (falls back to the `gemm` crate on CPUs
+    /// without AVX-512).
+    Own,
+    /// The `gemm` crate.
+    Crate,
+}
+
+/// [`matmul`] with an explicit backend and thread count (`threads: None` runs serially);
+/// for benchmarks and tests that compare the implementations.
+#[allow(clippy::too_many_arguments)]
+pub fn matmul_using(
+    backend: Backend,
+    threads: Option<usize>,
+    c: &mut [f32],
+    a: &[f32],
+    b: &[f32],
+    m: usize,
+    k: usize,
+    n: usize,
+    trans_a: bool,
+    trans_b: bool,
+    accumulate: bool,
+) -> Result<(), TensorError> {
+    matmul_checked(
+        backend,
+        c,
+        a,
+        b,
+        [m, k, n],
+        [trans_a, trans_b, accumulate],
+        threads,
+    )
+}
+
 /// The checked body of [`matmul`] and [`matmul_serial`]; `threads: None` runs serially.
 fn matmul_with(
+    c: &mut [f32],
+    a: &[f32],
+    b: &[f32],
+    mkn: [usize; 3],
+    flags: [bool; 3],
+    threads: Option<usize>,
+) -> Result<(), TensorError> {
+    matmul_checked(Backend::Auto, c, a, b, mkn, flags, threads)
+}
+
+fn matmul_checked(
+    backend: Backend,
     c: &mut [f32],
     a: &[f32],
     b: &[f32],
@@ -102,7 +154,8 @@ fn matmul_with(
     // SAFETY: lengths checked above; every index (i, p) / (p, j) / (i, j) with i < m, p < k,
     // j < n lies inside the corresponding slice for these row-major strides.
     unsafe {
-        gemm_raw(
+        gemm_raw_using(
+            backend,
             c.as_mut_ptr(),
             Strides::row_major(n, false),
             a.as_ptr(),
@@ -139,6 +192,76 @@ pub unsafe fn gemm_raw(
     accumulate: bool,
     threads: Option<usize>,
 ) {
+    gemm_raw_using(
+        Backend::Auto,
+        c,
+        sc,
+        a,
+        sa,
+        b,
+        sb,
+        m,
+        k,
+        n,
+        accumulate,
+        threads,
+    )
+}
+
+/// [`gemm_raw`] with an explicit backend.
+///
+/// # Safety
+/// As for [`gemm_raw`].
+#[allow(clippy::too_many_arguments)]
+pub unsafe fn gemm_raw_using(
+    backend: Backend,
+    c: *mut f32,
+    sc: Strides,
+    a: *const f32,
+    sa: Strides,
+    b: *const f32,
+    sb: Strides,
+    m: usize,
+    k: usize,
+    n: usize,
+    accumulate: bool,
+    threads: Option<usize>,
+) {
+    if backend != Backend::Crate && sgemm::available() {
+        // The own kernel writes row-major C; a column-major C is the transposed product
+        // Cᵀ = Bᵀ·Aᵀ, which is row-major with the operands' roles and strides swapped.
+        let own = if sc.col == 1 && sc.row >= n as isize {
+            Some((c, sc.row as usize, a, sa, b, sb, m, n))
+        } else if sc.row == 1 && sc.col >= m as isize {
+            let swap = |s: Strides| Strides {
+                row: s.col,
+                col: s.row,
+            };
+            Some((c, sc.col as usize, b, swap(sb), a, swap(sa), n, m))
+        } else {
+            None
+        };
+        let own = own.filter(|&(.., sa, _, _, _, _)| backend == Backend::Own || own_is_faster(sa));
+        if let Some((c, ldc, a, sa, b, sb, m, n)) = own {
+            let mat = |p: *const f32, s: Strides| sgemm::MatRef {
+                ptr: p,
+                rs: s.row,
+                cs: s.col,
+            };
+            sgemm::sgemm(
+                c,
+                ldc,
+                mat(a, sa),
+                mat(b, sb),
+                m,
+                k,
+                n,
+                accumulate,
+                threads.unwrap_or(1),
+            );
+            return;
+        }
+    }
     if m == 0 || n == 0 {
         return;
     }
@@ -175,6 +298,14 @@ pub unsafe fn gemm_raw(
             1.0f32, false, false, false, par,
         )
     }
+}
+
+/// The dispatch rule of [`Backend::Auto`] for a product already in row-major-`C` form: the
+/// own kernel where it measured faster than the `gemm` crate (see docs/PERFORMANCE.md,
+/// "Own SGEMM"): when `A` is not row-major (the weight-gradient form `dW += dyᵀ·x`, whose
+/// packed `A` panels beat the crate by 2–13 % at the training shapes).
+fn own_is_faster(sa: Strides) -> bool {
+    sa.col != 1
 }
 
 /// Raw pointer that may cross into the pool (the caller guarantees exclusive access).

@@ -32,6 +32,7 @@ pub mod error;
 pub mod gemm;
 pub mod norm;
 pub mod rope;
+pub mod sgemm;
 pub mod softmax;
 pub mod tensor;
 pub mod threads;
