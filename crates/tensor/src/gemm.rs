@@ -387,6 +387,57 @@ mod tests {
     }
 
     #[test]
+    fn backends_agree_including_column_major_c() {
+        // Both backends through matmul_using, and gemm_raw with a column-major C (the own
+        // kernel computes it as the transposed product) and strided inputs.
+        let (m, k, n) = (37, 45, 29);
+        for backend in [Backend::Own, Backend::Crate, Backend::Auto] {
+            for threads in [None, Some(2)] {
+                for (ta, tb) in [(false, false), (true, false), (false, true), (true, true)] {
+                    let a = rand_vec(m * k, 4);
+                    let b = rand_vec(k * n, 5);
+                    let mut c = rand_vec(m * n, 6);
+                    let mut r = c.clone();
+                    matmul_using(backend, threads, &mut c, &a, &b, m, k, n, ta, tb, true).unwrap();
+                    matmul_reference(&mut r, &a, &b, m, k, n, ta, tb, true);
+                    assert!(max_abs_diff(&c, &r) <= 1e-6 * k as f32 * 4.0, "{backend:?}");
+                }
+                // C stored column-major: C(i, j) at c[j·m + i].
+                let a = rand_vec(m * k, 7);
+                let b = rand_vec(k * n, 8);
+                let mut ct = vec![0.0f32; m * n];
+                let mut r = vec![0.0f32; m * n];
+                unsafe {
+                    gemm_raw_using(
+                        backend,
+                        ct.as_mut_ptr(),
+                        Strides {
+                            row: 1,
+                            col: m as isize,
+                        },
+                        a.as_ptr(),
+                        Strides::row_major(k, false),
+                        b.as_ptr(),
+                        Strides::row_major(n, false),
+                        m,
+                        k,
+                        n,
+                        false,
+                        threads,
+                    )
+                };
+                matmul_reference(&mut r, &a, &b, m, k, n, false, false, false);
+                for i in 0..m {
+                    for j in 0..n {
+                        let d = (ct[j * m + i] - r[i * n + j]).abs();
+                        assert!(d <= 1e-6 * k as f32 * 4.0, "{backend:?} C({i},{j})");
+                    }
+                }
+            }
+        }
+    }
+
+    #[test]
     fn rejects_bad_lengths_and_handles_k0() {
         let mut c = vec![1.0; 4];
         assert!(matmul(&mut c, &[0.0; 3], &[0.0; 4], 2, 2, 2, false, false, false).is_err());

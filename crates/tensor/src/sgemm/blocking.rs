@@ -2,7 +2,7 @@
 //! 2 MiB L2 (Sapphire Rapids; reasonable for other AVX-512 Xeons).
 //!
 //! - `MR × NR = 14 × 32`: the register tile (see [`super::kernel`]).
-//! - `KC = 512`: depth of one rank-`KC` update. The `A` block of one micro-tile (`MR × KC`
+//! - `KC = 512`: depth of one rank-`KC` update. The packed `A` micro-panel (`MR × KC`
 //!   floats = 28 KiB) stays in L1 while the kernel walks across the packed `B` block; a deep
 //!   `KC` halves the `C` tile traffic per multiply-add compared with 256 (each tile of `C` is
 //!   read and written once per `KC` steps).
@@ -19,6 +19,9 @@ pub(crate) const MR: usize = 14;
 pub(crate) const NR: usize = 32;
 /// Depth of one packed rank-`KC` update.
 pub(crate) const KC: usize = 512;
+/// Rows of a packed `A` block when `n` needs several `B` blocks (a multiple of `MR`; 4 MiB of
+/// packed `A` at `KC = 512`, read back from L3 panel by panel).
+pub(crate) const MC: usize = MR * 146;
 /// Columns of a packed `B` block (a multiple of `NR`).
 pub(crate) const NC: usize = NR * 16;
 

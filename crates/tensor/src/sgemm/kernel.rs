@@ -1,5 +1,5 @@
-//! The AVX-512 micro-kernel: one `MR × NR` (14 × 32) tile of `C` from an `MR × kc` block of
-//! `A` (a packed panel, or a row-major `A` read in place) and a packed `B` micro-panel.
+//! The AVX-512 micro-kernel: one `MR × NR` (14 × 32) tile of `C` from a packed `A`
+//! micro-panel and a packed `B` micro-panel.
 //!
 //! Register blocking: the tile lives in 28 zmm accumulators (14 rows × 2 vectors of 16
 //! columns). Each step `p` of the `kc` loop loads the two `B` vectors `B(p, 0..32)` once and,
@@ -19,21 +19,19 @@
 use super::blocking::{MR, NR};
 use std::arch::x86_64::*;
 
-/// `C[rows × cols] (+)= A · B̂` for a packed `B̂` micro-panel (`kc` steps of `NR` values) and
-/// an `MR × kc` block of `A` read in place: `A(i, p) = a[i·lda + p]` when `ROW_MAJOR_A`, else
-/// `a[i + p·lda]` (a packed `A` panel is the latter with `lda = MR`). `C(i, j) = c[i·ldc + j]`;
+/// `C[rows × cols] (+)= Â · B̂` for a packed `Â` micro-panel (`kc` steps of `MR` values) and a
+/// packed `B̂` micro-panel (`kc` steps of `NR` values); `C(i, j) = c[i·ldc + j]`.
 /// `accumulate = false` overwrites `C`.
 ///
 /// # Safety
-/// AVX-512F must be available; all `MR` rows of `A` (even beyond `rows`) and `NR·kc` floats of
-/// `b` (64-byte aligned) must be readable; every `C(i, j)` with `i < rows ≤ MR`,
-/// `j < cols ≤ NR` must be writable and not accessed concurrently.
+/// AVX-512F must be available; `a` must hold `MR·kc` and `b` `NR·kc` readable floats (`b`
+/// 64-byte aligned); every `C(i, j)` with `i < rows ≤ MR`, `j < cols ≤ NR` must be writable
+/// and not accessed concurrently.
 #[target_feature(enable = "avx512f")]
 #[allow(clippy::too_many_arguments)]
-pub(super) unsafe fn tile<const ROW_MAJOR_A: bool>(
+pub(super) unsafe fn tile(
     kc: usize,
     a: *const f32,
-    lda: usize,
     b: *const f32,
     c: *mut f32,
     ldc: usize,
@@ -48,16 +46,15 @@ pub(super) unsafe fn tile<const ROW_MAJOR_A: bool>(
         _mm_prefetch::<_MM_HINT_T1>(c.add(i * ldc + NR - 1) as *const i8);
     }
     let (mut a, mut b) = (a, b);
-    let (a_row, a_step) = if ROW_MAJOR_A { (lda, 1) } else { (1, lda) };
     for _ in 0..kc {
         let b0 = _mm512_load_ps(b);
         let b1 = _mm512_load_ps(b.add(16));
         for (i, row) in acc.iter_mut().enumerate() {
-            let ai = _mm512_set1_ps(*a.add(i * a_row));
+            let ai = _mm512_set1_ps(*a.add(i));
             row[0] = _mm512_fmadd_ps(ai, b0, row[0]);
             row[1] = _mm512_fmadd_ps(ai, b1, row[1]);
         }
-        a = a.add(a_step);
+        a = a.add(MR);
         b = b.add(NR);
     }
     let m0: __mmask16 = lane_mask(cols.min(16));

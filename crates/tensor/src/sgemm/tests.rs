@@ -2,7 +2,7 @@
 //! tile and block sizes, every transpose combination, accumulate on/off, strided views inside
 //! larger buffers, several thread counts, and random shapes (proptest).
 
-use super::blocking::{KC, MR, NC, NR};
+use super::blocking::{KC, MC, MR, NC, NR};
 use super::{available, sgemm, MatRef};
 use crate::testutil::rand_vec;
 use proptest::prelude::*;
@@ -187,6 +187,17 @@ fn spans_column_blocks_and_threads() {
     for t in [1, 2, 3] {
         each_layout(130, 70, 150, &[0], &[t]);
     }
+    // m beyond MC with several B blocks: more than one packed A block per rank update.
+    run(Case {
+        m: MC + 2 * MR + 3,
+        k: 3,
+        n: NC + 5,
+        trans_a: false,
+        trans_b: false,
+        accumulate: true,
+        pad: 0,
+        threads: 1,
+    });
 }
 
 #[test]
