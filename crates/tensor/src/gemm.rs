@@ -134,7 +134,22 @@ fn matmul_with(
     flags: [bool; 3],
     threads: Option<usize>,
 ) -> Result<(), TensorError> {
-    matmul_checked(Backend::Auto, c, a, b, mkn, flags, threads)
+    matmul_checked(default_backend(), c, a, b, mkn, flags, threads)
+}
+
+/// Environment variable that overrides the backend of [`matmul`], [`matmul_serial`] and
+/// [`gemm_raw`]: `own`, `crate` or `auto` (the default), read once; for A/B runs of whole
+/// programs (e.g. `XTRAIN_GEMM=crate xtrain bench train ...`).
+pub const GEMM_ENV: &str = "XTRAIN_GEMM";
+
+/// The process-wide default backend (see [`GEMM_ENV`]); unknown values mean `auto`.
+pub fn default_backend() -> Backend {
+    static B: std::sync::OnceLock<Backend> = std::sync::OnceLock::new();
+    *B.get_or_init(|| match std::env::var(GEMM_ENV).as_deref().map(str::trim) {
+        Ok("own") => Backend::Own,
+        Ok("crate") => Backend::Crate,
+        _ => Backend::Auto,
+    })
 }
 
 fn matmul_checked(
@@ -193,7 +208,7 @@ pub unsafe fn gemm_raw(
     threads: Option<usize>,
 ) {
     gemm_raw_using(
-        Backend::Auto,
+        default_backend(),
         c,
         sc,
         a,
