@@ -1,5 +1,8 @@
-//! Matrix products through the `gemm` crate (its `x86-v4`/AVX-512 kernels are selected at
-//! run time), parallelised over the thread budget.
+//! Matrix products, parallelised over the thread budget, on one of two backends
+//! ([`Backend`]): the own AVX-512 SGEMM of [`crate::sgemm`], or the `gemm` crate (its
+//! `x86-v4`/AVX-512 kernels are selected at run time; also the fallback on CPUs without
+//! AVX-512). [`Backend::Auto`] picks per product by a measured rule (`own_is_faster`);
+//! `XTRAIN_GEMM=own|crate|auto` overrides it for a whole process.
 //!
 //! Transposed operands are read through strides, never copied: a row-major `[r, c]` matrix
 //! read as its transpose is the same memory with row stride 1 and column stride `c`.

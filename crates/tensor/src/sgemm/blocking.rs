@@ -19,9 +19,10 @@ pub(crate) const MR: usize = 14;
 pub(crate) const NR: usize = 32;
 /// Depth of one packed rank-`KC` update.
 pub(crate) const KC: usize = 512;
-/// Rows of a packed `A` block when `n` needs several `B` blocks (a multiple of `MR`; 4 MiB of
-/// packed `A` at `KC = 512`, read back from L3 panel by panel).
-pub(crate) const MC: usize = MR * 146;
+/// Rows of a packed `A` block when `n` needs several `B` blocks (a multiple of `MR`, ≥ 2048 so
+/// that 2048-row products use one block; 4.2 MiB of packed `A` at `KC = 512`, read back from
+/// L3 panel by panel).
+pub(crate) const MC: usize = MR * 150;
 /// Columns of a packed `B` block (a multiple of `NR`).
 pub(crate) const NC: usize = NR * 16;
 

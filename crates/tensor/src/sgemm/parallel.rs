@@ -1,6 +1,7 @@
 //! Splitting one product across threads: the output is cut into `t` slabs along `m` (rows)
-//! or `n` (columns), whichever has more register tiles, each slab a whole multiple of the tile
-//! so no tile is shared. Each slab is an independent [`super::driver::gemm`] on one rayon worker
+//! or `n` (columns), whichever divides into the more even slabs of whole register tiles (so no
+//! tile is shared; e.g. 2048 columns = 64 tiles split 32/32, where 2048 rows = 147 tiles would
+//! split 73/74). Each slab is an independent [`super::driver::gemm`] on one rayon worker
 //! of the budget pool, with that worker's own packing buffers: a row slab keeps its packed `A`
 //! in its own core's L2 and packs the `B` blocks it reads itself (re-packing `B` costs `k·n`
 //! copies per thread against `m·n·k/t` multiply-adds, under 0.1 % at the shapes we use).
