@@ -8,7 +8,8 @@
 //! `gemm` and `shapes` compare the two matrix-product backends (own SGEMM, `gemm` crate) in
 //! alternating rounds, so both see the same machine load; each line gives the median over the
 //! rounds. `shapes` runs the products of one training step of the small and medium presets
-//! (2048 tokens), in the three forms of a linear layer.
+//! (2048 tokens), in the three forms of a linear layer, then the fused LM head's 128-row
+//! chunk products.
 
 use std::hint::black_box;
 use tensor::attention::{attention_backward, attention_forward, AttnShape, AttnTiles};
@@ -103,6 +104,12 @@ fn main() {
             ab_gemm(threads, [t, din, dout], [false, true], 7); // y = x·Wᵀ
             ab_gemm(threads, [t, dout, din], [false, false], 7); // dx = dy·W
             ab_gemm(threads, [dout, t, din], [true, false], 7); // dW += dyᵀ·x
+        }
+        // The fused LM head + cross-entropy works on 128-row chunks: (rows, hidden, vocab).
+        for (r, dim, vocab) in [(128, 256, 256), (128, 512, 4096)] {
+            ab_gemm(threads, [r, dim, vocab], [false, true], 7); // z = x·Wᵀ
+            ab_gemm(threads, [r, vocab, dim], [false, false], 7); // dx = dz·W
+            ab_gemm(threads, [vocab, r, dim], [true, false], 7); // dW += dzᵀ·x
         }
     }
     if only.is_empty() || only == "attention" {

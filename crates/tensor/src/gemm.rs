@@ -259,7 +259,9 @@ pub unsafe fn gemm_raw_using(
         } else {
             None
         };
-        let own = own.filter(|&(.., sa, _, _, _, _)| backend == Backend::Own || own_is_faster(sa));
+        let own = own.filter(|&(_, _, _, sa, _, sb, m, _)| {
+            backend == Backend::Own || own_is_faster(sa, sb, m)
+        });
         if let Some((c, ldc, a, sa, b, sb, m, n)) = own {
             let mat = |p: *const f32, s: Strides| sgemm::MatRef {
                 ptr: p,
@@ -320,10 +322,16 @@ pub unsafe fn gemm_raw_using(
 
 /// The dispatch rule of [`Backend::Auto`] for a product already in row-major-`C` form: the
 /// own kernel where it measured faster than the `gemm` crate (see docs/PERFORMANCE.md,
-/// "Own SGEMM"): when `A` is not row-major (the weight-gradient form `dW += dyᵀ·x`, whose
-/// packed `A` panels beat the crate by 2–13 % at the training shapes).
-fn own_is_faster(sa: Strides) -> bool {
-    sa.col != 1
+/// "Own SGEMM"):
+/// - `A` not row-major: the weight-gradient form `dW += dyᵀ·x` (0–7 % faster at the
+///   training shapes);
+/// - `B` not row-major and `m ≤ 512`: `y = x·Wᵀ` on few rows, e.g. the fused LM head's 128-row
+///   chunks (+3–7 % at vocab 256, +9–44 % at vocab 4096 for 512 down to 64 rows), where the
+///   crate is slow; at 2048 rows the two are within ±6 % either way.
+///
+/// Elsewhere (notably `dx = dy·W`, 2–14 % slower) the crate is used.
+fn own_is_faster(sa: Strides, sb: Strides, m: usize) -> bool {
+    sa.col != 1 || (sb.col != 1 && m <= 512)
 }
 
 /// Raw pointer that may cross into the pool (the caller guarantees exclusive access).
