@@ -12,6 +12,7 @@
 //! `dW += dyᵀ·x` is `matmul(dw, dy, x, out, tokens, in, true, false, true)`.
 
 use crate::error::check_len;
+#[cfg(target_arch = "x86_64")]
 use crate::sgemm;
 use crate::threads;
 use crate::TensorError;
@@ -245,6 +246,9 @@ pub unsafe fn gemm_raw_using(
     accumulate: bool,
     threads: Option<usize>,
 ) {
+    #[cfg(not(target_arch = "x86_64"))]
+    let _ = backend; // the own kernel is x86-64 only
+    #[cfg(target_arch = "x86_64")]
     if backend != Backend::Crate && sgemm::available() {
         // The own kernel writes row-major C; a column-major C is the transposed product
         // Cᵀ = Bᵀ·Aᵀ, which is row-major with the operands' roles and strides swapped.
@@ -330,6 +334,7 @@ pub unsafe fn gemm_raw_using(
 ///   crate is slow; at 2048 rows the two are within ±6 % either way.
 ///
 /// Elsewhere (notably `dx = dy·W`, 2–14 % slower) the crate is used.
+#[cfg(target_arch = "x86_64")]
 fn own_is_faster(sa: Strides, sb: Strides, m: usize) -> bool {
     sa.col != 1 || (sb.col != 1 && m <= 512)
 }

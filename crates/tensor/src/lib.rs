@@ -33,6 +33,7 @@ pub mod error;
 pub mod gemm;
 pub mod norm;
 pub mod rope;
+#[cfg(target_arch = "x86_64")]
 pub mod sgemm;
 pub mod softmax;
 pub mod tensor;
