@@ -63,36 +63,14 @@ pub(super) unsafe fn gemm(
                 pack_b(bp, b.sub(pc, 0), kc, n);
                 for ir in (0..m).step_by(MR) {
                     let rows = MR.min(m - ir);
-                    if direct && rows == MR {
-                        let a_ir = a.sub(ir, pc);
-                        panel_row(
-                            a_ir.ptr,
-                            a.rs as usize,
-                            1,
-                            bp,
-                            c.add(ir * ldc),
-                            ldc,
-                            rows,
-                            n,
-                            kc,
-                            acc,
-                        );
-                        continue;
-                    }
-                    let ap = &mut ap[..MR * kc];
-                    pack_a(ap, a.sub(ir, pc), rows, kc);
-                    panel_row(
-                        ap.as_ptr(),
-                        1,
-                        MR,
-                        bp,
-                        c.add(ir * ldc),
-                        ldc,
-                        rows,
-                        n,
-                        kc,
-                        acc,
-                    );
+                    let a_ir = a.sub(ir, pc);
+                    let (ptr, lda, step) = if direct && rows == MR {
+                        (a_ir.ptr, a.rs as usize, 1)
+                    } else {
+                        pack_a(&mut ap[..MR * kc], a_ir, rows, kc);
+                        (ap.as_ptr(), 1, MR)
+                    };
+                    panel_row(ptr, lda, step, bp, c.add(ir * ldc), ldc, rows, n, kc, acc);
                 }
                 continue;
             }
@@ -113,14 +91,13 @@ pub(super) unsafe fn gemm(
                     pack_b(bp, b.sub(pc, jc), kc, nc);
                     for r in 0..panels {
                         let (ir, rows) = (ic + r * MR, MR.min(mc - r * MR));
+                        let (ptr, lda, step) = if direct && rows == MR {
+                            (a.at(ir, pc), a.rs as usize, 1)
+                        } else {
+                            (ap[r * MR * kc..].as_ptr(), 1, MR)
+                        };
                         let ct = c.add(ir * ldc + jc);
-                        if direct && rows == MR {
-                            let a_ir = a.sub(ir, pc);
-                            panel_row(a_ir.ptr, a.rs as usize, 1, bp, ct, ldc, rows, nc, kc, acc);
-                            continue;
-                        }
-                        let panel = &ap[r * MR * kc..(r + 1) * MR * kc];
-                        panel_row(panel.as_ptr(), 1, MR, bp, ct, ldc, rows, nc, kc, acc);
+                        panel_row(ptr, lda, step, bp, ct, ldc, rows, nc, kc, acc);
                     }
                 }
             }
