@@ -19,7 +19,7 @@
 
 use super::blocking::{block_len, KC, MC, MR, NC, NR};
 use super::kernel;
-use super::pack::{pack_a, pack_b};
+use super::pack::{pack_a, pack_a_columns, pack_b};
 use super::scratch::with_buffers;
 use super::MatRef;
 
@@ -40,7 +40,10 @@ pub(super) unsafe fn gemm(
     accumulate: bool,
 ) {
     let (kc_max, nc_max) = (block_len(k, KC, 1), block_len(n, NC, NR));
-    let one_b_block = n <= nc_max;
+    // A column-major A is packed as whole blocks (sequential reads, see `pack_a_columns`);
+    // otherwise, when one B block covers n, A is packed panel by panel into L1.
+    let col_major_a = a.rs == 1 && a.cs != 1;
+    let one_b_block = n <= nc_max && !col_major_a;
     // A row-major A is read in place by the kernel (no packing) when one B block covers n or
     // its MR × kc rows are small (kc ≤ 256: 14 KiB beside the streaming B panels in L1), unless
     // its row stride is a multiple of 4 KiB: then all MR rows map to one L1 set (12 ways) and
@@ -77,9 +80,12 @@ pub(super) unsafe fn gemm(
             for ic in (0..m).step_by(mc_max) {
                 let mc = mc_max.min(m - ic);
                 let panels = mc.div_ceil(MR);
+                if col_major_a {
+                    pack_a_columns(ap, a.sub(ic, pc), mc, kc);
+                }
                 for r in 0..panels {
                     let rows = MR.min(mc - r * MR);
-                    if direct && rows == MR {
+                    if col_major_a || (direct && rows == MR) {
                         continue;
                     }
                     let panel = &mut ap[r * MR * kc..(r + 1) * MR * kc];

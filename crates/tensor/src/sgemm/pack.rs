@@ -28,6 +28,28 @@ pub(super) unsafe fn pack_a(dst: &mut [f32], a: MatRef, rows: usize, kc: usize) 
     pack_panel::<MR>(&mut dst[..MR * kc], a.ptr, a.rs, a.cs, rows, kc);
 }
 
+/// Packs `A(0..mc, 0..kc)` of a column-major `A` (`rs = 1`, e.g. `dyᵀ` of a weight gradient)
+/// into `⌈mc/MR⌉` panels, walking each source column `A(·, p)` front to back (one sequential
+/// stream per step instead of one 56-byte piece per step per panel, which left packing
+/// panel by panel waiting on strided misses).
+///
+/// # Safety
+/// AVX-512F; `a.rs == 1`; every `A(i, p)` with `i < mc`, `p < kc` must be readable; `dst`
+/// must hold `⌈mc/MR⌉·MR·kc` floats.
+#[target_feature(enable = "avx512f")]
+pub(super) unsafe fn pack_a_columns(dst: &mut [f32], a: MatRef, mc: usize, kc: usize) {
+    debug_assert!(a.rs == 1 && dst.len() >= mc.div_ceil(MR) * MR * kc);
+    let out = dst.as_mut_ptr();
+    for p in 0..kc {
+        let col = a.at(0, p);
+        for r in 0..mc.div_ceil(MR) {
+            let valid = MR.min(mc - r * MR);
+            let v = _mm512_maskz_loadu_ps(lanes(valid), col.add(r * MR));
+            _mm512_mask_storeu_ps(out.add(r * MR * kc + p * MR), lanes(MR), v);
+        }
+    }
+}
+
 /// Packs `B(0..kc, 0..nc)` of `b`; `dst` must hold `⌈nc/NR⌉·NR·kc` floats.
 ///
 /// # Safety
