@@ -10,7 +10,8 @@
 //! ```
 //! When all of `n` fits one `B̂` block (the usual case at training shapes) each `A` micro-panel
 //! is instead packed right before its `jr` loop into an L1-sized buffer, so packed `A` never
-//! leaves L1; with several `B̂` blocks an `A` block is packed once per rank update and reused
+//! leaves L1; with several `B̂` blocks, or a column-major `A` (packed fastest as a whole block,
+//! see `pack_a_columns`), an `A` block is packed once per rank update and reused
 //! for every `B̂` block (packing it per block would cost `m·k·n/NC` copies, measured 5 % of a
 //! 2048³ product). A row-major `A` whose rows do not alias in L1 is not packed at all where
 //! that measured faster (see `direct` below): the kernel reads its `MR` rows in place, which
