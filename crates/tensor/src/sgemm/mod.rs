@@ -4,7 +4,8 @@
 //! walks the blocks, and [`parallel`] splits a product across the thread budget; packing
 //! buffers are per thread and reused ([`scratch`]).
 //!
-//! `A` and `B` may have any strides (transposes are a stride swap, handled while packing);
+//! `A` and `B` may have any strides (transposes are a stride swap, handled while packing; a
+//! row-major `A` whose rows do not alias in L1 is read in place where that measured faster);
 //! `C` is row-major with a leading dimension. Callers check [`available`] first; on other
 //! CPUs [`crate::gemm`] uses the `gemm` crate.
 
