@@ -3,11 +3,17 @@
 //! `XTRAIN_THREADS` (use 1) and divides useful FLOPs by the process CPU time (user + system,
 //! from `getrusage`), which other processes do not inflate.
 //!
-//! `XTRAIN_THREADS=1 cargo run --release -p tensor --example cpu_throughput [gemm [n] | attention [q_tile k_tile]]`
+//! `XTRAIN_THREADS=1 cargo run --release -p tensor --example cpu_throughput [gemm [n] | shapes | attention [q_tile k_tile]]`
+//!
+//! `gemm` and `shapes` compare the two matrix-product backends (own SGEMM, `gemm` crate) in
+//! alternating rounds, so both see the same machine load; each line gives the median over the
+//! rounds. `shapes` runs the products of one training step of the small and medium presets
+//! (2048 tokens), in the three forms of a linear layer, then the fused LM head's 128-row
+//! chunk products.
 
 use std::hint::black_box;
 use tensor::attention::{attention_backward, attention_forward, AttnShape, AttnTiles};
-use tensor::gemm::matmul;
+use tensor::gemm::{matmul_using, Backend};
 
 fn cpu_seconds() -> f64 {
     // SAFETY: getrusage only writes the struct we pass.
@@ -31,6 +37,38 @@ fn measure(flops: f64, reps: usize, mut f: impl FnMut()) -> (f64, f64) {
     )
 }
 
+/// Median of a sample (sorted in place).
+fn median(v: &mut [f64]) -> f64 {
+    v.sort_by(|a, b| a.total_cmp(b));
+    v[v.len() / 2]
+}
+
+/// Alternating A/B rounds of one product shape `[m, k, n]` with `[trans_a, trans_b]`:
+/// prints, per backend, the median GFLOP per CPU-second and GFLOP/s wall.
+fn ab_gemm(threads: usize, [m, k, n]: [usize; 3], [ta, tb]: [bool; 2], rounds: usize) {
+    let (a, b) = (data(m * k), data(k * n));
+    let mut c = vec![0.0; m * n];
+    let flops = 2.0 * (m * n * k) as f64;
+    let reps = ((4e9 / flops) as usize).clamp(1, 200);
+    let backends = [Backend::Own, Backend::Crate];
+    let mut res = [[vec![], vec![]], [vec![], vec![]]];
+    for _ in 0..rounds {
+        for (bi, &be) in backends.iter().enumerate() {
+            let (cpu, wall) = measure(flops, reps, || {
+                matmul_using(be, Some(threads), &mut c, &a, &b, m, k, n, ta, tb, false).unwrap();
+                black_box(&c);
+            });
+            res[bi][0].push(cpu);
+            res[bi][1].push(wall);
+        }
+    }
+    let [own, krate] = res.map(|[mut cpu, mut wall]| (median(&mut cpu), median(&mut wall)));
+    println!(
+        "gemm m={m} k={k} n={n} ta={} tb={}: own {:.1} GFLOP/cpu-s {:.1} GFLOP/s wall | gemm crate {:.1} / {:.1} | own/crate wall {:.2}",
+        ta as u8, tb as u8, own.0, own.1, krate.0, krate.1, own.1 / krate.1
+    );
+}
+
 fn data(n: usize) -> Vec<f32> {
     (0..n)
         .map(|i| ((i * 7919 % 1000) as f32 / 1000.0) - 0.5)
@@ -41,24 +79,37 @@ fn main() {
     let threads = tensor::threads::thread_budget();
     println!("thread budget {threads}");
     let only = std::env::args().nth(1).unwrap_or_default();
+    let arg = |i: usize, def: usize| {
+        std::env::args()
+            .nth(i)
+            .and_then(|a| a.parse().ok())
+            .unwrap_or(def)
+    };
     if only.is_empty() || only == "gemm" {
-        let arg = |i: usize, def: usize| {
-            std::env::args()
-                .nth(i)
-                .and_then(|a| a.parse().ok())
-                .unwrap_or(def)
-        };
         let n = arg(2, 1024);
-        let (a, b) = (data(n * n), data(n * n));
-        let mut c = vec![0.0; n * n];
         for trans_b in [false, true] {
-            let (cpu, wall) = measure(2.0 * (n * n * n) as f64, 5, || {
-                matmul(&mut c, &a, &b, n, n, n, false, trans_b, false).unwrap();
-                black_box(&c);
-            });
-            println!(
-                "gemm f32 {n}^3 trans_b={trans_b}: {cpu:.1} GFLOP/cpu-s, {wall:.1} GFLOP/s wall"
-            );
+            ab_gemm(threads, [n, n, n], [false, trans_b], 5);
+        }
+    }
+    if only == "shapes" {
+        // (tokens, in, out) of the linear layers of the small and medium presets.
+        for (t, din, dout) in [
+            (2048, 256, 256),
+            (2048, 256, 688),
+            (2048, 688, 256),
+            (2048, 512, 512),
+            (2048, 512, 1376),
+            (2048, 1376, 512),
+        ] {
+            ab_gemm(threads, [t, din, dout], [false, true], 7); // y = x·Wᵀ
+            ab_gemm(threads, [t, dout, din], [false, false], 7); // dx = dy·W
+            ab_gemm(threads, [dout, t, din], [true, false], 7); // dW += dyᵀ·x
+        }
+        // The fused LM head + cross-entropy works on 128-row chunks: (rows, hidden, vocab).
+        for (r, dim, vocab) in [(128, 256, 256), (128, 512, 4096)] {
+            ab_gemm(threads, [r, dim, vocab], [false, true], 7); // z = x·Wᵀ
+            ab_gemm(threads, [r, vocab, dim], [false, false], 7); // dx = dz·W
+            ab_gemm(threads, [vocab, r, dim], [true, false], 7); // dW += dzᵀ·x
         }
     }
     if only.is_empty() || only == "attention" {
@@ -76,12 +127,6 @@ fn main() {
             vec![0.0; s.kv_elems()],
             vec![0.0; s.kv_elems()],
         );
-        let arg = |i: usize, def: usize| {
-            std::env::args()
-                .nth(i)
-                .and_then(|a| a.parse().ok())
-                .unwrap_or(def)
-        };
         let t = AttnTiles {
             q_tile: arg(2, AttnTiles::default().q_tile),
             k_tile: arg(3, AttnTiles::default().k_tile),

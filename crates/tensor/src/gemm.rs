@@ -1,5 +1,8 @@
-//! Matrix products through the `gemm` crate (its `x86-v4`/AVX-512 kernels are selected at
-//! run time), parallelised over the thread budget.
+//! Matrix products, parallelised over the thread budget, on one of two backends
+//! ([`Backend`]): the own AVX-512 SGEMM of [`crate::sgemm`], or the `gemm` crate (its
+//! `x86-v4`/AVX-512 kernels are selected at run time; also the fallback on CPUs without
+//! AVX-512). [`Backend::Auto`] picks per product by a measured rule (`own_is_faster`);
+//! `XTRAIN_GEMM=own|crate|auto` overrides it for a whole process.
 //!
 //! Transposed operands are read through strides, never copied: a row-major `[r, c]` matrix
 //! read as its transpose is the same memory with row stride 1 and column stride `c`.
@@ -9,6 +12,8 @@
 //! `dW += dyᵀ·x` is `matmul(dw, dy, x, out, tokens, in, true, false, true)`.
 
 use crate::error::check_len;
+#[cfg(target_arch = "x86_64")]
+use crate::sgemm;
 use crate::threads;
 use crate::TensorError;
 use gemm::Parallelism;
@@ -85,8 +90,74 @@ pub fn matmul_serial(
     matmul_with(c, a, b, [m, k, n], [trans_a, trans_b, accumulate], None)
 }
 
+/// Which implementation computes a product.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Backend {
+    /// The faster of the two for this CPU and shape (see [`gemm_raw`]).
+    Auto,
+    /// The own AVX-512 SGEMM of [`crate::sgemm`] (falls back to the `gemm` crate on CPUs
+    /// without AVX-512).
+    Own,
+    /// The `gemm` crate.
+    Crate,
+}
+
+/// [`matmul`] with an explicit backend and thread count (`threads: None` runs serially);
+/// for benchmarks and tests that compare the implementations.
+#[allow(clippy::too_many_arguments)]
+pub fn matmul_using(
+    backend: Backend,
+    threads: Option<usize>,
+    c: &mut [f32],
+    a: &[f32],
+    b: &[f32],
+    m: usize,
+    k: usize,
+    n: usize,
+    trans_a: bool,
+    trans_b: bool,
+    accumulate: bool,
+) -> Result<(), TensorError> {
+    matmul_checked(
+        backend,
+        c,
+        a,
+        b,
+        [m, k, n],
+        [trans_a, trans_b, accumulate],
+        threads,
+    )
+}
+
 /// The checked body of [`matmul`] and [`matmul_serial`]; `threads: None` runs serially.
 fn matmul_with(
+    c: &mut [f32],
+    a: &[f32],
+    b: &[f32],
+    mkn: [usize; 3],
+    flags: [bool; 3],
+    threads: Option<usize>,
+) -> Result<(), TensorError> {
+    matmul_checked(default_backend(), c, a, b, mkn, flags, threads)
+}
+
+/// Environment variable that overrides the backend of [`matmul`], [`matmul_serial`] and
+/// [`gemm_raw`]: `own`, `crate` or `auto` (the default), read once; for A/B runs of whole
+/// programs (e.g. `XTRAIN_GEMM=crate xtrain bench train ...`).
+pub const GEMM_ENV: &str = "XTRAIN_GEMM";
+
+/// The process-wide default backend (see [`GEMM_ENV`]); unknown values mean `auto`.
+pub fn default_backend() -> Backend {
+    static B: std::sync::OnceLock<Backend> = std::sync::OnceLock::new();
+    *B.get_or_init(|| match std::env::var(GEMM_ENV).as_deref().map(str::trim) {
+        Ok("own") => Backend::Own,
+        Ok("crate") => Backend::Crate,
+        _ => Backend::Auto,
+    })
+}
+
+fn matmul_checked(
+    backend: Backend,
     c: &mut [f32],
     a: &[f32],
     b: &[f32],
@@ -102,7 +173,8 @@ fn matmul_with(
     // SAFETY: lengths checked above; every index (i, p) / (p, j) / (i, j) with i < m, p < k,
     // j < n lies inside the corresponding slice for these row-major strides.
     unsafe {
-        gemm_raw(
+        gemm_raw_using(
+            backend,
             c.as_mut_ptr(),
             Strides::row_major(n, false),
             a.as_ptr(),
@@ -139,6 +211,81 @@ pub unsafe fn gemm_raw(
     accumulate: bool,
     threads: Option<usize>,
 ) {
+    gemm_raw_using(
+        default_backend(),
+        c,
+        sc,
+        a,
+        sa,
+        b,
+        sb,
+        m,
+        k,
+        n,
+        accumulate,
+        threads,
+    )
+}
+
+/// [`gemm_raw`] with an explicit backend.
+///
+/// # Safety
+/// As for [`gemm_raw`].
+#[allow(clippy::too_many_arguments)]
+pub unsafe fn gemm_raw_using(
+    backend: Backend,
+    c: *mut f32,
+    sc: Strides,
+    a: *const f32,
+    sa: Strides,
+    b: *const f32,
+    sb: Strides,
+    m: usize,
+    k: usize,
+    n: usize,
+    accumulate: bool,
+    threads: Option<usize>,
+) {
+    #[cfg(not(target_arch = "x86_64"))]
+    let _ = backend; // the own kernel is x86-64 only
+    #[cfg(target_arch = "x86_64")]
+    if backend != Backend::Crate && sgemm::available() {
+        // The own kernel writes row-major C; a column-major C is the transposed product
+        // Cᵀ = Bᵀ·Aᵀ, which is row-major with the operands' roles and strides swapped.
+        let own = if sc.col == 1 && sc.row >= n as isize {
+            Some((c, sc.row as usize, a, sa, b, sb, m, n))
+        } else if sc.row == 1 && sc.col >= m as isize {
+            let swap = |s: Strides| Strides {
+                row: s.col,
+                col: s.row,
+            };
+            Some((c, sc.col as usize, b, swap(sb), a, swap(sa), n, m))
+        } else {
+            None
+        };
+        let own = own.filter(|&(_, _, _, sa, _, sb, m, _)| {
+            backend == Backend::Own || own_is_faster(sa, sb, m)
+        });
+        if let Some((c, ldc, a, sa, b, sb, m, n)) = own {
+            let mat = |p: *const f32, s: Strides| sgemm::MatRef {
+                ptr: p,
+                rs: s.row,
+                cs: s.col,
+            };
+            sgemm::sgemm(
+                c,
+                ldc,
+                mat(a, sa),
+                mat(b, sb),
+                m,
+                k,
+                n,
+                accumulate,
+                threads.unwrap_or(1),
+            );
+            return;
+        }
+    }
     if m == 0 || n == 0 {
         return;
     }
@@ -175,6 +322,21 @@ pub unsafe fn gemm_raw(
             1.0f32, false, false, false, par,
         )
     }
+}
+
+/// The dispatch rule of [`Backend::Auto`] for a product already in row-major-`C` form: the
+/// own kernel where it measured faster than the `gemm` crate (see docs/PERFORMANCE.md,
+/// "Own SGEMM"):
+/// - `A` not row-major: the weight-gradient form `dW += dyᵀ·x` (0–7 % faster at the
+///   training shapes);
+/// - `B` not row-major and `m ≤ 512`: `y = x·Wᵀ` on few rows, e.g. the fused LM head's 128-row
+///   chunks (+3–7 % at vocab 256, +9–44 % at vocab 4096 for 512 down to 64 rows), where the
+///   crate is slow; at 2048 rows the two are within ±6 % either way.
+///
+/// Elsewhere (notably `dx = dy·W`, 2–14 % slower) the crate is used.
+#[cfg(target_arch = "x86_64")]
+fn own_is_faster(sa: Strides, sb: Strides, m: usize) -> bool {
+    sa.col != 1 || (sb.col != 1 && m <= 512)
 }
 
 /// Raw pointer that may cross into the pool (the caller guarantees exclusive access).
@@ -249,6 +411,57 @@ mod tests {
                         let mut cs = c0.clone();
                         matmul_serial(&mut cs, &a, &b, m, k, n, ta, tb, acc).unwrap();
                         assert!(max_abs_diff(&cs, &r) <= tol);
+                    }
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn backends_agree_including_column_major_c() {
+        // Both backends through matmul_using, and gemm_raw with a column-major C (the own
+        // kernel computes it as the transposed product) and strided inputs.
+        let (m, k, n) = (37, 45, 29);
+        for backend in [Backend::Own, Backend::Crate, Backend::Auto] {
+            for threads in [None, Some(2)] {
+                for (ta, tb) in [(false, false), (true, false), (false, true), (true, true)] {
+                    let a = rand_vec(m * k, 4);
+                    let b = rand_vec(k * n, 5);
+                    let mut c = rand_vec(m * n, 6);
+                    let mut r = c.clone();
+                    matmul_using(backend, threads, &mut c, &a, &b, m, k, n, ta, tb, true).unwrap();
+                    matmul_reference(&mut r, &a, &b, m, k, n, ta, tb, true);
+                    assert!(max_abs_diff(&c, &r) <= 1e-6 * k as f32 * 4.0, "{backend:?}");
+                }
+                // C stored column-major: C(i, j) at c[j·m + i].
+                let a = rand_vec(m * k, 7);
+                let b = rand_vec(k * n, 8);
+                let mut ct = vec![0.0f32; m * n];
+                let mut r = vec![0.0f32; m * n];
+                unsafe {
+                    gemm_raw_using(
+                        backend,
+                        ct.as_mut_ptr(),
+                        Strides {
+                            row: 1,
+                            col: m as isize,
+                        },
+                        a.as_ptr(),
+                        Strides::row_major(k, false),
+                        b.as_ptr(),
+                        Strides::row_major(n, false),
+                        m,
+                        k,
+                        n,
+                        false,
+                        threads,
+                    )
+                };
+                matmul_reference(&mut r, &a, &b, m, k, n, false, false, false);
+                for i in 0..m {
+                    for j in 0..n {
+                        let d = (ct[j * m + i] - r[i * n + j]).abs();
+                        assert!(d <= 1e-6 * k as f32 * 4.0, "{backend:?} C({i},{j})");
                     }
                 }
             }

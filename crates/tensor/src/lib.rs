@@ -14,7 +14,8 @@
 //! - Results are bitwise reproducible run to run (fixed reduction orders).
 //!
 //! Map of the crate:
-//! - [`gemm::matmul`]: `C (+)= op(A)·op(B)` through the `gemm` crate, transposes by strides.
+//! - [`gemm::matmul`]: `C (+)= op(A)·op(B)`, transposes by strides, on the own AVX-512
+//!   SGEMM ([`sgemm`]) or the `gemm` crate, whichever measured faster for the form.
 //! - [`norm`]: RMSNorm; [`rope::Rope`]: rotary embedding (HF rotate-half);
 //!   [`activation`]: SiLU / SwiGLU; [`softmax`]: row softmax.
 //! - [`attention`]: tiled online-softmax attention with GQA, causal offsets, log-sum-exp and
@@ -32,6 +33,8 @@ pub mod error;
 pub mod gemm;
 pub mod norm;
 pub mod rope;
+#[cfg(target_arch = "x86_64")]
+pub mod sgemm;
 pub mod softmax;
 pub mod tensor;
 pub mod threads;

@@ -1,0 +1,148 @@
+//! The single-threaded loop nest around the micro-kernel (GotoBLAS/BLIS structure):
+//!
+//! ```text
+//! for pc in 0..k step KC                // rank-KC update
+//!   for ic in 0..m step MC              // pack A(ic.., pc..) → Â (when n needs several B̂)
+//!     for jc in 0..n step NC            // pack B(pc.., jc..) → B̂ (KC × NC, L2)
+//!       for ir in 0..mc step MR         // Â micro-panel (MR × KC) in L1
+//!         for jr in 0..nc step NR       // B̂ micro-panels stream from L2
+//!           C(ic+ir.., jc+jr..) (+)= Â_ir · B̂_jr
+//! ```
+//! When all of `n` fits one `B̂` block (the usual case at training shapes) each `A` micro-panel
+//! is instead packed right before its `jr` loop into an L1-sized buffer, so packed `A` never
+//! leaves L1; with several `B̂` blocks, or a column-major `A` (packed fastest as a whole block,
+//! see `pack_a_columns`), an `A` block is packed once per rank update and reused
+//! for every `B̂` block (packing it per block would cost `m·k·n/NC` copies, measured 5 % of a
+//! 2048³ product). A row-major `A` whose rows do not alias in L1 is not packed at all where
+//! that measured faster (see `direct` below): the kernel reads its `MR` rows in place, which
+//! saves the per-panel transpose (≈ 16/n of the work). The first rank update writes or
+//! accumulates as the caller asked; later ones always accumulate.
+
+use super::blocking::{block_len, KC, MC, MR, NC, NR};
+use super::kernel;
+use super::pack::{pack_a, pack_a_columns, pack_b};
+use super::scratch::with_buffers;
+use super::MatRef;
+
+/// `C[m × n] (+)= A·B` on the calling thread, `C(i, j) = c[i·ldc + j]`, `k ≥ 1`.
+///
+/// # Safety
+/// AVX-512F must be available; all addressed elements in bounds; `C` not aliasing `A`/`B`
+/// and not accessed by anyone else during the call.
+#[allow(clippy::too_many_arguments)]
+pub(super) unsafe fn gemm(
+    c: *mut f32,
+    ldc: usize,
+    a: MatRef,
+    b: MatRef,
+    m: usize,
+    k: usize,
+    n: usize,
+    accumulate: bool,
+) {
+    let (kc_max, nc_max) = (block_len(k, KC, 1), block_len(n, NC, NR));
+    // A column-major A is packed as whole blocks (sequential reads, see `pack_a_columns`);
+    // otherwise, when one B block covers n, A is packed panel by panel into L1.
+    let col_major_a = a.rs == 1 && a.cs != 1;
+    let one_b_block = n <= nc_max && !col_major_a;
+    // A row-major A is read in place by the kernel (no packing) when one B block covers n or
+    // its MR × kc rows are small (kc ≤ 256: 14 KiB beside the streaming B panels in L1), unless
+    // its row stride is a multiple of 4 KiB: then all MR rows map to one L1 set (12 ways) and
+    // evict each other. Measured: in place +2–6 % at n ≤ 688, −3–5 % for kc = 512 with
+    // several B blocks, −8 % with a 8 KiB row stride.
+    let direct = a.cs == 1 && a.rs > 0 && (a.rs * 4) % 4096 != 0 && (one_b_block || kc_max <= 256);
+    let mc_max = if one_b_block {
+        MR
+    } else {
+        block_len(m, MC, MR)
+    };
+    with_buffers(|abuf, bbuf| {
+        let ap = abuf.get(mc_max * kc_max);
+        let bp = bbuf.get(nc_max * kc_max);
+        for pc in (0..k).step_by(kc_max) {
+            let kc = kc_max.min(k - pc);
+            let acc = accumulate || pc > 0;
+            if one_b_block {
+                let bp = &mut bp[..n.div_ceil(NR) * NR * kc];
+                pack_b(bp, b.sub(pc, 0), kc, n);
+                for ir in (0..m).step_by(MR) {
+                    let rows = MR.min(m - ir);
+                    let a_ir = a.sub(ir, pc);
+                    let (ptr, lda, step) = if direct && rows == MR {
+                        (a_ir.ptr, a.rs as usize, 1)
+                    } else {
+                        pack_a(&mut ap[..MR * kc], a_ir, rows, kc);
+                        (ap.as_ptr(), 1, MR)
+                    };
+                    panel_row(ptr, lda, step, bp, c.add(ir * ldc), ldc, rows, n, kc, acc);
+                }
+                continue;
+            }
+            for ic in (0..m).step_by(mc_max) {
+                let mc = mc_max.min(m - ic);
+                let panels = mc.div_ceil(MR);
+                if col_major_a {
+                    pack_a_columns(ap, a.sub(ic, pc), mc, kc);
+                }
+                for r in 0..panels {
+                    let rows = MR.min(mc - r * MR);
+                    if col_major_a || (direct && rows == MR) {
+                        continue;
+                    }
+                    let panel = &mut ap[r * MR * kc..(r + 1) * MR * kc];
+                    pack_a(panel, a.sub(ic + r * MR, pc), rows, kc);
+                }
+                for jc in (0..n).step_by(nc_max) {
+                    let nc = nc_max.min(n - jc);
+                    let bp = &mut bp[..nc.div_ceil(NR) * NR * kc];
+                    pack_b(bp, b.sub(pc, jc), kc, nc);
+                    for r in 0..panels {
+                        let (ir, rows) = (ic + r * MR, MR.min(mc - r * MR));
+                        let (ptr, lda, step) = if direct && rows == MR {
+                            (a.at(ir, pc), a.rs as usize, 1)
+                        } else {
+                            (ap[r * MR * kc..].as_ptr(), 1, MR)
+                        };
+                        let ct = c.add(ir * ldc + jc);
+                        panel_row(ptr, lda, step, bp, ct, ldc, rows, nc, kc, acc);
+                    }
+                }
+            }
+        }
+    })
+}
+
+/// One row panel of `C` (`rows ≤ MR` rows from `c`, `nc` columns): every micro-tile of the
+/// `A` panel at `ap` (`A(i, p) = ap[i·lda + p·step]`: packed, or row-major in place) against
+/// the micro-panels of the packed `B` block `bp`.
+#[allow(clippy::too_many_arguments)]
+#[inline]
+unsafe fn panel_row(
+    ap: *const f32,
+    lda: usize,
+    step: usize,
+    bp: &[f32],
+    c: *mut f32,
+    ldc: usize,
+    rows: usize,
+    nc: usize,
+    kc: usize,
+    acc: bool,
+) {
+    for (s, bpanel) in bp.chunks_exact(NR * kc).enumerate() {
+        let jr = s * NR;
+        let cols = NR.min(nc - jr);
+        kernel::tile(
+            kc,
+            ap,
+            lda,
+            step,
+            bpanel.as_ptr(),
+            c.add(jr),
+            ldc,
+            rows,
+            cols,
+            acc,
+        );
+    }
+}

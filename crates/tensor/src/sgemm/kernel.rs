@@ -1,0 +1,193 @@
+//! The AVX-512 micro-kernel: one `MR × NR` (14 × 32) tile of `C` from an `MR × kc` block of
+//! `A` (a packed micro-panel, or a row-major `A` read in place) and a packed `B` micro-panel.
+//!
+//! Register blocking: the tile lives in 28 zmm accumulators (14 rows × 2 vectors of 16
+//! columns). Each step `p` of the `kc` loop loads the two `B` vectors `B(p, 0..32)` once and,
+//! for each of the 14 rows, broadcasts `A(i, p)` and issues two FMAs, so 28 FMAs need 2 vector
+//! loads + 14 broadcast loads and no shuffles. 28 independent accumulator chains cover the
+//! FMA latency (4 cycles × 2 ports = 8 chains needed). With 2 FMA ports the loop runs at
+//! 14 cycles per `p`; the load ports (2–3 per cycle) have room to spare.
+//!
+//! The `kc` loop is inline assembly ([`k_loop`]): with intrinsics LLVM produced the same
+//! instructions for a packed panel (and ran at the FMA peak in isolation, 134–135 GFLOP/s with
+//! operands in L1/L2), but for `A` read in place it rebuilt the 14 row addresses with ~12
+//! integer adds per step; the assembly addresses them from 3 group pointers (4 adds per step),
+//! which made reading `A` in place pay off (+2–6 % at the training shapes).
+//!
+//! Edges: rows beyond `rows` are computed on zero padding and not stored; columns beyond
+//! `cols` are excluded by the store masks, so the kernel never touches `C` outside the tile.
+
+use super::blocking::{MR, NR};
+use std::arch::x86_64::*;
+
+/// `C[rows × cols] (+)= A · B̂` for `A(i, p) = a[i·lda + p·step]` (`i < MR`, `p < kc`: a packed
+/// micro-panel has `lda = 1, step = MR`, a row-major `A` read in place `step = 1`) and a packed
+/// `B̂` micro-panel (`kc` steps of `NR` values); `C(i, j) = c[i·ldc + j]`.
+/// `accumulate = false` overwrites `C`.
+///
+/// # Safety
+/// AVX-512F must be available; `kc ≥ 1`; all `MR × kc` addressed `A` values (also rows
+/// beyond `rows`) and `NR·kc` floats of `b` (64-byte aligned) must be readable; every
+/// `C(i, j)` with `i < rows ≤ MR`, `j < cols ≤ NR` must be writable and not accessed
+/// concurrently.
+#[target_feature(enable = "avx512f")]
+#[allow(clippy::too_many_arguments)]
+pub(super) unsafe fn tile(
+    kc: usize,
+    a: *const f32,
+    lda: usize,
+    step: usize,
+    b: *const f32,
+    c: *mut f32,
+    ldc: usize,
+    rows: usize,
+    cols: usize,
+    accumulate: bool,
+) {
+    let mut acc = [[_mm512_setzero_ps(); 2]; MR];
+    // Start moving the C tile towards L2 now; it is read or written after the k loop.
+    for i in 0..rows {
+        _mm_prefetch::<_MM_HINT_T1>(c.add(i * ldc) as *const i8);
+        _mm_prefetch::<_MM_HINT_T1>(c.add(i * ldc + NR - 1) as *const i8);
+    }
+    k_loop(kc, a, lda, step, b, &mut acc);
+    let m0: __mmask16 = lane_mask(cols.min(16));
+    let m1: __mmask16 = lane_mask(cols.saturating_sub(16));
+    // All loads of C before any store: a load issued after a store to an address with the
+    // same low 12 bits (rows of a power-of-two leading dimension) waits on a false "4K
+    // aliasing" dependency.
+    if accumulate {
+        for (i, row) in acc.iter_mut().enumerate().take(rows) {
+            let ci = c.add(i * ldc);
+            row[0] = _mm512_add_ps(row[0], _mm512_maskz_loadu_ps(m0, ci));
+            row[1] = _mm512_add_ps(row[1], _mm512_maskz_loadu_ps(m1, ci.add(16)));
+        }
+    }
+    for (i, row) in acc.iter().enumerate().take(rows) {
+        let ci = c.add(i * ldc);
+        _mm512_mask_storeu_ps(ci, m0, row[0]);
+        _mm512_mask_storeu_ps(ci.add(16), m1, row[1]);
+    }
+}
+
+/// The `kc` loop of the tile in hand-scheduled assembly: `acc[i] += A(i, p) · B̂(p, ·)` where
+/// `A(i, p) = a[i·lda + p·step]`, so one loop serves a packed panel (`lda = 1`, `step = MR`) and
+/// a row-major `A` read in place (`lda` = its row stride, `step = 1`). Rows are addressed from
+/// three group pointers (rows 0–4, 5–9, 10–13) plus `lda`, `2·lda`, `3·lda`, `4·lda`, so a
+/// step costs 4 integer adds besides its 2 loads, 14 broadcasts and 28 FMAs.
+///
+/// # Safety
+/// AVX-512F; `kc ≥ 1`; all `MR × kc` addressed `A` values and `NR·kc` floats of `b` (64-byte
+/// aligned) readable.
+#[target_feature(enable = "avx512f")]
+unsafe fn k_loop(
+    kc: usize,
+    a: *const f32,
+    lda: usize,
+    step: usize,
+    b: *const f32,
+    acc: &mut [[__m512; 2]; MR],
+) {
+    debug_assert!(kc >= 1);
+    let l = lda * 4;
+    std::arch::asm!(
+        "2:",
+        "vmovaps zmm28, [{b}]",
+        "vmovaps zmm29, [{b} + 64]",
+        "vbroadcastss zmm30, dword ptr [{g0}]",
+        "vfmadd231ps zmm0, zmm30, zmm28",
+        "vfmadd231ps zmm1, zmm30, zmm29",
+        "vbroadcastss zmm31, dword ptr [{g0} + {l}]",
+        "vfmadd231ps zmm2, zmm31, zmm28",
+        "vfmadd231ps zmm3, zmm31, zmm29",
+        "vbroadcastss zmm30, dword ptr [{g0} + {l}*2]",
+        "vfmadd231ps zmm4, zmm30, zmm28",
+        "vfmadd231ps zmm5, zmm30, zmm29",
+        "vbroadcastss zmm31, dword ptr [{g0} + {l3}]",
+        "vfmadd231ps zmm6, zmm31, zmm28",
+        "vfmadd231ps zmm7, zmm31, zmm29",
+        "vbroadcastss zmm30, dword ptr [{g0} + {l}*4]",
+        "vfmadd231ps zmm8, zmm30, zmm28",
+        "vfmadd231ps zmm9, zmm30, zmm29",
+        "vbroadcastss zmm31, dword ptr [{g1}]",
+        "vfmadd231ps zmm10, zmm31, zmm28",
+        "vfmadd231ps zmm11, zmm31, zmm29",
+        "vbroadcastss zmm30, dword ptr [{g1} + {l}]",
+        "vfmadd231ps zmm12, zmm30, zmm28",
+        "vfmadd231ps zmm13, zmm30, zmm29",
+        "vbroadcastss zmm31, dword ptr [{g1} + {l}*2]",
+        "vfmadd231ps zmm14, zmm31, zmm28",
+        "vfmadd231ps zmm15, zmm31, zmm29",
+        "vbroadcastss zmm30, dword ptr [{g1} + {l3}]",
+        "vfmadd231ps zmm16, zmm30, zmm28",
+        "vfmadd231ps zmm17, zmm30, zmm29",
+        "vbroadcastss zmm31, dword ptr [{g1} + {l}*4]",
+        "vfmadd231ps zmm18, zmm31, zmm28",
+        "vfmadd231ps zmm19, zmm31, zmm29",
+        "vbroadcastss zmm30, dword ptr [{g2}]",
+        "vfmadd231ps zmm20, zmm30, zmm28",
+        "vfmadd231ps zmm21, zmm30, zmm29",
+        "vbroadcastss zmm31, dword ptr [{g2} + {l}]",
+        "vfmadd231ps zmm22, zmm31, zmm28",
+        "vfmadd231ps zmm23, zmm31, zmm29",
+        "vbroadcastss zmm30, dword ptr [{g2} + {l}*2]",
+        "vfmadd231ps zmm24, zmm30, zmm28",
+        "vfmadd231ps zmm25, zmm30, zmm29",
+        "vbroadcastss zmm31, dword ptr [{g2} + {l3}]",
+        "vfmadd231ps zmm26, zmm31, zmm28",
+        "vfmadd231ps zmm27, zmm31, zmm29",
+        "add {g0}, {st}",
+        "add {g1}, {st}",
+        "add {g2}, {st}",
+        "add {b}, 128",
+        "dec {k}",
+        "jnz 2b",
+        g0 = inout(reg) a => _,
+        g1 = inout(reg) a.add(5 * lda) => _,
+        g2 = inout(reg) a.add(10 * lda) => _,
+        l = in(reg) l,
+        l3 = in(reg) 3 * l,
+        st = in(reg) step * 4,
+        b = inout(reg) b => _,
+        k = inout(reg) kc => _,
+        inout("zmm0") acc[0][0],
+        inout("zmm1") acc[0][1],
+        inout("zmm2") acc[1][0],
+        inout("zmm3") acc[1][1],
+        inout("zmm4") acc[2][0],
+        inout("zmm5") acc[2][1],
+        inout("zmm6") acc[3][0],
+        inout("zmm7") acc[3][1],
+        inout("zmm8") acc[4][0],
+        inout("zmm9") acc[4][1],
+        inout("zmm10") acc[5][0],
+        inout("zmm11") acc[5][1],
+        inout("zmm12") acc[6][0],
+        inout("zmm13") acc[6][1],
+        inout("zmm14") acc[7][0],
+        inout("zmm15") acc[7][1],
+        inout("zmm16") acc[8][0],
+        inout("zmm17") acc[8][1],
+        inout("zmm18") acc[9][0],
+        inout("zmm19") acc[9][1],
+        inout("zmm20") acc[10][0],
+        inout("zmm21") acc[10][1],
+        inout("zmm22") acc[11][0],
+        inout("zmm23") acc[11][1],
+        inout("zmm24") acc[12][0],
+        inout("zmm25") acc[12][1],
+        inout("zmm26") acc[13][0],
+        inout("zmm27") acc[13][1],
+        out("zmm28") _,
+        out("zmm29") _,
+        out("zmm30") _,
+        out("zmm31") _,
+        options(readonly, nostack),
+    );
+}
+
+/// The mask selecting the first `n ≤ 16` lanes.
+#[inline(always)]
+fn lane_mask(n: usize) -> __mmask16 {
+    ((1u32 << n) - 1) as __mmask16
+}

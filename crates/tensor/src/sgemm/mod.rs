@@ -1,0 +1,96 @@
+//! Own f32 GEMM in the GotoBLAS/BLIS design, for AVX-512 CPUs: operands are packed into
+//! contiguous micro-panels ([`pack`]) sized to the cache levels ([`blocking`]), a 14 × 32
+//! register-blocked micro-kernel ([`kernel`]) computes each tile, a loop nest ([`driver`])
+//! walks the blocks, and [`parallel`] splits a product across the thread budget; packing
+//! buffers are per thread and reused ([`scratch`]).
+//!
+//! `A` and `B` may have any strides (transposes are a stride swap, handled while packing; a
+//! row-major `A` whose rows do not alias in L1 is read in place where that measured faster);
+//! `C` is row-major with a leading dimension. Callers check [`available`] first; on other
+//! CPUs [`crate::gemm`] uses the `gemm` crate.
+
+mod blocking;
+mod driver;
+mod kernel;
+mod pack;
+mod parallel;
+mod scratch;
+#[cfg(test)]
+mod tests;
+
+/// A read-only strided matrix: element `(i, j)` is at `ptr[i·rs + j·cs]`.
+#[derive(Debug, Clone, Copy)]
+pub struct MatRef {
+    pub ptr: *const f32,
+    pub rs: isize,
+    pub cs: isize,
+}
+
+impl MatRef {
+    /// Pointer to element `(i, j)`.
+    ///
+    /// # Safety
+    /// The element must lie inside the allocation `ptr` points into.
+    #[inline(always)]
+    pub(crate) unsafe fn at(self, i: usize, j: usize) -> *const f32 {
+        self.ptr.offset(i as isize * self.rs + j as isize * self.cs)
+    }
+
+    /// The submatrix starting at `(i, j)`.
+    ///
+    /// # Safety
+    /// As for [`MatRef::at`].
+    #[inline(always)]
+    pub(crate) unsafe fn sub(self, i: usize, j: usize) -> MatRef {
+        MatRef {
+            ptr: self.at(i, j),
+            ..self
+        }
+    }
+}
+
+/// Whether this CPU can run the kernel (AVX-512F; std caches the CPUID query).
+#[inline]
+pub fn available() -> bool {
+    #[cfg(target_arch = "x86_64")]
+    {
+        std::arch::is_x86_feature_detected!("avx512f")
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        false
+    }
+}
+
+/// `C[m × n] (+)= A[m × k] · B[k × n]` with `C(i, j) = c[i·ldc + j]`, on up to `threads`
+/// threads of the budget pool (`threads ≤ 1` runs on the calling thread). `k = 0` writes
+/// zeros (or leaves `C` when accumulating).
+///
+/// # Safety
+/// [`available`] must be true; every addressed element of `A`, `B` and `C` must be in bounds;
+/// `C` must not overlap `A` or `B` and must not be accessed by anyone else during the call.
+#[allow(clippy::too_many_arguments)]
+pub unsafe fn sgemm(
+    c: *mut f32,
+    ldc: usize,
+    a: MatRef,
+    b: MatRef,
+    m: usize,
+    k: usize,
+    n: usize,
+    accumulate: bool,
+    threads: usize,
+) {
+    if m == 0 || n == 0 {
+        return;
+    }
+    if k == 0 {
+        if !accumulate {
+            for i in 0..m {
+                std::slice::from_raw_parts_mut(c.add(i * ldc), n).fill(0.0);
+            }
+        }
+        return;
+    }
+    parallel::run(c, ldc, a, b, [m, k, n], accumulate, threads)
+}

@@ -1,0 +1,238 @@
+//! Tests of the own SGEMM against an f64-accumulated reference: odd and edge sizes around the
+//! tile and block sizes, every transpose combination, accumulate on/off, strided views inside
+//! larger buffers, several thread counts, and random shapes (proptest).
+
+use super::blocking::{KC, MC, MR, NC, NR};
+use super::{available, sgemm, MatRef};
+use crate::testutil::rand_vec;
+use proptest::prelude::*;
+
+/// One product case: `op(A)` is `[m, k]` stored with strides `(rs, cs)` inside a buffer with
+/// padding, likewise `B`; `C` is `[m, n]` with leading dimension `ldc ≥ n`.
+#[derive(Debug, Clone, Copy)]
+struct Case {
+    m: usize,
+    k: usize,
+    n: usize,
+    trans_a: bool,
+    trans_b: bool,
+    accumulate: bool,
+    /// Extra elements per stored row of A, B and C (0 = dense).
+    pad: usize,
+    threads: usize,
+}
+
+/// Strides of an `[r, c]` operand stored row-major (or transposed) with `pad` extra elements
+/// per stored row; returns (buffer length, row stride, column stride).
+fn layout(r: usize, c: usize, trans: bool, pad: usize) -> (usize, isize, isize) {
+    let (stored_rows, stored_cols) = if trans { (c, r) } else { (r, c) };
+    let ld = stored_cols + pad;
+    let len = stored_rows * ld;
+    if trans {
+        (len, 1, ld as isize)
+    } else {
+        (len, ld as isize, 1)
+    }
+}
+
+/// Runs the case through [`sgemm`] and the reference; returns the max error over `C`'s
+/// elements relative to the error bound `k·2⁻²³·Σ|a||b|`-style scale, and checks that the
+/// padding of `C` is untouched.
+fn run(case: Case) {
+    let Case {
+        m,
+        k,
+        n,
+        trans_a,
+        trans_b,
+        accumulate,
+        pad,
+        threads,
+    } = case;
+    let (la, ars, acs) = layout(m, k, trans_a, pad);
+    let (lb, brs, bcs) = layout(k, n, trans_b, pad);
+    let ldc = n + pad;
+    let a = rand_vec(la, 1 + m as u64);
+    let b = rand_vec(lb, 2 + n as u64);
+    let c0 = rand_vec(m * ldc, 3 + k as u64);
+    let mut c = c0.clone();
+    // SAFETY: every (i, p) / (p, j) / (i, j) in range addresses inside a / b / c by layout().
+    unsafe {
+        sgemm(
+            c.as_mut_ptr(),
+            ldc,
+            MatRef {
+                ptr: a.as_ptr(),
+                rs: ars,
+                cs: acs,
+            },
+            MatRef {
+                ptr: b.as_ptr(),
+                rs: brs,
+                cs: bcs,
+            },
+            m,
+            k,
+            n,
+            accumulate,
+            threads,
+        )
+    };
+    for i in 0..m {
+        for j in 0..ldc {
+            let got = c[i * ldc + j];
+            if j >= n {
+                assert_eq!(
+                    got,
+                    c0[i * ldc + j],
+                    "{case:?}: padding C({i}, {j}) written"
+                );
+                continue;
+            }
+            let (mut s, mut mag) = (0.0f64, 0.0f64);
+            for p in 0..k {
+                let av = a[(i as isize * ars + p as isize * acs) as usize] as f64;
+                let bv = b[(p as isize * brs + j as isize * bcs) as usize] as f64;
+                s += av * bv;
+                mag += (av * bv).abs();
+            }
+            let base = if accumulate {
+                c0[i * ldc + j] as f64
+            } else {
+                0.0
+            };
+            let want = base + s;
+            // f32 accumulation of k products: |error| ≤ k·u·Σ|a·b| (u = 2⁻²⁴) plus the final
+            // rounding; the factor 2 leaves room for the split into KC blocks.
+            let tol = 2.0 * (k as f64 + 2.0) * f32::EPSILON as f64 * (mag + base.abs()) + 1e-30;
+            assert!(
+                (got as f64 - want).abs() <= tol,
+                "{case:?}: C({i}, {j}) = {got}, expected {want} (tol {tol})"
+            );
+        }
+    }
+}
+
+fn each_layout(m: usize, k: usize, n: usize, pads: &[usize], threads: &[usize]) {
+    for &trans_a in &[false, true] {
+        for &trans_b in &[false, true] {
+            for &accumulate in &[false, true] {
+                for &pad in pads {
+                    for &t in threads {
+                        run(Case {
+                            m,
+                            k,
+                            n,
+                            trans_a,
+                            trans_b,
+                            accumulate,
+                            pad,
+                            threads: t,
+                        });
+                    }
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn odd_sizes_all_layouts() {
+    if !available() {
+        return;
+    }
+    let sizes = [1usize, 7, 13, 17, 31, 33];
+    for &m in &sizes {
+        for &k in &[1usize, 7, 17, 33] {
+            for &n in &sizes {
+                each_layout(m, k, n, &[0], &[1]);
+            }
+        }
+    }
+}
+
+#[test]
+fn tile_and_block_edges() {
+    if !available() {
+        return;
+    }
+    // Around MR, NR, 16-lane halves and the KC split, with strided views and threads.
+    for &(m, k, n) in &[
+        (MR, KC, NR),
+        (MR + 1, KC + 1, NR + 1),
+        (2 * MR - 1, 2 * KC + 3, NR + 16),
+        (100, 100, 100),
+        (3 * MR + 5, 19, 3 * NR - 15),
+    ] {
+        each_layout(m, k, n, &[0, 3], &[1, 2, 3]);
+    }
+}
+
+#[test]
+fn spans_column_blocks_and_threads() {
+    if !available() {
+        return;
+    }
+    // n beyond NC exercises the jc loop; m, n large enough for every thread to get a slab.
+    run(Case {
+        m: 45,
+        k: 40,
+        n: NC + 37,
+        trans_a: false,
+        trans_b: true,
+        accumulate: true,
+        pad: 1,
+        threads: 2,
+    });
+    for t in [1, 2, 3] {
+        each_layout(130, 70, 150, &[0], &[t]);
+    }
+    // m beyond MC with several B blocks: more than one packed A block per rank update.
+    run(Case {
+        m: MC + 2 * MR + 3,
+        k: 3,
+        n: NC + 5,
+        trans_a: false,
+        trans_b: false,
+        accumulate: true,
+        pad: 0,
+        threads: 1,
+    });
+}
+
+#[test]
+fn k_zero_and_empty() {
+    if !available() {
+        return;
+    }
+    let mut c = vec![5.0f32; 6];
+    let e = MatRef {
+        ptr: [].as_ptr(),
+        rs: 0,
+        cs: 0,
+    };
+    unsafe { sgemm(c.as_mut_ptr(), 3, e, e, 2, 0, 3, true, 1) };
+    assert_eq!(c, vec![5.0; 6]);
+    unsafe { sgemm(c.as_mut_ptr(), 3, e, e, 2, 0, 3, false, 2) };
+    assert_eq!(c, vec![0.0; 6]);
+    unsafe { sgemm(c.as_mut_ptr(), 3, e, e, 0, 4, 3, false, 2) };
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(48))]
+    #[test]
+    fn random_shapes(
+        m in 1usize..80,
+        k in 1usize..600,
+        n in 1usize..90,
+        trans_a: bool,
+        trans_b: bool,
+        accumulate: bool,
+        pad in 0usize..3,
+        threads in 1usize..4,
+    ) {
+        if available() {
+            run(Case { m, k, n, trans_a, trans_b, accumulate, pad, threads });
+        }
+    }
+}
