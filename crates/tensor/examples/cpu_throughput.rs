@@ -3,9 +3,13 @@
 //! `XTRAIN_THREADS` (use 1) and divides useful FLOPs by the process CPU time (user + system,
 //! from `getrusage`), which other processes do not inflate.
 //!
-//! `XTRAIN_THREADS=1 cargo run --release -p tensor --example cpu_throughput [gemm [n] | attention [q_tile k_tile]]`
+//! `XTRAIN_THREADS=1 cargo run --release -p tensor --example cpu_throughput [gemm [n] | attention [q_tile k_tile] | swiglu]`
+//!
+//! `swiglu` reports elements per CPU-second (G elem/cpu-s) for the SwiGLU forward and backward on
+//! the small preset's MLP activations (2048 tokens × ffn 688).
 
 use std::hint::black_box;
+use tensor::activation::{swiglu_backward, swiglu_forward};
 use tensor::attention::{attention_backward, attention_forward, AttnShape, AttnTiles};
 use tensor::gemm::matmul;
 
@@ -103,5 +107,21 @@ fn main() {
         println!(
             "attention bwd b8 h8 d32 s256 causal: {cpu:.1} GFLOP/cpu-s, {wall:.1} GFLOP/s wall"
         );
+    }
+    if only.is_empty() || only == "swiglu" {
+        let n = 2048 * 688;
+        let (g, u, d) = (data(n), data(n + 1), data(n + 2));
+        let (g, u, d) = (&g[..n], &u[1..], &d[2..]);
+        let (mut out, mut dg, mut du) = (vec![0.0; n], vec![0.0; n], vec![0.0; n]);
+        let (cpu, wall) = measure(n as f64, 50, || {
+            swiglu_forward(g, u, &mut out).unwrap();
+            black_box(&out);
+        });
+        println!("swiglu fwd 2048x688: {cpu:.2} G elem/cpu-s, {wall:.2} G elem/s wall");
+        let (cpu, wall) = measure(n as f64, 50, || {
+            swiglu_backward(d, g, u, &mut dg, &mut du).unwrap();
+            black_box(&dg);
+        });
+        println!("swiglu bwd 2048x688: {cpu:.2} G elem/cpu-s, {wall:.2} G elem/s wall");
     }
 }

@@ -327,3 +327,69 @@ pub(super) unsafe fn gather_t(src: *const f32, stride: usize, n: usize, d: usize
         j0 += 16;
     }
 }
+
+/// `σ(x) = 1 / (1 + e^(−x))` for 16 lanes, on [`exp_ps`] (for `x > 87`, `e^(−x)` is flushed to
+/// 0 and `σ = 1` exactly; for `x < −88.37` the clamp keeps `σ` a tiny positive normal).
+#[target_feature(enable = "avx512f")]
+#[inline]
+unsafe fn sigmoid_ps(x: __m512) -> __m512 {
+    let one = _mm512_set1_ps(1.0);
+    let e = exp_ps(_mm512_sub_ps(_mm512_setzero_ps(), x));
+    _mm512_div_ps(one, _mm512_add_ps(one, e))
+}
+
+/// Lane mask for the 16 elements starting at `i` of `n`.
+#[inline]
+fn lanes(i: usize, n: usize) -> __mmask16 {
+    if n - i >= 16 {
+        0xFFFF
+    } else {
+        tail_mask(n - i)
+    }
+}
+
+/// See [`super::silu_mul`]; `u` may be null (plain SiLU).
+#[target_feature(enable = "avx512f")]
+pub(super) unsafe fn silu_mul(g: *const f32, u: *const f32, out: *mut f32, n: usize) {
+    let mut i = 0;
+    while i < n {
+        let k = lanes(i, n);
+        let gv = _mm512_maskz_loadu_ps(k, g.add(i));
+        let mut y = _mm512_mul_ps(gv, sigmoid_ps(gv));
+        if !u.is_null() {
+            y = _mm512_mul_ps(y, _mm512_maskz_loadu_ps(k, u.add(i)));
+        }
+        _mm512_mask_storeu_ps(out.add(i), k, y);
+        i += 16;
+    }
+}
+
+/// See [`super::silu_mul_grad`]; `u` and `du` are both null (plain SiLU) or both valid.
+#[target_feature(enable = "avx512f")]
+pub(super) unsafe fn silu_mul_grad(
+    d: *const f32,
+    g: *const f32,
+    u: *const f32,
+    dg: *mut f32,
+    du: *mut f32,
+    n: usize,
+) {
+    let one = _mm512_set1_ps(1.0);
+    let mut i = 0;
+    while i < n {
+        let k = lanes(i, n);
+        let gv = _mm512_maskz_loadu_ps(k, g.add(i));
+        let dv = _mm512_maskz_loadu_ps(k, d.add(i));
+        let s = sigmoid_ps(gv);
+        // silu'(g) = s·(1 + g·(1 − s))
+        let ds = _mm512_mul_ps(s, _mm512_fmadd_ps(gv, _mm512_sub_ps(one, s), one));
+        let mut dgv = _mm512_mul_ps(dv, ds);
+        if !u.is_null() {
+            let uv = _mm512_maskz_loadu_ps(k, u.add(i));
+            dgv = _mm512_mul_ps(dgv, uv);
+            _mm512_mask_storeu_ps(du.add(i), k, _mm512_mul_ps(dv, _mm512_mul_ps(gv, s)));
+        }
+        _mm512_mask_storeu_ps(dg.add(i), k, dgv);
+        i += 16;
+    }
+}
