@@ -3,14 +3,19 @@
 //! `XTRAIN_THREADS` (use 1) and divides useful FLOPs by the process CPU time (user + system,
 //! from `getrusage`), which other processes do not inflate.
 //!
-//! `XTRAIN_THREADS=1 cargo run --release -p tensor --example cpu_throughput [gemm [n] | attention [q_tile k_tile] | swiglu]`
+//! `XTRAIN_THREADS=1 cargo run --release -p tensor --example cpu_throughput [gemm [n] | attention [q_tile k_tile] | swiglu | head]`
 //!
 //! `swiglu` reports elements per CPU-second (G elem/cpu-s) for the SwiGLU forward and backward on
-//! the small preset's MLP activations (2048 tokens × ffn 688).
+//! the small preset's MLP activations (2048 tokens × ffn 688). `head` times the fused LM head +
+//! cross-entropy on the medium preset's shape (2048 tokens, dim 512, vocab 4096): forward then
+//! backward (4 products) against the one-pass forward-backward (3 products), alternating.
 
 use std::hint::black_box;
 use tensor::activation::{swiglu_backward, swiglu_forward};
 use tensor::attention::{attention_backward, attention_forward, AttnShape, AttnTiles};
+use tensor::cross_entropy::{
+    fused_linear_ce_backward, fused_linear_ce_forward, fused_linear_ce_forward_backward, CeConfig,
+};
 use tensor::gemm::matmul;
 
 fn cpu_seconds() -> f64 {
@@ -123,5 +128,53 @@ fn main() {
             black_box(&dg);
         });
         println!("swiglu bwd 2048x688: {cpu:.2} G elem/cpu-s, {wall:.2} G elem/s wall");
+    }
+    if only.is_empty() || only == "head" {
+        let (rows, dim, vocab) = (2048, 512, 4096);
+        let (x, w) = (data(rows * dim), data(vocab * dim + 3));
+        let w = &w[3..];
+        let targets: Vec<i64> = (0..rows as i64).map(|i| (i * 31) % vocab as i64).collect();
+        let cfg = CeConfig::default();
+        let mut lse = vec![0.0; rows];
+        let (mut dx, mut dw) = (vec![0.0; rows * dim], vec![0.0; vocab * dim]);
+        // Useful work: the products of the one-pass version (logits, dx, dW).
+        let flops = 3.0 * 2.0 * (rows * dim * vocab) as f64;
+        for round in 0..2 {
+            let (cpu, wall) = measure(flops, 3, || {
+                fused_linear_ce_forward(&x, w, &targets, dim, vocab, &cfg, &mut lse).unwrap();
+                fused_linear_ce_backward(
+                    &x,
+                    w,
+                    &targets,
+                    &lse,
+                    dim,
+                    vocab,
+                    &cfg,
+                    1e-3,
+                    Some(&mut dx),
+                    Some(&mut dw),
+                )
+                .unwrap();
+            });
+            println!(
+                "head fwd then bwd (round {round}): {cpu:.1} GFLOP/cpu-s, {wall:.1} GFLOP/s wall"
+            );
+            let (cpu, wall) = measure(flops, 3, || {
+                fused_linear_ce_forward_backward(
+                    &x,
+                    w,
+                    &targets,
+                    dim,
+                    vocab,
+                    &cfg,
+                    1e-3,
+                    &mut lse,
+                    Some(&mut dx),
+                    Some(&mut dw),
+                )
+                .unwrap();
+            });
+            println!("head one pass (round {round}): {cpu:.1} GFLOP/cpu-s, {wall:.1} GFLOP/s wall");
+        }
     }
 }
