@@ -14,6 +14,7 @@
 
 use crate::error::check_len;
 use crate::gemm::matmul;
+use crate::microkernel::{exp_sub_scale, row_max, sum_exp_sub};
 use crate::threads;
 use crate::TensorError;
 use rayon::prelude::*;
@@ -100,9 +101,9 @@ pub fn logits_row_stats(
             )
             .with_min_len(4)
             .for_each(|((z, &t), ((mx, se), tl))| {
-                let m = z.iter().fold(f32::NEG_INFINITY, |a, &b| a.max(b));
+                let m = row_max(z);
                 *mx = m;
-                *se = z.iter().map(|&v| (v - m).exp()).sum();
+                *se = sum_exp_sub(z, m);
                 *tl = match local_target(t, ignore_index, vocab_start, shard) {
                     Some(j) => z[j],
                     None => 0.0,
@@ -147,7 +148,7 @@ pub fn logits_grad_inplace(
                     z.fill(0.0);
                     return;
                 }
-                z.iter_mut().for_each(|v| *v = (*v - l).exp() * grad_scale);
+                exp_sub_scale(z, l, grad_scale);
                 if let Some(j) = local_target(t, ignore_index, vocab_start, shard) {
                     z[j] -= grad_scale;
                 }

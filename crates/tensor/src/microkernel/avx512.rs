@@ -220,6 +220,34 @@ pub(super) unsafe fn exp_sub_sum(x: *mut f32, n: usize, scale: f32, m: f32) -> f
     _mm512_reduce_add_ps(s)
 }
 
+/// `Σ e^(x − m)` without writing `x`.
+#[target_feature(enable = "avx512f")]
+pub(super) unsafe fn sum_exp_sub(x: *const f32, n: usize, m: f32) -> f32 {
+    let mv = _mm512_set1_ps(m);
+    let mut s = _mm512_setzero_ps();
+    let mut i = 0;
+    while i < n {
+        let k = lanes(i, n);
+        let e = exp_ps(_mm512_sub_ps(_mm512_maskz_loadu_ps(k, x.add(i)), mv));
+        s = _mm512_add_ps(s, _mm512_maskz_mov_ps(k, e));
+        i += 16;
+    }
+    _mm512_reduce_add_ps(s)
+}
+
+/// `x ← e^(x − m) · a`.
+#[target_feature(enable = "avx512f")]
+pub(super) unsafe fn exp_sub_scale(x: *mut f32, n: usize, m: f32, a: f32) {
+    let (mv, av) = (_mm512_set1_ps(m), _mm512_set1_ps(a));
+    let mut i = 0;
+    while i < n {
+        let k = lanes(i, n);
+        let e = exp_ps(_mm512_sub_ps(_mm512_maskz_loadu_ps(k, x.add(i)), mv));
+        _mm512_mask_storeu_ps(x.add(i), k, _mm512_mul_ps(e, av));
+        i += 16;
+    }
+}
+
 /// The portable softmax-gradient loop compiled with AVX-512 enabled (the compiler
 /// vectorises it with 16 lanes).
 #[target_feature(enable = "avx512f")]

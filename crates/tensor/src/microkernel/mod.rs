@@ -147,6 +147,28 @@ pub(crate) fn exp_sub_sum(x: &mut [f32], scale: f32, m: f32) -> f32 {
     s
 }
 
+/// `Σ e^(x − m)` (the softmax denominator after the row max `m`); `x` is not written.
+#[inline]
+pub(crate) fn sum_exp_sub(x: &[f32], m: f32) -> f32 {
+    #[cfg(target_arch = "x86_64")]
+    if use_avx512() {
+        // SAFETY: AVX-512F available; the kernel reads exactly x.len() elements.
+        return unsafe { avx512::sum_exp_sub(x.as_ptr(), x.len(), m) };
+    }
+    x.iter().map(|&v| (v - m).exp()).sum()
+}
+
+/// `x ← e^(x − m) · a` elementwise (softmax probabilities from a log-sum-exp, scaled).
+#[inline]
+pub(crate) fn exp_sub_scale(x: &mut [f32], m: f32, a: f32) {
+    #[cfg(target_arch = "x86_64")]
+    if use_avx512() {
+        // SAFETY: AVX-512F available; the kernel touches exactly x.len() elements.
+        return unsafe { avx512::exp_sub_scale(x.as_mut_ptr(), x.len(), m, a) };
+    }
+    x.iter_mut().for_each(|v| *v = (*v - m).exp() * a);
+}
+
 /// `σ(x) = 1 / (1 + e^(−x))` (portable path; the AVX-512 path uses the same formula on the
 /// vector `exp`).
 #[inline]
@@ -400,6 +422,25 @@ mod tests {
         });
         let worst = fast.iter().zip(&portable).map(|(&a, &b)| ulps(a, b)).max();
         assert!(worst.unwrap() <= 2, "worst {worst:?} ulp");
+    }
+
+    #[test]
+    fn softmax_row_pieces_paths_agree() {
+        for n in [1usize, 16, 37, 4096] {
+            let x: Vec<f32> = rand_vec(n, 7).iter().map(|v| v * 30.0).collect();
+            let m = row_max(&x);
+            let (fast, portable) = on_both(|| {
+                let s = sum_exp_sub(&x, m);
+                let mut y = x.clone();
+                exp_sub_scale(&mut y, m + s.ln(), 0.25);
+                (s, y)
+            });
+            // Each exp within 2 ulp; the sum's rounding order differs (vector lanes).
+            assert!((fast.0 - portable.0).abs() <= 1e-6 * portable.0 * (n as f32).sqrt());
+            for (a, b) in fast.1.iter().zip(&portable.1) {
+                assert!((a - b).abs() <= 1e-6 * b + 1e-37, "{a} vs {b}");
+            }
+        }
     }
 
     #[test]
