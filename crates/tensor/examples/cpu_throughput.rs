@@ -3,12 +3,13 @@
 //! `XTRAIN_THREADS` (use 1) and divides useful FLOPs by the process CPU time (user + system,
 //! from `getrusage`), which other processes do not inflate.
 //!
-//! `XTRAIN_THREADS=1 cargo run --release -p tensor --example cpu_throughput [gemm [n] | attention [q_tile k_tile] | swiglu | head]`
+//! `XTRAIN_THREADS=1 cargo run --release -p tensor --example cpu_throughput [gemm [n] | attention [q_tile k_tile] | swiglu | head | norm]`
 //!
 //! `swiglu` reports elements per CPU-second (G elem/cpu-s) for the SwiGLU forward and backward on
 //! the small preset's MLP activations (2048 tokens × ffn 688). `head` times the fused LM head +
 //! cross-entropy on the medium preset's shape (2048 tokens, dim 512, vocab 4096): forward then
 //! backward (4 products) against the one-pass forward-backward (3 products), alternating.
+//! `norm` reports elements per CPU-second of RMSNorm forward + backward (2048 rows × dim 512, the medium preset).
 
 use std::hint::black_box;
 use tensor::activation::{swiglu_backward, swiglu_forward};
@@ -17,6 +18,7 @@ use tensor::cross_entropy::{
     fused_linear_ce_backward, fused_linear_ce_forward, fused_linear_ce_forward_backward, CeConfig,
 };
 use tensor::gemm::matmul;
+use tensor::norm::{rmsnorm_backward, rmsnorm_forward};
 
 fn cpu_seconds() -> f64 {
     // SAFETY: getrusage only writes the struct we pass.
@@ -176,5 +178,17 @@ fn main() {
             });
             println!("head one pass (round {round}): {cpu:.1} GFLOP/cpu-s, {wall:.1} GFLOP/s wall");
         }
+    }
+    if only.is_empty() || only == "norm" {
+        let (rows, dim) = (2048, 512);
+        let (x, w, dy) = (data(rows * dim), data(dim + 1), data(rows * dim + 2));
+        let (w, dy) = (&w[1..], &dy[2..]);
+        let (mut y, mut rstd) = (vec![0.0; rows * dim], vec![0.0; rows]);
+        let (mut dx, mut dw) = (vec![0.0; rows * dim], vec![0.0; dim]);
+        let (cpu, wall) = measure((rows * dim) as f64, 20, || {
+            rmsnorm_forward(&x, w, dim, 1e-5, &mut y, &mut rstd).unwrap();
+            rmsnorm_backward(dy, &x, w, &rstd, dim, Some(&mut dx), Some(&mut dw)).unwrap();
+        });
+        println!("rmsnorm fwd+bwd 2048x512: {cpu:.3} G elem/cpu-s, {wall:.3} G elem/s wall");
     }
 }

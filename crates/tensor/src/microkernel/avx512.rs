@@ -248,6 +248,18 @@ pub(super) unsafe fn exp_sub_scale(x: *mut f32, n: usize, m: f32, a: f32) {
     }
 }
 
+/// The portable dot product compiled with AVX-512 enabled.
+#[target_feature(enable = "avx512f")]
+pub(super) unsafe fn dot(a: &[f32], b: &[f32], c: Option<&[f32]>) -> f32 {
+    super::dot_portable(a, b, c)
+}
+
+/// The portable RMSNorm row update compiled with AVX-512 enabled.
+#[target_feature(enable = "avx512f")]
+pub(super) unsafe fn rms_apply(a: &[f32], x: &[f32], w: &[f32], r: f32, c: f32, out: &mut [f32]) {
+    super::rms_apply_portable(a, x, w, r, c, out)
+}
+
 /// The portable softmax-gradient loop compiled with AVX-512 enabled (the compiler
 /// vectorises it with 16 lanes).
 #[target_feature(enable = "avx512f")]

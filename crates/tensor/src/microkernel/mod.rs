@@ -147,6 +147,87 @@ pub(crate) fn exp_sub_sum(x: &mut [f32], scale: f32, m: f32) -> f32 {
     s
 }
 
+/// Lanes of the independent partial sums in [`dot_portable`]: one AVX-512 vector (or
+/// four SSE / two AVX vectors), so the compiler can vectorise a reduction that in sequential
+/// order it must not reorder.
+const LANES: usize = 16;
+
+/// `Σ_i a_i·b_i·c_i` (`c` all ones when `None`) over `LANES` partial sums, added at the end.
+#[inline(always)]
+fn dot_portable(a: &[f32], b: &[f32], c: Option<&[f32]>) -> f32 {
+    let mut acc = [0.0f32; LANES];
+    let n = a.len() / LANES * LANES;
+    match c {
+        Some(c) => {
+            for ((a, b), c) in a[..n]
+                .chunks_exact(LANES)
+                .zip(b[..n].chunks_exact(LANES))
+                .zip(c[..n].chunks_exact(LANES))
+            {
+                for l in 0..LANES {
+                    acc[l] += a[l] * b[l] * c[l];
+                }
+            }
+        }
+        None => {
+            for (a, b) in a[..n].chunks_exact(LANES).zip(b[..n].chunks_exact(LANES)) {
+                for l in 0..LANES {
+                    acc[l] += a[l] * b[l];
+                }
+            }
+        }
+    }
+    let mut s: f32 = acc.iter().sum();
+    for i in n..a.len() {
+        s += a[i] * b[i] * c.map_or(1.0, |c| c[i]);
+    }
+    s
+}
+
+/// `Σ_i a_i·b_i` (times `c_i` when given): the row reductions of RMSNorm and of the
+/// attention backward's `D = rowsum(dO ∘ O)`. Summed in `LANES` interleaved partial sums
+/// (the same order on both paths), so it vectorises.
+#[inline]
+pub(crate) fn dot(a: &[f32], b: &[f32], c: Option<&[f32]>) -> f32 {
+    assert!(
+        b.len() == a.len() && c.is_none_or(|c| c.len() == a.len()),
+        "dot: lengths"
+    );
+    #[cfg(target_arch = "x86_64")]
+    if use_avx512() {
+        // SAFETY: AVX-512F available; the body is the portable loop.
+        return unsafe { avx512::dot(a, b, c) };
+    }
+    dot_portable(a, b, c)
+}
+
+/// `y = x·r·w` and `dx = r·(dy∘w − x·c)` rows of RMSNorm: `out_i = r·(a_i·w_i − x_i·c)` with
+/// `a = x, c = 0` (forward) or `a = dy` (backward).
+#[inline(always)]
+fn rms_apply_portable(a: &[f32], x: &[f32], w: &[f32], r: f32, c: f32, out: &mut [f32]) {
+    let n = out.len();
+    let (a, x, w) = (&a[..n], &x[..n], &w[..n]);
+    for i in 0..n {
+        out[i] = r * (a[i] * w[i] - x[i] * c);
+    }
+}
+
+/// See [`rms_apply_portable`].
+#[inline]
+pub(crate) fn rms_apply(a: &[f32], x: &[f32], w: &[f32], r: f32, c: f32, out: &mut [f32]) {
+    let n = out.len();
+    assert!(
+        a.len() == n && x.len() == n && w.len() == n,
+        "rms_apply: lengths"
+    );
+    #[cfg(target_arch = "x86_64")]
+    if use_avx512() {
+        // SAFETY: AVX-512F available; the body is the portable loop.
+        return unsafe { avx512::rms_apply(a, x, w, r, c, out) };
+    }
+    rms_apply_portable(a, x, w, r, c, out)
+}
+
 /// `Σ e^(x − m)` (the softmax denominator after the row max `m`); `x` is not written.
 #[inline]
 pub(crate) fn sum_exp_sub(x: &[f32], m: f32) -> f32 {
@@ -422,6 +503,23 @@ mod tests {
         });
         let worst = fast.iter().zip(&portable).map(|(&a, &b)| ulps(a, b)).max();
         assert!(worst.unwrap() <= 2, "worst {worst:?} ulp");
+    }
+
+    #[test]
+    fn dot_paths_agree_and_match_f64() {
+        for n in [0usize, 1, 15, 16, 33, 512] {
+            let (a, b, c) = (rand_vec(n, 1), rand_vec(n, 2), rand_vec(n, 3));
+            for with_c in [false, true] {
+                let cc = with_c.then_some(&c[..]);
+                let (fast, portable) = on_both(|| dot(&a, &b, cc));
+                // Same summation order on both paths (the vector lanes are the partial sums).
+                assert_eq!(fast.to_bits(), portable.to_bits());
+                let want: f64 = (0..n)
+                    .map(|i| a[i] as f64 * b[i] as f64 * if with_c { c[i] as f64 } else { 1.0 })
+                    .sum();
+                assert!((fast as f64 - want).abs() <= 1e-6 * (n as f64 + 1.0));
+            }
+        }
     }
 
     #[test]
