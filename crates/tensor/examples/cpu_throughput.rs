@@ -3,12 +3,13 @@
 //! `XTRAIN_THREADS` (use 1) and divides useful FLOPs by the process CPU time (user + system,
 //! from `getrusage`), which other processes do not inflate.
 //!
-//! `XTRAIN_THREADS=1 cargo run --release -p tensor --example cpu_throughput [gemm [n] | attention [q_tile k_tile] | swiglu | head | norm]`
+//! `XTRAIN_THREADS=1 cargo run --release -p tensor --example cpu_throughput [gemm [n] | attention [q_tile k_tile] | swiglu | head | norm | rope]`
 //!
 //! `swiglu` reports elements per CPU-second (G elem/cpu-s) for the SwiGLU forward and backward on
 //! the small preset's MLP activations (2048 tokens × ffn 688). `head` times the fused LM head +
 //! cross-entropy on the medium preset's shape (2048 tokens, dim 512, vocab 4096): forward then
 //! backward (4 products) against the one-pass forward-backward (3 products), alternating.
+//! `rope` reports elements per CPU-second of RoPE (batch 8 × seq 256 × 8 heads × dim 32).
 //! `norm` reports elements per CPU-second of RMSNorm forward + backward (2048 rows × dim 512, the medium preset).
 
 use std::hint::black_box;
@@ -190,5 +191,15 @@ fn main() {
             rmsnorm_backward(dy, &x, w, &rstd, dim, Some(&mut dx), Some(&mut dw)).unwrap();
         });
         println!("rmsnorm fwd+bwd 2048x512: {cpu:.3} G elem/cpu-s, {wall:.3} G elem/s wall");
+    }
+    if only.is_empty() || only == "rope" {
+        let (batch, seq, heads, d) = (8, 256, 8, 32);
+        let rope = tensor::rope::Rope::new(d, 10000.0).unwrap();
+        let pos = tensor::rope::positions_range(batch, seq, 0);
+        let mut x = data(batch * seq * heads * d);
+        let (cpu, wall) = measure(x.len() as f64, 50, || {
+            rope.apply(&mut x, heads, &pos).unwrap();
+        });
+        println!("rope b8 s256 h8 d32: {cpu:.3} G elem/cpu-s, {wall:.3} G elem/s wall");
     }
 }
