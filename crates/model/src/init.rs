@@ -1,7 +1,12 @@
 //! Deterministic parameter initialisation with a small self-contained RNG (SplitMix64 +
 //! Box–Muller): matrices ~ N(0, initializer_range²) as Hugging Face does, norm gains = 1.
 //! Each tensor draws from its own stream (seeded by the global seed and the tensor's index),
-//! so any subset of tensors can be initialised independently with identical values.
+//! so any subset of tensors can be initialised independently with identical values; and since
+//! SplitMix64's state advances by a constant per draw, any element range of a tensor can be
+//! generated without the elements before it ([`init_range`], what a ZeRO-3 rank uses to build
+//! only its shard).
+
+use std::ops::Range;
 
 use crate::layout::{ParamKind, ParamLayout};
 
@@ -9,12 +14,20 @@ use crate::layout::{ParamKind, ParamLayout};
 #[derive(Debug, Clone)]
 pub struct SplitMix64(u64);
 
+/// SplitMix64's increment (the golden-ratio "gamma").
+const GAMMA: u64 = 0x9E37_79B9_7F4A_7C15;
+
 impl SplitMix64 {
     pub fn new(seed: u64) -> Self {
         SplitMix64(seed)
     }
+    /// Skips `n` draws of [`Self::next_u64`] in O(1): the state after `n` draws is
+    /// `seed + n·gamma (mod 2^64)`, the output a pure function of the state.
+    pub fn advance(&mut self, n: u64) {
+        self.0 = self.0.wrapping_add(n.wrapping_mul(GAMMA));
+    }
     pub fn next_u64(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
+        self.0 = self.0.wrapping_add(GAMMA);
         let mut z = self.0;
         z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
         z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
@@ -34,13 +47,33 @@ impl SplitMix64 {
 /// Fill `params` (length `layout.total()`) with the initial values for `seed`.
 pub fn init_params(layout: &ParamLayout, std: f32, seed: u64, params: &mut [f32]) {
     assert_eq!(params.len(), layout.total(), "params buffer length");
+    init_range(layout, std, seed, 0..layout.total(), params);
+}
+
+/// Fill `out` (length `range.len()`) with elements `range` of the flat initial parameters for
+/// `seed`, bit for bit equal to the same slice of [`init_params`]' buffer, without building
+/// that buffer. Element `k` of a matrix uses draws `2k` and `2k+1` of its tensor's stream
+/// (one Box–Muller normal each), so the stream is advanced by `2·k0` to start at element `k0`.
+pub fn init_range(layout: &ParamLayout, std: f32, seed: u64, range: Range<usize>, out: &mut [f32]) {
+    assert_eq!(out.len(), range.len(), "output length");
+    assert!(
+        range.end <= layout.total(),
+        "range {range:?} beyond {}",
+        layout.total()
+    );
     for (i, e) in layout.entries.iter().enumerate() {
-        let dst = e.view.of_mut(params);
+        let r = e.view.range();
+        let (s, t) = (r.start.max(range.start), r.end.min(range.end));
+        if s >= t {
+            continue;
+        }
+        let dst = &mut out[s - range.start..t - range.start];
         match e.kind {
             ParamKind::NormGain => dst.fill(1.0),
             ParamKind::Matrix => {
                 let mut rng =
                     SplitMix64::new(seed ^ (i as u64 + 1).wrapping_mul(0xD6E8_FEB8_6659_FD93));
+                rng.advance(2 * (s - r.start) as u64);
                 for v in dst {
                     *v = (rng.next_normal() * std as f64) as f32;
                 }
@@ -62,5 +95,42 @@ mod tests {
         let var = xs.iter().map(|x| (x - mean) * (x - mean)).sum::<f64>() / n as f64;
         assert!(mean.abs() < 0.02, "mean {mean}");
         assert!((var - 1.0).abs() < 0.02, "var {var}");
+    }
+
+    #[test]
+    fn advance_skips_draws() {
+        let mut a = SplitMix64::new(11);
+        for _ in 0..37 {
+            a.next_u64();
+        }
+        let mut b = SplitMix64::new(11);
+        b.advance(37);
+        assert_eq!(a.next_u64(), b.next_u64());
+    }
+
+    #[test]
+    fn any_range_equals_the_full_init_bit_for_bit() {
+        let cfg = crate::ModelConfig::llama(50, 16, 24, 2, 4, 2).with_experts(3, 2);
+        let layout = ParamLayout::new(&cfg);
+        let n = layout.total();
+        let mut full = vec![0.0f32; n];
+        init_params(&layout, 0.02, 99, &mut full);
+        let mut rng = SplitMix64::new(5);
+        // Ranges inside one tensor, across tensor boundaries, empty, and the whole buffer.
+        let mut ranges = vec![0..n, 0..0, n - 1..n, 3..3 + 16];
+        for _ in 0..50 {
+            let a = (rng.next_u64() % n as u64) as usize;
+            let b = (rng.next_u64() % n as u64) as usize;
+            ranges.push(a.min(b)..a.max(b));
+        }
+        for r in ranges {
+            let mut part = vec![f32::NAN; r.len()];
+            init_range(&layout, 0.02, 99, r.clone(), &mut part);
+            let same = part
+                .iter()
+                .zip(&full[r.clone()])
+                .all(|(x, y)| x.to_bits() == y.to_bits());
+            assert!(same, "range {r:?} differs from the full init");
+        }
     }
 }

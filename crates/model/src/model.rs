@@ -231,6 +231,12 @@ impl Model {
         p
     }
 
+    /// Elements `range` of [`Self::init_params`]'s buffer, written into `out` without building
+    /// the whole buffer (bit for bit the same values; see [`crate::init::init_range`]).
+    pub fn init_range(&self, seed: u64, range: std::ops::Range<usize>, out: &mut [f32]) {
+        crate::init::init_range(&self.layout, self.cfg.initializer_range, seed, range, out);
+    }
+
     fn check_len(&self, what: &'static str, len: usize) -> Result<()> {
         if len != self.layout.total() {
             return Err(ModelError::BufferSize {

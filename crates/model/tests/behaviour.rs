@@ -502,3 +502,27 @@ fn position_offset_is_relative() {
         .fold(0.0f32, |a, (u, v)| a.max((u - v).abs()));
     assert!(err < 1e-5, "{err}");
 }
+
+/// `BlockCache::bytes` counts exactly the buffers a dense block saves for backward:
+/// x, xn1, h, xn2 `[T, H]`; rstd1, rstd2 `[T]`; q, o `[T, Hq·D]`; k, v `[T, Hkv·D]`;
+/// lse `[B·Hq·S]`; g, u, s `[T, F]` (s dropped under selective recomputation).
+#[test]
+fn block_cache_bytes_count_every_saved_buffer() {
+    let cfg = ModelConfig::llama(40, 16, 24, 1, 4, 2);
+    let m = Model::new(cfg.clone()).unwrap();
+    let p = m.init_params(1);
+    let (b, s) = (2, 5);
+    let t = b * s;
+    let (h, f, d) = (16, 24, 4);
+    let pb = &p[m.layout.block_range(0)];
+    let x = Arc::new(vec![0.1f32; t * h]);
+    let (_, full) = m.block_forward(0, pb, x.clone(), &Pass::new(b, s)).unwrap();
+    let want = 4 * (4 * t * h + 2 * t + 2 * t * 4 * d + 2 * t * 2 * d + b * 4 * s + 3 * t * f);
+    assert_eq!(full.bytes(), want);
+    let sel = Pass::new(b, s).with_recompute(Recompute::Selective);
+    let (_, c) = m.block_forward(0, pb, x.clone(), &sel).unwrap();
+    assert_eq!(c.bytes(), want - 4 * (2 * t * h + t * f));
+    let none = Pass::new(b, s).with_recompute(Recompute::Full);
+    let (_, c) = m.block_forward(0, pb, x, &none).unwrap();
+    assert_eq!(c.bytes(), 4 * t * h);
+}

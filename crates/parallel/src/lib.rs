@@ -14,7 +14,9 @@ pub mod llm;
 pub mod staged;
 pub mod testing;
 
-pub use data_parallel::{bucket, checkpoint, engine, memory, reshard, sampler, shard, worker};
+pub use data_parallel::{
+    bucket, checkpoint, engine, flat, memory, reshard, run_log, sampler, shard, worker,
+};
 
 /// Errors of the parallel layer.
 #[derive(Debug, thiserror::Error)]

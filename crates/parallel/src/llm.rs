@@ -145,6 +145,13 @@ impl StagedModel for StagedLlm {
         out.x[0]
     }
 
+    fn eval_metric(&self, out: &LlmAct, last: &LlmCache) -> f32 {
+        match last {
+            LlmCache::Head(_, ce) => *ce,
+            _ => self.loss(out),
+        }
+    }
+
     fn backward(
         &self,
         unit: usize,
@@ -187,14 +194,12 @@ impl StagedModel for StagedLlm {
         }
     }
 
-    /// Lower bound: the unit's input activation (the model does not report the size of what
-    /// its caches save beyond it).
+    /// Everything the unit's cache holds, as the model's caches report it.
     fn cache_bytes(&self, cache: &LlmCache) -> usize {
-        let h = self.model.cfg.hidden_size;
         match cache {
-            LlmCache::Embed(ids) => ids.len() * 4,
-            LlmCache::Block(c) => c.pass().tokens() * h * 4,
-            LlmCache::Head(_, _) => 0,
+            LlmCache::Embed(ids) => std::mem::size_of_val(ids.as_slice()),
+            LlmCache::Block(c) => c.bytes(),
+            LlmCache::Head(c, _) => c.bytes(),
         }
     }
 }

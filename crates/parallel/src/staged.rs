@@ -19,7 +19,8 @@ pub trait StagedModel: Sync {
 
     /// Flat ranges of the units in forward order; contiguous, starting at 0.
     fn units(&self) -> Vec<Range<usize>>;
-    /// Flat ranges of the individual tensors in layout order (DDP bucket granularity).
+    /// Flat ranges of the individual tensors in layout order (for planners finer than a unit;
+    /// the data-parallel engine's buckets hold whole units).
     fn tensors(&self) -> Vec<Range<usize>>;
     /// Forward of `unit` with its parameters `params`. The first unit gets `x = None` and reads
     /// the batch; the last unit returns the loss (mean over the micro-batch) as its output.
@@ -35,6 +36,13 @@ pub trait StagedModel: Sync {
     ) -> Result<(Self::Act, Self::Cache), ParallelError>;
     /// Scalar loss from the last unit's output.
     fn loss(&self, out: &Self::Act) -> f32;
+    /// The validation metric of a forward-only pass (`last`: the last unit's cache); by
+    /// default the loss. The decoders report the cross-entropy alone, without the MoE
+    /// auxiliary loss, as the single-process trainer's validation does.
+    fn eval_metric(&self, out: &Self::Act, last: &Self::Cache) -> f32 {
+        let _ = last;
+        self.loss(out)
+    }
     /// Backward of `unit`: `dy = None` for the last unit, which seeds d(loss) = `scale`.
     /// Adds the unit's parameter gradients into `grads` (the unit's slice) and returns dX
     /// (`None` for the first unit).

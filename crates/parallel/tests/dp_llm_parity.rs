@@ -4,22 +4,17 @@
 //! auxiliary loss — a per-micro-batch quantity — is the same objective). fp32, 5 steps: every
 //! loss and every parameter within 1e-5 relative.
 use model::optim::{clip_factor, grad_sq_sum, scale_grads, AdamW};
-use model::{Batch, Model, ModelConfig, StepOptions};
+use model::{Model, ModelConfig, StepOptions};
 use parallel::engine::{DataParallel, DpConfig};
 use parallel::llm::StagedLlm;
-use parallel::memory::ZeroStage;
+use parallel::memory::{Precision, ZeroStage};
 use parallel::sampler::DistributedSampler;
 
-const SEQ: usize = 8;
+mod common;
+use common::rows;
+
 const GLOBAL: usize = 8;
 const STEPS: usize = 5;
-
-fn rows(cfg: &ModelConfig, start: usize, n: usize) -> Batch {
-    let ids: Vec<u32> = (start * SEQ..(start + n) * SEQ)
-        .map(|i| ((i as u64).wrapping_mul(0x9E3779B97F4A7C15) >> 40) as u32 % cfg.vocab_size as u32)
-        .collect();
-    Batch::next_token(n, SEQ, &ids).unwrap()
-}
 
 fn dp_config(stage: ZeroStage) -> DpConfig {
     DpConfig {
@@ -36,6 +31,7 @@ fn dp_config(stage: ZeroStage) -> DpConfig {
             eps: 1e-6,
             ..AdamW::default()
         },
+        precision: Precision::Fp32,
         max_grad_norm: Some(1.0),
     }
 }

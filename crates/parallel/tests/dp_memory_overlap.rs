@@ -48,12 +48,23 @@ fn accounted_bytes_equal_the_formula() {
                     (want.params, want.grads, want.optimizer),
                     "zero={k} dp={dp} rank {rank}"
                 );
-                // Buffers: never more than one extra gradient copy plus two gathered units.
+                // Buffers: every gradient in flight at most once (4Φ), plus the bucket being
+                // cut into per-owner pieces and comm's one scratch copy of a non-root reduce
+                // (a bucket closes once it reaches the 40-element cap, so it holds fewer than
+                // 40 + max_unit elements), plus two gathered units.
+                let max_bucket = 40 + max_unit;
                 assert!(
-                    mem.comm_buffers <= 4 * phi + 2 * 4 * max_unit,
+                    mem.comm_buffers <= 4 * phi + 2 * 4 * max_bucket + 2 * 4 * max_unit,
                     "zero={k} dp={dp}: {mem:?}"
                 );
                 assert!(mem.activations > 0);
+                // DDP and ZeRO-1 all-reduce each bucket in its own allocation: no copies in
+                // flight, only ZeRO-1's gather of the updated weights (one unit at a time).
+                match stage {
+                    ZeroStage::Ddp => assert_eq!(mem.comm_buffers, 0, "dp={dp}"),
+                    ZeroStage::One => assert_eq!(mem.comm_buffers, gathered, "dp={dp}"),
+                    _ => {}
+                }
                 if stage == ZeroStage::Three {
                     // Peak parameter bytes: the shard plus at most two gathered units.
                     assert!(

@@ -107,6 +107,13 @@ pub struct ParallelConfig {
     pub dp: usize,
     /// ZeRO stage (0 = plain data parallel).
     pub zero: usize,
+    /// Gradient bucket size of data parallelism in MiB (PyTorch DDP's 25 by default).
+    #[serde(default = "default_bucket_mb")]
+    pub bucket_mb: f64,
+}
+
+fn default_bucket_mb() -> f64 {
+    25.0
 }
 
 /// The whole run.
@@ -185,6 +192,7 @@ impl RunConfig {
                 nproc: 1,
                 dp: 1,
                 zero: 0,
+                bucket_mb: default_bucket_mb(),
             },
         })
     }
@@ -281,6 +289,12 @@ impl RunConfig {
         }
         if !(0.0..1.0).contains(&t.beta1) || !(0.0..1.0).contains(&t.beta2) {
             return bad("train.beta1 and train.beta2 must lie in [0, 1)".into());
+        }
+        let bucket = self.parallel.bucket_mb;
+        if !(bucket.is_finite() && bucket > 0.0 && bucket <= 1024.0 * 1024.0) {
+            return bad(format!(
+                "parallel.bucket_mb must be a positive size in MiB (got {bucket})"
+            ));
         }
         if !(0.0..0.5).contains(&self.data.val_fraction) {
             return bad("data.val_fraction must lie in [0, 0.5)".into());

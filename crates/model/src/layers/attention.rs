@@ -36,6 +36,16 @@ pub struct AttnCache {
     pub lse: Act,
 }
 
+impl AttnCache {
+    /// Bytes of the saved activations.
+    pub fn bytes(&self) -> usize {
+        [&self.q, &self.k, &self.v, &self.o, &self.lse]
+            .iter()
+            .map(|a| super::act_bytes(a))
+            .sum()
+    }
+}
+
 impl Attention {
     fn shape(&self, pass: &Pass) -> AttnShape {
         let mut s = AttnShape::causal(

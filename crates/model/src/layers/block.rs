@@ -12,7 +12,9 @@ use std::sync::Arc;
 use super::attention::{Attention, AttnCache};
 use super::mlp::{MlpCache, SwiGlu};
 use super::moe::{Moe, MoeCache};
-use super::{rmsnorm, rmsnorm_backward_input, Act, Pass, Recompute, WeightGradStore, WeightTask};
+use super::{
+    act_bytes, rmsnorm, rmsnorm_backward_input, Act, Pass, Recompute, WeightGradStore, WeightTask,
+};
 use crate::error::Result;
 use crate::layout::View;
 
@@ -83,6 +85,25 @@ impl BlockCache {
     /// The pass this cache was made with.
     pub fn pass(&self) -> &Pass {
         &self.pass
+    }
+    /// Bytes this cache holds (the block input, the saved activations and the MoE routing):
+    /// what the block keeps alive between its forward and its backward.
+    pub fn bytes(&self) -> usize {
+        let opt = |a: &Option<Act>| a.as_ref().map_or(0, |a| act_bytes(a));
+        let saved = self.saved.as_ref().map_or(0, |s| {
+            let ffn = match &s.ffn {
+                FfnCache::Dense(c) => c.bytes(),
+                FfnCache::Moe(c) => c.bytes(),
+            };
+            opt(&s.xn1)
+                + act_bytes(&s.rstd1)
+                + s.attn.bytes()
+                + act_bytes(&s.h)
+                + opt(&s.xn2)
+                + act_bytes(&s.rstd2)
+                + ffn
+        });
+        act_bytes(&self.x) + saved + self.routing.as_ref().map_or(0, |r| r.bytes())
     }
     /// The MoE routing of the forward, when recorded (not under full recomputation).
     pub fn routing(&self) -> Option<&super::moe::Routing> {

@@ -87,6 +87,18 @@ fn add_into(g: &mut [f32], d: &[f32]) {
     g.iter_mut().zip(d).for_each(|(g, d)| *g += d);
 }
 
+impl HeadCache {
+    /// Bytes this cache holds (input, normed input, rstd, lse, targets): the fused loss keeps
+    /// no logits, so this is all the head keeps alive until its backward.
+    pub fn bytes(&self) -> usize {
+        super::act_bytes(&self.x)
+            + super::act_bytes(&self.xn)
+            + super::act_bytes(&self.rstd)
+            + super::act_bytes(&self.lse)
+            + std::mem::size_of_val(self.targets.as_slice())
+    }
+}
+
 impl Head {
     fn hidden(&self) -> usize {
         self.norm.numel()

@@ -26,6 +26,14 @@ pub struct MlpCache {
     pub s: Option<Act>,
 }
 
+impl MlpCache {
+    /// Bytes of the saved activations.
+    pub fn bytes(&self) -> usize {
+        let s = self.s.as_ref().map_or(0, |s| super::act_bytes(s));
+        super::act_bytes(&self.g) + super::act_bytes(&self.u) + s
+    }
+}
+
 impl SwiGlu {
     pub fn ffn(&self) -> usize {
         self.gate.shape[0]

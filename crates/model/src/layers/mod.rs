@@ -24,6 +24,11 @@ use crate::layout::View;
 /// A shared, immutable activation buffer.
 pub type Act = Arc<Vec<f32>>;
 
+/// Bytes of an activation buffer (caches report what they hold for memory accounting).
+pub fn act_bytes(a: &[f32]) -> usize {
+    std::mem::size_of_val(a)
+}
+
 /// Activation recomputation policy of a block.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum Recompute {

@@ -50,6 +50,16 @@ pub struct Routing {
 }
 
 impl Routing {
+    /// Bytes of the routing tables.
+    pub fn bytes(&self) -> usize {
+        use std::mem::size_of;
+        let pairs: usize = self.assigned.iter().map(Vec::len).sum();
+        super::act_bytes(&self.probs)
+            + super::act_bytes(&self.weights)
+            + (self.experts.len() + self.counts.len()) * size_of::<usize>()
+            + pairs * size_of::<(usize, usize)>()
+    }
+
     /// Number of assignments dropped by the capacity limit.
     pub fn dropped(&self) -> usize {
         self.counts.iter().sum::<usize>() - self.assigned.iter().map(Vec::len).sum::<usize>()
@@ -72,6 +82,19 @@ pub struct MoeCache {
     pub shared: Option<MlpCache>,
     /// Unweighted auxiliary loss `L_aux` of this layer.
     pub aux: f32,
+}
+
+impl MoeCache {
+    /// Bytes of the saved activations and routing.
+    pub fn bytes(&self) -> usize {
+        let experts: usize = self
+            .experts
+            .iter()
+            .flatten()
+            .map(|e| super::act_bytes(&e.x) + e.mlp.bytes() + super::act_bytes(&e.out))
+            .sum();
+        self.routing.bytes() + experts + self.shared.as_ref().map_or(0, MlpCache::bytes)
+    }
 }
 
 impl Moe {

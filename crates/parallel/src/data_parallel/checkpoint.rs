@@ -6,11 +6,15 @@
 //! for, its rank, the optimizer step and the unit sizes of the model. Replicated state (DDP) is
 //! saved once, as world 1. Loading reads every shard, checks they describe one layout, and
 //! re-cuts them for the loading configuration with [`crate::reshard`].
-use std::path::Path;
+//!
+//! A training run keeps them as `<run>/dp-checkpoints/step_NNNNNN/` with the run's
+//! `config.toml` beside the shards, and `<run>/latest` naming the newest (the single-process
+//! trainer's convention), so `xtrain train --resume <run or checkpoint>` finds both.
+use std::path::{Path, PathBuf};
 
 use serde::{Deserialize, Serialize};
 
-use crate::engine::ShardState;
+use crate::engine::{ShardRef, ShardState};
 use crate::reshard::reshard;
 use crate::shard::ShardSpec;
 use crate::ParallelError;
@@ -27,21 +31,27 @@ struct ShardMeta {
 }
 
 const META: &str = "shard.json";
+/// The run configuration saved beside the shards.
+pub const CONFIG: &str = "config.toml";
+/// Where a run keeps its sharded checkpoints, relative to the run directory.
+pub const DIR: &str = "dp-checkpoints";
 const BUFFERS: [&str; 3] = ["params.f32", "exp_avg.f32", "exp_avg_sq.f32"];
 
 fn err(dir: &Path, msg: impl std::fmt::Display) -> ParallelError {
     ParallelError::Checkpoint(format!("{}: {msg}", dir.display()))
 }
 
-/// Writes `state` into `dir/rank-NNNNN` (`units`: the model's unit sizes).
-pub fn save_shard(dir: &Path, state: &ShardState, units: &[usize]) -> Result<(), ParallelError> {
+/// Writes `state` into `dir/rank-NNNNN` (`units`: the model's unit sizes), straight from the
+/// borrowed buffers (one byte copy each, zero-padded to the shard length).
+pub fn save_shard(dir: &Path, state: &ShardRef, units: &[usize]) -> Result<(), ParallelError> {
+    let shard_len = state.shard_len();
     let meta = ShardMeta {
         total: state.total,
         world: state.world,
         rank: state.rank,
         step: state.step,
         units: units.to_vec(),
-        shard_len: state.params.len(),
+        shard_len,
     };
     let mut files = vec![(
         META.to_string(),
@@ -49,12 +59,15 @@ pub fn save_shard(dir: &Path, state: &ShardState, units: &[usize]) -> Result<(),
     )];
     for (name, buf) in BUFFERS
         .iter()
-        .zip([&state.params, &state.exp_avg, &state.exp_avg_sq])
+        .zip([state.params, state.exp_avg, state.exp_avg_sq])
     {
-        files.push((
-            name.to_string(),
-            buf.iter().flat_map(|x| x.to_le_bytes()).collect(),
-        ));
+        if buf.len() > shard_len {
+            return Err(err(dir, format!("{name} holds more than a shard")));
+        }
+        let mut bytes = Vec::with_capacity(shard_len * 4);
+        bytes.extend(buf.iter().flat_map(|x| x.to_le_bytes()));
+        bytes.resize(shard_len * 4, 0);
+        files.push((name.to_string(), bytes));
     }
     std::fs::create_dir_all(dir).map_err(|e| err(dir, e))?;
     let sub = dir.join(format!("rank-{:05}", state.rank));
@@ -141,28 +154,47 @@ pub fn load_shards(dir: &Path, units: &[usize]) -> Result<Vec<ShardState>, Paral
     Ok(out)
 }
 
-/// Re-cuts saved shards for rank `rank` of a world of `world` ranks (world 1: the full buffers).
-pub fn reshard_states(
+/// One buffer (`f`: parameters, m or v) of saved shards, re-cut for rank `rank` of `world`.
+pub fn reshard_buffer(
     states: &[ShardState],
     world: usize,
     rank: usize,
-) -> Result<ShardState, ParallelError> {
+    f: fn(&ShardState) -> &Vec<f32>,
+) -> Result<Vec<f32>, ParallelError> {
     let first = states
         .first()
         .ok_or_else(|| ParallelError::Checkpoint("no shards".into()))?;
     let old = ShardSpec::new(first.total, first.world)?;
     let new = ShardSpec::new(first.total, world)?;
-    let cut = |f: fn(&ShardState) -> &Vec<f32>| {
-        let refs: Vec<&[f32]> = states.iter().map(|s| f(s).as_slice()).collect();
-        reshard(&old, &refs, &new, rank)
-    };
-    Ok(ShardState {
-        total: first.total,
-        world,
-        rank,
-        step: first.step,
-        params: cut(|s| &s.params)?,
-        exp_avg: cut(|s| &s.exp_avg)?,
-        exp_avg_sq: cut(|s| &s.exp_avg_sq)?,
-    })
+    let refs: Vec<&[f32]> = states.iter().map(|s| f(s).as_slice()).collect();
+    reshard(&old, &refs, &new, rank)
+}
+
+/// Writes the run configuration into checkpoint `dir` (write, then rename: never half-written).
+pub fn save_config(dir: &Path, toml_text: &str) -> Result<(), ParallelError> {
+    let tmp = dir.join(format!(".{CONFIG}.tmp"));
+    std::fs::write(&tmp, toml_text).map_err(|e| err(&tmp, e))?;
+    std::fs::rename(&tmp, dir.join(CONFIG)).map_err(|e| err(dir, e))
+}
+
+/// The run configuration saved in checkpoint `dir`.
+pub fn load_config(dir: &Path) -> Result<String, ParallelError> {
+    std::fs::read_to_string(dir.join(CONFIG)).map_err(|e| err(dir, format!("{CONFIG}: {e}")))
+}
+
+/// Whether `dir` holds a sharded checkpoint (its first shard directory).
+pub fn is_sharded(dir: &Path) -> bool {
+    dir.join("rank-00000").is_dir()
+}
+
+/// Resolves a `--resume` argument to a sharded checkpoint: the checkpoint itself, or a run
+/// directory whose `latest` names one. `None` when it is neither (e.g. a single-process
+/// checkpoint, which the caller handles).
+pub fn resolve(path: &Path) -> Option<PathBuf> {
+    if is_sharded(path) {
+        return Some(path.to_path_buf());
+    }
+    let name = std::fs::read_to_string(path.join("latest")).ok()?;
+    let dir = path.join(name.trim());
+    is_sharded(&dir).then_some(dir)
 }

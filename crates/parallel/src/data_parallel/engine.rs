@@ -11,16 +11,31 @@
 //! Shards are the equal padded ranges of [`ShardSpec`]. Buckets are launched asynchronously the
 //! moment the backward of the last unit they cover returns (an all-reduce for stages 0/1, a
 //! reduce-scatter with uneven pieces for 2/3), so communication runs on the group's worker
-//! thread while backward continues on this one. ZeRO-3 gathers a unit's parameters just before its forward
+//! thread while backward continues on this one. Stages 0/1 keep their gradients one
+//! allocation per bucket ([`Bucketed`]) and lend the bucket itself to the all-reduce: an
+//! in-place reduction, no copy in flight. ZeRO-3 gathers a unit's parameters just before its forward
 //! (prefetching the next unit's asynchronously), frees them after, and does the same in reverse
 //! for backward, so at most two gathered units are alive beside the shard.
+//!
+//! Precision ([`DpConfig::precision`]): fp32, or bf16-mixed — bf16 parameters and gradients
+//! ([`Flat`]; ZeRO-3 gathers the bf16 shards, half the bytes), fp32 master weights and AdamW
+//! moments over the range the rank updates (the whole model for DDP, its shard for ZeRO-1/2/3).
+//! Gradients are reduced in fp32: each bucket is widened from bf16 (or staged in fp32 at
+//! ZeRO-2/3) before its all-reduce / reduce, and the average is rounded to bf16 once when
+//! stored. A bf16 reduction would halve the bytes but round every partial sum on the way
+//! (log₂N or N−1 extra roundings, depending on the algorithm, in an order that changes with
+//! N), so results would drift with the dp size; in fp32 the only bf16 roundings are the ones
+//! the single-process bf16 run also makes (one per unit backward and micro-batch, one per
+//! stored average).
 use std::ops::Range;
 use std::time::Instant;
 
 use comm::{ProcessGroup, ReduceOp, Work};
-use model::optim::{clip_factor, grad_sq_sum, scale_grads, AdamW};
+use model::optim::{clip_factor, scale_grads, AdamW};
+use train::precision::CHUNK;
 
 use crate::bucket::{BucketPlan, ReadyTracker};
+use crate::flat::{Bucketed, Flat, Piece};
 use crate::memory::{formula, MemoryBytes, Precision, ZeroStage};
 use crate::shard::ShardSpec;
 use crate::staged::StagedModel;
@@ -37,6 +52,8 @@ pub struct DpConfig {
     pub adamw: AdamW,
     /// Global gradient-norm clipping threshold.
     pub max_grad_norm: Option<f32>,
+    /// fp32, or bf16 parameters and gradients with fp32 master weights.
+    pub precision: Precision,
 }
 
 impl Default for DpConfig {
@@ -46,6 +63,7 @@ impl Default for DpConfig {
             bucket_bytes: crate::bucket::DEFAULT_BUCKET_BYTES,
             adamw: AdamW::default(),
             max_grad_norm: Some(1.0),
+            precision: Precision::Fp32,
         }
     }
 }
@@ -126,22 +144,38 @@ pub struct DataParallel<M: StagedModel> {
     /// Stages 2/3: the bucket each unit's gradients are staged in.
     unit_bucket: Vec<usize>,
     staging: Vec<Option<Vec<f32>>>,
-    /// Full (stages 0-2) or this rank's padded shard (stage 3).
-    params: Vec<f32>,
-    /// Full (stages 0-1) or this rank's padded shard (stages 2-3).
-    grads: Vec<f32>,
+    /// Compute weights: full (stages 0-2) or this rank's padded shard (stage 3). In fp32 they
+    /// are also the master weights.
+    params: Flat,
+    /// Full, bucket by bucket (stages 0-1), or this rank's padded shard (stages 2-3).
+    grads: Bucketed,
+    /// bf16-mixed only (empty in fp32): the fp32 master weights of the range AdamW updates,
+    /// like `m` and `v`.
+    master: Vec<f32>,
     /// Full (stage 0) or this rank's padded shard (stages 1-3).
     m: Vec<f32>,
     v: Vec<f32>,
     step: u64,
     lr: f32,
     comm_bytes: Gauge,
+    /// Largest reduction a non-root rank has sent: comm's `reduce` sums partial results in a
+    /// scratch copy of the input there, and the group's worker runs one collective at a time,
+    /// so at most one such copy is alive.
+    reduce_scratch: usize,
+    /// Gathered (ZeRO-3) or widened (bf16) unit parameters and widened unit gradients.
     gathered_bytes: Gauge,
     act_bytes: Gauge,
     trace: Option<Vec<TraceEvent>>,
 }
 
 const F32: usize = 4;
+const BF16: usize = 2;
+
+/// A parameter all-gather in flight, in the weights' precision.
+enum Gather {
+    F32(Work<(Vec<f32>, Vec<usize>)>),
+    Bf16(Work<(Vec<half::bf16>, Vec<usize>)>),
+}
 
 impl<M: StagedModel> DataParallel<M> {
     /// Builds the engine on `group` from the full initial parameters (the same on every rank).
@@ -151,25 +185,34 @@ impl<M: StagedModel> DataParallel<M> {
         cfg: DpConfig,
         init: &[f32],
     ) -> Result<Self, ParallelError> {
-        let units = model.units();
-        let total = units.last().map(|u| u.end).unwrap_or(0);
-        check_units(&units)?;
+        let total = model.units().last().map(|u| u.end).unwrap_or(0);
         if init.len() != total {
             return Err(ParallelError::Layout(format!(
                 "initial parameters have {} elements, the model's units cover {total}",
                 init.len()
             )));
         }
+        Self::with_init(model, group, cfg, |r, out| out.copy_from_slice(&init[r]))
+    }
+
+    /// Builds the engine from an initialiser that writes elements `range` of the flat initial
+    /// parameters into `out` (e.g. `model::Model::init_range`). Only the elements this rank
+    /// keeps are generated: its shard at ZeRO-3, so no rank ever holds the full fp32 model.
+    pub fn with_init(
+        model: M,
+        group: ProcessGroup,
+        cfg: DpConfig,
+        init: impl Fn(Range<usize>, &mut [f32]),
+    ) -> Result<Self, ParallelError> {
+        let units = model.units();
+        let total = units.last().map(|u| u.end).unwrap_or(0);
+        check_units(&units)?;
         let spec = ShardSpec::new(total, group.size())?;
         let stage = cfg.stage;
-        // Stages 0/1 keep the full gradient buffer, so buckets can cut at tensor boundaries;
-        // stages 2/3 stage gradients per bucket, which must then hold whole units.
-        let grain = if stage.shards_grads() {
-            units.clone()
-        } else {
-            model.tensors()
-        };
-        let plan = BucketPlan::new(&grain, BucketPlan::cap_elems(cfg.bucket_bytes, F32))?;
+        // Buckets hold whole units: a unit's gradients are written by one backward call into
+        // one contiguous slice (of the bucket's own allocation at stages 0/1, of its staging
+        // buffer at 2/3), and a unit's backward returning is the grads-ready event anyway.
+        let plan = BucketPlan::new(&units, BucketPlan::cap_elems(cfg.bucket_bytes, F32))?;
         let unit_bucket = units
             .iter()
             .map(|u| {
@@ -181,21 +224,56 @@ impl<M: StagedModel> DataParallel<M> {
             .collect();
         let staging = vec![None; plan.buckets.len()];
         let me = group.rank();
-        let shard = |src: &[f32]| {
-            let mut s = vec![0.0; spec.shard_len()];
-            let r = spec.range(me);
-            s[..r.len()].copy_from_slice(&src[r]);
-            s
+        let own = spec.range(me);
+        let precision = cfg.precision;
+        // Fills a buffer of `len` elements whose first real elements are flat range `r`.
+        let fill = |r: Range<usize>, len: usize| {
+            let mut b = vec![0.0; len];
+            init(r.clone(), &mut b[..r.len()]);
+            b
         };
-        let params = if stage.shards_params() {
-            shard(init)
+        let per = |sharded: bool| if sharded { spec.shard_len() } else { total };
+        let (params, master) = match precision {
+            Precision::Fp32 if stage.shards_params() => {
+                (Flat::F32(fill(own.clone(), spec.shard_len())), Vec::new())
+            }
+            Precision::Fp32 => (Flat::F32(fill(0..total, total)), Vec::new()),
+            Precision::Bf16Mixed => {
+                let master = if stage.shards_optimizer() {
+                    fill(own.clone(), spec.shard_len())
+                } else {
+                    fill(0..total, total)
+                };
+                let params = if stage.shards_params() || !stage.shards_optimizer() {
+                    // The rounded master itself (the shard at ZeRO-3, everything for DDP).
+                    let mut p = Flat::zeros(master.len(), precision);
+                    p.write(0, &master);
+                    p
+                } else {
+                    // Full bf16 weights beside a master shard: generated chunk by chunk, so
+                    // no full fp32 copy ever exists.
+                    let mut p = Flat::zeros(total, precision);
+                    let mut buf = vec![0.0; CHUNK.min(total)];
+                    for s in (0..total).step_by(CHUNK) {
+                        let e = (s + CHUNK).min(total);
+                        init(s..e, &mut buf[..e - s]);
+                        p.write(s, &buf[..e - s]);
+                    }
+                    p
+                };
+                (params, master)
+            }
+        };
+        // Stages 0/1: the full gradients, one allocation per bucket (all-reduced in place);
+        // stages 2/3: the shard.
+        let grads = if stage.shards_grads() {
+            Bucketed::zeros(std::iter::once(0..spec.shard_len()).collect(), precision)
         } else {
-            init.to_vec()
+            let ranges = plan.buckets.iter().map(|b| b.range.clone()).collect();
+            Bucketed::zeros(ranges, precision)
         };
-        let per = |sharded: bool| vec![0.0; if sharded { spec.shard_len() } else { total }];
-        let grads = per(stage.shards_grads());
-        let m = per(stage.shards_optimizer());
-        let v = per(stage.shards_optimizer());
+        let m = vec![0.0; per(stage.shards_optimizer())];
+        let v = vec![0.0; per(stage.shards_optimizer())];
         let lr = cfg.adamw.lr;
         Ok(Self {
             model,
@@ -208,11 +286,13 @@ impl<M: StagedModel> DataParallel<M> {
             staging,
             params,
             grads,
+            master,
             m,
             v,
             step: 0,
             lr,
             comm_bytes: Gauge::default(),
+            reduce_scratch: 0,
             gathered_bytes: Gauge::default(),
             act_bytes: Gauge::default(),
             trace: None,
@@ -270,7 +350,7 @@ impl<M: StagedModel> DataParallel<M> {
                 "a step needs at least one micro-batch".into(),
             ));
         }
-        self.grads.iter_mut().for_each(|g| *g = 0.0);
+        self.grads.fill_zero();
         let scale = 1.0 / micro.len() as f32;
         let mut loss = 0.0f32;
         for (a, batch) in micro.iter().enumerate() {
@@ -288,6 +368,74 @@ impl<M: StagedModel> DataParallel<M> {
         })
     }
 
+    /// Unit `u`'s parameters as an fp32 copy, when they are not used in place: gathered
+    /// (ZeRO-3, from the prefetch `w`) or widened from bf16. `None`: read `self.params`.
+    fn unit_params(
+        &mut self,
+        u: usize,
+        w: Option<Gather>,
+    ) -> Result<Option<Vec<f32>>, ParallelError> {
+        if let Some(w) = w {
+            return self.finish_gather(u, w).map(Some);
+        }
+        if self.params.as_f32().is_some() {
+            return Ok(None);
+        }
+        let r = self.units[u].clone();
+        self.gathered_bytes.add(r.len() * F32);
+        Ok(Some(self.params.read(r)))
+    }
+
+    /// The validation metric of a forward-only pass over `batch` with the current weights
+    /// (the model's [`StagedModel::eval_metric`]). A collective at ZeRO-3 (the units are
+    /// gathered): every rank must call it, with a batch of its choice.
+    pub fn evaluate(&mut self, batch: &M::Batch) -> Result<f32, ParallelError> {
+        let (out, caches) = self.forward(batch, 1.0, false)?;
+        let last = caches
+            .last()
+            .ok_or_else(|| ParallelError::Layout("the model has no units".into()))?;
+        Ok(self.model.eval_metric(&out, last))
+    }
+
+    /// Forward of every unit; returns the output and the caches for backward (`keep`), or
+    /// only the last unit's cache.
+    fn forward(
+        &mut self,
+        batch: &M::Batch,
+        scale: f32,
+        keep: bool,
+    ) -> Result<(M::Act, Vec<M::Cache>), ParallelError> {
+        let n = self.units.len();
+        let stage3 = self.cfg.stage.shards_params();
+        let mut caches = Vec::with_capacity(if keep { n } else { 1 });
+        let mut x = None;
+        let mut prefetch = stage3.then(|| self.gather_async(0));
+        for u in 0..n {
+            let w = prefetch.take();
+            if w.is_some() && u + 1 < n {
+                prefetch = Some(self.gather_async(u + 1));
+            }
+            let owned = self.unit_params(u, w)?;
+            let p = match &owned {
+                Some(o) => o.as_slice(),
+                None => &self.params.as_f32().expect("fp32 weights")[self.units[u].clone()],
+            };
+            let (y, cache) = self.model.forward(u, p, x.take(), batch, scale)?;
+            if keep {
+                self.act_bytes.add(self.model.cache_bytes(&cache));
+            } else {
+                caches.clear();
+            }
+            caches.push(cache);
+            if let Some(o) = owned {
+                self.gathered_bytes.sub(o.len() * F32);
+            }
+            x = Some(y);
+        }
+        let out = x.ok_or_else(|| ParallelError::Layout("the model has no units".into()))?;
+        Ok((out, caches))
+    }
+
     /// Forward and backward of one micro-batch; returns its loss.
     fn micro_step(
         &mut self,
@@ -297,32 +445,7 @@ impl<M: StagedModel> DataParallel<M> {
     ) -> Result<f32, ParallelError> {
         let n = self.units.len();
         let stage3 = self.cfg.stage.shards_params();
-        let mut caches = Vec::with_capacity(n);
-        let mut x = None;
-        let mut prefetch = stage3.then(|| self.gather_async(0));
-        for u in 0..n {
-            let owned = match prefetch.take() {
-                Some(w) => {
-                    if u + 1 < n {
-                        prefetch = Some(self.gather_async(u + 1));
-                    }
-                    Some(self.finish_gather(u, w)?)
-                }
-                None => None,
-            };
-            let p = match &owned {
-                Some(o) => o.as_slice(),
-                None => &self.params[self.units[u].clone()],
-            };
-            let (y, cache) = self.model.forward(u, p, x.take(), batch, scale)?;
-            self.act_bytes.add(self.model.cache_bytes(&cache));
-            caches.push(cache);
-            if let Some(o) = owned {
-                self.gathered_bytes.sub(o.len() * F32);
-            }
-            x = Some(y);
-        }
-        let out = x.ok_or_else(|| ParallelError::Layout("the model has no units".into()))?;
+        let (out, mut caches) = self.forward(batch, scale, true)?;
         let loss = self.model.loss(&out);
 
         let mut tracker = reduce.then(|| ReadyTracker::new(&self.plan));
@@ -332,22 +455,19 @@ impl<M: StagedModel> DataParallel<M> {
         for u in (0..n).rev() {
             let cache = caches.pop().expect("one cache per unit");
             let cache_bytes = self.model.cache_bytes(&cache);
-            let owned = match prefetch.take() {
-                Some(w) => {
-                    if u > 0 {
-                        prefetch = Some(self.gather_async(u - 1));
-                    }
-                    Some(self.finish_gather(u, w)?)
-                }
-                None => None,
-            };
+            let w = prefetch.take();
+            if w.is_some() && u > 0 {
+                prefetch = Some(self.gather_async(u - 1));
+            }
+            let owned = self.unit_params(u, w)?;
             self.record(TraceKind::BackwardStart(u));
             let range = self.units[u].clone();
             let p = match &owned {
                 Some(o) => o.as_slice(),
-                None => &self.params[range.clone()],
+                None => &self.params.as_f32().expect("fp32 weights")[range.clone()],
             };
             let dx = if self.cfg.stage.shards_grads() {
+                // Stages 2/3: fp32 gradients straight into the bucket's staging buffer.
                 let b = self.unit_bucket[u];
                 let br = self.plan.buckets[b].range.clone();
                 let comm_bytes = &mut self.comm_bytes;
@@ -358,14 +478,22 @@ impl<M: StagedModel> DataParallel<M> {
                 let g = &mut buf[range.start - br.start..range.end - br.start];
                 self.model.backward(u, p, cache, dy.take(), scale, g)?
             } else {
-                self.model.backward(
-                    u,
-                    p,
-                    cache,
-                    dy.take(),
-                    scale,
-                    &mut self.grads[range.clone()],
-                )?
+                // Stages 0/1: accumulated into the gradient buffer (through an fp32 copy of
+                // the unit's gradients when they are stored in bf16).
+                let widened = !self.grads.is_f32();
+                if widened {
+                    self.gathered_bytes.add(range.len() * F32);
+                }
+                let model = &self.model;
+                let dy = dy.take();
+                let b = self.unit_bucket[u];
+                let dx = self.grads.update(b, range.clone(), |g| {
+                    model.backward(u, p, cache, dy, scale, g)
+                })?;
+                if widened {
+                    self.gathered_bytes.sub(range.len() * F32);
+                }
+                dx
             };
             self.act_bytes.sub(cache_bytes);
             if let Some(o) = owned {
@@ -399,8 +527,23 @@ impl<M: StagedModel> DataParallel<M> {
         self.record(TraceKind::BucketLaunched(b));
         let br = self.plan.buckets[b].range.clone();
         if !self.cfg.stage.shards_grads() {
-            let buf = self.grads[br.clone()].to_vec();
-            self.comm_bytes.add(buf.len() * F32);
+            // fp32: the bucket's own allocation is all-reduced in place (lent to the
+            // collective, returned in `drain`). bf16: an fp32 copy, since reductions run in
+            // fp32.
+            let buf = if self.grads.is_f32() {
+                match self.grads.take(b) {
+                    Some(Flat::F32(v)) => v,
+                    _ => {
+                        return Err(ParallelError::Protocol(format!(
+                            "bucket {b} is already in flight"
+                        )))
+                    }
+                }
+            } else {
+                let buf = self.grads.read(b, br.clone());
+                self.comm_bytes.add(buf.len() * F32);
+                buf
+            };
             pending.push(Pending::AllReduce {
                 bucket: b,
                 work: self.group.all_reduce_async(buf, ReduceOp::Sum),
@@ -416,6 +559,12 @@ impl<M: StagedModel> DataParallel<M> {
         // shards) is handed over without a copy; a bucket spanning shards is copied piece by
         // piece and its staging buffer freed, so in-flight bytes never exceed the bucket's.
         let pieces = self.spec.split(br.clone());
+        let me = self.group.rank();
+        for (root, piece) in &pieces {
+            if *root != me {
+                self.reduce_scratch = self.reduce_scratch.max(piece.len() * F32);
+            }
+        }
         if let [(root, piece)] = pieces.as_slice() {
             let bytes = buf.len() * F32;
             let work = self.group.reduce_async(buf, ReduceOp::Sum, *root);
@@ -465,12 +614,15 @@ impl<M: StagedModel> DataParallel<M> {
             }
             let bucket = match p {
                 Pending::AllReduce { bucket, work } => {
-                    let sum = work.wait()?;
+                    let mut sum = work.wait()?;
                     let r = self.plan.buckets[bucket].range.clone();
-                    for (g, s) in self.grads[r].iter_mut().zip(&sum) {
-                        *g = s * inv;
+                    sum.iter_mut().for_each(|s| *s *= inv);
+                    if self.grads.has(bucket) {
+                        self.grads.write(bucket, r.start, &sum);
+                        self.comm_bytes.sub(sum.len() * F32);
+                    } else {
+                        self.grads.put(bucket, Flat::F32(sum));
                     }
-                    self.comm_bytes.sub(sum.len() * F32);
                     bucket
                 }
                 Pending::Reduce {
@@ -483,9 +635,11 @@ impl<M: StagedModel> DataParallel<M> {
                     let sum = work.wait()?;
                     if root == me {
                         let local = self.spec.to_local(me, &range);
-                        for (g, s) in self.grads[local].iter_mut().zip(&sum) {
-                            *g += s * inv;
-                        }
+                        self.grads.update(0, local, |g| {
+                            for (g, s) in g.iter_mut().zip(&sum) {
+                                *g += s * inv;
+                            }
+                        });
                     }
                     self.comm_bytes.sub(bytes);
                     bucket
@@ -504,101 +658,169 @@ impl<M: StagedModel> DataParallel<M> {
         Ok(())
     }
 
-    /// This rank's real elements of flat range `r` (from the full buffer or the shard).
-    fn own_piece(&self, r: &Range<usize>) -> Vec<f32> {
+    /// This rank's real elements of flat range `r` of the compute weights (from the full
+    /// buffer or the shard), in their own precision.
+    fn own_piece(&self, r: &Range<usize>) -> Piece {
         let me = self.group.rank();
         let own = self.spec.intersect(me, r);
-        if own.is_empty() {
-            return Vec::new();
-        }
-        if self.cfg.stage.shards_params() {
-            self.params[self.spec.to_local(me, &own)].to_vec()
+        let local = if own.is_empty() {
+            0..0
+        } else if self.cfg.stage.shards_params() {
+            self.spec.to_local(me, &own)
         } else {
-            self.params[own].to_vec()
+            own
+        };
+        self.params.piece(local)
+    }
+
+    /// Starts gathering unit `u`'s compute weights from the shards (pieces arrive in rank
+    /// order, which is flat order; bf16 weights travel as bf16).
+    fn gather_async(&mut self, u: usize) -> Gather {
+        let r = self.units[u].clone();
+        match self.own_piece(&r) {
+            Piece::F32(p) => {
+                self.gathered_bytes.add(r.len() * F32);
+                Gather::F32(self.group.all_gather_v_async(p))
+            }
+            Piece::Bf16(p) => {
+                self.gathered_bytes.add(r.len() * BF16);
+                Gather::Bf16(self.group.all_gather_v_async(p))
+            }
         }
     }
 
-    /// Starts gathering unit `u`'s parameters from the shards (pieces arrive in rank order,
-    /// which is flat order).
-    fn gather_async(&mut self, u: usize) -> Work<(Vec<f32>, Vec<usize>)> {
-        let r = self.units[u].clone();
-        self.gathered_bytes.add(r.len() * F32);
-        let piece = self.own_piece(&r);
-        self.group.all_gather_v_async(piece)
-    }
-
-    fn finish_gather(
-        &mut self,
-        u: usize,
-        w: Work<(Vec<f32>, Vec<usize>)>,
-    ) -> Result<Vec<f32>, ParallelError> {
-        let (full, _) = w.wait()?;
+    /// Waits for unit `u`'s gather and returns its weights in fp32 (accounted until the
+    /// caller subtracts them).
+    fn finish_gather(&mut self, u: usize, w: Gather) -> Result<Vec<f32>, ParallelError> {
+        let full = match w {
+            Gather::F32(w) => Piece::F32(w.wait()?.0),
+            Gather::Bf16(w) => Piece::Bf16(w.wait()?.0),
+        };
         let want = self.units[u].len();
-        if full.len() != want {
+        let (got, bf16) = match &full {
+            Piece::F32(v) => (v.len(), false),
+            Piece::Bf16(v) => (v.len(), true),
+        };
+        if got != want {
             return Err(ParallelError::Protocol(format!(
-                "gathered {} parameters for unit {u}, expected {want}",
-                full.len()
+                "gathered {got} parameters for unit {u}, expected {want}"
             )));
         }
-        Ok(full)
+        if bf16 {
+            // Widened to fp32 for the kernels; the bf16 copy is freed right after.
+            self.gathered_bytes.add(want * F32);
+            self.gathered_bytes.sub(want * BF16);
+        }
+        Ok(full.into_f32())
+    }
+
+    /// The flat range AdamW updates here, as indices of (grads, compute params, master/m/v).
+    fn own_ranges(&self) -> (Range<usize>, Range<usize>, Range<usize>) {
+        let own = self.spec.range(self.group.rank());
+        let local = 0..own.len();
+        let all = 0..self.spec.total();
+        match self.cfg.stage {
+            ZeroStage::Ddp => (all.clone(), all.clone(), all),
+            ZeroStage::One => (own.clone(), own, local),
+            ZeroStage::Two => (local.clone(), own, local),
+            ZeroStage::Three => (local.clone(), local.clone(), local),
+        }
     }
 
     /// Clipping + AdamW on what this rank owns, then (stages 1/2) the parameter all-gather.
     fn optimizer_step(&mut self) -> Result<f32, ParallelError> {
-        let me = self.group.rank();
-        let own = self.spec.range(me);
-        let n_own = own.len();
         let stage = self.cfg.stage;
-        // The gradients this rank updates: all of them (DDP), or its shard's real elements.
-        let (g_own, p_own): (&mut [f32], &mut [f32]) = match stage {
-            ZeroStage::Ddp => (&mut self.grads[..], &mut self.params[..]),
-            ZeroStage::One => (&mut self.grads[own.clone()], &mut self.params[own.clone()]),
-            ZeroStage::Two => (&mut self.grads[..n_own], &mut self.params[own.clone()]),
-            ZeroStage::Three => (&mut self.grads[..n_own], &mut self.params[..n_own]),
-        };
+        let (gr, pr, mr) = self.own_ranges();
+        let local_sq = self.grads.sq_sum(gr.clone());
         let sq = if stage.shards_optimizer() {
             // Partial sums gathered and added in rank order: the same total on every rank.
-            let partial = [grad_sq_sum(g_own) as f32];
+            let partial = [local_sq as f32];
             let mut all = vec![0.0f32; self.group.size()];
             self.group.all_gather(&partial, &mut all)?;
             all.iter().map(|&x| x as f64).sum::<f64>()
         } else {
-            grad_sq_sum(g_own)
+            local_sq
         };
         let (norm, coef) = match self.cfg.max_grad_norm {
             Some(c) => clip_factor(sq, c),
             None => (sq.sqrt() as f32, 1.0),
         };
-        scale_grads(g_own, coef);
         self.step += 1;
         let opt = self.cfg.adamw;
-        let (m, v) = if stage.shards_optimizer() {
-            (&mut self.m[..n_own], &mut self.v[..n_own])
-        } else {
-            (&mut self.m[..], &mut self.v[..])
-        };
-        opt.update(self.step, self.lr, opt.weight_decay, p_own, g_own, m, v);
+        let (t, lr) = (self.step, self.lr);
+        let (m, v) = (&mut self.m[mr.clone()], &mut self.v[mr.clone()]);
+        match (&mut self.params, &mut self.grads) {
+            (Flat::F32(p), grads) if grads.is_f32() => {
+                // Bucket by bucket (AdamW is elementwise): the piece at flat offset `s` of the
+                // gradients pairs with the same offset from the starts of `pr` and `mr`.
+                grads.f32_pieces_mut(gr.clone(), |s, g| {
+                    let o = s - gr.start;
+                    let n = g.len();
+                    scale_grads(g, coef);
+                    opt.update(
+                        t,
+                        lr,
+                        opt.weight_decay,
+                        &mut p[pr.start + o..pr.start + o + n],
+                        g,
+                        &mut m[o..o + n],
+                        &mut v[o..o + n],
+                    );
+                });
+            }
+            (params, grads) => {
+                // bf16-mixed, as `train::optim::apply_update` does it: chunk by chunk, widen
+                // the gradients, clip, update the fp32 master, round it into the weights.
+                let master = &mut self.master[mr.clone()];
+                let mut g = vec![0.0f32; CHUNK.min(master.len())];
+                for s in (0..master.len()).step_by(CHUNK) {
+                    let e = (s + CHUNK).min(master.len());
+                    let g = &mut g[..e - s];
+                    grads.read_into(gr.start + s..gr.start + e, g);
+                    scale_grads(g, coef);
+                    opt.update(
+                        t,
+                        lr,
+                        opt.weight_decay,
+                        &mut master[s..e],
+                        g,
+                        &mut m[s..e],
+                        &mut v[s..e],
+                    );
+                    params.write(pr.start + s, &master[s..e]);
+                }
+            }
+        }
         if matches!(stage, ZeroStage::One | ZeroStage::Two) {
-            // All-gather the updated parameters unit by unit (buffer bounded by one unit).
+            // All-gather the updated weights unit by unit (buffer bounded by one unit).
             for u in 0..self.units.len() {
                 let w = self.gather_async(u);
                 let full = self.finish_gather(u, w)?;
                 self.gathered_bytes.sub(full.len() * F32);
-                let r = self.units[u].clone();
-                self.params[r].copy_from_slice(&full);
+                self.params.write(self.units[u].start, &full);
             }
         }
         Ok(norm)
     }
 
-    /// The full parameter vector (a collective at stage 3: every rank must call it).
-    pub fn full_params(&self) -> Result<Vec<f32>, ParallelError> {
-        if !self.cfg.stage.shards_params() {
-            return Ok(self.params.clone());
+    /// The fp32 master weights this rank holds: full (`false`) or its shard (`true`).
+    fn master_view(&self) -> (&[f32], bool) {
+        match &self.params {
+            Flat::F32(p) => (p, self.cfg.stage.shards_params()),
+            Flat::Bf16(_) => (&self.master, self.cfg.stage.shards_optimizer()),
         }
-        let (full, _) = self
-            .group
-            .all_gather_v(&self.own_piece(&(0..self.spec.total())))?;
+    }
+
+    /// The full fp32 (master) parameter vector; a collective where the master weights are
+    /// sharded (every rank must call it).
+    pub fn full_params(&self) -> Result<Vec<f32>, ParallelError> {
+        let (master, sharded) = self.master_view();
+        if !sharded {
+            return Ok(master[..self.spec.total()].to_vec());
+        }
+        let me = self.group.rank();
+        let n = self.spec.range(me).len();
+        let (full, _) = self.group.all_gather_v(&master[..n])?;
         Ok(full)
     }
 
@@ -606,10 +828,10 @@ impl<M: StagedModel> DataParallel<M> {
     /// ones (communication buffers include ZeRO-3's gathered units).
     pub fn memory(&self) -> MemoryBytes {
         MemoryBytes {
-            params: self.params.len() * F32,
-            grads: self.grads.len() * F32,
-            optimizer: (self.m.len() + self.v.len()) * F32,
-            comm_buffers: self.comm_bytes.peak + self.gathered_bytes.peak,
+            params: self.params.bytes(),
+            grads: self.grads.bytes(),
+            optimizer: (self.master.len() + self.m.len() + self.v.len()) * F32,
+            comm_buffers: self.comm_bytes.peak + self.reduce_scratch + self.gathered_bytes.peak,
             activations: self.act_bytes.peak,
         }
     }
@@ -625,38 +847,41 @@ impl<M: StagedModel> DataParallel<M> {
             self.spec.total(),
             self.group.size(),
             self.cfg.stage,
-            Precision::Fp32,
+            self.cfg.precision,
         )
     }
 
-    /// This rank's training state as a flat shard for checkpoints.
-    pub fn export_shard(&self) -> ShardState {
-        let me = self.group.rank();
+    /// This rank's training state as a flat shard for checkpoints (borrowed, no copy): the
+    /// fp32 master weights and the moments, whatever the compute precision. Replicated (DDP)
+    /// state is the world-1 shard.
+    pub fn shard_ref(&self) -> ShardRef<'_> {
         let (world, rank) = if self.cfg.stage.shards_optimizer() {
-            (self.group.size(), me)
+            (self.group.size(), self.group.rank())
         } else {
             (1, 0)
         };
-        let spec = ShardSpec::new(self.spec.total(), world).expect("world >= 1");
-        let cut = |buf: &[f32], sharded: bool| {
-            if sharded {
-                buf.to_vec()
-            } else {
-                let r = spec.range(rank);
-                let mut s = vec![0.0; spec.shard_len()];
-                s[..r.len()].copy_from_slice(&buf[r]);
-                s
-            }
+        let (master, sharded) = self.master_view();
+        let params = if sharded {
+            master
+        } else {
+            // Full weights (fp32 ZeRO-1/2 keep them all): this rank's range of them.
+            let spec = ShardSpec::new(self.spec.total(), world).expect("world >= 1");
+            &master[spec.range(rank)]
         };
-        ShardState {
+        ShardRef {
             total: self.spec.total(),
             world,
             rank,
             step: self.step,
-            params: cut(&self.params, self.cfg.stage.shards_params() || world == 1),
-            exp_avg: cut(&self.m, true),
-            exp_avg_sq: cut(&self.v, true),
+            params,
+            exp_avg: &self.m,
+            exp_avg_sq: &self.v,
         }
+    }
+
+    /// [`Self::shard_ref`] as an owned, padded shard.
+    pub fn export_shard(&self) -> ShardState {
+        self.shard_ref().to_owned()
     }
 }
 
@@ -668,9 +893,10 @@ impl<M: StagedModel> DataParallel<M> {
     /// Saves this rank's shard under `dir` (replicated DDP state is written by rank 0 only) and
     /// waits until every rank has written. A collective: every rank calls it.
     pub fn save_checkpoint(&self, dir: &std::path::Path) -> Result<(), ParallelError> {
-        let state = self.export_shard();
-        let result = if state.world > 1 || self.group.rank() == 0 {
-            crate::checkpoint::save_shard(dir, &state, &self.unit_sizes())
+        // Replicated (DDP) state is written by rank 0 only.
+        let writes = self.cfg.stage.shards_optimizer() || self.group.rank() == 0;
+        let result = if writes {
+            crate::checkpoint::save_shard(dir, &self.shard_ref(), &self.unit_sizes())
         } else {
             Ok(())
         };
@@ -684,7 +910,8 @@ impl<M: StagedModel> DataParallel<M> {
         self.restore(&states)
     }
 
-    /// Restores parameters, moments and step from saved shards (any world, same layout).
+    /// Restores parameters, moments and step from saved shards (any world, same layout; a
+    /// checkpoint holds fp32 master weights, so it loads at either precision).
     pub fn restore(&mut self, states: &[ShardState]) -> Result<(), ParallelError> {
         let total = self.spec.total();
         if states.first().map(|s| s.total) != Some(total) {
@@ -692,25 +919,67 @@ impl<M: StagedModel> DataParallel<M> {
                 "checkpoint does not hold {total} parameters"
             )));
         }
-        let me = self.group.rank();
         let stage = self.cfg.stage;
-        let (world, rank) = (self.group.size(), me);
-        let full = crate::checkpoint::reshard_states(states, 1, 0)?;
-        let own = crate::checkpoint::reshard_states(states, world, rank)?;
-        self.params = if stage.shards_params() {
-            own.params.clone()
-        } else {
-            full.params[..total].to_vec()
+        let (world, rank) = (self.group.size(), self.group.rank());
+        // Each buffer re-cut once, to this rank's shard or to the full buffer, as this stage
+        // keeps it.
+        let cut = |sharded: bool, f: fn(&ShardState) -> &Vec<f32>| {
+            if sharded {
+                crate::checkpoint::reshard_buffer(states, world, rank, f)
+            } else {
+                let mut full = crate::checkpoint::reshard_buffer(states, 1, 0, f)?;
+                full.truncate(total);
+                Ok(full)
+            }
         };
-        if stage.shards_optimizer() {
-            self.m = own.exp_avg;
-            self.v = own.exp_avg_sq;
-        } else {
-            self.m = full.exp_avg[..total].to_vec();
-            self.v = full.exp_avg_sq[..total].to_vec();
+        let precision = self.cfg.precision;
+        let weights = cut(stage.shards_params(), |s| &s.params)?;
+        if precision == Precision::Bf16Mixed {
+            self.master = cut(stage.shards_optimizer(), |s| &s.params)?;
         }
-        self.step = own.step;
+        self.params = Flat::from_f32(weights, precision);
+        self.m = cut(stage.shards_optimizer(), |s| &s.exp_avg)?;
+        self.v = cut(stage.shards_optimizer(), |s| &s.exp_avg_sq)?;
+        self.step = states[0].step;
         Ok(())
+    }
+}
+
+/// A borrowed shard: like [`ShardState`], but its buffers may stop short of the padded length
+/// `ceil(total/world)` (the missing tail is padding, zeros).
+#[derive(Clone, Copy, Debug)]
+pub struct ShardRef<'a> {
+    pub total: usize,
+    pub world: usize,
+    pub rank: usize,
+    pub step: u64,
+    pub params: &'a [f32],
+    pub exp_avg: &'a [f32],
+    pub exp_avg_sq: &'a [f32],
+}
+
+impl ShardRef<'_> {
+    /// Padded length of a shard of this layout.
+    pub fn shard_len(&self) -> usize {
+        self.total.div_ceil(self.world.max(1))
+    }
+
+    /// An owned copy, padded with zeros.
+    pub fn to_owned(&self) -> ShardState {
+        let pad = |b: &[f32]| {
+            let mut v = b.to_vec();
+            v.resize(self.shard_len(), 0.0);
+            v
+        };
+        ShardState {
+            total: self.total,
+            world: self.world,
+            rank: self.rank,
+            step: self.step,
+            params: pad(self.params),
+            exp_avg: pad(self.exp_avg),
+            exp_avg_sq: pad(self.exp_avg_sq),
+        }
     }
 }
 

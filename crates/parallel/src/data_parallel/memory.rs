@@ -107,12 +107,15 @@ pub fn formula(phi: usize, n: usize, stage: ZeroStage, precision: Precision) -> 
 /// The formula in words, e.g. `"4Φ + 12Φ/N"`, for printing beside the numbers.
 pub fn formula_text(stage: ZeroStage, precision: Precision) -> &'static str {
     match (stage, precision) {
-        (ZeroStage::Ddp, _) => "16Φ",
+        (ZeroStage::Ddp, Precision::Fp32) => "16Φ",
         (ZeroStage::One, Precision::Fp32) => "8Φ + 8Φ/N",
         (ZeroStage::Two, Precision::Fp32) => "4Φ + 12Φ/N",
-        (ZeroStage::One, Precision::Bf16Mixed) => "4Φ + 12Φ/N",
-        (ZeroStage::Two, Precision::Bf16Mixed) => "2Φ + 14Φ/N",
-        (ZeroStage::Three, _) => "16Φ/N",
+        (ZeroStage::Three, Precision::Fp32) => "16Φ/N",
+        // bf16 weights + bf16 grads + fp32 master, m, v.
+        (ZeroStage::Ddp, Precision::Bf16Mixed) => "2Φ + 2Φ + 12Φ = 16Φ",
+        (ZeroStage::One, Precision::Bf16Mixed) => "2Φ + 2Φ + 12Φ/N",
+        (ZeroStage::Two, Precision::Bf16Mixed) => "2Φ + 2Φ/N + 12Φ/N",
+        (ZeroStage::Three, Precision::Bf16Mixed) => "2Φ/N + 2Φ/N + 12Φ/N = 16Φ/N",
     }
 }
 

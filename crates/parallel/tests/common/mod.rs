@@ -2,7 +2,7 @@
 #![allow(dead_code)]
 use model::optim::{clip_factor, grad_sq_sum, scale_grads, AdamW};
 use parallel::engine::{DataParallel, DpConfig, StepStats};
-use parallel::memory::ZeroStage;
+use parallel::memory::{Precision, ZeroStage};
 use parallel::sampler::DistributedSampler;
 use parallel::staged::StagedModel;
 use parallel::testing::ToyModel;
@@ -21,6 +21,7 @@ pub fn config(stage: ZeroStage) -> DpConfig {
             lr: 2e-2,
             ..AdamW::default()
         },
+        precision: Precision::Fp32,
         max_grad_norm: Some(0.5),
     }
 }
@@ -121,4 +122,14 @@ pub fn rel_err(a: &[f32], b: &[f32]) -> f32 {
         .map(|(x, y)| (x - y).abs())
         .fold(0.0, f32::max)
         / scale
+}
+
+/// Rows `start..start + n` of a fixed pseudo-random token stream, 8 tokens each, as a
+/// next-token batch for the decoders.
+pub fn rows(cfg: &model::ModelConfig, start: usize, n: usize) -> model::Batch {
+    const SEQ: usize = 8;
+    let ids: Vec<u32> = (start * SEQ..(start + n) * SEQ)
+        .map(|i| ((i as u64).wrapping_mul(0x9E3779B97F4A7C15) >> 40) as u32 % cfg.vocab_size as u32)
+        .collect();
+    model::Batch::next_token(n, SEQ, &ids).unwrap()
 }

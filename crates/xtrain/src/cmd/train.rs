@@ -59,8 +59,24 @@ pub fn run_cmd(a: TrainArgs) -> Result<()> {
                 .out
                 .clone()
                 .unwrap_or_else(|| PathBuf::from("runs").join(&a.preset));
-            return super::train_dp::run(&cfg, &out);
+            return super::train_dp::run(&cfg, Some(&out), None);
         }
+    }
+    // A sharded (data-parallel) checkpoint resumes data-parallel, at the dp size and stage of
+    // the command line (or the saved ones), whatever it was saved at.
+    if let Some(ck) = a.resume.as_deref().and_then(parallel::checkpoint::resolve) {
+        let text = parallel::checkpoint::load_config(&ck)?;
+        let mut overrides = overrides.clone();
+        if let (Some(n), None) = (a.nproc, a.dp) {
+            // `--nproc N` alone means `--dp N`, not the saved dp size.
+            overrides.push(format!("parallel.dp={n}"));
+        }
+        let cfg = RunConfig::resolve("tiny", Some(&text), &overrides)?;
+        let out = a.out.clone().unwrap_or_else(|| match &a.resume {
+            Some(dir) if dir.join("latest").is_file() => dir.clone(),
+            _ => PathBuf::from("runs").join(&a.preset),
+        });
+        return super::train_dp::run(&cfg, Some(&out), Some(&ck));
     }
     let mut trainer = match &a.resume {
         Some(dir) => {

@@ -1,7 +1,8 @@
 //! `xtrain train --nproc N --dp N --zero K`: data-parallel training. Without a launch
 //! environment the command re-runs itself as `N` worker processes through the launcher
 //! machinery (`xtrain launch`'s process group); each worker joins the job's communicator and
-//! runs [`parallel::worker::run`]. The sharded checkpoint goes to `<out>/dp-checkpoint`.
+//! runs [`parallel::worker::run`]. Sharded checkpoints go to `<out>/dp-checkpoints/step_N`
+//! (`<out>/latest` names the newest); `--resume` continues from one at any dp size or stage.
 use anyhow::Result;
 use std::path::Path;
 use std::time::Duration;
@@ -14,9 +15,10 @@ pub fn wants_dp(cfg: &RunConfig) -> bool {
     cfg.parallel.nproc > 1 || cfg.parallel.dp > 1 || cfg.parallel.zero > 0
 }
 
-/// Runs `cfg` data-parallel: spawns the workers when not inside a launched job, else trains.
-/// `--nproc N` alone means `--dp N` (data parallelism is the only layout wired in so far).
-pub fn run(cfg: &RunConfig, out: &Path) -> Result<()> {
+/// Runs `cfg` data-parallel (continuing from the sharded checkpoint `resume`, if given):
+/// spawns the workers when not inside a launched job, else trains. `--nproc N` alone means
+/// `--dp N` (data parallelism is the only layout wired in so far).
+pub fn run(cfg: &RunConfig, out: Option<&Path>, resume: Option<&Path>) -> Result<()> {
     let mut cfg = cfg.clone();
     if cfg.parallel.dp == 1 && cfg.parallel.nproc > 1 {
         cfg.parallel.dp = cfg.parallel.nproc;
@@ -42,14 +44,17 @@ pub fn run(cfg: &RunConfig, out: &Path) -> Result<()> {
         return Ok(());
     }
     let (comm, _) = comm::env::init_from_env()?;
-    let ckpt = out.join("dp-checkpoint");
-    let s = parallel::worker::run(cfg, &comm, Some(&ckpt), true)?;
+    let opts = parallel::worker::DpRunOptions {
+        out: out.map(Path::to_path_buf),
+        resume: resume.map(Path::to_path_buf),
+        log: true,
+    };
+    let s = parallel::worker::run(cfg, &comm, &opts)?;
     if comm.world().rank() == 0 {
         println!(
-            "loss {:.4} -> {:.4} ; sharded checkpoint {}",
+            "loss {:.4} -> {:.4}",
             s.losses.first().copied().unwrap_or(f32::NAN),
             s.losses.last().copied().unwrap_or(f32::NAN),
-            ckpt.display()
         );
     }
     Ok(())
