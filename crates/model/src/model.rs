@@ -331,6 +331,22 @@ impl Model {
             .forward(p_head, self.lm(p_head, p_embed), x, targets)
     }
 
+    /// [`Model::head_forward`] that also computes the head's gradients of
+    /// `grad_scale · loss_sum` in the same pass over the logits (see `layers::head`);
+    /// [`Model::head_backward`] / [`Model::head_backward_input`] called with the same scale
+    /// then reuse them instead of recomputing the logits.
+    pub fn head_forward_with_grad(
+        &self,
+        p_head: &[f32],
+        p_embed: &[f32],
+        x: Act,
+        targets: Arc<Vec<i64>>,
+        grad_scale: f32,
+    ) -> Result<HeadCache> {
+        self.head
+            .forward_with_grad(p_head, self.lm(p_head, p_embed), x, targets, grad_scale)
+    }
+
     /// Head backward for `grad_scale · loss_sum` (use `loss_scale / n_valid` for a mean):
     /// returns `dx`, accumulates the norm and LM-head gradients into `g_head` (and into
     /// `g_embed` when embeddings are tied).
@@ -434,11 +450,14 @@ impl Model {
             .logits(ph, self.lm(ph, &params[self.layout.embed_range()]), &x)
     }
 
+    /// Forward through every layer; with `loss_scale`, the head also computes its gradients
+    /// of `loss_scale ×` the mean loss ([`Model::head_forward_with_grad`]).
     fn forward_all(
         &self,
         params: &[f32],
         batch: &Batch,
         pass: &Pass,
+        loss_scale: Option<f32>,
     ) -> Result<(Vec<BlockCache>, HeadCache)> {
         self.check_len("params", params.len())?;
         let mut x = self.embed_forward(&params[self.layout.embed_range()], &batch.inputs)?;
@@ -448,12 +467,18 @@ impl Model {
             caches.push(c);
             x = y;
         }
-        let head = self.head_forward(
+        let (ph, pe) = (
             &params[self.layout.head_range()],
             &params[self.layout.embed_range()],
-            Arc::new(x),
-            Arc::new(batch.targets.clone()),
-        )?;
+        );
+        let (x, targets) = (Arc::new(x), Arc::new(batch.targets.clone()));
+        let head = match loss_scale {
+            None => self.head_forward(ph, pe, x, targets)?,
+            Some(ls) => {
+                let s = self.head.mean_grad_scale(&targets, ls)?;
+                self.head_forward_with_grad(ph, pe, x, targets, s)?
+            }
+        };
         Ok((caches, head))
     }
 
@@ -475,7 +500,7 @@ impl Model {
     /// Forward only: the losses of `batch`.
     pub fn forward_loss(&self, params: &[f32], batch: &Batch) -> Result<LossReport> {
         let pass = Pass::new(batch.batch, batch.seq);
-        let (caches, head) = self.forward_all(params, batch, &pass)?;
+        let (caches, head) = self.forward_all(params, batch, &pass, None)?;
         Ok(Self::report(&caches, &head))
     }
 
@@ -494,7 +519,9 @@ impl Model {
         self.check_len("grads", grads.len())?;
         let mut pass = Pass::new(batch.batch, batch.seq).with_recompute(opts.recompute);
         pass.loss_scale = opts.loss_scale;
-        let (caches, head) = self.forward_all(params, batch, &pass)?;
+        // The head's gradient scale (a mean over this batch's valid targets) is known before
+        // the head's forward, so the head computes its gradients in that pass.
+        let (caches, head) = self.forward_all(params, batch, &pass, Some(opts.loss_scale))?;
         let report = Self::report(&caches, &head);
         let scale = if head.n_valid == 0 {
             0.0

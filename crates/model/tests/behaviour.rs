@@ -57,10 +57,19 @@ fn recomputation_is_bitwise_identical() {
 }
 
 /// Zero-bubble order: every block's input gradient first (last to first), the weight
-/// gradients afterwards in another order; the head split too. Must equal the fused backward.
+/// gradients afterwards in another order; the head split too. Must equal the fused backward
+/// (whose head computes its gradients in the forward), bit for bit, whether the split head
+/// recomputes its logits, reuses gradients computed in its forward, or was given a different
+/// scale in the forward (so must recompute).
 #[test]
 fn split_backward_equals_fused() {
-    for moe in [false, true] {
+    for (moe, early) in [
+        (false, 0.0),
+        (true, 0.0),
+        (false, 1.0),
+        (true, 1.0),
+        (false, 2.0),
+    ] {
         let m = Model::new(cfg(moe)).unwrap();
         let p = m.init_params(2);
         let b = batch();
@@ -76,15 +85,20 @@ fn split_backward_equals_fused() {
             caches.push(c);
             x = y;
         }
-        let hc = m
-            .head_forward(
-                &p[l.head_range()],
-                &p[l.embed_range()],
-                Arc::new(x),
-                Arc::new(b.targets.clone()),
-            )
-            .unwrap();
-        let scale = 1.0 / hc.n_valid as f32;
+        let scale = m.head.mean_grad_scale(&b.targets, 1.0).unwrap();
+        let (ph, pe, x, t) = (
+            &p[l.head_range()],
+            &p[l.embed_range()],
+            Arc::new(x),
+            Arc::new(b.targets.clone()),
+        );
+        let hc = if early == 0.0 {
+            m.head_forward(ph, pe, x, t).unwrap()
+        } else {
+            m.head_forward_with_grad(ph, pe, x, t, early * scale)
+                .unwrap()
+        };
+        assert_eq!(scale, 1.0 / hc.n_valid as f32);
         let (mut dx, head_w) = m
             .head_backward_input(&p[l.head_range()], &p[l.embed_range()], hc, scale)
             .unwrap();
@@ -115,7 +129,7 @@ fn split_backward_equals_fused() {
             g.iter()
                 .zip(&fused)
                 .all(|(a, b)| a.to_bits() == b.to_bits()),
-            "moe {moe}"
+            "moe {moe}, early {early}"
         );
     }
 }

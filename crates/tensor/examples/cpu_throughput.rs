@@ -3,17 +3,29 @@
 //! `XTRAIN_THREADS` (use 1) and divides useful FLOPs by the process CPU time (user + system,
 //! from `getrusage`), which other processes do not inflate.
 //!
-//! `XTRAIN_THREADS=1 cargo run --release -p tensor --example cpu_throughput [gemm [n] | shapes | attention [q_tile k_tile]]`
+//! `XTRAIN_THREADS=1 cargo run --release -p tensor --example cpu_throughput [gemm [n] | shapes | attention [q_tile k_tile] | swiglu | head | norm | rope]`
 //!
 //! `gemm` and `shapes` compare the two matrix-product backends (own SGEMM, `gemm` crate) in
 //! alternating rounds, so both see the same machine load; each line gives the median over the
 //! rounds. `shapes` runs the products of one training step of the small and medium presets
 //! (2048 tokens), in the three forms of a linear layer, then the fused LM head's 128-row
 //! chunk products.
+//!
+//! `swiglu` reports elements per CPU-second (G elem/cpu-s) for the SwiGLU forward and backward on
+//! the small preset's MLP activations (2048 tokens × ffn 688). `head` times the fused LM head +
+//! cross-entropy on the medium preset's shape (2048 tokens, dim 512, vocab 4096): forward then
+//! backward (4 products) against the one-pass forward-backward (3 products), alternating.
+//! `rope` reports elements per CPU-second of RoPE (batch 8 × seq 256 × 8 heads × dim 32).
+//! `norm` reports elements per CPU-second of RMSNorm forward + backward (2048 rows × dim 512, the medium preset).
 
 use std::hint::black_box;
+use tensor::activation::{swiglu_backward, swiglu_forward};
 use tensor::attention::{attention_backward, attention_forward, AttnShape, AttnTiles};
+use tensor::cross_entropy::{
+    fused_linear_ce_backward, fused_linear_ce_forward, fused_linear_ce_forward_backward, CeConfig,
+};
 use tensor::gemm::{matmul_using, Backend};
+use tensor::norm::{rmsnorm_backward, rmsnorm_forward};
 
 fn cpu_seconds() -> f64 {
     // SAFETY: getrusage only writes the struct we pass.
@@ -148,5 +160,91 @@ fn main() {
         println!(
             "attention bwd b8 h8 d32 s256 causal: {cpu:.1} GFLOP/cpu-s, {wall:.1} GFLOP/s wall"
         );
+    }
+    if only.is_empty() || only == "swiglu" {
+        let n = 2048 * 688;
+        let (g, u, d) = (data(n), data(n + 1), data(n + 2));
+        let (g, u, d) = (&g[..n], &u[1..], &d[2..]);
+        let (mut out, mut dg, mut du) = (vec![0.0; n], vec![0.0; n], vec![0.0; n]);
+        let (cpu, wall) = measure(n as f64, 50, || {
+            swiglu_forward(g, u, &mut out).unwrap();
+            black_box(&out);
+        });
+        println!("swiglu fwd 2048x688: {cpu:.2} G elem/cpu-s, {wall:.2} G elem/s wall");
+        let (cpu, wall) = measure(n as f64, 50, || {
+            swiglu_backward(d, g, u, &mut dg, &mut du).unwrap();
+            black_box(&dg);
+        });
+        println!("swiglu bwd 2048x688: {cpu:.2} G elem/cpu-s, {wall:.2} G elem/s wall");
+    }
+    if only.is_empty() || only == "head" {
+        let (rows, dim, vocab) = (2048, 512, 4096);
+        let (x, w) = (data(rows * dim), data(vocab * dim + 3));
+        let w = &w[3..];
+        let targets: Vec<i64> = (0..rows as i64).map(|i| (i * 31) % vocab as i64).collect();
+        let cfg = CeConfig::default();
+        let mut lse = vec![0.0; rows];
+        let (mut dx, mut dw) = (vec![0.0; rows * dim], vec![0.0; vocab * dim]);
+        // Useful work: the products of the one-pass version (logits, dx, dW).
+        let flops = 3.0 * 2.0 * (rows * dim * vocab) as f64;
+        for round in 0..2 {
+            let (cpu, wall) = measure(flops, 3, || {
+                fused_linear_ce_forward(&x, w, &targets, dim, vocab, &cfg, &mut lse).unwrap();
+                fused_linear_ce_backward(
+                    &x,
+                    w,
+                    &targets,
+                    &lse,
+                    dim,
+                    vocab,
+                    &cfg,
+                    1e-3,
+                    Some(&mut dx),
+                    Some(&mut dw),
+                )
+                .unwrap();
+            });
+            println!(
+                "head fwd then bwd (round {round}): {cpu:.1} GFLOP/cpu-s, {wall:.1} GFLOP/s wall"
+            );
+            let (cpu, wall) = measure(flops, 3, || {
+                fused_linear_ce_forward_backward(
+                    &x,
+                    w,
+                    &targets,
+                    dim,
+                    vocab,
+                    &cfg,
+                    1e-3,
+                    &mut lse,
+                    Some(&mut dx),
+                    Some(&mut dw),
+                )
+                .unwrap();
+            });
+            println!("head one pass (round {round}): {cpu:.1} GFLOP/cpu-s, {wall:.1} GFLOP/s wall");
+        }
+    }
+    if only.is_empty() || only == "norm" {
+        let (rows, dim) = (2048, 512);
+        let (x, w, dy) = (data(rows * dim), data(dim + 1), data(rows * dim + 2));
+        let (w, dy) = (&w[1..], &dy[2..]);
+        let (mut y, mut rstd) = (vec![0.0; rows * dim], vec![0.0; rows]);
+        let (mut dx, mut dw) = (vec![0.0; rows * dim], vec![0.0; dim]);
+        let (cpu, wall) = measure((rows * dim) as f64, 20, || {
+            rmsnorm_forward(&x, w, dim, 1e-5, &mut y, &mut rstd).unwrap();
+            rmsnorm_backward(dy, &x, w, &rstd, dim, Some(&mut dx), Some(&mut dw)).unwrap();
+        });
+        println!("rmsnorm fwd+bwd 2048x512: {cpu:.3} G elem/cpu-s, {wall:.3} G elem/s wall");
+    }
+    if only.is_empty() || only == "rope" {
+        let (batch, seq, heads, d) = (8, 256, 8, 32);
+        let rope = tensor::rope::Rope::new(d, 10000.0).unwrap();
+        let pos = tensor::rope::positions_range(batch, seq, 0);
+        let mut x = data(batch * seq * heads * d);
+        let (cpu, wall) = measure(x.len() as f64, 50, || {
+            rope.apply(&mut x, heads, &pos).unwrap();
+        });
+        println!("rope b8 s256 h8 d32: {cpu:.3} G elem/cpu-s, {wall:.3} G elem/s wall");
     }
 }

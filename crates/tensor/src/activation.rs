@@ -3,6 +3,7 @@
 //! `silu(g) = g·σ(g)`, `silu'(g) = σ(g)·(1 + g·(1 − σ(g)))`.
 
 use crate::error::check_len;
+use crate::microkernel::{silu_mul, silu_mul_grad};
 use crate::threads;
 use crate::TensorError;
 use rayon::prelude::*;
@@ -10,18 +11,13 @@ use rayon::prelude::*;
 /// Elements per parallel task.
 const CHUNK: usize = 4096;
 
-#[inline]
-fn sigmoid(x: f32) -> f32 {
-    1.0 / (1.0 + (-x).exp())
-}
-
 /// `out = silu(x)`.
 pub fn silu_forward(x: &[f32], out: &mut [f32]) -> Result<(), TensorError> {
     check_len("silu out", out.len(), x.len())?;
     threads::install(|| {
         out.par_chunks_mut(CHUNK)
             .zip(x.par_chunks(CHUNK))
-            .for_each(|(o, x)| o.iter_mut().zip(x).for_each(|(o, &x)| *o = x * sigmoid(x)));
+            .for_each(|(o, x)| silu_mul(x, None, o));
     });
     Ok(())
 }
@@ -34,12 +30,7 @@ pub fn silu_backward(dout: &[f32], x: &[f32], dx: &mut [f32]) -> Result<(), Tens
         dx.par_chunks_mut(CHUNK)
             .zip(x.par_chunks(CHUNK))
             .zip(dout.par_chunks(CHUNK))
-            .for_each(|((dx, x), d)| {
-                for ((dx, &x), &d) in dx.iter_mut().zip(x).zip(d) {
-                    let s = sigmoid(x);
-                    *dx = d * s * (1.0 + x * (1.0 - s));
-                }
-            });
+            .for_each(|((dx, x), d)| silu_mul_grad(d, x, None, dx, None));
     });
     Ok(())
 }
@@ -52,11 +43,7 @@ pub fn swiglu_forward(gate: &[f32], up: &[f32], out: &mut [f32]) -> Result<(), T
         out.par_chunks_mut(CHUNK)
             .zip(gate.par_chunks(CHUNK))
             .zip(up.par_chunks(CHUNK))
-            .for_each(|((o, g), u)| {
-                for ((o, &g), &u) in o.iter_mut().zip(g).zip(u) {
-                    *o = g * sigmoid(g) * u;
-                }
-            });
+            .for_each(|((o, g), u)| silu_mul(g, Some(u), o));
     });
     Ok(())
 }
@@ -80,13 +67,7 @@ pub fn swiglu_backward(
             .zip(dup.par_chunks_mut(CHUNK))
             .zip(gate.par_chunks(CHUNK))
             .zip(up.par_chunks(CHUNK).zip(dout.par_chunks(CHUNK)))
-            .for_each(|(((dg, du), g), (u, d))| {
-                for i in 0..g.len() {
-                    let s = sigmoid(g[i]);
-                    du[i] = d[i] * g[i] * s;
-                    dg[i] = d[i] * u[i] * s * (1.0 + g[i] * (1.0 - s));
-                }
-            });
+            .for_each(|(((dg, du), g), (u, d))| silu_mul_grad(d, g, Some(u), dg, Some(du)));
     });
     Ok(())
 }

@@ -20,7 +20,9 @@
 //! contribution".
 
 use crate::error::check_len;
-use crate::microkernel::{exp_tile, gather_t, mm, mm_raw, online_softmax_tile, softmax_grad_tile};
+use crate::microkernel::{
+    dot, exp_tile, gather_t, mm, mm_raw, online_softmax_tile, softmax_grad_tile,
+};
 use crate::threads;
 use crate::TensorError;
 use rayon::prelude::*;
@@ -385,11 +387,7 @@ pub fn attention_backward(
                         let lse_row = &lse[(b * s.n_heads + h) * sq..][..sq];
                         for (i, dl) in delta.iter_mut().enumerate() {
                             let o = &out[qbase + i * hd..][..d];
-                            *dl = dout[qbase + i * hd..][..d]
-                                .iter()
-                                .zip(o)
-                                .map(|(a, b)| a * b)
-                                .sum();
+                            *dl = dot(&dout[qbase + i * hd..][..d], o, None);
                         }
                         for i0 in (0..sq).step_by(tq) {
                             let bq = tq.min(sq - i0);

@@ -14,6 +14,7 @@
 
 use crate::error::check_len;
 use crate::gemm::matmul;
+use crate::microkernel::{exp_sub_scale, row_max, sum_exp_sub};
 use crate::threads;
 use crate::TensorError;
 use rayon::prelude::*;
@@ -100,9 +101,9 @@ pub fn logits_row_stats(
             )
             .with_min_len(4)
             .for_each(|((z, &t), ((mx, se), tl))| {
-                let m = z.iter().fold(f32::NEG_INFINITY, |a, &b| a.max(b));
+                let m = row_max(z);
                 *mx = m;
-                *se = z.iter().map(|&v| (v - m).exp()).sum();
+                *se = sum_exp_sub(z, m);
                 *tl = match local_target(t, ignore_index, vocab_start, shard) {
                     Some(j) => z[j],
                     None => 0.0,
@@ -147,7 +148,7 @@ pub fn logits_grad_inplace(
                     z.fill(0.0);
                     return;
                 }
-                z.iter_mut().for_each(|v| *v = (*v - l).exp() * grad_scale);
+                exp_sub_scale(z, l, grad_scale);
                 if let Some(j) = local_target(t, ignore_index, vocab_start, shard) {
                     z[j] -= grad_scale;
                 }
@@ -248,32 +249,7 @@ pub fn fused_linear_ce_forward(
 ) -> Result<CeOutput, TensorError> {
     let n_valid = check_fused(x, w, targets, dim, vocab, cfg)?;
     check_len("fused ce lse", lse.len(), targets.len())?;
-    let rows = targets.len();
-    let mut logits = vec![0.0f32; cfg.chunk_rows.min(rows) * vocab];
-    let mut loss_sum = 0.0f64;
-    for r0 in (0..rows).step_by(cfg.chunk_rows) {
-        let n = cfg.chunk_rows.min(rows - r0);
-        let z = &mut logits[..n * vocab];
-        matmul(
-            z,
-            &x[r0 * dim..(r0 + n) * dim],
-            w,
-            n,
-            dim,
-            vocab,
-            false,
-            true,
-            false,
-        )?;
-        let out = cross_entropy_forward(
-            z,
-            &targets[r0..r0 + n],
-            vocab,
-            cfg.ignore_index,
-            &mut lse[r0..r0 + n],
-        )?;
-        loss_sum += out.loss_sum;
-    }
+    let loss_sum = chunk_pass(x, w, targets, dim, vocab, cfg, Lse::Write(lse), None)?;
     Ok(CeOutput { loss_sum, n_valid })
 }
 
@@ -289,58 +265,130 @@ pub fn fused_linear_ce_backward(
     vocab: usize,
     cfg: &CeConfig,
     grad_scale: f32,
-    mut dx: Option<&mut [f32]>,
-    mut dw_accum: Option<&mut [f32]>,
+    dx: Option<&mut [f32]>,
+    dw_accum: Option<&mut [f32]>,
 ) -> Result<(), TensorError> {
     check_fused(x, w, targets, dim, vocab, cfg)?;
     check_len("fused ce lse", lse.len(), targets.len())?;
+    let grad = check_grad_outputs(x, w, grad_scale, dx, dw_accum)?;
+    chunk_pass(x, w, targets, dim, vocab, cfg, Lse::Read(lse), Some(grad))?;
+    Ok(())
+}
+
+/// Forward and backward in one pass over the logits: the loss of
+/// [`fused_linear_ce_forward`] and the gradients of [`fused_linear_ce_backward`] for
+/// `grad_scale · loss_sum`, each chunk's logits computed once and turned into their gradient
+/// while still in cache (as Liger-kernel's fused linear cross-entropy does). Saves one
+/// `[rows, dim] × [dim, vocab]` product against forward-then-backward; usable whenever the
+/// gradient scale is known before the forward (e.g. `loss_scale / n_valid` for a per-batch
+/// mean, with `n_valid` from [`count_valid`]). Per element the operations, and therefore the
+/// results (`lse`, `dx`, `dW`), are bit-identical to the two separate calls.
+#[allow(clippy::too_many_arguments)]
+pub fn fused_linear_ce_forward_backward(
+    x: &[f32],
+    w: &[f32],
+    targets: &[i64],
+    dim: usize,
+    vocab: usize,
+    cfg: &CeConfig,
+    grad_scale: f32,
+    lse: &mut [f32],
+    dx: Option<&mut [f32]>,
+    dw_accum: Option<&mut [f32]>,
+) -> Result<CeOutput, TensorError> {
+    let n_valid = check_fused(x, w, targets, dim, vocab, cfg)?;
+    check_len("fused ce lse", lse.len(), targets.len())?;
+    let grad = check_grad_outputs(x, w, grad_scale, dx, dw_accum)?;
+    let loss_sum = chunk_pass(x, w, targets, dim, vocab, cfg, Lse::Write(lse), Some(grad))?;
+    Ok(CeOutput { loss_sum, n_valid })
+}
+
+/// The log-sum-exps of a chunk pass: computed (forward) or given (backward).
+enum Lse<'a> {
+    Write(&'a mut [f32]),
+    Read(&'a [f32]),
+}
+
+/// The gradient outputs of a chunk pass.
+struct GradOut<'a> {
+    scale: f32,
+    dx: Option<&'a mut [f32]>,
+    dw: Option<&'a mut [f32]>,
+}
+
+fn check_grad_outputs<'a>(
+    x: &[f32],
+    w: &[f32],
+    scale: f32,
+    dx: Option<&'a mut [f32]>,
+    dw: Option<&'a mut [f32]>,
+) -> Result<GradOut<'a>, TensorError> {
     if let Some(dx) = dx.as_deref() {
         check_len("fused ce dx", dx.len(), x.len())?;
     }
-    if let Some(dw) = dw_accum.as_deref() {
+    if let Some(dw) = dw.as_deref() {
         check_len("fused ce dw", dw.len(), w.len())?;
     }
+    Ok(GradOut { scale, dx, dw })
+}
+
+/// The one loop behind the fused entry points (inputs already checked): per chunk of
+/// `chunk_rows` rows, `z = x·Wᵀ`; with [`Lse::Write`] the chunk's `lse` and loss; with a
+/// gradient, `dz = (softmax(z) − onehot)·scale` in place, `dx = dz·W`, `dW += dzᵀ·x`.
+/// Returns the loss sum (0 when only reading `lse`).
+#[allow(clippy::too_many_arguments)]
+fn chunk_pass(
+    x: &[f32],
+    w: &[f32],
+    targets: &[i64],
+    dim: usize,
+    vocab: usize,
+    cfg: &CeConfig,
+    mut lse: Lse,
+    mut grad: Option<GradOut>,
+) -> Result<f64, TensorError> {
     let rows = targets.len();
     let mut logits = vec![0.0f32; cfg.chunk_rows.min(rows) * vocab];
+    let mut loss_sum = 0.0f64;
     for r0 in (0..rows).step_by(cfg.chunk_rows) {
         let n = cfg.chunk_rows.min(rows - r0);
         let t = &targets[r0..r0 + n];
         let xc = &x[r0 * dim..(r0 + n) * dim];
-        if t.iter().all(|&v| v == cfg.ignore_index) {
-            if let Some(dx) = dx.as_deref_mut() {
+        let ignored = t.iter().all(|&v| v == cfg.ignore_index);
+        if ignored && matches!(lse, Lse::Read(_)) {
+            // Backward of a chunk without targets: no logits needed.
+            if let Some(dx) = grad.as_mut().and_then(|g| g.dx.as_deref_mut()) {
                 dx[r0 * dim..(r0 + n) * dim].fill(0.0);
             }
             continue;
         }
         let z = &mut logits[..n * vocab];
         matmul(z, xc, w, n, dim, vocab, false, true, false)?;
-        logits_grad_inplace(
-            z,
-            vocab,
-            0,
-            t,
-            cfg.ignore_index,
-            &lse[r0..r0 + n],
-            grad_scale,
-        );
-        if let Some(dx) = dx.as_deref_mut() {
-            matmul(
-                &mut dx[r0 * dim..(r0 + n) * dim],
-                z,
-                w,
-                n,
-                vocab,
-                dim,
-                false,
-                false,
-                false,
-            )?;
+        let lse_c: &[f32] = match &mut lse {
+            Lse::Write(l) => {
+                let l = &mut l[r0..r0 + n];
+                loss_sum += cross_entropy_forward(z, t, vocab, cfg.ignore_index, l)?.loss_sum;
+                l
+            }
+            Lse::Read(l) => &l[r0..r0 + n],
+        };
+        let Some(g) = grad.as_mut() else { continue };
+        if ignored {
+            if let Some(dx) = g.dx.as_deref_mut() {
+                dx[r0 * dim..(r0 + n) * dim].fill(0.0);
+            }
+            continue;
         }
-        if let Some(dw) = dw_accum.as_deref_mut() {
+        logits_grad_inplace(z, vocab, 0, t, cfg.ignore_index, lse_c, g.scale);
+        if let Some(dx) = g.dx.as_deref_mut() {
+            let dxc = &mut dx[r0 * dim..(r0 + n) * dim];
+            matmul(dxc, z, w, n, vocab, dim, false, false, false)?;
+        }
+        if let Some(dw) = g.dw.as_deref_mut() {
             matmul(dw, z, xc, vocab, n, dim, true, false, true)?;
         }
     }
-    Ok(())
+    Ok(loss_sum)
 }
 
 #[cfg(test)]
@@ -421,6 +469,79 @@ mod tests {
             assert_close("dw", &dw, &gw, 1e-5, 1e-4);
             assert!(dx[3 * dim..4 * dim].iter().all(|&v| v == 0.0));
         }
+    }
+
+    #[test]
+    fn forward_backward_in_one_pass_equals_separate_calls_exactly() {
+        let (rows, dim, vocab) = (37, 8, 21);
+        let x = rand_vec(rows * dim, 11);
+        let w = rand_vec(vocab * dim, 12);
+        let mut targets: Vec<i64> = (0..rows as i64).map(|i| (i * 7) % vocab as i64).collect();
+        // Rows 8..12 form a fully ignored chunk when chunk_rows = 4.
+        for t in &mut targets[8..12] {
+            *t = IGNORE_INDEX;
+        }
+        targets[20] = IGNORE_INDEX;
+        for chunk_rows in [4, 5, 64] {
+            let cfg = CeConfig {
+                chunk_rows,
+                ..Default::default()
+            };
+            let scale = 0.37;
+            let mut lse = vec![0.0; rows];
+            let out =
+                fused_linear_ce_forward(&x, &w, &targets, dim, vocab, &cfg, &mut lse).unwrap();
+            let (mut dx, mut dw) = (vec![1.0; rows * dim], vec![0.25; vocab * dim]);
+            fused_linear_ce_backward(
+                &x,
+                &w,
+                &targets,
+                &lse,
+                dim,
+                vocab,
+                &cfg,
+                scale,
+                Some(&mut dx),
+                Some(&mut dw),
+            )
+            .unwrap();
+            let mut lse1 = vec![0.0; rows];
+            let (mut dx1, mut dw1) = (vec![1.0; rows * dim], vec![0.25; vocab * dim]);
+            let out1 = fused_linear_ce_forward_backward(
+                &x,
+                &w,
+                &targets,
+                dim,
+                vocab,
+                &cfg,
+                scale,
+                &mut lse1,
+                Some(&mut dx1),
+                Some(&mut dw1),
+            )
+            .unwrap();
+            assert_eq!(out, out1);
+            assert_eq!(lse, lse1);
+            assert_eq!(dx, dx1);
+            assert_eq!(dw, dw1);
+            assert!(dx1[8 * dim..12 * dim].iter().all(|&v| v == 0.0));
+        }
+        let cfg = CeConfig::default();
+        let mut lse = vec![0.0; rows];
+        let mut short = vec![0.0; 3];
+        let r = fused_linear_ce_forward_backward(
+            &x,
+            &w,
+            &targets,
+            dim,
+            vocab,
+            &cfg,
+            1.0,
+            &mut lse,
+            Some(&mut short),
+            None,
+        );
+        assert!(r.is_err());
     }
 
     #[test]

@@ -4,6 +4,7 @@
 //! `dx = rstd · (g − x̂ · mean(g ∘ x̂))` and `dw += Σ_rows dy ∘ x̂`.
 
 use crate::error::check_len;
+use crate::microkernel::{dot, rms_apply};
 use crate::threads;
 use crate::TensorError;
 use rayon::prelude::*;
@@ -31,12 +32,10 @@ pub fn rmsnorm_forward(
             .zip(x.par_chunks(dim * ROWS_PER_TASK))
             .for_each(|((y, rs), x)| {
                 for ((y, r), x) in y.chunks_mut(dim).zip(rs.iter_mut()).zip(x.chunks(dim)) {
-                    let ss: f32 = x.iter().map(|v| v * v).sum();
+                    let ss = dot(x, x, None);
                     let rstd = 1.0 / (ss / dim as f32 + eps).sqrt();
                     *r = rstd;
-                    for ((y, x), w) in y.iter_mut().zip(x).zip(w) {
-                        *y = x * rstd * w;
-                    }
+                    rms_apply(x, x, w, rstd, 0.0, y);
                 }
             });
     });
@@ -69,11 +68,8 @@ pub fn rmsnorm_backward(
                 .with_min_len(ROWS_PER_TASK)
                 .for_each(|(((dx, dy), x), &r)| {
                     // mean(g ∘ x̂) with g = dy ∘ w, x̂ = x·r
-                    let dot: f32 = dy.iter().zip(w).zip(x).map(|((d, w), x)| d * w * x).sum();
-                    let c = dot * r * r / dim as f32;
-                    for (((dx, dy), w), x) in dx.iter_mut().zip(dy).zip(w).zip(x) {
-                        *dx = r * (dy * w - x * c);
-                    }
+                    let c = dot(dy, w, Some(x)) * r * r / dim as f32;
+                    rms_apply(dy, x, w, r, c, dx);
                 });
         }
         if let Some(dw) = dw_accum {

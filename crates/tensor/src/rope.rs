@@ -85,28 +85,40 @@ impl Rope {
         if x.is_empty() {
             return Ok(());
         }
+        // cos/sin per distinct position (a batch repeats the same positions for each
+        // sequence), computed once per call with the same formula, so results are unchanged.
+        let mut uniq = positions.to_vec();
+        uniq.sort_unstable();
+        uniq.dedup();
+        let mut table = vec![0.0f32; uniq.len() * d];
         threads::install(|| {
+            table
+                .par_chunks_mut(d)
+                .zip(uniq.par_iter())
+                .with_min_len(16)
+                .for_each(|(cs, &pos)| {
+                    let (cos, sin) = cs.split_at_mut(half);
+                    for i in 0..half {
+                        let a = pos as f32 * self.inv_freq[i];
+                        cos[i] = a.cos();
+                        sin[i] = sign * a.sin();
+                    }
+                });
             x.par_chunks_mut(n_heads * d)
                 .zip(positions.par_iter())
                 .with_min_len(4)
-                .for_each_init(
-                    || (vec![0.0f32; half], vec![0.0f32; half]),
-                    |(cos, sin), (tok, &pos)| {
+                .for_each(|(tok, pos)| {
+                    let row = uniq.binary_search(pos).expect("position is in the table");
+                    let (cos, sin) = table[row * d..(row + 1) * d].split_at(half);
+                    for h in tok.chunks_mut(d) {
+                        let (x1, x2) = h.split_at_mut(half);
                         for i in 0..half {
-                            let a = pos as f32 * self.inv_freq[i];
-                            cos[i] = a.cos();
-                            sin[i] = sign * a.sin();
+                            let (a, b) = (x1[i], x2[i]);
+                            x1[i] = a * cos[i] - b * sin[i];
+                            x2[i] = b * cos[i] + a * sin[i];
                         }
-                        for h in tok.chunks_mut(d) {
-                            let (x1, x2) = h.split_at_mut(half);
-                            for i in 0..half {
-                                let (a, b) = (x1[i], x2[i]);
-                                x1[i] = a * cos[i] - b * sin[i];
-                                x2[i] = b * cos[i] + a * sin[i];
-                            }
-                        }
-                    },
-                );
+                    }
+                });
         });
         Ok(())
     }
@@ -157,6 +169,15 @@ mod tests {
         // And it inverts the forward.
         rope.apply_backward(&mut y, heads, &pos).unwrap();
         assert!(crate::tensor::max_abs_diff(&x, &y) < 1e-6);
+        // Arbitrary (unsorted, repeated, sparse) positions: each token rotated as if alone.
+        let odd = [9usize, 3, 1000, 3, 0, 9, 41, 7, 2, 5];
+        let mut z = x.clone();
+        rope.apply(&mut z, heads, &odd).unwrap();
+        for (t, &p) in odd.iter().enumerate() {
+            let mut one = x[t * heads * d..(t + 1) * heads * d].to_vec();
+            rope.apply(&mut one, heads, &[p]).unwrap();
+            assert_eq!(one, z[t * heads * d..(t + 1) * heads * d]);
+        }
         assert!(Rope::new(7, 1e4).is_err());
         assert!(rope.apply(&mut y[1..], heads, &pos).is_err());
     }

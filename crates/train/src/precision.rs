@@ -217,12 +217,15 @@ fn half_step(
         x = y;
     }
     let p_head = up(hr.clone());
-    let head = model.head_forward(
-        &p_head,
-        &p_embed,
-        Arc::new(x),
-        Arc::new(batch.targets.clone()),
-    )?;
+    let (x, targets) = (Arc::new(x), Arc::new(batch.targets.clone()));
+    let head = if grads.is_some() {
+        // The gradient scale of the mean loss is known now: the head computes its gradients
+        // in the forward pass (one logits product fewer); `head_backward` below reuses them.
+        let s = model.head.mean_grad_scale(&targets, opts.loss_scale)?;
+        model.head_forward_with_grad(&p_head, &p_embed, x, targets, s)?
+    } else {
+        model.head_forward(&p_head, &p_embed, x, targets)?
+    };
     let ce = if head.n_valid == 0 {
         0.0
     } else {

@@ -1,10 +1,25 @@
 //! The model's top: final RMSNorm, LM head and mean cross-entropy, fused in row chunks so the
 //! `[tokens, vocab]` logits never exist at once. The LM-head weight is passed separately so it
 //! can be the untied `lm_head.weight` or the tied embedding table.
+//!
+//! Early gradients: when the caller knows the gradient scale before the forward (a mean over
+//! this batch's valid targets: `loss_scale / n_valid`), [`Head::forward_with_grad`] computes the
+//! LM-head input and weight gradients during the forward, while each chunk of logits is in
+//! cache, instead of recomputing the logits in the backward (3 head products instead of 4, or
+//! 5 for the separable backward). The backward API is unchanged: `backward`,
+//! `backward_input` and `backward_weight` return or accumulate what was computed early when
+//! they are called with the same scale, and fall back to recomputing the logits for any other
+//! scale (e.g. a mean over several ranks' tokens decided later). Either way the gradients are
+//! the same: the one-pass kernel is bit-identical to forward-then-backward, and the early
+//! weight gradient is added to the accumulator once (`g += dW`), which equals accumulating it
+//! chunk by chunk up to f32 rounding when the accumulator already holds a gradient.
 
 use std::sync::Arc;
 
-use tensor::cross_entropy::{fused_linear_ce_backward, fused_linear_ce_forward, CeConfig};
+use tensor::cross_entropy::{
+    count_valid, fused_linear_ce_backward, fused_linear_ce_forward,
+    fused_linear_ce_forward_backward, CeConfig,
+};
 
 use super::{rmsnorm, rmsnorm_backward_input, Act};
 use crate::error::Result;
@@ -33,6 +48,24 @@ pub struct HeadCache {
     pub loss_sum: f64,
     /// Number of valid (non-ignored) targets.
     pub n_valid: usize,
+    early: Option<EarlyGrad>,
+}
+
+/// Gradients of `grad_scale · loss_sum` computed during the forward.
+#[derive(Debug, Clone)]
+struct EarlyGrad {
+    grad_scale: f32,
+    /// Gradient at the normed hidden states `[tokens, hidden]`.
+    dxn: Vec<f32>,
+    /// LM-head weight gradient `[vocab, hidden]`, not yet accumulated.
+    dw: Vec<f32>,
+}
+
+impl HeadCache {
+    /// The early gradients when they were computed for `grad_scale`.
+    fn take_early(&mut self, grad_scale: f32) -> Option<EarlyGrad> {
+        self.early.take().filter(|e| e.grad_scale == grad_scale)
+    }
 }
 
 /// The head's deferred weight gradients (norm gain and LM head).
@@ -45,6 +78,13 @@ pub struct HeadWeightGrad {
     targets: Arc<Vec<i64>>,
     lse: Vec<f32>,
     grad_scale: f32,
+    /// LM-head weight gradient computed in the forward (else recomputed from the logits).
+    early_dw: Option<Vec<f32>>,
+}
+
+/// `g += d` (the early LM-head weight gradient into its accumulator).
+fn add_into(g: &mut [f32], d: &[f32]) {
+    g.iter_mut().zip(d).for_each(|(g, d)| *g += d);
 }
 
 impl HeadCache {
@@ -72,10 +112,41 @@ impl Head {
         x: Act,
         targets: Arc<Vec<i64>>,
     ) -> Result<HeadCache> {
+        self.forward_impl(p_norm, lm, x, targets, None)
+    }
+
+    /// [`Head::forward`] that also computes the LM-head gradients of `grad_scale · loss_sum`
+    /// (see the module doc); the backward then reuses them when given the same scale.
+    pub fn forward_with_grad(
+        &self,
+        p_norm: &[f32],
+        lm: &[f32],
+        x: Act,
+        targets: Arc<Vec<i64>>,
+        grad_scale: f32,
+    ) -> Result<HeadCache> {
+        self.forward_impl(p_norm, lm, x, targets, Some(grad_scale))
+    }
+
+    /// `loss_scale / n_valid` for `targets` (0 when none is valid): the gradient scale of a
+    /// mean over this batch's valid targets.
+    pub fn mean_grad_scale(&self, targets: &[i64], loss_scale: f32) -> Result<f32> {
+        let n = count_valid(targets, self.vocab, self.ce.ignore_index)?;
+        Ok(if n == 0 { 0.0 } else { loss_scale / n as f32 })
+    }
+
+    fn forward_impl(
+        &self,
+        p_norm: &[f32],
+        lm: &[f32],
+        x: Act,
+        targets: Arc<Vec<i64>>,
+        grad_scale: Option<f32>,
+    ) -> Result<HeadCache> {
         let (xn, rstd) = rmsnorm(p_norm, &self.norm, &x, self.eps)?;
         let mut lse = vec![0.0; targets.len()];
-        let out = time(Kernel::Head, || {
-            fused_linear_ce_forward(
+        let (out, early) = time(Kernel::Head, || match grad_scale {
+            None => fused_linear_ce_forward(
                 &xn,
                 lm,
                 &targets,
@@ -84,6 +155,31 @@ impl Head {
                 &self.ce,
                 &mut lse,
             )
+            .map(|o| (o, None)),
+            Some(grad_scale) => {
+                let mut dxn = vec![0.0; xn.len()];
+                let mut dw = vec![0.0; lm.len()];
+                fused_linear_ce_forward_backward(
+                    &xn,
+                    lm,
+                    &targets,
+                    self.hidden(),
+                    self.vocab,
+                    &self.ce,
+                    grad_scale,
+                    &mut lse,
+                    Some(&mut dxn),
+                    Some(&mut dw),
+                )
+                .map(|o| {
+                    let e = EarlyGrad {
+                        grad_scale,
+                        dxn,
+                        dw,
+                    };
+                    (o, Some(e))
+                })
+            }
         })?;
         Ok(HeadCache {
             x,
@@ -93,6 +189,7 @@ impl Head {
             targets,
             loss_sum: out.loss_sum,
             n_valid: out.n_valid,
+            early,
         })
     }
 
@@ -120,24 +217,30 @@ impl Head {
         &self,
         p_norm: &[f32],
         lm: &[f32],
-        cache: HeadCache,
+        mut cache: HeadCache,
         grad_scale: f32,
     ) -> Result<(Vec<f32>, HeadWeightGrad)> {
-        let mut dxn = vec![0.0; cache.x.len()];
-        time(Kernel::Head, || {
-            fused_linear_ce_backward(
-                &cache.xn,
-                lm,
-                &cache.targets,
-                &cache.lse,
-                self.hidden(),
-                self.vocab,
-                &self.ce,
-                grad_scale,
-                Some(&mut dxn),
-                None,
-            )
-        })?;
+        let (dxn, early_dw) = match cache.take_early(grad_scale) {
+            Some(e) => (e.dxn, Some(e.dw)),
+            None => {
+                let mut dxn = vec![0.0; cache.x.len()];
+                time(Kernel::Head, || {
+                    fused_linear_ce_backward(
+                        &cache.xn,
+                        lm,
+                        &cache.targets,
+                        &cache.lse,
+                        self.hidden(),
+                        self.vocab,
+                        &self.ce,
+                        grad_scale,
+                        Some(&mut dxn),
+                        None,
+                    )
+                })?;
+                (dxn, None)
+            }
+        };
         let mut dx = vec![0.0; cache.x.len()];
         rmsnorm_backward_input(p_norm, &self.norm, &cache.x, &cache.rstd, &dxn, &mut dx)?;
         let pending = HeadWeightGrad {
@@ -148,6 +251,7 @@ impl Head {
             targets: cache.targets,
             lse: cache.lse,
             grad_scale,
+            early_dw,
         };
         Ok((dx, pending))
     }
@@ -161,8 +265,12 @@ impl Head {
         g_norm: &mut [f32],
         g_lm: &mut [f32],
     ) -> Result<()> {
-        time(Kernel::Head, || {
-            fused_linear_ce_backward(
+        time(Kernel::Head, || match &w.early_dw {
+            Some(dw) => {
+                add_into(g_lm, dw);
+                Ok(())
+            }
+            None => fused_linear_ce_backward(
                 &w.xn,
                 lm,
                 &w.targets,
@@ -173,7 +281,7 @@ impl Head {
                 w.grad_scale,
                 None,
                 Some(g_lm),
-            )
+            ),
         })?;
         time(Kernel::Norm, || {
             tensor::norm::rmsnorm_backward(
@@ -195,26 +303,35 @@ impl Head {
         &self,
         p_norm: &[f32],
         lm: &[f32],
-        cache: HeadCache,
+        mut cache: HeadCache,
         grad_scale: f32,
         g_norm: &mut [f32],
         g_lm: &mut [f32],
     ) -> Result<Vec<f32>> {
-        let mut dxn = vec![0.0; cache.x.len()];
-        time(Kernel::Head, || {
-            fused_linear_ce_backward(
-                &cache.xn,
-                lm,
-                &cache.targets,
-                &cache.lse,
-                self.hidden(),
-                self.vocab,
-                &self.ce,
-                grad_scale,
-                Some(&mut dxn),
-                Some(g_lm),
-            )
-        })?;
+        let dxn = match cache.take_early(grad_scale) {
+            Some(e) => {
+                time(Kernel::Head, || add_into(g_lm, &e.dw));
+                e.dxn
+            }
+            None => {
+                let mut dxn = vec![0.0; cache.x.len()];
+                time(Kernel::Head, || {
+                    fused_linear_ce_backward(
+                        &cache.xn,
+                        lm,
+                        &cache.targets,
+                        &cache.lse,
+                        self.hidden(),
+                        self.vocab,
+                        &self.ce,
+                        grad_scale,
+                        Some(&mut dxn),
+                        Some(g_lm),
+                    )
+                })?;
+                dxn
+            }
+        };
         let mut dx = vec![0.0; cache.x.len()];
         rmsnorm_backward_input(p_norm, &self.norm, &cache.x, &cache.rstd, &dxn, &mut dx)?;
         time(Kernel::Norm, || {

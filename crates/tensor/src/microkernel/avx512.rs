@@ -220,6 +220,46 @@ pub(super) unsafe fn exp_sub_sum(x: *mut f32, n: usize, scale: f32, m: f32) -> f
     _mm512_reduce_add_ps(s)
 }
 
+/// `Σ e^(x − m)` without writing `x`.
+#[target_feature(enable = "avx512f")]
+pub(super) unsafe fn sum_exp_sub(x: *const f32, n: usize, m: f32) -> f32 {
+    let mv = _mm512_set1_ps(m);
+    let mut s = _mm512_setzero_ps();
+    let mut i = 0;
+    while i < n {
+        let k = lanes(i, n);
+        let e = exp_ps(_mm512_sub_ps(_mm512_maskz_loadu_ps(k, x.add(i)), mv));
+        s = _mm512_add_ps(s, _mm512_maskz_mov_ps(k, e));
+        i += 16;
+    }
+    _mm512_reduce_add_ps(s)
+}
+
+/// `x ← e^(x − m) · a`.
+#[target_feature(enable = "avx512f")]
+pub(super) unsafe fn exp_sub_scale(x: *mut f32, n: usize, m: f32, a: f32) {
+    let (mv, av) = (_mm512_set1_ps(m), _mm512_set1_ps(a));
+    let mut i = 0;
+    while i < n {
+        let k = lanes(i, n);
+        let e = exp_ps(_mm512_sub_ps(_mm512_maskz_loadu_ps(k, x.add(i)), mv));
+        _mm512_mask_storeu_ps(x.add(i), k, _mm512_mul_ps(e, av));
+        i += 16;
+    }
+}
+
+/// The portable dot product compiled with AVX-512 enabled.
+#[target_feature(enable = "avx512f")]
+pub(super) unsafe fn dot(a: &[f32], b: &[f32], c: Option<&[f32]>) -> f32 {
+    super::dot_portable(a, b, c)
+}
+
+/// The portable RMSNorm row update compiled with AVX-512 enabled.
+#[target_feature(enable = "avx512f")]
+pub(super) unsafe fn rms_apply(a: &[f32], x: &[f32], w: &[f32], r: f32, c: f32, out: &mut [f32]) {
+    super::rms_apply_portable(a, x, w, r, c, out)
+}
+
 /// The portable softmax-gradient loop compiled with AVX-512 enabled (the compiler
 /// vectorises it with 16 lanes).
 #[target_feature(enable = "avx512f")]
@@ -325,5 +365,71 @@ pub(super) unsafe fn gather_t(src: *const f32, stride: usize, n: usize, d: usize
             _mm512_mask_storeu_ps(dst.add(c * n + j0), k, v);
         }
         j0 += 16;
+    }
+}
+
+/// `σ(x) = 1 / (1 + e^(−x))` for 16 lanes, on [`exp_ps`] (for `x > 87`, `e^(−x)` is flushed to
+/// 0 and `σ = 1` exactly; for `x < −88.37` the clamp keeps `σ` a tiny positive normal).
+#[target_feature(enable = "avx512f")]
+#[inline]
+unsafe fn sigmoid_ps(x: __m512) -> __m512 {
+    let one = _mm512_set1_ps(1.0);
+    let e = exp_ps(_mm512_sub_ps(_mm512_setzero_ps(), x));
+    _mm512_div_ps(one, _mm512_add_ps(one, e))
+}
+
+/// Lane mask for the 16 elements starting at `i` of `n`.
+#[inline]
+fn lanes(i: usize, n: usize) -> __mmask16 {
+    if n - i >= 16 {
+        0xFFFF
+    } else {
+        tail_mask(n - i)
+    }
+}
+
+/// See [`super::silu_mul`]; `u` may be null (plain SiLU).
+#[target_feature(enable = "avx512f")]
+pub(super) unsafe fn silu_mul(g: *const f32, u: *const f32, out: *mut f32, n: usize) {
+    let mut i = 0;
+    while i < n {
+        let k = lanes(i, n);
+        let gv = _mm512_maskz_loadu_ps(k, g.add(i));
+        let mut y = _mm512_mul_ps(gv, sigmoid_ps(gv));
+        if !u.is_null() {
+            y = _mm512_mul_ps(y, _mm512_maskz_loadu_ps(k, u.add(i)));
+        }
+        _mm512_mask_storeu_ps(out.add(i), k, y);
+        i += 16;
+    }
+}
+
+/// See [`super::silu_mul_grad`]; `u` and `du` are both null (plain SiLU) or both valid.
+#[target_feature(enable = "avx512f")]
+pub(super) unsafe fn silu_mul_grad(
+    d: *const f32,
+    g: *const f32,
+    u: *const f32,
+    dg: *mut f32,
+    du: *mut f32,
+    n: usize,
+) {
+    let one = _mm512_set1_ps(1.0);
+    let mut i = 0;
+    while i < n {
+        let k = lanes(i, n);
+        let gv = _mm512_maskz_loadu_ps(k, g.add(i));
+        let dv = _mm512_maskz_loadu_ps(k, d.add(i));
+        let s = sigmoid_ps(gv);
+        // silu'(g) = s·(1 + g·(1 − s))
+        let ds = _mm512_mul_ps(s, _mm512_fmadd_ps(gv, _mm512_sub_ps(one, s), one));
+        let mut dgv = _mm512_mul_ps(dv, ds);
+        if !u.is_null() {
+            let uv = _mm512_maskz_loadu_ps(k, u.add(i));
+            dgv = _mm512_mul_ps(dgv, uv);
+            _mm512_mask_storeu_ps(du.add(i), k, _mm512_mul_ps(dv, _mm512_mul_ps(gv, s)));
+        }
+        _mm512_mask_storeu_ps(dg.add(i), k, dgv);
+        i += 16;
     }
 }

@@ -147,6 +147,186 @@ pub(crate) fn exp_sub_sum(x: &mut [f32], scale: f32, m: f32) -> f32 {
     s
 }
 
+/// Lanes of the independent partial sums in [`dot_portable`]: one AVX-512 vector (or
+/// four SSE / two AVX vectors), so the compiler can vectorise a reduction that in sequential
+/// order it must not reorder.
+const LANES: usize = 16;
+
+/// `Σ_i a_i·b_i·c_i` (`c` all ones when `None`) over `LANES` partial sums, added at the end.
+#[inline(always)]
+fn dot_portable(a: &[f32], b: &[f32], c: Option<&[f32]>) -> f32 {
+    let mut acc = [0.0f32; LANES];
+    let n = a.len() / LANES * LANES;
+    match c {
+        Some(c) => {
+            for ((a, b), c) in a[..n]
+                .chunks_exact(LANES)
+                .zip(b[..n].chunks_exact(LANES))
+                .zip(c[..n].chunks_exact(LANES))
+            {
+                for l in 0..LANES {
+                    acc[l] += a[l] * b[l] * c[l];
+                }
+            }
+        }
+        None => {
+            for (a, b) in a[..n].chunks_exact(LANES).zip(b[..n].chunks_exact(LANES)) {
+                for l in 0..LANES {
+                    acc[l] += a[l] * b[l];
+                }
+            }
+        }
+    }
+    let mut s: f32 = acc.iter().sum();
+    for i in n..a.len() {
+        s += a[i] * b[i] * c.map_or(1.0, |c| c[i]);
+    }
+    s
+}
+
+/// `Σ_i a_i·b_i` (times `c_i` when given): the row reductions of RMSNorm and of the
+/// attention backward's `D = rowsum(dO ∘ O)`. Summed in `LANES` interleaved partial sums
+/// (the same order on both paths), so it vectorises.
+#[inline]
+pub(crate) fn dot(a: &[f32], b: &[f32], c: Option<&[f32]>) -> f32 {
+    assert!(
+        b.len() == a.len() && c.is_none_or(|c| c.len() == a.len()),
+        "dot: lengths"
+    );
+    #[cfg(target_arch = "x86_64")]
+    if use_avx512() {
+        // SAFETY: AVX-512F available; the body is the portable loop.
+        return unsafe { avx512::dot(a, b, c) };
+    }
+    dot_portable(a, b, c)
+}
+
+/// `y = x·r·w` and `dx = r·(dy∘w − x·c)` rows of RMSNorm: `out_i = r·(a_i·w_i − x_i·c)` with
+/// `a = x, c = 0` (forward) or `a = dy` (backward).
+#[inline(always)]
+fn rms_apply_portable(a: &[f32], x: &[f32], w: &[f32], r: f32, c: f32, out: &mut [f32]) {
+    let n = out.len();
+    let (a, x, w) = (&a[..n], &x[..n], &w[..n]);
+    for i in 0..n {
+        out[i] = r * (a[i] * w[i] - x[i] * c);
+    }
+}
+
+/// See [`rms_apply_portable`].
+#[inline]
+pub(crate) fn rms_apply(a: &[f32], x: &[f32], w: &[f32], r: f32, c: f32, out: &mut [f32]) {
+    let n = out.len();
+    assert!(
+        a.len() == n && x.len() == n && w.len() == n,
+        "rms_apply: lengths"
+    );
+    #[cfg(target_arch = "x86_64")]
+    if use_avx512() {
+        // SAFETY: AVX-512F available; the body is the portable loop.
+        return unsafe { avx512::rms_apply(a, x, w, r, c, out) };
+    }
+    rms_apply_portable(a, x, w, r, c, out)
+}
+
+/// `Σ e^(x − m)` (the softmax denominator after the row max `m`); `x` is not written.
+#[inline]
+pub(crate) fn sum_exp_sub(x: &[f32], m: f32) -> f32 {
+    #[cfg(target_arch = "x86_64")]
+    if use_avx512() {
+        // SAFETY: AVX-512F available; the kernel reads exactly x.len() elements.
+        return unsafe { avx512::sum_exp_sub(x.as_ptr(), x.len(), m) };
+    }
+    x.iter().map(|&v| (v - m).exp()).sum()
+}
+
+/// `x ← e^(x − m) · a` elementwise (softmax probabilities from a log-sum-exp, scaled).
+#[inline]
+pub(crate) fn exp_sub_scale(x: &mut [f32], m: f32, a: f32) {
+    #[cfg(target_arch = "x86_64")]
+    if use_avx512() {
+        // SAFETY: AVX-512F available; the kernel touches exactly x.len() elements.
+        return unsafe { avx512::exp_sub_scale(x.as_mut_ptr(), x.len(), m, a) };
+    }
+    x.iter_mut().for_each(|v| *v = (*v - m).exp() * a);
+}
+
+/// `σ(x) = 1 / (1 + e^(−x))` (portable path; the AVX-512 path uses the same formula on the
+/// vector `exp`).
+#[inline]
+fn sigmoid(x: f32) -> f32 {
+    1.0 / (1.0 + (-x).exp())
+}
+
+/// `out = silu(g) ∘ u` (or `silu(g)` when `u` is `None`), `silu(g) = g·σ(g)`.
+pub(crate) fn silu_mul(g: &[f32], u: Option<&[f32]>, out: &mut [f32]) {
+    let n = g.len();
+    assert!(
+        out.len() == n && u.is_none_or(|u| u.len() == n),
+        "silu_mul: lengths"
+    );
+    #[cfg(target_arch = "x86_64")]
+    if use_avx512() {
+        let up = u.map_or(std::ptr::null(), |u| u.as_ptr());
+        // SAFETY: AVX-512F available; every slice holds n elements (checked above).
+        return unsafe { avx512::silu_mul(g.as_ptr(), up, out.as_mut_ptr(), n) };
+    }
+    match u {
+        Some(u) => {
+            for ((o, &g), &u) in out.iter_mut().zip(g).zip(u) {
+                *o = g * sigmoid(g) * u;
+            }
+        }
+        None => out
+            .iter_mut()
+            .zip(g)
+            .for_each(|(o, &g)| *o = g * sigmoid(g)),
+    }
+}
+
+/// Backward of [`silu_mul`] for upstream `d`: `dg = d ∘ u ∘ silu'(g)` and `du = d ∘ silu(g)`
+/// (`u`, `du` both given or both `None`), with `silu'(g) = σ(g)·(1 + g·(1 − σ(g)))`.
+pub(crate) fn silu_mul_grad(
+    d: &[f32],
+    g: &[f32],
+    u: Option<&[f32]>,
+    dg: &mut [f32],
+    du: Option<&mut [f32]>,
+) {
+    let n = g.len();
+    assert!(
+        d.len() == n
+            && dg.len() == n
+            && u.is_some() == du.is_some()
+            && u.is_none_or(|u| u.len() == n)
+            && du.as_ref().is_none_or(|du| du.len() == n),
+        "silu_mul_grad: lengths"
+    );
+    #[cfg(target_arch = "x86_64")]
+    if use_avx512() {
+        let up = u.map_or(std::ptr::null(), |u| u.as_ptr());
+        let dup = du.map_or(std::ptr::null_mut(), |du| du.as_mut_ptr());
+        // SAFETY: AVX-512F available; every slice holds n elements (checked above).
+        return unsafe {
+            avx512::silu_mul_grad(d.as_ptr(), g.as_ptr(), up, dg.as_mut_ptr(), dup, n)
+        };
+    }
+    match (u, du) {
+        (Some(u), Some(du)) => {
+            for i in 0..n {
+                let s = sigmoid(g[i]);
+                du[i] = d[i] * g[i] * s;
+                dg[i] = d[i] * u[i] * s * (1.0 + g[i] * (1.0 - s));
+            }
+        }
+        _ => {
+            for i in 0..n {
+                let s = sigmoid(g[i]);
+                dg[i] = d[i] * s * (1.0 + g[i] * (1.0 - s));
+            }
+        }
+    }
+}
+
 /// Softmax backward on a tile, in place: `dp ← scale · p ∘ (dp − delta_row)` for rows of
 /// width `cols`.
 #[inline]
@@ -291,6 +471,109 @@ mod tests {
     #[test]
     fn softmax_grad_tile_matches_formula() {
         both_paths(softmax_grad_once);
+    }
+
+    /// Runs `f` with the fastest kernels, then with the portable ones, on this thread.
+    fn on_both<T>(f: impl Fn() -> T) -> (T, T) {
+        let fast = f();
+        FORCE_PORTABLE.with(|c| c.set(true));
+        let portable = f();
+        FORCE_PORTABLE.with(|c| c.set(false));
+        (fast, portable)
+    }
+
+    /// Distance in units in the last place between two finite f32 of the same sign.
+    fn ulps(a: f32, b: f32) -> u32 {
+        (a.to_bits() as i64 - b.to_bits() as i64).unsigned_abs() as u32
+    }
+
+    #[test]
+    fn vector_exp_within_two_ulps_of_std() {
+        // Every input in [−87, 88] on a fine grid (plus the endpoints): the vector exp
+        // (Cephes polynomial, Cody–Waite reduction) and the portable `f32::exp` agree within
+        // 2 ulp, so the two paths of every exp-based kernel differ only at rounding level.
+        let x: Vec<f32> = (0..=175_000)
+            .map(|i| -87.0 + i as f32 * 1e-3)
+            .chain([0.0, -0.0, 88.0])
+            .collect();
+        let (fast, portable) = on_both(|| {
+            let mut y = x.clone();
+            exp_sub_sum(&mut y, 1.0, 0.0);
+            y
+        });
+        let worst = fast.iter().zip(&portable).map(|(&a, &b)| ulps(a, b)).max();
+        assert!(worst.unwrap() <= 2, "worst {worst:?} ulp");
+    }
+
+    #[test]
+    fn dot_paths_agree_and_match_f64() {
+        for n in [0usize, 1, 15, 16, 33, 512] {
+            let (a, b, c) = (rand_vec(n, 1), rand_vec(n, 2), rand_vec(n, 3));
+            for with_c in [false, true] {
+                let cc = with_c.then_some(&c[..]);
+                let (fast, portable) = on_both(|| dot(&a, &b, cc));
+                // Same summation order on both paths (the vector lanes are the partial sums).
+                assert_eq!(fast.to_bits(), portable.to_bits());
+                let want: f64 = (0..n)
+                    .map(|i| a[i] as f64 * b[i] as f64 * if with_c { c[i] as f64 } else { 1.0 })
+                    .sum();
+                assert!((fast as f64 - want).abs() <= 1e-6 * (n as f64 + 1.0));
+            }
+        }
+    }
+
+    #[test]
+    fn softmax_row_pieces_paths_agree() {
+        for n in [1usize, 16, 37, 4096] {
+            let x: Vec<f32> = rand_vec(n, 7).iter().map(|v| v * 30.0).collect();
+            let m = row_max(&x);
+            let (fast, portable) = on_both(|| {
+                let s = sum_exp_sub(&x, m);
+                let mut y = x.clone();
+                exp_sub_scale(&mut y, m + s.ln(), 0.25);
+                (s, y)
+            });
+            // Each exp within 2 ulp; the sum's rounding order differs (vector lanes).
+            assert!((fast.0 - portable.0).abs() <= 1e-6 * portable.0 * (n as f32).sqrt());
+            for (a, b) in fast.1.iter().zip(&portable.1) {
+                assert!((a - b).abs() <= 1e-6 * b + 1e-37, "{a} vs {b}");
+            }
+        }
+    }
+
+    #[test]
+    fn silu_mul_paths_agree() {
+        // Lengths cover full vectors and a masked tail; inputs span the clamp ranges.
+        let n = 16 * 7 + 5;
+        let g: Vec<f32> = rand_vec(n, 4)
+            .iter()
+            .map(|v| v * 12.0)
+            .chain([-100.0, -87.5, 87.5, 100.0, 0.0])
+            .collect();
+        let n = g.len();
+        let u = rand_vec(n, 5);
+        let d = rand_vec(n, 6);
+        for with_up in [true, false] {
+            let up = with_up.then_some(&u[..]);
+            let (fast, portable) = on_both(|| {
+                let mut y = vec![0.0; n];
+                silu_mul(&g, up, &mut y);
+                let (mut dg, mut du) = (vec![0.0; n], vec![0.0; n]);
+                silu_mul_grad(&d, &g, up, &mut dg, with_up.then_some(&mut du[..]));
+                (y, dg, du)
+            });
+            // σ is within a few ulp on both paths (exp within 2 ulp, one add and one divide);
+            // products of a few such factors stay within 1e-6 relative.
+            for (a, b) in [
+                (&fast.0, &portable.0),
+                (&fast.1, &portable.1),
+                (&fast.2, &portable.2),
+            ] {
+                for (x, y) in a.iter().zip(b) {
+                    assert!((x - y).abs() <= 1e-6 * y.abs() + 1e-30, "{x} vs {y}");
+                }
+            }
+        }
     }
 
     fn tile_products() {
