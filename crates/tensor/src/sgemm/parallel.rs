@@ -1,10 +1,12 @@
-//! Splitting one product across threads: the output is cut into `t` slabs along `m` (rows)
-//! or `n` (columns), whichever divides into the more even slabs of whole register tiles (so no
-//! tile is shared; e.g. 2048 columns = 64 tiles split 32/32, where 2048 rows = 147 tiles would
-//! split 73/74). Each slab is an independent [`super::driver::gemm`] on one rayon worker
+//! Splitting one product across threads: the output is cut into `t` slabs of whole register
+//! tiles (so no tile is shared) along `m` (rows) or `n` (columns), whichever has more tiles
+//! (at 2048³: 147 row tiles split 73/74; the even 32/32 column split measured 2–5 % slower,
+//! since each thread then packs all of a row-major `A` whose 8 KiB stride rules out reading
+//! it in place). Each slab is an independent [`super::driver::gemm`] on one rayon worker
 //! of the budget pool, with that worker's own packing buffers: a row slab keeps its packed `A`
-//! in its own core's L2 and packs the `B` blocks it reads itself (re-packing `B` costs `k·n`
-//! copies per thread against `m·n·k/t` multiply-adds, under 0.1 % at the shapes we use).
+//! in its own core's L2 and packs the `B` blocks it reads itself. Re-packing `B` per thread
+//! costs ≈ 3 % of a 2048³ product (a memory-bound strided read), but one packed `B` shared by
+//! two threads measured 2–4 % slower still: half of every block then crosses between cores.
 
 use super::blocking::{MR, NR};
 use super::{driver, MatRef};
