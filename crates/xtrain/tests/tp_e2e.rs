@@ -61,9 +61,16 @@ fn tp2_dp2_matches_dp2_and_resumes_at_tp1() {
     assert_eq!(tp.len(), 4);
     assert_eq!(tp, dp, "tp × dp vs dp losses");
     // Two steps at tp = 2, then resume the remaining two at tp = 1 (dp = 2 as before).
-    let first = losses(&train(&tp_args, 2, &dir.join("cut")));
-    let ckpt = dir.join("cut/tp-checkpoint");
-    assert!(ckpt.join("tp-1").is_dir());
+    // Checkpoints every step: step 1 periodic, step 2 at the end, `latest` naming step 2.
+    let cut_args = [&tp_args[..], &["--set", "train.ckpt_every=1"]].concat();
+    let first = losses(&train(&cut_args, 2, &dir.join("cut")));
+    let ckpt = dir.join("cut");
+    for step in ["step_000001", "step_000002"] {
+        assert!(ckpt.join("tp-checkpoints").join(step).join("tp-1").is_dir());
+    }
+    let latest = std::fs::read_to_string(ckpt.join("latest")).unwrap();
+    assert_eq!(latest.trim(), "tp-checkpoints/step_000002");
+    // Resumed from the run directory: `latest` names the newest complete tp checkpoint.
     let resumed = train(
         &[
             "--nproc",

@@ -4,11 +4,13 @@
 //! stream is the data-parallel one, indexed by the dp coordinate (all tp ranks of a replica
 //! read the same batch).
 //!
-//! Checkpoints: tp rank `r` saves its engine's sharded checkpoint under `dir/tp-r`. Loading
-//! reads every `tp-*` directory of a checkpoint saved at any tp (and dp / ZeRO) size, rebuilds
+//! Checkpoints: with a run directory `out`, tp rank `r` saves its engine's sharded checkpoint
+//! under `out/tp-checkpoints/step_NNNNNN/tp-r` every `train.ckpt_every` steps and at the end;
+//! once every rank has written its part, rank 0 points `out/latest` at the step (so a save cut
+//! short never becomes the one resumed from: [`resolve`] follows `latest`). Loading reads every `tp-*` directory of a checkpoint saved at any tp (and dp / ZeRO) size, rebuilds
 //! each old tp shard's full local state, re-cuts parameters *and* AdamW moments through the full
 //! layout for this tp size ([`TpPlan::reshard_from`]), and restores the engine.
-use std::path::Path;
+use std::path::{Path, PathBuf};
 
 use comm::{Communicator, DeviceMesh};
 use train::config::Precision as TrainPrecision;
@@ -36,6 +38,42 @@ fn unit_sizes(plan: &TpPlan) -> Vec<usize> {
     u.extend((0..l.num_blocks()).map(|i| l.block_range(i).len()));
     u.push(l.head_range().len());
     u
+}
+
+/// Where a run's tensor-parallel checkpoints live, below its run directory.
+pub const DIR: &str = "tp-checkpoints";
+
+/// Resolves a `--resume` argument to a tensor-parallel checkpoint: a directory holding `tp-0`,
+/// or a run directory whose `latest` names one. `None` when it is neither.
+pub fn resolve(path: &Path) -> Option<PathBuf> {
+    let is_tp = |d: &Path| d.join("tp-0").is_dir();
+    if is_tp(path) {
+        return Some(path.to_path_buf());
+    }
+    let name = std::fs::read_to_string(path.join("latest")).ok()?;
+    let dir = path.join(name.trim());
+    is_tp(&dir).then_some(dir)
+}
+
+/// Saves step `step` of every tp rank into `out/tp-checkpoints/step_NNNNNN/tp-r` and, once all
+/// ranks have written theirs, points `out/latest` at it. A collective over the world.
+fn save(
+    engine: &DataParallel<StagedTp>,
+    world: &comm::ProcessGroup,
+    out: &Path,
+    tp_rank: usize,
+    step: usize,
+) -> Result<(), ParallelError> {
+    let name = format!("{DIR}/step_{step:06}");
+    engine.save_checkpoint(&out.join(&name).join(format!("tp-{tp_rank}")))?;
+    // `latest` moves only after every tp rank's part is on disk.
+    world.barrier()?;
+    if world.rank() == 0 {
+        train::checkpoint::set_latest(out, &name)
+            .map_err(|e| ParallelError::Checkpoint(e.to_string()))?;
+    }
+    world.barrier()?;
+    Ok(())
 }
 
 /// This tp rank's engine state from a checkpoint saved at any tp size (see the module doc).
@@ -78,11 +116,12 @@ pub fn load_resharded(dir: &Path, plan: &TpPlan, rank: usize) -> Result<ShardSta
 }
 
 /// Trains `cfg.train.steps` steps on this rank (optionally resuming from `resume`, saved at
-/// any tp size); `checkpoint` receives the checkpoint at the end. Every rank calls it.
+/// any tp size); with a run directory `out`, checkpoints are saved as the module doc says.
+/// Every rank calls it.
 pub fn run(
     cfg: &RunConfig,
     comm: &Communicator,
-    checkpoint: Option<&Path>,
+    out: Option<&Path>,
     resume: Option<&Path>,
     log: bool,
 ) -> Result<DpRunSummary, ParallelError> {
@@ -212,6 +251,12 @@ pub fn run(
             );
         }
         losses.push(s.loss);
+        let done = step + 1;
+        if let Some(out) = out {
+            if t.ckpt_every > 0 && done % t.ckpt_every == 0 && done < t.steps {
+                save(&engine, comm.world(), out, tp_rank, done)?;
+            }
+        }
     }
     if log && rank == 0 && !step_ms.is_empty() {
         let median = |v: &[f64]| {
@@ -229,8 +274,8 @@ pub fn run(
             st - cm
         );
     }
-    if let Some(dir) = checkpoint {
-        engine.save_checkpoint(&dir.join(format!("tp-{tp_rank}")))?;
+    if let Some(out) = out {
+        save(&engine, comm.world(), out, tp_rank, t.steps.max(first))?;
     }
     Ok(DpRunSummary {
         losses,

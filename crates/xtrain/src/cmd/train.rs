@@ -68,7 +68,10 @@ pub fn run_cmd(a: TrainArgs) -> Result<()> {
     overrides.extend(a.overrides.iter().cloned());
     // A tensor-parallel checkpoint (`tp-*` shards) resumes through the parallel path, at any
     // tp size; its layout flags are given again on the command line.
-    let tp_resume = a.resume.as_deref().filter(|d| d.join("tp-0").is_dir());
+    let tp_resume = a
+        .resume
+        .as_deref()
+        .and_then(parallel::tensor_parallel::worker::resolve);
     if a.resume.is_none() || tp_resume.is_some() {
         let cfg = RunConfig::load(&a.preset, a.config.as_deref(), &overrides)?;
         if super::train_dp::wants_dp(&cfg) {
@@ -76,7 +79,7 @@ pub fn run_cmd(a: TrainArgs) -> Result<()> {
                 .out
                 .clone()
                 .unwrap_or_else(|| PathBuf::from("runs").join(&a.preset));
-            return super::train_dp::run(&cfg, Some(&out), tp_resume);
+            return super::train_dp::run(&cfg, Some(&out), tp_resume.as_deref());
         }
     }
     // A sharded (data-parallel) checkpoint resumes data-parallel, at the dp size and stage of

@@ -21,7 +21,7 @@ pub fn wants_dp(cfg: &RunConfig) -> bool {
 /// `--dp N / tp`. With `--tp` / `--sp` (or a tensor-parallel checkpoint, `tp-*` shards, as
 /// `resume`) the workers run the `dp × tp` trainer of [`parallel::tensor_parallel::worker`].
 pub fn run(cfg: &RunConfig, out: Option<&Path>, resume: Option<&Path>) -> Result<()> {
-    let tp_resume = resume.filter(|d| d.join("tp-0").is_dir());
+    let tp_resume = resume.and_then(parallel::tensor_parallel::worker::resolve);
     let mut cfg = cfg.clone();
     if cfg.parallel.dp == 1 && cfg.parallel.nproc > cfg.parallel.tp {
         cfg.parallel.dp = cfg.parallel.nproc / cfg.parallel.tp.max(1);
@@ -48,16 +48,18 @@ pub fn run(cfg: &RunConfig, out: Option<&Path>, resume: Option<&Path>) -> Result
     }
     let (comm, _) = comm::env::init_from_env()?;
     if cfg.parallel.tp > 1 || cfg.parallel.sp || tp_resume.is_some() {
-        let ckpt = out.map(|o| o.join("tp-checkpoint"));
         let s =
-            parallel::tensor_parallel::worker::run(cfg, &comm, ckpt.as_deref(), tp_resume, true)?;
+            parallel::tensor_parallel::worker::run(cfg, &comm, out, tp_resume.as_deref(), true)?;
         if comm.world().rank() == 0 {
             println!(
                 "loss {:.4} -> {:.4}{}",
                 s.losses.first().copied().unwrap_or(f32::NAN),
                 s.losses.last().copied().unwrap_or(f32::NAN),
-                ckpt.map(|c| format!(" ; tp-sharded checkpoint {}", c.display()))
-                    .unwrap_or_default()
+                out.map(|o| format!(
+                    " ; tp-sharded checkpoints in {}",
+                    o.join(parallel::tensor_parallel::worker::DIR).display()
+                ))
+                .unwrap_or_default()
             );
         }
         return Ok(());
