@@ -201,6 +201,20 @@ impl ParamLayout {
     pub fn head_range(&self) -> Range<usize> {
         self.head.clone()
     }
+    /// The model's parts in order, as flat ranges: embedding, each block, head (the units a
+    /// data-parallel or pipeline engine schedules).
+    pub fn part_ranges(&self) -> Vec<Range<usize>> {
+        let mut out = vec![self.embed_range()];
+        out.extend(self.blocks.iter().cloned());
+        out.push(self.head_range());
+        out
+    }
+    /// Every tensor's flat range, in buffer order.
+    pub fn tensor_ranges(&self) -> Vec<Range<usize>> {
+        let mut t: Vec<_> = self.entries.iter().map(|e| e.view.range()).collect();
+        t.sort_by_key(|r| r.start);
+        t
+    }
     /// Look a tensor up by its HF name.
     pub fn get(&self, name: &str) -> Option<&ParamEntry> {
         self.entries.iter().find(|e| e.name == name)

@@ -77,23 +77,11 @@ impl StagedModel for StagedLlm {
     type Cache = LlmCache;
 
     fn units(&self) -> Vec<Range<usize>> {
-        let l = &self.model.layout;
-        let mut out = vec![l.embed_range()];
-        out.extend((0..self.blocks()).map(|i| l.block_range(i)));
-        out.push(l.head_range());
-        out
+        self.model.layout.part_ranges()
     }
 
     fn tensors(&self) -> Vec<Range<usize>> {
-        let mut t: Vec<_> = self
-            .model
-            .layout
-            .entries
-            .iter()
-            .map(|e| e.view.range())
-            .collect();
-        t.sort_by_key(|r| r.start);
-        t
+        self.model.layout.tensor_ranges()
     }
 
     fn forward(

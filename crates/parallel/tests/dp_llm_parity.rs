@@ -3,8 +3,8 @@
 //! `forward_backward` over the same global batch (same micro-batch partition, so the MoE
 //! auxiliary loss — a per-micro-batch quantity — is the same objective). fp32, 5 steps: every
 //! loss and every parameter within 1e-5 relative.
-use model::optim::{clip_factor, grad_sq_sum, scale_grads, AdamW};
-use model::{Model, ModelConfig, StepOptions};
+use model::optim::AdamW;
+use model::{Model, ModelConfig};
 use parallel::engine::{DataParallel, DpConfig};
 use parallel::llm::StagedLlm;
 use parallel::memory::{Precision, ZeroStage};
@@ -36,43 +36,9 @@ fn dp_config(stage: ZeroStage) -> DpConfig {
     }
 }
 
-/// Single process: the whole global batch as `n_micro` accumulated micro-batches.
+/// Single process: each step's global batch as `n_micro` accumulated micro-batches.
 fn reference(model: &Model, n_micro: usize) -> (Vec<f32>, Vec<f32>) {
-    let cfg = dp_config(ZeroStage::Ddp);
-    let mut p = model.init_params(3);
-    let (mut m, mut v) = (vec![0.0; p.len()], vec![0.0; p.len()]);
-    let micro = GLOBAL / n_micro;
-    let mut losses = Vec::new();
-    for step in 0..STEPS {
-        let mut g = vec![0.0; p.len()];
-        let mut loss = 0.0;
-        for a in 0..n_micro {
-            let b = rows(&model.cfg, step * GLOBAL + a * micro, micro);
-            let opts = StepOptions {
-                loss_scale: 1.0 / n_micro as f32,
-                ..StepOptions::default()
-            };
-            loss += model
-                .forward_backward(&p, &mut g, &b, &opts, &mut |_| {})
-                .unwrap()
-                .loss
-                / n_micro as f32;
-        }
-        losses.push(loss);
-        let (_, coef) = clip_factor(grad_sq_sum(&g), cfg.max_grad_norm.unwrap());
-        scale_grads(&mut g, coef);
-        let a = cfg.adamw;
-        a.update(
-            step as u64 + 1,
-            a.lr,
-            a.weight_decay,
-            &mut p,
-            &g,
-            &mut m,
-            &mut v,
-        );
-    }
-    (losses, p)
+    common::llm_reference(model, &dp_config(ZeroStage::Ddp), GLOBAL, STEPS, n_micro)
 }
 
 fn run(model: &Model, stage: ZeroStage, dp: usize, accum: usize) -> (Vec<f32>, Vec<f32>) {

@@ -6,24 +6,18 @@
 //! 5 AdamW steps and every parameter within 1e-5.
 use comm::testing::run_threads;
 use comm::DeviceMesh;
-use model::optim::{clip_factor, grad_sq_sum, scale_grads};
-use model::{AdamW, Batch, Model, ModelConfig, StepOptions};
+use model::{AdamW, Batch, Model, ModelConfig};
 use parallel::engine::{DataParallel, DpConfig};
 use parallel::memory::ZeroStage;
 use parallel::tensor_parallel::{StagedTp, TpModel};
 
-const SEQ: usize = 8;
+mod common;
+use common::rows;
+
 const GLOBAL: usize = 8;
 const STEPS: usize = 5;
 const DP: usize = 2;
 const TP: usize = 2;
-
-fn rows(cfg: &ModelConfig, start: usize, n: usize) -> Batch {
-    let ids: Vec<u32> = (start * SEQ..(start + n) * SEQ)
-        .map(|i| ((i as u64).wrapping_mul(0x9E3779B97F4A7C15) >> 40) as u32 % cfg.vocab_size as u32)
-        .collect();
-    Batch::next_token(n, SEQ, &ids).unwrap()
-}
 
 fn dp_config(stage: ZeroStage) -> DpConfig {
     DpConfig {
@@ -44,41 +38,7 @@ fn dp_config(stage: ZeroStage) -> DpConfig {
 
 /// Single process: each step's global batch as `n_micro` accumulated micro-batches.
 fn reference(model: &Model, n_micro: usize) -> (Vec<f32>, Vec<f32>) {
-    let cfg = dp_config(ZeroStage::Ddp);
-    let mut p = model.init_params(3);
-    let (mut m, mut v) = (vec![0.0; p.len()], vec![0.0; p.len()]);
-    let micro = GLOBAL / n_micro;
-    let mut losses = Vec::new();
-    for step in 0..STEPS {
-        let mut g = vec![0.0; p.len()];
-        let mut loss = 0.0;
-        for a in 0..n_micro {
-            let b = rows(&model.cfg, step * GLOBAL + a * micro, micro);
-            let opts = StepOptions {
-                loss_scale: 1.0 / n_micro as f32,
-                ..StepOptions::default()
-            };
-            loss += model
-                .forward_backward(&p, &mut g, &b, &opts, &mut |_| {})
-                .unwrap()
-                .loss
-                / n_micro as f32;
-        }
-        losses.push(loss);
-        let (_, coef) = clip_factor(grad_sq_sum(&g), cfg.max_grad_norm.unwrap());
-        scale_grads(&mut g, coef);
-        let a = cfg.adamw;
-        a.update(
-            step as u64 + 1,
-            a.lr,
-            a.weight_decay,
-            &mut p,
-            &g,
-            &mut m,
-            &mut v,
-        );
-    }
-    (losses, p)
+    common::llm_reference(model, &dp_config(ZeroStage::Ddp), GLOBAL, STEPS, n_micro)
 }
 
 /// `accum` micro-batches per dp rank and step; rank `d` takes micro-batches `d·accum..`.

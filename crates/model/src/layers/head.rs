@@ -212,6 +212,34 @@ impl Head {
         Ok(z)
     }
 
+    /// The LM head's gradients (`dxn` into the normed input, `g_lm` accumulated) by recomputing
+    /// the logits chunk by chunk from `cache`: the path when the forward's early gradients were
+    /// not kept or were made for another scale.
+    fn recompute_grads(
+        &self,
+        lm: &[f32],
+        cache: &HeadCache,
+        grad_scale: f32,
+        dxn: Option<&mut [f32]>,
+        g_lm: Option<&mut [f32]>,
+    ) -> Result<()> {
+        time(Kernel::Head, || {
+            fused_linear_ce_backward(
+                &cache.xn,
+                lm,
+                &cache.targets,
+                &cache.lse,
+                self.hidden(),
+                self.vocab,
+                &self.ce,
+                grad_scale,
+                dxn,
+                g_lm,
+            )
+        })?;
+        Ok(())
+    }
+
     /// Input gradient of `grad_scale · loss_sum`; the weight gradients are deferred.
     pub fn backward_input(
         &self,
@@ -224,20 +252,7 @@ impl Head {
             Some(e) => (e.dxn, Some(e.dw)),
             None => {
                 let mut dxn = vec![0.0; cache.x.len()];
-                time(Kernel::Head, || {
-                    fused_linear_ce_backward(
-                        &cache.xn,
-                        lm,
-                        &cache.targets,
-                        &cache.lse,
-                        self.hidden(),
-                        self.vocab,
-                        &self.ce,
-                        grad_scale,
-                        Some(&mut dxn),
-                        None,
-                    )
-                })?;
+                self.recompute_grads(lm, &cache, grad_scale, Some(&mut dxn), None)?;
                 (dxn, None)
             }
         };
@@ -265,24 +280,23 @@ impl Head {
         g_norm: &mut [f32],
         g_lm: &mut [f32],
     ) -> Result<()> {
-        time(Kernel::Head, || match &w.early_dw {
-            Some(dw) => {
-                add_into(g_lm, dw);
-                Ok(())
-            }
-            None => fused_linear_ce_backward(
-                &w.xn,
-                lm,
-                &w.targets,
-                &w.lse,
-                self.hidden(),
-                self.vocab,
-                &self.ce,
-                w.grad_scale,
-                None,
-                Some(g_lm),
-            ),
-        })?;
+        match &w.early_dw {
+            Some(dw) => time(Kernel::Head, || add_into(g_lm, dw)),
+            None => time(Kernel::Head, || {
+                fused_linear_ce_backward(
+                    &w.xn,
+                    lm,
+                    &w.targets,
+                    &w.lse,
+                    self.hidden(),
+                    self.vocab,
+                    &self.ce,
+                    w.grad_scale,
+                    None,
+                    Some(g_lm),
+                )
+            })?,
+        }
         time(Kernel::Norm, || {
             tensor::norm::rmsnorm_backward(
                 &w.dxn,
@@ -315,20 +329,7 @@ impl Head {
             }
             None => {
                 let mut dxn = vec![0.0; cache.x.len()];
-                time(Kernel::Head, || {
-                    fused_linear_ce_backward(
-                        &cache.xn,
-                        lm,
-                        &cache.targets,
-                        &cache.lse,
-                        self.hidden(),
-                        self.vocab,
-                        &self.ce,
-                        grad_scale,
-                        Some(&mut dxn),
-                        Some(g_lm),
-                    )
-                })?;
+                self.recompute_grads(lm, &cache, grad_scale, Some(&mut dxn), Some(g_lm))?;
                 dxn
             }
         };

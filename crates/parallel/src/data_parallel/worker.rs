@@ -35,6 +35,80 @@ pub struct DpRunSummary {
     pub formula: MemoryBytes,
 }
 
+/// What a data-parallel run (plain or with tensor parallelism inside each replica) reads from
+/// its config: the tokenizer, the dataset, the sampler of this dp rank and the learning-rate
+/// schedule.
+pub(crate) struct RunInputs {
+    pub tokenizer: Tokenizer,
+    pub data: Dataset,
+    pub sampler: Sampler,
+    pub schedule: CosineSchedule,
+}
+
+impl RunInputs {
+    /// Loads the tokenizer and dataset and builds dp rank `dp_rank`'s sampler and the schedule.
+    pub(crate) fn load(cfg: &RunConfig, dp_rank: usize) -> Result<RunInputs, ParallelError> {
+        let t = &cfg.train;
+        let tokenizer = Tokenizer::from_spec(&cfg.data.tokenizer).map_err(cfg_err)?;
+        let data = Dataset::load(
+            &cfg.data,
+            &tokenizer,
+            cfg.model.vocab_size,
+            cfg.model.seq_len,
+        )
+        .map_err(cfg_err)?;
+        let sampler = Sampler {
+            seed: t.seed,
+            seq_len: cfg.model.seq_len,
+            micro_batch: t.micro_batch,
+            grad_accum: t.grad_accum,
+            dp: cfg.parallel.dp,
+            rank: dp_rank,
+        };
+        let schedule = CosineSchedule {
+            peak: t.lr,
+            min: t.min_lr,
+            warmup: t.warmup_steps,
+            total: t.steps,
+        };
+        Ok(RunInputs {
+            tokenizer,
+            data,
+            sampler,
+            schedule,
+        })
+    }
+
+    /// This rank's micro-batches of training step `step`.
+    pub(crate) fn batches(&self, step: usize) -> Result<Vec<model::Batch>, ParallelError> {
+        (0..self.sampler.grad_accum)
+            .map(|a| {
+                let b = self.sampler.train_batch(&self.data.train, step as u64, a);
+                let targets = b.targets.iter().map(|&x| x as i64).collect();
+                model::Batch::new(b.batch, b.seq, b.inputs, targets).map_err(cfg_err)
+            })
+            .collect()
+    }
+}
+
+/// The engine settings of a run: stage, bucket size, AdamW and clipping from `cfg.train`.
+pub(crate) fn dp_config(cfg: &RunConfig, stage: ZeroStage, precision: Precision) -> DpConfig {
+    let (t, p) = (&cfg.train, &cfg.parallel);
+    DpConfig {
+        stage,
+        bucket_bytes: (p.bucket_mb * 1024.0 * 1024.0) as usize,
+        adamw: model::AdamW {
+            lr: t.lr as f32,
+            beta1: t.beta1 as f32,
+            beta2: t.beta2 as f32,
+            eps: t.eps as f32,
+            weight_decay: t.weight_decay as f32,
+        },
+        max_grad_norm: (t.grad_clip > 0.0).then_some(t.grad_clip as f32),
+        precision,
+    }
+}
+
 fn cfg_err(e: impl std::fmt::Display) -> ParallelError {
     ParallelError::Config(e.to_string())
 }
@@ -92,45 +166,12 @@ pub fn run(
         tensor::threads::set_thread_budget(t.threads).map_err(cfg_err)?;
     }
     let model = Model::new(model_config(cfg)).map_err(cfg_err)?;
-    let tokenizer = Tokenizer::from_spec(&cfg.data.tokenizer).map_err(cfg_err)?;
-    let data = Dataset::load(
-        &cfg.data,
-        &tokenizer,
-        cfg.model.vocab_size,
-        cfg.model.seq_len,
-    )
-    .map_err(cfg_err)?;
-    let (rank, world_size) = (world.rank(), world.size());
-    let sampler = Sampler {
-        seed: t.seed,
-        seq_len: cfg.model.seq_len,
-        micro_batch: t.micro_batch,
-        grad_accum: t.grad_accum,
-        dp: p.dp,
-        rank,
-    };
-    let schedule = CosineSchedule {
-        peak: t.lr,
-        min: t.min_lr,
-        warmup: t.warmup_steps,
-        total: t.steps,
-    };
+    let rank = world.rank();
+    let inputs = RunInputs::load(cfg, rank)?;
     // The process before any model state exists (code, threads, communicator, dataset): the
     // baseline that the accounted bytes come on top of.
     let baseline_kib = rss_kib("VmRSS:");
-    let dp_cfg = DpConfig {
-        stage,
-        bucket_bytes: (p.bucket_mb * 1024.0 * 1024.0) as usize,
-        adamw: model::AdamW {
-            lr: t.lr as f32,
-            beta1: t.beta1 as f32,
-            beta2: t.beta2 as f32,
-            eps: t.eps as f32,
-            weight_decay: t.weight_decay as f32,
-        },
-        max_grad_norm: (t.grad_clip > 0.0).then_some(t.grad_clip as f32),
-        precision,
-    };
+    let dp_cfg = dp_config(cfg, stage, precision);
     // Each rank generates only the initial parameters it keeps (its shard at ZeRO-3).
     let staged = StagedLlm::new(model)?;
     let init_model = staged.model.clone();
@@ -173,14 +214,8 @@ pub fn run(
     let mut losses = Vec::with_capacity(t.steps);
     let mut step_ms_all = Vec::with_capacity(t.steps);
     for step in start..t.steps {
-        let batches = (0..t.grad_accum)
-            .map(|a| {
-                let b = sampler.train_batch(&data.train, step as u64, a);
-                let targets = b.targets.iter().map(|&x| x as i64).collect();
-                model::Batch::new(b.batch, b.seq, b.inputs, targets).map_err(cfg_err)
-            })
-            .collect::<Result<Vec<_>, _>>()?;
-        let lr = schedule.lr(step);
+        let batches = inputs.batches(step)?;
+        let lr = inputs.schedule.lr(step);
         engine.set_lr(lr as f32);
         let t0 = std::time::Instant::now();
         let s = engine.train_step(&batches)?;
@@ -216,7 +251,7 @@ pub fn run(
             // at the end, on the same fixed held-out micro-batches (every rank evaluates all
             // of them with the same weights, so ZeRO-3's gathers stay matched).
             let val = if (t.eval_every > 0 && done % t.eval_every == 0) || done == t.steps {
-                evaluate(&mut engine, cfg, &sampler, &data)?
+                evaluate(&mut engine, cfg, &inputs.sampler, &inputs.data)?
             } else {
                 None
             };
@@ -268,7 +303,7 @@ pub fn run(
             kib(rss_kib("VmHWM:")),
             kib(baseline_kib),
         ];
-        let mut all = vec![0i64; mine.len() * world_size];
+        let mut all = vec![0i64; mine.len() * engine.group().size()];
         engine.group().all_gather(&mine, &mut all)?;
         if let Some(l) = &run_log {
             l.write_memory(&engine.formula(), stage, precision, &all)?;
@@ -292,7 +327,8 @@ pub fn run(
                     context: cfg.model.seq_len,
                 };
                 let m = &engine.model().model;
-                let text = generate(m, &full, &tokenizer, &t.sample_prompt, &o).map_err(cfg_err)?;
+                let text =
+                    generate(m, &full, &inputs.tokenizer, &t.sample_prompt, &o).map_err(cfg_err)?;
                 println!("sample: {}{text}", t.sample_prompt);
             }
         }

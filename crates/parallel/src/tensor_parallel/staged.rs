@@ -64,24 +64,11 @@ impl StagedModel for StagedTp {
     type Cache = TpCache;
 
     fn units(&self) -> Vec<Range<usize>> {
-        let l = &self.tp.local.layout;
-        let mut out = vec![l.embed_range()];
-        out.extend((0..self.blocks()).map(|i| l.block_range(i)));
-        out.push(l.head_range());
-        out
+        self.tp.local.layout.part_ranges()
     }
 
     fn tensors(&self) -> Vec<Range<usize>> {
-        let mut t: Vec<_> = self
-            .tp
-            .local
-            .layout
-            .entries
-            .iter()
-            .map(|e| e.view.range())
-            .collect();
-        t.sort_by_key(|r| r.start);
-        t
+        self.tp.local.layout.tensor_ranges()
     }
 
     fn forward(

@@ -14,17 +14,15 @@ use std::path::{Path, PathBuf};
 
 use comm::{Communicator, DeviceMesh};
 use train::config::Precision as TrainPrecision;
-use train::data::{Dataset, Sampler, Tokenizer};
-use train::schedule::CosineSchedule;
 use train::RunConfig;
 
 use super::model::TpModel;
 use super::plan::TpPlan;
 use super::staged::StagedTp;
 use crate::checkpoint::{load_shards, reshard_buffer};
-use crate::engine::{DataParallel, DpConfig, ShardState};
+use crate::engine::{DataParallel, ShardState};
 use crate::memory::ZeroStage;
-use crate::worker::{model_config, DpRunSummary};
+use crate::worker::{dp_config, model_config, DpRunSummary, RunInputs};
 use crate::ParallelError;
 
 fn cfg_err(e: impl std::fmt::Display) -> ParallelError {
@@ -153,41 +151,8 @@ pub fn run(
     let tp = TpModel::new(&mc, tp_group, p.sp)?;
     tp.plan.check_seq(cfg.model.seq_len)?;
     let plan = tp.plan.clone();
-    let tokenizer = Tokenizer::from_spec(&cfg.data.tokenizer).map_err(cfg_err)?;
-    let data = Dataset::load(
-        &cfg.data,
-        &tokenizer,
-        cfg.model.vocab_size,
-        cfg.model.seq_len,
-    )
-    .map_err(cfg_err)?;
-    let sampler = Sampler {
-        seed: t.seed,
-        seq_len: cfg.model.seq_len,
-        micro_batch: t.micro_batch,
-        grad_accum: t.grad_accum,
-        dp: p.dp,
-        rank: dp_rank,
-    };
-    let schedule = CosineSchedule {
-        peak: t.lr,
-        min: t.min_lr,
-        warmup: t.warmup_steps,
-        total: t.steps,
-    };
-    let dp_cfg = DpConfig {
-        stage,
-        bucket_bytes: (p.bucket_mb * 1024.0 * 1024.0) as usize,
-        adamw: model::AdamW {
-            lr: t.lr as f32,
-            beta1: t.beta1 as f32,
-            beta2: t.beta2 as f32,
-            eps: t.eps as f32,
-            weight_decay: t.weight_decay as f32,
-        },
-        max_grad_norm: (t.grad_clip > 0.0).then_some(t.grad_clip as f32),
-        precision: crate::memory::Precision::Fp32,
-    };
+    let inputs = RunInputs::load(cfg, dp_rank)?;
+    let dp_cfg = dp_config(cfg, stage, crate::memory::Precision::Fp32);
     let init = tp.shard_params(
         &model::Model::new(mc.clone())
             .map_err(cfg_err)?
@@ -221,14 +186,8 @@ pub fn run(
     let mut step_ms = Vec::new();
     let mut comm_ms = Vec::new();
     for step in first..t.steps {
-        let batches = (0..t.grad_accum)
-            .map(|a| {
-                let b = sampler.train_batch(&data.train, step as u64, a);
-                let targets = b.targets.iter().map(|&x| x as i64).collect();
-                model::Batch::new(b.batch, b.seq, b.inputs, targets).map_err(cfg_err)
-            })
-            .collect::<Result<Vec<_>, _>>()?;
-        engine.set_lr(schedule.lr(step) as f32);
+        let batches = inputs.batches(step)?;
+        engine.set_lr(inputs.schedule.lr(step) as f32);
         let c0 = engine.model().tp.region.comm_nanos();
         let t0 = std::time::Instant::now();
         let s = engine.train_step(&batches)?;

@@ -133,3 +133,49 @@ pub fn rows(cfg: &model::ModelConfig, start: usize, n: usize) -> model::Batch {
         .collect();
     model::Batch::next_token(n, SEQ, &ids).unwrap()
 }
+
+/// The single-process reference for the decoders: `steps` steps, each over global batch rows
+/// `step·global..` as `n_micro` accumulated micro-batches, then clipping and AdamW from `cfg`.
+/// Returns (losses, final parameters).
+pub fn llm_reference(
+    model: &model::Model,
+    cfg: &DpConfig,
+    global: usize,
+    steps: usize,
+    n_micro: usize,
+) -> (Vec<f32>, Vec<f32>) {
+    let mut p = model.init_params(3);
+    let (mut m, mut v) = (vec![0.0; p.len()], vec![0.0; p.len()]);
+    let micro = global / n_micro;
+    let mut losses = Vec::new();
+    for step in 0..steps {
+        let mut g = vec![0.0; p.len()];
+        let mut loss = 0.0;
+        for a in 0..n_micro {
+            let b = rows(&model.cfg, step * global + a * micro, micro);
+            let opts = model::StepOptions {
+                loss_scale: 1.0 / n_micro as f32,
+                ..model::StepOptions::default()
+            };
+            loss += model
+                .forward_backward(&p, &mut g, &b, &opts, &mut |_| {})
+                .unwrap()
+                .loss
+                / n_micro as f32;
+        }
+        losses.push(loss);
+        let (_, coef) = clip_factor(grad_sq_sum(&g), cfg.max_grad_norm.unwrap());
+        scale_grads(&mut g, coef);
+        let a = cfg.adamw;
+        a.update(
+            step as u64 + 1,
+            a.lr,
+            a.weight_decay,
+            &mut p,
+            &g,
+            &mut m,
+            &mut v,
+        );
+    }
+    (losses, p)
+}
