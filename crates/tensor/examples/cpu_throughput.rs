@@ -62,8 +62,8 @@ fn ab_gemm(threads: usize, [m, k, n]: [usize; 3], [ta, tb]: [bool; 2], rounds: u
     let mut c = vec![0.0; m * n];
     let flops = 2.0 * (m * n * k) as f64;
     let reps = ((4e9 / flops) as usize).clamp(1, 200);
-    let backends = [Backend::Own, Backend::Crate];
-    let mut res = [[vec![], vec![]], [vec![], vec![]]];
+    let backends = [Backend::Own, Backend::Crate, Backend::Amx];
+    let mut res = [[vec![], vec![]], [vec![], vec![]], [vec![], vec![]]];
     for _ in 0..rounds {
         for (bi, &be) in backends.iter().enumerate() {
             let (cpu, wall) = measure(flops, reps, || {
@@ -74,10 +74,10 @@ fn ab_gemm(threads: usize, [m, k, n]: [usize; 3], [ta, tb]: [bool; 2], rounds: u
             res[bi][1].push(wall);
         }
     }
-    let [own, krate] = res.map(|[mut cpu, mut wall]| (median(&mut cpu), median(&mut wall)));
+    let [own, krate, amx] = res.map(|[mut cpu, mut wall]| (median(&mut cpu), median(&mut wall)));
     println!(
-        "gemm m={m} k={k} n={n} ta={} tb={}: own {:.1} GFLOP/cpu-s {:.1} GFLOP/s wall | gemm crate {:.1} / {:.1} | own/crate wall {:.2}",
-        ta as u8, tb as u8, own.0, own.1, krate.0, krate.1, own.1 / krate.1
+        "gemm m={m} k={k} n={n} ta={} tb={}: own {:.1} GFLOP/cpu-s {:.1} GFLOP/s wall | gemm crate {:.1} / {:.1} | amx {:.1} / {:.1} | own/crate wall {:.2} amx/own {:.2}",
+        ta as u8, tb as u8, own.0, own.1, krate.0, krate.1, amx.0, amx.1, own.1 / krate.1, amx.1 / own.1
     );
 }
 

@@ -100,6 +100,9 @@ pub enum Backend {
     Own,
     /// The `gemm` crate.
     Crate,
+    /// The own SGEMM on the AMX tile unit ([`crate::sgemm::amx`], exact bf16 split, fp32
+    /// accuracy); where AMX is unavailable, the same choice as [`Backend::Auto`] without AMX.
+    Amx,
 }
 
 /// [`matmul`] with an explicit backend and thread count (`threads: None` runs serially);
@@ -152,6 +155,7 @@ pub fn default_backend() -> Backend {
     *B.get_or_init(|| match std::env::var(GEMM_ENV).as_deref().map(str::trim) {
         Ok("own") => Backend::Own,
         Ok("crate") => Backend::Crate,
+        Ok("amx") => Backend::Amx,
         _ => Backend::Auto,
     })
 }
@@ -263,16 +267,28 @@ pub unsafe fn gemm_raw_using(
         } else {
             None
         };
-        let own = own.filter(|&(_, _, _, sa, _, sb, m, _)| {
-            backend == Backend::Own || own_is_faster(sa, sb, m)
+        let amx = sgemm::Kernel::Amx.available();
+        let own = own.and_then(|o @ (_, _, _, sa, _, sb, m, n)| {
+            let kernel = match backend {
+                Backend::Own => sgemm::Kernel::Fma,
+                Backend::Amx | Backend::Auto
+                    if amx && (backend == Backend::Amx || amx_is_faster(m, k, n)) =>
+                {
+                    sgemm::Kernel::Amx
+                }
+                _ if own_is_faster(sa, sb, m) => sgemm::Kernel::Fma,
+                _ => return None,
+            };
+            Some((kernel, o))
         });
-        if let Some((c, ldc, a, sa, b, sb, m, n)) = own {
+        if let Some((kernel, (c, ldc, a, sa, b, sb, m, n))) = own {
             let mat = |p: *const f32, s: Strides| sgemm::MatRef {
                 ptr: p,
                 rs: s.row,
                 cs: s.col,
             };
-            sgemm::sgemm(
+            sgemm::sgemm_with(
+                kernel,
                 c,
                 ldc,
                 mat(a, sa),
@@ -337,6 +353,13 @@ pub unsafe fn gemm_raw_using(
 #[cfg(target_arch = "x86_64")]
 fn own_is_faster(sa: Strides, sb: Strides, m: usize) -> bool {
     sa.col != 1 || (sb.col != 1 && m <= 512)
+}
+
+/// The dispatch rule of [`Backend::Auto`] on CPUs with AMX: the AMX kernel unless the
+/// product is too small to amortise its 32 × 32 × 32 padding and packing.
+#[cfg(target_arch = "x86_64")]
+fn amx_is_faster(m: usize, k: usize, n: usize) -> bool {
+    m >= 16 && n >= 16 && k >= 16 && m.saturating_mul(n).saturating_mul(k) >= 64 * 64 * 64
 }
 
 /// Raw pointer that may cross into the pool (the caller guarantees exclusive access).
@@ -422,7 +445,7 @@ mod tests {
         // Both backends through matmul_using, and gemm_raw with a column-major C (the own
         // kernel computes it as the transposed product) and strided inputs.
         let (m, k, n) = (37, 45, 29);
-        for backend in [Backend::Own, Backend::Crate, Backend::Auto] {
+        for backend in [Backend::Own, Backend::Crate, Backend::Auto, Backend::Amx] {
             for threads in [None, Some(2)] {
                 for (ta, tb) in [(false, false), (true, false), (false, true), (true, true)] {
                     let a = rand_vec(m * k, 4);

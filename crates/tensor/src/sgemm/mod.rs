@@ -8,7 +8,12 @@
 //! row-major `A` whose rows do not alias in L1 is read in place where that measured faster);
 //! `C` is row-major with a leading dimension. Callers check [`available`] first; on other
 //! CPUs [`crate::gemm`] uses the `gemm` crate.
+//!
+//! A second micro-kernel, [`amx`], computes the same fp32 product on the AMX tile unit from
+//! an exact three-way bf16 split of the operands ([`Kernel::Amx`]); it shares the threading
+//! ([`parallel`]) and the staging of strided operands ([`pack`]).
 
+pub mod amx;
 mod blocking;
 mod driver;
 mod kernel;
@@ -62,15 +67,54 @@ pub fn available() -> bool {
     }
 }
 
+/// The micro-kernel of a product.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Kernel {
+    /// AVX-512 FMA, 14 × 32 register tile ([`kernel`]).
+    Fma,
+    /// AMX tiles on the exact bf16 split ([`amx`]), 32 × 32 blocks.
+    Amx,
+}
+
+impl Kernel {
+    /// Whether this CPU (and OS, for AMX) can run the kernel.
+    pub fn available(self) -> bool {
+        match self {
+            Kernel::Fma => available(),
+            Kernel::Amx => available() && amx::available(),
+        }
+    }
+}
+
+/// [`sgemm_with`] on the AVX-512 FMA kernel.
+///
+/// # Safety
+/// As for [`sgemm_with`] with [`Kernel::Fma`].
+#[allow(clippy::too_many_arguments)]
+pub unsafe fn sgemm(
+    c: *mut f32,
+    ldc: usize,
+    a: MatRef,
+    b: MatRef,
+    m: usize,
+    k: usize,
+    n: usize,
+    accumulate: bool,
+    threads: usize,
+) {
+    sgemm_with(Kernel::Fma, c, ldc, a, b, m, k, n, accumulate, threads)
+}
+
 /// `C[m × n] (+)= A[m × k] · B[k × n]` with `C(i, j) = c[i·ldc + j]`, on up to `threads`
 /// threads of the budget pool (`threads ≤ 1` runs on the calling thread). `k = 0` writes
 /// zeros (or leaves `C` when accumulating).
 ///
 /// # Safety
-/// [`available`] must be true; every addressed element of `A`, `B` and `C` must be in bounds;
+/// `kernel.available()` must be true; every addressed element of `A`, `B` and `C` must be in bounds;
 /// `C` must not overlap `A` or `B` and must not be accessed by anyone else during the call.
 #[allow(clippy::too_many_arguments)]
-pub unsafe fn sgemm(
+pub unsafe fn sgemm_with(
+    kernel: Kernel,
     c: *mut f32,
     ldc: usize,
     a: MatRef,
@@ -92,5 +136,5 @@ pub unsafe fn sgemm(
         }
         return;
     }
-    parallel::run(c, ldc, a, b, [m, k, n], accumulate, threads)
+    parallel::run(kernel, c, ldc, a, b, [m, k, n], accumulate, threads)
 }

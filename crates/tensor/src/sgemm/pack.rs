@@ -87,7 +87,7 @@ pub(super) unsafe fn pack_b(dst: &mut [f32], b: MatRef, kc: usize, nc: usize) {
 /// One panel of width `W ≤ 32`: `panel[p·W + i] = src[i·s_i + p·s_p]`
 /// for `i < w`, zero for `w ≤ i < W`.
 #[target_feature(enable = "avx512f")]
-unsafe fn pack_panel<const W: usize>(
+pub(super) unsafe fn pack_panel<const W: usize>(
     panel: &mut [f32],
     src: *const f32,
     s_i: isize,

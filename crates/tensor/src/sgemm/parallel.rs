@@ -9,7 +9,7 @@
 //! two threads measured 2–4 % slower still: half of every block then crosses between cores.
 
 use super::blocking::{MR, NR};
-use super::{driver, MatRef};
+use super::{amx, driver, Kernel, MatRef};
 use crate::threads;
 use rayon::prelude::*;
 
@@ -28,8 +28,13 @@ struct Shared {
 unsafe impl Send for Shared {}
 unsafe impl Sync for Shared {}
 
-/// See [`super::sgemm`] (`k ≥ 1`, `m, n ≥ 1`).
+/// The single-threaded loop nest of each kernel.
+type Driver = unsafe fn(*mut f32, usize, MatRef, MatRef, usize, usize, usize, bool);
+
+/// See [`super::sgemm_with`] (`k ≥ 1`, `m, n ≥ 1`).
+#[allow(clippy::too_many_arguments)]
 pub(super) unsafe fn run(
+    kernel: Kernel,
     c: *mut f32,
     ldc: usize,
     a: MatRef,
@@ -38,13 +43,17 @@ pub(super) unsafe fn run(
     accumulate: bool,
     threads: usize,
 ) {
-    let (tiles_m, tiles_n) = (m.div_ceil(MR), n.div_ceil(NR));
+    let (gemm, mr, nr): (Driver, usize, usize) = match kernel {
+        Kernel::Fma => (driver::gemm, MR, NR),
+        Kernel::Amx => (amx::gemm, 32, 32),
+    };
+    let (tiles_m, tiles_n) = (m.div_ceil(mr), n.div_ceil(nr));
     let by_rows = tiles_m >= tiles_n;
     let tiles = if by_rows { tiles_m } else { tiles_n };
     let work = m.saturating_mul(n).saturating_mul(k);
     let t = threads.min(tiles).min(work / MIN_WORK_PER_THREAD).max(1);
     if t == 1 {
-        return driver::gemm(c, ldc, a, b, m, k, n, accumulate);
+        return gemm(c, ldc, a, b, m, k, n, accumulate);
     }
     let sh = Shared { c, a, b };
     threads::install(move || {
@@ -55,13 +64,13 @@ pub(super) unsafe fn run(
             // others; the caller's bounds guarantee covers every sub-view.
             unsafe {
                 if by_rows {
-                    let (i0, i1) = (t0 * MR, (t1 * MR).min(m));
+                    let (i0, i1) = (t0 * mr, (t1 * mr).min(m));
                     let cq = sh.c.add(i0 * ldc);
-                    driver::gemm(cq, ldc, sh.a.sub(i0, 0), sh.b, i1 - i0, k, n, accumulate);
+                    gemm(cq, ldc, sh.a.sub(i0, 0), sh.b, i1 - i0, k, n, accumulate);
                 } else {
-                    let (j0, j1) = (t0 * NR, (t1 * NR).min(n));
+                    let (j0, j1) = (t0 * nr, (t1 * nr).min(n));
                     let cq = sh.c.add(j0);
-                    driver::gemm(cq, ldc, sh.a, sh.b.sub(0, j0), m, k, j1 - j0, accumulate);
+                    gemm(cq, ldc, sh.a, sh.b.sub(0, j0), m, k, j1 - j0, accumulate);
                 }
             }
         })

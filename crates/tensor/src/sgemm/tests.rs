@@ -3,7 +3,7 @@
 //! larger buffers, several thread counts, and random shapes (proptest).
 
 use super::blocking::{KC, MC, MR, NC, NR};
-use super::{available, sgemm, MatRef};
+use super::{available, sgemm_with, Kernel, MatRef};
 use crate::testutil::rand_vec;
 use proptest::prelude::*;
 
@@ -35,10 +35,19 @@ fn layout(r: usize, c: usize, trans: bool, pad: usize) -> (usize, isize, isize) 
     }
 }
 
-/// Runs the case through [`sgemm`] and the reference; returns the max error over `C`'s
+/// Runs the case through every available kernel; see [`run_on`].
+fn run(case: Case) {
+    for kernel in [Kernel::Fma, Kernel::Amx] {
+        if kernel.available() {
+            run_on(kernel, case);
+        }
+    }
+}
+
+/// Runs the case through [`sgemm_with`] and the reference; returns the max error over `C`'s
 /// elements relative to the error bound `k·2⁻²³·Σ|a||b|`-style scale, and checks that the
 /// padding of `C` is untouched.
-fn run(case: Case) {
+fn run_on(kernel: Kernel, case: Case) {
     let Case {
         m,
         k,
@@ -58,7 +67,8 @@ fn run(case: Case) {
     let mut c = c0.clone();
     // SAFETY: every (i, p) / (p, j) / (i, j) in range addresses inside a / b / c by layout().
     unsafe {
-        sgemm(
+        sgemm_with(
+            kernel,
             c.as_mut_ptr(),
             ldc,
             MatRef {
@@ -85,7 +95,7 @@ fn run(case: Case) {
                 assert_eq!(
                     got,
                     c0[i * ldc + j],
-                    "{case:?}: padding C({i}, {j}) written"
+                    "{kernel:?} {case:?}: padding C({i}, {j}) written"
                 );
                 continue;
             }
@@ -107,7 +117,7 @@ fn run(case: Case) {
             let tol = 2.0 * (k as f64 + 2.0) * f32::EPSILON as f64 * (mag + base.abs()) + 1e-30;
             assert!(
                 (got as f64 - want).abs() <= tol,
-                "{case:?}: C({i}, {j}) = {got}, expected {want} (tol {tol})"
+                "{kernel:?} {case:?}: C({i}, {j}) = {got}, expected {want} (tol {tol})"
             );
         }
     }
@@ -205,17 +215,22 @@ fn k_zero_and_empty() {
     if !available() {
         return;
     }
-    let mut c = vec![5.0f32; 6];
     let e = MatRef {
         ptr: [].as_ptr(),
         rs: 0,
         cs: 0,
     };
-    unsafe { sgemm(c.as_mut_ptr(), 3, e, e, 2, 0, 3, true, 1) };
-    assert_eq!(c, vec![5.0; 6]);
-    unsafe { sgemm(c.as_mut_ptr(), 3, e, e, 2, 0, 3, false, 2) };
-    assert_eq!(c, vec![0.0; 6]);
-    unsafe { sgemm(c.as_mut_ptr(), 3, e, e, 0, 4, 3, false, 2) };
+    for kernel in [Kernel::Fma, Kernel::Amx]
+        .into_iter()
+        .filter(|k| k.available())
+    {
+        let mut c = vec![5.0f32; 6];
+        unsafe { sgemm_with(kernel, c.as_mut_ptr(), 3, e, e, 2, 0, 3, true, 1) };
+        assert_eq!(c, vec![5.0; 6]);
+        unsafe { sgemm_with(kernel, c.as_mut_ptr(), 3, e, e, 2, 0, 3, false, 2) };
+        assert_eq!(c, vec![0.0; 6]);
+        unsafe { sgemm_with(kernel, c.as_mut_ptr(), 3, e, e, 0, 4, 3, false, 2) };
+    }
 }
 
 proptest! {
@@ -234,5 +249,77 @@ proptest! {
         if available() {
             run(Case { m, k, n, trans_a, trans_b, accumulate, pad, threads });
         }
+    }
+}
+
+/// Root-mean-square and maximum of `|C − C_ref| / Σ|a·b|` over `C = A·B` for `[m, k] · [k, n]`
+/// row-major operands (f64 reference).
+fn relative_errors(kernel: Kernel, m: usize, k: usize, n: usize, seed: u64) -> (f64, f64) {
+    let a = rand_vec(m * k, seed);
+    let b = rand_vec(k * n, seed + 1);
+    let mut c = vec![0.0f32; m * n];
+    let mat = |v: &[f32], ld: usize| MatRef {
+        ptr: v.as_ptr(),
+        rs: ld as isize,
+        cs: 1,
+    };
+    // SAFETY: dense row-major operands of the stated shapes.
+    unsafe {
+        sgemm_with(
+            kernel,
+            c.as_mut_ptr(),
+            n,
+            mat(&a, k),
+            mat(&b, n),
+            m,
+            k,
+            n,
+            false,
+            1,
+        )
+    };
+    let (mut sq, mut max) = (0.0f64, 0.0f64);
+    for i in 0..m {
+        for j in 0..n {
+            let (mut s, mut mag) = (0.0f64, 0.0f64);
+            for p in 0..k {
+                let t = a[i * k + p] as f64 * b[p * n + j] as f64;
+                s += t;
+                mag += t.abs();
+            }
+            let e = (c[i * n + j] as f64 - s).abs() / mag;
+            sq += e * e;
+            max = max.max(e);
+        }
+    }
+    ((sq / (m * n) as f64).sqrt(), max)
+}
+
+#[test]
+fn amx_split_has_fp32_accuracy() {
+    if !Kernel::Amx.available() {
+        return;
+    }
+    let u = f32::EPSILON as f64 / 2.0; // fp32 unit roundoff 2⁻²⁴
+                                       // k = 1: C = a·b. An fp32 multiply is within u; the split adds the fp32 rounding of its
+                                       // six-term sum and the dropped 2⁻²⁵-sized terms, so 2u. Leaving out any kept term would
+                                       // cost ≥ 2⁻¹⁸ ≈ 64u.
+    let (_, max1) = relative_errors(Kernel::Amx, 40, 1, 40, 11);
+    assert!(max1 <= 2.0 * u, "k = 1: max relative error {max1:e} > 2u");
+    // Long sums: the same accuracy class as the FMA kernel. Five extra small addends per k
+    // add rounding noise (each ≤ u/2 of the running sum), measured ≈ 1.5× the FMA kernel's
+    // RMS error; 3× is the bound, and both stay far below the worst case k·u.
+    for (k, seed) in [(512usize, 21u64), (1000, 22)] {
+        let (rms_amx, max_amx) = relative_errors(Kernel::Amx, 48, k, 48, seed);
+        let (rms_fma, _) = relative_errors(Kernel::Fma, 48, k, 48, seed);
+        assert!(
+            rms_amx <= 3.0 * rms_fma,
+            "k = {k}: RMS relative error {rms_amx:e} vs FMA {rms_fma:e}"
+        );
+        assert!(
+            max_amx <= 4.0 * (k as f64).sqrt() * u,
+            "k = {k}: max {max_amx:e}"
+        );
+        eprintln!("k = {k}: rms amx {rms_amx:e} fma {rms_fma:e} max amx {max_amx:e}");
     }
 }
