@@ -3,7 +3,7 @@
 //! `XTRAIN_THREADS` (use 1) and divides useful FLOPs by the process CPU time (user + system,
 //! from `getrusage`), which other processes do not inflate.
 //!
-//! `XTRAIN_THREADS=1 cargo run --release -p tensor --example cpu_throughput [gemm [n] | shapes | attention [q_tile k_tile] | swiglu | head | norm | rope]`
+//! `XTRAIN_THREADS=1 cargo run --release -p tensor --example cpu_throughput [gemm [n] | shape m k n ta tb | shapes | attention [q_tile k_tile] | swiglu | head | norm | rope]`
 //!
 //! `gemm` and `shapes` compare the two matrix-product backends (own SGEMM, `gemm` crate) in
 //! alternating rounds, so both see the same machine load; each line gives the median over the
@@ -102,6 +102,15 @@ fn main() {
         for trans_b in [false, true] {
             ab_gemm(threads, [n, n, n], [false, trans_b], 5);
         }
+    }
+    if only == "shape" {
+        // One product `[m, k, n]` with transposes: `shape m k n ta tb`.
+        ab_gemm(
+            threads,
+            [arg(2, 2048), arg(3, 256), arg(4, 256)],
+            [arg(5, 0) == 1, arg(6, 0) == 1],
+            7,
+        );
     }
     if only == "shapes" {
         // (tokens, in, out) of the linear layers of the small and medium presets.

@@ -1,8 +1,9 @@
-//! Matrix products, parallelised over the thread budget, on one of two backends
+//! Matrix products, parallelised over the thread budget, on one of the backends
 //! ([`Backend`]): the own AVX-512 SGEMM of [`crate::sgemm`], or the `gemm` crate (its
 //! `x86-v4`/AVX-512 kernels are selected at run time; also the fallback on CPUs without
-//! AVX-512). [`Backend::Auto`] picks per product by a measured rule (`own_is_faster`);
-//! `XTRAIN_GEMM=own|crate|auto` overrides it for a whole process.
+//! AVX-512), or, opt-in, the own SGEMM on AMX tiles ([`crate::sgemm::amx`]).
+//! [`Backend::Auto`] picks between the first two per product by a measured rule
+//! (`own_is_faster`); `XTRAIN_GEMM=own|crate|amx|auto` overrides it for a whole process.
 //!
 //! Transposed operands are read through strides, never copied: a row-major `[r, c]` matrix
 //! read as its transpose is the same memory with row stride 1 and column stride `c`.
@@ -100,8 +101,10 @@ pub enum Backend {
     Own,
     /// The `gemm` crate.
     Crate,
-    /// The own SGEMM on the AMX tile unit ([`crate::sgemm::amx`], exact bf16 split, fp32
-    /// accuracy); where AMX is unavailable, the same choice as [`Backend::Auto`] without AMX.
+    /// The own SGEMM on the AMX tile unit ([`crate::sgemm::amx`]: exact bf16 split, fp32
+    /// accuracy) for every product; where AMX is unavailable, the same choice as
+    /// [`Backend::Auto`]. Opt-in: isolated products run 1.4–1.7× faster than the FMA kernel,
+    /// but whole training steps measured no gain (docs/PERFORMANCE.md, "AMX").
     Amx,
 }
 
@@ -145,7 +148,7 @@ fn matmul_with(
 }
 
 /// Environment variable that overrides the backend of [`matmul`], [`matmul_serial`] and
-/// [`gemm_raw`]: `own`, `crate` or `auto` (the default), read once; for A/B runs of whole
+/// [`gemm_raw`]: `own`, `crate`, `amx` or `auto` (the default), read once; for A/B runs of whole
 /// programs (e.g. `XTRAIN_GEMM=crate xtrain bench train ...`).
 pub const GEMM_ENV: &str = "XTRAIN_GEMM";
 
@@ -267,15 +270,10 @@ pub unsafe fn gemm_raw_using(
         } else {
             None
         };
-        let amx = sgemm::Kernel::Amx.available();
-        let own = own.and_then(|o @ (_, _, _, sa, _, sb, m, n)| {
+        let own = own.and_then(|o @ (_, _, _, sa, _, sb, m, _)| {
             let kernel = match backend {
                 Backend::Own => sgemm::Kernel::Fma,
-                Backend::Amx | Backend::Auto
-                    if amx && (backend == Backend::Amx || amx_is_faster(m, k, n)) =>
-                {
-                    sgemm::Kernel::Amx
-                }
+                Backend::Amx if sgemm::Kernel::Amx.available() => sgemm::Kernel::Amx,
                 _ if own_is_faster(sa, sb, m) => sgemm::Kernel::Fma,
                 _ => return None,
             };
@@ -353,13 +351,6 @@ pub unsafe fn gemm_raw_using(
 #[cfg(target_arch = "x86_64")]
 fn own_is_faster(sa: Strides, sb: Strides, m: usize) -> bool {
     sa.col != 1 || (sb.col != 1 && m <= 512)
-}
-
-/// The dispatch rule of [`Backend::Auto`] on CPUs with AMX: the AMX kernel unless the
-/// product is too small to amortise its 32 × 32 × 32 padding and packing.
-#[cfg(target_arch = "x86_64")]
-fn amx_is_faster(m: usize, k: usize, n: usize) -> bool {
-    m >= 16 && n >= 16 && k >= 16 && m.saturating_mul(n).saturating_mul(k) >= 64 * 64 * 64
 }
 
 /// Raw pointer that may cross into the pool (the caller guarantees exclusive access).

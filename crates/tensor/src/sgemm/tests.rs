@@ -323,3 +323,46 @@ fn amx_split_has_fp32_accuracy() {
         eprintln!("k = {k}: rms amx {rms_amx:e} fma {rms_fma:e} max amx {max_amx:e}");
     }
 }
+
+#[test]
+fn amx_split_propagates_nan_and_infinity() {
+    if !Kernel::Amx.available() {
+        return;
+    }
+    // A has a NaN in row 0 and +∞ in row 1; B is positive, so C's row 0 is NaN and row 1
+    // non-finite: +∞ where every part of B(9, j) is non-zero, NaN where a lower part is 0
+    // (∞ · 0 in the part products; documented in `amx`). Other rows stay finite.
+    let (m, k, n) = (40, 70, 36);
+    let mut a = rand_vec(m * k, 5);
+    let b: Vec<f32> = rand_vec(k * n, 6).iter().map(|x| x.abs() + 0.5).collect();
+    a[3] = f32::NAN;
+    a[k + 9] = f32::INFINITY;
+    let mut c = vec![0.0f32; m * n];
+    let mat = |v: &[f32], ld: usize| MatRef {
+        ptr: v.as_ptr(),
+        rs: ld as isize,
+        cs: 1,
+    };
+    // SAFETY: dense row-major operands of the stated shapes.
+    unsafe {
+        sgemm_with(
+            Kernel::Amx,
+            c.as_mut_ptr(),
+            n,
+            mat(&a, k),
+            mat(&b, n),
+            m,
+            k,
+            n,
+            false,
+            1,
+        )
+    };
+    for j in 0..n {
+        assert!(c[j].is_nan(), "C(0, {j}) = {}", c[j]);
+        assert!(c[n + j] == f32::INFINITY || c[n + j].is_nan(), "C(1, {j})");
+        for i in 2..m {
+            assert!(c[i * n + j].is_finite(), "C({i}, {j})");
+        }
+    }
+}

@@ -15,7 +15,9 @@
 //!
 //! Limits, by construction of the tile unit: bf16 inputs below 2⁻¹²⁶ are read as zero and
 //! subnormal results are flushed (only the low parts of values below ≈ 2⁻¹⁰⁸ are affected),
-//! and a finite input within 2⁻⁹ of `f32::MAX` rounds to ±∞ in its high part.
+//! a finite input within 2⁻⁹ of `f32::MAX` rounds to ±∞ in its high part, and an infinite
+//! input times a value whose lower parts are zero gives NaN (∞ · 0 in a part product) where
+//! fp32 gives ±∞; NaN inputs give NaN. Non-finite inputs therefore stay non-finite.
 //!
 //! Layout and loops: [`pack`] (split + tile layouts), [`kernel`] (the 32 × 32 tile block),
 //! [`driver`] (blocking); threads split `C` like the FMA path ([`super::parallel`]).
@@ -33,13 +35,17 @@ pub(super) const KC: usize = 128;
 /// Columns of one packed `B` block (`NC/32 · KC/32` steps, 192 KiB), resident in L2.
 pub(super) const NC: usize = 1024;
 
-/// Whether this CPU and OS can run the AMX path: AMX-TILE, AMX-BF16, AVX-512BW and AVX-512-BF16
-/// (the split) present and
-/// the process granted the tile state (`arch_prctl(ARCH_REQ_XCOMP_PERM)`, Linux ≥ 5.16).
+/// Environment variable that turns the AMX path off for a whole process (`XTRAIN_AMX=0`),
+/// e.g. to compare against the FMA kernels or on hosts where AMX is slow.
+pub const AMX_ENV: &str = "XTRAIN_AMX";
+
+/// Whether this CPU and OS can run the AMX path: AMX-TILE, AMX-BF16, AVX-512BW and
+/// AVX-512-BF16 (the split) present, the process granted the tile state
+/// (`arch_prctl(ARCH_REQ_XCOMP_PERM)`, Linux ≥ 5.16), and not turned off by [`AMX_ENV`]`=0`.
 /// Queried once per process.
 pub fn available() -> bool {
     static OK: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *OK.get_or_init(detect)
+    *OK.get_or_init(|| std::env::var(AMX_ENV).as_deref().map(str::trim) != Ok("0") && detect())
 }
 
 #[cfg(all(target_arch = "x86_64", target_os = "linux"))]
