@@ -6,7 +6,9 @@
 //! - [`data`]: built-in corpus, tokenizers, token files, deterministic sampling;
 //! - [`schedule`]: warmup + cosine learning rate;
 //! - [`memory`]: byte accounting of parameters, gradients, optimizer state, activations;
-//! - [`rng`]: the seekable RNG whose state goes into checkpoints.
+//! - [`rng`]: the seekable RNG whose state goes into checkpoints;
+//! - [`allocator`]: glibc tuning so each step reuses the previous step's pages.
+pub mod allocator;
 pub mod bench;
 pub mod checkpoint;
 pub mod config;

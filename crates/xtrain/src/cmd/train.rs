@@ -98,6 +98,7 @@ pub fn run_cmd(a: TrainArgs) -> Result<()> {
         });
         return super::train_dp::run(&cfg, Some(&out), Some(&ck));
     }
+    train::allocator::reuse_freed_memory();
     let mut trainer = match &a.resume {
         Some(dir) => {
             let ck = train::checkpoint::resolve(dir)?;

@@ -56,6 +56,17 @@ pub(in crate::sgemm) unsafe fn gemm(
     })
 }
 
+/// Prefetches (into L2, for writing) the lines of a `rows × cols ≤ 32 × 32` block of `C`.
+#[inline]
+unsafe fn prefetch_block(c: *const f32, rows: usize, cols: usize, ldc: usize) {
+    use std::arch::x86_64::{_mm_prefetch, _MM_HINT_ET1};
+    for i in 0..rows {
+        let row = c.add(i * ldc);
+        _mm_prefetch::<_MM_HINT_ET1>(row as *const i8);
+        _mm_prefetch::<_MM_HINT_ET1>(row.add(cols - 1) as *const i8);
+    }
+}
+
 /// Floats needed for `bytes` bytes.
 fn floats(bytes: usize) -> usize {
     bytes.div_ceil(4)
@@ -134,6 +145,19 @@ unsafe fn run(
                     let cols = 32.min(nc - jr);
                     let bpanel = bp.add(jr / 32 * steps * STEP_BYTES);
                     let ct = c.add(ir * ldc + jc + jr);
+                    // Start moving the next block of C towards L2 while this one computes (in
+                    // a training step C is usually cold; the tile loads and stores would
+                    // otherwise wait on memory for each of its 64 lines).
+                    if jr + 32 < nc {
+                        prefetch_block(ct.add(32), rows, (nc - jr - 32).min(32), ldc);
+                    } else if ir + 32 < m {
+                        prefetch_block(
+                            c.add((ir + 32) * ldc + jc),
+                            32.min(m - ir - 32),
+                            32.min(nc),
+                            ldc,
+                        );
+                    }
                     if rows == 32 && cols == 32 {
                         kernel::block(ap, bpanel, steps, ct, ldc, load);
                         continue;

@@ -48,6 +48,7 @@ pub fn run_cmd(a: BenchTrainArgs) -> Result<()> {
         cfg.train.sample_tokens = 0;
         return crate::cmd::train_dp::run(&cfg, None, None);
     }
+    train::allocator::reuse_freed_memory();
     let r = train::bench::bench_train(&a.preset, cfg, a.steps)?;
     if a.json {
         println!("{}", serde_json::to_string_pretty(&r)?);
