@@ -7,6 +7,7 @@
 //! changed at any time with [`set_thread_budget`] (work already running keeps its pool).
 
 use crate::TensorError;
+use rayon::prelude::*;
 use rayon::{ThreadPool, ThreadPoolBuilder};
 use std::sync::{Arc, OnceLock, RwLock};
 
@@ -118,5 +119,48 @@ mod tests {
         assert_eq!(parse_budget(" 4 ").unwrap(), 4);
         // Nested install does not deadlock.
         assert_eq!(install(|| install(|| 7)), 7);
+    }
+}
+
+/// Below this many floats (256 KiB) [`zeros`] fills on the calling thread.
+const PARALLEL_ZERO_MIN: usize = 1 << 16;
+
+/// A vector of `n` zeros, filled in parallel over the thread budget when large. A training
+/// process reuses freed heap pages (see `train::allocator`), so `vec![0.0; n]` is a `memset`
+/// on the calling thread; for the activation and gradient buffers of a step that serial fill
+/// measured ≈ 4–5 % of a 2-thread step (preset small).
+pub fn zeros(n: usize) -> Vec<f32> {
+    if n < PARALLEL_ZERO_MIN || thread_budget() < 2 {
+        return vec![0.0; n];
+    }
+    let mut v: Vec<f32> = Vec::with_capacity(n);
+    install(|| {
+        v.spare_capacity_mut()[..n]
+            .par_chunks_mut(PARALLEL_ZERO_MIN / 4)
+            .for_each(|chunk| {
+                chunk.fill(std::mem::MaybeUninit::new(0.0));
+            });
+    });
+    // SAFETY: the first n elements were initialised above (every chunk of the first n
+    // spare slots was written).
+    unsafe { v.set_len(n) };
+    v
+}
+
+#[cfg(test)]
+mod zeros_tests {
+    #[test]
+    fn zeros_small_and_large() {
+        for n in [
+            0,
+            1,
+            1000,
+            super::PARALLEL_ZERO_MIN + 7,
+            3 * super::PARALLEL_ZERO_MIN,
+        ] {
+            let v = super::zeros(n);
+            assert_eq!(v.len(), n);
+            assert!(v.iter().all(|&x| x == 0.0));
+        }
     }
 }

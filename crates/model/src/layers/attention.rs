@@ -7,6 +7,7 @@ use std::sync::Arc;
 
 use tensor::attention::{attention_backward, attention_forward, AttnShape, AttnTiles};
 use tensor::rope::Rope;
+use tensor::threads::zeros;
 
 use super::{linear_backward_input, linear_forward, Act, Pass, WeightGradStore, WeightTask};
 use crate::error::Result;
@@ -71,9 +72,9 @@ impl Attention {
             self.n_heads * self.head_dim,
             self.n_kv_heads * self.head_dim,
         );
-        let mut q = vec![0.0; t * dq];
-        let mut k = vec![0.0; t * dkv];
-        let mut v = vec![0.0; t * dkv];
+        let mut q = zeros(t * dq);
+        let mut k = zeros(t * dkv);
+        let mut v = zeros(t * dkv);
         linear_forward(p, &self.wq, x, &mut q)?;
         linear_forward(p, &self.wk, x, &mut k)?;
         linear_forward(p, &self.wv, x, &mut v)?;
@@ -84,12 +85,12 @@ impl Attention {
             Ok(())
         })?;
         let shape = self.shape(pass);
-        let mut o = vec![0.0; t * dq];
-        let mut lse = vec![0.0; shape.lse_elems()];
+        let mut o = zeros(t * dq);
+        let mut lse = zeros(shape.lse_elems());
         time(Kernel::Attention, || {
             attention_forward(&shape, &q, &k, &v, &mut o, &mut lse, AttnTiles::default())
         })?;
-        let mut y = vec![0.0; t * self.wo.shape[0]];
+        let mut y = zeros(t * self.wo.shape[0]);
         linear_forward(p, &self.wo, &o, &mut y)?;
         let cache = AttnCache {
             q: Arc::new(q),
@@ -117,7 +118,7 @@ impl Attention {
             self.n_heads * self.head_dim,
             self.n_kv_heads * self.head_dim,
         );
-        let mut d_o = vec![0.0; t * dqn];
+        let mut d_o = zeros(t * dqn);
         linear_backward_input(p, &self.wo, &dy, &mut d_o, false)?;
         store.push(WeightTask::Linear {
             w: self.wo.clone(),
@@ -125,9 +126,9 @@ impl Attention {
             x: cache.o.clone(),
         });
         let shape = self.shape(pass);
-        let mut dq = vec![0.0; t * dqn];
-        let mut dk = vec![0.0; t * dkvn];
-        let mut dv = vec![0.0; t * dkvn];
+        let mut dq = zeros(t * dqn);
+        let mut dk = zeros(t * dkvn);
+        let mut dv = zeros(t * dkvn);
         time(Kernel::Attention, || {
             attention_backward(
                 &shape,
@@ -149,7 +150,7 @@ impl Attention {
             self.rope.apply_backward(&mut dk, self.n_kv_heads, &pos)?;
             Ok(())
         })?;
-        let mut dx = vec![0.0; x.len()];
+        let mut dx = zeros(x.len());
         linear_backward_input(p, &self.wq, &dq, &mut dx, false)?;
         linear_backward_input(p, &self.wk, &dk, &mut dx, true)?;
         linear_backward_input(p, &self.wv, &dv, &mut dx, true)?;

@@ -3,6 +3,7 @@
 //! expert, or a tensor-parallel shard (column-split gate/up, row-split down).
 
 use std::sync::Arc;
+use tensor::threads::zeros;
 
 use super::{linear_backward_input, linear_forward, Act, WeightGradStore, WeightTask};
 use crate::error::Result;
@@ -40,7 +41,7 @@ impl SwiGlu {
     }
 
     fn product(g: &[f32], u: &[f32]) -> Result<Vec<f32>> {
-        let mut s = vec![0.0; g.len()];
+        let mut s = zeros(g.len());
         time(Kernel::Activation, || {
             tensor::activation::swiglu_forward(g, u, &mut s)
         })?;
@@ -57,12 +58,12 @@ impl SwiGlu {
         let hidden = self.gate.shape[1];
         let n = x.len() / hidden;
         let f = self.ffn();
-        let mut g = vec![0.0; n * f];
-        let mut u = vec![0.0; n * f];
+        let mut g = zeros(n * f);
+        let mut u = zeros(n * f);
         linear_forward(p, &self.gate, x, &mut g)?;
         linear_forward(p, &self.up, x, &mut u)?;
         let s = Self::product(&g, &u)?;
-        let mut y = vec![0.0; n * hidden];
+        let mut y = zeros(n * hidden);
         linear_forward(p, &self.down, &s, &mut y)?;
         let cache = MlpCache {
             g: Arc::new(g),
@@ -87,19 +88,19 @@ impl SwiGlu {
             None => Arc::new(Self::product(&cache.g, &cache.u)?),
         };
         let n = cache.g.len();
-        let mut ds = vec![0.0; n];
+        let mut ds = zeros(n);
         linear_backward_input(p, &self.down, &dy, &mut ds, false)?;
         store.push(WeightTask::Linear {
             w: self.down.clone(),
             dy,
             x: s,
         });
-        let mut dg = vec![0.0; n];
-        let mut du = vec![0.0; n];
+        let mut dg = zeros(n);
+        let mut du = zeros(n);
         time(Kernel::Activation, || {
             tensor::activation::swiglu_backward(&ds, &cache.g, &cache.u, &mut dg, &mut du)
         })?;
-        let mut dx = vec![0.0; x.len()];
+        let mut dx = zeros(x.len());
         linear_backward_input(p, &self.gate, &dg, &mut dx, false)?;
         linear_backward_input(p, &self.up, &du, &mut dx, true)?;
         store.push(WeightTask::Linear {
