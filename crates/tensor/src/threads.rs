@@ -92,7 +92,6 @@ pub fn install<R: Send>(f: impl FnOnce() -> R + Send) -> R {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use rayon::prelude::*;
     use std::collections::HashSet;
     use std::sync::Mutex;
 
