@@ -60,6 +60,29 @@ fn tp2_dp2_matches_dp2_and_resumes_at_tp1() {
     let tp = losses(&train(&tp_args, 4, &dir.join("tp")));
     assert_eq!(tp.len(), 4);
     assert_eq!(tp, dp, "tp × dp vs dp losses");
+    // Rank 0 wrote the run directory like a data-parallel run: one metrics line per step with
+    // the same losses, validation at the end, and the loss plot.
+    let metrics = |run: &str| -> Vec<serde_json::Value> {
+        std::fs::read_to_string(dir.join(run).join("metrics.jsonl"))
+            .unwrap()
+            .lines()
+            .map(|l| serde_json::from_str(l).unwrap())
+            .collect()
+    };
+    let (m_tp, m_dp) = (metrics("tp"), metrics("dp"));
+    assert_eq!(m_tp.len(), 4);
+    for (a, b) in m_tp.iter().zip(&m_dp) {
+        assert_eq!(a["step"], b["step"]);
+        let (la, lb) = (a["loss"].as_f64().unwrap(), b["loss"].as_f64().unwrap());
+        assert!(
+            (la - lb).abs() <= 1e-6 * lb.abs(),
+            "metrics loss {la} vs {lb}"
+        );
+    }
+    assert!(m_tp[3]["val_loss"].as_f64().is_some(), "{:?}", m_tp[3]);
+    for f in ["config.toml", "loss.png", "loss.svg"] {
+        assert!(dir.join("tp").join(f).is_file(), "{f}");
+    }
     // Two steps at tp = 2, then resume the remaining two at tp = 1 (dp = 2 as before).
     // Checkpoints every step: step 1 periodic, step 2 at the end, `latest` naming step 2.
     let cut_args = [&tp_args[..], &["--set", "train.ckpt_every=1"]].concat();

@@ -2,8 +2,10 @@
 //! `train::run` writes: `config.toml`, one `train::metrics::StepRecord` per step in
 //! `metrics.jsonl` (appended, so a resumed run continues the file), and the loss plot
 //! (`loss.png`, `loss.svg`); and `memory.json`, every rank's accounted bytes by category
-//! beside the formula, its measured peak RSS and baseline (see `docs/DATA_PARALLEL.md`). Throughput is the global batch's tokens per second; MFU divides
-//! the model FLOPs by `dp` times the fp32 GEMM peak measured on rank 0 (one rank per core set).
+//! beside the formula, its measured peak RSS and baseline (see `docs/DATA_PARALLEL.md`).
+//! Used by the data-parallel and the tensor-parallel workers. Throughput is the global batch's
+//! tokens per second; MFU divides the model FLOPs by the number of ranks (`dp × tp`) times the
+//! fp32 GEMM peak measured on rank 0 (one rank per core set).
 use std::path::{Path, PathBuf};
 
 use train::metrics::{self, MetricsWriter, StepRecord};
@@ -20,9 +22,10 @@ fn io_err(e: impl std::fmt::Display) -> ParallelError {
 pub struct RunLog {
     out: PathBuf,
     writer: MetricsWriter,
-    /// Model FLOPs per token (6N + 12LHS, as the single-process trainer counts them).
+    /// Model FLOPs per token (6N + 12LHS with the full model's N, as the single-process
+    /// trainer counts them).
     flops_per_token: f64,
-    /// Peak FLOP/s of the whole dp group.
+    /// Peak FLOP/s of all ranks.
     peak: f64,
 }
 
@@ -36,7 +39,7 @@ impl RunLog {
             out: out.to_path_buf(),
             writer,
             flops_per_token: train::trainer::flops_per_token(cfg, num_params),
-            peak: train::run::gemm_peak_flops() * cfg.parallel.dp as f64,
+            peak: train::run::gemm_peak_flops() * (cfg.parallel.dp * cfg.parallel.tp.max(1)) as f64,
         })
     }
 

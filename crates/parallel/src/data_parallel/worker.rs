@@ -22,6 +22,7 @@ use crate::engine::{DataParallel, DpConfig};
 use crate::llm::StagedLlm;
 use crate::memory::{formula_text, mib, MemoryBytes, Precision, ZeroStage};
 use crate::run_log::RunLog;
+use crate::staged::StagedModel;
 use crate::ParallelError;
 
 /// What a run reports.
@@ -342,8 +343,8 @@ pub fn run(
 
 /// Mean validation cross-entropy over `train.eval_batches` held-out micro-batches (`None`
 /// without validation data). A collective at ZeRO-3.
-fn evaluate(
-    engine: &mut DataParallel<StagedLlm>,
+pub(crate) fn evaluate<M: StagedModel<Batch = model::Batch>>(
+    engine: &mut DataParallel<M>,
     cfg: &RunConfig,
     sampler: &Sampler,
     data: &Dataset,

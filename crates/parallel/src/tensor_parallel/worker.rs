@@ -2,7 +2,8 @@
 //! `[dp, tp]` (tp fastest-varying, so tp neighbours are adjacent ranks), a [`TpModel`] shard over
 //! the tp group driven by the data-parallel engine (any ZeRO stage) over the dp group. The data
 //! stream is the data-parallel one, indexed by the dp coordinate (all tp ranks of a replica
-//! read the same batch).
+//! read the same batch). With a run directory, rank 0 also writes `config.toml`, `metrics.jsonl`
+//! (with validation) and the loss plot through the data-parallel run log.
 //!
 //! Checkpoints: with a run directory `out`, tp rank `r` saves its engine's sharded checkpoint
 //! under `out/tp-checkpoints/step_NNNNNN/tp-r` every `train.ckpt_every` steps and at the end;
@@ -22,7 +23,8 @@ use super::staged::StagedTp;
 use crate::checkpoint::{load_shards, reshard_buffer};
 use crate::engine::{DataParallel, ShardState};
 use crate::memory::ZeroStage;
-use crate::worker::{dp_config, model_config, DpRunSummary, RunInputs};
+use crate::run_log::RunLog;
+use crate::worker::{dp_config, evaluate, model_config, DpRunSummary, RunInputs};
 use crate::ParallelError;
 
 fn cfg_err(e: impl std::fmt::Display) -> ParallelError {
@@ -182,12 +184,20 @@ pub fn run(
             }
         );
     }
+    // Rank 0 writes config.toml, metrics.jsonl (with validation) and the loss plot, as the
+    // single-process and data-parallel runs do.
+    let mut run_log = match out {
+        Some(out) if rank == 0 => Some(RunLog::open(out, cfg, plan.full_layout.total())?),
+        _ => None,
+    };
+    let global_tokens = p.dp * t.micro_batch * t.grad_accum * cfg.model.seq_len;
     let mut losses = Vec::new();
     let mut step_ms = Vec::new();
     let mut comm_ms = Vec::new();
     for step in first..t.steps {
         let batches = inputs.batches(step)?;
-        engine.set_lr(inputs.schedule.lr(step) as f32);
+        let lr = inputs.schedule.lr(step);
+        engine.set_lr(lr as f32);
         let c0 = engine.model().tp.region.comm_nanos();
         let t0 = std::time::Instant::now();
         let s = engine.train_step(&batches)?;
@@ -211,6 +221,21 @@ pub fn run(
         }
         losses.push(s.loss);
         let done = step + 1;
+        if out.is_some() {
+            // Every rank evaluates the same held-out batches (the tp collectives need all).
+            let val = if (t.eval_every > 0 && done % t.eval_every == 0) || done == t.steps {
+                evaluate(&mut engine, cfg, &inputs.sampler, &inputs.data)?
+            } else {
+                None
+            };
+            let secs = step_ms.last().copied().unwrap_or(0.0) / 1e3;
+            if let Some(l) = &mut run_log {
+                l.step(done, &s, lr, global_tokens, secs, val)?;
+            }
+            if let (Some(v), true) = (val, log && rank == 0) {
+                println!("validation loss {v:.4} after step {done}");
+            }
+        }
         if let Some(out) = out {
             if t.ckpt_every > 0 && done % t.ckpt_every == 0 && done < t.steps {
                 save(&engine, comm.world(), out, tp_rank, done)?;
@@ -235,6 +260,9 @@ pub fn run(
     }
     if let Some(out) = out {
         save(&engine, comm.world(), out, tp_rank, t.steps.max(first))?;
+    }
+    if let Some(l) = &run_log {
+        l.finish()?;
     }
     Ok(DpRunSummary {
         losses,
