@@ -112,6 +112,17 @@ impl AttnShape {
         (4.0 * d * pairs, 10.0 * d * pairs)
     }
 
+    /// Mask offset of the score tile for queries `i0..` and keys `j0..` (see
+    /// [`visible_cols`](crate::microkernel::visible_cols)): query `i0 + r` sees tile columns
+    /// `< vis0 + r`, i.e. keys `k_start + j0 + c <= q_start + i0 + r`.
+    fn tile_vis0(&self, i0: usize, j0: usize) -> isize {
+        if self.causal {
+            (self.q_start + i0 + 1) as isize - (self.k_start + j0) as isize
+        } else {
+            isize::MAX
+        }
+    }
+
     fn validate(&self) -> Result<(), TensorError> {
         if self.head_dim == 0 || self.n_heads == 0 || self.n_kv_heads == 0 {
             return Err(TensorError::Shape(format!(
@@ -188,16 +199,6 @@ fn with_scratch<R>(len: usize, f: impl FnOnce(&mut [f32]) -> R) -> R {
     r
 }
 
-/// Masks the score tile `s [bq, bk]` (row stride `bk`) for queries `i0..` and keys `j0..`:
-/// entries with key index `>= visible_keys(i)` become `−∞`.
-fn mask_tile(shape: &AttnShape, s: &mut [f32], i0: usize, bq: usize, j0: usize, bk: usize) {
-    for r in 0..bq {
-        let vis = shape.visible_keys(i0 + r);
-        let first_masked = vis.saturating_sub(j0).min(bk);
-        s[r * bk + first_masked..(r + 1) * bk].fill(f32::NEG_INFINITY);
-    }
-}
-
 /// Forward. Writes `out` (`[batch, q_len, n_heads, head_dim]`) and `lse`
 /// (`[batch, n_heads, q_len]`, natural log; `−∞` for queries that see no key).
 pub fn attention_forward(
@@ -267,10 +268,8 @@ pub fn attention_forward(
                                 bk,
                                 false,
                             );
-                            if s.causal && s.visible_keys(i0) < j0 + bk {
-                                mask_tile(&s, st, i0, bq, j0, bk);
-                            }
-                            online_softmax_tile(st, bq, bk, scale, m, l, acc, d);
+                            let vis0 = s.tile_vis0(i0, j0);
+                            online_softmax_tile(st, bq, bk, vis0, scale, m, l, acc, d);
                             // acc += P̃ · V
                             mm(
                                 &mut acc[..bq * d],
@@ -400,10 +399,8 @@ pub fn attention_backward(
                                 let dp = &mut dp[..bq * bk];
                                 // P = exp(s·Q·Kᵀ − lse)
                                 mm(p, bk, q_i, hd, 1, &kt[j0..], n_keys, bq, d, bk, false);
-                                if s.causal && s.visible_keys(i0) < j0 + bk {
-                                    mask_tile(&s, p, i0, bq, j0, bk);
-                                }
-                                exp_tile(p, bq, bk, scale, &lse_row[i0..]);
+                                let vis0 = s.tile_vis0(i0, j0);
+                                exp_tile(p, bq, bk, vis0, scale, &lse_row[i0..]);
                                 // dP = dO·Vᵀ, then dS' = s·P∘(dP − D) in place
                                 mm(dp, bk, do_i, hd, 1, &vt[j0..], n_keys, bq, d, bk, false);
                                 softmax_grad_tile(dp, p, &delta[i0..i0 + bq], bk, scale);
