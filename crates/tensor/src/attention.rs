@@ -21,7 +21,7 @@
 
 use crate::error::check_len;
 use crate::microkernel::{
-    dot, exp_tile, gather_t, mm, mm_raw, online_softmax_tile, softmax_grad_tile,
+    dot, exp_tile, gather_t, mm, mm_raw, online_softmax_tile, prefetch_rows, softmax_grad_tile,
 };
 use crate::threads;
 use crate::TensorError;
@@ -247,6 +247,16 @@ pub fn attention_forward(
                     gather_t(&k[kvbase..], kvd, n_keys, d, kt);
                     for i0 in (0..sq).step_by(tq) {
                         let bq = tq.min(sq - i0);
+                        // The tile's output rows are written only at its end; they are usually
+                        // cold (rows `n_heads·d` apart), so fetch them while the tile computes.
+                        let o_len = s.q_elems() - qbase;
+                        prefetch_rows::<true>(
+                            out_ptr.get().wrapping_add(qbase),
+                            o_len,
+                            hd,
+                            (i0, i0 + bq),
+                            d,
+                        );
                         m[..bq].fill(f32::NEG_INFINITY);
                         l[..bq].fill(0.0);
                         acc[..bq * d].fill(0.0);
@@ -384,13 +394,38 @@ pub fn attention_backward(
                     for h in kvh * group..(kvh + 1) * group {
                         let qbase = b * sq * hd + h * d;
                         let lse_row = &lse[(b * s.n_heads + h) * sq..][..sq];
+                        let nq = s.q_elems() - qbase;
                         for (i, dl) in delta.iter_mut().enumerate() {
+                            // A few rows ahead: this pass is the first touch of out and dO.
+                            for m in [out.as_ptr(), dout.as_ptr()] {
+                                let rows = (i + DELTA_AHEAD, i + DELTA_AHEAD + 1);
+                                prefetch_rows::<false>(m.wrapping_add(qbase), nq, hd, rows, d);
+                            }
                             let o = &out[qbase + i * hd..][..d];
                             *dl = dot(&dout[qbase + i * hd..][..d], o, None);
                         }
+                        let mut kend_before = 0;
                         for i0 in (0..sq).step_by(tq) {
                             let bq = tq.min(sq - i0);
                             let kend = s.visible_keys(i0 + bq - 1);
+                            // Rows this tile is the first to touch, usually cold: its dQ rows
+                            // and the dK/dV rows of the keys it adds (written), and the next
+                            // tile's Q rows (read).
+                            let nkv = s.kv_elems() - kvbase;
+                            prefetch_rows::<true>(
+                                dq_ptr.get().wrapping_add(qbase),
+                                nq,
+                                hd,
+                                (i0, i0 + bq),
+                                d,
+                            );
+                            let rows = (kend_before, kend);
+                            for m in [dk_ptr.get(), dv_ptr.get()] {
+                                prefetch_rows::<true>(m.wrapping_add(kvbase), nkv, kvd, rows, d);
+                            }
+                            let next = (i0 + bq, i0 + bq + tq);
+                            prefetch_rows::<false>(q.as_ptr().wrapping_add(qbase), nq, hd, next, d);
+                            kend_before = kend;
                             let q_i = &q[qbase + i0 * hd..];
                             let do_i = &dout[qbase + i0 * hd..];
                             for j0 in (0..kend).step_by(tk) {
@@ -461,6 +496,9 @@ pub fn attention_backward(
     });
     Ok(())
 }
+
+/// Rows ahead of use that the backward's `D = rowsum(dO∘O)` pass prefetches.
+const DELTA_AHEAD: usize = 8;
 
 /// Merges two partial attention results over disjoint key sets into the first one:
 /// `lse = log(e^lse_a + e^lse_b)`, `out = out_a·e^(lse_a − lse) + out_b·e^(lse_b − lse)`.

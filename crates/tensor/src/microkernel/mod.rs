@@ -434,6 +434,46 @@ pub(crate) fn exp_tile(p: &mut [f32], bq: usize, bk: usize, vis0: isize, scale: 
     }
 }
 
+/// Announces that rows `r0..r1` of a row-major matrix (`len` floats per row, `stride` apart,
+/// from `m`, inside a buffer of `m_len` floats from `m`) will be used soon, so that their cache
+/// misses overlap the work before the use instead of stalling it: read (`WRITE = false`,
+/// `prefetcht0`), or written (`prefetchw`: the lines are requested for ownership, which a
+/// store to a cold line would otherwise wait for). Rows past `m_len` are skipped. A hint only
+/// (a no-op off x86-64): it reads and writes nothing, so results never depend on it; a raw
+/// pointer, so buffers that other threads write can be named without a reference.
+pub(crate) fn prefetch_rows<const WRITE: bool>(
+    m: *const f32,
+    m_len: usize,
+    stride: usize,
+    (r0, r1): (usize, usize),
+    len: usize,
+) {
+    #[cfg(target_arch = "x86_64")]
+    for r in r0..r1 {
+        let start = r * stride;
+        if start + len > m_len {
+            break;
+        }
+        // One hint per 64-byte line (16 floats), plus the row's last element.
+        for i in (0..len).step_by(16).chain([len.saturating_sub(1)]) {
+            let at = m.wrapping_add(start + i).cast();
+            // SAFETY: a prefetch never faults and has no architectural effect, whatever the
+            // address (`wrapping_add`: no pointer arithmetic UB); SSE is part of x86-64 (CPUs
+            // without PREFETCHW treat that hint as a no-op).
+            unsafe {
+                use std::arch::x86_64::{_mm_prefetch, _MM_HINT_ET0, _MM_HINT_T0};
+                if WRITE {
+                    _mm_prefetch::<_MM_HINT_ET0>(at);
+                } else {
+                    _mm_prefetch::<_MM_HINT_T0>(at);
+                }
+            }
+        }
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    let _ = (m, m_len, stride, r0, r1, len);
+}
+
 /// Transposed gather of `n` rows: `dst[c·n + j] = src[j·stride + c]` for `j < n`, `c < d`.
 pub(crate) fn gather_t(src: &[f32], stride: usize, n: usize, d: usize, dst: &mut [f32]) {
     if n == 0 || d == 0 {
