@@ -21,7 +21,7 @@
 
 use crate::error::check_len;
 use crate::microkernel::{
-    dot, exp_tile, gather_t, mm, mm_raw, online_softmax_tile, softmax_grad_tile,
+    dot, exp_tile, gather_t, mm, mm_raw, online_softmax_tile, prefetch_rows, softmax_grad_tile,
 };
 use crate::threads;
 use crate::TensorError;
@@ -112,6 +112,17 @@ impl AttnShape {
         (4.0 * d * pairs, 10.0 * d * pairs)
     }
 
+    /// Mask offset of the score tile for queries `i0..` and keys `j0..` (see
+    /// [`visible_cols`](crate::microkernel::visible_cols)): query `i0 + r` sees tile columns
+    /// `< vis0 + r`, i.e. keys `k_start + j0 + c <= q_start + i0 + r`.
+    fn tile_vis0(&self, i0: usize, j0: usize) -> isize {
+        if self.causal {
+            (self.q_start + i0 + 1) as isize - (self.k_start + j0) as isize
+        } else {
+            isize::MAX
+        }
+    }
+
     fn validate(&self) -> Result<(), TensorError> {
         if self.head_dim == 0 || self.n_heads == 0 || self.n_kv_heads == 0 {
             return Err(TensorError::Shape(format!(
@@ -188,16 +199,6 @@ fn with_scratch<R>(len: usize, f: impl FnOnce(&mut [f32]) -> R) -> R {
     r
 }
 
-/// Masks the score tile `s [bq, bk]` (row stride `bk`) for queries `i0..` and keys `j0..`:
-/// entries with key index `>= visible_keys(i)` become `−∞`.
-fn mask_tile(shape: &AttnShape, s: &mut [f32], i0: usize, bq: usize, j0: usize, bk: usize) {
-    for r in 0..bq {
-        let vis = shape.visible_keys(i0 + r);
-        let first_masked = vis.saturating_sub(j0).min(bk);
-        s[r * bk + first_masked..(r + 1) * bk].fill(f32::NEG_INFINITY);
-    }
-}
-
 /// Forward. Writes `out` (`[batch, q_len, n_heads, head_dim]`) and `lse`
 /// (`[batch, n_heads, q_len]`, natural log; `−∞` for queries that see no key).
 pub fn attention_forward(
@@ -246,6 +247,16 @@ pub fn attention_forward(
                     gather_t(&k[kvbase..], kvd, n_keys, d, kt);
                     for i0 in (0..sq).step_by(tq) {
                         let bq = tq.min(sq - i0);
+                        // The tile's output rows are written only at its end; they are usually
+                        // cold (rows `n_heads·d` apart), so fetch them while the tile computes.
+                        let o_len = s.q_elems() - qbase;
+                        prefetch_rows::<true>(
+                            out_ptr.get().wrapping_add(qbase),
+                            o_len,
+                            hd,
+                            (i0, i0 + bq),
+                            d,
+                        );
                         m[..bq].fill(f32::NEG_INFINITY);
                         l[..bq].fill(0.0);
                         acc[..bq * d].fill(0.0);
@@ -267,10 +278,8 @@ pub fn attention_forward(
                                 bk,
                                 false,
                             );
-                            if s.causal && s.visible_keys(i0) < j0 + bk {
-                                mask_tile(&s, st, i0, bq, j0, bk);
-                            }
-                            online_softmax_tile(st, bq, bk, scale, m, l, acc, d);
+                            let vis0 = s.tile_vis0(i0, j0);
+                            online_softmax_tile(st, bq, bk, vis0, scale, m, l, acc, d);
                             // acc += P̃ · V
                             mm(
                                 &mut acc[..bq * d],
@@ -385,13 +394,38 @@ pub fn attention_backward(
                     for h in kvh * group..(kvh + 1) * group {
                         let qbase = b * sq * hd + h * d;
                         let lse_row = &lse[(b * s.n_heads + h) * sq..][..sq];
+                        let nq = s.q_elems() - qbase;
                         for (i, dl) in delta.iter_mut().enumerate() {
+                            // A few rows ahead: this pass is the first touch of out and dO.
+                            for m in [out.as_ptr(), dout.as_ptr()] {
+                                let rows = (i + DELTA_AHEAD, i + DELTA_AHEAD + 1);
+                                prefetch_rows::<false>(m.wrapping_add(qbase), nq, hd, rows, d);
+                            }
                             let o = &out[qbase + i * hd..][..d];
                             *dl = dot(&dout[qbase + i * hd..][..d], o, None);
                         }
+                        let mut kend_before = 0;
                         for i0 in (0..sq).step_by(tq) {
                             let bq = tq.min(sq - i0);
                             let kend = s.visible_keys(i0 + bq - 1);
+                            // Rows this tile is the first to touch, usually cold: its dQ rows
+                            // and the dK/dV rows of the keys it adds (written), and the next
+                            // tile's Q rows (read).
+                            let nkv = s.kv_elems() - kvbase;
+                            prefetch_rows::<true>(
+                                dq_ptr.get().wrapping_add(qbase),
+                                nq,
+                                hd,
+                                (i0, i0 + bq),
+                                d,
+                            );
+                            let rows = (kend_before, kend);
+                            for m in [dk_ptr.get(), dv_ptr.get()] {
+                                prefetch_rows::<true>(m.wrapping_add(kvbase), nkv, kvd, rows, d);
+                            }
+                            let next = (i0 + bq, i0 + bq + tq);
+                            prefetch_rows::<false>(q.as_ptr().wrapping_add(qbase), nq, hd, next, d);
+                            kend_before = kend;
                             let q_i = &q[qbase + i0 * hd..];
                             let do_i = &dout[qbase + i0 * hd..];
                             for j0 in (0..kend).step_by(tk) {
@@ -400,10 +434,8 @@ pub fn attention_backward(
                                 let dp = &mut dp[..bq * bk];
                                 // P = exp(s·Q·Kᵀ − lse)
                                 mm(p, bk, q_i, hd, 1, &kt[j0..], n_keys, bq, d, bk, false);
-                                if s.causal && s.visible_keys(i0) < j0 + bk {
-                                    mask_tile(&s, p, i0, bq, j0, bk);
-                                }
-                                exp_tile(p, bq, bk, scale, &lse_row[i0..]);
+                                let vis0 = s.tile_vis0(i0, j0);
+                                exp_tile(p, bq, bk, vis0, scale, &lse_row[i0..]);
                                 // dP = dO·Vᵀ, then dS' = s·P∘(dP − D) in place
                                 mm(dp, bk, do_i, hd, 1, &vt[j0..], n_keys, bq, d, bk, false);
                                 softmax_grad_tile(dp, p, &delta[i0..i0 + bq], bk, scale);
@@ -464,6 +496,9 @@ pub fn attention_backward(
     });
     Ok(())
 }
+
+/// Rows ahead of use that the backward's `D = rowsum(dO∘O)` pass prefetches.
+const DELTA_AHEAD: usize = 8;
 
 /// Merges two partial attention results over disjoint key sets into the first one:
 /// `lse = log(e^lse_a + e^lse_b)`, `out = out_a·e^(lse_a − lse) + out_b·e^(lse_b − lse)`.

@@ -348,16 +348,26 @@ fn softmax_grad_tile_portable(dp: &mut [f32], p: &[f32], delta: &[f32], cols: us
     }
 }
 
+/// Visible columns of row `r` of a score tile `bk` wide: `clamp(vis0 + r, 0, bk)`. A causal
+/// mask by global position is linear in the row (query `i0 + r` sees keys `< q_start + i0 + r
+/// + 1 − k_start`), so one offset `vis0` describes a whole tile; no mask is `vis0 >= bk`.
+#[inline]
+pub(crate) fn visible_cols(vis0: isize, r: usize, bk: usize) -> usize {
+    vis0.saturating_add(r as isize).clamp(0, bk as isize) as usize
+}
+
 /// One step of the online softmax (FlashAttention) on a score tile `st [bq, bk]`, for rows
 /// with running max `m` (in scaled units), running sum `l` and unnormalised output rows
-/// `acc [bq, d]`: `m' = max(m, scale·max_j S)`, `st ← exp(scale·S − m')`,
-/// `l' = l·e^(m−m') + Σ_j st`, `acc ← acc·e^(m−m')`. Rows with nothing visible yet
-/// (`m' = −∞`) get `st = 0` and keep their state.
+/// `acc [bq, d]`. Row `r` sees its first `n = visible_cols(vis0, r, bk)` scores (the rest are
+/// masked, whatever they hold): `m' = max(m, scale·max_{j<n} S)`, `st[..n] ← exp(scale·S −
+/// m')`, `st[n..] ← 0`, `l' = l·e^(m−m') + Σ_j st`, `acc ← acc·e^(m−m')`. Rows with nothing
+/// visible yet (`m' = −∞`) get `st = 0` and keep their state.
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn online_softmax_tile(
     st: &mut [f32],
     bq: usize,
     bk: usize,
+    vis0: isize,
     scale: f32,
     m: &mut [f32],
     l: &mut [f32],
@@ -373,6 +383,7 @@ pub(crate) fn online_softmax_tile(
                 st.as_mut_ptr(),
                 bq,
                 bk,
+                vis0,
                 scale,
                 m.as_mut_ptr(),
                 l.as_mut_ptr(),
@@ -384,13 +395,15 @@ pub(crate) fn online_softmax_tile(
     }
     for r in 0..bq {
         let row = &mut st[r * bk..(r + 1) * bk];
-        let m_new = m[r].max(scale * row_max(row));
+        let (vis, masked) = row.split_at_mut(visible_cols(vis0, r, bk));
+        masked.fill(0.0);
+        let m_new = m[r].max(scale * row_max(vis));
         if m_new == f32::NEG_INFINITY {
-            row.fill(0.0);
+            vis.fill(0.0);
             continue;
         }
         let alpha = (m[r] - m_new).exp();
-        let sum = exp_sub_sum(row, scale, m_new);
+        let sum = exp_sub_sum(vis, scale, m_new);
         l[r] = l[r] * alpha + sum;
         m[r] = m_new;
         if alpha != 1.0 {
@@ -399,23 +412,66 @@ pub(crate) fn online_softmax_tile(
     }
 }
 
-/// Probabilities from saved log-sum-exps: `p ← exp(scale·p − lse_row)` on a tile `[bq, bk]`;
-/// rows with `lse = −∞` (no visible key) become 0.
-pub(crate) fn exp_tile(p: &mut [f32], bq: usize, bk: usize, scale: f32, lse: &[f32]) {
+/// Probabilities from saved log-sum-exps: `p ← exp(scale·p − lse_row)` on a tile `[bq, bk]`
+/// whose row `r` sees its first `visible_cols(vis0, r, bk)` columns (the rest become 0); rows
+/// with `lse = −∞` (no visible key) become 0.
+pub(crate) fn exp_tile(p: &mut [f32], bq: usize, bk: usize, vis0: isize, scale: f32, lse: &[f32]) {
     assert!(p.len() >= bq * bk && lse.len() >= bq);
     #[cfg(target_arch = "x86_64")]
     if use_avx512() {
         // SAFETY: AVX-512F available; lengths asserted above.
-        unsafe { avx512::exp_tile(p.as_mut_ptr(), bq, bk, scale, lse.as_ptr()) };
+        unsafe { avx512::exp_tile(p.as_mut_ptr(), bq, bk, vis0, scale, lse.as_ptr()) };
         return;
     }
-    for (row, &l) in p[..bq * bk].chunks_mut(bk).zip(lse) {
+    for (r, (row, &l)) in p[..bq * bk].chunks_mut(bk).zip(lse).enumerate() {
+        let (vis, masked) = row.split_at_mut(visible_cols(vis0, r, bk));
+        masked.fill(0.0);
         if l == f32::NEG_INFINITY {
-            row.fill(0.0);
+            vis.fill(0.0);
         } else {
-            exp_sub_sum(row, scale, l);
+            exp_sub_sum(vis, scale, l);
         }
     }
+}
+
+/// Announces that rows `r0..r1` of a row-major matrix (`len` floats per row, `stride` apart,
+/// from `m`, inside a buffer of `m_len` floats from `m`) will be used soon, so that their cache
+/// misses overlap the work before the use instead of stalling it: read (`WRITE = false`,
+/// `prefetcht0`), or written (`prefetchw`: the lines are requested for ownership, which a
+/// store to a cold line would otherwise wait for). Rows past `m_len` are skipped. A hint only
+/// (a no-op off x86-64): it reads and writes nothing, so results never depend on it; a raw
+/// pointer, so buffers that other threads write can be named without a reference.
+pub(crate) fn prefetch_rows<const WRITE: bool>(
+    m: *const f32,
+    m_len: usize,
+    stride: usize,
+    (r0, r1): (usize, usize),
+    len: usize,
+) {
+    #[cfg(target_arch = "x86_64")]
+    for r in r0..r1 {
+        let start = r * stride;
+        if start + len > m_len {
+            break;
+        }
+        // One hint per 64-byte line (16 floats), plus the row's last element.
+        for i in (0..len).step_by(16).chain([len.saturating_sub(1)]) {
+            let at = m.wrapping_add(start + i).cast();
+            // SAFETY: a prefetch never faults and has no architectural effect, whatever the
+            // address (`wrapping_add`: no pointer arithmetic UB); SSE is part of x86-64 (CPUs
+            // without PREFETCHW treat that hint as a no-op).
+            unsafe {
+                use std::arch::x86_64::{_mm_prefetch, _MM_HINT_ET0, _MM_HINT_T0};
+                if WRITE {
+                    _mm_prefetch::<_MM_HINT_ET0>(at);
+                } else {
+                    _mm_prefetch::<_MM_HINT_T0>(at);
+                }
+            }
+        }
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    let _ = (m, m_len, stride, r0, r1, len);
 }
 
 /// Transposed gather of `n` rows: `dst[c·n + j] = src[j·stride + c]` for `j < n`, `c < d`.
@@ -503,6 +559,84 @@ mod tests {
         });
         let worst = fast.iter().zip(&portable).map(|(&a, &b)| ulps(a, b)).max();
         assert!(worst.unwrap() <= 2, "worst {worst:?} ulp");
+    }
+
+    /// `e^x` through the AVX-512 kernel for arguments `<= 0` (`None` without AVX-512).
+    fn exp_nonpos_fast(x: &[f32]) -> Option<Vec<f32>> {
+        #[cfg(target_arch = "x86_64")]
+        if use_avx512() {
+            let mut y = x.to_vec();
+            // SAFETY: AVX-512F available; the kernel touches exactly y.len() elements.
+            unsafe { avx512::exp_nonpos(&mut y) };
+            return Some(y);
+        }
+        let _ = x;
+        None
+    }
+
+    /// Largest ulp distance (and where) of `exp_nonpos_fast` from the correctly rounded `e^x`
+    /// over the f32 bit patterns from `hi` down to `lo` (both `<= 0`), every `step`-th one.
+    #[cfg(target_arch = "x86_64")]
+    fn exp_nonpos_worst_ulps(lo: f32, hi: f32, step: usize) -> Option<(u32, f32)> {
+        let x: Vec<f32> = (hi.to_bits()..=lo.to_bits())
+            .step_by(step)
+            .map(f32::from_bits)
+            .collect();
+        let y = exp_nonpos_fast(&x)?;
+        x.iter()
+            .zip(&y)
+            .map(|(&x, &y)| (ulps(y, (x as f64).exp() as f32), x))
+            .max_by_key(|&(u, _)| u)
+    }
+
+    /// Ulp bounds of the cheap exp, on [−16, −0] and on [−86.5, −16]. The single-constant
+    /// reduction `r = x − n·ln2_f32` adds `|n|·1.9e-9` relative error, which passes 1 ulp only
+    /// below −16, where `e^x < 1.2e-7` is already below the rounding of the row maximum's
+    /// `e^0 = 1` in a softmax sum (absolute error there < 1e-13). Exhaustive run: 1 and 4 ulp
+    /// (2 ulp from −16 to −20).
+    #[cfg(target_arch = "x86_64")]
+    const EXP_NONPOS_ULPS: [(f32, f32, u32); 2] =
+        [(-16.0, -0.0, 1), (avx512::EXP_NONPOS_MIN, -16.0, 4)];
+
+    #[test]
+    #[cfg(target_arch = "x86_64")]
+    fn exp_for_nonpositive_arguments_within_bounds() {
+        // Every 61st f32 (8 M arguments: all exponents, scattered mantissas).
+        for (lo, hi, bound) in EXP_NONPOS_ULPS {
+            if let Some((worst, at)) = exp_nonpos_worst_ulps(lo, hi, 61) {
+                assert!(worst <= bound, "{worst} ulp at {at}");
+            }
+        }
+        // Edges: exactly 0 below the cut-off and at −∞, normal at it, 1 at ±0, NaN kept, a
+        // rounding excess above 0 still accurate.
+        let x = [
+            f32::NEG_INFINITY,
+            -1e30,
+            -86.51,
+            avx512::EXP_NONPOS_MIN,
+            0.0,
+            -0.0,
+            f32::NAN,
+            1e-6,
+        ];
+        if let Some(y) = exp_nonpos_fast(&x) {
+            assert_eq!(&y[..3], &[0.0; 3]);
+            assert!(y[3].is_normal() && ulps(y[3], (-86.5f64).exp() as f32) <= 4);
+            assert_eq!(&y[4..6], &[1.0, 1.0]);
+            assert!(y[6].is_nan());
+            assert!(ulps(y[7], 1e-6f64.exp() as f32) <= 1);
+        }
+    }
+
+    #[test]
+    #[ignore = "exhaustive, ~20 s: cargo test --release -p tensor -- --ignored"]
+    #[cfg(target_arch = "x86_64")]
+    fn exp_for_nonpositive_arguments_exhaustive() {
+        for (lo, hi, bound) in EXP_NONPOS_ULPS {
+            if let Some((worst, at)) = exp_nonpos_worst_ulps(lo, hi, 1) {
+                assert!(worst <= bound, "{worst} ulp at {at}");
+            }
+        }
     }
 
     #[test]
@@ -624,6 +758,91 @@ mod tests {
                 }
             }
         });
+    }
+
+    #[test]
+    fn masked_softmax_tiles_match_f64() {
+        both_paths(masked_softmax_tiles_once);
+    }
+
+    /// Relative error bound of an f32 `e^(x − m)` computed from `x = scale·s` and `m`: the exp
+    /// itself (<= 4 ulp, 2^−23 each at worst) plus the f32 roundings of `scale·s` and of the
+    /// difference (half an ulp each, which the exponential turns into relative errors).
+    fn exp_tolerance(x: f64, m: f64) -> f64 {
+        f32::EPSILON as f64 * (4.0 + 0.5 * x.abs() + 0.5 * (x - m).abs())
+    }
+
+    /// `online_softmax_tile` over two key tiles and `exp_tile` from the resulting log-sum-exp,
+    /// for masks that hide whole rows, part of a vector, whole vectors, or nothing, against the
+    /// f64 formulas; masked entries must be exactly 0. Rows start from the state of one earlier
+    /// key with scaled score `M0` (`m = M0`, `l = 1`, `acc = 1`).
+    fn masked_softmax_tiles_once() {
+        const M0: f64 = 0.5;
+        let (bq, bk, d, scale) = (6, 37, 3, 0.35f32);
+        for vis0 in [-3isize, 0, 2, 20, 35, isize::MAX] {
+            let s1: Vec<f32> = rand_vec(bq * bk, 11).iter().map(|v| v * 20.0).collect();
+            let s2: Vec<f32> = rand_vec(bq * bk, 12).iter().map(|v| v * 20.0).collect();
+            let (mut m, mut l) = (vec![M0 as f32; bq], vec![1.0f32; bq]);
+            let mut acc = vec![1.0f32; bq * d];
+            let (mut p1, mut p2) = (s1.clone(), s2.clone());
+            // Tile 1 sees vis0 + r columns, tile 2 (the next keys) bk fewer.
+            online_softmax_tile(&mut p1, bq, bk, vis0, scale, &mut m, &mut l, &mut acc, d);
+            let m1 = m.clone();
+            let vis2 = vis0.saturating_sub(bk as isize);
+            online_softmax_tile(&mut p2, bq, bk, vis2, scale, &mut m, &mut l, &mut acc, d);
+            let mut lse = vec![0.0f32; bq];
+            for r in 0..bq {
+                let (n1, n2) = (visible_cols(vis0, r, bk), visible_cols(vis2, r, bk));
+                let scaled = |v: &f32| scale as f64 * *v as f64;
+                let seen: Vec<f64> = s1[r * bk..][..n1]
+                    .iter()
+                    .chain(&s2[r * bk..][..n2])
+                    .map(scaled)
+                    .chain([M0])
+                    .collect();
+                let mx = seen.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
+                let sum: f64 = seen.iter().map(|v| (v - mx).exp()).sum();
+                assert!((m[r] as f64 - mx).abs() <= 1e-6 * mx.abs());
+                assert!((l[r] as f64 - sum).abs() <= 1e-6 * sum, "{} vs {sum}", l[r]);
+                let want_acc = (M0 - mx).exp();
+                assert!((acc[r * d] as f64 - want_acc).abs() <= 1e-6 * want_acc);
+                let tiles = [(&p1, &s1, n1, m1[r]), (&p2, &s2, n2, m[r])];
+                for (p, sc, n, m_t) in tiles {
+                    for c in 0..bk {
+                        let got = p[r * bk + c];
+                        if c >= n {
+                            assert_eq!(got, 0.0);
+                        } else {
+                            // Against the f32 running max the kernel used (its rounding is
+                            // common to the whole row, so it cancels in the softmax).
+                            let x = scaled(&sc[r * bk + c]);
+                            let want = (x - m_t as f64).exp();
+                            let tol = exp_tolerance(x, m_t as f64);
+                            assert!((got as f64 - want).abs() <= tol * want, "{got} vs {want}");
+                        }
+                    }
+                }
+                lse[r] = (mx + sum.ln()) as f32;
+            }
+            lse[1] = f32::NEG_INFINITY; // as for a query that sees no key
+                                        // Probabilities of tile 1 from the log-sum-exps; rows with lse = −∞ give 0.
+            let mut p = s1.clone();
+            exp_tile(&mut p, bq, bk, vis0, scale, &lse);
+            for r in 0..bq {
+                let n = visible_cols(vis0, r, bk);
+                for c in 0..bk {
+                    let got = p[r * bk + c];
+                    if c >= n || lse[r] == f32::NEG_INFINITY {
+                        assert_eq!(got, 0.0);
+                    } else {
+                        let x = scale as f64 * s1[r * bk + c] as f64;
+                        let want = (x - lse[r] as f64).exp();
+                        let tol = exp_tolerance(x, lse[r] as f64);
+                        assert!((got as f64 - want).abs() <= tol * want, "{got} vs {want}");
+                    }
+                }
+            }
+        }
     }
 
     fn softmax_grad_once() {
