@@ -9,7 +9,10 @@ use tensor::attention::{attention_backward, attention_forward, AttnShape, AttnTi
 use tensor::rope::Rope;
 use tensor::threads::zeros;
 
-use super::{linear_backward_input, linear_forward, Act, Pass, WeightGradStore, WeightTask};
+use super::{
+    linear_backward_input, linear_backward_input_new, linear_forward_new, Act, Pass,
+    WeightGradStore, WeightTask,
+};
 use crate::error::Result;
 use crate::layout::View;
 use crate::profile::{time, Kernel};
@@ -72,12 +75,10 @@ impl Attention {
             self.n_heads * self.head_dim,
             self.n_kv_heads * self.head_dim,
         );
-        let mut q = zeros(t * dq);
-        let mut k = zeros(t * dkv);
-        let mut v = zeros(t * dkv);
-        linear_forward(p, &self.wq, x, &mut q)?;
-        linear_forward(p, &self.wk, x, &mut k)?;
-        linear_forward(p, &self.wv, x, &mut v)?;
+        let mut q = linear_forward_new(p, &self.wq, x)?;
+        let mut k = linear_forward_new(p, &self.wk, x)?;
+        let v = linear_forward_new(p, &self.wv, x)?;
+        debug_assert_eq!((q.len(), k.len(), v.len()), (t * dq, t * dkv, t * dkv));
         let pos = self.positions(pass);
         time(Kernel::Rope, || -> Result<()> {
             self.rope.apply(&mut q, self.n_heads, &pos)?;
@@ -90,8 +91,7 @@ impl Attention {
         time(Kernel::Attention, || {
             attention_forward(&shape, &q, &k, &v, &mut o, &mut lse, AttnTiles::default())
         })?;
-        let mut y = zeros(t * self.wo.shape[0]);
-        linear_forward(p, &self.wo, &o, &mut y)?;
+        let y = linear_forward_new(p, &self.wo, &o)?;
         let cache = AttnCache {
             q: Arc::new(q),
             k: Arc::new(k),
@@ -118,8 +118,8 @@ impl Attention {
             self.n_heads * self.head_dim,
             self.n_kv_heads * self.head_dim,
         );
-        let mut d_o = zeros(t * dqn);
-        linear_backward_input(p, &self.wo, &dy, &mut d_o, false)?;
+        let d_o = linear_backward_input_new(p, &self.wo, &dy)?;
+        debug_assert_eq!(d_o.len(), t * dqn);
         store.push(WeightTask::Linear {
             w: self.wo.clone(),
             dy,
@@ -150,8 +150,7 @@ impl Attention {
             self.rope.apply_backward(&mut dk, self.n_kv_heads, &pos)?;
             Ok(())
         })?;
-        let mut dx = zeros(x.len());
-        linear_backward_input(p, &self.wq, &dq, &mut dx, false)?;
+        let mut dx = linear_backward_input_new(p, &self.wq, &dq)?;
         linear_backward_input(p, &self.wk, &dk, &mut dx, true)?;
         linear_backward_input(p, &self.wv, &dv, &mut dx, true)?;
         for (w, d) in [(&self.wq, dq), (&self.wk, dk), (&self.wv, dv)] {

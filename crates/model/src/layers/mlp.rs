@@ -5,7 +5,10 @@
 use std::sync::Arc;
 use tensor::threads::zeros;
 
-use super::{linear_backward_input, linear_forward, Act, WeightGradStore, WeightTask};
+use super::{
+    linear_backward_input, linear_backward_input_new, linear_forward_new, Act, WeightGradStore,
+    WeightTask,
+};
 use crate::error::Result;
 use crate::layout::View;
 use crate::profile::{time, Kernel};
@@ -58,13 +61,12 @@ impl SwiGlu {
         let hidden = self.gate.shape[1];
         let n = x.len() / hidden;
         let f = self.ffn();
-        let mut g = zeros(n * f);
-        let mut u = zeros(n * f);
-        linear_forward(p, &self.gate, x, &mut g)?;
-        linear_forward(p, &self.up, x, &mut u)?;
+        let g = linear_forward_new(p, &self.gate, x)?;
+        let u = linear_forward_new(p, &self.up, x)?;
+        debug_assert_eq!(g.len(), n * f);
         let s = Self::product(&g, &u)?;
-        let mut y = zeros(n * hidden);
-        linear_forward(p, &self.down, &s, &mut y)?;
+        let y = linear_forward_new(p, &self.down, &s)?;
+        debug_assert_eq!(y.len(), n * hidden);
         let cache = MlpCache {
             g: Arc::new(g),
             u: Arc::new(u),
@@ -88,8 +90,7 @@ impl SwiGlu {
             None => Arc::new(Self::product(&cache.g, &cache.u)?),
         };
         let n = cache.g.len();
-        let mut ds = zeros(n);
-        linear_backward_input(p, &self.down, &dy, &mut ds, false)?;
+        let ds = linear_backward_input_new(p, &self.down, &dy)?;
         store.push(WeightTask::Linear {
             w: self.down.clone(),
             dy,
@@ -100,8 +101,7 @@ impl SwiGlu {
         time(Kernel::Activation, || {
             tensor::activation::swiglu_backward(&ds, &cache.g, &cache.u, &mut dg, &mut du)
         })?;
-        let mut dx = zeros(x.len());
-        linear_backward_input(p, &self.gate, &dg, &mut dx, false)?;
+        let mut dx = linear_backward_input_new(p, &self.gate, &dg)?;
         linear_backward_input(p, &self.up, &du, &mut dx, true)?;
         store.push(WeightTask::Linear {
             w: self.gate.clone(),

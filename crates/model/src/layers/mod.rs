@@ -85,6 +85,26 @@ pub fn linear_forward(p: &[f32], w: &View, x: &[f32], y: &mut [f32]) -> Result<(
     Ok(())
 }
 
+/// [`linear_forward`] into a new buffer (the product writes it; no zero fill).
+pub fn linear_forward_new(p: &[f32], w: &View, x: &[f32]) -> Result<Vec<f32>> {
+    let (dout, din) = (w.shape[0], w.shape[1]);
+    let tokens = x.len() / din;
+    Ok(crate::profile::time(
+        crate::profile::Kernel::Matmul,
+        || tensor::gemm::matmul_new(x, w.of(p), tokens, din, dout, false, true),
+    )?)
+}
+
+/// `dx = dy·W` into a new buffer (the product writes it; no zero fill).
+pub fn linear_backward_input_new(p: &[f32], w: &View, dy: &[f32]) -> Result<Vec<f32>> {
+    let (dout, din) = (w.shape[0], w.shape[1]);
+    let tokens = dy.len() / dout;
+    Ok(crate::profile::time(
+        crate::profile::Kernel::Matmul,
+        || tensor::gemm::matmul_new(dy, w.of(p), tokens, dout, din, false, false),
+    )?)
+}
+
 /// `dx (+)= dy·W` for `W [out, in]`.
 pub fn linear_backward_input(
     p: &[f32],
