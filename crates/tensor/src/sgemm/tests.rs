@@ -252,25 +252,23 @@ proptest! {
     }
 }
 
-/// Root-mean-square and maximum of `|C − C_ref| / Σ|a·b|` over `C = A·B` for `[m, k] · [k, n]`
-/// row-major operands (f64 reference).
-fn relative_errors(kernel: Kernel, m: usize, k: usize, n: usize, seed: u64) -> (f64, f64) {
-    let a = rand_vec(m * k, seed);
-    let b = rand_vec(k * n, seed + 1);
+/// `A·B` for dense row-major `A [m, k]`, `B [k, n]` on one thread.
+fn dense_product(kernel: Kernel, a: &[f32], b: &[f32], [m, k, n]: [usize; 3]) -> Vec<f32> {
+    assert!(a.len() == m * k && b.len() == k * n);
     let mut c = vec![0.0f32; m * n];
     let mat = |v: &[f32], ld: usize| MatRef {
         ptr: v.as_ptr(),
         rs: ld as isize,
         cs: 1,
     };
-    // SAFETY: dense row-major operands of the stated shapes.
+    // SAFETY: dense row-major operands of the asserted shapes.
     unsafe {
         sgemm_with(
             kernel,
             c.as_mut_ptr(),
             n,
-            mat(&a, k),
-            mat(&b, n),
+            mat(a, k),
+            mat(b, n),
             m,
             k,
             n,
@@ -278,6 +276,15 @@ fn relative_errors(kernel: Kernel, m: usize, k: usize, n: usize, seed: u64) -> (
             1,
         )
     };
+    c
+}
+
+/// Root-mean-square and maximum of `|C − C_ref| / Σ|a·b|` over `C = A·B` for `[m, k] · [k, n]`
+/// row-major operands (f64 reference).
+fn relative_errors(kernel: Kernel, m: usize, k: usize, n: usize, seed: u64) -> (f64, f64) {
+    let a = rand_vec(m * k, seed);
+    let b = rand_vec(k * n, seed + 1);
+    let c = dense_product(kernel, &a, &b, [m, k, n]);
     let (mut sq, mut max) = (0.0f64, 0.0f64);
     for i in 0..m {
         for j in 0..n {
@@ -337,27 +344,7 @@ fn amx_split_propagates_nan_and_infinity() {
     let b: Vec<f32> = rand_vec(k * n, 6).iter().map(|x| x.abs() + 0.5).collect();
     a[3] = f32::NAN;
     a[k + 9] = f32::INFINITY;
-    let mut c = vec![0.0f32; m * n];
-    let mat = |v: &[f32], ld: usize| MatRef {
-        ptr: v.as_ptr(),
-        rs: ld as isize,
-        cs: 1,
-    };
-    // SAFETY: dense row-major operands of the stated shapes.
-    unsafe {
-        sgemm_with(
-            Kernel::Amx,
-            c.as_mut_ptr(),
-            n,
-            mat(&a, k),
-            mat(&b, n),
-            m,
-            k,
-            n,
-            false,
-            1,
-        )
-    };
+    let c = dense_product(Kernel::Amx, &a, &b, [m, k, n]);
     for j in 0..n {
         assert!(c[j].is_nan(), "C(0, {j}) = {}", c[j]);
         assert!(c[n + j] == f32::INFINITY || c[n + j].is_nan(), "C(1, {j})");
