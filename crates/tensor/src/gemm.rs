@@ -1,11 +1,12 @@
 //! Matrix products, parallelised over the thread budget, on one of the backends
 //! ([`Backend`]): the own AVX-512 SGEMM of [`crate::sgemm`], or the `gemm` crate (its
 //! `x86-v4`/AVX-512 kernels are selected at run time; also the fallback on CPUs without
-//! AVX-512), or the own SGEMM on AMX tiles ([`crate::sgemm::amx`], fp32 accuracy from an
-//! exact bf16 split). [`Backend::Auto`] picks per product by measured rules: AMX where
-//! available and the product is not tiny (`amx_is_faster`), else the faster of the other two
-//! (`own_is_faster`); `XTRAIN_GEMM=own|crate|amx|auto` overrides it for a whole process and
-//! `XTRAIN_AMX=0` hides AMX.
+//! AVX-512), or, opt-in, the own SGEMM on AMX tiles ([`crate::sgemm::amx`], fp32 accuracy
+//! from an exact bf16 split). [`Backend::Auto`] picks between the first two per product by a
+//! measured rule (`own_is_faster`); it leaves AMX out because on the shared VMs measured AMX
+//! alternated between 1.2–1.45× faster and 0.63–0.91× slower training steps (geometric mean
+//! ≈ 1, docs/PERFORMANCE.md, "AMX"). `XTRAIN_GEMM=own|crate|amx|auto` overrides the choice for
+//! a whole process and `XTRAIN_AMX=0` hides AMX.
 //!
 //! Transposed operands are read through strides, never copied: a row-major `[r, c]` matrix
 //! read as its transpose is the same memory with row stride 1 and column stride `c`.
@@ -144,8 +145,8 @@ pub enum Backend {
     /// The `gemm` crate.
     Crate,
     /// The own SGEMM on the AMX tile unit ([`crate::sgemm::amx`]: exact bf16 split, fp32
-    /// accuracy) for every product, tiny ones included; where AMX is unavailable, the same
-    /// choice as [`Backend::Auto`].
+    /// accuracy) for every product; where AMX is unavailable, the same choice as
+    /// [`Backend::Auto`]. Opt-in (`XTRAIN_GEMM=amx`).
     Amx,
 }
 
@@ -312,11 +313,10 @@ pub unsafe fn gemm_raw_using(
             None
         };
         let amx = sgemm::Kernel::Amx.available();
-        let own = own.and_then(|o @ (_, _, _, sa, _, sb, m, n)| {
+        let own = own.and_then(|o @ (_, _, _, sa, _, sb, m, _)| {
             let kernel = match backend {
                 Backend::Own => sgemm::Kernel::Fma,
                 Backend::Amx if amx => sgemm::Kernel::Amx,
-                Backend::Auto if amx && amx_is_faster(m, k, n) => sgemm::Kernel::Amx,
                 _ if own_is_faster(sa, sb, m) => sgemm::Kernel::Fma,
                 _ => return None,
             };
@@ -394,15 +394,6 @@ pub unsafe fn gemm_raw_using(
 #[cfg(target_arch = "x86_64")]
 fn own_is_faster(sa: Strides, sb: Strides, m: usize) -> bool {
     sa.col != 1 || (sb.col != 1 && m <= 512)
-}
-
-/// The dispatch rule of [`Backend::Auto`] on CPUs with AMX: the AMX kernel unless the
-/// product is too small to amortise its 32 × 32 × 32 blocks and the bf16 split of both
-/// operands (measured faster than the FMA kernel at every training shape of the presets, e.g.
-/// 1.6× at 2048 × 256 × 256; see docs/PERFORMANCE.md, "AMX").
-#[cfg(target_arch = "x86_64")]
-fn amx_is_faster(m: usize, k: usize, n: usize) -> bool {
-    m >= 16 && n >= 16 && k >= 16 && m.saturating_mul(n).saturating_mul(k) >= 64 * 64 * 64
 }
 
 /// Raw pointer that may cross into the pool (the caller guarantees exclusive access).

@@ -15,8 +15,9 @@
 //!
 //! Map of the crate:
 //! - [`gemm::matmul`]: `C (+)= op(A)·op(B)`, transposes by strides, on the own AVX-512
-//!   SGEMM ([`sgemm`]) or the `gemm` crate, whichever measured faster for the form, and on
-//!   CPUs with AMX the fp32 product on AMX tiles from an exact bf16 split ([`sgemm::amx`]).
+//!   SGEMM ([`sgemm`]) or the `gemm` crate, whichever measured faster for the form; opt-in
+//!   (`XTRAIN_GEMM=amx`), the fp32 product on AMX tiles from an exact bf16 split
+//!   ([`sgemm::amx`]).
 //! - [`norm`]: RMSNorm; [`rope::Rope`]: rotary embedding (HF rotate-half);
 //!   [`activation`]: SiLU / SwiGLU; [`softmax`]: row softmax.
 //! - [`attention`]: tiled online-softmax attention with GQA, causal offsets, log-sum-exp and
