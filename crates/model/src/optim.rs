@@ -129,13 +129,14 @@ impl AdamW {
             .zip(grads.par_chunks(CHUNK))
             .zip(m.par_chunks_mut(CHUNK).zip(v.par_chunks_mut(CHUNK)))
             .for_each(|((p, g), (m, v))| {
-                for i in 0..p.len() {
-                    let gi = g[i];
-                    p[i] *= decay;
-                    m[i] += one_m_b1 * (gi - m[i]);
-                    v[i] = v[i] * b2f + one_m_b2 * gi * gi;
-                    let denom = v[i].sqrt() / bc2_sqrt + eps;
-                    p[i] -= step_size * (m[i] / denom);
+                // Zipped iterators (no index bounds checks) let the loop vectorise; each
+                // element sees the same operations in the same order as before.
+                for (((p, &gi), m), v) in p.iter_mut().zip(g).zip(m.iter_mut()).zip(v.iter_mut()) {
+                    *p *= decay;
+                    *m += one_m_b1 * (gi - *m);
+                    *v = *v * b2f + one_m_b2 * gi * gi;
+                    let denom = v.sqrt() / bc2_sqrt + eps;
+                    *p -= step_size * (*m / denom);
                 }
             });
     }
