@@ -121,7 +121,7 @@ mod tests {
     }
 }
 
-/// Below this many floats (256 KiB) [`zeros`] fills on the calling thread.
+/// Below this many floats (256 KiB) [`zeros`] and [`add_assign`] stay on the calling thread.
 const PARALLEL_ZERO_MIN: usize = 1 << 16;
 
 /// A vector of `n` zeros, filled in parallel over the thread budget when large. A training
@@ -146,8 +146,39 @@ pub fn zeros(n: usize) -> Vec<f32> {
     v
 }
 
+/// `dst[i] += src[i]` (residual sums, gradient accumulation), in parallel over the thread
+/// budget when large; element-wise, so the result does not depend on the split.
+///
+/// # Panics
+/// If the lengths differ (a caller bug).
+pub fn add_assign(dst: &mut [f32], src: &[f32]) {
+    assert_eq!(dst.len(), src.len(), "add_assign lengths");
+    let add = |(d, s): (&mut [f32], &[f32])| d.iter_mut().zip(s).for_each(|(a, b)| *a += b);
+    if dst.len() < PARALLEL_ZERO_MIN || thread_budget() < 2 {
+        return add((dst, src));
+    }
+    let chunk = PARALLEL_ZERO_MIN / 4;
+    install(|| {
+        dst.par_chunks_mut(chunk)
+            .zip(src.par_chunks(chunk))
+            .for_each(add)
+    });
+}
+
 #[cfg(test)]
 mod zeros_tests {
+    #[test]
+    fn add_assign_matches_serial() {
+        for n in [0, 5, super::PARALLEL_ZERO_MIN + 3] {
+            let a: Vec<f32> = (0..n).map(|i| i as f32 * 0.5).collect();
+            let b: Vec<f32> = (0..n).map(|i| 1.0 - i as f32).collect();
+            let mut got = a.clone();
+            super::add_assign(&mut got, &b);
+            let want: Vec<f32> = a.iter().zip(&b).map(|(x, y)| x + y).collect();
+            assert_eq!(got, want);
+        }
+    }
+
     #[test]
     fn zeros_small_and_large() {
         for n in [

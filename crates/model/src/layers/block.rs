@@ -143,7 +143,7 @@ impl Block {
         let xn1 = self.enter(xn1)?;
         let (a, attn) = self.attn.forward(p, &xn1, pass)?;
         let mut h = self.exit(a)?;
-        h.iter_mut().zip(x.iter()).for_each(|(a, b)| *a += b);
+        tensor::threads::add_assign(&mut h, x);
         let (xn2, rstd2) = rmsnorm(p, &self.ffn_norm, &h, self.eps)?;
         let xn2 = self.enter(xn2)?;
         let (mut y, ffn, aux) = match &self.ffn {
@@ -158,7 +158,7 @@ impl Block {
             }
         };
         y = self.exit(y)?;
-        y.iter_mut().zip(&h).for_each(|(a, b)| *a += b);
+        tensor::threads::add_assign(&mut y, &h);
         let saved = Saved {
             xn1: (!selective).then(|| Arc::new(xn1)),
             rstd1: Arc::new(rstd1),

@@ -213,12 +213,10 @@ pub fn rmsnorm_backward_input(
     dy: &[f32],
     dx_accum: &mut [f32],
 ) -> Result<()> {
-    let mut dx = vec![0.0; x.len()];
+    let mut dx = tensor::threads::zeros(x.len());
     crate::profile::time(crate::profile::Kernel::Norm, || {
         tensor::norm::rmsnorm_backward(dy, x, w.of(p), rstd, w.numel(), Some(&mut dx), None)
     })?;
-    for (a, b) in dx_accum.iter_mut().zip(&dx) {
-        *a += *b;
-    }
+    tensor::threads::add_assign(dx_accum, &dx);
     Ok(())
 }
