@@ -165,8 +165,35 @@ pub fn add_assign(dst: &mut [f32], src: &[f32]) {
     });
 }
 
+/// `dst[i] *= factor` for every element; `factor = 0` zero-fills. In parallel over the thread
+/// budget when large (gradient clipping and zeroing touch every gradient each step).
+pub fn scale(dst: &mut [f32], factor: f32) {
+    let apply = |d: &mut [f32]| {
+        if factor == 0.0 {
+            d.fill(0.0)
+        } else {
+            d.iter_mut().for_each(|x| *x *= factor)
+        }
+    };
+    if dst.len() < PARALLEL_ZERO_MIN || thread_budget() < 2 {
+        return apply(dst);
+    }
+    install(|| dst.par_chunks_mut(PARALLEL_ZERO_MIN / 4).for_each(apply));
+}
+
 #[cfg(test)]
 mod zeros_tests {
+    #[test]
+    fn scale_and_zero() {
+        let n = super::PARALLEL_ZERO_MIN + 9;
+        let mut v: Vec<f32> = (0..n).map(|i| i as f32).collect();
+        super::scale(&mut v, 0.5);
+        assert!(v.iter().enumerate().all(|(i, &x)| x == i as f32 * 0.5));
+        v[0] = f32::NAN;
+        super::scale(&mut v, 0.0);
+        assert!(v.iter().all(|&x| x == 0.0), "a zero fill, NaNs included");
+    }
+
     #[test]
     fn add_assign_matches_serial() {
         for n in [0, 5, super::PARALLEL_ZERO_MIN + 3] {

@@ -89,7 +89,7 @@ pub fn apply_update(
     match weights {
         Weights::Full { params, grads } => {
             if factor != 1.0 {
-                grads.iter_mut().for_each(|g| *g *= factor);
+                tensor::threads::scale(grads, factor);
             }
             hyper.update(t, lr, wd, params, grads, &mut state.m, &mut state.v);
         }

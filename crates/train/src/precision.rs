@@ -123,7 +123,7 @@ impl Weights {
 
     pub fn zero_grads(&mut self) {
         match self {
-            Weights::Full { grads, .. } => grads.fill(0.0),
+            Weights::Full { grads, .. } => tensor::threads::scale(grads, 0.0),
             Weights::Half { grads, .. } => grads.fill(0),
         }
     }
