@@ -77,6 +77,15 @@ pub fn matmul(
     )
 }
 
+/// Strides of `op(A) [m, k]` and `op(B) [k, n]` stored row-major (transposed when asked),
+/// the [`matmul`] conventions.
+fn operand_strides([m, k, n]: [usize; 3], trans_a: bool, trans_b: bool) -> (Strides, Strides) {
+    (
+        Strides::row_major(if trans_a { m } else { k }, trans_a),
+        Strides::row_major(if trans_b { k } else { n }, trans_b),
+    )
+}
+
 /// `op(A)·op(B)` as a new row-major `[m, n]` vector, on the thread budget (see [`matmul`]).
 /// The product writes every element, so the buffer is not zero-filled first: in a training
 /// step that fill is a serial `memset` of every activation (≈ 4–5 % of a step, preset small).
@@ -92,8 +101,7 @@ pub fn matmul_new(
     check_len("matmul A", a.len(), m * k)?;
     check_len("matmul B", b.len(), k * n)?;
     let mut c = Vec::<f32>::with_capacity(m * n);
-    let sa = Strides::row_major(if trans_a { m } else { k }, trans_a);
-    let sb = Strides::row_major(if trans_b { k } else { n }, trans_b);
+    let (sa, sb) = operand_strides([m, k, n], trans_a, trans_b);
     // SAFETY: A and B lengths are checked and every (i, p) / (p, j) addresses inside them; C has
     // capacity m·n and is reached only through the raw pointer. A non-accumulating product
     // writes every C(i, j) on every backend (k = 0 writes zeros) and reads none, so all m·n
@@ -217,8 +225,7 @@ fn matmul_checked(
     check_len("matmul C", c.len(), m * n)?;
     check_len("matmul A", a.len(), m * k)?;
     check_len("matmul B", b.len(), k * n)?;
-    let sa = Strides::row_major(if trans_a { m } else { k }, trans_a);
-    let sb = Strides::row_major(if trans_b { k } else { n }, trans_b);
+    let (sa, sb) = operand_strides([m, k, n], trans_a, trans_b);
     // SAFETY: lengths checked above; every index (i, p) / (p, j) / (i, j) with i < m, p < k,
     // j < n lies inside the corresponding slice for these row-major strides.
     unsafe {
@@ -312,11 +319,10 @@ pub unsafe fn gemm_raw_using(
         } else {
             None
         };
-        let amx = sgemm::Kernel::Amx.available();
         let own = own.and_then(|o @ (_, _, _, sa, _, sb, m, _)| {
             let kernel = match backend {
                 Backend::Own => sgemm::Kernel::Fma,
-                Backend::Amx if amx => sgemm::Kernel::Amx,
+                Backend::Amx if sgemm::Kernel::Amx.available() => sgemm::Kernel::Amx,
                 _ if own_is_faster(sa, sb, m) => sgemm::Kernel::Fma,
                 _ => return None,
             };

@@ -121,21 +121,29 @@ mod tests {
     }
 }
 
-/// Below this many floats (256 KiB) [`zeros`] and [`add_assign`] stay on the calling thread.
-const PARALLEL_ZERO_MIN: usize = 1 << 16;
+/// Below this many floats (256 KiB) [`zeros`], [`add_assign`] and [`scale`] stay on the
+/// calling thread.
+const PARALLEL_MIN_LEN: usize = 1 << 16;
+/// Elements per task of those element-wise loops.
+const PARALLEL_CHUNK: usize = PARALLEL_MIN_LEN / 4;
+
+/// Whether an element-wise loop over `len` floats is worth the pool.
+fn worth_parallel(len: usize) -> bool {
+    len >= PARALLEL_MIN_LEN && thread_budget() >= 2
+}
 
 /// A vector of `n` zeros, filled in parallel over the thread budget when large. A training
 /// process reuses freed heap pages (see `train::allocator`), so `vec![0.0; n]` is a `memset`
 /// on the calling thread; for the activation and gradient buffers of a step that serial fill
 /// measured ≈ 4–5 % of a 2-thread step (preset small).
 pub fn zeros(n: usize) -> Vec<f32> {
-    if n < PARALLEL_ZERO_MIN || thread_budget() < 2 {
+    if !worth_parallel(n) {
         return vec![0.0; n];
     }
     let mut v: Vec<f32> = Vec::with_capacity(n);
     install(|| {
         v.spare_capacity_mut()[..n]
-            .par_chunks_mut(PARALLEL_ZERO_MIN / 4)
+            .par_chunks_mut(PARALLEL_CHUNK)
             .for_each(|chunk| {
                 chunk.fill(std::mem::MaybeUninit::new(0.0));
             });
@@ -154,13 +162,12 @@ pub fn zeros(n: usize) -> Vec<f32> {
 pub fn add_assign(dst: &mut [f32], src: &[f32]) {
     assert_eq!(dst.len(), src.len(), "add_assign lengths");
     let add = |(d, s): (&mut [f32], &[f32])| d.iter_mut().zip(s).for_each(|(a, b)| *a += b);
-    if dst.len() < PARALLEL_ZERO_MIN || thread_budget() < 2 {
+    if !worth_parallel(dst.len()) {
         return add((dst, src));
     }
-    let chunk = PARALLEL_ZERO_MIN / 4;
     install(|| {
-        dst.par_chunks_mut(chunk)
-            .zip(src.par_chunks(chunk))
+        dst.par_chunks_mut(PARALLEL_CHUNK)
+            .zip(src.par_chunks(PARALLEL_CHUNK))
             .for_each(add)
     });
 }
@@ -175,17 +182,17 @@ pub fn scale(dst: &mut [f32], factor: f32) {
             d.iter_mut().for_each(|x| *x *= factor)
         }
     };
-    if dst.len() < PARALLEL_ZERO_MIN || thread_budget() < 2 {
+    if !worth_parallel(dst.len()) {
         return apply(dst);
     }
-    install(|| dst.par_chunks_mut(PARALLEL_ZERO_MIN / 4).for_each(apply));
+    install(|| dst.par_chunks_mut(PARALLEL_CHUNK).for_each(apply));
 }
 
 #[cfg(test)]
 mod zeros_tests {
     #[test]
     fn scale_and_zero() {
-        let n = super::PARALLEL_ZERO_MIN + 9;
+        let n = super::PARALLEL_MIN_LEN + 9;
         let mut v: Vec<f32> = (0..n).map(|i| i as f32).collect();
         super::scale(&mut v, 0.5);
         assert!(v.iter().enumerate().all(|(i, &x)| x == i as f32 * 0.5));
@@ -196,7 +203,7 @@ mod zeros_tests {
 
     #[test]
     fn add_assign_matches_serial() {
-        for n in [0, 5, super::PARALLEL_ZERO_MIN + 3] {
+        for n in [0, 5, super::PARALLEL_MIN_LEN + 3] {
             let a: Vec<f32> = (0..n).map(|i| i as f32 * 0.5).collect();
             let b: Vec<f32> = (0..n).map(|i| 1.0 - i as f32).collect();
             let mut got = a.clone();
@@ -212,8 +219,8 @@ mod zeros_tests {
             0,
             1,
             1000,
-            super::PARALLEL_ZERO_MIN + 7,
-            3 * super::PARALLEL_ZERO_MIN,
+            super::PARALLEL_MIN_LEN + 7,
+            3 * super::PARALLEL_MIN_LEN,
         ] {
             let v = super::zeros(n);
             assert_eq!(v.len(), n);

@@ -75,17 +75,8 @@ impl Pass {
     }
 }
 
-/// `y = x·Wᵀ` for `W [out, in]` (HF nn.Linear layout), `x [tokens, in]`, `y [tokens, out]`.
-pub fn linear_forward(p: &[f32], w: &View, x: &[f32], y: &mut [f32]) -> Result<()> {
-    let (dout, din) = (w.shape[0], w.shape[1]);
-    let tokens = x.len() / din;
-    crate::profile::time(crate::profile::Kernel::Matmul, || {
-        tensor::gemm::matmul(y, x, w.of(p), tokens, din, dout, false, true, false)
-    })?;
-    Ok(())
-}
-
-/// [`linear_forward`] into a new buffer (the product writes it; no zero fill).
+/// `y = x·Wᵀ` for `W [out, in]` (Hugging Face layout), into a new buffer (the product writes
+/// it; no zero fill).
 pub fn linear_forward_new(p: &[f32], w: &View, x: &[f32]) -> Result<Vec<f32>> {
     let (dout, din) = (w.shape[0], w.shape[1]);
     let tokens = x.len() / din;

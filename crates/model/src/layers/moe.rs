@@ -15,7 +15,7 @@
 use std::sync::Arc;
 
 use super::mlp::{MlpCache, SwiGlu};
-use super::{linear_backward_input, linear_forward, Act, Pass, WeightGradStore, WeightTask};
+use super::{linear_backward_input, linear_forward_new, Act, Pass, WeightGradStore, WeightTask};
 use crate::error::Result;
 use crate::layout::View;
 use crate::profile::{time, Kernel};
@@ -108,8 +108,7 @@ impl Moe {
         let hidden = self.router.shape[1];
         let t_n = x.len() / hidden;
         let k = self.top_k;
-        let mut logits = vec![0.0; t_n * e_n];
-        linear_forward(p, &self.router, x, &mut logits)?;
+        let logits = linear_forward_new(p, &self.router, x)?;
         time(Kernel::Router, || -> Result<Routing> {
             let mut probs = vec![0.0; t_n * e_n];
             tensor::softmax::softmax_rows(&logits, e_n, &mut probs)?;

@@ -12,7 +12,7 @@
 //! attention (q/k/v then o) and the MLP (gate/up then down) regions are built.
 
 use model::layers::block::RegionHooks;
-use model::layers::{linear_backward_input, linear_forward};
+use model::layers::{linear_backward_input, linear_forward_new};
 use model::{Result, View};
 
 use super::region::TpRegion;
@@ -46,12 +46,6 @@ fn weight_grad(w: &View, dy: &[f32], x: &[f32], g: &mut [f32]) -> Result<()> {
     Ok(())
 }
 
-fn local_forward(p: &[f32], w: &View, x: &[f32]) -> Result<Vec<f32>> {
-    let mut y = vec![0.0; x.len() / w.shape[1] * w.shape[0]];
-    linear_forward(p, w, x, &mut y)?;
-    Ok(y)
-}
-
 fn local_backward_input(p: &[f32], w: &View, dy: &[f32]) -> Result<Vec<f32>> {
     let mut dx = vec![0.0; dy.len() / w.shape[0] * w.shape[1]];
     linear_backward_input(p, w, dy, &mut dx, false)?;
@@ -62,7 +56,7 @@ impl ColumnParallelLinear {
     /// `x [tokens(, local under sp), in] -> y_r [tokens, out/tp]`.
     pub fn forward(&self, p: &[f32], x: Vec<f32>) -> Result<(Vec<f32>, LinearCache)> {
         let x = self.region.enter_forward(x)?;
-        let y = local_forward(p, &self.w, &x)?;
+        let y = linear_forward_new(p, &self.w, &x)?;
         Ok((y, LinearCache { x }))
     }
 
@@ -83,7 +77,7 @@ impl ColumnParallelLinear {
 impl RowParallelLinear {
     /// `x_r [tokens, in/tp] -> y [tokens(, local under sp), out]`.
     pub fn forward(&self, p: &[f32], x: Vec<f32>) -> Result<(Vec<f32>, LinearCache)> {
-        let y = local_forward(p, &self.w, &x)?;
+        let y = linear_forward_new(p, &self.w, &x)?;
         Ok((self.region.exit_forward(y)?, LinearCache { x }))
     }
 

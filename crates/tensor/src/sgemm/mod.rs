@@ -86,25 +86,6 @@ impl Kernel {
     }
 }
 
-/// [`sgemm_with`] on the AVX-512 FMA kernel.
-///
-/// # Safety
-/// As for [`sgemm_with`] with [`Kernel::Fma`].
-#[allow(clippy::too_many_arguments)]
-pub unsafe fn sgemm(
-    c: *mut f32,
-    ldc: usize,
-    a: MatRef,
-    b: MatRef,
-    m: usize,
-    k: usize,
-    n: usize,
-    accumulate: bool,
-    threads: usize,
-) {
-    sgemm_with(Kernel::Fma, c, ldc, a, b, m, k, n, accumulate, threads)
-}
-
 /// `C[m × n] (+)= A[m × k] · B[k × n]` with `C(i, j) = c[i·ldc + j]`, on up to `threads`
 /// threads of the budget pool (`threads ≤ 1` runs on the calling thread). `k = 0` writes
 /// zeros (or leaves `C` when accumulating).

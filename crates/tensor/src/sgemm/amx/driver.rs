@@ -49,10 +49,10 @@ pub(in crate::sgemm) unsafe fn gemm(
     n: usize,
     accumulate: bool,
 ) {
-    let mut fresh = Buffers::default();
     BUFFERS.with(|cell| match cell.try_borrow_mut() {
         Ok(mut bufs) => run(&mut bufs, c, ldc, a, b, [m, k, n], accumulate),
-        Err(_) => run(&mut fresh, c, ldc, a, b, [m, k, n], accumulate),
+        // Re-entered on this thread (not expected): fresh buffers rather than a panic.
+        Err(_) => run(&mut Buffers::default(), c, ldc, a, b, [m, k, n], accumulate),
     })
 }
 
