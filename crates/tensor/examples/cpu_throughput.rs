@@ -11,6 +11,11 @@
 //! (2048 tokens), in the three forms of a linear layer, then the fused LM head's 128-row
 //! chunk products.
 //!
+//! `attention` alternates five rounds of the 2048³ GEMM (own kernel) with the attention forward
+//! and backward (batch 8, 8 heads, head dim 32, seq 256, causal; `XTRAIN_ATTN_BATCH` changes
+//! the batch) and prints the medians and the per-round GEMM/attention ratio, so the ratio is
+//! taken under one machine load.
+//!
 //! `swiglu` reports elements per CPU-second (G elem/cpu-s) for the SwiGLU forward and backward on
 //! the small preset's MLP activations (2048 tokens × ffn 688). `head` times the fused LM head +
 //! cross-entropy on the medium preset's shape (2048 tokens, dim 512, vocab 4096): forward then
@@ -134,7 +139,11 @@ fn main() {
         }
     }
     if only.is_empty() || only == "attention" {
-        let s = AttnShape::causal(8, 256, 8, 8, 32);
+        // The shape: batch 8, 8 heads, head dim 32, seq 256, causal. Rounds alternate
+        // with the 2048³ GEMM at the same thread budget, so the ratio compares the two under
+        // the same machine load.
+        let batch = std::env::var("XTRAIN_ATTN_BATCH").map_or(8, |v| v.parse().unwrap_or(8));
+        let s = AttnShape::causal(batch, 256, 8, 8, 32);
         let (q, k, v, dout) = (
             data(s.q_elems()),
             data(s.kv_elems()),
@@ -152,22 +161,46 @@ fn main() {
             q_tile: arg(2, AttnTiles::default().q_tile),
             k_tile: arg(3, AttnTiles::default().k_tile),
         };
+        let n = 2048;
+        let (a, b) = (data(n * n), data(n * n));
+        let mut c = vec![0.0; n * n];
         println!("tiles {t:?}");
         let (ff, fb) = s.flops();
-        let (cpu, wall) = measure(ff, 10, || {
-            attention_forward(&s, &q, &k, &v, &mut out, &mut lse, t).unwrap()
-        });
+        let mut res: [Vec<f64>; 5] = Default::default();
+        for _ in 0..5 {
+            let (_, g) = measure(2.0 * (n * n * n) as f64, 2, || {
+                matmul_using(
+                    Backend::Own,
+                    Some(threads),
+                    &mut c,
+                    &a,
+                    &b,
+                    n,
+                    n,
+                    n,
+                    false,
+                    false,
+                    false,
+                )
+                .unwrap();
+                black_box(&c);
+            });
+            let (_, f) = measure(ff, 10, || {
+                attention_forward(&s, &q, &k, &v, &mut out, &mut lse, t).unwrap()
+            });
+            let (_, bw) = measure(fb, 10, || {
+                attention_backward(
+                    &s, &q, &k, &v, &out, &lse, &dout, &mut dq, &mut dk, &mut dv, t,
+                )
+                .unwrap()
+            });
+            for (r, x) in res.iter_mut().zip([g, f, bw, g / f, g / bw]) {
+                r.push(x);
+            }
+        }
+        let [g, f, bw, rf, rb] = res.map(|mut r| median(&mut r));
         println!(
-            "attention fwd b8 h8 d32 s256 causal: {cpu:.1} GFLOP/cpu-s, {wall:.1} GFLOP/s wall"
-        );
-        let (cpu, wall) = measure(fb, 10, || {
-            attention_backward(
-                &s, &q, &k, &v, &out, &lse, &dout, &mut dq, &mut dk, &mut dv, t,
-            )
-            .unwrap()
-        });
-        println!(
-            "attention bwd b8 h8 d32 s256 causal: {cpu:.1} GFLOP/cpu-s, {wall:.1} GFLOP/s wall"
+            "attention b{batch} h8 d32 s256 causal, medians of 5 rounds, GFLOP/s wall: fwd {f:.1}, bwd {bw:.1}; gemm 2048³ {g:.1}; gemm/attention per round: fwd {rf:.2}×, bwd {rb:.2}×"
         );
     }
     if only.is_empty() || only == "swiglu" {

@@ -537,26 +537,65 @@ pub(super) unsafe fn exp_nonpos(x: &mut [f32]) {
     }
 }
 
-/// See [`super::gather_t`]: 16 keys at a time with one hardware gather per component.
+/// See [`super::gather_t`]: blocks of 16 keys × 16 components, loaded as 16 row segments,
+/// transposed in registers ([`transpose16`]) and stored as 16 column segments. (One hardware
+/// gather per component, as before, costs a load per element; this costs 4 shuffles per
+/// 16 elements.)
 #[target_feature(enable = "avx512f")]
 pub(super) unsafe fn gather_t(src: *const f32, stride: usize, n: usize, d: usize, dst: *mut f32) {
-    let idx = _mm512_mullo_epi32(
-        _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
-        _mm512_set1_epi32(stride as i32),
-    );
     let mut j0 = 0;
     while j0 < n {
-        let k = if n - j0 >= 16 {
-            0xFFFF
-        } else {
-            tail_mask(n - j0)
-        };
-        let rows = src.add(j0 * stride);
-        for c in 0..d {
-            let v = _mm512_mask_i32gather_ps::<4>(_mm512_setzero_ps(), k, idx, rows.add(c));
-            _mm512_mask_storeu_ps(dst.add(c * n + j0), k, v);
+        let rows = (n - j0).min(16);
+        let row_mask = lanes(0, rows);
+        let mut c0 = 0;
+        while c0 < d {
+            let cols = (d - c0).min(16);
+            let col_mask = lanes(0, cols);
+            let mut r = [_mm512_setzero_ps(); 16];
+            for (i, ri) in r.iter_mut().enumerate().take(rows) {
+                *ri = _mm512_maskz_loadu_ps(col_mask, src.add((j0 + i) * stride + c0));
+            }
+            transpose16(&mut r);
+            for (c, rc) in r.iter().enumerate().take(cols) {
+                _mm512_mask_storeu_ps(dst.add((c0 + c) * n + j0), row_mask, *rc);
+            }
+            c0 += 16;
         }
         j0 += 16;
+    }
+}
+
+/// Transposes the 16 × 16 matrix whose row `i` is `r[i]`, in registers. Lanes come in four
+/// 128-bit quads; after stage 2, quad `q` of `u[4j + e]` holds column `4q + e` of rows
+/// `4j..4j + 4`, and stages 3–4 gather the four quads of each column into one vector.
+#[target_feature(enable = "avx512f")]
+#[inline]
+unsafe fn transpose16(r: &mut [__m512; 16]) {
+    // Stage 1: interleave row pairs: t[2i] = (r2i[0], r2i+1[0], r2i[1], r2i+1[1]) per quad.
+    let mut t = [_mm512_setzero_ps(); 16];
+    for i in 0..8 {
+        t[2 * i] = _mm512_unpacklo_ps(r[2 * i], r[2 * i + 1]);
+        t[2 * i + 1] = _mm512_unpackhi_ps(r[2 * i], r[2 * i + 1]);
+    }
+    // Stage 2: 4 × 4 transposes within each quad.
+    let mut u = [_mm512_setzero_ps(); 16];
+    for j in 0..4 {
+        let (lo01, hi01, lo23, hi23) = (t[4 * j], t[4 * j + 1], t[4 * j + 2], t[4 * j + 3]);
+        u[4 * j] = _mm512_shuffle_ps::<0x44>(lo01, lo23);
+        u[4 * j + 1] = _mm512_shuffle_ps::<0xEE>(lo01, lo23);
+        u[4 * j + 2] = _mm512_shuffle_ps::<0x44>(hi01, hi23);
+        u[4 * j + 3] = _mm512_shuffle_ps::<0xEE>(hi01, hi23);
+    }
+    // Stages 3–4: output row 4q + e = [quad q of u[e], u[4 + e], u[8 + e], u[12 + e]].
+    for e in 0..4 {
+        let v_lo = _mm512_shuffle_f32x4::<0x88>(u[e], u[4 + e]); // quads 0, 2
+        let v_hi = _mm512_shuffle_f32x4::<0xDD>(u[e], u[4 + e]); // quads 1, 3
+        let w_lo = _mm512_shuffle_f32x4::<0x88>(u[8 + e], u[12 + e]);
+        let w_hi = _mm512_shuffle_f32x4::<0xDD>(u[8 + e], u[12 + e]);
+        r[e] = _mm512_shuffle_f32x4::<0x88>(v_lo, w_lo);
+        r[8 + e] = _mm512_shuffle_f32x4::<0xDD>(v_lo, w_lo);
+        r[4 + e] = _mm512_shuffle_f32x4::<0x88>(v_hi, w_hi);
+        r[12 + e] = _mm512_shuffle_f32x4::<0xDD>(v_hi, w_hi);
     }
 }
 

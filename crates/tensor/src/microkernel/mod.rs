@@ -481,9 +481,9 @@ pub(crate) fn gather_t(src: &[f32], stride: usize, n: usize, d: usize, dst: &mut
     }
     assert!(src.len() > (n - 1) * stride + d - 1 && dst.len() >= n * d);
     #[cfg(target_arch = "x86_64")]
-    if use_avx512() && (15 * stride + d) < i32::MAX as usize {
-        // SAFETY: AVX-512F available; every gathered index j·stride + c (j < n, c < d) is in
-        // bounds (asserted) and fits the i32 gather offsets (checked); masked lanes load nothing.
+    if use_avx512() {
+        // SAFETY: AVX-512F available; every read index j·stride + c (j < n, c < d) and written
+        // index c·n + j is in bounds (asserted); masked lanes touch nothing.
         unsafe { avx512::gather_t(src.as_ptr(), stride, n, d, dst.as_mut_ptr()) };
         return;
     }
@@ -747,6 +747,9 @@ mod tests {
                 (17, 8, 24),
                 (40, 32, 32),
                 (5, 3, 7),
+                (16, 16, 16),
+                (33, 20, 21),
+                (50, 48, 64),
             ] {
                 let src = rand_vec((n - 1) * stride + d, 5);
                 let mut dst = vec![0.0; n * d];
