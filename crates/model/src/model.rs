@@ -207,7 +207,7 @@ impl Model {
             norm: view(&layout, "model.norm.weight", hb),
             vocab: cfg.vocab_size,
             eps: cfg.rms_norm_eps,
-            ce: CeConfig::default(),
+            ce: CeConfig::for_vocab(cfg.vocab_size),
         };
         let lm_head = (!cfg.tie_word_embeddings).then(|| view(&layout, "lm_head.weight", hb));
         Ok(Model {

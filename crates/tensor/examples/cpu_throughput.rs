@@ -224,7 +224,7 @@ fn main() {
         let (x, w) = (data(rows * dim), data(vocab * dim + 3));
         let w = &w[3..];
         let targets: Vec<i64> = (0..rows as i64).map(|i| (i * 31) % vocab as i64).collect();
-        let cfg = CeConfig::default();
+        let cfg = CeConfig::for_vocab(vocab);
         let mut lse = vec![0.0; rows];
         let (mut dx, mut dw) = (vec![0.0; rows * dim], vec![0.0; vocab * dim]);
         // Useful work: the products of the one-pass version (logits, dx, dW).
