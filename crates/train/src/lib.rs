@@ -20,6 +20,7 @@ pub mod memory;
 pub mod metrics;
 pub mod optim;
 pub mod precision;
+pub mod progress;
 pub mod rng;
 pub mod run;
 pub mod schedule;

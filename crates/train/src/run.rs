@@ -5,8 +5,8 @@
 use crate::checkpoint::{self, SaveOptions};
 use crate::error::{IoContext, Result};
 use crate::generate::{generate, SampleOptions};
-use crate::memory::{human, peak_rss_bytes};
 use crate::metrics::{self, MetricsWriter, StepRecord};
+use crate::progress::{StepBar, StepStatus};
 use crate::trainer::Trainer;
 use std::path::{Path, PathBuf};
 use std::time::Instant;
@@ -92,19 +92,8 @@ pub fn run(t: &mut Trainer, opts: &RunOptions) -> Result<RunSummary> {
         fpt,
         peak / 1e9
     ));
-    let bar = if opts.quiet {
-        indicatif::ProgressBar::hidden()
-    } else {
-        indicatif::ProgressBar::new(total as u64)
-    };
-    bar.set_style(
-        indicatif::ProgressStyle::with_template("{bar:30} {pos}/{len} {msg}")
-            .expect("valid template"),
-    );
-    bar.set_position(t.step as u64);
+    let mut bar = StepBar::new(total, t.step, opts.quiet, fpt, peak);
     let (mut first, mut last, mut last_val) = (f64::NAN, f64::NAN, None);
-    let t0 = Instant::now();
-    let tokens0 = t.tokens_seen;
     while t.step < total {
         let ts = Instant::now();
         let r = t.train_step()?;
@@ -131,17 +120,13 @@ pub fn run(t: &mut Trainer, opts: &RunOptions) -> Result<RunSummary> {
             last_val = rec.val_loss.or(last_val);
         }
         writer.write(&rec)?;
-        let avg_tps = (t.tokens_seen - tokens0) as f64 / t0.elapsed().as_secs_f64().max(1e-9);
-        bar.set_message(format!(
-            "loss {:.4}{} lr {:.2e} {:.0} tok/s MFU {:.1}% rss {}",
-            r.loss,
-            last_val.map(|v| format!(" val {v:.4}")).unwrap_or_default(),
-            r.lr,
-            avg_tps,
-            100.0 * avg_tps * fpt / peak,
-            peak_rss_bytes().map(human).unwrap_or_else(|| "?".into())
-        ));
-        bar.set_position(r.step as u64);
+        bar.update(&StepStatus {
+            step: r.step,
+            loss: r.loss,
+            val_loss: rec.val_loss,
+            lr: r.lr,
+            tokens: r.tokens,
+        });
         let ck = t.cfg.train.ckpt_every;
         if ck > 0 && r.step % ck == 0 && r.step < total {
             save_into_run(t, out)?;

@@ -3,12 +3,15 @@
 //! `metrics.jsonl` (appended, so a resumed run continues the file), and the loss plot
 //! (`loss.png`, `loss.svg`); and `memory.json`, every rank's accounted bytes by category
 //! beside the formula, its measured peak RSS and baseline (see `docs/DATA_PARALLEL.md`).
+//! Also rank 0's console ([`Console`]): the single-process run's progress bar when stderr is
+//! a terminal, a step line about 50 times per run otherwise.
 //! Used by the data-parallel and the tensor-parallel workers. Throughput is the global batch's
 //! tokens per second; MFU divides the model FLOPs by the number of ranks (`dp × tp`) times the
 //! fp32 GEMM peak measured on rank 0 (one rank per core set).
 use std::path::{Path, PathBuf};
 
 use train::metrics::{self, MetricsWriter, StepRecord};
+use train::progress::{StepBar, StepStatus};
 use train::RunConfig;
 
 use crate::engine::StepStats;
@@ -19,27 +22,41 @@ fn io_err(e: impl std::fmt::Display) -> ParallelError {
     ParallelError::Checkpoint(e.to_string())
 }
 
+/// What the MFU of a parallel run divides: model FLOPs per token and the peak of all ranks.
+#[derive(Clone, Copy, Debug)]
+pub struct Throughput {
+    /// 6N + 12LHS with the full model's N, as the single-process trainer counts them.
+    pub flops_per_token: f64,
+    /// Peak FLOP/s of all ranks.
+    pub peak: f64,
+}
+
+impl Throughput {
+    /// Measures the fp32 GEMM peak on this rank and scales it by `dp × tp`.
+    pub fn measure(cfg: &RunConfig, num_params: usize) -> Self {
+        Throughput {
+            flops_per_token: train::trainer::flops_per_token(cfg, num_params),
+            peak: train::run::gemm_peak_flops() * (cfg.parallel.dp * cfg.parallel.tp.max(1)) as f64,
+        }
+    }
+}
+
 pub struct RunLog {
     out: PathBuf,
     writer: MetricsWriter,
-    /// Model FLOPs per token (6N + 12LHS with the full model's N, as the single-process
-    /// trainer counts them).
-    flops_per_token: f64,
-    /// Peak FLOP/s of all ranks.
-    peak: f64,
+    rate: Throughput,
 }
 
 impl RunLog {
     /// Writes `out/config.toml` and opens `out/metrics.jsonl`.
-    pub fn open(out: &Path, cfg: &RunConfig, num_params: usize) -> Result<Self, ParallelError> {
+    pub fn open(out: &Path, cfg: &RunConfig, rate: Throughput) -> Result<Self, ParallelError> {
         std::fs::create_dir_all(out).map_err(io_err)?;
         std::fs::write(out.join("config.toml"), cfg.to_toml()).map_err(io_err)?;
         let writer = MetricsWriter::append(&out.join("metrics.jsonl")).map_err(io_err)?;
         Ok(Self {
             out: out.to_path_buf(),
             writer,
-            flops_per_token: train::trainer::flops_per_token(cfg, num_params),
-            peak: train::run::gemm_peak_flops() * (cfg.parallel.dp * cfg.parallel.tp.max(1)) as f64,
+            rate,
         })
     }
 
@@ -60,7 +77,7 @@ impl RunLog {
             lr,
             grad_norm: stats.grad_norm as f64,
             tokens_per_s: tps,
-            mfu: tps * self.flops_per_token / self.peak.max(1e-9),
+            mfu: tps * self.rate.flops_per_token / self.rate.peak.max(1e-9),
             val_loss,
             loss_scale: None,
             skipped: false,
@@ -120,5 +137,66 @@ impl RunLog {
             &self.out.join("loss.svg"),
         )
         .map_err(io_err)
+    }
+}
+
+/// Rank 0's console during the step loop: the progress bar of `xtrain train` when stderr is a
+/// terminal; otherwise (logs, CI, tests) a line per step for about 50 steps of the run (and the
+/// first and last), `step N | loss L | lr … | grad norm … | … ms | … tok/s | MFU …%` followed by
+/// the caller's detail.
+pub struct Console {
+    bar: StepBar,
+    first: usize,
+    total: usize,
+    quiet: bool,
+}
+
+impl Console {
+    /// For steps `first..total`; `quiet` prints nothing.
+    pub fn new(first: usize, total: usize, quiet: bool, rate: Throughput) -> Self {
+        Console {
+            bar: StepBar::new(total, first, quiet, rate.flops_per_token, rate.peak),
+            first,
+            total,
+            quiet,
+        }
+    }
+
+    /// Reports finished step `s` (`s.step` counted from 1) that took `step_ms` with gradient
+    /// norm `grad_norm`; `detail` (built only for printed lines) ends the line.
+    pub fn step(
+        &mut self,
+        s: &StepStatus,
+        grad_norm: f64,
+        step_ms: f64,
+        detail: impl FnOnce() -> String,
+    ) {
+        let rate = self.bar.update(s);
+        let every = (self.total / 50).max(1);
+        let line = s.step == self.first + 1 || s.step.is_multiple_of(every) || s.step == self.total;
+        if self.quiet || self.bar.visible() || !line {
+            return;
+        }
+        println!(
+            "step {:>5} | loss {:.4} | lr {:.2e} | grad norm {grad_norm:.3} | {step_ms:.1} ms | {:.0} tok/s | MFU {:.1}%{}",
+            s.step,
+            s.loss,
+            s.lr,
+            rate.tokens_per_s,
+            100.0 * rate.mfu,
+            detail()
+        );
+    }
+
+    /// Prints a message line (above the bar when it is drawn).
+    pub fn note(&self, msg: &str) {
+        if !self.quiet {
+            self.bar.println(msg);
+        }
+    }
+
+    /// Leaves the finished bar on the terminal.
+    pub fn finish(&self) {
+        self.bar.finish();
     }
 }

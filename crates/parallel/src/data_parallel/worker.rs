@@ -21,9 +21,10 @@ use crate::checkpoint;
 use crate::engine::{DataParallel, DpConfig};
 use crate::llm::StagedLlm;
 use crate::memory::{formula_text, mib, MemoryBytes, Precision, ZeroStage};
-use crate::run_log::RunLog;
+use crate::run_log::{Console, RunLog, Throughput};
 use crate::staged::StagedModel;
 use crate::ParallelError;
+use train::progress::StepStatus;
 
 /// What a run reports.
 #[derive(Clone, Debug)]
@@ -207,10 +208,12 @@ pub fn run(
         );
         println!("memory per rank (accounted): {}", engine.memory());
     }
-    let mut run_log = match &opts.out {
-        Some(out) if rank == 0 => Some(RunLog::open(out, cfg, phi)?),
+    let rate = (rank == 0).then(|| Throughput::measure(cfg, phi));
+    let mut run_log = match (&opts.out, rate) {
+        (Some(out), Some(rate)) => Some(RunLog::open(out, cfg, rate)?),
         _ => None,
     };
+    let mut console = rate.map(|r| Console::new(start, t.steps, !log, r));
     let global_tokens = p.dp * t.micro_batch * t.grad_accum * cfg.model.seq_len;
     let mut losses = Vec::with_capacity(t.steps);
     let mut step_ms_all = Vec::with_capacity(t.steps);
@@ -227,40 +230,42 @@ pub fn run(
                 s.loss
             )));
         }
-        // About 50 lines per run (plus the first and last step), not one per step.
-        let report_every = (t.steps / 50).max(1);
-        let report = step == 0 || (step + 1) % report_every == 0 || step + 1 == t.steps;
-        if log && rank == 0 && report {
-            let m = engine.memory();
-            println!(
-                "step {:>5} | loss {:.4} | lr {lr:.2e} | grad norm {:.3} | {step_ms:.1} ms | mem/rank params {} grads {} optim {} comm {} act {}",
-                step + 1,
-                s.loss,
-                s.grad_norm,
-                mib(m.params),
-                mib(m.grads),
-                mib(m.optimizer),
-                mib(m.comm_buffers),
-                mib(m.activations)
-            );
-        }
         losses.push(s.loss);
         step_ms_all.push(step_ms);
         let done = step + 1;
-        if opts.out.is_some() {
-            // Validation as the single-process trainer does it: every `eval_every` steps and
-            // at the end, on the same fixed held-out micro-batches (every rank evaluates all
-            // of them with the same weights, so ZeRO-3's gathers stay matched).
-            let val = if (t.eval_every > 0 && done % t.eval_every == 0) || done == t.steps {
-                evaluate(&mut engine, cfg, &inputs.sampler, &inputs.data)?
-            } else {
-                None
+        // Validation as the single-process trainer does it: every `eval_every` steps and at
+        // the end, on the same fixed held-out micro-batches (every rank evaluates all of them
+        // with the same weights, so ZeRO-3's gathers stay matched).
+        let eval_now = (t.eval_every > 0 && done % t.eval_every == 0) || done == t.steps;
+        let val = if opts.out.is_some() && eval_now {
+            evaluate(&mut engine, cfg, &inputs.sampler, &inputs.data)?
+        } else {
+            None
+        };
+        if let Some(l) = &mut run_log {
+            l.step(done, &s, lr, global_tokens, step_ms / 1e3, val)?;
+        }
+        if let Some(c) = &mut console {
+            let status = StepStatus {
+                step: done,
+                loss: s.loss as f64,
+                val_loss: val,
+                lr,
+                tokens: global_tokens,
             };
-            if let Some(l) = &mut run_log {
-                l.step(done, &s, lr, global_tokens, step_ms / 1e3, val)?;
-            }
-            if let (Some(v), true) = (val, log && rank == 0) {
-                println!("validation loss {v:.4} after step {done}");
+            c.step(&status, s.grad_norm as f64, step_ms, || {
+                let m = engine.memory();
+                format!(
+                    " | mem/rank params {} grads {} optim {} comm {} act {}",
+                    mib(m.params),
+                    mib(m.grads),
+                    mib(m.optimizer),
+                    mib(m.comm_buffers),
+                    mib(m.activations)
+                )
+            });
+            if let Some(v) = val {
+                c.note(&format!("validation loss {v:.4} after step {done}"));
             }
         }
         let every = t.ckpt_every;
@@ -269,6 +274,9 @@ pub fn run(
                 save(&engine, cfg, out, step + 1)?;
             }
         }
+    }
+    if let Some(c) = &console {
+        c.finish();
     }
     if log {
         // Every rank reports its measured peak resident set (Linux `VmHWM`, before the

@@ -23,9 +23,10 @@ use super::staged::StagedTp;
 use crate::checkpoint::{load_shards, reshard_buffer};
 use crate::engine::{DataParallel, ShardState};
 use crate::memory::ZeroStage;
-use crate::run_log::RunLog;
+use crate::run_log::{Console, RunLog, Throughput};
 use crate::worker::{dp_config, evaluate, model_config, DpRunSummary, RunInputs};
 use crate::ParallelError;
+use train::progress::StepStatus;
 
 fn cfg_err(e: impl std::fmt::Display) -> ParallelError {
     ParallelError::Config(e.to_string())
@@ -186,10 +187,12 @@ pub fn run(
     }
     // Rank 0 writes config.toml, metrics.jsonl (with validation) and the loss plot, as the
     // single-process and data-parallel runs do.
-    let mut run_log = match out {
-        Some(out) if rank == 0 => Some(RunLog::open(out, cfg, plan.full_layout.total())?),
+    let rate = (rank == 0).then(|| Throughput::measure(cfg, plan.full_layout.total()));
+    let mut run_log = match (out, rate) {
+        (Some(out), Some(rate)) => Some(RunLog::open(out, cfg, rate)?),
         _ => None,
     };
+    let mut console = rate.map(|r| Console::new(first, t.steps, !log, r));
     let global_tokens = p.dp * t.micro_batch * t.grad_accum * cfg.model.seq_len;
     let mut losses = Vec::new();
     let mut step_ms = Vec::new();
@@ -209,31 +212,30 @@ pub fn run(
                 s.loss
             )));
         }
-        let every = (t.steps / 50).max(1);
-        if log && rank == 0 && (step == first || (step + 1) % every == 0 || step + 1 == t.steps) {
-            println!(
-                "step {:>5} | loss {:.4} | grad norm {:.3} | {:.1} ms",
-                step + 1,
-                s.loss,
-                s.grad_norm,
-                step_ms.last().copied().unwrap_or(0.0)
-            );
-        }
         losses.push(s.loss);
         let done = step + 1;
-        if out.is_some() {
-            // Every rank evaluates the same held-out batches (the tp collectives need all).
-            let val = if (t.eval_every > 0 && done % t.eval_every == 0) || done == t.steps {
-                evaluate(&mut engine, cfg, &inputs.sampler, &inputs.data)?
-            } else {
-                None
+        // Every rank evaluates the same held-out batches (the tp collectives need all).
+        let eval_now = (t.eval_every > 0 && done % t.eval_every == 0) || done == t.steps;
+        let val = if out.is_some() && eval_now {
+            evaluate(&mut engine, cfg, &inputs.sampler, &inputs.data)?
+        } else {
+            None
+        };
+        let secs = step_ms.last().copied().unwrap_or(0.0) / 1e3;
+        if let Some(l) = &mut run_log {
+            l.step(done, &s, lr, global_tokens, secs, val)?;
+        }
+        if let Some(c) = &mut console {
+            let status = StepStatus {
+                step: done,
+                loss: s.loss as f64,
+                val_loss: val,
+                lr,
+                tokens: global_tokens,
             };
-            let secs = step_ms.last().copied().unwrap_or(0.0) / 1e3;
-            if let Some(l) = &mut run_log {
-                l.step(done, &s, lr, global_tokens, secs, val)?;
-            }
-            if let (Some(v), true) = (val, log && rank == 0) {
-                println!("validation loss {v:.4} after step {done}");
+            c.step(&status, s.grad_norm as f64, secs * 1e3, String::new);
+            if let Some(v) = val {
+                c.note(&format!("validation loss {v:.4} after step {done}"));
             }
         }
         if let Some(out) = out {
@@ -241,6 +243,9 @@ pub fn run(
                 save(&engine, comm.world(), out, tp_rank, done)?;
             }
         }
+    }
+    if let Some(c) = &console {
+        c.finish();
     }
     if log && rank == 0 && !step_ms.is_empty() {
         let median = |v: &[f64]| {

@@ -239,7 +239,7 @@ fn run_attempt(spec: &GroupSpec, attempt: u32) -> Result<(), Failure> {
             .env(RESTART_VAR, attempt.to_string())
             .stdin(Stdio::null())
             .stdout(Stdio::piped())
-            .stderr(Stdio::piped())
+            .stderr(worker_stderr(rank))
             .process_group(0);
         // Thread pools the workers may use: cap them unless the user already did.
         for var in ["RAYON_NUM_THREADS", "OMP_NUM_THREADS"] {
@@ -370,6 +370,18 @@ fn signal_group(w: &Worker, sig: i32) {
     // SAFETY: kill(2) with a negative pid signals that group; it has no memory effects.
     unsafe {
         libc::kill(-(w.child.id() as i32), sig);
+    }
+}
+
+/// Rank 0 draws the run's progress bar on stderr, which needs a terminal: when ours is one,
+/// rank 0 writes its stderr to it directly (unprefixed); every other stream is piped through
+/// [`spawn_pump`] and prefixed with its rank.
+fn worker_stderr(rank: usize) -> Stdio {
+    use std::io::IsTerminal;
+    if rank == 0 && std::io::stderr().is_terminal() {
+        Stdio::inherit()
+    } else {
+        Stdio::piped()
     }
 }
 
