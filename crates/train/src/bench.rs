@@ -25,6 +25,35 @@ pub struct BenchReport {
     /// Seconds per step in each model kernel class, and the rest ("other": optimizer,
     /// precision conversions, data, glue), from the model's kernel timers.
     pub profile: Vec<(String, f64)>,
+    /// Share of the machine's CPU time the hypervisor gave to other guests ("steal") while
+    /// the timed steps ran (Linux `/proc/stat`; `None` elsewhere). On a shared VM this is what
+    /// makes the same binary 25–40 % slower from one minute to the next.
+    pub cpu_steal: Option<f64>,
+}
+
+/// Cumulative (steal, total) CPU time of the machine in clock ticks, from the first line of
+/// `/proc/stat` (`cpu  user nice system idle iowait irq softirq steal …`).
+fn cpu_ticks() -> Option<(u64, u64)> {
+    parse_cpu_ticks(&std::fs::read_to_string("/proc/stat").ok()?)
+}
+
+fn parse_cpu_ticks(stat: &str) -> Option<(u64, u64)> {
+    let line = stat.lines().next()?.strip_prefix("cpu ")?;
+    // The first eight fields: user nice system idle iowait irq softirq steal (guest time is
+    // already inside user and nice).
+    let v: Vec<u64> = line
+        .split_whitespace()
+        .take(8)
+        .map(str::parse)
+        .collect::<std::result::Result<_, _>>()
+        .ok()?;
+    (v.len() == 8).then(|| (v[7], v.iter().sum()))
+}
+
+/// Steal share between two [`cpu_ticks`] readings.
+fn steal_share(before: Option<(u64, u64)>, after: Option<(u64, u64)>) -> Option<f64> {
+    let ((s0, t0), (s1, t1)) = (before?, after?);
+    (t1 > t0).then(|| s1.saturating_sub(s0) as f64 / (t1 - t0) as f64)
 }
 
 impl std::fmt::Display for BenchReport {
@@ -53,6 +82,13 @@ impl std::fmt::Display for BenchReport {
             .map(|(k, s)| format!("{k} {:.0}%", 100.0 * s / self.median_step_s.max(1e-12)))
             .collect();
         writeln!(f, "time per step by kernel: {}", parts.join(", "))?;
+        if let Some(st) = self.cpu_steal {
+            writeln!(
+                f,
+                "CPU time stolen by the hypervisor during the timed steps: {:.0}% of the machine (other guests' load on a shared VM; the step times include it)",
+                100.0 * st
+            )?;
+        }
         write!(
             f,
             "memory accounted {} ; peak RSS {} ({})",
@@ -78,6 +114,7 @@ pub fn bench_train(preset: &str, mut cfg: RunConfig, steps: usize) -> Result<Ben
     // The MFU denominator is sampled before every timed step and the best kept: on a shared
     // machine a single sample can land in a slow moment and put the MFU above 100 %.
     let mut peak = 0.0f64;
+    let ticks0 = cpu_ticks();
     let mut times: Vec<f64> = (0..steps.max(1))
         .map(|_| {
             peak = peak.max(gemm_peak_flops());
@@ -85,6 +122,7 @@ pub fn bench_train(preset: &str, mut cfg: RunConfig, steps: usize) -> Result<Ben
             t.train_step().map(|_| s.elapsed().as_secs_f64())
         })
         .collect::<Result<_>>()?;
+    let cpu_steal = steal_share(ticks0, cpu_ticks());
     model::profile::enable(false);
     let n = times.len() as f64;
     let mean_step = times.iter().sum::<f64>() / n;
@@ -114,5 +152,24 @@ pub fn bench_train(preset: &str, mut cfg: RunConfig, steps: usize) -> Result<Ben
         accounted_bytes: t.memory().total(),
         peak_rss_bytes: peak_rss_bytes(),
         profile,
+        cpu_steal,
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn steal_share_from_proc_stat() {
+        let a = parse_cpu_ticks("cpu  100 0 50 800 10 0 5 35 0 0\ncpu0 1 2 3\n").unwrap();
+        assert_eq!(a, (35, 1000));
+        let b = parse_cpu_ticks("cpu  300 0 50 900 10 0 5 135 0 0\n").unwrap();
+        assert_eq!(b, (135, 1400));
+        assert_eq!(steal_share(Some(a), Some(b)), Some(0.25));
+        assert_eq!(steal_share(Some(b), Some(b)), None);
+        assert_eq!(steal_share(None, Some(b)), None);
+        assert_eq!(parse_cpu_ticks("intr 5\n"), None);
+        assert_eq!(parse_cpu_ticks("cpu  1 2 3\n"), None);
+    }
 }
