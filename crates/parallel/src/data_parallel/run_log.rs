@@ -162,34 +162,49 @@ impl Console {
         }
     }
 
-    /// Reports finished step `s` (`s.step` counted from 1) that took `step_ms` with gradient
-    /// norm `grad_norm`; `detail` (built only for printed lines) ends the line.
+    /// Reports finished step `done` (counted from 1) with its statistics, learning rate, global
+    /// batch tokens, validation loss (if measured) and time; `detail` (built only for printed
+    /// lines) ends the line.
+    #[allow(clippy::too_many_arguments)]
     pub fn step(
         &mut self,
-        s: &StepStatus,
-        grad_norm: f64,
+        done: usize,
+        stats: &StepStats,
+        lr: f64,
+        tokens: usize,
+        val_loss: Option<f64>,
         step_ms: f64,
         detail: impl FnOnce() -> String,
     ) {
-        let rate = self.bar.update(s);
+        let s = StepStatus {
+            step: done,
+            loss: stats.loss as f64,
+            val_loss,
+            lr,
+            tokens,
+        };
+        let rate = self.bar.update(&s);
         let every = (self.total / 50).max(1);
-        let line = s.step == self.first + 1 || s.step.is_multiple_of(every) || s.step == self.total;
-        if self.quiet || self.bar.visible() || !line {
-            return;
+        let line = done == self.first + 1 || done.is_multiple_of(every) || done == self.total;
+        if !self.quiet && !self.bar.visible() && line {
+            println!(
+                "step {:>5} | loss {:.4} | lr {:.2e} | grad norm {:.3} | {step_ms:.1} ms | {:.0} tok/s | MFU {:.1}%{}",
+                done,
+                s.loss,
+                lr,
+                stats.grad_norm,
+                rate.tokens_per_s,
+                100.0 * rate.mfu,
+                detail()
+            );
         }
-        println!(
-            "step {:>5} | loss {:.4} | lr {:.2e} | grad norm {grad_norm:.3} | {step_ms:.1} ms | {:.0} tok/s | MFU {:.1}%{}",
-            s.step,
-            s.loss,
-            s.lr,
-            rate.tokens_per_s,
-            100.0 * rate.mfu,
-            detail()
-        );
+        if let Some(v) = val_loss {
+            self.note(&format!("validation loss {v:.4} after step {done}"));
+        }
     }
 
     /// Prints a message line (above the bar when it is drawn).
-    pub fn note(&self, msg: &str) {
+    fn note(&self, msg: &str) {
         if !self.quiet {
             self.bar.println(msg);
         }

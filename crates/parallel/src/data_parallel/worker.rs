@@ -24,7 +24,6 @@ use crate::memory::{formula_text, mib, MemoryBytes, Precision, ZeroStage};
 use crate::run_log::{Console, RunLog, Throughput};
 use crate::staged::StagedModel;
 use crate::ParallelError;
-use train::progress::StepStatus;
 
 /// What a run reports.
 #[derive(Clone, Debug)]
@@ -246,14 +245,7 @@ pub fn run(
             l.step(done, &s, lr, global_tokens, step_ms / 1e3, val)?;
         }
         if let Some(c) = &mut console {
-            let status = StepStatus {
-                step: done,
-                loss: s.loss as f64,
-                val_loss: val,
-                lr,
-                tokens: global_tokens,
-            };
-            c.step(&status, s.grad_norm as f64, step_ms, || {
+            c.step(done, &s, lr, global_tokens, val, step_ms, || {
                 let m = engine.memory();
                 format!(
                     " | mem/rank params {} grads {} optim {} comm {} act {}",
@@ -264,9 +256,6 @@ pub fn run(
                     mib(m.activations)
                 )
             });
-            if let Some(v) = val {
-                c.note(&format!("validation loss {v:.4} after step {done}"));
-            }
         }
         let every = t.ckpt_every;
         if let Some(out) = &opts.out {

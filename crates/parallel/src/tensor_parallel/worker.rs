@@ -26,7 +26,6 @@ use crate::memory::ZeroStage;
 use crate::run_log::{Console, RunLog, Throughput};
 use crate::worker::{dp_config, evaluate, model_config, DpRunSummary, RunInputs};
 use crate::ParallelError;
-use train::progress::StepStatus;
 
 fn cfg_err(e: impl std::fmt::Display) -> ParallelError {
     ParallelError::Config(e.to_string())
@@ -226,17 +225,7 @@ pub fn run(
             l.step(done, &s, lr, global_tokens, secs, val)?;
         }
         if let Some(c) = &mut console {
-            let status = StepStatus {
-                step: done,
-                loss: s.loss as f64,
-                val_loss: val,
-                lr,
-                tokens: global_tokens,
-            };
-            c.step(&status, s.grad_norm as f64, secs * 1e3, String::new);
-            if let Some(v) = val {
-                c.note(&format!("validation loss {v:.4} after step {done}"));
-            }
+            c.step(done, &s, lr, global_tokens, val, secs * 1e3, String::new);
         }
         if let Some(out) = out {
             if t.ckpt_every > 0 && done % t.ckpt_every == 0 && done < t.steps {
