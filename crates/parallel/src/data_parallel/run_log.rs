@@ -140,6 +140,26 @@ impl RunLog {
     }
 }
 
+/// Rank 0's run directory log (when `out` is given) and console (when `log`), for steps
+/// `first..cfg.train.steps`; other ranks get neither. The GEMM peak behind the MFU is measured
+/// only when one of them needs it.
+pub fn rank0_outputs(
+    rank: usize,
+    out: Option<&Path>,
+    log: bool,
+    cfg: &RunConfig,
+    num_params: usize,
+    first: usize,
+) -> Result<(Option<RunLog>, Option<Console>), ParallelError> {
+    if rank != 0 || (out.is_none() && !log) {
+        return Ok((None, None));
+    }
+    let rate = Throughput::measure(cfg, num_params);
+    let run_log = out.map(|o| RunLog::open(o, cfg, rate)).transpose()?;
+    let console = log.then(|| Console::new(first, cfg.train.steps, rate));
+    Ok((run_log, console))
+}
+
 /// Rank 0's console during the step loop: the progress bar of `xtrain train` when stderr is a
 /// terminal; otherwise (logs, CI, tests) a line per step for about 50 steps of the run (and the
 /// first and last), `step N | loss L | lr … | grad norm … | … ms | … tok/s | MFU …%` followed by
@@ -148,17 +168,15 @@ pub struct Console {
     bar: StepBar,
     first: usize,
     total: usize,
-    quiet: bool,
 }
 
 impl Console {
-    /// For steps `first..total`; `quiet` prints nothing.
-    pub fn new(first: usize, total: usize, quiet: bool, rate: Throughput) -> Self {
+    /// For steps `first..total`.
+    pub fn new(first: usize, total: usize, rate: Throughput) -> Self {
         Console {
-            bar: StepBar::new(total, first, quiet, rate.flops_per_token, rate.peak),
+            bar: StepBar::new(total, first, false, rate.flops_per_token, rate.peak),
             first,
             total,
-            quiet,
         }
     }
 
@@ -186,7 +204,7 @@ impl Console {
         let rate = self.bar.update(&s);
         let every = (self.total / 50).max(1);
         let line = done == self.first + 1 || done.is_multiple_of(every) || done == self.total;
-        if !self.quiet && !self.bar.visible() && line {
+        if !self.bar.visible() && line {
             println!(
                 "step {:>5} | loss {:.4} | lr {:.2e} | grad norm {:.3} | {step_ms:.1} ms | {:.0} tok/s | MFU {:.1}%{}",
                 done,
@@ -205,9 +223,7 @@ impl Console {
 
     /// Prints a message line (above the bar when it is drawn).
     fn note(&self, msg: &str) {
-        if !self.quiet {
-            self.bar.println(msg);
-        }
+        self.bar.println(msg);
     }
 
     /// Leaves the finished bar on the terminal.

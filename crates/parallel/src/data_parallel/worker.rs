@@ -21,7 +21,7 @@ use crate::checkpoint;
 use crate::engine::{DataParallel, DpConfig};
 use crate::llm::StagedLlm;
 use crate::memory::{formula_text, mib, MemoryBytes, Precision, ZeroStage};
-use crate::run_log::{Console, RunLog, Throughput};
+use crate::run_log::rank0_outputs;
 use crate::staged::StagedModel;
 use crate::ParallelError;
 
@@ -207,12 +207,8 @@ pub fn run(
         );
         println!("memory per rank (accounted): {}", engine.memory());
     }
-    let rate = (rank == 0).then(|| Throughput::measure(cfg, phi));
-    let mut run_log = match (&opts.out, rate) {
-        (Some(out), Some(rate)) => Some(RunLog::open(out, cfg, rate)?),
-        _ => None,
-    };
-    let mut console = rate.map(|r| Console::new(start, t.steps, !log, r));
+    let (mut run_log, mut console) =
+        rank0_outputs(rank, opts.out.as_deref(), log, cfg, phi, start)?;
     let global_tokens = p.dp * t.micro_batch * t.grad_accum * cfg.model.seq_len;
     let mut losses = Vec::with_capacity(t.steps);
     let mut step_ms_all = Vec::with_capacity(t.steps);

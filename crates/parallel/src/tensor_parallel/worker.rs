@@ -23,7 +23,7 @@ use super::staged::StagedTp;
 use crate::checkpoint::{load_shards, reshard_buffer};
 use crate::engine::{DataParallel, ShardState};
 use crate::memory::ZeroStage;
-use crate::run_log::{Console, RunLog, Throughput};
+use crate::run_log::rank0_outputs;
 use crate::worker::{dp_config, evaluate, model_config, DpRunSummary, RunInputs};
 use crate::ParallelError;
 
@@ -186,12 +186,8 @@ pub fn run(
     }
     // Rank 0 writes config.toml, metrics.jsonl (with validation) and the loss plot, as the
     // single-process and data-parallel runs do.
-    let rate = (rank == 0).then(|| Throughput::measure(cfg, plan.full_layout.total()));
-    let mut run_log = match (out, rate) {
-        (Some(out), Some(rate)) => Some(RunLog::open(out, cfg, rate)?),
-        _ => None,
-    };
-    let mut console = rate.map(|r| Console::new(first, t.steps, !log, r));
+    let (mut run_log, mut console) =
+        rank0_outputs(rank, out, log, cfg, plan.full_layout.total(), first)?;
     let global_tokens = p.dp * t.micro_batch * t.grad_accum * cfg.model.seq_len;
     let mut losses = Vec::new();
     let mut step_ms = Vec::new();
