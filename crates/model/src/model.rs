@@ -303,11 +303,10 @@ impl Model {
     pub fn block_backward_weight(
         &self,
         i: usize,
-        p_block: &[f32],
         store: WeightGradStore,
         g_block: &mut [f32],
     ) -> Result<()> {
-        self.blocks[i].backward_weight(p_block, store, g_block)
+        self.blocks[i].backward_weight(store, g_block)
     }
 
     /// The LM-head weight: `lm_head.weight` inside the head range, or the tied embedding.
@@ -399,7 +398,7 @@ impl Model {
     ) -> Result<()> {
         let lm = self.lm(p_head, p_embed);
         let (g_norm, g_lm) = self.split_head_grads(g_head, g_embed)?;
-        self.head.backward_weight(p_head, lm, pending, g_norm, g_lm)
+        self.head.backward_weight(lm, pending, g_norm, g_lm)
     }
 
     /// The norm-gain and LM-head gradient slices for the head.

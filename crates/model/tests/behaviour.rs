@@ -114,7 +114,7 @@ fn split_backward_equals_fused() {
         m.embed_backward(&mut g[l.embed_range()], &b.inputs, &dx)
             .unwrap();
         for (i, s) in stores.into_iter().rev() {
-            m.block_backward_weight(i, &p[l.block_range(i)], s, &mut g[l.block_range(i)])
+            m.block_backward_weight(i, s, &mut g[l.block_range(i)])
                 .unwrap();
         }
         m.head_backward_weight(

@@ -156,7 +156,7 @@ fn attention_layer() {
         )
         .unwrap();
     let mut g = vec![0.0; p.len()];
-    store.apply(p, &mut g).unwrap();
+    store.apply(&mut g).unwrap();
     let views = [
         ("wq", a.wq.clone()),
         ("wk", a.wk.clone()),
@@ -186,7 +186,7 @@ fn mlp_layer() {
         )
         .unwrap();
     let mut g = vec![0.0; p.len()];
-    store.apply(p, &mut g).unwrap();
+    store.apply(&mut g).unwrap();
     let views = [
         ("gate", mlp.gate.clone()),
         ("up", mlp.up.clone()),
@@ -228,7 +228,7 @@ fn moe_check(capacity: Option<f32>) {
         )
         .unwrap();
     let mut g = vec![0.0; p.len()];
-    store.apply(p, &mut g).unwrap();
+    store.apply(&mut g).unwrap();
     let mut views = vec![("router", moe.router.clone())];
     for e in &moe.experts {
         views.extend([

@@ -30,7 +30,7 @@ use tensor::cross_entropy::{
     fused_linear_ce_backward, fused_linear_ce_forward, fused_linear_ce_forward_backward, CeConfig,
 };
 use tensor::gemm::{matmul_using, Backend};
-use tensor::norm::{rmsnorm_backward, rmsnorm_forward};
+use tensor::norm::{rmsnorm_backward_input, rmsnorm_backward_weight, rmsnorm_forward};
 
 fn cpu_seconds() -> f64 {
     // SAFETY: getrusage only writes the struct we pass.
@@ -207,15 +207,12 @@ fn main() {
         let n = 2048 * 688;
         let (g, u, d) = (data(n), data(n + 1), data(n + 2));
         let (g, u, d) = (&g[..n], &u[1..], &d[2..]);
-        let (mut out, mut dg, mut du) = (vec![0.0; n], vec![0.0; n], vec![0.0; n]);
         let (cpu, wall) = measure(n as f64, 50, || {
-            swiglu_forward(g, u, &mut out).unwrap();
-            black_box(&out);
+            black_box(swiglu_forward(g, u).unwrap());
         });
         println!("swiglu fwd 2048x688: {cpu:.2} G elem/cpu-s, {wall:.2} G elem/s wall");
         let (cpu, wall) = measure(n as f64, 50, || {
-            swiglu_backward(d, g, u, &mut dg, &mut du).unwrap();
-            black_box(&dg);
+            black_box(swiglu_backward(d, g, u).unwrap());
         });
         println!("swiglu bwd 2048x688: {cpu:.2} G elem/cpu-s, {wall:.2} G elem/s wall");
     }
@@ -271,11 +268,14 @@ fn main() {
         let (rows, dim) = (2048, 512);
         let (x, w, dy) = (data(rows * dim), data(dim + 1), data(rows * dim + 2));
         let (w, dy) = (&w[1..], &dy[2..]);
-        let (mut y, mut rstd) = (vec![0.0; rows * dim], vec![0.0; rows]);
-        let (mut dx, mut dw) = (vec![0.0; rows * dim], vec![0.0; dim]);
+        let mut dw = vec![0.0; dim];
         let (cpu, wall) = measure((rows * dim) as f64, 20, || {
-            rmsnorm_forward(&x, w, dim, 1e-5, &mut y, &mut rstd).unwrap();
-            rmsnorm_backward(dy, &x, w, &rstd, dim, Some(&mut dx), Some(&mut dw)).unwrap();
+            let (y, rstd) = rmsnorm_forward(&x, w, dim, 1e-5).unwrap();
+            black_box((
+                y,
+                rmsnorm_backward_input(dy, &x, w, &rstd, dim, Some(dy)).unwrap(),
+            ));
+            rmsnorm_backward_weight(dy, &x, &rstd, dim, &mut dw).unwrap();
         });
         println!("rmsnorm fwd+bwd 2048x512: {cpu:.3} G elem/cpu-s, {wall:.3} G elem/s wall");
     }

@@ -189,10 +189,12 @@ impl Block {
             None => Ok(dx),
         }
     }
-    fn exit_backward(&self, dy: Vec<f32>) -> Result<Vec<f32>> {
+    /// The gradient entering a region from its output; without hooks, `dy` itself (shared
+    /// with the residual stream, which still needs it).
+    fn exit_backward_shared(&self, dy: &Act) -> Result<Act> {
         match &self.hooks {
-            Some(h) => h.exit_backward(dy),
-            None => Ok(dy),
+            Some(h) => Ok(Arc::new(h.exit_backward(dy.to_vec())?)),
+            None => Ok(dy.clone()),
         }
     }
 
@@ -218,7 +220,8 @@ impl Block {
             Some(v) => v,
             None => Arc::new(self.enter(rmsnorm(p, &self.ffn_norm, &s.h, self.eps)?.0)?),
         };
-        let dm = Arc::new(self.exit_backward(dy.clone())?);
+        let dy = Arc::new(dy);
+        let dm = self.exit_backward_shared(&dy)?;
         let dxn2 = match (&self.ffn, s.ffn) {
             (Ffn::Dense(m), FfnCache::Dense(c)) => m.backward_input(p, &xn2, c, dm, &mut store)?,
             (Ffn::Moe(m), FfnCache::Moe(c)) => {
@@ -227,8 +230,7 @@ impl Block {
             _ => unreachable!("cache built by this block's own forward"),
         };
         let dxn2 = self.enter_backward(dxn2)?;
-        let mut dh = dy;
-        rmsnorm_backward_input(p, &self.ffn_norm, &s.h, &s.rstd2, &dxn2, &mut dh)?;
+        let dh = rmsnorm_backward_input(p, &self.ffn_norm, &s.h, &s.rstd2, &dxn2, Some(&dy))?;
         store.push(WeightTask::Norm {
             w: self.ffn_norm.clone(),
             dy: Arc::new(dxn2),
@@ -240,13 +242,13 @@ impl Block {
             Some(v) => v,
             None => Arc::new(self.enter(rmsnorm(p, &self.attn_norm, &x, self.eps)?.0)?),
         };
-        let da = Arc::new(self.exit_backward(dh.clone())?);
+        let dh = Arc::new(dh);
+        let da = self.exit_backward_shared(&dh)?;
         let dxn1 = self
             .attn
             .backward_input(p, &xn1, s.attn, da, &pass, &mut store)?;
         let dxn1 = self.enter_backward(dxn1)?;
-        let mut dx = dh;
-        rmsnorm_backward_input(p, &self.attn_norm, &x, &s.rstd1, &dxn1, &mut dx)?;
+        let dx = rmsnorm_backward_input(p, &self.attn_norm, &x, &s.rstd1, &dxn1, Some(&dh))?;
         store.push(WeightTask::Norm {
             w: self.attn_norm.clone(),
             dy: Arc::new(dxn1),
@@ -257,8 +259,8 @@ impl Block {
     }
 
     /// Weight gradients recorded by [`Block::backward_input`], accumulated into `g`.
-    pub fn backward_weight(&self, p: &[f32], store: WeightGradStore, g: &mut [f32]) -> Result<()> {
-        store.apply(p, g)
+    pub fn backward_weight(&self, store: WeightGradStore, g: &mut [f32]) -> Result<()> {
+        store.apply(g)
     }
 
     /// Fused backward: input gradient returned, weight gradients accumulated into `g`.
@@ -270,7 +272,7 @@ impl Block {
         dy: Vec<f32>,
     ) -> Result<Vec<f32>> {
         let (dx, store) = self.backward_input(p, cache, dy)?;
-        self.backward_weight(p, store, g)?;
+        self.backward_weight(store, g)?;
         Ok(dx)
     }
 }

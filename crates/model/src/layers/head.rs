@@ -256,8 +256,7 @@ impl Head {
                 (dxn, None)
             }
         };
-        let mut dx = vec![0.0; cache.x.len()];
-        rmsnorm_backward_input(p_norm, &self.norm, &cache.x, &cache.rstd, &dxn, &mut dx)?;
+        let dx = rmsnorm_backward_input(p_norm, &self.norm, &cache.x, &cache.rstd, &dxn, None)?;
         let pending = HeadWeightGrad {
             xn: cache.xn,
             dxn,
@@ -274,7 +273,6 @@ impl Head {
     /// Deferred weight gradients: norm gain into `g_norm`, LM head into `g_lm` (accumulated).
     pub fn backward_weight(
         &self,
-        p_norm: &[f32],
         lm: &[f32],
         w: HeadWeightGrad,
         g_norm: &mut [f32],
@@ -298,14 +296,12 @@ impl Head {
             })?,
         }
         time(Kernel::Norm, || {
-            tensor::norm::rmsnorm_backward(
+            tensor::norm::rmsnorm_backward_weight(
                 &w.dxn,
                 &w.x,
-                self.norm.of(p_norm),
                 &w.rstd,
                 self.hidden(),
-                None,
-                Some(self.norm.of_mut(g_norm)),
+                self.norm.of_mut(g_norm),
             )
         })?;
         Ok(())
@@ -333,17 +329,14 @@ impl Head {
                 dxn
             }
         };
-        let mut dx = vec![0.0; cache.x.len()];
-        rmsnorm_backward_input(p_norm, &self.norm, &cache.x, &cache.rstd, &dxn, &mut dx)?;
+        let dx = rmsnorm_backward_input(p_norm, &self.norm, &cache.x, &cache.rstd, &dxn, None)?;
         time(Kernel::Norm, || {
-            tensor::norm::rmsnorm_backward(
+            tensor::norm::rmsnorm_backward_weight(
                 &dxn,
                 &cache.x,
-                self.norm.of(p_norm),
                 &cache.rstd,
                 self.hidden(),
-                None,
-                Some(self.norm.of_mut(g_norm)),
+                self.norm.of_mut(g_norm),
             )
         })?;
         Ok(dx)

@@ -3,7 +3,6 @@
 //! expert, or a tensor-parallel shard (column-split gate/up, row-split down).
 
 use std::sync::Arc;
-use tensor::threads::zeros;
 
 use super::{
     linear_backward_input, linear_backward_input_new, linear_forward_new, Act, WeightGradStore,
@@ -44,11 +43,9 @@ impl SwiGlu {
     }
 
     fn product(g: &[f32], u: &[f32]) -> Result<Vec<f32>> {
-        let mut s = zeros(g.len());
-        time(Kernel::Activation, || {
-            tensor::activation::swiglu_forward(g, u, &mut s)
-        })?;
-        Ok(s)
+        Ok(time(Kernel::Activation, || {
+            tensor::activation::swiglu_forward(g, u)
+        })?)
     }
 
     /// `x [n, hidden] -> y [n, hidden]`; `keep_product = false` drops `s` from the cache.
@@ -89,17 +86,14 @@ impl SwiGlu {
             Some(s) => s,
             None => Arc::new(Self::product(&cache.g, &cache.u)?),
         };
-        let n = cache.g.len();
         let ds = linear_backward_input_new(p, &self.down, &dy)?;
         store.push(WeightTask::Linear {
             w: self.down.clone(),
             dy,
             x: s,
         });
-        let mut dg = zeros(n);
-        let mut du = zeros(n);
-        time(Kernel::Activation, || {
-            tensor::activation::swiglu_backward(&ds, &cache.g, &cache.u, &mut dg, &mut du)
+        let (dg, du) = time(Kernel::Activation, || {
+            tensor::activation::swiglu_backward(&ds, &cache.g, &cache.u)
         })?;
         let mut dx = linear_backward_input_new(p, &self.gate, &dg)?;
         linear_backward_input(p, &self.up, &du, &mut dx, true)?;

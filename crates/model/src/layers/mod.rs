@@ -145,7 +145,7 @@ impl WeightGradStore {
         self.tasks.extend(other.tasks);
     }
     /// Run every task: accumulate into `g` (same indexing as `p`).
-    pub fn apply(self, p: &[f32], g: &mut [f32]) -> Result<()> {
+    pub fn apply(self, g: &mut [f32]) -> Result<()> {
         for t in self.tasks {
             match t {
                 WeightTask::Linear { w, dy, x } => {
@@ -167,14 +167,12 @@ impl WeightGradStore {
                 }
                 WeightTask::Norm { w, dy, x, rstd } => {
                     crate::profile::time(crate::profile::Kernel::Norm, || {
-                        tensor::norm::rmsnorm_backward(
+                        tensor::norm::rmsnorm_backward_weight(
                             &dy,
                             &x,
-                            w.of(p),
                             &rstd,
                             w.numel(),
-                            None,
-                            Some(w.of_mut(g)),
+                            w.of_mut(g),
                         )
                     })?;
                 }
@@ -186,28 +184,22 @@ impl WeightGradStore {
 
 /// RMSNorm forward over rows of `x`: returns `(y, rstd)`.
 pub fn rmsnorm(p: &[f32], w: &View, x: &[f32], eps: f32) -> Result<(Vec<f32>, Vec<f32>)> {
-    let dim = w.numel();
-    let mut y = vec![0.0; x.len()];
-    let mut rstd = vec![0.0; x.len() / dim];
-    crate::profile::time(crate::profile::Kernel::Norm, || {
-        tensor::norm::rmsnorm_forward(x, w.of(p), dim, eps, &mut y, &mut rstd)
-    })?;
-    Ok((y, rstd))
+    Ok(crate::profile::time(crate::profile::Kernel::Norm, || {
+        tensor::norm::rmsnorm_forward(x, w.of(p), w.numel(), eps)
+    })?)
 }
 
-/// RMSNorm input gradient, accumulated into `dx` through a temporary (residual stream).
+/// RMSNorm input gradient as a new vector, plus `residual` (the residual stream's gradient)
+/// when given.
 pub fn rmsnorm_backward_input(
     p: &[f32],
     w: &View,
     x: &[f32],
     rstd: &[f32],
     dy: &[f32],
-    dx_accum: &mut [f32],
-) -> Result<()> {
-    let mut dx = tensor::threads::zeros(x.len());
-    crate::profile::time(crate::profile::Kernel::Norm, || {
-        tensor::norm::rmsnorm_backward(dy, x, w.of(p), rstd, w.numel(), Some(&mut dx), None)
-    })?;
-    tensor::threads::add_assign(dx_accum, &dx);
-    Ok(())
+    residual: Option<&[f32]>,
+) -> Result<Vec<f32>> {
+    Ok(crate::profile::time(crate::profile::Kernel::Norm, || {
+        tensor::norm::rmsnorm_backward_input(dy, x, w.of(p), rstd, w.numel(), residual)
+    })?)
 }

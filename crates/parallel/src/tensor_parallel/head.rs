@@ -199,17 +199,8 @@ impl VocabParallelHead {
             )?;
         }
         let dxn = self.region.enter_backward(dxn)?;
-        let mut dx = vec![0.0; cache.x.len()];
-        rmsnorm_backward_input(p, &self.norm, &cache.x, &cache.rstd, &dxn, &mut dx)?;
-        tensor::norm::rmsnorm_backward(
-            &dxn,
-            &cache.x,
-            self.norm.of(p),
-            &cache.rstd,
-            d,
-            None,
-            Some(self.norm.of_mut(g)),
-        )?;
+        let dx = rmsnorm_backward_input(p, &self.norm, &cache.x, &cache.rstd, &dxn, None)?;
+        tensor::norm::rmsnorm_backward_weight(&dxn, &cache.x, &cache.rstd, d, self.norm.of_mut(g))?;
         Ok(dx)
     }
 }

@@ -256,8 +256,16 @@ pub(super) unsafe fn dot(a: &[f32], b: &[f32], c: Option<&[f32]>) -> f32 {
 
 /// The portable RMSNorm row update compiled with AVX-512 enabled.
 #[target_feature(enable = "avx512f")]
-pub(super) unsafe fn rms_apply(a: &[f32], x: &[f32], w: &[f32], r: f32, c: f32, out: &mut [f32]) {
-    super::rms_apply_portable(a, x, w, r, c, out)
+pub(super) unsafe fn rms_apply(
+    a: &[f32],
+    x: &[f32],
+    w: &[f32],
+    r: f32,
+    c: f32,
+    res: Option<&[f32]>,
+    out: &mut [std::mem::MaybeUninit<f32>],
+) {
+    super::rms_apply_portable(a, x, w, r, c, res, out)
 }
 
 /// The portable softmax-gradient loop compiled with AVX-512 enabled (the compiler

@@ -10,6 +10,8 @@
 #[cfg(target_arch = "x86_64")]
 mod avx512;
 
+use std::mem::MaybeUninit;
+
 #[cfg(test)]
 thread_local! {
     /// Tests set this to exercise the portable kernels on AVX-512 machines too.
@@ -202,30 +204,58 @@ pub(crate) fn dot(a: &[f32], b: &[f32], c: Option<&[f32]>) -> f32 {
 }
 
 /// `y = x·r·w` and `dx = r·(dy∘w − x·c)` rows of RMSNorm: `out_i = r·(a_i·w_i − x_i·c)` with
-/// `a = x, c = 0` (forward) or `a = dy` (backward).
+/// `a = x, c = 0` (forward) or `a = dy` (backward), plus `res_i` when a residual is given
+/// (`res_i + v_i`: the same rounding as adding `v` to a copy of `res` afterwards). `out` is
+/// only written.
 #[inline(always)]
-fn rms_apply_portable(a: &[f32], x: &[f32], w: &[f32], r: f32, c: f32, out: &mut [f32]) {
+fn rms_apply_portable(
+    a: &[f32],
+    x: &[f32],
+    w: &[f32],
+    r: f32,
+    c: f32,
+    res: Option<&[f32]>,
+    out: &mut [MaybeUninit<f32>],
+) {
     let n = out.len();
     let (a, x, w) = (&a[..n], &x[..n], &w[..n]);
-    for i in 0..n {
-        out[i] = r * (a[i] * w[i] - x[i] * c);
+    match res {
+        Some(res) => {
+            let res = &res[..n];
+            for i in 0..n {
+                out[i].write(res[i] + r * (a[i] * w[i] - x[i] * c));
+            }
+        }
+        None => {
+            for i in 0..n {
+                out[i].write(r * (a[i] * w[i] - x[i] * c));
+            }
+        }
     }
 }
 
-/// See [`rms_apply_portable`].
+/// See [`rms_apply_portable`]; writes every element of `out`.
 #[inline]
-pub(crate) fn rms_apply(a: &[f32], x: &[f32], w: &[f32], r: f32, c: f32, out: &mut [f32]) {
+pub(crate) fn rms_apply(
+    a: &[f32],
+    x: &[f32],
+    w: &[f32],
+    r: f32,
+    c: f32,
+    res: Option<&[f32]>,
+    out: &mut [MaybeUninit<f32>],
+) {
     let n = out.len();
     assert!(
-        a.len() == n && x.len() == n && w.len() == n,
+        a.len() == n && x.len() == n && w.len() == n && res.is_none_or(|v| v.len() == n),
         "rms_apply: lengths"
     );
     #[cfg(target_arch = "x86_64")]
     if use_avx512() {
         // SAFETY: AVX-512F available; the body is the portable loop.
-        return unsafe { avx512::rms_apply(a, x, w, r, c, out) };
+        return unsafe { avx512::rms_apply(a, x, w, r, c, res, out) };
     }
-    rms_apply_portable(a, x, w, r, c, out)
+    rms_apply_portable(a, x, w, r, c, res, out)
 }
 
 /// `Σ e^(x − m)` (the softmax denominator after the row max `m`); `x` is not written.
@@ -258,7 +288,7 @@ fn sigmoid(x: f32) -> f32 {
 }
 
 /// `out = silu(g) ∘ u` (or `silu(g)` when `u` is `None`), `silu(g) = g·σ(g)`.
-pub(crate) fn silu_mul(g: &[f32], u: Option<&[f32]>, out: &mut [f32]) {
+pub(crate) fn silu_mul(g: &[f32], u: Option<&[f32]>, out: &mut [MaybeUninit<f32>]) {
     let n = g.len();
     assert!(
         out.len() == n && u.is_none_or(|u| u.len() == n),
@@ -268,18 +298,17 @@ pub(crate) fn silu_mul(g: &[f32], u: Option<&[f32]>, out: &mut [f32]) {
     if use_avx512() {
         let up = u.map_or(std::ptr::null(), |u| u.as_ptr());
         // SAFETY: AVX-512F available; every slice holds n elements (checked above).
-        return unsafe { avx512::silu_mul(g.as_ptr(), up, out.as_mut_ptr(), n) };
+        return unsafe { avx512::silu_mul(g.as_ptr(), up, out.as_mut_ptr().cast(), n) };
     }
     match u {
         Some(u) => {
             for ((o, &g), &u) in out.iter_mut().zip(g).zip(u) {
-                *o = g * sigmoid(g) * u;
+                o.write(g * sigmoid(g) * u);
             }
         }
-        None => out
-            .iter_mut()
-            .zip(g)
-            .for_each(|(o, &g)| *o = g * sigmoid(g)),
+        None => out.iter_mut().zip(g).for_each(|(o, &g)| {
+            o.write(g * sigmoid(g));
+        }),
     }
 }
 
@@ -289,8 +318,8 @@ pub(crate) fn silu_mul_grad(
     d: &[f32],
     g: &[f32],
     u: Option<&[f32]>,
-    dg: &mut [f32],
-    du: Option<&mut [f32]>,
+    dg: &mut [MaybeUninit<f32>],
+    du: Option<&mut [MaybeUninit<f32>]>,
 ) {
     let n = g.len();
     assert!(
@@ -304,24 +333,24 @@ pub(crate) fn silu_mul_grad(
     #[cfg(target_arch = "x86_64")]
     if use_avx512() {
         let up = u.map_or(std::ptr::null(), |u| u.as_ptr());
-        let dup = du.map_or(std::ptr::null_mut(), |du| du.as_mut_ptr());
+        let dup = du.map_or(std::ptr::null_mut(), |du| du.as_mut_ptr().cast());
         // SAFETY: AVX-512F available; every slice holds n elements (checked above).
         return unsafe {
-            avx512::silu_mul_grad(d.as_ptr(), g.as_ptr(), up, dg.as_mut_ptr(), dup, n)
+            avx512::silu_mul_grad(d.as_ptr(), g.as_ptr(), up, dg.as_mut_ptr().cast(), dup, n)
         };
     }
     match (u, du) {
         (Some(u), Some(du)) => {
             for i in 0..n {
                 let s = sigmoid(g[i]);
-                du[i] = d[i] * g[i] * s;
-                dg[i] = d[i] * u[i] * s * (1.0 + g[i] * (1.0 - s));
+                du[i].write(d[i] * g[i] * s);
+                dg[i].write(d[i] * u[i] * s * (1.0 + g[i] * (1.0 - s)));
             }
         }
         _ => {
             for i in 0..n {
                 let s = sigmoid(g[i]);
-                dg[i] = d[i] * s * (1.0 + g[i] * (1.0 - s));
+                dg[i].write(d[i] * s * (1.0 + g[i] * (1.0 - s)));
             }
         }
     }
@@ -538,6 +567,17 @@ mod tests {
         (fast, portable)
     }
 
+    /// Write-only kernel outputs pre-set to NaN: reading them back is safe, and an element a
+    /// kernel failed to write shows up as NaN.
+    fn nan_out(n: usize) -> Vec<MaybeUninit<f32>> {
+        vec![MaybeUninit::new(f32::NAN); n]
+    }
+
+    fn read_out(v: Vec<MaybeUninit<f32>>) -> Vec<f32> {
+        // SAFETY: every element was initialised by `nan_out` (and maybe overwritten since).
+        v.into_iter().map(|x| unsafe { x.assume_init() }).collect()
+    }
+
     /// Distance in units in the last place between two finite f32 of the same sign.
     fn ulps(a: f32, b: f32) -> u32 {
         (a.to_bits() as i64 - b.to_bits() as i64).unsigned_abs() as u32
@@ -690,11 +730,12 @@ mod tests {
         for with_up in [true, false] {
             let up = with_up.then_some(&u[..]);
             let (fast, portable) = on_both(|| {
-                let mut y = vec![0.0; n];
+                let mut y = nan_out(n);
                 silu_mul(&g, up, &mut y);
-                let (mut dg, mut du) = (vec![0.0; n], vec![0.0; n]);
+                let (mut dg, mut du) = (nan_out(n), nan_out(n));
                 silu_mul_grad(&d, &g, up, &mut dg, with_up.then_some(&mut du[..]));
-                (y, dg, du)
+                let du = if with_up { read_out(du) } else { vec![0.0; n] };
+                (read_out(y), read_out(dg), du)
             });
             // σ is within a few ulp on both paths (exp within 2 ulp, one add and one divide);
             // products of a few such factors stay within 1e-6 relative.
@@ -704,6 +745,7 @@ mod tests {
                 (&fast.2, &portable.2),
             ] {
                 for (x, y) in a.iter().zip(b) {
+                    assert!(!x.is_nan(), "an output element was not written");
                     assert!((x - y).abs() <= 1e-6 * y.abs() + 1e-30, "{x} vs {y}");
                 }
             }
