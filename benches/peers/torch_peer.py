@@ -1,0 +1,126 @@
+"""PyTorch peers of xtrain's benchmarks, measured the same way so that both can be run
+alternately in one session on one machine and compared as a ratio:
+
+- `train`: eager CPU training steps of transformers' LlamaForCausalLM (sdpa attention, fp32,
+  AdamW, gradient clipping at 1.0) on the trainer presets, like `xtrain bench train` (one
+  warm-up step, then the median of the timed steps; GFLOP/s by 6N + 12·L·H·S with N = all
+  parameters).
+- `gemm`: fp32 `torch.mm` of n × n × n, median of 7 (like `cpu_throughput gemm`).
+- `attention`: causal `scaled_dot_product_attention` forward and backward at batch 8, 8 heads,
+  head dim 32, sequence 256 (the tensor-core issue's shape), median of 7; FLOPs counted as in
+  `cpu_throughput attention` (the causal half: 2·b·h·s²·d forward, 2.5× that backward).
+
+    pip install torch transformers
+    python3 benches/peers/torch_peer.py train --preset small --threads 1 --steps 4
+    python3 benches/peers/torch_peer.py gemm --threads 2 --n 2048
+    python3 benches/peers/torch_peer.py attention --threads 2
+"""
+
+import argparse
+import statistics
+import time
+
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+# The trainer issue's presets: (vocab, hidden, ffn, layers, heads, kv heads, seq, batch).
+PRESETS = {
+    "tiny": (256, 64, 176, 2, 4, 2, 64, 8),
+    "small": (256, 256, 688, 6, 8, 4, 256, 8),
+    "medium": (4096, 512, 1376, 8, 8, 4, 512, 4),
+}
+
+
+def median_time(f, reps=7):
+    f()  # warm-up
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        f()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def gemm(args):
+    n = args.n
+    a, b = torch.randn(n, n), torch.randn(n, n)
+    t = median_time(lambda: torch.mm(a, b))
+    print(f"torch {torch.__version__} gemm {n}³, {args.threads} thread(s): {2 * n**3 / t / 1e9:.1f} GFLOP/s")
+
+
+def attention(args):
+    b, h, s, d = 8, 8, 256, 32
+    q, k, v = (torch.randn(b, h, s, d, requires_grad=True) for _ in range(3))
+    dout = torch.randn(b, h, s, d)
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    fwd_flops = 2 * b * h * s * s * d  # causal half of 4·b·h·s²·d
+    with torch.no_grad():
+        t_fwd = median_time(lambda: sdpa(q, k, v, is_causal=True))
+
+    def fwd_bwd():
+        q.grad = k.grad = v.grad = None
+        sdpa(q, k, v, is_causal=True).backward(dout)
+
+    t_both = median_time(fwd_bwd)
+    t_bwd = t_both - t_fwd
+    print(
+        f"torch {torch.__version__} sdpa b{b} h{h} d{d} s{s} causal, {args.threads} thread(s), "
+        f"GFLOP/s: fwd {fwd_flops / t_fwd / 1e9:.1f}, bwd {2.5 * fwd_flops / t_bwd / 1e9:.1f} "
+        f"(bwd = fwd+bwd time minus fwd time)"
+    )
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("what", choices=["train", "gemm", "attention"])
+    ap.add_argument("--preset", choices=PRESETS, default="small")
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--steps", type=int, default=4)
+    ap.add_argument("--n", type=int, default=2048)
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(0)
+    if args.what == "gemm":
+        return gemm(args)
+    if args.what == "attention":
+        return attention(args)
+    vocab, hidden, ffn, layers, heads, kv, seq, batch = PRESETS[args.preset]
+    cfg = LlamaConfig(
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=ffn,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv,
+        max_position_embeddings=seq,
+        rope_theta=10000.0,
+        tie_word_embeddings=False,
+        attn_implementation="sdpa",
+    )
+    model = LlamaForCausalLM(cfg).float().train()
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-4, weight_decay=0.1)
+    n_params = sum(p.numel() for p in model.parameters())
+    ids = torch.randint(0, vocab, (batch, seq))
+
+    def step():
+        t0 = time.perf_counter()
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return time.perf_counter() - t0
+
+    step()  # warm-up
+    median = statistics.median(step() for _ in range(max(args.steps, 1)))
+    tokens = batch * seq
+    flops_per_token = 6 * n_params + 12 * layers * hidden * seq
+    print(
+        f"torch {torch.__version__} preset {args.preset} ({n_params} params), "
+        f"{args.threads} thread(s): median step {median:.4f} s -> {tokens / median:.0f} tokens/s, "
+        f"{flops_per_token * tokens / median / 1e9:.1f} GFLOP/s"
+    )
+
+
+if __name__ == "__main__":
+    main()
