@@ -23,7 +23,7 @@ use crate::error::check_len;
 use crate::microkernel::{
     dot, exp_tile, gather_t, mm, mm_raw, online_softmax_tile, prefetch_rows, softmax_grad_tile,
 };
-use crate::threads;
+use crate::threads::{self, SyncPtr};
 use crate::TensorError;
 use rayon::prelude::*;
 
@@ -166,21 +166,6 @@ impl AttnTiles {
             )));
         }
         Ok(())
-    }
-}
-
-/// Shared raw pointer for tasks that write disjoint parts of one output buffer.
-#[derive(Clone, Copy)]
-struct SyncPtr(*mut f32);
-// SAFETY: every use documents why concurrent tasks touch disjoint elements.
-unsafe impl Send for SyncPtr {}
-unsafe impl Sync for SyncPtr {}
-
-impl SyncPtr {
-    /// The pointer (a method, so closures capture the whole `Sync` wrapper).
-    #[inline]
-    fn get(self) -> *mut f32 {
-        self.0
     }
 }
 

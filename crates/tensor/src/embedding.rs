@@ -1,7 +1,7 @@
 //! Embedding lookup (row gather) and its backward (scatter-add into the table gradient).
 
 use crate::error::check_len;
-use crate::threads;
+use crate::threads::{self, SyncPtr};
 use crate::TensorError;
 use rayon::prelude::*;
 
@@ -127,18 +127,15 @@ fn scatter_add(
                 let src = &dout[t * dim + c0..t * dim + c1];
                 // SAFETY: row r < rows is inside the table; columns [c0, c1) belong only to
                 // this task, so the mutable slices of different tasks are disjoint.
-                let dst =
-                    unsafe { std::slice::from_raw_parts_mut(table.0.add(r * dim + c0), c1 - c0) };
+                let dst = unsafe {
+                    std::slice::from_raw_parts_mut(table.get().add(r * dim + c0), c1 - c0)
+                };
                 dst.iter_mut().zip(src).for_each(|(d, s)| *d += s);
             }
         });
     });
     Ok(())
 }
-
-struct SyncPtr(*mut f32);
-// SAFETY: tasks write disjoint column ranges (see `embedding_backward`).
-unsafe impl Sync for SyncPtr {}
 
 #[cfg(test)]
 mod tests {

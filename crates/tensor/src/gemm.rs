@@ -18,7 +18,7 @@
 use crate::error::check_len;
 #[cfg(target_arch = "x86_64")]
 use crate::sgemm;
-use crate::threads;
+use crate::threads::{self, SyncPtr};
 use crate::TensorError;
 use gemm::Parallelism;
 
@@ -368,14 +368,31 @@ pub unsafe fn gemm_raw_using(
         _ => Parallelism::None,
     };
     if matches!(par, Parallelism::Rayon(_)) {
-        let c = SendPtr(c);
-        let a = SendPtr(a as *mut f32);
-        let b = SendPtr(b as *mut f32);
+        let c = SyncPtr(c);
+        let a = SyncPtr(a as *mut f32);
+        let b = SyncPtr(b as *mut f32);
         threads::install(move || {
             let (c, a, b) = (c, a, b);
             gemm::gemm(
-                m, n, k, c.0, sc.col, sc.row, accumulate, a.0, sa.col, sa.row, b.0, sb.col, sb.row,
-                1.0f32, 1.0f32, false, false, false, par,
+                m,
+                n,
+                k,
+                c.get(),
+                sc.col,
+                sc.row,
+                accumulate,
+                a.get(),
+                sa.col,
+                sa.row,
+                b.get(),
+                sb.col,
+                sb.row,
+                1.0f32,
+                1.0f32,
+                false,
+                false,
+                false,
+                par,
             )
         });
     } else {
@@ -401,13 +418,6 @@ pub unsafe fn gemm_raw_using(
 fn own_is_faster(sa: Strides, sb: Strides, m: usize) -> bool {
     sa.col != 1 || (sb.col != 1 && m <= 512)
 }
-
-/// Raw pointer that may cross into the pool (the caller guarantees exclusive access).
-#[derive(Clone, Copy)]
-struct SendPtr(*mut f32);
-// SAFETY: only used to move pointers into a closure that runs while the caller blocks.
-unsafe impl Send for SendPtr {}
-unsafe impl Sync for SendPtr {}
 
 /// Naive triple-loop reference product (f64 accumulation) with the same conventions as
 /// [`matmul`]; used by tests across the crate.

@@ -185,7 +185,7 @@ pub(crate) unsafe fn new_written<const K: usize>(
         "new_written: the outputs split into different numbers of chunks"
     );
     let mut vecs: [Vec<f32>; K] = std::array::from_fn(|i| Vec::with_capacity(lens[i]));
-    let ptrs: [SendPtr; K] = std::array::from_fn(|i| SendPtr(vecs[i].as_mut_ptr()));
+    let ptrs: [SyncPtr; K] = std::array::from_fn(|i| SyncPtr(vecs[i].as_mut_ptr()));
     install(|| {
         (0..tasks).into_par_iter().for_each(|t| {
             let outs = std::array::from_fn(|i| {
@@ -195,7 +195,7 @@ pub(crate) unsafe fn new_written<const K: usize>(
                 // lens[i]) and no other task addresses it.
                 unsafe {
                     std::slice::from_raw_parts_mut(
-                        ptrs[i].0.add(start).cast::<MaybeUninit<f32>>(),
+                        ptrs[i].get().add(start).cast::<MaybeUninit<f32>>(),
                         len,
                     )
                 }
@@ -210,13 +210,22 @@ pub(crate) unsafe fn new_written<const K: usize>(
     vecs
 }
 
-/// A pointer that may be shared with pool tasks; users guarantee that the tasks address
-/// disjoint elements and that the pointee outlives them.
+/// A raw pointer that may be shared with pool tasks writing disjoint parts of one buffer;
+/// every use documents why the tasks touch disjoint elements and that the pointee outlives
+/// them.
 #[derive(Clone, Copy)]
-pub(crate) struct SendPtr(pub(crate) *mut f32);
+pub(crate) struct SyncPtr(pub(crate) *mut f32);
 // SAFETY: see the type's doc.
-unsafe impl Send for SendPtr {}
-unsafe impl Sync for SendPtr {}
+unsafe impl Send for SyncPtr {}
+unsafe impl Sync for SyncPtr {}
+
+impl SyncPtr {
+    /// The pointer (a method, so closures capture the whole `Sync` wrapper).
+    #[inline]
+    pub(crate) fn get(self) -> *mut f32 {
+        self.0
+    }
+}
 
 /// `dst[i] += src[i]` (residual sums, gradient accumulation), in parallel over the thread
 /// budget when large; element-wise, so the result does not depend on the split.
