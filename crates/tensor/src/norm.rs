@@ -61,18 +61,14 @@ pub fn rmsnorm_backward_input(
     let [dx] = unsafe {
         new_written([x.len()], [task], |t, [dx]| {
             let span = t * task..t * task + dx.len();
-            let res = residual.map(|r| &r[span.clone()]);
-            let (dy, x) = (&dy[span.clone()], &x[span]);
-            for (i, dx) in dx.chunks_mut(dim).enumerate() {
-                let row = i * dim..(i + 1) * dim;
-                let (dy, x, r) = (
-                    &dy[row.clone()],
-                    &x[row.clone()],
-                    rstd[t * ROWS_PER_TASK + i],
-                );
+            let (dy, x) = (&dy[span.clone()], &x[span.clone()]);
+            let rows = dx.chunks_mut(dim).zip(dy.chunks(dim)).zip(x.chunks(dim));
+            for (i, ((dx, dy), x)) in rows.enumerate() {
+                let r = rstd[t * ROWS_PER_TASK + i];
+                let res = residual.map(|v| &v[span.start + i * dim..][..dim]);
                 // mean(g ∘ x̂) with g = dy ∘ w, x̂ = x·r
                 let c = dot(dy, w, Some(x)) * r * r / dim as f32;
-                rms_apply(dy, x, w, r, c, res.map(|v| &v[row]), dx);
+                rms_apply(dy, x, w, r, c, res, dx);
             }
         })
     };

@@ -218,19 +218,11 @@ fn rms_apply_portable(
     out: &mut [MaybeUninit<f32>],
 ) {
     let n = out.len();
-    let (a, x, w) = (&a[..n], &x[..n], &w[..n]);
-    match res {
-        Some(res) => {
-            let res = &res[..n];
-            for i in 0..n {
-                out[i].write(res[i] + r * (a[i] * w[i] - x[i] * c));
-            }
-        }
-        None => {
-            for i in 0..n {
-                out[i].write(r * (a[i] * w[i] - x[i] * c));
-            }
-        }
+    let (a, x, w, res) = (&a[..n], &x[..n], &w[..n], res.map(|v| &v[..n]));
+    for i in 0..n {
+        let v = r * (a[i] * w[i] - x[i] * c);
+        // The branch is loop-invariant; the compiler hoists it out of the loop.
+        out[i].write(res.map_or(v, |res| res[i] + v));
     }
 }
 
