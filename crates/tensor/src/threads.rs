@@ -80,6 +80,15 @@ pub fn thread_budget() -> usize {
 
 /// Runs `f` inside the budgeted pool: rayon parallel iterators (and `gemm`) inside `f` use at
 /// most [`thread_budget`] threads. Calling it from inside the pool just runs `f`.
+///
+/// Every kernel calls this, so a caller outside the pool hands each kernel to a worker and
+/// waits. Callers that run many kernels in a row (a training step) should wrap the whole phase
+/// instead: its kernels then run inline on one worker, with no hand-off each, and small
+/// products and element-wise loops that stay on the calling thread run on that same core
+/// rather than passing every activation between two cores' caches (preset small, 1 thread:
+/// 7–12 % less CPU time per run, docs/PERFORMANCE.md "Session 6"). Only wrap work that does
+/// not wait for another thread that itself needs the pool (ranks as threads of one process
+/// share it): such a wait would hold a worker that the other thread needs.
 pub fn install<R: Send>(f: impl FnOnce() -> R + Send) -> R {
     let pool = current_pool();
     if pool.current_thread_index().is_some() {

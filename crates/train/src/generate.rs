@@ -82,8 +82,8 @@ pub fn generate(
     let mut rng = Rng::new(opts.seed);
     for _ in 0..opts.max_new_tokens {
         let ctx = &ids[ids.len().saturating_sub(opts.context.max(1))..];
-        let logits = model
-            .logits(params, ctx, 1, ctx.len())
+        // One hand-over to the kernel pool per forward, not one per kernel (`threads::install`).
+        let logits = tensor::threads::install(|| model.logits(params, ctx, 1, ctx.len()))
             .map_err(|e| TrainError::Model(e.to_string()))?;
         let last = &logits[(ctx.len() - 1) * vocab..ctx.len() * vocab];
         ids.push(sample_token(last, opts, &mut rng));

@@ -330,7 +330,10 @@ impl Trainer {
                 a,
             ))?;
             tokens += batch.tokens();
-            let r = self.weights.forward_backward(&self.model, &batch, &opts)?;
+            // The whole pass on one pool worker: its kernels then run inline there instead of
+            // each being handed from this thread to the pool (see `threads::install`).
+            let (weights, model) = (&mut self.weights, &self.model);
+            let r = tensor::threads::install(|| weights.forward_backward(model, &batch, &opts))?;
             loss_sum += r.loss as f64;
         }
         let loss = self.engine.mean_over_ranks(loss_sum / accum as f64)?;
@@ -361,7 +364,8 @@ impl Trainer {
         let mut sum = 0.0;
         for i in 0..self.cfg.train.eval_batches {
             let batch = Self::model_batch(self.sampler.val_batch(&self.data.val, i))?;
-            sum += self.weights.forward_loss(&self.model, &batch)?.ce as f64;
+            let (weights, model) = (&mut self.weights, &self.model);
+            sum += tensor::threads::install(|| weights.forward_loss(model, &batch))?.ce as f64;
         }
         Ok(Some(self.engine.mean_over_ranks(
             sum / self.cfg.train.eval_batches as f64,
