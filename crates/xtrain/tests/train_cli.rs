@@ -151,3 +151,29 @@ fn bad_arguments_are_clear_errors() {
     assert!(!ok && out.contains("checkpoint"), "{out}");
     assert!(!out.contains("panicked"), "{out}");
 }
+
+/// The bound: peak RSS within 1.5× of the byte account. Preset small at 2 threads shows
+/// a per-thread malloc arena clearly (1.98× with glibc's default arenas, 1.19× with the one
+/// arena `train::memory::use_one_malloc_arena` keeps), in about a second.
+#[test]
+fn bench_train_peak_rss_stays_within_one_and_a_half_accounts() {
+    let (ok, text) = xtrain(&[
+        "bench",
+        "train",
+        "--preset",
+        "small",
+        "--threads",
+        "2",
+        "--steps",
+        "1",
+    ]);
+    assert!(ok, "{text}");
+    let ratio: f64 = text
+        .split("peak RSS")
+        .nth(1)
+        .and_then(|s| s.split('(').nth(1))
+        .and_then(|s| s.split('x').next())
+        .and_then(|s| s.trim().parse().ok())
+        .unwrap_or_else(|| panic!("no peak RSS ratio in:\n{text}"));
+    assert!(ratio < 1.5, "peak RSS {ratio}x the account:\n{text}");
+}
