@@ -319,11 +319,11 @@ pub unsafe fn gemm_raw_using(
         } else {
             None
         };
-        let own = own.and_then(|o @ (_, _, _, sa, _, sb, m, _)| {
+        let own = own.and_then(|o @ (_, _, _, sa, _, sb, m, n)| {
             let kernel = match backend {
                 Backend::Own => sgemm::Kernel::Fma,
                 Backend::Amx if sgemm::Kernel::Amx.available() => sgemm::Kernel::Amx,
-                _ if own_is_faster(sa, sb, m) => sgemm::Kernel::Fma,
+                _ if own_is_faster(sa, sb, [m, k, n]) => sgemm::Kernel::Fma,
                 _ => return None,
             };
             Some((kernel, o))
@@ -409,14 +409,18 @@ pub unsafe fn gemm_raw_using(
 /// "Own SGEMM"):
 /// - `A` not row-major: the weight-gradient form `dW += dyᵀ·x` (0–7 % faster at the
 ///   training shapes);
-/// - `B` not row-major and `m ≤ 512`: `y = x·Wᵀ` on few rows, e.g. the fused LM head's 128-row
+/// - `B` not row-major (`y = x·Wᵀ`) and `m ≤ 512`: few rows, e.g. the fused LM head's 128-row
 ///   chunks (+3–7 % at vocab 256, +9–44 % at vocab 4096 for 512 down to 64 rows), where the
-///   crate is slow; at 2048 rows the two are within ±6 % either way.
+///   crate is slow;
+/// - `B` not row-major and `k, n ≥ 512`: the medium preset's `q`, `o`, gate/up and down
+///   projections at 2048 rows (2 threads 1.02–1.20×, 1 thread 0.93–1.23×, median ≈ 1.08×; the
+///   crate's 2-thread split is weak at `n = 512`). With `k` or `n` of 256 (the small preset's
+///   projections, the medium `k`/`v`) the crate is 4–9 % faster at 1 thread.
 ///
 /// Elsewhere (notably `dx = dy·W`, 2–14 % slower) the crate is used.
 #[cfg(target_arch = "x86_64")]
-fn own_is_faster(sa: Strides, sb: Strides, m: usize) -> bool {
-    sa.col != 1 || (sb.col != 1 && m <= 512)
+fn own_is_faster(sa: Strides, sb: Strides, [m, k, n]: [usize; 3]) -> bool {
+    sa.col != 1 || (sb.col != 1 && (m <= 512 || k.min(n) >= 512))
 }
 
 /// Naive triple-loop reference product (f64 accumulation) with the same conventions as
