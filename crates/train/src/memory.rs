@@ -92,28 +92,6 @@ pub fn peak_rss_bytes() -> Option<u64> {
     Some(kb * 1024)
 }
 
-/// Keeps every thread's heap allocations in glibc's one main arena, unless the user chose
-/// otherwise (`MALLOC_ARENA_MAX` or `GLIBC_TUNABLES`). Call it once, before threads start.
-///
-/// Why: the trainer runs each forward/backward on a pool worker (`tensor::threads::install`),
-/// and glibc gives every thread that allocates its own arena. A second arena keeps what the
-/// activations freed in its own 64 MiB heaps, which the main arena's allocations (optimizer,
-/// gradients, data) cannot reuse, so the process holds roughly two copies of the activation
-/// peak: medium preset, 2 threads, peak RSS 1.67× the account with per-thread arenas against
-/// 1.07–1.10× with one (docs/PERFORMANCE.md, session 7). Our allocations are few and large,
-/// so one arena costs no measurable lock contention.
-pub fn use_one_malloc_arena() {
-    #[cfg(all(target_os = "linux", target_env = "gnu"))]
-    {
-        let user_chose = std::env::var_os("MALLOC_ARENA_MAX").is_some()
-            || std::env::var("GLIBC_TUNABLES").is_ok_and(|t| t.contains("arena_max"));
-        if !user_chose {
-            // SAFETY: mallopt only changes allocator parameters; M_ARENA_MAX is a valid option.
-            unsafe { libc::mallopt(libc::M_ARENA_MAX, 1) };
-        }
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -32,7 +32,7 @@ enum Command {
 }
 
 fn main() -> anyhow::Result<()> {
-    train::memory::use_one_malloc_arena();
+    train::allocator::use_one_arena();
     tracing_subscriber::fmt()
         .with_env_filter(
             tracing_subscriber::EnvFilter::try_from_default_env()

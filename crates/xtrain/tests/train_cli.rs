@@ -154,7 +154,7 @@ fn bad_arguments_are_clear_errors() {
 
 /// The bound: peak RSS within 1.5× of the byte account. Preset small at 2 threads shows
 /// a per-thread malloc arena clearly (1.98× with glibc's default arenas, 1.19× with the one
-/// arena `train::memory::use_one_malloc_arena` keeps), in about a second.
+/// arena `train::allocator::use_one_arena` keeps), in about a second.
 #[test]
 fn bench_train_peak_rss_stays_within_one_and_a_half_accounts() {
     let (ok, text) = xtrain(&[
