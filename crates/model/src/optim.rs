@@ -124,30 +124,41 @@ impl AdamW {
         let decay = 1.0 - lr * weight_decay;
         let (one_m_b1, b2f, one_m_b2, eps) =
             (1.0 - self.beta1, self.beta2, 1.0 - self.beta2, self.eps);
-        params
-            .par_chunks_mut(CHUNK)
-            .zip(grads.par_chunks(CHUNK))
-            .zip(m.par_chunks_mut(CHUNK).zip(v.par_chunks_mut(CHUNK)))
-            .for_each(|((p, g), (m, v))| {
-                // Zipped iterators (no index bounds checks) let the loop vectorise; each
-                // element sees the same operations in the same order as before.
-                for (((p, &gi), m), v) in p.iter_mut().zip(g).zip(m.iter_mut()).zip(v.iter_mut()) {
-                    *p *= decay;
-                    *m += one_m_b1 * (gi - *m);
-                    *v = *v * b2f + one_m_b2 * gi * gi;
-                    let denom = v.sqrt() / bc2_sqrt + eps;
-                    *p -= step_size * (*m / denom);
-                }
-            });
+        // On the budget pool (as every kernel): a bare parallel iterator would run on rayon's
+        // global pool, one thread per core whatever the process's budget.
+        tensor::threads::install(|| {
+            params
+                .par_chunks_mut(CHUNK)
+                .zip(grads.par_chunks(CHUNK))
+                .zip(m.par_chunks_mut(CHUNK).zip(v.par_chunks_mut(CHUNK)))
+                .for_each(|((p, g), (m, v))| {
+                    // Zipped iterators (no index bounds checks) let the loop vectorise; each
+                    // element sees the same operations in the same order as before.
+                    for (((p, &gi), m), v) in
+                        p.iter_mut().zip(g).zip(m.iter_mut()).zip(v.iter_mut())
+                    {
+                        *p *= decay;
+                        *m += one_m_b1 * (gi - *m);
+                        *v = *v * b2f + one_m_b2 * gi * gi;
+                        let denom = v.sqrt() / bc2_sqrt + eps;
+                        *p -= step_size * (*m / denom);
+                    }
+                })
+        });
     }
 }
 
 /// Sum of squares of `grads` in f64: the partial that shards all-reduce before clipping.
+/// Chunk partials are computed in parallel and added in chunk order, so the result does not
+/// depend on the thread count or on how rayon split the work.
 pub fn grad_sq_sum(grads: &[f32]) -> f64 {
-    grads
-        .par_chunks(CHUNK)
-        .map(|c| c.iter().map(|&g| (g as f64) * (g as f64)).sum::<f64>())
-        .sum()
+    let partials: Vec<f64> = tensor::threads::install(|| {
+        grads
+            .par_chunks(CHUNK)
+            .map(|c| c.iter().map(|&g| (g as f64) * (g as f64)).sum::<f64>())
+            .collect()
+    });
+    partials.iter().sum()
 }
 
 /// The factor torch's `clip_grad_norm_` multiplies gradients by:
@@ -162,9 +173,11 @@ pub fn clip_factor(total_sq: f64, max_norm: f32) -> (f32, f32) {
 /// Multiply every gradient by `factor` (no-op when it is 1).
 pub fn scale_grads(grads: &mut [f32], factor: f32) {
     if factor != 1.0 {
-        grads
-            .par_chunks_mut(CHUNK)
-            .for_each(|c| c.iter_mut().for_each(|g| *g *= factor));
+        tensor::threads::install(|| {
+            grads
+                .par_chunks_mut(CHUNK)
+                .for_each(|c| c.iter_mut().for_each(|g| *g *= factor))
+        });
     }
 }
 

@@ -139,15 +139,25 @@ impl Weights {
     /// Σ g² over the working gradients in f64, summed in a fixed order (chunk partials, then a
     /// sequential sum) so that it is bit-reproducible run to run.
     pub fn grad_sq_sum(&self) -> f64 {
-        let mut buf = vec![0.0f32; CHUNK];
-        let mut total = 0.0f64;
-        for start in (0..self.len()).step_by(CHUNK) {
-            let end = (start + CHUNK).min(self.len());
-            let b = &mut buf[..end - start];
-            self.grads_f32(start..end, b);
-            total += b.iter().map(|&g| g as f64 * g as f64).sum::<f64>();
-        }
-        total
+        use rayon::prelude::*;
+        // Chunk partials in parallel on the budget pool, added in chunk order: the same sum,
+        // bit for bit, at any thread count.
+        let chunks: Vec<usize> = (0..self.len()).step_by(CHUNK).collect();
+        let partials: Vec<f64> = tensor::threads::install(|| {
+            chunks
+                .par_iter()
+                .map_init(
+                    || vec![0.0f32; CHUNK],
+                    |buf, &start| {
+                        let end = (start + CHUNK).min(self.len());
+                        let b = &mut buf[..end - start];
+                        self.grads_f32(start..end, b);
+                        b.iter().map(|&g| g as f64 * g as f64).sum::<f64>()
+                    },
+                )
+                .collect()
+        });
+        partials.iter().fold(0.0f64, |total, p| total + p)
     }
 
     /// Forward and backward of one micro-batch; gradients of `opts.loss_scale · loss` are
