@@ -149,16 +149,15 @@ impl AdamW {
 }
 
 /// Sum of squares of `grads` in f64: the partial that shards all-reduce before clipping.
-/// Chunk partials are computed in parallel and added in chunk order, so the result does not
-/// depend on the thread count or on how rayon split the work.
+/// Chunk partials are added in chunk order ([`tensor::threads::sum_chunks`]), so the result does
+/// not depend on the thread count.
 pub fn grad_sq_sum(grads: &[f32]) -> f64 {
-    let partials: Vec<f64> = tensor::threads::install(|| {
-        grads
-            .par_chunks(CHUNK)
-            .map(|c| c.iter().map(|&g| (g as f64) * (g as f64)).sum::<f64>())
-            .collect()
-    });
-    partials.iter().sum()
+    tensor::threads::sum_chunks(grads.len(), CHUNK, |r| sq_sum(&grads[r]))
+}
+
+/// `Σ g²` of one slice in f64, on the calling thread.
+pub fn sq_sum(grads: &[f32]) -> f64 {
+    grads.iter().map(|&g| (g as f64) * (g as f64)).sum::<f64>()
 }
 
 /// The factor torch's `clip_grad_norm_` multiplies gradients by:

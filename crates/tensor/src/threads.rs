@@ -10,6 +10,7 @@ use crate::TensorError;
 use rayon::prelude::*;
 use rayon::{ThreadPool, ThreadPoolBuilder};
 use std::mem::MaybeUninit;
+use std::ops::Range;
 use std::sync::{Arc, OnceLock, RwLock};
 
 /// Environment variable holding the thread budget of this process.
@@ -101,6 +102,20 @@ pub fn install<R: Send>(f: impl FnOnce() -> R + Send) -> R {
 
 #[cfg(test)]
 mod tests {
+
+    #[test]
+    fn sum_chunks_covers_every_element_once_in_chunk_order() {
+        for len in [0, 1, 63, 64, 65, 1000] {
+            // Each chunk's partial names its range, so a gap, an overlap or a short last
+            // chunk changes the sum.
+            let f = |r: std::ops::Range<usize>| r.map(|i| (i * i) as f64).sum::<f64>() + 0.5;
+            let expected = (0..len)
+                .step_by(64)
+                .map(|s| f(s..(s + 64).min(len)))
+                .fold(0.0, |t, p| t + p);
+            assert_eq!(sum_chunks(len, 64, f), expected, "len {len}");
+        }
+    }
     use super::*;
     use std::collections::HashSet;
     use std::sync::Mutex;
@@ -140,6 +155,19 @@ const PARALLEL_CHUNK: usize = PARALLEL_MIN_LEN / 4;
 /// Whether an element-wise loop over `len` floats is worth the pool.
 fn worth_parallel(len: usize) -> bool {
     len >= PARALLEL_MIN_LEN && thread_budget() >= 2
+}
+
+/// `Σ f(chunk)` over `0..len` cut into chunks of `chunk` elements: the partials are computed on
+/// the budget pool and added in chunk order, so the sum is the same, bit for bit, at any thread
+/// count and however rayon splits the work (a parallel `.sum()` would add in split order).
+pub fn sum_chunks(len: usize, chunk: usize, f: impl Fn(Range<usize>) -> f64 + Sync) -> f64 {
+    let partials: Vec<f64> = install(|| {
+        (0..len.div_ceil(chunk))
+            .into_par_iter()
+            .map(|c| f(c * chunk..((c + 1) * chunk).min(len)))
+            .collect()
+    });
+    partials.iter().fold(0.0, |total, p| total + p)
 }
 
 /// A vector of `n` zeros, filled in parallel over the thread budget when large. A training

@@ -128,36 +128,22 @@ impl Weights {
         }
     }
 
-    /// Gradients `range` as fp32 (a copy for half storage).
-    pub fn grads_f32(&self, range: Range<usize>, out: &mut [f32]) {
-        match self {
-            Weights::Full { grads, .. } => out.copy_from_slice(&grads[range]),
-            Weights::Half { kind, grads, .. } => kind.upcast(&grads[range], out),
-        }
-    }
-
     /// Σ g² over the working gradients in f64, summed in a fixed order (chunk partials, then a
     /// sequential sum) so that it is bit-reproducible run to run.
     pub fn grad_sq_sum(&self) -> f64 {
-        use rayon::prelude::*;
-        // Chunk partials in parallel on the budget pool, added in chunk order: the same sum,
-        // bit for bit, at any thread count.
-        let chunks: Vec<usize> = (0..self.len()).step_by(CHUNK).collect();
-        let partials: Vec<f64> = tensor::threads::install(|| {
-            chunks
-                .par_iter()
-                .map_init(
-                    || vec![0.0f32; CHUNK],
-                    |buf, &start| {
-                        let end = (start + CHUNK).min(self.len());
-                        let b = &mut buf[..end - start];
-                        self.grads_f32(start..end, b);
-                        b.iter().map(|&g| g as f64 * g as f64).sum::<f64>()
-                    },
-                )
-                .collect()
-        });
-        partials.iter().fold(0.0f64, |total, p| total + p)
+        use model::optim::sq_sum;
+        match self {
+            Weights::Full { grads, .. } => {
+                tensor::threads::sum_chunks(grads.len(), CHUNK, |r| sq_sum(&grads[r]))
+            }
+            Weights::Half { kind, grads, .. } => {
+                tensor::threads::sum_chunks(grads.len(), CHUNK, |r| {
+                    let mut b = vec![0.0f32; r.len()];
+                    kind.upcast(&grads[r], &mut b);
+                    sq_sum(&b)
+                })
+            }
+        }
     }
 
     /// Forward and backward of one micro-batch; gradients of `opts.loss_scale · loss` are
