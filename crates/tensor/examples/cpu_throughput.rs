@@ -86,6 +86,55 @@ fn ab_gemm(threads: usize, [m, k, n]: [usize; 3], [ta, tb]: [bool; 2], rounds: u
     );
 }
 
+/// Alternating rounds of the own kernel's two thread schedules (static slabs, dynamic
+/// panels) on one product shape; prints the medians (GFLOP/s wall) and of the per-round
+/// ratios dynamic/static.
+fn ab_schedule(threads: usize, [m, k, n]: [usize; 3], [ta, tb]: [bool; 2], rounds: usize) {
+    let (a, b) = (data(m * k), data(k * n));
+    let mut c = vec![0.0; m * n];
+    let flops = 2.0 * (m * n * k) as f64;
+    let reps = ((4e9 / flops) as usize).clamp(1, 200);
+    let (mut stat, mut dynm, mut ratio) = (vec![], vec![], vec![]);
+    for _ in 0..rounds {
+        let mut wall = [0.0; 2];
+        for (i, on) in [false, true].into_iter().enumerate() {
+            tensor::sgemm::set_dynamic_schedule(on);
+            wall[i] = measure(flops, reps, || {
+                matmul_using(
+                    Backend::Own,
+                    Some(threads),
+                    &mut c,
+                    &a,
+                    &b,
+                    m,
+                    k,
+                    n,
+                    ta,
+                    tb,
+                    false,
+                )
+                .unwrap();
+                black_box(&c);
+            })
+            .1;
+        }
+        stat.push(wall[0]);
+        dynm.push(wall[1]);
+        ratio.push(wall[1] / wall[0]);
+    }
+    tensor::sgemm::set_dynamic_schedule(true);
+    println!(
+        "schedule m={m} k={k} n={n} ta={} tb={}: static {:.1} GFLOP/s dynamic {:.1} | dynamic/static per round: median {:.3} min {:.3} max {:.3}",
+        ta as u8,
+        tb as u8,
+        median(&mut stat),
+        median(&mut dynm),
+        median(&mut ratio),
+        ratio[0],
+        ratio[ratio.len() - 1]
+    );
+}
+
 fn data(n: usize) -> Vec<f32> {
     (0..n)
         .map(|i| ((i * 7919 % 1000) as f32 / 1000.0) - 0.5)
@@ -116,6 +165,27 @@ fn main() {
             [arg(5, 0) == 1, arg(6, 0) == 1],
             7,
         );
+    }
+    if only == "schedule" {
+        // The own kernel's static vs dynamic split: `schedule m k n ta tb`, or without a shape
+        // the 2048³ product and the medium preset's linear layers (y, dW forms).
+        let rounds = 9;
+        if arg(2, 0) > 0 {
+            let shape = [arg(2, 2048), arg(3, 256), arg(4, 256)];
+            ab_schedule(threads, shape, [arg(5, 0) == 1, arg(6, 0) == 1], rounds);
+        } else {
+            ab_schedule(threads, [2048, 2048, 2048], [false, false], rounds);
+            for (t, din, dout) in [
+                (2048, 512, 512),
+                (2048, 512, 1376),
+                (2048, 1376, 512),
+                (2048, 512, 256),
+            ] {
+                ab_schedule(threads, [t, din, dout], [false, true], rounds);
+                ab_schedule(threads, [t, dout, din], [false, false], rounds);
+                ab_schedule(threads, [dout, t, din], [true, false], rounds);
+            }
+        }
     }
     if only == "shapes" {
         // (tokens, in, out) of the linear layers of the small and medium presets.

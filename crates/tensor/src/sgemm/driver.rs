@@ -45,12 +45,7 @@ pub(super) unsafe fn gemm(
     // otherwise, when one B block covers n, A is packed panel by panel into L1.
     let col_major_a = a.rs == 1 && a.cs != 1;
     let one_b_block = n <= nc_max && !col_major_a;
-    // A row-major A is read in place by the kernel (no packing) when one B block covers n or
-    // its MR × kc rows are small (kc ≤ 256: 14 KiB beside the streaming B panels in L1), unless
-    // its row stride is a multiple of 4 KiB: then all MR rows map to one L1 set (12 ways) and
-    // evict each other. Measured: in place +2–6 % at n ≤ 688, −3–5 % for kc = 512 with
-    // several B blocks, −8 % with a 8 KiB row stride.
-    let direct = a.cs == 1 && a.rs > 0 && (a.rs * 4) % 4096 != 0 && (one_b_block || kc_max <= 256);
+    let direct = reads_a_in_place(a, one_b_block, kc_max);
     let mc_max = if one_b_block {
         MR
     } else {
@@ -112,12 +107,21 @@ pub(super) unsafe fn gemm(
     })
 }
 
+/// Whether the kernel reads a row-major `A` in place (no packing): when one `B` block covers
+/// `n` or its `MR × kc` rows are small (`kc ≤ 256`: 14 KiB beside the streaming `B` panels in
+/// L1), unless its row stride is a multiple of 4 KiB: then all `MR` rows map to one L1 set (12
+/// ways) and evict each other. Measured: in place +2–6 % at `n ≤ 688`, −3–5 % for `kc = 512`
+/// with several `B` blocks, −8 % with a 8 KiB row stride.
+pub(super) fn reads_a_in_place(a: MatRef, one_b_block: bool, kc_max: usize) -> bool {
+    a.cs == 1 && a.rs > 0 && (a.rs * 4) % 4096 != 0 && (one_b_block || kc_max <= 256)
+}
+
 /// One row panel of `C` (`rows ≤ MR` rows from `c`, `nc` columns): every micro-tile of the
 /// `A` panel at `ap` (`A(i, p) = ap[i·lda + p·step]`: packed, or row-major in place) against
 /// the micro-panels of the packed `B` block `bp`.
 #[allow(clippy::too_many_arguments)]
 #[inline]
-unsafe fn panel_row(
+pub(super) unsafe fn panel_row(
     ap: *const f32,
     lda: usize,
     step: usize,

@@ -16,9 +16,11 @@
 pub mod amx;
 mod blocking;
 mod driver;
+mod dynamic;
 mod kernel;
 mod pack;
 mod parallel;
+pub use parallel::set_dynamic_schedule;
 mod scratch;
 #[cfg(test)]
 mod tests;

@@ -9,9 +9,10 @@
 //! two threads measured 2–4 % slower still: half of every block then crosses between cores.
 
 use super::blocking::{MR, NR};
-use super::{amx, driver, Kernel, MatRef};
+use super::{amx, driver, dynamic, Kernel, MatRef};
 use crate::threads;
 use rayon::prelude::*;
+use std::sync::atomic::{AtomicU8, Ordering};
 
 /// Below this many multiply-adds per thread a product stays on the calling thread.
 const MIN_WORK_PER_THREAD: usize = 32 * 32 * 256;
@@ -55,6 +56,9 @@ pub(super) unsafe fn run(
     if t == 1 {
         return gemm(c, ldc, a, b, m, k, n, accumulate);
     }
+    if kernel == Kernel::Fma && tiles_m >= 4 * t && dynamic_enabled() {
+        return dynamic::gemm(c, ldc, a, b, [m, k, n], accumulate, t);
+    }
     let sh = Shared { c, a, b };
     threads::install(move || {
         (0..t).into_par_iter().for_each(move |q| {
@@ -75,4 +79,25 @@ pub(super) unsafe fn run(
             }
         })
     });
+}
+
+/// Which schedule splits products: 0 = not chosen yet (read `XTRAIN_SGEMM_SCHEDULE`),
+/// 1 = static slabs, 2 = dynamic panels.
+static SCHEDULE: AtomicU8 = AtomicU8::new(0);
+
+/// Chooses the dynamic panel schedule (the default) or the static slabs for later products of
+/// this process; for A/B measurements (`XTRAIN_SGEMM_SCHEDULE=static` does the same).
+pub fn set_dynamic_schedule(on: bool) {
+    SCHEDULE.store(if on { 2 } else { 1 }, Ordering::Relaxed);
+}
+
+fn dynamic_enabled() -> bool {
+    match SCHEDULE.load(Ordering::Relaxed) {
+        0 => {
+            let on = std::env::var("XTRAIN_SGEMM_SCHEDULE").as_deref() != Ok("static");
+            set_dynamic_schedule(on);
+            on
+        }
+        s => s == 2,
+    }
 }

@@ -24,6 +24,7 @@ impl Aligned {
 
 thread_local! {
     static BUFFERS: RefCell<(Aligned, Aligned)> = RefCell::default();
+    static SHARED_A: RefCell<Aligned> = RefCell::default();
 }
 
 /// Runs `f` with this thread's (`A`, `B`) packing buffers.
@@ -35,5 +36,15 @@ pub(super) fn with_buffers<R>(f: impl FnOnce(&mut Aligned, &mut Aligned) -> R) -
         }
         // Re-entered on this thread (not expected): use fresh buffers rather than panic.
         Err(_) => f(&mut Aligned::default(), &mut Aligned::default()),
+    })
+}
+
+/// Runs `f` with this thread's buffer for packed `A` panels that several threads read (the
+/// dynamic schedule's, see `super::dynamic`); separate from [`with_buffers`] because the
+/// thread that owns it may also work on the product.
+pub(super) fn with_shared_a<R>(f: impl FnOnce(&mut Aligned) -> R) -> R {
+    SHARED_A.with(|cell| match cell.try_borrow_mut() {
+        Ok(mut buf) => f(&mut buf),
+        Err(_) => f(&mut Aligned::default()),
     })
 }

@@ -210,6 +210,93 @@ fn spans_column_blocks_and_threads() {
     });
 }
 
+/// `C` of a case (random operands from fixed seeds) computed on `case.threads` threads.
+fn product(kernel: Kernel, case: Case) -> Vec<f32> {
+    let Case {
+        m,
+        k,
+        n,
+        trans_a,
+        trans_b,
+        accumulate,
+        pad,
+        threads,
+    } = case;
+    let (la, ars, acs) = layout(m, k, trans_a, pad);
+    let (lb, brs, bcs) = layout(k, n, trans_b, pad);
+    let ldc = n + pad;
+    let (a, b) = (rand_vec(la, 11), rand_vec(lb, 12));
+    let mut c = rand_vec(m * ldc, 13);
+    let mat = |v: &[f32], rs, cs| MatRef {
+        ptr: v.as_ptr(),
+        rs,
+        cs,
+    };
+    // SAFETY: layout() sizes every buffer for its strides.
+    unsafe {
+        sgemm_with(
+            kernel,
+            c.as_mut_ptr(),
+            ldc,
+            mat(&a, ars, acs),
+            mat(&b, brs, bcs),
+            m,
+            k,
+            n,
+            accumulate,
+            threads,
+        )
+    };
+    c
+}
+
+/// Splitting a product across threads (the dynamic panel schedule, or the static column
+/// split where `m` is small) changes no bit of the result: each element of `C` is summed in
+/// the same order by the same kernel as on one thread. Shapes cover one and several `B̂`
+/// blocks, several rank updates, a partial last panel, both layouts of `A` (read in place,
+/// packed per panel, packed once and shared) and accumulation.
+#[test]
+fn threads_give_the_bits_of_one_thread() {
+    if !available() {
+        return;
+    }
+    for (m, k, n) in [
+        (300, 1100, 1100),
+        (311, 700, 300),
+        (40, 600, 700),
+        (8 * MR, KC + 3, NC),
+    ] {
+        for (trans_a, trans_b, accumulate) in [
+            (false, false, false),
+            (false, true, true),
+            (true, false, true),
+            (true, true, false),
+        ] {
+            for pad in [0, 5] {
+                let case = |threads| Case {
+                    m,
+                    k,
+                    n,
+                    trans_a,
+                    trans_b,
+                    accumulate,
+                    pad,
+                    threads,
+                };
+                let one = product(Kernel::Fma, case(1));
+                for t in [2, 3, 4] {
+                    let many = product(Kernel::Fma, case(t));
+                    let same = one
+                        .iter()
+                        .zip(&many)
+                        .all(|(x, y)| x.to_bits() == y.to_bits());
+                    assert!(same, "{:?}: {t} threads differ from 1", case(t));
+                }
+            }
+        }
+    }
+}
+
 #[test]
 fn k_zero_and_empty() {
     if !available() {
