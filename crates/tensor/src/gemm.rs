@@ -323,7 +323,7 @@ pub unsafe fn gemm_raw_using(
             let kernel = match backend {
                 Backend::Own => sgemm::Kernel::Fma,
                 Backend::Amx if sgemm::Kernel::Amx.available() => sgemm::Kernel::Amx,
-                _ if own_is_faster(sa, sb, [m, k, n]) => sgemm::Kernel::Fma,
+                _ if own_is_faster(sa, sb, [m, k, n], threads.unwrap_or(1)) => sgemm::Kernel::Fma,
                 _ => return None,
             };
             Some((kernel, o))
@@ -406,21 +406,27 @@ pub unsafe fn gemm_raw_using(
 
 /// The dispatch rule of [`Backend::Auto`] for a product already in row-major-`C` form: the
 /// own kernel where it measured faster than the `gemm` crate (see docs/PERFORMANCE.md,
-/// "Own SGEMM"):
+/// "Own SGEMM" and "Session 8"):
 /// - `A` not row-major: the weight-gradient form `dW += dyᵀ·x` (0–7 % faster at the
-///   training shapes);
+///   training shapes on one thread, 1.10–1.43× on two);
 /// - `B` not row-major (`y = x·Wᵀ`) and `m ≤ 512`: few rows, e.g. the fused LM head's 128-row
 ///   chunks (+3–7 % at vocab 256, +9–44 % at vocab 4096 for 512 down to 64 rows), where the
 ///   crate is slow;
-/// - `B` not row-major and `k, n ≥ 512`: the medium preset's `q`, `o`, gate/up and down
-///   projections at 2048 rows (2 threads 1.02–1.20×, 1 thread 0.93–1.23×, median ≈ 1.08×; the
-///   crate's 2-thread split is weak at `n = 512`). With `k` or `n` of 256 (the small preset's
-///   projections, the medium `k`/`v`) the crate is 4–9 % faster at 1 thread.
+/// - `k, n ≥ 512` and `B` not row-major: the medium preset's `q`, `o`, gate/up and down
+///   projections at 2048 rows (1 thread 0.93–1.23×, 2 threads 1.08–1.22×);
+/// - `k, n ≥ 512`, `B` row-major (`dx = dy·W`) and split across threads by the own dynamic
+///   schedule ([`sgemm::splits_dynamically`]): the medium preset's input gradients on 2
+///   threads (1.03–1.12×), where the crate's static split waits for the slower vCPU. On one
+///   thread the crate is 2–14 % faster there.
 ///
-/// Elsewhere (notably `dx = dy·W`, 2–14 % slower) the crate is used.
+/// With `k` or `n` of 256 or 688 (the small preset, the medium `k`/`v`) the crate stays: 4–9 %
+/// faster at 1 thread, and 0.89–1.13× (median ≈ 0.97) on 2.
 #[cfg(target_arch = "x86_64")]
-fn own_is_faster(sa: Strides, sb: Strides, [m, k, n]: [usize; 3]) -> bool {
-    sa.col != 1 || (sb.col != 1 && (m <= 512 || k.min(n) >= 512))
+fn own_is_faster(sa: Strides, sb: Strides, [m, k, n]: [usize; 3], threads: usize) -> bool {
+    let wide = k.min(n) >= 512;
+    sa.col != 1
+        || (sb.col != 1 && (m <= 512 || wide))
+        || (wide && sgemm::splits_dynamically([m, k, n], threads))
 }
 
 /// Naive triple-loop reference product (f64 accumulation) with the same conventions as
@@ -580,5 +586,34 @@ mod tests {
         assert_eq!(c, vec![1.0; 4]);
         matmul(&mut c, &[], &[], 2, 0, 2, false, false, false).unwrap();
         assert_eq!(c, vec![0.0; 4]);
+    }
+
+    /// The measured dispatch: which linear-layer forms of the presets go to the own kernel.
+    #[cfg(target_arch = "x86_64")]
+    #[test]
+    fn auto_dispatch_follows_the_measured_rule() {
+        let (x, w) = (
+            Strides::row_major(512, false),
+            Strides::row_major(512, false),
+        );
+        let wt = Strides::row_major(512, true);
+        let xt = Strides::row_major(512, true);
+        // dW += dyᵀ·x: always the own kernel.
+        assert!(own_is_faster(xt, x, [512, 2048, 512], 1));
+        // y = x·Wᵀ at the medium shapes: own; at k = 256 with 2048 rows: the crate.
+        assert!(own_is_faster(x, wt, [2048, 512, 512], 1));
+        assert!(!own_is_faster(x, wt, [2048, 256, 256], 2));
+        // dx = dy·W at the medium shapes: own only when split dynamically over 2 threads.
+        assert!(!own_is_faster(x, w, [2048, 512, 512], 1));
+        assert_eq!(
+            own_is_faster(x, w, [2048, 512, 512], 2),
+            sgemm::splits_dynamically([2048, 512, 512], 2)
+        );
+        if std::env::var_os("XTRAIN_SGEMM_SCHEDULE").is_none() {
+            assert!(sgemm::splits_dynamically([2048, 512, 512], 2));
+            assert!(!sgemm::splits_dynamically([2048, 512, 512], 1));
+            assert!(!sgemm::splits_dynamically([40, 512, 512], 2)); // 3 panels: static split
+        }
+        assert!(!own_is_faster(x, w, [2048, 256, 688], 2));
     }
 }

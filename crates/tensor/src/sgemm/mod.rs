@@ -20,7 +20,7 @@ mod dynamic;
 mod kernel;
 mod pack;
 mod parallel;
-pub use parallel::set_dynamic_schedule;
+pub use parallel::{set_dynamic_schedule, splits_dynamically};
 mod scratch;
 #[cfg(test)]
 mod tests;

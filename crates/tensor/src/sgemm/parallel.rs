@@ -1,12 +1,17 @@
-//! Splitting one product across threads: the output is cut into `t` slabs of whole register
-//! tiles (so no tile is shared) along `m` (rows) or `n` (columns), whichever has more tiles
-//! (at 2048³: 147 row tiles split 73/74; the even 32/32 column split measured 2–5 % slower,
-//! since each thread then packs all of a row-major `A` whose 8 KiB stride rules out reading
-//! it in place). Each slab is an independent [`super::driver::gemm`] on one rayon worker
-//! of the budget pool, with that worker's own packing buffers: a row slab keeps its packed `A`
-//! in its own core's L2 and packs the `B` blocks it reads itself. Re-packing `B` per thread
-//! costs ≈ 3 % of a 2048³ product (a memory-bound strided read), but one packed `B` shared by
-//! two threads measured 2–4 % slower still: half of every block then crosses between cores.
+//! Splitting one product across threads. With at least four row panels (`MR` rows) per
+//! thread the FMA kernel uses the dynamic schedule of [`super::dynamic`]: panels are handed
+//! out one at a time, so a thread whose vCPU runs slower takes fewer (on the shared VMs the
+//! halves of a static split differed by 5–27 % in duration). Otherwise (few rows, or the AMX
+//! kernel, or `XTRAIN_SGEMM_SCHEDULE=static`) the output is cut into `t` static slabs of whole
+//! register tiles (so no tile is shared) along `m` (rows) or `n` (columns), whichever has more
+//! tiles (at 2048³: 147 row tiles split 73/74; the even 32/32 column split measured 2–5 %
+//! slower, since each thread then packs all of a row-major `A` whose 8 KiB stride rules out
+//! reading it in place). Each slab is an independent [`super::driver::gemm`] on one rayon
+//! worker of the budget pool, with that worker's own packing buffers: a row slab keeps its
+//! packed `A` in its own core's L2 and packs the `B` blocks it reads itself. Re-packing `B` per
+//! thread costs ≈ 3 % of a 2048³ product (a memory-bound strided read), but one packed `B`
+//! shared by two threads measured 2–4 % slower still: half of every block then crosses between
+//! cores. Both schedules give every element of `C` the bits it has on one thread.
 
 use super::blocking::{MR, NR};
 use super::{amx, driver, dynamic, Kernel, MatRef};
@@ -48,17 +53,16 @@ pub(super) unsafe fn run(
         Kernel::Fma => (driver::gemm, MR, NR),
         Kernel::Amx => (amx::gemm, 32, 32),
     };
-    let (tiles_m, tiles_n) = (m.div_ceil(mr), n.div_ceil(nr));
-    let by_rows = tiles_m >= tiles_n;
-    let tiles = if by_rows { tiles_m } else { tiles_n };
-    let work = m.saturating_mul(n).saturating_mul(k);
-    let t = threads.min(tiles).min(work / MIN_WORK_PER_THREAD).max(1);
+    let t = split_threads([m, k, n], [mr, nr], threads);
     if t == 1 {
         return gemm(c, ldc, a, b, m, k, n, accumulate);
     }
-    if kernel == Kernel::Fma && tiles_m >= 4 * t && dynamic_enabled() {
+    if kernel == Kernel::Fma && dynamic_applies(m, t) {
         return dynamic::gemm(c, ldc, a, b, [m, k, n], accumulate, t);
     }
+    let (tiles_m, tiles_n) = (m.div_ceil(mr), n.div_ceil(nr));
+    let by_rows = tiles_m >= tiles_n;
+    let tiles = if by_rows { tiles_m } else { tiles_n };
     let sh = Shared { c, a, b };
     threads::install(move || {
         (0..t).into_par_iter().for_each(move |q| {
@@ -79,6 +83,27 @@ pub(super) unsafe fn run(
             }
         })
     });
+}
+
+/// How many threads of a budget of `threads` a product with `[mr, nr]` register tiles uses.
+fn split_threads([m, k, n]: [usize; 3], [mr, nr]: [usize; 2], threads: usize) -> usize {
+    let tiles = m.div_ceil(mr).max(n.div_ceil(nr));
+    let work = m.saturating_mul(n).saturating_mul(k);
+    threads.min(tiles).min(work / MIN_WORK_PER_THREAD).max(1)
+}
+
+/// Whether `t ≥ 2` threads split an `m`-row product by the dynamic schedule: at least four
+/// row panels per thread, so that handing out single panels balances the threads (fewer rows
+/// are split statically, by columns).
+fn dynamic_applies(m: usize, t: usize) -> bool {
+    m.div_ceil(MR) >= 4 * t && dynamic_enabled()
+}
+
+/// Whether the FMA kernel splits `C[m × n] (+)= A[m × k]·B` across two or more threads of a
+/// budget of `threads` with the dynamic schedule.
+pub fn splits_dynamically([m, k, n]: [usize; 3], threads: usize) -> bool {
+    let t = split_threads([m, k, n], [MR, NR], threads);
+    t >= 2 && dynamic_applies(m, t)
 }
 
 /// Which schedule splits products: 0 = not chosen yet (read `XTRAIN_SGEMM_SCHEDULE`),
