@@ -52,42 +52,18 @@ fn run_on(kernel: Kernel, case: Case) {
         m,
         k,
         n,
-        trans_a,
-        trans_b,
         accumulate,
         pad,
-        threads,
+        ..
     } = case;
-    let (la, ars, acs) = layout(m, k, trans_a, pad);
-    let (lb, brs, bcs) = layout(k, n, trans_b, pad);
+    let Product {
+        a,
+        b,
+        c0,
+        c,
+        strides: [ars, acs, brs, bcs],
+    } = product(kernel, case);
     let ldc = n + pad;
-    let a = rand_vec(la, 1 + m as u64);
-    let b = rand_vec(lb, 2 + n as u64);
-    let c0 = rand_vec(m * ldc, 3 + k as u64);
-    let mut c = c0.clone();
-    // SAFETY: every (i, p) / (p, j) / (i, j) in range addresses inside a / b / c by layout().
-    unsafe {
-        sgemm_with(
-            kernel,
-            c.as_mut_ptr(),
-            ldc,
-            MatRef {
-                ptr: a.as_ptr(),
-                rs: ars,
-                cs: acs,
-            },
-            MatRef {
-                ptr: b.as_ptr(),
-                rs: brs,
-                cs: bcs,
-            },
-            m,
-            k,
-            n,
-            accumulate,
-            threads,
-        )
-    };
     for i in 0..m {
         for j in 0..ldc {
             let got = c[i * ldc + j];
@@ -210,8 +186,18 @@ fn spans_column_blocks_and_threads() {
     });
 }
 
-/// `C` of a case (random operands from fixed seeds) computed on `case.threads` threads.
-fn product(kernel: Kernel, case: Case) -> Vec<f32> {
+/// A computed case: the operands, `C` before and after, and the strides of `A` and `B`
+/// (`[rs_a, cs_a, rs_b, cs_b]`).
+struct Product {
+    a: Vec<f32>,
+    b: Vec<f32>,
+    c0: Vec<f32>,
+    c: Vec<f32>,
+    strides: [isize; 4],
+}
+
+/// Runs a case through [`sgemm_with`] on random operands seeded by its shape.
+fn product(kernel: Kernel, case: Case) -> Product {
     let Case {
         m,
         k,
@@ -225,14 +211,16 @@ fn product(kernel: Kernel, case: Case) -> Vec<f32> {
     let (la, ars, acs) = layout(m, k, trans_a, pad);
     let (lb, brs, bcs) = layout(k, n, trans_b, pad);
     let ldc = n + pad;
-    let (a, b) = (rand_vec(la, 11), rand_vec(lb, 12));
-    let mut c = rand_vec(m * ldc, 13);
+    let a = rand_vec(la, 1 + m as u64);
+    let b = rand_vec(lb, 2 + n as u64);
+    let c0 = rand_vec(m * ldc, 3 + k as u64);
+    let mut c = c0.clone();
     let mat = |v: &[f32], rs, cs| MatRef {
         ptr: v.as_ptr(),
         rs,
         cs,
     };
-    // SAFETY: layout() sizes every buffer for its strides.
+    // SAFETY: every (i, p) / (p, j) / (i, j) in range addresses inside a / b / c by layout().
     unsafe {
         sgemm_with(
             kernel,
@@ -247,7 +235,13 @@ fn product(kernel: Kernel, case: Case) -> Vec<f32> {
             threads,
         )
     };
-    c
+    Product {
+        a,
+        b,
+        c0,
+        c,
+        strides: [ars, acs, brs, bcs],
+    }
 }
 
 /// Splitting a product across threads (the dynamic panel schedule, or the static column
@@ -283,9 +277,9 @@ fn threads_give_the_bits_of_one_thread() {
                     pad,
                     threads,
                 };
-                let one = product(Kernel::Fma, case(1));
+                let one = product(Kernel::Fma, case(1)).c;
                 for t in [2, 3, 4] {
-                    let many = product(Kernel::Fma, case(t));
+                    let many = product(Kernel::Fma, case(t)).c;
                     let same = one
                         .iter()
                         .zip(&many)
