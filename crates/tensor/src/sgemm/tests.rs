@@ -291,6 +291,46 @@ fn threads_give_the_bits_of_one_thread() {
     }
 }
 
+/// Several callers splitting products on the one budget pool at once (ranks as threads):
+/// each product's tasks wait only on their own panels, so none deadlocks, and every result
+/// keeps the bits of one thread.
+#[test]
+fn concurrent_split_products_keep_their_bits() {
+    if !available() {
+        return;
+    }
+    let cases: Vec<Case> = (0..4)
+        .map(|i| Case {
+            m: 150 + 40 * i,
+            k: KC + 7 * i,
+            n: if i % 2 == 0 { NC + 9 } else { 200 },
+            trans_a: i % 2 == 1,
+            trans_b: i >= 2,
+            accumulate: i % 3 == 0,
+            pad: i,
+            threads: 3,
+        })
+        .collect();
+    let want: Vec<Vec<f32>> = cases
+        .iter()
+        .map(|&c| product(Kernel::Fma, Case { threads: 1, ..c }).c)
+        .collect();
+    std::thread::scope(|scope| {
+        for (case, want) in cases.iter().zip(&want) {
+            scope.spawn(move || {
+                for _ in 0..5 {
+                    let got = product(Kernel::Fma, *case).c;
+                    let same = got
+                        .iter()
+                        .zip(want)
+                        .all(|(x, y)| x.to_bits() == y.to_bits());
+                    assert!(same, "{case:?}: concurrent split differs from 1 thread");
+                }
+            });
+        }
+    });
+}
+
 #[test]
 fn k_zero_and_empty() {
     if !available() {
