@@ -102,6 +102,9 @@ pub fn install<R: Send>(f: impl FnOnce() -> R + Send) -> R {
 
 #[cfg(test)]
 mod tests {
+    use super::*;
+    use std::collections::HashSet;
+    use std::sync::Mutex;
 
     #[test]
     fn sum_chunks_covers_every_element_once_in_chunk_order() {
@@ -116,9 +119,6 @@ mod tests {
             assert_eq!(sum_chunks(len, 64, f), expected, "len {len}");
         }
     }
-    use super::*;
-    use std::collections::HashSet;
-    use std::sync::Mutex;
 
     #[test]
     fn budget_is_respected() {
