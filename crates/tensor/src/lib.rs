@@ -25,6 +25,7 @@
 //! - [`cross_entropy`]: LM head + cross-entropy fused in row chunks, with vocab-shard pieces.
 //! - [`embedding`]: lookup and scatter-add (full table or a vocabulary shard).
 //! - [`dtype`]: bf16 / f16 storage conversions; [`Tensor`]: small owned tensor.
+//! - [`peak`]: the measured f32 FMA ceiling of this machine's cores, for utilisation figures.
 
 pub mod activation;
 pub mod attention;
@@ -34,6 +35,7 @@ pub mod embedding;
 pub mod error;
 pub mod gemm;
 pub mod norm;
+pub mod peak;
 pub mod rope;
 #[cfg(target_arch = "x86_64")]
 pub mod sgemm;

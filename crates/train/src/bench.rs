@@ -19,7 +19,12 @@ pub struct BenchReport {
     pub flops_per_token: f64,
     pub achieved_gflops: f64,
     pub gemm_peak_gflops: f64,
+    /// Achieved FLOP/s over [`Self::gemm_peak_gflops`].
     pub mfu: f64,
+    /// The cores' f32 FMA ceiling ([`tensor::peak`]: a register-only FMA loop on `threads`
+    /// threads, best of one sample per timed step), `None` without vector FMA. The usual MFU
+    /// denominator (hardware peak), measured because a VM does not tell its clock.
+    pub fma_peak_gflops: Option<f64>,
     pub accounted_bytes: u64,
     pub peak_rss_bytes: Option<u64>,
     /// Seconds per step in each model kernel class, and the rest ("other": optimizer,
@@ -76,6 +81,15 @@ impl std::fmt::Display for BenchReport {
             self.gemm_peak_gflops,
             100.0 * self.mfu
         )?;
+        if let Some(p) = self.fma_peak_gflops {
+            writeln!(
+                f,
+                "f32 FMA peak of {} thread(s) (register-only loop) {:.1} GFLOP/s: the step runs at {:.1}% of it",
+                self.threads,
+                p,
+                100.0 * self.achieved_gflops / p
+            )?;
+        }
         let parts: Vec<String> = self
             .profile
             .iter()
@@ -114,10 +128,14 @@ pub fn bench_train(preset: &str, mut cfg: RunConfig, steps: usize) -> Result<Ben
     // The MFU denominator is sampled before every timed step and the best kept: on a shared
     // machine a single sample can land in a slow moment and put the MFU above 100 %.
     let mut peak = 0.0f64;
+    let mut fma_peak: Option<f64> = None;
     let ticks0 = cpu_ticks();
     let mut times: Vec<f64> = (0..steps.max(1))
         .map(|_| {
             peak = peak.max(gemm_peak_flops());
+            if let Some(p) = tensor::peak::fma_peak_flops(threads) {
+                fma_peak = Some(fma_peak.map_or(p, |q| q.max(p)));
+            }
             let s = Instant::now();
             t.train_step().map(|_| s.elapsed().as_secs_f64())
         })
@@ -149,6 +167,7 @@ pub fn bench_train(preset: &str, mut cfg: RunConfig, steps: usize) -> Result<Ben
         achieved_gflops: tps * fpt / 1e9,
         gemm_peak_gflops: peak / 1e9,
         mfu: tps * fpt / peak,
+        fma_peak_gflops: fma_peak.map(|p| p / 1e9),
         accounted_bytes: t.memory().total(),
         peak_rss_bytes: peak_rss_bytes(),
         profile,
