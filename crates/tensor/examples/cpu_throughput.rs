@@ -3,13 +3,21 @@
 //! `XTRAIN_THREADS` (use 1) and divides useful FLOPs by the process CPU time (user + system,
 //! from `getrusage`), which other processes do not inflate.
 //!
-//! `XTRAIN_THREADS=1 cargo run --release -p tensor --example cpu_throughput [gemm [n] | shape m k n ta tb | shapes | attention [q_tile k_tile] | swiglu | head | norm | rope]`
+//! `XTRAIN_THREADS=1 cargo run --release -p tensor --example cpu_throughput [gemm [n] | shape m k n ta tb | shapes | schedule|fold [m k n ta tb] | peak | attention [q_tile k_tile] | swiglu | head | norm | rope]`
 //!
 //! `gemm` and `shapes` compare the two matrix-product backends (own SGEMM, `gemm` crate) in
 //! alternating rounds, so both see the same machine load; each line gives the median over the
 //! rounds. `shapes` runs the products of one training step of the small and medium presets
 //! (2048 tokens), in the three forms of a linear layer, then the fused LM head's 128-row
 //! chunk products.
+//!
+//! `schedule` and `fold` alternate one switch of the own kernel (static/dynamic thread
+//! schedule; separate/folded broadcasts) on a shape, or on 2048³ and the medium preset's
+//! products, and print the medians and the per-round ratio.
+//!
+//! `gemm`, `shape(s)` and `attention` also measure the cores' f32 FMA ceiling
+//! ([`tensor::peak`]) in every round and print the kernel's rate as a share of it; `peak`
+//! prints that ceiling alone for 1..=`XTRAIN_THREADS` threads.
 //!
 //! `attention` alternates five rounds of the 2048³ GEMM (own kernel) with the attention forward
 //! and backward (batch 8, 8 heads, head dim 32, seq 256, causal; `XTRAIN_ATTN_BATCH` changes
@@ -69,6 +77,7 @@ fn ab_gemm(threads: usize, [m, k, n]: [usize; 3], [ta, tb]: [bool; 2], rounds: u
     let reps = ((4e9 / flops) as usize).clamp(1, 200);
     let backends = [Backend::Own, Backend::Crate, Backend::Amx];
     let mut res = [[vec![], vec![]], [vec![], vec![]], [vec![], vec![]]];
+    let (mut peaks, mut own_of_peak) = (vec![], vec![]);
     for _ in 0..rounds {
         for (bi, &be) in backends.iter().enumerate() {
             let (cpu, wall) = measure(flops, reps, || {
@@ -78,27 +87,80 @@ fn ab_gemm(threads: usize, [m, k, n]: [usize; 3], [ta, tb]: [bool; 2], rounds: u
             res[bi][0].push(cpu);
             res[bi][1].push(wall);
         }
+        if let Some(p) = fma_peak_gflops(threads) {
+            own_of_peak.push(res[0][1].last().unwrap() / p);
+            peaks.push(p);
+        }
     }
     let [own, krate, amx] = res.map(|[mut cpu, mut wall]| (median(&mut cpu), median(&mut wall)));
     println!(
-        "gemm m={m} k={k} n={n} ta={} tb={}: own {:.1} GFLOP/cpu-s {:.1} GFLOP/s wall | gemm crate {:.1} / {:.1} | amx {:.1} / {:.1} | own/crate wall {:.2} amx/own {:.2}",
-        ta as u8, tb as u8, own.0, own.1, krate.0, krate.1, amx.0, amx.1, own.1 / krate.1, amx.1 / own.1
+        "gemm m={m} k={k} n={n} ta={} tb={}: own {:.1} GFLOP/cpu-s {:.1} GFLOP/s wall | gemm crate {:.1} / {:.1} | amx {:.1} / {:.1} | own/crate wall {:.2} amx/own {:.2}{}",
+        ta as u8, tb as u8, own.0, own.1, krate.0, krate.1, amx.0, amx.1, own.1 / krate.1, amx.1 / own.1,
+        of_peak(&mut peaks, &mut own_of_peak, "own")
     );
 }
 
-/// Alternating rounds of the own kernel's two thread schedules (static slabs, dynamic
-/// panels) on one product shape; prints the medians (GFLOP/s wall) and of the per-round
-/// ratios dynamic/static.
-fn ab_schedule(threads: usize, [m, k, n]: [usize; 3], [ta, tb]: [bool; 2], rounds: usize) {
+/// The register-only FMA ceiling of `threads` cores right now ([`tensor::peak`]), GFLOP/s.
+fn fma_peak_gflops(threads: usize) -> Option<f64> {
+    tensor::peak::fma_peak_flops(threads).map(|p| p / 1e9)
+}
+
+/// `" | FMA peak P GFLOP/s, <what> at R% of it"` from per-round peaks and ratios (medians),
+/// or nothing where the peak is not measurable.
+fn of_peak(peaks: &mut [f64], ratios: &mut [f64], what: &str) -> String {
+    if peaks.is_empty() {
+        return String::new();
+    }
+    format!(
+        " | FMA peak {:.1} GFLOP/s, {what} at {:.0}% of it",
+        median(peaks),
+        100.0 * median(ratios)
+    )
+}
+
+/// A switch of the own kernel with its two settings' names, for [`ab_switch`].
+struct Switch {
+    name: &'static str,
+    off: &'static str,
+    on: &'static str,
+    set: fn(bool),
+}
+
+/// The thread schedule: static slabs or dynamic panels.
+const SCHEDULE: Switch = Switch {
+    name: "schedule",
+    off: "static",
+    on: "dynamic",
+    set: tensor::sgemm::set_dynamic_schedule,
+};
+
+/// The `kc` loop: separate broadcasts (row-major `A` read in place) or folded (`A` packed).
+const FOLD: Switch = Switch {
+    name: "fold",
+    off: "separate",
+    on: "folded",
+    set: tensor::sgemm::set_folded_broadcasts,
+};
+
+/// Alternating rounds of the own kernel with a switch off and on, on one product shape;
+/// prints the medians (GFLOP/s wall) and the median, min and max of the per-round ratios
+/// on/off. Leaves the switch on (the default).
+fn ab_switch(
+    sw: &Switch,
+    threads: usize,
+    [m, k, n]: [usize; 3],
+    [ta, tb]: [bool; 2],
+    rounds: usize,
+) {
     let (a, b) = (data(m * k), data(k * n));
     let mut c = vec![0.0; m * n];
     let flops = 2.0 * (m * n * k) as f64;
     let reps = ((4e9 / flops) as usize).clamp(1, 200);
-    let (mut stat, mut dynm, mut ratio) = (vec![], vec![], vec![]);
+    let (mut off, mut on, mut ratio) = (vec![], vec![], vec![]);
     for _ in 0..rounds {
         let mut wall = [0.0; 2];
-        for (i, on) in [false, true].into_iter().enumerate() {
-            tensor::sgemm::set_dynamic_schedule(on);
+        for (i, setting) in [false, true].into_iter().enumerate() {
+            (sw.set)(setting);
             wall[i] = measure(flops, reps, || {
                 matmul_using(
                     Backend::Own,
@@ -118,20 +180,23 @@ fn ab_schedule(threads: usize, [m, k, n]: [usize; 3], [ta, tb]: [bool; 2], round
             })
             .1;
         }
-        stat.push(wall[0]);
-        dynm.push(wall[1]);
+        off.push(wall[0]);
+        on.push(wall[1]);
         ratio.push(wall[1] / wall[0]);
     }
-    tensor::sgemm::set_dynamic_schedule(true);
+    (sw.set)(true);
+    let (ratio_med, [lo, hi]) = (median(&mut ratio), [ratio[0], ratio[ratio.len() - 1]]);
     println!(
-        "schedule m={m} k={k} n={n} ta={} tb={}: static {:.1} GFLOP/s dynamic {:.1} | dynamic/static per round: median {:.3} min {:.3} max {:.3}",
+        "{} m={m} k={k} n={n} ta={} tb={}: {} {:.1} GFLOP/s {} {:.1} | {}/{} per round: median {ratio_med:.3} min {lo:.3} max {hi:.3}",
+        sw.name,
         ta as u8,
         tb as u8,
-        median(&mut stat),
-        median(&mut dynm),
-        median(&mut ratio),
-        ratio[0],
-        ratio[ratio.len() - 1]
+        sw.off,
+        median(&mut off),
+        sw.on,
+        median(&mut on),
+        sw.on,
+        sw.off,
     );
 }
 
@@ -166,24 +231,35 @@ fn main() {
             7,
         );
     }
-    if only == "schedule" {
-        // The own kernel's static vs dynamic split: `schedule m k n ta tb`, or without a shape
-        // the 2048³ product and the medium preset's linear layers (y, dW forms).
+    let switch = match only.as_str() {
+        "schedule" => Some(SCHEDULE),
+        "fold" => Some(FOLD),
+        _ => None,
+    };
+    if let Some(sw) = switch {
+        // A/B of one of the own kernel's switches: `schedule|fold m k n ta tb`, or without a
+        // shape the 2048³ product and the medium preset's linear layers (y, dx, dW forms).
         let rounds = 9;
         if arg(2, 0) > 0 {
             let shape = [arg(2, 2048), arg(3, 256), arg(4, 256)];
-            ab_schedule(threads, shape, [arg(5, 0) == 1, arg(6, 0) == 1], rounds);
+            ab_switch(
+                &sw,
+                threads,
+                shape,
+                [arg(5, 0) == 1, arg(6, 0) == 1],
+                rounds,
+            );
         } else {
-            ab_schedule(threads, [2048, 2048, 2048], [false, false], rounds);
+            ab_switch(&sw, threads, [2048, 2048, 2048], [false, false], rounds);
             for (t, din, dout) in [
                 (2048, 512, 512),
                 (2048, 512, 1376),
                 (2048, 1376, 512),
                 (2048, 512, 256),
             ] {
-                ab_schedule(threads, [t, din, dout], [false, true], rounds);
-                ab_schedule(threads, [t, dout, din], [false, false], rounds);
-                ab_schedule(threads, [dout, t, din], [true, false], rounds);
+                ab_switch(&sw, threads, [t, din, dout], [false, true], rounds);
+                ab_switch(&sw, threads, [t, dout, din], [false, false], rounds);
+                ab_switch(&sw, threads, [dout, t, din], [true, false], rounds);
             }
         }
     }
@@ -206,6 +282,14 @@ fn main() {
             ab_gemm(threads, [r, dim, vocab], [false, true], 7); // z = x·Wᵀ
             ab_gemm(threads, [r, vocab, dim], [false, false], 7); // dx = dz·W
             ab_gemm(threads, [vocab, r, dim], [true, false], 7); // dW += dzᵀ·x
+        }
+    }
+    if only.is_empty() || only == "peak" {
+        // The hardware ceiling of the figures above and below: a register-only FMA loop.
+        for t in 1..=threads {
+            if let Some(p) = tensor::peak::fma_peak_flops(t) {
+                println!("f32 FMA peak, {t} thread(s): {:.1} GFLOP/s", p / 1e9);
+            }
         }
     }
     if only.is_empty() || only == "attention" {
@@ -237,6 +321,7 @@ fn main() {
         println!("tiles {t:?}");
         let (ff, fb) = s.flops();
         let mut res: [Vec<f64>; 5] = Default::default();
+        let (mut peaks, mut attn_of_peak) = (vec![], vec![]);
         for _ in 0..5 {
             let (_, g) = measure(2.0 * (n * n * n) as f64, 2, || {
                 matmul_using(
@@ -267,10 +352,16 @@ fn main() {
             for (r, x) in res.iter_mut().zip([g, f, bw, g / f, g / bw]) {
                 r.push(x);
             }
+            if let Some(p) = fma_peak_gflops(threads) {
+                // fwd + bwd together: total flops over total time.
+                attn_of_peak.push((ff + fb) / (ff / f + fb / bw) / p);
+                peaks.push(p);
+            }
         }
         let [g, f, bw, rf, rb] = res.map(|mut r| median(&mut r));
         println!(
-            "attention b{batch} h8 d32 s256 causal, medians of 5 rounds, GFLOP/s wall: fwd {f:.1}, bwd {bw:.1}; gemm 2048³ {g:.1}; gemm/attention per round: fwd {rf:.2}×, bwd {rb:.2}×"
+            "attention b{batch} h8 d32 s256 causal, medians of 5 rounds, GFLOP/s wall: fwd {f:.1}, bwd {bw:.1}; gemm 2048³ {g:.1}; gemm/attention per round: fwd {rf:.2}×, bwd {rb:.2}×{}",
+            of_peak(&mut peaks, &mut attn_of_peak, "fwd+bwd")
         );
     }
     if only.is_empty() || only == "swiglu" {

@@ -111,9 +111,14 @@ pub(super) unsafe fn gemm(
 /// `n` or its `MR × kc` rows are small (`kc ≤ 256`: 14 KiB beside the streaming `B` panels in
 /// L1), unless its row stride is a multiple of 4 KiB: then all `MR` rows map to one L1 set (12
 /// ways) and evict each other. Measured: in place +2–6 % at `n ≤ 688`, −3–5 % for `kc = 512`
-/// with several `B` blocks, −8 % with a 8 KiB row stride.
+/// with several `B` blocks, −8 % with a 8 KiB row stride. Never with folded broadcasts (see
+/// [`kernel`]): only a packed panel can fold them.
 pub(super) fn reads_a_in_place(a: MatRef, one_b_block: bool, kc_max: usize) -> bool {
-    a.cs == 1 && a.rs > 0 && (a.rs * 4) % 4096 != 0 && (one_b_block || kc_max <= 256)
+    !kernel::folded_broadcasts()
+        && a.cs == 1
+        && a.rs > 0
+        && (a.rs * 4) % 4096 != 0
+        && (one_b_block || kc_max <= 256)
 }
 
 /// One row panel of `C` (`rows ≤ MR` rows from `c`, `nc` columns): every micro-tile of the

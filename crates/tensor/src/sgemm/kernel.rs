@@ -2,23 +2,36 @@
 //! `A` (a packed micro-panel, or a row-major `A` read in place) and a packed `B` micro-panel.
 //!
 //! Register blocking: the tile lives in 28 zmm accumulators (14 rows × 2 vectors of 16
-//! columns). Each step `p` of the `kc` loop loads the two `B` vectors `B(p, 0..32)` once and,
-//! for each of the 14 rows, broadcasts `A(i, p)` and issues two FMAs, so 28 FMAs need 2 vector
-//! loads + 14 broadcast loads and no shuffles. 28 independent accumulator chains cover the
-//! FMA latency (4 cycles × 2 ports = 8 chains needed). With 2 FMA ports the loop runs at
-//! 14 cycles per `p`; the load ports (2–3 per cycle) have room to spare.
+//! columns). Each step `p` of the `kc` loop loads the two `B` vectors `B(p, 0..32)` once and
+//! issues two FMAs per row with `A(i, p)` broadcast, so 28 FMAs per step and no shuffles.
+//! 28 independent accumulator chains cover the FMA latency (4 cycles × 2 ports = 8 chains
+//! needed). With 2 FMA ports the loop runs at 14 cycles per `p`.
 //!
-//! The `kc` loop is inline assembly ([`k_loop`]): with intrinsics LLVM produced the same
-//! instructions for a packed panel (and ran at the FMA peak in isolation, 134–135 GFLOP/s with
-//! operands in L1/L2), but for `A` read in place it rebuilt the 14 row addresses with ~12
-//! integer adds per step; the assembly addresses them from 3 group pointers (4 adds per step),
-//! which made reading `A` in place pay off (+2–6 % at the training shapes).
+//! Two `kc` loops, both inline assembly:
+//! - [`k_loop_folded`] (packed `A`, the default): the broadcast rides in each FMA's memory
+//!   operand (`vfmadd231ps zmm, zmm, m32{1to16}`, address = panel pointer + constant), so a
+//!   step is 2 loads + 28 fused load-FMAs + 3 loop µops = 33 µops through the front end. Per
+//!   core that is 2.4 µops per cycle at the FMA peak.
+//! - [`k_loop`] (either layout): one `vbroadcastss` per row shared by its two FMAs, rows
+//!   addressed from three group pointers plus multiples of `lda`: 2 + 14 + 28 + 6 = 50 µops
+//!   per step, 3.6 per cycle. An indexed memory operand cannot ride in an FMA as one µop on
+//!   Intel cores, which is why a row-major `A` read in place needs this loop.
+//!
+//! On a machine whose core shares its front end with a busy hyper-thread sibling (another
+//! guest of the VM host) about 3 µops per cycle are left, and the 50-µop loop ran at 78 %
+//! of the cores' register-only FMA rate ([`crate::peak`]) where the folded one ran at
+//! 80–85 % (docs/PERFORMANCE.md, "Session 9"); reading `A` in place (no packing) no longer
+//! pays for its longer loop then, so with folded broadcasts every `A` is packed. With an idle
+//! sibling both loops ran at the FMA peak (134–135 GFLOP/s in isolation, session 2).
+//! `XTRAIN_SGEMM_FOLD=0` or [`set_folded_broadcasts`] restores the session-8 kernel (separate
+//! broadcasts, `A` read in place where it qualifies) for A/B runs.
 //!
 //! Edges: rows beyond `rows` are computed on zero padding and not stored; columns beyond
 //! `cols` are excluded by the store masks, so the kernel never touches `C` outside the tile.
 
 use super::blocking::{MR, NR};
 use std::arch::x86_64::*;
+use std::sync::atomic::{AtomicU8, Ordering};
 
 /// `C[rows × cols] (+)= A · B̂` for `A(i, p) = a[i·lda + p·step]` (`i < MR`, `p < kc`: a packed
 /// micro-panel has `lda = 1, step = MR`, a row-major `A` read in place `step = 1`) and a packed
@@ -50,7 +63,11 @@ pub(super) unsafe fn tile(
         _mm_prefetch::<_MM_HINT_T1>(c.add(i * ldc) as *const i8);
         _mm_prefetch::<_MM_HINT_T1>(c.add(i * ldc + NR - 1) as *const i8);
     }
-    k_loop(kc, a, lda, step, b, &mut acc);
+    if lda == 1 && step == MR && folded_broadcasts() {
+        k_loop_folded(kc, a, b, &mut acc);
+    } else {
+        k_loop(kc, a, lda, step, b, &mut acc);
+    }
     let m0: __mmask16 = lane_mask(cols.min(16));
     let m1: __mmask16 = lane_mask(cols.saturating_sub(16));
     // All loads of C before any store: a load issued after a store to an address with the
@@ -184,6 +201,112 @@ unsafe fn k_loop(
         out("zmm31") _,
         options(readonly, nostack),
     );
+}
+
+/// The `kc` loop for a packed `A` micro-panel (`lda = 1`, `step = MR`) with the broadcasts
+/// folded into the FMAs (`vfmadd231ps zmm, zmm, m32{1to16}`): 2 loads + 28 fused
+/// load-FMAs per step instead of 2 loads + 14 broadcasts + 28 FMAs. The same FMAs in the
+/// same order as [`k_loop`], so the same bits.
+///
+/// # Safety
+/// As [`k_loop`] with a packed `A` panel.
+#[target_feature(enable = "avx512f")]
+unsafe fn k_loop_folded(kc: usize, a: *const f32, b: *const f32, acc: &mut [[__m512; 2]; MR]) {
+    std::arch::asm!(
+        "2:",
+        "vmovaps zmm28, [{b}]",
+        "vmovaps zmm29, [{b} + 64]",
+        "vfmadd231ps zmm0, zmm28, dword ptr [{a} + 0]{{1to16}}",
+        "vfmadd231ps zmm1, zmm29, dword ptr [{a} + 0]{{1to16}}",
+        "vfmadd231ps zmm2, zmm28, dword ptr [{a} + 4]{{1to16}}",
+        "vfmadd231ps zmm3, zmm29, dword ptr [{a} + 4]{{1to16}}",
+        "vfmadd231ps zmm4, zmm28, dword ptr [{a} + 8]{{1to16}}",
+        "vfmadd231ps zmm5, zmm29, dword ptr [{a} + 8]{{1to16}}",
+        "vfmadd231ps zmm6, zmm28, dword ptr [{a} + 12]{{1to16}}",
+        "vfmadd231ps zmm7, zmm29, dword ptr [{a} + 12]{{1to16}}",
+        "vfmadd231ps zmm8, zmm28, dword ptr [{a} + 16]{{1to16}}",
+        "vfmadd231ps zmm9, zmm29, dword ptr [{a} + 16]{{1to16}}",
+        "vfmadd231ps zmm10, zmm28, dword ptr [{a} + 20]{{1to16}}",
+        "vfmadd231ps zmm11, zmm29, dword ptr [{a} + 20]{{1to16}}",
+        "vfmadd231ps zmm12, zmm28, dword ptr [{a} + 24]{{1to16}}",
+        "vfmadd231ps zmm13, zmm29, dword ptr [{a} + 24]{{1to16}}",
+        "vfmadd231ps zmm14, zmm28, dword ptr [{a} + 28]{{1to16}}",
+        "vfmadd231ps zmm15, zmm29, dword ptr [{a} + 28]{{1to16}}",
+        "vfmadd231ps zmm16, zmm28, dword ptr [{a} + 32]{{1to16}}",
+        "vfmadd231ps zmm17, zmm29, dword ptr [{a} + 32]{{1to16}}",
+        "vfmadd231ps zmm18, zmm28, dword ptr [{a} + 36]{{1to16}}",
+        "vfmadd231ps zmm19, zmm29, dword ptr [{a} + 36]{{1to16}}",
+        "vfmadd231ps zmm20, zmm28, dword ptr [{a} + 40]{{1to16}}",
+        "vfmadd231ps zmm21, zmm29, dword ptr [{a} + 40]{{1to16}}",
+        "vfmadd231ps zmm22, zmm28, dword ptr [{a} + 44]{{1to16}}",
+        "vfmadd231ps zmm23, zmm29, dword ptr [{a} + 44]{{1to16}}",
+        "vfmadd231ps zmm24, zmm28, dword ptr [{a} + 48]{{1to16}}",
+        "vfmadd231ps zmm25, zmm29, dword ptr [{a} + 48]{{1to16}}",
+        "vfmadd231ps zmm26, zmm28, dword ptr [{a} + 52]{{1to16}}",
+        "vfmadd231ps zmm27, zmm29, dword ptr [{a} + 52]{{1to16}}",
+        "add {a}, 56",
+        "add {b}, 128",
+        "dec {k}",
+        "jnz 2b",
+        a = inout(reg) a => _,
+        b = inout(reg) b => _,
+        k = inout(reg) kc => _,
+        inout("zmm0") acc[0][0],
+        inout("zmm1") acc[0][1],
+        inout("zmm2") acc[1][0],
+        inout("zmm3") acc[1][1],
+        inout("zmm4") acc[2][0],
+        inout("zmm5") acc[2][1],
+        inout("zmm6") acc[3][0],
+        inout("zmm7") acc[3][1],
+        inout("zmm8") acc[4][0],
+        inout("zmm9") acc[4][1],
+        inout("zmm10") acc[5][0],
+        inout("zmm11") acc[5][1],
+        inout("zmm12") acc[6][0],
+        inout("zmm13") acc[6][1],
+        inout("zmm14") acc[7][0],
+        inout("zmm15") acc[7][1],
+        inout("zmm16") acc[8][0],
+        inout("zmm17") acc[8][1],
+        inout("zmm18") acc[9][0],
+        inout("zmm19") acc[9][1],
+        inout("zmm20") acc[10][0],
+        inout("zmm21") acc[10][1],
+        inout("zmm22") acc[11][0],
+        inout("zmm23") acc[11][1],
+        inout("zmm24") acc[12][0],
+        inout("zmm25") acc[12][1],
+        inout("zmm26") acc[13][0],
+        inout("zmm27") acc[13][1],
+        out("zmm28") _,
+        out("zmm29") _,
+        options(readonly, nostack),
+    );
+}
+
+/// Whether packed panels use [`k_loop_folded`]: 0 = not chosen yet (read
+/// `XTRAIN_SGEMM_FOLD`), 1 = no, 2 = yes.
+static FOLD: AtomicU8 = AtomicU8::new(0);
+
+/// Chooses folded broadcasts with every `A` packed (the default), or the session-8 kernel
+/// (separate broadcasts, row-major `A` read in place where it qualifies), for later products
+/// of this process; for A/B measurements (`XTRAIN_SGEMM_FOLD=0` does the same). Both give
+/// the same bits.
+pub fn set_folded_broadcasts(on: bool) {
+    FOLD.store(if on { 2 } else { 1 }, Ordering::Relaxed);
+}
+
+/// See [`set_folded_broadcasts`].
+pub(super) fn folded_broadcasts() -> bool {
+    match FOLD.load(Ordering::Relaxed) {
+        0 => {
+            let on = std::env::var("XTRAIN_SGEMM_FOLD").as_deref() != Ok("0");
+            set_folded_broadcasts(on);
+            on
+        }
+        s => s == 2,
+    }
 }
 
 /// The mask selecting the first `n ≤ 16` lanes.

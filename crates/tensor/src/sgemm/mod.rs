@@ -20,6 +20,7 @@ mod dynamic;
 mod kernel;
 mod pack;
 mod parallel;
+pub use kernel::set_folded_broadcasts;
 pub use parallel::{set_dynamic_schedule, splits_dynamically};
 mod scratch;
 #[cfg(test)]
