@@ -26,12 +26,12 @@ const STEPS: usize = 1 << 20;
 /// Timed runs; the best one counts (the first ones also bring the cores to their vector clock).
 const RUNS: usize = 5;
 
-/// Measured f32 FMA peak of `threads` threads running at once, in flop/s, or `None` where this
-/// build has no vector FMA loop for the CPU (then there is no meaningful ceiling to report).
+/// Measured f32 FMA peak of `threads` threads running at once, in flop/s, or `None` without
+/// AVX-512.
 pub fn fma_peak_flops(threads: usize) -> Option<f64> {
     let threads = threads.max(1);
     let lanes = vector_lanes()?;
-    let flops_per_thread = (chains(lanes) * STEPS * lanes * 2) as f64;
+    let flops_per_thread = (CHAINS * STEPS * lanes * 2) as f64;
     let mut best = f64::MAX;
     for _ in 0..RUNS {
         // Each worker times its own loop (a timer on the spawning thread would also count
@@ -62,46 +62,23 @@ pub fn fma_peak_flops(threads: usize) -> Option<f64> {
     Some(threads as f64 * flops_per_thread / best.max(1e-9))
 }
 
-/// Accumulator chains of the loop with `lanes`-wide vectors.
-fn chains(lanes: usize) -> usize {
-    #[cfg(target_arch = "x86_64")]
-    if lanes == 8 {
-        return x86::AVX2_CHAINS;
-    }
-    let _ = lanes;
-    CHAINS
-}
-
-/// f32 lanes of the widest FMA loop this CPU runs, or `None` without vector FMA.
+/// f32 lanes of the FMA loop on this CPU (AVX-512, like the own SGEMM), or `None`.
 fn vector_lanes() -> Option<usize> {
     #[cfg(target_arch = "x86_64")]
-    {
-        if std::arch::is_x86_feature_detected!("avx512f") {
-            return Some(16);
-        }
-        if std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma")
-        {
-            return Some(8);
-        }
+    if std::arch::is_x86_feature_detected!("avx512f") {
+        return Some(16);
     }
     None
 }
 
 /// Runs `steps` FMA steps on every chain from `acc = 0` with `acc = acc·x + y` and returns the
 /// sum of all lanes of all chains (so the work cannot be skipped, and tests can check it ran).
-/// Returns 0 without vector FMA.
+/// Returns 0 without AVX-512.
 fn fma_chains(steps: usize, x: f32, y: f32) -> f32 {
     #[cfg(target_arch = "x86_64")]
-    {
-        if std::arch::is_x86_feature_detected!("avx512f") {
-            // SAFETY: AVX-512F checked just above.
-            return unsafe { x86::chains_avx512(steps, x, y) };
-        }
-        if std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma")
-        {
-            // SAFETY: AVX2 and FMA checked just above.
-            return unsafe { x86::chains_avx2(steps, x, y) };
-        }
+    if std::arch::is_x86_feature_detected!("avx512f") {
+        // SAFETY: AVX-512F checked just above.
+        return unsafe { x86::chains_avx512(steps, x, y) };
     }
     let _ = (steps, x, y);
     0.0
@@ -181,64 +158,6 @@ mod x86 {
         }
         acc.iter().map(|&a| _mm512_reduce_add_ps(a)).sum()
     }
-
-    /// As [`chains_avx512`] on 256-bit registers (16 of them: 14 chains, `x`, `y`).
-    ///
-    /// # Safety
-    /// AVX2 and FMA must be available.
-    #[target_feature(enable = "avx2,fma")]
-    pub(super) unsafe fn chains_avx2(steps: usize, x: f32, y: f32) -> f32 {
-        let mut acc = [_mm256_setzero_ps(); AVX2_CHAINS];
-        if steps > 0 {
-            std::arch::asm!(
-                "2:",
-                "vfmadd213ps ymm0, ymm14, ymm15",
-                "vfmadd213ps ymm1, ymm14, ymm15",
-                "vfmadd213ps ymm2, ymm14, ymm15",
-                "vfmadd213ps ymm3, ymm14, ymm15",
-                "vfmadd213ps ymm4, ymm14, ymm15",
-                "vfmadd213ps ymm5, ymm14, ymm15",
-                "vfmadd213ps ymm6, ymm14, ymm15",
-                "vfmadd213ps ymm7, ymm14, ymm15",
-                "vfmadd213ps ymm8, ymm14, ymm15",
-                "vfmadd213ps ymm9, ymm14, ymm15",
-                "vfmadd213ps ymm10, ymm14, ymm15",
-                "vfmadd213ps ymm11, ymm14, ymm15",
-                "vfmadd213ps ymm12, ymm14, ymm15",
-                "vfmadd213ps ymm13, ymm14, ymm15",
-                "dec {n}",
-                "jnz 2b",
-                n = inout(reg) steps => _,
-                in("ymm14") _mm256_set1_ps(x),
-                in("ymm15") _mm256_set1_ps(y),
-            inout("ymm0") acc[0],
-            inout("ymm1") acc[1],
-            inout("ymm2") acc[2],
-            inout("ymm3") acc[3],
-            inout("ymm4") acc[4],
-            inout("ymm5") acc[5],
-            inout("ymm6") acc[6],
-            inout("ymm7") acc[7],
-            inout("ymm8") acc[8],
-            inout("ymm9") acc[9],
-            inout("ymm10") acc[10],
-            inout("ymm11") acc[11],
-            inout("ymm12") acc[12],
-            inout("ymm13") acc[13],
-                options(nomem, nostack),
-            );
-        }
-        let mut lanes = [0.0f32; 8];
-        acc.iter()
-            .map(|&a| {
-                _mm256_storeu_ps(lanes.as_mut_ptr(), a);
-                lanes.iter().sum::<f32>()
-            })
-            .sum()
-    }
-
-    /// Chains of the 256-bit loop (16 registers hold 14 chains, `x` and `y`).
-    pub(super) const AVX2_CHAINS: usize = 14;
 }
 
 #[cfg(test)]
@@ -252,9 +171,9 @@ mod tests {
         let Some(lanes) = vector_lanes() else { return };
         let steps = 1000;
         let sum = fma_chains(steps, 1.0, 1.0);
-        assert_eq!(sum, (steps * chains(lanes) * lanes) as f32);
+        assert_eq!(sum, (steps * CHAINS * lanes) as f32);
         // And it multiplies: acc = acc·2 + 1 after 3 steps is 7 in every lane.
-        assert_eq!(fma_chains(3, 2.0, 1.0), (7 * chains(lanes) * lanes) as f32);
+        assert_eq!(fma_chains(3, 2.0, 1.0), (7 * CHAINS * lanes) as f32);
     }
 
     #[test]

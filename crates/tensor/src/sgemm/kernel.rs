@@ -87,6 +87,50 @@ pub(super) unsafe fn tile(
     }
 }
 
+/// `asm!` with the tile's 28 accumulators bound to `zmm0`–`zmm27` (`acc[i][v]` in
+/// `zmm(2i + v)`) and `zmm28`–`zmm31` free for the loop's own values; the loop reads memory
+/// and writes none.
+macro_rules! tile_asm {
+    ($acc:ident, $($body:tt)*) => {
+        std::arch::asm!(
+            $($body)*
+            inout("zmm0") $acc[0][0],
+            inout("zmm1") $acc[0][1],
+            inout("zmm2") $acc[1][0],
+            inout("zmm3") $acc[1][1],
+            inout("zmm4") $acc[2][0],
+            inout("zmm5") $acc[2][1],
+            inout("zmm6") $acc[3][0],
+            inout("zmm7") $acc[3][1],
+            inout("zmm8") $acc[4][0],
+            inout("zmm9") $acc[4][1],
+            inout("zmm10") $acc[5][0],
+            inout("zmm11") $acc[5][1],
+            inout("zmm12") $acc[6][0],
+            inout("zmm13") $acc[6][1],
+            inout("zmm14") $acc[7][0],
+            inout("zmm15") $acc[7][1],
+            inout("zmm16") $acc[8][0],
+            inout("zmm17") $acc[8][1],
+            inout("zmm18") $acc[9][0],
+            inout("zmm19") $acc[9][1],
+            inout("zmm20") $acc[10][0],
+            inout("zmm21") $acc[10][1],
+            inout("zmm22") $acc[11][0],
+            inout("zmm23") $acc[11][1],
+            inout("zmm24") $acc[12][0],
+            inout("zmm25") $acc[12][1],
+            inout("zmm26") $acc[13][0],
+            inout("zmm27") $acc[13][1],
+            out("zmm28") _,
+            out("zmm29") _,
+            out("zmm30") _,
+            out("zmm31") _,
+            options(readonly, nostack),
+        )
+    };
+}
+
 /// The `kc` loop of the tile in hand-scheduled assembly: `acc[i] += A(i, p) · B̂(p, ·)` where
 /// `A(i, p) = a[i·lda + p·step]`, so one loop serves a packed panel (`lda = 1`, `step = MR`) and
 /// a row-major `A` read in place (`lda` = its row stride, `step = 1`). Rows are addressed from
@@ -107,7 +151,8 @@ unsafe fn k_loop(
 ) {
     debug_assert!(kc >= 1);
     let l = lda * 4;
-    std::arch::asm!(
+    tile_asm!(
+        acc,
         "2:",
         "vmovaps zmm28, [{b}]",
         "vmovaps zmm29, [{b} + 64]",
@@ -167,39 +212,6 @@ unsafe fn k_loop(
         st = in(reg) step * 4,
         b = inout(reg) b => _,
         k = inout(reg) kc => _,
-        inout("zmm0") acc[0][0],
-        inout("zmm1") acc[0][1],
-        inout("zmm2") acc[1][0],
-        inout("zmm3") acc[1][1],
-        inout("zmm4") acc[2][0],
-        inout("zmm5") acc[2][1],
-        inout("zmm6") acc[3][0],
-        inout("zmm7") acc[3][1],
-        inout("zmm8") acc[4][0],
-        inout("zmm9") acc[4][1],
-        inout("zmm10") acc[5][0],
-        inout("zmm11") acc[5][1],
-        inout("zmm12") acc[6][0],
-        inout("zmm13") acc[6][1],
-        inout("zmm14") acc[7][0],
-        inout("zmm15") acc[7][1],
-        inout("zmm16") acc[8][0],
-        inout("zmm17") acc[8][1],
-        inout("zmm18") acc[9][0],
-        inout("zmm19") acc[9][1],
-        inout("zmm20") acc[10][0],
-        inout("zmm21") acc[10][1],
-        inout("zmm22") acc[11][0],
-        inout("zmm23") acc[11][1],
-        inout("zmm24") acc[12][0],
-        inout("zmm25") acc[12][1],
-        inout("zmm26") acc[13][0],
-        inout("zmm27") acc[13][1],
-        out("zmm28") _,
-        out("zmm29") _,
-        out("zmm30") _,
-        out("zmm31") _,
-        options(readonly, nostack),
     );
 }
 
@@ -212,7 +224,8 @@ unsafe fn k_loop(
 /// As [`k_loop`] with a packed `A` panel.
 #[target_feature(enable = "avx512f")]
 unsafe fn k_loop_folded(kc: usize, a: *const f32, b: *const f32, acc: &mut [[__m512; 2]; MR]) {
-    std::arch::asm!(
+    tile_asm!(
+        acc,
         "2:",
         "vmovaps zmm28, [{b}]",
         "vmovaps zmm29, [{b} + 64]",
@@ -251,37 +264,6 @@ unsafe fn k_loop_folded(kc: usize, a: *const f32, b: *const f32, acc: &mut [[__m
         a = inout(reg) a => _,
         b = inout(reg) b => _,
         k = inout(reg) kc => _,
-        inout("zmm0") acc[0][0],
-        inout("zmm1") acc[0][1],
-        inout("zmm2") acc[1][0],
-        inout("zmm3") acc[1][1],
-        inout("zmm4") acc[2][0],
-        inout("zmm5") acc[2][1],
-        inout("zmm6") acc[3][0],
-        inout("zmm7") acc[3][1],
-        inout("zmm8") acc[4][0],
-        inout("zmm9") acc[4][1],
-        inout("zmm10") acc[5][0],
-        inout("zmm11") acc[5][1],
-        inout("zmm12") acc[6][0],
-        inout("zmm13") acc[6][1],
-        inout("zmm14") acc[7][0],
-        inout("zmm15") acc[7][1],
-        inout("zmm16") acc[8][0],
-        inout("zmm17") acc[8][1],
-        inout("zmm18") acc[9][0],
-        inout("zmm19") acc[9][1],
-        inout("zmm20") acc[10][0],
-        inout("zmm21") acc[10][1],
-        inout("zmm22") acc[11][0],
-        inout("zmm23") acc[11][1],
-        inout("zmm24") acc[12][0],
-        inout("zmm25") acc[12][1],
-        inout("zmm26") acc[13][0],
-        inout("zmm27") acc[13][1],
-        out("zmm28") _,
-        out("zmm29") _,
-        options(readonly, nostack),
     );
 }
 
