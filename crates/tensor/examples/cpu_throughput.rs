@@ -68,6 +68,22 @@ fn median(v: &mut [f64]) -> f64 {
     v[v.len() / 2]
 }
 
+/// `C = op(A)·op(B)` for `[m, k, n]` with `[trans_a, trans_b]` on backend `be` and `threads`
+/// threads, kept alive for the optimiser.
+#[allow(clippy::too_many_arguments)]
+fn product(
+    be: Backend,
+    threads: usize,
+    c: &mut [f32],
+    a: &[f32],
+    b: &[f32],
+    [m, k, n]: [usize; 3],
+    [ta, tb]: [bool; 2],
+) {
+    matmul_using(be, Some(threads), c, a, b, m, k, n, ta, tb, false).unwrap();
+    black_box(c);
+}
+
 /// Alternating A/B rounds of one product shape `[m, k, n]` with `[trans_a, trans_b]`:
 /// prints, per backend, the median GFLOP per CPU-second and GFLOP/s wall.
 fn ab_gemm(threads: usize, [m, k, n]: [usize; 3], [ta, tb]: [bool; 2], rounds: usize) {
@@ -81,8 +97,7 @@ fn ab_gemm(threads: usize, [m, k, n]: [usize; 3], [ta, tb]: [bool; 2], rounds: u
     for _ in 0..rounds {
         for (bi, &be) in backends.iter().enumerate() {
             let (cpu, wall) = measure(flops, reps, || {
-                matmul_using(be, Some(threads), &mut c, &a, &b, m, k, n, ta, tb, false).unwrap();
-                black_box(&c);
+                product(be, threads, &mut c, &a, &b, [m, k, n], [ta, tb])
             });
             res[bi][0].push(cpu);
             res[bi][1].push(wall);
@@ -162,21 +177,7 @@ fn ab_switch(
         for (i, setting) in [false, true].into_iter().enumerate() {
             (sw.set)(setting);
             wall[i] = measure(flops, reps, || {
-                matmul_using(
-                    Backend::Own,
-                    Some(threads),
-                    &mut c,
-                    &a,
-                    &b,
-                    m,
-                    k,
-                    n,
-                    ta,
-                    tb,
-                    false,
-                )
-                .unwrap();
-                black_box(&c);
+                product(Backend::Own, threads, &mut c, &a, &b, [m, k, n], [ta, tb])
             })
             .1;
         }
@@ -324,21 +325,15 @@ fn main() {
         let (mut peaks, mut attn_of_peak) = (vec![], vec![]);
         for _ in 0..5 {
             let (_, g) = measure(2.0 * (n * n * n) as f64, 2, || {
-                matmul_using(
+                product(
                     Backend::Own,
-                    Some(threads),
+                    threads,
                     &mut c,
                     &a,
                     &b,
-                    n,
-                    n,
-                    n,
-                    false,
-                    false,
-                    false,
+                    [n, n, n],
+                    [false, false],
                 )
-                .unwrap();
-                black_box(&c);
             });
             let (_, f) = measure(ff, 10, || {
                 attention_forward(&s, &q, &k, &v, &mut out, &mut lse, t).unwrap()

@@ -13,12 +13,12 @@
 //!   step is 2 loads + 28 fused load-FMAs + 3 loop µops = 33 µops through the front end. Per
 //!   core that is 2.4 µops per cycle at the FMA peak.
 //! - [`k_loop`] (either layout): one `vbroadcastss` per row shared by its two FMAs, rows
-//!   addressed from three group pointers plus multiples of `lda`: 2 + 14 + 28 + 6 = 50 µops
-//!   per step, 3.6 per cycle. An indexed memory operand cannot ride in an FMA as one µop on
+//!   addressed from three group pointers plus multiples of `lda`: 2 + 14 + 28 + 4 adds + the
+//!   fused `dec`/`jnz` = 49 µops per step, 3.5 per cycle. An indexed memory operand cannot ride in an FMA as one µop on
 //!   Intel cores, which is why a row-major `A` read in place needs this loop.
 //!
 //! On a machine whose core shares its front end with a busy hyper-thread sibling (another
-//! guest of the VM host) about 3 µops per cycle are left, and the 50-µop loop ran at 78 %
+//! guest of the VM host) about 3 µops per cycle are left, and the 49-µop loop ran at 78 %
 //! of the cores' register-only FMA rate ([`crate::peak`]) where the folded one ran at
 //! 80–85 % (docs/PERFORMANCE.md, "Session 9"); reading `A` in place (no packing) no longer
 //! pays for its longer loop then, so with folded broadcasts every `A` is packed. With an idle

@@ -244,6 +244,14 @@ fn product(kernel: Kernel, case: Case) -> Product {
     }
 }
 
+/// `(trans_a, trans_b, accumulate)`: every transpose combination, accumulating in half.
+const LAYOUTS: [(bool, bool, bool); 4] = [
+    (false, false, false),
+    (false, true, true),
+    (true, false, true),
+    (true, true, false),
+];
+
 /// Splitting a product across threads (the dynamic panel schedule, or the static column
 /// split where `m` is small) changes no bit of the result: each element of `C` is summed in
 /// the same order by the same kernel as on one thread. Shapes cover one and several `B̂`
@@ -260,12 +268,7 @@ fn threads_give_the_bits_of_one_thread() {
         (40, 600, 700),
         (8 * MR, KC + 3, NC),
     ] {
-        for (trans_a, trans_b, accumulate) in [
-            (false, false, false),
-            (false, true, true),
-            (true, false, true),
-            (true, true, false),
-        ] {
+        for (trans_a, trans_b, accumulate) in LAYOUTS {
             for pad in [0, 5] {
                 let case = |threads| Case {
                     m,
@@ -306,12 +309,7 @@ fn folded_broadcasts_give_the_bits_of_separate_ones() {
         (40, 3, 700),
         (2 * MR + 1, 1, 33),
     ] {
-        for (trans_a, trans_b, accumulate) in [
-            (false, false, false),
-            (false, true, true),
-            (true, false, true),
-            (true, true, false),
-        ] {
+        for (trans_a, trans_b, accumulate) in LAYOUTS {
             for (pad, threads) in [(0, 1), (5, 2)] {
                 let case = Case {
                     m,
