@@ -30,8 +30,8 @@
 //! `cols` are excluded by the store masks, so the kernel never touches `C` outside the tile.
 
 use super::blocking::{MR, NR};
+use super::switch::EnvSwitch;
 use std::arch::x86_64::*;
-use std::sync::atomic::{AtomicU8, Ordering};
 
 /// `C[rows × cols] (+)= A · B̂` for `A(i, p) = a[i·lda + p·step]` (`i < MR`, `p < kc`: a packed
 /// micro-panel has `lda = 1, step = MR`, a row-major `A` read in place `step = 1`) and a packed
@@ -267,28 +267,20 @@ unsafe fn k_loop_folded(kc: usize, a: *const f32, b: *const f32, acc: &mut [[__m
     );
 }
 
-/// Whether packed panels use [`k_loop_folded`]: 0 = not chosen yet (read
-/// `XTRAIN_SGEMM_FOLD`), 1 = no, 2 = yes.
-static FOLD: AtomicU8 = AtomicU8::new(0);
+/// Whether packed panels use [`k_loop_folded`] (`XTRAIN_SGEMM_FOLD=0` turns it off).
+static FOLD: EnvSwitch = EnvSwitch::new("XTRAIN_SGEMM_FOLD", "0");
 
 /// Chooses folded broadcasts with every `A` packed (the default), or the session-8 kernel
 /// (separate broadcasts, row-major `A` read in place where it qualifies), for later products
 /// of this process; for A/B measurements (`XTRAIN_SGEMM_FOLD=0` does the same). Both give
 /// the same bits.
 pub fn set_folded_broadcasts(on: bool) {
-    FOLD.store(if on { 2 } else { 1 }, Ordering::Relaxed);
+    FOLD.set(on);
 }
 
 /// See [`set_folded_broadcasts`].
 pub(super) fn folded_broadcasts() -> bool {
-    match FOLD.load(Ordering::Relaxed) {
-        0 => {
-            let on = std::env::var("XTRAIN_SGEMM_FOLD").as_deref() != Ok("0");
-            set_folded_broadcasts(on);
-            on
-        }
-        s => s == 2,
-    }
+    FOLD.get()
 }
 
 /// The mask selecting the first `n ≤ 16` lanes.

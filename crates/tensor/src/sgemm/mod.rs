@@ -23,6 +23,7 @@ mod parallel;
 pub use kernel::set_folded_broadcasts;
 pub use parallel::{set_dynamic_schedule, splits_dynamically};
 mod scratch;
+mod switch;
 #[cfg(test)]
 mod tests;
 

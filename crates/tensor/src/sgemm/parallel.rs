@@ -14,10 +14,10 @@
 //! cores. Both schedules give every element of `C` the bits it has on one thread.
 
 use super::blocking::{MR, NR};
+use super::switch::EnvSwitch;
 use super::{amx, driver, dynamic, Kernel, MatRef};
 use crate::threads;
 use rayon::prelude::*;
-use std::sync::atomic::{AtomicU8, Ordering};
 
 /// Below this many multiply-adds per thread a product stays on the calling thread.
 const MIN_WORK_PER_THREAD: usize = 32 * 32 * 256;
@@ -106,23 +106,15 @@ pub fn splits_dynamically([m, k, n]: [usize; 3], threads: usize) -> bool {
     t >= 2 && dynamic_applies(m, t)
 }
 
-/// Which schedule splits products: 0 = not chosen yet (read `XTRAIN_SGEMM_SCHEDULE`),
-/// 1 = static slabs, 2 = dynamic panels.
-static SCHEDULE: AtomicU8 = AtomicU8::new(0);
+/// Whether products split by dynamic panels (`XTRAIN_SGEMM_SCHEDULE=static` turns it off).
+static SCHEDULE: EnvSwitch = EnvSwitch::new("XTRAIN_SGEMM_SCHEDULE", "static");
 
 /// Chooses the dynamic panel schedule (the default) or the static slabs for later products of
 /// this process; for A/B measurements (`XTRAIN_SGEMM_SCHEDULE=static` does the same).
 pub fn set_dynamic_schedule(on: bool) {
-    SCHEDULE.store(if on { 2 } else { 1 }, Ordering::Relaxed);
+    SCHEDULE.set(on);
 }
 
 fn dynamic_enabled() -> bool {
-    match SCHEDULE.load(Ordering::Relaxed) {
-        0 => {
-            let on = std::env::var("XTRAIN_SGEMM_SCHEDULE").as_deref() != Ok("static");
-            set_dynamic_schedule(on);
-            on
-        }
-        s => s == 2,
-    }
+    SCHEDULE.get()
 }
