@@ -122,6 +122,12 @@ fn each_layout(m: usize, k: usize, n: usize, pads: &[usize], threads: &[usize]) 
     }
 }
 
+/// Whether two results are the same bits, element by element (so `-0.0 != 0.0` and NaNs
+/// compare by payload).
+fn same_bits(x: &[f32], y: &[f32]) -> bool {
+    x.len() == y.len() && x.iter().zip(y).all(|(a, b)| a.to_bits() == b.to_bits())
+}
+
 #[test]
 fn odd_sizes_all_layouts() {
     if !available() {
@@ -283,10 +289,7 @@ fn threads_give_the_bits_of_one_thread() {
                 let one = product(Kernel::Fma, case(1)).c;
                 for t in [2, 3, 4] {
                     let many = product(Kernel::Fma, case(t)).c;
-                    let same = one
-                        .iter()
-                        .zip(&many)
-                        .all(|(x, y)| x.to_bits() == y.to_bits());
+                    let same = same_bits(&one, &many);
                     assert!(same, "{:?}: {t} threads differ from 1", case(t));
                 }
             }
@@ -325,10 +328,7 @@ fn folded_broadcasts_give_the_bits_of_separate_ones() {
                 let separate = product(Kernel::Fma, case).c;
                 super::set_folded_broadcasts(true);
                 let folded = product(Kernel::Fma, case).c;
-                let same = separate
-                    .iter()
-                    .zip(&folded)
-                    .all(|(x, y)| x.to_bits() == y.to_bits());
+                let same = same_bits(&separate, &folded);
                 assert!(same, "{case:?}: folded broadcasts change bits");
             }
         }
@@ -364,10 +364,7 @@ fn concurrent_split_products_keep_their_bits() {
             scope.spawn(move || {
                 for _ in 0..5 {
                     let got = product(Kernel::Fma, *case).c;
-                    let same = got
-                        .iter()
-                        .zip(want)
-                        .all(|(x, y)| x.to_bits() == y.to_bits());
+                    let same = same_bits(&got, want);
                     assert!(same, "{case:?}: concurrent split differs from 1 thread");
                 }
             });
