@@ -188,6 +188,22 @@ impl Communicator {
         Ok(Communicator { ctx, world })
     }
 
+    /// A world of one rank: this process alone (an in-memory store, no peers). Single-process
+    /// training runs on it, so it takes the same path as every parallel layout.
+    pub fn single_process() -> Result<Self> {
+        let options = Options {
+            job_id: crate::testing::unique_job_id().replacen("test", "single", 1),
+            ..Options::default()
+        };
+        Self::init(
+            Arc::new(crate::store::MemStore::new()),
+            0,
+            1,
+            "localhost",
+            options,
+        )
+    }
+
     /// The world group.
     pub fn world(&self) -> &ProcessGroup {
         &self.world

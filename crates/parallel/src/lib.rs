@@ -1,25 +1,43 @@
-//! `parallel`: every parallelism of xtrain, one folder each, all derived from one device mesh.
+//! `parallel`: every parallelism of xtrain, composed on one device mesh and run by one
+//! executor.
 //!
-//! - [`data_parallel`]: DDP and ZeRO-1/2/3 (one engine parameterised by stage), with its
-//!   sharding, gradient buckets, distributed sampler, memory accounting and resharding
-//!   checkpoints. Its modules are re-exported at the crate root (`parallel::engine`, ...).
-//! - [`staged`]: the unit-by-unit model contract the engines drive (embedding, blocks, head);
-//!   [`llm`] adapts the Llama / Mixtral decoders to it.
-//! - [`tensor_parallel`]: Megatron-style tensor + sequence parallelism (column / row linears,
-//!   head-split GQA attention, split MLP / MoE experts, vocab-parallel embedding and CE).
-//! - [`testing`]: small models and helpers for parity tests.
+//! From the command line to the arithmetic, one path:
+//! - [`dims`]: the degrees `pp, dp, cp, tp, ep` (+ ZeRO stage, sp, virtual stages), validated,
+//!   and the mesh `[pp, dp, cp, tp]` every process group is cut from;
+//! - [`parallelize`]: the passes — tensor parallel → context parallel → expert parallel →
+//!   pipeline split → data parallel / ZeRO — from a model config to what one rank runs, a
+//!   [`decoder::DecoderStage`];
+//! - [`stage`]: the contract of a rank's units (forward, backward-input, backward-weight);
+//! - [`executor`]: runs a rank's schedule of [`pipeline_parallel::Action`]s — forward,
+//!   backward, pipeline sends and receives, ZeRO gathers, bucketed gradient reductions, the
+//!   optimizer step; training without pipelining is the one-stage schedule;
+//! - [`checkpoint`]: one format for every layout (blocks with their place in the full tensor),
+//!   loadable at any other layout and exportable to Hugging Face.
 //!
-//! Tensor, pipeline, context and expert parallelism get folders of their own beside
-//! `data_parallel/` as they land.
+//! One folder per parallelism: [`data_parallel`] (DDP, ZeRO-1/2/3: shards, buckets,
+//! sampling), [`tensor_parallel`] (TP + SP), [`pipeline_parallel`] (the stage split and the
+//! schedule IR); context and expert parallelism get theirs as they land. [`precision`] (fp32,
+//! bf16, fp16 with loss scaling) and [`memory`] (the byte account and the ZeRO formulas) serve
+//! them all. [`testing`] holds a small model for the executor's tests.
+pub mod checkpoint;
 pub mod data_parallel;
-pub mod llm;
-pub mod staged;
+pub mod decoder;
+pub mod dims;
+pub mod executor;
+pub mod memory;
+pub mod parallelize;
+pub mod pipeline_parallel;
+pub mod placement;
+pub mod precision;
+pub mod stage;
 pub mod tensor_parallel;
 pub mod testing;
 
-pub use data_parallel::{
-    bucket, checkpoint, engine, flat, memory, reshard, run_log, sampler, shard, worker,
-};
+pub use decoder::DecoderStage;
+pub use dims::{Mesh, ParallelDims};
+pub use executor::{ExecConfig, Executor, StepStats};
+pub use parallelize::{parallelize, ModelOptions, Parallelized};
+pub use precision::Precision;
 
 /// Errors of the parallel layer.
 #[derive(Debug, thiserror::Error)]
@@ -28,9 +46,13 @@ pub enum ParallelError {
     Config(String),
     #[error("parallel layout: {0}")]
     Layout(String),
+    #[error("unsupported: {0}")]
+    Unsupported(String),
+    #[error("schedule: {0}")]
+    Schedule(String),
     #[error("parallel protocol: {0}")]
     Protocol(String),
-    #[error("checkpoint: {0}")]
+    #[error("{0}")]
     Checkpoint(String),
     #[error("model: {0}")]
     Model(String),

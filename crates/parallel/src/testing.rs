@@ -1,12 +1,15 @@
-//! A tiny staged model for the engines' tests: token embedding, `L` residual tanh-MLP blocks,
-//! and a softmax cross-entropy head, each a unit with hand-written forward and backward.
+//! A tiny model for the executor's tests: token embedding, `L` residual tanh-MLP blocks, and a
+//! softmax cross-entropy head, each a unit with hand-written forward, input-gradient and
+//! weight-gradient passes.
 //!
 //! `y = x + tanh(x W + b)` per block; loss = mean over the micro-batch of `-log softmax(x H)[t]`.
 //! It is small enough that every configuration of the parity suite runs in milliseconds, and
-//! its units have different sizes so buckets and shards cut across them.
+//! its units have different sizes so buckets and shards cut across them. [`ToyModel::stage`]
+//! gives a pipeline stage's view: a run of the units over its own flat buffer.
 use std::ops::Range;
 
-use crate::staged::StagedModel;
+use crate::placement::{Placement, TensorSlice};
+use crate::stage::StageModel;
 use crate::ParallelError;
 
 #[derive(Clone, Debug)]
@@ -15,8 +18,11 @@ pub struct ToyModel {
     pub dim: usize,
     pub blocks: usize,
     pub classes: usize,
-    /// Sleep this long in every block's backward (to make the overlap visible in a trace).
+    /// Sleep this long in every block's weight gradient (to make the overlap visible in a
+    /// trace).
     pub backward_delay: std::time::Duration,
+    /// The (global) units this instance holds, in order: all, or a pipeline rank's stages.
+    pub held: Vec<usize>,
 }
 
 /// One sample: an input token and a target class.
@@ -35,6 +41,13 @@ pub enum ToyCache {
     },
 }
 
+/// What a unit's weight gradient needs.
+pub enum ToyWeightGrad {
+    Embed { tokens: Vec<usize>, dy: Vec<f32> },
+    Block { x: Vec<f32>, dz: Vec<f32> },
+    Head { x: Vec<f32>, dl: Vec<f32> },
+}
+
 impl ToyModel {
     pub fn new(vocab: usize, dim: usize, blocks: usize, classes: usize) -> Self {
         Self {
@@ -43,14 +56,32 @@ impl ToyModel {
             blocks,
             classes,
             backward_delay: std::time::Duration::ZERO,
+            held: (0..blocks + 2).collect(),
         }
     }
 
-    pub fn num_params(&self) -> usize {
-        self.units().last().map(|u| u.end).unwrap_or(0)
+    /// The view holding global units `units` only (a pipeline rank's stages).
+    pub fn stage(&self, units: &[usize]) -> Self {
+        Self {
+            held: units.to_vec(),
+            ..self.clone()
+        }
     }
 
-    /// Deterministic small initial parameters.
+    /// Sizes of every global unit.
+    fn global_sizes(&self) -> Vec<usize> {
+        let mut out = vec![self.vocab * self.dim];
+        out.extend((0..self.blocks).map(|_| self.dim * self.dim + self.dim));
+        out.push(self.dim * self.classes);
+        out
+    }
+
+    /// Parameters of the whole model (all units).
+    pub fn num_params(&self) -> usize {
+        self.global_sizes().iter().sum()
+    }
+
+    /// Deterministic small initial parameters of the whole model.
     pub fn init(&self, seed: u64) -> Vec<f32> {
         let mut s = seed
             .wrapping_mul(6364136223846793005)
@@ -61,6 +92,19 @@ impl ToyModel {
                     .wrapping_mul(6364136223846793005)
                     .wrapping_add(1442695040888963407);
                 ((s >> 40) as f32 / (1u64 << 24) as f32 - 0.5) * 0.8
+            })
+            .collect()
+    }
+
+    /// The part of [`Self::init`] this view holds.
+    pub fn init_held(&self, seed: u64) -> Vec<f32> {
+        let sizes = self.global_sizes();
+        let full = self.init(seed);
+        self.held
+            .iter()
+            .flat_map(|&g| {
+                let start: usize = sizes[..g].iter().sum();
+                full[start..start + sizes[g]].to_vec()
             })
             .collect()
     }
@@ -77,6 +121,10 @@ impl ToyModel {
             })
             .collect()
     }
+
+    fn global(&self, unit: usize) -> usize {
+        self.held[unit]
+    }
 }
 
 fn rows(batch: usize, x: &[f32], dim: usize) -> Result<(), ParallelError> {
@@ -89,36 +137,57 @@ fn rows(batch: usize, x: &[f32], dim: usize) -> Result<(), ParallelError> {
     Ok(())
 }
 
-impl StagedModel for ToyModel {
+impl StageModel for ToyModel {
     type Batch = Vec<Sample>;
     type Act = Vec<f32>;
     type Cache = ToyCache;
+    type WeightGrad = ToyWeightGrad;
 
     fn units(&self) -> Vec<Range<usize>> {
-        let mut out = Vec::with_capacity(self.blocks + 2);
-        out.push(0..self.vocab * self.dim);
-        let block = self.dim * self.dim + self.dim;
-        for _ in 0..self.blocks {
-            let s = out.last().unwrap().end;
-            out.push(s..s + block);
+        let sizes = self.global_sizes();
+        let mut out = Vec::with_capacity(self.held.len());
+        let mut at = 0;
+        for &g in &self.held {
+            out.push(at..at + sizes[g]);
+            at += sizes[g];
         }
-        let s = out.last().unwrap().end;
-        out.push(s..s + self.dim * self.classes);
         out
     }
 
     fn tensors(&self) -> Vec<Range<usize>> {
+        self.placements().iter().map(|p| p.range()).collect()
+    }
+
+    fn placements(&self) -> Vec<Placement> {
+        let (d, units) = (self.dim, self.units());
         let mut out = Vec::new();
-        for (i, u) in self.units().into_iter().enumerate() {
-            if i == 0 || i == self.blocks + 1 {
-                out.push(u);
+        let mut push = |name: String, shape: &[usize], start: usize| {
+            out.push(Placement {
+                slice: TensorSlice::whole(&name, shape),
+                start,
+                owner: true,
+            })
+        };
+        for (u, r) in units.iter().enumerate() {
+            let g = self.global(u);
+            if g == 0 {
+                push("embed".into(), &[self.vocab, d], r.start);
+            } else if g <= self.blocks {
+                push(format!("block{g}.w"), &[d, d], r.start);
+                push(format!("block{g}.b"), &[d], r.start + d * d);
             } else {
-                let w = u.start + self.dim * self.dim;
-                out.push(u.start..w);
-                out.push(w..u.end);
+                push("head".into(), &[d, self.classes], r.start);
             }
         }
         out
+    }
+
+    fn is_first(&self, unit: usize) -> bool {
+        self.global(unit) == 0
+    }
+
+    fn is_last(&self, unit: usize) -> bool {
+        self.global(unit) == self.blocks + 1
     }
 
     fn forward(
@@ -129,8 +198,8 @@ impl StagedModel for ToyModel {
         batch: &Vec<Sample>,
         _scale: f32,
     ) -> Result<(Vec<f32>, ToyCache), ParallelError> {
-        let (d, n) = (self.dim, batch.len());
-        if unit == 0 {
+        let (d, n, g) = (self.dim, batch.len(), self.global(unit));
+        if g == 0 {
             let mut y = vec![0.0; n * d];
             for (i, &(tok, _)) in batch.iter().enumerate() {
                 if tok >= self.vocab {
@@ -145,7 +214,7 @@ impl StagedModel for ToyModel {
         }
         let x = x.ok_or_else(|| ParallelError::Model(format!("unit {unit} needs an input")))?;
         rows(n, &x, d)?;
-        if unit <= self.blocks {
+        if g <= self.blocks {
             let (w, b) = p.split_at(d * d);
             let mut h = vec![0.0; n * d];
             for i in 0..n {
@@ -181,70 +250,108 @@ impl StagedModel for ToyModel {
         Ok((vec![loss / n as f32], ToyCache::Head { x, probs, targets }))
     }
 
-    fn loss(&self, out: &Vec<f32>) -> f32 {
-        out[0]
-    }
-
-    fn backward(
+    fn backward_input(
         &self,
         unit: usize,
         p: &[f32],
         cache: ToyCache,
         dy: Option<Vec<f32>>,
         scale: f32,
-        g: &mut [f32],
-    ) -> Result<Option<Vec<f32>>, ParallelError> {
+    ) -> Result<(Option<Vec<f32>>, ToyWeightGrad), ParallelError> {
         let d = self.dim;
+        let need = |dy: Option<Vec<f32>>| {
+            dy.ok_or_else(|| ParallelError::Model(format!("unit {unit} backward needs dY")))
+        };
         match cache {
-            ToyCache::Embed(tokens) => {
-                let dy =
-                    dy.ok_or_else(|| ParallelError::Model("embedding backward needs dY".into()))?;
+            ToyCache::Embed(tokens) => Ok((
+                None,
+                ToyWeightGrad::Embed {
+                    tokens,
+                    dy: need(dy)?,
+                },
+            )),
+            ToyCache::Block { x, h } => {
+                let dy = need(dy)?;
+                let n = x.len() / d;
+                let w = &p[..d * d];
+                let dz: Vec<f32> = dy.iter().zip(&h).map(|(g, h)| g * (1.0 - h * h)).collect();
+                let mut dx = dy;
+                for i in 0..n {
+                    for j in 0..d {
+                        let dzij = dz[i * d + j];
+                        for k in 0..d {
+                            dx[i * d + k] += dzij * w[k * d + j];
+                        }
+                    }
+                }
+                Ok((Some(dx), ToyWeightGrad::Block { x, dz }))
+            }
+            ToyCache::Head { x, probs, targets } => {
+                let (c, n) = (self.classes, targets.len());
+                let mut dx = vec![0.0; n * d];
+                let mut dl = vec![0.0; n * c];
+                for i in 0..n {
+                    for j in 0..c {
+                        let g = (probs[i * c + j] - f32::from(j == targets[i])) * scale / n as f32;
+                        dl[i * c + j] = g;
+                        for k in 0..d {
+                            dx[i * d + k] += g * p[k * c + j];
+                        }
+                    }
+                }
+                Ok((Some(dx), ToyWeightGrad::Head { x, dl }))
+            }
+        }
+    }
+
+    fn backward_weight(
+        &self,
+        _unit: usize,
+        _p: &[f32],
+        pending: ToyWeightGrad,
+        g: &mut [f32],
+    ) -> Result<(), ParallelError> {
+        let d = self.dim;
+        match pending {
+            ToyWeightGrad::Embed { tokens, dy } => {
                 for (i, &tok) in tokens.iter().enumerate() {
                     for k in 0..d {
                         g[tok * d + k] += dy[i * d + k];
                     }
                 }
-                Ok(None)
             }
-            ToyCache::Block { x, h } => {
+            ToyWeightGrad::Block { x, dz } => {
                 if !self.backward_delay.is_zero() {
                     std::thread::sleep(self.backward_delay);
                 }
-                let dy = dy.ok_or_else(|| {
-                    ParallelError::Model(format!("block {unit} backward needs dY"))
-                })?;
                 let n = x.len() / d;
-                let (w, _) = p.split_at(d * d);
                 let (gw, gb) = g.split_at_mut(d * d);
-                let dz: Vec<f32> = dy.iter().zip(&h).map(|(g, h)| g * (1.0 - h * h)).collect();
-                let mut dx = dy.clone();
                 for i in 0..n {
                     for j in 0..d {
                         let dzij = dz[i * d + j];
                         gb[j] += dzij;
                         for k in 0..d {
                             gw[k * d + j] += x[i * d + k] * dzij;
-                            dx[i * d + k] += dzij * w[k * d + j];
                         }
                     }
                 }
-                Ok(Some(dx))
             }
-            ToyCache::Head { x, probs, targets } => {
-                let (c, n) = (self.classes, targets.len());
-                let mut dx = vec![0.0; n * d];
+            ToyWeightGrad::Head { x, dl } => {
+                let (c, n) = (self.classes, x.len() / d);
                 for i in 0..n {
                     for j in 0..c {
-                        let dl = (probs[i * c + j] - f32::from(j == targets[i])) * scale / n as f32;
                         for k in 0..d {
-                            g[k * c + j] += x[i * d + k] * dl;
-                            dx[i * d + k] += dl * p[k * c + j];
+                            g[k * c + j] += x[i * d + k] * dl[i * c + j];
                         }
                     }
                 }
-                Ok(Some(dx))
             }
         }
+        Ok(())
+    }
+
+    fn loss(&self, out: &Vec<f32>) -> f32 {
+        out[0]
     }
 
     fn cache_bytes(&self, cache: &ToyCache) -> usize {
@@ -253,6 +360,26 @@ impl StagedModel for ToyModel {
             ToyCache::Block { x, h } => (x.len() + h.len()) * 4,
             ToyCache::Head { x, probs, targets } => (x.len() + probs.len()) * 4 + targets.len() * 8,
         }
+    }
+
+    fn weight_grad_bytes(&self, w: &ToyWeightGrad) -> usize {
+        match w {
+            ToyWeightGrad::Embed { tokens, dy } => tokens.len() * 8 + dy.len() * 4,
+            ToyWeightGrad::Block { x, dz } => (x.len() + dz.len()) * 4,
+            ToyWeightGrad::Head { x, dl } => (x.len() + dl.len()) * 4,
+        }
+    }
+
+    fn act_to_wire(&self, act: Vec<f32>) -> Vec<f32> {
+        act
+    }
+
+    fn wire_to_act(&self, wire: Vec<f32>) -> Vec<f32> {
+        wire
+    }
+
+    fn wire_len(&self, batch: &Vec<Sample>) -> usize {
+        batch.len() * self.dim
     }
 }
 
@@ -308,5 +435,19 @@ mod tests {
                 g[i]
             );
         }
+    }
+
+    #[test]
+    fn stages_split_units_and_parameters() {
+        let m = ToyModel::new(5, 3, 2, 4);
+        let (a, b) = (m.stage(&[0, 1]), m.stage(&[2, 3]));
+        assert!(a.is_first(0) && !a.is_last(1) && b.is_last(1) && !b.is_first(0));
+        let full = m.init(7);
+        let joined: Vec<f32> = a.init_held(7).into_iter().chain(b.init_held(7)).collect();
+        assert_eq!(joined, full);
+        assert_eq!(
+            a.placements().len() + b.placements().len(),
+            m.placements().len()
+        );
     }
 }

@@ -10,7 +10,7 @@ use comm::testing::run_threads;
 use model::init::SplitMix64;
 use model::layers::{Pass, Recompute};
 use model::{Model, ModelConfig, View};
-use parallel::tensor_parallel::{ColumnParallelLinear, RowParallelLinear, TpModel, TpRegion};
+use parallel::tensor_parallel::{shard_model, ColumnParallelLinear, RowParallelLinear, TpRegion};
 
 fn randn(n: usize, seed: u64) -> Vec<f32> {
     let mut rng = SplitMix64::new(seed);
@@ -131,13 +131,13 @@ fn check_block_with(cfg: &ModelConfig, tp: usize, sp: bool, recompute: Recompute
         )
         .unwrap();
     let out = run_threads(tp, |c| {
-        let m = TpModel::new(cfg, c.world().clone(), sp).unwrap();
-        let p = m.shard_params(&params);
-        let br = m.local.layout.block_range(0);
+        let (local, m) = shard_model(cfg, c.world().clone(), sp).unwrap();
+        let p = m.plan.shard(&params, m.rank());
+        let br = local.layout.block_range(0);
         let toks = m.region.local_tokens(t);
         let mut local_pass = pass;
         local_pass.loss_scale = if m.rank() == 0 { 1.0 } else { 0.0 };
-        let b = &m.local.blocks[0];
+        let b = &local.blocks[0];
         let (y, cache) = b
             .forward(
                 &p[br.clone()],
@@ -156,7 +156,7 @@ fn check_block_with(cfg: &ModelConfig, tp: usize, sp: bool, recompute: Recompute
             )
             .unwrap();
         close(&dx, &rows(&dx_ref, h, toks), "block input grad");
-        m.finish_grads(&mut g).unwrap();
+        m.plan.sync_grads(m.group(), &mut g).unwrap();
         (g, m.plan.clone())
     });
     let plan = out[0].1.clone();
@@ -236,9 +236,9 @@ fn vocab_parallel_embedding_and_head_match_single_device() {
     for tp in [1, 2, 4] {
         for sp in [false, true] {
             let out = run_threads(tp, |c| {
-                let m = TpModel::new(&cfg, c.world().clone(), sp).unwrap();
-                let p = m.shard_params(&params);
-                let l = &m.local.layout;
+                let (local, m) = shard_model(&cfg, c.world().clone(), sp).unwrap();
+                let p = m.plan.shard(&params, m.rank());
+                let l = &local.layout;
                 let (er, hr) = (l.embed_range(), l.head_range());
                 let x = m.embed.forward(&p[er.clone()], &ids).unwrap();
                 let hc = m
@@ -252,7 +252,7 @@ fn vocab_parallel_embedding_and_head_match_single_device() {
                     .backward(&p[hr.clone()], &mut g[hr], hc, scale)
                     .unwrap();
                 m.embed.backward(&mut g[er], &ids, dx).unwrap();
-                m.finish_grads(&mut g).unwrap();
+                m.plan.sync_grads(m.group(), &mut g).unwrap();
                 (loss, g, m.plan.clone())
             });
             let plan = out[0].2.clone();

@@ -1,16 +1,24 @@
 //! `xtrain bench train`: steady-state step time, tokens/s and MFU of a preset on this machine,
-//! plus peak RSS against the memory account.
+//! on any layout (the same trainer as `xtrain train`), plus peak RSS against the memory
+//! account. MFU has one definition everywhere: `6N + 12·L·H·S` FLOPs per token times tokens/s
+//! over the measured peak of all the cores the job uses (every rank's, summed).
 use crate::config::RunConfig;
 use crate::error::Result;
-use crate::memory::{human, peak_rss_bytes};
-use crate::run::gemm_peak_flops;
+use crate::run::{gemm_peak_flops, job_peak_flops};
 use crate::trainer::Trainer;
+use comm::Communicator;
+use parallel::memory::{human, peak_rss_bytes};
 use std::time::Instant;
 
 /// Benchmark figures.
 #[derive(Clone, Debug, serde::Serialize)]
 pub struct BenchReport {
     pub preset: String,
+    /// The layout (`pp=… dp=… cp=… tp=… ep=… ZeRO-k`).
+    pub layout: String,
+    /// Processes of the job.
+    pub ranks: usize,
+    /// Kernel threads per rank.
     pub threads: usize,
     pub params: usize,
     pub tokens_per_step: usize,
@@ -18,13 +26,17 @@ pub struct BenchReport {
     pub tokens_per_s: f64,
     pub flops_per_token: f64,
     pub achieved_gflops: f64,
+    /// The fp32 GEMM peak of all the job's cores (every rank's with its thread budget, summed;
+    /// best of one sample per timed step).
     pub gemm_peak_gflops: f64,
     /// Achieved FLOP/s over [`Self::gemm_peak_gflops`].
     pub mfu: f64,
-    /// The cores' f32 FMA ceiling ([`tensor::peak`]: a register-only FMA loop on `threads`
-    /// threads, best of one sample per timed step), `None` without vector FMA. The usual MFU
-    /// denominator (hardware peak), measured because a VM does not tell its clock.
+    /// The cores' f32 FMA ceiling ([`tensor::peak`]: a register-only FMA loop on each rank's
+    /// threads, summed over ranks, best of one sample per timed step), `None` without vector
+    /// FMA. The usual MFU denominator (hardware peak), measured because a VM does not tell
+    /// its clock.
     pub fma_peak_gflops: Option<f64>,
+    /// Rank 0's accounted bytes (its model states and the peaks of its transient buffers).
     pub accounted_bytes: u64,
     pub peak_rss_bytes: Option<u64>,
     /// Seconds per step in each model kernel class, and the rest ("other": optimizer,
@@ -65,8 +77,8 @@ impl std::fmt::Display for BenchReport {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         writeln!(
             f,
-            "preset {} ({} params), {} thread(s), {} tokens/step",
-            self.preset, self.params, self.threads, self.tokens_per_step
+            "preset {} ({} params), {} on {} rank(s) × {} thread(s), {} tokens/step",
+            self.preset, self.params, self.layout, self.ranks, self.threads, self.tokens_per_step
         )?;
         writeln!(
             f,
@@ -84,7 +96,8 @@ impl std::fmt::Display for BenchReport {
         if let Some(p) = self.fma_peak_gflops {
             writeln!(
                 f,
-                "f32 FMA peak of {} thread(s) (register-only loop) {:.1} GFLOP/s: the step runs at {:.1}% of it",
+                "f32 FMA peak of {} × {} thread(s) (register-only loop) {:.1} GFLOP/s: the step runs at {:.1}% of it",
+                self.ranks,
                 self.threads,
                 p,
                 100.0 * self.achieved_gflops / p
@@ -105,7 +118,7 @@ impl std::fmt::Display for BenchReport {
         }
         write!(
             f,
-            "memory accounted {} ; peak RSS {} ({})",
+            "memory of rank 0: accounted {} ; peak RSS {} ({})",
             human(self.accounted_bytes),
             self.peak_rss_bytes.map(human).unwrap_or_else(|| "?".into()),
             self.peak_rss_bytes
@@ -115,33 +128,44 @@ impl std::fmt::Display for BenchReport {
     }
 }
 
-/// Runs `steps` timed optimizer steps (after one warm-up step) of `cfg` with synthetic-free,
-/// real data (the built-in corpus) and reports the median.
-pub fn bench_train(preset: &str, mut cfg: RunConfig, steps: usize) -> Result<BenchReport> {
+/// Runs `steps` timed optimizer steps (after one warm-up step) of `cfg` on this rank of
+/// `comm`'s world with real data (the built-in corpus) and reports the median (on rank 0; the
+/// other ranks return `None`). Every rank calls it.
+pub fn bench_train(
+    preset: &str,
+    mut cfg: RunConfig,
+    steps: usize,
+    comm: &Communicator,
+) -> Result<Option<BenchReport>> {
     cfg.train.steps = steps + 1;
+    cfg.train.sample_tokens = 0;
     cfg.data.corpus_bytes = cfg.data.corpus_bytes.min(400_000);
-    let mut t = Trainer::new(cfg)?;
+    let mut t = Trainer::new(cfg, comm)?;
     let threads = tensor::threads::thread_budget();
     t.train_step()?; // warm-up: page in buffers, size the thread pool
     model::profile::reset();
     model::profile::enable(true);
-    // The MFU denominator is sampled before every timed step and the best kept: on a shared
+    // The MFU denominators are sampled before every timed step and the best kept: on a shared
     // machine a single sample can land in a slow moment and put the MFU above 100 %.
     let mut peak = 0.0f64;
-    let mut fma_peak: Option<f64> = None;
+    let mut fma_peak = Some(0.0f64);
     let ticks0 = cpu_ticks();
-    let mut times: Vec<f64> = (0..steps.max(1))
-        .map(|_| {
-            peak = peak.max(gemm_peak_flops());
-            if let Some(p) = tensor::peak::fma_peak_flops(threads) {
-                fma_peak = Some(fma_peak.map_or(p, |q| q.max(p)));
-            }
-            let s = Instant::now();
-            t.train_step().map(|_| s.elapsed().as_secs_f64())
-        })
-        .collect::<Result<_>>()?;
+    let mut times = Vec::with_capacity(steps.max(1));
+    for _ in 0..steps.max(1) {
+        peak = peak.max(job_peak_flops(comm, gemm_peak_flops)?);
+        let fma = job_peak_flops(comm, || {
+            tensor::peak::fma_peak_flops(threads).unwrap_or(f64::NAN)
+        })?;
+        fma_peak = fma_peak.filter(|_| fma.is_finite()).map(|p| p.max(fma));
+        let s = Instant::now();
+        t.train_step()?;
+        times.push(s.elapsed().as_secs_f64());
+    }
     let cpu_steal = steal_share(ticks0, cpu_ticks());
     model::profile::enable(false);
+    if t.rank() != 0 {
+        return Ok(None);
+    }
     let n = times.len() as f64;
     let mean_step = times.iter().sum::<f64>() / n;
     let mut profile: Vec<(String, f64)> = model::profile::report()
@@ -153,11 +177,13 @@ pub fn bench_train(preset: &str, mut cfg: RunConfig, steps: usize) -> Result<Ben
     profile.push(("other".into(), (mean_step - kernels).max(0.0)));
     times.sort_by(f64::total_cmp);
     let median = times[times.len() / 2];
-    let tokens = t.cfg.train.micro_batch * t.cfg.train.grad_accum * t.cfg.model.seq_len;
+    let tokens = t.tokens_per_step();
     let tps = tokens as f64 / median;
     let fpt = t.flops_per_token();
-    Ok(BenchReport {
+    Ok(Some(BenchReport {
         preset: preset.to_string(),
+        layout: t.dims.describe(),
+        ranks: comm.size(),
         threads,
         params: t.num_params(),
         tokens_per_step: tokens,
@@ -168,11 +194,11 @@ pub fn bench_train(preset: &str, mut cfg: RunConfig, steps: usize) -> Result<Ben
         gemm_peak_gflops: peak / 1e9,
         mfu: tps * fpt / peak,
         fma_peak_gflops: fma_peak.map(|p| p / 1e9),
-        accounted_bytes: t.memory().total(),
+        accounted_bytes: t.memory().total() as u64,
         peak_rss_bytes: peak_rss_bytes(),
         profile,
         cpu_steal,
-    })
+    }))
 }
 
 #[cfg(test)]

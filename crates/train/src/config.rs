@@ -7,18 +7,7 @@ use crate::error::{IoContext, Result, TrainError};
 use serde::{Deserialize, Serialize};
 use std::path::Path;
 
-/// Numeric format of the training step.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "lowercase")]
-pub enum Precision {
-    /// fp32 everything: 4Φ weights + 4Φ grads + 8Φ AdamW moments = 16Φ bytes.
-    Fp32,
-    /// bf16 weights/grads/activations, fp32 master weights and moments: 2Φ + 2Φ + 12Φ bytes.
-    Bf16,
-    /// As bf16 but fp16 storage with dynamic loss scaling (fp16 has 5 exponent bits, so small
-    /// gradients underflow unless the loss is scaled up first).
-    Fp16,
-}
+pub use parallel::Precision;
 
 /// Model shape. Names follow Hugging Face's LlamaConfig where one exists.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
@@ -64,6 +53,10 @@ pub struct TrainConfig {
     /// Global gradient-norm clip (0 disables).
     pub grad_clip: f64,
     pub precision: Precision,
+    /// Activation recomputation of every block: `none`, `selective` (drop the norm outputs
+    /// and the SwiGLU product, rebuilt in backward) or `full` (keep only each block's input).
+    #[serde(default = "default_recompute")]
+    pub recompute: String,
     /// Validation every N steps (0 disables); also run at the end.
     pub eval_every: usize,
     /// Micro-batches per validation.
@@ -99,7 +92,8 @@ pub struct DataConfig {
     pub corpus_seed: u64,
 }
 
-/// Process layout. Only the single-process layout runs until data parallelism is wired in.
+/// Process layout: the degrees of the mesh `[pp, dp, cp, tp]` (`nproc = pp·dp·cp·tp`), the
+/// ZeRO stage and the gradient bucket size.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct ParallelConfig {
@@ -107,15 +101,68 @@ pub struct ParallelConfig {
     pub dp: usize,
     /// ZeRO stage (0 = plain data parallel).
     pub zero: usize,
-    /// Tensor-parallel degree (the fastest-varying mesh dimension; `nproc = dp × tp`).
+    /// Tensor-parallel degree (the fastest-varying mesh dimension).
     #[serde(default = "one")]
     pub tp: usize,
     /// Sequence parallelism inside the tensor-parallel group.
     #[serde(default)]
     pub sp: bool,
+    /// Pipeline-parallel degree (the slowest-varying mesh dimension).
+    #[serde(default = "one")]
+    pub pp: usize,
+    /// Context-parallel degree.
+    #[serde(default = "one")]
+    pub cp: usize,
+    /// Expert-parallel degree (carved out of dp × cp).
+    #[serde(default = "one")]
+    pub ep: usize,
+    /// Pipeline stages per pipeline rank (interleaved schedules).
+    #[serde(default = "one")]
+    pub virtual_stages: usize,
     /// Gradient bucket size of data parallelism in MiB (PyTorch DDP's 25 by default).
     #[serde(default = "default_bucket_mb")]
     pub bucket_mb: f64,
+}
+
+impl ParallelConfig {
+    /// The degrees as the mesh takes them (not yet checked against each other).
+    pub fn dims(&self) -> Result<parallel::ParallelDims> {
+        let zero = parallel::data_parallel::ZeroStage::from_index(self.zero).ok_or_else(|| {
+            TrainError::Config(format!(
+                "parallel.zero = {} (expected 0, 1, 2 or 3)",
+                self.zero
+            ))
+        })?;
+        Ok(parallel::ParallelDims {
+            pp: self.pp,
+            dp: self.dp,
+            cp: self.cp,
+            tp: self.tp,
+            ep: self.ep,
+            zero,
+            sp: self.sp,
+            virtual_stages: self.virtual_stages,
+        })
+    }
+
+    /// Completes a layout from the degrees a user gave: `nproc` alone sets dp to
+    /// `nproc / (pp·cp·tp)`; degrees without `nproc` set it to their product. `given` names
+    /// the fields set explicitly (`nproc`, `dp`); the others keep their values.
+    pub fn complete(&mut self, nproc_given: bool, dp_given: bool) -> Result<()> {
+        let others = self.pp * self.cp * self.tp;
+        if nproc_given && !dp_given {
+            if others == 0 || !self.nproc.is_multiple_of(others) {
+                return Err(TrainError::Config(format!(
+                    "nproc = {} is not a multiple of pp × cp × tp = {others}",
+                    self.nproc
+                )));
+            }
+            self.dp = self.nproc / others;
+        } else if !nproc_given {
+            self.nproc = self.dp * others;
+        }
+        Ok(())
+    }
 }
 
 fn one() -> usize {
@@ -124,6 +171,10 @@ fn one() -> usize {
 
 fn default_bucket_mb() -> f64 {
     25.0
+}
+
+fn default_recompute() -> String {
+    "none".into()
 }
 
 /// The whole run.
@@ -181,6 +232,7 @@ impl RunConfig {
                 eps: 1e-8,
                 grad_clip: 1.0,
                 precision: Precision::Fp32,
+                recompute: default_recompute(),
                 eval_every: (steps / 6).max(1),
                 eval_batches: 4,
                 ckpt_every: 0,
@@ -204,6 +256,10 @@ impl RunConfig {
                 zero: 0,
                 tp: 1,
                 sp: false,
+                pp: 1,
+                cp: 1,
+                ep: 1,
+                virtual_stages: 1,
                 bucket_mb: default_bucket_mb(),
             },
         })
@@ -212,6 +268,28 @@ impl RunConfig {
     /// Resolves preset → TOML text → overrides (`key.path=value`, value parsed as TOML,
     /// falling back to a bare string).
     pub fn resolve(preset: &str, toml_text: Option<&str>, overrides: &[String]) -> Result<Self> {
+        let cfg = Self::merge_layers(preset, toml_text, overrides)?;
+        cfg.validate()?;
+        Ok(cfg)
+    }
+
+    /// [`Self::resolve`] for a command line that gave layout flags: the layout is completed
+    /// first ([`ParallelConfig::complete`]: `--nproc` alone sets dp; degrees alone set nproc),
+    /// then validated. `nproc_given` / `dp_given`: whether the overrides set them.
+    pub fn resolve_layout(
+        preset: &str,
+        toml_text: Option<&str>,
+        overrides: &[String],
+        nproc_given: bool,
+        dp_given: bool,
+    ) -> Result<Self> {
+        let mut cfg = Self::merge_layers(preset, toml_text, overrides)?;
+        cfg.parallel.complete(nproc_given, dp_given)?;
+        cfg.validate()?;
+        Ok(cfg)
+    }
+
+    fn merge_layers(preset: &str, toml_text: Option<&str>, overrides: &[String]) -> Result<Self> {
         let base = Self::preset(preset)?;
         let mut tree = toml::Value::try_from(&base)
             .map_err(|e| TrainError::Config(format!("serialising preset: {e}")))?;
@@ -226,11 +304,8 @@ impl RunConfig {
             })?;
             set_path(&mut tree, key.trim(), parse_value(raw.trim()))?;
         }
-        let cfg: Self = tree
-            .try_into()
-            .map_err(|e: toml::de::Error| TrainError::Config(e.to_string()))?;
-        cfg.validate()?;
-        Ok(cfg)
+        tree.try_into()
+            .map_err(|e: toml::de::Error| TrainError::Config(e.to_string()))
     }
 
     /// Loads a TOML file on top of a preset.
@@ -268,6 +343,10 @@ impl RunConfig {
             ("parallel.nproc", self.parallel.nproc),
             ("parallel.dp", self.parallel.dp),
             ("parallel.tp", self.parallel.tp),
+            ("parallel.pp", self.parallel.pp),
+            ("parallel.cp", self.parallel.cp),
+            ("parallel.ep", self.parallel.ep),
+            ("parallel.virtual_stages", self.parallel.virtual_stages),
         ] {
             if v == 0 {
                 return bad(format!("{name} must be > 0"));
@@ -315,24 +394,29 @@ impl RunConfig {
         if t.precision == Precision::Fp16 && (t.loss_scale.is_nan() || t.loss_scale < 1.0) {
             return bad("train.loss_scale must be >= 1".into());
         }
+        self.recompute()?;
+        self.parallel
+            .dims()?
+            .validate(self.parallel.nproc)
+            .map_err(|e| TrainError::Config(e.to_string()))?;
         Ok(())
+    }
+
+    /// The activation recomputation policy of `train.recompute`.
+    pub fn recompute(&self) -> Result<model::Recompute> {
+        match self.train.recompute.as_str() {
+            "none" => Ok(model::Recompute::None),
+            "selective" => Ok(model::Recompute::Selective),
+            "full" => Ok(model::Recompute::Full),
+            other => Err(TrainError::Config(format!(
+                "train.recompute must be `none`, `selective` or `full`, not `{other}`"
+            ))),
+        }
     }
 
     /// Sequences per optimizer step over all ranks: dp × micro × accum.
     pub fn global_batch(&self) -> usize {
         self.parallel.dp * self.train.micro_batch * self.train.grad_accum
-    }
-
-    /// Rejects layouts this build cannot run yet.
-    pub fn require_single_process(&self) -> Result<()> {
-        let p = &self.parallel;
-        if p.nproc != 1 || p.dp != 1 || p.zero != 0 || p.tp != 1 || p.sp {
-            return Err(TrainError::Unsupported(format!(
-                "parallel layout nproc={} dp={} zero={}: the single-process trainer runs nproc=1, dp=1, zero=0 only",
-                p.nproc, p.dp, p.zero
-            )));
-        }
-        Ok(())
     }
 
     pub fn to_toml(&self) -> String {
@@ -472,11 +556,19 @@ mod tests {
         assert!(e.to_string().contains("fp8"), "{e}");
         let e = RunConfig::resolve("tiny", None, &["train.steps=-1".into()]).unwrap_err();
         assert!(matches!(e, TrainError::Config(_)), "{e}");
-        let c = RunConfig::resolve("tiny", None, &["parallel.nproc=2".into()]).unwrap();
-        assert!(c
-            .require_single_process()
-            .unwrap_err()
-            .to_string()
-            .contains("nproc=2"));
+        let e = RunConfig::resolve("tiny", None, &["parallel.nproc=2".into()]).unwrap_err();
+        assert!(e.to_string().contains("nproc = 2"), "{e}");
+        let e = RunConfig::resolve("tiny", None, &["train.recompute=some".into()]).unwrap_err();
+        assert!(e.to_string().contains("train.recompute"), "{e}");
+        let mut p = RunConfig::preset("tiny").unwrap().parallel;
+        p.tp = 2;
+        p.nproc = 8;
+        p.complete(true, false).unwrap();
+        assert_eq!((p.dp, p.nproc), (4, 8));
+        p.dp = 3;
+        p.complete(false, true).unwrap();
+        assert_eq!(p.nproc, 6);
+        p.nproc = 7;
+        assert!(p.complete(true, false).is_err());
     }
 }

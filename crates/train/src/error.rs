@@ -17,15 +17,11 @@ pub enum TrainError {
     TokenFile { path: PathBuf, msg: String },
     #[error("checkpoint {path}: {msg}")]
     Checkpoint { path: PathBuf, msg: String },
-    #[error("checkpoint {path}: checksum mismatch in {file} (manifest {expected:08x}, file {actual:08x})")]
-    Checksum {
-        path: PathBuf,
-        file: String,
-        expected: u32,
-        actual: u32,
-    },
     #[error("model: {0}")]
     Model(String),
+    /// A failure of the parallel layer (communication, schedule, a peer that failed).
+    #[error("{0}")]
+    Parallel(String),
     #[error("training diverged: {0}")]
     Diverged(String),
     #[error("unsupported: {0}")]
@@ -35,6 +31,21 @@ pub enum TrainError {
         context: String,
         source: std::io::Error,
     },
+}
+
+impl From<parallel::checkpoint::CheckpointError> for TrainError {
+    fn from(e: parallel::checkpoint::CheckpointError) -> Self {
+        TrainError::Checkpoint {
+            path: e.path,
+            msg: e.msg,
+        }
+    }
+}
+
+impl From<comm::CommError> for TrainError {
+    fn from(e: comm::CommError) -> Self {
+        TrainError::Parallel(e.to_string())
+    }
 }
 
 /// Shorthand result.

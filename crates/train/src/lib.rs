@@ -1,25 +1,26 @@
-//! `train`: the trainer loop, optimizer schedule, mixed precision, data and tokenizers,
-//! checkpoints and metrics.
+//! `train`: the one trainer on top of `parallel` — the run configuration, data and
+//! tokenizers, the learning-rate schedule, the step loop with validation, checkpoints,
+//! metrics, plots and progress, for every layout from one process to a dp × tp mesh.
 //!
 //! Modules:
-//! - [`config`]: run configuration (TOML, presets, overrides);
+//! - [`config`]: run configuration (TOML, presets, overrides, the parallel layout);
+//! - [`trainer`]: a rank's model part, executor and data, one optimizer step, checkpoints;
+//! - [`run`]: a whole run (the loop, validation, checkpoints, metrics, memory report, sample);
+//! - [`bench`]: `xtrain bench train` on any layout;
 //! - [`data`]: built-in corpus, tokenizers, token files, deterministic sampling;
 //! - [`schedule`]: warmup + cosine learning rate;
-//! - [`memory`]: byte accounting of parameters, gradients, optimizer state, activations;
-//! - [`rng`]: the seekable RNG whose state goes into checkpoints;
-//! - [`allocator`]: glibc tuning so each step reuses the previous step's pages.
+//! - [`metrics`], [`progress`]: `metrics.jsonl`, the loss plot, the progress bar;
+//! - [`generate`], [`hf`]: sampling, and Hugging Face export / import of any checkpoint;
+//! - [`rng`]: the seekable RNG of the sampler; [`allocator`]: glibc tuning so each step
+//!   reuses the previous step's pages.
 pub mod allocator;
 pub mod bench;
-pub mod checkpoint;
 pub mod config;
 pub mod data;
 pub mod error;
 pub mod generate;
 pub mod hf;
-pub mod memory;
 pub mod metrics;
-pub mod optim;
-pub mod precision;
 pub mod progress;
 pub mod rng;
 pub mod run;

@@ -1,10 +1,10 @@
-//! The progress bar of a training run, for `xtrain train` and for rank 0 of a parallel run:
-//! step counter, loss (and the latest validation loss), learning rate, tokens/s and MFU
-//! averaged since the bar started, and the process's peak resident memory.
+//! The console of a training run (rank 0): a progress bar with the step counter, loss (and
+//! the latest validation loss), learning rate, tokens/s and MFU averaged since the bar
+//! started, and the process's peak resident memory.
 //!
 //! The bar draws on stderr only when stderr is a terminal; otherwise (logs, CI, tests) it is
-//! hidden and [`StepBar::visible`] tells the caller to print lines instead.
-use crate::memory::{human, peak_rss_bytes};
+//! hidden and [`Console`] prints a step line about 50 times per run instead.
+use parallel::memory::{human, peak_rss_bytes};
 use std::time::Instant;
 
 /// One finished step as the bar shows it.
@@ -100,6 +100,69 @@ impl StepBar {
             self.bar.println(msg);
         } else {
             println!("{msg}");
+        }
+    }
+
+    /// Leaves the finished bar on the terminal.
+    pub fn finish(&self) {
+        self.bar.finish();
+    }
+}
+
+/// Rank 0's console during the step loop: the progress bar when stderr is a terminal;
+/// otherwise a line per step for about 50 steps of the run (and the first and last),
+/// `step N | loss L | lr … | grad norm … | … ms | … tok/s | MFU …%` followed by the caller's
+/// detail. Quiet: neither.
+pub struct Console {
+    bar: StepBar,
+    first: usize,
+    total: usize,
+    quiet: bool,
+}
+
+impl Console {
+    /// For steps `first..total`; MFU is `flops_per_token · tokens/s / peak`.
+    pub fn new(first: usize, total: usize, quiet: bool, flops_per_token: f64, peak: f64) -> Self {
+        Console {
+            bar: StepBar::new(total, first, quiet, flops_per_token, peak),
+            first,
+            total,
+            quiet,
+        }
+    }
+
+    /// Reports finished step `s.step` (counted from 1) with its gradient norm and time;
+    /// `detail` (built only for printed lines) ends the line.
+    pub fn step(
+        &mut self,
+        s: &StepStatus,
+        grad_norm: f64,
+        step_ms: f64,
+        detail: impl FnOnce() -> String,
+    ) {
+        let rate = self.bar.update(s);
+        let every = (self.total / 50).max(1);
+        let done = s.step;
+        let line = done == self.first + 1 || done.is_multiple_of(every) || done == self.total;
+        if !self.quiet && !self.bar.visible() && line {
+            println!(
+                "step {done:>5} | loss {:.4} | lr {:.2e} | grad norm {grad_norm:.3} | {step_ms:.1} ms | {:.0} tok/s | MFU {:.1}%{}",
+                s.loss,
+                s.lr,
+                rate.tokens_per_s,
+                100.0 * rate.mfu,
+                detail()
+            );
+        }
+        if let Some(v) = s.val_loss {
+            self.println(&format!("validation loss {v:.4} after step {done}"));
+        }
+    }
+
+    /// Prints a message line (above the bar when it is drawn; nothing when quiet).
+    pub fn println(&self, msg: &str) {
+        if !self.quiet {
+            self.bar.println(msg);
         }
     }
 

@@ -1,36 +1,46 @@
-//! A whole training run as `xtrain train` drives it: the step loop with a progress bar,
-//! periodic validation and checkpoints, metrics in `metrics.jsonl`, the loss plot, and a sample
-//! at the end. The run directory holds `config.toml`, `metrics.jsonl`, `loss.png`, `loss.svg`,
-//! `checkpoints/step_NNNNNN/` and `latest`.
-use crate::checkpoint::{self, SaveOptions};
+//! A whole training run as `xtrain train` drives it, on every layout: the step loop with a
+//! progress bar (rank 0), periodic validation and checkpoints, metrics in `metrics.jsonl`, the
+//! loss plot, every rank's memory account, and a sample at the end. Every rank runs it; rank 0
+//! writes the run directory:
+//!
+//! ```text
+//! <out>/config.toml  metrics.jsonl  loss.png  loss.svg  memory.json
+//! <out>/checkpoints/step_NNNNNN/   (one format for every layout, see parallel::checkpoint)
+//! <out>/latest                      (names the newest checkpoint)
+//! ```
+use std::path::{Path, PathBuf};
+use std::time::Instant;
+
+use comm::{Communicator, ReduceOp};
+use parallel::memory::{formula, formula_text, peak_rss_bytes, MemoryAccount};
+
 use crate::error::{IoContext, Result};
 use crate::generate::{generate, SampleOptions};
 use crate::metrics::{self, MetricsWriter, StepRecord};
-use crate::progress::{StepBar, StepStatus};
+use crate::progress::{Console, StepStatus};
 use crate::trainer::Trainer;
-use std::path::{Path, PathBuf};
-use std::time::Instant;
 
 /// Options of a run beyond its config.
 #[derive(Clone, Debug, Default)]
 pub struct RunOptions {
     pub out_dir: PathBuf,
-    /// Suppress the progress bar and messages (tests).
+    /// No progress bar, step lines or messages (the summary is still returned).
     pub quiet: bool,
 }
 
-/// What a run returns.
+/// What a run returns (on every rank).
 #[derive(Clone, Debug)]
 pub struct RunSummary {
-    pub first_loss: f64,
-    pub last_loss: f64,
+    /// Loss of every step run (over the global batch).
+    pub losses: Vec<f64>,
     pub val_loss: Option<f64>,
+    /// The sample text (rank 0, when `train.sample_tokens > 0`).
     pub sample: Option<String>,
     pub checkpoint: PathBuf,
 }
 
-/// Measured fp32 GEMM throughput (FLOP/s) of this machine with the current thread budget:
-/// the best of a few 512³ products. The MFU denominator.
+/// Measured fp32 GEMM throughput (FLOP/s) of this process with its thread budget: the best
+/// of a few 512³ products.
 pub fn gemm_peak_flops() -> f64 {
     let n = 512;
     let a = vec![0.5f32; n * n];
@@ -45,35 +55,55 @@ pub fn gemm_peak_flops() -> f64 {
     2.0 * (n * n * n) as f64 / best.max(1e-9)
 }
 
-fn checkpoint_name(step: usize) -> String {
-    format!("step_{step:06}")
+/// The MFU denominator of a job: every rank measures its cores' GEMM peak at the same time
+/// (each with its own thread budget), and the sum is the peak of all the cores the job uses.
+/// A collective.
+pub fn job_peak_flops(comm: &Communicator, measure: impl Fn() -> f64) -> Result<f64> {
+    let mut p = [measure() as f32];
+    if comm.size() > 1 {
+        comm.all_reduce(&mut p, ReduceOp::Sum)?;
+    }
+    Ok(p[0] as f64)
 }
 
-/// Saves the trainer into `out/checkpoints/step_N` and points `out/latest` at it.
+fn checkpoint_name(step: usize) -> String {
+    format!("checkpoints/step_{step:06}")
+}
+
+/// Saves the trainer into `out/checkpoints/step_N` and points `out/latest` at it. A
+/// collective.
 pub fn save_into_run(t: &Trainer, out: &Path) -> Result<PathBuf> {
     let name = checkpoint_name(t.step);
-    let dir = out.join("checkpoints").join(&name);
-    t.save_checkpoint(&dir, SaveOptions::default())?;
-    checkpoint::set_latest(out, &format!("checkpoints/{name}"))?;
+    let dir = out.join(&name);
+    t.save_checkpoint(&dir)?;
+    if t.rank() == 0 {
+        parallel::checkpoint::set_latest(out, &name)?;
+    }
+    // No rank returns (and no caller reads `latest`) before rank 0 has written it.
+    t.comm().barrier()?;
     Ok(dir)
 }
 
-/// Trains `t` until `train.steps`, logging into `opts.out_dir`.
+/// Trains `t` until `train.steps`, logging into `opts.out_dir`. Every rank calls it.
 pub fn run(t: &mut Trainer, opts: &RunOptions) -> Result<RunSummary> {
     let out = &opts.out_dir;
-    std::fs::create_dir_all(out).ctx(|| format!("creating {}", out.display()))?;
-    std::fs::write(out.join("config.toml"), t.cfg.to_toml())
-        .ctx(|| "writing config.toml".into())?;
-    let mut writer = MetricsWriter::append(&out.join("metrics.jsonl"))?;
-    let total = t.cfg.train.steps;
-    let peak = gemm_peak_flops();
-    let fpt = t.flops_per_token();
-    let say = |s: String| {
-        if !opts.quiet {
-            eprintln!("{s}");
+    let rank0 = t.rank() == 0;
+    let say = |s: &str| {
+        if rank0 && !opts.quiet {
+            println!("{s}");
         }
     };
-    say(format!(
+    let mut writer = None;
+    if rank0 {
+        std::fs::create_dir_all(out).ctx(|| format!("creating {}", out.display()))?;
+        std::fs::write(out.join("config.toml"), t.cfg.to_toml())
+            .ctx(|| "writing config.toml".into())?;
+        writer = Some(MetricsWriter::append(&out.join("metrics.jsonl"))?);
+    }
+    let total = t.cfg.train.steps;
+    let peak = job_peak_flops(t.comm(), gemm_peak_flops)?;
+    let fpt = t.flops_per_token();
+    say(&format!(
         "model: {} parameters ({} layers, hidden {}), data: {} ({} train / {} val tokens)",
         t.num_params(),
         t.cfg.model.num_layers,
@@ -82,36 +112,43 @@ pub fn run(t: &mut Trainer, opts: &RunOptions) -> Result<RunSummary> {
         t.data.train.len(),
         t.data.val.len()
     ));
-    say(format!(
-        "memory ({:?}): {}",
-        t.cfg.train.precision,
-        t.memory().summary()
+    let d = &t.dims;
+    let (local, precision) = (t.exec.spec().total(), t.cfg.train.precision);
+    say(&format!(
+        "layout: {} on {} process(es), {:?}; {local} of {} parameters per rank; model states per rank by formula {} = {}",
+        d.describe(),
+        t.cfg.parallel.nproc,
+        precision,
+        t.num_params(),
+        formula_text(d.zero, precision),
+        parallel::memory::human(formula(local, d.dp * d.cp, d.zero, precision).model_states() as u64),
     ));
-    say(format!(
-        "FLOPs/token 6N+12LHS = {:.3e}; measured fp32 GEMM peak {:.1} GFLOP/s",
-        fpt,
+    say(&format!("memory (rank 0, accounted): {}", t.memory()));
+    say(&format!(
+        "FLOPs/token 6N+12LHS = {fpt:.3e}; measured fp32 GEMM peak of all {} rank(s) {:.1} GFLOP/s",
+        t.comm().size(),
         peak / 1e9
     ));
-    let mut bar = StepBar::new(total, t.step, opts.quiet, fpt, peak);
-    let (mut first, mut last, mut last_val) = (f64::NAN, f64::NAN, None);
+    if t.step > 0 {
+        say(&format!("resumed at step {}", t.step));
+    }
+    let mut console = rank0.then(|| Console::new(t.step, total, opts.quiet, fpt, peak));
+    let (mut losses, mut last_val) = (Vec::new(), None);
     while t.step < total {
         let ts = Instant::now();
         let r = t.train_step()?;
         let dt = ts.elapsed().as_secs_f64();
-        if first.is_nan() {
-            first = r.loss;
-        }
-        last = r.loss;
+        losses.push(r.loss);
         let tps = r.tokens as f64 / dt.max(1e-9);
         let mut rec = StepRecord {
             step: r.step,
             loss: r.loss,
             lr: r.lr,
-            grad_norm: r.stats.grad_norm,
+            grad_norm: r.stats.grad_norm as f64,
             tokens_per_s: tps,
             mfu: tps * fpt / peak,
             val_loss: None,
-            loss_scale: t.scaler.dynamic.then_some(t.scaler.scale),
+            loss_scale: t.exec.loss_scaler().dynamic.then_some(r.stats.loss_scale),
             skipped: !r.stats.applied,
         };
         let every = t.cfg.train.eval_every;
@@ -119,49 +156,122 @@ pub fn run(t: &mut Trainer, opts: &RunOptions) -> Result<RunSummary> {
             rec.val_loss = t.evaluate()?;
             last_val = rec.val_loss.or(last_val);
         }
-        writer.write(&rec)?;
-        bar.update(&StepStatus {
-            step: r.step,
-            loss: r.loss,
-            val_loss: rec.val_loss,
-            lr: r.lr,
-            tokens: r.tokens,
-        });
+        if let Some(w) = &mut writer {
+            w.write(&rec)?;
+        }
+        if let Some(c) = &mut console {
+            let status = StepStatus {
+                step: r.step,
+                loss: r.loss,
+                val_loss: rec.val_loss,
+                lr: r.lr,
+                tokens: r.tokens,
+            };
+            let m = t.memory();
+            c.step(&status, rec.grad_norm, dt * 1e3, || {
+                let mib = |b: usize| b as f64 / (1024.0 * 1024.0);
+                format!(
+                    " | mem/rank params {:.2} grads {:.2} master+optim {:.2} comm {:.2} act {:.2} MiB",
+                    mib(m.params),
+                    mib(m.grads),
+                    mib(m.master + m.optimizer),
+                    mib(m.comm_buffers),
+                    mib(m.activations)
+                )
+            });
+        }
         let ck = t.cfg.train.ckpt_every;
         if ck > 0 && r.step % ck == 0 && r.step < total {
             save_into_run(t, out)?;
         }
     }
-    bar.finish();
+    if let Some(c) = &console {
+        c.finish();
+    }
+    write_memory(t, out)?;
     let checkpoint = save_into_run(t, out)?;
-    say(format!("checkpoint: {}", checkpoint.display()));
-    let records = metrics::read(&out.join("metrics.jsonl"))?;
-    metrics::plot_loss(&records, &out.join("loss.png"), &out.join("loss.svg"))?;
-    say(format!(
-        "metrics: {}/metrics.jsonl, plot: {}/loss.png (+ .svg)",
-        out.display(),
-        out.display()
-    ));
-    let sample = if t.cfg.train.sample_tokens > 0 {
-        let o = SampleOptions {
-            max_new_tokens: t.cfg.train.sample_tokens,
-            temperature: 0.8,
-            top_k: 20,
-            seed: t.cfg.train.seed,
-            context: t.cfg.model.seq_len,
-        };
-        let prompt = t.cfg.train.sample_prompt.clone();
-        let text = generate(&t.model, t.weights.master(), &t.tokenizer, &prompt, &o)?;
-        say(format!("sample: {prompt}{text}"));
-        Some(text)
-    } else {
-        None
-    };
+    say(&format!("checkpoint: {}", checkpoint.display()));
+    let mut sample = None;
+    if rank0 {
+        let records = metrics::read(&out.join("metrics.jsonl"))?;
+        metrics::plot_loss(&records, &out.join("loss.png"), &out.join("loss.svg"))?;
+        say(&format!(
+            "metrics: {0}/metrics.jsonl, plot: {0}/loss.png (+ .svg), memory: {0}/memory.json",
+            out.display()
+        ));
+        if t.cfg.train.sample_tokens > 0 {
+            // The full weights from the checkpoint just written (whatever the layout).
+            let (cfg, model, params, tokenizer) = crate::trainer::load_model(&checkpoint)?;
+            let o = SampleOptions {
+                max_new_tokens: cfg.train.sample_tokens,
+                temperature: 0.8,
+                top_k: 20,
+                seed: cfg.train.seed,
+                context: cfg.model.seq_len,
+            };
+            let prompt = cfg.train.sample_prompt.clone();
+            let text = generate(&model, &params, &tokenizer, &prompt, &o)?;
+            say(&format!("sample: {prompt}{text}"));
+            sample = Some(text);
+        }
+    }
     Ok(RunSummary {
-        first_loss: first,
-        last_loss: last,
+        losses,
         val_loss: last_val,
         sample,
         checkpoint,
     })
+}
+
+/// Writes `out/memory.json` (rank 0): every rank's accounted bytes by category beside the
+/// formula's model states, its measured peak resident set and the baseline before the model
+/// existed. A collective.
+pub fn write_memory(t: &Trainer, out: &Path) -> Result<()> {
+    let mut mine = t.memory().to_array().to_vec();
+    let kib = |b: Option<u64>| b.map_or(-1, |b| b as i64);
+    mine.push(kib(peak_rss_bytes()));
+    mine.push(kib(t.baseline_rss));
+    let n = t.comm().size();
+    let mut all = vec![0i64; mine.len() * n];
+    t.comm().all_gather(&mine, &mut all)?;
+    if t.rank() != 0 {
+        return Ok(());
+    }
+    let d = &t.dims;
+    let precision = t.cfg.train.precision;
+    let f = formula(t.exec.spec().total(), d.dp * d.cp, d.zero, precision);
+    let ranks: Vec<_> = all
+        .chunks_exact(mine.len())
+        .enumerate()
+        .map(|(r, v)| {
+            let m = MemoryAccount::from_array(v);
+            serde_json::json!({
+                "rank": r,
+                "params": m.params,
+                "grads": m.grads,
+                "master": m.master,
+                "optimizer": m.optimizer,
+                "comm_buffers_peak": m.comm_buffers,
+                "activations_peak": m.activations,
+                "accounted_total": m.total(),
+                "peak_rss": v[6],
+                "baseline_rss": v[7],
+            })
+        })
+        .collect();
+    let doc = serde_json::json!({
+        "layout": d.describe(),
+        "precision": precision,
+        "formula": formula_text(d.zero, precision),
+        "formula_bytes": {
+            "params": f.params,
+            "grads": f.grads,
+            "master": f.master,
+            "optimizer": f.optimizer,
+            "model_states": f.model_states(),
+        },
+        "ranks": ranks,
+    });
+    let text = serde_json::to_string_pretty(&doc).expect("serialises");
+    std::fs::write(out.join("memory.json"), text).ctx(|| "writing memory.json".into())
 }

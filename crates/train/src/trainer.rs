@@ -1,22 +1,26 @@
-//! The single-process training loop: one optimizer step = `grad_accum` micro-batches of
-//! forward/backward into the working gradients, then the [`StepEngine`] (sync + clip + AdamW).
-//! Also validation, checkpoint save/restore, and the accounting behind the progress line.
+//! The one trainer, for every layout: a rank's model part and executor from
+//! `parallel::parallelize`, its share of the data, the learning-rate schedule, and where the
+//! run is. One optimizer step = this dp rank's `grad_accum` micro-batches through the executor
+//! (forward, backward, gradient reduction, clipping, AdamW); the single process is the layout
+//! with every degree 1.
 //!
-//! Determinism: initialisation depends only on `train.seed`, the data of step `s` only on
-//! `(train.seed, s)`, and every reduction runs in a fixed order, so a run resumed from a
-//! checkpoint reproduces the uninterrupted run's losses bit for bit.
-use crate::checkpoint::{self, SaveOptions};
-use crate::config::{Precision, RunConfig};
+//! Determinism: initialisation depends only on `train.seed` (each rank generates exactly its
+//! blocks of the full model's initial weights), the data of step `s` only on `(seed, s)`, and
+//! every reduction runs in a fixed order, so a run resumed from a checkpoint at the same layout
+//! reproduces the uninterrupted run's losses bit for bit.
+use std::path::Path;
+
+use comm::Communicator;
+use model::Model;
+use parallel::checkpoint::{self, Checkpoint, MeshRecord, SaveMeta, TrainingState};
+use parallel::executor::{ExecConfig, Executor, StepStats};
+use parallel::memory::MemoryAccount;
+use parallel::{DecoderStage, Mesh, ModelOptions, ParallelDims};
+
+use crate::config::RunConfig;
 use crate::data::{Dataset, Sampler, Tokenizer};
 use crate::error::{Result, TrainError};
-use crate::memory::MemoryAccount;
-use crate::optim::{LocalAdamW, StepEngine, StepStats};
-use crate::precision::{LossScaler, Weights};
 use crate::schedule::CosineSchedule;
-use model::{AdamW, Model, StepOptions};
-use serde::{Deserialize, Serialize};
-use std::collections::{BTreeMap, HashMap};
-use std::path::Path;
 
 /// The model configuration (Hugging Face names) of a run.
 pub fn model_config(cfg: &RunConfig) -> model::ModelConfig {
@@ -95,385 +99,11 @@ fn f32_decimal(x: f32) -> f64 {
 /// Training FLOPs per token: `6N + 12·L·H·S` (Kaplan et al. 2020 / PaLM appendix B), with N =
 /// every parameter including the embedding table (the convention of the PyTorch reference
 /// figures in docs/PERFORMANCE.md), L layers, H hidden size, S sequence length. The second
-/// term is attention's QKᵀ and AV products, forward and backward.
+/// term is attention's QKᵀ and AV products, forward and backward. Every layout counts the full
+/// model's N, so the MFU of a parallel run divides the same work by all the cores it uses.
 pub fn flops_per_token(cfg: &RunConfig, num_params: usize) -> f64 {
     let m = &cfg.model;
     6.0 * num_params as f64 + 12.0 * (m.num_layers * m.hidden_size * m.seq_len) as f64
-}
-
-/// Activation bytes kept for backward by one micro-batch, estimated from what a Llama block
-/// caches (fp32 in the model's kernels): per token and layer the block input, two normalised
-/// inputs, q/k/v, attention output, residual, the three SwiGLU tensors and the per-row
-/// statistics; plus the head's input and normalised input and the embedding output.
-pub fn activation_bytes(cfg: &RunConfig) -> u64 {
-    let m = &cfg.model;
-    let kv = m.hidden_size / m.num_heads * m.num_kv_heads;
-    let ffn = if m.arch == "mixtral" {
-        m.intermediate_size * m.experts_per_token
-    } else {
-        m.intermediate_size
-    };
-    let per_token_layer = 6 * m.hidden_size + 2 * kv + 3 * ffn + m.num_heads + 2;
-    let per_token = m.num_layers * per_token_layer + 3 * m.hidden_size + 1;
-    (per_token * m.seq_len * cfg.train.micro_batch * 4) as u64
-}
-
-/// The trainer's resumable state beyond tensors (saved as `state.json`).
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
-pub struct TrainState {
-    /// Optimizer steps completed; also the data position (the sampler is a function of it).
-    pub step: usize,
-    pub tokens_seen: u64,
-    pub adam_step: u64,
-    pub scaler: LossScaler,
-    pub data_seed: u64,
-    pub precision: Precision,
-}
-
-/// What one optimizer step reports.
-#[derive(Clone, Copy, Debug, PartialEq)]
-pub struct StepReport {
-    pub step: usize,
-    pub loss: f64,
-    pub lr: f64,
-    pub stats: StepStats,
-    pub tokens: usize,
-}
-
-/// A model, its weights and optimizer, its data, and where it is in the run.
-pub struct Trainer {
-    pub cfg: RunConfig,
-    pub model: Model,
-    pub weights: Weights,
-    pub engine: Box<dyn StepEngine + Send>,
-    pub scaler: LossScaler,
-    pub data: Dataset,
-    pub sampler: Sampler,
-    pub schedule: CosineSchedule,
-    pub tokenizer: Tokenizer,
-    /// The raw `tokenizer.json`, kept so checkpoints carry their tokenizer.
-    pub tokenizer_json: Option<Vec<u8>>,
-    pub step: usize,
-    pub tokens_seen: u64,
-}
-
-fn merr(e: model::ModelError) -> TrainError {
-    TrainError::Model(e.to_string())
-}
-
-fn load_tokenizer(spec: &str) -> Result<(Tokenizer, Option<Vec<u8>>)> {
-    let tk = Tokenizer::from_spec(spec)?;
-    let json = match tk {
-        Tokenizer::Byte => None,
-        Tokenizer::Hf(_) => {
-            Some(std::fs::read(spec).map_err(|e| TrainError::Tokenizer(format!("{spec}: {e}")))?)
-        }
-    };
-    Ok((tk, json))
-}
-
-impl Trainer {
-    /// A fresh run: weights initialised from `train.seed`.
-    pub fn new(cfg: RunConfig) -> Result<Self> {
-        cfg.validate()?;
-        let model = Model::new(model_config(&cfg)).map_err(merr)?;
-        let master = model.init_params(cfg.train.seed);
-        let (tk, json) = load_tokenizer(&cfg.data.tokenizer)?;
-        Self::assemble(cfg, model, master, tk, json)
-    }
-
-    fn assemble(
-        cfg: RunConfig,
-        model: Model,
-        master: Vec<f32>,
-        tokenizer: Tokenizer,
-        tokenizer_json: Option<Vec<u8>>,
-    ) -> Result<Self> {
-        cfg.require_single_process()?;
-        Self::build(cfg, model, master, tokenizer, tokenizer_json)
-    }
-
-    /// A fresh run on data-parallel rank `rank` of `cfg.parallel.dp`, with the engine that
-    /// `make_engine(hyper, clip, num_params)` builds (DDP / ZeRO plug in here). The sampler
-    /// reads this rank's share of every global batch; gradients handed to the engine are this
-    /// rank's mean over its micro-batches, and the engine averages them over ranks.
-    pub fn new_with_engine(
-        cfg: RunConfig,
-        rank: usize,
-        make_engine: impl FnOnce(AdamW, f64, usize) -> Box<dyn StepEngine + Send>,
-    ) -> Result<Self> {
-        cfg.validate()?;
-        if rank >= cfg.parallel.dp {
-            return Err(TrainError::Config(format!(
-                "rank {rank} outside dp {}",
-                cfg.parallel.dp
-            )));
-        }
-        let model = Model::new(model_config(&cfg)).map_err(merr)?;
-        let master = model.init_params(cfg.train.seed);
-        let (tk, json) = load_tokenizer(&cfg.data.tokenizer)?;
-        let mut t = Self::build(cfg, model, master, tk, json)?;
-        t.engine = make_engine(t.hyper(), t.cfg.train.grad_clip, t.num_params());
-        t.sampler.dp = t.cfg.parallel.dp;
-        t.sampler.rank = rank;
-        Ok(t)
-    }
-
-    /// The AdamW hyper-parameters of the config.
-    pub fn hyper(&self) -> AdamW {
-        let t = &self.cfg.train;
-        AdamW {
-            lr: t.lr as f32,
-            beta1: t.beta1 as f32,
-            beta2: t.beta2 as f32,
-            eps: t.eps as f32,
-            weight_decay: t.weight_decay as f32,
-        }
-    }
-
-    fn build(
-        cfg: RunConfig,
-        model: Model,
-        master: Vec<f32>,
-        tokenizer: Tokenizer,
-        tokenizer_json: Option<Vec<u8>>,
-    ) -> Result<Self> {
-        if cfg.train.threads > 0 {
-            tensor::threads::set_thread_budget(cfg.train.threads)
-                .map_err(|e| TrainError::Config(e.to_string()))?;
-        }
-        if tokenizer.vocab_size() > cfg.model.vocab_size {
-            return Err(TrainError::Config(format!(
-                "tokenizer has {} tokens but model.vocab_size is {}",
-                tokenizer.vocab_size(),
-                cfg.model.vocab_size
-            )));
-        }
-        let data = Dataset::load(
-            &cfg.data,
-            &tokenizer,
-            cfg.model.vocab_size,
-            cfg.model.seq_len,
-        )?;
-        let t = &cfg.train;
-        let hyper = AdamW {
-            lr: t.lr as f32,
-            beta1: t.beta1 as f32,
-            beta2: t.beta2 as f32,
-            eps: t.eps as f32,
-            weight_decay: t.weight_decay as f32,
-        };
-        let engine = Box::new(LocalAdamW::new(hyper, t.grad_clip, master.len()));
-        let sampler = Sampler {
-            seed: t.seed,
-            seq_len: cfg.model.seq_len,
-            micro_batch: t.micro_batch,
-            grad_accum: t.grad_accum,
-            dp: 1,
-            rank: 0,
-        };
-        let schedule = CosineSchedule {
-            peak: t.lr,
-            min: t.min_lr,
-            warmup: t.warmup_steps,
-            total: t.steps,
-        };
-        Ok(Self {
-            weights: Weights::new(master, t.precision),
-            scaler: LossScaler::new(t.precision, t.loss_scale),
-            engine,
-            data,
-            sampler,
-            schedule,
-            tokenizer,
-            tokenizer_json,
-            step: 0,
-            tokens_seen: 0,
-            model,
-            cfg,
-        })
-    }
-
-    pub fn num_params(&self) -> usize {
-        self.weights.len()
-    }
-
-    /// Bytes held by the training state and one micro-batch's activations.
-    pub fn memory(&self) -> MemoryAccount {
-        let mut m = MemoryAccount::for_state(self.num_params() as u64, self.cfg.train.precision);
-        m.activations = activation_bytes(&self.cfg);
-        m
-    }
-
-    pub fn flops_per_token(&self) -> f64 {
-        flops_per_token(&self.cfg, self.num_params())
-    }
-
-    fn model_batch(b: crate::data::Batch) -> Result<model::Batch> {
-        let targets = b.targets.iter().map(|&t| t as i64).collect();
-        model::Batch::new(b.batch, b.seq, b.inputs, targets).map_err(merr)
-    }
-
-    /// One optimizer step over `grad_accum` micro-batches.
-    pub fn train_step(&mut self) -> Result<StepReport> {
-        let accum = self.cfg.train.grad_accum;
-        let opts = StepOptions {
-            loss_scale: (self.scaler.scale / accum as f64) as f32,
-            ..StepOptions::default()
-        };
-        let mut loss_sum = 0.0f64;
-        let mut tokens = 0;
-        for a in 0..accum {
-            let batch = Self::model_batch(self.sampler.train_batch(
-                &self.data.train,
-                self.step as u64,
-                a,
-            ))?;
-            tokens += batch.tokens();
-            // The whole pass on one pool worker: its kernels then run inline there instead of
-            // each being handed from this thread to the pool (see `threads::install`).
-            let (weights, model) = (&mut self.weights, &self.model);
-            let r = tensor::threads::install(|| weights.forward_backward(model, &batch, &opts))?;
-            loss_sum += r.loss as f64;
-        }
-        let loss = self.engine.mean_over_ranks(loss_sum / accum as f64)?;
-        if !loss.is_finite() && !self.scaler.dynamic {
-            return Err(TrainError::Diverged(format!(
-                "loss is {loss} at step {}",
-                self.step
-            )));
-        }
-        let lr = self.schedule.lr(self.step);
-        let stats = self.engine.step(&mut self.weights, &mut self.scaler, lr)?;
-        self.step += 1;
-        self.tokens_seen += tokens as u64;
-        Ok(StepReport {
-            step: self.step,
-            loss,
-            lr,
-            stats,
-            tokens,
-        })
-    }
-
-    /// Mean validation loss over `eval_batches` fixed micro-batches of the held-out split.
-    pub fn evaluate(&mut self) -> Result<Option<f64>> {
-        if self.data.val.is_empty() || self.cfg.train.eval_batches == 0 {
-            return Ok(None);
-        }
-        let mut sum = 0.0;
-        for i in 0..self.cfg.train.eval_batches {
-            let batch = Self::model_batch(self.sampler.val_batch(&self.data.val, i))?;
-            let (weights, model) = (&mut self.weights, &self.model);
-            sum += tensor::threads::install(|| weights.forward_loss(model, &batch))?.ce as f64;
-        }
-        Ok(Some(self.engine.mean_over_ranks(
-            sum / self.cfg.train.eval_batches as f64,
-        )?))
-    }
-
-    pub fn state(&self) -> TrainState {
-        TrainState {
-            step: self.step,
-            tokens_seen: self.tokens_seen,
-            adam_step: self.engine.state().step,
-            scaler: self.scaler,
-            data_seed: self.sampler.seed,
-            precision: self.cfg.train.precision,
-        }
-    }
-
-    /// Writes checkpoint `dir`: `model.safetensors` (fp32 master weights, HF names),
-    /// `optimizer.safetensors` (AdamW m and v), `state.json`, `config.toml`, HF `config.json`,
-    /// and the tokenizer when it is not the byte tokenizer.
-    pub fn save_checkpoint(&self, dir: &Path, opts: SaveOptions) -> Result<()> {
-        let mut meta = HashMap::new();
-        meta.insert("format".to_string(), "pt".to_string());
-        let weights = model::io::params_to_safetensors(
-            &self.model.layout,
-            self.weights.master(),
-            false,
-            Some(meta),
-        )
-        .map_err(merr)?;
-        let st = self.engine.state();
-        let mut files = vec![
-            ("model.safetensors".to_string(), weights),
-            (
-                "optimizer.safetensors".to_string(),
-                flat_safetensors(&[("adamw.m", &st.m), ("adamw.v", &st.v)])?,
-            ),
-            (
-                "state.json".to_string(),
-                serde_json::to_vec_pretty(&self.state()).expect("state serialises"),
-            ),
-            ("config.toml".to_string(), self.cfg.to_toml().into_bytes()),
-            (
-                "config.json".to_string(),
-                hf_config_json(&self.model.cfg).into_bytes(),
-            ),
-        ];
-        if let Some(json) = &self.tokenizer_json {
-            files.push(("tokenizer.json".to_string(), json.clone()));
-        }
-        checkpoint::save(dir, &files, opts)
-    }
-
-    /// Restores a run from checkpoint `dir`, applying `overrides` (`key=value`) to its config.
-    /// Only keys that do not change tensor shapes or the data stream make sense to override
-    /// (e.g. `train.steps`); shape changes are refused by the tensor loaders.
-    pub fn from_checkpoint(dir: &Path, overrides: &[String]) -> Result<Self> {
-        let files = checkpoint::load(dir)?;
-        let bad = |msg: String| TrainError::Checkpoint {
-            path: dir.to_path_buf(),
-            msg,
-        };
-        let get = |name: &str| {
-            files
-                .get(name)
-                .ok_or_else(|| bad(format!("missing {name}")))
-        };
-        let toml_text = std::str::from_utf8(get("config.toml")?)
-            .map_err(|_| bad("config.toml is not UTF-8".into()))?;
-        let cfg = RunConfig::resolve("tiny", Some(toml_text), overrides)?;
-        let state: TrainState = serde_json::from_slice(get("state.json")?)
-            .map_err(|e| bad(format!("state.json: {e}")))?;
-        if state.precision != cfg.train.precision {
-            return Err(bad(format!(
-                "checkpoint precision {:?} differs from the config's {:?}",
-                state.precision, cfg.train.precision
-            )));
-        }
-        let model = Model::new(model_config(&cfg)).map_err(merr)?;
-        let wf = model::io::WeightsFile::from_bytes(get("model.safetensors")?.clone())
-            .map_err(|e| bad(format!("model.safetensors: {e}")))?;
-        let mut master = vec![0.0f32; model.num_params()];
-        wf.load_into(&model.layout, "", &mut master)
-            .map_err(|e| bad(format!("model.safetensors: {e}")))?;
-        let (tokenizer, json) = match files.get("tokenizer.json") {
-            Some(bytes) => (
-                Tokenizer::Hf(Box::new(
-                    tokenizers::Tokenizer::from_bytes(bytes)
-                        .map_err(|e| TrainError::Tokenizer(e.to_string()))?,
-                )),
-                Some(bytes.clone()),
-            ),
-            None => (Tokenizer::Byte, None),
-        };
-        let mut t = Self::assemble(cfg, model, master, tokenizer, json)?;
-        let n = t.num_params();
-        let opt = read_flat(get("optimizer.safetensors")?, &["adamw.m", "adamw.v"], n)
-            .map_err(|e| bad(format!("optimizer.safetensors: {e}")))?;
-        let st = t.engine.state_mut();
-        st.m.copy_from_slice(&opt[0]);
-        st.v.copy_from_slice(&opt[1]);
-        st.step = state.adam_step;
-        t.step = state.step;
-        t.tokens_seen = state.tokens_seen;
-        t.scaler = state.scaler;
-        t.sampler.seed = state.data_seed;
-        Ok(t)
-    }
 }
 
 /// HF `config.json` text: the model config plus `architectures` / `model_type`, which
@@ -494,62 +124,363 @@ pub fn hf_config_json(mc: &model::ModelConfig) -> String {
     serde_json::to_string_pretty(&v).expect("serialises")
 }
 
-/// Serialises named flat f32 vectors as 1-D safetensors.
-pub fn flat_safetensors(tensors: &[(&str, &[f32])]) -> Result<Vec<u8>> {
-    let bytes: Vec<(String, Vec<u8>, usize)> = tensors
-        .iter()
-        .map(|(n, v)| {
+/// What one optimizer step reports.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct StepReport {
+    /// Steps done (counted from 1).
+    pub step: usize,
+    /// Mean loss over the global batch.
+    pub loss: f64,
+    pub lr: f64,
+    pub stats: StepStats,
+    /// Tokens of the global batch.
+    pub tokens: usize,
+}
+
+/// A rank's model part, executor, data, and where the run is.
+pub struct Trainer {
+    pub cfg: RunConfig,
+    pub dims: ParallelDims,
+    comm: Communicator,
+    mesh: Mesh,
+    pub exec: Executor<DecoderStage>,
+    pub data: Dataset,
+    pub sampler: Sampler,
+    pub schedule: CosineSchedule,
+    pub tokenizer: Tokenizer,
+    /// The raw `tokenizer.json`, kept so checkpoints carry their tokenizer.
+    pub tokenizer_json: Option<Vec<u8>>,
+    pub step: usize,
+    pub tokens_seen: u64,
+    /// Resident set of the process before the model state existed (memory reports).
+    pub baseline_rss: Option<u64>,
+}
+
+fn merr(e: impl std::fmt::Display) -> TrainError {
+    TrainError::Model(e.to_string())
+}
+
+fn perr(e: parallel::ParallelError) -> TrainError {
+    match e {
+        parallel::ParallelError::Config(m) | parallel::ParallelError::Layout(m) => {
+            TrainError::Config(m)
+        }
+        parallel::ParallelError::Unsupported(m) => TrainError::Unsupported(m),
+        other => TrainError::Parallel(other.to_string()),
+    }
+}
+
+fn load_tokenizer(spec: &str) -> Result<(Tokenizer, Option<Vec<u8>>)> {
+    let tk = Tokenizer::from_spec(spec)?;
+    let json = match tk {
+        Tokenizer::Byte => None,
+        Tokenizer::Hf(_) => {
+            Some(std::fs::read(spec).map_err(|e| TrainError::Tokenizer(format!("{spec}: {e}")))?)
+        }
+    };
+    Ok((tk, json))
+}
+
+/// The tokenizer a checkpoint carries (`tokenizer.json`, else bytes).
+fn checkpoint_tokenizer(ck: &Checkpoint) -> Result<(Tokenizer, Option<Vec<u8>>)> {
+    match ck.file("tokenizer.json")? {
+        Some(bytes) => Ok((
+            Tokenizer::Hf(Box::new(
+                tokenizers::Tokenizer::from_bytes(&bytes)
+                    .map_err(|e| TrainError::Tokenizer(e.to_string()))?,
+            )),
+            Some(bytes),
+        )),
+        None => Ok((Tokenizer::Byte, None)),
+    }
+}
+
+/// The resolved run config a checkpoint holds.
+pub fn checkpoint_config_text(ck: &Checkpoint) -> Result<String> {
+    let bytes = ck
+        .file("config.toml")?
+        .ok_or_else(|| TrainError::Checkpoint {
+            path: ck.dir().to_path_buf(),
+            msg: "holds no config.toml".into(),
+        })?;
+    String::from_utf8(bytes).map_err(|_| TrainError::Checkpoint {
+        path: ck.dir().to_path_buf(),
+        msg: "config.toml is not UTF-8".into(),
+    })
+}
+
+impl Trainer {
+    /// A fresh run on this rank of `comm`'s world (every rank calls it).
+    pub fn new(cfg: RunConfig, comm: &Communicator) -> Result<Self> {
+        cfg.validate()?;
+        let (tk, json) = load_tokenizer(&cfg.data.tokenizer)?;
+        Self::build(cfg, comm, tk, json)
+    }
+
+    /// A fresh single-process run.
+    pub fn single(cfg: RunConfig) -> Result<Self> {
+        Self::new(cfg, &Communicator::single_process()?)
+    }
+
+    /// Continues checkpoint `ck` (saved at any layout) with `cfg` — the checkpoint's config
+    /// with the caller's overrides, typically a new layout. Every rank calls it.
+    pub fn resume(cfg: RunConfig, ck: &Path, comm: &Communicator) -> Result<Self> {
+        cfg.validate()?;
+        let mut ck = Checkpoint::open(ck)?;
+        let (tk, json) = checkpoint_tokenizer(&ck)?;
+        let mut t = Self::build(cfg, comm, tk, json)?;
+        let state = ck.manifest.state;
+        if state.step as usize > t.cfg.train.steps {
+            return Err(TrainError::Config(format!(
+                "the checkpoint is at step {}, beyond train.steps = {} (raise it with --set train.steps=N)",
+                state.step, t.cfg.train.steps
+            )));
+        }
+        t.exec.load_checkpoint(&mut ck).map_err(perr)?;
+        t.step = state.step as usize;
+        t.tokens_seen = state.tokens_seen;
+        t.sampler.seed = state.data_seed;
+        Ok(t)
+    }
+
+    fn build(
+        cfg: RunConfig,
+        comm: &Communicator,
+        tokenizer: Tokenizer,
+        tokenizer_json: Option<Vec<u8>>,
+    ) -> Result<Self> {
+        let p = &cfg.parallel;
+        if comm.size() != p.nproc {
+            return Err(TrainError::Config(format!(
+                "parallel.nproc = {} but the job has {} process(es)",
+                p.nproc,
+                comm.size()
+            )));
+        }
+        if cfg.train.threads > 0 {
+            tensor::threads::set_thread_budget(cfg.train.threads)
+                .map_err(|e| TrainError::Config(e.to_string()))?;
+        }
+        if tokenizer.vocab_size() > cfg.model.vocab_size {
+            return Err(TrainError::Config(format!(
+                "tokenizer has {} tokens but model.vocab_size is {}",
+                tokenizer.vocab_size(),
+                cfg.model.vocab_size
+            )));
+        }
+        let dims = p.dims()?;
+        dims.validate_model(&model_config(&cfg), cfg.model.seq_len)
+            .map_err(perr)?;
+        if dims.pp > 1 {
+            return Err(TrainError::Unsupported(format!(
+                "pp = {}: the executor runs pipeline schedules, but their generators (GPipe, 1F1B, …) are not implemented yet",
+                dims.pp
+            )));
+        }
+        let data = Dataset::load(
+            &cfg.data,
+            &tokenizer,
+            cfg.model.vocab_size,
+            cfg.model.seq_len,
+        )?;
+        let baseline_rss = parallel::memory::proc_status_bytes("VmRSS:");
+        let mesh = Mesh::new(comm, dims).map_err(perr)?;
+        let opts = ModelOptions {
+            seq_len: cfg.model.seq_len,
+            recompute: cfg.recompute()?,
+        };
+        let par = parallel::parallelize(&model_config(&cfg), &mesh, &opts).map_err(perr)?;
+        let t = &cfg.train;
+        let exec_cfg = ExecConfig {
+            zero: dims.zero,
+            bucket_bytes: (p.bucket_mb * 1024.0 * 1024.0) as usize,
+            adamw: model::AdamW {
+                lr: t.lr as f32,
+                beta1: t.beta1 as f32,
+                beta2: t.beta2 as f32,
+                eps: t.eps as f32,
+                weight_decay: t.weight_decay as f32,
+            },
+            max_grad_norm: (t.grad_clip > 0.0).then_some(t.grad_clip as f32),
+            precision: t.precision,
+            loss_scale: t.loss_scale,
+            // A launched worker or a lone process runs one rank; ranks as threads of a test
+            // process do not.
+            one_rank_per_process: comm.size() == 1 || comm::env::LaunchEnv::from_env().is_ok(),
+        };
+        let init = par.stage.clone();
+        let seed = t.seed;
+        let exec = Executor::new(par.stage, par.dp, par.pipe, exec_cfg, |r, out| {
+            init.init_range(seed, r, out)
+        })
+        .map_err(perr)?;
+        let sampler = Sampler {
+            seed,
+            seq_len: cfg.model.seq_len,
+            micro_batch: t.micro_batch,
+            grad_accum: t.grad_accum,
+            dp: dims.dp,
+            rank: mesh.coord("dp").map_err(perr)?,
+        };
+        let schedule = CosineSchedule {
+            peak: t.lr,
+            min: t.min_lr,
+            warmup: t.warmup_steps,
+            total: t.steps,
+        };
+        Ok(Self {
+            dims,
+            comm: comm.clone(),
+            mesh,
+            exec,
+            data,
+            sampler,
+            schedule,
+            tokenizer,
+            tokenizer_json,
+            step: 0,
+            tokens_seen: 0,
+            baseline_rss,
+            cfg,
+        })
+    }
+
+    /// This rank in the world.
+    pub fn rank(&self) -> usize {
+        self.comm.rank()
+    }
+
+    /// The world communicator.
+    pub fn comm(&self) -> &Communicator {
+        &self.comm
+    }
+
+    /// The mesh the run is laid out on.
+    pub fn mesh(&self) -> &Mesh {
+        &self.mesh
+    }
+
+    /// Parameters of the full model.
+    pub fn num_params(&self) -> usize {
+        self.exec.model().plan.full_layout.total()
+    }
+
+    /// Bytes held on this rank (persistent buffers, and the peaks of transient ones so far).
+    pub fn memory(&self) -> MemoryAccount {
+        self.exec.memory()
+    }
+
+    pub fn flops_per_token(&self) -> f64 {
+        flops_per_token(&self.cfg, self.num_params())
+    }
+
+    /// Tokens of one global batch.
+    pub fn tokens_per_step(&self) -> usize {
+        self.cfg.global_batch() * self.cfg.model.seq_len
+    }
+
+    fn model_batch(b: crate::data::Batch) -> Result<model::Batch> {
+        let targets = b.targets.iter().map(|&t| t as i64).collect();
+        model::Batch::new(b.batch, b.seq, b.inputs, targets).map_err(merr)
+    }
+
+    /// One optimizer step over this dp rank's `grad_accum` micro-batches.
+    pub fn train_step(&mut self) -> Result<StepReport> {
+        let batches = (0..self.cfg.train.grad_accum)
+            .map(|a| {
+                Self::model_batch(
+                    self.sampler
+                        .train_batch(&self.data.train, self.step as u64, a),
+                )
+            })
+            .collect::<Result<Vec<_>>>()?;
+        let lr = self.schedule.lr(self.step);
+        self.exec.set_lr(lr as f32);
+        let stats = self.exec.train_step(&batches).map_err(perr)?;
+        let loss = stats.loss as f64;
+        if !loss.is_finite() && !self.exec.loss_scaler().dynamic {
+            return Err(TrainError::Diverged(format!(
+                "loss is {loss} at step {}",
+                self.step
+            )));
+        }
+        self.step += 1;
+        let tokens = self.tokens_per_step();
+        self.tokens_seen += tokens as u64;
+        Ok(StepReport {
+            step: self.step,
+            loss,
+            lr,
+            stats,
+            tokens,
+        })
+    }
+
+    /// Mean validation loss over `eval_batches` fixed micro-batches of the held-out split
+    /// (every rank evaluates the same batches; a collective where weights are gathered).
+    pub fn evaluate(&mut self) -> Result<Option<f64>> {
+        if self.data.val.is_empty() || self.cfg.train.eval_batches == 0 {
+            return Ok(None);
+        }
+        let mut sum = 0.0;
+        for i in 0..self.cfg.train.eval_batches {
+            let batch = Self::model_batch(self.sampler.val_batch(&self.data.val, i))?;
+            sum += self.exec.evaluate(&batch).map_err(perr)? as f64;
+        }
+        Ok(Some(sum / self.cfg.train.eval_batches as f64))
+    }
+
+    /// Where training stands (what a checkpoint records besides tensors).
+    pub fn state(&self) -> TrainingState {
+        TrainingState {
+            step: self.step as u64,
+            tokens_seen: self.tokens_seen,
+            data_seed: self.sampler.seed,
+            adam_step: self.exec.step_count(),
+            loss_scaler: *self.exec.loss_scaler(),
+        }
+    }
+
+    /// Saves checkpoint `dir`: every rank's blocks, the manifest, the resolved config, the
+    /// Hugging Face config and the tokenizer. A collective: every rank calls it.
+    pub fn save_checkpoint(&self, dir: &Path) -> Result<()> {
+        let mut files = vec![
+            ("config.toml".to_string(), self.cfg.to_toml().into_bytes()),
             (
-                n.to_string(),
-                bytemuck::cast_slice::<f32, u8>(v).to_vec(),
-                v.len(),
-            )
-        })
-        .collect();
-    let views = bytes
-        .iter()
-        .map(|(n, b, len)| {
-            safetensors::tensor::TensorView::new(safetensors::Dtype::F32, vec![*len], b)
-                .map(|v| (n.clone(), v))
-                .map_err(|e| TrainError::Model(e.to_string()))
-        })
-        .collect::<Result<Vec<_>>>()?;
-    safetensors::serialize(views, &None).map_err(|e| TrainError::Model(e.to_string()))
+                "config.json".to_string(),
+                hf_config_json(&model_config(&self.cfg)).into_bytes(),
+            ),
+        ];
+        if let Some(json) = &self.tokenizer_json {
+            files.push(("tokenizer.json".to_string(), json.clone()));
+        }
+        let meta = SaveMeta {
+            mesh: MeshRecord::from(&self.dims),
+            precision: self.cfg.train.precision,
+            state: self.state(),
+            files,
+        };
+        checkpoint::save(
+            dir,
+            self.comm.world(),
+            &self.exec.checkpoint_pieces(),
+            &meta,
+        )
+        .map_err(perr)
+    }
 }
 
-/// Reads named 1-D f32 tensors of length `n` from safetensors bytes.
-pub fn read_flat(
-    bytes: &[u8],
-    names: &[&str],
-    n: usize,
-) -> std::result::Result<Vec<Vec<f32>>, String> {
-    let st = safetensors::SafeTensors::deserialize(bytes).map_err(|e| e.to_string())?;
-    names
-        .iter()
-        .map(|name| {
-            let t = st
-                .tensor(name)
-                .map_err(|_| format!("missing tensor {name}"))?;
-            if t.dtype() != safetensors::Dtype::F32 || t.shape() != [n] {
-                return Err(format!(
-                    "{name}: expected f32 [{n}], found {:?} {:?}",
-                    t.dtype(),
-                    t.shape()
-                ));
-            }
-            Ok(t.data()
-                .chunks_exact(4)
-                .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
-                .collect())
-        })
-        .collect()
-}
-
-/// Checkpoint file names and sizes, for `xtrain` messages.
-pub fn describe_checkpoint(files: &BTreeMap<String, Vec<u8>>) -> String {
-    files
-        .iter()
-        .map(|(k, v)| format!("{k} ({})", crate::memory::human(v.len() as u64)))
-        .collect::<Vec<_>>()
-        .join(", ")
+/// A model and its full fp32 weights from any checkpoint (any layout): for generation and
+/// export. Returns the run config, the model, the weights and the tokenizer.
+pub fn load_model(path: &Path) -> Result<(RunConfig, Model, Vec<f32>, Tokenizer)> {
+    let mut ck = Checkpoint::open(path)?;
+    let cfg = RunConfig::resolve("tiny", Some(&checkpoint_config_text(&ck)?), &[])?;
+    let model = Model::new(model_config(&cfg)).map_err(merr)?;
+    let mut params = vec![0.0f32; model.num_params()];
+    for e in &model.layout.entries {
+        let t = ck.tensor(checkpoint::Kind::Param, &e.name, e.view.numel())?;
+        e.view.of_mut(&mut params).copy_from_slice(&t);
+    }
+    let (tokenizer, _) = checkpoint_tokenizer(&ck)?;
+    Ok((cfg, model, params, tokenizer))
 }

@@ -1,8 +1,7 @@
 //! Hugging Face interop: export/import round trip is exact, and the transformers golden
 //! (weights + config) imported through `from_hf` gives transformers' loss.
 use std::path::{Path, PathBuf};
-use train::checkpoint::SaveOptions;
-use train::trainer::Trainer;
+use train::trainer::{checkpoint_config_text, load_model, Trainer};
 use train::RunConfig;
 
 fn tmp(tag: &str) -> PathBuf {
@@ -25,12 +24,11 @@ fn round_trip_is_identical() {
         &["train.steps=3".into(), "data.corpus_bytes=50000".into()],
     )
     .unwrap();
-    let mut t = Trainer::new(cfg).unwrap();
+    let mut t = Trainer::single(cfg).unwrap();
     for _ in 0..3 {
         t.train_step().unwrap();
     }
-    t.save_checkpoint(&d.join("ck"), SaveOptions::default())
-        .unwrap();
+    t.save_checkpoint(&d.join("ck")).unwrap();
     train::hf::to_hf(&d.join("ck"), &d.join("hf")).unwrap();
     let cj: serde_json::Value =
         serde_json::from_slice(&std::fs::read(d.join("hf/config.json")).unwrap()).unwrap();
@@ -43,14 +41,22 @@ fn round_trip_is_identical() {
         &["data.corpus_bytes=50000".into()],
     )
     .unwrap();
-    let back = Trainer::from_checkpoint(&d.join("back"), &[]).unwrap();
+    let ck = parallel::checkpoint::Checkpoint::open(&d.join("back")).unwrap();
+    let back_cfg =
+        RunConfig::resolve("tiny", Some(&checkpoint_config_text(&ck).unwrap()), &[]).unwrap();
+    let back = Trainer::resume(
+        back_cfg,
+        &d.join("back"),
+        &comm::Communicator::single_process().unwrap(),
+    )
+    .unwrap();
     assert_eq!(back.cfg.model, t.cfg.model);
-    let same = t
-        .weights
-        .master()
-        .iter()
-        .zip(back.weights.master())
-        .all(|(a, b)| a.to_bits() == b.to_bits());
+    assert_eq!(back.step, 0);
+    let (a, b) = (
+        t.exec.full_params().unwrap(),
+        back.exec.full_params().unwrap(),
+    );
+    let same = a.iter().zip(&b).all(|(a, b)| a.to_bits() == b.to_bits());
     assert!(same, "weights survive to_hf + from_hf bit for bit");
     std::fs::remove_dir_all(&d).unwrap();
 }
@@ -75,16 +81,12 @@ fn imported_golden_gives_the_golden_loss() {
         &["data.corpus_bytes=50000".into()],
     )
     .unwrap();
-    let t = Trainer::from_checkpoint(&d.join("ck"), &[]).unwrap();
+    let (_, model, params, _) = load_model(&d.join("ck")).unwrap();
     let wf = model::io::WeightsFile::open(&golden().join("llama_tiny.safetensors")).unwrap();
     let (ids, shape) = wf.i64("input_ids").unwrap();
     let ids: Vec<u32> = ids.iter().map(|&x| x as u32).collect();
     let batch = model::Batch::next_token(shape[0], shape[1], &ids).unwrap();
-    let loss = t
-        .model
-        .forward_loss(t.weights.master(), &batch)
-        .unwrap()
-        .loss as f64;
+    let loss = model.forward_loss(&params, &batch).unwrap().loss as f64;
     let want = meta["loss"].as_f64().unwrap();
     // fp32 with a different summation order than torch: agreement to ~1e-6 relative.
     assert!(

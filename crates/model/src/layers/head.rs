@@ -82,6 +82,20 @@ pub struct HeadWeightGrad {
     early_dw: Option<Vec<f32>>,
 }
 
+impl HeadWeightGrad {
+    /// Bytes held until the deferred weight gradients run.
+    pub fn bytes(&self) -> usize {
+        use super::act_bytes;
+        act_bytes(&self.xn)
+            + act_bytes(&self.dxn)
+            + act_bytes(&self.x)
+            + act_bytes(&self.rstd)
+            + act_bytes(&self.lse)
+            + 8 * self.targets.len()
+            + self.early_dw.as_ref().map_or(0, |d| act_bytes(d))
+    }
+}
+
 /// `g += d` (the early LM-head weight gradient into its accumulator).
 fn add_into(g: &mut [f32], d: &[f32]) {
     g.iter_mut().zip(d).for_each(|(g, d)| *g += d);

@@ -140,6 +140,25 @@ impl WeightGradStore {
     pub fn len(&self) -> usize {
         self.tasks.len()
     }
+    /// Bytes the pending tasks keep alive: each activation counted once, however many tasks
+    /// share it (a linear's input is shared by the projections that read it).
+    pub fn bytes(&self) -> usize {
+        let mut seen = std::collections::HashSet::new();
+        let mut add = |a: &Act| {
+            if seen.insert(Arc::as_ptr(a)) {
+                act_bytes(a)
+            } else {
+                0
+            }
+        };
+        self.tasks
+            .iter()
+            .map(|t| match t {
+                WeightTask::Linear { dy, x, .. } => add(dy) + add(x),
+                WeightTask::Norm { dy, x, rstd, .. } => add(dy) + add(x) + add(rstd),
+            })
+            .sum()
+    }
     /// Move all tasks of `other` into this store.
     pub fn append(&mut self, other: WeightGradStore) {
         self.tasks.extend(other.tasks);

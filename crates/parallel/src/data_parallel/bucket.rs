@@ -86,7 +86,12 @@ pub struct ReadyTracker {
 
 impl ReadyTracker {
     pub fn new(plan: &BucketPlan) -> Self {
-        let ranges: Vec<_> = plan.buckets.iter().map(|b| b.range.clone()).collect();
+        Self::for_buckets(&plan.buckets)
+    }
+
+    /// A tracker over `buckets` (indices in the results are positions in this slice).
+    pub fn for_buckets(buckets: &[Bucket]) -> Self {
+        let ranges: Vec<_> = buckets.iter().map(|b| b.range.clone()).collect();
         let pending = ranges.iter().map(|r| r.len()).collect();
         Self { ranges, pending }
     }

@@ -1,24 +1,44 @@
-//! Data parallelism: DDP and ZeRO-1/2/3 over the dp group.
+//! Data parallelism: DDP and ZeRO-1/2/3 over the dp × cp group. The executor
+//! (`crate::executor`) runs it; this folder holds its parts:
 //!
+//! - [`ZeroStage`]: what is sharded;
 //! - [`shard`]: equal padded ranges of a flat buffer (ZeRO partitioning);
 //! - [`bucket`]: gradient buckets in reverse layer order and their readiness during backward;
-//! - [`sampler`]: which samples of a global batch each dp rank reads;
-//! - [`memory`]: per-rank memory accounting and the ZeRO formulas;
-//! - [`flat`]: parameter and gradient buffers in fp32 or bf16;
-//! - [`engine`]: DDP and ZeRO-1/2/3 training steps (one engine, parameterised by stage);
-//! - [`run_log`]: rank 0's metrics, loss plot and config in the run directory;
-//! - [`worker`]: a data-parallel training run of a `RunConfig` on one rank;
-//! - [`reshard`]: re-cutting saved flat shards for a different dp size or stage;
-//! - [`checkpoint`]: sharded checkpoints that load into any dp size or stage.
+//! - [`sampler`]: which samples of a global batch each dp rank reads.
 //!
 //! Design notes: `docs/DATA_PARALLEL.md`.
 pub mod bucket;
-pub mod checkpoint;
-pub mod engine;
-pub mod flat;
-pub mod memory;
-pub mod reshard;
-pub mod run_log;
 pub mod sampler;
 pub mod shard;
-pub mod worker;
+
+/// Which ZeRO stage shards what (0 = plain DDP).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
+pub enum ZeroStage {
+    Ddp = 0,
+    One = 1,
+    Two = 2,
+    Three = 3,
+}
+
+impl ZeroStage {
+    pub fn from_index(k: usize) -> Option<Self> {
+        [Self::Ddp, Self::One, Self::Two, Self::Three]
+            .get(k)
+            .copied()
+    }
+    pub fn index(self) -> usize {
+        self as usize
+    }
+    /// AdamW moments (and the fp32 master copy) are sharded.
+    pub fn shards_optimizer(self) -> bool {
+        self >= Self::One
+    }
+    /// Gradients are reduce-scattered into shards.
+    pub fn shards_grads(self) -> bool {
+        self >= Self::Two
+    }
+    /// Parameters are sharded and gathered unit by unit.
+    pub fn shards_params(self) -> bool {
+        self >= Self::Three
+    }
+}

@@ -49,6 +49,14 @@ pub struct TpHeadCache {
     pub n_valid: usize,
 }
 
+impl TpHeadCache {
+    /// Bytes this cache holds until the backward.
+    pub fn bytes(&self) -> usize {
+        4 * (self.x.len() + self.rstd.len() + self.xn.len() + self.lse.len())
+            + 8 * self.targets.len()
+    }
+}
+
 impl VocabParallelHead {
     fn dim(&self) -> usize {
         self.norm.numel()

@@ -5,28 +5,22 @@
 //! - [`linear`]: column- and row-parallel linear layers built on them.
 //! - [`plan`]: which slice of each parameter a rank holds (attention by heads with GQA, MLP and
 //!   MoE experts by FFN columns, vocabulary rows, replicated norms / router), layout errors,
-//!   gathering shards back, resharding to another tp size, syncing partial gradients.
+//!   gathering shards back, syncing partial gradients.
 //! - [`embedding`], [`head`]: vocab-parallel embedding and LM head fused with cross-entropy.
-//! - [`model`]: a whole decoder shard driving all of the above.
-//! - [`staged`]: that shard as a [`crate::staged::StagedModel`], so the data-parallel engine
-//!   (DDP / ZeRO-1/2/3) composes with TP on a `dp × tp` mesh.
-//! - [`worker`]: a `dp × tp` training run of a run config (what `xtrain train --tp` runs), with
-//!   checkpoints that load into another tp size.
+//! - [`shard`]: the tensor-parallel pass — one rank's shard of the decoder from all of the
+//!   above (what `crate::parallelize` applies first).
 //!
 //! The math (which collective where, forward and backward) is in `docs/TENSOR_PARALLEL.md`.
 pub mod embedding;
 pub mod head;
 pub mod linear;
-pub mod model;
 pub mod plan;
 pub mod region;
-pub mod staged;
-pub mod worker;
+pub mod shard;
 
 pub use embedding::VocabParallelEmbedding;
 pub use head::VocabParallelHead;
 pub use linear::{ColumnParallelLinear, RowParallelLinear};
-pub use model::TpModel;
 pub use plan::{Split, TpPlan};
 pub use region::TpRegion;
-pub use staged::StagedTp;
+pub use shard::{shard_model, TpShard};

@@ -19,6 +19,7 @@
 use comm::{ProcessGroup, ReduceOp};
 use model::{Model, ModelConfig, ParamLayout, View};
 
+use crate::placement::TensorSlice;
 use crate::ParallelError;
 
 /// How one tensor is cut over the tp group. `parts` distinct shards; rank `r` holds part
@@ -221,6 +222,48 @@ impl TpPlan {
         rank.is_multiple_of(self.tp / split.parts())
     }
 
+    /// The block of tensor `t`'s full view that rank `rank` holds, as a [`TensorSlice`]; its
+    /// elements are the first `numel()` of the rank's local tensor (a vocabulary shard's
+    /// padding rows follow them and are in no slice).
+    pub fn slice(&self, t: &TensorShard, rank: usize) -> TensorSlice {
+        let numel = t.full.numel();
+        let shape = &t.full.shape;
+        let part = self.part(rank, t.split.parts());
+        let cols = *shape.last().expect("a tensor has a shape");
+        let (view, offset, local) = match t.split {
+            Split::Replicated => (shape.clone(), vec![0; shape.len()], shape.clone()),
+            Split::Rows { groups, parts } => {
+                let rows = numel / groups / cols;
+                let n = rows / parts;
+                (
+                    vec![groups, rows, cols],
+                    vec![0, part * n, 0],
+                    vec![groups, n, cols],
+                )
+            }
+            Split::Cols { parts } => {
+                let c = cols / parts;
+                (
+                    vec![numel / cols, cols],
+                    vec![0, part * c],
+                    vec![numel / cols, c],
+                )
+            }
+            Split::PaddedRows { rows, .. } => {
+                let n = t.local.shape[0];
+                let first = (part * n).min(rows);
+                let real = n.min(rows - first);
+                (vec![rows, cols], vec![first, 0], vec![real, cols])
+            }
+        };
+        TensorSlice {
+            name: t.name.clone(),
+            shape: view,
+            offset,
+            local,
+        }
+    }
+
     /// Copies part `part` of a full tensor into `local` (`to_local`) or back.
     fn copy(t: &TensorShard, part: usize, full: &mut [f32], local: &mut [f32], to_local: bool) {
         let mv = |f: &mut [f32], l: &mut [f32]| {
@@ -343,59 +386,5 @@ impl TpPlan {
             Self::copy(t, self.part(rank, t.split.parts()), &mut buf, grads, true);
         }
         Ok(())
-    }
-
-    /// `Σ g²` of the *full* gradient (after [`Self::sync_grads`]): each rank sums the parts it
-    /// owns, and the f64 partials are all-gathered and added in rank order (bitwise the same
-    /// on every rank).
-    pub fn grad_sq_sum(&self, group: &ProcessGroup, grads: &[f32]) -> Result<f64, ParallelError> {
-        let sq = |r: std::ops::Range<usize>| model::optim::grad_sq_sum(&grads[r]);
-        self.grad_sq_sum_in(group, 0..self.local_layout.total(), &sq)
-    }
-
-    /// [`Self::grad_sq_sum`] over the part of the model in local flat `range` (e.g. a ZeRO
-    /// shard, whose tensors may be cut anywhere); `sq(r)` is the plain sum of squares of the
-    /// local flat sub-range `r`.
-    pub fn grad_sq_sum_in(
-        &self,
-        group: &ProcessGroup,
-        range: std::ops::Range<usize>,
-        sq: &dyn Fn(std::ops::Range<usize>) -> f64,
-    ) -> Result<f64, ParallelError> {
-        let rank = group.rank();
-        let local: f64 = self
-            .tensors
-            .iter()
-            .filter(|t| self.owns(rank, t.split))
-            .map(|t| {
-                let r = t.local.range();
-                let (s, e) = (r.start.max(range.start), r.end.min(range.end));
-                if s >= e {
-                    0.0
-                } else {
-                    sq(s..e)
-                }
-            })
-            .sum();
-        let bits = [local.to_bits() as i64];
-        let mut all = vec![0i64; group.size()];
-        group.all_gather(&bits, &mut all)?;
-        Ok(all.iter().map(|&b| f64::from_bits(b as u64)).sum())
-    }
-
-    /// Re-cut per-rank buffers (parameters or optimizer moments) saved under `from` into the
-    /// shards of `self` (same model config, any tp).
-    pub fn reshard_from(
-        &self,
-        from: &TpPlan,
-        locals: &[Vec<f32>],
-    ) -> Result<Vec<Vec<f32>>, ParallelError> {
-        if from.cfg != self.cfg {
-            return Err(ParallelError::Checkpoint(
-                "resharding needs the same model config".into(),
-            ));
-        }
-        let full = from.gather(locals)?;
-        Ok((0..self.tp).map(|r| self.shard(&full, r)).collect())
     }
 }

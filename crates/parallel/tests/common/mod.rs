@@ -1,20 +1,21 @@
-// Shared helpers of the data-parallel integration tests (included with `mod common;`).
+// Shared helpers of the executor's integration tests (included with `mod common;`).
 #![allow(dead_code)]
 use model::optim::{clip_factor, grad_sq_sum, scale_grads, AdamW};
-use parallel::engine::{DataParallel, DpConfig, StepStats};
-use parallel::memory::{Precision, ZeroStage};
-use parallel::sampler::DistributedSampler;
-use parallel::staged::StagedModel;
+use parallel::data_parallel::sampler::DistributedSampler;
+use parallel::data_parallel::ZeroStage;
+use parallel::executor::{ExecConfig, Executor, StepStats};
+use parallel::stage::StageModel;
 use parallel::testing::ToyModel;
+use parallel::Precision;
 
 pub fn toy() -> ToyModel {
     // 12*6 + 3*(36+6) + 6*10 = 258 parameters: not a multiple of 4, so shards are padded.
     ToyModel::new(12, 6, 3, 10)
 }
 
-pub fn config(stage: ZeroStage) -> DpConfig {
-    DpConfig {
-        stage,
+pub fn config(stage: ZeroStage) -> ExecConfig {
+    ExecConfig {
+        zero: stage,
         // 40 elements: several buckets, cutting across units.
         bucket_bytes: 160,
         adamw: AdamW {
@@ -23,6 +24,7 @@ pub fn config(stage: ZeroStage) -> DpConfig {
         },
         precision: Precision::Fp32,
         max_grad_norm: Some(0.5),
+        ..ExecConfig::default()
     }
 }
 
@@ -30,7 +32,7 @@ pub fn config(stage: ZeroStage) -> DpConfig {
 /// with the full parameters, clipping and AdamW. Returns (losses, grad norms, final parameters).
 pub fn reference(
     model: &ToyModel,
-    cfg: &DpConfig,
+    cfg: &ExecConfig,
     global: usize,
     steps: usize,
 ) -> (Vec<f32>, Vec<f32>, Vec<f32>) {
@@ -85,7 +87,7 @@ pub fn reference(
 /// Runs `steps` steps on `dp` thread ranks; returns rank 0's (stats, final full parameters).
 pub fn run_dp(
     model: &ToyModel,
-    cfg: &DpConfig,
+    cfg: &ExecConfig,
     dp: usize,
     global: usize,
     accum: usize,
@@ -97,7 +99,8 @@ pub fn run_dp(
     let out = comm::testing::run_threads(dp, |c| {
         let group = c.world().clone();
         let rank = group.rank();
-        let mut e = DataParallel::new(model.clone(), group, cfg.clone(), &model.init(7)).unwrap();
+        let mut e =
+            Executor::from_params(model.clone(), group, cfg.clone(), &model.init(7)).unwrap();
         let mut stats = Vec::new();
         for step in 0..steps {
             let batches: Vec<_> = (0..accum)
@@ -135,11 +138,12 @@ pub fn rows(cfg: &model::ModelConfig, start: usize, n: usize) -> model::Batch {
 }
 
 /// The single-process reference for the decoders: `steps` steps, each over global batch rows
-/// `step·global..` as `n_micro` accumulated micro-batches, then clipping and AdamW from `cfg`.
-/// Returns (losses, final parameters).
+/// `step·global..` as `n_micro` accumulated micro-batches, then clipping and AdamW with
+/// `adamw`. Returns (losses, final parameters).
 pub fn llm_reference(
     model: &model::Model,
-    cfg: &DpConfig,
+    adamw: AdamW,
+    max_norm: f32,
     global: usize,
     steps: usize,
     n_micro: usize,
@@ -164,13 +168,12 @@ pub fn llm_reference(
                 / n_micro as f32;
         }
         losses.push(loss);
-        let (_, coef) = clip_factor(grad_sq_sum(&g), cfg.max_grad_norm.unwrap());
+        let (_, coef) = clip_factor(grad_sq_sum(&g), max_norm);
         scale_grads(&mut g, coef);
-        let a = cfg.adamw;
-        a.update(
+        adamw.update(
             step as u64 + 1,
-            a.lr,
-            a.weight_decay,
+            adamw.lr,
+            adamw.weight_decay,
             &mut p,
             &g,
             &mut m,
@@ -178,4 +181,123 @@ pub fn llm_reference(
         );
     }
     (losses, p)
+}
+
+/// One rank's results of [`train_decoder`].
+pub struct RankRun {
+    pub dp_rank: usize,
+    pub stats: Vec<StepStats>,
+    /// The rank's fp32 master parameters (its whole flat buffer).
+    pub params: Vec<f32>,
+    pub placements: Vec<parallel::placement::Placement>,
+    pub memory: parallel::memory::MemoryAccount,
+    pub grads: Vec<f32>,
+    pub gathered: usize,
+}
+
+/// Trains the decoder `cfg` on the layout `dims` (ranks as threads) through `parallelize` and
+/// the executor: `steps` steps, each over global batch rows `step·global..`, dp rank `d`
+/// taking micro-batches `d·accum..(d+1)·accum` of `global / (dp·accum)` rows.
+pub fn train_decoder(
+    cfg: &model::ModelConfig,
+    dims: parallel::ParallelDims,
+    exec: &ExecConfig,
+    global: usize,
+    accum: usize,
+    steps: usize,
+) -> Vec<RankRun> {
+    use parallel::stage::StageModel;
+    comm::testing::run_threads(dims.world(), |c| {
+        let mesh = parallel::Mesh::new(&c, dims).unwrap();
+        let opts = parallel::ModelOptions {
+            seq_len: 8,
+            recompute: model::Recompute::None,
+        };
+        let par = parallel::parallelize(cfg, &mesh, &opts).unwrap();
+        let dp_rank = mesh.coord("dp").unwrap();
+        let init = par.stage.clone();
+        let mut e = Executor::new(par.stage, par.dp, par.pipe, exec.clone(), |r, out| {
+            init.init_range(3, r, out)
+        })
+        .unwrap();
+        let micro = global / (dims.dp * accum);
+        let stats = (0..steps)
+            .map(|s| {
+                let batches: Vec<model::Batch> = (0..accum)
+                    .map(|a| rows(cfg, s * global + (dp_rank * accum + a) * micro, micro))
+                    .collect();
+                e.train_step(&batches).unwrap()
+            })
+            .collect();
+        RankRun {
+            dp_rank,
+            stats,
+            params: e.full_params().unwrap(),
+            placements: e.model().placements(),
+            memory: e.memory(),
+            grads: e.local_grads(),
+            gathered: e.peak_gathered_bytes(),
+        }
+    })
+}
+
+/// The full model's buffer (its flat layout) from the ranks' buffers `pick` selects, through
+/// their placements.
+pub fn assemble(
+    cfg: &model::ModelConfig,
+    runs: &[RankRun],
+    pick: impl Fn(&RankRun) -> &[f32],
+) -> Vec<f32> {
+    let layout = model::ParamLayout::new(cfg);
+    let mut full = vec![f32::NAN; layout.total()];
+    for r in runs.iter().filter(|r| r.dp_rank == 0) {
+        let buf = pick(r);
+        for p in &r.placements {
+            let base = layout.get(&p.slice.name).unwrap().view.offset;
+            for run in p.slice.runs(0..p.slice.numel()) {
+                let src = p.start + run.slice;
+                full[base + run.full..base + run.full + run.len]
+                    .copy_from_slice(&buf[src..src + run.len]);
+            }
+        }
+    }
+    assert!(full.iter().all(|x| !x.is_nan()), "every element placed");
+    full
+}
+
+/// The decoders' test models: Llama with GQA (4 query, 2 KV heads), and a Mixtral-style MoE
+/// with a shared expert and the auxiliary loss on.
+pub fn llama() -> model::ModelConfig {
+    model::ModelConfig::llama(64, 32, 48, 2, 4, 2)
+}
+
+pub fn moe() -> model::ModelConfig {
+    let mut cfg = llama().with_experts(4, 2);
+    cfg.output_router_logits = true;
+    cfg.router_aux_loss_coef = 0.05;
+    cfg.shared_expert_intermediate_size = Some(16);
+    cfg
+}
+
+/// The executor settings of the decoder tests at `zero` and `precision`. AdamW eps = 1e-5:
+/// AdamW's first update lr·g/(|g| + eps) has sensitivity d(update)/dg = lr·eps/(|g| + eps)²,
+/// up to lr/eps at g → 0, so gradient elements of order eps (MoE router / expert entries that
+/// nearly cancel, an embedding row reached only through the auxiliary loss, |g| ≈ 9e-7)
+/// amplify the f32 rounding of reordered sums (split matmuls, rank reductions): with
+/// eps = 1e-8 one such element moved by 1.3e-5 of max|p| after a single step, with 1e-6 by
+/// 9e-6; with 1e-5 the gain is at most 1e3 and every configuration stays below 5e-6.
+pub fn decoder_exec(zero: ZeroStage, precision: Precision) -> ExecConfig {
+    ExecConfig {
+        zero,
+        bucket_bytes: 16 * 1024,
+        adamw: AdamW {
+            lr: 1e-2,
+            weight_decay: 0.1,
+            eps: 1e-5,
+            ..AdamW::default()
+        },
+        max_grad_norm: Some(1.0),
+        precision,
+        ..ExecConfig::default()
+    }
 }

@@ -1,9 +1,8 @@
-//! `xtrain generate`: sample text from a checkpoint.
+//! `xtrain generate`: sample text from any checkpoint (saved at any layout).
 use anyhow::Result;
 use clap::Args;
 use std::path::PathBuf;
 use train::generate::{generate, SampleOptions};
-use train::trainer::Trainer;
 
 #[derive(Args, Debug)]
 pub struct GenerateArgs {
@@ -25,17 +24,15 @@ pub struct GenerateArgs {
 }
 
 pub fn run_cmd(a: GenerateArgs) -> Result<()> {
-    let ck = train::checkpoint::resolve(&a.ckpt)?;
-    // Loading the trainer also validates the checkpoint's data settings; keep the corpus small.
-    let t = Trainer::from_checkpoint(&ck, &["data.corpus_bytes=20000".into()])?;
+    let (cfg, model, params, tokenizer) = train::trainer::load_model(&a.ckpt)?;
     let o = SampleOptions {
         max_new_tokens: a.max_new_tokens,
         temperature: a.temperature,
         top_k: a.top_k,
         seed: a.seed,
-        context: t.cfg.model.seq_len,
+        context: cfg.model.seq_len,
     };
-    let text = generate(&t.model, t.weights.master(), &t.tokenizer, &a.prompt, &o)?;
+    let text = generate(&model, &params, &tokenizer, &a.prompt, &o)?;
     println!("{}{}", a.prompt, text);
     Ok(())
 }

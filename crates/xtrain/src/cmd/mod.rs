@@ -5,4 +5,3 @@ pub mod generate;
 pub mod launch;
 pub mod tokenize;
 pub mod train;
-pub mod train_dp;

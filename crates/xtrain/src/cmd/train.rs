@@ -1,117 +1,238 @@
-//! `xtrain train`: a single-process training run from a preset, a TOML config and overrides,
-//! or resumed from a checkpoint.
-use anyhow::Result;
-use clap::Args;
+//! `xtrain train`: one path for every layout. The config is resolved (preset → TOML →
+//! `--set` and layout flags, or the checkpoint's own config when resuming), `nproc = pp · dp ·
+//! cp · tp` is checked, and then either this process is the whole job (one rank), or it
+//! re-runs itself as `nproc` workers through the launcher machinery and each worker joins the
+//! job's communicator and runs the same trainer (`train::run`).
 use std::path::PathBuf;
+use std::time::Duration;
+
+use anyhow::{bail, Result};
+use clap::Args;
+use comm::Communicator;
 use train::run::{run, RunOptions};
 use train::trainer::Trainer;
 use train::RunConfig;
+
+use super::launch::{run_group, GroupSpec};
+
+/// The layout flags of `xtrain train` and `xtrain bench train`.
+#[derive(Args, Debug, Clone, Default)]
+pub struct LayoutArgs {
+    /// Processes (`parallel.nproc`); alone it sets dp = nproc / (pp·cp·tp).
+    #[arg(long)]
+    pub nproc: Option<usize>,
+    /// Data-parallel degree (`parallel.dp`).
+    #[arg(long)]
+    pub dp: Option<usize>,
+    /// ZeRO stage 0-3 (`parallel.zero`).
+    #[arg(long)]
+    pub zero: Option<usize>,
+    /// Tensor-parallel degree (`parallel.tp`).
+    #[arg(long)]
+    pub tp: Option<usize>,
+    /// Sequence parallelism in the tensor-parallel group (`parallel.sp`).
+    #[arg(long)]
+    pub sp: bool,
+    /// Pipeline-parallel degree (`parallel.pp`).
+    #[arg(long)]
+    pub pp: Option<usize>,
+    /// Context-parallel degree (`parallel.cp`).
+    #[arg(long)]
+    pub cp: Option<usize>,
+    /// Expert-parallel degree (`parallel.ep`).
+    #[arg(long)]
+    pub ep: Option<usize>,
+    /// Pipeline stages per pipeline rank (`parallel.virtual_stages`).
+    #[arg(long)]
+    pub virtual_stages: Option<usize>,
+}
+
+impl LayoutArgs {
+    /// The flags as `parallel.*` overrides.
+    pub fn overrides(&self) -> Vec<String> {
+        let mut o = Vec::new();
+        if self.sp {
+            o.push("parallel.sp=true".into());
+        }
+        for (k, v) in [
+            ("nproc", self.nproc),
+            ("dp", self.dp),
+            ("zero", self.zero),
+            ("tp", self.tp),
+            ("pp", self.pp),
+            ("cp", self.cp),
+            ("ep", self.ep),
+            ("virtual_stages", self.virtual_stages),
+        ] {
+            if let Some(v) = v {
+                o.push(format!("parallel.{k}={v}"));
+            }
+        }
+        o
+    }
+}
 
 #[derive(Args, Debug)]
 pub struct TrainArgs {
     /// TOML run configuration (applied on top of the preset).
     #[arg(long)]
     pub config: Option<PathBuf>,
-    /// Base preset: tiny, small or medium.
-    #[arg(long, default_value = "tiny")]
-    pub preset: String,
+    /// Base preset: tiny, small or medium (default tiny).
+    #[arg(long)]
+    pub preset: Option<String>,
     /// Dataset: a `.tok` token file or a text file (default: the built-in corpus).
     #[arg(long)]
     pub data: Option<String>,
     /// Config overrides `section.key=value` (repeatable), e.g. `--set train.steps=100`.
     #[arg(long = "set", value_name = "KEY=VALUE")]
     pub overrides: Vec<String>,
-    /// Resume from a checkpoint directory or a run directory (uses its `latest`).
+    /// Continue from a checkpoint (or a run directory: its `latest`), at any layout. Its
+    /// config is used; change settings with `--set` and the layout flags.
     #[arg(long)]
     pub resume: Option<PathBuf>,
-    /// Run directory (default: runs/<preset>).
+    /// Run directory (default: runs/<preset>, or the run directory resumed from).
     #[arg(long)]
     pub out: Option<PathBuf>,
-    /// Processes (same as `--set parallel.nproc=N`).
-    #[arg(long)]
-    pub nproc: Option<usize>,
-    /// Data-parallel degree (same as `--set parallel.dp=N`).
-    #[arg(long)]
-    pub dp: Option<usize>,
-    /// ZeRO stage (same as `--set parallel.zero=N`).
-    #[arg(long)]
-    pub zero: Option<usize>,
-    /// Tensor-parallel degree (same as `--set parallel.tp=N`; `nproc = dp × tp`).
-    #[arg(long)]
-    pub tp: Option<usize>,
-    /// Sequence parallelism in the tensor-parallel group (same as `--set parallel.sp=true`).
-    #[arg(long)]
-    pub sp: bool,
-    /// No progress bar.
+    #[command(flatten)]
+    pub layout: LayoutArgs,
+    /// No progress bar, step lines or messages.
     #[arg(long)]
     pub quiet: bool,
 }
 
-pub fn run_cmd(a: TrainArgs) -> Result<()> {
+/// The run config of a command line: from the preset and TOML file, or from the checkpoint
+/// resumed; then the overrides and layout flags.
+pub fn resolve_config(
+    preset: Option<&str>,
+    config: Option<&std::path::Path>,
+    resume: Option<&std::path::Path>,
+    layout: &LayoutArgs,
+    data: Option<&str>,
+    sets: &[String],
+) -> Result<RunConfig> {
     let mut overrides = Vec::new();
-    if let Some(d) = &a.data {
-        overrides.push(format!("data.path={}", toml_string(d)));
+    if let Some(d) = data {
+        overrides.push(format!("data.path={}", toml::Value::String(d.to_string())));
     }
-    if a.sp {
-        overrides.push("parallel.sp=true".into());
-    }
-    for (k, v) in [
-        ("nproc", a.nproc),
-        ("dp", a.dp),
-        ("zero", a.zero),
-        ("tp", a.tp),
-    ] {
-        if let Some(v) = v {
-            overrides.push(format!("parallel.{k}={v}"));
+    overrides.extend(layout.overrides());
+    overrides.extend(sets.iter().cloned());
+    let (nproc_given, dp_given) = (layout.nproc.is_some(), layout.dp.is_some());
+    let mut saved = None;
+    let text = match (resume, config) {
+        (Some(_), Some(_)) => bail!(
+            "--config cannot be combined with --resume: the checkpoint's own config is used (change settings with --set)"
+        ),
+        (Some(ck), None) => {
+            if preset.is_some() {
+                bail!("--preset cannot be combined with --resume: the checkpoint's own config is used (change settings with --set)");
+            }
+            let ck = parallel::checkpoint::Checkpoint::open(ck)?;
+            let text = train::trainer::checkpoint_config_text(&ck)?;
+            saved = Some(RunConfig::resolve("tiny", Some(&text), &[])?);
+            Some(text)
         }
+        (None, Some(path)) => Some(std::fs::read_to_string(path).map_err(|e| {
+            anyhow::anyhow!("reading config {}: {e}", path.display())
+        })?),
+        (None, None) => None,
+    };
+    let mut cfg = RunConfig::resolve_layout(
+        preset.unwrap_or("tiny"),
+        text.as_deref(),
+        &overrides,
+        nproc_given,
+        dp_given,
+    )?;
+    if let Some(saved) = saved {
+        keep_global_batch(&mut cfg, &saved, sets)?;
     }
-    overrides.extend(a.overrides.iter().cloned());
-    // A tensor-parallel checkpoint (`tp-*` shards) resumes through the parallel path, at any
-    // tp size; its layout flags are given again on the command line.
-    let tp_resume = a
-        .resume
-        .as_deref()
-        .and_then(parallel::tensor_parallel::worker::resolve);
-    if a.resume.is_none() || tp_resume.is_some() {
-        let cfg = RunConfig::load(&a.preset, a.config.as_deref(), &overrides)?;
-        if super::train_dp::wants_dp(&cfg) {
-            let out = a
-                .out
-                .clone()
-                .unwrap_or_else(|| PathBuf::from("runs").join(&a.preset));
-            return super::train_dp::run(&cfg, Some(&out), tp_resume.as_deref());
-        }
+    Ok(cfg)
+}
+
+/// A resumed run keeps the checkpoint's global batch (`dp × micro_batch × grad_accum`) when
+/// its dp size changes, by re-deriving the accumulation steps, so it reads the same samples
+/// in every step whatever the layout; setting `train.grad_accum` or `train.micro_batch`
+/// explicitly changes it on purpose.
+fn keep_global_batch(cfg: &mut RunConfig, saved: &RunConfig, sets: &[String]) -> Result<()> {
+    let chosen = |key: &str| sets.iter().any(|s| s.trim_start().starts_with(key));
+    let want = saved.global_batch();
+    if cfg.global_batch() == want || chosen("train.grad_accum") || chosen("train.micro_batch") {
+        return Ok(());
     }
-    // A sharded (data-parallel) checkpoint resumes data-parallel, at the dp size and stage of
-    // the command line (or the saved ones), whatever it was saved at.
-    if let Some(ck) = a.resume.as_deref().and_then(parallel::checkpoint::resolve) {
-        let text = parallel::checkpoint::load_config(&ck)?;
-        let mut overrides = overrides.clone();
-        if let (Some(n), None) = (a.nproc, a.dp) {
-            // `--nproc N` alone means `--dp N`, not the saved dp size.
-            overrides.push(format!("parallel.dp={n}"));
-        }
-        let cfg = RunConfig::resolve("tiny", Some(&text), &overrides)?;
-        let out = a.out.clone().unwrap_or_else(|| match &a.resume {
-            Some(dir) if dir.join("latest").is_file() => dir.clone(),
-            _ => PathBuf::from("runs").join(&a.preset),
-        });
-        return super::train_dp::run(&cfg, Some(&out), Some(&ck));
+    let per_step = cfg.parallel.dp * cfg.train.micro_batch;
+    if !want.is_multiple_of(per_step) {
+        bail!(
+            "the checkpoint's global batch of {want} sequences is not a multiple of dp × micro_batch = {per_step}: set train.grad_accum (or train.micro_batch) to choose the new global batch"
+        );
     }
-    train::allocator::reuse_freed_memory();
-    let mut trainer = match &a.resume {
-        Some(dir) => {
-            let ck = train::checkpoint::resolve(dir)?;
-            eprintln!("resuming from {}", ck.display());
-            Trainer::from_checkpoint(&ck, &overrides)?
-        }
-        None => Trainer::new(RunConfig::load(&a.preset, a.config.as_deref(), &overrides)?)?,
+    cfg.train.grad_accum = want / per_step;
+    if std::env::var("RANK").map_or(true, |r| r == "0") {
+        println!(
+            "global batch kept at {want} sequences: dp = {} × micro_batch = {} × grad_accum = {}",
+            cfg.parallel.dp, cfg.train.micro_batch, cfg.train.grad_accum
+        );
+    }
+    Ok(())
+}
+
+/// This process's place in the job: the whole job (one rank), a launched worker, or the
+/// parent that starts `nproc` workers running this same command line (`None`: the workers
+/// ran and finished).
+pub fn join_job(nproc: usize) -> Result<Option<Communicator>> {
+    if comm::env::LaunchEnv::from_env().is_ok() {
+        let (comm, _) = comm::env::init_from_env()?;
+        return Ok(Some(comm));
+    }
+    if nproc == 1 {
+        return Ok(Some(Communicator::single_process()?));
+    }
+    let mut command = vec![std::env::current_exe()?.into_os_string()];
+    command.extend(std::env::args_os().skip(1));
+    let spec = GroupSpec {
+        nproc_per_node: nproc,
+        nnodes: 1,
+        node_rank: 0,
+        master_addr: "127.0.0.1".into(),
+        master_port: None,
+        max_restarts: 0,
+        grace: Duration::from_secs(5),
+        job_id: None,
+        command,
+        extra_env: Vec::new(),
+        prefix_stdout: false,
+    };
+    run_group(&spec)?;
+    Ok(None)
+}
+
+pub fn run_cmd(a: TrainArgs) -> Result<()> {
+    let cfg = resolve_config(
+        a.preset.as_deref(),
+        a.config.as_deref(),
+        a.resume.as_deref(),
+        &a.layout,
+        a.data.as_deref(),
+        &a.overrides,
+    )?;
+    let Some(comm) = join_job(cfg.parallel.nproc)? else {
+        return Ok(());
     };
     let out = a.out.clone().unwrap_or_else(|| match &a.resume {
         // A resumed run continues in its run directory when given one.
         Some(dir) if dir.join("latest").is_file() => dir.clone(),
-        _ => PathBuf::from("runs").join(&a.preset),
+        _ => PathBuf::from("runs").join(a.preset.as_deref().unwrap_or("tiny")),
     });
+    train::allocator::reuse_freed_memory();
+    let mut trainer = match &a.resume {
+        Some(path) => {
+            let ck = parallel::checkpoint::resolve(path)?;
+            if comm.rank() == 0 && !a.quiet {
+                println!("resuming from {}", ck.display());
+            }
+            Trainer::resume(cfg, &ck, &comm)?
+        }
+        None => Trainer::new(cfg, &comm)?,
+    };
     let s = run(
         &mut trainer,
         &RunOptions {
@@ -119,19 +240,16 @@ pub fn run_cmd(a: TrainArgs) -> Result<()> {
             quiet: a.quiet,
         },
     )?;
-    println!(
-        "loss {:.4} -> {:.4}{} ; checkpoint {}",
-        s.first_loss,
-        s.last_loss,
-        s.val_loss
-            .map(|v| format!(" (validation {v:.4})"))
-            .unwrap_or_default(),
-        s.checkpoint.display()
-    );
+    if comm.rank() == 0 {
+        let first = s.losses.first().copied().unwrap_or(f64::NAN);
+        let last = s.losses.last().copied().unwrap_or(f64::NAN);
+        println!(
+            "loss {first:.4} -> {last:.4}{} ; checkpoint {}",
+            s.val_loss
+                .map(|v| format!(" (validation {v:.4})"))
+                .unwrap_or_default(),
+            s.checkpoint.display()
+        );
+    }
     Ok(())
-}
-
-/// Quotes a path as a TOML string for an override.
-fn toml_string(s: &str) -> String {
-    toml::Value::String(s.to_string()).to_string()
 }

@@ -5,7 +5,7 @@ use std::sync::Arc;
 
 use anyhow::Result;
 use model::layers::Pass;
-use parallel::tensor_parallel::TpModel;
+use parallel::tensor_parallel::shard_model;
 use train::RunConfig;
 
 #[derive(clap::Args, Debug)]
@@ -20,7 +20,7 @@ pub struct Args {
 
 pub fn run(a: Args) -> Result<()> {
     let cfg = RunConfig::load(&a.preset, None, &[])?;
-    let mc = parallel::worker::model_config(&cfg);
+    let mc = train::trainer::model_config(&cfg);
     let (b, s, h) = (cfg.train.micro_batch, cfg.model.seq_len, mc.hidden_size);
     let params = model::Model::new(mc.clone())?.init_params(1);
     println!(
@@ -30,13 +30,13 @@ pub fn run(a: Args) -> Result<()> {
     println!("{:<6} {:>18} {:>14}", "sp", "norm/residual", "block output");
     for sp in [false, true] {
         let rows = comm::testing::run_threads(a.tp, |c| -> Result<(usize, usize)> {
-            let m = TpModel::new(&mc, c.world().clone(), sp)?;
-            let p = m.shard_params(&params);
+            let (local, m) = shard_model(&mc, c.world().clone(), sp)?;
+            let p = m.plan.shard(&params, m.rank());
             let x: Vec<f32> = (0..m.region.local_tokens(b * s).len() * h)
                 .map(|i| (i % 7) as f32 * 0.1)
                 .collect();
-            let br = m.local.layout.block_range(0);
-            let (y, cache) = m.local.blocks[0].forward(&p[br], Arc::new(x), &Pass::new(b, s))?;
+            let br = local.layout.block_range(0);
+            let (y, cache) = local.blocks[0].forward(&p[br], Arc::new(x), &Pass::new(b, s))?;
             Ok((cache.residual_bytes(), y.len() * 4))
         });
         let (res, out) = rows.into_iter().next().expect("rank 0")?;

@@ -2,23 +2,27 @@
 //! most two gathered units beside its shard, and bucket reductions overlap backward.
 mod common;
 use common::*;
-use parallel::engine::{DataParallel, TraceKind};
-use parallel::memory::{formula, Precision, ZeroStage};
-use parallel::sampler::DistributedSampler;
+use parallel::data_parallel::sampler::DistributedSampler;
+use parallel::data_parallel::ZeroStage;
+use parallel::executor::{Executor, TraceKind};
+use parallel::memory::{formula, MemoryAccount};
+use parallel::stage::StageModel;
 use parallel::testing::ToyModel;
+use parallel::Precision;
 
 /// Runs two steps on `dp` ranks and returns each rank's engine-side figures.
 fn run(
     model: &ToyModel,
     stage: ZeroStage,
     dp: usize,
-) -> Vec<(parallel::memory::MemoryBytes, usize, Vec<TraceKind>)> {
+) -> Vec<(MemoryAccount, usize, Vec<TraceKind>)> {
     let cfg = config(stage);
     let sampler = DistributedSampler::new(dp, 2, 1).unwrap();
     comm::testing::run_threads(dp, |c| {
         let group = c.world().clone();
         let rank = group.rank();
-        let mut e = DataParallel::new(model.clone(), group, cfg.clone(), &model.init(7)).unwrap();
+        let mut e =
+            Executor::from_params(model.clone(), group, cfg.clone(), &model.init(7)).unwrap();
         e.enable_trace();
         for step in 0..2 {
             let r = sampler.samples(step, rank, 0);
@@ -33,19 +37,15 @@ fn run(
 fn accounted_bytes_equal_the_formula() {
     let model = toy();
     let phi = model.num_params();
-    let max_unit = parallel::staged::StagedModel::units(&model)
-        .iter()
-        .map(|u| u.len())
-        .max()
-        .unwrap();
+    let max_unit = model.units().iter().map(|u| u.len()).max().unwrap();
     for k in 0..4 {
         let stage = ZeroStage::from_index(k).unwrap();
         for dp in [1, 2, 4] {
             let want = formula(phi, dp, stage, Precision::Fp32);
             for (rank, (mem, gathered, _)) in run(&model, stage, dp).into_iter().enumerate() {
                 assert_eq!(
-                    (mem.params, mem.grads, mem.optimizer),
-                    (want.params, want.grads, want.optimizer),
+                    (mem.params, mem.grads, mem.master, mem.optimizer),
+                    (want.params, want.grads, want.master, want.optimizer),
                     "zero={k} dp={dp} rank {rank}"
                 );
                 // Buffers: every gradient in flight at most once (4Φ), plus the bucket being
@@ -86,11 +86,7 @@ fn accounted_bytes_equal_the_formula() {
 fn zero3_peak_does_not_grow_with_depth() {
     // Six blocks instead of three: the gathered peak is still two units, not the model.
     let model = ToyModel::new(12, 6, 6, 10);
-    let max_unit = parallel::staged::StagedModel::units(&model)
-        .iter()
-        .map(|u| u.len())
-        .max()
-        .unwrap();
+    let max_unit = model.units().iter().map(|u| u.len()).max().unwrap();
     for (_, gathered, _) in run(&model, ZeroStage::Three, 4) {
         assert!(
             gathered <= 2 * 4 * max_unit,

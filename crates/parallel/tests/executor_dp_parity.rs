@@ -5,7 +5,7 @@
 //! a few ulps amplified by 6 AdamW steps.
 mod common;
 use common::*;
-use parallel::memory::ZeroStage;
+use parallel::data_parallel::ZeroStage;
 
 const GLOBAL: usize = 8;
 const STEPS: usize = 6;

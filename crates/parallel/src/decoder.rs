@@ -1,0 +1,521 @@
+//! The Llama / Mixtral decoder of the `model` crate as a [`StageModel`]: what one rank holds of
+//! it after the passes of [`crate::parallelize`] — a run of parts (the token embedding, blocks,
+//! the final norm + LM head + cross-entropy), each a unit over its slice of the rank's flat
+//! buffer, sharded over the tensor-parallel group when tp > 1.
+//!
+//! Without tensor parallelism the units are the model's own layers, exactly as the
+//! single-process `Model::forward_backward` runs them (the head computes its gradients in the
+//! forward pass, while the logits are in cache). With it, the blocks carry the tp region
+//! operators and the embedding and head are vocab-parallel ([`crate::tensor_parallel`]).
+//!
+//! The loss of a micro-batch is the model's: mean cross-entropy over its valid targets plus the
+//! blocks' MoE auxiliary losses, which travel forward with the activations ([`LlmAct`]).
+use std::ops::Range;
+use std::sync::Arc;
+
+use model::layers::block::BlockCache;
+use model::layers::head::{HeadCache, HeadWeightGrad};
+use model::layers::{Pass, Recompute, WeightGradStore};
+use model::{Batch, Model, ModelConfig};
+
+use crate::pipeline_parallel::split::Part;
+use crate::placement::Placement;
+use crate::stage::StageModel;
+use crate::tensor_parallel::head::TpHeadCache;
+use crate::tensor_parallel::{TpPlan, TpShard};
+use crate::ParallelError;
+
+/// Activations between units, with the auxiliary loss accumulated so far.
+pub struct LlmAct {
+    pub x: Vec<f32>,
+    pub aux: f32,
+}
+
+/// What a unit keeps for its backward.
+pub enum DecoderCache {
+    Embed(Vec<u32>),
+    Block(Box<BlockCache>),
+    /// The model's head and its cross-entropy (the eval metric).
+    Head(HeadCache, f32),
+    /// The vocab-parallel head.
+    TpHead(TpHeadCache),
+}
+
+/// A unit's pending weight-gradient work.
+pub enum DecoderWeightGrad {
+    /// The embedding's scatter-add of its output gradient.
+    Embed {
+        ids: Vec<u32>,
+        dx: Vec<f32>,
+    },
+    Block(WeightGradStore),
+    Head(HeadWeightGrad),
+    /// Gradients already computed (the vocab-parallel head's fused backward), to be added.
+    Dense(Vec<f32>),
+}
+
+/// One tensor this rank holds: where, and where it comes from in the full model.
+#[derive(Clone, Debug)]
+struct Held {
+    placement: Placement,
+    /// Elements of the local tensor (the slice plus any vocabulary padding rows after it).
+    local_len: usize,
+    /// Offset of the tensor in the full model's flat layout.
+    full_offset: usize,
+}
+
+/// One rank's part of the decoder.
+#[derive(Clone, Debug)]
+pub struct DecoderStage {
+    /// The full model's configuration.
+    pub cfg: ModelConfig,
+    /// This rank's shard as a model (the full model without tensor parallelism).
+    pub local: Model,
+    /// The tensor-parallel parts (tp > 1).
+    pub tp: Option<TpShard>,
+    /// The tensor-parallel plan (the identity plan at tp = 1).
+    pub plan: TpPlan,
+    /// The parts this rank runs, in forward order (one unit each).
+    pub parts: Vec<Part>,
+    pub recompute: Recompute,
+    /// Each unit's range in this rank's flat buffer, and in the local model's layout.
+    ranges: Vec<Range<usize>>,
+    layout_ranges: Vec<Range<usize>>,
+    /// Units holding a tensor whose local gradient is a partial sum over tp.
+    partial: Vec<bool>,
+    held: Vec<Held>,
+}
+
+fn merr(e: model::ModelError) -> ParallelError {
+    ParallelError::Model(e.to_string())
+}
+
+impl DecoderStage {
+    /// The whole decoder on one rank (no tensor or pipeline parallelism).
+    pub fn whole(cfg: &ModelConfig) -> Result<Self, ParallelError> {
+        let parts = crate::pipeline_parallel::split::stage_parts(cfg.num_hidden_layers, 1, 0)?;
+        Self::new(cfg, None, parts, Recompute::None)
+    }
+
+    /// `parts` of the decoder `cfg`, sharded by `tp` (the local model and its tensor-parallel
+    /// parts from [`crate::tensor_parallel::shard_model`]) or whole.
+    pub fn new(
+        cfg: &ModelConfig,
+        tp: Option<(Model, TpShard)>,
+        parts: Vec<Part>,
+        recompute: Recompute,
+    ) -> Result<Self, ParallelError> {
+        if parts.is_empty() {
+            return Err(ParallelError::Layout(
+                "a stage needs at least one part".into(),
+            ));
+        }
+        let (local, tp, plan) = match tp {
+            Some((local, shard)) => {
+                let plan = shard.plan.clone();
+                (local, Some(shard), plan)
+            }
+            None => (
+                Model::new(cfg.clone()).map_err(merr)?,
+                None,
+                TpPlan::new(cfg, 1, false)?,
+            ),
+        };
+        let tp_rank = tp.as_ref().map_or(0, |t| t.rank());
+        let l = &local.layout;
+        let layout_ranges: Vec<Range<usize>> = parts
+            .iter()
+            .map(|p| match *p {
+                Part::Embedding => Ok(l.embed_range()),
+                Part::Block(i) if i < l.num_blocks() => Ok(l.block_range(i)),
+                Part::Head => Ok(l.head_range()),
+                Part::Block(i) => Err(ParallelError::Layout(format!(
+                    "block {i} of a {}-layer model",
+                    l.num_blocks()
+                ))),
+            })
+            .collect::<Result<_, _>>()?;
+        let mut ranges = Vec::with_capacity(parts.len());
+        let mut at = 0;
+        for r in &layout_ranges {
+            ranges.push(at..at + r.len());
+            at += r.len();
+        }
+        let mut held = Vec::new();
+        let mut partial = vec![false; parts.len()];
+        for t in &plan.tensors {
+            let Some(u) = layout_ranges
+                .iter()
+                .position(|r| r.start <= t.local.offset && t.local.range().end <= r.end)
+            else {
+                continue;
+            };
+            partial[u] |= t.partial_grad && plan.tp > 1;
+            held.push(Held {
+                placement: Placement {
+                    slice: plan.slice(t, tp_rank),
+                    start: ranges[u].start + t.local.offset - layout_ranges[u].start,
+                    owner: plan.owns(tp_rank, t.split),
+                },
+                local_len: t.local.numel(),
+                full_offset: t.full.offset,
+            });
+        }
+        held.sort_by_key(|h| h.placement.start);
+        Ok(DecoderStage {
+            cfg: cfg.clone(),
+            local,
+            tp,
+            plan,
+            parts,
+            recompute,
+            ranges,
+            layout_ranges,
+            partial,
+            held,
+        })
+    }
+
+    /// Elements of this rank's flat buffer.
+    pub fn num_params(&self) -> usize {
+        self.ranges.last().map_or(0, |r| r.end)
+    }
+
+    fn tp_rank(&self) -> usize {
+        self.tp.as_ref().map_or(0, |t| t.rank())
+    }
+
+    /// Elements `range` of this rank's initial flat buffer for `seed`: the full model's
+    /// initialisation ([`Model::init_range`]) cut to this rank's blocks, generated element by
+    /// element (no rank builds the full model).
+    pub fn init_range(&self, seed: u64, range: Range<usize>, out: &mut [f32]) {
+        let full_layout = &self.plan.full_layout;
+        let std = self.cfg.initializer_range;
+        out.fill(0.0);
+        for h in &self.held {
+            let p = &h.placement;
+            let local = p.start..p.start + h.local_len;
+            let (s, e) = (local.start.max(range.start), local.end.min(range.end));
+            if s >= e {
+                continue;
+            }
+            // Slice elements only: vocabulary padding rows stay zero.
+            let slice_end = (p.slice.numel() + p.start).min(e);
+            if s >= slice_end {
+                continue;
+            }
+            for run in p.slice.runs(s - p.start..slice_end - p.start) {
+                let full = h.full_offset + run.full;
+                let dst = p.start + run.slice - range.start;
+                model::init::init_range(
+                    full_layout,
+                    std,
+                    seed,
+                    full..full + run.len,
+                    &mut out[dst..dst + run.len],
+                );
+            }
+        }
+    }
+
+    /// The tokens of a micro-batch this rank's activations hold (its share under sequence
+    /// parallelism).
+    fn local_tokens(&self, batch: &Batch) -> usize {
+        match &self.tp {
+            Some(t) if t.region.sequence_parallel() => batch.tokens() / t.region.tp(),
+            _ => batch.tokens(),
+        }
+    }
+
+    /// Adds `gu` (a unit's fresh gradients) into `g`, after summing its partial gradients over
+    /// the tp group. A fresh buffer, so accumulation over micro-batches never sums an already
+    /// synced part twice.
+    fn add_synced(
+        &self,
+        unit: usize,
+        mut gu: Vec<f32>,
+        g: &mut [f32],
+    ) -> Result<(), ParallelError> {
+        if let (Some(tp), true) = (&self.tp, self.partial[unit]) {
+            self.plan
+                .sync_grads_in(tp.group(), &mut gu, self.layout_ranges[unit].clone())?;
+        }
+        tensor::threads::add_assign(g, &gu);
+        Ok(())
+    }
+}
+
+impl StageModel for DecoderStage {
+    type Batch = Batch;
+    type Act = LlmAct;
+    type Cache = DecoderCache;
+    type WeightGrad = DecoderWeightGrad;
+
+    fn units(&self) -> Vec<Range<usize>> {
+        self.ranges.clone()
+    }
+
+    fn tensors(&self) -> Vec<Range<usize>> {
+        self.held
+            .iter()
+            .map(|h| h.placement.start..h.placement.start + h.local_len)
+            .collect()
+    }
+
+    fn placements(&self) -> Vec<Placement> {
+        self.held.iter().map(|h| h.placement.clone()).collect()
+    }
+
+    fn is_first(&self, unit: usize) -> bool {
+        self.parts[unit] == Part::Embedding
+    }
+
+    fn is_last(&self, unit: usize) -> bool {
+        self.parts[unit] == Part::Head
+    }
+
+    fn forward(
+        &self,
+        unit: usize,
+        p: &[f32],
+        x: Option<LlmAct>,
+        batch: &Batch,
+        scale: f32,
+    ) -> Result<(LlmAct, DecoderCache), ParallelError> {
+        let need = |x: Option<LlmAct>| {
+            x.ok_or_else(|| ParallelError::Model(format!("unit {unit} needs an input")))
+        };
+        match self.parts[unit] {
+            Part::Embedding => {
+                let x = match &self.tp {
+                    Some(t) => {
+                        t.plan.check_seq(batch.seq)?;
+                        t.embed.forward(p, &batch.inputs).map_err(merr)?
+                    }
+                    None => self.local.embed_forward(p, &batch.inputs).map_err(merr)?,
+                };
+                Ok((
+                    LlmAct { x, aux: 0.0 },
+                    DecoderCache::Embed(batch.inputs.clone()),
+                ))
+            }
+            Part::Block(i) => {
+                let act = need(x)?;
+                let mut pass = Pass::new(batch.batch, batch.seq).with_recompute(self.recompute);
+                // The auxiliary-loss gradient is seeded once over the tp group.
+                pass.loss_scale = if self.tp_rank() == 0 { scale } else { 0.0 };
+                let (y, cache) = self.local.blocks[i]
+                    .forward(p, Arc::new(act.x), &pass)
+                    .map_err(merr)?;
+                let aux = act.aux + cache.aux_loss();
+                Ok((LlmAct { x: y, aux }, DecoderCache::Block(Box::new(cache))))
+            }
+            Part::Head => {
+                let act = need(x)?;
+                let (x, targets) = (Arc::new(act.x), Arc::new(batch.targets.clone()));
+                let (cache, ce) = match &self.tp {
+                    Some(t) => {
+                        let c = t.head.forward(p, x, targets).map_err(merr)?;
+                        let ce = mean(c.loss_sum, c.n_valid);
+                        (DecoderCache::TpHead(c), ce)
+                    }
+                    None => {
+                        // The gradient scale of the mean loss is known now: the head computes
+                        // its gradients in this pass (one logits product fewer). `scale = 0`
+                        // is a forward-only pass (validation).
+                        let c = if scale == 0.0 {
+                            self.local.head_forward(p, &[], x, targets)
+                        } else {
+                            let s = self
+                                .local
+                                .head
+                                .mean_grad_scale(&targets, scale)
+                                .map_err(merr)?;
+                            self.local.head_forward_with_grad(p, &[], x, targets, s)
+                        }
+                        .map_err(merr)?;
+                        let ce = mean(c.loss_sum, c.n_valid);
+                        (DecoderCache::Head(c, ce), ce)
+                    }
+                };
+                Ok((
+                    LlmAct {
+                        x: vec![ce + act.aux],
+                        aux: act.aux,
+                    },
+                    cache,
+                ))
+            }
+        }
+    }
+
+    fn backward_input(
+        &self,
+        unit: usize,
+        p: &[f32],
+        cache: DecoderCache,
+        dy: Option<LlmAct>,
+        scale: f32,
+    ) -> Result<(Option<LlmAct>, DecoderWeightGrad), ParallelError> {
+        let need = |dy: Option<LlmAct>| {
+            dy.map(|a| a.x)
+                .ok_or_else(|| ParallelError::Model(format!("unit {unit} backward needs dY")))
+        };
+        let act = |x: Vec<f32>| Some(LlmAct { x, aux: 0.0 });
+        match cache {
+            DecoderCache::Embed(ids) => Ok((None, DecoderWeightGrad::Embed { ids, dx: need(dy)? })),
+            DecoderCache::Block(c) => {
+                let i = match self.parts[unit] {
+                    Part::Block(i) => i,
+                    _ => return Err(ParallelError::Model(format!("unit {unit} is not a block"))),
+                };
+                let (dx, store) = self.local.blocks[i]
+                    .backward_input(p, *c, need(dy)?)
+                    .map_err(merr)?;
+                Ok((act(dx), DecoderWeightGrad::Block(store)))
+            }
+            DecoderCache::Head(c, _) => {
+                // d(mean CE)/d(loss_sum) = 1/n_valid, times the micro-batch's weight.
+                let s = grad_scale(scale, c.n_valid);
+                let (dx, pending) = self.local.head_backward_input(p, &[], c, s).map_err(merr)?;
+                Ok((act(dx), DecoderWeightGrad::Head(pending)))
+            }
+            DecoderCache::TpHead(c) => {
+                let t = self
+                    .tp
+                    .as_ref()
+                    .expect("a tp head cache comes from a tp stage");
+                let s = grad_scale(scale, c.n_valid);
+                let mut gu = vec![0.0; p.len()];
+                let dx = t.head.backward(p, &mut gu, c, s).map_err(merr)?;
+                Ok((act(dx), DecoderWeightGrad::Dense(gu)))
+            }
+        }
+    }
+
+    fn backward_weight(
+        &self,
+        unit: usize,
+        p: &[f32],
+        pending: DecoderWeightGrad,
+        g: &mut [f32],
+    ) -> Result<(), ParallelError> {
+        match pending {
+            DecoderWeightGrad::Embed { ids, dx } => match &self.tp {
+                Some(t) => t.embed.backward(g, &ids, dx).map_err(merr),
+                None => self.local.embed_backward(g, &ids, &dx).map_err(merr),
+            },
+            DecoderWeightGrad::Block(store) => {
+                if self.partial[unit] {
+                    let mut gu = vec![0.0; g.len()];
+                    store.apply(&mut gu).map_err(merr)?;
+                    self.add_synced(unit, gu, g)
+                } else {
+                    store.apply(g).map_err(merr)
+                }
+            }
+            DecoderWeightGrad::Head(w) => self
+                .local
+                .head_backward_weight(p, &[], g, None, w)
+                .map_err(merr),
+            DecoderWeightGrad::Dense(gu) => self.add_synced(unit, gu, g),
+        }
+    }
+
+    fn loss(&self, out: &LlmAct) -> f32 {
+        out.x[0]
+    }
+
+    fn eval_metric(&self, out: &LlmAct, last: &DecoderCache) -> f32 {
+        match last {
+            DecoderCache::Head(_, ce) => *ce,
+            DecoderCache::TpHead(c) => mean(c.loss_sum, c.n_valid),
+            _ => out.x[0] - out.aux,
+        }
+    }
+
+    fn cache_bytes(&self, cache: &DecoderCache) -> usize {
+        match cache {
+            DecoderCache::Embed(ids) => std::mem::size_of_val(ids.as_slice()),
+            DecoderCache::Block(c) => c.bytes(),
+            DecoderCache::Head(c, _) => c.bytes(),
+            DecoderCache::TpHead(c) => c.bytes(),
+        }
+    }
+
+    fn weight_grad_bytes(&self, w: &DecoderWeightGrad) -> usize {
+        match w {
+            DecoderWeightGrad::Embed { ids, dx } => 4 * (ids.len() + dx.len()),
+            DecoderWeightGrad::Block(s) => s.bytes(),
+            DecoderWeightGrad::Head(h) => h.bytes(),
+            DecoderWeightGrad::Dense(g) => 4 * g.len(),
+        }
+    }
+
+    /// Counts every tensor block once (its owner among the tp ranks holding it) and sums the
+    /// ranks' f64 partials in tp rank order, so every rank gets the same bits.
+    fn grad_sq_sum(
+        &self,
+        range: Range<usize>,
+        sq: &dyn Fn(Range<usize>) -> f64,
+    ) -> Result<f64, ParallelError> {
+        let Some(tp) = &self.tp else {
+            return Ok(sq(range));
+        };
+        let local: f64 = self
+            .held
+            .iter()
+            .filter(|h| h.placement.owner)
+            .map(|h| {
+                let r = h.placement.range();
+                let (s, e) = (r.start.max(range.start), r.end.min(range.end));
+                if s < e {
+                    sq(s..e)
+                } else {
+                    0.0
+                }
+            })
+            .sum();
+        let bits = [local.to_bits() as i64];
+        let mut all = vec![0i64; tp.region.tp()];
+        tp.group().all_gather(&bits, &mut all)?;
+        Ok(all.iter().map(|&b| f64::from_bits(b as u64)).sum())
+    }
+
+    fn communicates(&self) -> bool {
+        self.tp.is_some()
+    }
+
+    fn act_to_wire(&self, act: LlmAct) -> Vec<f32> {
+        let mut v = act.x;
+        v.push(act.aux);
+        v
+    }
+
+    fn wire_to_act(&self, mut wire: Vec<f32>) -> LlmAct {
+        let aux = wire.pop().unwrap_or(0.0);
+        LlmAct { x: wire, aux }
+    }
+
+    fn wire_len(&self, batch: &Batch) -> usize {
+        self.local_tokens(batch) * self.cfg.hidden_size + 1
+    }
+}
+
+/// Mean loss over `n` valid targets (0 when none).
+fn mean(sum: f64, n: usize) -> f32 {
+    if n == 0 {
+        0.0
+    } else {
+        (sum / n as f64) as f32
+    }
+}
+
+/// The gradient scale of `scale ×` a mean over `n` valid targets.
+fn grad_scale(scale: f32, n: usize) -> f32 {
+    if n == 0 {
+        0.0
+    } else {
+        scale / n as f32
+    }
+}

@@ -1,0 +1,513 @@
+//! The one executor: runs a rank's schedule — a list of [`Action`]s — over the units of a
+//! [`StageModel`], with data parallelism (DDP, ZeRO-1/2/3) over the dp group and the pipeline
+//! stages' activations and gradients sent between pp ranks. Training without pipeline
+//! parallelism is the one-stage schedule ([`crate::pipeline_parallel::one_stage`]).
+//!
+//! | stage | parameters | gradients | AdamW m, v (+ fp32 master) | gradient sync | after the update |
+//! |-------|------------|-----------|----------------------------|---------------|------------------|
+//! | 0 DDP | full       | full      | full                       | bucket all-reduce in a stage's last backward | — |
+//! | 1     | full       | full      | shard                      | bucket all-reduce in a stage's last backward | all-gather params |
+//! | 2     | full       | shard     | shard                      | bucket reduce-scatter in every backward      | all-gather params |
+//! | 3     | shard      | shard     | shard                      | bucket reduce-scatter in every backward      | — (gathered per unit) |
+//!
+//! Shards are the equal padded ranges of [`ShardSpec`] over the rank's flat buffer. Buckets
+//! (whole units, never across two pipeline stages) are launched asynchronously the moment the
+//! weight gradients of the last unit they cover are final, so communication runs on the dp
+//! group's worker thread while backward continues on this one; `REDUCE_GRAD` waits for them.
+//! Stages 0/1 keep their gradients one allocation per bucket ([`Bucketed`]) and lend the bucket
+//! itself to the all-reduce (in place, no copy). ZeRO-3 gathers a unit's parameters just
+//! before it runs (prefetching the next unit's asynchronously) and frees them after, or keeps a
+//! whole stage's between `UNSHARD` and `RESHARD`.
+//!
+//! Precision ([`Precision`]): fp32, or 16-bit (bf16, fp16) weights and gradients with fp32
+//! master weights and moments over the range the rank updates. Gradients are reduced in fp32:
+//! each bucket is widened before its reduction and the average rounded once when stored, so
+//! the only 16-bit roundings are those the single-process run also makes. fp16 adds dynamic
+//! loss scaling: the seed gradient is multiplied by the scale, and a step whose global gradient
+//! norm is not finite is skipped (every rank computes the same norm, so all skip together).
+//!
+//! Files: [`run`] interprets the actions, [`reduce`] launches and completes the bucket
+//! reductions, [`optimizer`] clips and updates, [`state`] saves and loads checkpoints.
+mod optimizer;
+mod reduce;
+mod run;
+mod state;
+
+use std::collections::HashMap;
+use std::ops::Range;
+use std::time::Instant;
+
+use comm::ProcessGroup;
+use model::optim::AdamW;
+use serde::Serialize;
+
+use crate::data_parallel::bucket::{Bucket, BucketPlan};
+use crate::data_parallel::shard::ShardSpec;
+use crate::data_parallel::ZeroStage;
+use crate::memory::{formula, MemoryAccount};
+use crate::pipeline_parallel::Action;
+use crate::precision::{Bucketed, Flat, LossScaler, Precision, CHUNK};
+use crate::stage::StageModel;
+use crate::ParallelError;
+
+/// Configuration of the executor.
+#[derive(Clone, Debug)]
+pub struct ExecConfig {
+    pub zero: ZeroStage,
+    /// Gradient bucket size in bytes (PyTorch DDP's default 25 MiB).
+    pub bucket_bytes: usize,
+    /// AdamW hyper-parameters; `adamw.lr` is the initial learning rate (see
+    /// [`Executor::set_lr`]).
+    pub adamw: AdamW,
+    /// Global gradient-norm clipping threshold.
+    pub max_grad_norm: Option<f32>,
+    pub precision: Precision,
+    /// Initial loss scale of fp16 training (ignored otherwise).
+    pub loss_scale: f64,
+    /// This process runs one rank (not ranks as threads): each unit's compute may then run
+    /// on the process's kernel pool even when it issues collectives.
+    pub one_rank_per_process: bool,
+}
+
+impl Default for ExecConfig {
+    fn default() -> Self {
+        Self {
+            zero: ZeroStage::Ddp,
+            bucket_bytes: crate::data_parallel::bucket::DEFAULT_BUCKET_BYTES,
+            adamw: AdamW::default(),
+            max_grad_norm: Some(1.0),
+            precision: Precision::Fp32,
+            loss_scale: 65536.0,
+            one_rank_per_process: false,
+        }
+    }
+}
+
+/// This rank's place in a pipeline.
+#[derive(Clone, Debug)]
+pub struct Pipeline {
+    /// The pp group.
+    pub group: ProcessGroup,
+    /// The pp rank that runs each pipeline stage.
+    pub stage_rank: Vec<usize>,
+    /// The stages this rank runs, with their units (contiguous, in order, covering all of the
+    /// model's units).
+    pub local: Vec<(usize, Range<usize>)>,
+}
+
+/// What one optimizer step reports.
+#[derive(Clone, Copy, Debug, PartialEq, Serialize)]
+pub struct StepStats {
+    /// Mean loss over the global batch (all ranks, all micro-batches).
+    pub loss: f32,
+    /// Global gradient norm before clipping (of the unscaled gradient).
+    pub grad_norm: f32,
+    /// False when the step was skipped (a non-finite gradient under fp16 loss scaling).
+    pub applied: bool,
+    /// The loss scale the step used (1 unless fp16).
+    pub loss_scale: f64,
+}
+
+/// Timeline events recorded when tracing is on (the overlap proof).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum TraceKind {
+    BackwardStart(usize),
+    BackwardEnd(usize),
+    BucketLaunched(usize),
+    /// The bucket's reduction was observed complete (polled after each unit's backward; a
+    /// bucket first seen complete when its stage's reductions are waited for is recorded then).
+    BucketDone(usize),
+}
+
+#[derive(Clone, Debug)]
+pub struct TraceEvent {
+    pub kind: TraceKind,
+    pub at: Instant,
+}
+
+/// Live and peak bytes of transient buffers.
+#[derive(Clone, Copy, Debug, Default)]
+struct Gauge {
+    cur: usize,
+    peak: usize,
+}
+
+impl Gauge {
+    fn add(&mut self, bytes: usize) {
+        self.cur += bytes;
+        self.peak = self.peak.max(self.cur);
+    }
+    fn sub(&mut self, bytes: usize) {
+        self.cur = self.cur.saturating_sub(bytes);
+    }
+}
+
+/// A pipeline stage this rank runs.
+#[derive(Clone, Debug)]
+struct LocalStage {
+    id: usize,
+    units: Range<usize>,
+    /// Its buckets (indices into `Executor::buckets`).
+    buckets: Range<usize>,
+}
+
+const F32: usize = 4;
+
+/// One rank's training state and the machinery that steps it.
+pub struct Executor<M: StageModel> {
+    model: M,
+    dp: ProcessGroup,
+    pipe: Option<Pipeline>,
+    stages: Vec<LocalStage>,
+    num_stages: usize,
+    cfg: ExecConfig,
+    units: Vec<Range<usize>>,
+    spec: ShardSpec,
+    buckets: Vec<Bucket>,
+    /// The bucket each unit's gradients belong to.
+    unit_bucket: Vec<usize>,
+    /// Stages 2/3: each bucket's fp32 gradients of the current backward, until reduced.
+    staging: Vec<Option<Vec<f32>>>,
+    /// Compute weights: full (stages 0-2) or this rank's padded shard (stage 3). In fp32 they
+    /// are also the master weights.
+    params: Flat,
+    /// Full, bucket by bucket (stages 0-1), or this rank's padded shard (stages 2-3).
+    grads: Bucketed,
+    /// 16-bit training only (empty in fp32): the fp32 master weights of the range AdamW
+    /// updates, like `m` and `v`.
+    master: Vec<f32>,
+    /// Full (stage 0) or this rank's padded shard (stages 1-3).
+    m: Vec<f32>,
+    v: Vec<f32>,
+    step: u64,
+    lr: f32,
+    scaler: LossScaler,
+    /// ZeRO-3: units gathered by `UNSHARD`, kept until `RESHARD`.
+    resident: HashMap<usize, Vec<f32>>,
+    comm_bytes: Gauge,
+    /// Largest reduction a non-root rank has sent: comm's `reduce` sums partial results in a
+    /// scratch copy of the input there, and the group's worker runs one collective at a time,
+    /// so at most one such copy is alive.
+    reduce_scratch: usize,
+    /// Gathered (ZeRO-3) or widened (16-bit) unit parameters and widened unit gradients.
+    gathered_bytes: Gauge,
+    act_bytes: Gauge,
+    trace: Option<Vec<TraceEvent>>,
+}
+
+impl<M: StageModel> Executor<M> {
+    /// Builds the executor for `model` over the dp group `dp` (and, with pipeline parallelism,
+    /// the pipeline `pipe`) from an initialiser that writes elements `range` of the rank's
+    /// initial flat parameters into `out` (e.g. [`crate::DecoderStage::init_range`]). Only
+    /// the elements this rank keeps are generated: its shard at ZeRO-3.
+    pub fn new(
+        model: M,
+        dp: ProcessGroup,
+        pipe: Option<Pipeline>,
+        cfg: ExecConfig,
+        init: impl Fn(Range<usize>, &mut [f32]),
+    ) -> Result<Self, ParallelError> {
+        let units = model.units();
+        check_units(&units)?;
+        let total = units.last().map_or(0, |u| u.end);
+        let (stages_spec, num_stages) = match &pipe {
+            None => (vec![(0, 0..units.len())], 1),
+            Some(p) => (p.local.clone(), p.stage_rank.len()),
+        };
+        check_stages(&stages_spec, units.len(), num_stages)?;
+        let spec = ShardSpec::new(total, dp.size())?;
+        let zero = cfg.zero;
+        // Buckets hold whole units of one stage: a unit's gradients are written by one call
+        // into one contiguous slice, and its backward returning is the grads-ready event.
+        let cap = BucketPlan::cap_elems(cfg.bucket_bytes, F32);
+        let mut buckets = Vec::new();
+        let mut stages = Vec::with_capacity(stages_spec.len());
+        for (id, ur) in stages_spec {
+            let first = buckets.len();
+            buckets.extend(BucketPlan::new(&units[ur.clone()], cap)?.buckets);
+            stages.push(LocalStage {
+                id,
+                units: ur,
+                buckets: first..buckets.len(),
+            });
+        }
+        let unit_bucket = units
+            .iter()
+            .map(|u| {
+                buckets
+                    .iter()
+                    .position(|b| b.range.start <= u.start && u.end <= b.range.end)
+                    .expect("every unit lies in one bucket")
+            })
+            .collect();
+        let me = dp.rank();
+        let own = spec.range(me);
+        let precision = cfg.precision;
+        // A buffer of `len` elements whose first real elements are flat range `r`.
+        let fill = |r: Range<usize>, len: usize| {
+            let mut b = vec![0.0; len];
+            init(r.clone(), &mut b[..r.len()]);
+            b
+        };
+        let per = |sharded: bool| if sharded { spec.shard_len() } else { total };
+        let (params, master) = match precision.half() {
+            None if zero.shards_params() => {
+                (Flat::F32(fill(own.clone(), spec.shard_len())), Vec::new())
+            }
+            None => (Flat::F32(fill(0..total, total)), Vec::new()),
+            Some(_) => {
+                let master = if zero.shards_optimizer() {
+                    fill(own.clone(), spec.shard_len())
+                } else {
+                    fill(0..total, total)
+                };
+                let params = if zero.shards_params() || !zero.shards_optimizer() {
+                    // The rounded master itself (the shard at ZeRO-3, everything for DDP).
+                    let mut p = Flat::zeros(master.len(), precision);
+                    p.write(0, &master);
+                    p
+                } else {
+                    // Full 16-bit weights beside a master shard: generated chunk by chunk, so
+                    // no full fp32 copy ever exists.
+                    let mut p = Flat::zeros(total, precision);
+                    let mut buf = vec![0.0; CHUNK.min(total)];
+                    for s in (0..total).step_by(CHUNK) {
+                        let e = (s + CHUNK).min(total);
+                        init(s..e, &mut buf[..e - s]);
+                        p.write(s, &buf[..e - s]);
+                    }
+                    p
+                };
+                (params, master)
+            }
+        };
+        // Stages 0/1: the full gradients, one allocation per bucket (all-reduced in place);
+        // stages 2/3: the shard.
+        let grads = if zero.shards_grads() {
+            Bucketed::zeros(std::iter::once(0..spec.shard_len()).collect(), precision)
+        } else {
+            Bucketed::zeros(buckets.iter().map(|b| b.range.clone()).collect(), precision)
+        };
+        let m = vec![0.0; per(zero.shards_optimizer())];
+        let v = vec![0.0; per(zero.shards_optimizer())];
+        let lr = cfg.adamw.lr;
+        let scaler = LossScaler::new(precision, cfg.loss_scale);
+        let staging = vec![None; buckets.len()];
+        Ok(Self {
+            model,
+            dp,
+            pipe,
+            stages,
+            num_stages,
+            cfg,
+            units,
+            spec,
+            buckets,
+            unit_bucket,
+            staging,
+            params,
+            grads,
+            master,
+            m,
+            v,
+            step: 0,
+            lr,
+            scaler,
+            resident: HashMap::new(),
+            comm_bytes: Gauge::default(),
+            reduce_scratch: 0,
+            gathered_bytes: Gauge::default(),
+            act_bytes: Gauge::default(),
+            trace: None,
+        })
+    }
+
+    /// [`Self::new`] from the full initial parameters (the same on every rank).
+    pub fn from_params(
+        model: M,
+        dp: ProcessGroup,
+        cfg: ExecConfig,
+        init: &[f32],
+    ) -> Result<Self, ParallelError> {
+        let total = model.units().last().map_or(0, |u| u.end);
+        if init.len() != total {
+            return Err(ParallelError::Layout(format!(
+                "initial parameters have {} elements, the model's units cover {total}",
+                init.len()
+            )));
+        }
+        Self::new(model, dp, None, cfg, |r, out| out.copy_from_slice(&init[r]))
+    }
+
+    pub fn model(&self) -> &M {
+        &self.model
+    }
+    pub fn dp_group(&self) -> &ProcessGroup {
+        &self.dp
+    }
+    pub fn config(&self) -> &ExecConfig {
+        &self.cfg
+    }
+    pub fn spec(&self) -> &ShardSpec {
+        &self.spec
+    }
+    pub fn buckets(&self) -> &[Bucket] {
+        &self.buckets
+    }
+    pub fn units(&self) -> &[Range<usize>] {
+        &self.units
+    }
+    /// Optimizer steps taken.
+    pub fn step_count(&self) -> u64 {
+        self.step
+    }
+    pub fn loss_scaler(&self) -> &LossScaler {
+        &self.scaler
+    }
+    /// Number of pipeline stages of the whole model (1 without pipeline parallelism).
+    pub fn num_stages(&self) -> usize {
+        self.num_stages
+    }
+
+    /// Learning rate of the next steps (from the schedule).
+    pub fn set_lr(&mut self, lr: f32) {
+        self.lr = lr;
+    }
+
+    /// Starts recording a timeline of backward and bucket events.
+    pub fn enable_trace(&mut self) {
+        self.trace = Some(Vec::new());
+    }
+    pub fn take_trace(&mut self) -> Vec<TraceEvent> {
+        self.trace.replace(Vec::new()).unwrap_or_default()
+    }
+    fn record(&mut self, kind: TraceKind) {
+        if let Some(t) = &mut self.trace {
+            t.push(TraceEvent {
+                kind,
+                at: Instant::now(),
+            });
+        }
+    }
+
+    /// One optimizer step over this rank's micro-batches with the one-stage schedule (no
+    /// pipeline parallelism).
+    pub fn train_step(&mut self, micro: &[M::Batch]) -> Result<StepStats, ParallelError> {
+        if self.num_stages != 1 {
+            return Err(ParallelError::Config(format!(
+                "{} pipeline stages need a pipeline schedule",
+                self.num_stages
+            )));
+        }
+        let schedule = crate::pipeline_parallel::one_stage(micro.len());
+        self.run_step(micro, &schedule)
+    }
+
+    /// Accounted bytes on this rank: the persistent buffers, and the peaks of the transient
+    /// ones (communication buffers include ZeRO-3's gathered units).
+    pub fn memory(&self) -> MemoryAccount {
+        let (master, optimizer) = (self.master.len() * F32, (self.m.len() + self.v.len()) * F32);
+        MemoryAccount {
+            params: self.params.bytes(),
+            grads: self.grads.bytes(),
+            master,
+            optimizer,
+            comm_buffers: self.comm_bytes.peak + self.reduce_scratch + self.gathered_bytes.peak,
+            activations: self.act_bytes.peak,
+        }
+    }
+
+    /// Peak bytes of gathered (non-owned) or widened parameters alive at once.
+    pub fn peak_gathered_bytes(&self) -> usize {
+        self.gathered_bytes.peak
+    }
+
+    /// The formula's model-state bytes for this configuration.
+    pub fn formula(&self) -> MemoryAccount {
+        formula(
+            self.spec.total(),
+            self.dp.size(),
+            self.cfg.zero,
+            self.cfg.precision,
+        )
+    }
+
+    /// The fp32 master weights this rank holds: full (`false`) or its shard (`true`).
+    fn master_view(&self) -> (&[f32], bool) {
+        match &self.params {
+            Flat::F32(p) => (p, self.cfg.zero.shards_params()),
+            Flat::Half { .. } => (&self.master, self.cfg.zero.shards_optimizer()),
+        }
+    }
+
+    /// This rank's gradient buffer as fp32 (its shard at ZeRO-2/3): what the last step's
+    /// backward and reductions produced, loss-scaled, and clipped in place when fp32 training
+    /// clipped. For tests and diagnostics.
+    pub fn local_grads(&self) -> Vec<f32> {
+        let n = self.grads.bytes() / self.cfg.precision.compute_bytes();
+        let mut out = vec![0.0; n];
+        self.grads.read_into(0..n, &mut out);
+        out
+    }
+
+    /// This rank's whole flat buffer of fp32 (master) parameters; a collective over the dp
+    /// group where the master weights are sharded (every dp rank must call it).
+    pub fn full_params(&self) -> Result<Vec<f32>, ParallelError> {
+        let (master, sharded) = self.master_view();
+        if !sharded {
+            return Ok(master[..self.spec.total()].to_vec());
+        }
+        let n = self.spec.range(self.dp.rank()).len();
+        let (full, _) = self.dp.all_gather_v(&master[..n])?;
+        Ok(full)
+    }
+}
+
+fn check_units(units: &[Range<usize>]) -> Result<(), ParallelError> {
+    let mut next = 0;
+    for (i, u) in units.iter().enumerate() {
+        if u.start != next || u.end < u.start {
+            return Err(ParallelError::Layout(format!(
+                "unit {i} covers {u:?}; units must be contiguous from 0"
+            )));
+        }
+        next = u.end;
+    }
+    if units.is_empty() {
+        return Err(ParallelError::Layout("the model has no units".into()));
+    }
+    Ok(())
+}
+
+fn check_stages(
+    stages: &[(usize, Range<usize>)],
+    units: usize,
+    num_stages: usize,
+) -> Result<(), ParallelError> {
+    let mut next = 0;
+    for (id, r) in stages {
+        if r.start != next || r.is_empty() || *id >= num_stages {
+            return Err(ParallelError::Layout(format!(
+                "stage {id} holds units {r:?}: a rank's stages must hold consecutive, non-empty runs of its {units} units, with ids below {num_stages}"
+            )));
+        }
+        next = r.end;
+    }
+    if next != units {
+        return Err(ParallelError::Layout(format!(
+            "the rank's stages hold {next} of its {units} units"
+        )));
+    }
+    Ok(())
+}
+
+/// Tag of a pipeline message: the kind (activation or gradient), the stage that receives it,
+/// the micro-batch.
+fn p2p_tag(gradient: bool, to_stage: usize, mb: usize) -> u32 {
+    ((gradient as u32) << 30) | ((to_stage as u32 & 0x3FFF) << 16) | (mb as u32 & 0xFFFF)
+}
+
+/// The text of a schedule error naming the action.
+fn schedule_err(a: &Action, msg: impl std::fmt::Display) -> ParallelError {
+    ParallelError::Schedule(format!("{a}: {msg}"))
+}

@@ -1,0 +1,141 @@
+//! The optimizer step of the executor: the global gradient norm (over the dp shards, the tp
+//! group and the pipeline stages), fp16 overflow detection, torch's `clip_grad_norm_`, AdamW on
+//! what this rank updates, and (ZeRO-1/2) the all-gather of the updated weights.
+use std::ops::Range;
+
+use comm::ProcessGroup;
+use model::optim::scale_grads;
+
+use super::{Executor, F32};
+use crate::data_parallel::ZeroStage;
+use crate::precision::{Flat, CHUNK};
+use crate::stage::StageModel;
+use crate::ParallelError;
+
+/// Sum of one f64 per rank of `group`, added in rank order (the same bits on every rank).
+fn sum_over(group: &ProcessGroup, x: f64) -> Result<f64, ParallelError> {
+    if group.size() == 1 {
+        return Ok(x);
+    }
+    let mut all = vec![0i64; group.size()];
+    group.all_gather(&[x.to_bits() as i64], &mut all)?;
+    Ok(all.iter().map(|&b| f64::from_bits(b as u64)).sum())
+}
+
+impl<M: StageModel> Executor<M> {
+    /// The flat range AdamW updates here, as indices of (grads, compute params, master/m/v).
+    fn own_ranges(&self) -> (Range<usize>, Range<usize>, Range<usize>) {
+        let own = self.spec.range(self.dp.rank());
+        let local = 0..own.len();
+        let all = 0..self.spec.total();
+        match self.cfg.zero {
+            ZeroStage::Ddp => (all.clone(), all.clone(), all),
+            ZeroStage::One => (own.clone(), own, local),
+            ZeroStage::Two => (local.clone(), own, local),
+            ZeroStage::Three => (local.clone(), local.clone(), local),
+        }
+    }
+
+    /// Σ g² of the whole model's (loss-scaled) gradient: this rank's part, summed over the dp
+    /// shards (ZeRO ≥ 1), the tp group (inside the model) and the pipeline stages.
+    fn global_grad_sq(&self) -> Result<f64, ParallelError> {
+        let zero = self.cfg.zero;
+        let (gr, _, _) = self.own_ranges();
+        // `flat` is what `gr` holds in model indices.
+        let flat = if zero == ZeroStage::Ddp {
+            0..self.spec.total()
+        } else {
+            self.spec.range(self.dp.rank())
+        };
+        let shift = flat.start - gr.start;
+        let grads = &self.grads;
+        let mut sq = self.model.grad_sq_sum(flat, &|r: Range<usize>| {
+            grads.sq_sum(r.start - shift..r.end - shift)
+        })?;
+        if zero.shards_optimizer() {
+            sq = sum_over(&self.dp, sq)?;
+        }
+        if let Some(p) = &self.pipe {
+            sq = sum_over(&p.group, sq)?;
+        }
+        Ok(sq)
+    }
+
+    /// Clipping + AdamW on what this rank owns, then (stages 1/2) the parameter all-gather.
+    /// Returns the global gradient norm and whether the step was applied (fp16: skipped when
+    /// the gradients overflowed).
+    pub(super) fn optimizer_step(&mut self) -> Result<(f32, bool), ParallelError> {
+        let zero = self.cfg.zero;
+        let sq = self.global_grad_sq()?;
+        let loss_scale = self.scaler.scale;
+        // True gradient = stored / scale, so ‖g‖ = sqrt(Σ stored²) / scale.
+        let norm = sq.sqrt() / loss_scale;
+        if !self.scaler.update(sq.is_finite()) {
+            return Ok((norm as f32, false));
+        }
+        // torch.nn.utils.clip_grad_norm_: g *= min(1, max_norm / (‖g‖ + 1e-6)); the loss scale
+        // comes off in the same multiplication.
+        let clip = match self.cfg.max_grad_norm {
+            Some(c) => (c as f64 / (norm + 1e-6)).min(1.0),
+            None => 1.0,
+        };
+        let factor = (clip / loss_scale) as f32;
+        self.step += 1;
+        let (gr, pr, mr) = self.own_ranges();
+        let opt = self.cfg.adamw;
+        let (t, lr) = (self.step, self.lr);
+        let (m, v) = (&mut self.m[mr.clone()], &mut self.v[mr.clone()]);
+        match (&mut self.params, &mut self.grads) {
+            (Flat::F32(p), grads) if grads.is_f32() => {
+                // Bucket by bucket (AdamW is elementwise): the piece at flat offset `s` of the
+                // gradients pairs with the same offset from the starts of `pr` and `mr`.
+                grads.f32_pieces_mut(gr.clone(), |s, g| {
+                    let o = s - gr.start;
+                    let n = g.len();
+                    scale_grads(g, factor);
+                    opt.update(
+                        t,
+                        lr,
+                        opt.weight_decay,
+                        &mut p[pr.start + o..pr.start + o + n],
+                        g,
+                        &mut m[o..o + n],
+                        &mut v[o..o + n],
+                    );
+                });
+            }
+            (params, grads) => {
+                // 16-bit: chunk by chunk, widen the gradients, clip and unscale, update the
+                // fp32 master, round it into the weights.
+                let master = &mut self.master[mr.clone()];
+                let mut g = vec![0.0f32; CHUNK.min(master.len())];
+                for s in (0..master.len()).step_by(CHUNK) {
+                    let e = (s + CHUNK).min(master.len());
+                    let g = &mut g[..e - s];
+                    grads.read_into(gr.start + s..gr.start + e, g);
+                    scale_grads(g, factor);
+                    opt.update(
+                        t,
+                        lr,
+                        opt.weight_decay,
+                        &mut master[s..e],
+                        g,
+                        &mut m[s..e],
+                        &mut v[s..e],
+                    );
+                    params.write(pr.start + s, &master[s..e]);
+                }
+            }
+        }
+        if matches!(zero, ZeroStage::One | ZeroStage::Two) && self.dp.size() > 1 {
+            // All-gather the updated weights unit by unit (buffer bounded by one unit).
+            for u in 0..self.units.len() {
+                let w = self.gather_async(u);
+                let full = self.finish_gather(u, w)?;
+                self.gathered_bytes.sub(full.len() * F32);
+                self.params.write(self.units[u].start, &full);
+            }
+        }
+        Ok((norm as f32, true))
+    }
+}

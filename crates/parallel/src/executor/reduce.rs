@@ -1,0 +1,319 @@
+//! Data-parallel communication of the executor: ZeRO-3's per-unit parameter gathers, and the
+//! gradient bucket reductions launched during backward and completed later.
+use std::collections::HashMap;
+use std::ops::Range;
+
+use comm::{ReduceOp, Work};
+
+use super::{Executor, TraceKind, F32};
+use crate::precision::{Flat, Piece};
+use crate::stage::StageModel;
+use crate::ParallelError;
+
+/// A reduction in flight.
+pub(super) enum Pending {
+    /// Stages 0/1: the bucket's gradients, summed over ranks.
+    AllReduce { bucket: usize, work: Work<Vec<f32>> },
+    /// Stages 2/3: the piece of a bucket owned by `root`, summed onto `root`.
+    Reduce {
+        bucket: usize,
+        root: usize,
+        range: Range<usize>,
+        /// Bytes accounted for this reduction's buffer.
+        bytes: usize,
+        work: Work<Vec<f32>>,
+    },
+}
+
+impl Pending {
+    fn bucket(&self) -> usize {
+        match self {
+            Pending::AllReduce { bucket, .. } | Pending::Reduce { bucket, .. } => *bucket,
+        }
+    }
+    fn is_completed(&self) -> bool {
+        match self {
+            Pending::AllReduce { work, .. } | Pending::Reduce { work, .. } => work.is_completed(),
+        }
+    }
+}
+
+/// A parameter all-gather in flight, in the weights' precision.
+pub(super) enum Gather {
+    F32(Work<(Vec<f32>, Vec<usize>)>),
+    Bf16(Work<(Vec<half::bf16>, Vec<usize>)>),
+    F16(Work<(Vec<half::f16>, Vec<usize>)>),
+}
+
+/// Unit `u`'s fp32 weights: a gathered or widened copy (`owned`), a unit kept by `UNSHARD`,
+/// or the fp32 buffer itself.
+pub(super) fn param_slice<'a>(
+    params: &'a Flat,
+    resident: &'a HashMap<usize, Vec<f32>>,
+    owned: &'a Option<Vec<f32>>,
+    u: usize,
+    range: Range<usize>,
+) -> &'a [f32] {
+    if let Some(o) = owned {
+        return o;
+    }
+    if let Some(r) = resident.get(&u) {
+        return r;
+    }
+    &params.as_f32().expect("fp32 weights are used in place")[range]
+}
+
+impl<M: StageModel> Executor<M> {
+    /// This rank's real elements of flat range `r` of the compute weights (from the full
+    /// buffer or the shard), in their own precision.
+    fn own_piece(&self, r: &Range<usize>) -> Piece {
+        let me = self.dp.rank();
+        let own = self.spec.intersect(me, r);
+        let local = if own.is_empty() {
+            0..0
+        } else if self.cfg.zero.shards_params() {
+            self.spec.to_local(me, &own)
+        } else {
+            own
+        };
+        self.params.piece(local)
+    }
+
+    /// Starts gathering unit `u`'s compute weights from the shards (pieces arrive in rank
+    /// order, which is flat order; 16-bit weights travel as 16 bits).
+    pub(super) fn gather_async(&mut self, u: usize) -> Gather {
+        let r = self.units[u].clone();
+        let piece = self.own_piece(&r);
+        self.gathered_bytes.add(r.len() * piece.elem_bytes());
+        match piece {
+            Piece::F32(p) => Gather::F32(self.dp.all_gather_v_async(p)),
+            Piece::Bf16(p) => Gather::Bf16(self.dp.all_gather_v_async(p)),
+            Piece::F16(p) => Gather::F16(self.dp.all_gather_v_async(p)),
+        }
+    }
+
+    /// Waits for unit `u`'s gather and returns its weights in fp32 (accounted until
+    /// [`Self::release`]).
+    pub(super) fn finish_gather(&mut self, u: usize, w: Gather) -> Result<Vec<f32>, ParallelError> {
+        let full = match w {
+            Gather::F32(w) => Piece::F32(w.wait()?.0),
+            Gather::Bf16(w) => Piece::Bf16(w.wait()?.0),
+            Gather::F16(w) => Piece::F16(w.wait()?.0),
+        };
+        let want = self.units[u].len();
+        if full.len() != want {
+            return Err(ParallelError::Protocol(format!(
+                "gathered {} parameters for unit {u}, expected {want}",
+                full.len()
+            )));
+        }
+        let elem = full.elem_bytes();
+        if elem != F32 {
+            // Widened to fp32 for the kernels; the 16-bit copy is freed right after.
+            self.gathered_bytes.add(want * F32);
+            self.gathered_bytes.sub(want * elem);
+        }
+        Ok(full.into_f32())
+    }
+
+    /// Unit `u`'s parameters as an fp32 copy when they are not used in place: gathered
+    /// (ZeRO-3, from the prefetch `w`) or widened from 16 bits. `None`: read `self.params` (or
+    /// the unit `UNSHARD` keeps).
+    pub(super) fn unit_params(
+        &mut self,
+        u: usize,
+        w: Option<Gather>,
+    ) -> Result<Option<Vec<f32>>, ParallelError> {
+        if let Some(w) = w {
+            return self.finish_gather(u, w).map(Some);
+        }
+        if self.resident.contains_key(&u) {
+            return Ok(None);
+        }
+        if self.cfg.zero.shards_params() {
+            let w = self.gather_async(u);
+            return self.finish_gather(u, w).map(Some);
+        }
+        if self.params.as_f32().is_some() {
+            return Ok(None);
+        }
+        let r = self.units[u].clone();
+        self.gathered_bytes.add(r.len() * F32);
+        Ok(Some(self.params.read(r)))
+    }
+
+    /// Frees a unit's parameter copy.
+    pub(super) fn release(&mut self, owned: Option<Vec<f32>>) {
+        if let Some(o) = owned {
+            self.gathered_bytes.sub(o.len() * F32);
+        }
+    }
+
+    /// Launches the reduction of bucket `b` (its gradients are final).
+    pub(super) fn launch(
+        &mut self,
+        b: usize,
+        pending: &mut Vec<Pending>,
+    ) -> Result<(), ParallelError> {
+        self.record(TraceKind::BucketLaunched(b));
+        let br = self.buckets[b].range.clone();
+        let single = self.dp.size() == 1;
+        if !self.cfg.zero.shards_grads() {
+            if single {
+                // One rank: the accumulated gradients are already the sum.
+                self.record(TraceKind::BucketDone(b));
+                return Ok(());
+            }
+            // fp32: the bucket's own allocation is all-reduced in place (lent to the
+            // collective, returned in `drain`). 16-bit: an fp32 copy, since reductions run in
+            // fp32.
+            let buf = if self.grads.is_f32() {
+                match self.grads.take(b) {
+                    Some(Flat::F32(v)) => v,
+                    _ => {
+                        return Err(ParallelError::Protocol(format!(
+                            "bucket {b} is already in flight"
+                        )))
+                    }
+                }
+            } else {
+                let buf = self.grads.read(b, br.clone());
+                self.comm_bytes.add(buf.len() * F32);
+                buf
+            };
+            pending.push(Pending::AllReduce {
+                bucket: b,
+                work: self.dp.all_reduce_async(buf, ReduceOp::Sum),
+            });
+            return Ok(());
+        }
+        let buf = self.staging[b].take().ok_or_else(|| {
+            ParallelError::Protocol(format!("bucket {b} has no staged gradients"))
+        })?;
+        if single {
+            // One rank owns the whole shard: the staged gradients are the sum.
+            self.grads.update(0, br.clone(), |g| {
+                g.iter_mut().zip(&buf).for_each(|(g, s)| *g += s);
+            });
+            self.comm_bytes.sub(buf.len() * F32);
+            self.record(TraceKind::BucketDone(b));
+            return Ok(());
+        }
+        // Reduce-scatter with uneven pieces: each piece of the bucket is summed onto the rank
+        // whose shard contains it (one reduce per owning rank, issued in the same order
+        // everywhere). A bucket inside one shard (the usual case when buckets are smaller than
+        // shards) is handed over without a copy; a bucket spanning shards is copied piece by
+        // piece and its staging buffer freed, so in-flight bytes never exceed the bucket's.
+        let pieces = self.spec.split(br.clone());
+        let me = self.dp.rank();
+        for (root, piece) in &pieces {
+            if *root != me {
+                self.reduce_scratch = self.reduce_scratch.max(piece.len() * F32);
+            }
+        }
+        if let [(root, piece)] = pieces.as_slice() {
+            let bytes = buf.len() * F32;
+            let work = self.dp.reduce_async(buf, ReduceOp::Sum, *root);
+            pending.push(Pending::Reduce {
+                bucket: b,
+                root: *root,
+                range: piece.clone(),
+                bytes,
+                work,
+            });
+            return Ok(());
+        }
+        for (root, piece) in pieces {
+            let data = buf[piece.start - br.start..piece.end - br.start].to_vec();
+            let bytes = data.len() * F32;
+            self.comm_bytes.add(bytes);
+            let work = self.dp.reduce_async(data, ReduceOp::Sum, root);
+            pending.push(Pending::Reduce {
+                bucket: b,
+                root,
+                range: piece,
+                bytes,
+                work,
+            });
+        }
+        self.comm_bytes.sub(buf.len() * F32);
+        Ok(())
+    }
+
+    /// Stores the averaged gradients of the reductions that already finished.
+    pub(super) fn poll(&mut self, pending: &mut Vec<Pending>) -> Result<(), ParallelError> {
+        self.complete(pending, |p| p.is_completed())
+    }
+
+    /// Waits for and stores every reduction of `buckets` (all of them with `None`).
+    pub(super) fn drain(
+        &mut self,
+        pending: &mut Vec<Pending>,
+        buckets: Option<&Range<usize>>,
+    ) -> Result<(), ParallelError> {
+        self.complete(pending, |p| buckets.is_none_or(|r| r.contains(&p.bucket())))
+    }
+
+    /// Stores the averaged gradients of the reductions `take` selects (waiting for them).
+    /// Every gradient element receives exactly one reduction result per backward, so the order
+    /// in which they are consumed does not change the numbers.
+    fn complete(
+        &mut self,
+        pending: &mut Vec<Pending>,
+        take: impl Fn(&Pending) -> bool,
+    ) -> Result<(), ParallelError> {
+        let inv = 1.0 / self.dp.size() as f32;
+        let me = self.dp.rank();
+        let mut keep = Vec::new();
+        let mut consumed = Vec::new();
+        for p in pending.drain(..) {
+            if !take(&p) {
+                keep.push(p);
+                continue;
+            }
+            let bucket = match p {
+                Pending::AllReduce { bucket, work } => {
+                    let mut sum = work.wait()?;
+                    let r = self.buckets[bucket].range.clone();
+                    sum.iter_mut().for_each(|s| *s *= inv);
+                    if self.grads.has(bucket) {
+                        self.grads.write(bucket, r.start, &sum);
+                        self.comm_bytes.sub(sum.len() * F32);
+                    } else {
+                        self.grads.put(bucket, Flat::F32(sum));
+                    }
+                    bucket
+                }
+                Pending::Reduce {
+                    bucket,
+                    root,
+                    range,
+                    bytes,
+                    work,
+                } => {
+                    let sum = work.wait()?;
+                    if root == me {
+                        let local = self.spec.to_local(me, &range);
+                        self.grads.update(0, local, |g| {
+                            for (g, s) in g.iter_mut().zip(&sum) {
+                                *g += s * inv;
+                            }
+                        });
+                    }
+                    self.comm_bytes.sub(bytes);
+                    bucket
+                }
+            };
+            if consumed.last() != Some(&bucket) {
+                consumed.push(bucket);
+            }
+        }
+        for b in consumed {
+            if !keep.iter().any(|k| k.bucket() == b) {
+                self.record(TraceKind::BucketDone(b));
+            }
+        }
+        *pending = keep;
+        Ok(())
+    }
+}

@@ -1,0 +1,697 @@
+//! Running a schedule: each action of a rank's list in order, with the step's state (the
+//! activations and gradients between stages and between a stage's `B` and `W`, messages in
+//! flight, the bucket reductions launched so far) carried in a [`StepState`].
+use std::collections::HashMap;
+use std::ops::Range;
+
+use comm::{ReduceOp, Work};
+
+use super::reduce::{param_slice, Gather, Pending};
+use super::{p2p_tag, schedule_err, Executor, Gauge, StepStats, TraceKind, F32};
+use crate::data_parallel::bucket::{Bucket, ReadyTracker};
+use crate::data_parallel::ZeroStage;
+use crate::pipeline_parallel::Action;
+use crate::precision::Bucketed;
+use crate::stage::StageModel;
+use crate::ParallelError;
+
+type Key = (usize, usize);
+
+/// What one step carries from action to action (keys are (stage, micro-batch)).
+pub(super) struct StepState<M: StageModel> {
+    /// d(total loss)/d(a micro-batch's loss): the loss scale over the number of micro-batches.
+    scale: f32,
+    /// Input activations waiting for their forward (handed over on this rank).
+    inputs: HashMap<Key, M::Act>,
+    /// Output gradients waiting for their backward (handed over on this rank).
+    out_grads: HashMap<Key, M::Act>,
+    /// Outputs and input gradients waiting for their `SEND_F` / `SEND_B`.
+    outputs: HashMap<Key, M::Act>,
+    in_grads: HashMap<Key, M::Act>,
+    recv_f: HashMap<Key, Work<Vec<f32>>>,
+    recv_b: HashMap<Key, Work<Vec<f32>>>,
+    sends: Vec<Work<Vec<f32>>>,
+    caches: HashMap<Key, Vec<M::Cache>>,
+    /// Pending weight gradients per unit, in the order `BACKWARD_INPUT` made them.
+    weight_grads: HashMap<Key, Vec<(usize, M::WeightGrad)>>,
+    /// Per local stage: actions computing weight gradients still to come this step.
+    weight_left: Vec<usize>,
+    reductions: Vec<Pending>,
+    /// Sum of the losses of this rank's micro-batches (on the rank of the last stage).
+    loss: f64,
+}
+
+/// Runs `f` on the process's kernel pool when allowed (see [`Executor::pin_compute`]).
+fn compute<R: Send>(pin: bool, f: impl FnOnce() -> R + Send) -> R {
+    if pin {
+        tensor::threads::install(f)
+    } else {
+        f()
+    }
+}
+
+/// Accumulates a unit's weight gradients (`f` adds them into the slice it is given): into the
+/// bucket's fp32 staging buffer at ZeRO-2/3, else into the gradient buffer (through an fp32
+/// copy of the unit's gradients when they are stored in 16 bits).
+#[allow(clippy::too_many_arguments)]
+fn accumulate(
+    zero: ZeroStage,
+    grads: &mut Bucketed,
+    staging: &mut [Option<Vec<f32>>],
+    comm_bytes: &mut Gauge,
+    gathered_bytes: &mut Gauge,
+    bucket: &Bucket,
+    b: usize,
+    range: Range<usize>,
+    f: impl FnOnce(&mut [f32]) -> Result<(), ParallelError>,
+) -> Result<(), ParallelError> {
+    if zero.shards_grads() {
+        let br = bucket.range.clone();
+        let buf = staging[b].get_or_insert_with(|| {
+            comm_bytes.add(br.len() * F32);
+            vec![0.0; br.len()]
+        });
+        return f(&mut buf[range.start - br.start..range.end - br.start]);
+    }
+    let widened = !grads.is_f32();
+    if widened {
+        gathered_bytes.add(range.len() * F32);
+    }
+    let r = grads.update(b, range.clone(), f);
+    if widened {
+        gathered_bytes.sub(range.len() * F32);
+    }
+    r
+}
+
+impl<M: StageModel> Executor<M> {
+    /// Whether a unit's compute runs on the kernel pool's worker (one hand-over per unit
+    /// rather than per kernel): always when units issue no collectives, and with collectives
+    /// only when this process runs one rank (ranks as threads of one process sharing a pool
+    /// could otherwise wait on each other from inside it).
+    fn pin_compute(&self) -> bool {
+        self.cfg.one_rank_per_process || !self.model.communicates()
+    }
+
+    fn local_stage(&self, a: &Action, stage: usize) -> Result<usize, ParallelError> {
+        self.stages
+            .iter()
+            .position(|s| s.id == stage)
+            .ok_or_else(|| schedule_err(a, format!("stage {stage} does not run on this rank")))
+    }
+
+    fn is_local(&self, stage: usize) -> bool {
+        self.stages.iter().any(|s| s.id == stage)
+    }
+
+    fn pipe(&self, a: &Action) -> Result<&super::Pipeline, ParallelError> {
+        self.pipe
+            .as_ref()
+            .ok_or_else(|| schedule_err(a, "a pipeline message without pipeline parallelism"))
+    }
+
+    /// Runs one step: `schedule` over this rank's micro-batches `micro`. The schedule must end
+    /// with the optimizer step.
+    pub fn run_step(
+        &mut self,
+        micro: &[M::Batch],
+        schedule: &[Action],
+    ) -> Result<StepStats, ParallelError> {
+        if micro.is_empty() {
+            return Err(ParallelError::Config(
+                "a step needs at least one micro-batch".into(),
+            ));
+        }
+        match schedule.iter().position(|a| *a == Action::Optimizer) {
+            Some(i) if i + 1 == schedule.len() => {}
+            _ => {
+                return Err(ParallelError::Schedule(
+                    "a step's schedule ends with its one OPTIMIZER action".into(),
+                ))
+            }
+        }
+        self.grads.fill_zero();
+        let weight_left = self
+            .stages
+            .iter()
+            .map(|s| {
+                schedule
+                    .iter()
+                    .filter(|a| a.computes_weight_grads() && a.stage() == Some(s.id))
+                    .count()
+            })
+            .collect();
+        let mut st = StepState::<M> {
+            scale: (self.scaler.scale / micro.len() as f64) as f32,
+            inputs: HashMap::new(),
+            out_grads: HashMap::new(),
+            outputs: HashMap::new(),
+            in_grads: HashMap::new(),
+            recv_f: HashMap::new(),
+            recv_b: HashMap::new(),
+            sends: Vec::new(),
+            caches: HashMap::new(),
+            weight_grads: HashMap::new(),
+            weight_left,
+            reductions: Vec::new(),
+            loss: 0.0,
+        };
+        for a in &schedule[..schedule.len() - 1] {
+            self.act(a, micro, &mut st)?;
+        }
+        self.finish(micro.len(), st)
+    }
+
+    fn act(
+        &mut self,
+        a: &Action,
+        micro: &[M::Batch],
+        st: &mut StepState<M>,
+    ) -> Result<(), ParallelError> {
+        let batch = |mb: usize| {
+            micro.get(mb).ok_or_else(|| {
+                schedule_err(
+                    a,
+                    format!("micro-batch {mb} of a step with {}", micro.len()),
+                )
+            })
+        };
+        match *a {
+            Action::Forward { stage, mb } => self.forward(a, stage, mb, batch(mb)?, st),
+            Action::Backward { stage, mb } => self.backward(a, stage, mb, true, st),
+            Action::BackwardInput { stage, mb } => self.backward(a, stage, mb, false, st),
+            Action::BackwardWeight { stage, mb } => self.backward_weight(a, stage, mb, st),
+            Action::SendForward { stage, mb } => {
+                self.local_stage(a, stage)?;
+                let act = st.outputs.remove(&(stage, mb)).ok_or_else(|| {
+                    schedule_err(a, "no output to send: its forward has not run on this rank")
+                })?;
+                let pipe = self.pipe(a)?;
+                let dst = *pipe
+                    .stage_rank
+                    .get(stage + 1)
+                    .ok_or_else(|| schedule_err(a, "the last stage sends no activation"))?;
+                let wire = self.model.act_to_wire(act);
+                st.sends
+                    .push(pipe.group.isend(wire, dst, p2p_tag(false, stage + 1, mb)));
+                Ok(())
+            }
+            Action::SendBackward { stage, mb } => {
+                self.local_stage(a, stage)?;
+                let act = st.in_grads.remove(&(stage, mb)).ok_or_else(|| {
+                    schedule_err(
+                        a,
+                        "no input gradient to send: its backward has not run on this rank",
+                    )
+                })?;
+                let pipe = self.pipe(a)?;
+                let dst = *stage
+                    .checked_sub(1)
+                    .and_then(|s| pipe.stage_rank.get(s))
+                    .ok_or_else(|| schedule_err(a, "the first stage sends no gradient"))?;
+                let wire = self.model.act_to_wire(act);
+                st.sends
+                    .push(pipe.group.isend(wire, dst, p2p_tag(true, stage - 1, mb)));
+                Ok(())
+            }
+            Action::RecvForward { stage, mb } => {
+                self.local_stage(a, stage)?;
+                let len = self.model.wire_len(batch(mb)?);
+                let pipe = self.pipe(a)?;
+                let src = *stage
+                    .checked_sub(1)
+                    .and_then(|s| pipe.stage_rank.get(s))
+                    .ok_or_else(|| schedule_err(a, "the first stage receives no activation"))?;
+                let w = pipe
+                    .group
+                    .irecv(vec![0.0; len], src, p2p_tag(false, stage, mb));
+                st.recv_f.insert((stage, mb), w);
+                Ok(())
+            }
+            Action::RecvBackward { stage, mb } => {
+                self.local_stage(a, stage)?;
+                let len = self.model.wire_len(batch(mb)?);
+                let pipe = self.pipe(a)?;
+                let src = *pipe
+                    .stage_rank
+                    .get(stage + 1)
+                    .ok_or_else(|| schedule_err(a, "the last stage receives no gradient"))?;
+                let w = pipe
+                    .group
+                    .irecv(vec![0.0; len], src, p2p_tag(true, stage, mb));
+                st.recv_b.insert((stage, mb), w);
+                Ok(())
+            }
+            Action::Unshard { stage } => {
+                let ls = self.local_stage(a, stage)?;
+                if self.cfg.zero.shards_params() {
+                    for u in self.stages[ls].units.clone() {
+                        if !self.resident.contains_key(&u) {
+                            let w = self.gather_async(u);
+                            let full = self.finish_gather(u, w)?;
+                            self.resident.insert(u, full);
+                        }
+                    }
+                }
+                Ok(())
+            }
+            Action::Reshard { stage } => {
+                let ls = self.local_stage(a, stage)?;
+                for u in self.stages[ls].units.clone() {
+                    if let Some(full) = self.resident.remove(&u) {
+                        self.gathered_bytes.sub(full.len() * F32);
+                    }
+                }
+                Ok(())
+            }
+            Action::ReduceGrad { stage } => {
+                let ls = self.local_stage(a, stage)?;
+                let buckets = self.stages[ls].buckets.clone();
+                self.drain(&mut st.reductions, Some(&buckets))
+            }
+            Action::Optimizer => Err(schedule_err(a, "the optimizer step ends the schedule")),
+        }
+    }
+
+    /// A stage's input activation for `mb`: handed over by this rank's previous stage, or
+    /// received.
+    fn take_input(
+        &self,
+        a: &Action,
+        stage: usize,
+        mb: usize,
+        st: &mut StepState<M>,
+    ) -> Result<M::Act, ParallelError> {
+        if let Some(x) = st.inputs.remove(&(stage, mb)) {
+            return Ok(x);
+        }
+        let w = st.recv_f.remove(&(stage, mb)).ok_or_else(|| {
+            schedule_err(
+                a,
+                "no input: neither a RECV_F nor the previous stage's forward came before",
+            )
+        })?;
+        Ok(self.model.wire_to_act(w.wait()?))
+    }
+
+    /// A stage's output gradient for `mb`: handed over by this rank's next stage, or received.
+    fn take_out_grad(
+        &self,
+        a: &Action,
+        stage: usize,
+        mb: usize,
+        st: &mut StepState<M>,
+    ) -> Result<M::Act, ParallelError> {
+        if let Some(x) = st.out_grads.remove(&(stage, mb)) {
+            return Ok(x);
+        }
+        let w = st.recv_b.remove(&(stage, mb)).ok_or_else(|| {
+            schedule_err(
+                a,
+                "no output gradient: neither a RECV_B nor the next stage's backward came before",
+            )
+        })?;
+        Ok(self.model.wire_to_act(w.wait()?))
+    }
+
+    /// Starts gathering unit `u`'s weights (ZeRO-3, unless a `UNSHARD` keeps them).
+    fn prefetch(&mut self, u: usize) -> Option<Gather> {
+        (self.cfg.zero.shards_params() && !self.resident.contains_key(&u))
+            .then(|| self.gather_async(u))
+    }
+
+    fn forward(
+        &mut self,
+        a: &Action,
+        stage: usize,
+        mb: usize,
+        batch: &M::Batch,
+        st: &mut StepState<M>,
+    ) -> Result<(), ParallelError> {
+        let ls = self.local_stage(a, stage)?;
+        if st.caches.contains_key(&(stage, mb)) {
+            return Err(schedule_err(a, "a second forward of the same micro-batch"));
+        }
+        let units = self.stages[ls].units.clone();
+        let mut x = if self.model.is_first(units.start) {
+            None
+        } else {
+            Some(self.take_input(a, stage, mb, st)?)
+        };
+        let (scale, pin) = (st.scale, self.pin_compute());
+        let mut caches = Vec::with_capacity(units.len());
+        let mut prefetch = self.prefetch(units.start);
+        for u in units.clone() {
+            let w = prefetch.take();
+            if u + 1 < units.end {
+                prefetch = self.prefetch(u + 1);
+            }
+            let owned = self.unit_params(u, w)?;
+            let range = self.units[u].clone();
+            let p = param_slice(&self.params, &self.resident, &owned, u, range);
+            let model = &self.model;
+            let xin = x.take();
+            let (y, cache) = compute(pin, || model.forward(u, p, xin, batch, scale))?;
+            self.act_bytes.add(self.model.cache_bytes(&cache));
+            caches.push(cache);
+            self.release(owned);
+            x = Some(y);
+        }
+        let y = x.expect("a stage has units");
+        st.caches.insert((stage, mb), caches);
+        if self.model.is_last(units.end - 1) {
+            st.loss += self.model.loss(&y) as f64;
+        } else if self.is_local(stage + 1) {
+            st.inputs.insert((stage + 1, mb), y);
+        } else {
+            st.outputs.insert((stage, mb), y);
+        }
+        Ok(())
+    }
+
+    /// Decrements `stage`'s count of weight-gradient actions; whether this one launches the
+    /// bucket reductions (ZeRO-2/3: every one; else the step's last).
+    fn reduces_now(&self, ls: usize, st: &mut StepState<M>) -> bool {
+        st.weight_left[ls] = st.weight_left[ls].saturating_sub(1);
+        self.cfg.zero.shards_grads() || st.weight_left[ls] == 0
+    }
+
+    fn tracker(&self, ls: usize) -> ReadyTracker {
+        ReadyTracker::for_buckets(&self.buckets[self.stages[ls].buckets.clone()])
+    }
+
+    /// Marks unit `u`'s gradients final and launches the buckets that became complete.
+    fn mark_ready(
+        &mut self,
+        ls: usize,
+        u: usize,
+        tracker: &mut Option<ReadyTracker>,
+        st: &mut StepState<M>,
+    ) -> Result<(), ParallelError> {
+        if let Some(tr) = tracker {
+            let first = self.stages[ls].buckets.start;
+            for b in tr.mark(self.units[u].clone())? {
+                self.launch(first + b, &mut st.reductions)?;
+            }
+        }
+        // Consume reductions that already finished, so their buffers are freed during
+        // backward rather than at its end.
+        self.poll(&mut st.reductions)
+    }
+
+    fn check_complete(
+        &self,
+        ls: usize,
+        tracker: Option<ReadyTracker>,
+    ) -> Result<(), ParallelError> {
+        if let Some(tr) = tracker {
+            let missing = tr.incomplete();
+            if !missing.is_empty() {
+                return Err(ParallelError::Protocol(format!(
+                    "stage {}: buckets {missing:?} never became ready",
+                    self.stages[ls].id
+                )));
+            }
+        }
+        Ok(())
+    }
+
+    /// `BACKWARD` (`fused`) or `BACKWARD_INPUT` of `stage` for `mb`, unit by unit in reverse.
+    fn backward(
+        &mut self,
+        a: &Action,
+        stage: usize,
+        mb: usize,
+        fused: bool,
+        st: &mut StepState<M>,
+    ) -> Result<(), ParallelError> {
+        let ls = self.local_stage(a, stage)?;
+        let mut caches = st
+            .caches
+            .remove(&(stage, mb))
+            .ok_or_else(|| schedule_err(a, "no forward of this micro-batch came before"))?;
+        let units = self.stages[ls].units.clone();
+        let mut dy = if self.model.is_last(units.end - 1) {
+            None
+        } else {
+            Some(self.take_out_grad(a, stage, mb, st)?)
+        };
+        let mut tracker = (fused && self.reduces_now(ls, st)).then(|| self.tracker(ls));
+        let (scale, pin, zero) = (st.scale, self.pin_compute(), self.cfg.zero);
+        let mut pending = Vec::new();
+        let mut prefetch = self.prefetch(units.end - 1);
+        for u in units.clone().rev() {
+            let cache = caches.pop().expect("one cache per unit");
+            let cache_bytes = self.model.cache_bytes(&cache);
+            let w = prefetch.take();
+            if u > units.start {
+                prefetch = self.prefetch(u - 1);
+            }
+            let owned = self.unit_params(u, w)?;
+            self.record(TraceKind::BackwardStart(u));
+            let range = self.units[u].clone();
+            let p = param_slice(&self.params, &self.resident, &owned, u, range.clone());
+            let model = &self.model;
+            let din = dy.take();
+            let (dx, wg) = compute(pin, || model.backward_input(u, p, cache, din, scale))?;
+            self.act_bytes.sub(cache_bytes);
+            if fused {
+                let b = self.unit_bucket[u];
+                accumulate(
+                    zero,
+                    &mut self.grads,
+                    &mut self.staging,
+                    &mut self.comm_bytes,
+                    &mut self.gathered_bytes,
+                    &self.buckets[b],
+                    b,
+                    range,
+                    |g| compute(pin, || model.backward_weight(u, p, wg, g)),
+                )?;
+            } else {
+                self.act_bytes.add(self.model.weight_grad_bytes(&wg));
+                pending.push((u, wg));
+            }
+            self.release(owned);
+            self.record(TraceKind::BackwardEnd(u));
+            if fused {
+                self.mark_ready(ls, u, &mut tracker, st)?;
+            }
+            dy = dx;
+        }
+        self.check_complete(ls, tracker)?;
+        if !fused {
+            st.weight_grads.insert((stage, mb), pending);
+        }
+        if let Some(dx) = dy {
+            if self.model.is_first(units.start) {
+                return Err(schedule_err(
+                    a,
+                    "the model's first unit returned an input gradient",
+                ));
+            }
+            if stage > 0 && self.is_local(stage - 1) {
+                st.out_grads.insert((stage - 1, mb), dx);
+            } else {
+                st.in_grads.insert((stage, mb), dx);
+            }
+        }
+        Ok(())
+    }
+
+    /// `BACKWARD_WEIGHT` of `stage` for `mb`: the weight gradients its `BACKWARD_INPUT` left.
+    fn backward_weight(
+        &mut self,
+        a: &Action,
+        stage: usize,
+        mb: usize,
+        st: &mut StepState<M>,
+    ) -> Result<(), ParallelError> {
+        let ls = self.local_stage(a, stage)?;
+        let list = st
+            .weight_grads
+            .remove(&(stage, mb))
+            .ok_or_else(|| schedule_err(a, "no BACKWARD_INPUT of this micro-batch came before"))?;
+        let mut tracker = self.reduces_now(ls, st).then(|| self.tracker(ls));
+        let (pin, zero) = (self.pin_compute(), self.cfg.zero);
+        let order: Vec<usize> = list.iter().map(|(u, _)| *u).collect();
+        let mut prefetch = order.first().and_then(|&u| self.prefetch(u));
+        for (k, (u, wg)) in list.into_iter().enumerate() {
+            let bytes = self.model.weight_grad_bytes(&wg);
+            let w = prefetch.take();
+            if let Some(&next) = order.get(k + 1) {
+                prefetch = self.prefetch(next);
+            }
+            let owned = self.unit_params(u, w)?;
+            self.record(TraceKind::BackwardStart(u));
+            let range = self.units[u].clone();
+            let p = param_slice(&self.params, &self.resident, &owned, u, range.clone());
+            let model = &self.model;
+            let b = self.unit_bucket[u];
+            accumulate(
+                zero,
+                &mut self.grads,
+                &mut self.staging,
+                &mut self.comm_bytes,
+                &mut self.gathered_bytes,
+                &self.buckets[b],
+                b,
+                range,
+                |g| compute(pin, || model.backward_weight(u, p, wg, g)),
+            )?;
+            self.act_bytes.sub(bytes);
+            self.release(owned);
+            self.record(TraceKind::BackwardEnd(u));
+            self.mark_ready(ls, u, &mut tracker, st)?;
+        }
+        self.check_complete(ls, tracker)
+    }
+
+    /// Ends the step: every message delivered, every reduction stored, nothing left over; the
+    /// loss averaged over micro-batches and ranks; the optimizer step.
+    fn finish(&mut self, n_micro: usize, mut st: StepState<M>) -> Result<StepStats, ParallelError> {
+        for w in st.sends.drain(..) {
+            w.wait()?;
+        }
+        self.drain(&mut st.reductions, None)?;
+        let leftover = |what: &str, keys: Vec<Key>| -> Result<(), ParallelError> {
+            match keys.first() {
+                None => Ok(()),
+                Some((s, mb)) => Err(ParallelError::Schedule(format!(
+                    "the step ended with {what} of stage {s}, micro-batch {mb} (and {} more)",
+                    keys.len() - 1
+                ))),
+            }
+        };
+        leftover(
+            "no backward for the forward",
+            st.caches.keys().copied().collect(),
+        )?;
+        leftover(
+            "no BACKWARD_WEIGHT for the BACKWARD_INPUT",
+            st.weight_grads.keys().copied().collect(),
+        )?;
+        leftover(
+            "an input no forward used",
+            st.inputs.keys().copied().collect(),
+        )?;
+        leftover(
+            "a gradient no backward used",
+            st.out_grads.keys().copied().collect(),
+        )?;
+        leftover("an output never sent", st.outputs.keys().copied().collect())?;
+        leftover(
+            "an input gradient never sent",
+            st.in_grads.keys().copied().collect(),
+        )?;
+        leftover(
+            "a RECV_F no forward used",
+            st.recv_f.keys().copied().collect(),
+        )?;
+        leftover(
+            "a RECV_B no backward used",
+            st.recv_b.keys().copied().collect(),
+        )?;
+        for (u, full) in std::mem::take(&mut self.resident) {
+            let _ = u;
+            self.gathered_bytes.sub(full.len() * F32);
+        }
+        // Mean over micro-batches, then over dp ranks; with a pipeline only the last stage
+        // holds it, and the sum over the pp group hands it to every stage.
+        let mut loss = [(st.loss / n_micro as f64) as f32];
+        if self.dp.size() > 1 {
+            self.dp.all_reduce(&mut loss, ReduceOp::Sum)?;
+            loss[0] /= self.dp.size() as f32;
+        }
+        if let Some(p) = &self.pipe {
+            if p.group.size() > 1 {
+                p.group.all_reduce(&mut loss, ReduceOp::Sum)?;
+            }
+        }
+        let loss_scale = self.scaler.scale;
+        let (grad_norm, applied) = self.optimizer_step()?;
+        Ok(StepStats {
+            loss: loss[0],
+            grad_norm,
+            applied,
+            loss_scale,
+        })
+    }
+
+    /// The validation metric of a forward-only pass over `batch` with the current weights
+    /// ([`StageModel::eval_metric`]), on every rank. A collective where the weights are
+    /// gathered (ZeRO-3) or stages send activations: every rank calls it, with the same batch
+    /// on the ranks of one model replica.
+    pub fn evaluate(&mut self, batch: &M::Batch) -> Result<f32, ParallelError> {
+        let pin = self.pin_compute();
+        let mut metric = 0.0f32;
+        let mut carried: Option<M::Act> = None;
+        let mut sends = Vec::new();
+        let no_pipe = || {
+            ParallelError::Layout(
+                "evaluation: the model's stages span ranks but there is no pipeline group".into(),
+            )
+        };
+        for ls in 0..self.stages.len() {
+            let (id, units) = (self.stages[ls].id, self.stages[ls].units.clone());
+            let mut x = if self.model.is_first(units.start) {
+                None
+            } else if let Some(c) = carried.take() {
+                Some(c)
+            } else {
+                let pipe = self.pipe.as_ref().ok_or_else(no_pipe)?;
+                let src = pipe.stage_rank[id - 1];
+                let w = pipe.group.irecv(
+                    vec![0.0; self.model.wire_len(batch)],
+                    src,
+                    p2p_tag(false, id, 0),
+                );
+                Some(self.model.wire_to_act(w.wait()?))
+            };
+            let mut last = None;
+            let mut prefetch = self.prefetch(units.start);
+            for u in units.clone() {
+                let w = prefetch.take();
+                if u + 1 < units.end {
+                    prefetch = self.prefetch(u + 1);
+                }
+                let owned = self.unit_params(u, w)?;
+                let range = self.units[u].clone();
+                let p = param_slice(&self.params, &self.resident, &owned, u, range);
+                let model = &self.model;
+                let xin = x.take();
+                let (y, cache) = compute(pin, || model.forward(u, p, xin, batch, 0.0))?;
+                last = Some(cache);
+                self.release(owned);
+                x = Some(y);
+            }
+            let y = x.expect("a stage has units");
+            if self.model.is_last(units.end - 1) {
+                metric = self
+                    .model
+                    .eval_metric(&y, last.as_ref().expect("a stage has units"));
+            } else if self.is_local(id + 1) {
+                carried = Some(y);
+            } else {
+                let pipe = self.pipe.as_ref().ok_or_else(no_pipe)?;
+                let wire = self.model.act_to_wire(y);
+                sends.push(pipe.group.isend(
+                    wire,
+                    pipe.stage_rank[id + 1],
+                    p2p_tag(false, id + 1, 0),
+                ));
+            }
+        }
+        for w in sends {
+            w.wait()?;
+        }
+        if let Some(p) = &self.pipe {
+            if p.group.size() > 1 {
+                let mut m = [metric];
+                p.group.all_reduce(&mut m, ReduceOp::Sum)?;
+                metric = m[0];
+            }
+        }
+        Ok(metric)
+    }
+}

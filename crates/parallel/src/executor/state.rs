@@ -1,0 +1,131 @@
+//! The executor's part of a checkpoint: the pieces this rank saves (the blocks it owns,
+//! within the range of the flat buffer whose optimizer state it holds), and loading its
+//! buffers from a checkpoint saved at any layout.
+use std::ops::Range;
+
+use super::Executor;
+use crate::checkpoint::{Checkpoint, Kind, SavedPiece};
+use crate::precision::{Flat, LossScaler};
+use crate::stage::StageModel;
+use crate::ParallelError;
+
+impl<M: StageModel> Executor<M> {
+    /// The flat range whose state this rank saves: its shard when the optimizer state is
+    /// sharded; everything on dp rank 0 when it is replicated (nothing on the others).
+    fn saved_range(&self) -> Range<usize> {
+        if self.cfg.zero.shards_optimizer() {
+            self.spec.range(self.dp.rank())
+        } else if self.dp.rank() == 0 {
+            0..self.spec.total()
+        } else {
+            0..0
+        }
+    }
+
+    /// The pieces this rank writes into a checkpoint: fp32 master weights and AdamW moments of
+    /// every block it owns, over [`Self::saved_range`].
+    pub fn checkpoint_pieces(&self) -> Vec<SavedPiece> {
+        let saved = self.saved_range();
+        if saved.is_empty() {
+            return Vec::new();
+        }
+        let (master, master_sharded) = self.master_view();
+        let own_start = self.spec.range(self.dp.rank()).start;
+        let master_base = if master_sharded { own_start } else { 0 };
+        let moment_base = if self.cfg.zero.shards_optimizer() {
+            own_start
+        } else {
+            0
+        };
+        let mut out = Vec::new();
+        for p in self.model.placements().into_iter().filter(|p| p.owner) {
+            let r = p.range();
+            let (s, e) = (r.start.max(saved.start), r.end.min(saved.end));
+            if s >= e {
+                continue;
+            }
+            let take = |buf: &[f32], base: usize| buf[s - base..e - base].to_vec();
+            out.push(SavedPiece {
+                start: s - p.start,
+                param: take(master, master_base),
+                exp_avg: take(&self.m, moment_base),
+                exp_avg_sq: take(&self.v, moment_base),
+                slice: p.slice,
+            });
+        }
+        out
+    }
+
+    /// Elements `range` of this rank's flat buffer of checkpoint buffer `kind`, into `out`
+    /// (zero where no tensor block lies: shard padding, vocabulary padding rows).
+    fn read_range(
+        &self,
+        ck: &mut Checkpoint,
+        kind: Kind,
+        range: Range<usize>,
+        out: &mut [f32],
+    ) -> Result<(), ParallelError> {
+        out.fill(0.0);
+        for p in self.model.placements() {
+            let r = p.range();
+            let (s, e) = (r.start.max(range.start), r.end.min(range.end));
+            if s >= e {
+                continue;
+            }
+            ck.read(
+                kind,
+                &p.slice,
+                s - p.start..e - p.start,
+                &mut out[s - range.start..e - range.start],
+            )?;
+        }
+        Ok(())
+    }
+
+    /// Replaces this rank's parameters, master weights, moments, AdamW step and loss scaler
+    /// with those of `ck` (saved at any layout and precision: a checkpoint holds fp32 master
+    /// weights). The loss scaler is restored when the checkpoint was saved in the same
+    /// precision, and starts afresh otherwise.
+    pub fn load_checkpoint(&mut self, ck: &mut Checkpoint) -> Result<(), ParallelError> {
+        let total = self.spec.total();
+        let own = self.spec.range(self.dp.rank());
+        let zero = self.cfg.zero;
+        // A buffer of `len` elements whose first real elements are flat range `r`.
+        let mut buf =
+            |kind: Kind, r: Range<usize>, len: usize| -> Result<Vec<f32>, ParallelError> {
+                let mut b = vec![0.0; len];
+                self.read_range(ck, kind, r.clone(), &mut b[..r.len()])?;
+                Ok(b)
+            };
+        let cut = |sharded: bool| {
+            if sharded {
+                (own.clone(), self.spec.shard_len())
+            } else {
+                (0..total, total)
+            }
+        };
+        let (pr, pl) = cut(zero.shards_params());
+        let weights = buf(Kind::Param, pr, pl)?;
+        let master = if self.cfg.precision.half().is_some() {
+            let (r, l) = cut(zero.shards_optimizer());
+            buf(Kind::Param, r, l)?
+        } else {
+            Vec::new()
+        };
+        let (mr, ml) = cut(zero.shards_optimizer());
+        let m = buf(Kind::ExpAvg, mr.clone(), ml)?;
+        let v = buf(Kind::ExpAvgSq, mr, ml)?;
+        self.params = Flat::from_f32(weights, self.cfg.precision);
+        self.master = master;
+        self.m = m;
+        self.v = v;
+        let state = &ck.manifest.state;
+        self.step = state.adam_step;
+        self.scaler = if ck.manifest.precision == self.cfg.precision {
+            state.loss_scaler
+        } else {
+            LossScaler::new(self.cfg.precision, self.cfg.loss_scale)
+        };
+        Ok(())
+    }
+}

@@ -1,0 +1,539 @@
+//! Numeric precision of a training run, on every layout: the [`Precision`] setting, the 16-bit
+//! storage formats ([`Half`]), the flat parameter and gradient buffers in the compute precision
+//! ([`Flat`], [`Bucketed`]) and dynamic loss scaling ([`LossScaler`]).
+//!
+//! The model's kernels compute in fp32 over fp32 slices. For bf16 / fp16 training the weights
+//! and gradients are *stored* in 16 bits (2Φ + 2Φ bytes) beside fp32 master weights; the
+//! executor widens one unit's weights at a time into an fp32 copy ([`Flat::read`]), and a
+//! unit's backward accumulates its gradient in fp32 before rounding it back once
+//! ([`Flat::update`]). So the numerics are those of 16-bit storage with fp32 accumulation
+//! (Megatron's bf16 mode), and the memory held is the accounted 2Φ + 2Φ + 12Φ plus one unit's
+//! scratch.
+use std::ops::Range;
+
+use half::{bf16, f16};
+use serde::{Deserialize, Serialize};
+
+/// Numeric format of the training state.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Precision {
+    /// fp32 everything: 4Φ weights + 4Φ gradients + 8Φ AdamW moments = 16Φ bytes.
+    Fp32,
+    /// bf16 weights and gradients, fp32 master weights and moments: 2Φ + 2Φ + 12Φ bytes.
+    Bf16,
+    /// As bf16 but fp16 storage, with dynamic loss scaling (fp16 has 5 exponent bits, so small
+    /// gradients underflow unless the loss is scaled up first).
+    Fp16,
+}
+
+impl Precision {
+    /// The 16-bit storage format, `None` for fp32.
+    pub fn half(self) -> Option<Half> {
+        match self {
+            Precision::Fp32 => None,
+            Precision::Bf16 => Some(Half::Bf16),
+            Precision::Fp16 => Some(Half::F16),
+        }
+    }
+    /// Bytes per element of the compute weights and of the gradients.
+    pub fn compute_bytes(self) -> usize {
+        if self.half().is_some() {
+            2
+        } else {
+            4
+        }
+    }
+    /// Bytes per element of the fp32 master copy (0 in fp32, where the weights are the master).
+    pub fn master_bytes(self) -> usize {
+        if self.half().is_some() {
+            4
+        } else {
+            0
+        }
+    }
+}
+
+/// Elements per chunk of chunked passes over the flat buffers.
+pub const CHUNK: usize = 1 << 16;
+
+/// A 16-bit storage format.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Half {
+    Bf16,
+    F16,
+}
+
+impl Half {
+    #[inline]
+    pub fn to_f32(self, b: u16) -> f32 {
+        match self {
+            Half::Bf16 => bf16::from_bits(b).to_f32(),
+            Half::F16 => f16::from_bits(b).to_f32(),
+        }
+    }
+
+    /// Round to nearest even (both `half` conversions do); fp16 overflow becomes ±inf.
+    #[inline]
+    pub fn from_f32(self, x: f32) -> u16 {
+        match self {
+            Half::Bf16 => bf16::from_f32(x).to_bits(),
+            Half::F16 => f16::from_f32(x).to_bits(),
+        }
+    }
+
+    pub fn upcast(self, src: &[u16], dst: &mut [f32]) {
+        dst.iter_mut()
+            .zip(src)
+            .for_each(|(d, &s)| *d = self.to_f32(s));
+    }
+
+    pub fn downcast(self, src: &[f32], dst: &mut [u16]) {
+        dst.iter_mut()
+            .zip(src)
+            .for_each(|(d, &s)| *d = self.from_f32(s));
+    }
+}
+
+/// A flat buffer of parameters or gradients in the compute precision.
+#[derive(Clone, Debug, PartialEq)]
+pub enum Flat {
+    F32(Vec<f32>),
+    /// 16-bit bit patterns of `kind`.
+    Half {
+        kind: Half,
+        bits: Vec<u16>,
+    },
+}
+
+impl Flat {
+    /// `n` zeros in the compute precision of `precision`.
+    pub fn zeros(n: usize, precision: Precision) -> Self {
+        match precision.half() {
+            None => Flat::F32(vec![0.0; n]),
+            Some(kind) => Flat::Half {
+                kind,
+                bits: vec![0; n],
+            },
+        }
+    }
+
+    /// `values` rounded to the compute precision of `precision`.
+    pub fn from_f32(values: Vec<f32>, precision: Precision) -> Self {
+        match precision.half() {
+            None => Flat::F32(values),
+            Some(kind) => {
+                let mut bits = vec![0; values.len()];
+                kind.downcast(&values, &mut bits);
+                Flat::Half { kind, bits }
+            }
+        }
+    }
+
+    pub fn len(&self) -> usize {
+        match self {
+            Flat::F32(v) => v.len(),
+            Flat::Half { bits, .. } => bits.len(),
+        }
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// Bytes held.
+    pub fn bytes(&self) -> usize {
+        match self {
+            Flat::F32(v) => std::mem::size_of_val(v.as_slice()),
+            Flat::Half { bits, .. } => std::mem::size_of_val(bits.as_slice()),
+        }
+    }
+
+    /// The fp32 buffer itself (`None` for 16-bit storage, which is read through a copy).
+    pub fn as_f32(&self) -> Option<&[f32]> {
+        match self {
+            Flat::F32(v) => Some(v),
+            Flat::Half { .. } => None,
+        }
+    }
+
+    /// Elements `r` as fp32 (a copy).
+    pub fn read(&self, r: Range<usize>) -> Vec<f32> {
+        let mut out = vec![0.0; r.len()];
+        self.read_into(r, &mut out);
+        out
+    }
+
+    /// Elements `r` as fp32 into `out`.
+    pub fn read_into(&self, r: Range<usize>, out: &mut [f32]) {
+        match self {
+            Flat::F32(v) => out.copy_from_slice(&v[r]),
+            Flat::Half { kind, bits } => kind.upcast(&bits[r], out),
+        }
+    }
+
+    /// Stores `src` (rounded for 16-bit storage) at `start..`.
+    pub fn write(&mut self, start: usize, src: &[f32]) {
+        let r = start..start + src.len();
+        match self {
+            Flat::F32(v) => v[r].copy_from_slice(src),
+            Flat::Half { kind, bits } => kind.downcast(src, &mut bits[r]),
+        }
+    }
+
+    /// Runs `f` on elements `r` as fp32: in place for fp32; for 16-bit storage through an fp32
+    /// copy that is rounded back afterwards (one rounding per call).
+    pub fn update<T>(&mut self, r: Range<usize>, f: impl FnOnce(&mut [f32]) -> T) -> T {
+        match self {
+            Flat::F32(v) => f(&mut v[r]),
+            Flat::Half { kind, bits } => {
+                let mut g = vec![0.0; r.len()];
+                kind.upcast(&bits[r.clone()], &mut g);
+                let out = f(&mut g);
+                kind.downcast(&g, &mut bits[r]);
+                out
+            }
+        }
+    }
+
+    pub fn fill_zero(&mut self) {
+        match self {
+            Flat::F32(v) => tensor::threads::scale(v, 0.0),
+            Flat::Half { bits, .. } => bits.fill(0),
+        }
+    }
+
+    /// Σ x² over elements `r` in f64, as chunk partials on the thread budget added in chunk
+    /// order: bit-reproducible run to run and whatever the thread count.
+    pub fn sq_sum(&self, r: Range<usize>) -> f64 {
+        let base = r.start;
+        match self {
+            Flat::F32(v) => tensor::threads::sum_chunks(r.len(), CHUNK, |c| {
+                model::optim::sq_sum(&v[base + c.start..base + c.end])
+            }),
+            Flat::Half { kind, bits } => tensor::threads::sum_chunks(r.len(), CHUNK, |c| {
+                bits[base + c.start..base + c.end]
+                    .iter()
+                    .map(|&g| {
+                        let g = kind.to_f32(g) as f64;
+                        g * g
+                    })
+                    .sum::<f64>()
+            }),
+        }
+    }
+
+    /// Elements `r` as a piece to send in the buffer's own precision (16-bit: half the bytes).
+    pub fn piece(&self, r: Range<usize>) -> Piece {
+        match self {
+            Flat::F32(v) => Piece::F32(v[r].to_vec()),
+            Flat::Half {
+                kind: Half::Bf16,
+                bits,
+            } => Piece::Bf16(bytemuck::cast_slice::<u16, bf16>(&bits[r]).to_vec()),
+            Flat::Half {
+                kind: Half::F16,
+                bits,
+            } => Piece::F16(bytemuck::cast_slice::<u16, f16>(&bits[r]).to_vec()),
+        }
+    }
+}
+
+/// Values on the wire in the buffer's own precision.
+pub enum Piece {
+    F32(Vec<f32>),
+    Bf16(Vec<bf16>),
+    F16(Vec<f16>),
+}
+
+impl Piece {
+    pub fn len(&self) -> usize {
+        match self {
+            Piece::F32(v) => v.len(),
+            Piece::Bf16(v) => v.len(),
+            Piece::F16(v) => v.len(),
+        }
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// Bytes per element.
+    pub fn elem_bytes(&self) -> usize {
+        match self {
+            Piece::F32(_) => 4,
+            _ => 2,
+        }
+    }
+
+    /// As fp32 (16-bit values widen exactly).
+    pub fn into_f32(self) -> Vec<f32> {
+        match self {
+            Piece::F32(v) => v,
+            Piece::Bf16(v) => {
+                let mut out = vec![0.0; v.len()];
+                Half::Bf16.upcast(bytemuck::cast_slice(&v), &mut out);
+                out
+            }
+            Piece::F16(v) => {
+                let mut out = vec![0.0; v.len()];
+                Half::F16.upcast(bytemuck::cast_slice(&v), &mut out);
+                out
+            }
+        }
+    }
+}
+
+/// A flat buffer kept as one allocation per bucket (contiguous ranges that tile `0..len`), so
+/// a bucket can be handed to an asynchronous collective by value and put back afterwards —
+/// an in-place all-reduce of a bucket of the gradient buffer, with no copy. A single bucket
+/// covering everything is an ordinary flat buffer (a ZeRO-2/3 gradient shard).
+#[derive(Debug)]
+pub struct Bucketed {
+    /// Flat range of each bucket (any order; together they tile `0..len`).
+    ranges: Vec<Range<usize>>,
+    /// Bucket indices by increasing start.
+    order: Vec<usize>,
+    /// `None` while the bucket is lent out.
+    bufs: Vec<Option<Flat>>,
+    elem_bytes: usize,
+}
+
+impl Bucketed {
+    /// Zeros cut into `ranges`, which must tile `0..n` for some `n`.
+    pub fn zeros(ranges: Vec<Range<usize>>, precision: Precision) -> Self {
+        let mut order: Vec<usize> = (0..ranges.len()).collect();
+        order.sort_by_key(|&b| ranges[b].start);
+        let mut next = 0;
+        for &b in &order {
+            assert_eq!(ranges[b].start, next, "buckets must tile the buffer");
+            next = ranges[b].end;
+        }
+        let bufs = ranges
+            .iter()
+            .map(|r| Some(Flat::zeros(r.len(), precision)))
+            .collect();
+        Self {
+            ranges,
+            order,
+            bufs,
+            elem_bytes: precision.compute_bytes(),
+        }
+    }
+
+    /// Bytes of the whole buffer (lent buckets included).
+    pub fn bytes(&self) -> usize {
+        self.ranges.iter().map(|r| r.len()).sum::<usize>() * self.elem_bytes
+    }
+
+    fn buf(&self, b: usize) -> &Flat {
+        self.bufs[b].as_ref().expect("bucket is not lent out")
+    }
+
+    fn buf_mut(&mut self, b: usize) -> &mut Flat {
+        self.bufs[b].as_mut().expect("bucket is not lent out")
+    }
+
+    /// The buckets' pieces of flat range `r`, in address order: (bucket, range inside it).
+    fn pieces(&self, r: Range<usize>) -> Vec<(usize, Range<usize>)> {
+        self.order
+            .iter()
+            .filter_map(|&b| {
+                let br = &self.ranges[b];
+                let (s, e) = (r.start.max(br.start), r.end.min(br.end));
+                (s < e).then(|| (b, s - br.start..e - br.start))
+            })
+            .collect()
+    }
+
+    pub fn fill_zero(&mut self) {
+        self.bufs
+            .iter_mut()
+            .for_each(|b| b.as_mut().expect("bucket is not lent out").fill_zero());
+    }
+
+    /// [`Flat::update`] of range `r`, which must lie inside bucket `b`.
+    pub fn update<T>(&mut self, b: usize, r: Range<usize>, f: impl FnOnce(&mut [f32]) -> T) -> T {
+        let start = self.ranges[b].start;
+        debug_assert!(self.ranges[b].start <= r.start && r.end <= self.ranges[b].end);
+        self.buf_mut(b).update(r.start - start..r.end - start, f)
+    }
+
+    /// Lends bucket `b` out (e.g. to a collective).
+    pub fn take(&mut self, b: usize) -> Option<Flat> {
+        self.bufs[b].take()
+    }
+
+    /// Returns bucket `b`.
+    pub fn put(&mut self, b: usize, buf: Flat) {
+        debug_assert_eq!(buf.len(), self.ranges[b].len());
+        self.bufs[b] = Some(buf);
+    }
+
+    /// Whether bucket `b` is at home.
+    pub fn has(&self, b: usize) -> bool {
+        self.bufs[b].is_some()
+    }
+
+    /// Elements `r` of bucket `b` as fp32 (a copy).
+    pub fn read(&self, b: usize, r: Range<usize>) -> Vec<f32> {
+        let start = self.ranges[b].start;
+        self.buf(b).read(r.start - start..r.end - start)
+    }
+
+    /// Stores `src` at flat offset `start` (inside bucket `b`).
+    pub fn write(&mut self, b: usize, start: usize, src: &[f32]) {
+        let base = self.ranges[b].start;
+        self.buf_mut(b).write(start - base, src)
+    }
+
+    /// Σ x² over flat range `r` (bucket by bucket, each in fixed chunk order).
+    pub fn sq_sum(&self, r: Range<usize>) -> f64 {
+        self.pieces(r)
+            .into_iter()
+            .map(|(b, p)| self.buf(b).sq_sum(p))
+            .sum()
+    }
+
+    /// Flat range `r` as fp32 into `out`.
+    pub fn read_into(&self, r: Range<usize>, out: &mut [f32]) {
+        let base = r.start;
+        for (b, p) in self.pieces(r) {
+            let s = self.ranges[b].start + p.start - base;
+            self.buf(b).read_into(p.clone(), &mut out[s..s + p.len()]);
+        }
+    }
+
+    /// Runs `f(flat offset, piece)` on the fp32 pieces of flat range `r`, in address order
+    /// (`None` for 16-bit storage).
+    pub fn f32_pieces_mut(
+        &mut self,
+        r: Range<usize>,
+        mut f: impl FnMut(usize, &mut [f32]),
+    ) -> Option<()> {
+        for (b, p) in self.pieces(r) {
+            let start = self.ranges[b].start + p.start;
+            match self.buf_mut(b) {
+                Flat::F32(v) => f(start, &mut v[p]),
+                Flat::Half { .. } => return None,
+            }
+        }
+        Some(())
+    }
+
+    /// Whether the buffers hold fp32.
+    pub fn is_f32(&self) -> bool {
+        self.elem_bytes == 4
+    }
+}
+
+/// Dynamic loss scaling (Micikevicius et al., 2018): multiply the loss by `scale` so small fp16
+/// gradients do not underflow; on overflow (a non-finite gradient) skip the step and halve the
+/// scale; after `growth_interval` clean steps double it. Fixed at 1 for fp32 and bf16.
+#[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
+pub struct LossScaler {
+    pub scale: f64,
+    pub good_steps: u64,
+    pub growth_interval: u64,
+    /// Fixed at 1 (no scaling) for fp32 and bf16, whose exponent range matches fp32.
+    pub dynamic: bool,
+}
+
+impl LossScaler {
+    pub fn new(precision: Precision, initial: f64) -> Self {
+        let dynamic = precision == Precision::Fp16;
+        Self {
+            scale: if dynamic { initial } else { 1.0 },
+            good_steps: 0,
+            growth_interval: 200,
+            dynamic,
+        }
+    }
+
+    /// Records whether the step's gradients were finite; returns whether to apply the step.
+    pub fn update(&mut self, finite: bool) -> bool {
+        if !self.dynamic {
+            return finite;
+        }
+        if finite {
+            self.good_steps += 1;
+            if self.good_steps.is_multiple_of(self.growth_interval) {
+                self.scale *= 2.0;
+            }
+        } else {
+            self.scale = (self.scale / 2.0).max(1.0);
+            self.good_steps = 0;
+        }
+        finite
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn half_conversions() {
+        assert_eq!(Half::Bf16.to_f32(Half::Bf16.from_f32(1.0)), 1.0);
+        // bf16 keeps 8 significant bits: 1 + 2^-9 rounds to 1.
+        assert_eq!(
+            Half::Bf16.to_f32(Half::Bf16.from_f32(1.0 + 1.0 / 512.0)),
+            1.0
+        );
+        assert!(Half::F16.to_f32(Half::F16.from_f32(1e6)).is_infinite());
+    }
+
+    #[test]
+    fn loss_scaler_backs_off_and_grows() {
+        let mut s = LossScaler::new(Precision::Fp16, 1024.0);
+        assert!(!s.update(false));
+        assert_eq!(s.scale, 512.0);
+        for _ in 0..200 {
+            assert!(s.update(true));
+        }
+        assert_eq!(s.scale, 1024.0);
+        let mut b = LossScaler::new(Precision::Bf16, 1024.0);
+        assert_eq!(b.scale, 1.0);
+        b.update(true);
+        assert_eq!(b.scale, 1.0);
+    }
+
+    #[test]
+    fn half_rounds_once_per_update_and_widens_exactly() {
+        for p in [Precision::Bf16, Precision::Fp16] {
+            let mut f = Flat::from_f32(vec![1.0, 2.0, 3.0], p);
+            assert_eq!(f.bytes(), 6);
+            // 1 + 2^-12 is representable in neither format (8 and 11 significant bits).
+            f.update(0..1, |g| g[0] += 1.0 / 4096.0);
+            assert_eq!(f.read(0..3), vec![1.0, 2.0, 3.0], "{p:?}");
+            f.update(0..1, |g| g[0] += 1.0 / 128.0);
+            assert_eq!(f.read(0..1), vec![1.0 + 1.0 / 128.0]);
+            assert_eq!(f.piece(1..3).into_f32(), vec![2.0, 3.0]);
+            assert_eq!(f.sq_sum(1..3), 13.0);
+        }
+        let mut g = Flat::zeros(2, Precision::Fp32);
+        g.write(0, &[0.1, 0.2]);
+        assert_eq!(g.as_f32(), Some(&[0.1f32, 0.2][..]));
+    }
+
+    #[test]
+    fn bucketed_pieces_follow_addresses_whatever_the_bucket_order() {
+        // Buckets in reverse address order, as gradient buckets are planned.
+        let mut b = Bucketed::zeros(vec![6..10, 2..6, 0..2], Precision::Fp32);
+        assert_eq!(b.bytes(), 40);
+        b.update(1, 3..5, |g| g.copy_from_slice(&[3.0, 4.0]));
+        b.update(0, 6..8, |g| g.copy_from_slice(&[6.0, 7.0]));
+        let mut out = vec![0.0; 6];
+        b.read_into(2..8, &mut out);
+        assert_eq!(out, vec![0.0, 3.0, 4.0, 0.0, 6.0, 7.0]);
+        assert_eq!(b.sq_sum(0..10), 9.0 + 16.0 + 36.0 + 49.0);
+        let lent = b.take(1).unwrap();
+        assert!(!b.has(1));
+        b.put(1, lent);
+        let mut seen = Vec::new();
+        b.f32_pieces_mut(1..7, |s, p| seen.push((s, p.len())))
+            .unwrap();
+        assert_eq!(seen, vec![(1, 1), (2, 4), (6, 1)]);
+    }
+}

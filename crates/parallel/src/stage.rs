@@ -1,0 +1,131 @@
+//! The contract between the executor and a model: what one rank holds of the model (all of
+//! it, or a pipeline stage's share), as *units* run in order — the embedding, each block, the
+//! head — each with its own slice of one flat parameter buffer and three entry points:
+//!
+//! - `forward(x) -> (y, cache)`;
+//! - `backward_input(cache, dy) -> (dx, weight_grad)`: the input gradient only; what the
+//!   weight gradients need is kept in `weight_grad` (zero-bubble's `B`);
+//! - `backward_weight(weight_grad)`: the weight gradients, accumulated into the unit's
+//!   gradient slice (zero-bubble's `W`).
+//!
+//! The fused backward is the two in a row ([`StageModel::backward`]), so splitting them cannot
+//! change the result. Recomputation is a property of a unit's forward (it keeps less in its
+//! cache and rebuilds it in `backward_input`).
+//!
+//! The executor drives the unit loop itself, so the point where a unit's weight gradients are
+//! final is the "gradients of this range are ready" event DDP buckets wait for, and ZeRO-3 can
+//! gather a unit's parameters just before it runs and free them right after.
+use std::ops::Range;
+
+use crate::placement::Placement;
+use crate::ParallelError;
+
+pub trait StageModel: Sync {
+    /// One micro-batch (inputs and targets).
+    type Batch: Sync;
+    /// What flows between units (activations forward, their gradients backward).
+    type Act: Send;
+    /// What a unit's backward needs from its forward.
+    type Cache: Send;
+    /// What a unit's weight gradients need after its input gradient was computed.
+    type WeightGrad: Send;
+
+    /// Flat ranges of this rank's units in forward order; contiguous, starting at 0.
+    fn units(&self) -> Vec<Range<usize>>;
+    /// Flat ranges of the individual tensors in layout order.
+    fn tensors(&self) -> Vec<Range<usize>>;
+    /// Where each tensor block this rank holds lives in its flat buffer, and which block of
+    /// the full tensor it is (what checkpoints save and load).
+    fn placements(&self) -> Vec<Placement>;
+    /// Whether unit `unit` is the model's first (reads the batch's inputs, takes `x = None`).
+    fn is_first(&self, unit: usize) -> bool;
+    /// Whether unit `unit` is the model's last (returns the loss as its output).
+    fn is_last(&self, unit: usize) -> bool;
+
+    /// Forward of `unit` with its parameters `params`. `scale` is d(total loss)/d(this
+    /// micro-batch's loss), for losses added inside units (MoE auxiliary loss) and for the
+    /// last unit's gradient; the same value is passed to the backward.
+    fn forward(
+        &self,
+        unit: usize,
+        params: &[f32],
+        x: Option<Self::Act>,
+        batch: &Self::Batch,
+        scale: f32,
+    ) -> Result<(Self::Act, Self::Cache), ParallelError>;
+
+    /// Input gradient of `unit`: `dy = None` for the last unit, which seeds d(loss) = `scale`.
+    /// Returns dX (`None` for the first unit) and the pending weight-gradient work.
+    fn backward_input(
+        &self,
+        unit: usize,
+        params: &[f32],
+        cache: Self::Cache,
+        dy: Option<Self::Act>,
+        scale: f32,
+    ) -> Result<(Option<Self::Act>, Self::WeightGrad), ParallelError>;
+
+    /// Weight gradients of `unit`, accumulated (`+=`) into `grads` (the unit's slice).
+    fn backward_weight(
+        &self,
+        unit: usize,
+        params: &[f32],
+        pending: Self::WeightGrad,
+        grads: &mut [f32],
+    ) -> Result<(), ParallelError>;
+
+    /// Fused backward: [`Self::backward_input`] then [`Self::backward_weight`].
+    fn backward(
+        &self,
+        unit: usize,
+        params: &[f32],
+        cache: Self::Cache,
+        dy: Option<Self::Act>,
+        scale: f32,
+        grads: &mut [f32],
+    ) -> Result<Option<Self::Act>, ParallelError> {
+        let (dx, w) = self.backward_input(unit, params, cache, dy, scale)?;
+        self.backward_weight(unit, params, w, grads)?;
+        Ok(dx)
+    }
+
+    /// Scalar loss from the last unit's output.
+    fn loss(&self, out: &Self::Act) -> f32;
+    /// The validation metric of a forward-only pass (`last`: the last unit's cache); by
+    /// default the loss. The decoders report the cross-entropy alone, without the MoE
+    /// auxiliary loss.
+    fn eval_metric(&self, out: &Self::Act, last: &Self::Cache) -> f32 {
+        let _ = last;
+        self.loss(out)
+    }
+    /// Bytes held by a cache (activation accounting).
+    fn cache_bytes(&self, cache: &Self::Cache) -> usize;
+    /// Bytes held by pending weight-gradient work.
+    fn weight_grad_bytes(&self, pending: &Self::WeightGrad) -> usize;
+
+    /// `Σ g²` (for global-norm clipping) of this rank's gradients in flat range `range`, where
+    /// `sq(r)` is the plain sum of squares of a flat sub-range `r` of it. A model sharded over
+    /// a tensor-parallel group counts replicated tensors once and sums over that group here
+    /// (every member calls it); the default is `sq(range)`.
+    fn grad_sq_sum(
+        &self,
+        range: Range<usize>,
+        sq: &dyn Fn(Range<usize>) -> f64,
+    ) -> Result<f64, ParallelError> {
+        Ok(sq(range))
+    }
+
+    /// Whether units issue collectives inside forward / backward (tensor parallelism): then
+    /// ranks that are threads of one process must not share one compute pool worker.
+    fn communicates(&self) -> bool {
+        false
+    }
+
+    /// An activation (or its gradient) as the flat `f32` message sent between pipeline stages.
+    fn act_to_wire(&self, act: Self::Act) -> Vec<f32>;
+    /// The inverse of [`Self::act_to_wire`].
+    fn wire_to_act(&self, wire: Vec<f32>) -> Self::Act;
+    /// Length of the message [`Self::act_to_wire`] makes between units for `batch` (receivers
+    /// size their buffers with it).
+    fn wire_len(&self, batch: &Self::Batch) -> usize;
+}
