@@ -120,3 +120,37 @@ fn dp2_every_stage_matches_dp1_with_accumulation() {
         }
     }
 }
+
+/// Recomputation rebuilds what the forward dropped with the same kernels in the same order, so
+/// every loss and weight is bit for bit the run without it (and the activations held shrink).
+#[test]
+fn recomputation_changes_no_number() {
+    let run = |policy: &str| {
+        let mut c = cfg("fp32", 3);
+        c.train.recompute = policy.into();
+        let mut t = Trainer::single(c).unwrap();
+        let losses: Vec<u64> = (0..3)
+            .map(|_| t.train_step().unwrap().loss.to_bits())
+            .collect();
+        (
+            losses,
+            t.exec.full_params().unwrap(),
+            t.memory().activations,
+        )
+    };
+    let (want, params, act) = run("none");
+    for policy in ["selective", "full"] {
+        let (l, p, a) = run(policy);
+        assert_eq!(l, want, "{policy}: losses");
+        assert!(
+            p.iter()
+                .zip(&params)
+                .all(|(a, b)| a.to_bits() == b.to_bits()),
+            "{policy}: weights"
+        );
+        assert!(
+            a < act,
+            "{policy}: {a} activation bytes held, {act} without"
+        );
+    }
+}

@@ -105,6 +105,23 @@ fn train_resume_convert_generate() {
         "1",
     ]);
     assert!(ok && out.starts_with("the "), "{out}");
+    // The imported checkpoint continues at another layout: tensor parallel on 2 processes.
+    let (ok, out) = xtrain(&[
+        "train",
+        "--resume",
+        back.to_str().unwrap(),
+        "--nproc",
+        "2",
+        "--tp",
+        "2",
+        "--out",
+        d.join("tp").to_str().unwrap(),
+        "--set",
+        "train.steps=1",
+        "--set",
+        "train.sample_tokens=0",
+    ]);
+    assert!(ok && out.contains("tp=2") && out.contains("loss "), "{out}");
     std::fs::remove_dir_all(&d).unwrap();
 }
 

@@ -17,19 +17,50 @@ use crate::ParallelError;
 
 type Key = (usize, usize);
 
+/// The two directions of pipeline messages: activations to the next stage, gradients to the
+/// previous one.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Flow {
+    Activation = 0,
+    Gradient = 1,
+}
+
+impl Flow {
+    /// The stage `stage`'s message of this flow goes to.
+    fn to(self, stage: usize) -> Option<usize> {
+        match self {
+            Flow::Activation => stage.checked_add(1),
+            Flow::Gradient => stage.checked_sub(1),
+        }
+    }
+    /// The stage `stage` receives this flow's message from.
+    fn from(self, stage: usize) -> Option<usize> {
+        match self {
+            Flow::Activation => stage.checked_sub(1),
+            Flow::Gradient => stage.checked_add(1),
+        }
+    }
+    fn index(self) -> usize {
+        self as usize
+    }
+    fn name(self) -> &'static str {
+        match self {
+            Flow::Activation => "activation",
+            Flow::Gradient => "gradient",
+        }
+    }
+}
+
 /// What one step carries from action to action (keys are (stage, micro-batch)).
 pub(super) struct StepState<M: StageModel> {
     /// d(total loss)/d(a micro-batch's loss): the loss scale over the number of micro-batches.
     scale: f32,
-    /// Input activations waiting for their forward (handed over on this rank).
-    inputs: HashMap<Key, M::Act>,
-    /// Output gradients waiting for their backward (handed over on this rank).
-    out_grads: HashMap<Key, M::Act>,
-    /// Outputs and input gradients waiting for their `SEND_F` / `SEND_B`.
-    outputs: HashMap<Key, M::Act>,
-    in_grads: HashMap<Key, M::Act>,
-    recv_f: HashMap<Key, Work<Vec<f32>>>,
-    recv_b: HashMap<Key, Work<Vec<f32>>>,
+    /// Per [`Flow`]: what a stage hands to a neighbour stage on this rank (keyed by the
+    /// receiving stage), what waits for its `SEND_*` (keyed by the sending stage), and the
+    /// receives posted (keyed by the receiving stage).
+    handed: [HashMap<Key, M::Act>; 2],
+    outbox: [HashMap<Key, M::Act>; 2],
+    receives: [HashMap<Key, Work<Vec<f32>>>; 2],
     sends: Vec<Work<Vec<f32>>>,
     caches: HashMap<Key, Vec<M::Cache>>,
     /// Pending weight gradients per unit, in the order `BACKWARD_INPUT` made them.
@@ -50,38 +81,64 @@ fn compute<R: Send>(pin: bool, f: impl FnOnce() -> R + Send) -> R {
     }
 }
 
-/// Accumulates a unit's weight gradients (`f` adds them into the slice it is given): into the
-/// bucket's fp32 staging buffer at ZeRO-2/3, else into the gradient buffer (through an fp32
-/// copy of the unit's gradients when they are stored in 16 bits).
-#[allow(clippy::too_many_arguments)]
-fn accumulate(
+/// The gradient side of the executor, borrowed field by field so that a unit's weights (a
+/// slice of `params`) stay borrowed while its weight gradients are accumulated.
+struct GradSink<'a> {
     zero: ZeroStage,
-    grads: &mut Bucketed,
-    staging: &mut [Option<Vec<f32>>],
-    comm_bytes: &mut Gauge,
-    gathered_bytes: &mut Gauge,
-    bucket: &Bucket,
-    b: usize,
-    range: Range<usize>,
-    f: impl FnOnce(&mut [f32]) -> Result<(), ParallelError>,
-) -> Result<(), ParallelError> {
-    if zero.shards_grads() {
-        let br = bucket.range.clone();
-        let buf = staging[b].get_or_insert_with(|| {
-            comm_bytes.add(br.len() * F32);
-            vec![0.0; br.len()]
-        });
-        return f(&mut buf[range.start - br.start..range.end - br.start]);
+    grads: &'a mut Bucketed,
+    staging: &'a mut [Option<Vec<f32>>],
+    comm_bytes: &'a mut Gauge,
+    gathered_bytes: &'a mut Gauge,
+    buckets: &'a [Bucket],
+    unit_bucket: &'a [usize],
+}
+
+/// The [`GradSink`] of executor `$e`.
+macro_rules! grad_sink {
+    ($e:ident) => {
+        GradSink {
+            zero: $e.cfg.zero,
+            grads: &mut $e.grads,
+            staging: &mut $e.staging,
+            comm_bytes: &mut $e.comm_bytes,
+            gathered_bytes: &mut $e.gathered_bytes,
+            buckets: &$e.buckets,
+            unit_bucket: &$e.unit_bucket,
+        }
+    };
+}
+
+impl GradSink<'_> {
+    /// Accumulates unit `u`'s weight gradients (`f` adds them into the slice it is given, the
+    /// unit's flat `range`): into its bucket's fp32 staging buffer at ZeRO-2/3, else into the
+    /// gradient buffer (through an fp32 copy of the unit's gradients when they are stored in
+    /// 16 bits).
+    fn accumulate(
+        self,
+        u: usize,
+        range: Range<usize>,
+        f: impl FnOnce(&mut [f32]) -> Result<(), ParallelError>,
+    ) -> Result<(), ParallelError> {
+        let b = self.unit_bucket[u];
+        if self.zero.shards_grads() {
+            let br = self.buckets[b].range.clone();
+            let comm_bytes = self.comm_bytes;
+            let buf = self.staging[b].get_or_insert_with(|| {
+                comm_bytes.add(br.len() * F32);
+                vec![0.0; br.len()]
+            });
+            return f(&mut buf[range.start - br.start..range.end - br.start]);
+        }
+        let widened = !self.grads.is_f32();
+        if widened {
+            self.gathered_bytes.add(range.len() * F32);
+        }
+        let r = self.grads.update(b, range.clone(), f);
+        if widened {
+            self.gathered_bytes.sub(range.len() * F32);
+        }
+        r
     }
-    let widened = !grads.is_f32();
-    if widened {
-        gathered_bytes.add(range.len() * F32);
-    }
-    let r = grads.update(b, range.clone(), f);
-    if widened {
-        gathered_bytes.sub(range.len() * F32);
-    }
-    r
 }
 
 impl<M: StageModel> Executor<M> {
@@ -143,12 +200,9 @@ impl<M: StageModel> Executor<M> {
             .collect();
         let mut st = StepState::<M> {
             scale: (self.scaler.scale / micro.len() as f64) as f32,
-            inputs: HashMap::new(),
-            out_grads: HashMap::new(),
-            outputs: HashMap::new(),
-            in_grads: HashMap::new(),
-            recv_f: HashMap::new(),
-            recv_b: HashMap::new(),
+            handed: Default::default(),
+            outbox: Default::default(),
+            receives: Default::default(),
             sends: Vec::new(),
             caches: HashMap::new(),
             weight_grads: HashMap::new(),
@@ -181,66 +235,13 @@ impl<M: StageModel> Executor<M> {
             Action::Backward { stage, mb } => self.backward(a, stage, mb, true, st),
             Action::BackwardInput { stage, mb } => self.backward(a, stage, mb, false, st),
             Action::BackwardWeight { stage, mb } => self.backward_weight(a, stage, mb, st),
-            Action::SendForward { stage, mb } => {
-                self.local_stage(a, stage)?;
-                let act = st.outputs.remove(&(stage, mb)).ok_or_else(|| {
-                    schedule_err(a, "no output to send: its forward has not run on this rank")
-                })?;
-                let pipe = self.pipe(a)?;
-                let dst = *pipe
-                    .stage_rank
-                    .get(stage + 1)
-                    .ok_or_else(|| schedule_err(a, "the last stage sends no activation"))?;
-                let wire = self.model.act_to_wire(act);
-                st.sends
-                    .push(pipe.group.isend(wire, dst, p2p_tag(false, stage + 1, mb)));
-                Ok(())
-            }
-            Action::SendBackward { stage, mb } => {
-                self.local_stage(a, stage)?;
-                let act = st.in_grads.remove(&(stage, mb)).ok_or_else(|| {
-                    schedule_err(
-                        a,
-                        "no input gradient to send: its backward has not run on this rank",
-                    )
-                })?;
-                let pipe = self.pipe(a)?;
-                let dst = *stage
-                    .checked_sub(1)
-                    .and_then(|s| pipe.stage_rank.get(s))
-                    .ok_or_else(|| schedule_err(a, "the first stage sends no gradient"))?;
-                let wire = self.model.act_to_wire(act);
-                st.sends
-                    .push(pipe.group.isend(wire, dst, p2p_tag(true, stage - 1, mb)));
-                Ok(())
-            }
+            Action::SendForward { stage, mb } => self.send(a, Flow::Activation, stage, mb, st),
+            Action::SendBackward { stage, mb } => self.send(a, Flow::Gradient, stage, mb, st),
             Action::RecvForward { stage, mb } => {
-                self.local_stage(a, stage)?;
-                let len = self.model.wire_len(batch(mb)?);
-                let pipe = self.pipe(a)?;
-                let src = *stage
-                    .checked_sub(1)
-                    .and_then(|s| pipe.stage_rank.get(s))
-                    .ok_or_else(|| schedule_err(a, "the first stage receives no activation"))?;
-                let w = pipe
-                    .group
-                    .irecv(vec![0.0; len], src, p2p_tag(false, stage, mb));
-                st.recv_f.insert((stage, mb), w);
-                Ok(())
+                self.recv(a, Flow::Activation, stage, mb, batch(mb)?, st)
             }
             Action::RecvBackward { stage, mb } => {
-                self.local_stage(a, stage)?;
-                let len = self.model.wire_len(batch(mb)?);
-                let pipe = self.pipe(a)?;
-                let src = *pipe
-                    .stage_rank
-                    .get(stage + 1)
-                    .ok_or_else(|| schedule_err(a, "the last stage receives no gradient"))?;
-                let w = pipe
-                    .group
-                    .irecv(vec![0.0; len], src, p2p_tag(true, stage, mb));
-                st.recv_b.insert((stage, mb), w);
-                Ok(())
+                self.recv(a, Flow::Gradient, stage, mb, batch(mb)?, st)
             }
             Action::Unshard { stage } => {
                 let ls = self.local_stage(a, stage)?;
@@ -273,45 +274,90 @@ impl<M: StageModel> Executor<M> {
         }
     }
 
-    /// A stage's input activation for `mb`: handed over by this rank's previous stage, or
-    /// received.
-    fn take_input(
+    /// `SEND_*`: `stage`'s message of `flow` for `mb` to the rank of the stage it goes to.
+    fn send(
+        &mut self,
+        a: &Action,
+        flow: Flow,
+        stage: usize,
+        mb: usize,
+        st: &mut StepState<M>,
+    ) -> Result<(), ParallelError> {
+        self.local_stage(a, stage)?;
+        let act = st.outbox[flow.index()]
+            .remove(&(stage, mb))
+            .ok_or_else(|| {
+                schedule_err(
+                    a,
+                    format!(
+                        "no {} to send: the pass that makes it has not run on this rank",
+                        flow.name()
+                    ),
+                )
+            })?;
+        let pipe = self.pipe(a)?;
+        let to = flow
+            .to(stage)
+            .filter(|&s| s < pipe.stage_rank.len())
+            .ok_or_else(|| schedule_err(a, format!("stage {stage} sends no {}", flow.name())))?;
+        let wire = self.model.act_to_wire(act);
+        let tag = p2p_tag(flow == Flow::Gradient, to, mb);
+        st.sends
+            .push(pipe.group.isend(wire, pipe.stage_rank[to], tag));
+        Ok(())
+    }
+
+    /// `RECV_*`: posts the receive of `stage`'s message of `flow` for `mb`.
+    fn recv(
+        &mut self,
+        a: &Action,
+        flow: Flow,
+        stage: usize,
+        mb: usize,
+        batch: &M::Batch,
+        st: &mut StepState<M>,
+    ) -> Result<(), ParallelError> {
+        self.local_stage(a, stage)?;
+        let len = self.model.wire_len(batch);
+        let pipe = self.pipe(a)?;
+        let from = flow
+            .from(stage)
+            .filter(|&s| s < pipe.stage_rank.len())
+            .ok_or_else(|| schedule_err(a, format!("stage {stage} receives no {}", flow.name())))?;
+        let tag = p2p_tag(flow == Flow::Gradient, stage, mb);
+        let w = pipe.group.irecv(vec![0.0; len], pipe.stage_rank[from], tag);
+        st.receives[flow.index()].insert((stage, mb), w);
+        Ok(())
+    }
+
+    /// The message of `flow` that `stage` consumes for `mb`: handed over by a neighbour stage
+    /// on this rank, or received.
+    fn take(
         &self,
         a: &Action,
+        flow: Flow,
         stage: usize,
         mb: usize,
         st: &mut StepState<M>,
     ) -> Result<M::Act, ParallelError> {
-        if let Some(x) = st.inputs.remove(&(stage, mb)) {
+        if let Some(x) = st.handed[flow.index()].remove(&(stage, mb)) {
             return Ok(x);
         }
-        let w = st.recv_f.remove(&(stage, mb)).ok_or_else(|| {
-            schedule_err(
-                a,
-                "no input: neither a RECV_F nor the previous stage's forward came before",
-            )
-        })?;
+        let w = st.receives[flow.index()]
+            .remove(&(stage, mb))
+            .ok_or_else(|| {
+                schedule_err(a, format!("no input {}: neither its receive nor the pass that makes it on this rank came before", flow.name()))
+            })?;
         Ok(self.model.wire_to_act(w.wait()?))
     }
 
-    /// A stage's output gradient for `mb`: handed over by this rank's next stage, or received.
-    fn take_out_grad(
-        &self,
-        a: &Action,
-        stage: usize,
-        mb: usize,
-        st: &mut StepState<M>,
-    ) -> Result<M::Act, ParallelError> {
-        if let Some(x) = st.out_grads.remove(&(stage, mb)) {
-            return Ok(x);
-        }
-        let w = st.recv_b.remove(&(stage, mb)).ok_or_else(|| {
-            schedule_err(
-                a,
-                "no output gradient: neither a RECV_B nor the next stage's backward came before",
-            )
-        })?;
-        Ok(self.model.wire_to_act(w.wait()?))
+    /// Passes `stage`'s message of `flow` on: to the neighbour stage if this rank runs it,
+    /// else to the outbox for its `SEND_*`.
+    fn deliver(&self, flow: Flow, stage: usize, mb: usize, act: M::Act, st: &mut StepState<M>) {
+        match flow.to(stage).filter(|&s| self.is_local(s)) {
+            Some(to) => st.handed[flow.index()].insert((to, mb), act),
+            None => st.outbox[flow.index()].insert((stage, mb), act),
+        };
     }
 
     /// Starts gathering unit `u`'s weights (ZeRO-3, unless a `UNSHARD` keeps them).
@@ -336,7 +382,7 @@ impl<M: StageModel> Executor<M> {
         let mut x = if self.model.is_first(units.start) {
             None
         } else {
-            Some(self.take_input(a, stage, mb, st)?)
+            Some(self.take(a, Flow::Activation, stage, mb, st)?)
         };
         let (scale, pin) = (st.scale, self.pin_compute());
         let mut caches = Vec::with_capacity(units.len());
@@ -361,10 +407,8 @@ impl<M: StageModel> Executor<M> {
         st.caches.insert((stage, mb), caches);
         if self.model.is_last(units.end - 1) {
             st.loss += self.model.loss(&y) as f64;
-        } else if self.is_local(stage + 1) {
-            st.inputs.insert((stage + 1, mb), y);
         } else {
-            st.outputs.insert((stage, mb), y);
+            self.deliver(Flow::Activation, stage, mb, y, st);
         }
         Ok(())
     }
@@ -434,10 +478,10 @@ impl<M: StageModel> Executor<M> {
         let mut dy = if self.model.is_last(units.end - 1) {
             None
         } else {
-            Some(self.take_out_grad(a, stage, mb, st)?)
+            Some(self.take(a, Flow::Gradient, stage, mb, st)?)
         };
         let mut tracker = (fused && self.reduces_now(ls, st)).then(|| self.tracker(ls));
-        let (scale, pin, zero) = (st.scale, self.pin_compute(), self.cfg.zero);
+        let (scale, pin) = (st.scale, self.pin_compute());
         let mut pending = Vec::new();
         let mut prefetch = self.prefetch(units.end - 1);
         for u in units.clone().rev() {
@@ -456,18 +500,9 @@ impl<M: StageModel> Executor<M> {
             let (dx, wg) = compute(pin, || model.backward_input(u, p, cache, din, scale))?;
             self.act_bytes.sub(cache_bytes);
             if fused {
-                let b = self.unit_bucket[u];
-                accumulate(
-                    zero,
-                    &mut self.grads,
-                    &mut self.staging,
-                    &mut self.comm_bytes,
-                    &mut self.gathered_bytes,
-                    &self.buckets[b],
-                    b,
-                    range,
-                    |g| compute(pin, || model.backward_weight(u, p, wg, g)),
-                )?;
+                grad_sink!(self).accumulate(u, range, |g| {
+                    compute(pin, || model.backward_weight(u, p, wg, g))
+                })?;
             } else {
                 self.act_bytes.add(self.model.weight_grad_bytes(&wg));
                 pending.push((u, wg));
@@ -490,11 +525,7 @@ impl<M: StageModel> Executor<M> {
                     "the model's first unit returned an input gradient",
                 ));
             }
-            if stage > 0 && self.is_local(stage - 1) {
-                st.out_grads.insert((stage - 1, mb), dx);
-            } else {
-                st.in_grads.insert((stage, mb), dx);
-            }
+            self.deliver(Flow::Gradient, stage, mb, dx, st);
         }
         Ok(())
     }
@@ -513,7 +544,7 @@ impl<M: StageModel> Executor<M> {
             .remove(&(stage, mb))
             .ok_or_else(|| schedule_err(a, "no BACKWARD_INPUT of this micro-batch came before"))?;
         let mut tracker = self.reduces_now(ls, st).then(|| self.tracker(ls));
-        let (pin, zero) = (self.pin_compute(), self.cfg.zero);
+        let pin = self.pin_compute();
         let order: Vec<usize> = list.iter().map(|(u, _)| *u).collect();
         let mut prefetch = order.first().and_then(|&u| self.prefetch(u));
         for (k, (u, wg)) in list.into_iter().enumerate() {
@@ -527,18 +558,9 @@ impl<M: StageModel> Executor<M> {
             let range = self.units[u].clone();
             let p = param_slice(&self.params, &self.resident, &owned, u, range.clone());
             let model = &self.model;
-            let b = self.unit_bucket[u];
-            accumulate(
-                zero,
-                &mut self.grads,
-                &mut self.staging,
-                &mut self.comm_bytes,
-                &mut self.gathered_bytes,
-                &self.buckets[b],
-                b,
-                range,
-                |g| compute(pin, || model.backward_weight(u, p, wg, g)),
-            )?;
+            grad_sink!(self).accumulate(u, range, |g| {
+                compute(pin, || model.backward_weight(u, p, wg, g))
+            })?;
             self.act_bytes.sub(bytes);
             self.release(owned);
             self.record(TraceKind::BackwardEnd(u));
@@ -571,29 +593,20 @@ impl<M: StageModel> Executor<M> {
             "no BACKWARD_WEIGHT for the BACKWARD_INPUT",
             st.weight_grads.keys().copied().collect(),
         )?;
-        leftover(
-            "an input no forward used",
-            st.inputs.keys().copied().collect(),
-        )?;
-        leftover(
-            "a gradient no backward used",
-            st.out_grads.keys().copied().collect(),
-        )?;
-        leftover("an output never sent", st.outputs.keys().copied().collect())?;
-        leftover(
-            "an input gradient never sent",
-            st.in_grads.keys().copied().collect(),
-        )?;
-        leftover(
-            "a RECV_F no forward used",
-            st.recv_f.keys().copied().collect(),
-        )?;
-        leftover(
-            "a RECV_B no backward used",
-            st.recv_b.keys().copied().collect(),
-        )?;
-        for (u, full) in std::mem::take(&mut self.resident) {
-            let _ = u;
+        for flow in [Flow::Activation, Flow::Gradient] {
+            let i = flow.index();
+            let what = |w: &str| format!("{w} {}", flow.name());
+            leftover(
+                &what("an unused handed-over"),
+                st.handed[i].keys().copied().collect(),
+            )?;
+            leftover(&what("an unsent"), st.outbox[i].keys().copied().collect())?;
+            leftover(
+                &what("an unused received"),
+                st.receives[i].keys().copied().collect(),
+            )?;
+        }
+        for full in std::mem::take(&mut self.resident).into_values() {
             self.gathered_bytes.sub(full.len() * F32);
         }
         // Mean over micro-batches, then over dp ranks; with a pipeline only the last stage

@@ -179,7 +179,11 @@ fn keep_global_batch(cfg: &mut RunConfig, saved: &RunConfig, sets: &[String]) ->
 /// parent that starts `nproc` workers running this same command line (`None`: the workers
 /// ran and finished).
 pub fn join_job(nproc: usize) -> Result<Option<Communicator>> {
-    if comm::env::LaunchEnv::from_env().is_ok() {
+    if let Ok(env) = comm::env::LaunchEnv::from_env() {
+        if env.world_size == 1 {
+            // A world of one (e.g. a batch job's single task): no rendezvous needed.
+            return Ok(Some(Communicator::single_process()?));
+        }
         let (comm, _) = comm::env::init_from_env()?;
         return Ok(Some(comm));
     }
