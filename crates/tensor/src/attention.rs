@@ -149,7 +149,7 @@ pub struct AttnTiles {
 impl Default for AttnTiles {
     /// Short query tiles waste little work on the causal diagonal; long key tiles amortise the
     /// per-row softmax bookkeeping (max, sums, rescaling) over many scores. A `16 × 256` score
-    /// tile is 16 KiB and stays in L1. Measured in docs/PERFORMANCE.md ("Kernels").
+    /// tile is 16 KiB and stays in L1. Measured in docs/PERFORMANCE.md ("Attention").
     fn default() -> Self {
         AttnTiles {
             q_tile: 16,

@@ -406,7 +406,7 @@ pub unsafe fn gemm_raw_using(
 
 /// The dispatch rule of [`Backend::Auto`] for a product already in row-major-`C` form: the
 /// own kernel where it measured faster than the `gemm` crate (see docs/PERFORMANCE.md,
-/// "Own SGEMM" and "Session 8"):
+/// "GEMM: own kernel, `gemm` crate, PyTorch, AMX"):
 /// - `A` not row-major: the weight-gradient form `dW += dyᵀ·x` (0–7 % faster at the
 ///   training shapes on one thread, 1.10–1.43× on two);
 /// - `B` not row-major (`y = x·Wᵀ`) and `m ≤ 512`: few rows, e.g. the fused LM head's 128-row

@@ -87,7 +87,7 @@ pub fn thread_budget() -> usize {
 /// instead: its kernels then run inline on one worker, with no hand-off each, and small
 /// products and element-wise loops that stay on the calling thread run on that same core
 /// rather than passing every activation between two cores' caches (preset small, 1 thread:
-/// 7–13 % less CPU time per run, docs/PERFORMANCE.md "Session 6"). Only wrap work that does
+/// 7–13 % less CPU time per run, docs/PERFORMANCE.md "Training throughput against PyTorch"). Only wrap work that does
 /// not wait for another thread that itself needs the pool (ranks as threads of one process
 /// share it): such a wait would hold a worker that the other thread needs.
 pub fn install<R: Send>(f: impl FnOnce() -> R + Send) -> R {

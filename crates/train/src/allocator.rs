@@ -30,7 +30,7 @@ pub fn reuse_freed_memory() {
 /// activations freed in its own 64 MiB heaps, which the main arena's allocations (optimizer,
 /// gradients, data) cannot reuse, so the process holds roughly two copies of the activation
 /// peak: medium preset, 2 threads, peak RSS 1.67× the account with per-thread arenas against
-/// 1.07–1.10× with one (docs/PERFORMANCE.md, session 7). Our allocations are few and large,
+/// 1.07–1.10× with one (docs/PERFORMANCE.md, "Peak RSS against the byte account"). Our allocations are few and large,
 /// so one arena costs no measurable lock contention.
 pub fn use_one_arena() {
     #[cfg(all(target_os = "linux", target_env = "gnu"))]

@@ -1,7 +1,7 @@
 //! The dynamic schedule of one product across threads: row panels (`MR` rows of `C`) are
 //! handed out one at a time from a shared counter, so a thread that runs faster simply takes
 //! more of them. On the shared 2-vCPU VMs the two halves of a static split differed by 5–27 %
-//! in duration, at random which one (docs/PERFORMANCE.md, "Session 7"); the static split then
+//! in duration, at random which one (docs/PERFORMANCE.md, "GEMM: own kernel, `gemm` crate, PyTorch, AMX"); the static split then
 //! waits for the slower half.
 //!
 //! The product is a sequence of *stages*, one per (rank-`KC` update `pc`, `B̂` block `jc`), in

@@ -20,9 +20,9 @@
 //! On a machine whose core shares its front end with a busy hyper-thread sibling (another
 //! guest of the VM host) about 3 µops per cycle are left, and the 49-µop loop ran at 78 %
 //! of the cores' register-only FMA rate ([`crate::peak`]) where the folded one ran at
-//! 80–85 % (docs/PERFORMANCE.md, "Session 9"); reading `A` in place (no packing) no longer
+//! 80–85 % (docs/PERFORMANCE.md, "GEMM: own kernel, `gemm` crate, PyTorch, AMX"); reading `A` in place (no packing) no longer
 //! pays for its longer loop then, so with folded broadcasts every `A` is packed. With an idle
-//! sibling both loops ran at the FMA peak (134–135 GFLOP/s in isolation, session 2).
+//! sibling both loops ran at the FMA peak (134–135 GFLOP/s in isolation, measured earlier on a quieter host).
 //! `XTRAIN_SGEMM_FOLD=0` or [`set_folded_broadcasts`] restores the session-8 kernel (separate
 //! broadcasts, `A` read in place where it qualifies) for A/B runs.
 //!
