@@ -201,6 +201,7 @@ impl ParallelDims {
 /// first use, collectively by their members, and cached).
 pub struct Mesh {
     dims: ParallelDims,
+    comm: Communicator,
     mesh: DeviceMesh,
     /// The expert view `[pp, edp, ep, tp]` of the same ranks.
     expert: DeviceMesh,
@@ -228,11 +229,22 @@ impl Mesh {
                 ("tp", dims.tp),
             ],
         )?;
-        Ok(Mesh { dims, mesh, expert })
+        Ok(Mesh {
+            dims,
+            comm: comm.clone(),
+            mesh,
+            expert,
+        })
     }
 
     pub fn dims(&self) -> &ParallelDims {
         &self.dims
+    }
+
+    /// The world communicator the mesh lays out (for groups beyond the mesh's slices, such
+    /// as the pipeline's links).
+    pub fn comm(&self) -> &Communicator {
+        &self.comm
     }
 
     /// This rank's coordinate along `pp`, `dp`, `cp` or `tp`.

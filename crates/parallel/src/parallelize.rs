@@ -4,7 +4,8 @@
 //! 1. tensor parallelism (+ sequence parallelism): [`crate::tensor_parallel::shard_model`];
 //! 2. context parallelism (cp): not implemented yet — a clear error;
 //! 3. expert parallelism (ep): not implemented yet — a clear error;
-//! 4. the pipeline split: [`crate::pipeline_parallel::split`] picks this rank's stages;
+//! 4. the pipeline split: the schedule says which stages this rank runs and which layers each
+//!    holds ([`crate::pipeline_parallel::split`]), and the pipeline's links are connected;
 //! 5. data parallelism / ZeRO over dp × cp: the executor's configuration
 //!    ([`crate::executor::ExecConfig`]) and the group returned here.
 use comm::ProcessGroup;
@@ -14,7 +15,8 @@ use model::ModelConfig;
 use crate::decoder::DecoderStage;
 use crate::dims::Mesh;
 use crate::executor::Pipeline;
-use crate::pipeline_parallel::split::{rank_stages, stage_parts};
+use crate::pipeline_parallel::split::stage_parts;
+use crate::pipeline_parallel::Schedule;
 use crate::ParallelError;
 
 /// Model-side options of the passes.
@@ -37,15 +39,17 @@ pub struct Parallelized {
 
 fn not_yet(what: &str) -> ParallelError {
     ParallelError::Unsupported(format!(
-        "{what} is not implemented yet: this build runs dp (ZeRO 0-3) × tp (+sp)"
+        "{what} is not implemented yet: this build runs pp × dp (ZeRO 0-3) × tp (+sp)"
     ))
 }
 
-/// Applies the passes of the module doc to `cfg` for this rank of `mesh`.
+/// Applies the passes of the module doc to `cfg` for this rank of `mesh`; with pipeline
+/// parallelism, `schedule` (for the whole pp group) places the stages.
 pub fn parallelize(
     cfg: &ModelConfig,
     mesh: &Mesh,
     opts: &ModelOptions,
+    schedule: Option<&Schedule>,
 ) -> Result<Parallelized, ParallelError> {
     let dims = *mesh.dims();
     cfg.validate()
@@ -69,22 +73,60 @@ pub fn parallelize(
         return Err(not_yet("expert parallelism (ep > 1)"));
     }
     // 4. The pipeline split: this rank's stages, their parts, and which rank runs each stage.
-    let stages = dims.pp * dims.virtual_stages;
     let pp_rank = mesh.coord("pp")?;
-    let mine = rank_stages(pp_rank, dims.pp, dims.virtual_stages);
+    let one_stage = Schedule {
+        kind: "one-stage".into(),
+        stage_rank: vec![0],
+        chains: vec![crate::pipeline_parallel::schedule::Chain {
+            stages: 0..1,
+            microbatches: 0..1,
+        }],
+        actions: vec![Vec::new()],
+    };
+    let schedule = match (dims.pp, schedule) {
+        (1, _) => &one_stage,
+        (_, Some(s)) => s,
+        (pp, None) => {
+            return Err(ParallelError::Config(format!(
+                "pp = {pp} needs a pipeline schedule"
+            )))
+        }
+    };
+    if schedule.num_ranks() != dims.pp {
+        return Err(ParallelError::Config(format!(
+            "the schedule is for {} pipeline ranks, the mesh has pp = {}",
+            schedule.num_ranks(),
+            dims.pp
+        )));
+    }
+    if schedule.chains.len() > 1 {
+        return Err(not_yet(
+            "a schedule with mirrored stages (DualPipe's two chains)",
+        ));
+    }
+    let splits = schedule.stage_splits();
+    if splits > cfg.num_hidden_layers {
+        return Err(ParallelError::Config(format!(
+            "the {} schedule cuts the model into {splits} stages but it has num_hidden_layers = {}: every stage needs a layer",
+            schedule.kind, cfg.num_hidden_layers
+        )));
+    }
     let mut parts = Vec::new();
     let mut local = Vec::new();
-    for &s in &mine {
-        let p = stage_parts(cfg.num_hidden_layers, stages, s)?;
+    for s in schedule.rank_stages(pp_rank) {
+        let p = stage_parts(cfg.num_hidden_layers, splits, schedule.stage_split(s))?;
         local.push((s, parts.len()..parts.len() + p.len()));
         parts.extend(p);
     }
     let pipe = if dims.pp > 1 {
-        Some(Pipeline {
-            group: mesh.pp()?,
-            stage_rank: (0..stages).map(|s| s % dims.pp).collect(),
+        let s = schedule;
+        Some(Pipeline::connect(
+            mesh.comm(),
+            mesh.pp()?,
+            s.stage_rank.clone(),
             local,
-        })
+            |stage| s.next_stage(stage).is_some(),
+        )?)
     } else {
         None
     };

@@ -187,7 +187,7 @@ fn communication_per_step_matches_analytic_count() {
                 seq_len: s,
                 recompute: model::Recompute::None,
             };
-            let par = parallel::parallelize(&cfg, &mesh, &opts).unwrap();
+            let par = parallel::parallelize(&cfg, &mesh, &opts, None).unwrap();
             let init = par.stage.clone();
             let exec = decoder_exec(ZeroStage::Ddp, Precision::Fp32);
             let mut e = Executor::new(par.stage, par.dp, None, exec, |r, o| {
@@ -264,7 +264,7 @@ fn impossible_layouts_are_clear_errors() {
                 seq_len: seq,
                 recompute: model::Recompute::None,
             };
-            parallel::parallelize(cfg, &mesh, &opts)
+            parallel::parallelize(cfg, &mesh, &opts, None)
                 .err()
                 .unwrap()
                 .to_string()
@@ -294,7 +294,7 @@ fn impossible_layouts_are_clear_errors() {
             seq_len: 8,
             recompute: model::Recompute::None,
         };
-        let par = parallel::parallelize(&llama(), &mesh, &opts).unwrap();
+        let par = parallel::parallelize(&llama(), &mesh, &opts, None).unwrap();
         let p = vec![0.0; par.stage.units()[0].len()];
         let b = model::Batch::next_token(1, 5, &[1, 2, 3, 4, 5]).unwrap();
         par.stage

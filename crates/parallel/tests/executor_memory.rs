@@ -28,7 +28,12 @@ fn run(
             let r = sampler.samples(step, rank, 0);
             e.train_step(&[model.samples(r.start, r.len())]).unwrap();
         }
-        let trace = e.take_trace().into_iter().map(|t| t.kind).collect();
+        let trace = e
+            .take_trace()
+            .into_iter()
+            .map(|t| t.kind)
+            .filter(|k| !matches!(k, TraceKind::Action { .. }))
+            .collect();
         (e.memory(), e.peak_gathered_bytes(), trace)
     })
 }

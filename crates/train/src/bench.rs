@@ -46,6 +46,8 @@ pub struct BenchReport {
     /// the timed steps ran (Linux `/proc/stat`; `None` elsewhere). On a shared VM this is what
     /// makes the same binary 25–40 % slower from one minute to the next.
     pub cpu_steal: Option<f64>,
+    /// With pipeline parallelism: the measured bubble beside the simulator's.
+    pub pipeline: Option<crate::pipeline::PipelineReport>,
 }
 
 /// Cumulative (steal, total) CPU time of the machine in clock ticks, from the first line of
@@ -116,6 +118,9 @@ impl std::fmt::Display for BenchReport {
                 100.0 * st
             )?;
         }
+        if let Some(p) = &self.pipeline {
+            writeln!(f, "{p}")?;
+        }
         write!(
             f,
             "memory of rank 0: accounted {} ; peak RSS {} ({})",
@@ -163,6 +168,7 @@ pub fn bench_train(
     }
     let cpu_steal = steal_share(ticks0, cpu_ticks());
     model::profile::enable(false);
+    let pipeline = t.pipeline_report()?;
     if t.rank() != 0 {
         return Ok(None);
     }
@@ -198,6 +204,7 @@ pub fn bench_train(
         peak_rss_bytes: peak_rss_bytes(),
         profile,
         cpu_steal,
+        pipeline,
     }))
 }
 

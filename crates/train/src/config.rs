@@ -116,9 +116,14 @@ pub struct ParallelConfig {
     /// Expert-parallel degree (carved out of dp × cp).
     #[serde(default = "one")]
     pub ep: usize,
-    /// Pipeline stages per pipeline rank (interleaved schedules).
+    /// Pipeline stages per pipeline rank of the interleaved schedule.
     #[serde(default = "one")]
     pub virtual_stages: usize,
+    /// The pipeline schedule (pp > 1): `gpipe`, `1f1b`, `interleaved`, `zb-h1`, `zb-h2`,
+    /// `zb-v`, `dualpipev`, or `csv:FILE` (a schedule written by `xtrain schedule --csv`).
+    /// Its micro-batches per step are `train.grad_accum`.
+    #[serde(default = "default_schedule")]
+    pub schedule: String,
     /// Gradient bucket size of data parallelism in MiB (PyTorch DDP's 25 by default).
     #[serde(default = "default_bucket_mb")]
     pub bucket_mb: f64,
@@ -167,6 +172,10 @@ impl ParallelConfig {
 
 fn one() -> usize {
     1
+}
+
+fn default_schedule() -> String {
+    "1f1b".into()
 }
 
 fn default_bucket_mb() -> f64 {
@@ -260,6 +269,7 @@ impl RunConfig {
                 cp: 1,
                 ep: 1,
                 virtual_stages: 1,
+                schedule: default_schedule(),
                 bucket_mb: default_bucket_mb(),
             },
         })
@@ -395,10 +405,28 @@ impl RunConfig {
             return bad("train.loss_scale must be >= 1".into());
         }
         self.recompute()?;
-        self.parallel
-            .dims()?
-            .validate(self.parallel.nproc)
+        let dims = self.parallel.dims()?;
+        dims.validate(self.parallel.nproc)
             .map_err(|e| TrainError::Config(e.to_string()))?;
+        if dims.pp > 1 {
+            // The schedule is generated (or read) here too, so that a bad one is reported
+            // before any worker starts.
+            let s = crate::pipeline::compute_schedule(self, &dims)?;
+            if s.chains.len() > 1 {
+                return Err(TrainError::Unsupported(format!(
+                    "the {} schedule runs a mirrored copy of the pipeline (two chains of stages), which the trainer does not run yet (dualpipev runs DualPipe's step order on one V-shaped chain)",
+                    s.kind
+                )));
+            }
+            if s.stage_splits() > m.num_layers {
+                return bad(format!(
+                    "the {} schedule cuts the model into {} stages but model.num_layers = {}: every stage needs a layer",
+                    s.kind,
+                    s.stage_splits(),
+                    m.num_layers
+                ));
+            }
+        }
         Ok(())
     }
 

@@ -7,6 +7,7 @@
 //! - [`trainer`]: a rank's model part, executor and data, one optimizer step, checkpoints;
 //! - [`run`]: a whole run (the loop, validation, checkpoints, metrics, memory report, sample);
 //! - [`bench`]: `xtrain bench train` on any layout;
+//! - [`pipeline`]: the run's pipeline schedule and its measured bubble and trace;
 //! - [`data`]: built-in corpus, tokenizers, token files, deterministic sampling;
 //! - [`schedule`]: warmup + cosine learning rate;
 //! - [`metrics`], [`progress`]: `metrics.jsonl`, the loss plot, the progress bar;
@@ -21,6 +22,7 @@ pub mod error;
 pub mod generate;
 pub mod hf;
 pub mod metrics;
+pub mod pipeline;
 pub mod progress;
 pub mod rng;
 pub mod run;

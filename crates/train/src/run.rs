@@ -4,7 +4,7 @@
 //! writes the run directory:
 //!
 //! ```text
-//! <out>/config.toml  metrics.jsonl  loss.png  loss.svg  memory.json
+//! <out>/config.toml  metrics.jsonl  loss.png  loss.svg  memory.json  pipeline.json (pp > 1)
 //! <out>/checkpoints/step_NNNNNN/   (one format for every layout, see parallel::checkpoint)
 //! <out>/latest                      (names the newest checkpoint)
 //! ```
@@ -26,6 +26,8 @@ pub struct RunOptions {
     pub out_dir: PathBuf,
     /// No progress bar, step lines or messages (the summary is still returned).
     pub quiet: bool,
+    /// Write the pipeline's actions as a Chrome trace to this file (pp > 1).
+    pub trace: Option<PathBuf>,
 }
 
 /// What a run returns (on every rank).
@@ -132,6 +134,14 @@ pub fn run(t: &mut Trainer, opts: &RunOptions) -> Result<RunSummary> {
     if t.step > 0 {
         say(&format!("resumed at step {}", t.step));
     }
+    if opts.trace.is_some() {
+        if t.pipeline.is_none() {
+            return Err(crate::TrainError::Config(
+                "--trace records pipeline schedules: it needs pp > 1".into(),
+            ));
+        }
+        t.keep_trace();
+    }
     let mut console = rank0.then(|| Console::new(t.step, total, opts.quiet, fpt, peak));
     let (mut losses, mut last_val) = (Vec::new(), None);
     while t.step < total {
@@ -189,6 +199,18 @@ pub fn run(t: &mut Trainer, opts: &RunOptions) -> Result<RunSummary> {
         c.finish();
     }
     write_memory(t, out)?;
+    if let Some(report) = t.pipeline_report()? {
+        if rank0 {
+            say(&report.to_string());
+            let text = serde_json::to_string_pretty(&report).expect("serialises");
+            std::fs::write(out.join("pipeline.json"), text)
+                .ctx(|| "writing pipeline.json".into())?;
+        }
+    }
+    if let Some(path) = &opts.trace {
+        t.write_trace(path)?;
+        say(&format!("trace: {}", path.display()));
+    }
     let checkpoint = save_into_run(t, out)?;
     say(&format!("checkpoint: {}", checkpoint.display()));
     let mut sample = None;

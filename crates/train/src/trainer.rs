@@ -20,6 +20,7 @@ use parallel::{DecoderStage, Mesh, ModelOptions, ParallelDims};
 use crate::config::RunConfig;
 use crate::data::{Dataset, Sampler, Tokenizer};
 use crate::error::{Result, TrainError};
+use crate::pipeline::{PipelineReport, RunPipeline};
 use crate::schedule::CosineSchedule;
 
 /// The model configuration (Hugging Face names) of a run.
@@ -144,6 +145,8 @@ pub struct Trainer {
     comm: Communicator,
     mesh: Mesh,
     pub exec: Executor<DecoderStage>,
+    /// The pipeline schedule and its measured timeline (pp > 1).
+    pub pipeline: Option<RunPipeline>,
     pub data: Dataset,
     pub sampler: Sampler,
     pub schedule: CosineSchedule,
@@ -271,12 +274,6 @@ impl Trainer {
         let dims = p.dims()?;
         dims.validate_model(&model_config(&cfg), cfg.model.seq_len)
             .map_err(perr)?;
-        if dims.pp > 1 {
-            return Err(TrainError::Unsupported(format!(
-                "pp = {}: the executor runs pipeline schedules, but their generators (GPipe, 1F1B, …) are not implemented yet",
-                dims.pp
-            )));
-        }
         let data = Dataset::load(
             &cfg.data,
             &tokenizer,
@@ -289,7 +286,19 @@ impl Trainer {
             seq_len: cfg.model.seq_len,
             recompute: cfg.recompute()?,
         };
-        let par = parallel::parallelize(&model_config(&cfg), &mesh, &opts).map_err(perr)?;
+        let pipeline = if dims.pp > 1 {
+            let pp_rank = mesh.coord("pp").map_err(perr)?;
+            Some(RunPipeline::new(&cfg, &dims, pp_rank)?)
+        } else {
+            None
+        };
+        let par = parallel::parallelize(
+            &model_config(&cfg),
+            &mesh,
+            &opts,
+            pipeline.as_ref().map(|p| &p.lowered),
+        )
+        .map_err(perr)?;
         let t = &cfg.train;
         let exec_cfg = ExecConfig {
             zero: dims.zero,
@@ -310,10 +319,14 @@ impl Trainer {
         };
         let init = par.stage.clone();
         let seed = t.seed;
-        let exec = Executor::new(par.stage, par.dp, par.pipe, exec_cfg, |r, out| {
+        let mut exec = Executor::new(par.stage, par.dp, par.pipe, exec_cfg, |r, out| {
             init.init_range(seed, r, out)
         })
         .map_err(perr)?;
+        if pipeline.is_some() {
+            // The action trace gives the measured bubble (an Instant per action).
+            exec.enable_trace();
+        }
         let sampler = Sampler {
             seed,
             seq_len: cfg.model.seq_len,
@@ -333,6 +346,7 @@ impl Trainer {
             comm: comm.clone(),
             mesh,
             exec,
+            pipeline,
             data,
             sampler,
             schedule,
@@ -396,7 +410,14 @@ impl Trainer {
             .collect::<Result<Vec<_>>>()?;
         let lr = self.schedule.lr(self.step);
         self.exec.set_lr(lr as f32);
-        let stats = self.exec.train_step(&batches).map_err(perr)?;
+        let stats = match &mut self.pipeline {
+            Some(p) => {
+                let stats = self.exec.run_step(&batches, p.actions()).map_err(perr)?;
+                p.timeline.absorb(&self.exec.take_trace());
+                stats
+            }
+            None => self.exec.train_step(&batches).map_err(perr)?,
+        };
         let loss = stats.loss as f64;
         if !loss.is_finite() && !self.exec.loss_scaler().dynamic {
             return Err(TrainError::Diverged(format!(
@@ -428,6 +449,35 @@ impl Trainer {
             sum += self.exec.evaluate(&batch).map_err(perr)? as f64;
         }
         Ok(Some(sum / self.cfg.train.eval_batches as f64))
+    }
+
+    /// The pipeline's measured bubble beside the simulator's (pp > 1; on the pp group's rank
+    /// 0, `None` elsewhere). A collective over every rank.
+    pub fn pipeline_report(&self) -> Result<Option<PipelineReport>> {
+        match &self.pipeline {
+            Some(p) => {
+                crate::pipeline::report(&self.mesh.pp().map_err(perr)?, &p.timeline, &p.compute)
+            }
+            None => Ok(None),
+        }
+    }
+
+    /// Keeps every action's span from now on, for [`Self::write_trace`] (pp > 1).
+    pub fn keep_trace(&mut self) {
+        if let Some(p) = &mut self.pipeline {
+            p.timeline = crate::pipeline::Timeline::new(true);
+        }
+    }
+
+    /// Writes the Chrome trace of the actions kept since [`Self::keep_trace`] (rank 0 writes;
+    /// a collective).
+    pub fn write_trace(&self, path: &Path) -> Result<()> {
+        match &self.pipeline {
+            Some(p) => crate::pipeline::write_trace(&self.comm, &p.timeline, path),
+            None => Err(TrainError::Config(
+                "a trace records pipeline schedules: it needs pp > 1".into(),
+            )),
+        }
     }
 
     /// Where training stands (what a checkpoint records besides tensors).

@@ -1,7 +1,9 @@
 //! The reshard matrix (in the spirit of Megatron's parallel-reconfiguration test): save under
 //! layout A after 2 steps, resume under layout B for 2 more, for A and B each one of
-//! {1 process; dp 2 ZeRO-0; dp 2 ZeRO-3; tp 2; tp 2 + sp; dp 2 × tp 2 ZeRO-1; bf16 dp 2}
-//! (ranks as threads, the same global batch of 4 sequences everywhere).
+//! {1 process; dp 2 ZeRO-0; dp 2 ZeRO-3; tp 2; tp 2 + sp; dp 2 × tp 2 ZeRO-1; bf16 dp 2;
+//! pp 2 1F1B; pp 4 GPipe; pp 2 × dp 2 ZeRO-3 ZB-V} (ranks as threads, the
+//! same global batch of 4 sequences everywhere, a 4-layer model so that every pipeline
+//! stage has a layer).
 //!
 //! - The checkpoint holds the full fp32 master weights: loaded at B and saved again at once,
 //!   its Hugging Face export is byte for byte A's.
@@ -17,7 +19,7 @@ use std::path::{Path, PathBuf};
 use train::trainer::Trainer;
 use train::RunConfig;
 
-const LAYOUTS: [(&str, &[&str]); 7] = [
+const LAYOUTS: [(&str, &[&str]); 10] = [
     ("single", &["parallel.nproc=1", "train.grad_accum=2"]),
     (
         "dp2z0",
@@ -58,10 +60,39 @@ const LAYOUTS: [(&str, &[&str]); 7] = [
             "train.precision=bf16",
         ],
     ),
+    (
+        "pp2",
+        &[
+            "parallel.nproc=2",
+            "parallel.pp=2",
+            "parallel.schedule=1f1b",
+            "train.grad_accum=2",
+        ],
+    ),
+    (
+        "pp4",
+        &[
+            "parallel.nproc=4",
+            "parallel.pp=4",
+            "parallel.schedule=gpipe",
+            "train.grad_accum=2",
+        ],
+    ),
+    (
+        "pp2dp2z3",
+        &[
+            "parallel.nproc=4",
+            "parallel.pp=2",
+            "parallel.dp=2",
+            "parallel.zero=3",
+            "parallel.schedule=zb-v",
+        ],
+    ),
 ];
 
 /// The layout settings every run shares.
-const BASE: [&str; 7] = [
+const BASE: [&str; 8] = [
+    "model.num_layers=4",
     "train.steps=4",
     "train.micro_batch=2",
     "model.seq_len=16",
@@ -77,6 +108,8 @@ fn overrides(layout: &[&str]) -> Vec<String> {
     let reset = [
         "parallel.dp=1",
         "parallel.tp=1",
+        "parallel.pp=1",
+        "parallel.schedule=\"1f1b\"",
         "parallel.sp=false",
         "parallel.zero=0",
         "train.grad_accum=1",

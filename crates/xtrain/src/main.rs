@@ -25,6 +25,9 @@ enum Command {
     Generate(cmd::generate::GenerateArgs),
     /// Tokenize text files into a token file (optionally training a BPE tokenizer).
     Tokenize(cmd::tokenize::TokenizeArgs),
+    /// Show a pipeline schedule: every rank's actions, the simulated timeline, bubble and
+    /// memory (`--compare`: every schedule side by side; `--svg`, `--csv`).
+    Schedule(cmd::schedule::ScheduleArgs),
     /// Convert checkpoints to and from Hugging Face format.
     Convert(cmd::convert::ConvertArgs),
     /// Benchmarks (`xtrain bench comm`, `xtrain bench train`).
@@ -47,6 +50,7 @@ fn main() -> anyhow::Result<()> {
         Command::Generate(a) => cmd::generate::run_cmd(a),
         Command::Tokenize(a) => cmd::tokenize::run_cmd(a),
         Command::Convert(a) => cmd::convert::run_cmd(a),
+        Command::Schedule(a) => cmd::schedule::run_cmd(a),
         Command::Bench(args) => cmd::bench::run(args),
     }
 }

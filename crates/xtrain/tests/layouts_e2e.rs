@@ -310,7 +310,32 @@ fn impossible_layouts_are_clear_errors() {
             &["--nproc", "3", "--tp", "3"],
             "num_attention_heads = 4 is not divisible by tp = 3",
         ),
-        (&["--pp", "3"], "exceeds num_hidden_layers = 2"),
+        (
+            &["--pp", "3"],
+            "cuts the model into 3 stages but model.num_layers = 2",
+        ),
+        (
+            &["--pp", "2", "--schedule", "zb-x"],
+            "unknown schedule `zb-x`",
+        ),
+        (
+            &[
+                "--pp",
+                "2",
+                "--schedule",
+                "interleaved",
+                "--virtual-stages",
+                "2",
+                "--microbatches",
+                "3",
+            ],
+            "micro-batches (3) to be a multiple of pp (2)",
+        ),
+        (
+            &["--pp", "2", "--schedule", "dualpipe", "--microbatches", "4"],
+            "mirrored copy of the pipeline",
+        ),
+        (&["--trace", "t.json"], "needs pp > 1"),
         (&["--ep", "2", "--dp", "2"], "the model has no experts"),
         (&["--cp", "3"], "seq_len = 16 is not divisible by cp = 3"),
         (

@@ -35,7 +35,7 @@ mod state;
 
 use std::collections::HashMap;
 use std::ops::Range;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use comm::ProcessGroup;
 use model::optim::AdamW;
@@ -86,13 +86,61 @@ impl Default for ExecConfig {
 /// This rank's place in a pipeline.
 #[derive(Clone, Debug)]
 pub struct Pipeline {
-    /// The pp group.
+    /// The pp group (the loss, the validation metric and the gradient norm are summed over
+    /// it).
     pub group: ProcessGroup,
-    /// The pp rank that runs each pipeline stage.
+    /// The pp rank that runs each stage.
     pub stage_rank: Vec<usize>,
     /// The stages this rank runs, with their units (contiguous, in order, covering all of the
     /// model's units).
     pub local: Vec<(usize, Range<usize>)>,
+    /// The link each cross-rank message travels on, by (is a gradient, sending stage): a group
+    /// of the two ranks, the sender first. One link per stage boundary and direction, each
+    /// with its own worker thread, so messages of different boundaries never queue behind
+    /// each other and every link delivers in the order its messages were sent.
+    pub links: HashMap<(bool, usize), ProcessGroup>,
+}
+
+impl Pipeline {
+    /// Connects this rank's pipeline: the links of every stage boundary `s → s + 1` for which
+    /// `boundary(s)` holds and the two stages run on different ranks. Every rank of `group`
+    /// calls it with the same stage placement (a link is created by its two members, in the
+    /// same order everywhere).
+    pub fn connect(
+        comm: &comm::Communicator,
+        group: ProcessGroup,
+        stage_rank: Vec<usize>,
+        local: Vec<(usize, Range<usize>)>,
+        boundary: impl Fn(usize) -> bool,
+    ) -> Result<Self, ParallelError> {
+        let world = group.world_ranks().to_vec();
+        let me = group.rank();
+        let mut links = HashMap::new();
+        for s in 0..stage_rank.len().saturating_sub(1) {
+            let (a, b) = (stage_rank[s], stage_rank[s + 1]);
+            if !boundary(s) || a == b {
+                continue;
+            }
+            for (gradient, from, to, sender) in [(false, a, b, s), (true, b, a, s + 1)] {
+                if me == from || me == to {
+                    let label = format!("pp-{}{sender}", if gradient { "grad" } else { "act" });
+                    let g = comm.new_named_group(&label, &[world[from], world[to]])?;
+                    links.insert((gradient, sender), g);
+                }
+            }
+        }
+        Ok(Pipeline {
+            group,
+            stage_rank,
+            local,
+            links,
+        })
+    }
+
+    /// The link a message of `gradient` kind sent by stage `sender` travels on.
+    fn link(&self, gradient: bool, sender: usize) -> Option<&ProcessGroup> {
+        self.links.get(&(gradient, sender))
+    }
 }
 
 /// What one optimizer step reports.
@@ -108,9 +156,18 @@ pub struct StepStats {
     pub loss_scale: f64,
 }
 
-/// Timeline events recorded when tracing is on (the overlap proof).
+/// Timeline events recorded when tracing is on: the actions of the schedule as they ran (a
+/// pipeline's measured timeline), and inside backward the units and bucket reductions (the
+/// overlap proof).
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum TraceKind {
+    /// A schedule action started at the event's time and took `took`, of which `waited` went
+    /// on waiting for messages from other pp ranks (a pipeline bubble seen from this rank).
+    Action {
+        action: Action,
+        took: Duration,
+        waited: Duration,
+    },
     BackwardStart(usize),
     BackwardEnd(usize),
     BucketLaunched(usize),
@@ -374,20 +431,24 @@ impl<M: StageModel> Executor<M> {
         self.lr = lr;
     }
 
-    /// Starts recording a timeline of backward and bucket events.
+    /// Starts recording a timeline of actions, backward units and bucket events.
     pub fn enable_trace(&mut self) {
         self.trace = Some(Vec::new());
     }
+    /// The events recorded since the last call (tracing stays on).
     pub fn take_trace(&mut self) -> Vec<TraceEvent> {
         self.trace.replace(Vec::new()).unwrap_or_default()
     }
     fn record(&mut self, kind: TraceKind) {
+        self.record_at(kind, Instant::now());
+    }
+    fn record_at(&mut self, kind: TraceKind, at: Instant) {
         if let Some(t) = &mut self.trace {
-            t.push(TraceEvent {
-                kind,
-                at: Instant::now(),
-            });
+            t.push(TraceEvent { kind, at });
         }
+    }
+    fn tracing(&self) -> bool {
+        self.trace.is_some()
     }
 
     /// One optimizer step over this rank's micro-batches with the one-stage schedule (no

@@ -3,6 +3,7 @@
 //! flight, the bucket reductions launched so far) carried in a [`StepState`].
 use std::collections::HashMap;
 use std::ops::Range;
+use std::time::{Duration, Instant};
 
 use comm::{ReduceOp, Work};
 
@@ -16,6 +17,9 @@ use crate::stage::StageModel;
 use crate::ParallelError;
 
 type Key = (usize, usize);
+
+/// A posted receive: the sending pp rank and the transfer.
+type Receive = (usize, Work<Vec<f32>>);
 
 /// The two directions of pipeline messages: activations to the next stage, gradients to the
 /// previous one.
@@ -60,14 +64,17 @@ pub(super) struct StepState<M: StageModel> {
     /// receives posted (keyed by the receiving stage).
     handed: [HashMap<Key, M::Act>; 2],
     outbox: [HashMap<Key, M::Act>; 2],
-    receives: [HashMap<Key, Work<Vec<f32>>>; 2],
-    sends: Vec<Work<Vec<f32>>>,
+    receives: [HashMap<Key, Receive>; 2],
+    /// Sends in flight: the action, the receiving pp rank, the transfer.
+    sends: Vec<(Action, usize, Work<Vec<f32>>)>,
     caches: HashMap<Key, Vec<M::Cache>>,
     /// Pending weight gradients per unit, in the order `BACKWARD_INPUT` made them.
     weight_grads: HashMap<Key, Vec<(usize, M::WeightGrad)>>,
     /// Per local stage: actions computing weight gradients still to come this step.
     weight_left: Vec<usize>,
     reductions: Vec<Pending>,
+    /// Time the current action has waited for messages from other ranks.
+    waited: Duration,
     /// Sum of the losses of this rank's micro-batches (on the rank of the last stage).
     loss: f64,
 }
@@ -194,7 +201,7 @@ impl<M: StageModel> Executor<M> {
             .map(|s| {
                 schedule
                     .iter()
-                    .filter(|a| a.computes_weight_grads() && a.stage() == Some(s.id))
+                    .filter(|a| a.computes_weight_grads_of(s.id))
                     .count()
             })
             .collect();
@@ -208,12 +215,30 @@ impl<M: StageModel> Executor<M> {
             weight_grads: HashMap::new(),
             weight_left,
             reductions: Vec::new(),
+            waited: Duration::ZERO,
             loss: 0.0,
         };
         for a in &schedule[..schedule.len() - 1] {
+            let start = Instant::now();
+            st.waited = Duration::ZERO;
             self.act(a, micro, &mut st)?;
+            self.record_span(a, start, st.waited);
         }
-        self.finish(micro.len(), st)
+        let start = Instant::now();
+        let stats = self.finish(micro.len(), st)?;
+        self.record_span(&Action::Optimizer, start, Duration::ZERO);
+        Ok(stats)
+    }
+
+    fn record_span(&mut self, a: &Action, start: Instant, waited: Duration) {
+        if self.tracing() {
+            let kind = TraceKind::Action {
+                action: *a,
+                took: start.elapsed(),
+                waited,
+            };
+            self.record_at(kind, start);
+        }
     }
 
     fn act(
@@ -270,6 +295,17 @@ impl<M: StageModel> Executor<M> {
                 let buckets = self.stages[ls].buckets.clone();
                 self.drain(&mut st.reductions, Some(&buckets))
             }
+            Action::ForwardBackward {
+                f_stage,
+                f_mb,
+                b_stage,
+                b_mb,
+            } => {
+                // The pair's halves in turn: on a CPU there is no second stream to overlap
+                // them on; the schedule's order is what DualPipe relies on.
+                self.forward(a, f_stage, f_mb, batch(f_mb)?, st)?;
+                self.backward(a, b_stage, b_mb, true, st)
+            }
             Action::Optimizer => Err(schedule_err(a, "the optimizer step ends the schedule")),
         }
     }
@@ -300,10 +336,16 @@ impl<M: StageModel> Executor<M> {
             .to(stage)
             .filter(|&s| s < pipe.stage_rank.len())
             .ok_or_else(|| schedule_err(a, format!("stage {stage} sends no {}", flow.name())))?;
+        let link = pipe.link(flow == Flow::Gradient, stage).ok_or_else(|| {
+            schedule_err(
+                a,
+                format!("stages {stage} and {to} have no link (same rank?)"),
+            )
+        })?;
         let wire = self.model.act_to_wire(act);
         let tag = p2p_tag(flow == Flow::Gradient, to, mb);
         st.sends
-            .push(pipe.group.isend(wire, pipe.stage_rank[to], tag));
+            .push((*a, pipe.stage_rank[to], link.isend(wire, 1, tag)));
         Ok(())
     }
 
@@ -324,9 +366,15 @@ impl<M: StageModel> Executor<M> {
             .from(stage)
             .filter(|&s| s < pipe.stage_rank.len())
             .ok_or_else(|| schedule_err(a, format!("stage {stage} receives no {}", flow.name())))?;
+        let link = pipe.link(flow == Flow::Gradient, from).ok_or_else(|| {
+            schedule_err(
+                a,
+                format!("stages {from} and {stage} have no link (same rank?)"),
+            )
+        })?;
         let tag = p2p_tag(flow == Flow::Gradient, stage, mb);
-        let w = pipe.group.irecv(vec![0.0; len], pipe.stage_rank[from], tag);
-        st.receives[flow.index()].insert((stage, mb), w);
+        let w = link.irecv(vec![0.0; len], 0, tag);
+        st.receives[flow.index()].insert((stage, mb), (pipe.stage_rank[from], w));
         Ok(())
     }
 
@@ -343,12 +391,23 @@ impl<M: StageModel> Executor<M> {
         if let Some(x) = st.handed[flow.index()].remove(&(stage, mb)) {
             return Ok(x);
         }
-        let w = st.receives[flow.index()]
+        let (peer, w) = st.receives[flow.index()]
             .remove(&(stage, mb))
             .ok_or_else(|| {
                 schedule_err(a, format!("no input {}: neither its receive nor the pass that makes it on this rank came before", flow.name()))
             })?;
-        Ok(self.model.wire_to_act(w.wait()?))
+        let t = Instant::now();
+        let wire = w.wait().map_err(|e| {
+            schedule_err(
+                a,
+                format!(
+                    "waiting for the {} of stage {stage}, micro-batch {mb} from pp rank {peer}: {e}",
+                    flow.name()
+                ),
+            )
+        })?;
+        st.waited += t.elapsed();
+        Ok(self.model.wire_to_act(wire))
     }
 
     /// Passes `stage`'s message of `flow` on: to the neighbour stage if this rank runs it,
@@ -572,8 +631,9 @@ impl<M: StageModel> Executor<M> {
     /// Ends the step: every message delivered, every reduction stored, nothing left over; the
     /// loss averaged over micro-batches and ranks; the optimizer step.
     fn finish(&mut self, n_micro: usize, mut st: StepState<M>) -> Result<StepStats, ParallelError> {
-        for w in st.sends.drain(..) {
-            w.wait()?;
+        for (a, peer, w) in st.sends.drain(..) {
+            w.wait()
+                .map_err(|e| schedule_err(&a, format!("sending to pp rank {peer}: {e}")))?;
         }
         self.drain(&mut st.reductions, None)?;
         let leftover = |what: &str, keys: Vec<Key>| -> Result<(), ParallelError> {
@@ -653,10 +713,10 @@ impl<M: StageModel> Executor<M> {
                 Some(c)
             } else {
                 let pipe = self.pipe.as_ref().ok_or_else(no_pipe)?;
-                let src = pipe.stage_rank[id - 1];
-                let w = pipe.group.irecv(
+                let link = pipe.link(false, id - 1).ok_or_else(no_pipe)?;
+                let w = link.irecv(
                     vec![0.0; self.model.wire_len(batch)],
-                    src,
+                    0,
                     p2p_tag(false, id, 0),
                 );
                 Some(self.model.wire_to_act(w.wait()?))
@@ -687,12 +747,9 @@ impl<M: StageModel> Executor<M> {
                 carried = Some(y);
             } else {
                 let pipe = self.pipe.as_ref().ok_or_else(no_pipe)?;
+                let link = pipe.link(false, id).ok_or_else(no_pipe)?;
                 let wire = self.model.act_to_wire(y);
-                sends.push(pipe.group.isend(
-                    wire,
-                    pipe.stage_rank[id + 1],
-                    p2p_tag(false, id + 1, 0),
-                ));
+                sends.push(link.isend(wire, 1, p2p_tag(false, id + 1, 0)));
             }
         }
         for w in sends {

@@ -36,12 +36,22 @@ pub enum Action {
     /// Wait for every gradient reduction of `stage` (launched bucket by bucket as its last
     /// backward produces them).
     ReduceGrad { stage: usize },
+    /// DualPipe's overlapped pair: the forward of one (stage, micro-batch) and the fused
+    /// backward of another, issued together so one's communication can hide behind the
+    /// other's compute (run one after the other on a CPU).
+    ForwardBackward {
+        f_stage: usize,
+        f_mb: usize,
+        b_stage: usize,
+        b_mb: usize,
+    },
     /// Clip, AdamW, and (ZeRO-1/2) the parameter all-gather: the end of the step.
     Optimizer,
 }
 
 impl Action {
-    /// The stage the action works on (`None` for the optimizer step).
+    /// The stage the action works on (`None` for the optimizer step and an overlapped pair,
+    /// which works on two).
     pub fn stage(&self) -> Option<usize> {
         use Action::*;
         match *self {
@@ -56,11 +66,12 @@ impl Action {
             | Unshard { stage }
             | Reshard { stage }
             | ReduceGrad { stage } => Some(stage),
-            Optimizer => None,
+            ForwardBackward { .. } | Optimizer => None,
         }
     }
 
-    /// The micro-batch the action works on, if any.
+    /// The micro-batch the action works on, if any (`None` for an overlapped pair, which
+    /// works on two).
     pub fn microbatch(&self) -> Option<usize> {
         use Action::*;
         match *self {
@@ -76,12 +87,111 @@ impl Action {
         }
     }
 
-    /// Whether the action computes weight gradients (a fused or a weight-only backward).
-    pub fn computes_weight_grads(&self) -> bool {
+    /// Whether the action computes weight gradients of `stage` (a fused or a weight-only
+    /// backward, alone or in an overlapped pair).
+    pub fn computes_weight_grads_of(&self, stage: usize) -> bool {
+        match *self {
+            Action::Backward { stage: s, .. } | Action::BackwardWeight { stage: s, .. } => {
+                s == stage
+            }
+            Action::ForwardBackward { b_stage, .. } => b_stage == stage,
+            _ => false,
+        }
+    }
+
+    /// Whether the action is computation (F, I, W, B or an overlapped F&B), as opposed to
+    /// communication and bookkeeping.
+    pub fn is_compute(&self) -> bool {
         matches!(
             self,
-            Action::Backward { .. } | Action::BackwardWeight { .. }
+            Action::Forward { .. }
+                | Action::BackwardInput { .. }
+                | Action::BackwardWeight { .. }
+                | Action::Backward { .. }
+                | Action::ForwardBackward { .. }
         )
+    }
+
+    /// The compute actions this one stands for: itself, or an overlapped pair's two halves.
+    pub fn parts(&self) -> Vec<Action> {
+        match *self {
+            Action::ForwardBackward {
+                f_stage,
+                f_mb,
+                b_stage,
+                b_mb,
+            } => vec![
+                Action::Forward {
+                    stage: f_stage,
+                    mb: f_mb,
+                },
+                Action::Backward {
+                    stage: b_stage,
+                    mb: b_mb,
+                },
+            ],
+            a => vec![a],
+        }
+    }
+}
+
+impl std::str::FromStr for Action {
+    type Err = String;
+
+    /// The short form: `2F0`, `1SEND_B3`, `0REDUCE_GRAD`, `OPTIMIZER`, and `0F3&5B1` for an
+    /// overlapped forward / backward pair.
+    fn from_str(text: &str) -> Result<Self, String> {
+        let t = text.trim();
+        let bad = || {
+            format!(
+                "`{t}` is not an action (forms: 2F0, 1I3, 0W2, 3B1, 1SEND_F0, 2RECV_B1, 0UNSHARD, 0RESHARD, 0REDUCE_GRAD, OPTIMIZER, 0F3&5B1)"
+            )
+        };
+        if t == "OPTIMIZER" {
+            return Ok(Action::Optimizer);
+        }
+        if let Some((f, b)) = t.split_once('&') {
+            return match (f.parse::<Action>(), b.parse::<Action>()) {
+                (
+                    Ok(Action::Forward { stage: fs, mb: fm }),
+                    Ok(Action::Backward { stage: bs, mb: bm }),
+                ) => Ok(Action::ForwardBackward {
+                    f_stage: fs,
+                    f_mb: fm,
+                    b_stage: bs,
+                    b_mb: bm,
+                }),
+                _ => Err(bad()),
+            };
+        }
+        let digits = t.find(|c: char| !c.is_ascii_digit()).ok_or_else(bad)?;
+        let stage: usize = t[..digits].parse().map_err(|_| bad())?;
+        let rest = &t[digits..];
+        let kind_len = rest
+            .find(|c: char| c.is_ascii_digit())
+            .unwrap_or(rest.len());
+        let (kind, mb) = rest.split_at(kind_len);
+        let mb: Option<usize> = if mb.is_empty() {
+            None
+        } else {
+            Some(mb.parse().map_err(|_| bad())?)
+        };
+        let with_mb = |f: fn(usize, usize) -> Action| mb.map(|mb| f(stage, mb)).ok_or_else(bad);
+        let no_mb = |a: Action| if mb.is_none() { Ok(a) } else { Err(bad()) };
+        match kind {
+            "F" => with_mb(|stage, mb| Action::Forward { stage, mb }),
+            "I" => with_mb(|stage, mb| Action::BackwardInput { stage, mb }),
+            "W" => with_mb(|stage, mb| Action::BackwardWeight { stage, mb }),
+            "B" => with_mb(|stage, mb| Action::Backward { stage, mb }),
+            "SEND_F" => with_mb(|stage, mb| Action::SendForward { stage, mb }),
+            "RECV_F" => with_mb(|stage, mb| Action::RecvForward { stage, mb }),
+            "SEND_B" => with_mb(|stage, mb| Action::SendBackward { stage, mb }),
+            "RECV_B" => with_mb(|stage, mb| Action::RecvBackward { stage, mb }),
+            "UNSHARD" => no_mb(Action::Unshard { stage }),
+            "RESHARD" => no_mb(Action::Reshard { stage }),
+            "REDUCE_GRAD" => no_mb(Action::ReduceGrad { stage }),
+            _ => Err(bad()),
+        }
     }
 }
 
@@ -100,6 +210,12 @@ impl fmt::Display for Action {
             Unshard { stage } => write!(f, "{stage}UNSHARD"),
             Reshard { stage } => write!(f, "{stage}RESHARD"),
             ReduceGrad { stage } => write!(f, "{stage}REDUCE_GRAD"),
+            ForwardBackward {
+                f_stage,
+                f_mb,
+                b_stage,
+                b_mb,
+            } => write!(f, "{f_stage}F{f_mb}&{b_stage}B{b_mb}"),
             Optimizer => write!(f, "OPTIMIZER"),
         }
     }
@@ -132,7 +248,41 @@ mod tests {
             "1SEND_B3"
         );
         assert_eq!(Action::Optimizer.stage(), None);
-        assert!(Action::BackwardWeight { stage: 0, mb: 0 }.computes_weight_grads());
-        assert!(!Action::BackwardInput { stage: 0, mb: 0 }.computes_weight_grads());
+        assert!(Action::BackwardWeight { stage: 0, mb: 0 }.computes_weight_grads_of(0));
+        assert!(!Action::BackwardInput { stage: 0, mb: 0 }.computes_weight_grads_of(0));
+    }
+
+    #[test]
+    fn text_form_round_trips() {
+        for t in [
+            "2F0",
+            "1I3",
+            "0W12",
+            "3B1",
+            "1SEND_F0",
+            "2RECV_F4",
+            "0SEND_B1",
+            "1RECV_B2",
+            "0UNSHARD",
+            "3RESHARD",
+            "0REDUCE_GRAD",
+            "OPTIMIZER",
+            "0F3&7B1",
+        ] {
+            let a: Action = t.parse().unwrap();
+            assert_eq!(a.to_string(), t);
+        }
+        for bad in ["", "F0", "0X1", "0F", "0UNSHARD1", "0F1&0F2", "1F-1", "x"] {
+            assert!(bad.parse::<Action>().is_err(), "{bad}");
+        }
+        let pair: Action = "0F3&7B1".parse().unwrap();
+        assert_eq!(
+            pair.parts(),
+            [
+                Action::Forward { stage: 0, mb: 3 },
+                Action::Backward { stage: 7, mb: 1 }
+            ]
+        );
+        assert!(pair.computes_weight_grads_of(7) && pair.is_compute());
     }
 }

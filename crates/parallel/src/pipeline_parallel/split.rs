@@ -1,7 +1,7 @@
 //! Which layers each pipeline stage holds: `L` layers over `S` stages as evenly as possible
 //! (stage `s` takes layers `⌊s·L/S⌋ .. ⌊(s+1)·L/S⌋`), the embedding on the first stage and the
-//! final norm + LM head on the last, and which stages a pipeline rank runs (one per rank, or
-//! `v` interleaved ones: stages `r, r + pp, r + 2·pp, …`).
+//! final norm + LM head on the last. Which rank runs which stage is the schedule's choice
+//! ([`super::Schedule::stage_rank`]).
 use std::ops::Range;
 
 use crate::ParallelError;
@@ -43,12 +43,6 @@ pub fn stage_parts(layers: usize, stages: usize, stage: usize) -> Result<Vec<Par
     Ok(parts)
 }
 
-/// The stages pipeline rank `rank` of `pp` runs with `virtual_stages` stages per rank
-/// (interleaved assignment), in increasing order.
-pub fn rank_stages(rank: usize, pp: usize, virtual_stages: usize) -> Vec<usize> {
-    (0..virtual_stages).map(|v| rank + v * pp).collect()
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -70,6 +64,5 @@ mod tests {
             stage_parts(2, 1, 0).unwrap(),
             [Part::Embedding, Part::Block(0), Part::Block(1), Part::Head]
         );
-        assert_eq!(rank_stages(1, 4, 2), [1, 5]);
     }
 }

@@ -206,15 +206,37 @@ pub fn train_decoder(
     accum: usize,
     steps: usize,
 ) -> Vec<RankRun> {
-    use parallel::stage::StageModel;
+    train_decoder_with(cfg, dims, exec, global, accum, steps, None)
+}
+
+/// [`train_decoder`] with pipeline parallelism: `schedule` is the compute-only schedule for
+/// `dims.pp` ranks and `accum` micro-batches, lowered here (ZeRO-3 keeps each stage gathered
+/// between its first and last action).
+pub fn train_decoder_with(
+    cfg: &model::ModelConfig,
+    dims: parallel::ParallelDims,
+    exec: &ExecConfig,
+    global: usize,
+    accum: usize,
+    steps: usize,
+    schedule: Option<&parallel::pipeline_parallel::Schedule>,
+) -> Vec<RankRun> {
+    use parallel::pipeline_parallel::{lower, LowerOptions};
+    let lowered = schedule.map(|s| {
+        let opts = LowerOptions {
+            unshard: exec.zero == ZeroStage::Three,
+        };
+        lower(s, opts).unwrap()
+    });
     comm::testing::run_threads(dims.world(), |c| {
         let mesh = parallel::Mesh::new(&c, dims).unwrap();
         let opts = parallel::ModelOptions {
             seq_len: 8,
             recompute: model::Recompute::None,
         };
-        let par = parallel::parallelize(cfg, &mesh, &opts).unwrap();
+        let par = parallel::parallelize(cfg, &mesh, &opts, lowered.as_ref()).unwrap();
         let dp_rank = mesh.coord("dp").unwrap();
+        let pp_rank = mesh.coord("pp").unwrap();
         let init = par.stage.clone();
         let mut e = Executor::new(par.stage, par.dp, par.pipe, exec.clone(), |r, out| {
             init.init_range(3, r, out)
@@ -226,7 +248,10 @@ pub fn train_decoder(
                 let batches: Vec<model::Batch> = (0..accum)
                     .map(|a| rows(cfg, s * global + (dp_rank * accum + a) * micro, micro))
                     .collect();
-                e.train_step(&batches).unwrap()
+                match &lowered {
+                    Some(l) => e.run_step(&batches, &l.actions[pp_rank]).unwrap(),
+                    None => e.train_step(&batches).unwrap(),
+                }
             })
             .collect();
         RankRun {

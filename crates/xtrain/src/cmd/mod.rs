@@ -3,5 +3,6 @@ pub mod bench;
 pub mod convert;
 pub mod generate;
 pub mod launch;
+pub mod schedule;
 pub mod tokenize;
 pub mod train;

@@ -42,9 +42,18 @@ pub struct LayoutArgs {
     /// Expert-parallel degree (`parallel.ep`).
     #[arg(long)]
     pub ep: Option<usize>,
-    /// Pipeline stages per pipeline rank (`parallel.virtual_stages`).
+    /// Pipeline stages per pipeline rank of the interleaved schedule
+    /// (`parallel.virtual_stages`).
     #[arg(long)]
     pub virtual_stages: Option<usize>,
+    /// Pipeline schedule (`parallel.schedule`): gpipe, 1f1b, interleaved, zb-h1, zb-h2, zb-v,
+    /// dualpipev, or csv:FILE.
+    #[arg(long)]
+    pub schedule: Option<String>,
+    /// Micro-batches per optimizer step and dp rank (`train.grad_accum`): what a pipeline
+    /// schedule fills its stages with.
+    #[arg(long)]
+    pub microbatches: Option<usize>,
 }
 
 impl LayoutArgs {
@@ -67,6 +76,15 @@ impl LayoutArgs {
             if let Some(v) = v {
                 o.push(format!("parallel.{k}={v}"));
             }
+        }
+        if let Some(s) = &self.schedule {
+            o.push(format!(
+                "parallel.schedule={}",
+                toml::Value::String(s.clone())
+            ));
+        }
+        if let Some(m) = self.microbatches {
+            o.push(format!("train.grad_accum={m}"));
         }
         o
     }
@@ -95,6 +113,10 @@ pub struct TrainArgs {
     pub out: Option<PathBuf>,
     #[command(flatten)]
     pub layout: LayoutArgs,
+    /// Write every pipeline action of the run as a Chrome trace (chrome://tracing, Perfetto)
+    /// to this file (pp > 1).
+    #[arg(long)]
+    pub trace: Option<PathBuf>,
     /// No progress bar, step lines or messages.
     #[arg(long)]
     pub quiet: bool,
@@ -144,7 +166,7 @@ pub fn resolve_config(
         dp_given,
     )?;
     if let Some(saved) = saved {
-        keep_global_batch(&mut cfg, &saved, sets)?;
+        keep_global_batch(&mut cfg, &saved, &overrides)?;
     }
     Ok(cfg)
 }
@@ -242,6 +264,7 @@ pub fn run_cmd(a: TrainArgs) -> Result<()> {
         &RunOptions {
             out_dir: out,
             quiet: a.quiet,
+            trace: a.trace.clone(),
         },
     )?;
     if comm.rank() == 0 {
