@@ -268,6 +268,25 @@ impl Mesh {
     pub fn dp_cp(&self) -> Result<ProcessGroup, ParallelError> {
         Ok(self.mesh.group(&["dp", "cp"])?)
     }
+    /// The dp × cp group widened over the pp ranks `replicas` (those holding the same layers
+    /// as this rank, itself included): the same dp, cp and tp coordinates at each of them.
+    /// Just [`Self::dp_cp`] when this rank's layers have no other holder.
+    pub fn dp_cp_with_replicas(&self, replicas: &[usize]) -> Result<ProcessGroup, ParallelError> {
+        if replicas.len() <= 1 {
+            return self.dp_cp();
+        }
+        let shape = self.mesh.shape();
+        let mut ranks = Vec::new();
+        for w in shape.group_ranks(&["dp", "cp"], self.comm.rank())? {
+            let mut c = shape.coords(w);
+            for &q in replicas {
+                c[0] = q; // the pp coordinate
+                ranks.push(shape.rank_of(&c));
+            }
+        }
+        ranks.sort_unstable();
+        Ok(self.comm.new_named_group("dp-replicas", &ranks)?)
+    }
     /// The expert-parallel group (`ep` consecutive ranks of dp × cp).
     pub fn ep(&self) -> Result<ProcessGroup, ParallelError> {
         Ok(self.expert.group(&["ep"])?)

@@ -7,7 +7,9 @@
 //! 4. the pipeline split: the schedule says which stages this rank runs and which layers each
 //!    holds ([`crate::pipeline_parallel::split`]), and the pipeline's links are connected;
 //! 5. data parallelism / ZeRO over dp × cp: the executor's configuration
-//!    ([`crate::executor::ExecConfig`]) and the group returned here.
+//!    ([`crate::executor::ExecConfig`]) and the group returned here — widened over the pp
+//!    ranks that hold the same layers where a schedule replicates them (DualPipe's two
+//!    copies of the model, whose gradients are averaged like data-parallel ones).
 use comm::ProcessGroup;
 use model::layers::Recompute;
 use model::ModelConfig;
@@ -31,7 +33,7 @@ pub struct ModelOptions {
 /// What one rank runs: its part of the model and the groups the executor drives it over.
 pub struct Parallelized {
     pub stage: DecoderStage,
-    /// The group dense gradients are averaged over (dp × cp).
+    /// The group dense gradients are averaged over (dp × cp, × the replicas of DualPipe).
     pub dp: ProcessGroup,
     /// The pipeline (pp > 1).
     pub pipe: Option<Pipeline>,
@@ -99,11 +101,6 @@ pub fn parallelize(
             dims.pp
         )));
     }
-    if schedule.chains.len() > 1 {
-        return Err(not_yet(
-            "a schedule with mirrored stages (DualPipe's two chains)",
-        ));
-    }
     let splits = schedule.stage_splits();
     if splits > cfg.num_hidden_layers {
         return Err(ParallelError::Config(format!(
@@ -113,25 +110,29 @@ pub fn parallelize(
     }
     let mut parts = Vec::new();
     let mut local = Vec::new();
-    for s in schedule.rank_stages(pp_rank) {
+    for s in schedule.local_stages(pp_rank) {
         let p = stage_parts(cfg.num_hidden_layers, splits, schedule.stage_split(s))?;
         local.push((s, parts.len()..parts.len() + p.len()));
         parts.extend(p);
     }
+    let replicas = schedule.replicas(pp_rank);
     let pipe = if dims.pp > 1 {
         let s = schedule;
-        Some(Pipeline::connect(
+        let mut pipe = Pipeline::connect(
             mesh.comm(),
             mesh.pp()?,
             s.stage_rank.clone(),
             local,
             |stage| s.next_stage(stage).is_some(),
-        )?)
+        )?;
+        pipe.replicas = replicas.len();
+        pipe.first_chain_end = s.chains.first().map_or(0, |c| c.stages.end);
+        Some(pipe)
     } else {
         None
     };
     let stage = DecoderStage::new(cfg, tp, parts, opts.recompute)?;
-    // 5. Data parallelism over dp × cp.
-    let dp = mesh.dp_cp()?;
+    // 5. Data parallelism over dp × cp (and the pp ranks holding the same layers: DualPipe).
+    let dp = mesh.dp_cp_with_replicas(&replicas)?;
     Ok(Parallelized { stage, dp, pipe })
 }

@@ -1,9 +1,10 @@
 //! The executor driven by pipeline schedules: the toy model cut into stages over pp ranks, with
 //! dp ranks beside them, trains to the single-process run's losses, gradient norms and
 //! parameters (fp32, 1e-5 relative) under every generated schedule (GPipe, 1F1B, interleaved,
-//! ZB-H1, ZB-H2, ZB-V, DualPipeV) at pp 2 and 4 with m = p, 2p and an odd count, composed with
-//! every ZeRO stage at dp = 2 (ZeRO-3 with the lowering's UNSHARD / RESHARD), and with a
-//! schedule read back from its CSV form. A malformed schedule is an error naming the action.
+//! ZB-H1, ZB-H2, ZB-V, DualPipeV, DualPipe with its two copies of the model) at pp 2 and 4
+//! with m = p, 2p and an odd count (DualPipe: even counts), composed with every ZeRO stage at
+//! dp = 2 (ZeRO-3 with the lowering's UNSHARD / RESHARD; DualPipe with ZeRO 0 and 1), and
+//! with a schedule read back from its CSV form. A malformed schedule is an error naming the action.
 mod common;
 use comm::DeviceMesh;
 use common::*;
@@ -43,17 +44,31 @@ fn run(
         let (ppg, dpg) = (mesh.group(&["pp"]).unwrap(), mesh.group(&["dp"]).unwrap());
         let mut units = Vec::new();
         let mut local = Vec::new();
-        for s in sched.rank_stages(pp_rank) {
+        for s in sched.local_stages(pp_rank) {
             let us = split_units(n_units, sched.stage_splits(), sched.stage_split(s));
             local.push((s, units.len()..units.len() + us.len()));
             units.extend(us);
         }
         let view = model.stage(&units);
         let init = view.init_held(7);
-        let pipe = Pipeline::connect(&c, ppg, sched.stage_rank.clone(), local, |s| {
+        let mut pipe = Pipeline::connect(&c, ppg, sched.stage_rank.clone(), local, |s| {
             sched.next_stage(s).is_some()
         })
         .unwrap();
+        // Ranks holding the same layers (DualPipe) average their gradients with the dp ranks.
+        let replicas = sched.replicas(pp_rank);
+        pipe.replicas = replicas.len();
+        pipe.first_chain_end = sched.chains[0].stages.end;
+        let dpg = if replicas.len() > 1 {
+            let mut ranks: Vec<usize> = replicas
+                .iter()
+                .flat_map(|&q| (0..dp).map(move |d| q * dp + d))
+                .collect();
+            ranks.sort_unstable();
+            c.new_group(&ranks).unwrap()
+        } else {
+            dpg
+        };
         let mut e = Executor::new(view, dpg, Some(pipe), config(zero), |r, out| {
             out.copy_from_slice(&init[r])
         })
@@ -142,9 +157,6 @@ fn train_and_check(kind: ScheduleKind, pp: usize, m: usize, v: usize, dp: usize,
 #[test]
 fn every_schedule_matches_the_single_process() {
     for kind in ScheduleKind::ALL {
-        if kind == ScheduleKind::DualPipe {
-            continue; // two chains of mirrored stages: refused by parallelize (see its test)
-        }
         for pp in [2, 4] {
             let v = if kind == ScheduleKind::Interleaved {
                 2
@@ -157,6 +169,9 @@ fn every_schedule_matches_the_single_process() {
             }
             if kind == ScheduleKind::DualPipeV {
                 counts = vec![2 * pp, 2 * pp + 1, 4 * pp]; // at least 2·pp
+            }
+            if kind == ScheduleKind::DualPipe {
+                counts = vec![2 * pp, 2 * pp + 2, 4 * pp]; // even, at least 2·pp
             }
             for m in counts {
                 train_and_check(kind, pp, m, v, 1, ZeroStage::Ddp);
@@ -173,6 +188,25 @@ fn pipeline_schedules_compose_with_every_zero_stage() {
         train_and_check(ScheduleKind::ZbV, 2, 3, 1, 2, zero);
     }
     train_and_check(ScheduleKind::Interleaved, 2, 4, 2, 2, ZeroStage::Three);
+    // DualPipe's two copies of every layer average their gradients with the dp ranks'.
+    for k in 0..2 {
+        train_and_check(
+            ScheduleKind::DualPipe,
+            2,
+            4,
+            1,
+            2,
+            ZeroStage::from_index(k).unwrap(),
+        );
+        train_and_check(
+            ScheduleKind::DualPipe,
+            4,
+            8,
+            1,
+            2,
+            ZeroStage::from_index(k).unwrap(),
+        );
+    }
     train_and_check(ScheduleKind::ZbH1, 2, 5, 1, 2, ZeroStage::Two);
 }
 
@@ -287,5 +321,60 @@ fn a_silent_pipeline_peer_is_named_with_the_action_waiting_for_it() {
     let e = &errs[0];
     for want in ["0B0", "gradient of stage 0, micro-batch 0", "pp rank 1"] {
         assert!(e.contains(want), "{e} (wanted {want})");
+    }
+}
+
+#[test]
+fn the_executed_order_is_the_schedule() {
+    // The executor's trace lists every action of a step, in the schedule's order, on every
+    // rank (ZB-V: two stages per rank, sends, receives, deferred W, reductions, optimizer).
+    use parallel::executor::TraceKind;
+    let sched = lower(
+        &generate(ScheduleKind::ZbV, 2, 4, 1).unwrap(),
+        LowerOptions::default(),
+    )
+    .unwrap();
+    let model = toy_for(sched.stage_splits());
+    let n_units = {
+        use parallel::stage::StageModel;
+        model.units().len()
+    };
+    let traced = comm::testing::run_threads(2, |c| {
+        let r = c.rank();
+        let mut units = Vec::new();
+        let mut local = Vec::new();
+        for s in sched.local_stages(r) {
+            let us = split_units(n_units, sched.stage_splits(), sched.stage_split(s));
+            local.push((s, units.len()..units.len() + us.len()));
+            units.extend(us);
+        }
+        let view = model.stage(&units);
+        let init = view.init_held(7);
+        let pipe = Pipeline::connect(
+            &c,
+            c.world().clone(),
+            sched.stage_rank.clone(),
+            local,
+            |s| sched.next_stage(s).is_some(),
+        )
+        .unwrap();
+        let solo = c.new_group(&[r]).unwrap();
+        let mut e = Executor::new(view, solo, Some(pipe), config(ZeroStage::Ddp), |rg, out| {
+            out.copy_from_slice(&init[rg])
+        })
+        .unwrap();
+        e.enable_trace();
+        let batches: Vec<_> = (0..4).map(|a| model.samples(a * ROWS, ROWS)).collect();
+        e.run_step(&batches, &sched.actions[r]).unwrap();
+        e.take_trace()
+            .into_iter()
+            .filter_map(|t| match t.kind {
+                TraceKind::Action { action, .. } => Some(action),
+                _ => None,
+            })
+            .collect::<Vec<Action>>()
+    });
+    for (r, got) in traced.iter().enumerate() {
+        assert_eq!(got, &sched.actions[r], "rank {r}");
     }
 }

@@ -1,9 +1,10 @@
 //! Pipeline parallelism of the decoders through the one path (schedule generator → lowering →
 //! `parallelize` → executor), against the single process on the same global batch split into
 //! the same micro-batches: Llama with GQA and a Mixtral-style MoE (shared expert, auxiliary
-//! loss), every schedule the trainer runs (GPipe, 1F1B, interleaved, ZB-H1, ZB-H2, ZB-V,
-//! DualPipeV) at pp ∈ {2, 4} with m ∈ {p, 2p, an odd count}, and pipelines composed with the
-//! other dimensions: pp × dp at every ZeRO stage, pp × tp (+sp), pp × dp × tp on 8 ranks.
+//! loss), every schedule (GPipe, 1F1B, interleaved, ZB-H1, ZB-H2, ZB-V, DualPipeV, DualPipe
+//! with its two copies of the model) at pp ∈ {2, 4} with m ∈ {p, 2p, an odd count}, and
+//! pipelines composed with the other dimensions: pp × dp at every ZeRO stage, pp × tp (+sp),
+//! pp × dp × tp on 8 ranks, DualPipe × dp (ZeRO 0, 1) and × tp.
 //! fp32: every loss of 3 AdamW steps and every parameter within 1e-5 relative.
 use model::{Model, ModelConfig};
 use parallel::data_parallel::ZeroStage;
@@ -101,18 +102,16 @@ fn check(cfg: &ModelConfig, l: Layout) {
     assert!(err < 1e-5, "{what}: params differ by {err:e}");
 }
 
-/// Every schedule the trainer runs × pp ∈ {2, 4} × m ∈ {p, 2p, odd} (multiples of p for
-/// interleaved, at least 2p for DualPipeV).
+/// Every schedule × pp ∈ {2, 4} × m ∈ {p, 2p, odd} (multiples of p for interleaved, at least
+/// 2p for DualPipeV, even and at least 2p for DualPipe).
 fn every_schedule() -> Vec<Layout> {
     let mut v = Vec::new();
     for kind in ScheduleKind::ALL {
-        if kind == ScheduleKind::DualPipe {
-            continue;
-        }
         for pp in [2, 4] {
             let counts = match kind {
                 ScheduleKind::Interleaved => [pp, 2 * pp, 3 * pp],
                 ScheduleKind::DualPipeV => [2 * pp, 2 * pp + 1, 3 * pp],
+                ScheduleKind::DualPipe => [2 * pp, 2 * pp + 2, 4 * pp],
                 _ => [pp, 2 * pp, 2 * pp + 1],
             };
             for m in counts {
@@ -172,6 +171,19 @@ fn pipelines_compose_with_dp_zero_and_tp() {
         sp: true,
         zero: 3,
         ..Layout::pipeline(2, ZbV, 2)
+    });
+    // DualPipe's replicas beside dp ranks (ZeRO 0 and 1) and with tp + sp.
+    for zero in 0..2 {
+        layouts.push(Layout {
+            dp: 2,
+            zero,
+            ..Layout::pipeline(2, DualPipe, 4)
+        });
+    }
+    layouts.push(Layout {
+        tp: 2,
+        sp: true,
+        ..Layout::pipeline(2, DualPipe, 4)
     });
     for cfg in [llama(), moe()] {
         for &l in &layouts {

@@ -624,6 +624,40 @@ fn zb_h2_and_zb_v_against_zb_h1() {
     }
 }
 
+/// DualPipe and DualPipeV against DeepSeek's table (DualPipe README): bubble
+/// (PP/2 − 1)(F&B + B − 3W) on the critical rank, peak activations PP + 1, where PP is the
+/// pipeline's length in stages — p ranks for DualPipe (each chain p stages long), 2p stages for
+/// DualPipeV on p ranks. Checked for costs with F = I (the table's setting: with F ≠ I the
+/// step order's own critical path differs, e.g. F = 1, I = 1.5, W = 1, F&B = 3 at p = 4 idles
+/// 2.0 units, not the table's 2.5). Idle time = makespan − the rank's work.
+#[test]
+fn dualpipe_matches_deepseeks_table() {
+    for (costs, fb, b, w) in [
+        ("F=1,I=1,W=1", 3.0, 2.0, 1.0),
+        ("F=1,I=1,W=1,FB=2.5", 2.5, 2.0, 1.0),
+        ("F=2,I=2,W=1,FB=4", 4.0, 3.0, 1.0),
+    ] {
+        let c: Costs = costs.parse().unwrap();
+        for p in [2, 4, 6, 8] {
+            for (kind, stages) in [
+                (ScheduleKind::DualPipe, p),
+                (ScheduleKind::DualPipeV, 2 * p),
+            ] {
+                let m = 4 * p;
+                let sm = sim(kind, p, m, 1, &c);
+                let ctx = format!("{} p={p} m={m} {costs}", kind.name());
+                let idle = (0..p)
+                    .map(|r| sm.makespan - sm.busy[r])
+                    .fold(0.0f64, f64::max);
+                let want = (stages as f64 / 2.0 - 1.0) * (fb + b - 3.0 * w);
+                assert!((idle - want).abs() < 1e-9, "{ctx}: idle {idle} vs {want}");
+                let peak = sm.peak_activations.iter().copied().max().unwrap();
+                assert_eq!(peak, stages + 1, "{ctx}: peak activations");
+            }
+        }
+    }
+}
+
 /// Interleaved 1F1B (Narayanan et al. 2021, Megatron-LM, §2.2.2): with v chunks per rank the
 /// bubble time shrinks v-fold, to (p − 1)(t_f + t_b)/v with t_f, t_b a whole stage's times;
 /// in chunk units (F = 1, B = 2 per chunk action, a stage = v chunks) that is 3(p − 1) on

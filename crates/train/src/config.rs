@@ -412,10 +412,10 @@ impl RunConfig {
             // The schedule is generated (or read) here too, so that a bad one is reported
             // before any worker starts.
             let s = crate::pipeline::compute_schedule(self, &dims)?;
-            if s.chains.len() > 1 {
+            if s.has_replicas() && dims.zero.shards_grads() {
                 return Err(TrainError::Unsupported(format!(
-                    "the {} schedule runs a mirrored copy of the pipeline (two chains of stages), which the trainer does not run yet (dualpipev runs DualPipe's step order on one V-shaped chain)",
-                    s.kind
+                    "the {} schedule keeps two copies of every layer, whose gradients are reduced once at the end of the step: use ZeRO-0 or 1 with it (parallel.zero = {})",
+                    s.kind, self.parallel.zero
                 )));
             }
             if s.stage_splits() > m.num_layers {

@@ -1,12 +1,14 @@
 //! The run's pipeline (pp > 1): the schedule `parallel.schedule` names — generated for pp
 //! ranks and `train.grad_accum` micro-batches per step, or read from a CSV file — validated
 //! and lowered; and its measured timeline. From the executor's action trace each step gives,
-//! per rank, when its first compute action started, when its last ended and how long it
-//! computed (an action's time less what it waited for messages); the step's **measured
-//! bubble** is the simulator's definition applied to these times, `1 − busy_r / makespan`
-//! averaged over ranks, with `makespan = max_r last_r − min_r first_r`. The report sets it
-//! beside the simulator's prediction with unit costs and with the measured mean cost of each
-//! action type, and `--trace FILE` writes every action as a Chrome trace (`chrome://tracing`,
+//! per rank, when its first action started, when its last ended (the gradient reductions and
+//! the optimizer step excluded) and how long it worked (an action's time less what it waited
+//! for messages from other ranks); the step's **measured bubble** is the simulator's
+//! definition applied to these times, `1 − busy_r / makespan` averaged over ranks, with
+//! `makespan = max_r last_r − min_r first_r`. The report sets it beside the simulator's
+//! prediction with unit costs and with each stage's measured mean cost of each action type (a
+//! compute action's cost includes the sends, receives and gathers the rank does right after
+//! it), and `--trace FILE` writes every action as a Chrome trace (`chrome://tracing`,
 //! Perfetto): one row per rank, each action with what it waited for.
 use std::collections::BTreeMap;
 use std::path::Path;
@@ -51,6 +53,7 @@ pub fn compute_schedule(cfg: &RunConfig, dims: &ParallelDims) -> Result<Schedule
             dims.pp
         )));
     }
+    parallel::pipeline_parallel::validate(&s).map_err(serr)?;
     if s.num_microbatches() != m {
         return Err(TrainError::Config(format!(
             "parallel.schedule `{}` runs {} micro-batches per step but train.grad_accum = {m} (set it with --microbatches)",
@@ -148,6 +151,7 @@ impl Timeline {
     pub fn absorb(&mut self, trace: &[TraceEvent]) {
         let step = self.steps.len();
         let (mut first, mut last, mut busy) = (i64::MAX, i64::MIN, 0i64);
+        let (mut lead, mut last_key) = (0i64, None);
         for e in trace {
             let TraceKind::Action {
                 action,
@@ -168,15 +172,27 @@ impl Timeline {
                     waited_us: waited / 1000,
                 });
             }
-            let Some(key) = cost_key(action) else {
-                continue;
-            };
+            if matches!(action, Action::Optimizer | Action::ReduceGrad { .. }) {
+                continue; // after the pipeline's timeline (and its dp reductions)
+            }
+            let work = took - waited;
             first = first.min(start);
             last = last.max(start + took);
-            busy += took - waited;
-            let c = self.costs.entry(key).or_default();
-            c.0 += took - waited;
-            c.1 += 1;
+            busy += work;
+            // A send, receive or gather is work of the compute action before it (the first
+            // compute action takes what precedes it).
+            match cost_key(action) {
+                Some(key) => {
+                    let c = self.costs.entry(key).or_default();
+                    c.0 += work + std::mem::take(&mut lead);
+                    c.1 += 1;
+                    last_key = Some(key);
+                }
+                None => match last_key {
+                    Some(k) => self.costs.entry(k).or_default().0 += work,
+                    None => lead += work,
+                },
+            }
         }
         if first <= last {
             self.steps.push([first, last, busy]);

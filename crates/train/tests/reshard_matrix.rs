@@ -1,7 +1,7 @@
 //! The reshard matrix (in the spirit of Megatron's parallel-reconfiguration test): save under
 //! layout A after 2 steps, resume under layout B for 2 more, for A and B each one of
 //! {1 process; dp 2 ZeRO-0; dp 2 ZeRO-3; tp 2; tp 2 + sp; dp 2 × tp 2 ZeRO-1; bf16 dp 2;
-//! pp 2 1F1B; pp 4 GPipe; pp 2 × dp 2 ZeRO-3 ZB-V} (ranks as threads, the
+//! pp 2 1F1B; pp 4 GPipe; pp 2 × dp 2 ZeRO-3 ZB-V; pp 2 DualPipe (two copies of the model)} (ranks as threads, the
 //! same global batch of 4 sequences everywhere, a 4-layer model so that every pipeline
 //! stage has a layer).
 //!
@@ -19,7 +19,7 @@ use std::path::{Path, PathBuf};
 use train::trainer::Trainer;
 use train::RunConfig;
 
-const LAYOUTS: [(&str, &[&str]); 10] = [
+const LAYOUTS: [(&str, &[&str]); 11] = [
     ("single", &["parallel.nproc=1", "train.grad_accum=2"]),
     (
         "dp2z0",
@@ -88,6 +88,16 @@ const LAYOUTS: [(&str, &[&str]); 10] = [
             "parallel.schedule=zb-v",
         ],
     ),
+    (
+        "dualpipe",
+        &[
+            "parallel.nproc=2",
+            "parallel.pp=2",
+            "parallel.schedule=dualpipe",
+            "train.micro_batch=1",
+            "train.grad_accum=4",
+        ],
+    ),
 ];
 
 /// The layout settings every run shares.
@@ -113,6 +123,7 @@ fn overrides(layout: &[&str]) -> Vec<String> {
         "parallel.sp=false",
         "parallel.zero=0",
         "train.grad_accum=1",
+        "train.micro_batch=2",
         "train.precision=\"fp32\"",
     ];
     reset.iter().chain(layout).map(|s| s.to_string()).collect()

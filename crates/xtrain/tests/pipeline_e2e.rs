@@ -178,6 +178,10 @@ fn pipeline_runs_match_the_single_process_and_resume_anywhere() {
             ],
         ),
         (
+            "dualpipe",
+            &["--pp", "2", "--microbatches", "4", "--schedule", "dualpipe"],
+        ),
+        (
             "gpipe-pp4",
             &["--pp", "4", "--microbatches", "4", "--schedule", "gpipe"],
         ),
@@ -272,5 +276,43 @@ fn pipeline_runs_match_the_single_process_and_resume_anywhere() {
         );
         close(&losses(&run), &want[2..], tag);
     }
+    let _ = std::fs::remove_dir_all(&d);
+}
+
+#[test]
+fn a_deadlocking_schedule_is_refused_before_any_worker_starts() {
+    let d = tmp("dead");
+    std::fs::create_dir_all(&d).unwrap();
+    // Rank 0 waits in 0B0 for stage 1's input gradient of micro-batch 0, which rank 1 computes
+    // only after 1F1, which needs rank 0's 0F1: a cycle.
+    let csv = d.join("dead.csv");
+    std::fs::write(&csv, "0F0,0B0,0F1,0B1\n1F0,1F1,1B0,1B1\n").unwrap();
+    let spec = format!("csv:{}", csv.display());
+    let o = xtrain(&[
+        "train",
+        "--quiet",
+        "--out",
+        d.join("run").to_str().unwrap(),
+        "--pp",
+        "2",
+        "--microbatches",
+        "2",
+        "--schedule",
+        &spec,
+    ]);
+    let text = format!(
+        "{}{}",
+        String::from_utf8_lossy(&o.stdout),
+        String::from_utf8_lossy(&o.stderr)
+    );
+    assert!(!o.status.success() && !text.contains("panicked"), "{text}");
+    assert!(
+        text.contains("can never run: rank 0: 0B0 (waits for the input gradient 1I0); rank 1: 1F1 (waits for 0F1)"),
+        "{text}"
+    );
+    assert!(
+        !text.contains("[rank"),
+        "refused before the workers start: {text}"
+    );
     let _ = std::fs::remove_dir_all(&d);
 }

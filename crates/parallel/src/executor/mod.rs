@@ -99,6 +99,14 @@ pub struct Pipeline {
     /// with its own worker thread, so messages of different boundaries never queue behind
     /// each other and every link delivers in the order its messages were sent.
     pub links: HashMap<(bool, usize), ProcessGroup>,
+    /// How many pp ranks hold this rank's layers (DualPipe: 2, the rank and its mirror; else
+    /// 1). The executor's gradient group then spans them all (dp × replicas): their
+    /// gradients are averaged like data-parallel ones — each replica's are the mean over its
+    /// chain's micro-batches — and reduced only at `REDUCE_GRAD`, so that every member
+    /// launches them in the same order; the gradient norm counts each layer once.
+    pub replicas: usize,
+    /// Stages `0..first_chain_end` form the pipeline's first chain: the one evaluation runs.
+    pub first_chain_end: usize,
 }
 
 impl Pipeline {
@@ -129,11 +137,14 @@ impl Pipeline {
                 }
             }
         }
+        let first_chain_end = stage_rank.len();
         Ok(Pipeline {
             group,
             stage_rank,
             local,
             links,
+            replicas: 1,
+            first_chain_end,
         })
     }
 
@@ -272,6 +283,12 @@ impl<M: StageModel> Executor<M> {
             Some(p) => (p.local.clone(), p.stage_rank.len()),
         };
         check_stages(&stages_spec, units.len(), num_stages)?;
+        if pipe.as_ref().is_some_and(|p| p.replicas > 1) && cfg.zero.shards_grads() {
+            return Err(ParallelError::Unsupported(format!(
+                "ZeRO-{} with a pipeline whose ranks hold replicated layers (DualPipe): replicas reduce their gradients once, at the end of the step, so sharded gradients would have to be held whole anyway (use ZeRO-0 or 1)",
+                cfg.zero.index()
+            )));
+        }
         let spec = ShardSpec::new(total, dp.size())?;
         let zero = cfg.zero;
         // Buckets hold whole units of one stage: a unit's gradients are written by one call
@@ -476,6 +493,12 @@ impl<M: StageModel> Executor<M> {
             comm_buffers: self.comm_bytes.peak + self.reduce_scratch + self.gathered_bytes.peak,
             activations: self.act_bytes.peak,
         }
+    }
+
+    /// Whether gradient reductions wait for `REDUCE_GRAD` (replicated layers: one launch order
+    /// on every member of the gradient group).
+    fn defer_reductions(&self) -> bool {
+        self.pipe.as_ref().is_some_and(|p| p.replicas > 1)
     }
 
     /// Peak bytes of gathered (non-owned) or widened parameters alive at once.

@@ -56,7 +56,9 @@ impl<M: StageModel> Executor<M> {
             sq = sum_over(&self.dp, sq)?;
         }
         if let Some(p) = &self.pipe {
-            sq = sum_over(&p.group, sq)?;
+            // Replicas hold equal gradients after their reduction: each layer counted once.
+            // (Dividing by 1 or 2 is exact, so every rank keeps the same bits.)
+            sq = sum_over(&p.group, sq)? / p.replicas as f64;
         }
         Ok(sq)
     }

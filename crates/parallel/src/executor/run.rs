@@ -57,8 +57,10 @@ impl Flow {
 
 /// What one step carries from action to action (keys are (stage, micro-batch)).
 pub(super) struct StepState<M: StageModel> {
-    /// d(total loss)/d(a micro-batch's loss): the loss scale over the number of micro-batches.
-    scale: f32,
+    /// Per local stage, d(total loss)/d(a micro-batch's loss): the loss scale over the number
+    /// of micro-batches the stage runs (all of the step's, or with replicated layers its
+    /// chain's: the replicas' gradients are then averaged).
+    scale: Vec<f32>,
     /// Per [`Flow`]: what a stage hands to a neighbour stage on this rank (keyed by the
     /// receiving stage), what waits for its `SEND_*` (keyed by the sending stage), and the
     /// receives posted (keyed by the receiving stage).
@@ -205,8 +207,20 @@ impl<M: StageModel> Executor<M> {
                     .count()
             })
             .collect();
+        let scale = self
+            .stages
+            .iter()
+            .map(|s| {
+                let forwards = schedule
+                    .iter()
+                    .flat_map(|a| a.parts())
+                    .filter(|a| matches!(a, Action::Forward { stage, .. } if *stage == s.id))
+                    .count();
+                (self.scaler.scale / forwards.max(1) as f64) as f32
+            })
+            .collect();
         let mut st = StepState::<M> {
-            scale: (self.scaler.scale / micro.len() as f64) as f32,
+            scale,
             handed: Default::default(),
             outbox: Default::default(),
             receives: Default::default(),
@@ -293,6 +307,11 @@ impl<M: StageModel> Executor<M> {
             Action::ReduceGrad { stage } => {
                 let ls = self.local_stage(a, stage)?;
                 let buckets = self.stages[ls].buckets.clone();
+                if self.defer_reductions() {
+                    for b in buckets.clone() {
+                        self.launch(b, &mut st.reductions)?;
+                    }
+                }
                 self.drain(&mut st.reductions, Some(&buckets))
             }
             Action::ForwardBackward {
@@ -443,7 +462,7 @@ impl<M: StageModel> Executor<M> {
         } else {
             Some(self.take(a, Flow::Activation, stage, mb, st)?)
         };
-        let (scale, pin) = (st.scale, self.pin_compute());
+        let (scale, pin) = (st.scale[ls], self.pin_compute());
         let mut caches = Vec::with_capacity(units.len());
         let mut prefetch = self.prefetch(units.start);
         for u in units.clone() {
@@ -539,8 +558,9 @@ impl<M: StageModel> Executor<M> {
         } else {
             Some(self.take(a, Flow::Gradient, stage, mb, st)?)
         };
-        let mut tracker = (fused && self.reduces_now(ls, st)).then(|| self.tracker(ls));
-        let (scale, pin) = (st.scale, self.pin_compute());
+        let mut tracker = (fused && self.reduces_now(ls, st) && !self.defer_reductions())
+            .then(|| self.tracker(ls));
+        let (scale, pin) = (st.scale[ls], self.pin_compute());
         let mut pending = Vec::new();
         let mut prefetch = self.prefetch(units.end - 1);
         for u in units.clone().rev() {
@@ -602,7 +622,8 @@ impl<M: StageModel> Executor<M> {
             .weight_grads
             .remove(&(stage, mb))
             .ok_or_else(|| schedule_err(a, "no BACKWARD_INPUT of this micro-batch came before"))?;
-        let mut tracker = self.reduces_now(ls, st).then(|| self.tracker(ls));
+        let mut tracker =
+            (self.reduces_now(ls, st) && !self.defer_reductions()).then(|| self.tracker(ls));
         let pin = self.pin_compute();
         let order: Vec<usize> = list.iter().map(|(u, _)| *u).collect();
         let mut prefetch = order.first().and_then(|&u| self.prefetch(u));
@@ -705,8 +726,12 @@ impl<M: StageModel> Executor<M> {
                 "evaluation: the model's stages span ranks but there is no pipeline group".into(),
             )
         };
+        let first_chain_end = self.pipe.as_ref().map_or(usize::MAX, |p| p.first_chain_end);
         for ls in 0..self.stages.len() {
             let (id, units) = (self.stages[ls].id, self.stages[ls].units.clone());
+            if id >= first_chain_end {
+                continue; // a replica of layers the first chain runs
+            }
             let mut x = if self.model.is_first(units.start) {
                 None
             } else if let Some(c) = carried.take() {

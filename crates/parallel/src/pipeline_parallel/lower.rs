@@ -2,7 +2,8 @@
 //! action it adds the communication its data dependencies imply — `RECV_F` / `RECV_B` posted
 //! one compute action before the action that consumes the message (so the transfer overlaps
 //! that compute), `SEND_F` / `SEND_B` right after the action that produces it — and the
-//! bookkeeping: `REDUCE_GRAD` after a stage's last weight-gradient action, with ZeRO-3
+//! bookkeeping: `REDUCE_GRAD` after a stage's last weight-gradient action (all at the end, in
+//! the order of the layers, where ranks hold the same layers: DualPipe), with ZeRO-3
 //! `UNSHARD` before a stage's first compute action and `RESHARD` after its last, and the
 //! `OPTIMIZER` at the end.
 //!
@@ -69,7 +70,7 @@ pub fn lower(s: &Schedule, opts: LowerOptions) -> Result<Schedule, ParallelError
     let mut actions = Vec::with_capacity(s.num_ranks());
     for (r, list) in s.actions.iter().enumerate() {
         let compute: Vec<Action> = list.iter().copied().filter(|a| a.is_compute()).collect();
-        let stages = s.rank_stages(r);
+        let stages = s.local_stages(r);
         let first_use = |stage: usize| {
             compute
                 .iter()
@@ -80,6 +81,9 @@ pub fn lower(s: &Schedule, opts: LowerOptions) -> Result<Schedule, ParallelError
                 .iter()
                 .rposition(|a| a.parts().iter().any(|p| p.stage() == Some(stage)))
         };
+        // Ranks holding the same layers (DualPipe) reduce their gradients together, in one
+        // order on every member: all at the end, in the order of the layers.
+        let replicated = s.has_replicas();
         let last_weight = |stage: usize| {
             compute
                 .iter()
@@ -110,12 +114,14 @@ pub fn lower(s: &Schedule, opts: LowerOptions) -> Result<Schedule, ParallelError
             for part in a.parts() {
                 out.extend(sends(s, r, &part));
             }
-            out.extend(
-                stages
-                    .iter()
-                    .filter(|&&st| last_weight(st) == Some(i))
-                    .map(|&stage| Action::ReduceGrad { stage }),
-            );
+            if !replicated {
+                out.extend(
+                    stages
+                        .iter()
+                        .filter(|&&st| last_weight(st) == Some(i))
+                        .map(|&stage| Action::ReduceGrad { stage }),
+                );
+            }
             if opts.unshard {
                 out.extend(
                     stages
@@ -124,6 +130,9 @@ pub fn lower(s: &Schedule, opts: LowerOptions) -> Result<Schedule, ParallelError
                         .map(|&stage| Action::Reshard { stage }),
                 );
             }
+        }
+        if replicated {
+            out.extend(stages.iter().map(|&stage| Action::ReduceGrad { stage }));
         }
         out.push(Action::Optimizer);
         actions.push(out);

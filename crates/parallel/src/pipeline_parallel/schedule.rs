@@ -84,6 +84,41 @@ impl Schedule {
             .collect()
     }
 
+    /// The layer ranges ([`Self::stage_split`]) rank `r` holds, in increasing order.
+    pub fn rank_splits(&self, r: usize) -> Vec<usize> {
+        let mut v: Vec<usize> = self
+            .rank_stages(r)
+            .iter()
+            .map(|&s| self.stage_split(s))
+            .collect();
+        v.sort_unstable();
+        v
+    }
+
+    /// The stages rank `r` runs in the order of the layers they hold (then by id): the order
+    /// of the rank's parameters. Ranks holding the same layers (DualPipe's mirror pairs)
+    /// then lay their parameters out identically.
+    pub fn local_stages(&self, r: usize) -> Vec<usize> {
+        let mut v = self.rank_stages(r);
+        v.sort_by_key(|&s| (self.stage_split(s), s));
+        v
+    }
+
+    /// The pp ranks holding the same layers as rank `r` (itself included, increasing): its
+    /// replicas, whose gradients are summed like data-parallel ones. `[r]` but in DualPipe,
+    /// where rank r and p − 1 − r hold both copies of layers r and p − 1 − r.
+    pub fn replicas(&self, r: usize) -> Vec<usize> {
+        let mine = self.rank_splits(r);
+        (0..self.num_ranks())
+            .filter(|&q| self.rank_splits(q) == mine)
+            .collect()
+    }
+
+    /// Whether some layers are held by more than one rank (see [`Self::replicas`]).
+    pub fn has_replicas(&self) -> bool {
+        (0..self.num_ranks()).any(|r| self.replicas(r).len() > 1)
+    }
+
     /// Checks the shape: chains tile the stages and partition the micro-batches, every stage
     /// runs on a rank of the schedule, and every rank's actions name stages it runs.
     pub fn check_shape(&self) -> Result<(), ParallelError> {
