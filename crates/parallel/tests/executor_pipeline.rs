@@ -25,6 +25,42 @@ fn split_units(units: usize, splits: usize, i: usize) -> Vec<usize> {
     (start..start + q + usize::from(i < r)).collect()
 }
 
+/// The executor of pp rank `pp_rank` of `sched` for the toy model (its stages' units taken
+/// from [`split_units`]), over the pp group `ppg` and the gradient group `dpg`; with the global
+/// units it holds, in its order.
+fn pipeline_executor(
+    c: &comm::Communicator,
+    model: &ToyModel,
+    sched: &Schedule,
+    ppg: comm::ProcessGroup,
+    pp_rank: usize,
+    dpg: comm::ProcessGroup,
+    zero: ZeroStage,
+) -> (Executor<ToyModel>, Vec<usize>) {
+    use parallel::stage::StageModel;
+    let n_units = model.units().len();
+    let mut units = Vec::new();
+    let mut local = Vec::new();
+    for s in sched.local_stages(pp_rank) {
+        let us = split_units(n_units, sched.stage_splits(), sched.stage_split(s));
+        local.push((s, units.len()..units.len() + us.len()));
+        units.extend(us);
+    }
+    let view = model.stage(&units);
+    let init = view.init_held(7);
+    let mut pipe = Pipeline::connect(c, ppg, sched.stage_rank.clone(), local, |s| {
+        sched.next_stage(s).is_some()
+    })
+    .unwrap();
+    pipe.replicas = sched.replicas(pp_rank).len();
+    pipe.first_chain_end = sched.chains[0].stages.end;
+    let e = Executor::new(view, dpg, Some(pipe), config(zero), |r, out| {
+        out.copy_from_slice(&init[r])
+    })
+    .unwrap();
+    (e, units)
+}
+
 /// Trains `STEPS` steps of `model` on a `[pp, dp]` mesh under the lowered `sched`, each step
 /// over a global batch of `m · dp · ROWS` rows. Returns (losses, grad norms, full parameters).
 fn run(
@@ -37,28 +73,12 @@ fn run(
     let pp = sched.num_ranks();
     let m = sched.num_microbatches();
     let global = m * dp * ROWS;
-    let n_units = model.units().len();
     let out = comm::testing::run_threads(pp * dp, |c| {
         let mesh = DeviceMesh::new(&c, &[("pp", pp), ("dp", dp)]).unwrap();
         let (pp_rank, dp_rank) = (mesh.coord("pp").unwrap(), mesh.coord("dp").unwrap());
         let (ppg, dpg) = (mesh.group(&["pp"]).unwrap(), mesh.group(&["dp"]).unwrap());
-        let mut units = Vec::new();
-        let mut local = Vec::new();
-        for s in sched.local_stages(pp_rank) {
-            let us = split_units(n_units, sched.stage_splits(), sched.stage_split(s));
-            local.push((s, units.len()..units.len() + us.len()));
-            units.extend(us);
-        }
-        let view = model.stage(&units);
-        let init = view.init_held(7);
-        let mut pipe = Pipeline::connect(&c, ppg, sched.stage_rank.clone(), local, |s| {
-            sched.next_stage(s).is_some()
-        })
-        .unwrap();
         // Ranks holding the same layers (DualPipe) average their gradients with the dp ranks.
         let replicas = sched.replicas(pp_rank);
-        pipe.replicas = replicas.len();
-        pipe.first_chain_end = sched.chains[0].stages.end;
         let dpg = if replicas.len() > 1 {
             let mut ranks: Vec<usize> = replicas
                 .iter()
@@ -69,10 +89,7 @@ fn run(
         } else {
             dpg
         };
-        let mut e = Executor::new(view, dpg, Some(pipe), config(zero), |r, out| {
-            out.copy_from_slice(&init[r])
-        })
-        .unwrap();
+        let (mut e, units) = pipeline_executor(&c, model, sched, ppg, pp_rank, dpg, zero);
         let mut stats = Vec::new();
         for step in 0..STEPS {
             let batches: Vec<_> = (0..m)
@@ -280,28 +297,18 @@ fn a_silent_pipeline_peer_is_named_with_the_action_waiting_for_it() {
         timeout: std::time::Duration::from_millis(1500),
         ..comm::Options::default()
     };
-    let n_units = {
-        use parallel::stage::StageModel;
-        model.units().len()
-    };
     let errs = comm::testing::run_threads_with(2, options, |c| {
         let r = c.rank();
-        let us = split_units(n_units, 2, r);
-        let view = model.stage(&us);
-        let init = view.init_held(7);
-        let pipe = Pipeline::connect(
-            &c,
-            c.world().clone(),
-            vec![0, 1],
-            vec![(r, 0..us.len())],
-            |s| s == 0,
-        )
-        .unwrap();
         let solo = c.new_group(&[r]).unwrap();
-        let mut e = Executor::new(view, solo, Some(pipe), config(ZeroStage::Ddp), |rg, out| {
-            out.copy_from_slice(&init[rg])
-        })
-        .unwrap();
+        let (mut e, _) = pipeline_executor(
+            &c,
+            &model,
+            &sched,
+            c.world().clone(),
+            r,
+            solo,
+            ZeroStage::Ddp,
+        );
         if r == 1 {
             std::thread::sleep(std::time::Duration::from_millis(3000));
             return String::new();
@@ -335,34 +342,18 @@ fn the_executed_order_is_the_schedule() {
     )
     .unwrap();
     let model = toy_for(sched.stage_splits());
-    let n_units = {
-        use parallel::stage::StageModel;
-        model.units().len()
-    };
     let traced = comm::testing::run_threads(2, |c| {
         let r = c.rank();
-        let mut units = Vec::new();
-        let mut local = Vec::new();
-        for s in sched.local_stages(r) {
-            let us = split_units(n_units, sched.stage_splits(), sched.stage_split(s));
-            local.push((s, units.len()..units.len() + us.len()));
-            units.extend(us);
-        }
-        let view = model.stage(&units);
-        let init = view.init_held(7);
-        let pipe = Pipeline::connect(
-            &c,
-            c.world().clone(),
-            sched.stage_rank.clone(),
-            local,
-            |s| sched.next_stage(s).is_some(),
-        )
-        .unwrap();
         let solo = c.new_group(&[r]).unwrap();
-        let mut e = Executor::new(view, solo, Some(pipe), config(ZeroStage::Ddp), |rg, out| {
-            out.copy_from_slice(&init[rg])
-        })
-        .unwrap();
+        let (mut e, _) = pipeline_executor(
+            &c,
+            &model,
+            &sched,
+            c.world().clone(),
+            r,
+            solo,
+            ZeroStage::Ddp,
+        );
         e.enable_trace();
         let batches: Vec<_> = (0..4).map(|a| model.samples(a * ROWS, ROWS)).collect();
         e.run_step(&batches, &sched.actions[r]).unwrap();

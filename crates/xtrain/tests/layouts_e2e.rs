@@ -4,8 +4,10 @@
 //! layouts (the resume failures users hit with the per-parallelism paths, now continuing the
 //! training) and without repeating any flag; a step saved again at another layout replaces the
 //! old one as a whole; `bench train` times any layout; impossible layouts are clear errors.
-use std::path::{Path, PathBuf};
-use std::process::{Command, Output};
+mod common;
+use common::*;
+use std::path::Path;
+use std::process::Output;
 
 /// A small, fast tiny run: short sequences, a small corpus, constant learning rate (so a run
 /// cut in two follows the same schedule), one kernel thread per rank.
@@ -26,78 +28,15 @@ const SMALL: [&str; 14] = [
     "train.sample_tokens=0",
 ];
 
-fn xtrain(args: &[&str]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_xtrain"))
-        .args(args)
-        .env_remove("RANK")
-        .env_remove("WORLD_SIZE")
-        .env("RUST_BACKTRACE", "0")
-        .output()
-        .expect("running xtrain")
-}
-
 /// `xtrain train` with the small settings, into `out`.
 fn train(args: &[&str], out: &Path) -> Output {
     let out_s = out.to_str().unwrap();
     xtrain(&[&["train", "--quiet", "--out", out_s][..], &SMALL, args].concat())
 }
 
-fn ok(o: &Output) -> String {
-    let text = format!(
-        "{}{}",
-        String::from_utf8_lossy(&o.stdout),
-        String::from_utf8_lossy(&o.stderr)
-    );
-    assert!(o.status.success(), "{text}");
-    text
-}
-
-fn failed(o: &Output) -> String {
-    let text = format!(
-        "{}{}",
-        String::from_utf8_lossy(&o.stdout),
-        String::from_utf8_lossy(&o.stderr)
-    );
-    assert!(!o.status.success(), "expected a failure:\n{text}");
-    assert!(!text.contains("panicked"), "{text}");
-    text
-}
-
-/// The losses of `metrics.jsonl`, keyed by step.
-fn losses(run: &Path) -> Vec<(u64, f64)> {
-    std::fs::read_to_string(run.join("metrics.jsonl"))
-        .unwrap()
-        .lines()
-        .map(|l| {
-            let v: serde_json::Value = serde_json::from_str(l).unwrap();
-            (v["step"].as_u64().unwrap(), v["loss"].as_f64().unwrap())
-        })
-        .collect()
-}
-
-fn close(got: &[(u64, f64)], want: &[(u64, f64)], what: &str) {
-    assert_eq!(
-        got.iter().map(|g| g.0).collect::<Vec<_>>(),
-        want.iter().map(|w| w.0).collect::<Vec<_>>(),
-        "{what}: steps"
-    );
-    for ((s, a), (_, b)) in got.iter().zip(want) {
-        assert!(
-            (a - b).abs() / b.abs() < 1e-5,
-            "{what} step {s}: {a} vs {b}"
-        );
-    }
-}
-
-fn tmp(tag: &str) -> PathBuf {
-    let d = std::env::temp_dir().join(format!("xtrain-layouts-{tag}-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&d);
-    d
-}
-
 #[test]
 fn readme_main_command_then_convert_to_hf() {
-    let d = tmp("readme");
+    let d = tmp("layouts-readme");
     let run = d.join("run");
     // `cargo run --release -p xtrain -- train --preset tiny --nproc 2`, shortened.
     ok(&train(
@@ -152,7 +91,7 @@ fn readme_main_command_then_convert_to_hf() {
 
 #[test]
 fn layouts_agree_with_the_single_process() {
-    let d = tmp("agree");
+    let d = tmp("layouts-agree");
     // The same global batch (4 sequences) everywhere: one process with 2 accumulation steps,
     // dp = 2 at ZeRO-0 and ZeRO-3, and tp 2 × dp 2 with sequence parallelism at ZeRO-1.
     let steps = ["--set", "train.steps=3"];
@@ -178,7 +117,7 @@ fn layouts_agree_with_the_single_process() {
 
 #[test]
 fn checkpoints_resume_at_any_layout() {
-    let d = tmp("resume");
+    let d = tmp("layouts-resume");
     let full = d.join("full");
     // Uninterrupted: 4 steps at dp = 2, checkpoints every 2 steps.
     let ckpt = ["--set", "train.steps=4", "--set", "train.ckpt_every=2"];
@@ -299,7 +238,7 @@ fn bench_train_times_any_layout() {
 
 #[test]
 fn impossible_layouts_are_clear_errors() {
-    let d = tmp("bad");
+    let d = tmp("layouts-bad");
     let out = d.join("x");
     for (args, want) in [
         (

@@ -3,8 +3,9 @@
 //! train --pp` runs generated schedules and that CSV file to the single process's losses, with
 //! the measured bubble in `pipeline.json` and every action in the Chrome trace of `--trace`;
 //! its checkpoint resumes at pp = 1 and at another schedule.
-use std::path::{Path, PathBuf};
-use std::process::{Command, Output};
+mod common;
+use common::*;
+use std::path::Path;
 
 /// A small, fast run of a 4-layer tiny model (every pipeline stage of a V needs a layer):
 /// short sequences, a small corpus, a constant learning rate, one kernel thread per rank.
@@ -29,16 +30,6 @@ const SMALL: [&str; 18] = [
     "train.eval_batches=1",
 ];
 
-fn xtrain(args: &[&str]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_xtrain"))
-        .args(args)
-        .env_remove("RANK")
-        .env_remove("WORLD_SIZE")
-        .env("RUST_BACKTRACE", "0")
-        .output()
-        .expect("running xtrain")
-}
-
 fn train(args: &[&str], out: &Path) -> String {
     let out_s = out.to_str().unwrap();
     ok(&xtrain(
@@ -46,48 +37,9 @@ fn train(args: &[&str], out: &Path) -> String {
     ))
 }
 
-fn ok(o: &Output) -> String {
-    let text = format!(
-        "{}{}",
-        String::from_utf8_lossy(&o.stdout),
-        String::from_utf8_lossy(&o.stderr)
-    );
-    assert!(o.status.success(), "{text}");
-    text
-}
-
-/// The losses of `metrics.jsonl` by step.
-fn losses(run: &Path) -> Vec<(u64, f64)> {
-    std::fs::read_to_string(run.join("metrics.jsonl"))
-        .unwrap()
-        .lines()
-        .map(|l| {
-            let v: serde_json::Value = serde_json::from_str(l).unwrap();
-            (v["step"].as_u64().unwrap(), v["loss"].as_f64().unwrap())
-        })
-        .collect()
-}
-
-fn close(got: &[(u64, f64)], want: &[(u64, f64)], what: &str) {
-    assert_eq!(got.len(), want.len(), "{what}: steps");
-    for ((s, a), (t, b)) in got.iter().zip(want) {
-        assert_eq!(s, t, "{what}");
-        assert!(
-            (a - b).abs() / b.abs() < 1e-5,
-            "{what} step {s}: {a} vs {b}"
-        );
-    }
-}
-
-fn tmp(tag: &str) -> PathBuf {
-    let d = std::env::temp_dir().join(format!("xtrain-pipeline-{tag}-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&d);
-    d
-}
-
 #[test]
 fn schedule_command_shows_simulates_and_writes_csv_and_svg() {
-    let d = tmp("schedule");
+    let d = tmp("pipeline-schedule");
     std::fs::create_dir_all(&d).unwrap();
     let (csv, svg) = (d.join("zb.csv"), d.join("zb.svg"));
     let text = ok(&xtrain(&[
@@ -152,7 +104,7 @@ fn schedule_command_shows_simulates_and_writes_csv_and_svg() {
 
 #[test]
 fn pipeline_runs_match_the_single_process_and_resume_anywhere() {
-    let d = tmp("train");
+    let d = tmp("pipeline-train");
     let steps = ["--set", "train.steps=4"];
     let single = d.join("single");
     train(&[&steps[..], &["--microbatches", "4"]].concat(), &single);
@@ -281,7 +233,7 @@ fn pipeline_runs_match_the_single_process_and_resume_anywhere() {
 
 #[test]
 fn a_deadlocking_schedule_is_refused_before_any_worker_starts() {
-    let d = tmp("dead");
+    let d = tmp("pipeline-dead");
     std::fs::create_dir_all(&d).unwrap();
     // Rank 0 waits in 0B0 for stage 1's input gradient of micro-batch 0, which rank 1 computes
     // only after 1F1, which needs rank 0's 0F1: a cycle.

@@ -1,0 +1,73 @@
+//! Helpers of the command-line tests: run the built `xtrain`, check its exit and output, read
+//! a run's losses, compare them.
+#![allow(dead_code)] // each test file uses some of them
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+
+/// Runs the built `xtrain` with `args` (outside any launched job).
+pub fn xtrain(args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_xtrain"))
+        .args(args)
+        .env_remove("RANK")
+        .env_remove("WORLD_SIZE")
+        .env("RUST_BACKTRACE", "0")
+        .output()
+        .expect("running xtrain")
+}
+
+/// The output of a run that must have succeeded.
+pub fn ok(o: &Output) -> String {
+    let text = format!(
+        "{}{}",
+        String::from_utf8_lossy(&o.stdout),
+        String::from_utf8_lossy(&o.stderr)
+    );
+    assert!(o.status.success(), "{text}");
+    text
+}
+
+/// The output of a run that must have failed cleanly (no panic).
+pub fn failed(o: &Output) -> String {
+    let text = format!(
+        "{}{}",
+        String::from_utf8_lossy(&o.stdout),
+        String::from_utf8_lossy(&o.stderr)
+    );
+    assert!(!o.status.success(), "expected a failure:\n{text}");
+    assert!(!text.contains("panicked"), "{text}");
+    text
+}
+
+/// The losses of `metrics.jsonl`, keyed by step.
+pub fn losses(run: &Path) -> Vec<(u64, f64)> {
+    std::fs::read_to_string(run.join("metrics.jsonl"))
+        .unwrap()
+        .lines()
+        .map(|l| {
+            let v: serde_json::Value = serde_json::from_str(l).unwrap();
+            (v["step"].as_u64().unwrap(), v["loss"].as_f64().unwrap())
+        })
+        .collect()
+}
+
+/// Equal steps, each loss within 1e-5 relative.
+pub fn close(got: &[(u64, f64)], want: &[(u64, f64)], what: &str) {
+    assert_eq!(
+        got.iter().map(|g| g.0).collect::<Vec<_>>(),
+        want.iter().map(|w| w.0).collect::<Vec<_>>(),
+        "{what}: steps"
+    );
+    for ((s, a), (_, b)) in got.iter().zip(want) {
+        assert!(
+            (a - b).abs() / b.abs() < 1e-5,
+            "{what} step {s}: {a} vs {b}"
+        );
+    }
+}
+
+/// A fresh temporary directory `xtrain-<tag>-<pid>` (removed if it exists).
+pub fn tmp(tag: &str) -> PathBuf {
+    let d = std::env::temp_dir().join(format!("xtrain-{tag}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&d);
+    d
+}
