@@ -194,6 +194,7 @@ impl Model {
                         n_kv_heads: cfg.kv_heads(),
                         head_dim: cfg.head_dim(),
                         rope: rope.clone(),
+                        core: None,
                     },
                     ffn_norm: v("post_attention_layernorm.weight"),
                     ffn,

@@ -492,7 +492,7 @@ fn position_offset_is_relative() {
         .collect();
     let (y0, _) = m.block_forward(0, pb, Arc::new(x.clone()), &pass).unwrap();
     let shifted = Pass {
-        pos_offset: 7,
+        part: model::layers::SeqPart::Offset(7),
         ..pass
     };
     let (y1, _) = m.block_forward(0, pb, Arc::new(x), &shifted).unwrap();

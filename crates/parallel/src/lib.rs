@@ -20,6 +20,7 @@
 //! bf16, fp16 with loss scaling) and [`memory`] (the byte account and the ZeRO formulas) serve
 //! them all. [`testing`] holds a small model for the executor's tests.
 pub mod checkpoint;
+pub mod context_parallel;
 pub mod data_parallel;
 pub mod decoder;
 pub mod dims;

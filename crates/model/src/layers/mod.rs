@@ -43,13 +43,43 @@ pub enum Recompute {
     Selective,
 }
 
+/// Which global positions a pass's `seq` tokens of each sequence hold: all of a sequence, or a
+/// context-parallel rank's part of it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum SeqPart {
+    /// Positions `offset..offset + seq` (a whole sequence at 0, or one contiguous block).
+    Offset(usize),
+    /// Two chunks of `seq / 2` tokens: global chunks `first` and `second` of that length
+    /// (zigzag balancing: rank r of cp holds chunks r and 2·cp − 1 − r).
+    Chunks { first: usize, second: usize },
+    /// Positions `first, first + stride, first + 2·stride, …` (striped balancing).
+    Strided { first: usize, stride: usize },
+}
+
+impl SeqPart {
+    /// The global position of each of a sequence's `seq` local tokens.
+    pub fn positions(&self, seq: usize) -> Vec<usize> {
+        match *self {
+            SeqPart::Offset(o) => (o..o + seq).collect(),
+            SeqPart::Chunks { first, second } => {
+                let c = seq / 2;
+                (first * c..first * c + c)
+                    .chain(second * c..second * c + c)
+                    .collect()
+            }
+            SeqPart::Strided { first, stride } => (0..seq).map(|i| first + i * stride).collect(),
+        }
+    }
+}
+
 /// Per-call settings of a forward pass (stored in caches, so backward needs nothing more).
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct Pass {
     pub batch: usize,
+    /// Tokens of each sequence in this pass (a context-parallel rank's share of it).
     pub seq: usize,
-    /// Global position of the first token of every sequence (0 unless the sequence is split).
-    pub pos_offset: usize,
+    /// Their global positions (RoPE, causal masking).
+    pub part: SeqPart,
     pub recompute: Recompute,
     /// d(total loss)/d(this micro-batch's loss): scales the MoE auxiliary-loss gradient the
     /// same way the trainer scales the cross-entropy gradient (gradient accumulation).
@@ -61,7 +91,7 @@ impl Pass {
         Pass {
             batch,
             seq,
-            pos_offset: 0,
+            part: SeqPart::Offset(0),
             recompute: Recompute::None,
             loss_scale: 1.0,
         }
@@ -72,6 +102,11 @@ impl Pass {
     }
     pub fn tokens(&self) -> usize {
         self.batch * self.seq
+    }
+    /// The global position of every token of the pass (sequence after sequence).
+    pub fn positions(&self) -> Vec<usize> {
+        let one = self.part.positions(self.seq);
+        (0..self.batch).flat_map(|_| one.iter().copied()).collect()
     }
 }
 
