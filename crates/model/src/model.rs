@@ -175,6 +175,7 @@ impl Model {
                         top_k: cfg.num_experts_per_tok,
                         capacity_factor: cfg.capacity_factor,
                         aux_coef: cfg.effective_aux_coef() / layers as f32,
+                        seq_group: None,
                     })
                 } else {
                     Ffn::Dense(SwiGlu {

@@ -20,9 +20,12 @@ pub enum Kernel {
     Embedding,
     /// Final norm, LM head and cross-entropy.
     Head,
+    /// Waiting for other context-parallel ranks' keys, values and their gradients: the ring's
+    /// communication that compute did not hide.
+    ContextWait,
 }
 
-const ALL: [Kernel; 9] = [
+const ALL: [Kernel; 10] = [
     Kernel::Matmul,
     Kernel::MatmulWeight,
     Kernel::Attention,
@@ -32,10 +35,11 @@ const ALL: [Kernel; 9] = [
     Kernel::Router,
     Kernel::Embedding,
     Kernel::Head,
+    Kernel::ContextWait,
 ];
 
 static ENABLED: AtomicBool = AtomicBool::new(false);
-static NANOS: [AtomicU64; 9] = [const { AtomicU64::new(0) }; 9];
+static NANOS: [AtomicU64; 10] = [const { AtomicU64::new(0) }; 10];
 
 /// Turn timing on or off.
 pub fn enable(on: bool) {

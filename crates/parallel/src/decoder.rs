@@ -10,6 +10,13 @@
 //!
 //! The loss of a micro-batch is the model's: mean cross-entropy over its valid targets plus the
 //! blocks' MoE auxiliary losses, which travel forward with the activations ([`LlmAct`]).
+//!
+//! With context parallelism ([`DecoderStage::with_context`]) the stage runs on its rank's
+//! tokens of every sequence ([`CpLayout::slice`]) at their global positions; attention and the
+//! MoE statistics see the other ranks' through the cores it is given. Each rank's loss is its
+//! tokens' share of the mean over all valid targets, times cp, as is the gradient it seeds:
+//! the executor averages both over dp × cp, which makes them the mean over the sequence.
+use std::borrow::Cow;
 use std::ops::Range;
 use std::sync::Arc;
 
@@ -18,6 +25,7 @@ use model::layers::head::{HeadCache, HeadWeightGrad};
 use model::layers::{Pass, Recompute, WeightGradStore};
 use model::{Batch, Model, ModelConfig};
 
+use crate::context_parallel::CpLayout;
 use crate::pipeline_parallel::split::Part;
 use crate::placement::Placement;
 use crate::stage::StageModel;
@@ -35,10 +43,11 @@ pub struct LlmAct {
 pub enum DecoderCache {
     Embed(Vec<u32>),
     Block(Box<BlockCache>),
-    /// The model's head and its cross-entropy (the eval metric).
-    Head(HeadCache, f32),
-    /// The vocab-parallel head.
-    TpHead(TpHeadCache),
+    /// The model's head, its reported cross-entropy (the eval metric), and the number of
+    /// valid targets its mean is over (the whole sequences' under context parallelism).
+    Head(HeadCache, f32, usize),
+    /// The vocab-parallel head, and the count of the mean.
+    TpHead(TpHeadCache, usize),
 }
 
 /// A unit's pending weight-gradient work.
@@ -84,6 +93,10 @@ pub struct DecoderStage {
     /// Units holding a tensor whose local gradient is a partial sum over tp.
     partial: Vec<bool>,
     held: Vec<Held>,
+    /// This rank's share of the sequences (context parallelism), and the group of the ranks
+    /// holding the rest.
+    pub cp: Option<CpLayout>,
+    seqs: Option<Arc<dyn model::layers::SequenceGroup>>,
 }
 
 fn merr(e: model::ModelError) -> ParallelError {
@@ -173,7 +186,64 @@ impl DecoderStage {
             layout_ranges,
             partial,
             held,
+            cp: None,
+            seqs: None,
         })
+    }
+
+    /// The stage on `layout`'s share of every sequence: its blocks' attention through
+    /// `attention` and their MoE statistics summed over `seqs`.
+    pub fn with_context(
+        mut self,
+        layout: CpLayout,
+        attention: Arc<dyn model::layers::attention::AttentionCore>,
+        seqs: Arc<dyn model::layers::SequenceGroup>,
+    ) -> Self {
+        for b in &mut self.local.blocks {
+            b.attn.core = Some(attention.clone());
+            if let model::layers::block::Ffn::Moe(m) = &mut b.ffn {
+                m.seq_group = Some(seqs.clone());
+            }
+        }
+        self.cp = Some(layout);
+        self.seqs = Some(seqs);
+        self
+    }
+
+    /// The multiple each cp rank's loss and gradient seed carry (module doc).
+    fn cp_mult(&self) -> f32 {
+        self.cp.map_or(1.0, |l| l.cp as f32)
+    }
+
+    /// This rank's tokens of `batch` (all of them without context parallelism).
+    fn local_batch<'a>(&self, batch: &'a Batch) -> Result<Cow<'a, Batch>, ParallelError> {
+        let Some(l) = &self.cp else {
+            return Ok(Cow::Borrowed(batch));
+        };
+        l.check(batch.seq)?;
+        let (b, s) = (batch.batch, batch.seq);
+        Batch::new(
+            b,
+            l.local_len(s),
+            l.slice(&batch.inputs, b, s, 1),
+            l.slice(&batch.targets, b, s, 1),
+        )
+        .map(Cow::Owned)
+        .map_err(merr)
+    }
+
+    /// Valid targets the mean cross-entropy of `batch` is over: all of the sequences', which
+    /// every cp rank can count itself.
+    fn mean_count(&self, batch: &Batch, local_valid: usize) -> Result<usize, ParallelError> {
+        match self.cp {
+            None => Ok(local_valid),
+            Some(_) => tensor::cross_entropy::count_valid(
+                &batch.targets,
+                self.cfg.vocab_size,
+                tensor::cross_entropy::IGNORE_INDEX,
+            )
+            .map_err(|e| ParallelError::Model(e.to_string())),
+        }
     }
 
     /// Elements of this rank's flat buffer.
@@ -221,9 +291,10 @@ impl DecoderStage {
     /// The tokens of a micro-batch this rank's activations hold (its share under sequence
     /// parallelism).
     fn local_tokens(&self, batch: &Batch) -> usize {
+        let tokens = batch.tokens() / self.cp.map_or(1, |l| l.cp);
         match &self.tp {
-            Some(t) if t.region.sequence_parallel() => batch.tokens() / t.region.tp(),
-            _ => batch.tokens(),
+            Some(t) if t.region.sequence_parallel() => tokens / t.region.tp(),
+            _ => tokens,
         }
     }
 
@@ -285,6 +356,8 @@ impl StageModel for DecoderStage {
         let need = |x: Option<LlmAct>| {
             x.ok_or_else(|| ParallelError::Model(format!("unit {unit} needs an input")))
         };
+        let full = batch;
+        let batch = &*self.local_batch(full)?;
         match self.parts[unit] {
             Part::Embedding => {
                 let x = match &self.tp {
@@ -302,8 +375,15 @@ impl StageModel for DecoderStage {
             Part::Block(i) => {
                 let act = need(x)?;
                 let mut pass = Pass::new(batch.batch, batch.seq).with_recompute(self.recompute);
+                if let Some(l) = &self.cp {
+                    pass.part = l.part(full.seq);
+                }
                 // The auxiliary-loss gradient is seeded once over the tp group.
-                pass.loss_scale = if self.tp_rank() == 0 { scale } else { 0.0 };
+                pass.loss_scale = if self.tp_rank() == 0 {
+                    scale * self.cp_mult()
+                } else {
+                    0.0
+                };
                 let (y, cache) = self.local.blocks[i]
                     .forward(p, Arc::new(act.x), &pass)
                     .map_err(merr)?;
@@ -313,29 +393,34 @@ impl StageModel for DecoderStage {
             Part::Head => {
                 let act = need(x)?;
                 let (x, targets) = (Arc::new(act.x), Arc::new(batch.targets.clone()));
+                let mult = self.cp_mult();
                 let (cache, ce) = match &self.tp {
                     Some(t) => {
                         let c = t.head.forward(p, x, targets).map_err(merr)?;
-                        let ce = mean(c.loss_sum, c.n_valid);
-                        (DecoderCache::TpHead(c), ce)
+                        let n = self.mean_count(full, c.n_valid)?;
+                        let ce = mean(c.loss_sum, n) * mult;
+                        (DecoderCache::TpHead(c, n), ce)
                     }
                     None => {
                         // The gradient scale of the mean loss is known now: the head computes
                         // its gradients in this pass (one logits product fewer). `scale = 0`
                         // is a forward-only pass (validation).
+                        let local_valid = tensor::cross_entropy::count_valid(
+                            &targets,
+                            self.cfg.vocab_size,
+                            tensor::cross_entropy::IGNORE_INDEX,
+                        )
+                        .map_err(|e| ParallelError::Model(e.to_string()))?;
+                        let n = self.mean_count(full, local_valid)?;
                         let c = if scale == 0.0 {
                             self.local.head_forward(p, &[], x, targets)
                         } else {
-                            let s = self
-                                .local
-                                .head
-                                .mean_grad_scale(&targets, scale)
-                                .map_err(merr)?;
+                            let s = grad_scale(scale * mult, n);
                             self.local.head_forward_with_grad(p, &[], x, targets, s)
                         }
                         .map_err(merr)?;
-                        let ce = mean(c.loss_sum, c.n_valid);
-                        (DecoderCache::Head(c, ce), ce)
+                        let ce = mean(c.loss_sum, n) * mult;
+                        (DecoderCache::Head(c, ce, n), ce)
                     }
                 };
                 Ok((
@@ -374,18 +459,18 @@ impl StageModel for DecoderStage {
                     .map_err(merr)?;
                 Ok((act(dx), DecoderWeightGrad::Block(store)))
             }
-            DecoderCache::Head(c, _) => {
-                // d(mean CE)/d(loss_sum) = 1/n_valid, times the micro-batch's weight.
-                let s = grad_scale(scale, c.n_valid);
+            DecoderCache::Head(c, _, n) => {
+                // d(mean CE)/d(loss_sum) = 1/n_valid, times the micro-batch's weight (and cp).
+                let s = grad_scale(scale * self.cp_mult(), n);
                 let (dx, pending) = self.local.head_backward_input(p, &[], c, s).map_err(merr)?;
                 Ok((act(dx), DecoderWeightGrad::Head(pending)))
             }
-            DecoderCache::TpHead(c) => {
+            DecoderCache::TpHead(c, n) => {
                 let t = self
                     .tp
                     .as_ref()
                     .expect("a tp head cache comes from a tp stage");
-                let s = grad_scale(scale, c.n_valid);
+                let s = grad_scale(scale * self.cp_mult(), n);
                 let mut gu = vec![0.0; p.len()];
                 let dx = t.head.backward(p, &mut gu, c, s).map_err(merr)?;
                 Ok((act(dx), DecoderWeightGrad::Dense(gu)))
@@ -426,11 +511,21 @@ impl StageModel for DecoderStage {
         out.x[0]
     }
 
-    fn eval_metric(&self, out: &LlmAct, last: &DecoderCache) -> f32 {
-        match last {
-            DecoderCache::Head(_, ce) => *ce,
-            DecoderCache::TpHead(c) => mean(c.loss_sum, c.n_valid),
+    fn eval_metric(&self, out: &LlmAct, last: &DecoderCache) -> Result<f32, ParallelError> {
+        // The cross-entropy this rank reports is cp × its tokens' share: the mean over cp of
+        // it is the sequences' mean.
+        let ce = match last {
+            DecoderCache::Head(_, ce, _) => *ce,
+            DecoderCache::TpHead(c, n) => mean(c.loss_sum, *n) * self.cp_mult(),
             _ => out.x[0] - out.aux,
+        };
+        match &self.seqs {
+            Some(g) => {
+                let mut v = [ce as f64];
+                g.sum(&mut v).map_err(merr)?;
+                Ok((v[0] / self.cp_mult() as f64) as f32)
+            }
+            None => Ok(ce),
         }
     }
 
@@ -438,8 +533,8 @@ impl StageModel for DecoderStage {
         match cache {
             DecoderCache::Embed(ids) => std::mem::size_of_val(ids.as_slice()),
             DecoderCache::Block(c) => c.bytes(),
-            DecoderCache::Head(c, _) => c.bytes(),
-            DecoderCache::TpHead(c) => c.bytes(),
+            DecoderCache::Head(c, _, _) => c.bytes(),
+            DecoderCache::TpHead(c, _) => c.bytes(),
         }
     }
 
@@ -483,7 +578,7 @@ impl StageModel for DecoderStage {
     }
 
     fn communicates(&self) -> bool {
-        self.tp.is_some()
+        self.tp.is_some() || self.cp.is_some()
     }
 
     fn act_to_wire(&self, act: LlmAct) -> Vec<f32> {

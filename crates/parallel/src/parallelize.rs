@@ -2,7 +2,8 @@
 //! apply in Megatron's order, each in its own folder, and a pass of size 1 is the identity:
 //!
 //! 1. tensor parallelism (+ sequence parallelism): [`crate::tensor_parallel::shard_model`];
-//! 2. context parallelism (cp): not implemented yet — a clear error;
+//! 2. context parallelism (cp): each rank takes its share of every sequence and its blocks'
+//!    attention becomes ring attention over the cp group ([`crate::context_parallel`]);
 //! 3. expert parallelism (ep): not implemented yet — a clear error;
 //! 4. the pipeline split: the schedule says which stages this rank runs and which layers each
 //!    holds ([`crate::pipeline_parallel::split`]), and the pipeline's links are connected;
@@ -10,10 +11,14 @@
 //!    ([`crate::executor::ExecConfig`]) and the group returned here — widened over the pp
 //!    ranks that hold the same layers where a schedule replicates them (DualPipe's two
 //!    copies of the model, whose gradients are averaged like data-parallel ones).
+use std::sync::Arc;
+
 use comm::ProcessGroup;
 use model::layers::Recompute;
 use model::ModelConfig;
 
+use crate::context_parallel::ring::ContextAttention;
+use crate::context_parallel::{CpBalance, CpComm, CpGroup, CpLayout};
 use crate::decoder::DecoderStage;
 use crate::dims::Mesh;
 use crate::executor::Pipeline;
@@ -28,6 +33,21 @@ pub struct ModelOptions {
     pub seq_len: usize,
     /// Activation recomputation of every block.
     pub recompute: Recompute,
+    /// How context parallelism splits the sequences and moves keys and values.
+    pub cp_balance: CpBalance,
+    pub cp_comm: CpComm,
+}
+
+impl ModelOptions {
+    /// Sequences of `seq_len` tokens, no recomputation, zigzag ring attention.
+    pub fn new(seq_len: usize) -> Self {
+        ModelOptions {
+            seq_len,
+            recompute: Recompute::None,
+            cp_balance: CpBalance::default(),
+            cp_comm: CpComm::default(),
+        }
+    }
 }
 
 /// What one rank runs: its part of the model and the groups the executor drives it over.
@@ -41,7 +61,7 @@ pub struct Parallelized {
 
 fn not_yet(what: &str) -> ParallelError {
     ParallelError::Unsupported(format!(
-        "{what} is not implemented yet: this build runs pp × dp (ZeRO 0-3) × tp (+sp)"
+        "{what} is not implemented yet: this build runs pp × dp (ZeRO 0-3) × cp × tp (+sp)"
     ))
 }
 
@@ -67,10 +87,27 @@ pub fn parallelize(
     } else {
         None
     };
-    // 2., 3.
-    if dims.cp > 1 {
-        return Err(not_yet("context parallelism (cp > 1)"));
-    }
+    // 2. Context parallelism: this rank's share of every sequence, and the ring.
+    let cp = if dims.cp > 1 {
+        let layout = CpLayout {
+            cp: dims.cp,
+            rank: mesh.coord("cp")?,
+            balance: opts.cp_balance,
+        };
+        layout.check(opts.seq_len)?;
+        if cfg.is_moe() && cfg.capacity_factor.is_some() {
+            return Err(not_yet(
+                "an expert capacity with context parallelism (capacity and drops are per sequence; use dropless experts)",
+            ));
+        }
+        let kv = mesh.cp()?;
+        let dkv = mesh.comm().new_named_group("cp-dkv", kv.world_ranks())?;
+        let attention = ContextAttention::new(layout, opts.cp_comm, kv.clone(), dkv)?;
+        Some((layout, attention, CpGroup(kv)))
+    } else {
+        None
+    };
+    // 3. Expert parallelism.
     if dims.ep > 1 {
         return Err(not_yet("expert parallelism (ep > 1)"));
     }
@@ -131,7 +168,10 @@ pub fn parallelize(
     } else {
         None
     };
-    let stage = DecoderStage::new(cfg, tp, parts, opts.recompute)?;
+    let mut stage = DecoderStage::new(cfg, tp, parts, opts.recompute)?;
+    if let Some((layout, attention, seqs)) = cp {
+        stage = stage.with_context(layout, Arc::new(attention), Arc::new(seqs));
+    }
     // 5. Data parallelism over dp × cp (and the pp ranks holding the same layers: DualPipe).
     let dp = mesh.dp_cp_with_replicas(&replicas)?;
     Ok(Parallelized { stage, dp, pipe })

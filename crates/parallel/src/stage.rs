@@ -93,10 +93,10 @@ pub trait StageModel: Sync {
     fn loss(&self, out: &Self::Act) -> f32;
     /// The validation metric of a forward-only pass (`last`: the last unit's cache); by
     /// default the loss. The decoders report the cross-entropy alone, without the MoE
-    /// auxiliary loss.
-    fn eval_metric(&self, out: &Self::Act, last: &Self::Cache) -> f32 {
+    /// auxiliary loss (a collective over the cp group under context parallelism).
+    fn eval_metric(&self, out: &Self::Act, last: &Self::Cache) -> Result<f32, ParallelError> {
         let _ = last;
-        self.loss(out)
+        Ok(self.loss(out))
     }
     /// Bytes held by a cache (activation accounting).
     fn cache_bytes(&self, cache: &Self::Cache) -> usize;

@@ -149,3 +149,56 @@ fn a_part_other_than_the_ranks_own_is_refused() {
     });
     assert!(errs[0].contains("expects its own tokens"), "{}", errs[0]);
 }
+
+/// Bytes each rank sends per attention layer, from the communicator's statistics, against the
+/// formulas of `context_parallel::ring` (one K/V block = 2·B·(S/cp)·n_kv·d·4 bytes): ring
+/// forward (cp − 1) blocks; backward (cp − 1) more K/V blocks and cp dK/dV blocks (on the
+/// second group); all-gather forward (cp − 1) blocks (a ring all-gather), backward (cp − 1)
+/// for the gather again and (cp − 1) for the reduce-scatter of dK/dV.
+#[test]
+fn bytes_sent_per_layer_equal_the_formula() {
+    use comm::OpKind;
+    let (batch, heads, kv_heads, d) = (2, 4, 2, 8);
+    for cp in [2, 3, 4] {
+        for comm in [CpComm::Ring, CpComm::AllGather] {
+            let seq = 8 * cp;
+            let block = (2 * batch * (seq / cp) * kv_heads * d * 4) as u64;
+            let got = comm::testing::run_threads(cp, |c| {
+                let lay = CpLayout {
+                    cp,
+                    rank: c.rank(),
+                    balance: CpBalance::Zigzag,
+                };
+                let kv = c.new_group(&(0..cp).collect::<Vec<_>>()).unwrap();
+                let dkv = c.new_group(&(0..cp).collect::<Vec<_>>()).unwrap();
+                let core = ContextAttention::new(lay, comm, kv.clone(), dkv.clone()).unwrap();
+                let local = AttnShape::causal(batch, seq / cp, heads, kv_heads, d);
+                let part = lay.part(seq);
+                let q = rand(local.q_elems(), 1 + c.rank() as u64);
+                let k = rand(local.kv_elems(), 7);
+                let (o, lse) = core.forward(&local, part, &q, &k, &k).unwrap();
+                let fwd = kv.stats();
+                core.backward(&local, part, &q, &k, &k, &o, &lse, &q)
+                    .unwrap();
+                let (all, grads) = (kv.stats(), dkv.stats());
+                (
+                    fwd.total_bytes_sent(),
+                    all.total_bytes_sent() - fwd.total_bytes_sent(),
+                    grads.total_bytes_sent(),
+                    all.bytes_sent(OpKind::P2p) + grads.bytes_sent(OpKind::P2p),
+                )
+            });
+            let n = cp as u64;
+            let want = match comm {
+                CpComm::Ring => ((n - 1) * block, (n - 1) * block, n * block),
+                CpComm::AllGather => ((n - 1) * block, 2 * (n - 1) * block, 0),
+            };
+            for (r, g) in got.iter().enumerate() {
+                assert_eq!((g.0, g.1, g.2), want, "cp={cp} {comm:?} rank {r}");
+                if comm == CpComm::AllGather {
+                    assert_eq!(g.3, 0, "no point-to-point traffic");
+                }
+            }
+        }
+    }
+}

@@ -183,10 +183,7 @@ fn communication_per_step_matches_analytic_count() {
         let stats = comm::testing::run_threads(tp, |c| {
             use parallel::executor::Executor;
             let mesh = parallel::Mesh::new(&c, dims(1, tp, sp, 0)).unwrap();
-            let opts = parallel::ModelOptions {
-                seq_len: s,
-                recompute: model::Recompute::None,
-            };
+            let opts = parallel::ModelOptions::new(s);
             let par = parallel::parallelize(&cfg, &mesh, &opts, None).unwrap();
             let init = par.stage.clone();
             let exec = decoder_exec(ZeroStage::Ddp, Precision::Fp32);
@@ -260,10 +257,7 @@ fn impossible_layouts_are_clear_errors() {
     let err = |d: ParallelDims, cfg: &ModelConfig, seq: usize| {
         comm::testing::run_threads(d.world(), |c| {
             let mesh = parallel::Mesh::new(&c, d).unwrap();
-            let opts = parallel::ModelOptions {
-                seq_len: seq,
-                recompute: model::Recompute::None,
-            };
+            let opts = parallel::ModelOptions::new(seq);
             parallel::parallelize(cfg, &mesh, &opts, None)
                 .err()
                 .unwrap()
@@ -282,7 +276,10 @@ fn impossible_layouts_are_clear_errors() {
         cp: 2,
         ..Default::default()
     };
-    assert!(err(cp, &llama(), 8).contains("context parallelism (cp > 1) is not implemented"));
+    assert!(err(cp, &llama(), 6).contains("zigzag needs seq_len divisible by 2·cp"));
+    let mut capped = moe();
+    capped.capacity_factor = Some(1.25);
+    assert!(err(cp, &capped, 8).contains("an expert capacity with context parallelism"));
     let mut tied = llama();
     tied.tie_word_embeddings = true;
     assert!(err(dims(1, 1, false, 0), &tied, 8).contains("tied word embeddings"));
@@ -290,10 +287,7 @@ fn impossible_layouts_are_clear_errors() {
     let e = comm::testing::run_threads(2, |c| {
         use parallel::stage::StageModel;
         let mesh = parallel::Mesh::new(&c, dims(1, 2, true, 0)).unwrap();
-        let opts = parallel::ModelOptions {
-            seq_len: 8,
-            recompute: model::Recompute::None,
-        };
+        let opts = parallel::ModelOptions::new(8);
         let par = parallel::parallelize(&llama(), &mesh, &opts, None).unwrap();
         let p = vec![0.0; par.stage.units()[0].len()];
         let b = model::Batch::next_token(1, 5, &[1, 2, 3, 4, 5]).unwrap();

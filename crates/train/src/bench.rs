@@ -48,6 +48,9 @@ pub struct BenchReport {
     pub cpu_steal: Option<f64>,
     /// With pipeline parallelism: the measured bubble beside the simulator's.
     pub pipeline: Option<crate::pipeline::PipelineReport>,
+    /// With context parallelism: each rank's attention compute and exposed ring wait, seconds
+    /// per step, by world rank.
+    pub context: Option<Vec<(f64, f64)>>,
 }
 
 /// Cumulative (steal, total) CPU time of the machine in clock ticks, from the first line of
@@ -121,6 +124,23 @@ impl std::fmt::Display for BenchReport {
         if let Some(p) = &self.pipeline {
             writeln!(f, "{p}")?;
         }
+        if let Some(c) = &self.context {
+            let compute: Vec<f64> = c.iter().map(|x| x.0).collect();
+            let mean = compute.iter().sum::<f64>() / compute.len().max(1) as f64;
+            let max = compute.iter().copied().fold(0.0, f64::max);
+            let per: Vec<String> = c
+                .iter()
+                .map(|(a, w)| format!("{:.1}+{:.1}", a * 1e3, w * 1e3))
+                .collect();
+            let wait: f64 = c.iter().map(|x| x.1).sum::<f64>() / c.len().max(1) as f64;
+            writeln!(
+                f,
+                "context parallel: attention compute + ring wait per rank (ms/step) {}; compute max/mean {:.2}; wait {:.1}% of attention",
+                per.join(", "),
+                max / mean.max(1e-12),
+                100.0 * wait / (mean + wait).max(1e-12)
+            )?;
+        }
         write!(
             f,
             "memory of rank 0: accounted {} ; peak RSS {} ({})",
@@ -169,6 +189,28 @@ pub fn bench_train(
     let cpu_steal = steal_share(ticks0, cpu_ticks());
     model::profile::enable(false);
     let pipeline = t.pipeline_report()?;
+    let context = if t.dims.cp > 1 {
+        let secs = |k: model::profile::Kernel| {
+            model::profile::report()
+                .into_iter()
+                .find(|(x, _)| *x == k)
+                .map_or(0.0, |(_, s)| s)
+        };
+        let n = times.len() as f64;
+        let mine = [
+            (secs(model::profile::Kernel::Attention) / n) as f32,
+            (secs(model::profile::Kernel::ContextWait) / n) as f32,
+        ];
+        let mut all = vec![0.0f32; 2 * comm.size()];
+        comm.all_gather(&mine, &mut all)?;
+        Some(
+            all.chunks_exact(2)
+                .map(|c| (c[0] as f64, c[1] as f64))
+                .collect(),
+        )
+    } else {
+        None
+    };
     if t.rank() != 0 {
         return Ok(None);
     }
@@ -205,6 +247,7 @@ pub fn bench_train(
         profile,
         cpu_steal,
         pipeline,
+        context,
     }))
 }
 

@@ -113,6 +113,12 @@ pub struct ParallelConfig {
     /// Context-parallel degree.
     #[serde(default = "one")]
     pub cp: usize,
+    /// How context parallelism splits each sequence: `zigzag` (default), `striped` or `none`.
+    #[serde(default = "default_cp_balance")]
+    pub cp_balance: String,
+    /// How keys and values reach the other cp ranks: `ring` (default) or `allgather`.
+    #[serde(default = "default_cp_comm")]
+    pub cp_comm: String,
     /// Expert-parallel degree (carved out of dp × cp).
     #[serde(default = "one")]
     pub ep: usize,
@@ -172,6 +178,24 @@ impl ParallelConfig {
 
 fn one() -> usize {
     1
+}
+
+/// A configuration error of the parallel layer, as this crate's (without a second prefix).
+fn pconf(e: parallel::ParallelError) -> TrainError {
+    match e {
+        parallel::ParallelError::Config(m) | parallel::ParallelError::Layout(m) => {
+            TrainError::Config(m)
+        }
+        other => TrainError::Config(other.to_string()),
+    }
+}
+
+fn default_cp_balance() -> String {
+    "zigzag".into()
+}
+
+fn default_cp_comm() -> String {
+    "ring".into()
 }
 
 fn default_schedule() -> String {
@@ -267,6 +291,8 @@ impl RunConfig {
                 sp: false,
                 pp: 1,
                 cp: 1,
+                cp_balance: default_cp_balance(),
+                cp_comm: default_cp_comm(),
                 ep: 1,
                 virtual_stages: 1,
                 schedule: default_schedule(),
@@ -405,9 +431,17 @@ impl RunConfig {
             return bad("train.loss_scale must be >= 1".into());
         }
         self.recompute()?;
+        let (cp_balance, _) = self.cp_options()?;
         let dims = self.parallel.dims()?;
-        dims.validate(self.parallel.nproc)
-            .map_err(|e| TrainError::Config(e.to_string()))?;
+        dims.validate(self.parallel.nproc).map_err(pconf)?;
+        if dims.cp > 1 {
+            let layout = parallel::context_parallel::CpLayout {
+                cp: dims.cp,
+                rank: 0,
+                balance: cp_balance,
+            };
+            layout.check(m.seq_len).map_err(pconf)?;
+        }
         if dims.pp > 1 {
             // The schedule is generated (or read) here too, so that a bad one is reported
             // before any worker starts.
@@ -428,6 +462,20 @@ impl RunConfig {
             }
         }
         Ok(())
+    }
+
+    /// `parallel.cp_balance` and `parallel.cp_comm`, parsed.
+    pub fn cp_options(
+        &self,
+    ) -> Result<(
+        parallel::context_parallel::CpBalance,
+        parallel::context_parallel::CpComm,
+    )> {
+        let p = &self.parallel;
+        Ok((
+            p.cp_balance.parse().map_err(pconf)?,
+            p.cp_comm.parse().map_err(pconf)?,
+        ))
     }
 
     /// The activation recomputation policy of `train.recompute`.

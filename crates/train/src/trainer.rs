@@ -282,9 +282,12 @@ impl Trainer {
         )?;
         let baseline_rss = parallel::memory::proc_status_bytes("VmRSS:");
         let mesh = Mesh::new(comm, dims).map_err(perr)?;
+        let (cp_balance, cp_comm) = cfg.cp_options()?;
         let opts = ModelOptions {
             seq_len: cfg.model.seq_len,
             recompute: cfg.recompute()?,
+            cp_balance,
+            cp_comm,
         };
         let pipeline = if dims.pp > 1 {
             let pp_rank = mesh.coord("pp").map_err(perr)?;

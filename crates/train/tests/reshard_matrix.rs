@@ -1,7 +1,8 @@
 //! The reshard matrix (in the spirit of Megatron's parallel-reconfiguration test): save under
 //! layout A after 2 steps, resume under layout B for 2 more, for A and B each one of
 //! {1 process; dp 2 ZeRO-0; dp 2 ZeRO-3; tp 2; tp 2 + sp; dp 2 × tp 2 ZeRO-1; bf16 dp 2;
-//! pp 2 1F1B; pp 4 GPipe; pp 2 × dp 2 ZeRO-3 ZB-V; pp 2 DualPipe (two copies of the model)} (ranks as threads, the
+//! pp 2 1F1B; pp 4 GPipe; pp 2 × dp 2 ZeRO-3 ZB-V; pp 2 DualPipe (two copies of the model);
+//! cp 2 zigzag ring; cp 2 × dp 2 ZeRO-3 striped all-gather} (ranks as threads, the
 //! same global batch of 4 sequences everywhere, a 4-layer model so that every pipeline
 //! stage has a layer).
 //!
@@ -19,7 +20,7 @@ use std::path::{Path, PathBuf};
 use train::trainer::Trainer;
 use train::RunConfig;
 
-const LAYOUTS: [(&str, &[&str]); 11] = [
+const LAYOUTS: [(&str, &[&str]); 13] = [
     ("single", &["parallel.nproc=1", "train.grad_accum=2"]),
     (
         "dp2z0",
@@ -98,6 +99,21 @@ const LAYOUTS: [(&str, &[&str]); 11] = [
             "train.grad_accum=4",
         ],
     ),
+    (
+        "cp2",
+        &["parallel.nproc=2", "parallel.cp=2", "train.grad_accum=2"],
+    ),
+    (
+        "cp2dp2z3",
+        &[
+            "parallel.nproc=4",
+            "parallel.cp=2",
+            "parallel.dp=2",
+            "parallel.zero=3",
+            "parallel.cp_balance=striped",
+            "parallel.cp_comm=allgather",
+        ],
+    ),
 ];
 
 /// The layout settings every run shares.
@@ -120,6 +136,9 @@ fn overrides(layout: &[&str]) -> Vec<String> {
         "parallel.tp=1",
         "parallel.pp=1",
         "parallel.schedule=\"1f1b\"",
+        "parallel.cp=1",
+        "parallel.cp_balance=\"zigzag\"",
+        "parallel.cp_comm=\"ring\"",
         "parallel.sp=false",
         "parallel.zero=0",
         "train.grad_accum=1",

@@ -20,7 +20,7 @@ enum Command {
     /// Start this host's worker processes with the launch variables and supervise them.
     Launch(cmd::launch::Args),
     /// Train a model on any layout (`--nproc`, `--dp`, `--tp`, `--zero`, `--sp`, …).
-    Train(cmd::train::TrainArgs),
+    Train(Box<cmd::train::TrainArgs>),
     /// Sample text from a checkpoint.
     Generate(cmd::generate::GenerateArgs),
     /// Tokenize text files into a token file (optionally training a BPE tokenizer).
@@ -46,7 +46,7 @@ fn main() -> anyhow::Result<()> {
     let cli = Cli::parse();
     match cli.command {
         Command::Launch(args) => cmd::launch::run(args),
-        Command::Train(a) => cmd::train::run_cmd(a),
+        Command::Train(a) => cmd::train::run_cmd(*a),
         Command::Generate(a) => cmd::generate::run_cmd(a),
         Command::Tokenize(a) => cmd::tokenize::run_cmd(a),
         Command::Convert(a) => cmd::convert::run_cmd(a),

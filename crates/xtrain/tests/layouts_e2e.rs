@@ -93,7 +93,8 @@ fn readme_main_command_then_convert_to_hf() {
 fn layouts_agree_with_the_single_process() {
     let d = tmp("layouts-agree");
     // The same global batch (4 sequences) everywhere: one process with 2 accumulation steps,
-    // dp = 2 at ZeRO-0 and ZeRO-3, and tp 2 × dp 2 with sequence parallelism at ZeRO-1.
+    // dp = 2 at ZeRO-0 and ZeRO-3, tp 2 × dp 2 with sequence parallelism at ZeRO-1, and
+    // context parallelism (cp 2; cp 2 × dp 2 striped with all-gather attention).
     let steps = ["--set", "train.steps=3"];
     ok(&train(
         &[&steps[..], &["--set", "train.grad_accum=2"]].concat(),
@@ -106,6 +107,20 @@ fn layouts_agree_with_the_single_process() {
         (
             "tp2dp2sp",
             &["--nproc", "4", "--tp", "2", "--sp", "--zero", "1"],
+        ),
+        ("cp2", &["--cp", "2", "--set", "train.grad_accum=2"]),
+        (
+            "cp2dp2",
+            &[
+                "--cp",
+                "2",
+                "--dp",
+                "2",
+                "--cp-balance",
+                "striped",
+                "--cp-comm",
+                "allgather",
+            ],
         ),
     ] {
         let out = ok(&train(&[&steps[..], layout].concat(), &d.join(name)));
@@ -131,6 +146,7 @@ fn checkpoints_resume_at_any_layout() {
         ("tp2", &["--nproc", "2", "--dp", "1", "--tp", "2"][..]),
         ("sp", &["--nproc", "2", "--tp", "2", "--sp"]),
         ("z3", &["--nproc", "1", "--zero", "3"]),
+        ("cp2", &["--nproc", "2", "--dp", "1", "--cp", "2"]),
     ] {
         let run = d.join(name);
         let out = ok(&xtrain(
@@ -287,7 +303,18 @@ fn impossible_layouts_are_clear_errors() {
         ),
         (&["--trace", "t.json"], "needs pp > 1"),
         (&["--ep", "2", "--dp", "2"], "the model has no experts"),
-        (&["--cp", "3"], "seq_len = 16 is not divisible by cp = 3"),
+        (
+            &["--cp", "3"],
+            "a sequence of 16 tokens does not split into 6 equal pieces",
+        ),
+        (
+            &["--cp", "3", "--cp-balance", "striped"],
+            "a sequence of 16 tokens does not split into 3 equal pieces",
+        ),
+        (
+            &["--cp", "2", "--cp-balance", "halves"],
+            "cp balance `halves` (expected none, zigzag or striped)",
+        ),
         (
             &["--nproc", "3", "--tp", "2"],
             "not a multiple of pp × cp × tp = 2",

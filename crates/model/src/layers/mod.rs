@@ -72,6 +72,13 @@ impl SeqPart {
     }
 }
 
+/// The ranks holding the other tokens of a pass's sequences (context parallelism): a layer whose
+/// statistics are over whole sequences (MoE's load-balancing loss) sums them across the group.
+pub trait SequenceGroup: Send + Sync + std::fmt::Debug {
+    /// Element-wise sum of `x` over the group, with the same bits on every member.
+    fn sum(&self, x: &mut [f64]) -> Result<()>;
+}
+
 /// Per-call settings of a forward pass (stored in caches, so backward needs nothing more).
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct Pass {

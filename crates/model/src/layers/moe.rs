@@ -32,6 +32,9 @@ pub struct Moe {
     pub capacity_factor: Option<f32>,
     /// Weight of this layer's auxiliary loss in the total loss (0 = off).
     pub aux_coef: f32,
+    /// With the sequences split over ranks (context parallelism): the group the auxiliary
+    /// loss's statistics `f_e`, `P_e` are summed over, so that they are the whole batch's.
+    pub seq_group: Option<Arc<dyn super::SequenceGroup>>,
 }
 
 /// The routing decisions of one forward.
@@ -82,6 +85,10 @@ pub struct MoeCache {
     pub shared: Option<MlpCache>,
     /// Unweighted auxiliary loss `L_aux` of this layer.
     pub aux: f32,
+    /// `f_e` of every expert and the token count `T` it is over (the whole batch's when the
+    /// sequences are split over a [`super::SequenceGroup`]): the auxiliary-loss gradient.
+    pub aux_f: Vec<f32>,
+    pub aux_tokens: usize,
 }
 
 impl MoeCache {
@@ -197,20 +204,31 @@ impl Moe {
             None => None,
         };
         let e_n = self.num_experts();
-        let mut aux = 0.0f64;
-        for e in 0..e_n {
-            let f = routing.counts[e] as f64 / t_n as f64;
-            let pe: f64 = (0..t_n)
+        // [assignments per expert, probability sum per expert, tokens], summed over the
+        // sequence group when the sequences are split.
+        let mut stats: Vec<f64> = routing.counts.iter().map(|&c| c as f64).collect();
+        stats.extend((0..e_n).map(|e| {
+            (0..t_n)
                 .map(|t| routing.probs[t * e_n + e] as f64)
                 .sum::<f64>()
-                / t_n as f64;
-            aux += f * pe;
+        }));
+        stats.push(t_n as f64);
+        if let Some(g) = &self.seq_group {
+            g.sum(&mut stats)?;
         }
+        let tokens = stats[2 * e_n];
+        let mut aux = 0.0f64;
+        for e in 0..e_n {
+            aux += (stats[e] / tokens) * (stats[e_n + e] / tokens);
+        }
+        let aux_f = (0..e_n).map(|e| (stats[e] / tokens) as f32).collect();
         let cache = MoeCache {
             routing,
             experts: caches,
             shared,
             aux: (aux * e_n as f64) as f32,
+            aux_f,
+            aux_tokens: tokens as usize,
         };
         Ok((y, cache))
     }
@@ -274,8 +292,8 @@ impl Moe {
             }
             if aux_scale != 0.0 {
                 for e in 0..e_n {
-                    let f = r.counts[e] as f32 / t_n as f32;
-                    dp[t * e_n + e] += aux_scale * e_n as f32 * f / t_n as f32;
+                    let f = cache.aux_f[e];
+                    dp[t * e_n + e] += aux_scale * e_n as f32 * f / cache.aux_tokens as f32;
                 }
             }
         }

@@ -18,7 +18,8 @@
 //! dp × cp, so each rank seeds its share `cp` times larger (Megatron's convention).
 pub mod ring;
 
-use model::layers::SeqPart;
+use comm::ProcessGroup;
+use model::layers::{SeqPart, SequenceGroup};
 
 use crate::ParallelError;
 
@@ -139,6 +140,32 @@ impl CpLayout {
             }
         }
         out
+    }
+}
+
+/// The cp group as the model's [`SequenceGroup`]: sums of per-sequence statistics (the MoE
+/// auxiliary loss's), added in rank order so that every rank gets the same bits.
+#[derive(Debug)]
+pub struct CpGroup(pub ProcessGroup);
+
+impl SequenceGroup for CpGroup {
+    fn sum(&self, x: &mut [f64]) -> model::Result<()> {
+        let n = self.0.size();
+        if n == 1 {
+            return Ok(());
+        }
+        let bits: Vec<i64> = x.iter().map(|v| v.to_bits() as i64).collect();
+        let mut all = vec![0i64; n * x.len()];
+        self.0
+            .all_gather(&bits, &mut all)
+            .map_err(|e| model::ModelError::Collective(format!("context-parallel sum: {e}")))?;
+        let len = x.len();
+        for (i, v) in x.iter_mut().enumerate() {
+            *v = (0..n)
+                .map(|r| f64::from_bits(all[r * len + i] as u64))
+                .sum();
+        }
+        Ok(())
     }
 }
 

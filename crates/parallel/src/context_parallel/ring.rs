@@ -261,11 +261,17 @@ impl ContextAttention {
     }
 }
 
+/// The buffer a ring shift received (its wait charged to the profile's `ContextWait`).
 fn received(w: comm::Work<Vec<Vec<f32>>>) -> Result<Vec<f32>> {
-    w.wait()
+    model::profile::time(model::profile::Kernel::ContextWait, || w.wait())
         .map_err(cerr)?
         .pop()
         .ok_or_else(|| ModelError::Collective("a ring shift received nothing".into()))
+}
+
+/// A blocking collective of the all-gather variant, charged to `ContextWait`.
+fn waited<R>(f: impl FnOnce() -> comm::Result<R>) -> Result<R> {
+    model::profile::time(model::profile::Kernel::ContextWait, f).map_err(cerr)
 }
 
 impl AttentionCore for ContextAttention {
@@ -297,7 +303,7 @@ impl AttentionCore for ContextAttention {
             CpComm::AllGather => {
                 let n = mine.len();
                 let mut all = vec![0.0f32; n * cp];
-                self.kv.all_gather(&mine, &mut all).map_err(cerr)?;
+                waited(|| self.kv.all_gather(&mine, &mut all))?;
                 // The own block first, then the others in ring order: the ring's merge order.
                 for step in 0..cp {
                     let j = (self.layout.rank + cp - step) % cp;
@@ -358,7 +364,7 @@ impl AttentionCore for ContextAttention {
             }
             CpComm::AllGather => {
                 let mut all = vec![0.0f32; n * cp];
-                self.kv.all_gather(&mine, &mut all).map_err(cerr)?;
+                waited(|| self.kv.all_gather(&mine, &mut all))?;
                 let mut dall = vec![0.0f32; n * cp];
                 for step in 0..cp {
                     let j = (self.layout.rank + cp - step) % cp;
@@ -366,9 +372,7 @@ impl AttentionCore for ContextAttention {
                     self.block_backward(shape, q, blk, j, out, lse, dout, &mut dq, dblk)?;
                 }
                 let mut own = vec![0.0f32; n];
-                self.kv
-                    .reduce_scatter(&dall, &mut own, ReduceOp::Sum)
-                    .map_err(cerr)?;
+                waited(|| self.kv.reduce_scatter(&dall, &mut own, ReduceOp::Sum))?;
                 own
             }
         };

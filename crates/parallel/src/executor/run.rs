@@ -767,7 +767,7 @@ impl<M: StageModel> Executor<M> {
             if self.model.is_last(units.end - 1) {
                 metric = self
                     .model
-                    .eval_metric(&y, last.as_ref().expect("a stage has units"));
+                    .eval_metric(&y, last.as_ref().expect("a stage has units"))?;
             } else if self.is_local(id + 1) {
                 carried = Some(y);
             } else {

@@ -209,6 +209,22 @@ pub fn train_decoder(
     train_decoder_with(cfg, dims, exec, global, accum, steps, None)
 }
 
+/// [`train_decoder_with`] with the model options `opts` (context-parallel balance and
+/// communication).
+#[allow(clippy::too_many_arguments)]
+pub fn train_decoder_opts(
+    cfg: &model::ModelConfig,
+    dims: parallel::ParallelDims,
+    exec: &ExecConfig,
+    global: usize,
+    accum: usize,
+    steps: usize,
+    schedule: Option<&parallel::pipeline_parallel::Schedule>,
+    opts: parallel::ModelOptions,
+) -> Vec<RankRun> {
+    run_decoder(cfg, dims, exec, global, accum, steps, schedule, opts)
+}
+
 /// [`train_decoder`] with pipeline parallelism: `schedule` is the compute-only schedule for
 /// `dims.pp` ranks and `accum` micro-batches, lowered here (ZeRO-3 keeps each stage gathered
 /// between its first and last action).
@@ -221,6 +237,29 @@ pub fn train_decoder_with(
     steps: usize,
     schedule: Option<&parallel::pipeline_parallel::Schedule>,
 ) -> Vec<RankRun> {
+    run_decoder(
+        cfg,
+        dims,
+        exec,
+        global,
+        accum,
+        steps,
+        schedule,
+        parallel::ModelOptions::new(8),
+    )
+}
+
+#[allow(clippy::too_many_arguments)]
+fn run_decoder(
+    cfg: &model::ModelConfig,
+    dims: parallel::ParallelDims,
+    exec: &ExecConfig,
+    global: usize,
+    accum: usize,
+    steps: usize,
+    schedule: Option<&parallel::pipeline_parallel::Schedule>,
+    opts: parallel::ModelOptions,
+) -> Vec<RankRun> {
     use parallel::pipeline_parallel::{lower, LowerOptions};
     let lowered = schedule.map(|s| {
         let opts = LowerOptions {
@@ -230,10 +269,6 @@ pub fn train_decoder_with(
     });
     comm::testing::run_threads(dims.world(), |c| {
         let mesh = parallel::Mesh::new(&c, dims).unwrap();
-        let opts = parallel::ModelOptions {
-            seq_len: 8,
-            recompute: model::Recompute::None,
-        };
         let par = parallel::parallelize(cfg, &mesh, &opts, lowered.as_ref()).unwrap();
         let dp_rank = mesh.coord("dp").unwrap();
         let pp_rank = mesh.coord("pp").unwrap();

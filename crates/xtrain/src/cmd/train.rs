@@ -39,6 +39,13 @@ pub struct LayoutArgs {
     /// Context-parallel degree (`parallel.cp`).
     #[arg(long)]
     pub cp: Option<usize>,
+    /// How context parallelism splits each sequence: zigzag, striped or none
+    /// (`parallel.cp_balance`).
+    #[arg(long)]
+    pub cp_balance: Option<String>,
+    /// How keys and values reach the other cp ranks: ring or allgather (`parallel.cp_comm`).
+    #[arg(long)]
+    pub cp_comm: Option<String>,
     /// Expert-parallel degree (`parallel.ep`).
     #[arg(long)]
     pub ep: Option<usize>,
@@ -77,11 +84,14 @@ impl LayoutArgs {
                 o.push(format!("parallel.{k}={v}"));
             }
         }
-        if let Some(s) = &self.schedule {
-            o.push(format!(
-                "parallel.schedule={}",
-                toml::Value::String(s.clone())
-            ));
+        for (k, v) in [
+            ("schedule", &self.schedule),
+            ("cp_balance", &self.cp_balance),
+            ("cp_comm", &self.cp_comm),
+        ] {
+            if let Some(v) = v {
+                o.push(format!("parallel.{k}={}", toml::Value::String(v.clone())));
+            }
         }
         if let Some(m) = self.microbatches {
             o.push(format!("train.grad_accum={m}"));

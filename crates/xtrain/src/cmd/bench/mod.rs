@@ -16,7 +16,7 @@ pub enum What {
     /// Collective bandwidth and latency in the style of nccl-tests.
     Comm(comm::Args),
     /// Training throughput (tokens/s, MFU) of a preset.
-    Train(train::BenchTrainArgs),
+    Train(Box<train::BenchTrainArgs>),
     /// Tensor-parallel activation bytes with and without sequence parallelism.
     Tp(tp::Args),
 }
@@ -24,7 +24,7 @@ pub enum What {
 pub fn run(args: Args) -> anyhow::Result<()> {
     match args.what {
         What::Comm(a) => comm::run(a),
-        What::Train(a) => train::run_cmd(a),
+        What::Train(a) => train::run_cmd(*a),
         What::Tp(a) => tp::run(a),
     }
 }
