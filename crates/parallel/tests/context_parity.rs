@@ -2,7 +2,7 @@
 //! against the single process on the same global batch: Llama with GQA and a Mixtral-style MoE
 //! (shared expert, auxiliary loss over the whole sequences), cp ∈ {2, 4} under every balance
 //! (zigzag, striped, none) with ring and all-gather attention, and cp composed with tp (± sp),
-//! dp at ZeRO-3, and pipelines. fp32: every loss of 3 AdamW steps and every parameter within
+//! dp at ZeRO-3, and pipelines. fp32: every loss of 5 AdamW steps and every parameter within
 //! 1e-5 relative. Impossible splits are clear errors.
 use model::{Model, ModelConfig};
 use parallel::context_parallel::{CpBalance, CpComm};
@@ -13,7 +13,7 @@ use parallel::{ModelOptions, ParallelDims, Precision};
 mod common;
 use common::*;
 
-const STEPS: usize = 3;
+const STEPS: usize = 5;
 const GLOBAL: usize = 8;
 
 #[derive(Clone, Copy, Debug)]
