@@ -73,6 +73,17 @@ pub struct ModelConfig {
     pub shared_expert_intermediate_size: Option<usize>,
     #[serde(default)]
     pub capacity_factor: Option<f32>,
+    /// Expert parallelism: the experts this model instance holds (the router still scores
+    /// all `num_local_experts`). Not part of the Hugging Face config; `None`: all of them.
+    #[serde(skip)]
+    pub expert_shard: Option<ExpertShard>,
+}
+
+/// A contiguous range of a MoE layer's experts (expert parallelism).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ExpertShard {
+    pub first: usize,
+    pub count: usize,
 }
 
 impl ModelConfig {
@@ -105,7 +116,14 @@ impl ModelConfig {
             moe_intermediate_size: None,
             shared_expert_intermediate_size: None,
             capacity_factor: None,
+            expert_shard: None,
         }
+    }
+
+    /// The experts this instance holds: `(first, count)` of `num_local_experts`.
+    pub fn held_experts(&self) -> (usize, usize) {
+        self.expert_shard
+            .map_or((0, self.num_local_experts), |s| (s.first, s.count))
     }
 
     /// Turn this config into a Mixtral-style MoE with `experts` experts, `top_k` per token.
@@ -239,6 +257,16 @@ impl ModelConfig {
                     "num_experts_per_tok {} exceeds num_local_experts {}",
                     self.num_experts_per_tok, self.num_local_experts
                 ));
+            }
+            if let Some(sh) = self.expert_shard {
+                if sh.count == 0 || sh.first + sh.count > self.num_local_experts {
+                    return bad(format!(
+                        "expert shard {}..{} of {} experts",
+                        sh.first,
+                        sh.first + sh.count,
+                        self.num_local_experts
+                    ));
+                }
             }
             if self.expert_ffn() == 0 {
                 return bad("moe_intermediate_size must be > 0".into());

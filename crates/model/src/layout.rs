@@ -133,14 +133,21 @@ impl ParamLayout {
                 NormGain,
             );
             if cfg.is_moe() {
+                // The router scores every expert; the stacked expert weights hold the
+                // instance's experts (all of them but under expert parallelism).
                 let (e, f) = (cfg.num_local_experts, cfg.expert_ffn());
+                let held = cfg.held_experts().1;
                 b.push(format!("{p}mlp.gate.weight"), vec![e, h], Matrix);
                 b.push(
                     format!("{p}mlp.experts.gate_up_proj"),
-                    vec![e, 2 * f, h],
+                    vec![held, 2 * f, h],
                     Matrix,
                 );
-                b.push(format!("{p}mlp.experts.down_proj"), vec![e, h, f], Matrix);
+                b.push(
+                    format!("{p}mlp.experts.down_proj"),
+                    vec![held, h, f],
+                    Matrix,
+                );
                 let s = cfg.shared_ffn();
                 if s > 0 {
                     b.push(

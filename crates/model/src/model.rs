@@ -164,9 +164,11 @@ impl Model {
                     let down = v("mlp.experts.down_proj");
                     Ffn::Moe(Moe {
                         router: v("mlp.gate.weight"),
-                        experts: (0..cfg.num_local_experts)
+                        experts: (0..cfg.held_experts().1)
                             .map(|e| expert_views(&gate_up, &down, e))
                             .collect(),
+                        first_expert: cfg.held_experts().0,
+                        exchange: None,
                         shared: (cfg.shared_ffn() > 0).then(|| SwiGlu {
                             gate: v("mlp.shared_expert.gate_proj.weight"),
                             up: v("mlp.shared_expert.up_proj.weight"),

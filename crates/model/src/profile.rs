@@ -23,9 +23,11 @@ pub enum Kernel {
     /// Waiting for other context-parallel ranks' keys, values and their gradients: the ring's
     /// communication that compute did not hide.
     ContextWait,
+    /// Waiting for expert parallelism's all-to-alls (tokens to their experts and back).
+    ExpertExchange,
 }
 
-const ALL: [Kernel; 10] = [
+const ALL: [Kernel; 11] = [
     Kernel::Matmul,
     Kernel::MatmulWeight,
     Kernel::Attention,
@@ -36,10 +38,11 @@ const ALL: [Kernel; 10] = [
     Kernel::Embedding,
     Kernel::Head,
     Kernel::ContextWait,
+    Kernel::ExpertExchange,
 ];
 
 static ENABLED: AtomicBool = AtomicBool::new(false);
-static NANOS: [AtomicU64; 10] = [const { AtomicU64::new(0) }; 10];
+static NANOS: [AtomicU64; 11] = [const { AtomicU64::new(0) }; 11];
 
 /// Turn timing on or off.
 pub fn enable(on: bool) {

@@ -20,6 +20,7 @@ use std::borrow::Cow;
 use std::ops::Range;
 use std::sync::Arc;
 
+use comm::ProcessGroup;
 use model::layers::block::BlockCache;
 use model::layers::head::{HeadCache, HeadWeightGrad};
 use model::layers::{Pass, Recompute, WeightGradStore};
@@ -71,6 +72,26 @@ struct Held {
     local_len: usize,
     /// Offset of the tensor in the full model's flat layout.
     full_offset: usize,
+    /// A stacked expert tensor (held by this ep rank only; the others are replicated over ep).
+    experts: bool,
+}
+
+/// Routed tokens of the MoE layers since the last [`DecoderStage::take_moe_load`]: per expert
+/// (summed over layers), and the assignments dropped by a capacity. Training forwards only,
+/// counted on tp rank 0 (the tp ranks route the same tokens).
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct MoeLoad {
+    pub tokens_per_expert: Vec<u64>,
+    pub dropped: u64,
+}
+
+/// Expert parallelism's groups of a stage.
+#[derive(Clone, Debug)]
+struct EpGroups {
+    /// The ranks holding the other experts (same tp coordinate).
+    ep: ProcessGroup,
+    /// The ranks holding parts of the same layers (ep × tp): gradient norms sum over it.
+    parts: ProcessGroup,
 }
 
 /// One rank's part of the decoder.
@@ -97,6 +118,9 @@ pub struct DecoderStage {
     /// holding the rest.
     pub cp: Option<CpLayout>,
     seqs: Option<Arc<dyn model::layers::SequenceGroup>>,
+    /// Expert parallelism (ep > 1).
+    ep: Option<EpGroups>,
+    moe_load: Arc<std::sync::Mutex<MoeLoad>>,
 }
 
 fn merr(e: model::ModelError) -> ParallelError {
@@ -107,16 +131,18 @@ impl DecoderStage {
     /// The whole decoder on one rank (no tensor or pipeline parallelism).
     pub fn whole(cfg: &ModelConfig) -> Result<Self, ParallelError> {
         let parts = crate::pipeline_parallel::split::stage_parts(cfg.num_hidden_layers, 1, 0)?;
-        Self::new(cfg, None, parts, Recompute::None)
+        Self::new(cfg, None, parts, Recompute::None, (1, 0))
     }
 
     /// `parts` of the decoder `cfg`, sharded by `tp` (the local model and its tensor-parallel
-    /// parts from [`crate::tensor_parallel::shard_model`]) or whole.
+    /// parts from [`crate::tensor_parallel::shard_model_with_experts`]) or whole but for the
+    /// experts of `ep = (size, rank)` (see [`Self::with_experts`]).
     pub fn new(
         cfg: &ModelConfig,
         tp: Option<(Model, TpShard)>,
         parts: Vec<Part>,
         recompute: Recompute,
+        ep: (usize, usize),
     ) -> Result<Self, ParallelError> {
         if parts.is_empty() {
             return Err(ParallelError::Layout(
@@ -128,11 +154,10 @@ impl DecoderStage {
                 let plan = shard.plan.clone();
                 (local, Some(shard), plan)
             }
-            None => (
-                Model::new(cfg.clone()).map_err(merr)?,
-                None,
-                TpPlan::new(cfg, 1, false)?,
-            ),
+            None => {
+                let plan = TpPlan::with_experts(cfg, 1, false, ep.0, ep.1)?;
+                (plan.local_model()?, None, plan)
+            }
         };
         let tp_rank = tp.as_ref().map_or(0, |t| t.rank());
         let l = &local.layout;
@@ -168,10 +193,11 @@ impl DecoderStage {
                 placement: Placement {
                     slice: plan.slice(t, tp_rank),
                     start: ranges[u].start + t.local.offset - layout_ranges[u].start,
-                    owner: plan.owns(tp_rank, t.split),
+                    owner: plan.owns_tensor(t, tp_rank),
                 },
                 local_len: t.local.numel(),
                 full_offset: t.full.offset,
+                experts: t.experts.is_some(),
             });
         }
         held.sort_by_key(|h| h.placement.start);
@@ -188,7 +214,24 @@ impl DecoderStage {
             held,
             cp: None,
             seqs: None,
+            ep: None,
+            moe_load: Arc::default(),
         })
+    }
+
+    /// The stage with its experts spread over `ep` (the MoE layers exchange tokens over it)
+    /// and `parts` the group of the ranks holding parts of the same layers (ep × tp). The
+    /// stage must have been built for this ep rank ([`Self::new`]'s `ep`).
+    pub fn with_experts(mut self, ep: ProcessGroup, parts: ProcessGroup) -> Self {
+        let exchange: Arc<dyn model::layers::moe::ExpertExchange> =
+            Arc::new(crate::expert_parallel::EpExchange(ep.clone()));
+        for b in &mut self.local.blocks {
+            if let model::layers::block::Ffn::Moe(m) = &mut b.ffn {
+                m.exchange = Some(exchange.clone());
+            }
+        }
+        self.ep = Some(EpGroups { ep, parts });
+        self
     }
 
     /// The stage on `layout`'s share of every sequence: its blocks' attention through
@@ -208,6 +251,12 @@ impl DecoderStage {
         self.cp = Some(layout);
         self.seqs = Some(seqs);
         self
+    }
+
+    /// The MoE layers' routed tokens since the last call (and resets them).
+    pub fn take_moe_load(&self) -> MoeLoad {
+        let mut l = self.moe_load.lock().unwrap_or_else(|e| e.into_inner());
+        std::mem::take(&mut *l)
     }
 
     /// The multiple each cp rank's loss and gradient seed carry (module doc).
@@ -388,6 +437,14 @@ impl StageModel for DecoderStage {
                     .forward(p, Arc::new(act.x), &pass)
                     .map_err(merr)?;
                 let aux = act.aux + cache.aux_loss();
+                if let (Some(r), true, 0) = (cache.routing(), scale != 0.0, self.tp_rank()) {
+                    let mut l = self.moe_load.lock().unwrap_or_else(|e| e.into_inner());
+                    l.tokens_per_expert.resize(r.counts.len(), 0);
+                    for (a, &c) in l.tokens_per_expert.iter_mut().zip(&r.counts) {
+                        *a += c as u64;
+                    }
+                    l.dropped += r.dropped() as u64;
+                }
                 Ok((LlmAct { x: y, aux }, DecoderCache::Block(Box::new(cache))))
             }
             Part::Head => {
@@ -423,10 +480,25 @@ impl StageModel for DecoderStage {
                         (DecoderCache::Head(c, ce, n), ce)
                     }
                 };
+                // Expert parallelism: the ep ranks hold different data, and the executor
+                // averages over the expert-data-parallel group only: report the ep mean.
+                let (ce, aux, cache) = match &self.ep {
+                    Some(g) => {
+                        let mut v = [ce, act.aux];
+                        g.ep.all_reduce(&mut v, comm::ReduceOp::Sum)?;
+                        let n = g.ep.size() as f32;
+                        let cache = match cache {
+                            DecoderCache::Head(c, _, m) => DecoderCache::Head(c, v[0] / n, m),
+                            other => other,
+                        };
+                        (v[0] / n, v[1] / n, cache)
+                    }
+                    None => (ce, act.aux, cache),
+                };
                 Ok((
                     LlmAct {
-                        x: vec![ce + act.aux],
-                        aux: act.aux,
+                        x: vec![ce + aux],
+                        aux,
                     },
                     cache,
                 ))
@@ -554,8 +626,10 @@ impl StageModel for DecoderStage {
         range: Range<usize>,
         sq: &dyn Fn(Range<usize>) -> f64,
     ) -> Result<f64, ParallelError> {
-        let Some(tp) = &self.tp else {
-            return Ok(sq(range));
+        let group = match (&self.ep, &self.tp) {
+            (Some(g), _) => &g.parts,
+            (None, Some(tp)) => tp.group(),
+            (None, None) => return Ok(sq(range)),
         };
         let local: f64 = self
             .held
@@ -572,13 +646,57 @@ impl StageModel for DecoderStage {
             })
             .sum();
         let bits = [local.to_bits() as i64];
-        let mut all = vec![0i64; tp.region.tp()];
-        tp.group().all_gather(&bits, &mut all)?;
+        let mut all = vec![0i64; group.size()];
+        group.all_gather(&bits, &mut all)?;
         Ok(all.iter().map(|&b| f64::from_bits(b as u64)).sum())
     }
 
+    /// Expert parallelism (module doc of [`crate::expert_parallel`]): the replicated tensors'
+    /// gradients averaged over the ep ranks (one all-reduce of their parts of `range`), the
+    /// experts' divided by ep.
+    fn prepare_reduction(
+        &self,
+        range: Range<usize>,
+        grads: &mut [f32],
+    ) -> Result<(), ParallelError> {
+        let Some(g) = &self.ep else {
+            return Ok(());
+        };
+        let inv = 1.0 / g.ep.size() as f32;
+        let mut dense = Vec::new();
+        for h in &self.held {
+            let r = h.placement.start..h.placement.start + h.local_len;
+            let (s, e) = (r.start.max(range.start), r.end.min(range.end));
+            if s >= e {
+                continue;
+            }
+            let part = s - range.start..e - range.start;
+            if h.experts {
+                grads[part].iter_mut().for_each(|x| *x *= inv);
+            } else {
+                dense.push(part);
+            }
+        }
+        if dense.is_empty() {
+            return Ok(());
+        }
+        let mut buf: Vec<f32> = dense
+            .iter()
+            .flat_map(|r| grads[r.clone()].to_vec())
+            .collect();
+        g.ep.all_reduce(&mut buf, comm::ReduceOp::Sum)?;
+        let mut at = 0;
+        for r in dense {
+            for (x, y) in grads[r.clone()].iter_mut().zip(&buf[at..at + r.len()]) {
+                *x = y * inv;
+            }
+            at += r.len();
+        }
+        Ok(())
+    }
+
     fn communicates(&self) -> bool {
-        self.tp.is_some() || self.cp.is_some()
+        self.tp.is_some() || self.cp.is_some() || self.ep.is_some()
     }
 
     fn act_to_wire(&self, act: LlmAct) -> Vec<f32> {

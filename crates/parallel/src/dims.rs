@@ -291,6 +291,11 @@ impl Mesh {
     pub fn ep(&self) -> Result<ProcessGroup, ParallelError> {
         Ok(self.expert.group(&["ep"])?)
     }
+    /// The ranks holding parts of the same layers under expert and tensor parallelism
+    /// (`ep × tp`): sums over a stage's parts (gradient norms) run over it.
+    pub fn expert_parts(&self) -> Result<ProcessGroup, ParallelError> {
+        Ok(self.expert.group(&["ep", "tp"])?)
+    }
     /// The group expert gradients are averaged over (`dp·cp/ep` ranks).
     pub fn edp(&self) -> Result<ProcessGroup, ParallelError> {
         Ok(self.expert.group(&["edp"])?)

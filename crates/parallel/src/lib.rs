@@ -25,6 +25,7 @@ pub mod data_parallel;
 pub mod decoder;
 pub mod dims;
 pub mod executor;
+pub mod expert_parallel;
 pub mod memory;
 pub mod parallelize;
 pub mod pipeline_parallel;

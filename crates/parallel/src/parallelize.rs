@@ -4,7 +4,8 @@
 //! 1. tensor parallelism (+ sequence parallelism): [`crate::tensor_parallel::shard_model`];
 //! 2. context parallelism (cp): each rank takes its share of every sequence and its blocks'
 //!    attention becomes ring attention over the cp group ([`crate::context_parallel`]);
-//! 3. expert parallelism (ep): not implemented yet — a clear error;
+//! 3. expert parallelism (ep): each rank holds E/ep experts of every MoE layer and exchanges
+//!    tokens with the ep group ([`crate::expert_parallel`]);
 //! 4. the pipeline split: the schedule says which stages this rank runs and which layers each
 //!    holds ([`crate::pipeline_parallel::split`]), and the pipeline's links are connected;
 //! 5. data parallelism / ZeRO over dp × cp: the executor's configuration
@@ -61,7 +62,7 @@ pub struct Parallelized {
 
 fn not_yet(what: &str) -> ParallelError {
     ParallelError::Unsupported(format!(
-        "{what} is not implemented yet: this build runs pp × dp (ZeRO 0-3) × cp × tp (+sp)"
+        "{what} is not implemented yet: this build runs pp × dp (ZeRO 0-3) × cp × ep × tp (+sp)"
     ))
 }
 
@@ -77,12 +78,17 @@ pub fn parallelize(
     cfg.validate()
         .map_err(|e| ParallelError::Config(e.to_string()))?;
     dims.validate_model(cfg, opts.seq_len)?;
+    // This rank's place among the expert-parallel ranks (pass 3); the tp pass already holds
+    // just its experts.
+    let ep_rank = if dims.ep > 1 { mesh.ep()?.rank() } else { 0 };
     // 1. Tensor (and sequence) parallelism.
     let tp = if dims.tp > 1 {
-        Some(crate::tensor_parallel::shard_model(
+        Some(crate::tensor_parallel::shard_model_with_experts(
             cfg,
             mesh.tp()?,
             dims.sp,
+            dims.ep,
+            ep_rank,
         )?)
     } else {
         None
@@ -107,10 +113,17 @@ pub fn parallelize(
     } else {
         None
     };
-    // 3. Expert parallelism.
-    if dims.ep > 1 {
-        return Err(not_yet("expert parallelism (ep > 1)"));
-    }
+    // 3. Expert parallelism: E/ep experts per rank, tokens exchanged over the ep group.
+    let ep = if dims.ep > 1 {
+        if schedule.is_some_and(|s| s.has_replicas()) {
+            return Err(not_yet(
+                "expert parallelism with DualPipe's two copies of the model",
+            ));
+        }
+        Some((mesh.ep()?, mesh.expert_parts()?))
+    } else {
+        None
+    };
     // 4. The pipeline split: this rank's stages, their parts, and which rank runs each stage.
     let pp_rank = mesh.coord("pp")?;
     let one_stage = Schedule {
@@ -168,11 +181,19 @@ pub fn parallelize(
     } else {
         None
     };
-    let mut stage = DecoderStage::new(cfg, tp, parts, opts.recompute)?;
+    let mut stage = DecoderStage::new(cfg, tp, parts, opts.recompute, (dims.ep, ep_rank))?;
     if let Some((layout, attention, seqs)) = cp {
         stage = stage.with_context(layout, Arc::new(attention), Arc::new(seqs));
     }
-    // 5. Data parallelism over dp × cp (and the pp ranks holding the same layers: DualPipe).
-    let dp = mesh.dp_cp_with_replicas(&replicas)?;
+    // 5. Data parallelism over dp × cp (and the pp ranks holding the same layers: DualPipe);
+    //    with expert parallelism over the ranks holding the same experts (dp·cp/ep), the
+    //    replicated tensors' average over ep being the stage's (crate::expert_parallel).
+    let dp = match ep {
+        Some((ep, parts)) => {
+            stage = stage.with_experts(ep, parts);
+            mesh.edp()?
+        }
+        None => mesh.dp_cp_with_replicas(&replicas)?,
+    };
     Ok(Parallelized { stage, dp, pipe })
 }

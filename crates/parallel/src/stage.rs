@@ -115,6 +115,20 @@ pub trait StageModel: Sync {
         Ok(sq(range))
     }
 
+    /// Called on the fp32 gradients of flat range `range` just before the executor reduces
+    /// them over its data-parallel group (once per step, or per backward at ZeRO-2/3); every
+    /// member of the model's groups calls it for the same ranges in the same order. Expert
+    /// parallelism averages its replicated tensors over the ep ranks here. The default leaves
+    /// them as they are.
+    fn prepare_reduction(
+        &self,
+        range: Range<usize>,
+        grads: &mut [f32],
+    ) -> Result<(), ParallelError> {
+        let _ = (range, grads);
+        Ok(())
+    }
+
     /// Whether units issue collectives inside forward / backward (tensor parallelism): then
     /// ranks that are threads of one process must not share one compute pool worker.
     fn communicates(&self) -> bool {

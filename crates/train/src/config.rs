@@ -29,6 +29,12 @@ pub struct ModelConfig {
     pub num_experts: usize,
     /// Experts per token (mixtral only).
     pub experts_per_token: usize,
+    /// Width of a shared expert every token also goes through (mixtral only; 0: none).
+    #[serde(default)]
+    pub shared_expert_size: usize,
+    /// Weight of the load-balancing auxiliary loss, summed over layers (mixtral only).
+    #[serde(default)]
+    pub aux_loss_coef: f64,
 }
 
 /// Optimisation and loop settings.
@@ -221,7 +227,7 @@ pub struct RunConfig {
 }
 
 /// The named presets.
-pub const PRESETS: [&str; 3] = ["tiny", "small", "medium"];
+pub const PRESETS: [&str; 4] = ["tiny", "small", "medium", "moe-small"];
 
 impl RunConfig {
     /// A preset by name: tiny, small or medium (see the README's trainer tour).
@@ -231,13 +237,15 @@ impl RunConfig {
             "tiny" => (256, 64, 176, 2, 4, 2, 64, 8, 1500, 3e-3),
             "small" => (256, 256, 688, 6, 8, 4, 256, 8, 2000, 1e-3),
             "medium" => (4096, 512, 1376, 8, 8, 4, 512, 4, 5000, 6e-4),
+            // Mixtral-style: 8 experts of width 344, top-2 (about small's active FLOPs).
+            "moe-small" => (256, 256, 344, 6, 8, 4, 256, 8, 2000, 1e-3),
             other => {
                 return Err(TrainError::Config(format!(
                     "unknown preset `{other}` (expected one of {PRESETS:?})"
                 )))
             }
         };
-        Ok(Self {
+        let mut cfg = Self {
             model: ModelConfig {
                 arch: "llama".into(),
                 vocab_size: v,
@@ -251,6 +259,8 @@ impl RunConfig {
                 norm_eps: 1e-5,
                 num_experts: 0,
                 experts_per_token: 0,
+                shared_expert_size: 0,
+                aux_loss_coef: 0.0,
             },
             train: TrainConfig {
                 micro_batch: b,
@@ -298,7 +308,14 @@ impl RunConfig {
                 schedule: default_schedule(),
                 bucket_mb: default_bucket_mb(),
             },
-        })
+        };
+        if name == "moe-small" {
+            cfg.model.arch = "mixtral".into();
+            cfg.model.num_experts = 8;
+            cfg.model.experts_per_token = 2;
+            cfg.model.aux_loss_coef = 0.01;
+        }
+        Ok(cfg)
     }
 
     /// Resolves preset → TOML text → overrides (`key.path=value`, value parsed as TOML,

@@ -21,6 +21,14 @@ pub struct StepRecord {
     /// The step was skipped (fp16 overflow).
     #[serde(skip_serializing_if = "std::ops::Not::not", default)]
     pub skipped: bool,
+    /// MoE: most tokens on one expert over the mean, the dropped share of assignments, and
+    /// rank 0's wait for expert parallelism's all-to-alls (ms).
+    #[serde(skip_serializing_if = "Option::is_none", default)]
+    pub expert_imbalance: Option<f64>,
+    #[serde(skip_serializing_if = "Option::is_none", default)]
+    pub dropped_fraction: Option<f64>,
+    #[serde(skip_serializing_if = "Option::is_none", default)]
+    pub all_to_all_ms: Option<f64>,
 }
 
 /// Appends records to a JSONL file.

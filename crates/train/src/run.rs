@@ -160,6 +160,12 @@ pub fn run(t: &mut Trainer, opts: &RunOptions) -> Result<RunSummary> {
             val_loss: None,
             loss_scale: t.exec.loss_scaler().dynamic.then_some(r.stats.loss_scale),
             skipped: !r.stats.applied,
+            expert_imbalance: r.experts.map(|e| e.imbalance),
+            dropped_fraction: r.experts.map(|e| e.dropped),
+            all_to_all_ms: r
+                .experts
+                .filter(|_| t.dims.ep > 1)
+                .map(|e| e.all_to_all_s * 1e3),
         };
         let every = t.cfg.train.eval_every;
         if (every > 0 && r.step % every == 0) || r.step == total {
@@ -178,9 +184,20 @@ pub fn run(t: &mut Trainer, opts: &RunOptions) -> Result<RunSummary> {
                 tokens: r.tokens,
             };
             let m = t.memory();
+            let experts = r.experts.map_or(String::new(), |e| {
+                let a2a = rec
+                    .all_to_all_ms
+                    .map_or(String::new(), |ms| format!(" all-to-all {ms:.1} ms"));
+                format!(
+                    " | experts max/mean {:.2} dropped {:.1}%{a2a}",
+                    e.imbalance,
+                    100.0 * e.dropped
+                )
+            });
             c.step(&status, rec.grad_norm, dt * 1e3, || {
                 let mib = |b: usize| b as f64 / (1024.0 * 1024.0);
-                format!(
+                experts
+                    + &format!(
                     " | mem/rank params {:.2} grads {:.2} master+optim {:.2} comm {:.2} act {:.2} MiB",
                     mib(m.params),
                     mib(m.grads),

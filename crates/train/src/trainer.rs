@@ -40,6 +40,13 @@ pub fn model_config(cfg: &RunConfig) -> model::ModelConfig {
     mc.max_position_embeddings = m.seq_len;
     if m.arch == "mixtral" {
         mc = mc.with_experts(m.num_experts, m.experts_per_token);
+        if m.shared_expert_size > 0 {
+            mc.shared_expert_intermediate_size = Some(m.shared_expert_size);
+        }
+        if m.aux_loss_coef > 0.0 {
+            mc.output_router_logits = true;
+            mc.router_aux_loss_coef = m.aux_loss_coef as f32;
+        }
     }
     mc
 }
@@ -88,6 +95,12 @@ pub fn from_model_config(
         } else {
             0
         },
+        shared_expert_size: 0,
+        aux_loss_coef: if mc.is_moe() {
+            f32_decimal(mc.effective_aux_coef())
+        } else {
+            0.0
+        },
     })
 }
 
@@ -101,10 +114,22 @@ fn f32_decimal(x: f32) -> f64 {
 /// every parameter including the embedding table (the convention of the PyTorch reference
 /// figures in docs/PERFORMANCE.md), L layers, H hidden size, S sequence length. The second
 /// term is attention's QKᵀ and AV products, forward and backward. Every layout counts the full
-/// model's N, so the MFU of a parallel run divides the same work by all the cores it uses.
+/// model's N, so the MFU of a parallel run divides the same work by all the cores it uses. A
+/// MoE token only goes through `experts_per_token` of the experts: N counts those (the
+/// active parameters), not the `3·H·F` weights of each of the others in every layer.
 pub fn flops_per_token(cfg: &RunConfig, num_params: usize) -> f64 {
     let m = &cfg.model;
-    6.0 * num_params as f64 + 12.0 * (m.num_layers * m.hidden_size * m.seq_len) as f64
+    let idle_experts = if m.arch == "mixtral" {
+        m.num_layers
+            * m.num_experts.saturating_sub(m.experts_per_token)
+            * 3
+            * m.hidden_size
+            * m.intermediate_size
+    } else {
+        0
+    };
+    let active = num_params.saturating_sub(idle_experts);
+    6.0 * active as f64 + 12.0 * (m.num_layers * m.hidden_size * m.seq_len) as f64
 }
 
 /// HF `config.json` text: the model config plus `architectures` / `model_type`, which
@@ -136,6 +161,19 @@ pub struct StepReport {
     pub stats: StepStats,
     /// Tokens of the global batch.
     pub tokens: usize,
+    /// MoE models: how the step's tokens spread over the experts.
+    pub experts: Option<ExpertLoad>,
+}
+
+/// The experts' load in one step, over every rank and MoE layer.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct ExpertLoad {
+    /// Most tokens routed to one expert over the mean per expert.
+    pub imbalance: f64,
+    /// Assignments dropped by the expert capacity, over all assignments.
+    pub dropped: f64,
+    /// Seconds this rank waited for expert parallelism's all-to-alls (0 without ep).
+    pub all_to_all_s: f64,
 }
 
 /// A rank's model part, executor, data, and where the run is.
@@ -155,6 +193,8 @@ pub struct Trainer {
     pub tokenizer_json: Option<Vec<u8>>,
     pub step: usize,
     pub tokens_seen: u64,
+    /// Expert parallelism's all-to-all wait so far (the profile's cumulative seconds).
+    expert_wait_seen: f64,
     /// Resident set of the process before the model state existed (memory reports).
     pub baseline_rss: Option<u64>,
 }
@@ -330,6 +370,10 @@ impl Trainer {
             // The action trace gives the measured bubble (an Instant per action).
             exec.enable_trace();
         }
+        if dims.ep > 1 {
+            // The all-to-all wait of every step (metrics.jsonl, the progress line).
+            model::profile::enable(true);
+        }
         let sampler = Sampler {
             seed,
             seq_len: cfg.model.seq_len,
@@ -357,6 +401,7 @@ impl Trainer {
             tokenizer_json,
             step: 0,
             tokens_seen: 0,
+            expert_wait_seen: 0.0,
             baseline_rss,
             cfg,
         })
@@ -431,12 +476,14 @@ impl Trainer {
         self.step += 1;
         let tokens = self.tokens_per_step();
         self.tokens_seen += tokens as u64;
+        let experts = self.expert_load()?;
         Ok(StepReport {
             step: self.step,
             loss,
             lr,
             stats,
             tokens,
+            experts,
         })
     }
 
@@ -452,6 +499,41 @@ impl Trainer {
             sum += self.exec.evaluate(&batch).map_err(perr)? as f64;
         }
         Ok(Some(sum / self.cfg.train.eval_batches as f64))
+    }
+
+    /// The MoE layers' load of the step just run, summed over every rank (a collective over
+    /// the world for MoE models; `None` for dense ones).
+    fn expert_load(&mut self) -> Result<Option<ExpertLoad>> {
+        if self.cfg.model.arch != "mixtral" {
+            return Ok(None);
+        }
+        let load = self.exec.model().take_moe_load();
+        let e = self.cfg.model.num_experts;
+        let mut v: Vec<i64> = (0..e)
+            .map(|i| load.tokens_per_expert.get(i).copied().unwrap_or(0) as i64)
+            .collect();
+        v.push(load.dropped as i64);
+        if self.comm.size() > 1 {
+            self.comm.all_reduce(&mut v, comm::ReduceOp::Sum)?;
+        }
+        let total: i64 = v[..e].iter().sum();
+        let max = v[..e].iter().copied().max().unwrap_or(0);
+        let mean = total as f64 / e.max(1) as f64;
+        let waited = model::profile::report()
+            .into_iter()
+            .find(|(k, _)| *k == model::profile::Kernel::ExpertExchange)
+            .map_or(0.0, |(_, s)| s);
+        let all_to_all_s = waited - self.expert_wait_seen;
+        self.expert_wait_seen = waited;
+        Ok(Some(ExpertLoad {
+            imbalance: if mean > 0.0 { max as f64 / mean } else { 0.0 },
+            dropped: if total > 0 {
+                v[e] as f64 / total as f64
+            } else {
+                0.0
+            },
+            all_to_all_s,
+        }))
     }
 
     /// The pipeline's measured bubble beside the simulator's (pp > 1; on the pp group's rank

@@ -41,7 +41,7 @@ pub enum Ffn {
 #[derive(Debug, Clone)]
 enum FfnCache {
     Dense(MlpCache),
-    Moe(MoeCache),
+    Moe(Box<MoeCache>),
 }
 
 /// A decoder block (views relative to the block's parameter range).
@@ -154,7 +154,7 @@ impl Block {
             Ffn::Moe(m) => {
                 let (y, c) = m.forward(p, &xn2, pass)?;
                 let aux = m.aux_coef * c.aux;
-                (y, FfnCache::Moe(c), aux)
+                (y, FfnCache::Moe(Box::new(c)), aux)
             }
         };
         y = self.exit(y)?;
@@ -225,7 +225,7 @@ impl Block {
         let dxn2 = match (&self.ffn, s.ffn) {
             (Ffn::Dense(m), FfnCache::Dense(c)) => m.backward_input(p, &xn2, c, dm, &mut store)?,
             (Ffn::Moe(m), FfnCache::Moe(c)) => {
-                m.backward_input(p, &xn2, c, dm, &pass, &mut store)?
+                m.backward_input(p, &xn2, *c, dm, &pass, &mut store)?
             }
             _ => unreachable!("cache built by this block's own forward"),
         };

@@ -35,6 +35,23 @@ pub struct Moe {
     /// With the sequences split over ranks (context parallelism): the group the auxiliary
     /// loss's statistics `f_e`, `P_e` are summed over, so that they are the whole batch's.
     pub seq_group: Option<Arc<dyn super::SequenceGroup>>,
+    /// The global index of `experts[0]` (expert parallelism: this rank holds
+    /// `first_expert..first_expert + experts.len()`).
+    pub first_expert: usize,
+    /// Expert parallelism: the ranks holding the other experts, which tokens are sent to.
+    pub exchange: Option<Arc<dyn ExpertExchange>>,
+}
+
+/// The ranks the experts are spread over (expert parallelism): member `r` of `size()` holds
+/// experts `r·E/size ..(r+1)·E/size`, and tokens travel to the members holding their experts
+/// and back.
+pub trait ExpertExchange: Send + Sync + std::fmt::Debug {
+    fn size(&self) -> usize;
+    fn rank(&self) -> usize;
+    /// Starts an all-to-all of variable-length buffers (`send[d]` to member d); the returned
+    /// function waits for it and gives what each member sent this one, in member order.
+    #[allow(clippy::type_complexity)]
+    fn all_to_all(&self, send: Vec<Vec<f32>>) -> Box<dyn FnOnce() -> Result<Vec<Vec<f32>>> + Send>;
 }
 
 /// The routing decisions of one forward.
@@ -77,11 +94,24 @@ pub struct ExpertCache {
     pub out: Act,
 }
 
+/// Expert parallelism's side of a forward: per member, how many rows of each of its experts
+/// came from each member (`[member][local expert]`), and the outputs of this rank's own
+/// assignments as they came back (in the order they were sent).
+#[derive(Debug, Clone)]
+pub struct Dispatch {
+    pub received: Vec<Vec<usize>>,
+    pub returned: Vec<Vec<f32>>,
+}
+
 /// Everything MoE backward needs.
 #[derive(Debug, Clone)]
 pub struct MoeCache {
     pub routing: Routing,
+    /// Per held expert: its inputs (all ranks' rows under expert parallelism), MLP cache and
+    /// outputs.
     pub experts: Vec<Option<ExpertCache>>,
+    /// Expert parallelism: the exchange's bookkeeping.
+    pub dispatch: Option<Dispatch>,
     pub shared: Option<MlpCache>,
     /// Unweighted auxiliary loss `L_aux` of this layer.
     pub aux: f32,
@@ -100,7 +130,13 @@ impl MoeCache {
             .flatten()
             .map(|e| super::act_bytes(&e.x) + e.mlp.bytes() + super::act_bytes(&e.out))
             .sum();
-        self.routing.bytes() + experts + self.shared.as_ref().map_or(0, MlpCache::bytes)
+        let returned: usize = self
+            .dispatch
+            .iter()
+            .flat_map(|d| d.returned.iter())
+            .map(|r| super::act_bytes(r))
+            .sum();
+        self.routing.bytes() + experts + returned + self.shared.as_ref().map_or(0, MlpCache::bytes)
     }
 }
 
@@ -163,8 +199,68 @@ impl Moe {
         let keep_product = pass.recompute != super::Recompute::Selective;
         let routing = self.route(p, x)?;
         let t_n = x.len() / hidden;
-        let k = self.top_k;
         let mut y = vec![0.0; x.len()];
+        let (caches, dispatch, shared) = match &self.exchange {
+            Some(ex) => {
+                let (c, d, s) = self.forward_parallel(p, x, &routing, keep_product, ex, &mut y)?;
+                (c, Some(d), s)
+            }
+            None => {
+                let caches = self.forward_local(p, x, &routing, keep_product, &mut y)?;
+                let shared = match &self.shared {
+                    Some(s) => {
+                        let (ys, c) = s.forward(p, x, keep_product)?;
+                        y.iter_mut().zip(&ys).for_each(|(a, b)| *a += b);
+                        Some(c)
+                    }
+                    None => None,
+                };
+                (caches, None, shared)
+            }
+        };
+        let e_n = self.num_experts();
+        // [assignments per expert, probability sum per expert, tokens], summed over the
+        // sequence group when the sequences are split.
+        let mut stats: Vec<f64> = routing.counts.iter().map(|&c| c as f64).collect();
+        stats.extend((0..e_n).map(|e| {
+            (0..t_n)
+                .map(|t| routing.probs[t * e_n + e] as f64)
+                .sum::<f64>()
+        }));
+        stats.push(t_n as f64);
+        if let Some(g) = &self.seq_group {
+            g.sum(&mut stats)?;
+        }
+        let tokens = stats[2 * e_n];
+        let mut aux = 0.0f64;
+        for e in 0..e_n {
+            aux += (stats[e] / tokens) * (stats[e_n + e] / tokens);
+        }
+        let aux_f = (0..e_n).map(|e| (stats[e] / tokens) as f32).collect();
+        let cache = MoeCache {
+            routing,
+            experts: caches,
+            dispatch,
+            shared,
+            aux: (aux * e_n as f64) as f32,
+            aux_f,
+            aux_tokens: tokens as usize,
+        };
+        Ok((y, cache))
+    }
+
+    /// The routed experts on this rank's own tokens (every expert held): adds their weighted
+    /// outputs into `y`, expert by expert.
+    fn forward_local(
+        &self,
+        p: &[f32],
+        x: &[f32],
+        routing: &Routing,
+        keep_product: bool,
+        y: &mut [f32],
+    ) -> Result<Vec<Option<ExpertCache>>> {
+        let hidden = self.router.shape[1];
+        let k = self.top_k;
         let mut caches = Vec::with_capacity(self.experts.len());
         for (e, expert) in self.experts.iter().enumerate() {
             let list = &routing.assigned[e];
@@ -195,42 +291,178 @@ impl Moe {
                 out: Arc::new(out),
             }));
         }
+        Ok(caches)
+    }
+
+    /// The routed experts under expert parallelism: each assignment's token row goes to the
+    /// member holding its expert (a header of per-expert row counts first), the members run
+    /// their experts over the rows of every member, the outputs come back in the order sent,
+    /// and are added into `y` in expert order (as [`Self::forward_local`] does); the shared
+    /// expert runs while the tokens travel and is added after the routed experts.
+    #[allow(clippy::type_complexity)]
+    fn forward_parallel(
+        &self,
+        p: &[f32],
+        x: &[f32],
+        r: &Routing,
+        keep_product: bool,
+        ex: &Arc<dyn ExpertExchange>,
+        y: &mut [f32],
+    ) -> Result<(Vec<Option<ExpertCache>>, Dispatch, Option<MlpCache>)> {
+        let hidden = self.router.shape[1];
+        let k = self.top_k;
+        let (n, per) = (ex.size(), self.experts.len());
+        let send: Vec<Vec<f32>> = time(Kernel::Router, || {
+            (0..n)
+                .map(|d| {
+                    let lists = &r.assigned[d * per..(d + 1) * per];
+                    let rows: usize = lists.iter().map(Vec::len).sum();
+                    let mut buf = Vec::with_capacity(per + rows * hidden);
+                    buf.extend(lists.iter().map(|l| l.len() as f32));
+                    for &(t, _) in lists.iter().flatten() {
+                        buf.extend_from_slice(&x[t * hidden..(t + 1) * hidden]);
+                    }
+                    buf
+                })
+                .collect()
+        });
+        let wait = ex.all_to_all(send);
+        // The shared expert overlaps the transfer; its output is added last.
         let shared = match &self.shared {
-            Some(s) => {
-                let (ys, c) = s.forward(p, x, keep_product)?;
-                y.iter_mut().zip(&ys).for_each(|(a, b)| *a += b);
-                Some(c)
-            }
+            Some(s) => Some(s.forward(p, x, keep_product)?),
             None => None,
         };
-        let e_n = self.num_experts();
-        // [assignments per expert, probability sum per expert, tokens], summed over the
-        // sequence group when the sequences are split.
-        let mut stats: Vec<f64> = routing.counts.iter().map(|&c| c as f64).collect();
-        stats.extend((0..e_n).map(|e| {
-            (0..t_n)
-                .map(|t| routing.probs[t * e_n + e] as f64)
-                .sum::<f64>()
-        }));
-        stats.push(t_n as f64);
-        if let Some(g) = &self.seq_group {
-            g.sum(&mut stats)?;
+        let recv = time(Kernel::ExpertExchange, wait)?;
+        let received: Vec<Vec<usize>> = recv
+            .iter()
+            .map(|b| b[..per].iter().map(|&c| c as usize).collect())
+            .collect();
+        // Offset of member m's rows of held expert l in its buffer.
+        let at = |m: usize, l: usize| per + received[m][..l].iter().sum::<usize>() * hidden;
+        let mut caches = Vec::with_capacity(per);
+        let mut back: Vec<Vec<f32>> = vec![Vec::new(); n];
+        for (l, expert) in self.experts.iter().enumerate() {
+            let rows: usize = received.iter().map(|c| c[l]).sum();
+            if rows == 0 {
+                caches.push(None);
+                continue;
+            }
+            let mut xs = Vec::with_capacity(rows * hidden);
+            for (m, b) in recv.iter().enumerate() {
+                xs.extend_from_slice(&b[at(m, l)..at(m, l) + received[m][l] * hidden]);
+            }
+            let (out, mlp) = expert.forward(p, &xs, keep_product)?;
+            let mut o = 0;
+            for (m, bk) in back.iter_mut().enumerate() {
+                let len = received[m][l] * hidden;
+                bk.extend_from_slice(&out[o..o + len]);
+                o += len;
+            }
+            caches.push(Some(ExpertCache {
+                x: Arc::new(xs),
+                mlp,
+                out: Arc::new(out),
+            }));
         }
-        let tokens = stats[2 * e_n];
-        let mut aux = 0.0f64;
-        for e in 0..e_n {
-            aux += (stats[e] / tokens) * (stats[e_n + e] / tokens);
-        }
-        let aux_f = (0..e_n).map(|e| (stats[e] / tokens) as f32).collect();
-        let cache = MoeCache {
-            routing,
-            experts: caches,
-            shared,
-            aux: (aux * e_n as f64) as f32,
-            aux_f,
-            aux_tokens: tokens as usize,
+        let returned = time(Kernel::ExpertExchange, ex.all_to_all(back))?;
+        time(Kernel::Router, || {
+            for (d, ret) in returned.iter().enumerate() {
+                let mut o = 0;
+                for &(t, j) in r.assigned[d * per..(d + 1) * per].iter().flatten() {
+                    let w = r.weights[t * k + j];
+                    let yt = &mut y[t * hidden..(t + 1) * hidden];
+                    for (a, b) in yt.iter_mut().zip(&ret[o..o + hidden]) {
+                        *a += w * b;
+                    }
+                    o += hidden;
+                }
+            }
+        });
+        let shared = shared.map(|(ys, c)| {
+            y.iter_mut().zip(&ys).for_each(|(a, b)| *a += b);
+            c
+        });
+        Ok((caches, Dispatch { received, returned }, shared))
+    }
+
+    /// The routed experts' backward under expert parallelism, mirroring
+    /// [`Self::forward_parallel`]: each assignment's weight gradient `dw` from the output that
+    /// came back, its output gradient `w·dy` sent to the expert's member, the members' input
+    /// gradients sent back and added into `dx` in expert order. The shared expert's backward
+    /// (given) runs while the gradients travel; its input gradient is returned.
+    #[allow(clippy::too_many_arguments, clippy::type_complexity)]
+    fn backward_parallel(
+        &self,
+        p: &[f32],
+        r: &Routing,
+        caches: Vec<Option<ExpertCache>>,
+        d: Dispatch,
+        dy: &Act,
+        ex: &Arc<dyn ExpertExchange>,
+        shared: (Option<(&SwiGlu, MlpCache)>, &Act),
+        dx: &mut [f32],
+        dw: &mut [f32],
+        store: &mut WeightGradStore,
+    ) -> Result<Option<Vec<f32>>> {
+        let hidden = self.router.shape[1];
+        let k = self.top_k;
+        let (n, per) = (ex.size(), self.experts.len());
+        let send: Vec<Vec<f32>> = time(Kernel::Router, || {
+            (0..n)
+                .map(|m| {
+                    let mut buf = Vec::with_capacity(d.returned[m].len());
+                    let mut o = 0;
+                    for &(t, j) in r.assigned[m * per..(m + 1) * per].iter().flatten() {
+                        let w = r.weights[t * k + j];
+                        let dyt = &dy[t * hidden..(t + 1) * hidden];
+                        let out = &d.returned[m][o..o + hidden];
+                        dw[t * k + j] = dyt.iter().zip(out).map(|(a, b)| a * b).sum();
+                        buf.extend(dyt.iter().map(|g| w * g));
+                        o += hidden;
+                    }
+                    buf
+                })
+                .collect()
+        });
+        let wait = ex.all_to_all(send);
+        let (shared, x) = shared;
+        let shared_dx = match shared {
+            Some((s, c)) => Some(s.backward_input(p, x, c, dy.clone(), store)?),
+            None => None,
         };
-        Ok((y, cache))
+        let recv = time(Kernel::ExpertExchange, wait)?;
+        let at = |m: usize, l: usize| d.received[m][..l].iter().sum::<usize>() * hidden;
+        let mut back: Vec<Vec<f32>> = vec![Vec::new(); n];
+        for (l, (expert, c)) in self.experts.iter().zip(caches).enumerate() {
+            let Some(c) = c else { continue };
+            let mut dout = Vec::with_capacity(c.x.len());
+            for (m, b) in recv.iter().enumerate() {
+                dout.extend_from_slice(&b[at(m, l)..at(m, l) + d.received[m][l] * hidden]);
+            }
+            let dxs = expert.backward_input(p, &c.x, c.mlp, Arc::new(dout), store)?;
+            let mut o = 0;
+            for (m, bk) in back.iter_mut().enumerate() {
+                let len = d.received[m][l] * hidden;
+                bk.extend_from_slice(&dxs[o..o + len]);
+                o += len;
+            }
+        }
+        let grads = time(Kernel::ExpertExchange, ex.all_to_all(back))?;
+        time(Kernel::Router, || {
+            for (m, g) in grads.iter().enumerate() {
+                let mut o = 0;
+                for &(t, _) in r.assigned[m * per..(m + 1) * per].iter().flatten() {
+                    for (a, b) in dx[t * hidden..(t + 1) * hidden]
+                        .iter_mut()
+                        .zip(&g[o..o + hidden])
+                    {
+                        *a += b;
+                    }
+                    o += hidden;
+                }
+            }
+        });
+        Ok(shared_dx)
     }
 
     /// Input gradient (written) from `dy`, including the router and auxiliary-loss paths;
@@ -251,32 +483,63 @@ impl Moe {
         let r = &cache.routing;
         let mut dx = vec![0.0; x.len()];
         let mut dw = vec![0.0f32; t_n * k];
-        for (e, (expert, c)) in self.experts.iter().zip(cache.experts).enumerate() {
-            let Some(c) = c else { continue };
-            let list = &r.assigned[e];
-            let mut dout = vec![0.0; list.len() * hidden];
-            time(Kernel::Router, || {
-                for (i, &(t, j)) in list.iter().enumerate() {
-                    let w = r.weights[t * k + j];
-                    let dyt = &dy[t * hidden..(t + 1) * hidden];
-                    let o = &c.out[i * hidden..(i + 1) * hidden];
-                    dw[t * k + j] = dyt.iter().zip(o).map(|(a, b)| a * b).sum();
-                    for (d, g) in dout[i * hidden..(i + 1) * hidden].iter_mut().zip(dyt) {
-                        *d = w * g;
-                    }
+        // Under expert parallelism the shared expert's input gradient is computed while the
+        // routed gradients travel, and added last, as without it.
+        let mut shared_dx = None;
+        let mut shared_cache = cache.shared;
+        match (&self.exchange, cache.dispatch) {
+            (Some(ex), Some(d)) => {
+                let shared = match (&self.shared, shared_cache.take()) {
+                    (Some(s), Some(c)) => Some((s, c)),
+                    _ => None,
+                };
+                shared_dx = self.backward_parallel(
+                    p,
+                    r,
+                    cache.experts,
+                    d,
+                    &dy,
+                    ex,
+                    (shared, x),
+                    &mut dx,
+                    &mut dw,
+                    store,
+                )?;
+            }
+            (None, None) => {
+                for (e, (expert, c)) in self.experts.iter().zip(cache.experts).enumerate() {
+                    let Some(c) = c else { continue };
+                    let list = &r.assigned[e];
+                    let mut dout = vec![0.0; list.len() * hidden];
+                    time(Kernel::Router, || {
+                        for (i, &(t, j)) in list.iter().enumerate() {
+                            let w = r.weights[t * k + j];
+                            let dyt = &dy[t * hidden..(t + 1) * hidden];
+                            let o = &c.out[i * hidden..(i + 1) * hidden];
+                            dw[t * k + j] = dyt.iter().zip(o).map(|(a, b)| a * b).sum();
+                            for (d, g) in dout[i * hidden..(i + 1) * hidden].iter_mut().zip(dyt) {
+                                *d = w * g;
+                            }
+                        }
+                    });
+                    let dxs = expert.backward_input(p, &c.x, c.mlp, Arc::new(dout), store)?;
+                    time(Kernel::Router, || {
+                        for (i, &(t, _)) in list.iter().enumerate() {
+                            for (a, b) in dx[t * hidden..(t + 1) * hidden]
+                                .iter_mut()
+                                .zip(&dxs[i * hidden..(i + 1) * hidden])
+                            {
+                                *a += b;
+                            }
+                        }
+                    });
                 }
-            });
-            let dxs = expert.backward_input(p, &c.x, c.mlp, Arc::new(dout), store)?;
-            time(Kernel::Router, || {
-                for (i, &(t, _)) in list.iter().enumerate() {
-                    for (a, b) in dx[t * hidden..(t + 1) * hidden]
-                        .iter_mut()
-                        .zip(&dxs[i * hidden..(i + 1) * hidden])
-                    {
-                        *a += b;
-                    }
-                }
-            });
+            }
+            _ => {
+                return Err(crate::ModelError::InvalidBatch(
+                    "a MoE cache from the other expert-parallel mode".into(),
+                ))
+            }
         }
         // d loss / d probs: renormalisation backward plus the auxiliary loss.
         let mut dp = vec![0.0f32; t_n * e_n];
@@ -307,8 +570,14 @@ impl Moe {
             dy: Arc::new(dlogits),
             x: x.clone(),
         });
-        if let (Some(s), Some(c)) = (&self.shared, cache.shared) {
-            let dxs = s.backward_input(p, x, c, dy, store)?;
+        let shared_dx = match shared_dx {
+            Some(d) => Some(d),
+            None => match (&self.shared, shared_cache) {
+                (Some(s), Some(c)) => Some(s.backward_input(p, x, c, dy, store)?),
+                _ => None,
+            },
+        };
+        if let Some(dxs) = shared_dx {
             dx.iter_mut().zip(&dxs).for_each(|(a, b)| *a += b);
         }
         Ok(dx)

@@ -161,13 +161,16 @@ impl<M: StageModel> Executor<M> {
         if !self.cfg.zero.shards_grads() {
             if single {
                 // One rank: the accumulated gradients are already the sum.
+                let model = &self.model;
+                self.grads
+                    .update(b, br.clone(), |g| model.prepare_reduction(br.clone(), g))?;
                 self.record(TraceKind::BucketDone(b));
                 return Ok(());
             }
             // fp32: the bucket's own allocation is all-reduced in place (lent to the
             // collective, returned in `drain`). 16-bit: an fp32 copy, since reductions run in
             // fp32.
-            let buf = if self.grads.is_f32() {
+            let mut buf = if self.grads.is_f32() {
                 match self.grads.take(b) {
                     Some(Flat::F32(v)) => v,
                     _ => {
@@ -181,15 +184,17 @@ impl<M: StageModel> Executor<M> {
                 self.comm_bytes.add(buf.len() * F32);
                 buf
             };
+            self.model.prepare_reduction(br.clone(), &mut buf)?;
             pending.push(Pending::AllReduce {
                 bucket: b,
                 work: self.dp.all_reduce_async(buf, ReduceOp::Sum),
             });
             return Ok(());
         }
-        let buf = self.staging[b].take().ok_or_else(|| {
+        let mut buf = self.staging[b].take().ok_or_else(|| {
             ParallelError::Protocol(format!("bucket {b} has no staged gradients"))
         })?;
+        self.model.prepare_reduction(br.clone(), &mut buf)?;
         if single {
             // One rank owns the whole shard: the staged gradients are the sum.
             self.grads.update(0, br.clone(), |g| {

@@ -23,4 +23,4 @@ pub use head::VocabParallelHead;
 pub use linear::{ColumnParallelLinear, RowParallelLinear};
 pub use plan::{Split, TpPlan};
 pub use region::TpRegion;
-pub use shard::{shard_model, TpShard};
+pub use shard::{shard_model, shard_model_with_experts, TpShard};

@@ -57,6 +57,20 @@ pub struct TensorShard {
     pub split: Split,
     /// The local gradient is a partial sum over the tensor's replicas.
     pub partial_grad: bool,
+    /// Expert parallelism: the tensor stacks experts and this rank holds some of them. Its
+    /// block starts `lead` rows (of the split's `[groups·rows, cols]` or `[rows, cols]` view,
+    /// counted in groups for `Rows`) into the full tensor, whose first dimension is
+    /// `full_lead`.
+    pub experts: Option<ExpertBlock>,
+}
+
+/// Where a rank's experts sit in a stacked expert tensor (see [`TensorShard::experts`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ExpertBlock {
+    /// Offset of the held block, in groups (`Rows`) or rows (`Cols`) of the full tensor.
+    pub lead: usize,
+    /// Groups (`Rows`) or rows (`Cols`) of the full tensor.
+    pub full_lead: usize,
 }
 
 /// The tensor-parallel layout of one model config at one tp size.
@@ -66,6 +80,10 @@ pub struct TpPlan {
     pub local_cfg: ModelConfig,
     pub tp: usize,
     pub sp: bool,
+    /// Expert parallelism: this rank's place among the `ep` ranks the experts are spread over
+    /// (1 and 0 without it). Tensors other than the stacked experts are replicated over them.
+    pub ep: usize,
+    pub ep_rank: usize,
     pub full_layout: ParamLayout,
     pub local_layout: ParamLayout,
     pub tensors: Vec<TensorShard>,
@@ -85,6 +103,18 @@ impl TpPlan {
     /// The plan of `cfg` over `tp` ranks (`sp`: sequence parallel). Impossible layouts are
     /// errors naming the offending size.
     pub fn new(cfg: &ModelConfig, tp: usize, sp: bool) -> Result<Self, ParallelError> {
+        Self::with_experts(cfg, tp, sp, 1, 0)
+    }
+
+    /// [`Self::new`] with the experts spread over `ep` ranks, this one `ep_rank`: it holds
+    /// experts `ep_rank·E/ep ..` of every MoE layer (each split over tp as without ep).
+    pub fn with_experts(
+        cfg: &ModelConfig,
+        tp: usize,
+        sp: bool,
+        ep: usize,
+        ep_rank: usize,
+    ) -> Result<Self, ParallelError> {
         cfg.validate()
             .map_err(|e| ParallelError::Config(e.to_string()))?;
         if tp == 0 {
@@ -124,11 +154,30 @@ impl TpPlan {
         } else {
             lc.intermediate_size = divides("intermediate_size", cfg.intermediate_size, tp)?;
         }
+        if ep > 1 {
+            if !cfg.is_moe() {
+                return Err(ParallelError::Layout(
+                    "expert parallelism (ep > 1) needs a model with experts".into(),
+                ));
+            }
+            let per = cfg.num_local_experts / ep;
+            if per == 0 || !cfg.num_local_experts.is_multiple_of(ep) || ep_rank >= ep {
+                return Err(ParallelError::Layout(format!(
+                    "num_local_experts = {} is not divisible by ep = {ep}",
+                    cfg.num_local_experts
+                )));
+            }
+            lc.expert_shard = Some(model::config::ExpertShard {
+                first: ep_rank * per,
+                count: per,
+            });
+        }
         lc.validate()
             .map_err(|e| ParallelError::Layout(format!("local shard config: {e}")))?;
         let full_layout = ParamLayout::new(cfg);
         let local_layout = ParamLayout::new(&lc);
-        let experts = cfg.num_local_experts;
+        let (first, held) = lc.held_experts();
+        let all_experts = cfg.num_local_experts;
         let tensors = local_layout
             .entries
             .iter()
@@ -161,7 +210,7 @@ impl TpPlan {
                         (Split::Cols { parts: tp }, false)
                     } else if n.ends_with("experts.gate_up_proj") {
                         let s = Split::Rows {
-                            groups: 2 * experts,
+                            groups: 2 * held,
                             parts: tp,
                         };
                         (s, false)
@@ -175,12 +224,29 @@ impl TpPlan {
                         // q, gate, up.
                         (rows, false)
                     };
+                // Stacked experts: gate_up in groups (2 per expert), down in rows (H per
+                // expert) of its [E·H, F] view.
+                let experts = if n.ends_with("experts.gate_up_proj") {
+                    Some(ExpertBlock {
+                        lead: 2 * first,
+                        full_lead: 2 * all_experts,
+                    })
+                } else if n.ends_with("experts.down_proj") {
+                    let h = full.shape[1];
+                    Some(ExpertBlock {
+                        lead: first * h,
+                        full_lead: all_experts * h,
+                    })
+                } else {
+                    None
+                };
                 Ok(TensorShard {
                     name: e.name.clone(),
                     full,
                     local: e.view.clone(),
                     split,
                     partial_grad,
+                    experts,
                 })
             })
             .collect::<Result<Vec<_>, ParallelError>>()?;
@@ -189,6 +255,8 @@ impl TpPlan {
             local_cfg: lc,
             tp,
             sp,
+            ep,
+            ep_rank,
             full_layout,
             local_layout,
             tensors,
@@ -222,6 +290,12 @@ impl TpPlan {
         rank.is_multiple_of(self.tp / split.parts())
     }
 
+    /// Whether tp rank `rank` of this ep rank holds the counted copy of tensor `t`: its tp
+    /// part's first holder, and for tensors replicated over the ep ranks the first of those.
+    pub fn owns_tensor(&self, t: &TensorShard, rank: usize) -> bool {
+        self.owns(rank, t.split) && (t.experts.is_some() || self.ep_rank == 0)
+    }
+
     /// The block of tensor `t`'s full view that rank `rank` holds, as a [`TensorSlice`]; its
     /// elements are the first `numel()` of the rank's local tensor (a vocabulary shard's
     /// padding rows follow them and are in no slice).
@@ -230,23 +304,26 @@ impl TpPlan {
         let shape = &t.full.shape;
         let part = self.part(rank, t.split.parts());
         let cols = *shape.last().expect("a tensor has a shape");
+        let (lead, full_lead) = t.experts.map_or((0, None), |e| (e.lead, Some(e.full_lead)));
         let (view, offset, local) = match t.split {
             Split::Replicated => (shape.clone(), vec![0; shape.len()], shape.clone()),
             Split::Rows { groups, parts } => {
-                let rows = numel / groups / cols;
+                let full_groups = full_lead.unwrap_or(groups);
+                let rows = numel / full_groups / cols;
                 let n = rows / parts;
                 (
-                    vec![groups, rows, cols],
-                    vec![0, part * n, 0],
+                    vec![full_groups, rows, cols],
+                    vec![lead, part * n, 0],
                     vec![groups, n, cols],
                 )
             }
             Split::Cols { parts } => {
                 let c = cols / parts;
+                let local_rows = t.local.numel() / (cols / parts);
                 (
                     vec![numel / cols, cols],
-                    vec![0, part * c],
-                    vec![numel / cols, c],
+                    vec![lead, part * c],
+                    vec![local_rows, c],
                 )
             }
             Split::PaddedRows { rows, .. } => {
@@ -277,9 +354,11 @@ impl TpPlan {
         match t.split {
             Split::Replicated => mv(fv, lv),
             Split::Rows { groups, .. } => {
+                let (lead, full_groups) = t.experts.map_or((0, groups), |e| (e.lead, e.full_lead));
                 let n = lv.len() / groups;
+                let group_len = fv.len() / full_groups;
                 for (gi, l) in lv.chunks_mut(n).enumerate() {
-                    let start = gi * fv.len() / groups + part * n;
+                    let start = (lead + gi) * group_len + part * n;
                     mv(&mut fv[start..start + n], l);
                 }
             }
@@ -297,7 +376,8 @@ impl TpPlan {
             Split::Cols { parts } => {
                 let cols = *t.full.shape.last().expect("matrix");
                 let c = cols / parts;
-                for (f, l) in fv.chunks_mut(cols).zip(lv.chunks_mut(c)) {
+                let lead = t.experts.map_or(0, |e| e.lead);
+                for (f, l) in fv.chunks_mut(cols).skip(lead).zip(lv.chunks_mut(c)) {
                     mv(&mut f[part * c..(part + 1) * c], l);
                 }
             }

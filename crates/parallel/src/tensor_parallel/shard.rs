@@ -44,7 +44,19 @@ pub fn shard_model(
     group: ProcessGroup,
     sp: bool,
 ) -> Result<(Model, TpShard), ParallelError> {
-    let plan = TpPlan::new(cfg, group.size(), sp)?;
+    shard_model_with_experts(cfg, group, sp, 1, 0)
+}
+
+/// [`shard_model`] holding rank `ep_rank`'s share of the experts of `ep` expert-parallel ranks
+/// ([`TpPlan::with_experts`]).
+pub fn shard_model_with_experts(
+    cfg: &ModelConfig,
+    group: ProcessGroup,
+    sp: bool,
+    ep: usize,
+    ep_rank: usize,
+) -> Result<(Model, TpShard), ParallelError> {
+    let plan = TpPlan::with_experts(cfg, group.size(), sp, ep, ep_rank)?;
     let region = TpRegion::new(group, sp);
     let mut local = plan.local_model()?;
     let hooks: Arc<dyn model::layers::block::RegionHooks> = Arc::new(region.clone());

@@ -302,7 +302,7 @@ fn run_decoder(
 }
 
 /// The full model's buffer (its flat layout) from the ranks' buffers `pick` selects, through
-/// their placements.
+/// their placements (each tensor block from the ranks that own it).
 pub fn assemble(
     cfg: &model::ModelConfig,
     runs: &[RankRun],
@@ -310,9 +310,11 @@ pub fn assemble(
 ) -> Vec<f32> {
     let layout = model::ParamLayout::new(cfg);
     let mut full = vec![f32::NAN; layout.total()];
-    for r in runs.iter().filter(|r| r.dp_rank == 0) {
+    // Every rank's counted copies (replicas over dp hold the same values; expert-parallel
+    // ranks are dp ranks holding different experts).
+    for r in runs {
         let buf = pick(r);
-        for p in &r.placements {
+        for p in r.placements.iter().filter(|p| p.owner) {
             let base = layout.get(&p.slice.name).unwrap().view.offset;
             for run in p.slice.runs(0..p.slice.numel()) {
                 let src = p.start + run.slice;
