@@ -230,7 +230,7 @@ pub struct RunConfig {
 pub const PRESETS: [&str; 4] = ["tiny", "small", "medium", "moe-small"];
 
 impl RunConfig {
-    /// A preset by name: tiny, small or medium (see the README's trainer tour).
+    /// A preset by name: tiny, small, medium or moe-small (see the README's trainer tour).
     pub fn preset(name: &str) -> Result<Self> {
         // (vocab, hidden, ffn, layers, heads, kv heads, seq, batch, steps, lr)
         let (v, h, f, l, nh, kv, s, b, steps, lr) = match name {

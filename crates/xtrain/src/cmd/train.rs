@@ -105,7 +105,7 @@ pub struct TrainArgs {
     /// TOML run configuration (applied on top of the preset).
     #[arg(long)]
     pub config: Option<PathBuf>,
-    /// Base preset: tiny, small or medium (default tiny).
+    /// Base preset: tiny, small, medium or moe-small (default tiny).
     #[arg(long)]
     pub preset: Option<String>,
     /// Dataset: a `.tok` token file or a text file (default: the built-in corpus).
