@@ -73,6 +73,11 @@ pub struct ModelConfig {
     pub shared_expert_intermediate_size: Option<usize>,
     #[serde(default)]
     pub capacity_factor: Option<f32>,
+    /// Which assignments an expert over capacity keeps: `"position"` (the first in token
+    /// order, the default) or `"probability"` (the most probable, Switch Transformer's
+    /// priority). Not a Hugging Face field.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub capacity_drop: Option<String>,
     /// Expert parallelism: the experts this model instance holds (the router still scores
     /// all `num_local_experts`). Not part of the Hugging Face config; `None`: all of them.
     #[serde(skip)]
@@ -116,6 +121,7 @@ impl ModelConfig {
             moe_intermediate_size: None,
             shared_expert_intermediate_size: None,
             capacity_factor: None,
+            capacity_drop: None,
             expert_shard: None,
         }
     }
@@ -270,6 +276,13 @@ impl ModelConfig {
             }
             if self.expert_ffn() == 0 {
                 return bad("moe_intermediate_size must be > 0".into());
+            }
+            if let Some(d) = &self.capacity_drop {
+                if d != "position" && d != "probability" {
+                    return bad(format!(
+                        "capacity_drop `{d}` (expected position or probability)"
+                    ));
+                }
             }
             if let Some(cf) = self.capacity_factor {
                 if !(cf > 0.0 && cf.is_finite()) {

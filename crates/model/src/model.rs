@@ -176,6 +176,7 @@ impl Model {
                         }),
                         top_k: cfg.num_experts_per_tok,
                         capacity_factor: cfg.capacity_factor,
+                        drop_by_probability: cfg.capacity_drop.as_deref() == Some("probability"),
                         aux_coef: cfg.effective_aux_coef() / layers as f32,
                         seq_group: None,
                     })

@@ -214,6 +214,32 @@ fn moe_routing_semantics() {
     let (y2, c2) = free.forward(pb, &x, &pass).unwrap();
     assert_eq!(y1, y2);
     assert_eq!(c2.routing.dropped(), 0);
+    // Dropping by probability: each expert over capacity keeps its `cap` most probable
+    // assignments (in token order), and no kept assignment is less probable than a dropped
+    // one of the same expert.
+    let mut prob = moe.clone();
+    prob.drop_by_probability = true;
+    let rp = prob.route(pb, &x).unwrap();
+    for e in 0..e_n {
+        let kept = &rp.assigned[e];
+        assert_eq!(kept.len(), rp.counts[e].min(cap));
+        assert!(kept.windows(2).all(|w| w[0].0 < w[1].0), "token order");
+        let min_kept = kept
+            .iter()
+            .map(|&(t, _)| rp.probs[t * e_n + e])
+            .fold(f32::INFINITY, f32::min);
+        for t in 0..t {
+            for j in 0..k {
+                let chosen = rp.experts[t * k + j] == e;
+                let is_kept = kept.contains(&(t, j));
+                if chosen && !is_kept {
+                    assert!(rp.probs[t * e_n + e] <= min_kept, "expert {e} token {t}");
+                }
+            }
+        }
+    }
+    assert_eq!(rp.dropped(), rt.dropped(), "the same number dropped");
+    assert_ne!(rp.assigned, rt.assigned, "but other assignments");
 }
 
 #[test]

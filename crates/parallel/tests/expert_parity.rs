@@ -1,7 +1,7 @@
 //! Expert parallelism through the one path, against the single process on the same global
 //! batch: a Mixtral-style decoder with 8 experts, top-2 (with and without a shared expert and
 //! the auxiliary loss), ep ∈ {1, 2, 4} dropless and with an expert capacity (the same drop
-//! rule), and ep composed with dp at every ZeRO stage, with tp (± sp), with pipelines and with
+//! rule: in token order, or the most probable kept), and ep composed with dp at every ZeRO stage, with tp (± sp), with pipelines and with
 //! context parallelism. fp32: every loss of 5 AdamW steps and every parameter within 1e-5.
 //! Also the dispatcher alone (identity experts give back the input, and the gradient), loads
 //! that leave a rank's experts empty or send every token to one expert, and the all-to-all
@@ -103,6 +103,9 @@ fn expert_parallel_matches_single_process_dropless_and_with_capacity() {
     for (e, dp) in [(2, 2), (4, 4)] {
         check(&capped, ep(e, dp));
     }
+    // The same with the most probable assignments kept.
+    capped.capacity_drop = Some("probability".into());
+    check(&capped, ep(2, 2));
 }
 
 #[test]

@@ -35,6 +35,18 @@ pub struct ModelConfig {
     /// Weight of the load-balancing auxiliary loss, summed over layers (mixtral only).
     #[serde(default)]
     pub aux_loss_coef: f64,
+    /// Expert capacity factor: each expert takes at most ⌈c·tokens·k/E⌉ assignments of a
+    /// micro-batch (mixtral only; 0: dropless).
+    #[serde(default)]
+    pub capacity_factor: f64,
+    /// Which assignments an expert over capacity keeps: `position` (the first in token order)
+    /// or `probability` (the most probable).
+    #[serde(default = "default_capacity_drop")]
+    pub capacity_drop: String,
+}
+
+fn default_capacity_drop() -> String {
+    "position".into()
 }
 
 /// Optimisation and loop settings.
@@ -261,6 +273,8 @@ impl RunConfig {
                 experts_per_token: 0,
                 shared_expert_size: 0,
                 aux_loss_coef: 0.0,
+                capacity_factor: 0.0,
+                capacity_drop: default_capacity_drop(),
             },
             train: TrainConfig {
                 micro_batch: b,
@@ -448,6 +462,9 @@ impl RunConfig {
             return bad("train.loss_scale must be >= 1".into());
         }
         self.recompute()?;
+        crate::trainer::model_config(self)
+            .validate()
+            .map_err(|e| TrainError::Config(format!("model: {e}")))?;
         let (cp_balance, _) = self.cp_options()?;
         let dims = self.parallel.dims()?;
         dims.validate(self.parallel.nproc).map_err(pconf)?;

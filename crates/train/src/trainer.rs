@@ -47,6 +47,10 @@ pub fn model_config(cfg: &RunConfig) -> model::ModelConfig {
             mc.output_router_logits = true;
             mc.router_aux_loss_coef = m.aux_loss_coef as f32;
         }
+        if m.capacity_factor > 0.0 {
+            mc.capacity_factor = Some(m.capacity_factor as f32);
+            mc.capacity_drop = Some(m.capacity_drop.clone());
+        }
     }
     mc
 }
@@ -96,6 +100,8 @@ pub fn from_model_config(
             0
         },
         shared_expert_size: 0,
+        capacity_factor: 0.0,
+        capacity_drop: "position".into(),
         aux_loss_coef: if mc.is_moe() {
             f32_decimal(mc.effective_aux_coef())
         } else {

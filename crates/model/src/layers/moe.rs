@@ -1,7 +1,7 @@
 //! Mixtral-style mixture of experts: a softmax router over all experts, top-k selection with the
 //! k weights renormalised to sum to one, SwiGLU experts, an optional shared expert, optional
-//! capacity (assignments beyond capacity are dropped, in token order) and the Switch/Mixtral
-//! auxiliary load-balancing loss.
+//! capacity (assignments beyond capacity are dropped: the last in token order, or the least
+//! probable) and the Switch/Mixtral auxiliary load-balancing loss.
 //!
 //! Math, for tokens `t < T`, experts `e < E`, router probabilities `p = softmax(x·W_rᵀ)`, the
 //! top-k set `K_t` and `S_t = Σ_{e∈K_t} p_te`:
@@ -30,6 +30,8 @@ pub struct Moe {
     pub top_k: usize,
     /// `None`: dropless. `Some(c)`: each expert takes at most `ceil(c·T·k/E)` assignments.
     pub capacity_factor: Option<f32>,
+    /// Over capacity, keep the most probable assignments (else the first in token order).
+    pub drop_by_probability: bool,
     /// Weight of this layer's auxiliary loss in the total loss (0 = off).
     pub aux_coef: f32,
     /// With the sequences split over ranks (context parallelism): the group the auxiliary
@@ -178,8 +180,19 @@ impl Moe {
                 for j in 0..k {
                     let e = experts[t * k + j];
                     counts[e] += 1;
-                    if capacity.is_none_or(|c| assigned[e].len() < c) {
+                    if self.drop_by_probability || capacity.is_none_or(|c| assigned[e].len() < c) {
                         assigned[e].push((t, j));
+                    }
+                }
+            }
+            if let (Some(c), true) = (capacity, self.drop_by_probability) {
+                // Keep each expert's `c` most probable assignments (ties: the earlier token),
+                // then back in token order.
+                for (e, list) in assigned.iter_mut().enumerate() {
+                    if list.len() > c {
+                        list.sort_by(|a, b| probs[b.0 * e_n + e].total_cmp(&probs[a.0 * e_n + e]));
+                        list.truncate(c);
+                        list.sort_unstable();
                     }
                 }
             }
