@@ -78,6 +78,11 @@ pub struct ModelConfig {
     /// priority). Not a Hugging Face field.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub capacity_drop: Option<String>,
+    /// Auxiliary-loss-free load balancing (DeepSeek-V3): a per-expert bias added to the
+    /// router's probabilities when choosing the top-k (not to the weights), kept by the
+    /// trainer. Not a Hugging Face field.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub router_bias: bool,
     /// Expert parallelism: the experts this model instance holds (the router still scores
     /// all `num_local_experts`). Not part of the Hugging Face config; `None`: all of them.
     #[serde(skip)]
@@ -122,6 +127,7 @@ impl ModelConfig {
             shared_expert_intermediate_size: None,
             capacity_factor: None,
             capacity_drop: None,
+            router_bias: false,
             expert_shard: None,
         }
     }

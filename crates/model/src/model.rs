@@ -177,6 +177,9 @@ impl Model {
                         top_k: cfg.num_experts_per_tok,
                         capacity_factor: cfg.capacity_factor,
                         drop_by_probability: cfg.capacity_drop.as_deref() == Some("probability"),
+                        bias: cfg.router_bias.then(|| {
+                            Arc::new(std::sync::RwLock::new(vec![0.0; cfg.num_local_experts]))
+                        }),
                         aux_coef: cfg.effective_aux_coef() / layers as f32,
                         seq_group: None,
                     })
@@ -230,6 +233,46 @@ impl Model {
     }
 
     /// Deterministically initialised parameters for `seed`.
+    /// Every layer's router balancing bias (empty for layers without one).
+    pub fn router_biases(&self) -> Vec<Vec<f32>> {
+        self.blocks
+            .iter()
+            .map(|b| match &b.ffn {
+                Ffn::Moe(m) => m.bias.as_ref().map_or(Vec::new(), |x| {
+                    x.read().unwrap_or_else(|e| e.into_inner()).clone()
+                }),
+                _ => Vec::new(),
+            })
+            .collect()
+    }
+
+    /// Sets the router balancing biases (one per layer, as [`Self::router_biases`] gives).
+    pub fn set_router_biases(&self, biases: &[Vec<f32>]) -> Result<()> {
+        if biases.len() != self.blocks.len() {
+            return Err(ModelError::InvalidConfig(format!(
+                "{} router biases for {} layers",
+                biases.len(),
+                self.blocks.len()
+            )));
+        }
+        for (b, new) in self.blocks.iter().zip(biases) {
+            if let Ffn::Moe(m) = &b.ffn {
+                if let Some(x) = &m.bias {
+                    let mut x = x.write().unwrap_or_else(|e| e.into_inner());
+                    if new.len() != x.len() {
+                        return Err(ModelError::InvalidConfig(format!(
+                            "a router bias of {} experts for {}",
+                            new.len(),
+                            x.len()
+                        )));
+                    }
+                    x.copy_from_slice(new);
+                }
+            }
+        }
+        Ok(())
+    }
+
     pub fn init_params(&self, seed: u64) -> Vec<f32> {
         let mut p = vec![0.0; self.layout.total()];
         crate::init::init_params(&self.layout, self.cfg.initializer_range, seed, &mut p);

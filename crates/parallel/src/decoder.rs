@@ -76,12 +76,12 @@ struct Held {
     experts: bool,
 }
 
-/// Routed tokens of the MoE layers since the last [`DecoderStage::take_moe_load`]: per expert
-/// (summed over layers), and the assignments dropped by a capacity. Training forwards only,
-/// counted on tp rank 0 (the tp ranks route the same tokens).
+/// Routed tokens of the MoE layers since the last [`DecoderStage::take_moe_load`]: per layer
+/// (global index) and expert, and the assignments dropped by a capacity. Training forwards
+/// only, counted on tp rank 0 (the tp ranks route the same tokens).
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct MoeLoad {
-    pub tokens_per_expert: Vec<u64>,
+    pub tokens: std::collections::BTreeMap<usize, Vec<u64>>,
     pub dropped: u64,
 }
 
@@ -439,8 +439,8 @@ impl StageModel for DecoderStage {
                 let aux = act.aux + cache.aux_loss();
                 if let (Some(r), true, 0) = (cache.routing(), scale != 0.0, self.tp_rank()) {
                     let mut l = self.moe_load.lock().unwrap_or_else(|e| e.into_inner());
-                    l.tokens_per_expert.resize(r.counts.len(), 0);
-                    for (a, &c) in l.tokens_per_expert.iter_mut().zip(&r.counts) {
+                    let layer = l.tokens.entry(i).or_insert_with(|| vec![0; r.counts.len()]);
+                    for (a, &c) in layer.iter_mut().zip(&r.counts) {
                         *a += c as u64;
                     }
                     l.dropped += r.dropped() as u64;

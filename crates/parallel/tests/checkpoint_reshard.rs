@@ -26,6 +26,7 @@ fn meta(dp: usize, stage: ZeroStage, e: &Executor<ToyModel>) -> SaveMeta {
             data_seed: 0,
             adam_step: e.step_count(),
             loss_scaler: *e.loss_scaler(),
+            router_bias: Vec::new(),
         },
         files: vec![("note.txt".into(), b"toy".to_vec())],
     }

@@ -43,6 +43,10 @@ pub struct ModelConfig {
     /// or `probability` (the most probable).
     #[serde(default = "default_capacity_drop")]
     pub capacity_drop: String,
+    /// Auxiliary-loss-free balancing (DeepSeek-V3): the rate γ at which each expert's
+    /// routing bias moves towards balance after every step (mixtral only; 0: off).
+    #[serde(default)]
+    pub bias_balance_rate: f64,
 }
 
 fn default_capacity_drop() -> String {
@@ -275,6 +279,7 @@ impl RunConfig {
                 aux_loss_coef: 0.0,
                 capacity_factor: 0.0,
                 capacity_drop: default_capacity_drop(),
+                bias_balance_rate: 0.0,
             },
             train: TrainConfig {
                 micro_batch: b,

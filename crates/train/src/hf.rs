@@ -101,6 +101,7 @@ pub fn from_hf(dir: &Path, out: &Path, preset: &str, overrides: &[String]) -> Re
             data_seed: cfg.train.seed,
             adam_step: 0,
             loss_scaler: LossScaler::new(cfg.train.precision, cfg.train.loss_scale),
+            router_bias: Vec::new(),
         },
         files,
     };

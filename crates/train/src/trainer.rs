@@ -47,6 +47,7 @@ pub fn model_config(cfg: &RunConfig) -> model::ModelConfig {
             mc.output_router_logits = true;
             mc.router_aux_loss_coef = m.aux_loss_coef as f32;
         }
+        mc.router_bias = m.bias_balance_rate > 0.0;
         if m.capacity_factor > 0.0 {
             mc.capacity_factor = Some(m.capacity_factor as f32);
             mc.capacity_drop = Some(m.capacity_drop.clone());
@@ -102,6 +103,7 @@ pub fn from_model_config(
         shared_expert_size: 0,
         capacity_factor: 0.0,
         capacity_drop: "position".into(),
+        bias_balance_rate: 0.0,
         aux_loss_coef: if mc.is_moe() {
             f32_decimal(mc.effective_aux_coef())
         } else {
@@ -278,7 +280,7 @@ impl Trainer {
         let mut ck = Checkpoint::open(ck)?;
         let (tk, json) = checkpoint_tokenizer(&ck)?;
         let mut t = Self::build(cfg, comm, tk, json)?;
-        let state = ck.manifest.state;
+        let state = ck.manifest.state.clone();
         if state.step as usize > t.cfg.train.steps {
             return Err(TrainError::Config(format!(
                 "the checkpoint is at step {}, beyond train.steps = {} (raise it with --set train.steps=N)",
@@ -286,6 +288,15 @@ impl Trainer {
             )));
         }
         t.exec.load_checkpoint(&mut ck).map_err(perr)?;
+        // The routing biases continue (a run that balances by bias saves them; balancing
+        // switched on at a resume starts from zero).
+        if t.cfg.model.bias_balance_rate > 0.0 && !state.router_bias.is_empty() {
+            t.exec
+                .model()
+                .local
+                .set_router_biases(&state.router_bias)
+                .map_err(merr)?;
+        }
         t.step = state.step as usize;
         t.tokens_seen = state.tokens_seen;
         t.sampler.seed = state.data_seed;
@@ -514,17 +525,25 @@ impl Trainer {
             return Ok(None);
         }
         let load = self.exec.model().take_moe_load();
-        let e = self.cfg.model.num_experts;
-        let mut v: Vec<i64> = (0..e)
-            .map(|i| load.tokens_per_expert.get(i).copied().unwrap_or(0) as i64)
-            .collect();
-        v.push(load.dropped as i64);
+        let (e, layers) = (self.cfg.model.num_experts, self.cfg.model.num_layers);
+        // [layer-major tokens per expert, dropped], summed over every rank.
+        let mut v = vec![0i64; layers * e + 1];
+        for (&l, counts) in &load.tokens {
+            for (x, &c) in v[l * e..(l + 1) * e].iter_mut().zip(counts) {
+                *x += c as i64;
+            }
+        }
+        v[layers * e] = load.dropped as i64;
         if self.comm.size() > 1 {
             self.comm.all_reduce(&mut v, comm::ReduceOp::Sum)?;
         }
-        let total: i64 = v[..e].iter().sum();
-        let max = v[..e].iter().copied().max().unwrap_or(0);
+        let per_expert: Vec<i64> = (0..e)
+            .map(|x| (0..layers).map(|l| v[l * e + x]).sum())
+            .collect();
+        let total: i64 = per_expert.iter().sum();
+        let max = per_expert.iter().copied().max().unwrap_or(0);
         let mean = total as f64 / e.max(1) as f64;
+        self.balance_router(&v[..layers * e])?;
         let waited = model::profile::report()
             .into_iter()
             .find(|(k, _)| *k == model::profile::Kernel::ExpertExchange)
@@ -534,12 +553,36 @@ impl Trainer {
         Ok(Some(ExpertLoad {
             imbalance: if mean > 0.0 { max as f64 / mean } else { 0.0 },
             dropped: if total > 0 {
-                v[e] as f64 / total as f64
+                v[layers * e] as f64 / total as f64
             } else {
                 0.0
             },
             all_to_all_s,
         }))
+    }
+
+    /// Auxiliary-loss-free balancing: every layer's router bias moves by
+    /// `model.bias_balance_rate` towards its experts' mean load
+    /// ([`model::layers::moe::balance_bias`]). `loads` is layer-major and the same on every
+    /// rank, so every rank's biases stay equal.
+    fn balance_router(&self, loads: &[i64]) -> Result<()> {
+        let rate = self.cfg.model.bias_balance_rate as f32;
+        if rate <= 0.0 {
+            return Ok(());
+        }
+        let model = &self.exec.model().local;
+        let e = self.cfg.model.num_experts;
+        let mut biases = model.router_biases();
+        for (l, b) in biases.iter_mut().enumerate() {
+            if !b.is_empty() {
+                let load: Vec<u64> = loads[l * e..(l + 1) * e]
+                    .iter()
+                    .map(|&x| x as u64)
+                    .collect();
+                model::layers::moe::balance_bias(b, &load, rate);
+            }
+        }
+        model.set_router_biases(&biases).map_err(merr)
     }
 
     /// The pipeline's measured bubble beside the simulator's (pp > 1; on the pp group's rank
@@ -579,6 +622,11 @@ impl Trainer {
             data_seed: self.sampler.seed,
             adam_step: self.exec.step_count(),
             loss_scaler: *self.exec.loss_scaler(),
+            router_bias: if self.cfg.model.bias_balance_rate > 0.0 {
+                self.exec.model().local.router_biases()
+            } else {
+                Vec::new()
+            },
         }
     }
 

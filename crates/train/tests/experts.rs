@@ -130,3 +130,42 @@ fn an_expert_parallel_checkpoint_resumes_anywhere_and_exports() {
     }
     let _ = std::fs::remove_dir_all(&d);
 }
+
+/// Auxiliary-loss-free balancing: the routing biases move with the global loads on every rank
+/// alike (ep 2 × dp 2 = one process), are saved in the checkpoint and restored by a resume (the
+/// resumed run repeats the uninterrupted one bit for bit). That they balance is the model's
+/// test (`moe_bias_balancing_evens_the_loads`).
+#[test]
+fn bias_balancing_is_global_checkpointed_and_balances() {
+    let d = tmp().join("bias");
+    let bal = [
+        "model.bias_balance_rate=0.05",
+        "model.aux_loss_coef=0",
+        "train.steps=6",
+    ];
+    let with = |layout: &[&str]| {
+        let mut v: Vec<&str> = bal.to_vec();
+        v.extend_from_slice(layout);
+        config(&v)
+    };
+    let single = with(&["parallel.nproc=1", "train.grad_accum=4"]);
+    let straight = run(&single, None, 6, None);
+    let ep2 = with(&[
+        "parallel.nproc=4",
+        "parallel.dp=4",
+        "parallel.ep=2",
+        "train.grad_accum=1",
+    ]);
+    let other = run(&ep2, None, 6, None);
+    for (s, (a, b)) in other.iter().zip(&straight).enumerate() {
+        assert!((a - b).abs() / b.abs() < 1e-5, "ep2 step {s}: {a} vs {b}");
+    }
+    let ck = d.join("ck");
+    run(&single, None, 3, Some(&ck));
+    let manifest = std::fs::read_to_string(ck.join("manifest.json")).unwrap();
+    assert!(manifest.contains("router_bias"), "the biases are saved");
+    let rest = run(&single, Some(&ck), 3, None);
+    let bits = |v: &[f64]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+    assert_eq!(bits(&rest), bits(&straight[3..]), "resumed bit for bit");
+    let _ = std::fs::remove_dir_all(&d);
+}

@@ -32,6 +32,10 @@ pub struct Moe {
     pub capacity_factor: Option<f32>,
     /// Over capacity, keep the most probable assignments (else the first in token order).
     pub drop_by_probability: bool,
+    /// Auxiliary-loss-free balancing: a bias per expert added to the probabilities when the
+    /// top-k are chosen (the weights stay the probabilities'), updated between steps by the
+    /// trainer from the experts' loads (shared by every copy of the layer).
+    pub bias: Option<Arc<std::sync::RwLock<Vec<f32>>>>,
     /// Weight of this layer's auxiliary loss in the total loss (0 = off).
     pub aux_coef: f32,
     /// With the sequences split over ranks (context parallelism): the group the auxiliary
@@ -42,6 +46,27 @@ pub struct Moe {
     pub first_expert: usize,
     /// Expert parallelism: the ranks holding the other experts, which tokens are sent to.
     pub exchange: Option<Arc<dyn ExpertExchange>>,
+}
+
+/// Auxiliary-loss-free balancing (DeepSeek-V3, Wang et al. 2024): moves each expert's routing
+/// bias by `rate` towards the mean load — up for the under-loaded, down for the over-loaded:
+/// `b_e += rate·sign(mean − load_e)`. `loads` are the tokens each expert was chosen for.
+pub fn balance_bias(bias: &mut [f32], loads: &[u64], rate: f32) {
+    if loads.iter().all(|&x| x == 0) {
+        return;
+    }
+    let mean = loads.iter().sum::<u64>() as f64 / loads.len() as f64;
+    for (b, &n) in bias.iter_mut().zip(loads) {
+        let d = mean - n as f64;
+        *b += rate
+            * if d > 0.0 {
+                1.0
+            } else if d < 0.0 {
+                -1.0
+            } else {
+                0.0
+            };
+    }
 }
 
 /// The ranks the experts are spread over (expert parallelism): member `r` of `size()` holds
@@ -160,11 +185,24 @@ impl Moe {
             let mut experts = vec![0usize; t_n * k];
             let mut weights = vec![0.0f32; t_n * k];
             let mut order: Vec<usize> = (0..e_n).collect();
+            let bias = self
+                .bias
+                .as_ref()
+                .map(|b| b.read().unwrap_or_else(|e| e.into_inner()).clone());
+            let mut score = vec![0.0f32; e_n];
             for t in 0..t_n {
                 let pr = &probs[t * e_n..(t + 1) * e_n];
                 order.iter_mut().enumerate().for_each(|(i, o)| *o = i);
-                // Stable sort by decreasing probability: ties keep the lower expert index first.
-                order.sort_by(|&a, &b| pr[b].total_cmp(&pr[a]));
+                // The choice is by probability (plus the balancing bias when kept); stable
+                // sort by decreasing score: ties keep the lower expert index first.
+                match &bias {
+                    Some(b) => score
+                        .iter_mut()
+                        .zip(pr.iter().zip(b))
+                        .for_each(|(s, (p, b))| *s = p + b),
+                    None => score.copy_from_slice(pr),
+                }
+                order.sort_by(|&a, &b| score[b].total_cmp(&score[a]));
                 let sum: f32 = order[..k].iter().map(|&e| pr[e]).sum();
                 for j in 0..k {
                     experts[t * k + j] = order[j];

@@ -120,7 +120,7 @@ impl From<&crate::dims::ParallelDims> for MeshRecord {
 }
 
 /// Where training stands: what a resumed run continues from besides the tensors.
-#[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct TrainingState {
     /// Optimizer steps completed; also the data position (sampling is a function of it).
     pub step: u64,
@@ -130,6 +130,10 @@ pub struct TrainingState {
     /// AdamW's step counter (bias correction).
     pub adam_step: u64,
     pub loss_scaler: LossScaler,
+    /// Every layer's router balancing bias (auxiliary-loss-free MoE balancing; empty lists
+    /// for layers without one, none at all when it is off).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub router_bias: Vec<Vec<f32>>,
 }
 
 /// One piece: elements `start .. start + len` of a block, in file `file`.
@@ -295,7 +299,7 @@ fn finish(
         version: VERSION,
         mesh: meta.mesh,
         precision: meta.precision,
-        state: meta.state,
+        state: meta.state.clone(),
         files: BTreeMap::new(),
         pieces: Vec::new(),
     };
