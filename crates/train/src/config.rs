@@ -148,7 +148,8 @@ pub struct ParallelConfig {
     #[serde(default = "one")]
     pub virtual_stages: usize,
     /// The pipeline schedule (pp > 1): `gpipe`, `1f1b`, `interleaved`, `zb-h1`, `zb-h2`,
-    /// `zb-v`, `dualpipev`, or `csv:FILE` (a schedule written by `xtrain schedule --csv`).
+    /// `zb-v`, `dualpipev`, `dualpipe`, or `csv:FILE` (a schedule written by `xtrain schedule
+    /// --csv`).
     /// Its micro-batches per step are `train.grad_accum`.
     #[serde(default = "default_schedule")]
     pub schedule: String,

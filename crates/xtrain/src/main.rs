@@ -19,7 +19,7 @@ struct Cli {
 enum Command {
     /// Start this host's worker processes with the launch variables and supervise them.
     Launch(cmd::launch::Args),
-    /// Train a model on any layout (`--nproc`, `--dp`, `--tp`, `--zero`, `--sp`, …).
+    /// Train a model on any layout (`--nproc`, `--dp`, `--zero`, `--tp`, `--sp`, `--pp`, `--cp`, `--ep`, …).
     Train(Box<cmd::train::TrainArgs>),
     /// Sample text from a checkpoint.
     Generate(cmd::generate::GenerateArgs),

@@ -54,7 +54,7 @@ pub struct LayoutArgs {
     #[arg(long)]
     pub virtual_stages: Option<usize>,
     /// Pipeline schedule (`parallel.schedule`): gpipe, 1f1b, interleaved, zb-h1, zb-h2, zb-v,
-    /// dualpipev, or csv:FILE.
+    /// dualpipev, dualpipe, or csv:FILE.
     #[arg(long)]
     pub schedule: Option<String>,
     /// Micro-batches per optimizer step and dp rank (`train.grad_accum`): what a pipeline
