@@ -357,6 +357,7 @@ fn connect_group(ctx: &Arc<Ctx>, label: &str, members: &[usize]) -> Result<Proce
         seg.set_pid(li);
         for (lj, &g) in local.iter().enumerate() {
             if g != me {
+                seg.prefault(li, lj);
                 links[g] = Some(Link::Shm(ShmLink::new(Arc::clone(&seg), li, lj)));
             }
         }

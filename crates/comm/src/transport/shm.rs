@@ -192,6 +192,33 @@ impl Segment {
         self.sleeping(i).store(0, Ordering::SeqCst);
     }
 
+    /// Maps the pages of the two rings between `me` and `peer` into this process now (the
+    /// outgoing one writable), so that messages do not pay page faults as they first walk
+    /// through the ring. Without it every fresh 4 KiB of ring cost a fault on each side: a
+    /// 4 KiB all-reduce between two processes took 5 µs against 1.1 µs for 1 KiB, and 16 KiB
+    /// took longer than 64 KiB (whose traffic wraps the ring within the warm-up). The
+    /// segment is fresh when links are made, so populating changes no bytes.
+    pub fn prefault(&self, me: usize, peer: usize) {
+        for (from, to, advice) in [
+            (me, peer, libc::MADV_POPULATE_WRITE),
+            (peer, me, libc::MADV_POPULATE_READ),
+        ] {
+            let start = self.ring(from, to).ctrl as usize;
+            let end = start + ring_stride(self.cap);
+            let first = start & !(PAGE - 1);
+            let len = end.next_multiple_of(PAGE) - first;
+            // SAFETY: the range lies inside our mapping; populating does not change contents.
+            let r = unsafe { libc::madvise(first as *mut libc::c_void, len, advice) };
+            if r != 0 {
+                // Kernels before 5.14 lack MADV_POPULATE_*: fault the pages in by reading.
+                for page in (first..first + len).step_by(PAGE) {
+                    // SAFETY: inside our mapping; a read of shared memory has no side effect.
+                    unsafe { std::ptr::read_volatile(page as *const u8) };
+                }
+            }
+        }
+    }
+
     fn ring(&self, from: usize, to: usize) -> Ring {
         let off = PAGE + bells_bytes(self.n) + (from * self.n + to) * ring_stride(self.cap);
         // SAFETY: in bounds of the mapping by construction of `segment_len`.
@@ -389,5 +416,47 @@ impl ShmLink {
             self.inn.consumer_closed().store(1, Ordering::Release);
             self.seg.notify(self.peer);
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Whether every page of ring `(from, to)` is resident (mincore(2)).
+    fn ring_resident(seg: &Segment, from: usize, to: usize) -> bool {
+        let start = seg.ring(from, to).ctrl as usize & !(PAGE - 1);
+        let end = (seg.ring(from, to).ctrl as usize + ring_stride(seg.cap)).next_multiple_of(PAGE);
+        let mut vec = vec![0u8; (end - start) / PAGE];
+        // SAFETY: the range lies inside the segment's mapping; `vec` has one byte per page.
+        let r = unsafe { libc::mincore(start as *mut libc::c_void, end - start, vec.as_mut_ptr()) };
+        assert_eq!(r, 0, "mincore: {}", std::io::Error::last_os_error());
+        vec.iter().all(|&v| v & 1 == 1)
+    }
+
+    #[test]
+    fn prefault_maps_both_rings_of_the_pair_and_no_others() {
+        let dir = if Path::new("/dev/shm").is_dir() {
+            std::path::PathBuf::from("/dev/shm")
+        } else {
+            std::env::temp_dir()
+        };
+        let path = dir.join(format!("xtrain-prefault-test-{}", std::process::id()));
+        let cap = 16 * PAGE;
+        let seg = Segment::create(&path, 3, cap, 7).expect("create segment");
+        let _ = std::fs::remove_file(&path);
+        assert!(!ring_resident(&seg, 0, 1) && !ring_resident(&seg, 1, 0));
+        seg.prefault(0, 1);
+        assert!(ring_resident(&seg, 0, 1), "outgoing ring not populated");
+        assert!(ring_resident(&seg, 1, 0), "incoming ring not populated");
+        assert!(
+            !ring_resident(&seg, 2, 1),
+            "a ring of other ranks was populated"
+        );
+        // Populating changed no bytes: the rings are still empty.
+        let ring = seg.ring(0, 1);
+        assert_eq!(ring.head().load(Ordering::Acquire), 0);
+        let data = unsafe { std::slice::from_raw_parts(ring.data, cap) };
+        assert!(data.iter().all(|&b| b == 0));
     }
 }
