@@ -82,9 +82,14 @@ pub const RD_MAX_BYTES: usize = 32 << 10;
 pub const TREE_MAX_BYTES: usize = 512 << 10;
 
 impl AllReduceAlgo {
-    /// The concrete algorithm `Auto` resolves to for `bytes` over `n` ranks.
-    pub fn choose(self, bytes: usize, n: usize) -> AllReduceAlgo {
+    /// The concrete algorithm `Auto` resolves to for `bytes` over `n` ranks; `single_copy`
+    /// says whether ring steps of this size read the peer's buffer directly. Two such ranks
+    /// use the ring, which is then one step that copies each byte once, against recursive
+    /// doubling's two copies through the shared rings (all-reduce of 32 KiB: 4.6–5.2 µs against
+    /// 5.8–7.2 µs, docs/PERFORMANCE.md).
+    pub fn choose(self, bytes: usize, n: usize, single_copy: bool) -> AllReduceAlgo {
         match self {
+            AllReduceAlgo::Auto if single_copy && n == 2 => AllReduceAlgo::Ring,
             AllReduceAlgo::Auto if bytes <= RD_MAX_BYTES => AllReduceAlgo::RecursiveDoubling,
             AllReduceAlgo::Auto if n > 2 && bytes <= TREE_MAX_BYTES => AllReduceAlgo::Tree,
             AllReduceAlgo::Auto => AllReduceAlgo::Ring,
@@ -215,7 +220,9 @@ impl Engine {
         if n == 1 {
             return Ok(());
         }
-        match algo.choose(std::mem::size_of_val(buf), n) {
+        let bytes = std::mem::size_of_val(buf);
+        let single_copy = self.single_copy.is_some_and(|min| bytes >= min);
+        match algo.choose(bytes, n, single_copy) {
             AllReduceAlgo::Tree => self.tree_all_reduce(&ctx, buf, op),
             AllReduceAlgo::HalvingDoubling => self.hd_all_reduce(&ctx, buf, op, false),
             AllReduceAlgo::RecursiveDoubling => self.hd_all_reduce(&ctx, buf, op, true),
@@ -856,11 +863,21 @@ mod tests {
     #[test]
     fn auto_picks_by_size_and_group_size() {
         use AllReduceAlgo::*;
-        assert_eq!(Auto.choose(4096, 2), RecursiveDoubling);
-        assert_eq!(Auto.choose(RD_MAX_BYTES + 4, 4), Tree);
-        assert_eq!(Auto.choose(RD_MAX_BYTES + 4, 2), Ring);
-        assert_eq!(Auto.choose(TREE_MAX_BYTES + 4, 8), Ring);
-        assert_eq!(Ring.choose(4, 8), Ring);
+        assert_eq!(Auto.choose(4096, 2, false), RecursiveDoubling);
+        assert_eq!(
+            Auto.choose(RD_MAX_BYTES, 2, true),
+            Ring,
+            "2 ranks, single copy"
+        );
+        assert_eq!(Auto.choose(RD_MAX_BYTES, 4, true), RecursiveDoubling);
+        assert_eq!(Auto.choose(RD_MAX_BYTES + 4, 4, false), Tree);
+        assert_eq!(Auto.choose(RD_MAX_BYTES + 4, 2, false), Ring);
+        assert_eq!(Auto.choose(TREE_MAX_BYTES + 4, 8, true), Ring);
+        assert_eq!(Ring.choose(4, 8, false), Ring);
+        assert_eq!(
+            RecursiveDoubling.choose(1 << 20, 2, true),
+            RecursiveDoubling
+        );
         for a in [Auto, Ring, Tree, HalvingDoubling, RecursiveDoubling] {
             assert_eq!(a.name().parse::<AllReduceAlgo>().unwrap(), a);
         }
