@@ -2,6 +2,7 @@
 //!
 //! Layout (one module per concern):
 //! - [`store`]: the rendezvous key-value store ranks use to find each other.
+//! - [`auth`]: the job token, and the proof of it every store and link connection makes.
 //! - [`env`]: rank, world size and rendezvous address from the launcher's variables;
 //!   [`env::init_from_env`] builds the world communicator from them.
 //! - [`communicator`]: initialisation from a store + rank identity; creating groups.
@@ -13,6 +14,7 @@
 //! - [`element`]: element types and reductions. [`testing`]: ranks as threads.
 //!
 //! `comm` knows nothing about tensors: collectives work on plain element slices.
+pub mod auth;
 pub mod collectives;
 pub mod communicator;
 pub mod element;
