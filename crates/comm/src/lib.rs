@@ -11,7 +11,8 @@
 //! - [`collectives`]: the algorithms (ring, tree, halving-doubling, ...).
 //! - `engine`, `transport` (shm, tcp, cma), `wire`: progress engine, transports, message headers;
 //!   `single_copy`: ring steps that read a same-host peer's buffer directly.
-//! - [`element`]: element types and reductions. [`testing`]: ranks as threads.
+//! - [`element`]: element types and reductions. [`testing`]: ranks as threads. `fuzzing`: each
+//!   decoder of network bytes on a byte string, for the fuzz tests.
 //!
 //! `comm` knows nothing about tensors: collectives work on plain element slices.
 pub mod auth;
@@ -21,6 +22,8 @@ pub mod element;
 mod engine;
 pub mod env;
 pub mod error;
+#[doc(hidden)]
+pub mod fuzzing;
 pub mod group;
 pub mod mesh;
 mod single_copy;

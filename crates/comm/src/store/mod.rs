@@ -5,7 +5,7 @@
 //! this one ([`tcp`]: the client and the protocol; `server`: the server; `codec`: the wire
 //! format) and implements the same trait, so transports bootstrap the same way whether ranks
 //! are threads or processes. Only clients that prove the job token reach its keys.
-mod codec;
+pub(crate) mod codec;
 mod server;
 pub mod tcp;
 

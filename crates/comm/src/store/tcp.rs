@@ -238,7 +238,12 @@ fn roundtrip(
             StoreError::Protocol(format!("reply of {n} bytes from {addr} exceeds the limit"))
         }
     })?;
-    let mut r = Reader::new(&reply);
+    decode_reply(&reply, addr)
+}
+
+/// Maps a reply body to its ok-payload or the error it carries (any bytes: never a panic).
+pub(crate) fn decode_reply(reply: &[u8], addr: &str) -> Result<Vec<u8>, StoreError> {
+    let mut r = Reader::new(reply);
     match r.u8("reply status")? {
         ST_OK => Ok(reply[1..].to_vec()),
         ST_TIMEOUT => {
