@@ -290,7 +290,11 @@ impl Conn {
                 true => shared.limits.max_frame,
                 false => shared.limits.handshake_frame,
             };
-            let body = match read_frame(&mut self.stream, limit) {
+            let mut source = Deadlined {
+                stream: &self.stream,
+                deadline: (!served).then_some(deadline),
+            };
+            let body = match read_frame(&mut source, limit) {
                 Ok(b) => b,
                 Err(FrameError::TooLarge(n)) => {
                     let msg = format!("frame of {n} bytes exceeds the limit of {limit}");
@@ -473,6 +477,27 @@ impl Conn {
                 Err(e) => return Err(e),
             }
         }
+    }
+}
+
+/// Reads from a stream, failing with `TimedOut` once `deadline` (if any) has passed, however
+/// the bytes trickle in (a per-read timeout alone lets a client that sends a byte now and
+/// then hold its handshake open indefinitely).
+struct Deadlined<'a> {
+    stream: &'a TcpStream,
+    deadline: Option<Instant>,
+}
+
+impl std::io::Read for Deadlined<'_> {
+    fn read(&mut self, buf: &mut [u8]) -> std::io::Result<usize> {
+        if let Some(d) = self.deadline {
+            let left = d.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                return Err(std::io::ErrorKind::TimedOut.into());
+            }
+            self.stream.set_read_timeout(Some(left))?;
+        }
+        (&*self.stream).read(buf)
     }
 }
 

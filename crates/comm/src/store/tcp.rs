@@ -664,6 +664,27 @@ mod tests {
         let reply = read_frame(&mut idle, MAX_REPLY).ok();
         assert!(error_of(&reply).contains("in time"));
         assert!(start.elapsed() < Duration::from_secs(4));
+        // So is one that trickles its hello in a byte at a time (each read within its timeout).
+        let mut slow = raw(&addr, false);
+        let mut writer = slow.try_clone().unwrap();
+        let start = Instant::now();
+        let trickle = std::thread::spawn(move || {
+            for b in hello_frame() {
+                if writer.write_all(&[b]).is_err() {
+                    break;
+                }
+                std::thread::sleep(Duration::from_millis(60));
+            }
+        });
+        let reply = read_frame(&mut slow, MAX_REPLY).ok();
+        assert!(error_of(&reply).contains("in time"));
+        // Well before the whole hello (45 bytes, 2.7 s) could have arrived.
+        assert!(
+            start.elapsed() < Duration::from_secs(2),
+            "{:?}",
+            start.elapsed()
+        );
+        trickle.join().unwrap();
         // Two clients are served, a third is refused, and a departed one frees its place.
         let a = connect(&addr);
         let _b = connect(&addr);
