@@ -18,6 +18,7 @@
 pub mod auth;
 pub mod collectives;
 pub mod communicator;
+mod deadline_io;
 pub mod element;
 mod engine;
 pub mod env;

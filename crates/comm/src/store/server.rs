@@ -24,6 +24,7 @@ use super::codec::{
 };
 use super::{MemStore, Store, StoreError};
 use crate::auth::{nonce, JobToken, Role, NONCE_LEN};
+use crate::deadline_io::Deadlined;
 
 /// Bounds on what clients may cost the server.
 #[derive(Clone, Debug)]
@@ -477,27 +478,6 @@ impl Conn {
                 Err(e) => return Err(e),
             }
         }
-    }
-}
-
-/// Reads from a stream, failing with `TimedOut` once `deadline` (if any) has passed, however
-/// the bytes trickle in (a per-read timeout alone lets a client that sends a byte now and
-/// then hold its handshake open indefinitely).
-struct Deadlined<'a> {
-    stream: &'a TcpStream,
-    deadline: Option<Instant>,
-}
-
-impl std::io::Read for Deadlined<'_> {
-    fn read(&mut self, buf: &mut [u8]) -> std::io::Result<usize> {
-        if let Some(d) = self.deadline {
-            let left = d.saturating_duration_since(Instant::now());
-            if left.is_zero() {
-                return Err(std::io::ErrorKind::TimedOut.into());
-            }
-            self.stream.set_read_timeout(Some(left))?;
-        }
-        (&*self.stream).read(buf)
     }
 }
 

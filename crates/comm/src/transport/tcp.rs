@@ -22,6 +22,7 @@ use std::time::{Duration, Instant};
 
 use super::{LinkError, OutMsg, RecvReject};
 use crate::auth::{nonce, JobToken, Role, NONCE_LEN, PROOF_LEN};
+use crate::deadline_io::Deadlined;
 
 const HS_MAGIC: &[u8; 4] = b"XTRN";
 const HS_VERSION: u8 = 2;
@@ -231,11 +232,11 @@ pub(crate) fn accept_all(
             Err(e) => return Err(format!("accept: {e}")),
         };
         let _ = s.set_nonblocking(false);
+        // A connector has at most 5 s (or what is left) for its whole handshake, so one that
+        // trickles bytes cannot hold up the peers behind it.
         let left = deadline.saturating_duration_since(Instant::now());
-        let _ = s.set_read_timeout(Some(
-            left.clamp(Duration::from_millis(10), Duration::from_secs(5)),
-        ));
-        match admit(&mut s, at, expected, &got) {
+        let own = Instant::now() + left.clamp(Duration::from_millis(10), Duration::from_secs(5));
+        match admit(&mut s, own, at, expected, &got) {
             Ok(from) => {
                 configure(&s).map_err(|e| e.to_string())?;
                 got.push((from, s));
@@ -253,11 +254,15 @@ pub(crate) fn accept_all(
 /// is refused.
 fn admit(
     s: &mut TcpStream,
+    until: Instant,
     at: &Expect,
     expected: &[u32],
     got: &[(u32, TcpStream)],
 ) -> Result<u32, String> {
-    let (h, theirs) = Hello::read(s)?;
+    let (h, theirs) = Hello::read(&mut Deadlined {
+        stream: s,
+        deadline: Some(until),
+    })?;
     if h.job != at.job {
         return Err(format!(
             "foreign job id {:?} (this job is {:?})",
@@ -285,8 +290,12 @@ fn admit(
     let mine = nonce()?;
     reply(s, Ok(&mine)).map_err(|e| format!("answering rank {}: {e}", h.from))?;
     let mut proof = [0u8; PROOF_LEN];
-    s.read_exact(&mut proof)
-        .map_err(|e| format!("reading the token proof of rank {}: {e}", h.from))?;
+    Deadlined {
+        stream: s,
+        deadline: Some(until),
+    }
+    .read_exact(&mut proof)
+    .map_err(|e| format!("reading the token proof of rank {}: {e}", h.from))?;
     let hello_bytes = h.encode(&theirs);
     let transcript: [&[u8]; 2] = [&hello_bytes, &mine];
     if !at.token.verify(Role::LinkConnector, &transcript, &proof) {
