@@ -373,6 +373,13 @@ pub fn init_with(mut options: Options) -> crate::Result<(Communicator, LaunchEnv
     let plan = env
         .store_plan(!options.token.is_none(), |k| std::env::var(k).ok())
         .map_err(|e| CommError::invalid("init_from_env", e.to_string()))?;
+    if options.token.is_none() && env.hosts_store() {
+        tracing::info!(
+            "no {TOKEN_VAR}: the store at {}:{} admits any process that can reach it",
+            plan.bind_host,
+            plan.port
+        );
+    }
     let timeout = options.timeout.max(Duration::from_secs(1));
     let store = if env.hosts_store() {
         TcpStore::host(
