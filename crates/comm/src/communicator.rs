@@ -9,13 +9,15 @@
 //! 3. shared memory: the lowest member on each host creates the segment file (under
 //!    `/dev/shm`), publishes its path, waits until all local members mapped it, and unlinks it;
 //! 4. TCP: every member with TCP peers listens on an ephemeral port and publishes its address;
-//!    the higher rank of each pair connects and presents the job id, group key and ranks.
+//!    the higher rank of each pair connects, presents the job id, group key and ranks, and
+//!    both sides prove the job token.
 use std::collections::HashMap;
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
+use crate::auth::JobToken;
 use crate::collectives::AllReduceAlgo;
 use crate::engine::{Counters, Engine, EngineConfig, GroupDesc};
 use crate::error::{CommError, Result};
@@ -28,7 +30,8 @@ use crate::transport::{Link, TransportKind};
 
 /// Communication settings. `Options::default()` ignores the environment; [`Options::from_env`]
 /// applies `XTRAIN_TRANSPORT` (shm|tcp|auto), `XTRAIN_COMM_TIMEOUT` (seconds),
-/// `XTRAIN_ALLREDUCE_ALGO` (ring|tree|hd|auto), `XTRAIN_JOB_ID`, `XTRAIN_TCP_ADDR` (address this
+/// `XTRAIN_ALLREDUCE_ALGO` (ring|tree|hd|auto), `XTRAIN_JOB_ID`, `XTRAIN_JOB_TOKEN`,
+/// `XTRAIN_TCP_ADDR` (address this
 /// rank listens on and advertises), `XTRAIN_SPIN_US`, `XTRAIN_SHM_SINGLE_COPY` (0|1) and
 /// `XTRAIN_SHM_SINGLE_COPY_MIN` (bytes).
 #[derive(Clone, Debug)]
@@ -36,6 +39,8 @@ pub struct Options {
     /// Shared token: connections presenting another job id are refused; store keys and
     /// shared-memory names are namespaced by it.
     pub job_id: String,
+    /// The job's secret: every TCP link proves it in its handshake ([`crate::auth`]).
+    pub token: JobToken,
     pub transport: TransportKind,
     /// Limit of every blocking wait.
     pub timeout: Duration,
@@ -66,6 +71,7 @@ impl Default for Options {
     fn default() -> Self {
         Options {
             job_id: "xtrain".to_string(),
+            token: JobToken::none(),
             transport: TransportKind::Auto,
             timeout: Duration::from_secs(300),
             algo: AllReduceAlgo::Auto,
@@ -125,6 +131,7 @@ impl Options {
         if let Some(v) = var("XTRAIN_JOB_ID") {
             o.job_id = v;
         }
+        o.token = JobToken::from_env().map_err(|e| bad(crate::auth::TOKEN_VAR, e))?;
         if let Some(v) = var("XTRAIN_TCP_ADDR") {
             o.tcp_addr = v;
         }
@@ -385,7 +392,7 @@ fn connect_group(ctx: &Arc<Ctx>, label: &str, members: &[usize]) -> Result<Proce
                 from: me as u32,
                 to: g as u32,
             };
-            let s = tcp::connect(&a, &hello, deadline).map_err(|e| {
+            let s = tcp::connect(&a, &hello, &o.token, deadline).map_err(|e| {
                 CommError::Refused(format!(
                     "{op} {name}: rank {} connecting to rank {}: {e}",
                     ctx.rank, members[g]
@@ -401,13 +408,20 @@ fn connect_group(ctx: &Arc<Ctx>, label: &str, members: &[usize]) -> Result<Proce
             .map(|&g| g as u32)
             .collect();
         if !expected.is_empty() {
-            let got = tcp::accept_all(&listener, &o.job_id, &key, me as u32, &expected, deadline)
-                .map_err(|e| CommError::Timeout {
-                group: name.clone(),
-                op: format!("{op} ({e})"),
-                ranks: expected.iter().map(|&g| members[g as usize]).collect(),
-                timeout: o.timeout,
-                note: String::new(),
+            let me_at = tcp::Expect {
+                job: &o.job_id,
+                key: &key,
+                token: &o.token,
+                me: me as u32,
+            };
+            let got = tcp::accept_all(&listener, &me_at, &expected, deadline).map_err(|e| {
+                CommError::Timeout {
+                    group: name.clone(),
+                    op: format!("{op} ({e})"),
+                    ranks: expected.iter().map(|&g| members[g as usize]).collect(),
+                    timeout: o.timeout,
+                    note: String::new(),
+                }
             })?;
             for (g, s) in got {
                 links[g as usize] = Some(Link::Tcp(
@@ -488,13 +502,14 @@ mod tests {
         Options {
             transport,
             job_id: job.to_string(),
+            token: JobToken::new("communicator-test-token").unwrap(),
             timeout: Duration::from_secs(5),
             ..Options::default()
         }
     }
 
     #[test]
-    fn a_foreign_connection_with_the_wrong_job_id_is_refused() {
+    fn a_foreign_connection_with_the_wrong_job_id_or_token_is_refused() {
         let store: Arc<dyn Store> = Arc::new(MemStore::new());
         let job = crate::testing::unique_job_id();
         let o = opts(TransportKind::Tcp, &job);
@@ -509,7 +524,7 @@ mod tests {
                         }
                         if r == 1 {
                             // Give the intruder time to knock on rank 0 first.
-                            std::thread::sleep(Duration::from_millis(800));
+                            std::thread::sleep(Duration::from_millis(1500));
                         }
                         let g = c.new_group(&[0, 1]).unwrap();
                         let mut v = [1.0f32; 3];
@@ -531,12 +546,18 @@ mod tests {
                 from: 1,
                 to: 0,
             };
-            let refused = tcp::connect(&addr, &hello, deadline).unwrap_err();
+            let none = JobToken::none();
+            let refused = tcp::connect(&addr, &hello, &none, deadline).unwrap_err();
             assert!(refused.contains("foreign job id"), "{refused}");
             hello.job = job.clone();
             hello.key = "another-group".into();
-            let refused = tcp::connect(&addr, &hello, deadline).unwrap_err();
+            let refused = tcp::connect(&addr, &hello, &none, deadline).unwrap_err();
             assert!(refused.contains("expected"), "{refused}");
+            // The right job id, group and ranks (none of them secret), but not the token.
+            hello.key = group_key(&[0, 1], 1);
+            let stranger = JobToken::new("not-this-jobs-token").unwrap();
+            let refused = tcp::connect(&addr, &hello, &stranger, deadline).unwrap_err();
+            assert!(refused.contains("did not prove the job token"), "{refused}");
             ranks.into_iter().map(|h| h.join().unwrap()).collect()
         });
         // The real peer still got through.

@@ -14,9 +14,21 @@
 //! batch step's `SLURM_PROCID=0` on every rank.) `MASTER_ADDR` / `MASTER_PORT` override
 //! the derived rendezvous address under every launcher.
 //!
-//! xtrain's own variables: [`JOB_ID_VAR`] (a token the transports' handshake checks so
-//! that connections from another job are refused), [`THREADS_VAR`] (the per-rank thread
+//! xtrain's own variables: [`JOB_ID_VAR`] (the job's name: it namespaces store keys, and
+//! links presenting another are refused), [`TOKEN_VAR`] (the job's secret, which every store
+//! and link connection proves: see [`crate::auth`]), [`THREADS_VAR`] (the per-rank thread
 //! budget) and [`RESTART_VAR`] (which restart of the group this is).
+//!
+//! ## Where the store listens, and who may join it
+//! - A one-host job (every rank on this host: the local world size is the world size) hosts
+//!   the store on loopback (`127.0.0.1:MASTER_PORT`, whatever `MASTER_ADDR` says), so no
+//!   other host can reach it. A token is optional there: without one, any process of this
+//!   host can join (`xtrain launch` always sets one).
+//! - A job spanning hosts hosts it on `MASTER_ADDR` (the address it names on rank 0's host;
+//!   all interfaces when it is a host name that resolves to a loopback address there, as
+//!   Debian's `127.0.1.1` host entry does), or on [`STORE_BIND_VAR`] when set. Unless that
+//!   address is a loopback one, the job needs a token: without [`TOKEN_VAR`] it is refused
+//!   with a message saying how to set one, unless [`ALLOW_NO_TOKEN_VAR`]`=1`.
 //!
 //! Parsing takes a lookup function, so tests pass a map instead of the process env.
 //! [`init_from_env`] turns the environment into a connected world communicator.
@@ -28,12 +40,16 @@ use crate::communicator::{Communicator, Options};
 use crate::error::CommError;
 use crate::store::TcpStore;
 
+pub use crate::auth::{ALLOW_NO_TOKEN_VAR, TOKEN_VAR};
+
 /// Job id / token shared by all ranks of one job (set by `xtrain launch`).
 pub const JOB_ID_VAR: &str = "XTRAIN_JOB_ID";
 /// Threads this rank may use (cores / ranks per host, at least 1).
 pub const THREADS_VAR: &str = "XTRAIN_THREADS";
 /// How many times the launcher has restarted the group (0 on the first run).
 pub const RESTART_VAR: &str = "XTRAIN_RESTART_COUNT";
+/// Address rank 0 hosts the store on in a job spanning hosts (default: `MASTER_ADDR`).
+pub const STORE_BIND_VAR: &str = "XTRAIN_STORE_BIND";
 /// `MASTER_PORT` used under Open MPI when none is set (torch's default port).
 pub const DEFAULT_MASTER_PORT: u16 = 29500;
 
@@ -95,6 +111,33 @@ pub enum EnvError {
     },
     #[error("inconsistent launch environment: {0}")]
     Inconsistent(String),
+    #[error(
+        "the rendezvous store of a job spanning hosts ({0}) is reachable from other hosts, so \
+         the job needs a secret: set {TOKEN_VAR} to the same random string on every rank \
+         (e.g. `export {TOKEN_VAR}=$(openssl rand -hex 32)` before starting the job), or \
+         {ALLOW_NO_TOKEN_VAR}=1 to let anyone who can reach it join"
+    )]
+    NoToken(String),
+}
+
+/// Where the rendezvous store lives: what rank 0 binds, and what every rank connects to.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct StorePlan {
+    /// Host rank 0 binds (an IP address or a host name of this host).
+    pub bind_host: String,
+    /// Host every rank connects to.
+    pub connect_host: String,
+    pub port: u16,
+}
+
+impl StorePlan {
+    /// `host:port` the ranks connect to.
+    pub fn connect_addr(&self) -> String {
+        match self.connect_host.parse::<std::net::Ipv6Addr>() {
+            Ok(_) => format!("[{}]:{}", self.connect_host, self.port),
+            Err(_) => format!("{}:{}", self.connect_host, self.port),
+        }
+    }
 }
 
 impl LaunchEnv {
@@ -116,6 +159,54 @@ impl LaunchEnv {
     /// Whether this rank hosts the rendezvous store (rank 0 does).
     pub fn hosts_store(&self) -> bool {
         self.rank == 0
+    }
+
+    /// Whether every rank of the job runs on this host.
+    pub fn single_host(&self) -> bool {
+        self.local_world_size == self.world_size
+    }
+
+    /// Where the store lives and whether the job may run without a token (see the module
+    /// doc); `get` reads [`STORE_BIND_VAR`] and [`ALLOW_NO_TOKEN_VAR`].
+    pub fn store_plan(
+        &self,
+        has_token: bool,
+        get: impl Fn(&str) -> Option<String>,
+    ) -> Result<StorePlan, EnvError> {
+        let get = |k: &str| {
+            get(k)
+                .map(|v| v.trim().to_string())
+                .filter(|v| !v.is_empty())
+        };
+        if self.single_host() {
+            return Ok(StorePlan {
+                bind_host: "127.0.0.1".into(),
+                connect_host: "127.0.0.1".into(),
+                port: self.master_port,
+            });
+        }
+        let bind_host = match get(STORE_BIND_VAR) {
+            Some(b) => b,
+            None => bind_host_for(&self.master_addr),
+        };
+        let loopback_only = bind_host
+            .parse::<std::net::IpAddr>()
+            .is_ok_and(|ip| ip.is_loopback());
+        let allowed = matches!(
+            get(ALLOW_NO_TOKEN_VAR).as_deref(),
+            Some("1" | "true" | "yes" | "on")
+        );
+        if !has_token && !loopback_only && !allowed {
+            return Err(EnvError::NoToken(format!(
+                "MASTER_ADDR={}, listening on {bind_host}",
+                self.master_addr
+            )));
+        }
+        Ok(StorePlan {
+            bind_host,
+            connect_host: self.master_addr.clone(),
+            port: self.master_port,
+        })
     }
 
     /// Reads the variables through `get` (unset and empty are the same).
@@ -255,9 +346,10 @@ impl LaunchEnv {
 }
 
 /// Builds the world communicator of a launched job: reads [`LaunchEnv`] and the
-/// `XTRAIN_*` options ([`Options::from_env`]); rank 0 hosts the TCP rendezvous store at
-/// `MASTER_ADDR:MASTER_PORT` and every rank connects to it (retrying until the
-/// communication timeout, since rank 0 may start late). The host identity that decides
+/// `XTRAIN_*` options ([`Options::from_env`], the job token among them); rank 0 hosts the TCP
+/// rendezvous store where [`LaunchEnv::store_plan`] says and every rank connects to it
+/// (retrying until the communication timeout, since rank 0 may start late) and proves the
+/// token. The host identity that decides
 /// shared memory vs TCP is the host name. On a job spanning several hosts, unless
 /// `XTRAIN_TCP_ADDR` says otherwise, each rank listens on the address of the interface
 /// that routes to the master, so peers on other hosts can reach it.
@@ -278,12 +370,26 @@ pub fn init_with(mut options: Options) -> crate::Result<(Communicator, LaunchEnv
             options.tcp_addr = ip;
         }
     }
-    let store = TcpStore::rendezvous(
-        &env.master_addr,
-        env.master_port,
-        env.hosts_store(),
-        options.timeout.max(Duration::from_secs(1)),
-    )?;
+    let plan = env
+        .store_plan(!options.token.is_none(), |k| std::env::var(k).ok())
+        .map_err(|e| CommError::invalid("init_from_env", e.to_string()))?;
+    if options.token.is_none() && env.hosts_store() {
+        tracing::info!(
+            "no {TOKEN_VAR}: the store at {}:{} admits any process that can reach it",
+            plan.bind_host,
+            plan.port
+        );
+    }
+    let timeout = options.timeout.max(Duration::from_secs(1));
+    let store = if env.hosts_store() {
+        TcpStore::host(
+            (plan.bind_host.as_str(), plan.port),
+            &options.token,
+            timeout,
+        )?
+    } else {
+        TcpStore::connect(&plan.connect_addr(), &options.token, timeout)?
+    };
     let comm = Communicator::init(
         Arc::new(store),
         env.rank,
@@ -304,6 +410,25 @@ pub fn hostname() -> String {
     }
     let end = buf.iter().position(|&b| b == 0).unwrap_or(buf.len());
     String::from_utf8_lossy(&buf[..end]).into_owned()
+}
+
+/// What rank 0 binds for master address `master`: the address itself, unless it is a host
+/// name that resolves to a loopback address here (then all interfaces, so other hosts reach
+/// it; the token guards it).
+fn bind_host_for(master: &str) -> String {
+    if master.parse::<std::net::IpAddr>().is_ok() {
+        return master.to_string();
+    }
+    let resolved: Vec<std::net::IpAddr> = std::net::ToSocketAddrs::to_socket_addrs(&(master, 0))
+        .map(|a| a.map(|a| a.ip()).collect())
+        .unwrap_or_default();
+    match resolved.first() {
+        Some(ip) if ip.is_loopback() => match ip {
+            std::net::IpAddr::V4(_) => "0.0.0.0".into(),
+            std::net::IpAddr::V6(_) => "::".into(),
+        },
+        _ => master.to_string(),
+    }
 }
 
 /// The local address of the interface that routes to `host` (a UDP "connect" sends nothing).
@@ -677,6 +802,73 @@ mod tests {
             err.to_string().contains("OMPI_COMM_WORLD_SIZE=\"-1\""),
             "{err}"
         );
+    }
+
+    #[test]
+    fn the_store_stays_on_loopback_for_one_host_and_needs_a_token_across_hosts() {
+        let no_vars = |_: &str| None;
+        // One host: loopback whatever MASTER_ADDR says, token or not.
+        let one = parse(&[
+            ("RANK", "0"),
+            ("WORLD_SIZE", "2"),
+            ("MASTER_ADDR", "10.1.2.3"),
+            ("MASTER_PORT", "1234"),
+        ])
+        .unwrap();
+        let plan = one.store_plan(false, no_vars).unwrap();
+        assert_eq!(
+            (plan.bind_host.as_str(), plan.connect_addr()),
+            ("127.0.0.1", "127.0.0.1:1234".to_string())
+        );
+        // Several hosts: MASTER_ADDR, and without a token a clear refusal.
+        let many = parse(TORCHRUN).unwrap();
+        let err = many.store_plan(false, no_vars).unwrap_err();
+        let msg = err.to_string();
+        assert!(
+            msg.contains("XTRAIN_JOB_TOKEN") && msg.contains("MASTER_ADDR=node0"),
+            "{msg}"
+        );
+        assert!(msg.contains("XTRAIN_ALLOW_NO_TOKEN=1"), "{msg}");
+        let mut ip = many.clone();
+        ip.master_addr = "10.1.2.3".into();
+        let plan = ip.store_plan(true, no_vars).unwrap();
+        assert_eq!(
+            (plan.bind_host.as_str(), plan.connect_addr()),
+            ("10.1.2.3", "10.1.2.3:29501".to_string())
+        );
+        ip.master_addr = "fd00::7".into();
+        assert_eq!(
+            ip.store_plan(true, no_vars).unwrap().connect_addr(),
+            "[fd00::7]:29501"
+        );
+        // The opt-out, an explicit bind address, and a loopback store need no token.
+        let vars = |pairs: &'static [(&'static str, &'static str)]| {
+            move |k: &str| {
+                pairs
+                    .iter()
+                    .find(|(n, _)| *n == k)
+                    .map(|(_, v)| v.to_string())
+            }
+        };
+        assert!(many
+            .store_plan(false, vars(&[("XTRAIN_ALLOW_NO_TOKEN", "1")]))
+            .is_ok());
+        let plan = many
+            .store_plan(true, vars(&[("XTRAIN_STORE_BIND", "0.0.0.0")]))
+            .unwrap();
+        assert_eq!(
+            (plan.bind_host.as_str(), plan.connect_host.as_str()),
+            ("0.0.0.0", "node0")
+        );
+        let mut lo = many.clone();
+        lo.master_addr = "127.0.0.1".into();
+        assert_eq!(
+            lo.store_plan(false, no_vars).unwrap().bind_host,
+            "127.0.0.1"
+        );
+        // A host name that resolves to loopback here (Debian's 127.0.1.1 entry): all interfaces.
+        assert_eq!(bind_host_for("localhost"), "0.0.0.0");
+        assert_eq!(bind_host_for("192.168.0.9"), "192.168.0.9");
     }
 
     #[test]

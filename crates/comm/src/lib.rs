@@ -2,6 +2,7 @@
 //!
 //! Layout (one module per concern):
 //! - [`store`]: the rendezvous key-value store ranks use to find each other.
+//! - [`auth`]: the job token, and the proof of it every store and link connection makes.
 //! - [`env`]: rank, world size and rendezvous address from the launcher's variables;
 //!   [`env::init_from_env`] builds the world communicator from them.
 //! - [`communicator`]: initialisation from a store + rank identity; creating groups.
@@ -10,15 +11,20 @@
 //! - [`collectives`]: the algorithms (ring, tree, halving-doubling, ...).
 //! - `engine`, `transport` (shm, tcp, cma), `wire`: progress engine, transports, message headers;
 //!   `single_copy`: ring steps that read a same-host peer's buffer directly.
-//! - [`element`]: element types and reductions. [`testing`]: ranks as threads.
+//! - [`element`]: element types and reductions. [`testing`]: ranks as threads. `fuzzing`: each
+//!   decoder of network bytes on a byte string, for the fuzz tests.
 //!
 //! `comm` knows nothing about tensors: collectives work on plain element slices.
+pub mod auth;
 pub mod collectives;
 pub mod communicator;
+mod deadline_io;
 pub mod element;
 mod engine;
 pub mod env;
 pub mod error;
+#[doc(hidden)]
+pub mod fuzzing;
 pub mod group;
 pub mod mesh;
 mod single_copy;

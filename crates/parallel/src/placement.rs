@@ -62,7 +62,17 @@ impl TensorSlice {
         self.shape.len() == self.offset.len()
             && self.shape.len() == self.local.len()
             && !self.shape.is_empty()
-            && (0..self.shape.len()).all(|d| self.offset[d] + self.local[d] <= self.shape[d])
+            && (0..self.shape.len()).all(|d| {
+                self.offset[d]
+                    .checked_add(self.local[d])
+                    .is_some_and(|end| end <= self.shape[d])
+            })
+    }
+
+    /// Elements of the full tensor, `None` when the count overflows (a corrupt record); a
+    /// valid slice whose full count fits has block counts and strides that fit too.
+    pub fn checked_full_numel(&self) -> Option<usize> {
+        self.shape.iter().try_fold(1usize, |n, &d| n.checked_mul(d))
     }
 
     /// The runs of full-tensor elements that slice elements `r` (row-major in the block) cover,

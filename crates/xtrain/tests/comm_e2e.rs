@@ -17,6 +17,9 @@ fn xtrain() -> Command {
         "XTRAIN_ALLREDUCE_ALGO",
         "XTRAIN_COMM_TIMEOUT",
         "XTRAIN_JOB_ID",
+        "XTRAIN_JOB_TOKEN",
+        "XTRAIN_ALLOW_NO_TOKEN",
+        "XTRAIN_STORE_BIND",
         "XTRAIN_SHM_SINGLE_COPY",
         "XTRAIN_SHM_SINGLE_COPY_MIN",
     ] {
@@ -274,11 +277,13 @@ fn a_rank_killed_mid_run_fails_the_launch_naming_it() {
 #[test]
 fn two_launchers_form_one_job_like_two_hosts() {
     // What `--nnodes 2` on two hosts does, with both "hosts" here: each launcher starts 2
-    // ranks, they meet at the store hosted by rank 0 and run collectives over TCP.
+    // ranks, they meet at the store hosted by rank 0 (proving the token exported on both
+    // "hosts") and run collectives over TCP.
     let port = free_port().to_string();
     let node = |rank: &str| {
         xtrain()
             .env("XTRAIN_COMM_TIMEOUT", "20")
+            .env("XTRAIN_JOB_TOKEN", "shared-by-both-hosts-0123")
             .args([
                 "launch",
                 "--nproc-per-node",
@@ -326,4 +331,40 @@ fn two_launchers_form_one_job_like_two_hosts() {
     assert!(rows.iter().all(|&(_, wrong)| wrong == 0), "{stdout}");
     // Only rank 0 (on node 0) prints the table.
     assert!(text(&b.stdout).trim().is_empty(), "{}", text(&b.stdout));
+}
+
+#[test]
+fn a_rank_with_another_token_is_refused_by_the_store() {
+    let port = free_port();
+    let rank = |r: usize, token: &str| {
+        xtrain()
+            .env("RANK", r.to_string())
+            .env("WORLD_SIZE", "2")
+            .env("MASTER_ADDR", "127.0.0.1")
+            .env("MASTER_PORT", port.to_string())
+            .env("XTRAIN_COMM_TIMEOUT", "3")
+            .env("XTRAIN_JOB_TOKEN", token)
+            .args([
+                "bench", "comm", "--min", "4K", "--max", "4K", "--iters", "1",
+            ])
+            .stdout(Stdio::null())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap()
+    };
+    let host = rank(0, "the-real-job-token-0001");
+    let stranger = rank(1, "a-guessed-job-token-999")
+        .wait_with_output()
+        .unwrap();
+    let host = host.wait_with_output().unwrap();
+    assert!(!stranger.status.success());
+    let err = text(&stranger.stderr);
+    assert!(err.contains("job token proof rejected"), "{err}");
+    // Rank 0 never saw a rank 1 and gives up at its timeout.
+    assert!(!host.status.success());
+    assert!(
+        text(&host.stderr).contains("timed out"),
+        "{}",
+        text(&host.stderr)
+    );
 }

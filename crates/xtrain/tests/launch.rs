@@ -7,7 +7,8 @@ use std::time::{Duration, Instant};
 fn xtrain() -> Command {
     let mut c = Command::new(env!("CARGO_BIN_EXE_xtrain"));
     c.env_remove("RUST_BACKTRACE")
-        .env_remove("RUST_LIB_BACKTRACE");
+        .env_remove("RUST_LIB_BACKTRACE")
+        .env_remove("XTRAIN_JOB_TOKEN");
     c
 }
 
@@ -97,6 +98,45 @@ fn multi_node_flags_give_global_ranks() {
     let mut lines: Vec<String> = text(&out.stdout).lines().map(str::to_string).collect();
     lines.sort();
     assert_eq!(lines, ["[rank 2] 2/6/0/29999", "[rank 3] 3/6/1/29999"]);
+}
+
+#[test]
+fn workers_get_a_fresh_job_token_per_launch_or_the_users() {
+    let tokens = |env: Option<&str>| -> (Output, Vec<String>) {
+        let mut c = xtrain();
+        if let Some(t) = env {
+            c.env("XTRAIN_JOB_TOKEN", t);
+        }
+        let out = c
+            .args(["launch", "--nproc-per-node", "2", "--", "sh", "-c"])
+            .arg("echo \"$XTRAIN_JOB_TOKEN\"")
+            .output()
+            .unwrap();
+        let lines = text(&out.stdout)
+            .lines()
+            .map(|l| l.split_once("] ").unwrap().1.to_string())
+            .collect();
+        (out, lines)
+    };
+    let (out, a) = tokens(None);
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    assert_eq!(a.len(), 2);
+    assert_eq!(a[0], a[1], "every rank of a job gets the same token");
+    assert_eq!(a[0].len(), 64, "{a:?}");
+    assert!(a[0].chars().all(|c| c.is_ascii_hexdigit()), "{a:?}");
+    // The launcher itself prints nothing of it.
+    assert!(!text(&out.stderr).contains(&a[0]));
+    let (_, b) = tokens(None);
+    assert_ne!(a[0], b[0], "a fresh token per launch");
+    let (_, mine) = tokens(Some("my-own-job-secret-42"));
+    assert_eq!(mine, ["my-own-job-secret-42"; 2]);
+    let (out, _) = tokens(Some("short"));
+    assert!(!out.status.success());
+    assert!(
+        text(&out.stderr).contains("too short"),
+        "{}",
+        text(&out.stderr)
+    );
 }
 
 fn alive(pid: u32) -> bool {

@@ -2,11 +2,15 @@
 //! in-process implementation used when ranks are threads of one process.
 //!
 //! A TCP implementation hosted by rank 0 at `MASTER_ADDR:MASTER_PORT` lives beside
-//! this one ([`tcp`]) and implements the same trait, so transports bootstrap the same
-//! way whether ranks are threads or processes.
+//! this one ([`tcp`]: the client and the protocol; `server`: the server; `codec`: the wire
+//! format) and implements the same trait, so transports bootstrap the same way whether ranks
+//! are threads or processes. Only clients that prove the job token reach its keys.
+pub(crate) mod codec;
+mod server;
 pub mod tcp;
 
-pub use tcp::{TcpStore, TcpStoreServer};
+pub use server::{StoreLimits, TcpStoreServer, MAX_FRAME};
+pub use tcp::TcpStore;
 
 use std::collections::HashMap;
 use std::sync::{Condvar, Mutex};

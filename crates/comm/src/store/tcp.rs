@@ -1,14 +1,15 @@
-//! TCP rendezvous store: a server (hosted by rank 0 at `MASTER_ADDR:MASTER_PORT`) holding
-//! a [`MemStore`], and a client implementing [`Store`] over one TCP connection.
+//! TCP rendezvous store client, and the protocol it speaks with [`TcpStoreServer`] (hosted by
+//! rank 0 at `MASTER_ADDR:MASTER_PORT`).
 //!
 //! ## Wire protocol
 //! Every message is a frame: a little-endian `u32` body length, then the body.
-//! Bodies are built from three field kinds: `u8`/`u32`/`u64`/`i64` (little-endian),
-//! `bytes` (`u32` length + data) and `opt bytes` (`u8` 0/1 + bytes when 1).
+//! Bodies are built from four field kinds: `u8`/`u32`/`u64`/`i64` (little-endian), `raw[n]`
+//! (n bytes), `bytes` (`u32` length + data) and `opt bytes` (`u8` 0/1 + bytes when 1).
 //!
 //! | request (`u8` op first) | fields | ok-reply payload |
 //! | --- | --- | --- |
-//! | 0 hello | magic `u32`, version `u32` | — |
+//! | 0 hello | magic `u32`, version `u32`, client nonce `raw[32]` | server nonce `raw[32]` |
+//! | 7 auth | client proof `raw[32]` | server proof `raw[32]` |
 //! | 1 set | key, value | — |
 //! | 2 get | key, timeout ms `u64` | value |
 //! | 3 wait | key count `u32`, keys…, timeout ms `u64` | — |
@@ -16,386 +17,32 @@
 //! | 5 compare-set | key, opt expected, new | value after |
 //! | 6 delete | key | existed `u8` |
 //!
+//! A connection starts with hello then auth: the client proves the job token with
+//! HMAC-SHA256 over both nonces, the server answers with its own proof, and only then are
+//! other requests served ([`crate::auth`]). Until then frames are limited to a few dozen bytes.
+//!
 //! A reply starts with a status `u8`: 0 ok (+ payload), 1 timeout (key count, keys,
-//! timeout ms), 2 error (message). A malformed or oversized frame gets an error reply
-//! and the connection is closed; the server itself never panics on input and keeps
-//! serving other clients. Blocking waits run in the server (one thread per client), so
+//! timeout ms), 2 error (message). A malformed or oversized frame, or a failed handshake, gets
+//! an error reply and the connection is closed; the server itself never panics on input and
+//! keeps serving other clients. Blocking waits run in the server (one thread per client), so
 //! a `get` costs one round trip however long it waits.
-use super::{MemStore, Store, StoreError};
-use std::io::{Read, Write};
-use std::net::{Shutdown, SocketAddr, TcpListener, TcpStream, ToSocketAddrs};
-use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Mutex};
-use std::thread::JoinHandle;
+use std::net::{SocketAddr, TcpStream, ToSocketAddrs};
+use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
-/// "XTST": first field of the hello frame, so connecting to the wrong service fails clearly.
-const MAGIC: u32 = 0x5853_5454;
-const VERSION: u32 = 1;
-/// Largest frame body accepted (a value is bootstrap metadata: addresses, ids, small blobs).
-pub const MAX_FRAME: usize = 64 << 20;
+use super::codec::{
+    millis, read_frame, write_frame, FrameError, Reader, Writer, MAGIC, OP_ADD, OP_AUTH, OP_CAS,
+    OP_DELETE, OP_GET, OP_HELLO, OP_SET, OP_WAIT, ST_ERROR, ST_OK, ST_TIMEOUT, VERSION,
+};
+use super::server::{TcpStoreServer, MAX_FRAME};
+use super::{Store, StoreError};
+use crate::auth::{nonce, JobToken, Role};
+
 /// Extra time a client allows the server beyond a request's own timeout before
 /// declaring it unresponsive.
 const SERVER_SLACK: Duration = Duration::from_secs(30);
-
-const OP_HELLO: u8 = 0;
-const OP_SET: u8 = 1;
-const OP_GET: u8 = 2;
-const OP_WAIT: u8 = 3;
-const OP_ADD: u8 = 4;
-const OP_CAS: u8 = 5;
-const OP_DELETE: u8 = 6;
-
-const ST_OK: u8 = 0;
-const ST_TIMEOUT: u8 = 1;
-const ST_ERROR: u8 = 2;
-
-// ---------------------------------------------------------------- encoding
-
-/// Builds a frame body field by field.
-#[derive(Default)]
-struct Writer(Vec<u8>);
-
-impl Writer {
-    fn u8(mut self, v: u8) -> Self {
-        self.0.push(v);
-        self
-    }
-    fn u32(mut self, v: u32) -> Self {
-        self.0.extend_from_slice(&v.to_le_bytes());
-        self
-    }
-    fn u64(mut self, v: u64) -> Self {
-        self.0.extend_from_slice(&v.to_le_bytes());
-        self
-    }
-    fn i64(mut self, v: i64) -> Self {
-        self.0.extend_from_slice(&v.to_le_bytes());
-        self
-    }
-    fn bytes(self, v: &[u8]) -> Self {
-        let mut w = self.u32(v.len() as u32);
-        w.0.extend_from_slice(v);
-        w
-    }
-    fn opt_bytes(self, v: Option<&[u8]>) -> Self {
-        match v {
-            None => self.u8(0),
-            Some(v) => self.u8(1).bytes(v),
-        }
-    }
-}
-
-/// Reads fields from a frame body; every read checks bounds and reports what was cut short.
-struct Reader<'a> {
-    buf: &'a [u8],
-    pos: usize,
-}
-
-impl<'a> Reader<'a> {
-    fn new(buf: &'a [u8]) -> Self {
-        Self { buf, pos: 0 }
-    }
-    fn take(&mut self, n: usize, what: &str) -> Result<&'a [u8], StoreError> {
-        if self.buf.len() - self.pos < n {
-            return Err(StoreError::Protocol(format!(
-                "frame truncated reading {what}: need {n} byte(s), {} left",
-                self.buf.len() - self.pos
-            )));
-        }
-        let s = &self.buf[self.pos..self.pos + n];
-        self.pos += n;
-        Ok(s)
-    }
-    fn u8(&mut self, what: &str) -> Result<u8, StoreError> {
-        Ok(self.take(1, what)?[0])
-    }
-    fn u32(&mut self, what: &str) -> Result<u32, StoreError> {
-        Ok(u32::from_le_bytes(self.take(4, what)?.try_into().unwrap()))
-    }
-    fn u64(&mut self, what: &str) -> Result<u64, StoreError> {
-        Ok(u64::from_le_bytes(self.take(8, what)?.try_into().unwrap()))
-    }
-    fn i64(&mut self, what: &str) -> Result<i64, StoreError> {
-        Ok(i64::from_le_bytes(self.take(8, what)?.try_into().unwrap()))
-    }
-    fn bytes(&mut self, what: &str) -> Result<&'a [u8], StoreError> {
-        let n = self.u32(what)? as usize;
-        self.take(n, what)
-    }
-    fn opt_bytes(&mut self, what: &str) -> Result<Option<&'a [u8]>, StoreError> {
-        match self.u8(what)? {
-            0 => Ok(None),
-            1 => Ok(Some(self.bytes(what)?)),
-            f => Err(StoreError::Protocol(format!(
-                "bad option flag {f} in {what}"
-            ))),
-        }
-    }
-    fn key(&mut self) -> Result<&'a str, StoreError> {
-        std::str::from_utf8(self.bytes("key")?)
-            .map_err(|_| StoreError::Protocol("key is not UTF-8".into()))
-    }
-    fn keys(&mut self) -> Result<Vec<&'a str>, StoreError> {
-        let n = self.u32("key count")? as usize;
-        // Each key takes at least 4 bytes: reject absurd counts before allocating.
-        if n > (self.buf.len() - self.pos) / 4 {
-            return Err(StoreError::Protocol(format!(
-                "key count {n} exceeds the frame"
-            )));
-        }
-        (0..n).map(|_| self.key()).collect()
-    }
-    fn finish(&self) -> Result<(), StoreError> {
-        if self.pos != self.buf.len() {
-            return Err(StoreError::Protocol(format!(
-                "{} unexpected trailing byte(s) in frame",
-                self.buf.len() - self.pos
-            )));
-        }
-        Ok(())
-    }
-}
-
-fn write_frame(stream: &mut TcpStream, body: &[u8]) -> std::io::Result<()> {
-    let mut frame = Vec::with_capacity(4 + body.len());
-    frame.extend_from_slice(&(body.len() as u32).to_le_bytes());
-    frame.extend_from_slice(body);
-    stream.write_all(&frame)
-}
-
-/// Why reading a frame failed: the peer left, the transport failed, or the frame is bad.
-enum FrameError {
-    Closed,
-    Io(std::io::Error),
-    TooLarge(usize),
-}
-
-fn read_frame(stream: &mut TcpStream) -> Result<Vec<u8>, FrameError> {
-    let mut len = [0u8; 4];
-    if let Err(e) = stream.read_exact(&mut len) {
-        return Err(match e.kind() {
-            std::io::ErrorKind::UnexpectedEof | std::io::ErrorKind::ConnectionReset => {
-                FrameError::Closed
-            }
-            _ => FrameError::Io(e),
-        });
-    }
-    let len = u32::from_le_bytes(len) as usize;
-    if len > MAX_FRAME {
-        return Err(FrameError::TooLarge(len));
-    }
-    let mut body = vec![0u8; len];
-    stream.read_exact(&mut body).map_err(|e| match e.kind() {
-        std::io::ErrorKind::UnexpectedEof | std::io::ErrorKind::ConnectionReset => {
-            FrameError::Closed
-        }
-        _ => FrameError::Io(e),
-    })?;
-    Ok(body)
-}
-
-fn millis(d: Duration) -> u64 {
-    d.as_millis().min(u64::MAX as u128) as u64
-}
-
-// ---------------------------------------------------------------- server
-
-/// The store server: accepts clients on a TCP port and serves them from one [`MemStore`].
-/// Dropping it stops accepting and closes every client connection.
-pub struct TcpStoreServer {
-    addr: SocketAddr,
-    stop: Arc<AtomicBool>,
-    clients: Arc<Mutex<Vec<TcpStream>>>,
-    accept: Option<JoinHandle<()>>,
-}
-
-impl TcpStoreServer {
-    /// Binds `addr` (port 0 picks a free port; see [`Self::local_addr`]) and starts serving.
-    pub fn bind(addr: impl ToSocketAddrs + std::fmt::Debug) -> Result<Self, StoreError> {
-        let listener = TcpListener::bind(&addr)
-            .map_err(|e| StoreError::Io(format!("cannot host the store at {addr:?}: {e}")))?;
-        let local = listener
-            .local_addr()
-            .map_err(|e| StoreError::Io(format!("store listener address: {e}")))?;
-        let stop = Arc::new(AtomicBool::new(false));
-        let clients = Arc::new(Mutex::new(Vec::new()));
-        let state = Arc::new(MemStore::new());
-        let accept = {
-            let (stop, clients) = (Arc::clone(&stop), Arc::clone(&clients));
-            std::thread::Builder::new()
-                .name("store-accept".into())
-                .spawn(move || accept_loop(listener, state, stop, clients))
-                .map_err(|e| StoreError::Io(format!("cannot start the store thread: {e}")))?
-        };
-        Ok(Self {
-            addr: local,
-            stop,
-            clients,
-            accept: Some(accept),
-        })
-    }
-
-    /// The address the server listens on (with the real port when bound to port 0).
-    pub fn local_addr(&self) -> SocketAddr {
-        self.addr
-    }
-}
-
-impl Drop for TcpStoreServer {
-    fn drop(&mut self) {
-        self.stop.store(true, Ordering::SeqCst);
-        // Wake the blocking accept with a throwaway connection to ourselves.
-        let mut wake = self.addr;
-        if wake.ip().is_unspecified() {
-            wake.set_ip([127, 0, 0, 1].into());
-        }
-        let _ = TcpStream::connect_timeout(&wake, Duration::from_secs(1));
-        if let Some(t) = self.accept.take() {
-            let _ = t.join();
-        }
-        for c in self
-            .clients
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .drain(..)
-        {
-            let _ = c.shutdown(Shutdown::Both);
-        }
-    }
-}
-
-fn accept_loop(
-    listener: TcpListener,
-    state: Arc<MemStore>,
-    stop: Arc<AtomicBool>,
-    clients: Arc<Mutex<Vec<TcpStream>>>,
-) {
-    for conn in listener.incoming() {
-        if stop.load(Ordering::SeqCst) {
-            return;
-        }
-        let Ok(stream) = conn else { continue };
-        let _ = stream.set_nodelay(true);
-        if let Ok(clone) = stream.try_clone() {
-            clients
-                .lock()
-                .unwrap_or_else(|e| e.into_inner())
-                .push(clone);
-        }
-        let state = Arc::clone(&state);
-        let _ = std::thread::Builder::new()
-            .name("store-client".into())
-            .spawn(move || serve_client(stream, &state));
-    }
-}
-
-/// Serves one client until it disconnects or sends something malformed.
-fn serve_client(mut stream: TcpStream, state: &MemStore) {
-    let mut greeted = false;
-    loop {
-        let body = match read_frame(&mut stream) {
-            Ok(b) => b,
-            Err(FrameError::TooLarge(n)) => {
-                let msg = format!("frame of {n} bytes exceeds the limit of {MAX_FRAME}");
-                let _ = write_frame(
-                    &mut stream,
-                    &Writer::default().u8(ST_ERROR).bytes(msg.as_bytes()).0,
-                );
-                return;
-            }
-            Err(_) => return,
-        };
-        let reply = match handle(&body, state, &mut greeted) {
-            Ok(payload) => {
-                let mut r = vec![ST_OK];
-                r.extend_from_slice(&payload);
-                r
-            }
-            Err(StoreError::Timeout { keys, timeout }) => {
-                let mut w = Writer::default().u8(ST_TIMEOUT).u32(keys.len() as u32);
-                for k in &keys {
-                    w = w.bytes(k.as_bytes());
-                }
-                w.u64(millis(timeout)).0
-            }
-            Err(e) => {
-                let fatal = matches!(e, StoreError::Protocol(_));
-                let msg = e.to_string();
-                let _ = write_frame(
-                    &mut stream,
-                    &Writer::default().u8(ST_ERROR).bytes(msg.as_bytes()).0,
-                );
-                if fatal {
-                    // The stream may be out of step with the framing: drop the client.
-                    return;
-                }
-                continue;
-            }
-        };
-        if write_frame(&mut stream, &reply).is_err() {
-            return;
-        }
-    }
-}
-
-/// Decodes one request, applies it to the store and encodes the ok-payload.
-fn handle(body: &[u8], state: &MemStore, greeted: &mut bool) -> Result<Vec<u8>, StoreError> {
-    let mut r = Reader::new(body);
-    let op = r.u8("op")?;
-    if !*greeted && op != OP_HELLO {
-        return Err(StoreError::Protocol(
-            "first message is not a store hello".into(),
-        ));
-    }
-    let out = match op {
-        OP_HELLO => {
-            let (magic, version) = (r.u32("magic")?, r.u32("version")?);
-            r.finish()?;
-            if magic != MAGIC || version != VERSION {
-                return Err(StoreError::Protocol(format!(
-                    "bad hello (magic {magic:#x}, version {version}; expected {MAGIC:#x}, {VERSION})"
-                )));
-            }
-            *greeted = true;
-            Writer::default()
-        }
-        OP_SET => {
-            let (key, value) = (r.key()?, r.bytes("value")?);
-            r.finish()?;
-            state.set(key, value)?;
-            Writer::default()
-        }
-        OP_GET => {
-            let (key, ms) = (r.key()?, r.u64("timeout")?);
-            r.finish()?;
-            Writer::default().bytes(&state.get(key, Duration::from_millis(ms))?)
-        }
-        OP_WAIT => {
-            let (keys, ms) = (r.keys()?, r.u64("timeout")?);
-            r.finish()?;
-            state.wait(&keys, Duration::from_millis(ms))?;
-            Writer::default()
-        }
-        OP_ADD => {
-            let (key, delta) = (r.key()?, r.i64("delta")?);
-            r.finish()?;
-            Writer::default().i64(state.add(key, delta)?)
-        }
-        OP_CAS => {
-            let (key, expected, new) = (r.key()?, r.opt_bytes("expected")?, r.bytes("new")?);
-            r.finish()?;
-            Writer::default().bytes(&state.compare_set(key, expected, new)?)
-        }
-        OP_DELETE => {
-            let key = r.key()?;
-            r.finish()?;
-            Writer::default().u8(state.delete(key)? as u8)
-        }
-        other => return Err(StoreError::Protocol(format!("unknown op {other}"))),
-    };
-    Ok(out.0)
-}
+/// Largest reply a client reads: a value of [`MAX_FRAME`] bytes plus the reply's own fields.
+const MAX_REPLY: usize = MAX_FRAME + 64;
 
 // ---------------------------------------------------------------- client
 
@@ -414,9 +61,9 @@ pub struct TcpStore {
 }
 
 impl TcpStore {
-    /// Connects to the store at `addr` ("host:port"), retrying until `timeout` so that
-    /// ranks may start before rank 0 has bound the port.
-    pub fn connect(addr: &str, timeout: Duration) -> Result<Self, StoreError> {
+    /// Connects to the store at `addr` ("host:port") and proves `token`, retrying the
+    /// connection until `timeout` so that ranks may start before rank 0 has bound the port.
+    pub fn connect(addr: &str, token: &JobToken, timeout: Duration) -> Result<Self, StoreError> {
         // Saturate: a timeout of Duration::MAX means "keep trying".
         let far = Duration::from_secs(u32::MAX as u64);
         let deadline = Instant::now() + timeout.min(far);
@@ -440,8 +87,7 @@ impl TcpStore {
         let op_timeout = timeout
             .max(Duration::from_secs(1))
             .saturating_add(SERVER_SLACK);
-        let hello = Writer::default().u8(OP_HELLO).u32(MAGIC).u32(VERSION).0;
-        roundtrip(&mut stream, addr, &hello, op_timeout)?;
+        handshake(&mut stream, addr, token, op_timeout)?;
         Ok(Self {
             conn: Mutex::new(Some(stream)),
             addr: addr.to_string(),
@@ -450,28 +96,24 @@ impl TcpStore {
         })
     }
 
-    /// Hosts the server on `0.0.0.0:port` (all interfaces, so other hosts can reach it)
-    /// and connects to it: what rank 0 does. Port 0 picks a free port.
-    pub fn host(port: u16, timeout: Duration) -> Result<Self, StoreError> {
-        let server = TcpStoreServer::bind(("0.0.0.0", port))?;
-        let addr = format!("127.0.0.1:{}", server.local_addr().port());
-        let mut store = Self::connect(&addr, timeout)?;
-        store.server = Some(server);
-        Ok(store)
-    }
-
-    /// Rank 0 (`is_host`) hosts the store on `port`; every rank connects to `host:port`.
-    pub fn rendezvous(
-        host: &str,
-        port: u16,
-        is_host: bool,
+    /// Hosts the server on `bind` (an address of this host; port 0 picks a free port) for
+    /// the clients that prove `token`, and connects to it: what rank 0 does.
+    pub fn host(
+        bind: impl ToSocketAddrs + std::fmt::Debug,
+        token: &JobToken,
         timeout: Duration,
     ) -> Result<Self, StoreError> {
-        if is_host {
-            Self::host(port, timeout)
-        } else {
-            Self::connect(&format!("{host}:{port}"), timeout)
+        let server = TcpStoreServer::bind(bind, token.clone())?;
+        let mut own = server.local_addr();
+        if own.ip().is_unspecified() {
+            own.set_ip(match own {
+                SocketAddr::V4(_) => std::net::Ipv4Addr::LOCALHOST.into(),
+                SocketAddr::V6(_) => std::net::Ipv6Addr::LOCALHOST.into(),
+            });
         }
+        let mut store = Self::connect(&own.to_string(), token, timeout)?;
+        store.server = Some(server);
+        Ok(store)
     }
 
     /// The server this client hosts, if it is rank 0's.
@@ -503,6 +145,39 @@ impl TcpStore {
         }
         result
     }
+}
+
+/// Hello and auth: proves `token` to the server and checks the server's proof in return.
+fn handshake(
+    stream: &mut TcpStream,
+    addr: &str,
+    token: &JobToken,
+    timeout: Duration,
+) -> Result<(), StoreError> {
+    let client = nonce().map_err(StoreError::Io)?;
+    let hello = Writer::default()
+        .u8(OP_HELLO)
+        .u32(MAGIC)
+        .u32(VERSION)
+        .raw(&client)
+        .0;
+    let reply = roundtrip(stream, addr, &hello, timeout)?;
+    let mut r = Reader::new(&reply);
+    let server: [u8; 32] = r.array("server nonce")?;
+    r.finish()?;
+    let proof = token.prove(Role::StoreClient, &[&client, &server]);
+    let auth = Writer::default().u8(OP_AUTH).raw(&proof).0;
+    let reply = roundtrip(stream, addr, &auth, timeout)?;
+    let mut r = Reader::new(&reply);
+    let theirs: [u8; 32] = r.array("server proof")?;
+    r.finish()?;
+    if !token.verify(Role::StoreServer, &[&client, &server], &theirs) {
+        return Err(StoreError::Rejected(format!(
+            "the store at {addr} did not prove this job's token \
+             (another job's store, or a different XTRAIN_JOB_TOKEN)"
+        )));
+    }
+    Ok(())
 }
 
 fn try_connect(addr: &str, deadline: Instant) -> Result<TcpStream, String> {
@@ -546,7 +221,7 @@ fn roundtrip(
         _ => StoreError::Io(format!("sending to the store at {addr}: {e}")),
     })?;
     let _ = stream.set_read_timeout(Some(read_timeout));
-    let reply = read_frame(stream).map_err(|e| match e {
+    let reply = read_frame(stream, MAX_REPLY).map_err(|e| match e {
         FrameError::Closed => gone(),
         FrameError::Io(e)
             if matches!(
@@ -563,7 +238,12 @@ fn roundtrip(
             StoreError::Protocol(format!("reply of {n} bytes from {addr} exceeds the limit"))
         }
     })?;
-    let mut r = Reader::new(&reply);
+    decode_reply(&reply, addr)
+}
+
+/// Maps a reply body to its ok-payload or the error it carries (any bytes: never a panic).
+pub(crate) fn decode_reply(reply: &[u8], addr: &str) -> Result<Vec<u8>, StoreError> {
+    let mut r = Reader::new(reply);
     match r.u8("reply status")? {
         ST_OK => Ok(reply[1..].to_vec()),
         ST_TIMEOUT => {
@@ -662,21 +342,45 @@ impl Store for TcpStore {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use std::sync::Barrier;
+    use crate::store::StoreLimits;
+    use std::io::Write;
+    use std::net::TcpListener;
+    use std::sync::{Arc, Barrier};
 
     const T: Duration = Duration::from_secs(5);
 
+    fn token() -> JobToken {
+        JobToken::new("test-token-0123456789").unwrap()
+    }
+
     fn server() -> (TcpStoreServer, String) {
-        let s = TcpStoreServer::bind("127.0.0.1:0").unwrap();
+        server_with(StoreLimits::default())
+    }
+
+    fn server_with(limits: StoreLimits) -> (TcpStoreServer, String) {
+        let s = TcpStoreServer::bind_with("127.0.0.1:0", token(), limits).unwrap();
         let addr = s.local_addr().to_string();
         (s, addr)
+    }
+
+    fn connect(addr: &str) -> TcpStore {
+        TcpStore::connect(addr, &token(), T).unwrap()
+    }
+
+    /// Waits (bounded) until `f` holds: the server's threads notice closed sockets on their own.
+    fn eventually(what: &str, f: impl Fn() -> bool) {
+        let deadline = Instant::now() + Duration::from_secs(20);
+        while !f() {
+            assert!(Instant::now() < deadline, "never happened: {what}");
+            std::thread::sleep(Duration::from_millis(10));
+        }
     }
 
     #[test]
     fn every_op_over_tcp() {
         let (_server, addr) = server();
-        let a = TcpStore::connect(&addr, T).unwrap();
-        let b = TcpStore::connect(&addr, T).unwrap();
+        let a = connect(&addr);
+        let b = connect(&addr);
         a.set("addr/0", b"10.0.0.1:5000").unwrap();
         assert_eq!(b.get("addr/0", T).unwrap(), b"10.0.0.1:5000");
         b.wait(&["addr/0"], T).unwrap();
@@ -704,10 +408,10 @@ mod tests {
     #[test]
     fn get_blocks_until_another_client_sets() {
         let (_server, addr) = server();
-        let reader = TcpStore::connect(&addr, T).unwrap();
+        let reader = connect(&addr);
         let writer_addr = addr.clone();
         let t = std::thread::spawn(move || {
-            let w = TcpStore::connect(&writer_addr, T).unwrap();
+            let w = connect(&writer_addr);
             std::thread::sleep(Duration::from_millis(50));
             w.set("late", b"v").unwrap();
         });
@@ -724,7 +428,7 @@ mod tests {
             .map(|i| {
                 let (addr, barrier) = (addr.clone(), Arc::clone(&barrier));
                 std::thread::spawn(move || {
-                    let s = TcpStore::connect(&addr, T).unwrap();
+                    let s = connect(&addr);
                     barrier.wait();
                     for _ in 0..adds {
                         s.add("counter", 1).unwrap();
@@ -745,7 +449,7 @@ mod tests {
     #[test]
     fn wait_timeout_names_the_missing_keys() {
         let (_server, addr) = server();
-        let s = TcpStore::connect(&addr, T).unwrap();
+        let s = connect(&addr);
         s.set("present", b"1").unwrap();
         let start = Instant::now();
         let err = s
@@ -763,110 +467,250 @@ mod tests {
         assert_eq!(s.get("present", T).unwrap(), b"1");
     }
 
-    /// Sends a raw frame body and returns the reply (None if the server just closed).
-    fn raw_exchange(addr: &str, frames: &[Vec<u8>]) -> Vec<Option<Vec<u8>>> {
-        let mut s = TcpStream::connect(addr).unwrap();
-        s.set_read_timeout(Some(T)).unwrap();
-        frames
-            .iter()
-            .map(|f| {
-                s.write_all(f).ok()?;
-                let mut len = [0u8; 4];
-                s.read_exact(&mut len).ok()?;
-                let mut body = vec![0u8; u32::from_le_bytes(len) as usize];
-                s.read_exact(&mut body).ok()?;
-                Some(body)
-            })
-            .collect()
-    }
-
     fn framed(body: &[u8]) -> Vec<u8> {
         let mut f = (body.len() as u32).to_le_bytes().to_vec();
         f.extend_from_slice(body);
         f
     }
 
+    /// A raw connection; when `proven`, it has already passed the handshake with `token()`.
+    fn raw(addr: &str, proven: bool) -> TcpStream {
+        let mut s = TcpStream::connect(addr).unwrap();
+        s.set_read_timeout(Some(T)).unwrap();
+        if proven {
+            handshake(&mut s, addr, &token(), T).unwrap();
+        }
+        s
+    }
+
+    /// Writes each of `frames` and reads a reply to it (None once the server closed).
+    fn exchange(s: &mut TcpStream, frames: &[Vec<u8>]) -> Vec<Option<Vec<u8>>> {
+        frames
+            .iter()
+            .map(|f| {
+                s.write_all(f).ok()?;
+                read_frame(s, MAX_REPLY).ok()
+            })
+            .collect()
+    }
+
+    /// The message of an error reply.
+    fn error_of(reply: &Option<Vec<u8>>) -> String {
+        let r = reply.as_ref().expect("an error reply");
+        assert_eq!(r[0], ST_ERROR, "not an error reply: {r:?}");
+        String::from_utf8_lossy(&r[5..]).into_owned()
+    }
+
+    fn hello_frame() -> Vec<u8> {
+        framed(
+            &Writer::default()
+                .u8(OP_HELLO)
+                .u32(MAGIC)
+                .u32(VERSION)
+                .raw(&[7; 32])
+                .0,
+        )
+    }
+
+    #[test]
+    fn a_client_without_the_token_is_refused_and_changes_no_key() {
+        let (server, addr) = server();
+        let set = |k: &str| {
+            framed(
+                &Writer::default()
+                    .u8(OP_SET)
+                    .bytes(k.as_bytes())
+                    .bytes(b"x")
+                    .0,
+            )
+        };
+        // Another job's token and no token: refused at the proof.
+        for other in [
+            JobToken::new("another-job-token-42").unwrap(),
+            JobToken::none(),
+        ] {
+            let err = TcpStore::connect(&addr, &other, T).err().expect("refused");
+            assert!(
+                err.to_string().contains("job token proof rejected"),
+                "{err}"
+            );
+        }
+        // Skipping the hello, skipping the proof, or guessing it: refused, the key untouched.
+        let mut s = raw(&addr, false);
+        assert!(error_of(&exchange(&mut s, &[set("a")])[0]).contains("not a store hello"));
+        let mut s = raw(&addr, false);
+        let r = exchange(&mut s, &[hello_frame(), set("b")]);
+        assert_eq!(r[0].as_ref().unwrap()[0], ST_OK);
+        assert!(error_of(&r[1]).contains("before proving the job token"));
+        let mut s = raw(&addr, false);
+        let guess = framed(&Writer::default().u8(OP_AUTH).raw(&[0; 32]).0);
+        let r = exchange(&mut s, &[hello_frame(), guess, set("c")]);
+        assert!(error_of(&r[1]).contains("proof rejected"));
+        assert!(r[2].is_none(), "the connection is closed after a refusal");
+        // A frame too large for a handshake is refused from its header alone.
+        let mut s = raw(&addr, false);
+        let r = exchange(&mut s, &[(60u32 << 20).to_le_bytes().to_vec()]);
+        assert!(error_of(&r[0]).contains("exceeds the limit of 64"));
+
+        let s = connect(&addr);
+        for k in ["a", "b", "c"] {
+            assert!(matches!(
+                s.get(k, Duration::from_millis(10)),
+                Err(StoreError::Timeout { .. })
+            ));
+        }
+        eventually("refused connections closed", || {
+            server.open_connections() == 1 && server.clients() == 1
+        });
+    }
+
+    #[test]
+    fn a_store_that_cannot_prove_the_token_is_refused_by_the_client() {
+        // A fake store that answers the handshake without knowing the token.
+        let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+        let addr = listener.local_addr().unwrap().to_string();
+        let t = std::thread::spawn(move || {
+            let (mut c, _) = listener.accept().unwrap();
+            for _ in 0..2 {
+                read_frame(&mut c, 64).unwrap();
+                let reply = Writer::default().u8(ST_OK).raw(&[1; 32]).0;
+                write_frame(&mut c, &reply).unwrap();
+            }
+        });
+        let err = TcpStore::connect(&addr, &token(), T)
+            .err()
+            .expect("refused");
+        assert!(
+            err.to_string().contains("did not prove this job's token"),
+            "{err}"
+        );
+        t.join().unwrap();
+    }
+
     #[test]
     fn malformed_frames_get_an_error_not_a_panic() {
-        let (_server, addr) = server();
-        let hello = framed(&Writer::default().u8(OP_HELLO).u32(MAGIC).u32(VERSION).0);
-        let cases: Vec<(Vec<Vec<u8>>, &str)> = vec![
-            (vec![framed(&[OP_SET, 1, 2])], "not a store hello"),
+        let (server, addr) = server();
+        let cases: Vec<(bool, Vec<Vec<u8>>, &str)> = vec![
+            (false, vec![framed(&[OP_SET, 1, 2])], "not a store hello"),
             (
-                vec![framed(&Writer::default().u8(OP_HELLO).u32(7).u32(1).0)],
+                false,
+                vec![framed(
+                    &Writer::default().u8(OP_HELLO).u32(7).u32(2).raw(&[0; 32]).0,
+                )],
                 "bad hello",
             ),
-            (vec![hello.clone(), framed(&[99])], "unknown op"),
+            (false, vec![framed(&[OP_HELLO, 1])], "truncated"),
+            (true, vec![framed(&[99])], "unknown op"),
             (
-                vec![hello.clone(), framed(&[OP_SET, 200, 0, 0, 0, b'k'])],
+                true,
+                vec![framed(&[OP_SET, 200, 0, 0, 0, b'k'])],
                 "truncated",
             ),
             (
-                vec![
-                    hello.clone(),
-                    framed(&Writer::default().u8(OP_DELETE).bytes(b"k").u8(0).0),
-                ],
+                true,
+                vec![framed(&Writer::default().u8(OP_DELETE).bytes(b"k").u8(0).0)],
                 "trailing",
             ),
             (
-                vec![
-                    hello.clone(),
-                    framed(
-                        &Writer::default()
-                            .u8(OP_SET)
-                            .bytes(&[0xff, 0xfe])
-                            .bytes(b"")
-                            .0,
-                    ),
-                ],
+                true,
+                vec![framed(
+                    &Writer::default()
+                        .u8(OP_SET)
+                        .bytes(&[0xff, 0xfe])
+                        .bytes(b"")
+                        .0,
+                )],
                 "UTF-8",
             ),
             (
-                vec![
-                    hello.clone(),
-                    framed(&Writer::default().u8(OP_WAIT).u32(u32::MAX).0),
-                ],
+                true,
+                vec![framed(&Writer::default().u8(OP_WAIT).u32(u32::MAX).0)],
                 "key count",
             ),
+            (true, vec![hello_frame()], "second handshake"),
             (
-                vec![hello.clone(), u32::MAX.to_le_bytes().to_vec()],
+                true,
+                vec![u32::MAX.to_le_bytes().to_vec()],
                 "exceeds the limit",
             ),
         ];
-        for (frames, expect) in cases {
-            let replies = raw_exchange(&addr, &frames);
-            let last = replies.last().unwrap().as_ref().expect("an error reply");
-            assert_eq!(last[0], ST_ERROR, "{expect}");
-            let msg = String::from_utf8_lossy(&last[5..]);
+        for (proven, frames, expect) in cases {
+            let mut s = raw(&addr, proven);
+            let replies = exchange(&mut s, &frames);
+            let msg = error_of(replies.last().unwrap());
             assert!(msg.contains(expect), "expected {expect:?} in {msg:?}");
         }
         // A frame cut off mid-way followed by a disconnect leaves the server serving.
         {
-            let mut s = TcpStream::connect(&addr).unwrap();
-            s.write_all(&hello).unwrap();
+            let mut s = raw(&addr, true);
             s.write_all(&[10, 0, 0, 0, OP_SET]).unwrap();
         }
-        let s = TcpStore::connect(&addr, T).unwrap();
+        let s = connect(&addr);
         s.set("alive", b"yes").unwrap();
         assert_eq!(s.get("alive", T).unwrap(), b"yes");
+        eventually("bad clients dropped", || server.open_connections() == 1);
     }
 
-    proptest::proptest! {
-        /// Any body at all decodes to a reply or an error, never a panic; a byte flipped in a
-        /// valid request is no different.
-        #[test]
-        fn arbitrary_request_bodies_never_panic(
-            body in proptest::collection::vec(proptest::prelude::any::<u8>(), 0..64),
-            flip in 0usize..64,
-        ) {
-            let state = MemStore::new();
-            let mut greeted = true;
-            let _ = handle(&body, &state, &mut greeted);
-            let mut valid = Writer::default().u8(OP_CAS).bytes(b"key").opt_bytes(Some(b"a")).bytes(b"b").0;
-            let i = flip % valid.len();
-            valid[i] ^= 0x5a;
-            let _ = handle(&valid, &state, &mut greeted);
-        }
+    #[test]
+    fn handshakes_have_a_deadline_and_clients_a_cap() {
+        let (server, addr) = server_with(StoreLimits {
+            handshake_timeout: Duration::from_millis(300),
+            max_clients: 2,
+            ..StoreLimits::default()
+        });
+        // A connection that never proves anything is refused once its time is up.
+        let mut idle = raw(&addr, false);
+        let start = Instant::now();
+        let reply = read_frame(&mut idle, MAX_REPLY).ok();
+        assert!(error_of(&reply).contains("in time"));
+        assert!(start.elapsed() < Duration::from_secs(4));
+        // So is one that trickles its hello in a byte at a time (each read within its timeout).
+        let mut slow = raw(&addr, false);
+        let mut writer = slow.try_clone().unwrap();
+        let start = Instant::now();
+        let trickle = std::thread::spawn(move || {
+            for b in hello_frame() {
+                if writer.write_all(&[b]).is_err() {
+                    break;
+                }
+                std::thread::sleep(Duration::from_millis(60));
+            }
+        });
+        let reply = read_frame(&mut slow, MAX_REPLY).ok();
+        assert!(error_of(&reply).contains("in time"));
+        // Well before the whole hello (45 bytes, 2.7 s) could have arrived.
+        assert!(
+            start.elapsed() < Duration::from_secs(2),
+            "{:?}",
+            start.elapsed()
+        );
+        trickle.join().unwrap();
+        // Two clients are served, a third is refused, and a departed one frees its place.
+        let a = connect(&addr);
+        let _b = connect(&addr);
+        let err = TcpStore::connect(&addr, &token(), T)
+            .err()
+            .expect("over the cap");
+        assert!(err.to_string().contains("limit of 2 clients"), "{err}");
+        drop(a);
+        eventually("a's place freed", || server.clients() == 1);
+        connect(&addr).set("k", b"v").unwrap();
+    }
+
+    #[test]
+    fn a_client_leaving_during_a_blocking_get_is_closed_at_once() {
+        let (server, addr) = server();
+        let mut s = raw(&addr, true);
+        let get = Writer::default().u8(OP_GET).bytes(b"never").u64(600_000).0;
+        s.write_all(&framed(&get)).unwrap();
+        std::thread::sleep(Duration::from_millis(100));
+        assert_eq!(server.open_connections(), 1);
+        drop(s);
+        let start = Instant::now();
+        eventually("the waiting client's connection closed", || {
+            server.open_connections() == 0 && server.clients() == 0
+        });
+        assert!(start.elapsed() < Duration::from_secs(10));
     }
 
     #[test]
@@ -875,11 +719,11 @@ mod tests {
         let addr = listener.local_addr().unwrap().to_string();
         let t = std::thread::spawn(move || {
             let (mut c, _) = listener.accept().unwrap();
-            let _ = read_frame(&mut c);
+            let _ = read_frame(&mut c, 64);
             c.write_all(&framed(&[7, 7, 7])).unwrap();
             std::thread::sleep(Duration::from_millis(100));
         });
-        let err = TcpStore::connect(&addr, T)
+        let err = TcpStore::connect(&addr, &token(), T)
             .err()
             .expect("garbage reply must fail");
         assert!(err.to_string().contains("unknown reply status 7"), "{err}");
@@ -889,7 +733,7 @@ mod tests {
     #[test]
     fn server_gone_is_a_clear_error() {
         let (server, addr) = server();
-        let s = TcpStore::connect(&addr, T).unwrap();
+        let s = connect(&addr);
         s.set("a", b"1").unwrap();
         drop(server);
         let err = s.get("a", T).unwrap_err();
@@ -901,7 +745,7 @@ mod tests {
     #[test]
     fn a_blocked_get_fails_when_the_server_goes_away() {
         let (server, addr) = server();
-        let s = TcpStore::connect(&addr, T).unwrap();
+        let s = connect(&addr);
         let t = std::thread::spawn(move || {
             std::thread::sleep(Duration::from_millis(100));
             drop(server);
@@ -927,11 +771,11 @@ mod tests {
             .port();
         let t = std::thread::spawn(move || {
             std::thread::sleep(Duration::from_millis(200));
-            let host = TcpStore::host(port, T).unwrap();
+            let host = TcpStore::host(("127.0.0.1", port), &token(), T).unwrap();
             host.set("ready", b"1").unwrap();
             host.wait(&["bye"], T).unwrap();
         });
-        let s = TcpStore::rendezvous("127.0.0.1", port, false, T).unwrap();
+        let s = connect(&format!("127.0.0.1:{port}"));
         assert_eq!(s.get("ready", T).unwrap(), b"1");
         s.set("bye", b"").unwrap();
         t.join().unwrap();
@@ -942,9 +786,13 @@ mod tests {
             .unwrap()
             .port();
         let start = Instant::now();
-        let err = TcpStore::connect(&format!("127.0.0.1:{free}"), Duration::from_millis(200))
-            .err()
-            .unwrap();
+        let err = TcpStore::connect(
+            &format!("127.0.0.1:{free}"),
+            &token(),
+            Duration::from_millis(200),
+        )
+        .err()
+        .unwrap();
         assert!(start.elapsed() < Duration::from_secs(3));
         assert!(err.to_string().contains("could not connect"), "{err}");
     }

@@ -1,9 +1,17 @@
 //! TCP transport: one socket per pair of ranks, `TCP_NODELAY`, non-blocking after a handshake.
 //!
-//! Handshake (connector -> acceptor): `b"XTRN" | version u8 | job_len u16 | job | key_len u16 |
-//! group key | from u32 | to u32`; the acceptor answers `status u8 (0 = accepted) | len u16 |
-//! reason`. A connection with a foreign job id, another group's key or an unexpected rank is
-//! refused with a logged reason and the acceptor keeps waiting for the right peers.
+//! Handshake (connector C, acceptor A), which proves the job token both ways before a byte of
+//! a message flows ([`crate::auth`]):
+//! 1. C → A: `b"XTRN" | version u8 | job_len u16 | job | key_len u16 | group key | from u32 |
+//!    to u32 | nonce [32]`;
+//! 2. A → C: `0 | nonce [32]`, or a refusal `1 | len u16 | reason` (foreign job id, another
+//!    group's key, an unexpected rank);
+//! 3. C → A: `proof [32]`: HMAC-SHA256 of the token over step 1's bytes and A's nonce;
+//! 4. A → C: `0 | proof [32]` (A's own proof over the same), or a refusal.
+//!
+//! A refused connection is logged with its reason and the acceptor keeps waiting for the right
+//! peers. Job ids and group keys longer than [`MAX_NAME`] bytes are refused before anything
+//! is allocated for them.
 //!
 //! Messages are the same framed stream as shared memory; large payloads are streamed through
 //! the socket in whatever pieces the kernel takes, and received into an aligned staging buffer.
@@ -13,9 +21,13 @@ use std::os::fd::AsRawFd;
 use std::time::{Duration, Instant};
 
 use super::{LinkError, OutMsg, RecvReject};
+use crate::auth::{nonce, JobToken, Role, NONCE_LEN, PROOF_LEN};
+use crate::deadline_io::Deadlined;
 
 const HS_MAGIC: &[u8; 4] = b"XTRN";
-const HS_VERSION: u8 = 1;
+const HS_VERSION: u8 = 2;
+/// Longest job id or group key a handshake may carry.
+pub(crate) const MAX_NAME: usize = 1024;
 const STAGE_BYTES: usize = 1 << 20;
 const SOCK_BUF: libc::c_int = 4 << 20;
 
@@ -29,8 +41,8 @@ pub(crate) struct Hello {
 }
 
 impl Hello {
-    fn encode(&self) -> Vec<u8> {
-        let mut b = Vec::with_capacity(16 + self.job.len() + self.key.len());
+    fn encode(&self, nonce: &[u8; NONCE_LEN]) -> Vec<u8> {
+        let mut b = Vec::with_capacity(16 + self.job.len() + self.key.len() + NONCE_LEN);
         b.extend_from_slice(HS_MAGIC);
         b.push(HS_VERSION);
         for s in [&self.job, &self.key] {
@@ -39,10 +51,13 @@ impl Hello {
         }
         b.extend_from_slice(&self.from.to_le_bytes());
         b.extend_from_slice(&self.to.to_le_bytes());
+        b.extend_from_slice(nonce);
         b
     }
 
-    fn read(s: &mut TcpStream) -> Result<Hello, String> {
+    /// Reads a hello and its nonce; any byte stream gives one or an explanation, never a panic,
+    /// and nothing larger than [`MAX_NAME`] is allocated.
+    pub(crate) fn read(s: &mut impl Read) -> Result<(Hello, [u8; NONCE_LEN]), String> {
         let mut head = [0u8; 5];
         s.read_exact(&mut head)
             .map_err(|e| format!("reading handshake: {e}"))?;
@@ -53,31 +68,63 @@ impl Hello {
             let mut l = [0u8; 2];
             s.read_exact(&mut l)
                 .map_err(|e| format!("reading {what}: {e}"))?;
-            let mut v = vec![0u8; u16::from_le_bytes(l) as usize];
+            let len = u16::from_le_bytes(l) as usize;
+            if len > MAX_NAME {
+                return Err(format!(
+                    "{what} of {len} bytes is over the limit of {MAX_NAME}"
+                ));
+            }
+            let mut v = vec![0u8; len];
             s.read_exact(&mut v)
                 .map_err(|e| format!("reading {what}: {e}"))?;
             String::from_utf8(v).map_err(|_| format!("{what} is not UTF-8"))
         };
         let job = string("job id")?;
         let key = string("group key")?;
-        let mut r = [0u8; 8];
+        let mut r = [0u8; 8 + NONCE_LEN];
         s.read_exact(&mut r)
-            .map_err(|e| format!("reading ranks: {e}"))?;
-        Ok(Hello {
+            .map_err(|e| format!("reading ranks and nonce: {e}"))?;
+        let hello = Hello {
             job,
             key,
             from: u32::from_le_bytes([r[0], r[1], r[2], r[3]]),
             to: u32::from_le_bytes([r[4], r[5], r[6], r[7]]),
-        })
+        };
+        Ok((hello, r[8..].try_into().expect("NONCE_LEN bytes")))
     }
 }
 
-fn reply(s: &mut TcpStream, reason: Option<&str>) -> std::io::Result<()> {
-    let reason = reason.unwrap_or("");
-    let mut b = vec![u8::from(!reason.is_empty())];
-    b.extend_from_slice(&(reason.len().min(u16::MAX as usize) as u16).to_le_bytes());
-    b.extend_from_slice(&reason.as_bytes()[..reason.len().min(u16::MAX as usize)]);
+/// `0 | payload` (go on) or `1 | len u16 | reason` (refused).
+fn reply(s: &mut TcpStream, verdict: Result<&[u8], &str>) -> std::io::Result<()> {
+    let b = match verdict {
+        Ok(payload) => [&[0u8][..], payload].concat(),
+        Err(reason) => {
+            let r = &reason.as_bytes()[..reason.len().min(u16::MAX as usize)];
+            [&[1u8][..], &(r.len() as u16).to_le_bytes(), r].concat()
+        }
+    };
     s.write_all(&b)
+}
+
+/// Reads a [`reply`]: its `N`-byte payload, or the peer's reason for refusing.
+fn read_reply<const N: usize>(s: &mut TcpStream, addr: &str) -> Result<[u8; N], String> {
+    let mut st = [0u8; 1];
+    s.read_exact(&mut st)
+        .map_err(|e| format!("reading handshake reply from {addr}: {e}"))?;
+    if st[0] != 0 {
+        let mut len = [0u8; 2];
+        let _ = s.read_exact(&mut len);
+        let mut reason = vec![0u8; u16::from_le_bytes(len) as usize];
+        let _ = s.read_exact(&mut reason);
+        return Err(format!(
+            "{addr} refused: {}",
+            String::from_utf8_lossy(&reason)
+        ));
+    }
+    let mut payload = [0u8; N];
+    s.read_exact(&mut payload)
+        .map_err(|e| format!("reading handshake reply from {addr}: {e}"))?;
+    Ok(payload)
 }
 
 fn configure(s: &TcpStream) -> std::io::Result<()> {
@@ -98,8 +145,13 @@ fn configure(s: &TcpStream) -> std::io::Result<()> {
 }
 
 /// Connects to `addr` (retrying until `deadline`, since the peer may not listen yet) and
-/// performs the handshake. Returns the stream, or why it was refused.
-pub(crate) fn connect(addr: &str, hello: &Hello, deadline: Instant) -> Result<TcpStream, String> {
+/// performs the handshake, proving `token`. Returns the stream, or why it was refused.
+pub(crate) fn connect(
+    addr: &str,
+    hello: &Hello,
+    token: &JobToken,
+    deadline: Instant,
+) -> Result<TcpStream, String> {
     let sock: SocketAddr = addr
         .parse()
         .map_err(|e| format!("bad address {addr:?}: {e}"))?;
@@ -122,31 +174,39 @@ pub(crate) fn connect(addr: &str, hello: &Hello, deadline: Instant) -> Result<Tc
         .set_read_timeout(Some(left))
         .map_err(|e| e.to_string())?;
     configure(&stream).map_err(|e| e.to_string())?;
+    let mine = nonce()?;
+    let hello_bytes = hello.encode(&mine);
     stream
-        .write_all(&hello.encode())
+        .write_all(&hello_bytes)
         .map_err(|e| format!("sending handshake to {addr}: {e}"))?;
-    let mut st = [0u8; 3];
+    let theirs: [u8; NONCE_LEN] = read_reply(&mut stream, addr)?;
+    let transcript: [&[u8]; 2] = [&hello_bytes, &theirs];
     stream
-        .read_exact(&mut st)
-        .map_err(|e| format!("reading handshake reply from {addr}: {e}"))?;
-    if st[0] != 0 {
-        let mut reason = vec![0u8; u16::from_le_bytes([st[1], st[2]]) as usize];
-        let _ = stream.read_exact(&mut reason);
+        .write_all(&token.prove(Role::LinkConnector, &transcript))
+        .map_err(|e| format!("sending the token proof to {addr}: {e}"))?;
+    let proof: [u8; PROOF_LEN] = read_reply(&mut stream, addr)?;
+    if !token.verify(Role::LinkAcceptor, &transcript, &proof) {
         return Err(format!(
-            "{addr} refused: {}",
-            String::from_utf8_lossy(&reason)
+            "{addr} did not prove this job's token (a process of another job on that port?)"
         ));
     }
     Ok(stream)
 }
 
-/// Accepts one connection per rank in `expected` (connectors with job `job` and group `key`
-/// addressed to rank `me`), refusing and logging any other. Returns streams by sender rank.
+/// What an acceptor expects of its connectors: this job and group, its own rank, the token.
+pub(crate) struct Expect<'a> {
+    pub job: &'a str,
+    pub key: &'a str,
+    pub token: &'a JobToken,
+    pub me: u32,
+}
+
+/// Accepts one connection per rank in `expected` (connectors of `at`'s job and group,
+/// addressed to its rank, proving its token), refusing and logging any other. Returns streams
+/// by sender rank.
 pub(crate) fn accept_all(
     listener: &TcpListener,
-    job: &str,
-    key: &str,
-    me: u32,
+    at: &Expect,
     expected: &[u32],
     deadline: Instant,
 ) -> Result<Vec<(u32, TcpStream)>, String> {
@@ -172,38 +232,82 @@ pub(crate) fn accept_all(
             Err(e) => return Err(format!("accept: {e}")),
         };
         let _ = s.set_nonblocking(false);
+        // A connector has at most 5 s (or what is left) for its whole handshake, so one that
+        // trickles bytes cannot hold up the peers behind it.
         let left = deadline.saturating_duration_since(Instant::now());
-        let _ = s.set_read_timeout(Some(
-            left.clamp(Duration::from_millis(10), Duration::from_secs(5)),
-        ));
-        let verdict = match Hello::read(&mut s) {
-            Err(e) => Err(e),
-            Ok(h) if h.job != job => {
-                Err(format!("foreign job id {:?} (this job is {job:?})", h.job))
-            }
-            Ok(h) if h.key != key => Err(format!(
-                "connection for group {:?}, expected {key:?}",
-                h.key
-            )),
-            Ok(h) if h.to != me => Err(format!("addressed to rank {}, this is rank {me}", h.to)),
-            Ok(h) if !expected.contains(&h.from) || got.iter().any(|(g, _)| *g == h.from) => Err(
-                format!("unexpected or duplicate connection from rank {}", h.from),
-            ),
-            Ok(h) => Ok(h.from),
-        };
-        match verdict {
+        let own = Instant::now() + left.clamp(Duration::from_millis(10), Duration::from_secs(5));
+        match admit(&mut s, own, at, expected, &got) {
             Ok(from) => {
                 configure(&s).map_err(|e| e.to_string())?;
-                reply(&mut s, None).map_err(|e| format!("answering rank {from}: {e}"))?;
                 got.push((from, s));
             }
             Err(reason) => {
                 tracing::warn!(peer = %from_addr, "refused connection: {reason}");
-                let _ = reply(&mut s, Some(&reason));
+                let _ = reply(&mut s, Err(&reason));
             }
         }
     }
     Ok(got)
+}
+
+/// Runs the acceptor's side of the handshake on `s`; returns the connector's rank, or why it
+/// is refused.
+fn admit(
+    s: &mut TcpStream,
+    until: Instant,
+    at: &Expect,
+    expected: &[u32],
+    got: &[(u32, TcpStream)],
+) -> Result<u32, String> {
+    let (h, theirs) = Hello::read(&mut Deadlined {
+        stream: s,
+        deadline: Some(until),
+    })?;
+    if h.job != at.job {
+        return Err(format!(
+            "foreign job id {:?} (this job is {:?})",
+            h.job, at.job
+        ));
+    }
+    if h.key != at.key {
+        return Err(format!(
+            "connection for group {:?}, expected {:?}",
+            h.key, at.key
+        ));
+    }
+    if h.to != at.me {
+        return Err(format!(
+            "addressed to rank {}, this is rank {}",
+            h.to, at.me
+        ));
+    }
+    if !expected.contains(&h.from) || got.iter().any(|(g, _)| *g == h.from) {
+        return Err(format!(
+            "unexpected or duplicate connection from rank {}",
+            h.from
+        ));
+    }
+    let mine = nonce()?;
+    reply(s, Ok(&mine)).map_err(|e| format!("answering rank {}: {e}", h.from))?;
+    let mut proof = [0u8; PROOF_LEN];
+    Deadlined {
+        stream: s,
+        deadline: Some(until),
+    }
+    .read_exact(&mut proof)
+    .map_err(|e| format!("reading the token proof of rank {}: {e}", h.from))?;
+    let hello_bytes = h.encode(&theirs);
+    let transcript: [&[u8]; 2] = [&hello_bytes, &mine];
+    if !at.token.verify(Role::LinkConnector, &transcript, &proof) {
+        return Err(format!(
+            "rank {} did not prove the job token (a process that knows the job id but not \
+             XTRAIN_JOB_TOKEN)",
+            h.from
+        ));
+    }
+    reply(s, Ok(&at.token.prove(Role::LinkAcceptor, &transcript)))
+        .map_err(|e| format!("answering rank {}: {e}", h.from))?;
+    Ok(h.from)
 }
 
 /// A connected, non-blocking socket with an aligned receive staging buffer.

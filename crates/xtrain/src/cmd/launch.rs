@@ -1,17 +1,24 @@
 //! `xtrain launch`: starts the worker processes of one host with the launch variables
 //! (`RANK`, `WORLD_SIZE`, `LOCAL_RANK`, `LOCAL_WORLD_SIZE`, `MASTER_ADDR`, `MASTER_PORT`,
-//! `XTRAIN_JOB_ID`, `XTRAIN_THREADS`, `XTRAIN_RESTART_COUNT`), prefixes their output
+//! `XTRAIN_JOB_ID`, `XTRAIN_JOB_TOKEN`, `XTRAIN_THREADS`, `XTRAIN_RESTART_COUNT`), prefixes their output
 //! lines with the rank, and supervises them: when one fails, the others are stopped
 //! (SIGTERM, then SIGKILL after a grace period) and the group is restarted up to
 //! `--max-restarts` times, else the launch fails naming the rank and its exit status.
 //!
+//! The job token (the secret every store and link connection proves): the launcher's own
+//! `XTRAIN_JOB_TOKEN` when set, else on one host a fresh random one per start of the group.
+//! It travels only in the workers' environment, never on a command line or in a log.
+//!
 //! Multi-node: run the same command on every host with `--nnodes`, `--node-rank`,
-//! `--master-addr` and `--master-port`; the hosts meet at the rendezvous store that rank 0
+//! `--master-addr` and `--master-port`, and the same `XTRAIN_JOB_TOKEN` exported on each
+//! (hosts cannot agree on a random one without it; the workers refuse to start a store other
+//! hosts can reach without a token); the hosts meet at the rendezvous store that rank 0
 //! hosts. Each host's launcher restarts its own workers; a failure on one host makes the
 //! collectives of the others fail, so they restart too.
 //!
 //! Each worker runs in its own process group, so stopping it also stops whatever it
 //! spawned, and (on Linux) it is killed if the launcher itself dies.
+use comm::auth::{JobToken, TOKEN_VAR};
 use comm::env::{JOB_ID_VAR, RESTART_VAR, THREADS_VAR};
 use std::ffi::OsString;
 use std::io::{BufRead, BufReader, Read, Write};
@@ -139,6 +146,7 @@ impl GroupSpec {
         if self.master_port == Some(0) {
             return bad("--master-port must not be 0");
         }
+        user_token()?;
         Ok(())
     }
 }
@@ -213,8 +221,17 @@ fn run_attempt(spec: &GroupSpec, attempt: u32) -> Result<(), Failure> {
         // Several hosts must agree without talking: derive it from the rendezvous address.
         _ => format!("xtrain-{}:{port}", spec.master_addr),
     });
-    // A fresh token per restart, so leftovers of the previous generation are refused.
+    // A fresh id (and on one host a fresh secret) per restart, so leftovers of the previous
+    // generation are refused.
     let job_id = format!("{base_id}-r{attempt}");
+    let token = match user_token().map_err(Failure::Spawn)? {
+        Some(t) => Some(t),
+        None if spec.nnodes == 1 => {
+            Some(JobToken::generate_secret().map_err(|e| Failure::Spawn(LaunchError::Invalid(e)))?)
+        }
+        // The workers decide: fine for a store on loopback, else a clear refusal.
+        None => None,
+    };
     let cores = std::thread::available_parallelism()
         .map(|n| n.get())
         .unwrap_or(1);
@@ -249,6 +266,9 @@ fn run_attempt(spec: &GroupSpec, attempt: u32) -> Result<(), Failure> {
         }
         for (k, v) in &spec.extra_env {
             cmd.env(k, v);
+        }
+        if let Some(t) = &token {
+            cmd.env(TOKEN_VAR, t);
         }
         #[cfg(target_os = "linux")]
         // SAFETY: prctl is async-signal-safe; it only asks the kernel to SIGKILL this child
@@ -443,6 +463,17 @@ fn signal_name(sig: i32) -> String {
         _ => return format!("signal {sig}"),
     };
     name.to_string()
+}
+
+/// The token in the launcher's own `XTRAIN_JOB_TOKEN`, checked (None when unset).
+fn user_token() -> Result<Option<String>, LaunchError> {
+    match std::env::var(TOKEN_VAR) {
+        Ok(v) if !v.trim().is_empty() => {
+            JobToken::new(&v).map_err(LaunchError::Invalid)?;
+            Ok(Some(v.trim().to_string()))
+        }
+        _ => Ok(None),
+    }
 }
 
 /// Picks a port that is free right now on `addr` (the store binds it moments later).
