@@ -10,17 +10,22 @@
 //! - [`collectives`]: the algorithms (ring, tree, halving-doubling, ...).
 //! - `engine`, `transport` (shm, tcp, cma), `wire`: progress engine, transports, message headers;
 //!   `single_copy`: ring steps that read a same-host peer's buffer directly.
+//! - [`flight`], [`monitor`], [`diagnosis`]: every rank's record of its last operations, its
+//!   heartbeat, and the hung-rank locator's message when a wait times out or a peer stops.
 //! - [`element`]: element types and reductions. [`testing`]: ranks as threads.
 //!
 //! `comm` knows nothing about tensors: collectives work on plain element slices.
 pub mod collectives;
 pub mod communicator;
+pub mod diagnosis;
 pub mod element;
 mod engine;
 pub mod env;
 pub mod error;
+pub mod flight;
 pub mod group;
 pub mod mesh;
+pub mod monitor;
 mod single_copy;
 pub mod store;
 pub mod testing;

@@ -64,11 +64,11 @@ impl Fault {
         if rank != self.rank || step != self.step {
             return;
         }
-        let sig = match self.action {
-            Action::Kill => libc::SIGKILL,
-            Action::Stop => libc::SIGSTOP,
+        let (sig, name) = match self.action {
+            Action::Kill => (libc::SIGKILL, "SIGKILL"),
+            Action::Stop => (libc::SIGSTOP, "SIGSTOP"),
         };
-        eprintln!("{FAULT_VAR}: rank {rank} sends itself {sig} after step {step}");
+        eprintln!("{FAULT_VAR}: rank {rank} sends itself {name} after step {step}");
         // SAFETY: raise(3) signals this process; it has no memory effects.
         unsafe {
             libc::raise(sig);
