@@ -14,7 +14,9 @@
 //! and `xtrain/<job>/monitor/flight/<rank>` ([`FlightRecord::encode`] text).
 //!
 //! Every heartbeat reads the counters of all ranks, a world-size number of small store
-//! requests per interval and rank.
+//! requests per interval and rank. The store is hosted by rank 0's process: when this rank's
+//! own beats stop reaching it (rank 0 stopped, network down), no peer is called stopped and
+//! diagnoses do not read it; the collective timeout remains the bound.
 use std::sync::{Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};
 
@@ -39,6 +41,8 @@ pub struct Monitor {
     interval: Duration,
     /// Per world rank: the last counter read and when it last changed.
     seen: Mutex<Vec<(Vec<u8>, Instant)>>,
+    /// When this rank's own beat last reached the store.
+    beat_ok: Mutex<Instant>,
     stop: Mutex<bool>,
     wake: Condvar,
 }
@@ -61,6 +65,7 @@ impl Monitor {
             recorder: FlightRecorder::default(),
             interval,
             seen: Mutex::new(vec![(Vec::new(), now); world]),
+            beat_ok: Mutex::new(now),
             stop: Mutex::new(false),
             wake: Condvar::new(),
         })
@@ -96,9 +101,12 @@ impl Monitor {
         loop {
             if tick.is_multiple_of(4) {
                 let beat = tick / 4 + 1;
-                let _ = self
+                let sent = self
                     .store
                     .set(&self.key("beat", self.rank), beat.to_string().as_bytes());
+                if sent.is_ok() {
+                    *self.beat_ok.lock().unwrap_or_else(|e| e.into_inner()) = Instant::now();
+                }
                 self.read_beats();
             }
             let ops = self.recorder.ops_recorded();
@@ -154,28 +162,126 @@ impl Monitor {
         seen.get(r).map(|s| s.1.elapsed())
     }
 
-    /// Whether world rank `r`'s heartbeat stayed still past the limit.
+    /// Whether this rank's own heartbeats reach the store (within the limit). When they do
+    /// not, the store (hosted by rank 0's process) is unreachable or stalled: every peer would
+    /// look silent, so none is called stopped, and nothing waits on the store here.
+    fn store_answers(&self) -> bool {
+        let limit = self.limit().unwrap_or(Duration::MAX);
+        self.beat_ok
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .elapsed()
+            <= limit
+    }
+
+    /// Whether world rank `r`'s heartbeat stayed still past the limit (while this rank's own
+    /// heartbeats get through).
     pub(crate) fn stopped(&self, r: usize) -> bool {
-        r != self.rank && matches!((self.silent_for(r), self.limit()), (Some(s), Some(l)) if s > l)
+        r != self.rank
+            && matches!((self.silent_for(r), self.limit()), (Some(s), Some(l)) if s > l)
+            && self.store_answers()
     }
 
     /// Every world rank's state: its published flight record (this rank's taken now) and
     /// heartbeat. Reads the store without waiting.
     pub(crate) fn gather(&self) -> Vec<PeerState> {
-        self.publish();
+        let reachable = self.limit().is_none() || self.store_answers();
+        if reachable {
+            self.publish();
+        }
         (0..self.world)
             .map(|r| PeerState {
                 record: if r == self.rank {
                     Some(self.recorder.snapshot(r))
-                } else {
+                } else if reachable {
                     self.store
                         .get(&self.key("flight", r), Duration::ZERO)
                         .ok()
                         .and_then(|b| FlightRecord::decode(&String::from_utf8_lossy(&b)))
+                } else {
+                    None
                 },
                 silent_for: (r != self.rank).then(|| self.silent_for(r)).flatten(),
                 stopped: self.stopped(r),
             })
             .collect()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::store::{MemStore, StoreError};
+
+    const BEAT: Duration = Duration::from_millis(40);
+
+    /// Polls `f` until it holds (up to 10 s: the threads may be descheduled under load).
+    fn eventually(f: impl Fn() -> bool) -> bool {
+        let t = Instant::now();
+        while t.elapsed() < Duration::from_secs(10) {
+            if f() {
+                return true;
+            }
+            std::thread::sleep(BEAT / 4);
+        }
+        false
+    }
+
+    #[test]
+    fn a_peer_whose_heartbeat_stops_is_called_stopped_and_its_record_is_read() {
+        let store: Arc<dyn Store> = Arc::new(MemStore::new());
+        let a = Monitor::new(Arc::clone(&store), "hb", 0, 2, BEAT);
+        let b = Monitor::new(Arc::clone(&store), "hb", 1, 2, BEAT);
+        a.start();
+        b.start();
+        assert!(eventually(|| a.gather()[1].record.is_some()));
+        assert!(!a.stopped(1) && !a.stopped(0));
+        // Rank 1 stops beating (as a SIGSTOPped process does); rank 0 notices after 3 beats.
+        b.shutdown();
+        assert!(eventually(|| a.stopped(1)));
+        assert!(a.silent_for(1).unwrap() > BEAT * HEARTBEAT_MISSES);
+        a.shutdown();
+        // No heartbeat: nobody is ever stopped.
+        let off = Monitor::new(store, "off", 0, 2, Duration::ZERO);
+        off.start();
+        assert_eq!(
+            (off.limit(), off.silent_for(1), off.stopped(1)),
+            (None, None, false)
+        );
+    }
+
+    /// A store that no longer answers (its host process stopped).
+    struct DeadStore;
+    impl Store for DeadStore {
+        fn set(&self, _: &str, _: &[u8]) -> Result<(), StoreError> {
+            Err(StoreError::Io("down".into()))
+        }
+        fn get(&self, _: &str, _: Duration) -> Result<Vec<u8>, StoreError> {
+            Err(StoreError::Io("down".into()))
+        }
+        fn wait(&self, _: &[&str], _: Duration) -> Result<(), StoreError> {
+            Err(StoreError::Io("down".into()))
+        }
+        fn add(&self, _: &str, _: i64) -> Result<i64, StoreError> {
+            Err(StoreError::Io("down".into()))
+        }
+        fn compare_set(&self, _: &str, _: Option<&[u8]>, _: &[u8]) -> Result<Vec<u8>, StoreError> {
+            Err(StoreError::Io("down".into()))
+        }
+        fn delete(&self, _: &str) -> Result<bool, StoreError> {
+            Err(StoreError::Io("down".into()))
+        }
+    }
+
+    #[test]
+    fn when_the_store_does_not_answer_no_peer_is_blamed() {
+        let m = Monitor::new(Arc::new(DeadStore), "dead", 0, 2, BEAT);
+        m.start();
+        std::thread::sleep(BEAT * (HEARTBEAT_MISSES + 2));
+        assert!(m.silent_for(1).unwrap() > m.limit().unwrap());
+        assert!(!m.stopped(1), "the silence is the store's, not rank 1's");
+        let peers = m.gather();
+        assert!(peers[0].record.is_some() && peers[1].record.is_none());
+        m.shutdown();
     }
 }

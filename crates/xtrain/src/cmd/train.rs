@@ -118,7 +118,8 @@ pub struct TrainArgs {
     /// config is used; change settings with `--set` and the layout flags. `auto`: continue
     /// the `--out` directory's newest checkpoint when it has one, else start afresh (what a
     /// launcher restart needs: `xtrain launch --max-restarts R -- xtrain train --resume auto
-    /// --out DIR ...`); a damaged checkpoint there is an error, never a fresh start.
+    /// --out DIR ...`); a damaged checkpoint there is an error, never a fresh start. When it
+    /// resumes, `--preset` and `--config` (read for the fresh start) are not read again.
     #[arg(long)]
     pub resume: Option<PathBuf>,
     /// Run directory (default: runs/<preset>, or the run directory resumed from).
