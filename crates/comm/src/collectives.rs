@@ -196,6 +196,15 @@ impl Engine {
         user_tag: u32,
     ) -> Result<()> {
         let ctx = self.begin(OpKind::P2p, T::DTYPE, None, 0)?;
+        let dir = match (sends.is_empty(), recvs.is_empty()) {
+            (false, true) => crate::flight::Dir::Send,
+            (true, false) => crate::flight::Dir::Recv,
+            _ => crate::flight::Dir::Both,
+        };
+        let peer = sends.first().map(|s| s.0).or(recvs.first().map(|r| r.0));
+        let n_bytes = sends.iter().map(|s| s.1.len()).sum::<usize>()
+            + recvs.iter().map(|r| r.1.len()).sum::<usize>();
+        self.record_p2p(peer, dir, (n_bytes * T::DTYPE.size()) as u64);
         let mut s: Vec<Outgoing> = sends
             .iter()
             .map(|(p, b)| Outgoing::new(&ctx, user_tag, *p, bytes(b)))

@@ -22,6 +22,7 @@ use crate::collectives::AllReduceAlgo;
 use crate::engine::{Counters, Engine, EngineConfig, GroupDesc};
 use crate::error::{CommError, Result};
 use crate::group::ProcessGroup;
+use crate::monitor::Monitor;
 use crate::store::Store;
 use crate::transport::cma;
 use crate::transport::shm::{Segment, ShmLink};
@@ -30,6 +31,7 @@ use crate::transport::{Link, TransportKind};
 
 /// Communication settings. `Options::default()` ignores the environment; [`Options::from_env`]
 /// applies `XTRAIN_TRANSPORT` (shm|tcp|auto), `XTRAIN_COMM_TIMEOUT` (seconds),
+/// `XTRAIN_HEARTBEAT_INTERVAL` (seconds, 0: off),
 /// `XTRAIN_ALLREDUCE_ALGO` (ring|tree|hd|auto), `XTRAIN_JOB_ID`, `XTRAIN_JOB_TOKEN`,
 /// `XTRAIN_TCP_ADDR` (address this
 /// rank listens on and advertises), `XTRAIN_SPIN_US`, `XTRAIN_SHM_SINGLE_COPY` (0|1) and
@@ -44,6 +46,10 @@ pub struct Options {
     pub transport: TransportKind,
     /// Limit of every blocking wait.
     pub timeout: Duration,
+    /// Period of the heartbeat (zero: none). A peer whose heartbeat stays still for
+    /// [`HEARTBEAT_MISSES`](crate::monitor::HEARTBEAT_MISSES) periods counts as stopped, and
+    /// waits on it fail then instead of at `timeout` ([`crate::monitor`]).
+    pub heartbeat_interval: Duration,
     /// Default all-reduce algorithm of groups.
     pub algo: AllReduceAlgo,
     /// IP address to listen on and advertise for TCP (port chosen by the OS).
@@ -74,6 +80,7 @@ impl Default for Options {
             token: JobToken::none(),
             transport: TransportKind::Auto,
             timeout: Duration::from_secs(300),
+            heartbeat_interval: crate::monitor::HEARTBEAT_INTERVAL,
             algo: AllReduceAlgo::Auto,
             tcp_addr: "127.0.0.1".to_string(),
             shm_ring_bytes: 1 << 20,
@@ -101,6 +108,19 @@ impl Options {
                 .parse()
                 .map_err(|_| bad("XTRAIN_COMM_TIMEOUT", format!("{v:?} is not seconds")))?;
             o.timeout = Duration::from_secs_f64(s);
+        }
+        if let Some(v) = var("XTRAIN_HEARTBEAT_INTERVAL") {
+            let s = v
+                .parse::<f64>()
+                .ok()
+                .and_then(|s| Duration::try_from_secs_f64(s).ok())
+                .ok_or_else(|| {
+                    bad(
+                        "XTRAIN_HEARTBEAT_INTERVAL",
+                        format!("{v:?} is not seconds (0: no heartbeat)"),
+                    )
+                })?;
+            o.heartbeat_interval = s;
         }
         if let Some(v) = var("XTRAIN_SPIN_US") {
             let s: u64 = v
@@ -146,6 +166,14 @@ struct Ctx {
     options: Options,
     /// Groups this rank created so far, per member list (for unique, agreed group keys).
     created: Mutex<HashMap<Vec<usize>, usize>>,
+    /// Flight recorder and heartbeat of this rank, shared by all its groups.
+    monitor: Arc<Monitor>,
+}
+
+impl Drop for Ctx {
+    fn drop(&mut self) {
+        self.monitor.shutdown();
+    }
 }
 
 /// This rank's communicator: the world group plus the means to create sub-groups.
@@ -186,12 +214,21 @@ impl Communicator {
             let h = store.get(&format!("{ns}/host/{r}"), options.timeout)?;
             hosts.push(String::from_utf8_lossy(&h).into_owned());
         }
+        let monitor = Monitor::new(
+            Arc::clone(&store),
+            &options.job_id,
+            rank,
+            world_size,
+            options.heartbeat_interval,
+        );
+        monitor.start();
         let ctx = Arc::new(Ctx {
             store,
             rank,
             hosts,
             options,
             created: Mutex::new(HashMap::new()),
+            monitor,
         });
         let world = connect_group(&ctx, "world", &(0..world_size).collect::<Vec<_>>())?;
         Ok(Communicator { ctx, world })
@@ -221,6 +258,11 @@ impl Communicator {
     /// Options this communicator was built with.
     pub fn options(&self) -> &Options {
         &self.ctx.options
+    }
+
+    /// This rank's flight record: its last operations on every group ([`crate::flight`]).
+    pub fn flight_record(&self) -> crate::flight::FlightRecord {
+        self.ctx.monitor.recorder.snapshot(self.ctx.rank)
     }
 
     /// Host identity of every world rank.
@@ -451,6 +493,8 @@ fn connect_group(ctx: &Arc<Ctx>, label: &str, members: &[usize]) -> Result<Proce
         board,
     );
     engine.single_copy = single_copy.then_some(o.single_copy_min_bytes);
+    let gid = ctx.monitor.recorder.register(&engine.desc);
+    engine.monitor = Some((Arc::clone(&ctx.monitor), gid));
     Ok(ProcessGroup::new(engine, o.algo))
 }
 

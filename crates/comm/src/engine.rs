@@ -8,12 +8,20 @@
 //!
 //! After any error the engine closes all its links ("abort"), so peers fail promptly instead
 //! of waiting for their own timeouts, and refuses further operations.
+//!
+//! Every operation is logged in the rank's [flight recorder](crate::flight) (begin here, end
+//! in [`Engine::end_op`]); a wait that times out, or whose peer's heartbeat stopped
+//! ([`crate::monitor`]), fails with a [diagnosis](crate::diagnosis) built from every rank's
+//! record.
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use crate::diagnosis::{diagnose, Stuck};
 use crate::element::{DType, ReduceBytesFn, ReduceOp};
 use crate::error::{CommError, Result};
+use crate::flight::{Dir, OpInfo};
+use crate::monitor::Monitor;
 use crate::store::Store;
 use crate::transport::shm::Segment;
 use crate::transport::{Link, LinkError, OutMsg, RecvReject};
@@ -263,6 +271,12 @@ pub(crate) struct Engine {
     /// Where aborting ranks post their reason (`<prefix>/<group rank>`), so peers that see the
     /// connection close can report the original cause.
     abort_board: Option<(Arc<dyn Store>, String)>,
+    /// The rank's monitor (flight recorder, heartbeat) and this group's index in it.
+    pub monitor: Option<(Arc<Monitor>, usize)>,
+    /// Point-to-point operations issued (their numbers in the flight record).
+    p2p_seq: u64,
+    /// Flight-record id of the operation in progress (0: none).
+    current_op: u64,
 }
 
 impl Engine {
@@ -286,6 +300,9 @@ impl Engine {
             single_copy: None,
             scratch: Vec::new(),
             abort_board,
+            monitor: None,
+            p2p_seq: 0,
+            current_op: 0,
         }
     }
 
@@ -313,11 +330,26 @@ impl Engine {
         }
         self.counters.ops[kind.index()].fetch_add(1, Ordering::Relaxed);
         let seq = if kind == OpKind::P2p {
+            self.p2p_seq += 1;
             0 // point-to-point order is per link (FIFO), not per group
         } else {
             self.seq = self.seq.wrapping_add(1);
             self.seq
         };
+        if let Some((m, gid)) = &self.monitor {
+            let info = OpInfo {
+                kind,
+                seq: if kind == OpKind::P2p {
+                    self.p2p_seq
+                } else {
+                    seq as u64
+                },
+                bytes: count * dtype.size() as u64,
+                peer: None,
+                dir: Dir::None,
+            };
+            self.current_op = m.recorder.begin(*gid, info);
+        }
         Ok(Ctx {
             kind,
             dtype,
@@ -326,6 +358,40 @@ impl Engine {
             count,
             deadline: Instant::now() + self.config.timeout,
         })
+    }
+
+    /// Completes the flight record of a point-to-point operation just begun: its first peer
+    /// (group rank), direction and bytes.
+    pub(crate) fn record_p2p(&self, peer: Option<usize>, dir: Dir, bytes: u64) {
+        if let Some((m, _)) = &self.monitor {
+            let peer = peer.map(|p| self.desc.world_ranks.get(p).copied().unwrap_or(p));
+            m.recorder.set_p2p(self.current_op, peer, dir, bytes);
+        }
+    }
+
+    /// Records the end of the operation begun last (called once it returned).
+    pub(crate) fn end_op(&mut self, ok: bool) {
+        if let Some((m, gid)) = &self.monitor {
+            if self.current_op != 0 {
+                m.recorder.end(*gid, self.current_op, ok);
+            }
+        }
+        self.current_op = 0;
+    }
+
+    /// The diagnosis of a wait in `ctx` on group ranks `waiting`, from every rank's record.
+    fn diagnosis(&self, ctx: &Ctx, waiting: &[usize]) -> String {
+        let Some((m, _)) = &self.monitor else {
+            return String::new();
+        };
+        let stuck = Stuck {
+            me: self.desc.world_ranks[self.desc.rank],
+            group: self.desc.name.clone(),
+            kind: ctx.kind,
+            seq: self.op_number(ctx),
+            waiting_on: waiting.iter().map(|&p| self.desc.world_ranks[p]).collect(),
+        };
+        format!("\n  diagnosis: {}", diagnose(&stuck, &m.gather()))
     }
 
     /// Drives all `sends` and `recvs` to completion. Several operations with the same peer and
@@ -421,6 +487,14 @@ impl Engine {
             LinkError::Io(source) => {
                 CommError::io(format!("{op} on group {group} with rank {rank}"), source)
             }
+        }
+    }
+
+    /// The number of `ctx`'s operation in its flight record.
+    fn op_number(&self, ctx: &Ctx) -> u64 {
+        match ctx.kind {
+            OpKind::P2p => self.p2p_seq,
+            _ => ctx.seq as u64,
         }
     }
 
@@ -555,6 +629,10 @@ impl Engine {
                 if !posted_wait {
                     posted_wait = true;
                     self.post_waiting(&waiting);
+                    // The others' diagnoses read this record after the grace period.
+                    if let Some((m, _)) = &self.monitor {
+                        m.publish();
+                    }
                 }
                 if now >= ctx.deadline + grace {
                     return Err(CommError::Timeout {
@@ -562,7 +640,7 @@ impl Engine {
                         op: ctx.kind.name().to_string(),
                         ranks: waiting.iter().map(|&p| self.desc.world_ranks[p]).collect(),
                         timeout: self.config.timeout,
-                        note: self.waiting_note(&waiting),
+                        note: self.waiting_note(&waiting) + &self.diagnosis(ctx, &waiting),
                     });
                 }
             }
@@ -577,9 +655,36 @@ impl Engine {
                     .filter(|s| !s.done)
                     .map(|s| s.peer)
                     .chain(recvs.iter().filter(|r| !r.done).map(|r| r.peer));
-                for p in pending.collect::<Vec<_>>() {
+                let pending: Vec<usize> = pending.collect();
+                for &p in &pending {
                     if self.links[p].as_ref().is_some_and(|l| !l.peer_alive()) {
                         return Err(self.err_for(ctx, p, LinkError::Closed));
+                    }
+                }
+                // A peer whose heartbeat stopped will never answer: say so now, not at the
+                // timeout.
+                if let Some((m, _)) = &self.monitor {
+                    let limit = m.limit().unwrap_or(Duration::MAX);
+                    let world = |p: usize| self.desc.world_ranks[p];
+                    let stopped: Vec<usize> = match idle > limit {
+                        true => pending
+                            .iter()
+                            .copied()
+                            .filter(|&p| m.stopped(world(p)))
+                            .collect(),
+                        false => Vec::new(),
+                    };
+                    if !stopped.is_empty() {
+                        let mut stopped = stopped;
+                        stopped.sort_unstable();
+                        stopped.dedup();
+                        return Err(CommError::Stopped {
+                            group: self.desc.name.clone(),
+                            op: format!("{} #{}", ctx.kind.name(), self.op_number(ctx)),
+                            ranks: stopped.iter().map(|&p| world(p)).collect(),
+                            limit,
+                            diagnosis: self.diagnosis(ctx, &stopped),
+                        });
                     }
                 }
             }

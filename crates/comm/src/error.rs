@@ -21,6 +21,18 @@ pub enum CommError {
         note: String,
         timeout: Duration,
     },
+    /// Peers this rank waits on stopped answering: their heartbeat has not advanced for
+    /// `limit` (`XTRAIN_HEARTBEAT_INTERVAL` × 3); `diagnosis` says where every rank stands.
+    #[error(
+        "{op} on group {group}: rank(s) {ranks:?} stopped (no heartbeat for over {limit:?}: the process is stopped, frozen or gone){diagnosis}"
+    )]
+    Stopped {
+        group: String,
+        op: String,
+        ranks: Vec<usize>,
+        limit: Duration,
+        diagnosis: String,
+    },
     /// A peer closed its side: its process/thread exited or dropped the group (`cause` empty),
     /// or it aborted after an error of its own (`cause` holds that error, which names the rank
     /// at the origin of the failure).

@@ -177,7 +177,9 @@ impl ProcessGroup {
         }
         drop(n);
         let mut engine = self.shared.engine.lock().unwrap_or_else(|e| e.into_inner());
-        f(&mut engine)
+        let r = f(&mut engine);
+        engine.end_op(r.is_ok());
+        r
     }
 
     /// Queues `f` on the group's worker; the result arrives in the returned [`Work`].
@@ -203,6 +205,7 @@ impl ProcessGroup {
                     engine.abort(format!("asynchronous operation panicked: {msg}"));
                     Err(CommError::Panicked(msg))
                 });
+            engine.end_op(r.is_ok());
             *out.value.lock().unwrap_or_else(|e| e.into_inner()) = Some(r);
             out.done.notify_all();
             let (lock, cv) = &*outstanding;

@@ -11,6 +11,8 @@
 //! - [`collectives`]: the algorithms (ring, tree, halving-doubling, ...).
 //! - `engine`, `transport` (shm, tcp, cma), `wire`: progress engine, transports, message headers;
 //!   `single_copy`: ring steps that read a same-host peer's buffer directly.
+//! - [`flight`], [`monitor`], [`diagnosis`]: every rank's record of its last operations, its
+//!   heartbeat, and the hung-rank locator's message when a wait times out or a peer stops.
 //! - [`element`]: element types and reductions. [`testing`]: ranks as threads. `fuzzing`: each
 //!   decoder of network bytes on a byte string, for the fuzz tests.
 //!
@@ -19,14 +21,17 @@ pub mod auth;
 pub mod collectives;
 pub mod communicator;
 mod deadline_io;
+pub mod diagnosis;
 pub mod element;
 mod engine;
 pub mod env;
 pub mod error;
+pub mod flight;
 #[doc(hidden)]
 pub mod fuzzing;
 pub mod group;
 pub mod mesh;
+pub mod monitor;
 mod single_copy;
 pub mod store;
 pub mod testing;

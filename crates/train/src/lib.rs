@@ -12,6 +12,7 @@
 //! - [`schedule`]: warmup + cosine learning rate;
 //! - [`metrics`], [`progress`]: `metrics.jsonl`, the loss plot, the progress bar;
 //! - [`generate`], [`hf`]: sampling, and Hugging Face export / import of any checkpoint;
+//! - [`fault`]: the `XTRAIN_FAULT` hook that kills or stops a rank at a step (tests);
 //! - [`rng`]: the seekable RNG of the sampler; [`allocator`]: glibc tuning so each step
 //!   reuses the previous step's pages.
 pub mod allocator;
@@ -19,6 +20,7 @@ pub mod bench;
 pub mod config;
 pub mod data;
 pub mod error;
+pub mod fault;
 pub mod generate;
 pub mod hf;
 pub mod metrics;

@@ -47,6 +47,43 @@ impl MetricsWriter {
         Ok(Self { file })
     }
 
+    /// Opens `path` to continue a run at `step` (0: a fresh run): rows of later steps (logged
+    /// by a run that went on past the checkpoint resumed from, then failed) are dropped first,
+    /// so every step appears once. The file is rewritten atomically (a temporary file renamed
+    /// over it). A torn last line (a process killed mid-write) is dropped; any other
+    /// unreadable line is an error.
+    pub fn continue_at(path: &Path, step: usize) -> Result<Self> {
+        if path.is_file() {
+            let text =
+                std::fs::read_to_string(path).ctx(|| format!("reading {}", path.display()))?;
+            let lines: Vec<&str> = text.lines().filter(|l| !l.trim().is_empty()).collect();
+            let mut kept = String::new();
+            for (i, line) in lines.iter().enumerate() {
+                match serde_json::from_str::<StepRecord>(line) {
+                    Ok(r) if r.step <= step => {
+                        kept.push_str(line);
+                        kept.push('\n');
+                    }
+                    Ok(_) => {}
+                    Err(_) if i + 1 == lines.len() && !text.ends_with('\n') => {}
+                    Err(e) => {
+                        return Err(TrainError::Data(format!(
+                            "{} line {}: {e}",
+                            path.display(),
+                            i + 1
+                        )))
+                    }
+                }
+            }
+            if kept != text {
+                let tmp = path.with_extension("jsonl.tmp");
+                std::fs::write(&tmp, &kept).ctx(|| format!("writing {}", tmp.display()))?;
+                std::fs::rename(&tmp, path).ctx(|| format!("replacing {}", path.display()))?;
+            }
+        }
+        Self::append(path)
+    }
+
     pub fn write(&mut self, r: &StepRecord) -> Result<()> {
         let line = serde_json::to_string(r).expect("record serialises");
         writeln!(self.file, "{line}").ctx(|| "writing metrics".into())
@@ -195,5 +232,40 @@ mod tests {
             .unwrap()
             .contains("validation"));
         std::fs::remove_dir_all(&d).unwrap();
+    }
+
+    #[test]
+    fn continuing_drops_the_rows_after_the_resumed_step_and_a_torn_line() {
+        let d = std::env::temp_dir().join(format!("xtrain-metrics-cont-{}", std::process::id()));
+        std::fs::create_dir_all(&d).unwrap();
+        let p = d.join("metrics.jsonl");
+        let row = |s: usize| {
+            serde_json::to_string(&StepRecord {
+                step: s,
+                loss: s as f64,
+                ..Default::default()
+            })
+            .unwrap()
+        };
+        // Steps 1-4 logged, then a torn fifth line (killed mid-write).
+        let text: String = (1..=4).map(|s| row(s) + "\n").collect::<String>() + "{\"step\":5,\"lo";
+        std::fs::write(&p, &text).unwrap();
+        let mut w = MetricsWriter::continue_at(&p, 2).unwrap();
+        w.write(&StepRecord {
+            step: 3,
+            loss: 30.0,
+            ..Default::default()
+        })
+        .unwrap();
+        drop(w);
+        let steps: Vec<(usize, f64)> = read(&p).unwrap().iter().map(|r| (r.step, r.loss)).collect();
+        assert_eq!(steps, [(1, 1.0), (2, 2.0), (3, 30.0)]);
+        // A fresh run (step 0) starts an empty file; a corrupt line in the middle is an error.
+        drop(MetricsWriter::continue_at(&p, 0).unwrap());
+        assert!(read(&p).unwrap().is_empty());
+        std::fs::write(&p, format!("{}\nnot json\n{}\n", row(1), row(2))).unwrap();
+        let e = MetricsWriter::continue_at(&p, 2).err().unwrap().to_string();
+        assert!(e.contains("line 2"), "{e}");
+        let _ = std::fs::remove_dir_all(&d);
     }
 }

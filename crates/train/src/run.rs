@@ -100,8 +100,13 @@ pub fn run(t: &mut Trainer, opts: &RunOptions) -> Result<RunSummary> {
         std::fs::create_dir_all(out).ctx(|| format!("creating {}", out.display()))?;
         std::fs::write(out.join("config.toml"), t.cfg.to_toml())
             .ctx(|| "writing config.toml".into())?;
-        writer = Some(MetricsWriter::append(&out.join("metrics.jsonl"))?);
+        // Rows past the step resumed from (a run that failed after its last checkpoint) go.
+        writer = Some(MetricsWriter::continue_at(
+            &out.join("metrics.jsonl"),
+            t.step,
+        )?);
     }
+    let fault = crate::fault::Fault::from_env()?;
     let total = t.cfg.train.steps;
     let peak = job_peak_flops(t.comm(), gemm_peak_flops)?;
     let fpt = t.flops_per_token();
@@ -210,6 +215,9 @@ pub fn run(t: &mut Trainer, opts: &RunOptions) -> Result<RunSummary> {
         let ck = t.cfg.train.ckpt_every;
         if ck > 0 && r.step % ck == 0 && r.step < total {
             save_into_run(t, out)?;
+        }
+        if let Some(f) = &fault {
+            f.at_step_end(t.rank(), r.step);
         }
     }
     if let Some(c) = &console {

@@ -30,6 +30,16 @@ use std::time::{Duration, Instant};
 
 /// Command-line options of `xtrain launch`.
 #[derive(clap::Args, Debug)]
+#[command(after_help = "\
+Failures: a worker that dies stops the group at once. A stopped or hung worker is found by \
+the others: XTRAIN_HEARTBEAT_INTERVAL (seconds, default 5, 0 off) — a peer silent for 3 \
+heartbeats counts as stopped; XTRAIN_COMM_TIMEOUT (seconds, default 300) bounds every wait. \
+Either way the error names the rank, the operation and group it never entered, and what the \
+others wait in.
+
+Restarts that continue: xtrain launch --max-restarts R -- xtrain train --resume auto --out DIR ... \
+resumes DIR's newest checkpoint after each restart (the same losses as an uninterrupted run; \
+metrics.jsonl keeps one row per step); relaunched on fewer processes it reshards.")]
 pub struct Args {
     /// Worker processes to start on this host.
     #[arg(long)]
@@ -46,7 +56,8 @@ pub struct Args {
     /// Port of the rendezvous store (default: a free port on one host, 29500 on several).
     #[arg(long)]
     pub master_port: Option<u16>,
-    /// Restart the whole group up to this many times after a failure.
+    /// Restart the whole group up to this many times after a failure (with `xtrain train
+    /// --resume auto` the run continues from its newest checkpoint).
     #[arg(long, default_value_t = 0)]
     pub max_restarts: u32,
     /// Seconds between SIGTERM and SIGKILL when stopping workers.

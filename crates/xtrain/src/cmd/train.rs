@@ -115,7 +115,11 @@ pub struct TrainArgs {
     #[arg(long = "set", value_name = "KEY=VALUE")]
     pub overrides: Vec<String>,
     /// Continue from a checkpoint (or a run directory: its `latest`), at any layout. Its
-    /// config is used; change settings with `--set` and the layout flags.
+    /// config is used; change settings with `--set` and the layout flags. `auto`: continue
+    /// the `--out` directory's newest checkpoint when it has one, else start afresh (what a
+    /// launcher restart needs: `xtrain launch --max-restarts R -- xtrain train --resume auto
+    /// --out DIR ...`); a damaged checkpoint there is an error, never a fresh start. When it
+    /// resumes, `--preset` and `--config` (read for the fresh start) are not read again.
     #[arg(long)]
     pub resume: Option<PathBuf>,
     /// Run directory (default: runs/<preset>, or the run directory resumed from).
@@ -184,11 +188,14 @@ pub fn resolve_config(
 /// A resumed run keeps the checkpoint's global batch (`dp × micro_batch × grad_accum`) when
 /// its dp size changes, by re-deriving the accumulation steps, so it reads the same samples
 /// in every step whatever the layout; setting `train.grad_accum` or `train.micro_batch`
-/// explicitly changes it on purpose.
+/// explicitly to another value than the checkpoint's changes it on purpose (repeating the
+/// saved value, as a restarted command line does, does not).
 fn keep_global_batch(cfg: &mut RunConfig, saved: &RunConfig, sets: &[String]) -> Result<()> {
     let chosen = |key: &str| sets.iter().any(|s| s.trim_start().starts_with(key));
+    let changed = (chosen("train.grad_accum") && cfg.train.grad_accum != saved.train.grad_accum)
+        || (chosen("train.micro_batch") && cfg.train.micro_batch != saved.train.micro_batch);
     let want = saved.global_batch();
-    if cfg.global_batch() == want || chosen("train.grad_accum") || chosen("train.micro_batch") {
+    if cfg.global_batch() == want || changed {
         return Ok(());
     }
     let per_step = cfg.parallel.dp * cfg.train.micro_batch;
@@ -241,23 +248,70 @@ pub fn join_job(nproc: usize) -> Result<Option<Communicator>> {
     Ok(None)
 }
 
-pub fn run_cmd(a: TrainArgs) -> Result<()> {
+/// What `--resume auto` means for run directory `out`: its newest checkpoint (`Some(out)`,
+/// resolved and verified when opened) when `out/latest` exists, `None` (a fresh start) when
+/// `out` holds no checkpoint at all. Checkpoints without a `latest` naming one are an error:
+/// a run was cut short between writing a checkpoint and pointing `latest` at it, or the
+/// directory is not a run directory, and guessing could silently restart training.
+pub fn resume_auto(out: &std::path::Path) -> Result<Option<PathBuf>> {
+    if out.join("latest").exists() {
+        return Ok(Some(out.to_path_buf()));
+    }
+    let any_checkpoint = std::fs::read_dir(out.join("checkpoints"))
+        .map(|mut d| d.next().is_some())
+        .unwrap_or(false);
+    if any_checkpoint {
+        bail!(
+            "--resume auto: {} has checkpoints but no `latest` naming one; resume one of them explicitly with --resume {}/checkpoints/step_N",
+            out.display(),
+            out.display()
+        );
+    }
+    Ok(None)
+}
+
+/// The run directory: `--out`, or the run directory resumed from, or `runs/<preset>`.
+fn out_dir(a: &TrainArgs) -> PathBuf {
+    a.out.clone().unwrap_or_else(|| match &a.resume {
+        // A resumed run continues in its run directory when given one.
+        Some(dir) if dir != std::path::Path::new("auto") && dir.join("latest").is_file() => {
+            dir.clone()
+        }
+        _ => PathBuf::from("runs").join(a.preset.as_deref().unwrap_or("tiny")),
+    })
+}
+
+pub fn run_cmd(mut a: TrainArgs) -> Result<()> {
+    let out = out_dir(&a);
+    let auto = a.resume.as_deref() == Some(std::path::Path::new("auto"));
+    if auto {
+        a.resume = resume_auto(&out)?;
+    }
+    // A worker of `xtrain launch` without --nproc: the job's size is the launch's, so a
+    // restart on fewer processes continues with a smaller dp.
+    let mut layout = a.layout.clone();
+    if layout.nproc.is_none() {
+        if let Ok(env) = comm::env::LaunchEnv::from_env() {
+            layout.nproc = Some(env.world_size);
+        }
+    }
+    // An automatic resume uses the checkpoint's config: the preset and config file given
+    // for the fresh start are not read again.
+    let (preset, config) = match (auto, &a.resume) {
+        (true, Some(_)) => (None, None),
+        _ => (a.preset.as_deref(), a.config.as_deref()),
+    };
     let cfg = resolve_config(
-        a.preset.as_deref(),
-        a.config.as_deref(),
+        preset,
+        config,
         a.resume.as_deref(),
-        &a.layout,
+        &layout,
         a.data.as_deref(),
         &a.overrides,
     )?;
     let Some(comm) = join_job(cfg.parallel.nproc)? else {
         return Ok(());
     };
-    let out = a.out.clone().unwrap_or_else(|| match &a.resume {
-        // A resumed run continues in its run directory when given one.
-        Some(dir) if dir.join("latest").is_file() => dir.clone(),
-        _ => PathBuf::from("runs").join(a.preset.as_deref().unwrap_or("tiny")),
-    });
     train::allocator::reuse_freed_memory();
     let mut trainer = match &a.resume {
         Some(path) => {
