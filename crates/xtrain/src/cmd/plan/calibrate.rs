@@ -1,0 +1,167 @@
+//! "This machine" as a planner cluster, calibrated in about a second: the fp32 GEMM peak of
+//! one rank's thread budget, the share of it one decoder layer's forward and backward reach
+//! (measured on the model being planned, with the planner's own FLOP count as the
+//! numerator, so the efficiency means what the planner multiplies by; each timing paired
+//! with a peak measurement taken right before it, so a shared machine's changing load
+//! cancels out of the ratio), the memory bandwidth
+//! an AdamW update streams at, and the shared-memory link between two ranks (alpha from a
+//! one-float all-reduce, beta from a 4 MiB one).
+use std::time::Instant;
+
+use anyhow::{Context, Result};
+use model::{Batch, Model, ModelConfig, StepOptions};
+use parallel::plan::{evaluate, Cluster, Conventions, Job, Layout, Link};
+use parallel::Precision;
+
+/// Best of `n` timings of `f` (seconds), after one warm-up call.
+fn best_of(n: usize, mut f: impl FnMut()) -> f64 {
+    f();
+    (0..n)
+        .map(|_| {
+            let t = Instant::now();
+            f();
+            t.elapsed().as_secs_f64()
+        })
+        .fold(f64::MAX, f64::min)
+}
+
+/// Share of the fp32 GEMM peak one layer of `cfg` reaches on `micro_batch` sequences of `seq`
+/// tokens, and that peak: five pairs of a peak measurement and a timed forward + backward,
+/// back to back, the medians of the ratio and of the peak. The ratio of two measurements
+/// taken together is what a shared machine's load changes least.
+fn efficiency(cfg: &ModelConfig, seq: usize, micro_batch: usize) -> Result<(f64, f64)> {
+    let mut one = cfg.clone();
+    one.num_hidden_layers = 1;
+    let model = Model::new(one.clone())?;
+    let params = model.init_params(1);
+    let mut grads = vec![0.0; params.len()];
+    let n = micro_batch * seq;
+    let ids: Vec<u32> = (0..n).map(|i| (i * 7919 % one.vocab_size) as u32).collect();
+    let targets: Vec<i64> = ids
+        .iter()
+        .map(|&t| ((t as usize + 1) % one.vocab_size) as i64)
+        .collect();
+    let batch = Batch::new(micro_batch, seq, ids, targets)?;
+    let opts = StepOptions::default();
+    // The planner's compute seconds for the same work at a peak of 1 FLOP/s, efficiency 1:
+    // its FLOP count.
+    let job = Job {
+        model: one,
+        seq_len: seq,
+        global_batch: micro_batch,
+        precision: Precision::Fp32,
+        conventions: Conventions::Xtrain,
+    };
+    let unit = Link {
+        latency: 0.0,
+        bandwidth: 1e12,
+    };
+    let ideal = Cluster::calibrated(1, 1 << 40, 1.0, 1.0, 1e12, unit);
+    let flops = evaluate(&job, &ideal, &Layout::single(micro_batch))?
+        .time
+        .compute_s;
+    let mut step = || {
+        tensor::threads::install(|| {
+            model.forward_backward(&params, &mut grads, &batch, &opts, &mut |_| {})
+        })
+    };
+    step()?; // warm-up
+    let (mut ratios, mut peaks) = (Vec::new(), Vec::new());
+    for _ in 0..5 {
+        let peak = train::run::gemm_peak_flops();
+        let t = Instant::now();
+        step()?;
+        let secs = t.elapsed().as_secs_f64();
+        ratios.push(flops / secs / peak);
+        peaks.push(peak);
+    }
+    Ok((median(ratios).clamp(1e-3, 1.0), median(peaks)))
+}
+
+fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(f64::total_cmp);
+    v[v.len() / 2]
+}
+
+/// Bytes/s an AdamW update streams (36 bytes per parameter, as the planner counts it).
+fn memory_bandwidth() -> f64 {
+    let n = 1 << 22;
+    let (mut p, g, mut m, mut v) = (
+        vec![0.1f32; n],
+        vec![0.01f32; n],
+        vec![0.0; n],
+        vec![0.0; n],
+    );
+    let adamw = model::AdamW::default();
+    let t = best_of(3, || {
+        tensor::threads::install(|| adamw.update(1, 1e-3, 0.0, &mut p, &g, &mut m, &mut v))
+    });
+    36.0 * n as f64 / t
+}
+
+/// Alpha and beta of the shared-memory link between two ranks.
+fn link() -> Result<Link> {
+    let times = comm::testing::run_threads(2, |c| -> Result<(f64, f64), comm::CommError> {
+        let mut one = [1.0f32];
+        let mut big = vec![1.0f32; 1 << 20];
+        let mut small = f64::MAX;
+        for _ in 0..50 {
+            let t = Instant::now();
+            c.all_reduce(&mut one, comm::ReduceOp::Sum)?;
+            small = small.min(t.elapsed().as_secs_f64());
+        }
+        let mut large = f64::MAX;
+        for _ in 0..5 {
+            let t = Instant::now();
+            c.all_reduce(&mut big, comm::ReduceOp::Sum)?;
+            large = large.min(t.elapsed().as_secs_f64());
+        }
+        Ok((small, large))
+    });
+    let (small, large) = times.into_iter().next().context("no rank reported")??;
+    // n = 2: all-reduce = 2α + B/β.
+    let latency = small / 2.0;
+    let bytes = 4.0 * (1 << 20) as f64;
+    Ok(Link {
+        latency,
+        bandwidth: bytes / (large - small).max(1e-6),
+    })
+}
+
+/// Bytes of RAM on this machine (`MemTotal`), or 16 GiB where unknown.
+fn total_memory() -> u64 {
+    std::fs::read_to_string("/proc/meminfo")
+        .ok()
+        .and_then(|s| {
+            let line = s.lines().find(|l| l.starts_with("MemTotal:"))?.to_string();
+            line.split_whitespace().nth(1)?.parse::<u64>().ok()
+        })
+        .map_or(16 << 30, |kib| kib * 1024)
+}
+
+/// This machine as a cluster of `devices` ranks (threads: the cores over the ranks), for
+/// the model `cfg` at `micro_batch` sequences of `seq`.
+pub fn this_machine(
+    cfg: &ModelConfig,
+    seq: usize,
+    micro_batch: usize,
+    devices: usize,
+) -> Result<Cluster> {
+    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+    let threads = (cores / devices.max(1)).max(1);
+    let before = tensor::threads::thread_budget();
+    tensor::threads::set_thread_budget(threads)?;
+    let eff = efficiency(cfg, seq, micro_batch);
+    let bw = memory_bandwidth();
+    tensor::threads::set_thread_budget(before)?;
+    let link = link()?;
+    let (eff, peak) = eff?;
+    Ok(Cluster::calibrated(
+        devices,
+        total_memory() / devices.max(1) as u64,
+        peak,
+        eff,
+        bw,
+        link,
+    ))
+}
