@@ -4,11 +4,13 @@
 //! numerator, so the efficiency means what the planner multiplies by; each timing paired
 //! with a peak measurement taken right before it, so a shared machine's changing load
 //! cancels out of the ratio), the memory bandwidth
-//! an AdamW update streams at, and the shared-memory link between two ranks (alpha from a
-//! one-float all-reduce, beta from a 4 MiB one).
+//! an AdamW update streams at, and the shared-memory link between two ranks (`xtrain bench
+//! comm` between two processes: alpha from an 8-byte all-reduce, beta from a 2 MiB one).
 use std::time::Instant;
 
-use anyhow::{Context, Result};
+use std::process::Command;
+
+use anyhow::{bail, Context, Result};
 use model::{Batch, Model, ModelConfig, StepOptions};
 use parallel::plan::{evaluate, Cluster, Conventions, Job, Layout, Link};
 use parallel::Precision;
@@ -99,29 +101,44 @@ fn memory_bandwidth() -> f64 {
     36.0 * n as f64 / t
 }
 
-/// Alpha and beta of the shared-memory link between two ranks.
+/// Alpha and beta of the shared-memory link between two ranks: `xtrain bench comm` (two
+/// worker processes, the transport training uses) all-reducing 8 bytes and 2 MiB.
 fn link() -> Result<Link> {
-    let times = comm::testing::run_threads(2, |c| -> Result<(f64, f64), comm::CommError> {
-        let mut one = [1.0f32];
-        let mut big = vec![1.0f32; 1 << 20];
-        let mut small = f64::MAX;
-        for _ in 0..50 {
-            let t = Instant::now();
-            c.all_reduce(&mut one, comm::ReduceOp::Sum)?;
-            small = small.min(t.elapsed().as_secs_f64());
-        }
-        let mut large = f64::MAX;
-        for _ in 0..5 {
-            let t = Instant::now();
-            c.all_reduce(&mut big, comm::ReduceOp::Sum)?;
-            large = large.min(t.elapsed().as_secs_f64());
-        }
-        Ok((small, large))
-    });
-    let (small, large) = times.into_iter().next().context("no rank reported")??;
+    let out = Command::new(std::env::current_exe()?)
+        .args([
+            "bench",
+            "comm",
+            "--nproc",
+            "2",
+            "--transport",
+            "shm",
+            "--min",
+            "8",
+        ])
+        .args([
+            "--max", "2M", "--factor", "262144", "--iters", "10", "--json",
+        ])
+        .output()
+        .context("starting xtrain bench comm")?;
+    if !out.status.success() {
+        bail!(
+            "xtrain bench comm: {}\n{}",
+            out.status,
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+    let v: serde_json::Value =
+        serde_json::from_slice(&out.stdout).context("the JSON report of xtrain bench comm")?;
+    let rows = v["rows"].as_array().context("rows in the comm report")?;
+    let row = |i: usize| -> Result<(f64, f64)> {
+        let r = rows.get(i).context("a row of the comm report")?;
+        let bytes = r["bytes"].as_f64().context("bytes")?;
+        let us = r["time_us"].as_f64().context("time_us")?;
+        Ok((bytes, us * 1e-6))
+    };
+    let ((_, small), (bytes, large)) = (row(0)?, row(rows.len().saturating_sub(1))?);
     // n = 2: all-reduce = 2α + B/β.
     let latency = small / 2.0;
-    let bytes = 4.0 * (1 << 20) as f64;
     Ok(Link {
         latency,
         bandwidth: bytes / (large - small).max(1e-6),
