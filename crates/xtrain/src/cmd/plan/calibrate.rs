@@ -157,28 +157,35 @@ fn total_memory() -> u64 {
 }
 
 /// This machine as a cluster of `devices` ranks (threads: the cores over the ranks), for
-/// the model `cfg` at `micro_batch` sequences of `seq`.
+/// the model `cfg` at `micro_batch` sequences of `seq`, and the GEMM peak one rank measures
+/// alone. A device's peak is the whole machine's (all cores in one product) over the
+/// devices, not what one rank measures alone: the ranks share the cores' vector units
+/// (on a VM two vCPUs may be one core's two hyperthreads, and one thread alone then reaches
+/// nearly the whole core's peak).
 pub fn this_machine(
     cfg: &ModelConfig,
     seq: usize,
     micro_batch: usize,
     devices: usize,
-) -> Result<Cluster> {
+) -> Result<(Cluster, f64)> {
     let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
     let threads = (cores / devices.max(1)).max(1);
     let before = tensor::threads::thread_budget();
+    tensor::threads::set_thread_budget(cores)?;
+    let machine = median((0..3).map(|_| train::run::gemm_peak_flops()).collect());
     tensor::threads::set_thread_budget(threads)?;
     let eff = efficiency(cfg, seq, micro_batch);
     let bw = memory_bandwidth();
     tensor::threads::set_thread_budget(before)?;
     let link = link()?;
-    let (eff, peak) = eff?;
-    Ok(Cluster::calibrated(
+    let (eff, rank_peak) = eff?;
+    let cluster = Cluster::calibrated(
         devices,
         total_memory() / devices.max(1) as u64,
-        peak,
+        machine / devices.max(1) as f64,
         eff,
-        bw,
+        bw / devices.max(1) as f64,
         link,
-    ))
+    );
+    Ok((cluster, rank_peak))
 }

@@ -125,7 +125,7 @@ fn parse_precision(s: &str) -> Result<Precision> {
 
 fn cluster(a: &PlanArgs, cfg: &ModelConfig, seq: usize, micro: usize) -> Result<Cluster> {
     match a.cluster.as_str() {
-        "this" => calibrate::this_machine(cfg, seq, micro, a.devices),
+        "this" => Ok(calibrate::this_machine(cfg, seq, micro, a.devices)?.0),
         name if Path::new(name).exists() => {
             let text = std::fs::read_to_string(name).with_context(|| format!("reading {name}"))?;
             Ok(Cluster::from_json(&text)?)

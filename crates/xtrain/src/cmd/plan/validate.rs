@@ -141,7 +141,8 @@ fn round(case: &Case, steps: usize) -> Result<Round> {
     let (model, preset) = super::resolve_model(case.preset)?;
     let (seq, _) = preset.context("a preset")?;
     let l: Layout = case.layout.parse()?;
-    let mut cluster = super::calibrate::this_machine(&model, seq, l.micro_batch, l.world())?;
+    let (mut cluster, rank_peak) =
+        super::calibrate::this_machine(&model, seq, l.micro_batch, l.world())?;
     let job = Job {
         model,
         seq_len: seq,
@@ -153,9 +154,12 @@ fn round(case: &Case, steps: usize) -> Result<Round> {
     let num = |k: &str| r.get(k).and_then(|v| v.as_f64());
     // The machine's capacity while the benchmark ran: the GEMM peak it measured on every
     // rank during its timed steps (a shared machine's load changes it from minute to
-    // minute); the calibrated efficiency is a ratio, measured against the peak of its moment.
+    // minute), per rank, times the share of a rank's lone peak the ranks get together (the
+    // calibration's machine peak over the devices, against one rank's alone); the calibrated
+    // efficiency is a ratio, measured against the peak of its own moment.
     if let Some(g) = num("gemm_peak_gflops") {
-        cluster.peak_flops_32 = g * 1e9 / l.world() as f64;
+        let shared = cluster.peak_flops_32 / rank_peak;
+        cluster.peak_flops_32 = g * 1e9 / l.world() as f64 * shared;
         cluster.peak_flops_16 = cluster.peak_flops_32;
     }
     let p = evaluate(&job, &cluster, &l)?;
