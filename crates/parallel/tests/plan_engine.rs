@@ -4,7 +4,7 @@
 //! estimates, checked within bounds).
 use model::Recompute;
 use parallel::data_parallel::ZeroStage;
-use parallel::pipeline_parallel::{generate, ScheduleKind};
+use parallel::pipeline_parallel::generate;
 use parallel::plan::{evaluate, Cluster, Conventions, Job, Layout};
 use parallel::{ModelOptions, Precision};
 
@@ -119,5 +119,4 @@ fn expert_parallel_model_states_match_the_engine() {
     assert_eq!(l.recompute, Recompute::None);
     assert_eq!(l.zero, ZeroStage::One);
     check(&moe(), l, Precision::Fp32, false);
-    let _ = ScheduleKind::OneFOneB;
 }
