@@ -30,6 +30,7 @@ pub mod memory;
 pub mod parallelize;
 pub mod pipeline_parallel;
 pub mod placement;
+pub mod plan;
 pub mod precision;
 pub mod stage;
 pub mod tensor_parallel;

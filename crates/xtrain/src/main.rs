@@ -28,6 +28,9 @@ enum Command {
     /// Show a pipeline schedule: every rank's actions, the simulated timeline, bubble and
     /// memory (`--compare`: every schedule side by side; `--svg`, `--csv`).
     Schedule(cmd::schedule::ScheduleArgs),
+    /// Predict memory and step time of every layout before launch, ranked by tokens/s
+    /// (`--explain LAYOUT`, `--json`, `--svg`; `--validate` against measured runs here).
+    Plan(Box<cmd::plan::PlanArgs>),
     /// Convert checkpoints to and from Hugging Face format.
     Convert(cmd::convert::ConvertArgs),
     /// Benchmarks (`xtrain bench comm`, `xtrain bench train`).
@@ -50,6 +53,7 @@ fn main() -> anyhow::Result<()> {
         Command::Generate(a) => cmd::generate::run_cmd(a),
         Command::Tokenize(a) => cmd::tokenize::run_cmd(a),
         Command::Convert(a) => cmd::convert::run_cmd(a),
+        Command::Plan(a) => cmd::plan::run_cmd(*a),
         Command::Schedule(a) => cmd::schedule::run_cmd(a),
         Command::Bench(args) => cmd::bench::run(args),
     }

@@ -1,0 +1,409 @@
+//! Per-rank memory of a layout: model states, activations and communication buffers.
+//!
+//! - **Model states** come from the engine's own arithmetic: the rank's parameters are the
+//!   parts ([`crate::pipeline_parallel::split::stage_parts`]) of its pipeline stages in the
+//!   tensor-parallel layout [`TpPlan::local_layout`] (experts divided by ep), and their bytes
+//!   are [`crate::memory::formula`] over the group ZeRO shards across (dp × cp, or the
+//!   expert-data-parallel dp·cp/ep, × DualPipe's two copies). The same functions build the
+//!   executor's buffers, so the prediction equals its accounting exactly (tested).
+//! - **Activations**, with [`Conventions::Xtrain`], are the bytes of what each unit caches
+//!   for its backward in this engine (fp32; per block: input, the two norms' outputs and
+//!   rstd, q, k, v, the attention output and log-sum-exp, the residual, SwiGLU's gate, up and
+//!   product; selective recomputation drops the norm outputs and the product, full keeps the
+//!   input only; sequence parallelism divides the residual-region tensors by tp), summed over
+//!   a rank's stages as its schedule holds them: the rank's compute actions are replayed,
+//!   adding a stage's bytes at each forward and releasing them at its backward, and the peak
+//!   kept. With [`Conventions::Megatron`], a layer holds `s·b·h·(10 + 24/t + 5·a·s/(h·t))`
+//!   bytes, `34·s·b·h/t + 5·a·s²·b/t` with sequence parallelism, dropping the `s²` term
+//!   under selective recomputation and keeping `2·s·b·h` (/t with sp) under full
+//!   (Korthikanti et al. 2022, arXiv 2205.05198, Table 2).
+//! - **Communication buffers** (an estimate, not the exact peak): ZeRO-1/2's gather of the
+//!   updated weights (one unit), ZeRO-2/3's gradient buckets in flight (two buckets), ZeRO-3's
+//!   two gathered units, and the 16-bit engine's widened unit.
+use model::{ModelConfig, ParamLayout, Recompute};
+
+use super::layout::Layout;
+use super::{Conventions, Job};
+use crate::data_parallel::bucket::DEFAULT_BUCKET_BYTES;
+use crate::memory::{formula, MemoryAccount};
+use crate::pipeline_parallel::split::{stage_parts, Part};
+use crate::pipeline_parallel::{Action, Schedule};
+use crate::tensor_parallel::plan::TpPlan;
+use crate::ParallelError;
+
+/// What one pipeline stage holds, per micro-batch where it is activations.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct StageBytes {
+    /// Parameters (elements).
+    pub params: usize,
+    /// The largest unit (elements).
+    pub max_unit: usize,
+    /// Activations cached from a forward to its backward, bytes.
+    pub cache: usize,
+    /// Weight-gradient work pending between a split backward's input and weight halves.
+    pub pending: usize,
+    /// Highest rise above the start of a split backward's input half (units release their
+    /// cache and leave pending work one by one, last unit first).
+    pub input_rise: usize,
+    /// Layers (blocks) of the stage.
+    pub layers: usize,
+    pub has_embedding: bool,
+    pub has_head: bool,
+}
+
+/// The local (tensor- and expert-parallel) parameter layout of `cfg` that one rank holds
+/// parts of — the layout the engine's decoder stage is built on.
+pub fn local_layout(cfg: &ModelConfig, l: &Layout) -> Result<ParamLayout, ParallelError> {
+    Ok(TpPlan::with_experts(cfg, l.tp, l.sp, l.ep, 0)?.local_layout)
+}
+
+/// Tokens and local sizes one micro-batch runs through a block on one rank.
+struct Local {
+    /// Tokens of the micro-batch on this rank (its cp share).
+    t: usize,
+    /// Tokens in the residual region (t / tp under sequence parallelism).
+    t_res: usize,
+    h: usize,
+    heads: usize,
+    kv: usize,
+    hd: usize,
+    /// FFN width this rank computes per token (top-k experts and the shared expert for MoE).
+    ffn: usize,
+    /// A MoE block's routing: (experts, top-k, expert FFN width and shared-expert width on
+    /// this rank, tokens come back over an all-to-all).
+    moe: Option<(usize, usize, usize, usize, bool)>,
+}
+
+fn local(job: &Job, l: &Layout) -> Local {
+    let m = &job.model;
+    let t = l.micro_batch * job.seq_len / l.cp;
+    let kv = m.kv_heads();
+    let ffn = if m.is_moe() {
+        m.num_experts_per_tok * m.expert_ffn() + m.shared_expert_intermediate_size.unwrap_or(0)
+    } else {
+        m.intermediate_size
+    };
+    Local {
+        t,
+        t_res: if l.sp { t / l.tp } else { t },
+        h: m.hidden_size,
+        heads: m.num_attention_heads / l.tp,
+        kv: if l.tp <= kv { kv / l.tp } else { 1 },
+        hd: m.head_dim(),
+        ffn: ffn / l.tp,
+        moe: m.is_moe().then(|| {
+            (
+                m.num_local_experts,
+                m.num_experts_per_tok,
+                m.expert_ffn() / l.tp,
+                m.shared_expert_intermediate_size.unwrap_or(0) / l.tp,
+                l.ep > 1,
+            )
+        }),
+    }
+}
+
+/// Bytes one unit caches for one micro-batch (this engine's caches; see the module doc).
+fn xtrain_cache(part: Part, x: &Local, rc: Recompute) -> usize {
+    let e = match part {
+        Part::Embedding => return 4 * x.t, // the token ids (u32)
+        Part::Head => x.t_res * x.h + x.t * x.h + x.t_res + x.t + 2 * x.t, // + i64 targets
+        Part::Block(_) => match rc {
+            Recompute::Full => x.t_res * x.h,
+            _ => {
+                let selective = rc == Recompute::Selective;
+                let norms_out = if selective { 0 } else { 2 * x.t * x.h };
+                let attn = 2 * x.t * x.heads * x.hd + 2 * x.t * x.kv * x.hd + x.t * x.heads;
+                let mlp = |rows: usize, f: usize| rows * f * if selective { 2 } else { 3 };
+                let ffn = match x.moe {
+                    None => mlp(x.t, x.ffn),
+                    // Expected (balanced) load: T·k routed rows per rank, each keeping its
+                    // input, MLP cache and output (and, over ep, the output sent back); the
+                    // routing tables (probabilities, weights, choices, counts, assignments;
+                    // usize = 8 bytes) are held twice, by the MoE cache and by the block.
+                    Some((experts, k, fe, fs, exchange)) => {
+                        let rows = x.t * k;
+                        let routing = x.t * experts + x.t * k + 2 * (x.t * k + experts) + 4 * rows;
+                        rows * 2 * x.h
+                            + mlp(rows, fe)
+                            + if exchange { rows * x.h } else { 0 }
+                            + mlp(x.t, fs)
+                            + 2 * routing
+                    }
+                };
+                2 * x.t_res * x.h + 2 * x.t_res + norms_out + attn + ffn
+            }
+        },
+    };
+    4 * e
+}
+
+/// Bytes a unit's pending weight-gradient work holds (split backward): each linear's input
+/// and output gradient, each norm's input, output gradient and rstd.
+fn xtrain_pending(part: Part, x: &Local) -> usize {
+    let e = match part {
+        Part::Embedding => x.t + x.t_res * x.h,
+        Part::Head => 2 * x.t * x.h + x.t_res * x.h + x.t_res + x.t + 2 * x.t,
+        Part::Block(_) => {
+            let attn = 2 * x.t * x.h + 2 * x.t * x.heads * x.hd + 2 * x.t * x.kv * x.hd;
+            let mlp = 2 * x.t * x.h + 3 * x.t * x.ffn;
+            attn + mlp + 2 * (2 * x.t_res * x.h + x.t_res)
+        }
+    };
+    4 * e
+}
+
+/// Megatron's bytes per layer and micro-batch (16-bit activations, see the module doc).
+fn megatron_layer(job: &Job, l: &Layout, x: &Local) -> usize {
+    let (sbh, t) = ((x.t * x.h) as f64, l.tp as f64);
+    let a = job.model.num_attention_heads as f64;
+    let s = (job.seq_len / l.cp) as f64;
+    let b = l.micro_batch as f64;
+    let bytes = match l.recompute {
+        Recompute::Full => 2.0 * sbh / if l.sp { t } else { 1.0 },
+        rc => {
+            let linear = if l.sp { 34.0 / t } else { 10.0 + 24.0 / t };
+            let scores = if rc == Recompute::None {
+                5.0 * a * s * s * b / t
+            } else {
+                0.0
+            };
+            sbh * linear + scores
+        }
+    };
+    bytes.round() as usize
+}
+
+/// What every stage of `schedule` (or the whole model without one) holds on one rank.
+pub fn stage_bytes(
+    job: &Job,
+    l: &Layout,
+    layout: &ParamLayout,
+    splits: usize,
+    split: usize,
+) -> Result<StageBytes, ParallelError> {
+    let x = local(job, l);
+    let mut s = StageBytes::default();
+    let mut level = 0isize;
+    // Parts in reverse: the order a backward's input half runs them.
+    for part in stage_parts(job.model.num_hidden_layers, splits, split)?
+        .into_iter()
+        .rev()
+    {
+        let n = match part {
+            Part::Embedding => {
+                s.has_embedding = true;
+                layout.embed_range().len()
+            }
+            Part::Block(i) => {
+                s.layers += 1;
+                layout.block_range(i).len()
+            }
+            Part::Head => {
+                s.has_head = true;
+                layout.head_range().len()
+            }
+        };
+        s.params += n;
+        s.max_unit = s.max_unit.max(n);
+        let (cache, pending) = match job.conventions {
+            Conventions::Xtrain => (
+                xtrain_cache(part, &x, l.recompute),
+                xtrain_pending(part, &x),
+            ),
+            Conventions::Megatron => match part {
+                Part::Block(_) => {
+                    let c = megatron_layer(job, l, &x);
+                    (c, xtrain_pending(part, &x) / 2)
+                }
+                _ => (0, 0),
+            },
+        };
+        s.cache += cache;
+        s.pending += pending;
+        level += pending as isize - cache as isize;
+        s.input_rise = s.input_rise.max(level.max(0) as usize);
+    }
+    Ok(s)
+}
+
+/// Activations in flight on one pipeline rank at the moments its peak can occur: after each
+/// forward, and at the start of each split backward's input half (plus that stage's
+/// [`StageBytes::input_rise`]). Each state counts, per local stage, the micro-batches whose
+/// activations are held and whose weight-gradient work is pending; a schedule repeats few
+/// distinct states, so evaluating a rank's peak for given stage sizes is cheap.
+#[derive(Clone, Debug)]
+struct RankStates {
+    /// The rank's stages (indices of the counts below).
+    stages: Vec<usize>,
+    /// Distinct (held per stage, pending per stage, rising stage).
+    states: Vec<(Vec<u32>, Vec<u32>, Option<usize>)>,
+}
+
+/// [`RankStates`] of every rank of a schedule, found by replaying its compute actions.
+#[derive(Clone, Debug)]
+pub struct Profile {
+    ranks: Vec<RankStates>,
+}
+
+impl Profile {
+    pub fn of(schedule: &Schedule) -> Self {
+        let ranks = (0..schedule.num_ranks())
+            .map(|r| {
+                let stages = schedule.rank_stages(r);
+                let idx = |s: usize| stages.iter().position(|&x| x == s).unwrap_or(0);
+                let (mut held, mut pending) = (vec![0u32; stages.len()], vec![0u32; stages.len()]);
+                let mut seen = std::collections::HashSet::new();
+                for a in schedule.actions[r].iter().filter(|a| a.is_compute()) {
+                    for part in a.parts() {
+                        match part {
+                            Action::Forward { stage, .. } => {
+                                held[idx(stage)] += 1;
+                                seen.insert((held.clone(), pending.clone(), None));
+                            }
+                            Action::Backward { stage, .. } => {
+                                held[idx(stage)] = held[idx(stage)].saturating_sub(1)
+                            }
+                            Action::BackwardInput { stage, .. } => {
+                                let k = idx(stage);
+                                seen.insert((held.clone(), pending.clone(), Some(k)));
+                                held[k] = held[k].saturating_sub(1);
+                                pending[k] += 1;
+                            }
+                            Action::BackwardWeight { stage, .. } => {
+                                let k = idx(stage);
+                                pending[k] = pending[k].saturating_sub(1);
+                            }
+                            _ => {}
+                        }
+                    }
+                }
+                RankStates {
+                    stages,
+                    states: seen.into_iter().collect(),
+                }
+            })
+            .collect();
+        Profile { ranks }
+    }
+
+    /// Peak activation bytes of pipeline rank `rank` whose stages hold `stage(s)`.
+    pub fn peak(&self, rank: usize, stage: impl Fn(usize) -> StageBytes) -> usize {
+        let r = &self.ranks[rank];
+        let bytes: Vec<StageBytes> = r.stages.iter().map(|&s| stage(s)).collect();
+        r.states
+            .iter()
+            .map(|(held, pending, rising)| {
+                let base: usize = bytes
+                    .iter()
+                    .zip(held.iter().zip(pending))
+                    .map(|(b, (&h, &p))| h as usize * b.cache + p as usize * b.pending)
+                    .sum();
+                base + rising.map_or(0, |k| bytes[k].input_rise)
+            })
+            .max()
+            .unwrap_or(0)
+    }
+}
+
+/// One pipeline rank's predicted memory and what it holds.
+#[derive(Clone, Debug, PartialEq, serde::Serialize)]
+pub struct RankMemory {
+    pub pp_rank: usize,
+    /// Parameters of the rank's flat buffer (elements).
+    pub params: usize,
+    /// Ranks its model states are sharded over by ZeRO.
+    pub zero_group: usize,
+    /// Layers (blocks) the rank holds.
+    pub layers: usize,
+    pub account: MemoryAccount,
+}
+
+/// The schedule of training without pipeline parallelism: one stage, `m` micro-batches.
+pub fn one_stage_schedule(m: usize) -> Schedule {
+    Schedule {
+        kind: "one-stage".into(),
+        stage_rank: vec![0],
+        chains: vec![crate::pipeline_parallel::schedule::Chain {
+            stages: 0..1,
+            microbatches: 0..m,
+        }],
+        actions: vec![crate::pipeline_parallel::one_stage(m)],
+    }
+}
+
+/// What each of the model's `splits` layer ranges holds on one rank (see [`stage_bytes`]).
+pub fn split_bytes(
+    job: &Job,
+    l: &Layout,
+    layout: &ParamLayout,
+    splits: usize,
+) -> Result<Vec<StageBytes>, ParallelError> {
+    (0..splits)
+        .map(|k| stage_bytes(job, l, layout, splits, k))
+        .collect()
+}
+
+/// The memory of every pipeline rank of `l` running `sched` (the one-stage schedule without
+/// pipeline parallelism), whose layer ranges hold `per_split` ([`split_bytes`]).
+pub fn predict(
+    job: &Job,
+    l: &Layout,
+    sched: &Schedule,
+    profile: &Profile,
+    per_split: &[StageBytes],
+) -> Vec<RankMemory> {
+    let stage = |s: usize| per_split[sched.stage_split(s)];
+    let mut out = Vec::with_capacity(sched.num_ranks());
+    for r in 0..sched.num_ranks() {
+        let stages = sched.local_stages(r);
+        let params: usize = stages.iter().map(|&s| stage(s).params).sum();
+        let max_unit = stages.iter().map(|&s| stage(s).max_unit).max().unwrap_or(0);
+        let layers = stages.iter().map(|&s| stage(s).layers).sum();
+        let n = zero_group(l, sched, r);
+        let mut account = formula(params, n, l.zero, job.precision);
+        if job.conventions == Conventions::Megatron && job.precision.half().is_some() {
+            // Megatron accumulates gradients in fp32 beside 16-bit weights.
+            account.grads *= 2;
+        }
+        account.activations = profile.peak(r, stage);
+        account.comm_buffers = comm_buffers(job, l, params, max_unit, n);
+        out.push(RankMemory {
+            pp_rank: r,
+            params,
+            zero_group: n,
+            layers,
+            account,
+        });
+    }
+    out
+}
+
+/// The ranks pipeline rank `r`'s model states are sharded over: dp × cp (× DualPipe's two
+/// copies), or with expert parallelism the expert-data-parallel dp·cp/ep.
+pub fn zero_group(l: &Layout, sched: &Schedule, r: usize) -> usize {
+    if l.ep > 1 {
+        l.dp * l.cp / l.ep
+    } else {
+        l.dp * l.cp * sched.replicas(r).len()
+    }
+}
+
+/// The estimate of the module doc.
+fn comm_buffers(job: &Job, l: &Layout, params: usize, max_unit: usize, n: usize) -> usize {
+    let unit = 4 * max_unit;
+    // This engine widens each 16-bit unit to fp32 for its compute.
+    let xtrain_half = job.conventions == Conventions::Xtrain && job.precision.half().is_some();
+    let widened = if xtrain_half { unit } else { 0 };
+    if n == 1 {
+        return widened;
+    }
+    let buckets = (2 * DEFAULT_BUCKET_BYTES).min(4 * params);
+    widened
+        + match l.zero.index() {
+            0 => 0,
+            1 => unit,
+            2 => unit + buckets,
+            _ => 2 * unit + buckets,
+        }
+}

@@ -1,0 +1,272 @@
+//! Step time of a layout: compute from FLOPs at the cluster's efficiency, each collective
+//! from an alpha-beta model on the link its group runs on, the pipeline bubble from the
+//! schedule simulator, and overlap where the engine overlaps.
+//!
+//! **Compute.** Per micro-batch and block on one rank, the forward runs `2·P·T` FLOPs of
+//! products (P: the block's weights this rank multiplies by — its tp share of attention and of
+//! the MLP, the top-k experts of a MoE block) and `2·T·S·h/tp` of causal attention (half of
+//! `4·T·S·h/tp`; T local tokens attending over S positions); the backward's input half runs
+//! the products again and the attention core twice, its weight half the products once.
+//! The head adds `2·T·h·V/tp`. Full recomputation reruns the forward before the backward,
+//! selective recomputation the attention core (Megatron's choice; this engine's selective
+//! policy only recomputes element-wise work, which the model leaves out).
+//!
+//! **Collectives** of `B` bytes over `n` ranks on a link of latency α and bandwidth β (ring
+//! algorithms, Thakur et al. 2005): all-reduce `2(n−1)·α + 2(n−1)/n·B/β`; all-gather and
+//! reduce-scatter `(n−1)·α + (n−1)/n·B/β`; all-to-all `(n−1)·α + (n−1)/n·B/β`; a pipeline
+//! send `α + B/β`. A group runs within a node when its ranks fit in one (the mesh
+//! `[pp, dp, cp, tp]` puts tp neighbours on consecutive devices), else between nodes.
+//!
+//! - tp (+sp): two all-reduces (or all-gather + reduce-scatter pairs) of `T·h` activations
+//!   per block forward and two backward, on the critical path;
+//! - cp: the ring passes k, v (`cp − 1` steps forward; k, v and their gradients backward),
+//!   hidden behind the attention core; what exceeds it is exposed;
+//! - ep: dispatch and combine all-to-alls of `T·k·h` forward and backward, exposed;
+//! - pp: each stage's output activation forward and its gradient backward, exposed;
+//! - dp: gradients reduced in fp32 over the ZeRO group — DDP / ZeRO-1 one all-reduce per step
+//!   behind the last micro-batch's backward, ZeRO-2 a reduce-scatter behind every
+//!   micro-batch's backward, ZeRO-3 also all-gathering the parameters for each forward and
+//!   backward (prefetched: behind compute); ZeRO-1/2 then all-gather the updated weights;
+//! - the optimizer step streams its shard's master weights, moments, gradients and weights
+//!   through memory once (`36` bytes per parameter at the cluster's memory bandwidth).
+//!
+//! **Pipeline.** The rank's schedule is simulated with unit costs (F = I = W = 1, B = 2); the
+//! step's compute is the makespan in those units times the slowest stage's seconds per unit.
+use serde::Serialize;
+
+use super::cluster::{Cluster, Link};
+use super::layout::Layout;
+use super::memory::StageBytes;
+use super::{Conventions, Job};
+use model::Recompute;
+
+/// Seconds of one collective (see the module doc).
+pub fn all_reduce(link: Link, n: usize, bytes: f64) -> f64 {
+    if n <= 1 {
+        return 0.0;
+    }
+    let n_f = n as f64;
+    2.0 * (n_f - 1.0) * link.latency + 2.0 * (n_f - 1.0) / n_f * bytes / link.bandwidth
+}
+
+/// All-gather or reduce-scatter of `bytes` (the full buffer) over `n` ranks.
+pub fn all_gather(link: Link, n: usize, bytes: f64) -> f64 {
+    if n <= 1 {
+        return 0.0;
+    }
+    let n_f = n as f64;
+    (n_f - 1.0) * link.latency + (n_f - 1.0) / n_f * bytes / link.bandwidth
+}
+
+/// Seconds of one optimizer step per layout and what they are made of.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Serialize)]
+pub struct StepTime {
+    /// The whole step.
+    pub step_s: f64,
+    /// Compute of the busiest rank (no bubble), with tp, ep and pp communication on its
+    /// critical path included below.
+    pub compute_s: f64,
+    /// Idle time of the pipeline (makespan − busy).
+    pub bubble_s: f64,
+    pub tp_comm_s: f64,
+    pub cp_exposed_s: f64,
+    pub ep_comm_s: f64,
+    pub pp_comm_s: f64,
+    /// Data-parallel communication not hidden behind backward.
+    pub dp_exposed_s: f64,
+    pub optimizer_s: f64,
+    /// Predicted tokens per second of the whole job.
+    pub tokens_per_s: f64,
+}
+
+/// Per-micro-batch seconds of one stage: forward, input and weight halves, and what of
+/// them is communication.
+#[derive(Clone, Copy, Debug, Default)]
+struct StageCost {
+    f: f64,
+    i: f64,
+    w: f64,
+    tp: f64,
+    cp: f64,
+    ep: f64,
+    pp: f64,
+    /// ZeRO-3's parameter gathers and ZeRO-2/3's reduce-scatter per micro-batch.
+    dp_per_mb: f64,
+}
+
+fn stage_cost(job: &Job, c: &Cluster, l: &Layout, st: &StageBytes, dp_group: usize) -> StageCost {
+    let m = &job.model;
+    let t = (l.micro_batch * job.seq_len / l.cp) as f64;
+    let s = job.seq_len as f64;
+    let h = m.hidden_size as f64;
+    let tp = l.tp as f64;
+    let (heads, hd) = ((m.num_attention_heads / l.tp) as f64, m.head_dim() as f64);
+    let kv = (if l.tp <= m.kv_heads() {
+        m.kv_heads() / l.tp
+    } else {
+        1
+    }) as f64;
+    let ffn = if m.is_moe() {
+        m.num_experts_per_tok * m.expert_ffn() + m.shared_expert_intermediate_size.unwrap_or(0)
+    } else {
+        m.intermediate_size
+    } as f64
+        / tp;
+    let peak = if job.precision.half().is_some() {
+        c.peak_flops_16
+    } else {
+        c.peak_flops_32
+    } * c.efficiency;
+    let act_bytes = match job.conventions {
+        Conventions::Xtrain => 4.0,
+        Conventions::Megatron => 2.0,
+    };
+    let layers = st.layers as f64;
+    let block_weights = 2.0 * h * heads * hd + 2.0 * h * kv * hd + 3.0 * h * ffn;
+    let linear = layers * 2.0 * block_weights * t
+        + if st.has_head {
+            2.0 * t * h * (m.vocab_size as f64 / tp).ceil()
+        } else {
+            0.0
+        };
+    let core = layers * 2.0 * t * s * heads * hd;
+    let recompute = match l.recompute {
+        Recompute::None => 0.0,
+        Recompute::Selective => core,
+        Recompute::Full => linear + core,
+    };
+    let (f_c, i_c, w_c) = (
+        (linear + core) / peak,
+        (linear + 2.0 * core + recompute) / peak,
+        linear / peak,
+    );
+    // Tensor parallel: 2 all-reduces (or AG + RS) of T·h per block and direction.
+    let tp_link = c.link(l.tp, 1);
+    let tp_one = all_reduce(tp_link, l.tp, t * h * act_bytes);
+    let tp_f = layers * 2.0 * tp_one + if st.has_embedding { tp_one } else { 0.0 };
+    let tp_b = layers * 2.0 * tp_one + if st.has_head { tp_one } else { 0.0 };
+    // Context parallel: the ring's k, v (and gradients), hidden behind the attention core.
+    let cp_link = c.link(l.cp, l.tp);
+    let kv_bytes = 2.0 * t * kv * hd * act_bytes;
+    let ring = (l.cp.saturating_sub(1)) as f64 * cp_link.time(kv_bytes);
+    let core_f = core / layers.max(1.0) / peak;
+    let cp_f = layers * (ring - core_f).max(0.0);
+    let cp_b = layers * (2.0 * ring - 2.0 * core_f).max(0.0);
+    // Expert parallel: dispatch + combine of T·k·h per MoE block and direction.
+    let ep_link = c.link(l.ep, l.tp);
+    let a2a = if m.is_moe() {
+        2.0 * all_gather(
+            ep_link,
+            l.ep,
+            t * m.num_experts_per_tok as f64 * h * act_bytes,
+        )
+    } else {
+        0.0
+    };
+    let ep_f = layers * a2a;
+    // Pipeline: the stage's output forward, its input gradient backward.
+    let pp_link = c.link(l.pp, l.tp * l.cp * l.dp);
+    let pp_one = if l.pp > 1 {
+        pp_link.time(t / if l.sp { tp } else { 1.0 } * h * act_bytes)
+    } else {
+        0.0
+    };
+    // ZeRO-2/3 per micro-batch: reduce-scatter the fp32 gradients; ZeRO-3 also gathers the
+    // parameters for the forward and again for the backward.
+    let dp_link = c.link(dp_group, l.tp);
+    let params = st.params as f64;
+    let compute_bytes = job.precision.compute_bytes() as f64;
+    let dp_per_mb = match l.zero.index() {
+        0 | 1 => 0.0,
+        2 => all_gather(dp_link, dp_group, 4.0 * params),
+        _ => {
+            all_gather(dp_link, dp_group, 4.0 * params)
+                + 2.0 * all_gather(dp_link, dp_group, compute_bytes * params)
+        }
+    };
+    StageCost {
+        f: f_c + tp_f + cp_f + ep_f + pp_one,
+        i: i_c + tp_b + cp_b + ep_f + pp_one,
+        w: w_c,
+        tp: tp_f + tp_b,
+        cp: cp_f + cp_b,
+        ep: 2.0 * ep_f,
+        pp: 2.0 * pp_one,
+        dp_per_mb,
+    }
+}
+
+/// The step time of `l` whose pipeline ranks hold `stages[r]` (per-split bytes of the
+/// stages each rank runs), whose schedule's unit-cost makespan is `makespan_units`, with ZeRO
+/// group `dp_group` and rank parameters `params[r]`.
+pub fn predict(
+    job: &Job,
+    c: &Cluster,
+    l: &Layout,
+    stages: &[Vec<StageBytes>],
+    params: &[usize],
+    dp_group: usize,
+    makespan_units: f64,
+) -> StepTime {
+    let mut worst = StepTime::default();
+    let mut unit_max = 0.0f64;
+    let costs: Vec<Vec<StageCost>> = stages
+        .iter()
+        .map(|r| {
+            r.iter()
+                .map(|s| stage_cost(job, c, l, s, dp_group))
+                .collect()
+        })
+        .collect();
+    for r in &costs {
+        for s in r {
+            unit_max = unit_max.max((s.f + s.i + s.w) / 3.0);
+        }
+    }
+    let makespan = makespan_units * unit_max;
+    let mb = l.microbatches as f64;
+    for (r, cost) in costs.iter().enumerate() {
+        let sum = |f: &dyn Fn(&StageCost) -> f64| cost.iter().map(f).sum::<f64>() * mb;
+        let busy = sum(&|s| s.f + s.i + s.w);
+        let params = params[r] as f64;
+        let dp_link = c.link(dp_group, l.tp);
+        let grads = 4.0 * params;
+        let weights = job.precision.compute_bytes() as f64 * params;
+        // What the last micro-batch's backward hides, and what every micro-batch's hides.
+        let last_backward: f64 = cost.iter().map(|s| s.i + s.w).sum();
+        let per_mb_hidden: f64 = cost.iter().map(|s| s.f + s.i + s.w).sum();
+        let per_mb: f64 = cost.iter().map(|s| s.dp_per_mb).sum();
+        let dp_exposed = match l.zero.index() {
+            0 => (all_reduce(dp_link, dp_group, grads) - last_backward).max(0.0),
+            1 => {
+                (all_reduce(dp_link, dp_group, grads) - last_backward).max(0.0)
+                    + all_gather(dp_link, dp_group, weights)
+            }
+            2 => mb * (per_mb - per_mb_hidden).max(0.0) + all_gather(dp_link, dp_group, weights),
+            _ => mb * (per_mb - per_mb_hidden).max(0.0),
+        };
+        let shard = if l.zero.shards_optimizer() {
+            params / dp_group as f64
+        } else {
+            params
+        };
+        let optimizer = 36.0 * shard / c.memory_bandwidth;
+        let step = makespan + dp_exposed + optimizer;
+        if step > worst.step_s {
+            worst = StepTime {
+                step_s: step,
+                compute_s: busy,
+                bubble_s: (makespan - busy).max(0.0),
+                tp_comm_s: sum(&|s| s.tp),
+                cp_exposed_s: sum(&|s| s.cp),
+                ep_comm_s: sum(&|s| s.ep),
+                pp_comm_s: sum(&|s| s.pp),
+                dp_exposed_s: dp_exposed,
+                optimizer_s: optimizer,
+                tokens_per_s: 0.0,
+            };
+        }
+    }
+    worst.tokens_per_s = (l.global_batch() * job.seq_len) as f64 / worst.step_s;
+    worst
+}

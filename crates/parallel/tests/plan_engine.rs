@@ -1,0 +1,122 @@
+//! The planner against the engine: for the layouts the parity tests run, the predicted
+//! per-rank model states equal the executor's accounting exactly, and so do the activation
+//! peaks wherever the schedule fuses its backward (split backwards and MoE routing are
+//! estimates, checked within bounds).
+use model::Recompute;
+use parallel::data_parallel::ZeroStage;
+use parallel::pipeline_parallel::generate;
+use parallel::plan::{evaluate, Cluster, Conventions, Job, Layout};
+use parallel::{ModelOptions, Precision};
+
+mod common;
+use common::*;
+
+const GLOBAL: usize = 8;
+
+fn check(cfg: &model::ModelConfig, l: Layout, precision: Precision, exact_activations: bool) {
+    let job = Job {
+        model: cfg.clone(),
+        seq_len: 8,
+        global_batch: GLOBAL,
+        precision,
+        conventions: Conventions::Xtrain,
+    };
+    let cluster = Cluster::preset("a100-80g", 1).unwrap();
+    let pred = evaluate(&job, &cluster, &l).unwrap();
+    let schedule = l
+        .schedule
+        .map(|k| generate(k, l.pp, l.microbatches, l.virtual_stages).unwrap());
+    let opts = ModelOptions {
+        recompute: l.recompute,
+        ..ModelOptions::new(8)
+    };
+    let exec = decoder_exec(l.zero, precision);
+    let runs = train_decoder_opts(
+        cfg,
+        l.dims(),
+        &exec,
+        GLOBAL,
+        l.microbatches,
+        1,
+        schedule.as_ref(),
+        opts,
+    );
+    let per_pp = l.world() / l.pp;
+    for (rank, run) in runs.iter().enumerate() {
+        let want = pred.ranks[rank / per_pp].account;
+        let got = run.memory;
+        assert_eq!(
+            (got.params, got.grads, got.master, got.optimizer),
+            (want.params, want.grads, want.master, want.optimizer),
+            "{l} {precision:?} rank {rank}: model states"
+        );
+        if exact_activations {
+            assert_eq!(
+                got.activations, want.activations,
+                "{l} {precision:?} rank {rank}: activations"
+            );
+        } else {
+            let ratio = want.activations as f64 / got.activations as f64;
+            assert!(
+                (0.75..1.25).contains(&ratio),
+                "{l} {precision:?} rank {rank}: activations {} predicted {}",
+                got.activations,
+                want.activations
+            );
+        }
+    }
+}
+
+fn layout(text: &str) -> Layout {
+    text.parse().unwrap()
+}
+
+#[test]
+fn data_and_tensor_parallel_layouts_match_the_engine() {
+    let cfg = llama();
+    for text in [
+        "dp1 mb8x1",
+        "dp1 mb4x2 rc=selective",
+        "dp1 mb8x1 rc=full",
+        "dp2 z0 mb4x1",
+        "dp2 z1 mb2x2",
+        "dp2 z2 mb4x1",
+        "dp2 z3 mb4x1",
+        "tp2 mb8x1",
+        "tp2 sp mb8x1",
+        "tp2 dp2 z1 sp mb2x2",
+    ] {
+        check(&cfg, layout(text), Precision::Fp32, true);
+    }
+    for text in ["dp2 z1 mb4x1", "dp2 z3 mb4x1"] {
+        check(&cfg, layout(text), Precision::Bf16, true);
+    }
+}
+
+#[test]
+fn pipeline_and_context_layouts_match_the_engine() {
+    let cfg4 = model::ModelConfig::llama(64, 32, 48, 4, 4, 2);
+    for text in [
+        "pp2 1f1b mb2x4",
+        "pp2 gpipe mb2x4",
+        "pp2 interleaved/2 mb2x4",
+        "pp2 dp2 z1 1f1b mb1x4",
+        "pp2 1f1b mb2x4 rc=selective",
+        "cp2 mb8x1",
+        "cp2 dp2 z2 mb4x1",
+    ] {
+        check(&cfg4, layout(text), Precision::Fp32, true);
+    }
+    // Split backwards: the pending weight-gradient work is an estimate.
+    for text in ["pp2 zb-h1 mb2x4", "pp2 zb-v mb2x4"] {
+        check(&cfg4, layout(text), Precision::Fp32, false);
+    }
+}
+
+#[test]
+fn expert_parallel_model_states_match_the_engine() {
+    let l = layout("dp2 ep2 z1 mb4x1");
+    assert_eq!(l.recompute, Recompute::None);
+    assert_eq!(l.zero, ZeroStage::One);
+    check(&moe(), l, Precision::Fp32, false);
+}

@@ -1,0 +1,191 @@
+//! "This machine" as a planner cluster, calibrated in about a second: the fp32 GEMM peak of
+//! one rank's thread budget, the share of it one decoder layer's forward and backward reach
+//! (measured on the model being planned, with the planner's own FLOP count as the
+//! numerator, so the efficiency means what the planner multiplies by; each timing paired
+//! with a peak measurement taken right before it, so a shared machine's changing load
+//! cancels out of the ratio), the memory bandwidth
+//! an AdamW update streams at, and the shared-memory link between two ranks (`xtrain bench
+//! comm` between two processes: alpha from an 8-byte all-reduce, beta from a 2 MiB one).
+use std::time::Instant;
+
+use std::process::Command;
+
+use anyhow::{bail, Context, Result};
+use model::{Batch, Model, ModelConfig, StepOptions};
+use parallel::plan::{evaluate, Cluster, Conventions, Job, Layout, Link};
+use parallel::Precision;
+
+/// Best of `n` timings of `f` (seconds), after one warm-up call.
+fn best_of(n: usize, mut f: impl FnMut()) -> f64 {
+    f();
+    (0..n)
+        .map(|_| {
+            let t = Instant::now();
+            f();
+            t.elapsed().as_secs_f64()
+        })
+        .fold(f64::MAX, f64::min)
+}
+
+/// Share of the fp32 GEMM peak one layer of `cfg` reaches on `micro_batch` sequences of `seq`
+/// tokens, and that peak: five pairs of a peak measurement and a timed forward + backward,
+/// back to back, the medians of the ratio and of the peak. The ratio of two measurements
+/// taken together is what a shared machine's load changes least.
+fn efficiency(cfg: &ModelConfig, seq: usize, micro_batch: usize) -> Result<(f64, f64)> {
+    let mut one = cfg.clone();
+    one.num_hidden_layers = 1;
+    let model = Model::new(one.clone())?;
+    let params = model.init_params(1);
+    let mut grads = vec![0.0; params.len()];
+    let n = micro_batch * seq;
+    let ids: Vec<u32> = (0..n).map(|i| (i * 7919 % one.vocab_size) as u32).collect();
+    let targets: Vec<i64> = ids
+        .iter()
+        .map(|&t| ((t as usize + 1) % one.vocab_size) as i64)
+        .collect();
+    let batch = Batch::new(micro_batch, seq, ids, targets)?;
+    let opts = StepOptions::default();
+    // The planner's compute seconds for the same work at a peak of 1 FLOP/s, efficiency 1:
+    // its FLOP count.
+    let job = Job {
+        model: one,
+        seq_len: seq,
+        global_batch: micro_batch,
+        precision: Precision::Fp32,
+        conventions: Conventions::Xtrain,
+    };
+    let unit = Link {
+        latency: 0.0,
+        bandwidth: 1e12,
+    };
+    let ideal = Cluster::calibrated(1, 1 << 40, 1.0, 1.0, 1e12, unit);
+    let flops = evaluate(&job, &ideal, &Layout::single(micro_batch))?
+        .time
+        .compute_s;
+    let mut step = || {
+        tensor::threads::install(|| {
+            model.forward_backward(&params, &mut grads, &batch, &opts, &mut |_| {})
+        })
+    };
+    step()?; // warm-up
+    let (mut ratios, mut peaks) = (Vec::new(), Vec::new());
+    for _ in 0..5 {
+        let peak = train::run::gemm_peak_flops();
+        let t = Instant::now();
+        step()?;
+        let secs = t.elapsed().as_secs_f64();
+        ratios.push(flops / secs / peak);
+        peaks.push(peak);
+    }
+    Ok((median(ratios).clamp(1e-3, 1.0), median(peaks)))
+}
+
+fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(f64::total_cmp);
+    v[v.len() / 2]
+}
+
+/// Bytes/s an AdamW update streams (36 bytes per parameter, as the planner counts it).
+fn memory_bandwidth() -> f64 {
+    let n = 1 << 22;
+    let (mut p, g, mut m, mut v) = (
+        vec![0.1f32; n],
+        vec![0.01f32; n],
+        vec![0.0; n],
+        vec![0.0; n],
+    );
+    let adamw = model::AdamW::default();
+    let t = best_of(3, || {
+        tensor::threads::install(|| adamw.update(1, 1e-3, 0.0, &mut p, &g, &mut m, &mut v))
+    });
+    36.0 * n as f64 / t
+}
+
+/// Alpha and beta of the shared-memory link between two ranks: `xtrain bench comm` (two
+/// worker processes, the transport training uses) all-reducing 8 bytes and 2 MiB.
+fn link() -> Result<Link> {
+    let out = Command::new(std::env::current_exe()?)
+        .args([
+            "bench",
+            "comm",
+            "--nproc",
+            "2",
+            "--transport",
+            "shm",
+            "--min",
+            "8",
+        ])
+        .args([
+            "--max", "2M", "--factor", "262144", "--iters", "10", "--json",
+        ])
+        .output()
+        .context("starting xtrain bench comm")?;
+    if !out.status.success() {
+        bail!(
+            "xtrain bench comm: {}\n{}",
+            out.status,
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+    let v: serde_json::Value =
+        serde_json::from_slice(&out.stdout).context("the JSON report of xtrain bench comm")?;
+    let rows = v["rows"].as_array().context("rows in the comm report")?;
+    let row = |i: usize| -> Result<(f64, f64)> {
+        let r = rows.get(i).context("a row of the comm report")?;
+        let bytes = r["bytes"].as_f64().context("bytes")?;
+        let us = r["time_us"].as_f64().context("time_us")?;
+        Ok((bytes, us * 1e-6))
+    };
+    let ((_, small), (bytes, large)) = (row(0)?, row(rows.len().saturating_sub(1))?);
+    // n = 2: all-reduce = 2α + B/β.
+    let latency = small / 2.0;
+    Ok(Link {
+        latency,
+        bandwidth: bytes / (large - small).max(1e-6),
+    })
+}
+
+/// Bytes of RAM on this machine (`MemTotal`), or 16 GiB where unknown.
+fn total_memory() -> u64 {
+    std::fs::read_to_string("/proc/meminfo")
+        .ok()
+        .and_then(|s| {
+            let line = s.lines().find(|l| l.starts_with("MemTotal:"))?.to_string();
+            line.split_whitespace().nth(1)?.parse::<u64>().ok()
+        })
+        .map_or(16 << 30, |kib| kib * 1024)
+}
+
+/// This machine as a cluster of `devices` ranks (threads: the cores over the ranks), for
+/// the model `cfg` at `micro_batch` sequences of `seq`, and the GEMM peak one rank measures
+/// alone. A device's peak is the whole machine's (all cores in one product) over the
+/// devices, not what one rank measures alone: the ranks share the cores' vector units
+/// (on a VM two vCPUs may be one core's two hyperthreads, and one thread alone then reaches
+/// nearly the whole core's peak).
+pub fn this_machine(
+    cfg: &ModelConfig,
+    seq: usize,
+    micro_batch: usize,
+    devices: usize,
+) -> Result<(Cluster, f64)> {
+    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+    let threads = (cores / devices.max(1)).max(1);
+    let before = tensor::threads::thread_budget();
+    tensor::threads::set_thread_budget(cores)?;
+    let machine = median((0..3).map(|_| train::run::gemm_peak_flops()).collect());
+    tensor::threads::set_thread_budget(threads)?;
+    let eff = efficiency(cfg, seq, micro_batch);
+    let bw = memory_bandwidth();
+    tensor::threads::set_thread_budget(before)?;
+    let link = link()?;
+    let (eff, rank_peak) = eff?;
+    let cluster = Cluster::calibrated(
+        devices,
+        total_memory() / devices.max(1) as u64,
+        machine / devices.max(1) as f64,
+        eff,
+        bw / devices.max(1) as f64,
+        link,
+    );
+    Ok((cluster, rank_peak))
+}

@@ -1,0 +1,234 @@
+//! `xtrain plan --validate`: the planner against measured runs on this machine. For small and
+//! medium at one process, dp2, tp2, pp2 and cp2 (and moe-small at ep2, the experts' layout),
+//! each round calibrates this machine ([`super::calibrate`]), runs `xtrain bench train` (the
+//! same command users run, as a child process), reads its JSON report, and predicts the
+//! layout at the GEMM peak the benchmark measured while it ran (on a shared machine the cores'
+//! capacity changes from minute to minute; the calibrated efficiency is a ratio to the peak of
+//! its own moment). The table gives the medians and ranges over the rounds.
+use std::process::Command;
+
+use anyhow::{bail, Context, Result};
+use parallel::memory::human;
+use parallel::plan::{evaluate, Conventions, Job, Layout};
+use parallel::Precision;
+
+/// One validated layout: the preset, the bench flags, the planner's name for it.
+struct Case {
+    preset: &'static str,
+    flags: &'static [&'static str],
+    layout: &'static str,
+}
+
+const CASES: &[Case] = &[
+    Case {
+        preset: "small",
+        flags: &[],
+        layout: "dp1 mb8x1",
+    },
+    Case {
+        preset: "small",
+        flags: &["--nproc", "2"],
+        layout: "dp2 mb8x1",
+    },
+    Case {
+        preset: "small",
+        flags: &["--tp", "2"],
+        layout: "tp2 mb8x1",
+    },
+    Case {
+        preset: "small",
+        flags: &[
+            "--pp",
+            "2",
+            "--schedule",
+            "1f1b",
+            "--microbatches",
+            "4",
+            "--set",
+            "train.micro_batch=2",
+        ],
+        layout: "pp2 1f1b mb2x4",
+    },
+    Case {
+        preset: "small",
+        flags: &["--cp", "2"],
+        layout: "cp2 mb8x1",
+    },
+    Case {
+        preset: "moe-small",
+        flags: &["--nproc", "2", "--ep", "2"],
+        layout: "dp2 ep2 mb8x1",
+    },
+    Case {
+        preset: "medium",
+        flags: &[],
+        layout: "dp1 mb4x1",
+    },
+    Case {
+        preset: "medium",
+        flags: &["--nproc", "2"],
+        layout: "dp2 mb4x1",
+    },
+    Case {
+        preset: "medium",
+        flags: &["--tp", "2"],
+        layout: "tp2 mb4x1",
+    },
+    Case {
+        preset: "medium",
+        flags: &[
+            "--pp",
+            "2",
+            "--schedule",
+            "1f1b",
+            "--microbatches",
+            "4",
+            "--set",
+            "train.micro_batch=1",
+        ],
+        layout: "pp2 1f1b mb1x4",
+    },
+    Case {
+        preset: "medium",
+        flags: &["--cp", "2"],
+        layout: "cp2 mb4x1",
+    },
+];
+
+/// What one round of a case gave.
+struct Round {
+    predicted_s: f64,
+    measured_s: f64,
+    predicted_bytes: u64,
+    accounted_bytes: u64,
+    peak_rss: Option<u64>,
+}
+
+fn bench(case: &Case, steps: usize) -> Result<serde_json::Value> {
+    let exe = std::env::current_exe()?;
+    let out = Command::new(exe)
+        .args([
+            "bench",
+            "train",
+            "--preset",
+            case.preset,
+            "--json",
+            "--steps",
+        ])
+        .arg(steps.to_string())
+        .args(case.flags)
+        .output()
+        .context("starting xtrain bench train")?;
+    let text = String::from_utf8_lossy(&out.stdout);
+    if !out.status.success() {
+        bail!(
+            "xtrain bench train --preset {} {}: {}\n{}",
+            case.preset,
+            case.flags.join(" "),
+            out.status,
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+    let (a, b) = (text.find('{'), text.rfind('}'));
+    let json = match (a, b) {
+        (Some(a), Some(b)) if a < b => &text[a..=b],
+        _ => bail!("no JSON report in the benchmark's output: {text}"),
+    };
+    Ok(serde_json::from_str(json)?)
+}
+
+fn round(case: &Case, steps: usize) -> Result<Round> {
+    let (model, preset) = super::resolve_model(case.preset)?;
+    let (seq, _) = preset.context("a preset")?;
+    let l: Layout = case.layout.parse()?;
+    let (mut cluster, rank_peak) =
+        super::calibrate::this_machine(&model, seq, l.micro_batch, l.world())?;
+    let job = Job {
+        model,
+        seq_len: seq,
+        global_batch: l.global_batch(),
+        precision: Precision::Fp32,
+        conventions: Conventions::Xtrain,
+    };
+    let r = bench(case, steps)?;
+    let num = |k: &str| r.get(k).and_then(|v| v.as_f64());
+    // The machine's capacity while the benchmark ran: the GEMM peak it measured on every
+    // rank during its timed steps (a shared machine's load changes it from minute to
+    // minute), per rank, times the share of a rank's lone peak the ranks get together (the
+    // calibration's machine peak over the devices, against one rank's alone); the calibrated
+    // efficiency is a ratio, measured against the peak of its own moment.
+    if let Some(g) = num("gemm_peak_gflops") {
+        let shared = cluster.peak_flops_32 / rank_peak;
+        cluster.peak_flops_32 = g * 1e9 / l.world() as f64 * shared;
+        cluster.peak_flops_16 = cluster.peak_flops_32;
+    }
+    let p = evaluate(&job, &cluster, &l)?;
+    Ok(Round {
+        predicted_s: p.time.step_s,
+        measured_s: num("median_step_s").context("median_step_s in the report")?,
+        predicted_bytes: p.ranks[0].account.total() as u64,
+        accounted_bytes: num("accounted_bytes").unwrap_or(0.0) as u64,
+        peak_rss: num("peak_rss_bytes").map(|b| b as u64),
+    })
+}
+
+fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(f64::total_cmp);
+    v[v.len() / 2]
+}
+
+fn range(v: &[f64]) -> (f64, f64) {
+    v.iter()
+        .fold((f64::MAX, f64::MIN), |(a, b), &x| (a.min(x), b.max(x)))
+}
+
+pub fn run(rounds: usize, steps: usize) -> Result<()> {
+    if rounds == 0 || steps == 0 {
+        bail!("--rounds and --steps must be at least 1");
+    }
+    println!(
+        "{:<10} {:<16} {:>22} {:>28} {:>8} {:>24} {:>9}",
+        "preset",
+        "layout",
+        "predicted s [range]",
+        "measured s [range]",
+        "error",
+        "accounted pred / engine",
+        "RSS/pred"
+    );
+    let mut worst: f64 = 0.0;
+    for case in CASES {
+        let mut all = Vec::new();
+        for _ in 0..rounds {
+            all.push(round(case, steps)?);
+        }
+        let pred: Vec<f64> = all.iter().map(|r| r.predicted_s).collect();
+        let meas: Vec<f64> = all.iter().map(|r| r.measured_s).collect();
+        let (pm, mm) = (median(pred.clone()), median(meas.clone()));
+        let (p0, p1) = range(&pred);
+        let (m0, m1) = range(&meas);
+        let err = pm / mm - 1.0;
+        worst = worst.max(err.abs());
+        let last = all.last().expect("a round");
+        let rss = last.peak_rss.map_or("-".into(), |b| {
+            format!("{:.2}", b as f64 / last.predicted_bytes as f64)
+        });
+        println!(
+            "{:<10} {:<16} {:>8.4} [{:.4}-{:.4}] {:>10.4} [{:.4}-{:.4}] {:>7.1}% {:>11} / {:<11} {:>9}",
+            case.preset,
+            case.layout,
+            pm,
+            p0,
+            p1,
+            mm,
+            m0,
+            m1,
+            100.0 * err,
+            human(last.predicted_bytes),
+            human(last.accounted_bytes),
+            rss
+        );
+    }
+    println!("largest step-time error (medians): {:.1}%", 100.0 * worst);
+    Ok(())
+}
