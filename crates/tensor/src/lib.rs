@@ -34,6 +34,7 @@ pub mod dtype;
 pub mod embedding;
 pub mod error;
 pub mod gemm;
+pub mod isa;
 pub mod norm;
 pub mod peak;
 pub mod rope;
@@ -49,4 +50,5 @@ pub(crate) mod testutil;
 
 pub use dtype::DType;
 pub use error::TensorError;
+pub use isa::Isa;
 pub use tensor::Tensor;
