@@ -262,6 +262,7 @@ mod tests {
             "gemm::tests::",
             "microkernel::",
             "norm::",
+            "peak::",
             "rope::",
             "softmax::",
         ];

@@ -19,6 +19,21 @@ mod avx512;
 use crate::isa::{self, Isa};
 use std::mem::MaybeUninit;
 
+/// Returns `avx512::$f(args)` or `avx2::$f(args)` (the same signature in both modules) on the
+/// active vector path; on the portable path it falls through to the code after it.
+macro_rules! vector_path {
+    ($f:ident($($arg:expr),* $(,)?)) => {
+        #[cfg(target_arch = "x86_64")]
+        match isa::active() {
+            // SAFETY: the active path is one this CPU supports (`isa::selected`); the
+            // caller's comment states the bounds.
+            Isa::Avx512 => return unsafe { avx512::$f($($arg),*) },
+            Isa::Avx2 => return unsafe { avx2::$f($($arg),*) },
+            Isa::Portable => {}
+        }
+    };
+}
+
 /// Defines `$vis fn $name(args) -> ret` running the `#[inline(always)]` portable function
 /// `$body` compiled for the active path (the compiler vectorises it for that path's registers).
 /// Rust never contracts or reorders floating-point operations, so every path gives the bits of
@@ -141,18 +156,8 @@ pub(crate) unsafe fn mm_raw(
 /// Maximum of a row (`−∞` for an empty row).
 #[inline]
 pub(crate) fn row_max(x: &[f32]) -> f32 {
-    #[cfg(target_arch = "x86_64")]
-    match isa::active() {
-        Isa::Avx512 => {
-            // SAFETY: the active path is supported; the kernel reads exactly x.len() elements.
-            return unsafe { avx512::row_max(x.as_ptr(), x.len()) };
-        }
-        Isa::Avx2 => {
-            // SAFETY: the active path is supported; the kernel reads exactly x.len() elements.
-            return unsafe { avx2::row_max(x.as_ptr(), x.len()) };
-        }
-        Isa::Portable => {}
-    }
+    // SAFETY: the kernel reads exactly x.len() elements.
+    vector_path!(row_max(x.as_ptr(), x.len()));
     x.iter().fold(f32::NEG_INFINITY, |a, &b| a.max(b))
 }
 
@@ -160,18 +165,8 @@ pub(crate) fn row_max(x: &[f32]) -> f32 {
 /// give 0 (`scale > 0`).
 #[inline]
 pub(crate) fn exp_sub_sum(x: &mut [f32], scale: f32, m: f32) -> f32 {
-    #[cfg(target_arch = "x86_64")]
-    match isa::active() {
-        Isa::Avx512 => {
-            // SAFETY: the active path is supported; the kernel touches exactly x.len() elements.
-            return unsafe { avx512::exp_sub_sum(x.as_mut_ptr(), x.len(), scale, m) };
-        }
-        Isa::Avx2 => {
-            // SAFETY: the active path is supported; the kernel touches exactly x.len() elements.
-            return unsafe { avx2::exp_sub_sum(x.as_mut_ptr(), x.len(), scale, m) };
-        }
-        Isa::Portable => {}
-    }
+    // SAFETY: the kernel touches exactly x.len() elements.
+    vector_path!(exp_sub_sum(x.as_mut_ptr(), x.len(), scale, m));
     let mut s = 0.0;
     for v in x.iter_mut() {
         *v = (scale * *v - m).exp();
@@ -290,36 +285,16 @@ compiled_per_isa! {
 /// `Σ e^(x − m)` (the softmax denominator after the row max `m`); `x` is not written.
 #[inline]
 pub(crate) fn sum_exp_sub(x: &[f32], m: f32) -> f32 {
-    #[cfg(target_arch = "x86_64")]
-    match isa::active() {
-        Isa::Avx512 => {
-            // SAFETY: the active path is supported; the kernel reads exactly x.len() elements.
-            return unsafe { avx512::sum_exp_sub(x.as_ptr(), x.len(), m) };
-        }
-        Isa::Avx2 => {
-            // SAFETY: the active path is supported; the kernel reads exactly x.len() elements.
-            return unsafe { avx2::sum_exp_sub(x.as_ptr(), x.len(), m) };
-        }
-        Isa::Portable => {}
-    }
+    // SAFETY: the kernel reads exactly x.len() elements.
+    vector_path!(sum_exp_sub(x.as_ptr(), x.len(), m));
     x.iter().map(|&v| (v - m).exp()).sum()
 }
 
 /// `x ← e^(x − m) · a` elementwise (softmax probabilities from a log-sum-exp, scaled).
 #[inline]
 pub(crate) fn exp_sub_scale(x: &mut [f32], m: f32, a: f32) {
-    #[cfg(target_arch = "x86_64")]
-    match isa::active() {
-        Isa::Avx512 => {
-            // SAFETY: the active path is supported; the kernel touches exactly x.len() elements.
-            return unsafe { avx512::exp_sub_scale(x.as_mut_ptr(), x.len(), m, a) };
-        }
-        Isa::Avx2 => {
-            // SAFETY: the active path is supported; the kernel touches exactly x.len() elements.
-            return unsafe { avx2::exp_sub_scale(x.as_mut_ptr(), x.len(), m, a) };
-        }
-        Isa::Portable => {}
-    }
+    // SAFETY: the kernel touches exactly x.len() elements.
+    vector_path!(exp_sub_scale(x.as_mut_ptr(), x.len(), m, a));
     x.iter_mut().for_each(|v| *v = (*v - m).exp() * a);
 }
 
@@ -376,20 +351,9 @@ pub(crate) fn silu_mul(g: &[f32], u: Option<&[f32]>, out: &mut [MaybeUninit<f32>
         out.len() == n && u.is_none_or(|u| u.len() == n),
         "silu_mul: lengths"
     );
-    #[cfg(target_arch = "x86_64")]
-    match isa::active() {
-        Isa::Avx512 => {
-            let up = u.map_or(std::ptr::null(), |u| u.as_ptr());
-            // SAFETY: the active path is supported; every slice holds n elements (checked above).
-            return unsafe { avx512::silu_mul(g.as_ptr(), up, out.as_mut_ptr().cast(), n) };
-        }
-        Isa::Avx2 => {
-            let up = u.map_or(std::ptr::null(), |u| u.as_ptr());
-            // SAFETY: the active path is supported; every slice holds n elements (checked above).
-            return unsafe { avx2::silu_mul(g.as_ptr(), up, out.as_mut_ptr().cast(), n) };
-        }
-        Isa::Portable => {}
-    }
+    let up = u.map_or(std::ptr::null(), |u| u.as_ptr());
+    // SAFETY: every slice holds n elements (checked above).
+    vector_path!(silu_mul(g.as_ptr(), up, out.as_mut_ptr().cast(), n));
     match u {
         Some(u) => {
             for ((o, &g), &u) in out.iter_mut().zip(g).zip(u) {
@@ -409,7 +373,7 @@ pub(crate) fn silu_mul_grad(
     g: &[f32],
     u: Option<&[f32]>,
     dg: &mut [MaybeUninit<f32>],
-    du: Option<&mut [MaybeUninit<f32>]>,
+    mut du: Option<&mut [MaybeUninit<f32>]>,
 ) {
     let n = g.len();
     assert!(
@@ -420,26 +384,19 @@ pub(crate) fn silu_mul_grad(
             && du.as_ref().is_none_or(|du| du.len() == n),
         "silu_mul_grad: lengths"
     );
-    #[cfg(target_arch = "x86_64")]
-    match isa::active() {
-        Isa::Avx512 => {
-            let up = u.map_or(std::ptr::null(), |u| u.as_ptr());
-            let dup = du.map_or(std::ptr::null_mut(), |du| du.as_mut_ptr().cast());
-            // SAFETY: the active path is supported; every slice holds n elements (checked above).
-            return unsafe {
-                avx512::silu_mul_grad(d.as_ptr(), g.as_ptr(), up, dg.as_mut_ptr().cast(), dup, n)
-            };
-        }
-        Isa::Avx2 => {
-            let up = u.map_or(std::ptr::null(), |u| u.as_ptr());
-            let dup = du.map_or(std::ptr::null_mut(), |du| du.as_mut_ptr().cast());
-            // SAFETY: the active path is supported; every slice holds n elements (checked above).
-            return unsafe {
-                avx2::silu_mul_grad(d.as_ptr(), g.as_ptr(), up, dg.as_mut_ptr().cast(), dup, n)
-            };
-        }
-        Isa::Portable => {}
-    }
+    let up = u.map_or(std::ptr::null(), |u| u.as_ptr());
+    let dup = du
+        .as_deref_mut()
+        .map_or(std::ptr::null_mut(), |du| du.as_mut_ptr().cast());
+    // SAFETY: every slice holds n elements (checked above).
+    vector_path!(silu_mul_grad(
+        d.as_ptr(),
+        g.as_ptr(),
+        up,
+        dg.as_mut_ptr().cast(),
+        dup,
+        n
+    ));
     match (u, du) {
         (Some(u), Some(du)) => {
             for i in 0..n {
@@ -510,44 +467,18 @@ pub(crate) fn online_softmax_tile(
     d: usize,
 ) {
     assert!(st.len() >= bq * bk && m.len() >= bq && l.len() >= bq && acc.len() >= bq * d);
-    #[cfg(target_arch = "x86_64")]
-    match isa::active() {
-        Isa::Avx512 => {
-            // SAFETY: the active path is supported; lengths asserted above.
-            unsafe {
-                avx512::online_softmax_tile(
-                    st.as_mut_ptr(),
-                    bq,
-                    bk,
-                    vis0,
-                    scale,
-                    m.as_mut_ptr(),
-                    l.as_mut_ptr(),
-                    acc.as_mut_ptr(),
-                    d,
-                )
-            };
-            return;
-        }
-        Isa::Avx2 => {
-            // SAFETY: the active path is supported; lengths asserted above.
-            unsafe {
-                avx2::online_softmax_tile(
-                    st.as_mut_ptr(),
-                    bq,
-                    bk,
-                    vis0,
-                    scale,
-                    m.as_mut_ptr(),
-                    l.as_mut_ptr(),
-                    acc.as_mut_ptr(),
-                    d,
-                )
-            };
-            return;
-        }
-        Isa::Portable => {}
-    }
+    // SAFETY: lengths asserted above.
+    vector_path!(online_softmax_tile(
+        st.as_mut_ptr(),
+        bq,
+        bk,
+        vis0,
+        scale,
+        m.as_mut_ptr(),
+        l.as_mut_ptr(),
+        acc.as_mut_ptr(),
+        d
+    ));
     for r in 0..bq {
         let row = &mut st[r * bk..(r + 1) * bk];
         let (vis, masked) = row.split_at_mut(visible_cols(vis0, r, bk));
@@ -572,20 +503,8 @@ pub(crate) fn online_softmax_tile(
 /// with `lse = −∞` (no visible key) become 0.
 pub(crate) fn exp_tile(p: &mut [f32], bq: usize, bk: usize, vis0: isize, scale: f32, lse: &[f32]) {
     assert!(p.len() >= bq * bk && lse.len() >= bq);
-    #[cfg(target_arch = "x86_64")]
-    match isa::active() {
-        Isa::Avx512 => {
-            // SAFETY: the active path is supported; lengths asserted above.
-            unsafe { avx512::exp_tile(p.as_mut_ptr(), bq, bk, vis0, scale, lse.as_ptr()) };
-            return;
-        }
-        Isa::Avx2 => {
-            // SAFETY: the active path is supported; lengths asserted above.
-            unsafe { avx2::exp_tile(p.as_mut_ptr(), bq, bk, vis0, scale, lse.as_ptr()) };
-            return;
-        }
-        Isa::Portable => {}
-    }
+    // SAFETY: lengths asserted above.
+    vector_path!(exp_tile(p.as_mut_ptr(), bq, bk, vis0, scale, lse.as_ptr()));
     for (r, (row, &l)) in p[..bq * bk].chunks_mut(bk).zip(lse).enumerate() {
         let (vis, masked) = row.split_at_mut(visible_cols(vis0, r, bk));
         masked.fill(0.0);
