@@ -17,10 +17,12 @@
 //! ([`tensor::peak`]) in every round and print the kernel's rate as a share of it; `peak`
 //! prints that ceiling alone for 1..=`XTRAIN_THREADS` threads.
 //!
-//! `attention` alternates five rounds of the 2048³ GEMM (the kernel path's backend) with the attention forward
-//! and backward (batch 8, 8 heads, head dim 32, seq 256, causal; `XTRAIN_ATTN_BATCH` changes
-//! the batch) and prints the medians and the per-round GEMM/attention ratio, so the ratio is
-//! taken under one machine load, then the fastest round of each and their ratio.
+//! `attention` alternates five rounds of the 2048³ GEMM (the kernel path's backend) with the
+//! attention forward and backward (batch 8, 8 heads, head dim 32, seq 256, causal; `attention
+//! q_tile k_tile batch heads kv_heads head_dim seq` sets another shape, e.g. the medium preset's
+//! `attention 16 256 4 8 4 64 512`) and prints the medians and the per-round GEMM/attention
+//! ratio, so the ratio is taken under one machine load, then the fastest round of each and
+//! their ratio.
 //!
 //! `swiglu` reports elements per CPU-second (G elem/cpu-s) for the SwiGLU forward and backward on
 //! the small preset's MLP activations (2048 tokens × ffn 688). `head` times the fused LM head +
@@ -195,8 +197,13 @@ fn main() {
         // The shape: batch 8, 8 heads, head dim 32, seq 256, causal. Rounds alternate
         // with the 2048³ GEMM at the same thread budget, so the ratio compares the two under
         // the same machine load.
+        // `attention q_tile k_tile batch heads kv_heads head_dim seq`; the defaults are the
+        // small preset's shape without GQA (medium: 4 8 4 64 512); `XTRAIN_ATTN_BATCH` also
+        // sets the batch.
         let batch = std::env::var("XTRAIN_ATTN_BATCH").map_or(8, |v| v.parse().unwrap_or(8));
-        let s = AttnShape::causal(batch, 256, 8, 8, 32);
+        let (batch, heads, kv) = (arg(4, batch), arg(5, 8), arg(6, 8));
+        let (hd, seq) = (arg(7, 32), arg(8, 256));
+        let s = AttnShape::causal(batch, seq, heads, kv, hd);
         let (q, k, v, dout) = (
             data(s.q_elems()),
             data(s.kv_elems()),
@@ -257,7 +264,7 @@ fn main() {
         let (gb, fb_, bb) = (best(&res[0]), best(&res[1]), best(&res[2]));
         let [g, f, bw, rf, rb] = res.map(|mut r| median(&mut r));
         println!(
-            "attention b{batch} h8 d32 s256 causal, medians of 5 rounds, GFLOP/s wall: fwd {f:.1}, bwd {bw:.1}; gemm 2048³ {g:.1}; gemm/attention per round: fwd {rf:.2}×, bwd {rb:.2}×{}",
+            "attention b{batch} h{heads} kv{kv} d{hd} s{seq} causal, medians of 5 rounds, GFLOP/s wall: fwd {f:.1}, bwd {bw:.1}; gemm 2048³ {g:.1}; gemm/attention per round: fwd {rf:.2}×, bwd {rb:.2}×{}",
             of_peak(&mut peaks, &mut attn_of_peak, "fwd+bwd")
         );
         println!(
