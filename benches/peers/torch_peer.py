@@ -49,22 +49,25 @@ def gemm(args):
 
 
 def attention(args):
-    b, h, s, d = 8, 8, 256, 32
-    q, k, v = (torch.randn(b, h, s, d, requires_grad=True) for _ in range(3))
+    b, h, kv, d, s = (int(x) for x in args.shape.split(","))
+    q = torch.randn(b, h, s, d, requires_grad=True)
+    k, v = (torch.randn(b, kv, s, d, requires_grad=True) for _ in range(2))
     dout = torch.randn(b, h, s, d)
     sdpa = torch.nn.functional.scaled_dot_product_attention
     fwd_flops = 2 * b * h * s * s * d  # causal half of 4·b·h·s²·d
+    gqa = {"enable_gqa": True} if kv != h else {}
     with torch.no_grad():
-        t_fwd = median_time(lambda: sdpa(q, k, v, is_causal=True))
+        t_fwd = median_time(lambda: sdpa(q, k, v, is_causal=True, **gqa))
 
     def fwd_bwd():
         q.grad = k.grad = v.grad = None
-        sdpa(q, k, v, is_causal=True).backward(dout)
+        sdpa(q, k, v, is_causal=True, **gqa).backward(dout)
 
     t_both = median_time(fwd_bwd)
     t_bwd = t_both - t_fwd
     print(
-        f"torch {torch.__version__} sdpa b{b} h{h} d{d} s{s} causal, {args.threads} thread(s), "
+        f"torch {torch.__version__} sdpa b{b} h{h} kv{kv} d{d} s{s} causal, "
+        f"CPU capability {torch.backends.cpu.get_cpu_capability()}, {args.threads} thread(s), "
         f"GFLOP/s: fwd {fwd_flops / t_fwd / 1e9:.1f}, bwd {2.5 * fwd_flops / t_bwd / 1e9:.1f} "
         f"(bwd = fwd+bwd time minus fwd time)"
     )
@@ -77,6 +80,8 @@ def main():
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--steps", type=int, default=4)
     ap.add_argument("--n", type=int, default=2048)
+    ap.add_argument("--shape", default="8,8,8,32,256",
+                    help="attention: batch,heads,kv_heads,head_dim,seq (medium preset: 4,8,4,64,512)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)

@@ -3,26 +3,26 @@
 //! `XTRAIN_THREADS` (use 1) and divides useful FLOPs by the process CPU time (user + system,
 //! from `getrusage`), which other processes do not inflate.
 //!
-//! `XTRAIN_THREADS=1 cargo run --release -p tensor --example cpu_throughput [gemm [n] | shape m k n ta tb | shapes | schedule|fold [m k n ta tb] | peak | attention [q_tile k_tile] | swiglu | head | norm | rope]`
+//! `XTRAIN_THREADS=1 cargo run --release -p tensor --example cpu_throughput [gemm [n] | shape m k n ta tb | shapes | peak | attention [q_tile k_tile] | swiglu | head | norm | rope]`
 //!
-//! `gemm` and `shapes` compare the two matrix-product backends (own SGEMM, `gemm` crate) in
-//! alternating rounds, so both see the same machine load; each line gives the median over the
+//! The kernels take the process's path (`XTRAIN_ISA`, see `tensor::isa`), printed first.
+//!
+//! `gemm` and `shapes` compare the matrix-product backends (own AVX-512 SGEMM, `gemm` crate,
+//! which runs its AVX2 kernels, own SGEMM on AMX tiles) in alternating rounds, so both see the same machine load; each line gives the median over the
 //! rounds. `shapes` runs the products of one training step of the small and medium presets
 //! (2048 tokens), in the three forms of a linear layer, then the fused LM head's 128-row
 //! chunk products.
-//!
-//! `schedule` and `fold` alternate one switch of the own kernel (static/dynamic thread
-//! schedule; separate/folded broadcasts) on a shape, or on 2048³ and the medium preset's
-//! products, and print the medians and the per-round ratio.
 //!
 //! `gemm`, `shape(s)` and `attention` also measure the cores' f32 FMA ceiling
 //! ([`tensor::peak`]) in every round and print the kernel's rate as a share of it; `peak`
 //! prints that ceiling alone for 1..=`XTRAIN_THREADS` threads.
 //!
-//! `attention` alternates five rounds of the 2048³ GEMM (own kernel) with the attention forward
-//! and backward (batch 8, 8 heads, head dim 32, seq 256, causal; `XTRAIN_ATTN_BATCH` changes
-//! the batch) and prints the medians and the per-round GEMM/attention ratio, so the ratio is
-//! taken under one machine load, then the fastest round of each and their ratio.
+//! `attention` alternates five rounds of the 2048³ GEMM (the kernel path's backend) with the
+//! attention forward and backward (batch 8, 8 heads, head dim 32, seq 256, causal; `attention
+//! q_tile k_tile batch heads kv_heads head_dim seq` sets another shape, e.g. the medium preset's
+//! `attention 16 256 4 8 4 64 512`) and prints the medians and the per-round GEMM/attention
+//! ratio, so the ratio is taken under one machine load, then the fastest round of each and
+//! their ratio.
 //!
 //! `swiglu` reports elements per CPU-second (G elem/cpu-s) for the SwiGLU forward and backward on
 //! the small preset's MLP activations (2048 tokens × ffn 688). `head` times the fused LM head +
@@ -133,74 +133,6 @@ fn of_peak(peaks: &mut [f64], ratios: &mut [f64], what: &str) -> String {
     )
 }
 
-/// A switch of the own kernel with its two settings' names, for [`ab_switch`].
-struct Switch {
-    name: &'static str,
-    off: &'static str,
-    on: &'static str,
-    set: fn(bool),
-}
-
-/// The thread schedule: static slabs or dynamic panels.
-const SCHEDULE: Switch = Switch {
-    name: "schedule",
-    off: "static",
-    on: "dynamic",
-    set: tensor::sgemm::set_dynamic_schedule,
-};
-
-/// The `kc` loop: separate broadcasts (row-major `A` read in place) or folded (`A` packed).
-const FOLD: Switch = Switch {
-    name: "fold",
-    off: "separate",
-    on: "folded",
-    set: tensor::sgemm::set_folded_broadcasts,
-};
-
-/// Alternating rounds of the own kernel with a switch off and on, on one product shape;
-/// prints the medians (GFLOP/s wall) and the median, min and max of the per-round ratios
-/// on/off. Leaves the switch on (the default).
-fn ab_switch(
-    sw: &Switch,
-    threads: usize,
-    [m, k, n]: [usize; 3],
-    [ta, tb]: [bool; 2],
-    rounds: usize,
-) {
-    let (a, b) = (data(m * k), data(k * n));
-    let mut c = vec![0.0; m * n];
-    let flops = 2.0 * (m * n * k) as f64;
-    let reps = ((4e9 / flops) as usize).clamp(1, 200);
-    let (mut off, mut on, mut ratio) = (vec![], vec![], vec![]);
-    for _ in 0..rounds {
-        let mut wall = [0.0; 2];
-        for (i, setting) in [false, true].into_iter().enumerate() {
-            (sw.set)(setting);
-            wall[i] = measure(flops, reps, || {
-                product(Backend::Own, threads, &mut c, &a, &b, [m, k, n], [ta, tb])
-            })
-            .1;
-        }
-        off.push(wall[0]);
-        on.push(wall[1]);
-        ratio.push(wall[1] / wall[0]);
-    }
-    (sw.set)(true);
-    let (ratio_med, [lo, hi]) = (median(&mut ratio), [ratio[0], ratio[ratio.len() - 1]]);
-    println!(
-        "{} m={m} k={k} n={n} ta={} tb={}: {} {:.1} GFLOP/s {} {:.1} | {}/{} per round: median {ratio_med:.3} min {lo:.3} max {hi:.3}",
-        sw.name,
-        ta as u8,
-        tb as u8,
-        sw.off,
-        median(&mut off),
-        sw.on,
-        median(&mut on),
-        sw.on,
-        sw.off,
-    );
-}
-
 fn data(n: usize) -> Vec<f32> {
     (0..n)
         .map(|i| ((i * 7919 % 1000) as f32 / 1000.0) - 0.5)
@@ -209,7 +141,7 @@ fn data(n: usize) -> Vec<f32> {
 
 fn main() {
     let threads = tensor::threads::thread_budget();
-    println!("thread budget {threads}");
+    println!("thread budget {threads}; {}", tensor::isa::describe());
     let only = std::env::args().nth(1).unwrap_or_default();
     let arg = |i: usize, def: usize| {
         std::env::args()
@@ -231,38 +163,6 @@ fn main() {
             [arg(5, 0) == 1, arg(6, 0) == 1],
             7,
         );
-    }
-    let switch = match only.as_str() {
-        "schedule" => Some(SCHEDULE),
-        "fold" => Some(FOLD),
-        _ => None,
-    };
-    if let Some(sw) = switch {
-        // A/B of one of the own kernel's switches: `schedule|fold m k n ta tb`, or without a
-        // shape the 2048³ product and the medium preset's linear layers (y, dx, dW forms).
-        let rounds = 9;
-        if arg(2, 0) > 0 {
-            let shape = [arg(2, 2048), arg(3, 256), arg(4, 256)];
-            ab_switch(
-                &sw,
-                threads,
-                shape,
-                [arg(5, 0) == 1, arg(6, 0) == 1],
-                rounds,
-            );
-        } else {
-            ab_switch(&sw, threads, [2048, 2048, 2048], [false, false], rounds);
-            for (t, din, dout) in [
-                (2048, 512, 512),
-                (2048, 512, 1376),
-                (2048, 1376, 512),
-                (2048, 512, 256),
-            ] {
-                ab_switch(&sw, threads, [t, din, dout], [false, true], rounds);
-                ab_switch(&sw, threads, [t, dout, din], [false, false], rounds);
-                ab_switch(&sw, threads, [dout, t, din], [true, false], rounds);
-            }
-        }
     }
     if only == "shapes" {
         // (tokens, in, out) of the linear layers of the small and medium presets.
@@ -297,8 +197,13 @@ fn main() {
         // The shape: batch 8, 8 heads, head dim 32, seq 256, causal. Rounds alternate
         // with the 2048³ GEMM at the same thread budget, so the ratio compares the two under
         // the same machine load.
+        // `attention q_tile k_tile batch heads kv_heads head_dim seq`; the defaults are the
+        // small preset's shape without GQA (medium: 4 8 4 64 512); `XTRAIN_ATTN_BATCH` also
+        // sets the batch.
         let batch = std::env::var("XTRAIN_ATTN_BATCH").map_or(8, |v| v.parse().unwrap_or(8));
-        let s = AttnShape::causal(batch, 256, 8, 8, 32);
+        let (batch, heads, kv) = (arg(4, batch), arg(5, 8), arg(6, 8));
+        let (hd, seq) = (arg(7, 32), arg(8, 256));
+        let s = AttnShape::causal(batch, seq, heads, kv, hd);
         let (q, k, v, dout) = (
             data(s.q_elems()),
             data(s.kv_elems()),
@@ -326,7 +231,7 @@ fn main() {
         for _ in 0..5 {
             let (_, g) = measure(2.0 * (n * n * n) as f64, 2, || {
                 product(
-                    Backend::Own,
+                    Backend::Auto,
                     threads,
                     &mut c,
                     &a,
@@ -359,7 +264,7 @@ fn main() {
         let (gb, fb_, bb) = (best(&res[0]), best(&res[1]), best(&res[2]));
         let [g, f, bw, rf, rb] = res.map(|mut r| median(&mut r));
         println!(
-            "attention b{batch} h8 d32 s256 causal, medians of 5 rounds, GFLOP/s wall: fwd {f:.1}, bwd {bw:.1}; gemm 2048³ {g:.1}; gemm/attention per round: fwd {rf:.2}×, bwd {rb:.2}×{}",
+            "attention b{batch} h{heads} kv{kv} d{hd} s{seq} causal, medians of 5 rounds, GFLOP/s wall: fwd {f:.1}, bwd {bw:.1}; gemm 2048³ {g:.1}; gemm/attention per round: fwd {rf:.2}×, bwd {rb:.2}×{}",
             of_peak(&mut peaks, &mut attn_of_peak, "fwd+bwd")
         );
         println!(

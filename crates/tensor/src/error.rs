@@ -28,6 +28,9 @@ pub enum TensorError {
     /// The thread budget could not be applied.
     #[error("thread budget: {0}")]
     Threads(String),
+    /// A setting from the environment is invalid or cannot apply on this machine.
+    #[error("{0}")]
+    Config(String),
 }
 
 /// Checks that `buf_len == expected`, naming the buffer in the error.

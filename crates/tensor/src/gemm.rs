@@ -1,12 +1,12 @@
 //! Matrix products, parallelised over the thread budget, on one of the backends
-//! ([`Backend`]): the own AVX-512 SGEMM of [`crate::sgemm`], or the `gemm` crate (its
-//! `x86-v4`/AVX-512 kernels are selected at run time; also the fallback on CPUs without
-//! AVX-512), or, opt-in, the own SGEMM on AMX tiles ([`crate::sgemm::amx`], fp32 accuracy
-//! from an exact bf16 split). [`Backend::Auto`] picks between the first two per product by a
-//! measured rule (`own_is_faster`); it leaves AMX out because on the shared VMs measured AMX
-//! alternated between 1.2–1.45× faster and 0.63–0.91× slower training steps (geometric mean
-//! ≈ 1, docs/PERFORMANCE.md, "AMX"). `XTRAIN_GEMM=own|crate|amx|auto` overrides the choice for
-//! a whole process and `XTRAIN_AMX=0` hides AMX.
+//! ([`Backend`]): the own AVX-512 SGEMM of [`crate::sgemm`], or the `gemm` crate (built without
+//! its AVX-512 kernels: its AVX2 + FMA kernels where the CPU has them, chosen by the crate at run
+//! time), or the own SGEMM on AMX tiles ([`crate::sgemm::amx`], fp32 accuracy from an exact
+//! bf16 split; only when asked for by [`matmul_using`]). The default ([`Backend::Auto`]) follows
+//! the kernel path of [`crate::isa`]: the own SGEMM on the AVX-512 path, the `gemm` crate on the
+//! AVX2 and portable paths. (AMX is left out because on the shared VMs measured AMX alternated
+//! between 1.2–1.45× faster and 0.63–0.91× slower training steps, geometric mean ≈ 1;
+//! docs/PERFORMANCE.md, "AMX".)
 //!
 //! Transposed operands are read through strides, never copied: a row-major `[r, c]` matrix
 //! read as its transpose is the same memory with row stride 1 and column stride `c`.
@@ -145,16 +145,17 @@ pub fn matmul_serial(
 /// Which implementation computes a product.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Backend {
-    /// The fastest for this CPU and shape by measured rules (see the module doc).
+    /// The kernel path's choice ([`crate::isa::active`]): the own SGEMM on AVX-512, else the
+    /// `gemm` crate.
     Auto,
     /// The own AVX-512 SGEMM of [`crate::sgemm`] (falls back to the `gemm` crate on CPUs
-    /// without AVX-512).
+    /// without AVX-512), whatever the kernel path.
     Own,
     /// The `gemm` crate.
     Crate,
     /// The own SGEMM on the AMX tile unit ([`crate::sgemm::amx`]: exact bf16 split, fp32
     /// accuracy) for every product; where AMX is unavailable, the same choice as
-    /// [`Backend::Auto`]. Opt-in (`XTRAIN_GEMM=amx`).
+    /// [`Backend::Auto`].
     Amx,
 }
 
@@ -194,23 +195,7 @@ fn matmul_with(
     flags: [bool; 3],
     threads: Option<usize>,
 ) -> Result<(), TensorError> {
-    matmul_checked(default_backend(), c, a, b, mkn, flags, threads)
-}
-
-/// Environment variable that overrides the backend of [`matmul`], [`matmul_serial`] and
-/// [`gemm_raw`]: `own`, `crate`, `amx` or `auto` (the default), read once; for A/B runs of whole
-/// programs (e.g. `XTRAIN_GEMM=crate xtrain bench train ...`).
-pub const GEMM_ENV: &str = "XTRAIN_GEMM";
-
-/// The process-wide default backend (see [`GEMM_ENV`]); unknown values mean `auto`.
-pub fn default_backend() -> Backend {
-    static B: std::sync::OnceLock<Backend> = std::sync::OnceLock::new();
-    *B.get_or_init(|| match std::env::var(GEMM_ENV).as_deref().map(str::trim) {
-        Ok("own") => Backend::Own,
-        Ok("crate") => Backend::Crate,
-        Ok("amx") => Backend::Amx,
-        _ => Backend::Auto,
-    })
+    matmul_checked(Backend::Auto, c, a, b, mkn, flags, threads)
 }
 
 fn matmul_checked(
@@ -268,7 +253,7 @@ pub unsafe fn gemm_raw(
     threads: Option<usize>,
 ) {
     gemm_raw_using(
-        default_backend(),
+        Backend::Auto,
         c,
         sc,
         a,
@@ -319,15 +304,13 @@ pub unsafe fn gemm_raw_using(
         } else {
             None
         };
-        let own = own.and_then(|o @ (_, _, _, sa, _, sb, m, n)| {
-            let kernel = match backend {
-                Backend::Own => sgemm::Kernel::Fma,
-                Backend::Amx if sgemm::Kernel::Amx.available() => sgemm::Kernel::Amx,
-                _ if own_is_faster(sa, sb, [m, k, n], threads.unwrap_or(1)) => sgemm::Kernel::Fma,
-                _ => return None,
-            };
-            Some((kernel, o))
-        });
+        let kernel = match backend {
+            Backend::Own => Some(sgemm::Kernel::Fma),
+            Backend::Amx if sgemm::Kernel::Amx.available() => Some(sgemm::Kernel::Amx),
+            Backend::Crate => None,
+            _ => (crate::isa::active() == crate::isa::Isa::Avx512).then_some(sgemm::Kernel::Fma),
+        };
+        let own = kernel.zip(own);
         if let Some((kernel, (c, ldc, a, sa, b, sb, m, n))) = own {
             let mat = |p: *const f32, s: Strides| sgemm::MatRef {
                 ptr: p,
@@ -402,31 +385,6 @@ pub unsafe fn gemm_raw_using(
             1.0f32, false, false, false, par,
         )
     }
-}
-
-/// The dispatch rule of [`Backend::Auto`] for a product already in row-major-`C` form: the
-/// own kernel where it measured faster than the `gemm` crate (see docs/PERFORMANCE.md,
-/// "GEMM: own kernel, `gemm` crate, PyTorch, AMX"):
-/// - `A` not row-major: the weight-gradient form `dW += dyᵀ·x` (0–7 % faster at the
-///   training shapes on one thread, 1.10–1.43× on two);
-/// - `B` not row-major (`y = x·Wᵀ`) and `m ≤ 512`: few rows, e.g. the fused LM head's 128-row
-///   chunks (+3–7 % at vocab 256, +9–44 % at vocab 4096 for 512 down to 64 rows), where the
-///   crate is slow;
-/// - `k, n ≥ 512` and `B` not row-major: the medium preset's `q`, `o`, gate/up and down
-///   projections at 2048 rows (1 thread 0.93–1.23×, 2 threads 1.08–1.22×);
-/// - `k, n ≥ 512`, `B` row-major (`dx = dy·W`) and split across threads by the own dynamic
-///   schedule ([`sgemm::splits_dynamically`]): the medium preset's input gradients on 2
-///   threads (1.03–1.12×), where the crate's static split waits for the slower vCPU. On one
-///   thread the crate is 2–14 % faster there.
-///
-/// With `k` or `n` of 256 or 688 (the small preset, the medium `k`/`v`) the crate stays: 4–9 %
-/// faster at 1 thread, and 0.89–1.13× (median ≈ 0.97) on 2.
-#[cfg(target_arch = "x86_64")]
-fn own_is_faster(sa: Strides, sb: Strides, [m, k, n]: [usize; 3], threads: usize) -> bool {
-    let wide = k.min(n) >= 512;
-    sa.col != 1
-        || (sb.col != 1 && (m <= 512 || wide))
-        || (wide && sgemm::splits_dynamically([m, k, n], threads))
 }
 
 /// Naive triple-loop reference product (f64 accumulation) with the same conventions as
@@ -586,34 +544,5 @@ mod tests {
         assert_eq!(c, vec![1.0; 4]);
         matmul(&mut c, &[], &[], 2, 0, 2, false, false, false).unwrap();
         assert_eq!(c, vec![0.0; 4]);
-    }
-
-    /// The measured dispatch: which linear-layer forms of the presets go to the own kernel.
-    #[cfg(target_arch = "x86_64")]
-    #[test]
-    fn auto_dispatch_follows_the_measured_rule() {
-        let (x, w) = (
-            Strides::row_major(512, false),
-            Strides::row_major(512, false),
-        );
-        let wt = Strides::row_major(512, true);
-        let xt = Strides::row_major(512, true);
-        // dW += dyᵀ·x: always the own kernel.
-        assert!(own_is_faster(xt, x, [512, 2048, 512], 1));
-        // y = x·Wᵀ at the medium shapes: own; at k = 256 with 2048 rows: the crate.
-        assert!(own_is_faster(x, wt, [2048, 512, 512], 1));
-        assert!(!own_is_faster(x, wt, [2048, 256, 256], 2));
-        // dx = dy·W at the medium shapes: own only when split dynamically over 2 threads.
-        assert!(!own_is_faster(x, w, [2048, 512, 512], 1));
-        assert_eq!(
-            own_is_faster(x, w, [2048, 512, 512], 2),
-            sgemm::splits_dynamically([2048, 512, 512], 2)
-        );
-        if std::env::var_os("XTRAIN_SGEMM_SCHEDULE").is_none() {
-            assert!(sgemm::splits_dynamically([2048, 512, 512], 2));
-            assert!(!sgemm::splits_dynamically([2048, 512, 512], 1));
-            assert!(!sgemm::splits_dynamically([40, 512, 512], 2)); // 3 panels: static split
-        }
-        assert!(!own_is_faster(x, w, [2048, 256, 688], 2));
     }
 }

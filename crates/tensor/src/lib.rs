@@ -14,10 +14,11 @@
 //! - Results are bitwise reproducible run to run (fixed reduction orders).
 //!
 //! Map of the crate:
-//! - [`gemm::matmul`]: `C (+)= op(A)·op(B)`, transposes by strides, on the own AVX-512
-//!   SGEMM ([`sgemm`]) or the `gemm` crate, whichever measured faster for the form; opt-in
-//!   (`XTRAIN_GEMM=amx`), the fp32 product on AMX tiles from an exact bf16 split
-//!   ([`sgemm::amx`]).
+//! - [`isa`]: the kernel path of this process (AVX-512, AVX2 + FMA or portable), detected once,
+//!   forced lower by `XTRAIN_ISA`; every hand-written kernel dispatches on it.
+//! - [`gemm::matmul`]: `C (+)= op(A)·op(B)`, transposes by strides, on the own AVX-512 SGEMM
+//!   ([`sgemm`]) on the AVX-512 path, else the `gemm` crate; on request ([`gemm::matmul_using`])
+//!   the fp32 product on AMX tiles from an exact bf16 split ([`sgemm::amx`]).
 //! - [`norm`]: RMSNorm; [`rope::Rope`]: rotary embedding (HF rotate-half);
 //!   [`activation`]: SiLU / SwiGLU; [`softmax`]: row softmax.
 //! - [`attention`]: tiled online-softmax attention with GQA, causal offsets, log-sum-exp and
@@ -34,6 +35,7 @@ pub mod dtype;
 pub mod embedding;
 pub mod error;
 pub mod gemm;
+pub mod isa;
 pub mod norm;
 pub mod peak;
 pub mod rope;
@@ -49,4 +51,5 @@ pub(crate) mod testutil;
 
 pub use dtype::DType;
 pub use error::TensorError;
+pub use isa::Isa;
 pub use tensor::Tensor;

@@ -4,7 +4,7 @@
 //! `dx = rstd · (g − x̂ · mean(g ∘ x̂))` and `dw += Σ_rows dy ∘ x̂`.
 
 use crate::error::check_len;
-use crate::microkernel::{dot, rms_apply};
+use crate::microkernel::{dot, rms_apply, scaled_product_add};
 use crate::threads::{self, new_written};
 use crate::TensorError;
 use rayon::prelude::*;
@@ -97,9 +97,7 @@ pub fn rmsnorm_backward_weight(
             .map(|((dy, x), rs)| {
                 let mut acc = vec![0.0f32; dim];
                 for ((dy, x), &r) in dy.chunks(dim).zip(x.chunks(dim)).zip(rs) {
-                    for ((a, d), x) in acc.iter_mut().zip(dy).zip(x) {
-                        *a += d * x * r;
-                    }
+                    scaled_product_add(&mut acc, dy, x, r);
                 }
                 acc
             })

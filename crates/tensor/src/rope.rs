@@ -11,6 +11,7 @@
 //! layouts) are just different position lists.
 
 use crate::error::check_len;
+use crate::microkernel::rotate_half;
 use crate::threads;
 use crate::TensorError;
 use rayon::prelude::*;
@@ -111,12 +112,7 @@ impl Rope {
                     let row = uniq.binary_search(pos).expect("position is in the table");
                     let (cos, sin) = table[row * d..(row + 1) * d].split_at(half);
                     for h in tok.chunks_mut(d) {
-                        let (x1, x2) = h.split_at_mut(half);
-                        for i in 0..half {
-                            let (a, b) = (x1[i], x2[i]);
-                            x1[i] = a * cos[i] - b * sin[i];
-                            x2[i] = b * cos[i] + a * sin[i];
-                        }
+                        rotate_half(h, cos, sin);
                     }
                 });
         });

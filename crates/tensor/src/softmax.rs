@@ -2,6 +2,7 @@
 //! backward `dx = y ∘ (dy − Σ_j dy_j·y_j)`.
 
 use crate::error::check_len;
+use crate::microkernel::{dot, exp_sub_sum, row_max};
 use crate::threads;
 use crate::TensorError;
 use rayon::prelude::*;
@@ -21,13 +22,11 @@ pub fn softmax_rows(x: &[f32], cols: usize, y: &mut [f32]) -> Result<(), TensorE
 
 /// Softmax of one row (the max is subtracted first so `exp` cannot overflow).
 pub fn softmax_row(x: &[f32], y: &mut [f32]) {
-    let m = x.iter().fold(f32::NEG_INFINITY, |m, &v| m.max(v));
-    let mut s = 0.0f32;
-    for (y, &x) in y.iter_mut().zip(x) {
-        *y = (x - m).exp();
-        s += *y;
-    }
-    let inv = 1.0 / s;
+    let n = x.len().min(y.len());
+    let (x, y) = (&x[..n], &mut y[..n]);
+    let m = row_max(x);
+    y.copy_from_slice(x);
+    let inv = 1.0 / exp_sub_sum(y, 1.0, m);
     y.iter_mut().for_each(|v| *v *= inv);
 }
 
@@ -47,7 +46,7 @@ pub fn softmax_rows_backward(
             .zip(dy.par_chunks(cols))
             .with_min_len(8)
             .for_each(|((dx, y), dy)| {
-                let dot: f32 = dy.iter().zip(y).map(|(a, b)| a * b).sum();
+                let dot = dot(dy, y, None);
                 for ((dx, y), dy) in dx.iter_mut().zip(y).zip(dy) {
                     *dx = y * (dy - dot);
                 }

@@ -20,6 +20,8 @@ pub struct BenchReport {
     pub ranks: usize,
     /// Kernel threads per rank.
     pub threads: usize,
+    /// The CPU model and the path of every dispatched kernel ([`tensor::isa::describe`]).
+    pub kernels: String,
     pub params: usize,
     pub tokens_per_step: usize,
     pub median_step_s: f64,
@@ -85,6 +87,7 @@ impl std::fmt::Display for BenchReport {
             "preset {} ({} params), {} on {} rank(s) × {} thread(s), {} tokens/step",
             self.preset, self.params, self.layout, self.ranks, self.threads, self.tokens_per_step
         )?;
+        writeln!(f, "{}", self.kernels)?;
         writeln!(
             f,
             "median step {:.4} s  ->  {:.0} tokens/s",
@@ -233,6 +236,7 @@ pub fn bench_train(
         layout: t.dims.describe(),
         ranks: comm.size(),
         threads,
+        kernels: tensor::isa::describe(),
         params: t.num_params(),
         tokens_per_step: tokens,
         median_step_s: median,

@@ -47,6 +47,8 @@ fn main() -> anyhow::Result<()> {
         .with_writer(std::io::stderr)
         .init();
     let cli = Cli::parse();
+    // A bad or unsupported XTRAIN_ISA is reported here, before any kernel runs.
+    tensor::isa::selected()?;
     match cli.command {
         Command::Launch(args) => cmd::launch::run(args),
         Command::Train(a) => cmd::train::run_cmd(*a),

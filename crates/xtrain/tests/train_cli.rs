@@ -4,9 +4,15 @@ use std::path::PathBuf;
 use std::process::Command;
 
 fn xtrain(args: &[&str]) -> (bool, String) {
+    xtrain_env(args, &[])
+}
+
+fn xtrain_env(args: &[&str], env: &[(&str, &str)]) -> (bool, String) {
     let out = Command::new(env!("CARGO_BIN_EXE_xtrain"))
         .args(args)
         .env("RUST_BACKTRACE", "0")
+        .env_remove("XTRAIN_ISA")
+        .envs(env.iter().copied())
         .output()
         .unwrap();
     (
@@ -167,6 +173,35 @@ fn bad_arguments_are_clear_errors() {
     let (ok, out) = xtrain(&["generate", "--ckpt", "/nonexistent"]);
     assert!(!ok && out.contains("checkpoint"), "{out}");
     assert!(!out.contains("panicked"), "{out}");
+    let (ok, out) = xtrain_env(&["schedule"], &[("XTRAIN_ISA", "sse9")]);
+    assert!(
+        !ok && out.contains("XTRAIN_ISA") && !out.contains("panicked"),
+        "{out}"
+    );
+}
+
+/// `XTRAIN_ISA` forces the kernels' path for a whole run, and `bench train` names the CPU and
+/// every kernel's path.
+#[test]
+fn bench_train_reports_the_forced_kernel_path() {
+    let (ok, text) = xtrain_env(
+        &[
+            "bench",
+            "train",
+            "--preset",
+            "tiny",
+            "--threads",
+            "1",
+            "--steps",
+            "1",
+        ],
+        &[("XTRAIN_ISA", "portable")],
+    );
+    assert!(ok, "{text}");
+    assert!(text.contains("CPU "), "{text}");
+    let forced = text.contains("kernels portable (forced by XTRAIN_ISA")
+        || text.contains("kernels portable (detected)");
+    assert!(forced && text.contains("RMSNorm portable"), "{text}");
 }
 
 /// The bound: peak RSS within 1.5× of the byte account. Preset small at 2 threads shows

@@ -248,39 +248,6 @@ pub(super) unsafe fn exp_sub_scale(x: *mut f32, n: usize, m: f32, a: f32) {
     }
 }
 
-/// The portable dot product compiled with AVX-512 enabled.
-#[target_feature(enable = "avx512f")]
-pub(super) unsafe fn dot(a: &[f32], b: &[f32], c: Option<&[f32]>) -> f32 {
-    super::dot_portable(a, b, c)
-}
-
-/// The portable RMSNorm row update compiled with AVX-512 enabled.
-#[target_feature(enable = "avx512f")]
-pub(super) unsafe fn rms_apply(
-    a: &[f32],
-    x: &[f32],
-    w: &[f32],
-    r: f32,
-    c: f32,
-    res: Option<&[f32]>,
-    out: &mut [std::mem::MaybeUninit<f32>],
-) {
-    super::rms_apply_portable(a, x, w, r, c, res, out)
-}
-
-/// The portable softmax-gradient loop compiled with AVX-512 enabled (the compiler
-/// vectorises it with 16 lanes).
-#[target_feature(enable = "avx512f")]
-pub(super) unsafe fn softmax_grad_tile(
-    dp: &mut [f32],
-    p: &[f32],
-    delta: &[f32],
-    cols: usize,
-    scale: f32,
-) {
-    super::softmax_grad_tile_portable(dp, p, delta, cols, scale)
-}
-
 /// `e^x` for 16 lanes whose arguments are `x <= 0` (softmax probabilities `e^(s − max)`), or
 /// slightly above 0 by rounding, or `−∞`: the cheaper sibling of [`exp_ps`] used by the
 /// attention tiles (11 vector µops against ≈ 19).
@@ -313,12 +280,9 @@ unsafe fn exp_nonpos_ps(x: __m512) -> __m512 {
     let one = _mm512_set1_ps(1.0);
     p = _mm512_fmadd_ps(p, r, one);
     p = _mm512_fmadd_ps(p, r, one);
-    let keep = _mm512_cmp_ps_mask::<_CMP_NLT_UQ>(x, _mm512_set1_ps(EXP_NONPOS_MIN));
+    let keep = _mm512_cmp_ps_mask::<_CMP_NLT_UQ>(x, _mm512_set1_ps(super::EXP_NONPOS_MIN));
     _mm512_maskz_scalef_ps(keep, p, n)
 }
-
-/// Arguments of [`exp_nonpos_ps`] below this give exactly 0.
-pub(super) const EXP_NONPOS_MIN: f32 = -86.5;
 
 /// `e^x` of one scalar through [`exp_nonpos_ps`] (`x <= 0` or `−∞`).
 #[target_feature(enable = "avx512f")]

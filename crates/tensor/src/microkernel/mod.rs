@@ -1,38 +1,67 @@
 //! Small dense products and row reductions on row-major tiles, used inside attention where
 //! each rayon task multiplies tiles of a few dozen rows (too small for `gemm`'s packing to
-//! pay off).
+//! pay off), and the row kernels of the other layers (exp and softmax pieces, SwiGLU, RMSNorm,
+//! RoPE rows).
 //!
 //! One product kernel serves every tile product: `C[m×n] (+)= A·B` with `A` addressed by a
 //! row stride and a column stride (so `A` or `Aᵀ` is read without copying) and `B` row-major.
-//! On CPUs with AVX-512 it runs register-blocked intrinsics (see [`avx512`]); elsewhere a
-//! portable loop nest whose inner loop (`c_row += a · b_row`) the compiler vectorises.
+//! Every entry point dispatches on [`crate::isa::active`]: register-blocked intrinsics for
+//! AVX-512 ([`avx512`]) or AVX2 + FMA ([`avx2`]), else a portable loop nest. Kernels that are
+//! plain loops the compiler vectorises well ([`dot`], [`rms_apply`], ...) are one portable body
+//! compiled once per path ([`compiled_per_isa`]): the same operations in the same order on
+//! every path, so the same bits.
 
+#[cfg(target_arch = "x86_64")]
+mod avx2;
 #[cfg(target_arch = "x86_64")]
 mod avx512;
 
+use crate::isa::{self, Isa};
 use std::mem::MaybeUninit;
 
-#[cfg(test)]
-thread_local! {
-    /// Tests set this to exercise the portable kernels on AVX-512 machines too.
-    static FORCE_PORTABLE: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+/// Returns `avx512::$f(args)` or `avx2::$f(args)` (the same signature in both modules) on the
+/// active vector path; on the portable path it falls through to the code after it.
+macro_rules! vector_path {
+    ($f:ident($($arg:expr),* $(,)?)) => {
+        #[cfg(target_arch = "x86_64")]
+        match isa::active() {
+            // SAFETY: the active path is one this CPU supports (`isa::selected`); the
+            // caller's comment states the bounds.
+            Isa::Avx512 => return unsafe { avx512::$f($($arg),*) },
+            Isa::Avx2 => return unsafe { avx2::$f($($arg),*) },
+            Isa::Portable => {}
+        }
+    };
 }
 
-/// Whether the AVX-512 kernels can run here (std caches the CPUID query).
-#[inline]
-fn use_avx512() -> bool {
-    #[cfg(test)]
-    if FORCE_PORTABLE.with(|f| f.get()) {
-        return false;
-    }
-    #[cfg(target_arch = "x86_64")]
-    {
-        std::arch::is_x86_feature_detected!("avx512f")
-    }
-    #[cfg(not(target_arch = "x86_64"))]
-    {
-        false
-    }
+/// Defines `$vis fn $name(args) -> ret` running the `#[inline(always)]` portable function
+/// `$body` compiled for the active path (the compiler vectorises it for that path's registers).
+/// Rust never contracts or reorders floating-point operations, so every path gives the bits of
+/// the portable one.
+macro_rules! compiled_per_isa {
+    ($(#[$m:meta])* $vis:vis fn $name:ident($($arg:ident: $ty:ty),* $(,)?) $(-> $ret:ty)? = $body:path;) => {
+        $(#[$m])*
+        $vis fn $name($($arg: $ty),*) $(-> $ret)? {
+            #[cfg(target_arch = "x86_64")]
+            {
+                #[target_feature(enable = "avx512f")]
+                unsafe fn on_avx512($($arg: $ty),*) $(-> $ret)? {
+                    $body($($arg),*)
+                }
+                #[target_feature(enable = "avx2,fma")]
+                unsafe fn on_avx2($($arg: $ty),*) $(-> $ret)? {
+                    $body($($arg),*)
+                }
+                match crate::isa::active() {
+                    // SAFETY: the active path is one this CPU supports (`isa::selected`).
+                    crate::isa::Isa::Avx512 => return unsafe { on_avx512($($arg),*) },
+                    crate::isa::Isa::Avx2 => return unsafe { on_avx2($($arg),*) },
+                    crate::isa::Isa::Portable => {}
+                }
+            }
+            $body($($arg),*)
+        }
+    };
 }
 
 /// `C[m×n] (+)= A[m×k] · B[k×n]` where `A(i, p) = a[i·a_rs + p·a_cs]`, `B(p, j) =
@@ -101,10 +130,13 @@ pub(crate) unsafe fn mm_raw(
     if m == 0 || n == 0 {
         return;
     }
-    #[cfg(target_arch = "x86_64")]
-    if use_avx512() {
-        avx512::mm(c, ldc, a, a_rs, a_cs, b, ldb, m, k, n, accumulate);
-        return;
+    // SAFETY (both arms): the active path is supported; bounds as promised by the caller.
+    match isa::active() {
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx512 => return avx512::mm(c, ldc, a, a_rs, a_cs, b, ldb, m, k, n, accumulate),
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx2 => return avx2::mm(c, ldc, a, a_rs, a_cs, b, ldb, m, k, n, accumulate),
+        _ => {}
     }
     for i in 0..m {
         let crow = c.add(i * ldc);
@@ -124,11 +156,8 @@ pub(crate) unsafe fn mm_raw(
 /// Maximum of a row (`−∞` for an empty row).
 #[inline]
 pub(crate) fn row_max(x: &[f32]) -> f32 {
-    #[cfg(target_arch = "x86_64")]
-    if use_avx512() {
-        // SAFETY: AVX-512F available; the kernel reads exactly x.len() elements.
-        return unsafe { avx512::row_max(x.as_ptr(), x.len()) };
-    }
+    // SAFETY: the kernel reads exactly x.len() elements.
+    vector_path!(row_max(x.as_ptr(), x.len()));
     x.iter().fold(f32::NEG_INFINITY, |a, &b| a.max(b))
 }
 
@@ -136,11 +165,8 @@ pub(crate) fn row_max(x: &[f32]) -> f32 {
 /// give 0 (`scale > 0`).
 #[inline]
 pub(crate) fn exp_sub_sum(x: &mut [f32], scale: f32, m: f32) -> f32 {
-    #[cfg(target_arch = "x86_64")]
-    if use_avx512() {
-        // SAFETY: AVX-512F available; the kernel touches exactly x.len() elements.
-        return unsafe { avx512::exp_sub_sum(x.as_mut_ptr(), x.len(), scale, m) };
-    }
+    // SAFETY: the kernel touches exactly x.len() elements.
+    vector_path!(exp_sub_sum(x.as_mut_ptr(), x.len(), scale, m));
     let mut s = 0.0;
     for v in x.iter_mut() {
         *v = (scale * *v - m).exp();
@@ -195,12 +221,11 @@ pub(crate) fn dot(a: &[f32], b: &[f32], c: Option<&[f32]>) -> f32 {
         b.len() == a.len() && c.is_none_or(|c| c.len() == a.len()),
         "dot: lengths"
     );
-    #[cfg(target_arch = "x86_64")]
-    if use_avx512() {
-        // SAFETY: AVX-512F available; the body is the portable loop.
-        return unsafe { avx512::dot(a, b, c) };
-    }
-    dot_portable(a, b, c)
+    dot_vectorised(a, b, c)
+}
+
+compiled_per_isa! {
+    fn dot_vectorised(a: &[f32], b: &[f32], c: Option<&[f32]>) -> f32 = dot_portable;
 }
 
 /// `y = x·r·w` and `dx = r·(dy∘w − x·c)` rows of RMSNorm: `out_i = r·(a_i·w_i − x_i·c)` with
@@ -242,35 +267,75 @@ pub(crate) fn rms_apply(
         a.len() == n && x.len() == n && w.len() == n && res.is_none_or(|v| v.len() == n),
         "rms_apply: lengths"
     );
-    #[cfg(target_arch = "x86_64")]
-    if use_avx512() {
-        // SAFETY: AVX-512F available; the body is the portable loop.
-        return unsafe { avx512::rms_apply(a, x, w, r, c, res, out) };
-    }
-    rms_apply_portable(a, x, w, r, c, res, out)
+    rms_apply_vectorised(a, x, w, r, c, res, out)
+}
+
+compiled_per_isa! {
+    fn rms_apply_vectorised(
+        a: &[f32],
+        x: &[f32],
+        w: &[f32],
+        r: f32,
+        c: f32,
+        res: Option<&[f32]>,
+        out: &mut [MaybeUninit<f32>],
+    ) = rms_apply_portable;
 }
 
 /// `Σ e^(x − m)` (the softmax denominator after the row max `m`); `x` is not written.
 #[inline]
 pub(crate) fn sum_exp_sub(x: &[f32], m: f32) -> f32 {
-    #[cfg(target_arch = "x86_64")]
-    if use_avx512() {
-        // SAFETY: AVX-512F available; the kernel reads exactly x.len() elements.
-        return unsafe { avx512::sum_exp_sub(x.as_ptr(), x.len(), m) };
-    }
+    // SAFETY: the kernel reads exactly x.len() elements.
+    vector_path!(sum_exp_sub(x.as_ptr(), x.len(), m));
     x.iter().map(|&v| (v - m).exp()).sum()
 }
 
 /// `x ← e^(x − m) · a` elementwise (softmax probabilities from a log-sum-exp, scaled).
 #[inline]
 pub(crate) fn exp_sub_scale(x: &mut [f32], m: f32, a: f32) {
-    #[cfg(target_arch = "x86_64")]
-    if use_avx512() {
-        // SAFETY: AVX-512F available; the kernel touches exactly x.len() elements.
-        return unsafe { avx512::exp_sub_scale(x.as_mut_ptr(), x.len(), m, a) };
-    }
+    // SAFETY: the kernel touches exactly x.len() elements.
+    vector_path!(exp_sub_scale(x.as_mut_ptr(), x.len(), m, a));
     x.iter_mut().for_each(|v| *v = (*v - m).exp() * a);
 }
+
+/// The rotate-half RoPE of one head row `x = [x1 | x2]` by the angles whose cosines and
+/// (signed) sines are `cos`, `sin`: `x1 ← x1·cos − x2·sin`, `x2 ← x2·cos + x1·sin`.
+#[inline(always)]
+fn rotate_half_portable(x: &mut [f32], cos: &[f32], sin: &[f32]) {
+    let half = cos.len();
+    let (x1, x2) = x.split_at_mut(half);
+    let (x2, sin) = (&mut x2[..half], &sin[..half]);
+    for i in 0..half {
+        let (a, b) = (x1[i], x2[i]);
+        x1[i] = a * cos[i] - b * sin[i];
+        x2[i] = b * cos[i] + a * sin[i];
+    }
+}
+
+compiled_per_isa! {
+    /// See [`rotate_half_portable`]; `x` holds `2·cos.len()` values, `sin` as many as `cos`.
+    pub(crate) fn rotate_half(x: &mut [f32], cos: &[f32], sin: &[f32]) = rotate_half_portable;
+}
+
+/// `acc_i += a_i·b_i·r` (the per-row term of RMSNorm's weight gradient).
+#[inline(always)]
+fn scaled_product_add_portable(acc: &mut [f32], a: &[f32], b: &[f32], r: f32) {
+    let n = acc.len();
+    let (a, b) = (&a[..n], &b[..n]);
+    for i in 0..n {
+        acc[i] += a[i] * b[i] * r;
+    }
+}
+
+compiled_per_isa! {
+    /// See [`scaled_product_add_portable`]; `a` and `b` hold at least `acc.len()` values.
+    pub(crate) fn scaled_product_add(acc: &mut [f32], a: &[f32], b: &[f32], r: f32) =
+        scaled_product_add_portable;
+}
+
+/// Arguments of the vector `exp_nonpos` kernels (attention tiles) below this give exactly 0.
+#[cfg(target_arch = "x86_64")]
+const EXP_NONPOS_MIN: f32 = -86.5;
 
 /// `σ(x) = 1 / (1 + e^(−x))` (portable path; the AVX-512 path uses the same formula on the
 /// vector `exp`).
@@ -286,12 +351,9 @@ pub(crate) fn silu_mul(g: &[f32], u: Option<&[f32]>, out: &mut [MaybeUninit<f32>
         out.len() == n && u.is_none_or(|u| u.len() == n),
         "silu_mul: lengths"
     );
-    #[cfg(target_arch = "x86_64")]
-    if use_avx512() {
-        let up = u.map_or(std::ptr::null(), |u| u.as_ptr());
-        // SAFETY: AVX-512F available; every slice holds n elements (checked above).
-        return unsafe { avx512::silu_mul(g.as_ptr(), up, out.as_mut_ptr().cast(), n) };
-    }
+    let up = u.map_or(std::ptr::null(), |u| u.as_ptr());
+    // SAFETY: every slice holds n elements (checked above).
+    vector_path!(silu_mul(g.as_ptr(), up, out.as_mut_ptr().cast(), n));
     match u {
         Some(u) => {
             for ((o, &g), &u) in out.iter_mut().zip(g).zip(u) {
@@ -311,7 +373,7 @@ pub(crate) fn silu_mul_grad(
     g: &[f32],
     u: Option<&[f32]>,
     dg: &mut [MaybeUninit<f32>],
-    du: Option<&mut [MaybeUninit<f32>]>,
+    mut du: Option<&mut [MaybeUninit<f32>]>,
 ) {
     let n = g.len();
     assert!(
@@ -322,15 +384,19 @@ pub(crate) fn silu_mul_grad(
             && du.as_ref().is_none_or(|du| du.len() == n),
         "silu_mul_grad: lengths"
     );
-    #[cfg(target_arch = "x86_64")]
-    if use_avx512() {
-        let up = u.map_or(std::ptr::null(), |u| u.as_ptr());
-        let dup = du.map_or(std::ptr::null_mut(), |du| du.as_mut_ptr().cast());
-        // SAFETY: AVX-512F available; every slice holds n elements (checked above).
-        return unsafe {
-            avx512::silu_mul_grad(d.as_ptr(), g.as_ptr(), up, dg.as_mut_ptr().cast(), dup, n)
-        };
-    }
+    let up = u.map_or(std::ptr::null(), |u| u.as_ptr());
+    let dup = du
+        .as_deref_mut()
+        .map_or(std::ptr::null_mut(), |du| du.as_mut_ptr().cast());
+    // SAFETY: every slice holds n elements (checked above).
+    vector_path!(silu_mul_grad(
+        d.as_ptr(),
+        g.as_ptr(),
+        up,
+        dg.as_mut_ptr().cast(),
+        dup,
+        n
+    ));
     match (u, du) {
         (Some(u), Some(du)) => {
             for i in 0..n {
@@ -352,12 +418,17 @@ pub(crate) fn silu_mul_grad(
 /// width `cols`.
 #[inline]
 pub(crate) fn softmax_grad_tile(dp: &mut [f32], p: &[f32], delta: &[f32], cols: usize, scale: f32) {
-    #[cfg(target_arch = "x86_64")]
-    if use_avx512() {
-        // SAFETY: AVX-512F available; the body is the portable loop below.
-        return unsafe { avx512::softmax_grad_tile(dp, p, delta, cols, scale) };
-    }
-    softmax_grad_tile_portable(dp, p, delta, cols, scale)
+    softmax_grad_vectorised(dp, p, delta, cols, scale)
+}
+
+compiled_per_isa! {
+    fn softmax_grad_vectorised(
+        dp: &mut [f32],
+        p: &[f32],
+        delta: &[f32],
+        cols: usize,
+        scale: f32,
+    ) = softmax_grad_tile_portable;
 }
 
 #[inline(always)]
@@ -396,24 +467,18 @@ pub(crate) fn online_softmax_tile(
     d: usize,
 ) {
     assert!(st.len() >= bq * bk && m.len() >= bq && l.len() >= bq && acc.len() >= bq * d);
-    #[cfg(target_arch = "x86_64")]
-    if use_avx512() {
-        // SAFETY: AVX-512F available; lengths asserted above.
-        unsafe {
-            avx512::online_softmax_tile(
-                st.as_mut_ptr(),
-                bq,
-                bk,
-                vis0,
-                scale,
-                m.as_mut_ptr(),
-                l.as_mut_ptr(),
-                acc.as_mut_ptr(),
-                d,
-            )
-        };
-        return;
-    }
+    // SAFETY: lengths asserted above.
+    vector_path!(online_softmax_tile(
+        st.as_mut_ptr(),
+        bq,
+        bk,
+        vis0,
+        scale,
+        m.as_mut_ptr(),
+        l.as_mut_ptr(),
+        acc.as_mut_ptr(),
+        d
+    ));
     for r in 0..bq {
         let row = &mut st[r * bk..(r + 1) * bk];
         let (vis, masked) = row.split_at_mut(visible_cols(vis0, r, bk));
@@ -438,12 +503,8 @@ pub(crate) fn online_softmax_tile(
 /// with `lse = −∞` (no visible key) become 0.
 pub(crate) fn exp_tile(p: &mut [f32], bq: usize, bk: usize, vis0: isize, scale: f32, lse: &[f32]) {
     assert!(p.len() >= bq * bk && lse.len() >= bq);
-    #[cfg(target_arch = "x86_64")]
-    if use_avx512() {
-        // SAFETY: AVX-512F available; lengths asserted above.
-        unsafe { avx512::exp_tile(p.as_mut_ptr(), bq, bk, vis0, scale, lse.as_ptr()) };
-        return;
-    }
+    // SAFETY: lengths asserted above.
+    vector_path!(exp_tile(p.as_mut_ptr(), bq, bk, vis0, scale, lse.as_ptr()));
     for (r, (row, &l)) in p[..bq * bk].chunks_mut(bk).zip(lse).enumerate() {
         let (vis, masked) = row.split_at_mut(visible_cols(vis0, r, bk));
         masked.fill(0.0);
@@ -502,12 +563,14 @@ pub(crate) fn gather_t(src: &[f32], stride: usize, n: usize, d: usize, dst: &mut
     }
     assert!(src.len() > (n - 1) * stride + d - 1 && dst.len() >= n * d);
     #[cfg(target_arch = "x86_64")]
-    if use_avx512() {
-        // SAFETY: AVX-512F available; every read index j·stride + c (j < n, c < d) and written
-        // index c·n + j is in bounds (asserted); masked lanes touch nothing.
+    if isa::active() == Isa::Avx512 {
+        // SAFETY: AVX-512F is the active path; every read index j·stride + c (j < n, c < d) and
+        // written index c·n + j is in bounds (asserted); masked lanes touch nothing.
         unsafe { avx512::gather_t(src.as_ptr(), stride, n, d, dst.as_mut_ptr()) };
         return;
     }
+    // Once per head and call (d·n moves against the tiles' d·n² multiply-adds): the
+    // portable loop serves the other paths.
     // Blocks of 8 keys: reads stay within 8 rows, writes are 8 contiguous floats.
     for j0 in (0..n).step_by(8) {
         let jn = 8.min(n - j0);
@@ -526,13 +589,11 @@ mod tests {
     use crate::tensor::max_abs_diff;
     use crate::testutil::rand_vec;
 
-    /// Runs `f` once with the fastest kernels and once with the portable ones.
+    /// Runs `f` on every path this machine supports.
     fn both_paths(f: impl Fn()) {
-        for portable in [false, true] {
-            FORCE_PORTABLE.with(|c| c.set(portable));
-            f();
+        for isa in Isa::supported_paths() {
+            isa::with_isa(isa, &f);
         }
-        FORCE_PORTABLE.with(|c| c.set(false));
     }
 
     #[test]
@@ -550,13 +611,15 @@ mod tests {
         both_paths(softmax_grad_once);
     }
 
-    /// Runs `f` with the fastest kernels, then with the portable ones, on this thread.
-    fn on_both<T>(f: impl Fn() -> T) -> (T, T) {
-        let fast = f();
-        FORCE_PORTABLE.with(|c| c.set(true));
-        let portable = f();
-        FORCE_PORTABLE.with(|c| c.set(false));
-        (fast, portable)
+    /// Runs `f` on every vector path this machine supports and on the portable one, on this
+    /// thread: `[(vector path, its result, the portable result)]`.
+    fn on_both<T: Clone>(f: impl Fn() -> T) -> Vec<(Isa, T, T)> {
+        let portable = isa::with_isa(Isa::Portable, &f);
+        Isa::supported_paths()
+            .into_iter()
+            .filter(|&i| i != Isa::Portable)
+            .map(|i| (i, isa::with_isa(i, &f), portable.clone()))
+            .collect()
     }
 
     /// Write-only kernel outputs pre-set to NaN: reading them back is safe, and an element a
@@ -584,37 +647,40 @@ mod tests {
             .map(|i| -87.0 + i as f32 * 1e-3)
             .chain([0.0, -0.0, 88.0])
             .collect();
-        let (fast, portable) = on_both(|| {
+        let paths = on_both(|| {
             let mut y = x.clone();
             exp_sub_sum(&mut y, 1.0, 0.0);
             y
         });
-        let worst = fast.iter().zip(&portable).map(|(&a, &b)| ulps(a, b)).max();
-        assert!(worst.unwrap() <= 2, "worst {worst:?} ulp");
+        for (isa, fast, portable) in paths {
+            let worst = fast.iter().zip(&portable).map(|(&a, &b)| ulps(a, b)).max();
+            assert!(worst.unwrap() <= 2, "{isa}: worst {worst:?} ulp");
+        }
     }
 
-    /// `e^x` through the AVX-512 kernel for arguments `<= 0` (`None` without AVX-512).
-    fn exp_nonpos_fast(x: &[f32]) -> Option<Vec<f32>> {
-        #[cfg(target_arch = "x86_64")]
-        if use_avx512() {
-            let mut y = x.to_vec();
-            // SAFETY: AVX-512F available; the kernel touches exactly y.len() elements.
-            unsafe { avx512::exp_nonpos(&mut y) };
-            return Some(y);
+    /// `e^x` through the vector kernel of path `isa` for arguments `<= 0` (`None` where this
+    /// machine lacks it).
+    #[cfg(target_arch = "x86_64")]
+    fn exp_nonpos_fast(isa: Isa, x: &[f32]) -> Option<Vec<f32>> {
+        let mut y = x.to_vec();
+        // SAFETY: the path is supported (checked); the kernels touch exactly y.len() elements.
+        match isa {
+            Isa::Avx512 if isa.supported() => unsafe { avx512::exp_nonpos(&mut y) },
+            Isa::Avx2 if isa.supported() => unsafe { avx2::exp_nonpos(&mut y) },
+            _ => return None,
         }
-        let _ = x;
-        None
+        Some(y)
     }
 
     /// Largest ulp distance (and where) of `exp_nonpos_fast` from the correctly rounded `e^x`
     /// over the f32 bit patterns from `hi` down to `lo` (both `<= 0`), every `step`-th one.
     #[cfg(target_arch = "x86_64")]
-    fn exp_nonpos_worst_ulps(lo: f32, hi: f32, step: usize) -> Option<(u32, f32)> {
+    fn exp_nonpos_worst_ulps(isa: Isa, lo: f32, hi: f32, step: usize) -> Option<(u32, f32)> {
         let x: Vec<f32> = (hi.to_bits()..=lo.to_bits())
             .step_by(step)
             .map(f32::from_bits)
             .collect();
-        let y = exp_nonpos_fast(&x)?;
+        let y = exp_nonpos_fast(isa, &x)?;
         x.iter()
             .zip(&y)
             .map(|(&x, &y)| (ulps(y, (x as f64).exp() as f32), x))
@@ -627,16 +693,18 @@ mod tests {
     /// `e^0 = 1` in a softmax sum (absolute error there < 1e-13). Exhaustive run: 1 and 4 ulp
     /// (2 ulp from −16 to −20).
     #[cfg(target_arch = "x86_64")]
-    const EXP_NONPOS_ULPS: [(f32, f32, u32); 2] =
-        [(-16.0, -0.0, 1), (avx512::EXP_NONPOS_MIN, -16.0, 4)];
+    const EXP_NONPOS_ULPS: [(f32, f32, u32); 2] = [(-16.0, -0.0, 1), (EXP_NONPOS_MIN, -16.0, 4)];
 
     #[test]
     #[cfg(target_arch = "x86_64")]
     fn exp_for_nonpositive_arguments_within_bounds() {
-        // Every 61st f32 (8 M arguments: all exponents, scattered mantissas).
-        for (lo, hi, bound) in EXP_NONPOS_ULPS {
-            if let Some((worst, at)) = exp_nonpos_worst_ulps(lo, hi, 61) {
-                assert!(worst <= bound, "{worst} ulp at {at}");
+        // Every 61st f32 (8 M arguments: all exponents, scattered mantissas), on each vector
+        // path.
+        for isa in [Isa::Avx512, Isa::Avx2] {
+            for (lo, hi, bound) in EXP_NONPOS_ULPS {
+                if let Some((worst, at)) = exp_nonpos_worst_ulps(isa, lo, hi, 61) {
+                    assert!(worst <= bound, "{isa}: {worst} ulp at {at}");
+                }
             }
         }
         // Edges: exactly 0 below the cut-off and at −∞, normal at it, 1 at ±0, NaN kept, a
@@ -645,18 +713,27 @@ mod tests {
             f32::NEG_INFINITY,
             -1e30,
             -86.51,
-            avx512::EXP_NONPOS_MIN,
+            EXP_NONPOS_MIN,
             0.0,
             -0.0,
             f32::NAN,
             1e-6,
         ];
-        if let Some(y) = exp_nonpos_fast(&x) {
+        let on = |isa| exp_nonpos_fast(isa, &x);
+        for y in [on(Isa::Avx512), on(Isa::Avx2)].into_iter().flatten() {
             assert_eq!(&y[..3], &[0.0; 3]);
             assert!(y[3].is_normal() && ulps(y[3], (-86.5f64).exp() as f32) <= 4);
             assert_eq!(&y[4..6], &[1.0, 1.0]);
             assert!(y[6].is_nan());
             assert!(ulps(y[7], 1e-6f64.exp() as f32) <= 1);
+        }
+        // The two vector paths build 2^n differently (scalef, exponent bits): same bits.
+        let grid: Vec<f32> = (0..=90_000).map(|i| -i as f32 * 1e-3).collect();
+        if let (Some(a), Some(b)) = (
+            exp_nonpos_fast(Isa::Avx512, &grid),
+            exp_nonpos_fast(Isa::Avx2, &grid),
+        ) {
+            assert!(a.iter().zip(&b).all(|(a, b)| a.to_bits() == b.to_bits()));
         }
     }
 
@@ -664,9 +741,11 @@ mod tests {
     #[ignore = "exhaustive, ~20 s: cargo test --release -p tensor -- --ignored"]
     #[cfg(target_arch = "x86_64")]
     fn exp_for_nonpositive_arguments_exhaustive() {
-        for (lo, hi, bound) in EXP_NONPOS_ULPS {
-            if let Some((worst, at)) = exp_nonpos_worst_ulps(lo, hi, 1) {
-                assert!(worst <= bound, "{worst} ulp at {at}");
+        for isa in [Isa::Avx512, Isa::Avx2] {
+            for (lo, hi, bound) in EXP_NONPOS_ULPS {
+                if let Some((worst, at)) = exp_nonpos_worst_ulps(isa, lo, hi, 1) {
+                    assert!(worst <= bound, "{isa}: {worst} ulp at {at}");
+                }
             }
         }
     }
@@ -677,13 +756,16 @@ mod tests {
             let (a, b, c) = (rand_vec(n, 1), rand_vec(n, 2), rand_vec(n, 3));
             for with_c in [false, true] {
                 let cc = with_c.then_some(&c[..]);
-                let (fast, portable) = on_both(|| dot(&a, &b, cc));
-                // Same summation order on both paths (the vector lanes are the partial sums).
-                assert_eq!(fast.to_bits(), portable.to_bits());
                 let want: f64 = (0..n)
                     .map(|i| a[i] as f64 * b[i] as f64 * if with_c { c[i] as f64 } else { 1.0 })
                     .sum();
-                assert!((fast as f64 - want).abs() <= 1e-6 * (n as f64 + 1.0));
+                let portable = isa::with_isa(Isa::Portable, || dot(&a, &b, cc));
+                assert!((portable as f64 - want).abs() <= 1e-6 * (n as f64 + 1.0));
+                for (isa, fast, portable) in on_both(|| dot(&a, &b, cc)) {
+                    // Same summation order on every path (the vector lanes are the partial
+                    // sums).
+                    assert_eq!(fast.to_bits(), portable.to_bits(), "{isa}");
+                }
             }
         }
     }
@@ -693,16 +775,19 @@ mod tests {
         for n in [1usize, 16, 37, 4096] {
             let x: Vec<f32> = rand_vec(n, 7).iter().map(|v| v * 30.0).collect();
             let m = row_max(&x);
-            let (fast, portable) = on_both(|| {
+            let paths = on_both(|| {
                 let s = sum_exp_sub(&x, m);
                 let mut y = x.clone();
                 exp_sub_scale(&mut y, m + s.ln(), 0.25);
                 (s, y)
             });
-            // Each exp within 2 ulp; the sum's rounding order differs (vector lanes).
-            assert!((fast.0 - portable.0).abs() <= 1e-6 * portable.0 * (n as f32).sqrt());
-            for (a, b) in fast.1.iter().zip(&portable.1) {
-                assert!((a - b).abs() <= 1e-6 * b + 1e-37, "{a} vs {b}");
+            for (isa, fast, portable) in paths {
+                // Each exp within 2 ulp; the sum's rounding order differs (vector lanes).
+                let tol = 1e-6 * portable.0 * (n as f32).sqrt();
+                assert!((fast.0 - portable.0).abs() <= tol, "{isa}");
+                for (a, b) in fast.1.iter().zip(&portable.1) {
+                    assert!((a - b).abs() <= 1e-6 * b + 1e-37, "{isa}: {a} vs {b}");
+                }
             }
         }
     }
@@ -721,7 +806,7 @@ mod tests {
         let d = rand_vec(n, 6);
         for with_up in [true, false] {
             let up = with_up.then_some(&u[..]);
-            let (fast, portable) = on_both(|| {
+            let paths = on_both(|| {
                 let mut y = nan_out(n);
                 silu_mul(&g, up, &mut y);
                 let (mut dg, mut du) = (nan_out(n), nan_out(n));
@@ -729,16 +814,18 @@ mod tests {
                 let du = if with_up { read_out(du) } else { vec![0.0; n] };
                 (read_out(y), read_out(dg), du)
             });
-            // σ is within a few ulp on both paths (exp within 2 ulp, one add and one divide);
-            // products of a few such factors stay within 1e-6 relative.
-            for (a, b) in [
-                (&fast.0, &portable.0),
-                (&fast.1, &portable.1),
-                (&fast.2, &portable.2),
-            ] {
-                for (x, y) in a.iter().zip(b) {
-                    assert!(!x.is_nan(), "an output element was not written");
-                    assert!((x - y).abs() <= 1e-6 * y.abs() + 1e-30, "{x} vs {y}");
+            // σ is within a few ulp on every path (exp within 2 ulp, one add and one
+            // divide); products of a few such factors stay within 1e-6 relative.
+            for (isa, fast, portable) in paths {
+                for (a, b) in [
+                    (&fast.0, &portable.0),
+                    (&fast.1, &portable.1),
+                    (&fast.2, &portable.2),
+                ] {
+                    for (x, y) in a.iter().zip(b) {
+                        assert!(!x.is_nan(), "{isa}: an output element was not written");
+                        assert!((x - y).abs() <= 1e-6 * y.abs() + 1e-30, "{isa}: {x} vs {y}");
+                    }
                 }
             }
         }

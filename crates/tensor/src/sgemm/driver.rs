@@ -13,10 +13,8 @@
 //! leaves L1; with several `B̂` blocks, or a column-major `A` (packed fastest as a whole block,
 //! see `pack_a_columns`), an `A` block is packed once per rank update and reused
 //! for every `B̂` block (packing it per block would cost `m·k·n/NC` copies, measured 5 % of a
-//! 2048³ product). A row-major `A` whose rows do not alias in L1 is not packed at all where
-//! that measured faster (see `direct` below): the kernel reads its `MR` rows in place, which
-//! saves the per-panel transpose (≈ 16/n of the work). The first rank update writes or
-//! accumulates as the caller asked; later ones always accumulate.
+//! 2048³ product). The first rank update writes or accumulates as the caller asked; later ones
+//! always accumulate.
 
 use super::blocking::{block_len, KC, MC, MR, NC, NR};
 use super::kernel;
@@ -45,7 +43,6 @@ pub(super) unsafe fn gemm(
     // otherwise, when one B block covers n, A is packed panel by panel into L1.
     let col_major_a = a.rs == 1 && a.cs != 1;
     let one_b_block = n <= nc_max && !col_major_a;
-    let direct = reads_a_in_place(a, one_b_block, kc_max);
     let mc_max = if one_b_block {
         MR
     } else {
@@ -62,14 +59,8 @@ pub(super) unsafe fn gemm(
                 pack_b(bp, b.sub(pc, 0), kc, n);
                 for ir in (0..m).step_by(MR) {
                     let rows = MR.min(m - ir);
-                    let a_ir = a.sub(ir, pc);
-                    let (ptr, lda, step) = if direct && rows == MR {
-                        (a_ir.ptr, a.rs as usize, 1)
-                    } else {
-                        pack_a(&mut ap[..MR * kc], a_ir, rows, kc);
-                        (ap.as_ptr(), 1, MR)
-                    };
-                    panel_row(ptr, lda, step, bp, c.add(ir * ldc), ldc, rows, n, kc, acc);
+                    pack_a(&mut ap[..MR * kc], a.sub(ir, pc), rows, kc);
+                    panel_row(ap.as_ptr(), bp, c.add(ir * ldc), ldc, rows, n, kc, acc);
                 }
                 continue;
             }
@@ -81,7 +72,7 @@ pub(super) unsafe fn gemm(
                 }
                 for r in 0..panels {
                     let rows = MR.min(mc - r * MR);
-                    if col_major_a || (direct && rows == MR) {
+                    if col_major_a {
                         continue;
                     }
                     let panel = &mut ap[r * MR * kc..(r + 1) * MR * kc];
@@ -93,13 +84,9 @@ pub(super) unsafe fn gemm(
                     pack_b(bp, b.sub(pc, jc), kc, nc);
                     for r in 0..panels {
                         let (ir, rows) = (ic + r * MR, MR.min(mc - r * MR));
-                        let (ptr, lda, step) = if direct && rows == MR {
-                            (a.at(ir, pc), a.rs as usize, 1)
-                        } else {
-                            (ap[r * MR * kc..].as_ptr(), 1, MR)
-                        };
                         let ct = c.add(ir * ldc + jc);
-                        panel_row(ptr, lda, step, bp, ct, ldc, rows, nc, kc, acc);
+                        let panel = ap[r * MR * kc..].as_ptr();
+                        panel_row(panel, bp, ct, ldc, rows, nc, kc, acc);
                     }
                 }
             }
@@ -107,29 +94,12 @@ pub(super) unsafe fn gemm(
     })
 }
 
-/// Whether the kernel reads a row-major `A` in place (no packing): when one `B` block covers
-/// `n` or its `MR × kc` rows are small (`kc ≤ 256`: 14 KiB beside the streaming `B` panels in
-/// L1), unless its row stride is a multiple of 4 KiB: then all `MR` rows map to one L1 set (12
-/// ways) and evict each other. Measured: in place +2–6 % at `n ≤ 688`, −3–5 % for `kc = 512`
-/// with several `B` blocks, −8 % with a 8 KiB row stride. Never with folded broadcasts (see
-/// [`kernel`]): only a packed panel can fold them.
-pub(super) fn reads_a_in_place(a: MatRef, one_b_block: bool, kc_max: usize) -> bool {
-    !kernel::folded_broadcasts()
-        && a.cs == 1
-        && a.rs > 0
-        && (a.rs * 4) % 4096 != 0
-        && (one_b_block || kc_max <= 256)
-}
-
 /// One row panel of `C` (`rows ≤ MR` rows from `c`, `nc` columns): every micro-tile of the
-/// `A` panel at `ap` (`A(i, p) = ap[i·lda + p·step]`: packed, or row-major in place) against
-/// the micro-panels of the packed `B` block `bp`.
+/// packed `A` panel at `ap` against the micro-panels of the packed `B` block `bp`.
 #[allow(clippy::too_many_arguments)]
 #[inline]
 pub(super) unsafe fn panel_row(
     ap: *const f32,
-    lda: usize,
-    step: usize,
     bp: &[f32],
     c: *mut f32,
     ldc: usize,
@@ -141,17 +111,6 @@ pub(super) unsafe fn panel_row(
     for (s, bpanel) in bp.chunks_exact(NR * kc).enumerate() {
         let jr = s * NR;
         let cols = NR.min(nc - jr);
-        kernel::tile(
-            kc,
-            ap,
-            lda,
-            step,
-            bpanel.as_ptr(),
-            c.add(jr),
-            ldc,
-            rows,
-            cols,
-            acc,
-        );
+        kernel::tile(kc, ap, bpanel.as_ptr(), c.add(jr), ldc, rows, cols, acc);
     }
 }

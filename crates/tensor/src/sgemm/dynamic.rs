@@ -23,10 +23,10 @@
 //! then packed into a buffer shared by the threads, by whichever thread takes the panel in the
 //! update's first stage (the stage order guarantees later stages see it, and that the next
 //! update's packing waits for the last reader). With one `B̂` block each `A` panel is packed
-//! into the taker's L1-sized buffer right before use, or read in place, as in the driver.
+//! into the taker's L1-sized buffer right before use, as in the driver.
 
 use super::blocking::{block_len, KC, MR, NC, NR};
-use super::driver::{panel_row, reads_a_in_place};
+use super::driver::panel_row;
 use super::pack::pack_a;
 use super::pack::pack_b;
 use super::scratch::{with_buffers, with_shared_a};
@@ -48,7 +48,6 @@ struct Schedule {
     kc_max: usize,
     nc_max: usize,
     n_blocks: usize,
-    direct: bool,
     /// Packed `A` panels (`MR·kc_max` floats each) shared by all threads, or null when each
     /// thread packs its own.
     shared_a: *mut f32,
@@ -76,7 +75,6 @@ pub(super) unsafe fn gemm(
 ) {
     let (kc_max, nc_max) = (block_len(k, KC, 1), block_len(n, NC, NR));
     let (k_blocks, n_blocks) = (k.div_ceil(kc_max), n.div_ceil(nc_max));
-    let direct = reads_a_in_place(a, n_blocks == 1, kc_max);
     let panels = m.div_ceil(MR);
     let share_a = n_blocks > 1;
     with_shared_a(|buf| {
@@ -97,7 +95,6 @@ pub(super) unsafe fn gemm(
             kc_max,
             nc_max,
             n_blocks,
-            direct,
             shared_a,
             next: (0..k_blocks * n_blocks)
                 .map(|_| AtomicUsize::new(0))
@@ -140,21 +137,19 @@ impl Schedule {
                     }
                     self.wait_for(p, s);
                     let (ir, rows) = (p * MR, MR.min(self.m - p * MR));
-                    let (ptr, lda, step) = if self.direct && rows == MR {
-                        (self.a.at(ir, pc), self.a.rs as usize, 1)
-                    } else if self.shared_a.is_null() {
+                    let panel = if self.shared_a.is_null() {
                         pack_a(&mut a_own[..MR * kc], self.a.sub(ir, pc), rows, kc);
-                        (a_own.as_ptr(), 1, MR)
+                        a_own.as_ptr()
                     } else {
                         let panel = self.shared_a.add(p * MR * self.kc_max);
                         if jc == 0 {
                             let dst = std::slice::from_raw_parts_mut(panel, MR * kc);
                             pack_a(dst, self.a.sub(ir, pc), rows, kc);
                         }
-                        (panel as *const f32, 1, MR)
+                        panel as *const f32
                     };
                     let c = self.c.add(ir * self.ldc + jc);
-                    panel_row(ptr, lda, step, bp, c, self.ldc, rows, nc, kc, acc);
+                    panel_row(panel, bp, c, self.ldc, rows, nc, kc, acc);
                     self.finished[p].store(s + 1, Ordering::Release);
                 }
             }

@@ -1,5 +1,5 @@
-//! The AVX-512 micro-kernel: one `MR × NR` (14 × 32) tile of `C` from an `MR × kc` block of
-//! `A` (a packed micro-panel, or a row-major `A` read in place) and a packed `B` micro-panel.
+//! The AVX-512 micro-kernel: one `MR × NR` (14 × 32) tile of `C` from a packed `A` micro-panel
+//! (`MR × kc`) and a packed `B` micro-panel (`kc × NR`).
 //!
 //! Register blocking: the tile lives in 28 zmm accumulators (14 rows × 2 vectors of 16
 //! columns). Each step `p` of the `kc` loop loads the two `B` vectors `B(p, 0..32)` once and
@@ -7,40 +7,28 @@
 //! 28 independent accumulator chains cover the FMA latency (4 cycles × 2 ports = 8 chains
 //! needed). With 2 FMA ports the loop runs at 14 cycles per `p`.
 //!
-//! Two `kc` loops, both inline assembly:
-//! - [`k_loop_folded`] (packed `A`, the default): the broadcast rides in each FMA's memory
-//!   operand (`vfmadd231ps zmm, zmm, m32{1to16}`, address = panel pointer + constant), so a
-//!   step is 2 loads + 28 fused load-FMAs + 3 loop µops = 33 µops through the front end. Per
-//!   core that is 2.4 µops per cycle at the FMA peak.
-//! - [`k_loop`] (either layout): one `vbroadcastss` per row shared by its two FMAs, rows
-//!   addressed from three group pointers plus multiples of `lda`: 2 + 14 + 28 + 4 adds + the
-//!   fused `dec`/`jnz` = 49 µops per step, 3.5 per cycle. An indexed memory operand cannot ride in an FMA as one µop on
-//!   Intel cores, which is why a row-major `A` read in place needs this loop.
-//!
-//! On a machine whose core shares its front end with a busy hyper-thread sibling (another
-//! guest of the VM host) about 3 µops per cycle are left, and the 49-µop loop ran at 78 %
-//! of the cores' register-only FMA rate ([`crate::peak`]) where the folded one ran at
-//! 80–85 % (docs/PERFORMANCE.md, "GEMM: own kernel, `gemm` crate, PyTorch, AMX"); reading `A` in place (no packing) no longer
-//! pays for its longer loop then, so with folded broadcasts every `A` is packed. With an idle
-//! sibling both loops ran at the FMA peak (134–135 GFLOP/s in isolation, measured earlier on a quieter host).
-//! `XTRAIN_SGEMM_FOLD=0` or [`set_folded_broadcasts`] restores the session-8 kernel (separate
-//! broadcasts, `A` read in place where it qualifies) for A/B runs.
+//! The `kc` loop ([`k_loop`]) is inline assembly with the broadcast riding in each FMA's memory
+//! operand (`vfmadd231ps zmm, zmm, m32{1to16}`, address = packed panel pointer + constant), so
+//! a step is 2 loads + 28 fused load-FMAs + 3 loop µops = 33 µops through the front end, 2.4 per
+//! cycle at the FMA peak. (A loop with one `vbroadcastss` per row, able to read a row-major `A`
+//! in place without packing, needs 49 µops per step; on cores whose front end is shared with a
+//! busy hyper-thread sibling it ran at 78 % of the register-only FMA rate where this one ran at
+//! 80–85 %, docs/PERFORMANCE.md, "GEMM: own kernel, `gemm` crate, PyTorch, AMX"; so every `A`
+//! is packed.)
 //!
 //! Edges: rows beyond `rows` are computed on zero padding and not stored; columns beyond
 //! `cols` are excluded by the store masks, so the kernel never touches `C` outside the tile.
 
 use super::blocking::{MR, NR};
-use super::switch::EnvSwitch;
 use std::arch::x86_64::*;
 
-/// `C[rows × cols] (+)= A · B̂` for `A(i, p) = a[i·lda + p·step]` (`i < MR`, `p < kc`: a packed
-/// micro-panel has `lda = 1, step = MR`, a row-major `A` read in place `step = 1`) and a packed
-/// `B̂` micro-panel (`kc` steps of `NR` values); `C(i, j) = c[i·ldc + j]`.
+/// `C[rows × cols] (+)= Â · B̂` for a packed `A` micro-panel `Â` (`kc` steps of `MR` values) and
+/// a packed `B̂` micro-panel (`kc` steps of `NR` values); `C(i, j) = c[i·ldc + j]`.
 /// `accumulate = false` overwrites `C`.
 ///
 /// # Safety
-/// AVX-512F must be available; `kc ≥ 1`; all `MR × kc` addressed `A` values (also rows
-/// beyond `rows`) and `NR·kc` floats of `b` (64-byte aligned) must be readable; every
+/// AVX-512F must be available; `kc ≥ 1`; `MR·kc` floats of `a` and `NR·kc` floats of `b`
+/// (64-byte aligned) must be readable; every
 /// `C(i, j)` with `i < rows ≤ MR`, `j < cols ≤ NR` must be writable and not accessed
 /// concurrently.
 #[target_feature(enable = "avx512f")]
@@ -48,8 +36,6 @@ use std::arch::x86_64::*;
 pub(super) unsafe fn tile(
     kc: usize,
     a: *const f32,
-    lda: usize,
-    step: usize,
     b: *const f32,
     c: *mut f32,
     ldc: usize,
@@ -63,11 +49,7 @@ pub(super) unsafe fn tile(
         _mm_prefetch::<_MM_HINT_T1>(c.add(i * ldc) as *const i8);
         _mm_prefetch::<_MM_HINT_T1>(c.add(i * ldc + NR - 1) as *const i8);
     }
-    if lda == 1 && step == MR && folded_broadcasts() {
-        k_loop_folded(kc, a, b, &mut acc);
-    } else {
-        k_loop(kc, a, lda, step, b, &mut acc);
-    }
+    k_loop(kc, a, b, &mut acc);
     let m0: __mmask16 = lane_mask(cols.min(16));
     let m1: __mmask16 = lane_mask(cols.saturating_sub(16));
     // All loads of C before any store: a load issued after a store to an address with the
@@ -131,99 +113,14 @@ macro_rules! tile_asm {
     };
 }
 
-/// The `kc` loop of the tile in hand-scheduled assembly: `acc[i] += A(i, p) · B̂(p, ·)` where
-/// `A(i, p) = a[i·lda + p·step]`, so one loop serves a packed panel (`lda = 1`, `step = MR`) and
-/// a row-major `A` read in place (`lda` = its row stride, `step = 1`). Rows are addressed from
-/// three group pointers (rows 0–4, 5–9, 10–13) plus `lda`, `2·lda`, `3·lda`, `4·lda`, so a
-/// step costs 4 integer adds besides its 2 loads, 14 broadcasts and 28 FMAs.
+/// The `kc` loop of the tile: `acc[i] += Â(p, i) · B̂(p, ·)` for every step `p`, the broadcast
+/// of `Â(p, i)` folded into the FMAs.
 ///
 /// # Safety
-/// AVX-512F; `kc ≥ 1`; all `MR × kc` addressed `A` values and `NR·kc` floats of `b` (64-byte
-/// aligned) readable.
+/// AVX-512F; `kc ≥ 1`; `MR·kc` floats of `a` and `NR·kc` floats of `b` (64-byte aligned)
+/// readable.
 #[target_feature(enable = "avx512f")]
-unsafe fn k_loop(
-    kc: usize,
-    a: *const f32,
-    lda: usize,
-    step: usize,
-    b: *const f32,
-    acc: &mut [[__m512; 2]; MR],
-) {
-    debug_assert!(kc >= 1);
-    let l = lda * 4;
-    tile_asm!(
-        acc,
-        "2:",
-        "vmovaps zmm28, [{b}]",
-        "vmovaps zmm29, [{b} + 64]",
-        "vbroadcastss zmm30, dword ptr [{g0}]",
-        "vfmadd231ps zmm0, zmm30, zmm28",
-        "vfmadd231ps zmm1, zmm30, zmm29",
-        "vbroadcastss zmm31, dword ptr [{g0} + {l}]",
-        "vfmadd231ps zmm2, zmm31, zmm28",
-        "vfmadd231ps zmm3, zmm31, zmm29",
-        "vbroadcastss zmm30, dword ptr [{g0} + {l}*2]",
-        "vfmadd231ps zmm4, zmm30, zmm28",
-        "vfmadd231ps zmm5, zmm30, zmm29",
-        "vbroadcastss zmm31, dword ptr [{g0} + {l3}]",
-        "vfmadd231ps zmm6, zmm31, zmm28",
-        "vfmadd231ps zmm7, zmm31, zmm29",
-        "vbroadcastss zmm30, dword ptr [{g0} + {l}*4]",
-        "vfmadd231ps zmm8, zmm30, zmm28",
-        "vfmadd231ps zmm9, zmm30, zmm29",
-        "vbroadcastss zmm31, dword ptr [{g1}]",
-        "vfmadd231ps zmm10, zmm31, zmm28",
-        "vfmadd231ps zmm11, zmm31, zmm29",
-        "vbroadcastss zmm30, dword ptr [{g1} + {l}]",
-        "vfmadd231ps zmm12, zmm30, zmm28",
-        "vfmadd231ps zmm13, zmm30, zmm29",
-        "vbroadcastss zmm31, dword ptr [{g1} + {l}*2]",
-        "vfmadd231ps zmm14, zmm31, zmm28",
-        "vfmadd231ps zmm15, zmm31, zmm29",
-        "vbroadcastss zmm30, dword ptr [{g1} + {l3}]",
-        "vfmadd231ps zmm16, zmm30, zmm28",
-        "vfmadd231ps zmm17, zmm30, zmm29",
-        "vbroadcastss zmm31, dword ptr [{g1} + {l}*4]",
-        "vfmadd231ps zmm18, zmm31, zmm28",
-        "vfmadd231ps zmm19, zmm31, zmm29",
-        "vbroadcastss zmm30, dword ptr [{g2}]",
-        "vfmadd231ps zmm20, zmm30, zmm28",
-        "vfmadd231ps zmm21, zmm30, zmm29",
-        "vbroadcastss zmm31, dword ptr [{g2} + {l}]",
-        "vfmadd231ps zmm22, zmm31, zmm28",
-        "vfmadd231ps zmm23, zmm31, zmm29",
-        "vbroadcastss zmm30, dword ptr [{g2} + {l}*2]",
-        "vfmadd231ps zmm24, zmm30, zmm28",
-        "vfmadd231ps zmm25, zmm30, zmm29",
-        "vbroadcastss zmm31, dword ptr [{g2} + {l3}]",
-        "vfmadd231ps zmm26, zmm31, zmm28",
-        "vfmadd231ps zmm27, zmm31, zmm29",
-        "add {g0}, {st}",
-        "add {g1}, {st}",
-        "add {g2}, {st}",
-        "add {b}, 128",
-        "dec {k}",
-        "jnz 2b",
-        g0 = inout(reg) a => _,
-        g1 = inout(reg) a.add(5 * lda) => _,
-        g2 = inout(reg) a.add(10 * lda) => _,
-        l = in(reg) l,
-        l3 = in(reg) 3 * l,
-        st = in(reg) step * 4,
-        b = inout(reg) b => _,
-        k = inout(reg) kc => _,
-    );
-}
-
-/// The `kc` loop for a packed `A` micro-panel (`lda = 1`, `step = MR`) with the broadcasts
-/// folded into the FMAs (`vfmadd231ps zmm, zmm, m32{1to16}`): 2 loads + 28 fused
-/// load-FMAs per step instead of 2 loads + 14 broadcasts + 28 FMAs. The same FMAs in the
-/// same order as [`k_loop`], so the same bits.
-///
-/// # Safety
-/// As [`k_loop`] with a packed `A` panel.
-#[target_feature(enable = "avx512f")]
-unsafe fn k_loop_folded(kc: usize, a: *const f32, b: *const f32, acc: &mut [[__m512; 2]; MR]) {
+unsafe fn k_loop(kc: usize, a: *const f32, b: *const f32, acc: &mut [[__m512; 2]; MR]) {
     tile_asm!(
         acc,
         "2:",
@@ -265,22 +162,6 @@ unsafe fn k_loop_folded(kc: usize, a: *const f32, b: *const f32, acc: &mut [[__m
         b = inout(reg) b => _,
         k = inout(reg) kc => _,
     );
-}
-
-/// Whether packed panels use [`k_loop_folded`] (`XTRAIN_SGEMM_FOLD=0` turns it off).
-static FOLD: EnvSwitch = EnvSwitch::new("XTRAIN_SGEMM_FOLD", "0");
-
-/// Chooses folded broadcasts with every `A` packed (the default), or the session-8 kernel
-/// (separate broadcasts, row-major `A` read in place where it qualifies), for later products
-/// of this process; for A/B measurements (`XTRAIN_SGEMM_FOLD=0` does the same). Both give
-/// the same bits.
-pub fn set_folded_broadcasts(on: bool) {
-    FOLD.set(on);
-}
-
-/// See [`set_folded_broadcasts`].
-pub(super) fn folded_broadcasts() -> bool {
-    FOLD.get()
 }
 
 /// The mask selecting the first `n ≤ 16` lanes.

@@ -4,8 +4,7 @@
 //! walks the blocks, and [`parallel`] splits a product across the thread budget; packing
 //! buffers are per thread and reused ([`scratch`]).
 //!
-//! `A` and `B` may have any strides (transposes are a stride swap, handled while packing; a
-//! row-major `A` whose rows do not alias in L1 is read in place where that measured faster);
+//! `A` and `B` may have any strides (transposes are a stride swap, handled while packing);
 //! `C` is row-major with a leading dimension. Callers check [`available`] first; on other
 //! CPUs [`crate::gemm`] uses the `gemm` crate.
 //!
@@ -20,10 +19,8 @@ mod dynamic;
 mod kernel;
 mod pack;
 mod parallel;
-pub use kernel::set_folded_broadcasts;
-pub use parallel::{set_dynamic_schedule, splits_dynamically};
+pub use parallel::splits_dynamically;
 mod scratch;
-mod switch;
 #[cfg(test)]
 mod tests;
 

@@ -2,7 +2,7 @@
 //! thread the FMA kernel uses the dynamic schedule of [`super::dynamic`]: panels are handed
 //! out one at a time, so a thread whose vCPU runs slower takes fewer (on the shared VMs the
 //! halves of a static split differed by 5–27 % in duration). Otherwise (few rows, or the AMX
-//! kernel, or `XTRAIN_SGEMM_SCHEDULE=static`) the output is cut into `t` static slabs of whole
+//! kernel) the output is cut into `t` static slabs of whole
 //! register tiles (so no tile is shared) along `m` (rows) or `n` (columns), whichever has more
 //! tiles (at 2048³: 147 row tiles split 73/74; the even 32/32 column split measured 2–5 %
 //! slower, since each thread then packs all of a row-major `A` whose 8 KiB stride rules out
@@ -14,7 +14,6 @@
 //! cores. Both schedules give every element of `C` the bits it has on one thread.
 
 use super::blocking::{MR, NR};
-use super::switch::EnvSwitch;
 use super::{amx, driver, dynamic, Kernel, MatRef};
 use crate::threads;
 use rayon::prelude::*;
@@ -96,7 +95,7 @@ fn split_threads([m, k, n]: [usize; 3], [mr, nr]: [usize; 2], threads: usize) ->
 /// row panels per thread, so that handing out single panels balances the threads (fewer rows
 /// are split statically, by columns).
 fn dynamic_applies(m: usize, t: usize) -> bool {
-    m.div_ceil(MR) >= 4 * t && dynamic_enabled()
+    m.div_ceil(MR) >= 4 * t
 }
 
 /// Whether the FMA kernel splits `C[m × n] (+)= A[m × k]·B` across two or more threads of a
@@ -104,17 +103,4 @@ fn dynamic_applies(m: usize, t: usize) -> bool {
 pub fn splits_dynamically([m, k, n]: [usize; 3], threads: usize) -> bool {
     let t = split_threads([m, k, n], [MR, NR], threads);
     t >= 2 && dynamic_applies(m, t)
-}
-
-/// Whether products split by dynamic panels (`XTRAIN_SGEMM_SCHEDULE=static` turns it off).
-static SCHEDULE: EnvSwitch = EnvSwitch::new("XTRAIN_SGEMM_SCHEDULE", "static");
-
-/// Chooses the dynamic panel schedule (the default) or the static slabs for later products of
-/// this process; for A/B measurements (`XTRAIN_SGEMM_SCHEDULE=static` does the same).
-pub fn set_dynamic_schedule(on: bool) {
-    SCHEDULE.set(on);
-}
-
-fn dynamic_enabled() -> bool {
-    SCHEDULE.get()
 }

@@ -297,44 +297,6 @@ fn threads_give_the_bits_of_one_thread() {
     }
 }
 
-/// The folded-broadcast loop (every `A` packed) and the separate-broadcast loop (a row-major
-/// `A` read in place where it qualifies) issue the same FMAs in the same order, so products
-/// agree bit for bit: one and several rank updates, short and odd `k`, both layouts of both
-/// operands, accumulation, 1 and 2 threads.
-#[test]
-fn folded_broadcasts_give_the_bits_of_separate_ones() {
-    if !available() {
-        return;
-    }
-    for (m, k, n) in [
-        (300, 1100, 1100),
-        (311, 700, 300),
-        (40, 3, 700),
-        (2 * MR + 1, 1, 33),
-    ] {
-        for (trans_a, trans_b, accumulate) in LAYOUTS {
-            for (pad, threads) in [(0, 1), (5, 2)] {
-                let case = Case {
-                    m,
-                    k,
-                    n,
-                    trans_a,
-                    trans_b,
-                    accumulate,
-                    pad,
-                    threads,
-                };
-                super::set_folded_broadcasts(false);
-                let separate = product(Kernel::Fma, case).c;
-                super::set_folded_broadcasts(true);
-                let folded = product(Kernel::Fma, case).c;
-                let same = same_bits(&separate, &folded);
-                assert!(same, "{case:?}: folded broadcasts change bits");
-            }
-        }
-    }
-}
-
 /// Several callers splitting products on the one budget pool at once (ranks as threads):
 /// each product's tasks wait only on their own panels, so none deadlocks, and every result
 /// keeps the bits of one thread.

@@ -35,17 +35,13 @@ pub(super) const KC: usize = 128;
 /// Columns of one packed `B` block (`NC/32 · KC/32` steps, 192 KiB), resident in L2.
 pub(super) const NC: usize = 1024;
 
-/// Environment variable that turns the AMX path off for a whole process (`XTRAIN_AMX=0`),
-/// e.g. to compare against the FMA kernels or on hosts where AMX is slow.
-pub const AMX_ENV: &str = "XTRAIN_AMX";
-
 /// Whether this CPU and OS can run the AMX path: AMX-TILE, AMX-BF16, AVX-512BW and
 /// AVX-512-BF16 (the split) present, the process granted the tile state
-/// (`arch_prctl(ARCH_REQ_XCOMP_PERM)`, Linux ≥ 5.16), and not turned off by [`AMX_ENV`]`=0`.
+/// (`arch_prctl(ARCH_REQ_XCOMP_PERM)`, Linux ≥ 5.16).
 /// Queried once per process.
 pub fn available() -> bool {
     static OK: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *OK.get_or_init(|| std::env::var(AMX_ENV).as_deref().map(str::trim) != Ok("0") && detect())
+    *OK.get_or_init(detect)
 }
 
 #[cfg(all(target_arch = "x86_64", target_os = "linux"))]
