@@ -414,6 +414,7 @@ fn connect_group(ctx: &Arc<Ctx>, label: &str, members: &[usize]) -> Result<Proce
         }
     }
 
+    log_transports(&name, ctx.rank, members, &links);
     let desc = Arc::new(GroupDesc {
         name,
         world_ranks: members.to_vec(),
@@ -435,6 +436,28 @@ fn connect_group(ctx: &Arc<Ctx>, label: &str, members: &[usize]) -> Result<Proce
     );
     engine.single_copy = single_copy.then_some(o.single_copy_min_bytes);
     Ok(ProcessGroup::new(engine, o.algo))
+}
+
+/// Logs (at info level, target `comm`) which peers this rank reaches by which transport, e.g.
+/// `group dp[0,2]: rank 0 reaches shm [] tcp [2]` (world ranks): what a multi-host run
+/// checks to see that shared memory stayed within hosts.
+fn log_transports(name: &str, rank: usize, members: &[usize], links: &[Option<Link>]) {
+    let peers = |want: TransportKind| -> Vec<usize> {
+        let kind = |l: &Link| match l {
+            Link::Shm(_) => TransportKind::Shm,
+            Link::Tcp(_) => TransportKind::Tcp,
+        };
+        (0..members.len())
+            .filter(|&g| links[g].as_ref().map(kind) == Some(want))
+            .map(|g| members[g])
+            .collect()
+    };
+    tracing::info!(
+        target: "comm",
+        "group {name}: rank {rank} reaches shm {:?} tcp {:?}",
+        peers(TransportKind::Shm),
+        peers(TransportKind::Tcp)
+    );
 }
 
 /// Whether the members of a group on one host may use single-copy ring steps: each member

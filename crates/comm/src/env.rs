@@ -258,7 +258,7 @@ impl LaunchEnv {
 /// `XTRAIN_*` options ([`Options::from_env`]); rank 0 hosts the TCP rendezvous store at
 /// `MASTER_ADDR:MASTER_PORT` and every rank connects to it (retrying until the
 /// communication timeout, since rank 0 may start late). The host identity that decides
-/// shared memory vs TCP is the host name. On a job spanning several hosts, unless
+/// shared memory vs TCP is [`host_identity`]. On a job spanning several hosts, unless
 /// `XTRAIN_TCP_ADDR` says otherwise, each rank listens on the address of the interface
 /// that routes to the master, so peers on other hosts can reach it.
 pub fn init_from_env() -> crate::Result<(Communicator, LaunchEnv)> {
@@ -288,13 +288,35 @@ pub fn init_with(mut options: Options) -> crate::Result<(Communicator, LaunchEnv
         Arc::new(store),
         env.rank,
         env.world_size,
-        &hostname(),
+        &host_identity(),
         options,
     )?;
     Ok((comm, env))
 }
 
-/// This machine's host name (the identity ranks compare to pick shared memory).
+/// The identity ranks compare to pick shared memory (equal) or TCP (different): the host
+/// name, the kernel's boot id and the network namespace, e.g.
+/// `node7/boot 0522e508/net 4026531833`. The host name alone is not enough: containers
+/// and network namespaces on one machine (or cloned machines) can share a name while being
+/// separate hosts on the network, each with its own addresses and, usually, its own
+/// `/dev/shm`; seeing the same `/dev/shm` does not make two processes one host either (all
+/// network namespaces of a machine share it unless a container mounts its own).
+pub fn host_identity() -> String {
+    let boot = std::fs::read_to_string("/proc/sys/kernel/random/boot_id").unwrap_or_default();
+    let boot = boot.trim().split('-').next().unwrap_or("");
+    // "net:[4026531833]": the inode of this process's network namespace.
+    let net = std::fs::read_link("/proc/self/ns/net")
+        .map(|p| {
+            p.to_string_lossy()
+                .trim_start_matches("net:[")
+                .trim_end_matches(']')
+                .to_string()
+        })
+        .unwrap_or_default();
+    format!("{}/boot {boot}/net {net}", hostname())
+}
+
+/// This machine's host name.
 pub fn hostname() -> String {
     let mut buf = [0u8; 256];
     // SAFETY: gethostname writes at most `buf.len()` bytes into the buffer we own.
