@@ -30,9 +30,11 @@ use crate::transport::{Link, TransportKind};
 /// applies `XTRAIN_TRANSPORT` (shm|tcp|auto), `XTRAIN_COMM_TIMEOUT` (seconds),
 /// `XTRAIN_ALLREDUCE_ALGO` (ring|tree|hd|auto), `XTRAIN_JOB_ID`, `XTRAIN_TCP_ADDR` (address this
 /// rank listens on and advertises), `XTRAIN_SPIN_US`, `XTRAIN_SHM_SINGLE_COPY` (0|1) and
-/// `XTRAIN_SHM_SINGLE_COPY_MIN` (bytes).
+/// `XTRAIN_SHM_SINGLE_COPY_MIN` (bytes) and `XTRAIN_BACKEND` (own|mpi).
 #[derive(Clone, Debug)]
 pub struct Options {
+    /// Which library runs the collectives (see [`CommBackend`]).
+    pub backend: CommBackend,
     /// Shared token: connections presenting another job id are refused; store keys and
     /// shared-memory names are namespaced by it.
     pub job_id: String,
@@ -60,9 +62,40 @@ pub struct Options {
 /// (measured crossover, docs/PERFORMANCE.md "Single-copy shared memory").
 pub const SINGLE_COPY_MIN_BYTES: usize = 512 << 10;
 
+/// Which library runs a communicator's operations.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum CommBackend {
+    /// xtrain's own collectives over shared memory and TCP.
+    Own,
+    /// The system MPI library (`mpirun`'s world); needs the `mpi` cargo feature.
+    Mpi,
+}
+
+impl std::str::FromStr for CommBackend {
+    type Err = String;
+    fn from_str(s: &str) -> std::result::Result<Self, String> {
+        match s.to_ascii_lowercase().as_str() {
+            "own" => Ok(CommBackend::Own),
+            "mpi" => Ok(CommBackend::Mpi),
+            _ => Err(format!("unknown communication backend {s:?} (own or mpi)")),
+        }
+    }
+}
+
+impl CommBackend {
+    /// Lower-case name (`own`, `mpi`).
+    pub fn name(self) -> &'static str {
+        match self {
+            CommBackend::Own => "own",
+            CommBackend::Mpi => "mpi",
+        }
+    }
+}
+
 impl Default for Options {
     fn default() -> Self {
         Options {
+            backend: CommBackend::Own,
             job_id: "xtrain".to_string(),
             transport: TransportKind::Auto,
             timeout: Duration::from_secs(300),
@@ -82,6 +115,9 @@ impl Options {
         let mut o = Options::default();
         let var = |k: &str| std::env::var(k).ok().filter(|v| !v.is_empty());
         let bad = |k: &str, e: String| CommError::invalid("Options::from_env", format!("{k}: {e}"));
+        if let Some(v) = var("XTRAIN_BACKEND") {
+            o.backend = v.parse().map_err(|e| bad("XTRAIN_BACKEND", e))?;
+        }
         if let Some(v) = var("XTRAIN_TRANSPORT") {
             o.transport = v.parse().map_err(|e| bad("XTRAIN_TRANSPORT", e))?;
         }
@@ -137,6 +173,9 @@ struct Ctx {
     options: Options,
     /// Groups this rank created so far, per member list (for unique, agreed group keys).
     created: Mutex<HashMap<Vec<usize>, usize>>,
+    /// The MPI world when the MPI backend runs this communicator's groups.
+    #[cfg(feature = "mpi")]
+    mpi: Option<crate::mpi::World>,
 }
 
 /// This rank's communicator: the world group plus the means to create sub-groups.
@@ -183,8 +222,33 @@ impl Communicator {
             hosts,
             options,
             created: Mutex::new(HashMap::new()),
+            #[cfg(feature = "mpi")]
+            mpi: None,
         });
         let world = connect_group(&ctx, "world", &(0..world_size).collect::<Vec<_>>())?;
+        Ok(Communicator { ctx, world })
+    }
+
+    /// Joins `mpirun`'s world with the MPI backend: ranks and size are `MPI_COMM_WORLD`'s, and
+    /// every group's operations run as MPI collectives (`options` other than the job id and
+    /// the backend do not apply). Collective over the world.
+    #[cfg(feature = "mpi")]
+    pub fn init_mpi(options: Options) -> Result<Self> {
+        let world = crate::mpi::World::init()?;
+        let (rank, size) = (world.rank(), world.size());
+        let hosts = world.all_hosts(&crate::env::host_identity())?;
+        let ctx = Arc::new(Ctx {
+            store: Arc::new(crate::store::MemStore::new()),
+            rank,
+            hosts,
+            options: Options {
+                backend: CommBackend::Mpi,
+                ..options
+            },
+            created: Mutex::new(HashMap::new()),
+            mpi: Some(world),
+        });
+        let world = connect_group(&ctx, "world", &(0..size).collect::<Vec<_>>())?;
         Ok(Communicator { ctx, world })
     }
 
@@ -289,6 +353,28 @@ fn connect_group(ctx: &Arc<Ctx>, label: &str, members: &[usize]) -> Result<Proce
     let key = group_key(members, k);
     let ns = format!("xtrain/{}/{key}", ctx.options.job_id);
     let name = format!("{label}[{member_str}]");
+    #[cfg(feature = "mpi")]
+    if let Some(world) = &ctx.mpi {
+        // The tag tells apart group creations that could overlap; every member derives the
+        // same one from the member list and how many such groups it created before.
+        let tag = (fnv(key.as_bytes()) & 0x3fff_ffff) as i32;
+        let comm = world.create(members, tag, &name)?;
+        tracing::info!(target: "comm", "group {name}: rank {} runs on MPI", ctx.rank);
+        let desc = Arc::new(GroupDesc {
+            name,
+            world_ranks: members.to_vec(),
+            rank: me,
+        });
+        let counters = Arc::new(Counters::default());
+        let group = crate::mpi::MpiGroup::new(comm, Arc::clone(&desc), Arc::clone(&counters));
+        return Ok(ProcessGroup::with_backend(
+            crate::backend::Backend::Mpi(group),
+            desc,
+            counters,
+            None,
+            ctx.options.algo,
+        ));
+    }
     let o = &ctx.options;
     let deadline = Instant::now() + o.timeout;
     let n = members.len();

@@ -24,7 +24,7 @@ use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::Duration;
 
-use crate::communicator::{Communicator, Options};
+use crate::communicator::{CommBackend, Communicator, Options};
 use crate::error::CommError;
 use crate::store::TcpStore;
 
@@ -273,6 +273,9 @@ pub fn init_with(mut options: Options) -> crate::Result<(Communicator, LaunchEnv
     if std::env::var_os(JOB_ID_VAR).is_none() {
         options.job_id = env.job_id.clone();
     }
+    if options.backend == CommBackend::Mpi {
+        return init_mpi(options, env);
+    }
     if env.local_world_size < env.world_size && std::env::var_os("XTRAIN_TCP_ADDR").is_none() {
         if let Some(ip) = route_to(&env.master_addr, env.master_port) {
             options.tcp_addr = ip;
@@ -292,6 +295,52 @@ pub fn init_with(mut options: Options) -> crate::Result<(Communicator, LaunchEnv
         options,
     )?;
     Ok((comm, env))
+}
+
+/// Ends the communication library at the end of a successful run: `MPI_Finalize` when the MPI
+/// backend started MPI in this process, nothing otherwise. A failed rank must not call it
+/// (its peers may be blocked in a collective; `mpirun` stops the job when a rank fails).
+pub fn finalize() {
+    #[cfg(feature = "mpi")]
+    crate::mpi::finalize();
+}
+
+/// The MPI library's version line when this build has the MPI backend.
+pub fn mpi_library_version() -> Option<String> {
+    #[cfg(feature = "mpi")]
+    return Some(crate::mpi::library_version());
+    #[cfg(not(feature = "mpi"))]
+    None
+}
+
+/// The MPI backend's world; its ranks must be the launcher's.
+#[cfg(feature = "mpi")]
+fn init_mpi(options: Options, env: LaunchEnv) -> crate::Result<(Communicator, LaunchEnv)> {
+    let comm = Communicator::init_mpi(options)?;
+    if (comm.rank(), comm.size()) != (env.rank, env.world_size) {
+        return Err(CommError::invalid(
+            "init_from_env",
+            format!(
+                "MPI says rank {} of {}, the {} variables rank {} of {}: start the job with \
+                 mpirun (or srun) directly",
+                comm.rank(),
+                comm.size(),
+                env.launcher,
+                env.rank,
+                env.world_size
+            ),
+        ));
+    }
+    Ok((comm, env))
+}
+
+#[cfg(not(feature = "mpi"))]
+fn init_mpi(_: Options, _: LaunchEnv) -> crate::Result<(Communicator, LaunchEnv)> {
+    Err(CommError::invalid(
+        "init_from_env",
+        "XTRAIN_BACKEND=mpi, but this build has no MPI backend: build with \
+         `cargo build --release --features mpi` (needs an MPI library, e.g. libopenmpi-dev)",
+    ))
 }
 
 /// The identity ranks compare to pick shared memory (equal) or TCP (different): the host

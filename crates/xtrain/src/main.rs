@@ -44,7 +44,7 @@ fn main() -> anyhow::Result<()> {
         .with_writer(std::io::stderr)
         .init();
     let cli = Cli::parse();
-    match cli.command {
+    let result = match cli.command {
         Command::Launch(args) => cmd::launch::run(args),
         Command::Train(a) => cmd::train::run_cmd(*a),
         Command::Generate(a) => cmd::generate::run_cmd(a),
@@ -52,5 +52,10 @@ fn main() -> anyhow::Result<()> {
         Command::Convert(a) => cmd::convert::run_cmd(a),
         Command::Schedule(a) => cmd::schedule::run_cmd(a),
         Command::Bench(args) => cmd::bench::run(args),
+    };
+    if result.is_ok() {
+        // Every group is gone by now; MPI (if this run used it) ends here.
+        comm::env::finalize();
     }
+    result
 }
