@@ -762,4 +762,49 @@ mod tests {
         assert!(first_host("n[x-y]").is_err());
         assert!(first_host("").is_err());
     }
+
+    #[test]
+    fn slurm_job_nodelist_of_an_sbatch_step() {
+        // `srun` in an `sbatch -N3 --ntasks-per-node=2` job: the last node's second task.
+        let env = parse(&[
+            ("SLURM_PROCID", "5"),
+            ("SLURM_NTASKS", "6"),
+            ("SLURM_LOCALID", "1"),
+            ("SLURM_NODEID", "2"),
+            ("SLURM_TASKS_PER_NODE", "2(x3)"),
+            ("SLURM_JOB_NODELIST", "node[01-03]"),
+            ("SLURM_JOB_ID", "77"),
+        ])
+        .unwrap();
+        assert_eq!(
+            (
+                env.rank,
+                env.world_size,
+                env.local_rank,
+                env.local_world_size
+            ),
+            (5, 6, 1, 2)
+        );
+        assert_eq!(env.store_addr(), "node01:15077");
+        assert!(!env.hosts_store());
+        let err = parse(&[
+            ("SLURM_PROCID", "5"),
+            ("SLURM_NTASKS", "6"),
+            ("SLURM_LOCALID", "1"),
+            ("SLURM_NODEID", "3"),
+            ("SLURM_TASKS_PER_NODE", "2(x3)"),
+            ("SLURM_JOB_NODELIST", "node[01-03]"),
+            ("SLURM_JOB_ID", "77"),
+        ])
+        .unwrap_err();
+        assert!(err.to_string().contains("SLURM_NODEID 3"), "{err}");
+    }
+
+    #[test]
+    fn host_identity_names_the_host_boot_and_network_namespace() {
+        let id = host_identity();
+        assert!(id.starts_with(&format!("{}/boot ", hostname())), "{id}");
+        assert!(id.contains("/net "), "{id}");
+        assert_eq!(id, host_identity());
+    }
 }

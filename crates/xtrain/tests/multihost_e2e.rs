@@ -282,3 +282,63 @@ fn two_hosts_train_like_one_process() {
     drop(hosts);
     let _ = std::fs::remove_dir_all(&d);
 }
+
+/// `srun`'s variables alone start a job: two processes with Slurm's rank, task and node
+/// variables (as `srun -N1 -n2` sets them) train data parallel with the single process's
+/// losses; the store's host comes from the first node of `SLURM_JOB_NODELIST`.
+#[test]
+fn srun_variables_start_a_job() {
+    let d = tmp("srun");
+    let single = d.join("single");
+    let args = |out: &Path, extra: &[&'static str]| -> Vec<String> {
+        [
+            &["train", "--quiet", "--out", out.to_str().unwrap()][..],
+            &SMALL,
+            extra,
+        ]
+        .concat()
+        .into_iter()
+        .map(String::from)
+        .collect()
+    };
+    let a = args(&single, &["--set", "train.grad_accum=2"]);
+    ok(&xtrain(&a.iter().map(String::as_str).collect::<Vec<_>>()));
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+        .to_string();
+    let run = d.join("srun");
+    let ranks: Vec<_> = (0..2)
+        .map(|r| {
+            Command::new(env!("CARGO_BIN_EXE_xtrain"))
+                .args(args(&run, &["--nproc", "2"]))
+                .env_remove("RANK")
+                .env_remove("WORLD_SIZE")
+                .env("SLURM_PROCID", r.to_string())
+                .env("SLURM_LOCALID", r.to_string())
+                .env("SLURM_NTASKS", "2")
+                .env("SLURM_NODEID", "0")
+                .env("SLURM_STEP_TASKS_PER_NODE", "2")
+                .env("SLURM_JOB_NODELIST", "localhost")
+                .env("SLURM_JOB_ID", "4242")
+                .env("SLURM_STEP_ID", "0")
+                .env("MASTER_PORT", &port)
+                .env("XTRAIN_COMM_TIMEOUT", "120")
+                .stdout(Stdio::piped())
+                .stderr(Stdio::piped())
+                .spawn()
+                .unwrap()
+        })
+        .collect();
+    for child in ranks {
+        ok(&child.wait_with_output().unwrap());
+    }
+    close(
+        &losses(&run),
+        &losses(&single),
+        "dp2 under srun's variables",
+    );
+    let _ = std::fs::remove_dir_all(&d);
+}
