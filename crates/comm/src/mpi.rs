@@ -91,6 +91,22 @@ fn displacements(counts: &[c_int], call: &str) -> Result<Vec<c_int>> {
     Ok(d)
 }
 
+/// Where an element buffer starts, for MPI. An empty slice's pointer is a dangling, aligned
+/// address such as 1, which Open MPI takes for `MPI_IN_PLACE`; empty buffers point at a real
+/// word instead (MPI reads and writes nothing there for a count of 0).
+fn in_ptr<T>(buf: &[T]) -> *const c_void {
+    static EMPTY: u64 = 0;
+    if buf.is_empty() {
+        (&EMPTY as *const u64).cast()
+    } else {
+        buf.as_ptr().cast()
+    }
+}
+
+fn out_ptr<T>(buf: &mut [T]) -> *mut c_void {
+    in_ptr(buf).cast_mut()
+}
+
 /// MPI datatype of an element type (half types as 16-bit words).
 fn datatype(d: DType) -> ffi::MPI_Datatype {
     // SAFETY: reading the library's predefined datatype handles after MPI_Init.
@@ -241,10 +257,10 @@ impl World {
         // SAFETY: buffers of W and size × W bytes, as described to MPI.
         let rc = unsafe {
             ffi::MPI_Allgather(
-                mine.as_ptr().cast(),
+                in_ptr(&mine),
                 W as c_int,
                 ffi::RSMPI_UINT8_T,
-                all.as_mut_ptr().cast(),
+                out_ptr(&mut all),
                 W as c_int,
                 ffi::RSMPI_UINT8_T,
                 self.world.as_raw(),
@@ -387,17 +403,14 @@ impl MpiGroup {
             let (p, n) = (self.check_peer(call, *p)?, count(b.len(), call)?);
             // SAFETY: a null request slot MPI fills; `b` stays borrowed until Waitall below.
             let mut r = unsafe { ffi::RSMPI_REQUEST_NULL };
-            rc = rc.max(unsafe {
-                ffi::MPI_Irecv(b.as_mut_ptr().cast(), n, dt, p, tag, self.raw, &mut r)
-            });
+            rc = rc.max(unsafe { ffi::MPI_Irecv(out_ptr(b), n, dt, p, tag, self.raw, &mut r) });
             reqs.push(r);
         }
         for (p, b) in sends {
             let (p, n) = (self.check_peer(call, *p)?, count(b.len(), call)?);
             // SAFETY: as above; `sends` outlives Waitall.
             let mut r = unsafe { ffi::RSMPI_REQUEST_NULL };
-            rc = rc
-                .max(unsafe { ffi::MPI_Isend(b.as_ptr().cast(), n, dt, p, tag, self.raw, &mut r) });
+            rc = rc.max(unsafe { ffi::MPI_Isend(in_ptr(b), n, dt, p, tag, self.raw, &mut r) });
             reqs.push(r);
         }
         // SAFETY: zeroed statuses are plain data MPI overwrites.
@@ -436,13 +449,17 @@ impl MpiGroup {
         _algo: crate::AllReduceAlgo,
     ) -> Result<()> {
         self.begin(OpKind::AllReduce, std::mem::size_of_val(buf))?;
+        if buf.is_empty() {
+            // Every rank passes the same length; MPI would see two equal (dangling) pointers.
+            return Ok(());
+        }
         let input = buf.to_vec();
         let n = count(buf.len(), "all_reduce")?;
         // SAFETY: two buffers of n elements of T's datatype.
         let rc = unsafe {
             ffi::MPI_Allreduce(
-                input.as_ptr().cast(),
-                buf.as_mut_ptr().cast(),
+                in_ptr(&input),
+                out_ptr(buf),
                 n,
                 datatype(T::DTYPE),
                 operation::<T>(op),
@@ -459,17 +476,20 @@ impl MpiGroup {
     pub fn reduce<T: Element>(&mut self, buf: &mut [T], op: ReduceOp, root: usize) -> Result<()> {
         let root_c = self.check_root("reduce", root)?;
         self.begin(OpKind::Reduce, std::mem::size_of_val(buf))?;
+        if buf.is_empty() {
+            return Ok(());
+        }
         let input = buf.to_vec();
         let n = count(buf.len(), "reduce")?;
         let out: *mut c_void = if self.rank() == root {
-            buf.as_mut_ptr().cast()
+            out_ptr(buf)
         } else {
             std::ptr::null_mut()
         };
         // SAFETY: n elements in, n out on the root (ignored elsewhere).
         let rc = unsafe {
             ffi::MPI_Reduce(
-                input.as_ptr().cast(),
+                in_ptr(&input),
                 out,
                 n,
                 datatype(T::DTYPE),
@@ -495,15 +515,7 @@ impl MpiGroup {
         self.begin(OpKind::Broadcast, sent)?;
         let n = count(buf.len(), "broadcast")?;
         // SAFETY: n elements of T's datatype.
-        let rc = unsafe {
-            ffi::MPI_Bcast(
-                buf.as_mut_ptr().cast(),
-                n,
-                datatype(T::DTYPE),
-                root_c,
-                self.raw,
-            )
-        };
+        let rc = unsafe { ffi::MPI_Bcast(out_ptr(buf), n, datatype(T::DTYPE), root_c, self.raw) };
         self.check(rc, "MPI_Bcast")
     }
 
@@ -529,12 +541,15 @@ impl MpiGroup {
             ));
         }
         self.begin(OpKind::ReduceScatter, std::mem::size_of_val(input))?;
+        if input.is_empty() {
+            return Ok(());
+        }
         let recvcounts = counts(&shards, "reduce_scatter")?;
         // SAFETY: the input holds the sum of recvcounts elements; the output its own shard.
         let rc = unsafe {
             ffi::MPI_Reduce_scatter(
-                input.as_ptr().cast(),
-                output.as_mut_ptr().cast(),
+                in_ptr(input),
+                out_ptr(output),
                 recvcounts.as_ptr(),
                 datatype(T::DTYPE),
                 operation::<T>(op),
@@ -562,17 +577,8 @@ impl MpiGroup {
         self.begin(OpKind::AllGather, std::mem::size_of_val(input))?;
         let (c, dt) = (count(m, "all_gather")?, datatype(T::DTYPE));
         // SAFETY: m elements in, n × m out.
-        let rc = unsafe {
-            ffi::MPI_Allgather(
-                input.as_ptr().cast(),
-                c,
-                dt,
-                output.as_mut_ptr().cast(),
-                c,
-                dt,
-                self.raw,
-            )
-        };
+        let rc =
+            unsafe { ffi::MPI_Allgather(in_ptr(input), c, dt, out_ptr(output), c, dt, self.raw) };
         self.check(rc, "MPI_Allgather")
     }
 
@@ -587,7 +593,7 @@ impl MpiGroup {
                 (&mine as *const c_int).cast(),
                 1,
                 ffi::RSMPI_INT32_T,
-                lens.as_mut_ptr().cast(),
+                out_ptr(&mut lens),
                 1,
                 ffi::RSMPI_INT32_T,
                 self.raw,
@@ -602,10 +608,10 @@ impl MpiGroup {
         // SAFETY: out holds the sum of the counts; displacements are their prefix sums.
         let rc = unsafe {
             ffi::MPI_Allgatherv(
-                input.as_ptr().cast(),
+                in_ptr(input),
                 mine,
                 dt,
-                out.as_mut_ptr().cast(),
+                out_ptr(&mut out),
                 counts_c.as_ptr(),
                 displs.as_ptr(),
                 dt,
@@ -626,7 +632,7 @@ impl MpiGroup {
         let (n, m) = (self.size(), input.len());
         let out: *mut c_void = if self.rank() == root {
             match output {
-                Some(o) if o.len() == n * m => o.as_mut_ptr().cast(),
+                Some(o) if o.len() == n * m => out_ptr(o),
                 o => {
                     return Err(CommError::invalid(
                         "gather",
@@ -643,8 +649,7 @@ impl MpiGroup {
         self.begin(OpKind::Gather, std::mem::size_of_val(input))?;
         let (c, dt) = (count(m, "gather")?, datatype(T::DTYPE));
         // SAFETY: m elements in; n × m out on the root.
-        let rc =
-            unsafe { ffi::MPI_Gather(input.as_ptr().cast(), c, dt, out, c, dt, root_c, self.raw) };
+        let rc = unsafe { ffi::MPI_Gather(in_ptr(input), c, dt, out, c, dt, root_c, self.raw) };
         self.check(rc, "MPI_Gather")
     }
 
@@ -658,7 +663,7 @@ impl MpiGroup {
         let (n, m) = (self.size(), output.len());
         let (inp, sent): (*const c_void, usize) = if self.rank() == root {
             match input {
-                Some(i) if i.len() == n * m => (i.as_ptr().cast(), std::mem::size_of_val(i)),
+                Some(i) if i.len() == n * m => (in_ptr(i), std::mem::size_of_val(i)),
                 i => {
                     return Err(CommError::invalid(
                         "scatter",
@@ -675,18 +680,7 @@ impl MpiGroup {
         self.begin(OpKind::Scatter, sent)?;
         let (c, dt) = (count(m, "scatter")?, datatype(T::DTYPE));
         // SAFETY: n × m elements in on the root; m out.
-        let rc = unsafe {
-            ffi::MPI_Scatter(
-                inp,
-                c,
-                dt,
-                output.as_mut_ptr().cast(),
-                c,
-                dt,
-                root_c,
-                self.raw,
-            )
-        };
+        let rc = unsafe { ffi::MPI_Scatter(inp, c, dt, out_ptr(output), c, dt, root_c, self.raw) };
         self.check(rc, "MPI_Scatter")
     }
 
@@ -705,17 +699,8 @@ impl MpiGroup {
         self.begin(OpKind::AllToAll, std::mem::size_of_val(input))?;
         let (c, dt) = (count(input.len() / n, "all_to_all")?, datatype(T::DTYPE));
         // SAFETY: n blocks of c elements in and out.
-        let rc = unsafe {
-            ffi::MPI_Alltoall(
-                input.as_ptr().cast(),
-                c,
-                dt,
-                output.as_mut_ptr().cast(),
-                c,
-                dt,
-                self.raw,
-            )
-        };
+        let rc =
+            unsafe { ffi::MPI_Alltoall(in_ptr(input), c, dt, out_ptr(output), c, dt, self.raw) };
         self.check(rc, "MPI_Alltoall")
     }
 
@@ -742,10 +727,10 @@ impl MpiGroup {
         // SAFETY: one int to and from each rank.
         let rc = unsafe {
             ffi::MPI_Alltoall(
-                sc.as_ptr().cast(),
+                in_ptr(&sc),
                 1,
                 ffi::RSMPI_INT32_T,
-                rc_counts.as_mut_ptr().cast(),
+                out_ptr(&mut rc_counts),
                 1,
                 ffi::RSMPI_INT32_T,
                 self.raw,
@@ -762,11 +747,11 @@ impl MpiGroup {
         // SAFETY: counts and displacements describe `input` and `out` exactly.
         let rc = unsafe {
             ffi::MPI_Alltoallv(
-                input.as_ptr().cast(),
+                in_ptr(input),
                 sc.as_ptr(),
                 sd.as_ptr(),
                 dt,
-                out.as_mut_ptr().cast(),
+                out_ptr(&mut out),
                 rc_counts.as_ptr(),
                 rd.as_ptr(),
                 dt,

@@ -3,7 +3,8 @@
 //! target directory, `target/mpi`), then `mpirun -np 4 xtrain train …` trains with the same
 //! losses on MPI's collectives as on the own ones, over data parallel with ZeRO-3, tp × dp with
 //! sequence parallelism, pipeline × dp and expert parallelism; and `xtrain bench comm
-//! --backend mpi` checks and times every benchmarked collective on both. Without `mpirun` the
+//! --backend mpi` checks and times every benchmarked collective on both; comm's `mpi_parity`
+//! example compares every operation bit for bit. Without `mpirun` the
 //! test says on stderr that it was skipped, and passes.
 mod common;
 use common::*;
@@ -44,26 +45,33 @@ fn skip(reason: &str) {
     );
 }
 
-/// Builds `xtrain --features mpi` into `target/mpi` and returns the executable.
+/// Builds `xtrain --features mpi` and comm's `mpi_parity` example into `target/mpi`; returns
+/// the release folder.
 fn build_with_mpi() -> PathBuf {
     let own = Path::new(env!("CARGO_BIN_EXE_xtrain"));
     // .../target/release/xtrain → .../target/mpi
     let target = own.parent().unwrap().parent().unwrap().join("mpi");
     let workspace = Path::new(env!("CARGO_MANIFEST_DIR")).join("../..");
     let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
-    let out = Command::new(cargo)
-        .current_dir(&workspace)
-        .args(["build", "--release", "-p", "xtrain", "--features", "mpi"])
-        .arg("--target-dir")
-        .arg(&target)
-        .output()
-        .expect("running cargo build");
-    assert!(
-        out.status.success(),
-        "building xtrain with --features mpi failed:\n{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    target.join("release/xtrain")
+    for what in [
+        &["-p", "xtrain", "--features", "mpi"][..],
+        &["-p", "comm", "--features", "mpi", "--example", "mpi_parity"],
+    ] {
+        let out = Command::new(&cargo)
+            .current_dir(&workspace)
+            .args(["build", "--release"])
+            .args(what)
+            .arg("--target-dir")
+            .arg(&target)
+            .output()
+            .expect("running cargo build");
+        assert!(
+            out.status.success(),
+            "cargo build {what:?} failed:\n{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+    target.join("release")
 }
 
 /// A port free on this host now (for the own backend's rendezvous store under mpirun).
@@ -100,7 +108,23 @@ fn mpirun_trains_with_the_own_backends_losses_and_bench_compares_them() {
     if !on_path("mpicc") {
         return skip("mpirun is installed but not the MPI development files (mpicc)");
     }
-    let exe = build_with_mpi();
+    let release = build_with_mpi();
+    let exe = release.join("xtrain");
+    // Every operation, element type and reduction, on the world and on a reordered
+    // sub-group: MPI's results are the own backend's, bit for bit.
+    for np in ["3", "4"] {
+        let out = Command::new("mpirun")
+            .args(["--allow-run-as-root", "--oversubscribe", "-np", np])
+            .arg(release.join("examples/mpi_parity"))
+            .env_remove("RANK")
+            .env_remove("WORLD_SIZE")
+            .env("MASTER_PORT", free_port().to_string())
+            .env("XTRAIN_COMM_TIMEOUT", "120")
+            .output()
+            .expect("running mpirun");
+        let text = ok(&out);
+        assert!(text.contains("checks agree"), "{text}");
+    }
     let d = tmp("mpi");
     let run = |backend: &str, name: &str, layout: &[&str]| -> Vec<(u64, f64)> {
         let out = d.join(format!("{name}-{backend}"));
