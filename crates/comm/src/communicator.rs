@@ -35,9 +35,11 @@ use crate::transport::{Link, TransportKind};
 /// `XTRAIN_ALLREDUCE_ALGO` (ring|tree|hd|auto), `XTRAIN_JOB_ID`, `XTRAIN_JOB_TOKEN`,
 /// `XTRAIN_TCP_ADDR` (address this
 /// rank listens on and advertises), `XTRAIN_SPIN_US`, `XTRAIN_SHM_SINGLE_COPY` (0|1) and
-/// `XTRAIN_SHM_SINGLE_COPY_MIN` (bytes).
+/// `XTRAIN_SHM_SINGLE_COPY_MIN` (bytes) and `XTRAIN_BACKEND` (own|mpi).
 #[derive(Clone, Debug)]
 pub struct Options {
+    /// Which library runs the collectives (see [`CommBackend`]).
+    pub backend: CommBackend,
     /// Shared token: connections presenting another job id are refused; store keys and
     /// shared-memory names are namespaced by it.
     pub job_id: String,
@@ -73,9 +75,40 @@ pub struct Options {
 /// against 34–37; 16 KiB 3.9–4.1 against 4.2–4.8 (docs/PERFORMANCE.md).
 pub const SINGLE_COPY_MIN_BYTES: usize = 32 << 10;
 
+/// Which library runs a communicator's operations.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum CommBackend {
+    /// xtrain's own collectives over shared memory and TCP.
+    Own,
+    /// The system MPI library (`mpirun`'s world); needs the `mpi` cargo feature.
+    Mpi,
+}
+
+impl std::str::FromStr for CommBackend {
+    type Err = String;
+    fn from_str(s: &str) -> std::result::Result<Self, String> {
+        match s.to_ascii_lowercase().as_str() {
+            "own" => Ok(CommBackend::Own),
+            "mpi" => Ok(CommBackend::Mpi),
+            _ => Err(format!("unknown communication backend {s:?} (own or mpi)")),
+        }
+    }
+}
+
+impl CommBackend {
+    /// Lower-case name (`own`, `mpi`).
+    pub fn name(self) -> &'static str {
+        match self {
+            CommBackend::Own => "own",
+            CommBackend::Mpi => "mpi",
+        }
+    }
+}
+
 impl Default for Options {
     fn default() -> Self {
         Options {
+            backend: CommBackend::Own,
             job_id: "xtrain".to_string(),
             token: JobToken::none(),
             transport: TransportKind::Auto,
@@ -97,6 +130,9 @@ impl Options {
         let mut o = Options::default();
         let var = |k: &str| std::env::var(k).ok().filter(|v| !v.is_empty());
         let bad = |k: &str, e: String| CommError::invalid("Options::from_env", format!("{k}: {e}"));
+        if let Some(v) = var("XTRAIN_BACKEND") {
+            o.backend = v.parse().map_err(|e| bad("XTRAIN_BACKEND", e))?;
+        }
         if let Some(v) = var("XTRAIN_TRANSPORT") {
             o.transport = v.parse().map_err(|e| bad("XTRAIN_TRANSPORT", e))?;
         }
@@ -168,6 +204,9 @@ struct Ctx {
     created: Mutex<HashMap<Vec<usize>, usize>>,
     /// Flight recorder and heartbeat of this rank, shared by all its groups.
     monitor: Arc<Monitor>,
+    /// The MPI world when the MPI backend runs this communicator's groups.
+    #[cfg(feature = "mpi")]
+    mpi: Option<crate::mpi::World>,
 }
 
 impl Drop for Ctx {
@@ -229,8 +268,43 @@ impl Communicator {
             options,
             created: Mutex::new(HashMap::new()),
             monitor,
+            #[cfg(feature = "mpi")]
+            mpi: None,
         });
         let world = connect_group(&ctx, "world", &(0..world_size).collect::<Vec<_>>())?;
+        Ok(Communicator { ctx, world })
+    }
+
+    /// Joins `mpirun`'s world with the MPI backend: ranks and size are `MPI_COMM_WORLD`'s, and
+    /// every group's operations run as MPI collectives (`options` other than the job id and
+    /// the backend do not apply). Collective over the world.
+    #[cfg(feature = "mpi")]
+    pub fn init_mpi(options: Options) -> Result<Self> {
+        let world = crate::mpi::World::init()?;
+        let (rank, size) = (world.rank(), world.size());
+        let hosts = world.all_hosts(&crate::env::host_identity())?;
+        let store: Arc<dyn Store> = Arc::new(crate::store::MemStore::new());
+        // No heartbeat: MPI's ranks share no store, and mpirun ends the job when one dies.
+        let monitor = Monitor::new(
+            Arc::clone(&store),
+            &options.job_id,
+            rank,
+            size,
+            Duration::ZERO,
+        );
+        let ctx = Arc::new(Ctx {
+            store,
+            monitor,
+            rank,
+            hosts,
+            options: Options {
+                backend: CommBackend::Mpi,
+                ..options
+            },
+            created: Mutex::new(HashMap::new()),
+            mpi: Some(world),
+        });
+        let world = connect_group(&ctx, "world", &(0..size).collect::<Vec<_>>())?;
         Ok(Communicator { ctx, world })
     }
 
@@ -340,6 +414,28 @@ fn connect_group(ctx: &Arc<Ctx>, label: &str, members: &[usize]) -> Result<Proce
     let key = group_key(members, k);
     let ns = format!("xtrain/{}/{key}", ctx.options.job_id);
     let name = format!("{label}[{member_str}]");
+    #[cfg(feature = "mpi")]
+    if let Some(world) = &ctx.mpi {
+        // The tag tells apart group creations that could overlap; every member derives the
+        // same one from the member list and how many such groups it created before.
+        let tag = (fnv(key.as_bytes()) & 0x3fff_ffff) as i32;
+        let comm = world.create(members, tag, &name)?;
+        tracing::info!(target: "comm", "group {name}: rank {} runs on MPI", ctx.rank);
+        let desc = Arc::new(GroupDesc {
+            name,
+            world_ranks: members.to_vec(),
+            rank: me,
+        });
+        let counters = Arc::new(Counters::default());
+        let group = crate::mpi::MpiGroup::new(comm, Arc::clone(&desc), Arc::clone(&counters));
+        return Ok(ProcessGroup::with_backend(
+            crate::backend::Backend::Mpi(group),
+            desc,
+            counters,
+            None,
+            ctx.options.algo,
+        ));
+    }
     let o = &ctx.options;
     let deadline = Instant::now() + o.timeout;
     let n = members.len();
@@ -473,6 +569,7 @@ fn connect_group(ctx: &Arc<Ctx>, label: &str, members: &[usize]) -> Result<Proce
         }
     }
 
+    log_transports(&name, ctx.rank, members, &links);
     let desc = Arc::new(GroupDesc {
         name,
         world_ranks: members.to_vec(),
@@ -496,6 +593,28 @@ fn connect_group(ctx: &Arc<Ctx>, label: &str, members: &[usize]) -> Result<Proce
     let gid = ctx.monitor.recorder.register(&engine.desc);
     engine.monitor = Some((Arc::clone(&ctx.monitor), gid));
     Ok(ProcessGroup::new(engine, o.algo))
+}
+
+/// Logs (at info level, target `comm`) which peers this rank reaches by which transport, e.g.
+/// `group dp[0,2]: rank 0 reaches shm [] tcp [2]` (world ranks): what a multi-host run
+/// checks to see that shared memory stayed within hosts.
+fn log_transports(name: &str, rank: usize, members: &[usize], links: &[Option<Link>]) {
+    let peers = |want: TransportKind| -> Vec<usize> {
+        let kind = |l: &Link| match l {
+            Link::Shm(_) => TransportKind::Shm,
+            Link::Tcp(_) => TransportKind::Tcp,
+        };
+        (0..members.len())
+            .filter(|&g| links[g].as_ref().map(kind) == Some(want))
+            .map(|g| members[g])
+            .collect()
+    };
+    tracing::info!(
+        target: "comm",
+        "group {name}: rank {rank} reaches shm {:?} tcp {:?}",
+        peers(TransportKind::Shm),
+        peers(TransportKind::Tcp)
+    );
 }
 
 /// Whether the members of a group on one host may use single-copy ring steps: each member

@@ -36,7 +36,7 @@ use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::Duration;
 
-use crate::communicator::{Communicator, Options};
+use crate::communicator::{CommBackend, Communicator, Options};
 use crate::error::CommError;
 use crate::store::TcpStore;
 
@@ -349,8 +349,8 @@ impl LaunchEnv {
 /// `XTRAIN_*` options ([`Options::from_env`], the job token among them); rank 0 hosts the TCP
 /// rendezvous store where [`LaunchEnv::store_plan`] says and every rank connects to it
 /// (retrying until the communication timeout, since rank 0 may start late) and proves the
-/// token. The host identity that decides
-/// shared memory vs TCP is the host name. On a job spanning several hosts, unless
+/// token. The host identity that decides shared memory vs TCP is [`host_identity`]. On a job
+/// spanning several hosts, unless
 /// `XTRAIN_TCP_ADDR` says otherwise, each rank listens on the address of the interface
 /// that routes to the master, so peers on other hosts can reach it.
 pub fn init_from_env() -> crate::Result<(Communicator, LaunchEnv)> {
@@ -364,6 +364,9 @@ pub fn init_with(mut options: Options) -> crate::Result<(Communicator, LaunchEnv
     // The launcher's job id names the job unless the options set one explicitly.
     if std::env::var_os(JOB_ID_VAR).is_none() {
         options.job_id = env.job_id.clone();
+    }
+    if options.backend == CommBackend::Mpi {
+        return init_mpi(options, env);
     }
     if env.local_world_size < env.world_size && std::env::var_os("XTRAIN_TCP_ADDR").is_none() {
         if let Some(ip) = route_to(&env.master_addr, env.master_port) {
@@ -394,13 +397,81 @@ pub fn init_with(mut options: Options) -> crate::Result<(Communicator, LaunchEnv
         Arc::new(store),
         env.rank,
         env.world_size,
-        &hostname(),
+        &host_identity(),
         options,
     )?;
     Ok((comm, env))
 }
 
-/// This machine's host name (the identity ranks compare to pick shared memory).
+/// Ends the communication library at the end of a successful run: `MPI_Finalize` when the MPI
+/// backend started MPI in this process, nothing otherwise. A failed rank must not call it
+/// (its peers may be blocked in a collective; `mpirun` stops the job when a rank fails).
+pub fn finalize() {
+    #[cfg(feature = "mpi")]
+    crate::mpi::finalize();
+}
+
+/// The MPI library's version line when this build has the MPI backend.
+pub fn mpi_library_version() -> Option<String> {
+    #[cfg(feature = "mpi")]
+    return Some(crate::mpi::library_version());
+    #[cfg(not(feature = "mpi"))]
+    None
+}
+
+/// The MPI backend's world; its ranks must be the launcher's.
+#[cfg(feature = "mpi")]
+fn init_mpi(options: Options, env: LaunchEnv) -> crate::Result<(Communicator, LaunchEnv)> {
+    let comm = Communicator::init_mpi(options)?;
+    if (comm.rank(), comm.size()) != (env.rank, env.world_size) {
+        return Err(CommError::invalid(
+            "init_from_env",
+            format!(
+                "MPI says rank {} of {}, the {} variables rank {} of {}: start the job with \
+                 mpirun (or srun) directly",
+                comm.rank(),
+                comm.size(),
+                env.launcher,
+                env.rank,
+                env.world_size
+            ),
+        ));
+    }
+    Ok((comm, env))
+}
+
+#[cfg(not(feature = "mpi"))]
+fn init_mpi(_: Options, _: LaunchEnv) -> crate::Result<(Communicator, LaunchEnv)> {
+    Err(CommError::invalid(
+        "init_from_env",
+        "XTRAIN_BACKEND=mpi, but this build has no MPI backend: build with \
+         `cargo build --release --features mpi` (needs an MPI library, e.g. libopenmpi-dev)",
+    ))
+}
+
+/// The identity ranks compare to pick shared memory (equal) or TCP (different): the host
+/// name, the kernel's boot id and the network namespace, e.g.
+/// `node7/boot 0522e508/net 4026531833`. The host name alone is not enough: containers
+/// and network namespaces on one machine (or cloned machines) can share a name while being
+/// separate hosts on the network, each with its own addresses and, usually, its own
+/// `/dev/shm`; seeing the same `/dev/shm` does not make two processes one host either (all
+/// network namespaces of a machine share it unless a container mounts its own).
+pub fn host_identity() -> String {
+    let boot = std::fs::read_to_string("/proc/sys/kernel/random/boot_id").unwrap_or_default();
+    let boot = boot.trim().split('-').next().unwrap_or("");
+    // "net:[4026531833]": the inode of this process's network namespace.
+    let net = std::fs::read_link("/proc/self/ns/net")
+        .map(|p| {
+            p.to_string_lossy()
+                .trim_start_matches("net:[")
+                .trim_end_matches(']')
+                .to_string()
+        })
+        .unwrap_or_default();
+    format!("{}/boot {boot}/net {net}", hostname())
+}
+
+/// This machine's host name.
 pub fn hostname() -> String {
     let mut buf = [0u8; 256];
     // SAFETY: gethostname writes at most `buf.len()` bytes into the buffer we own.
@@ -882,5 +953,50 @@ mod tests {
         assert_eq!(first_host("rack[1-2]-n[07-08]").unwrap(), "rack1-n07");
         assert!(first_host("n[x-y]").is_err());
         assert!(first_host("").is_err());
+    }
+
+    #[test]
+    fn slurm_job_nodelist_of_an_sbatch_step() {
+        // `srun` in an `sbatch -N3 --ntasks-per-node=2` job: the last node's second task.
+        let env = parse(&[
+            ("SLURM_PROCID", "5"),
+            ("SLURM_NTASKS", "6"),
+            ("SLURM_LOCALID", "1"),
+            ("SLURM_NODEID", "2"),
+            ("SLURM_TASKS_PER_NODE", "2(x3)"),
+            ("SLURM_JOB_NODELIST", "node[01-03]"),
+            ("SLURM_JOB_ID", "77"),
+        ])
+        .unwrap();
+        assert_eq!(
+            (
+                env.rank,
+                env.world_size,
+                env.local_rank,
+                env.local_world_size
+            ),
+            (5, 6, 1, 2)
+        );
+        assert_eq!(env.store_addr(), "node01:15077");
+        assert!(!env.hosts_store());
+        let err = parse(&[
+            ("SLURM_PROCID", "5"),
+            ("SLURM_NTASKS", "6"),
+            ("SLURM_LOCALID", "1"),
+            ("SLURM_NODEID", "3"),
+            ("SLURM_TASKS_PER_NODE", "2(x3)"),
+            ("SLURM_JOB_NODELIST", "node[01-03]"),
+            ("SLURM_JOB_ID", "77"),
+        ])
+        .unwrap_err();
+        assert!(err.to_string().contains("SLURM_NODEID 3"), "{err}");
+    }
+
+    #[test]
+    fn host_identity_names_the_host_boot_and_network_namespace() {
+        let id = host_identity();
+        assert!(id.starts_with(&format!("{}/boot ", hostname())), "{id}");
+        assert!(id.contains("/net "), "{id}");
+        assert_eq!(id, host_identity());
     }
 }

@@ -1,6 +1,6 @@
 //! [`ProcessGroup`]: the public handle to a group's collectives, synchronous and asynchronous.
 //!
-//! Every operation runs on the group's [`Engine`]. Synchronous calls run on the caller's thread
+//! Every operation runs on the group's [`Backend`] (the own engine, or MPI). Synchronous calls run on the caller's thread
 //! (after any earlier asynchronous work, so submission order is kept); asynchronous calls
 //! (`*_async`, `isend`, `irecv`) go to a per-group background worker that executes them in
 //! submission order, like an NCCL stream, and return a [`Work`] handle. Asynchronous calls take
@@ -9,13 +9,14 @@ use std::sync::atomic::Ordering;
 use std::sync::mpsc;
 use std::sync::{Arc, Condvar, Mutex};
 
+use crate::backend::Backend;
 use crate::collectives::AllReduceAlgo;
 use crate::element::{Element, ReduceOp};
 use crate::engine::{Counters, Engine, GroupDesc};
 use crate::error::{CommError, Result};
 use crate::wire::OpKind;
 
-type Job = Box<dyn FnOnce(&mut Engine) + Send>;
+type Job = Box<dyn FnOnce(&mut Backend) + Send>;
 
 /// Completion slot shared by a [`Work`] and the worker.
 struct Slot<R> {
@@ -78,7 +79,7 @@ impl CommStats {
 
 struct Shared {
     desc: Arc<GroupDesc>,
-    engine: Arc<Mutex<Engine>>,
+    engine: Arc<Mutex<Backend>>,
     counters: Arc<Counters>,
     default_algo: AllReduceAlgo,
     /// Threshold of single-copy ring steps, when the group uses them.
@@ -110,10 +111,27 @@ impl ProcessGroup {
         let desc = Arc::clone(&engine.desc);
         let counters = Arc::clone(&engine.counters);
         let single_copy = engine.single_copy;
+        Self::with_backend(
+            Backend::Own(engine),
+            desc,
+            counters,
+            single_copy,
+            default_algo,
+        )
+    }
+
+    /// A group whose operations run on `backend`.
+    pub(crate) fn with_backend(
+        backend: Backend,
+        desc: Arc<GroupDesc>,
+        counters: Arc<Counters>,
+        single_copy: Option<usize>,
+        default_algo: AllReduceAlgo,
+    ) -> Self {
         ProcessGroup {
             shared: Arc::new(Shared {
                 desc,
-                engine: Arc::new(Mutex::new(engine)),
+                engine: Arc::new(Mutex::new(backend)),
                 counters,
                 default_algo,
                 single_copy,
@@ -168,8 +186,8 @@ impl ProcessGroup {
         }
     }
 
-    /// Runs `f` on the engine on this thread, after all earlier asynchronous work.
-    fn run<R>(&self, f: impl FnOnce(&mut Engine) -> Result<R>) -> Result<R> {
+    /// Runs `f` on the backend on this thread, after all earlier asynchronous work.
+    fn run<R>(&self, f: impl FnOnce(&mut Backend) -> Result<R>) -> Result<R> {
         let (lock, cv) = &*self.shared.outstanding;
         let mut n = lock.lock().unwrap_or_else(|e| e.into_inner());
         while *n > 0 {
@@ -185,7 +203,7 @@ impl ProcessGroup {
     /// Queues `f` on the group's worker; the result arrives in the returned [`Work`].
     fn submit<R: Send + 'static>(
         &self,
-        f: impl FnOnce(&mut Engine) -> Result<R> + Send + 'static,
+        f: impl FnOnce(&mut Backend) -> Result<R> + Send + 'static,
     ) -> Work<R> {
         let slot = Arc::new(Slot {
             value: Mutex::new(None),
@@ -482,7 +500,11 @@ impl ProcessGroup {
 
     #[cfg(test)]
     pub(crate) fn with_engine<R>(&self, f: impl FnOnce(&mut Engine) -> R) -> R {
-        f(&mut self.shared.engine.lock().unwrap())
+        match &mut *self.shared.engine.lock().unwrap() {
+            Backend::Own(e) => f(e),
+            #[cfg(feature = "mpi")]
+            Backend::Mpi(_) => panic!("not the own engine"),
+        }
     }
 }
 

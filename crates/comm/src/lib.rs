@@ -6,7 +6,8 @@
 //! - [`env`]: rank, world size and rendezvous address from the launcher's variables;
 //!   [`env::init_from_env`] builds the world communicator from them.
 //! - [`communicator`]: initialisation from a store + rank identity; creating groups.
-//! - [`group`]: [`ProcessGroup`] with point-to-point and collectives, sync and async ([`Work`]).
+//! - [`group`]: [`ProcessGroup`] with point-to-point and collectives, sync and async ([`Work`]),
+//!   run by a `backend`: the own engine or, with the `mpi` feature, `mpi` (the system MPI).
 //! - [`mesh`]: [`DeviceMesh`], named dimensions from which every group is sliced.
 //! - [`collectives`]: the algorithms (ring, tree, halving-doubling, ...).
 //! - `engine`, `transport` (shm, tcp, cma), `wire`: progress engine, transports, message headers;
@@ -18,6 +19,7 @@
 //!
 //! `comm` knows nothing about tensors: collectives work on plain element slices.
 pub mod auth;
+mod backend;
 pub mod collectives;
 pub mod communicator;
 mod deadline_io;
@@ -32,6 +34,8 @@ pub mod fuzzing;
 pub mod group;
 pub mod mesh;
 pub mod monitor;
+#[cfg(feature = "mpi")]
+pub mod mpi;
 mod single_copy;
 pub mod store;
 pub mod testing;
@@ -39,7 +43,7 @@ pub mod transport;
 mod wire;
 
 pub use collectives::{shard_range, AllReduceAlgo};
-pub use communicator::{Communicator, Options};
+pub use communicator::{CommBackend, Communicator, Options};
 pub use element::{DType, Element, ReduceOp};
 pub use error::{CommError, Result};
 pub use group::{CommStats, ProcessGroup, Work};

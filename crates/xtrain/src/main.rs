@@ -49,7 +49,7 @@ fn main() -> anyhow::Result<()> {
     let cli = Cli::parse();
     // A bad or unsupported XTRAIN_ISA is reported here, before any kernel runs.
     tensor::isa::selected()?;
-    match cli.command {
+    let result = match cli.command {
         Command::Launch(args) => cmd::launch::run(args),
         Command::Train(a) => cmd::train::run_cmd(*a),
         Command::Generate(a) => cmd::generate::run_cmd(a),
@@ -58,5 +58,10 @@ fn main() -> anyhow::Result<()> {
         Command::Plan(a) => cmd::plan::run_cmd(*a),
         Command::Schedule(a) => cmd::schedule::run_cmd(a),
         Command::Bench(args) => cmd::bench::run(args),
+    };
+    if result.is_ok() {
+        // Every group is gone by now; MPI (if this run used it) ends here.
+        comm::env::finalize();
     }
+    result
 }

@@ -2,7 +2,9 @@
 //!
 //! `--nproc N` starts N worker processes itself (through the launcher machinery,
 //! re-invoking this executable); without it the command is a worker of a job started by
-//! `xtrain launch`, srun or mpirun. For each size (doubling from `--min` to `--max`) every
+//! `xtrain launch`, srun or mpirun. `--backend mpi` (a build with the `mpi` feature, under
+//! `mpirun`) measures the MPI library's collectives beside the own ones: each size runs on
+//! the own communicator, then on MPI's, and the table shows both. For each size (doubling from `--min` to `--max`) every
 //! rank first runs the collective once on known data and counts wrong elements, then runs
 //! warm-up and timed iterations, each timed one starting from a barrier. The time of an
 //! iteration is that of the slowest rank; the table shows the median over iterations.
@@ -14,7 +16,7 @@
 //! which makes busbw comparable with the link bandwidth whatever n is.
 use super::super::launch::{run_group, GroupSpec};
 use anyhow::{bail, Context};
-use comm::{AllReduceAlgo, Communicator, Options, ReduceOp, TransportKind};
+use comm::{AllReduceAlgo, CommBackend, Communicator, Options, ReduceOp, TransportKind};
 use std::time::{Duration, Instant};
 
 /// Collective to measure.
@@ -76,6 +78,10 @@ pub struct Args {
     /// (default: XTRAIN_TRANSPORT, else auto).
     #[arg(long, value_parser = parse_transport)]
     pub transport: Option<TransportKind>,
+    /// `own` (default), or `mpi`: the own collectives and the MPI library's side by side
+    /// (run under mpirun, with a build that has the `mpi` feature).
+    #[arg(long, value_parser = parse_backend, default_value = "own")]
+    pub backend: CommBackend,
     /// Smallest size (bytes; K, M, G suffixes are binary).
     #[arg(long, default_value = "4K", value_parser = parse_size)]
     pub min: usize,
@@ -108,6 +114,10 @@ fn parse_algo(s: &str) -> Result<AllReduceAlgo, String> {
         "rhd" => Ok(AllReduceAlgo::HalvingDoubling),
         other => other.parse(),
     }
+}
+
+fn parse_backend(s: &str) -> Result<CommBackend, String> {
+    s.parse()
 }
 
 fn parse_transport(s: &str) -> Result<TransportKind, String> {
@@ -175,6 +185,9 @@ impl Args {
         if self.nproc == Some(0) {
             bail!("--nproc must be at least 1");
         }
+        if self.backend == CommBackend::Mpi && self.nproc.is_some() {
+            bail!("--backend mpi runs under mpirun: `mpirun -np N xtrain bench comm --backend mpi` (without --nproc)");
+        }
         Ok(())
     }
 
@@ -198,6 +211,9 @@ impl Args {
         }
         if self.json {
             a.push("--json".into());
+        }
+        if self.backend != CommBackend::Own {
+            a.push(format!("--backend={}", self.backend.name()));
         }
         if let Some(r) = self.kill_rank {
             a.push(format!("--kill-rank={r}"));
@@ -260,12 +276,30 @@ struct Row {
 
 fn worker(args: &Args) -> anyhow::Result<()> {
     let mut options = Options::from_env()?;
+    options.backend = CommBackend::Own;
     options.transport = args.transport.unwrap_or(options.transport);
     options.algo = args.algo.unwrap_or(options.algo);
     let (transport, algo) = (options.transport, options.algo);
-    let (comm, env) = comm::env::init_with(options)
+    // MPI's world first: joining it is collective over all of mpirun's ranks.
+    let mpi = match args.backend {
+        CommBackend::Own => None,
+        CommBackend::Mpi => {
+            let o = Options {
+                backend: CommBackend::Mpi,
+                ..options.clone()
+            };
+            Some(
+                comm::env::init_with(o)
+                    .context("bench comm: joining MPI's world")?
+                    .0,
+            )
+        }
+    };
+    let (own, env) = comm::env::init_with(options)
         .context("bench comm: joining the job (run with --nproc N, or under `xtrain launch`)")?;
-    let (n, rank) = (comm.size(), comm.rank());
+    let mut comms = vec![("own", &own)];
+    comms.extend(mpi.as_ref().map(|m| ("mpi", m)));
+    let (n, rank) = (own.size(), own.rank());
     let lead = rank == 0;
     if lead && !args.json {
         println!(
@@ -276,24 +310,32 @@ fn worker(args: &Args) -> anyhow::Result<()> {
             algo_name(algo)
         );
         // Which shared-memory data path large ring collectives take (XTRAIN_SHM_SINGLE_COPY).
-        match comm.single_copy_min_bytes() {
+        match own.single_copy_min_bytes() {
             Some(min) => println!("# single-copy shared memory from {min} bytes"),
             None => println!("# single-copy shared memory off"),
         }
-        println!(
-            "#{:>11} {:>12} {:>6} {:>6} {:>6} {:>12} {:>12} {:>12} {:>7}",
-            "size(B)",
-            "count",
-            "type",
-            "redop",
-            "iters",
-            "time(us)",
-            "algbw(GB/s)",
-            "busbw(GB/s)",
-            "#wrong"
+        if mpi.is_some() {
+            println!(
+                "# own collectives beside MPI's ({}), each size on both in turn",
+                comm::env::mpi_library_version().unwrap_or_default()
+            );
+        }
+        print!(
+            "#{:>11} {:>12} {:>6} {:>6} {:>6}",
+            "size(B)", "count", "type", "redop", "iters"
         );
+        for (name, _) in &comms {
+            let prefix = if comms.len() > 1 { *name } else { "" };
+            print!(
+                " {:>12} {:>12} {:>12}",
+                format!("{prefix}time(us)"),
+                format!("{prefix}algbw(GB/s)"),
+                format!("{prefix}busbw(GB/s)")
+            );
+        }
+        println!(" {:>7}", "#wrong");
     }
-    let mut rows = Vec::new();
+    let mut rows: Vec<Vec<Row>> = comms.iter().map(|_| Vec::new()).collect();
     let mut bytes = args.min;
     let mut first = true;
     while bytes <= args.max {
@@ -305,49 +347,57 @@ fn worker(args: &Args) -> anyhow::Result<()> {
         };
         let count = (bytes / 4) / unit * unit;
         if count > 0 {
-            let row = match measure(&comm, args, count, first) {
-                Ok(row) => row,
-                Err(e) => {
-                    if env.hosts_store() {
-                        // Peers look up why a group was aborted in the store this rank
-                        // hosts: keep it up a moment so their errors can name the cause.
-                        std::thread::sleep(Duration::from_secs(1));
+            for (k, (_, c)) in comms.iter().enumerate() {
+                let row = match measure(c, args, count, first) {
+                    Ok(row) => row,
+                    Err(e) => {
+                        if env.hosts_store() {
+                            // Peers look up why a group was aborted in the store this rank
+                            // hosts: keep it up a moment so their errors can name the cause.
+                            std::thread::sleep(Duration::from_secs(1));
+                        }
+                        return Err(e);
                     }
-                    return Err(e);
-                }
-            };
+                };
+                rows[k].push(row);
+            }
             first = false;
             if lead && !args.json {
-                println!(
-                    "{:>12} {:>12} {:>6} {:>6} {:>6} {:>12.1} {:>12.3} {:>12.3} {:>7}",
-                    row.bytes,
-                    row.count,
-                    row.dtype,
-                    row.redop,
-                    row.iters,
-                    row.time_us,
-                    row.algbw_gbs,
-                    row.busbw_gbs,
-                    row.wrong
+                let r0 = rows[0].last().expect("just measured");
+                print!(
+                    "{:>12} {:>12} {:>6} {:>6} {:>6}",
+                    r0.bytes, r0.count, r0.dtype, r0.redop, r0.iters
                 );
+                let mut wrong = 0;
+                for r in rows.iter().map(|r| r.last().expect("just measured")) {
+                    print!(
+                        " {:>12.1} {:>12.3} {:>12.3}",
+                        r.time_us, r.algbw_gbs, r.busbw_gbs
+                    );
+                    wrong += r.wrong;
+                }
+                println!(" {wrong:>7}");
             }
-            rows.push(row);
         }
         bytes = match bytes.checked_mul(args.factor) {
             Some(b) => b,
             None => break,
         };
     }
-    let wrong: i64 = rows.iter().map(|r| r.wrong).sum();
+    let wrong: i64 = rows.iter().flatten().map(|r| r.wrong).sum();
     if lead && args.json {
-        let doc = serde_json::json!({
+        let mut doc = serde_json::json!({
             "op": args.op.name(),
             "nproc": n,
             "transport": transport_name(transport),
             "algo": algo_name(algo),
             "dtype": "float",
-            "rows": rows,
+            "rows": rows[0],
         });
+        if let Some(mpi_rows) = rows.get(1) {
+            doc["mpi_rows"] = serde_json::to_value(mpi_rows)?;
+            doc["mpi_library"] = comm::env::mpi_library_version().unwrap_or_default().into();
+        }
         println!("{}", serde_json::to_string_pretty(&doc)?);
     }
     if wrong > 0 {

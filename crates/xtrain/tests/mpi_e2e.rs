@@ -1,0 +1,234 @@
+//! The MPI backend end to end, where Open MPI is installed (CI installs Debian's
+//! `openmpi-bin` and `libopenmpi-dev`): builds `xtrain` with the `mpi` feature (into its own
+//! target directory, `target/mpi`), then `mpirun -np 4 xtrain train …` trains with the same
+//! losses on MPI's collectives as on the own ones, over data parallel with ZeRO-3, tp × dp with
+//! sequence parallelism, pipeline × dp and expert parallelism; and `xtrain bench comm
+//! --backend mpi` checks and times every benchmarked collective on both; comm's `mpi_parity`
+//! example compares every operation bit for bit. Without `mpirun` the
+//! test says on stderr that it was skipped, and passes.
+mod common;
+use common::*;
+use std::io::Write;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+
+/// The small tiny run of the other end-to-end tests, one sequence per micro-batch.
+const SMALL: [&str; 16] = [
+    "--set",
+    "model.seq_len=16",
+    "--set",
+    "data.corpus_bytes=20000",
+    "--set",
+    "train.micro_batch=1",
+    "--set",
+    "train.warmup_steps=0",
+    "--set",
+    "train.min_lr=1e-3",
+    "--set",
+    "train.threads=1",
+    "--set",
+    "train.sample_tokens=0",
+    "--set",
+    "train.steps=3",
+];
+
+fn on_path(program: &str) -> bool {
+    std::env::var_os("PATH")
+        .is_some_and(|p| std::env::split_paths(&p).any(|d| d.join(program).is_file()))
+}
+
+fn skip(reason: &str) {
+    // Straight to the file descriptor: the test harness captures `eprintln!`.
+    let _ = writeln!(
+        std::io::stderr().lock(),
+        "\nSKIPPED MPI test: {reason} (install openmpi-bin and libopenmpi-dev to run it)"
+    );
+}
+
+/// Builds `xtrain --features mpi` and comm's `mpi_parity` example into `target/mpi`; returns
+/// the release folder.
+fn build_with_mpi() -> PathBuf {
+    let own = Path::new(env!("CARGO_BIN_EXE_xtrain"));
+    // .../target/release/xtrain → .../target/mpi
+    let target = own.parent().unwrap().parent().unwrap().join("mpi");
+    let workspace = Path::new(env!("CARGO_MANIFEST_DIR")).join("../..");
+    let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
+    for what in [
+        &["-p", "xtrain", "--features", "mpi"][..],
+        &["-p", "comm", "--features", "mpi", "--example", "mpi_parity"],
+    ] {
+        let out = Command::new(&cargo)
+            .current_dir(&workspace)
+            .args(["build", "--release"])
+            .args(what)
+            .arg("--target-dir")
+            .arg(&target)
+            .output()
+            .expect("running cargo build");
+        assert!(
+            out.status.success(),
+            "cargo build {what:?} failed:\n{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+    target.join("release")
+}
+
+/// A port free on this host now (for the own backend's rendezvous store under mpirun).
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+/// `mpirun -np 4 <exe> <args>` with `XTRAIN_BACKEND=<backend>`.
+fn mpirun(exe: &Path, backend: &str, args: &[&str]) -> Output {
+    Command::new("mpirun")
+        .args(["--allow-run-as-root", "--oversubscribe", "-np", "4"])
+        .arg(exe)
+        .args(args)
+        .env_remove("RANK")
+        .env_remove("WORLD_SIZE")
+        .env("XTRAIN_BACKEND", backend)
+        .env("MASTER_PORT", free_port().to_string())
+        .env("RUST_LOG", "comm=info")
+        .env("RUST_BACKTRACE", "0")
+        .env("XTRAIN_COMM_TIMEOUT", "120")
+        .output()
+        .expect("running mpirun")
+}
+
+#[test]
+fn mpirun_trains_with_the_own_backends_losses_and_bench_compares_them() {
+    if !on_path("mpirun") {
+        return skip("mpirun is not on PATH");
+    }
+    if !on_path("mpicc") {
+        return skip("mpirun is installed but not the MPI development files (mpicc)");
+    }
+    let release = build_with_mpi();
+    let exe = release.join("xtrain");
+    // Every operation, element type and reduction, on the world and on a reordered
+    // sub-group: MPI's results are the own backend's, bit for bit.
+    for np in ["3", "4"] {
+        let out = Command::new("mpirun")
+            .args(["--allow-run-as-root", "--oversubscribe", "-np", np])
+            .arg(release.join("examples/mpi_parity"))
+            .env_remove("RANK")
+            .env_remove("WORLD_SIZE")
+            .env("MASTER_PORT", free_port().to_string())
+            .env("XTRAIN_COMM_TIMEOUT", "120")
+            .output()
+            .expect("running mpirun");
+        let text = ok(&out);
+        assert!(text.contains("checks agree"), "{text}");
+    }
+    let d = tmp("mpi");
+    let run = |backend: &str, name: &str, layout: &[&str]| -> Vec<(u64, f64)> {
+        let out = d.join(format!("{name}-{backend}"));
+        let args = [
+            &[
+                "train",
+                "--quiet",
+                "--nproc",
+                "4",
+                "--out",
+                out.to_str().unwrap(),
+            ][..],
+            &SMALL,
+            layout,
+        ]
+        .concat();
+        let log = ok(&mpirun(&exe, backend, &args));
+        // The groups really ran on the backend asked for.
+        let on_mpi = log.contains("group world[0,1,2,3]: rank 0 runs on MPI");
+        let on_own = log.contains("group world[0,1,2,3]: rank 0 reaches shm [1, 2, 3] tcp []");
+        assert!(
+            (backend == "mpi" && on_mpi && !on_own) || (backend == "own" && on_own && !on_mpi),
+            "{name} on {backend}:\n{log}"
+        );
+        losses(&out)
+    };
+
+    let single = d.join("single");
+    ok(&xtrain(
+        &[
+            &["train", "--quiet", "--out", single.to_str().unwrap()][..],
+            &SMALL,
+            &["--set", "train.grad_accum=4"],
+        ]
+        .concat(),
+    ));
+    close(
+        &run("mpi", "dp4z3", &["--zero", "3"]),
+        &losses(&single),
+        "dp4 ZeRO-3 on MPI",
+    );
+    for (name, layout) in [
+        (
+            "tp2dp2sp",
+            &["--tp", "2", "--sp", "--set", "train.grad_accum=2"][..],
+        ),
+        ("pp2dp2", &["--pp", "2", "--set", "train.grad_accum=2"]),
+        (
+            "ep2",
+            &[
+                "--preset",
+                "moe-small",
+                "--ep",
+                "2",
+                "--set",
+                "train.steps=2",
+            ],
+        ),
+    ] {
+        let want = run("own", name, layout);
+        close(
+            &run("mpi", name, layout),
+            &want,
+            &format!("{name}: mpi vs own"),
+        );
+    }
+
+    // Every benchmarked collective, checked (#wrong) and timed on both backends.
+    for op in [
+        "all_reduce",
+        "all_gather",
+        "reduce_scatter",
+        "all_to_all",
+        "broadcast",
+    ] {
+        let out = ok(&mpirun(
+            &exe,
+            "own",
+            &[
+                "bench",
+                "comm",
+                "--backend",
+                "mpi",
+                "--op",
+                op,
+                "--min",
+                "4K",
+                "--max",
+                "64K",
+                "--iters",
+                "2",
+                "--warmup",
+                "1",
+            ],
+        ));
+        assert!(
+            out.contains("own collectives beside MPI's (Open MPI"),
+            "{out}"
+        );
+        assert!(
+            out.contains("owntime(us)") && out.contains("mpitime(us)"),
+            "{out}"
+        );
+        assert!(out.contains("all results correct"), "{op}: {out}");
+    }
+    let _ = std::fs::remove_dir_all(&d);
+}
