@@ -120,6 +120,13 @@ fn hosts_or_skip() -> Option<Hosts> {
 fn launch_two_hosts(hosts: &Hosts, out: &Path, layout: &[&str]) -> String {
     let exe = env!("CARGO_BIN_EXE_xtrain");
     let master = format!("{SUBNET}.1");
+    // The store of a job spanning hosts is reachable from other hosts, so every host's
+    // launcher is given the same job secret (as `export XTRAIN_JOB_TOKEN=...` would).
+    let nanos = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .expect("clock after 1970")
+        .as_nanos();
+    let token = format!("multihost-test-{}-{nanos:x}", std::process::id());
     let children: Vec<_> = hosts
         .names
         .iter()
@@ -161,6 +168,7 @@ fn launch_two_hosts(hosts: &Hosts, out: &Path, layout: &[&str]) -> String {
                 .env("RUST_LOG", "comm=info")
                 .env("RUST_BACKTRACE", "0")
                 .env("XTRAIN_COMM_TIMEOUT", "120")
+                .env("XTRAIN_JOB_TOKEN", &token)
                 .stdout(Stdio::piped())
                 .stderr(Stdio::piped())
                 .spawn()
