@@ -16,9 +16,10 @@
 //! have one extra element, so any length (0 included) works for any n.
 use std::ops::Range;
 
+use crate::arg_check;
 use crate::element::{reduce_bytes, scale_avg, scale_avg_bytes, Element, ReduceOp, ScaleBytesFn};
 use crate::engine::{Ctx, Engine, Incoming, Outgoing, Sink};
-use crate::error::{CommError, Result};
+use crate::error::Result;
 use crate::single_copy::WriteBack;
 use crate::wire::OpKind;
 
@@ -173,17 +174,7 @@ impl Engine {
     }
 
     fn check_root(&self, kind: OpKind, root: usize) -> Result<()> {
-        if root >= self.size() {
-            return Err(CommError::invalid(
-                kind.name(),
-                format!(
-                    "root {root} is outside group {} of size {}",
-                    self.desc.name,
-                    self.size()
-                ),
-            ));
-        }
-        Ok(())
+        arg_check::root(kind.name(), &self.desc.name, self.size(), root)
     }
 
     // ---------------------------------------------------------------- point-to-point
@@ -564,18 +555,8 @@ impl Engine {
         op: ReduceOp,
     ) -> Result<()> {
         let (n, r) = (self.size(), self.rank());
+        arg_check::reduce_scatter(n, r, input.len(), output.len())?;
         let mine = shard_range(input.len(), n, r);
-        if output.len() != mine.len() {
-            return Err(CommError::invalid(
-                "reduce_scatter",
-                format!(
-                    "output has {} elements, shard {r} of {} over {n} ranks has {}",
-                    output.len(),
-                    input.len(),
-                    mine.len()
-                ),
-            ));
-        }
         let ctx = self.begin(
             OpKind::ReduceScatter,
             T::DTYPE,
@@ -625,15 +606,7 @@ impl Engine {
     /// `output[i·m..(i+1)·m] = input of rank i`, m = `input.len()` (equal on all ranks).
     pub fn all_gather<T: Element>(&mut self, input: &[T], output: &mut [T]) -> Result<()> {
         let (n, r, m) = (self.size(), self.rank(), input.len());
-        if output.len() != n * m {
-            return Err(CommError::invalid(
-                "all_gather",
-                format!(
-                    "output has {} elements, expected {n} ranks × {m}",
-                    output.len()
-                ),
-            ));
-        }
+        arg_check::all_gather(n, m, output.len())?;
         let ctx = self.begin(OpKind::AllGather, T::DTYPE, None, m as u64)?;
         output[r * m..(r + 1) * m].copy_from_slice(input);
         let segs: Vec<Range<usize>> = (0..n).map(|i| i * m..(i + 1) * m).collect();
@@ -684,18 +657,7 @@ impl Engine {
         if r != root {
             return self.step(&ctx, tag(0, root), Some((root, bytes(input))), None);
         }
-        let out = match output {
-            Some(o) if o.len() == n * m => o,
-            o => {
-                return Err(CommError::invalid(
-                    "gather",
-                    format!(
-                        "root needs an output of {n} × {m} elements, got {:?}",
-                        o.map(|o| o.len())
-                    ),
-                ))
-            }
-        };
+        let out = arg_check::root_blocks("gather", "output", n, m, output)?;
         let mut recvs = Vec::with_capacity(n - 1);
         let mut rest = out;
         for i in 0..n {
@@ -723,18 +685,7 @@ impl Engine {
         if r != root {
             return self.step(&ctx, tag(0, root), None, Some((root, copy_sink(output))));
         }
-        let inp = match input {
-            Some(i) if i.len() == n * m => i,
-            i => {
-                return Err(CommError::invalid(
-                    "scatter",
-                    format!(
-                        "root needs an input of {n} × {m} elements, got {:?}",
-                        i.map(|i| i.len())
-                    ),
-                ))
-            }
-        };
+        let inp = arg_check::root_blocks("scatter", "input", n, m, input)?;
         output.copy_from_slice(&inp[r * m..(r + 1) * m]);
         let mut sends: Vec<Outgoing> = (0..n)
             .filter(|&i| i != r)
@@ -746,16 +697,7 @@ impl Engine {
     /// Block i of `input` goes to rank i; block j of `output` comes from rank j (equal blocks).
     pub fn all_to_all<T: Element>(&mut self, input: &[T], output: &mut [T]) -> Result<()> {
         let n = self.size();
-        if !input.len().is_multiple_of(n) || output.len() != input.len() {
-            return Err(CommError::invalid(
-                "all_to_all",
-                format!(
-                    "input ({}) must split into {n} equal blocks and output must match it ({})",
-                    input.len(),
-                    output.len()
-                ),
-            ));
-        }
+        arg_check::all_to_all(n, input.len(), output.len())?;
         let ctx = self.begin(OpKind::AllToAll, T::DTYPE, None, input.len() as u64)?;
         let counts = vec![input.len() / n; n];
         self.all_to_all_blocks(&ctx, input, &counts, output, &counts)
@@ -769,17 +711,7 @@ impl Engine {
         send_counts: &[usize],
     ) -> Result<(Vec<T>, Vec<usize>)> {
         let n = self.size();
-        if send_counts.len() != n || send_counts.iter().sum::<usize>() != input.len() {
-            return Err(CommError::invalid(
-                "all_to_all_v",
-                format!(
-                    "{} send counts summing to {} for {n} ranks and {} elements",
-                    send_counts.len(),
-                    send_counts.iter().sum::<usize>(),
-                    input.len()
-                ),
-            ));
-        }
+        arg_check::all_to_all_v(n, input.len(), send_counts)?;
         let ctx = self.begin(OpKind::AllToAllV, T::DTYPE, None, 0)?;
         let sc: Vec<i64> = send_counts.iter().map(|&c| c as i64).collect();
         let mut rc = vec![0i64; n];

@@ -9,7 +9,8 @@
 //! - [`group`]: [`ProcessGroup`] with point-to-point and collectives, sync and async ([`Work`]),
 //!   run by a `backend`: the own engine or, with the `mpi` feature, `mpi` (the system MPI).
 //! - [`mesh`]: [`DeviceMesh`], named dimensions from which every group is sliced.
-//! - [`collectives`]: the algorithms (ring, tree, halving-doubling, ...).
+//! - [`collectives`]: the algorithms (ring, tree, halving-doubling, ...); `arg_check`: the
+//!   buffer checks every backend makes before an operation.
 //! - `engine`, `transport` (shm, tcp, cma), `wire`: progress engine, transports, message headers;
 //!   `single_copy`: ring steps that read a same-host peer's buffer directly.
 //! - [`flight`], [`monitor`], [`diagnosis`]: every rank's record of its last operations, its
@@ -18,6 +19,7 @@
 //!   decoder of network bytes on a byte string, for the fuzz tests.
 //!
 //! `comm` knows nothing about tensors: collectives work on plain element slices.
+mod arg_check;
 pub mod auth;
 mod backend;
 pub mod collectives;

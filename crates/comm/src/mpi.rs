@@ -22,6 +22,7 @@ use mpi::ffi;
 use mpi::topology::{Communicator as _, Group as _, SimpleCommunicator};
 use mpi::traits::AsRaw;
 
+use crate::arg_check;
 use crate::element::{DType, Element, ReduceOp};
 use crate::engine::{Counters, GroupDesc};
 use crate::error::{CommError, Result};
@@ -354,16 +355,7 @@ impl MpiGroup {
     }
 
     fn check_root(&self, call: &str, root: usize) -> Result<c_int> {
-        if root >= self.size() {
-            return Err(CommError::invalid(
-                call,
-                format!(
-                    "root {root} is outside group {} of size {}",
-                    self.desc.name,
-                    self.size()
-                ),
-            ));
-        }
+        arg_check::root(call, &self.desc.name, self.size(), root)?;
         Ok(root as c_int)
     }
 
@@ -529,17 +521,7 @@ impl MpiGroup {
         let shards: Vec<usize> = (0..n)
             .map(|i| crate::shard_range(input.len(), n, i).len())
             .collect();
-        if output.len() != shards[r] {
-            return Err(CommError::invalid(
-                "reduce_scatter",
-                format!(
-                    "output has {} elements, shard {r} of {} over {n} ranks has {}",
-                    output.len(),
-                    input.len(),
-                    shards[r]
-                ),
-            ));
-        }
+        arg_check::reduce_scatter(n, r, input.len(), output.len())?;
         self.begin(OpKind::ReduceScatter, std::mem::size_of_val(input))?;
         if input.is_empty() {
             return Ok(());
@@ -565,15 +547,7 @@ impl MpiGroup {
 
     pub fn all_gather<T: Element>(&mut self, input: &[T], output: &mut [T]) -> Result<()> {
         let (n, m) = (self.size(), input.len());
-        if output.len() != n * m {
-            return Err(CommError::invalid(
-                "all_gather",
-                format!(
-                    "output has {} elements, expected {n} ranks × {m}",
-                    output.len()
-                ),
-            ));
-        }
+        arg_check::all_gather(n, m, output.len())?;
         self.begin(OpKind::AllGather, std::mem::size_of_val(input))?;
         let (c, dt) = (count(m, "all_gather")?, datatype(T::DTYPE));
         // SAFETY: m elements in, n × m out.
@@ -631,18 +605,7 @@ impl MpiGroup {
         let root_c = self.check_root("gather", root)?;
         let (n, m) = (self.size(), input.len());
         let out: *mut c_void = if self.rank() == root {
-            match output {
-                Some(o) if o.len() == n * m => out_ptr(o),
-                o => {
-                    return Err(CommError::invalid(
-                        "gather",
-                        format!(
-                            "root needs an output of {n} × {m} elements, got {:?}",
-                            o.map(|o| o.len())
-                        ),
-                    ))
-                }
-            }
+            out_ptr(arg_check::root_blocks("gather", "output", n, m, output)?)
         } else {
             std::ptr::null_mut()
         };
@@ -662,18 +625,8 @@ impl MpiGroup {
         let root_c = self.check_root("scatter", root)?;
         let (n, m) = (self.size(), output.len());
         let (inp, sent): (*const c_void, usize) = if self.rank() == root {
-            match input {
-                Some(i) if i.len() == n * m => (in_ptr(i), std::mem::size_of_val(i)),
-                i => {
-                    return Err(CommError::invalid(
-                        "scatter",
-                        format!(
-                            "root needs an input of {n} × {m} elements, got {:?}",
-                            i.map(|i| i.len())
-                        ),
-                    ))
-                }
-            }
+            let i = arg_check::root_blocks("scatter", "input", n, m, input)?;
+            (in_ptr(i), std::mem::size_of_val(i))
         } else {
             (std::ptr::null(), 0)
         };
@@ -686,16 +639,7 @@ impl MpiGroup {
 
     pub fn all_to_all<T: Element>(&mut self, input: &[T], output: &mut [T]) -> Result<()> {
         let n = self.size();
-        if !input.len().is_multiple_of(n) || output.len() != input.len() {
-            return Err(CommError::invalid(
-                "all_to_all",
-                format!(
-                    "input ({}) must split into {n} equal blocks and output must match it ({})",
-                    input.len(),
-                    output.len()
-                ),
-            ));
-        }
+        arg_check::all_to_all(n, input.len(), output.len())?;
         self.begin(OpKind::AllToAll, std::mem::size_of_val(input))?;
         let (c, dt) = (count(input.len() / n, "all_to_all")?, datatype(T::DTYPE));
         // SAFETY: n blocks of c elements in and out.
@@ -710,17 +654,7 @@ impl MpiGroup {
         send_counts: &[usize],
     ) -> Result<(Vec<T>, Vec<usize>)> {
         let n = self.size();
-        if send_counts.len() != n || send_counts.iter().sum::<usize>() != input.len() {
-            return Err(CommError::invalid(
-                "all_to_all_v",
-                format!(
-                    "{} send counts summing to {} for {n} ranks and {} elements",
-                    send_counts.len(),
-                    send_counts.iter().sum::<usize>(),
-                    input.len()
-                ),
-            ));
-        }
+        arg_check::all_to_all_v(n, input.len(), send_counts)?;
         self.begin(OpKind::AllToAllV, std::mem::size_of_val(input))?;
         let sc = counts(send_counts, "all_to_all_v")?;
         let mut rc_counts: Vec<c_int> = vec![0; n];
