@@ -12,22 +12,12 @@ use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 
-/// The small tiny run of the other end-to-end tests, one sequence per micro-batch.
-const SMALL: [&str; 16] = [
-    "--set",
-    "model.seq_len=16",
-    "--set",
-    "data.corpus_bytes=20000",
+/// Added to `FAST_RUN`: one sequence per micro-batch, three steps.
+const SMALL: [&str; 6] = [
     "--set",
     "train.micro_batch=1",
     "--set",
-    "train.warmup_steps=0",
-    "--set",
     "train.min_lr=1e-3",
-    "--set",
-    "train.threads=1",
-    "--set",
-    "train.sample_tokens=0",
     "--set",
     "train.steps=3",
 ];
@@ -137,6 +127,7 @@ fn mpirun_trains_with_the_own_backends_losses_and_bench_compares_them() {
                 "--out",
                 out.to_str().unwrap(),
             ][..],
+            &FAST_RUN,
             &SMALL,
             layout,
         ]
@@ -156,6 +147,7 @@ fn mpirun_trains_with_the_own_backends_losses_and_bench_compares_them() {
     ok(&xtrain(
         &[
             &["train", "--quiet", "--out", single.to_str().unwrap()][..],
+            &FAST_RUN,
             &SMALL,
             &["--set", "train.grad_accum=4"],
         ]

@@ -7,25 +7,15 @@ mod common;
 use common::*;
 use std::path::Path;
 
-/// A small, fast run of a 4-layer tiny model (every pipeline stage of a V needs a layer):
-/// short sequences, a small corpus, a constant learning rate, one kernel thread per rank.
-const SMALL: [&str; 18] = [
+/// Added to `FAST_RUN`: a 4-layer tiny model (every pipeline stage of a V needs a layer), a
+/// constant learning rate.
+const SMALL: [&str; 8] = [
     "--set",
     "model.num_layers=4",
     "--set",
-    "model.seq_len=16",
-    "--set",
-    "data.corpus_bytes=20000",
-    "--set",
     "train.micro_batch=1",
     "--set",
-    "train.warmup_steps=0",
-    "--set",
     "train.min_lr=3e-3",
-    "--set",
-    "train.threads=1",
-    "--set",
-    "train.sample_tokens=0",
     "--set",
     "train.eval_batches=1",
 ];
@@ -33,7 +23,13 @@ const SMALL: [&str; 18] = [
 fn train(args: &[&str], out: &Path) -> String {
     let out_s = out.to_str().unwrap();
     ok(&xtrain(
-        &[&["train", "--quiet", "--out", out_s][..], &SMALL, args].concat(),
+        &[
+            &["train", "--quiet", "--out", out_s][..],
+            &FAST_RUN,
+            &SMALL,
+            args,
+        ]
+        .concat(),
     ))
 }
 

@@ -4,6 +4,22 @@
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 
+/// The settings every end-to-end training run shares: short sequences of a small corpus, the
+/// full learning rate from step 1, one kernel thread per rank, no text samples. Each test adds
+/// its micro-batch, learning-rate floor and steps.
+pub const FAST_RUN: [&str; 10] = [
+    "--set",
+    "model.seq_len=16",
+    "--set",
+    "data.corpus_bytes=20000",
+    "--set",
+    "train.warmup_steps=0",
+    "--set",
+    "train.threads=1",
+    "--set",
+    "train.sample_tokens=0",
+];
+
 /// Runs the built `xtrain` with `args` (outside any launched job).
 pub fn xtrain(args: &[&str]) -> Output {
     Command::new(env!("CARGO_BIN_EXE_xtrain"))
