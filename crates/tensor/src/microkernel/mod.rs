@@ -12,6 +12,10 @@
 //! every path, so the same bits.
 
 #[cfg(target_arch = "x86_64")]
+mod row_groups;
+#[cfg(target_arch = "x86_64")]
+use row_groups::softmax_row_drivers;
+#[cfg(target_arch = "x86_64")]
 mod avx2;
 #[cfg(target_arch = "x86_64")]
 mod avx512;
