@@ -102,14 +102,19 @@ fn add_into(g: &mut [f32], d: &[f32]) {
 }
 
 impl HeadCache {
-    /// Bytes this cache holds (input, normed input, rstd, lse, targets): the fused loss keeps
-    /// no logits, so this is all the head keeps alive until its backward.
+    /// Bytes this cache holds (input, normed input, rstd, lse, targets, and the early
+    /// gradients `dxn` and `dW` when the forward computed them): the fused loss keeps no
+    /// logits, so this is all the head keeps alive until its backward.
     pub fn bytes(&self) -> usize {
         super::act_bytes(&self.x)
             + super::act_bytes(&self.xn)
             + super::act_bytes(&self.rstd)
             + super::act_bytes(&self.lse)
             + std::mem::size_of_val(self.targets.as_slice())
+            + self
+                .early
+                .as_ref()
+                .map_or(0, |e| super::act_bytes(&e.dxn) + super::act_bytes(&e.dw))
     }
 }
 

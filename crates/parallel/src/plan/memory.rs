@@ -69,6 +69,10 @@ struct Local {
     hd: usize,
     /// FFN width this rank computes per token (top-k experts and the shared expert for MoE).
     ffn: usize,
+    /// Vocabulary × hidden: the LM-head weight gradient a head without tensor parallelism
+    /// computes in its forward (the loss's gradient scale is known then) and keeps until its
+    /// weight half runs; 0 under tensor parallelism (that head recomputes in its backward).
+    early_dw: usize,
     /// A MoE block's routing: (experts, top-k, expert FFN width and shared-expert width on
     /// this rank, tokens come back over an all-to-all).
     moe: Option<(usize, usize, usize, usize, bool)>,
@@ -91,6 +95,11 @@ fn local(job: &Job, l: &Layout) -> Local {
         kv: if l.tp <= kv { kv / l.tp } else { 1 },
         hd: m.head_dim(),
         ffn: ffn / l.tp,
+        early_dw: if l.tp == 1 {
+            m.vocab_size * m.hidden_size
+        } else {
+            0
+        },
         moe: m.is_moe().then(|| {
             (
                 m.num_local_experts,
@@ -107,7 +116,12 @@ fn local(job: &Job, l: &Layout) -> Local {
 fn xtrain_cache(part: Part, x: &Local, rc: Recompute) -> usize {
     let e = match part {
         Part::Embedding => return 4 * x.t, // the token ids (u32)
-        Part::Head => x.t_res * x.h + x.t * x.h + x.t_res + x.t + 2 * x.t, // + i64 targets
+        // Input, normed input, rstd, log-sum-exp, i64 targets; without tp the early
+        // gradients dxn and dW.
+        Part::Head => {
+            let early = if x.early_dw > 0 { x.t * x.h + x.early_dw } else { 0 };
+            x.t_res * x.h + x.t * x.h + x.t_res + x.t + 2 * x.t + early
+        }
         Part::Block(_) => match rc {
             Recompute::Full => x.t_res * x.h,
             _ => {
@@ -139,11 +153,14 @@ fn xtrain_cache(part: Part, x: &Local, rc: Recompute) -> usize {
 }
 
 /// Bytes a unit's pending weight-gradient work holds (split backward): each linear's input
-/// and output gradient, each norm's input, output gradient and rstd.
-fn xtrain_pending(part: Part, x: &Local) -> usize {
+/// and output gradient, each norm's input, output gradient and rstd; a head without tensor
+/// parallelism its normed input and its gradient, input, rstd, log-sum-exp, targets and the
+/// early `dW`; a tensor-parallel head its finished gradient (`params` elements).
+fn xtrain_pending(part: Part, x: &Local, params: usize) -> usize {
     let e = match part {
         Part::Embedding => x.t + x.t_res * x.h,
-        Part::Head => 2 * x.t * x.h + x.t_res * x.h + x.t_res + x.t + 2 * x.t,
+        Part::Head if x.early_dw == 0 => params,
+        Part::Head => 2 * x.t * x.h + x.t_res * x.h + x.t_res + x.t + 2 * x.t + x.early_dw,
         Part::Block(_) => {
             let attn = 2 * x.t * x.h + 2 * x.t * x.heads * x.hd + 2 * x.t * x.kv * x.hd;
             let mlp = 2 * x.t * x.h + 3 * x.t * x.ffn;
@@ -209,12 +226,12 @@ pub fn stage_bytes(
         let (cache, pending) = match job.conventions {
             Conventions::Xtrain => (
                 xtrain_cache(part, &x, l.recompute),
-                xtrain_pending(part, &x),
+                xtrain_pending(part, &x, n),
             ),
             Conventions::Megatron => match part {
                 Part::Block(_) => {
                     let c = megatron_layer(job, l, &x);
-                    (c, xtrain_pending(part, &x) / 2)
+                    (c, xtrain_pending(part, &x, n) / 2)
                 }
                 _ => (0, 0),
             },
