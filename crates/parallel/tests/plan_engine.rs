@@ -20,6 +20,7 @@ fn check(cfg: &model::ModelConfig, l: Layout, precision: Precision, exact_activa
         global_batch: GLOBAL,
         precision,
         conventions: Conventions::Xtrain,
+        expert_imbalance: 1.0,
     };
     let cluster = Cluster::preset("a100-80g", 1).unwrap();
     let pred = evaluate(&job, &cluster, &l).unwrap();
@@ -109,7 +110,11 @@ fn pipeline_and_context_layouts_match_the_engine() {
     }
     // Split backwards: the weight-gradient work pending between the two halves, with and
     // without a tensor-parallel head.
-    for text in ["pp2 zb-h1 mb2x4", "pp2 zb-v mb2x4", "tp2 pp2 sp zb-h1 mb2x4"] {
+    for text in [
+        "pp2 zb-h1 mb2x4",
+        "pp2 zb-v mb2x4",
+        "tp2 pp2 sp zb-h1 mb2x4",
+    ] {
         check(&cfg4, layout(text), Precision::Fp32, true);
     }
 }
@@ -120,7 +125,11 @@ fn expert_parallel_layouts_match_the_engine_where_the_load_is_fixed() {
     // the balanced load the planner assumes, so its activations are exact too.
     let mut cfg = moe();
     cfg.num_experts_per_tok = cfg.num_local_experts;
-    for text in ["dp2 ep2 z1 mb4x1", "dp2 ep2 z3 mb2x2", "pp2 dp2 ep2 z1 1f1b mb1x4"] {
+    for text in [
+        "dp2 ep2 z1 mb4x1",
+        "dp2 ep2 z3 mb2x2",
+        "pp2 dp2 ep2 z1 1f1b mb1x4",
+    ] {
         check(&cfg, layout(text), Precision::Fp32, true);
     }
 }
@@ -133,4 +142,45 @@ fn expert_parallel_model_states_match_the_engine() {
     assert_eq!(l.recompute, Recompute::None);
     assert_eq!(l.zero, ZeroStage::One);
     check(&moe(), l, Precision::Fp32, false);
+}
+
+#[test]
+fn resident_memory_decides_the_fit_and_imbalance_slows_only_expert_parallelism() {
+    let job = |imbalance: f64| Job {
+        model: moe(),
+        seq_len: 8,
+        global_batch: GLOBAL,
+        precision: Precision::Fp32,
+        conventions: Conventions::Xtrain,
+        expert_imbalance: imbalance,
+    };
+    let mut cluster = Cluster::preset("a100-80g", 1).unwrap();
+    cluster.process_bytes = 5 << 20;
+    cluster.group_peer_bytes = 2 << 20;
+    let ep = layout("dp2 ep2 z1 mb4x1");
+    let p = evaluate(&job(1.0), &cluster, &ep).unwrap();
+    let r = &p.ranks[0];
+    // dp2 × ep2: the world, the dp × cp group and the ep group, one peer each.
+    assert_eq!(r.process, (5 << 20) + 3 * (2 << 20));
+    assert!(r.workspace > 0);
+    assert_eq!(r.resident(), r.account.total() + r.workspace + r.process);
+    assert_eq!(p.resident, r.resident());
+    // A device between the account and the resident bytes does not fit.
+    cluster.memory_bytes = (r.account.total() + r.workspace) as u64;
+    assert!(!evaluate(&job(1.0), &cluster, &ep).unwrap().fits);
+    cluster.memory_bytes = r.resident() as u64;
+    assert!(evaluate(&job(1.0), &cluster, &ep).unwrap().fits);
+    // The busiest expert rank sets the pace with expert parallelism, not without.
+    let slow = evaluate(&job(1.5), &cluster, &ep).unwrap();
+    assert!(slow.time.compute_s > p.time.compute_s, "{:?}", slow.time);
+    assert!(slow.time.ep_comm_s > p.time.ep_comm_s, "{:?}", slow.time);
+    assert_eq!(
+        slow.peak, p.peak,
+        "memory is predicted at the balanced load"
+    );
+    let dp = layout("dp2 z1 mb4x1");
+    assert_eq!(
+        evaluate(&job(1.5), &cluster, &dp).unwrap().time,
+        evaluate(&job(1.0), &cluster, &dp).unwrap().time
+    );
 }

@@ -39,6 +39,7 @@ fn zero_paper_7b_model_states() {
         global_batch: 8,
         precision: Precision::Bf16,
         conventions: Conventions::Xtrain,
+        expert_imbalance: 1.0,
     };
     let cluster = Cluster::preset("a100-80g", 1).unwrap();
     for (text, stage) in [
@@ -60,6 +61,7 @@ fn gpt3() -> (Job, Cluster) {
         global_batch: 64,
         precision: Precision::Bf16,
         conventions: Conventions::Megatron,
+        expert_imbalance: 1.0,
     };
     (job, Cluster::preset("a100-80g", 8).unwrap())
 }
@@ -110,6 +112,7 @@ fn llama_70b_on_64_a100s_ranks_tp8_pp2_dp4_in_the_top_three() {
         global_batch: 512,
         precision: Precision::Bf16,
         conventions: Conventions::Megatron,
+        expert_imbalance: 1.0,
     };
     let cluster = Cluster::preset("a100-80g", 8).unwrap();
     // Megatron-LM's options: distributed optimizer (ZeRO-1), no context parallelism.
@@ -159,6 +162,7 @@ fn a_model_that_fits_nowhere_gets_the_smallest_shortfall_and_a_remedy() {
         global_batch: 16,
         precision: Precision::Bf16,
         conventions: Conventions::Megatron,
+        expert_imbalance: 1.0,
     };
     let cluster = Cluster::preset("a100-80g", 1).unwrap();
     let p = plan(&job, &cluster, &SearchSpace::default()).unwrap();

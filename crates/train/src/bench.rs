@@ -48,6 +48,10 @@ pub struct BenchReport {
     /// the timed steps ran (Linux `/proc/stat`; `None` elsewhere). On a shared VM this is what
     /// makes the same binary 25–40 % slower from one minute to the next.
     pub cpu_steal: Option<f64>,
+    /// With expert parallelism: how unevenly the router loaded the ranks' experts during the
+    /// timed steps — over every MoE forward, the busiest rank's routed rows summed, over the
+    /// mean rank's (1 = balanced). The all-to-alls wait for the busiest rank.
+    pub expert_imbalance: Option<f64>,
     /// With pipeline parallelism: the measured bubble beside the simulator's.
     pub pipeline: Option<crate::pipeline::PipelineReport>,
     /// With context parallelism: each rank's attention compute and exposed ring wait, seconds
@@ -124,6 +128,12 @@ impl std::fmt::Display for BenchReport {
                 100.0 * st
             )?;
         }
+        if let Some(x) = self.expert_imbalance {
+            writeln!(
+                f,
+                "expert load: the busiest rank's routed rows are {x:.2}× the mean (the all-to-alls wait for it)"
+            )?;
+        }
         if let Some(p) = &self.pipeline {
             writeln!(f, "{p}")?;
         }
@@ -154,6 +164,27 @@ impl std::fmt::Display for BenchReport {
                 .unwrap_or_default()
         )
     }
+}
+
+/// Σ over MoE forwards of the busiest rank's routed rows, over Σ of the mean rank's, from
+/// every rank's `rows` (one entry per forward, in order); `None` when the ranks recorded
+/// different numbers of forwards or none. A collective.
+fn expert_imbalance(comm: &Communicator, rows: &[u64]) -> Result<Option<f64>> {
+    let mut len = [rows.len() as f32, -(rows.len() as f32)];
+    comm.all_reduce(&mut len, comm::ReduceOp::Max)?;
+    if len[0] != -len[1] || rows.is_empty() {
+        return Ok(None);
+    }
+    let mine: Vec<f32> = rows.iter().map(|&r| r as f32).collect();
+    let mut all = vec![0.0f32; mine.len() * comm.size()];
+    comm.all_gather(&mine, &mut all)?;
+    let (mut busiest, mut mean) = (0.0f64, 0.0f64);
+    for i in 0..mine.len() {
+        let call = all.chunks_exact(mine.len()).map(|r| r[i] as f64);
+        busiest += call.clone().fold(0.0, f64::max);
+        mean += call.sum::<f64>() / comm.size() as f64;
+    }
+    Ok((mean > 0.0).then(|| busiest / mean))
 }
 
 /// Runs `steps` timed optimizer steps (after one warm-up step) of `cfg` on this rank of
@@ -191,6 +222,11 @@ pub fn bench_train(
     }
     let cpu_steal = steal_share(ticks0, cpu_ticks());
     model::profile::enable(false);
+    let expert_imbalance = if t.dims.ep > 1 {
+        expert_imbalance(comm, &model::profile::expert_rows())?
+    } else {
+        None
+    };
     let pipeline = t.pipeline_report()?;
     let context = if t.dims.cp > 1 {
         let secs = |k: model::profile::Kernel| {
@@ -250,6 +286,7 @@ pub fn bench_train(
         peak_rss_bytes: peak_rss_bytes(),
         profile,
         cpu_steal,
+        expert_imbalance,
         pipeline,
         context,
     }))

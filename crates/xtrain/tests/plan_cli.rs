@@ -97,3 +97,42 @@ fn a_model_that_fits_nowhere_and_bad_input() {
     ]));
     assert!(err.contains("layout token `warp9`"), "{err}");
 }
+
+#[test]
+fn this_machine_is_calibrated_by_a_worker_per_device() {
+    // Two calibration workers run at once, one per device; the breakdown adds the backward's
+    // workspace and the measured process to the engine's account.
+    let out = ok(&xtrain(&[
+        "plan",
+        "--model",
+        "tiny",
+        "--devices",
+        "2",
+        "--precision",
+        "fp32",
+        "--explain",
+        "dp2 mb8x1",
+    ]));
+    assert!(out.contains("2 devices"), "{out}");
+    let line = out
+        .lines()
+        .find(|l| l.contains("backward workspace"))
+        .unwrap_or_else(|| panic!("{out}"));
+    assert!(
+        line.contains("process") && line.ends_with("resident"),
+        "{out}"
+    );
+    let err = failed(&xtrain(&[
+        "plan",
+        "--model",
+        "tiny",
+        "--cluster",
+        "a100-80g",
+        "--expert-imbalance",
+        "0.5",
+    ]));
+    assert!(
+        err.contains("--expert-imbalance must be at least 1"),
+        "{err}"
+    );
+}

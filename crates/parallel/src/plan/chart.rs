@@ -1,6 +1,7 @@
 //! The memory chart: one stacked bar per layout (its fullest rank's parameters, gradients,
-//! master weights, optimizer states, communication buffers and activations) against a
-//! dashed line at the device's memory, as SVG.
+//! master weights, optimizer states, communication buffers, activations, and the backward's
+//! workspace with the process around it) against a dashed line at the device's memory, as
+//! SVG.
 use plotters::prelude::*;
 
 use super::search::Prediction;
@@ -19,7 +20,7 @@ pub fn memory_svg(
     let limit = limit_bytes as f64 / GIB;
     let top = preds
         .iter()
-        .map(|p| p.peak.total() as f64 / GIB)
+        .map(|p| p.resident as f64 / GIB)
         .fold(limit, f64::max)
         * 1.1;
     let mut svg = String::new();
@@ -52,17 +53,19 @@ pub fn memory_svg(
             )
             .draw()
             .map_err(|e| err(e.to_string()))?;
-        const PARTS: [(&str, RGBColor); 6] = [
+        const PARTS: [(&str, RGBColor); 7] = [
             ("parameters", RGBColor(31, 119, 180)),
             ("gradients", RGBColor(255, 127, 14)),
             ("master weights", RGBColor(44, 160, 44)),
             ("optimizer states", RGBColor(214, 39, 40)),
             ("communication buffers", RGBColor(148, 103, 189)),
             ("activations", RGBColor(140, 86, 75)),
+            ("workspace and process", RGBColor(127, 127, 127)),
         ];
         for (k, &(name, color)) in PARTS.iter().enumerate() {
             let bars = preds.iter().enumerate().map(|(i, p)| {
-                let a = p.peak.to_array();
+                let mut a = p.peak.to_array().to_vec();
+                a.push(p.resident as i64 - p.peak.total() as i64);
                 let below: f64 = a[..k].iter().sum::<i64>() as f64 / GIB;
                 let h = a[k] as f64 / GIB;
                 let x = i as f64;

@@ -47,6 +47,16 @@ pub struct Cluster {
     pub intra: Link,
     /// Between nodes.
     pub inter: Link,
+    /// Resident bytes of a rank's process besides its model, its buffers and its workspace:
+    /// the binary, libraries and runtime. 0 in the GPU presets (device memory holds none of
+    /// it; a CUDA context and library workspaces are not counted); this machine's is the
+    /// planning process's own resident set, the same binary before it builds a model.
+    #[serde(default)]
+    pub process_bytes: u64,
+    /// Bytes a rank maps for each peer of each communication group it joins (the
+    /// shared-memory transport's two rings); 0 in the GPU presets.
+    #[serde(default)]
+    pub group_peer_bytes: u64,
 }
 
 const GIB: u64 = 1 << 30;
@@ -72,6 +82,8 @@ impl Cluster {
                     latency: 10e-6,
                     bandwidth: 23e9,
                 },
+                process_bytes: 0,
+                group_peer_bytes: 0,
             },
             "h100-80g" | "h100" => Cluster {
                 name: "H100-80G".into(),
@@ -90,6 +102,8 @@ impl Cluster {
                     latency: 8e-6,
                     bandwidth: 46e9,
                 },
+                process_bytes: 0,
+                group_peer_bytes: 0,
             },
             other => {
                 return Err(ParallelError::Config(format!(
@@ -137,6 +151,8 @@ impl Cluster {
             memory_bandwidth,
             intra: link,
             inter: link,
+            process_bytes: 0,
+            group_peer_bytes: 0,
         }
     }
 

@@ -23,7 +23,7 @@
 use model::{ModelConfig, ParamLayout, Recompute};
 
 use super::layout::Layout;
-use super::{Conventions, Job};
+use super::{Cluster, Conventions, Job};
 use crate::data_parallel::bucket::DEFAULT_BUCKET_BYTES;
 use crate::memory::{formula, MemoryAccount};
 use crate::pipeline_parallel::split::{stage_parts, Part};
@@ -45,6 +45,9 @@ pub struct StageBytes {
     /// Highest rise above the start of a split backward's input half (units release their
     /// cache and leave pending work one by one, last unit first).
     pub input_rise: usize,
+    /// The largest working set one of the stage's units allocates beyond the caches while
+    /// its backward runs, bytes.
+    pub workspace: usize,
     /// Layers (blocks) of the stage.
     pub layers: usize,
     pub has_embedding: bool,
@@ -119,7 +122,11 @@ fn xtrain_cache(part: Part, x: &Local, rc: Recompute) -> usize {
         // Input, normed input, rstd, log-sum-exp, i64 targets; without tp the early
         // gradients dxn and dW.
         Part::Head => {
-            let early = if x.early_dw > 0 { x.t * x.h + x.early_dw } else { 0 };
+            let early = if x.early_dw > 0 {
+                x.t * x.h + x.early_dw
+            } else {
+                0
+            };
             x.t_res * x.h + x.t * x.h + x.t_res + x.t + 2 * x.t + early
         }
         Part::Block(_) => match rc {
@@ -168,6 +175,35 @@ fn xtrain_pending(part: Part, x: &Local, params: usize) -> usize {
         }
     };
     4 * e
+}
+
+/// Bytes one unit's backward allocates beyond its cache while it runs, in this engine (an
+/// estimate: the tensors alive when its input half ends). A block: the gradients at its
+/// output, residual and input, at both norms' outputs, at q, k and v, at the FFN's gate and
+/// up projections (a MoE block: per routed row, the expert's gate and up and the row's input
+/// and output, plus the shared expert), and whatever recomputation rebuilds (the cache
+/// without recomputation less the cache kept). The head: its input gradient and normed
+/// input's; the embedding: its output gradient.
+fn xtrain_workspace(part: Part, x: &Local, rc: Recompute) -> usize {
+    match part {
+        Part::Embedding => 4 * x.t_res * x.h,
+        Part::Head => 4 * (x.t * x.h + x.t_res * x.h),
+        Part::Block(_) => {
+            let grads = 3 * x.t_res * x.h
+                + 2 * x.t * x.h
+                + x.t * x.heads * x.hd
+                + 2 * x.t * x.kv * x.hd
+                + match x.moe {
+                    None => 2 * x.t * x.ffn,
+                    Some((_, k, fe, fs, _)) => {
+                        let rows = x.t * k;
+                        2 * rows * fe + 2 * rows * x.h + 2 * x.t * fs
+                    }
+                };
+            let recomputed = xtrain_cache(part, x, Recompute::None) - xtrain_cache(part, x, rc);
+            4 * grads + recomputed
+        }
+    }
 }
 
 /// Megatron's bytes per layer and micro-batch (16-bit activations, see the module doc).
@@ -223,19 +259,21 @@ pub fn stage_bytes(
         };
         s.params += n;
         s.max_unit = s.max_unit.max(n);
-        let (cache, pending) = match job.conventions {
+        let (cache, pending, workspace) = match job.conventions {
             Conventions::Xtrain => (
                 xtrain_cache(part, &x, l.recompute),
                 xtrain_pending(part, &x, n),
+                xtrain_workspace(part, &x, l.recompute),
             ),
             Conventions::Megatron => match part {
                 Part::Block(_) => {
                     let c = megatron_layer(job, l, &x);
-                    (c, xtrain_pending(part, &x, n) / 2)
+                    (c, xtrain_pending(part, &x, n) / 2, 0)
                 }
-                _ => (0, 0),
+                _ => (0, 0, 0),
             },
         };
+        s.workspace = s.workspace.max(workspace);
         s.cache += cache;
         s.pending += pending;
         level += pending as isize - cache as isize;
@@ -333,7 +371,39 @@ pub struct RankMemory {
     pub zero_group: usize,
     /// Layers (blocks) the rank holds.
     pub layers: usize,
+    /// What the engine accounts for (model states, communication buffers, activations).
     pub account: MemoryAccount,
+    /// The backward's working set beyond the account ([`StageBytes::workspace`]).
+    pub workspace: usize,
+    /// The process around it: [`Cluster::process_bytes`] and the transport's buffers for the
+    /// rank's groups ([`group_peers`] × [`Cluster::group_peer_bytes`]).
+    pub process: usize,
+}
+
+impl RankMemory {
+    /// Predicted resident bytes: the account, the workspace and the process.
+    pub fn resident(&self) -> usize {
+        self.account.total() + self.workspace + self.process
+    }
+}
+
+/// Peers over all the communication groups one rank of `l` joins (an estimate of the groups
+/// the engine opens): the world; tensor parallelism's group; the dp × cp group gradients
+/// are reduced over; context parallelism's group and its ring's gradient group; the
+/// pipeline's group and its links (a two-rank group per direction for each stage boundary
+/// the rank sits at: up to two per virtual stage); expert parallelism's dispatch group.
+pub fn group_peers(l: &Layout) -> usize {
+    if l.world() == 1 {
+        return 0;
+    }
+    let boundaries = (l.pp - 1).min(2) * l.virtual_stages.max(1);
+    (l.world() - 1)
+        + (l.tp - 1)
+        + (l.dp * l.cp - 1)
+        + 2 * (l.cp - 1)
+        + (l.pp - 1)
+        + 2 * boundaries
+        + (l.ep - 1)
 }
 
 /// The schedule of training without pipeline parallelism: one stage, `m` micro-batches.
@@ -369,7 +439,10 @@ pub fn predict(
     sched: &Schedule,
     profile: &Profile,
     per_split: &[StageBytes],
+    cluster: &Cluster,
 ) -> Vec<RankMemory> {
+    let process =
+        cluster.process_bytes as usize + group_peers(l) * cluster.group_peer_bytes as usize;
     let stage = |s: usize| per_split[sched.stage_split(s)];
     let mut out = Vec::with_capacity(sched.num_ranks());
     for r in 0..sched.num_ranks() {
@@ -377,6 +450,11 @@ pub fn predict(
         let params: usize = stages.iter().map(|&s| stage(s).params).sum();
         let max_unit = stages.iter().map(|&s| stage(s).max_unit).max().unwrap_or(0);
         let layers = stages.iter().map(|&s| stage(s).layers).sum();
+        let workspace = stages
+            .iter()
+            .map(|&s| stage(s).workspace)
+            .max()
+            .unwrap_or(0);
         let n = zero_group(l, sched, r);
         let mut account = formula(params, n, l.zero, job.precision);
         if job.conventions == Conventions::Megatron && job.precision.half().is_some() {
@@ -391,6 +469,8 @@ pub fn predict(
             zero_group: n,
             layers,
             account,
+            workspace,
+            process,
         });
     }
     out

@@ -51,4 +51,10 @@ pub struct Job {
     pub global_batch: usize,
     pub precision: Precision,
     pub conventions: Conventions,
+    /// With expert parallelism: over every MoE layer, the busiest rank's routed rows over the
+    /// mean (1 = the balanced load). Routing decides it at run time, so it is an input: it
+    /// multiplies the routed experts' compute on the critical path and their all-to-all
+    /// bytes (the all-to-alls wait for the busiest rank). Memory is predicted at the
+    /// balanced load, the expectation of every rank's rows summed over its layers.
+    pub expert_imbalance: f64,
 }

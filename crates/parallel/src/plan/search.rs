@@ -80,8 +80,11 @@ pub struct Prediction {
     pub layout: Layout,
     /// Every pipeline rank's memory.
     pub ranks: Vec<RankMemory>,
-    /// The fullest rank's.
+    /// The fullest rank's account (the rank with the most resident bytes).
     pub peak: MemoryAccount,
+    /// That rank's predicted resident bytes ([`memory::RankMemory::resident`]): what must
+    /// fit in the device.
+    pub resident: usize,
     pub time: StepTime,
     /// The schedule's mean bubble share (simulated with unit costs).
     pub bubble: f64,
@@ -257,7 +260,7 @@ fn evaluate_cached(
     let layout = &cache.layouts[&key];
     let splits = sched.stage_splits().max(1);
     let per_split = memory::split_bytes(job, l, layout, splits)?;
-    let mut ranks = memory::predict(job, l, sched, &sampled.a.3, &per_split);
+    let mut ranks = memory::predict(job, l, sched, &sampled.a.3, &per_split, cluster);
     if sampled.b.is_some() {
         for r in ranks.iter_mut() {
             let pp = r.pp_rank;
@@ -281,16 +284,16 @@ fn evaluate_cached(
     let time = time::predict(job, cluster, l, &stages, &params, group, makespan);
     let busy_units = 3.0 * (l.microbatches * sched.local_stages(0).len()) as f64;
     let bubble = (1.0 - busy_units / makespan).max(0.0);
-    let peak = ranks
+    let (peak, resident) = ranks
         .iter()
-        .map(|r| r.account)
-        .max_by_key(|a| a.total())
-        .unwrap_or_default();
+        .max_by_key(|r| r.resident())
+        .map_or((MemoryAccount::default(), 0), |r| (r.account, r.resident()));
     Ok(Prediction {
         layout: *l,
-        fits: peak.total() as u64 <= cluster.memory_bytes,
+        fits: resident as u64 <= cluster.memory_bytes,
         ranks,
         peak,
+        resident,
         time,
         bubble,
     })
@@ -402,7 +405,7 @@ pub fn plan(job: &Job, cluster: &Cluster, space: &SearchSpace) -> Result<Plan, P
         b.time
             .tokens_per_s
             .total_cmp(&a.time.tokens_per_s)
-            .then(a.peak.total().cmp(&b.peak.total()))
+            .then(a.resident.cmp(&b.resident))
     });
     let (feasible, rest): (Vec<_>, Vec<_>) = all.into_iter().partition(|p| p.fits);
     let shortfall = if feasible.is_empty() {
@@ -427,9 +430,9 @@ fn shortfall(
 ) -> Shortfall {
     let closest = rest
         .into_iter()
-        .min_by_key(|p| p.peak.total())
+        .min_by_key(|p| p.resident)
         .expect("at least one layout was evaluated");
-    let need = closest.peak.total() as u64;
+    let need = closest.resident as u64;
     let short = need.saturating_sub(cluster.memory_bytes);
     let mut suggestions = vec![format!(
         "a device with at least {} (this one has {}), at {}",

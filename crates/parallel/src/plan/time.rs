@@ -21,7 +21,9 @@
 //!   per block forward and two backward, on the critical path;
 //! - cp: the ring passes k, v (`cp − 1` steps forward; k, v and their gradients backward),
 //!   hidden behind the attention core; what exceeds it is exposed;
-//! - ep: dispatch and combine all-to-alls of `T·k·h` forward and backward, exposed;
+//! - ep: dispatch and combine all-to-alls of `T·k·h` forward and backward, exposed; the
+//!   routed experts' products and the all-to-alls at the busiest rank's load
+//!   ([`super::Job::expert_imbalance`] times the mean), which every rank waits for;
 //! - pp: each stage's output activation forward and its gradient backward, exposed;
 //! - dp: gradients reduced in fp32 over the ZeRO group — DDP / ZeRO-1 one all-reduce per step
 //!   behind the last micro-batch's backward, ZeRO-2 a reduce-scatter behind every
@@ -106,12 +108,15 @@ fn stage_cost(job: &Job, c: &Cluster, l: &Layout, st: &StageBytes, dp_group: usi
     } else {
         1
     }) as f64;
+    // The busiest expert-parallel rank's routed rows set the pace (the all-to-alls wait for
+    // it): the routed experts' width per token times the imbalance.
+    let load = if l.ep > 1 { job.expert_imbalance } else { 1.0 };
+    let routed = (m.num_experts_per_tok * m.expert_ffn()) as f64 / tp * load;
     let ffn = if m.is_moe() {
-        m.num_experts_per_tok * m.expert_ffn() + m.shared_expert_intermediate_size.unwrap_or(0)
+        routed + m.shared_expert_intermediate_size.unwrap_or(0) as f64 / tp
     } else {
-        m.intermediate_size
-    } as f64
-        / tp;
+        m.intermediate_size as f64 / tp
+    };
     let peak = if job.precision.half().is_some() {
         c.peak_flops_16
     } else {
@@ -158,7 +163,7 @@ fn stage_cost(job: &Job, c: &Cluster, l: &Layout, st: &StageBytes, dp_group: usi
         2.0 * all_gather(
             ep_link,
             l.ep,
-            t * m.num_experts_per_tok as f64 * h * act_bytes,
+            t * m.num_experts_per_tok as f64 * load * h * act_bytes,
         )
     } else {
         0.0

@@ -1,14 +1,17 @@
-//! "This machine" as a planner cluster, calibrated in about a second: the fp32 GEMM peak of
-//! one rank's thread budget, the share of it one decoder layer's forward and backward reach
-//! (measured on the model being planned, with the planner's own FLOP count as the
-//! numerator, so the efficiency means what the planner multiplies by; each timing paired
-//! with a peak measurement taken right before it, so a shared machine's changing load
-//! cancels out of the ratio), the memory bandwidth
-//! an AdamW update streams at, and the shared-memory link between two ranks (`xtrain bench
-//! comm` between two processes: alpha from an 8-byte all-reduce, beta from a 2 MiB one).
+//! "This machine" as a planner cluster, calibrated in a few seconds: one worker process per
+//! device, started together, each with its share of the cores (`xtrain plan
+//! --calibrate-worker`), measures the fp32 GEMM peak of its thread budget and the share of it
+//! one decoder layer's forward and backward reach (on the model being planned, with the
+//! planner's own FLOP count as the numerator, so the efficiency means what the planner
+//! multiplies by; each timing paired with a peak measurement taken right before it, so a
+//! shared machine's changing load cancels out of the ratio). Measured together, the ranks
+//! share the cores' vector units, caches and memory bandwidth as they will in training. Then
+//! the memory bandwidth an AdamW update streams at, the shared-memory link between two ranks
+//! (`xtrain bench comm` between two processes: alpha from an 8-byte all-reduce, beta from a
+//! 2 MiB one), and the resident set of a process before it builds a model.
+use std::io::Write;
+use std::process::{Command, Stdio};
 use std::time::Instant;
-
-use std::process::Command;
 
 use anyhow::{bail, Context, Result};
 use model::{Batch, Model, ModelConfig, StepOptions};
@@ -53,6 +56,7 @@ fn efficiency(cfg: &ModelConfig, seq: usize, micro_batch: usize) -> Result<(f64,
         global_batch: micro_batch,
         precision: Precision::Fp32,
         conventions: Conventions::Xtrain,
+        expert_imbalance: 1.0,
     };
     let unit = Link {
         latency: 0.0,
@@ -156,36 +160,119 @@ fn total_memory() -> u64 {
         .map_or(16 << 30, |kib| kib * 1024)
 }
 
+/// The resident bytes of this process the first time it is asked, before the calibration
+/// (or a `--validate` round) allocated anything: the binary, libraries and runtime a rank's
+/// process holds besides its model, buffers and workspace.
+pub fn process_baseline() -> u64 {
+    static FIRST: std::sync::OnceLock<u64> = std::sync::OnceLock::new();
+    *FIRST.get_or_init(|| parallel::memory::proc_status_bytes("VmRSS:").unwrap_or(0))
+}
+
+/// What one calibration worker measured: the share of its GEMM peak a layer reaches, and
+/// that peak (FLOP/s of its thread budget while every worker ran).
+#[derive(serde::Serialize, serde::Deserialize)]
+struct WorkerReport {
+    efficiency: f64,
+    peak_flops: f64,
+}
+
+/// `xtrain plan --calibrate-worker MB --seq-len S`: reads the model (a `config.json` text)
+/// from standard input, measures [`efficiency`] at `MB` sequences of `S` tokens with this
+/// process's thread budget (`XTRAIN_THREADS`), and prints a [`WorkerReport`] as JSON.
+pub fn worker(seq: usize, micro_batch: usize) -> Result<()> {
+    let mut text = String::new();
+    std::io::Read::read_to_string(&mut std::io::stdin(), &mut text)?;
+    let cfg = ModelConfig::from_json_str(&text)?;
+    train::allocator::reuse_freed_memory();
+    let (efficiency, peak_flops) = efficiency(&cfg, seq, micro_batch)?;
+    println!(
+        "{}",
+        serde_json::to_string(&WorkerReport {
+            efficiency,
+            peak_flops
+        })?
+    );
+    Ok(())
+}
+
+/// The efficiency and one device's GEMM peak as `devices` ranks of `threads` threads see
+/// them together: a worker process per device, started at once; the medians over them.
+fn efficiency_together(
+    cfg: &ModelConfig,
+    seq: usize,
+    micro_batch: usize,
+    devices: usize,
+    threads: usize,
+) -> Result<(f64, f64)> {
+    let exe = std::env::current_exe()?;
+    let mut children = Vec::with_capacity(devices);
+    for _ in 0..devices.max(1) {
+        let mut child = Command::new(&exe)
+            .args(["plan", "--calibrate-worker"])
+            .arg(micro_batch.to_string())
+            .arg("--seq-len")
+            .arg(seq.to_string())
+            .env(tensor::threads::THREADS_ENV, threads.to_string())
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .context("starting a calibration worker (xtrain plan --calibrate-worker)")?;
+        child
+            .stdin
+            .take()
+            .context("the worker's standard input")?
+            .write_all(cfg.to_json_string().as_bytes())?;
+        children.push(child);
+    }
+    let (mut effs, mut peaks) = (Vec::new(), Vec::new());
+    for child in children {
+        let out = child.wait_with_output()?;
+        if !out.status.success() {
+            bail!(
+                "calibration worker: {}\n{}",
+                out.status,
+                String::from_utf8_lossy(&out.stderr)
+            );
+        }
+        let r: WorkerReport = serde_json::from_slice(&out.stdout)
+            .context("the JSON report of a calibration worker")?;
+        effs.push(r.efficiency);
+        peaks.push(r.peak_flops);
+    }
+    Ok((median(effs), median(peaks)))
+}
+
 /// This machine as a cluster of `devices` ranks (threads: the cores over the ranks), for
-/// the model `cfg` at `micro_batch` sequences of `seq`, and the GEMM peak one rank measures
-/// alone. A device's peak is the whole machine's (all cores in one product) over the
-/// devices, not what one rank measures alone: the ranks share the cores' vector units
-/// (on a VM two vCPUs may be one core's two hyperthreads, and one thread alone then reaches
-/// nearly the whole core's peak).
+/// the model `cfg` at `micro_batch` sequences of `seq`. A device's peak is what one rank's
+/// thread budget reaches while every rank computes ([`efficiency_together`]), not what it
+/// reaches alone: the ranks share the cores' vector units (on a VM two vCPUs may be one
+/// core's two hyperthreads, and one thread alone then reaches nearly the whole core's peak).
 pub fn this_machine(
     cfg: &ModelConfig,
     seq: usize,
     micro_batch: usize,
     devices: usize,
-) -> Result<(Cluster, f64)> {
+) -> Result<Cluster> {
+    let process = process_baseline();
     let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
     let threads = (cores / devices.max(1)).max(1);
+    let (eff, device_peak) = efficiency_together(cfg, seq, micro_batch, devices, threads)?;
     let before = tensor::threads::thread_budget();
-    tensor::threads::set_thread_budget(cores)?;
-    let machine = median((0..3).map(|_| train::run::gemm_peak_flops()).collect());
     tensor::threads::set_thread_budget(threads)?;
-    let eff = efficiency(cfg, seq, micro_batch);
     let bw = memory_bandwidth();
     tensor::threads::set_thread_budget(before)?;
     let link = link()?;
-    let (eff, rank_peak) = eff?;
-    let cluster = Cluster::calibrated(
+    let mut cluster = Cluster::calibrated(
         devices,
         total_memory() / devices.max(1) as u64,
-        machine / devices.max(1) as f64,
+        device_peak,
         eff,
         bw / devices.max(1) as f64,
         link,
     );
-    Ok((cluster, rank_peak))
+    cluster.process_bytes = process;
+    // The shared-memory transport maps a ring each way per peer of a group.
+    cluster.group_peer_bytes = 2 * comm::Options::default().shm_ring_bytes as u64;
+    Ok(cluster)
 }

@@ -46,6 +46,10 @@ pub struct PlanArgs {
     /// activations, fp32 gradients: for comparing with published results).
     #[arg(long, default_value = "xtrain")]
     pub conventions: String,
+    /// With expert parallelism: the busiest rank's routed rows over the mean that the
+    /// prediction assumes (1 = balanced; `xtrain bench train --ep N` measures it).
+    #[arg(long, default_value_t = 1.0)]
+    pub expert_imbalance: f64,
     /// Fix a degree instead of searching it.
     #[arg(long)]
     pub tp: Option<usize>,
@@ -86,6 +90,11 @@ pub struct PlanArgs {
     /// Timed steps per benchmark in --validate.
     #[arg(long, default_value_t = 3)]
     pub steps: usize,
+    /// One worker of this machine's calibration (internal: started by `--cluster this`, the
+    /// model's config.json on standard input): measure at this many sequences per
+    /// micro-batch and print the result as JSON.
+    #[arg(long, hide = true)]
+    pub calibrate_worker: Option<usize>,
 }
 
 /// A model and the preset's sequence length and micro-batch, if it is a preset.
@@ -125,7 +134,7 @@ fn parse_precision(s: &str) -> Result<Precision> {
 
 fn cluster(a: &PlanArgs, cfg: &ModelConfig, seq: usize, micro: usize) -> Result<Cluster> {
     match a.cluster.as_str() {
-        "this" => Ok(calibrate::this_machine(cfg, seq, micro, a.devices)?.0),
+        "this" => calibrate::this_machine(cfg, seq, micro, a.devices),
         name if Path::new(name).exists() => {
             let text = std::fs::read_to_string(name).with_context(|| format!("reading {name}"))?;
             Ok(Cluster::from_json(&text)?)
@@ -135,6 +144,10 @@ fn cluster(a: &PlanArgs, cfg: &ModelConfig, seq: usize, micro: usize) -> Result<
 }
 
 pub fn run_cmd(a: PlanArgs) -> Result<()> {
+    if let Some(micro_batch) = a.calibrate_worker {
+        let seq = a.seq_len.context("--calibrate-worker needs --seq-len")?;
+        return calibrate::worker(seq, micro_batch);
+    }
     if a.validate {
         return validate::run(a.rounds, a.steps);
     }
@@ -150,12 +163,19 @@ pub fn run_cmd(a: PlanArgs) -> Result<()> {
         "megatron" => Conventions::Megatron,
         other => bail!("unknown conventions `{other}` (xtrain, megatron)"),
     };
+    if !(a.expert_imbalance.is_finite() && a.expert_imbalance >= 1.0) {
+        bail!(
+            "--expert-imbalance must be at least 1 (the busiest rank's rows over the mean), got {}",
+            a.expert_imbalance
+        );
+    }
     let job = Job {
         model,
         seq_len,
         global_batch,
         precision: parse_precision(&a.precision)?,
         conventions,
+        expert_imbalance: a.expert_imbalance,
     };
     let mut space = SearchSpace {
         tp: a.tp,
@@ -232,7 +252,7 @@ pub fn run_cmd(a: PlanArgs) -> Result<()> {
         println!(
             "nothing fits: the closest, {}, needs {} per device ({} more than there is):",
             s.closest.layout,
-            human(s.closest.peak.total() as u64),
+            human(s.closest.resident as u64),
             human(s.short_bytes)
         );
         for t in &s.suggestions {
@@ -252,7 +272,7 @@ pub fn run_cmd(a: PlanArgs) -> Result<()> {
             x.time.tokens_per_s,
             x.time.step_s,
             100.0 * x.bubble,
-            human(x.peak.total() as u64)
+            human(x.resident as u64)
         );
     }
     Ok(())
@@ -279,6 +299,12 @@ fn explain(p: &Prediction, c: &Cluster) {
         println!(
             "  pp rank {}: {} layers, {} parameters, ZeRO over {}: {}",
             r.pp_rank, r.layers, r.params, r.zero_group, r.account
+        );
+        println!(
+            "      + backward workspace {} + process {} = {} resident",
+            human(r.workspace as u64),
+            human(r.process as u64),
+            human(r.resident() as u64)
         );
     }
     let t = &p.time;

@@ -4,7 +4,10 @@
 //! same command users run, as a child process), reads its JSON report, and predicts the
 //! layout at the GEMM peak the benchmark measured while it ran (on a shared machine the cores'
 //! capacity changes from minute to minute; the calibrated efficiency is a ratio to the peak of
-//! its own moment). The table gives the medians and ranges over the rounds.
+//! its own moment) and, with expert parallelism, at the expert load imbalance the run had
+//! (the router decides it at run time). The table gives the medians and ranges over the
+//! rounds; "RSS/pred" is rank 0's peak resident set over its predicted resident bytes
+//! (account, backward workspace, process).
 use std::process::Command;
 
 use anyhow::{bail, Context, Result};
@@ -101,6 +104,10 @@ struct Round {
     measured_s: f64,
     predicted_bytes: u64,
     accounted_bytes: u64,
+    /// Rank 0's predicted resident bytes (account, workspace, process).
+    predicted_resident: u64,
+    /// The run's expert imbalance the prediction used (expert parallelism only).
+    imbalance: Option<f64>,
     peak_rss: Option<u64>,
 }
 
@@ -141,25 +148,24 @@ fn round(case: &Case, steps: usize) -> Result<Round> {
     let (model, preset) = super::resolve_model(case.preset)?;
     let (seq, _) = preset.context("a preset")?;
     let l: Layout = case.layout.parse()?;
-    let (mut cluster, rank_peak) =
-        super::calibrate::this_machine(&model, seq, l.micro_batch, l.world())?;
+    let mut cluster = super::calibrate::this_machine(&model, seq, l.micro_batch, l.world())?;
+    let r = bench(case, steps)?;
+    let num = |k: &str| r.get(k).and_then(|v| v.as_f64());
+    // The router's load is decided at run time: predicted at the imbalance the run had.
     let job = Job {
         model,
         seq_len: seq,
         global_batch: l.global_batch(),
         precision: Precision::Fp32,
         conventions: Conventions::Xtrain,
+        expert_imbalance: num("expert_imbalance").unwrap_or(1.0),
     };
-    let r = bench(case, steps)?;
-    let num = |k: &str| r.get(k).and_then(|v| v.as_f64());
     // The machine's capacity while the benchmark ran: the GEMM peak it measured on every
-    // rank during its timed steps (a shared machine's load changes it from minute to
-    // minute), per rank, times the share of a rank's lone peak the ranks get together (the
-    // calibration's machine peak over the devices, against one rank's alone); the calibrated
-    // efficiency is a ratio, measured against the peak of its own moment.
+    // rank at once during its timed steps (a shared machine's load changes it from minute to
+    // minute), per rank; the calibrated efficiency is a ratio, measured against the peak of
+    // its own moment.
     if let Some(g) = num("gemm_peak_gflops") {
-        let shared = cluster.peak_flops_32 / rank_peak;
-        cluster.peak_flops_32 = g * 1e9 / l.world() as f64 * shared;
+        cluster.peak_flops_32 = g * 1e9 / l.world() as f64;
         cluster.peak_flops_16 = cluster.peak_flops_32;
     }
     let p = evaluate(&job, &cluster, &l)?;
@@ -167,6 +173,8 @@ fn round(case: &Case, steps: usize) -> Result<Round> {
         predicted_s: p.time.step_s,
         measured_s: num("median_step_s").context("median_step_s in the report")?,
         predicted_bytes: p.ranks[0].account.total() as u64,
+        predicted_resident: p.ranks[0].resident() as u64,
+        imbalance: num("expert_imbalance"),
         accounted_bytes: num("accounted_bytes").unwrap_or(0.0) as u64,
         peak_rss: num("peak_rss_bytes").map(|b| b as u64),
     })
@@ -186,6 +194,7 @@ pub fn run(rounds: usize, steps: usize) -> Result<()> {
     if rounds == 0 || steps == 0 {
         bail!("--rounds and --steps must be at least 1");
     }
+    super::calibrate::process_baseline();
     println!(
         "{:<10} {:<16} {:>22} {:>28} {:>8} {:>24} {:>9}",
         "preset",
@@ -210,9 +219,15 @@ pub fn run(rounds: usize, steps: usize) -> Result<()> {
         let err = pm / mm - 1.0;
         worst = worst.max(err.abs());
         let last = all.last().expect("a round");
-        let rss = last.peak_rss.map_or("-".into(), |b| {
-            format!("{:.2}", b as f64 / last.predicted_bytes as f64)
-        });
+        let ratios: Vec<f64> = all
+            .iter()
+            .filter_map(|r| Some(r.peak_rss? as f64 / r.predicted_resident as f64))
+            .collect();
+        let rss = if ratios.is_empty() {
+            "-".to_string()
+        } else {
+            format!("{:.2}", median(ratios))
+        };
         println!(
             "{:<10} {:<16} {:>8.4} [{:.4}-{:.4}] {:>10.4} [{:.4}-{:.4}] {:>7.1}% {:>11} / {:<11} {:>9}",
             case.preset,
@@ -228,6 +243,14 @@ pub fn run(rounds: usize, steps: usize) -> Result<()> {
             human(last.accounted_bytes),
             rss
         );
+        let imbalance: Vec<f64> = all.iter().filter_map(|r| r.imbalance).collect();
+        if !imbalance.is_empty() {
+            println!(
+                "{:<27} predicted at the runs' expert imbalance, median {:.2} (the busiest rank's routed rows over the mean)",
+                "",
+                median(imbalance)
+            );
+        }
     }
     println!("largest step-time error (medians): {:.1}%", 100.0 * worst);
     Ok(())
