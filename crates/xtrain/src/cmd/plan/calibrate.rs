@@ -257,7 +257,10 @@ pub fn this_machine(
     let process = process_baseline();
     let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
     let threads = (cores / devices.max(1)).max(1);
-    let (eff, device_peak) = efficiency_together(cfg, seq, micro_batch, devices, threads)?;
+    // More devices than cores: one worker per core, whose peak the devices then share.
+    let workers = devices.clamp(1, cores);
+    let (eff, worker_peak) = efficiency_together(cfg, seq, micro_batch, workers, threads)?;
+    let device_peak = worker_peak * workers as f64 / devices.max(1) as f64;
     let before = tensor::threads::thread_budget();
     tensor::threads::set_thread_budget(threads)?;
     let bw = memory_bandwidth();
