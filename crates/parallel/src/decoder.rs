@@ -121,6 +121,10 @@ pub struct DecoderStage {
     /// Expert parallelism (ep > 1).
     ep: Option<EpGroups>,
     moe_load: Arc<std::sync::Mutex<MoeLoad>>,
+    /// Whether the head (without tensor parallelism) computes its gradients in its forward:
+    /// one logits product fewer, but its `V·h` weight gradient is then held until the
+    /// micro-batch's weight gradients run ([`crate::parallelize::head_grads_in_forward`]).
+    early_head_grads: bool,
 }
 
 fn merr(e: model::ModelError) -> ParallelError {
@@ -216,7 +220,16 @@ impl DecoderStage {
             seqs: None,
             ep: None,
             moe_load: Arc::default(),
+            early_head_grads: true,
         })
+    }
+
+    /// The stage with the head computing its gradients in its forward or not (default: it
+    /// does; see [`crate::parallelize::head_grads_in_forward`]). Either way the gradients
+    /// are the same bits.
+    pub fn with_early_head_grads(mut self, early: bool) -> Self {
+        self.early_head_grads = early;
+        self
     }
 
     /// The stage with its experts spread over `ep` (the MoE layers exchange tokens over it)
@@ -460,8 +473,9 @@ impl StageModel for DecoderStage {
                     }
                     None => {
                         // The gradient scale of the mean loss is known now: the head computes
-                        // its gradients in this pass (one logits product fewer). `scale = 0`
-                        // is a forward-only pass (validation).
+                        // its gradients in this pass (one logits product fewer) unless they
+                        // would pile up over micro-batches in flight. `scale = 0` is a
+                        // forward-only pass (validation).
                         let local_valid = tensor::cross_entropy::count_valid(
                             &targets,
                             self.cfg.vocab_size,
@@ -469,7 +483,7 @@ impl StageModel for DecoderStage {
                         )
                         .map_err(|e| ParallelError::Model(e.to_string()))?;
                         let n = self.mean_count(full, local_valid)?;
-                        let c = if scale == 0.0 {
+                        let c = if scale == 0.0 || !self.early_head_grads {
                             self.local.head_forward(p, &[], x, targets)
                         } else {
                             let s = grad_scale(scale * mult, n);

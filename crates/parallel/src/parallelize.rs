@@ -66,6 +66,20 @@ fn not_yet(what: &str) -> ParallelError {
     ))
 }
 
+/// Whether pipeline rank `pp_rank`'s head (if it holds one) computes its gradients in its
+/// forward: where each of its loss stages has one micro-batch in flight at a time (no
+/// pipeline; 1F1B's and the zero-bubble schedules' last stage when they run its weight half
+/// at once). Elsewhere (GPipe, interleaved) the early `V·h` weight gradient would be held
+/// for every micro-batch in flight — 2 GiB each in fp32 for a 128 K vocabulary at h = 4096 —
+/// so the backward recomputes the logits instead (one more head product).
+pub fn head_grads_in_forward(schedule: &Schedule, pp_rank: usize) -> bool {
+    schedule
+        .rank_stages(pp_rank)
+        .into_iter()
+        .filter(|&s| schedule.next_stage(s).is_none())
+        .all(|s| schedule.max_in_flight(s) <= 1)
+}
+
 /// Applies the passes of the module doc to `cfg` for this rank of `mesh`; with pipeline
 /// parallelism, `schedule` (for the whole pp group) places the stages.
 pub fn parallelize(
@@ -181,7 +195,8 @@ pub fn parallelize(
     } else {
         None
     };
-    let mut stage = DecoderStage::new(cfg, tp, parts, opts.recompute, (dims.ep, ep_rank))?;
+    let mut stage = DecoderStage::new(cfg, tp, parts, opts.recompute, (dims.ep, ep_rank))?
+        .with_early_head_grads(head_grads_in_forward(schedule, pp_rank));
     if let Some((layout, attention, seqs)) = cp {
         stage = stage.with_context(layout, Arc::new(attention), Arc::new(seqs));
     }

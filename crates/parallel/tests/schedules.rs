@@ -878,3 +878,27 @@ fn costs_parse() {
     assert!(err_text("F=-1".parse::<Costs>()).contains("not a non-negative number"));
     assert!(err_text("F1".parse::<Costs>()).contains("not KEY=VALUE"));
 }
+
+#[test]
+fn micro_batches_in_flight_decide_where_the_head_computes_its_gradients_early() {
+    use parallel::parallelize::head_grads_in_forward;
+    let last = |s: &Schedule| s.num_stages() - 1;
+    // GPipe holds every micro-batch at the last stage; 1F1B one at a time.
+    let g = generate(ScheduleKind::GPipe, 2, 4, 1).unwrap();
+    assert_eq!(g.max_in_flight(last(&g)), 4);
+    assert_eq!(g.max_in_flight(0), 4);
+    assert!(!head_grads_in_forward(&g, g.stage_rank[last(&g)]));
+    let o = generate(ScheduleKind::OneFOneB, 2, 4, 1).unwrap();
+    assert_eq!(o.max_in_flight(last(&o)), 1);
+    assert_eq!(o.max_in_flight(0), 2);
+    assert!(head_grads_in_forward(&o, o.stage_rank[last(&o)]));
+    // A rank without a loss stage has nothing to decide.
+    assert!(head_grads_in_forward(&g, 0));
+    // A weight half deferred past the next forward keeps the micro-batch in flight.
+    let z = generate(ScheduleKind::ZbH1, 2, 4, 1).unwrap();
+    let at_head = z.max_in_flight(last(&z));
+    assert_eq!(
+        head_grads_in_forward(&z, z.stage_rank[last(&z)]),
+        at_head <= 1
+    );
+}

@@ -114,6 +114,32 @@ impl Schedule {
             .collect()
     }
 
+    /// The most micro-batches stage `s` has in flight on its rank at once: its forward run,
+    /// its weight gradients (a fused backward, or the weight half of a split one) not yet.
+    pub fn max_in_flight(&self, s: usize) -> usize {
+        let Some(&r) = self.stage_rank.get(s) else {
+            return 0;
+        };
+        let (mut now, mut most) = (0usize, 0usize);
+        for a in self.actions[r].iter().filter(|a| a.is_compute()) {
+            for part in a.parts() {
+                match part {
+                    Action::Forward { stage, .. } if stage == s => {
+                        now += 1;
+                        most = most.max(now);
+                    }
+                    Action::Backward { stage, .. } | Action::BackwardWeight { stage, .. }
+                        if stage == s =>
+                    {
+                        now = now.saturating_sub(1)
+                    }
+                    _ => {}
+                }
+            }
+        }
+        most
+    }
+
     /// Whether some layers are held by more than one rank (see [`Self::replicas`]).
     pub fn has_replicas(&self) -> bool {
         (0..self.num_ranks()).any(|r| self.replicas(r).len() > 1)

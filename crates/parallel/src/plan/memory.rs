@@ -26,6 +26,7 @@ use super::layout::Layout;
 use super::{Cluster, Conventions, Job};
 use crate::data_parallel::bucket::DEFAULT_BUCKET_BYTES;
 use crate::memory::{formula, MemoryAccount};
+use crate::parallelize::head_grads_in_forward;
 use crate::pipeline_parallel::split::{stage_parts, Part};
 use crate::pipeline_parallel::{Action, Schedule};
 use crate::tensor_parallel::plan::TpPlan;
@@ -52,6 +53,10 @@ pub struct StageBytes {
     pub layers: usize,
     pub has_embedding: bool,
     pub has_head: bool,
+    /// The head computes its gradients in its forward and holds them until its weight half
+    /// ([`crate::parallelize::head_grads_in_forward`]; never under tensor parallelism);
+    /// else its backward recomputes the logits.
+    pub early_head: bool,
 }
 
 /// The local (tensor- and expert-parallel) parameter layout of `cfg` that one rank holds
@@ -74,14 +79,17 @@ struct Local {
     ffn: usize,
     /// Vocabulary × hidden: the LM-head weight gradient a head without tensor parallelism
     /// computes in its forward (the loss's gradient scale is known then) and keeps until its
-    /// weight half runs; 0 under tensor parallelism (that head recomputes in its backward).
+    /// weight half runs, where the schedule has one micro-batch in flight at the head; 0
+    /// where the head recomputes its logits in its backward instead.
     early_dw: usize,
+    /// The head is tensor-parallel (its weight half has its finished gradient pending).
+    tp_head: bool,
     /// A MoE block's routing: (experts, top-k, expert FFN width and shared-expert width on
     /// this rank, tokens come back over an all-to-all).
     moe: Option<(usize, usize, usize, usize, bool)>,
 }
 
-fn local(job: &Job, l: &Layout) -> Local {
+fn local(job: &Job, l: &Layout, early_head: bool) -> Local {
     let m = &job.model;
     let t = l.micro_batch * job.seq_len / l.cp;
     let kv = m.kv_heads();
@@ -98,7 +106,8 @@ fn local(job: &Job, l: &Layout) -> Local {
         kv: if l.tp <= kv { kv / l.tp } else { 1 },
         hd: m.head_dim(),
         ffn: ffn / l.tp,
-        early_dw: if l.tp == 1 {
+        tp_head: l.tp > 1,
+        early_dw: if l.tp == 1 && early_head {
             m.vocab_size * m.hidden_size
         } else {
             0
@@ -166,7 +175,7 @@ fn xtrain_cache(part: Part, x: &Local, rc: Recompute) -> usize {
 fn xtrain_pending(part: Part, x: &Local, params: usize) -> usize {
     let e = match part {
         Part::Embedding => x.t + x.t_res * x.h,
-        Part::Head if x.early_dw == 0 => params,
+        Part::Head if x.tp_head => params,
         Part::Head => 2 * x.t * x.h + x.t_res * x.h + x.t_res + x.t + 2 * x.t + x.early_dw,
         Part::Block(_) => {
             let attn = 2 * x.t * x.h + 2 * x.t * x.heads * x.hd + 2 * x.t * x.kv * x.hd;
@@ -227,16 +236,21 @@ fn megatron_layer(job: &Job, l: &Layout, x: &Local) -> usize {
     bytes.round() as usize
 }
 
-/// What every stage of `schedule` (or the whole model without one) holds on one rank.
+/// What layer range `split` of `splits` holds on one rank; `early_head`: whether a head
+/// computes its gradients in its forward (see [`StageBytes::early_head`]).
 pub fn stage_bytes(
     job: &Job,
     l: &Layout,
     layout: &ParamLayout,
     splits: usize,
     split: usize,
+    early_head: bool,
 ) -> Result<StageBytes, ParallelError> {
-    let x = local(job, l);
-    let mut s = StageBytes::default();
+    let x = local(job, l, early_head);
+    let mut s = StageBytes {
+        early_head: x.early_dw > 0,
+        ..StageBytes::default()
+    };
     let mut level = 0isize;
     // Parts in reverse: the order a backward's input half runs them.
     for part in stage_parts(job.model.num_hidden_layers, splits, split)?
@@ -419,15 +433,18 @@ pub fn one_stage_schedule(m: usize) -> Schedule {
     }
 }
 
-/// What each of the model's `splits` layer ranges holds on one rank (see [`stage_bytes`]).
+/// What each of the model's `splits` layer ranges holds on one rank running `sched` (see
+/// [`stage_bytes`]).
 pub fn split_bytes(
     job: &Job,
     l: &Layout,
     layout: &ParamLayout,
-    splits: usize,
+    sched: &Schedule,
 ) -> Result<Vec<StageBytes>, ParallelError> {
+    let splits = sched.stage_splits().max(1);
+    let early = (0..sched.num_ranks()).all(|r| head_grads_in_forward(sched, r));
     (0..splits)
-        .map(|k| stage_bytes(job, l, layout, splits, k))
+        .map(|k| stage_bytes(job, l, layout, splits, k, early))
         .collect()
 }
 

@@ -258,8 +258,7 @@ fn evaluate_cached(
         ));
     }
     let layout = &cache.layouts[&key];
-    let splits = sched.stage_splits().max(1);
-    let per_split = memory::split_bytes(job, l, layout, splits)?;
+    let per_split = memory::split_bytes(job, l, layout, sched)?;
     let mut ranks = memory::predict(job, l, sched, &sampled.a.3, &per_split, cluster);
     if sampled.b.is_some() {
         for r in ranks.iter_mut() {

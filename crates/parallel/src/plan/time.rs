@@ -7,7 +7,8 @@
 //! the MLP, the top-k experts of a MoE block) and `2·T·S·h/tp` of causal attention (half of
 //! `4·T·S·h/tp`; T local tokens attending over S positions); the backward's input half runs
 //! the products again and the attention core twice, its weight half the products once.
-//! The head adds `2·T·h·V/tp`. Full recomputation reruns the forward before the backward,
+//! The head adds `2·T·h·V/tp` (once more in the input half where it recomputes its logits:
+//! under tp, and where the schedule holds more than one micro-batch at it). Full recomputation reruns the forward before the backward,
 //! selective recomputation the attention core (Megatron's choice; this engine's selective
 //! policy only recomputes element-wise work, which the model leaves out).
 //!
@@ -140,9 +141,15 @@ fn stage_cost(job: &Job, c: &Cluster, l: &Layout, st: &StageBytes, dp_group: usi
         Recompute::Selective => core,
         Recompute::Full => linear + core,
     };
+    // A head that did not compute its gradients in its forward recomputes the logits.
+    let relogits = if st.has_head && !st.early_head {
+        2.0 * t * h * (m.vocab_size as f64 / tp).ceil()
+    } else {
+        0.0
+    };
     let (f_c, i_c, w_c) = (
         (linear + core) / peak,
-        (linear + 2.0 * core + recompute) / peak,
+        (linear + 2.0 * core + recompute + relogits) / peak,
         linear / peak,
     );
     // Tensor parallel: 2 all-reduces (or AG + RS) of T·h per block and direction.
