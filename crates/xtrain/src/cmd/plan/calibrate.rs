@@ -4,11 +4,12 @@
 //! one decoder layer's forward and backward reach (on the model being planned, with the
 //! planner's own FLOP count as the numerator, so the efficiency means what the planner
 //! multiplies by; each timing paired with a peak measurement taken right before it, so a
-//! shared machine's changing load cancels out of the ratio). Measured together, the ranks
+//! shared machine's changing load cancels out of the ratio), then the memory bandwidth an
+//! AdamW update over more than the last-level cache streams at. Measured together, the ranks
 //! share the cores' vector units, caches and memory bandwidth as they will in training. Then
-//! the memory bandwidth an AdamW update streams at, the shared-memory link between two ranks
-//! (`xtrain bench comm` between two processes: alpha from an 8-byte all-reduce, beta from a
-//! 2 MiB one), and the resident set of a process before it builds a model.
+//! the shared-memory link between two ranks (`xtrain bench comm` between two processes: alpha
+//! from an 8-byte all-reduce, beta from a 2 MiB one), and the resident set of a process
+//! before it builds a model.
 use std::io::Write;
 use std::process::{Command, Stdio};
 use std::time::Instant;
@@ -89,9 +90,11 @@ fn median(mut v: Vec<f64>) -> f64 {
     v[v.len() / 2]
 }
 
-/// Bytes/s an AdamW update streams (36 bytes per parameter, as the planner counts it).
+/// Bytes/s an AdamW update streams (36 bytes per parameter, as the planner counts it), over
+/// 16 Mi parameters: 256 MiB of weights, gradients and moments, more than a server CPU's last
+/// level cache holds (training's optimizer step finds its states evicted by the activations).
 fn memory_bandwidth() -> f64 {
-    let n = 1 << 22;
+    let n = 1 << 24;
     let (mut p, g, mut m, mut v) = (
         vec![0.1f32; n],
         vec![0.01f32; n],
@@ -174,6 +177,8 @@ pub fn process_baseline() -> u64 {
 struct WorkerReport {
     efficiency: f64,
     peak_flops: f64,
+    /// The bytes/s of its AdamW update ([`memory_bandwidth`]), measured after the efficiency.
+    memory_bandwidth: f64,
 }
 
 /// `xtrain plan --calibrate-worker MB --seq-len S`: reads the model (a `config.json` text)
@@ -185,25 +190,28 @@ pub fn worker(seq: usize, micro_batch: usize) -> Result<()> {
     let cfg = ModelConfig::from_json_str(&text)?;
     train::allocator::reuse_freed_memory();
     let (efficiency, peak_flops) = efficiency(&cfg, seq, micro_batch)?;
+    let memory_bandwidth = memory_bandwidth();
     println!(
         "{}",
         serde_json::to_string(&WorkerReport {
             efficiency,
-            peak_flops
+            peak_flops,
+            memory_bandwidth,
         })?
     );
     Ok(())
 }
 
-/// The efficiency and one device's GEMM peak as `devices` ranks of `threads` threads see
-/// them together: a worker process per device, started at once; the medians over them.
-fn efficiency_together(
+/// The efficiency, one device's GEMM peak and its memory bandwidth as `devices` ranks of
+/// `threads` threads see them together: a worker process per device, started at once; the
+/// medians over them.
+fn measure_together(
     cfg: &ModelConfig,
     seq: usize,
     micro_batch: usize,
     devices: usize,
     threads: usize,
-) -> Result<(f64, f64)> {
+) -> Result<(f64, f64, f64)> {
     let exe = std::env::current_exe()?;
     let mut children = Vec::with_capacity(devices);
     for _ in 0..devices.max(1) {
@@ -225,7 +233,7 @@ fn efficiency_together(
             .write_all(cfg.to_json_string().as_bytes())?;
         children.push(child);
     }
-    let (mut effs, mut peaks) = (Vec::new(), Vec::new());
+    let (mut effs, mut peaks, mut bws) = (Vec::new(), Vec::new(), Vec::new());
     for child in children {
         let out = child.wait_with_output()?;
         if !out.status.success() {
@@ -239,13 +247,14 @@ fn efficiency_together(
             .context("the JSON report of a calibration worker")?;
         effs.push(r.efficiency);
         peaks.push(r.peak_flops);
+        bws.push(r.memory_bandwidth);
     }
-    Ok((median(effs), median(peaks)))
+    Ok((median(effs), median(peaks), median(bws)))
 }
 
 /// This machine as a cluster of `devices` ranks (threads: the cores over the ranks), for
 /// the model `cfg` at `micro_batch` sequences of `seq`. A device's peak is what one rank's
-/// thread budget reaches while every rank computes ([`efficiency_together`]), not what it
+/// thread budget reaches while every rank computes ([`measure_together`]), not what it
 /// reaches alone: the ranks share the cores' vector units (on a VM two vCPUs may be one
 /// core's two hyperthreads, and one thread alone then reaches nearly the whole core's peak).
 pub fn this_machine(
@@ -259,19 +268,16 @@ pub fn this_machine(
     let threads = (cores / devices.max(1)).max(1);
     // More devices than cores: one worker per core, whose peak the devices then share.
     let workers = devices.clamp(1, cores);
-    let (eff, worker_peak) = efficiency_together(cfg, seq, micro_batch, workers, threads)?;
-    let device_peak = worker_peak * workers as f64 / devices.max(1) as f64;
-    let before = tensor::threads::thread_budget();
-    tensor::threads::set_thread_budget(threads)?;
-    let bw = memory_bandwidth();
-    tensor::threads::set_thread_budget(before)?;
+    let (eff, worker_peak, worker_bw) =
+        measure_together(cfg, seq, micro_batch, workers, threads)?;
+    let share = workers as f64 / devices.max(1) as f64;
     let link = link()?;
     let mut cluster = Cluster::calibrated(
         devices,
         total_memory() / devices.max(1) as u64,
-        device_peak,
+        worker_peak * share,
         eff,
-        bw / devices.max(1) as f64,
+        worker_bw * share,
         link,
     );
     cluster.process_bytes = process;
