@@ -2,10 +2,9 @@
 //! medium at one process, dp2, tp2, pp2 and cp2 (and moe-small at ep2, the experts' layout),
 //! each round calibrates this machine ([`super::calibrate`]), runs `xtrain bench train` (the
 //! same command users run, as a child process), reads its JSON report, and predicts the
-//! layout at the GEMM peak the benchmark measured while it ran (on a shared machine the cores'
-//! capacity changes from minute to minute; the calibrated efficiency is a ratio to the peak of
-//! its own moment) and, with expert parallelism, at the expert load imbalance the run had
-//! (the router decides it at run time). The table gives the medians and ranges over the
+//! layout on the calibrated cluster, with expert parallelism at the expert load imbalance the
+//! run had (the router decides it at run time). On a shared machine the cores' capacity
+//! changes from minute to minute: validate on a quiet one. The table gives the medians and ranges over the
 //! rounds; "RSS/pred" is rank 0's peak resident set over its predicted resident bytes
 //! (account, backward workspace, process).
 use std::process::Command;
@@ -148,7 +147,7 @@ fn round(case: &Case, steps: usize) -> Result<Round> {
     let (model, preset) = super::resolve_model(case.preset)?;
     let (seq, _) = preset.context("a preset")?;
     let l: Layout = case.layout.parse()?;
-    let mut cluster = super::calibrate::this_machine(&model, seq, l.micro_batch, l.world())?;
+    let cluster = super::calibrate::this_machine(&model, seq, l.micro_batch, l.world())?;
     let r = bench(case, steps)?;
     let num = |k: &str| r.get(k).and_then(|v| v.as_f64());
     // The router's load is decided at run time: predicted at the imbalance the run had.
@@ -160,14 +159,8 @@ fn round(case: &Case, steps: usize) -> Result<Round> {
         conventions: Conventions::Xtrain,
         expert_imbalance: num("expert_imbalance").unwrap_or(1.0),
     };
-    // The machine's capacity while the benchmark ran: the GEMM peak it measured on every
-    // rank at once during its timed steps (a shared machine's load changes it from minute to
-    // minute), per rank; the calibrated efficiency is a ratio, measured against the peak of
-    // its own moment.
-    if let Some(g) = num("gemm_peak_gflops") {
-        cluster.peak_flops_32 = g * 1e9 / l.world() as f64;
-        cluster.peak_flops_16 = cluster.peak_flops_32;
-    }
+    // The prediction is the calibration's alone, as a user planning here gets it (the
+    // benchmark's own GEMM peak is the best of its steps, an optimistic denominator).
     let p = evaluate(&job, &cluster, &l)?;
     Ok(Round {
         predicted_s: p.time.step_s,
