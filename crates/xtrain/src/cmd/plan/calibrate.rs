@@ -32,7 +32,7 @@ fn best_of(n: usize, mut f: impl FnMut()) -> f64 {
 }
 
 /// Share of the fp32 GEMM peak one layer of `cfg` reaches on `micro_batch` sequences of `seq`
-/// tokens, and that peak: five pairs of a peak measurement and a timed forward + backward,
+/// tokens, and that peak: seven pairs of a peak measurement and a timed forward + backward,
 /// back to back, the medians of the ratio and of the peak. The ratio of two measurements
 /// taken together is what a shared machine's load changes least.
 fn efficiency(cfg: &ModelConfig, seq: usize, micro_batch: usize) -> Result<(f64, f64)> {
@@ -74,7 +74,7 @@ fn efficiency(cfg: &ModelConfig, seq: usize, micro_batch: usize) -> Result<(f64,
     };
     step()?; // warm-up
     let (mut ratios, mut peaks) = (Vec::new(), Vec::new());
-    for _ in 0..5 {
+    for _ in 0..7 {
         let peak = train::run::gemm_peak_flops();
         let t = Instant::now();
         step()?;
