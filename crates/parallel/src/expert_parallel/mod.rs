@@ -32,7 +32,12 @@ impl ExpertExchange for EpExchange {
 
     fn all_to_all(&self, send: Vec<Vec<f32>>) -> Box<dyn FnOnce() -> Result<Vec<Vec<f32>>> + Send> {
         let counts: Vec<usize> = send.iter().map(Vec::len).collect();
-        let flat: Vec<f32> = send.into_iter().flatten().collect();
+        // One copy per member's block (a flattening iterator moves element by element: 5 % of
+        // a moe-small ep2 step's CPU time).
+        let mut flat = Vec::with_capacity(counts.iter().sum());
+        for block in &send {
+            flat.extend_from_slice(block);
+        }
         let work = self.0.all_to_all_v_async(flat, counts);
         Box::new(move || {
             let (data, counts) = work
