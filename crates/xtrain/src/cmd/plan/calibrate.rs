@@ -275,8 +275,7 @@ pub fn this_machine(
     let threads = (cores / devices.max(1)).max(1);
     // More devices than cores: one worker per core, whose peak the devices then share.
     let workers = devices.clamp(1, cores);
-    let (eff, worker_peak, worker_bw) =
-        measure_together(cfg, seq, micro_batch, workers, threads)?;
+    let (eff, worker_peak, worker_bw) = measure_together(cfg, seq, micro_batch, workers, threads)?;
     let share = workers as f64 / devices.max(1) as f64;
     let link = link()?;
     let mut cluster = Cluster::calibrated(
