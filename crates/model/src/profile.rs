@@ -1,9 +1,7 @@
 //! Optional per-kernel wall-clock timers for benchmarks: off by default (one relaxed atomic load
-//! per call), switched on with [`enable`], read with [`report`]; and, while on, the routed rows
-//! each expert-parallel forward brought to this rank's experts ([`expert_rows`]).
+//! per call), switched on with [`enable`], read with [`report`].
 
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::Mutex;
 use std::time::Instant;
 
 /// The kernel classes time is attributed to.
@@ -51,34 +49,9 @@ pub fn enable(on: bool) {
     ENABLED.store(on, Ordering::Relaxed);
 }
 
-static EXPERT_ROWS: Mutex<Vec<u64>> = Mutex::new(Vec::new());
-
 /// Zero all counters.
 pub fn reset() {
     NANOS.iter().for_each(|n| n.store(0, Ordering::Relaxed));
-    EXPERT_ROWS
-        .lock()
-        .unwrap_or_else(|e| e.into_inner())
-        .clear();
-}
-
-/// Records, when timing is on, the routed rows one expert-parallel forward brought to this
-/// rank's experts (from every member of its group, itself included).
-pub fn record_expert_rows(rows: usize) {
-    if ENABLED.load(Ordering::Relaxed) {
-        EXPERT_ROWS
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .push(rows as u64);
-    }
-}
-
-/// The rows [`record_expert_rows`] recorded since the last [`reset`], in order.
-pub fn expert_rows() -> Vec<u64> {
-    EXPERT_ROWS
-        .lock()
-        .unwrap_or_else(|e| e.into_inner())
-        .clone()
 }
 
 /// Run `f`, charging its wall time to `k` when timing is on.

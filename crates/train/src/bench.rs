@@ -48,9 +48,9 @@ pub struct BenchReport {
     /// the timed steps ran (Linux `/proc/stat`; `None` elsewhere). On a shared VM this is what
     /// makes the same binary 25–40 % slower from one minute to the next.
     pub cpu_steal: Option<f64>,
-    /// With expert parallelism: how unevenly the router loaded the ranks' experts during the
-    /// timed steps — over every MoE forward, the busiest rank's routed rows summed, over the
-    /// mean rank's (1 = balanced). The all-to-alls wait for the busiest rank.
+    /// With expert parallelism: how unevenly the router loaded the ranks' experts, the mean
+    /// over the timed steps of [`crate::trainer::ExpertLoad::ep_imbalance`] (1 = balanced).
+    /// The all-to-alls wait for the busiest rank.
     pub expert_imbalance: Option<f64>,
     /// With pipeline parallelism: the measured bubble beside the simulator's.
     pub pipeline: Option<crate::pipeline::PipelineReport>,
@@ -166,27 +166,6 @@ impl std::fmt::Display for BenchReport {
     }
 }
 
-/// Σ over MoE forwards of the busiest rank's routed rows, over Σ of the mean rank's, from
-/// every rank's `rows` (one entry per forward, in order); `None` when the ranks recorded
-/// different numbers of forwards or none. A collective.
-fn expert_imbalance(comm: &Communicator, rows: &[u64]) -> Result<Option<f64>> {
-    let mut len = [rows.len() as f32, -(rows.len() as f32)];
-    comm.all_reduce(&mut len, comm::ReduceOp::Max)?;
-    if len[0] != -len[1] || rows.is_empty() {
-        return Ok(None);
-    }
-    let mine: Vec<f32> = rows.iter().map(|&r| r as f32).collect();
-    let mut all = vec![0.0f32; mine.len() * comm.size()];
-    comm.all_gather(&mine, &mut all)?;
-    let (mut busiest, mut mean) = (0.0f64, 0.0f64);
-    for i in 0..mine.len() {
-        let call = all.chunks_exact(mine.len()).map(|r| r[i] as f64);
-        busiest += call.clone().fold(0.0, f64::max);
-        mean += call.sum::<f64>() / comm.size() as f64;
-    }
-    Ok((mean > 0.0).then(|| busiest / mean))
-}
-
 /// Runs `steps` timed optimizer steps (after one warm-up step) of `cfg` on this rank of
 /// `comm`'s world with real data (the built-in corpus) and reports the median (on rank 0; the
 /// other ranks return `None`). Every rank calls it.
@@ -210,6 +189,7 @@ pub fn bench_train(
     let mut fma_peak = Some(0.0f64);
     let ticks0 = cpu_ticks();
     let mut times = Vec::with_capacity(steps.max(1));
+    let mut ep_imbalance = Vec::new();
     for _ in 0..steps.max(1) {
         peak = peak.max(job_peak_flops(comm, gemm_peak_flops)?);
         let fma = job_peak_flops(comm, || {
@@ -217,16 +197,14 @@ pub fn bench_train(
         })?;
         fma_peak = fma_peak.filter(|_| fma.is_finite()).map(|p| p.max(fma));
         let s = Instant::now();
-        t.train_step()?;
+        let report = t.train_step()?;
         times.push(s.elapsed().as_secs_f64());
+        ep_imbalance.extend(report.experts.map(|x| x.ep_imbalance));
     }
     let cpu_steal = steal_share(ticks0, cpu_ticks());
     model::profile::enable(false);
-    let expert_imbalance = if t.dims.ep > 1 {
-        expert_imbalance(comm, &model::profile::expert_rows())?
-    } else {
-        None
-    };
+    let expert_imbalance = (t.dims.ep > 1 && !ep_imbalance.is_empty())
+        .then(|| ep_imbalance.iter().sum::<f64>() / ep_imbalance.len() as f64);
     let pipeline = t.pipeline_report()?;
     let context = if t.dims.cp > 1 {
         let secs = |k: model::profile::Kernel| {

@@ -178,6 +178,10 @@ pub struct StepReport {
 pub struct ExpertLoad {
     /// Most tokens routed to one expert over the mean per expert.
     pub imbalance: f64,
+    /// With expert parallelism: over the MoE layers, the busiest ep rank's routed rows summed
+    /// over the mean ep rank's (its experts' tokens, from every rank; 1 without ep). Each
+    /// layer's all-to-alls wait for its busiest rank.
+    pub ep_imbalance: f64,
     /// Assignments dropped by the expert capacity, over all assignments.
     pub dropped: f64,
     /// Seconds this rank waited for expert parallelism's all-to-alls (0 without ep).
@@ -541,6 +545,14 @@ impl Trainer {
             .map(|x| (0..layers).map(|l| v[l * e + x]).sum())
             .collect();
         let total: i64 = per_expert.iter().sum();
+        // Rank r of the ep group holds experts [r·E/ep, (r+1)·E/ep) of every layer.
+        let ep = self.dims.ep.max(1);
+        let (mut busiest, mut mean_rank) = (0i64, 0.0f64);
+        for layer in v[..layers * e].chunks_exact(e) {
+            let rows = layer.chunks_exact(e / ep).map(|c| c.iter().sum::<i64>());
+            busiest += rows.clone().max().unwrap_or(0);
+            mean_rank += rows.sum::<i64>() as f64 / ep as f64;
+        }
         let max = per_expert.iter().copied().max().unwrap_or(0);
         let mean = total as f64 / e.max(1) as f64;
         self.balance_router(&v[..layers * e])?;
@@ -552,6 +564,11 @@ impl Trainer {
         self.expert_wait_seen = waited;
         Ok(Some(ExpertLoad {
             imbalance: if mean > 0.0 { max as f64 / mean } else { 0.0 },
+            ep_imbalance: if mean_rank > 0.0 {
+                busiest as f64 / mean_rank
+            } else {
+                1.0
+            },
             dropped: if total > 0 {
                 v[layers * e] as f64 / total as f64
             } else {

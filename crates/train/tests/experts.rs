@@ -2,7 +2,7 @@
 //! loss) saved under ep 2 × dp 2 after 2 steps resumes at one process, at ep 4, and at ep 2 ×
 //! tp 2 with the uninterrupted single-process losses (fp32, 1e-5), and every checkpoint
 //! exports to the same Hugging Face tensors (a MixtralForCausalLM config). The step reports
-//! the experts' load.
+//! the experts' load, per expert and per ep rank.
 use std::path::{Path, PathBuf};
 
 use train::trainer::Trainer;
@@ -42,6 +42,12 @@ fn run(cfg: &RunConfig, from: Option<&Path>, steps: usize, save: Option<&Path>) 
             let r = t.train_step().unwrap();
             let e = r.experts.expect("a MoE model reports its experts' load");
             assert!(e.imbalance >= 1.0 && e.dropped == 0.0, "{e:?}");
+            // The busiest ep rank's rows over the mean: 1 without expert parallelism.
+            let ep = cfg.parallel.ep > 1;
+            assert!(
+                e.ep_imbalance >= 1.0 && (ep || e.ep_imbalance == 1.0),
+                "{e:?}"
+            );
             losses.push(r.loss);
         }
         if let Some(dir) = save {

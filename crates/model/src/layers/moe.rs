@@ -390,7 +390,6 @@ impl Moe {
             .collect();
         // Offset of member m's rows of held expert l in its buffer.
         let at = |m: usize, l: usize| per + received[m][..l].iter().sum::<usize>() * hidden;
-        crate::profile::record_expert_rows(received.iter().flatten().sum());
         let mut caches = Vec::with_capacity(per);
         let mut back: Vec<Vec<f32>> = vec![Vec::new(); n];
         for (l, expert) in self.experts.iter().enumerate() {

@@ -8,9 +8,10 @@
 //! `4·T·S·h/tp`; T local tokens attending over S positions); the backward's input half runs
 //! the products again and the attention core twice, its weight half the products once.
 //! The head adds `2·T·h·V/tp` (once more in the input half where it recomputes its logits:
-//! under tp, and where the schedule holds more than one micro-batch at it). Full recomputation reruns the forward before the backward,
-//! selective recomputation the attention core (Megatron's choice; this engine's selective
-//! policy only recomputes element-wise work, which the model leaves out).
+//! under tp, and where the schedule holds more than one micro-batch at it). Full
+//! recomputation reruns the forward before the backward, selective recomputation the
+//! attention core (Megatron's choice; this engine's selective policy only recomputes
+//! element-wise work, which the model leaves out).
 //!
 //! **Collectives** of `B` bytes over `n` ranks on a link of latency α and bandwidth β (ring
 //! algorithms, Thakur et al. 2005): all-reduce `2(n−1)·α + 2(n−1)/n·B/β`; all-gather and
