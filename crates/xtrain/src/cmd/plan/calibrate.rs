@@ -4,8 +4,8 @@
 //! one decoder layer's forward and backward reach (on the model being planned, with the
 //! planner's own FLOP count as the numerator, so the efficiency means what the planner
 //! multiplies by; each timing paired with a peak measurement taken right before it, so a
-//! shared machine's changing load cancels out of the ratio), then the memory bandwidth an
-//! AdamW update over more than the last-level cache streams at. Measured together, the ranks
+//! shared machine's changing load cancels out of the ratio), then the bandwidth of the
+//! executor's optimizer phase over more than the last-level cache. Measured together, the ranks
 //! share the cores' vector units, caches and memory bandwidth as they will in training. Then
 //! the shared-memory link between two ranks (`xtrain bench comm` between two processes: alpha
 //! from an 8-byte all-reduce, beta from a 2 MiB one), and the resident set of a process
@@ -85,7 +85,8 @@ fn efficiency(cfg: &ModelConfig, seq: usize, micro_batch: usize) -> Result<(f64,
     Ok((median(ratios).clamp(1e-3, 1.0), median(peaks)))
 }
 
-fn median(mut v: Vec<f64>) -> f64 {
+/// The middle value (the upper one of an even count); `v` must not be empty.
+pub(super) fn median(mut v: Vec<f64>) -> f64 {
     v.sort_by(f64::total_cmp);
     v[v.len() / 2]
 }
@@ -106,8 +107,8 @@ fn memory_bandwidth() -> f64 {
     let adamw = model::AdamW::default();
     let t = best_of(3, || {
         tensor::threads::install(|| {
-            let sq = model::optim::grad_sq_sum(&g);
-            model::optim::scale_grads(&mut g, (0.5 + sq.min(0.0)) as f32);
+            std::hint::black_box(model::optim::grad_sq_sum(&g));
+            model::optim::scale_grads(&mut g, 0.5);
             adamw.update(1, 1e-3, 0.0, &mut p, &g, &mut m, &mut v);
             g.fill(0.01);
         })
@@ -184,7 +185,8 @@ pub fn process_baseline() -> u64 {
 struct WorkerReport {
     efficiency: f64,
     peak_flops: f64,
-    /// The bytes/s of its AdamW update ([`memory_bandwidth`]), measured after the efficiency.
+    /// The bytes/s of its optimizer phase ([`memory_bandwidth`]), measured after the
+    /// efficiency.
     memory_bandwidth: f64,
 }
 

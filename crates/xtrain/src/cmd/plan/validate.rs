@@ -4,15 +4,17 @@
 //! same command users run, as a child process), reads its JSON report, and predicts the
 //! layout on the calibrated cluster, with expert parallelism at the expert load imbalance the
 //! run had (the router decides it at run time). On a shared machine the cores' capacity
-//! changes from minute to minute: validate on a quiet one. The table gives the medians and ranges over the
-//! rounds; "RSS/pred" is rank 0's peak resident set over its predicted resident bytes
-//! (account, backward workspace, process).
+//! changes from minute to minute: validate on a quiet one. The table gives the medians and
+//! ranges over the rounds; "RSS/pred" is rank 0's peak resident set over its predicted
+//! resident bytes (account, backward workspace, process).
 use std::process::Command;
 
 use anyhow::{bail, Context, Result};
 use parallel::memory::human;
 use parallel::plan::{evaluate, Conventions, Job, Layout};
 use parallel::Precision;
+
+use super::calibrate::median;
 
 /// One validated layout: the preset, the bench flags, the planner's name for it.
 struct Case {
@@ -171,11 +173,6 @@ fn round(case: &Case, steps: usize) -> Result<Round> {
         accounted_bytes: num("accounted_bytes").unwrap_or(0.0) as u64,
         peak_rss: num("peak_rss_bytes").map(|b| b as u64),
     })
-}
-
-fn median(mut v: Vec<f64>) -> f64 {
-    v.sort_by(f64::total_cmp);
-    v[v.len() / 2]
 }
 
 fn range(v: &[f64]) -> (f64, f64) {
