@@ -442,6 +442,8 @@ pub fn split_bytes(
     sched: &Schedule,
 ) -> Result<Vec<StageBytes>, ParallelError> {
     let splits = sched.stage_splits().max(1);
+    // The splits' bytes are shared by the ranks holding them: one rule for every head (the
+    // ranks without one pass trivially; DualPipe's two heads see the same schedule shape).
     let early = (0..sched.num_ranks()).all(|r| head_grads_in_forward(sched, r));
     (0..splits)
         .map(|k| stage_bytes(job, l, layout, splits, k, early))
