@@ -53,7 +53,7 @@ fn bench_gemm(c: &mut Criterion) {
         let b = data(k * n, 2);
         let mut out = vec![0.0f32; m * n];
         g.throughput(Throughput::Elements(2 * (m * n * k) as u64));
-        for (name, be) in [("own", Backend::Own), ("crate", Backend::Crate)] {
+        for (name, be) in [("own", Backend::Auto), ("crate", Backend::Crate)] {
             g.bench_function(
                 format!("{name}_{m}x{k}x{n}_ta{}_tb{}", ta as u8, tb as u8),
                 |bench| {

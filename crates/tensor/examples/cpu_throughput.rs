@@ -91,7 +91,7 @@ fn ab_gemm(threads: usize, [m, k, n]: [usize; 3], [ta, tb]: [bool; 2], rounds: u
     let mut c = vec![0.0; m * n];
     let flops = 2.0 * (m * n * k) as f64;
     let reps = ((4e9 / flops) as usize).clamp(1, 200);
-    let backends = [Backend::Own, Backend::Crate, Backend::Amx];
+    let backends = [Backend::Auto, Backend::Crate, Backend::Amx];
     let mut res = [[vec![], vec![]], [vec![], vec![]], [vec![], vec![]]];
     let (mut peaks, mut own_of_peak) = (vec![], vec![]);
     for _ in 0..rounds {

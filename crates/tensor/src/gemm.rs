@@ -1,12 +1,12 @@
 //! Matrix products, parallelised over the thread budget, on one of the backends
-//! ([`Backend`]): the own AVX-512 SGEMM of [`crate::sgemm`], or the `gemm` crate (built without
-//! its AVX-512 kernels: its AVX2 + FMA kernels where the CPU has them, chosen by the crate at run
-//! time), or the own SGEMM on AMX tiles ([`crate::sgemm::amx`], fp32 accuracy from an exact
-//! bf16 split; only when asked for by [`matmul_using`]). The default ([`Backend::Auto`]) follows
-//! the kernel path of [`crate::isa`]: the own SGEMM on the AVX-512 path, the `gemm` crate on the
-//! AVX2 and portable paths. (AMX is left out because on the shared VMs measured AMX alternated
-//! between 1.2–1.45× faster and 0.63–0.91× slower training steps, geometric mean ≈ 1;
-//! docs/PERFORMANCE.md, "AMX".)
+//! ([`Backend`]). The default ([`Backend::Auto`]) is the own SGEMM of [`crate::sgemm`] with the
+//! micro-kernel of the kernel path of [`crate::isa`] (AVX-512, AVX2 + FMA or portable), whose
+//! rows do not depend on how many rows share a product (batch invariance, see
+//! [`crate::sgemm`]). For comparisons, [`matmul_using`] also runs the `gemm` crate (built
+//! without its AVX-512 kernels) or the own SGEMM on AMX tiles ([`crate::sgemm::amx`], fp32
+//! accuracy from an exact bf16 split). (AMX is not the default because on the shared VMs
+//! measured AMX alternated between 1.2–1.45× faster and 0.63–0.91× slower training steps,
+//! geometric mean ≈ 1; docs/PERFORMANCE.md, "AMX".)
 //!
 //! Transposed operands are read through strides, never copied: a row-major `[r, c]` matrix
 //! read as its transpose is the same memory with row stride 1 and column stride `c`.
@@ -16,7 +16,6 @@
 //! `dW += dyᵀ·x` is `matmul(dw, dy, x, out, tokens, in, true, false, true)`.
 
 use crate::error::check_len;
-#[cfg(target_arch = "x86_64")]
 use crate::sgemm;
 use crate::threads::{self, SyncPtr};
 use crate::TensorError;
@@ -145,13 +144,11 @@ pub fn matmul_serial(
 /// Which implementation computes a product.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Backend {
-    /// The kernel path's choice ([`crate::isa::active`]): the own SGEMM on AVX-512, else the
-    /// `gemm` crate.
+    /// The own SGEMM with the micro-kernel of the kernel path ([`crate::isa::active`]:
+    /// AVX-512, AVX2 + FMA or portable).
     Auto,
-    /// The own AVX-512 SGEMM of [`crate::sgemm`] (falls back to the `gemm` crate on CPUs
-    /// without AVX-512), whatever the kernel path.
-    Own,
-    /// The `gemm` crate.
+    /// The `gemm` crate (for comparisons; its small-matrix paths sum in an order that depends
+    /// on the number of rows, so it is not batch-invariant).
     Crate,
     /// The own SGEMM on the AMX tile unit ([`crate::sgemm::amx`]: exact bf16 split, fp32
     /// accuracy) for every product; where AMX is unavailable, the same choice as
@@ -287,50 +284,45 @@ pub unsafe fn gemm_raw_using(
     accumulate: bool,
     threads: Option<usize>,
 ) {
-    #[cfg(not(target_arch = "x86_64"))]
-    let _ = backend; // the own kernel is x86-64 only
-    #[cfg(target_arch = "x86_64")]
-    if backend != Backend::Crate && sgemm::available() {
-        // The own kernel writes row-major C; a column-major C is the transposed product
-        // Cᵀ = Bᵀ·Aᵀ, which is row-major with the operands' roles and strides swapped.
-        let own = if sc.col == 1 && sc.row >= n as isize {
-            Some((c, sc.row as usize, a, sa, b, sb, m, n))
-        } else if sc.row == 1 && sc.col >= m as isize {
-            let swap = |s: Strides| Strides {
-                row: s.col,
-                col: s.row,
-            };
-            Some((c, sc.col as usize, b, swap(sb), a, swap(sa), n, m))
-        } else {
-            None
+    // The own kernels write row-major C; a column-major C is the transposed product
+    // Cᵀ = Bᵀ·Aᵀ, which is row-major with the operands' roles and strides swapped.
+    let own = if sc.col == 1 && sc.row >= n as isize {
+        Some((c, sc.row as usize, a, sa, b, sb, m, n))
+    } else if sc.row == 1 && sc.col >= m as isize {
+        let swap = |s: Strides| Strides {
+            row: s.col,
+            col: s.row,
         };
-        let kernel = match backend {
-            Backend::Own => Some(sgemm::Kernel::Fma),
-            Backend::Amx if sgemm::Kernel::Amx.available() => Some(sgemm::Kernel::Amx),
-            Backend::Crate => None,
-            _ => (crate::isa::active() == crate::isa::Isa::Avx512).then_some(sgemm::Kernel::Fma),
+        Some((c, sc.col as usize, b, swap(sb), a, swap(sa), n, m))
+    } else {
+        None
+    };
+    let path = sgemm::Kernel::for_isa(crate::isa::active());
+    let kernel = match backend {
+        Backend::Crate => None,
+        Backend::Auto => Some(path),
+        Backend::Amx if sgemm::Kernel::Amx.available() => Some(sgemm::Kernel::Amx),
+        Backend::Amx => Some(path),
+    };
+    if let Some((kernel, (c, ldc, a, sa, b, sb, m, n))) = kernel.zip(own) {
+        let mat = |p: *const f32, s: Strides| sgemm::MatRef {
+            ptr: p,
+            rs: s.row,
+            cs: s.col,
         };
-        let own = kernel.zip(own);
-        if let Some((kernel, (c, ldc, a, sa, b, sb, m, n))) = own {
-            let mat = |p: *const f32, s: Strides| sgemm::MatRef {
-                ptr: p,
-                rs: s.row,
-                cs: s.col,
-            };
-            sgemm::sgemm_with(
-                kernel,
-                c,
-                ldc,
-                mat(a, sa),
-                mat(b, sb),
-                m,
-                k,
-                n,
-                accumulate,
-                threads.unwrap_or(1),
-            );
-            return;
-        }
+        sgemm::sgemm_with(
+            kernel,
+            c,
+            ldc,
+            mat(a, sa),
+            mat(b, sb),
+            m,
+            k,
+            n,
+            accumulate,
+            threads.unwrap_or(1),
+        );
+        return;
     }
     if m == 0 || n == 0 {
         return;
@@ -463,7 +455,7 @@ mod tests {
         // Both backends through matmul_using, and gemm_raw with a column-major C (the own
         // kernel computes it as the transposed product) and strided inputs.
         let (m, k, n) = (37, 45, 29);
-        for backend in [Backend::Own, Backend::Crate, Backend::Auto, Backend::Amx] {
+        for backend in [Backend::Crate, Backend::Auto, Backend::Amx] {
             for threads in [None, Some(2)] {
                 for (ta, tb) in [(false, false), (true, false), (false, true), (true, true)] {
                     let a = rand_vec(m * k, 4);

@@ -1,8 +1,8 @@
 //! Which vector instruction set the hand-written kernels run on, chosen once per process.
 //!
-//! Three paths ([`Isa`]): AVX-512 (16-lane `zmm` intrinsics and the own SGEMM), AVX2 + FMA
-//! (8-lane `ymm` intrinsics; matrix products on the `gemm` crate's AVX2 kernels) and portable
-//! Rust (loops the compiler vectorises for the baseline target; products on the `gemm` crate).
+//! Three paths ([`Isa`]): AVX-512 (16-lane `zmm` intrinsics), AVX2 + FMA (8-lane `ymm`
+//! intrinsics) and portable Rust (loops the compiler vectorises for the baseline target); the
+//! matrix products run on the own SGEMM with the path's micro-kernel ([`crate::sgemm`]).
 //! The best path the CPU supports is detected once (`is_x86_feature_detected!`) and cached;
 //! the environment variable [`ISA_ENV`] (`XTRAIN_ISA=avx512|avx2|portable`) forces a lower
 //! one, so that every path can be run and compared on one machine. Forcing a path the CPU
@@ -89,13 +89,7 @@ impl Isa {
             Isa::Avx2 => "AVX2+FMA",
             Isa::Avx512 => "AVX-512",
         };
-        let gemm = match self {
-            Isa::Avx512 => "own SGEMM (AVX-512, 14x32 tiles)",
-            // The `gemm` crate is built without its AVX-512 kernels (they are not used on
-            // AVX-512 CPUs, where the own SGEMM runs), so it runs AVX2+FMA wherever the CPU
-            // has it, also on the portable path.
-            Isa::Avx2 | Isa::Portable => "gemm crate (AVX2+FMA where present)",
-        };
+        let gemm = crate::sgemm::Kernel::for_isa(self).describe();
         vec![
             ("matmul", gemm),
             ("attention tiles", vector),

@@ -16,9 +16,11 @@
 //! Map of the crate:
 //! - [`isa`]: the kernel path of this process (AVX-512, AVX2 + FMA or portable), detected once,
 //!   forced lower by `XTRAIN_ISA`; every hand-written kernel dispatches on it.
-//! - [`gemm::matmul`]: `C (+)= op(A)·op(B)`, transposes by strides, on the own AVX-512 SGEMM
-//!   ([`sgemm`]) on the AVX-512 path, else the `gemm` crate; on request ([`gemm::matmul_using`])
-//!   the fp32 product on AMX tiles from an exact bf16 split ([`sgemm::amx`]).
+//! - [`gemm::matmul`]: `C (+)= op(A)·op(B)`, transposes by strides, on the own SGEMM
+//!   ([`sgemm`]) with the micro-kernel of the kernel path (AVX-512, AVX2 + FMA, portable), rows
+//!   independent of how many rows share a product; on request ([`gemm::matmul_using`]) the
+//!   `gemm` crate or the fp32 product on AMX tiles from an exact bf16 split ([`sgemm::amx`]).
+//! - [`skip`]: tests that cannot run here say so visibly, or fail where `XTRAIN_REQUIRE` says.
 //! - [`norm`]: RMSNorm; [`rope::Rope`]: rotary embedding (HF rotate-half);
 //!   [`activation`]: SiLU / SwiGLU; [`softmax`]: row softmax.
 //! - [`attention`]: tiled online-softmax attention with GQA, causal offsets, log-sum-exp and
@@ -39,8 +41,8 @@ pub mod isa;
 pub mod norm;
 pub mod peak;
 pub mod rope;
-#[cfg(target_arch = "x86_64")]
 pub mod sgemm;
+pub mod skip;
 pub mod softmax;
 pub mod tensor;
 pub mod threads;

@@ -1,4 +1,5 @@
-//! The single-threaded loop nest around the micro-kernel (GotoBLAS/BLIS structure):
+//! The single-threaded loop nest around a micro-kernel ([`super::tile::Tile`], GotoBLAS/BLIS
+//! structure):
 //!
 //! ```text
 //! for pc in 0..k step KC                // rank-KC update
@@ -11,24 +12,24 @@
 //! When all of `n` fits one `B̂` block (the usual case at training shapes) each `A` micro-panel
 //! is instead packed right before its `jr` loop into an L1-sized buffer, so packed `A` never
 //! leaves L1; with several `B̂` blocks, or a column-major `A` (packed fastest as a whole block,
-//! see `pack_a_columns`), an `A` block is packed once per rank update and reused
+//! see `Tile::pack_a_block`), an `A` block is packed once per rank update and reused
 //! for every `B̂` block (packing it per block would cost `m·k·n/NC` copies, measured 5 % of a
 //! 2048³ product). The first rank update writes or accumulates as the caller asked; later ones
 //! always accumulate.
 
-use super::blocking::{block_len, KC, MC, MR, NC, NR};
-use super::kernel;
-use super::pack::{pack_a, pack_a_columns, pack_b};
+use super::blocking::block_len;
 use super::scratch::with_buffers;
+use super::tile::Tile;
 use super::MatRef;
 
-/// `C[m × n] (+)= A·B` on the calling thread, `C(i, j) = c[i·ldc + j]`, `k ≥ 1`.
+/// `C[m × n] (+)= A·B` on the calling thread with the micro-kernel `T`,
+/// `C(i, j) = c[i·ldc + j]`, `k ≥ 1`.
 ///
 /// # Safety
-/// AVX-512F must be available; all addressed elements in bounds; `C` not aliasing `A`/`B`
-/// and not accessed by anyone else during the call.
+/// `T`'s instruction set must be available; all addressed elements in bounds; `C` not
+/// aliasing `A`/`B` and not accessed by anyone else during the call.
 #[allow(clippy::too_many_arguments)]
-pub(super) unsafe fn gemm(
+pub(super) unsafe fn gemm<T: Tile>(
     c: *mut f32,
     ldc: usize,
     a: MatRef,
@@ -38,15 +39,16 @@ pub(super) unsafe fn gemm(
     n: usize,
     accumulate: bool,
 ) {
-    let (kc_max, nc_max) = (block_len(k, KC, 1), block_len(n, NC, NR));
-    // A column-major A is packed as whole blocks (sequential reads, see `pack_a_columns`);
+    let (mr, nr) = (T::MR, T::NR);
+    let (kc_max, nc_max) = (block_len(k, T::KC, 1), block_len(n, T::NC, nr));
+    // A column-major A is packed as whole blocks (sequential reads, see `Tile::pack_a_block`);
     // otherwise, when one B block covers n, A is packed panel by panel into L1.
     let col_major_a = a.rs == 1 && a.cs != 1;
     let one_b_block = n <= nc_max && !col_major_a;
     let mc_max = if one_b_block {
-        MR
+        mr
     } else {
-        block_len(m, MC, MR)
+        block_len(m, T::MC, mr)
     };
     with_buffers(|abuf, bbuf| {
         let ap = abuf.get(mc_max * kc_max);
@@ -55,38 +57,28 @@ pub(super) unsafe fn gemm(
             let kc = kc_max.min(k - pc);
             let acc = accumulate || pc > 0;
             if one_b_block {
-                let bp = &mut bp[..n.div_ceil(NR) * NR * kc];
-                pack_b(bp, b.sub(pc, 0), kc, n);
-                for ir in (0..m).step_by(MR) {
-                    let rows = MR.min(m - ir);
-                    pack_a(&mut ap[..MR * kc], a.sub(ir, pc), rows, kc);
-                    panel_row(ap.as_ptr(), bp, c.add(ir * ldc), ldc, rows, n, kc, acc);
+                let bp = &mut bp[..n.div_ceil(nr) * nr * kc];
+                T::pack_b(bp, b.sub(pc, 0), kc, n);
+                for ir in (0..m).step_by(mr) {
+                    let rows = mr.min(m - ir);
+                    T::pack_a(&mut ap[..mr * kc], a.sub(ir, pc), rows, kc);
+                    panel_row::<T>(ap.as_ptr(), bp, c.add(ir * ldc), ldc, rows, n, kc, acc);
                 }
                 continue;
             }
             for ic in (0..m).step_by(mc_max) {
                 let mc = mc_max.min(m - ic);
-                let panels = mc.div_ceil(MR);
-                if col_major_a {
-                    pack_a_columns(ap, a.sub(ic, pc), mc, kc);
-                }
-                for r in 0..panels {
-                    let rows = MR.min(mc - r * MR);
-                    if col_major_a {
-                        continue;
-                    }
-                    let panel = &mut ap[r * MR * kc..(r + 1) * MR * kc];
-                    pack_a(panel, a.sub(ic + r * MR, pc), rows, kc);
-                }
+                let panels = mc.div_ceil(mr);
+                T::pack_a_block(ap, a.sub(ic, pc), mc, kc);
                 for jc in (0..n).step_by(nc_max) {
                     let nc = nc_max.min(n - jc);
-                    let bp = &mut bp[..nc.div_ceil(NR) * NR * kc];
-                    pack_b(bp, b.sub(pc, jc), kc, nc);
+                    let bp = &mut bp[..nc.div_ceil(nr) * nr * kc];
+                    T::pack_b(bp, b.sub(pc, jc), kc, nc);
                     for r in 0..panels {
-                        let (ir, rows) = (ic + r * MR, MR.min(mc - r * MR));
+                        let (ir, rows) = (ic + r * mr, mr.min(mc - r * mr));
                         let ct = c.add(ir * ldc + jc);
-                        let panel = ap[r * MR * kc..].as_ptr();
-                        panel_row(panel, bp, ct, ldc, rows, nc, kc, acc);
+                        let panel = ap[r * mr * kc..].as_ptr();
+                        panel_row::<T>(panel, bp, ct, ldc, rows, nc, kc, acc);
                     }
                 }
             }
@@ -94,11 +86,11 @@ pub(super) unsafe fn gemm(
     })
 }
 
-/// One row panel of `C` (`rows ≤ MR` rows from `c`, `nc` columns): every micro-tile of the
+/// One row panel of `C` (`rows ≤ T::MR` rows from `c`, `nc` columns): every micro-tile of the
 /// packed `A` panel at `ap` against the micro-panels of the packed `B` block `bp`.
 #[allow(clippy::too_many_arguments)]
 #[inline]
-pub(super) unsafe fn panel_row(
+pub(super) unsafe fn panel_row<T: Tile>(
     ap: *const f32,
     bp: &[f32],
     c: *mut f32,
@@ -108,9 +100,9 @@ pub(super) unsafe fn panel_row(
     kc: usize,
     acc: bool,
 ) {
-    for (s, bpanel) in bp.chunks_exact(NR * kc).enumerate() {
-        let jr = s * NR;
-        let cols = NR.min(nc - jr);
-        kernel::tile(kc, ap, bpanel.as_ptr(), c.add(jr), ldc, rows, cols, acc);
+    for (s, bpanel) in bp.chunks_exact(T::NR * kc).enumerate() {
+        let jr = s * T::NR;
+        let cols = T::NR.min(nc - jr);
+        T::tile(kc, ap, bpanel.as_ptr(), c.add(jr), ldc, rows, cols, acc);
     }
 }

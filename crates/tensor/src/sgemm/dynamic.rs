@@ -1,4 +1,5 @@
-//! The dynamic schedule of one product across threads: row panels (`MR` rows of `C`) are
+//! The dynamic schedule of one product across threads: row panels (`MR` rows of `C`, for the
+//! micro-kernel at hand) are
 //! handed out one at a time from a shared counter, so a thread that runs faster simply takes
 //! more of them. On the shared 2-vCPU VMs the two halves of a static split differed by 5–27 %
 //! in duration, at random which one (docs/PERFORMANCE.md, "GEMM: own kernel, `gemm` crate, PyTorch, AMX"); the static split then
@@ -25,18 +26,18 @@
 //! update's packing waits for the last reader). With one `B̂` block each `A` panel is packed
 //! into the taker's L1-sized buffer right before use, as in the driver.
 
-use super::blocking::{block_len, KC, MR, NC, NR};
+use super::blocking::block_len;
 use super::driver::panel_row;
-use super::pack::pack_a;
-use super::pack::pack_b;
 use super::scratch::{with_buffers, with_shared_a};
+use super::tile::Tile;
 use super::MatRef;
 use crate::threads;
 use rayon::prelude::*;
+use std::marker::PhantomData;
 use std::sync::atomic::{AtomicUsize, Ordering};
 
 /// The state the threads share; the caller of [`gemm`] blocks until all threads are done.
-struct Schedule {
+struct Schedule<T> {
     c: *mut f32,
     ldc: usize,
     a: MatRef,
@@ -55,16 +56,17 @@ struct Schedule {
     next: Vec<AtomicUsize>,
     /// `finished[p]`: how many stages panel `p` has completed.
     finished: Vec<AtomicUsize>,
+    kernel: PhantomData<T>,
 }
 // SAFETY: the raw pointers address the caller's operands and the shared A buffer, which
 // outlive the parallel loop; every tile of C and every shared A panel is written by one
 // thread at a time, ordered by `finished` (release/acquire).
-unsafe impl Sync for Schedule {}
+unsafe impl<T> Sync for Schedule<T> {}
 
-/// `C[m × n] (+)= A·B` on `t ≥ 2` threads of the budget pool, bitwise equal to the driver on
-/// one thread. Preconditions as for [`super::driver::gemm`].
+/// `C[m × n] (+)= A·B` with the micro-kernel `T` on `t ≥ 2` threads of the budget pool,
+/// bitwise equal to the driver on one thread. Preconditions as for [`super::driver::gemm`].
 #[allow(clippy::too_many_arguments)]
-pub(super) unsafe fn gemm(
+pub(super) unsafe fn gemm<T: Tile>(
     c: *mut f32,
     ldc: usize,
     a: MatRef,
@@ -73,17 +75,17 @@ pub(super) unsafe fn gemm(
     accumulate: bool,
     t: usize,
 ) {
-    let (kc_max, nc_max) = (block_len(k, KC, 1), block_len(n, NC, NR));
+    let (kc_max, nc_max) = (block_len(k, T::KC, 1), block_len(n, T::NC, T::NR));
     let (k_blocks, n_blocks) = (k.div_ceil(kc_max), n.div_ceil(nc_max));
-    let panels = m.div_ceil(MR);
+    let panels = m.div_ceil(T::MR);
     let share_a = n_blocks > 1;
     with_shared_a(|buf| {
         let shared_a = if share_a {
-            buf.get(panels * MR * kc_max).as_mut_ptr()
+            buf.get(panels * T::MR * kc_max).as_mut_ptr()
         } else {
             std::ptr::null_mut()
         };
-        let schedule = Schedule {
+        let schedule = Schedule::<T> {
             c,
             ldc,
             a,
@@ -100,6 +102,7 @@ pub(super) unsafe fn gemm(
                 .map(|_| AtomicUsize::new(0))
                 .collect(),
             finished: (0..panels).map(|_| AtomicUsize::new(0)).collect(),
+            kernel: PhantomData,
         };
         let schedule = &schedule;
         // SAFETY: as for this function; `work` only touches what the schedule hands it.
@@ -111,12 +114,13 @@ pub(super) unsafe fn gemm(
     })
 }
 
-impl Schedule {
+impl<T: Tile> Schedule<T> {
     /// One thread's share: every stage in order, panels from the stage's counter.
     unsafe fn work(&self) {
         let panels = self.finished.len();
         with_buffers(|abuf, bbuf| {
-            let a_own = abuf.get(MR * self.kc_max);
+            let (mr, nr) = (T::MR, T::NR);
+            let a_own = abuf.get(mr * self.kc_max);
             let b_packed = bbuf.get(self.nc_max * self.kc_max);
             for (s, next) in self.next.iter().enumerate() {
                 if next.load(Ordering::Relaxed) >= panels {
@@ -127,8 +131,8 @@ impl Schedule {
                     (s % self.n_blocks) * self.nc_max,
                 );
                 let (kc, nc) = (self.kc_max.min(self.k - pc), self.nc_max.min(self.n - jc));
-                let bp = &mut b_packed[..nc.div_ceil(NR) * NR * kc];
-                pack_b(bp, self.b.sub(pc, jc), kc, nc);
+                let bp = &mut b_packed[..nc.div_ceil(nr) * nr * kc];
+                T::pack_b(bp, self.b.sub(pc, jc), kc, nc);
                 let acc = self.accumulate || pc > 0;
                 loop {
                     let p = next.fetch_add(1, Ordering::Relaxed);
@@ -136,20 +140,20 @@ impl Schedule {
                         break;
                     }
                     self.wait_for(p, s);
-                    let (ir, rows) = (p * MR, MR.min(self.m - p * MR));
+                    let (ir, rows) = (p * mr, mr.min(self.m - p * mr));
                     let panel = if self.shared_a.is_null() {
-                        pack_a(&mut a_own[..MR * kc], self.a.sub(ir, pc), rows, kc);
+                        T::pack_a(&mut a_own[..mr * kc], self.a.sub(ir, pc), rows, kc);
                         a_own.as_ptr()
                     } else {
-                        let panel = self.shared_a.add(p * MR * self.kc_max);
+                        let panel = self.shared_a.add(p * mr * self.kc_max);
                         if jc == 0 {
-                            let dst = std::slice::from_raw_parts_mut(panel, MR * kc);
-                            pack_a(dst, self.a.sub(ir, pc), rows, kc);
+                            let dst = std::slice::from_raw_parts_mut(panel, mr * kc);
+                            T::pack_a(dst, self.a.sub(ir, pc), rows, kc);
                         }
                         panel as *const f32
                     };
                     let c = self.c.add(ir * self.ldc + jc);
-                    panel_row(panel, bp, c, self.ldc, rows, nc, kc, acc);
+                    panel_row::<T>(panel, bp, c, self.ldc, rows, nc, kc, acc);
                     self.finished[p].store(s + 1, Ordering::Release);
                 }
             }

@@ -14,7 +14,7 @@
 //! 16 lines × 16 steps are loaded as 16 vectors and transposed in registers (64 shuffles per
 //! 256 values instead of 256 scalar moves); other strides use a scalar loop.
 
-use super::blocking::{MR, NR};
+use super::kernel::{MR, NR};
 use super::MatRef;
 use std::arch::x86_64::*;
 

@@ -1,5 +1,5 @@
 //! Splitting one product across threads. With at least four row panels (`MR` rows) per
-//! thread the FMA kernel uses the dynamic schedule of [`super::dynamic`]: panels are handed
+//! thread the FMA kernels (AVX-512, AVX2, portable) use the dynamic schedule of [`super::dynamic`]: panels are handed
 //! out one at a time, so a thread whose vCPU runs slower takes fewer (on the shared VMs the
 //! halves of a static split differed by 5–27 % in duration). Otherwise (few rows, or the AMX
 //! kernel) the output is cut into `t` static slabs of whole
@@ -13,7 +13,7 @@
 //! shared by two threads measured 2–4 % slower still: half of every block then crosses between
 //! cores. Both schedules give every element of `C` the bits it has on one thread.
 
-use super::blocking::{MR, NR};
+use super::tile::Tile;
 use super::{amx, driver, dynamic, Kernel, MatRef};
 use crate::threads;
 use rayon::prelude::*;
@@ -44,20 +44,73 @@ pub(super) unsafe fn run(
     ldc: usize,
     a: MatRef,
     b: MatRef,
+    mkn: [usize; 3],
+    accumulate: bool,
+    threads: usize,
+) {
+    match kernel {
+        #[cfg(target_arch = "x86_64")]
+        Kernel::Avx512 => {
+            run_tiles::<super::kernel::Avx512>(c, ldc, a, b, mkn, accumulate, threads)
+        }
+        #[cfg(target_arch = "x86_64")]
+        Kernel::Avx2 => run_tiles::<super::avx2::Avx2>(c, ldc, a, b, mkn, accumulate, threads),
+        Kernel::Portable => {
+            run_tiles::<super::portable::Portable>(c, ldc, a, b, mkn, accumulate, threads)
+        }
+        #[cfg(target_arch = "x86_64")]
+        Kernel::Amx => run_static(amx::gemm, [32, 32], c, ldc, a, b, mkn, accumulate, threads),
+        #[cfg(not(target_arch = "x86_64"))]
+        _ => unreachable!("{kernel:?} is x86-64 only"),
+    }
+}
+
+/// [`run`] for an FMA micro-kernel `T`: the dynamic schedule where it applies, else the static
+/// split.
+#[allow(clippy::too_many_arguments)]
+unsafe fn run_tiles<T: Tile>(
+    c: *mut f32,
+    ldc: usize,
+    a: MatRef,
+    b: MatRef,
     [m, k, n]: [usize; 3],
     accumulate: bool,
     threads: usize,
 ) {
-    let (gemm, mr, nr): (Driver, usize, usize) = match kernel {
-        Kernel::Fma => (driver::gemm, MR, NR),
-        Kernel::Amx => (amx::gemm, 32, 32),
-    };
+    let t = split_threads([m, k, n], [T::MR, T::NR], threads);
+    if t >= 2 && dynamic_applies(m, T::MR, t) {
+        return dynamic::gemm::<T>(c, ldc, a, b, [m, k, n], accumulate, t);
+    }
+    run_static(
+        driver::gemm::<T>,
+        [T::MR, T::NR],
+        c,
+        ldc,
+        a,
+        b,
+        [m, k, n],
+        accumulate,
+        threads,
+    )
+}
+
+/// The static split: `t` slabs of whole `[mr, nr]` register tiles along the dimension with more
+/// tiles, each an independent `gemm` on one worker (one slab: the calling thread).
+#[allow(clippy::too_many_arguments)]
+unsafe fn run_static(
+    gemm: Driver,
+    [mr, nr]: [usize; 2],
+    c: *mut f32,
+    ldc: usize,
+    a: MatRef,
+    b: MatRef,
+    [m, k, n]: [usize; 3],
+    accumulate: bool,
+    threads: usize,
+) {
     let t = split_threads([m, k, n], [mr, nr], threads);
     if t == 1 {
         return gemm(c, ldc, a, b, m, k, n, accumulate);
-    }
-    if kernel == Kernel::Fma && dynamic_applies(m, t) {
-        return dynamic::gemm(c, ldc, a, b, [m, k, n], accumulate, t);
     }
     let (tiles_m, tiles_n) = (m.div_ceil(mr), n.div_ceil(nr));
     let by_rows = tiles_m >= tiles_n;
@@ -91,16 +144,19 @@ fn split_threads([m, k, n]: [usize; 3], [mr, nr]: [usize; 2], threads: usize) ->
     threads.min(tiles).min(work / MIN_WORK_PER_THREAD).max(1)
 }
 
-/// Whether `t ≥ 2` threads split an `m`-row product by the dynamic schedule: at least four
-/// row panels per thread, so that handing out single panels balances the threads (fewer rows
-/// are split statically, by columns).
-fn dynamic_applies(m: usize, t: usize) -> bool {
-    m.div_ceil(MR) >= 4 * t
+/// Whether `t ≥ 2` threads split an `m`-row product of `mr`-row panels by the dynamic
+/// schedule: at least four row panels per thread, so that handing out single panels balances
+/// the threads (fewer rows are split statically, by columns).
+fn dynamic_applies(m: usize, mr: usize, t: usize) -> bool {
+    m.div_ceil(mr) >= 4 * t
 }
 
-/// Whether the FMA kernel splits `C[m × n] (+)= A[m × k]·B` across two or more threads of a
-/// budget of `threads` with the dynamic schedule.
-pub fn splits_dynamically([m, k, n]: [usize; 3], threads: usize) -> bool {
-    let t = split_threads([m, k, n], [MR, NR], threads);
-    t >= 2 && dynamic_applies(m, t)
+/// Whether the FMA kernel `kernel` splits `C[m × n] (+)= A[m × k]·B` across two or more
+/// threads of a budget of `threads` with the dynamic schedule.
+pub fn splits_dynamically(kernel: Kernel, [m, k, n]: [usize; 3], threads: usize) -> bool {
+    let Some([mr, nr]) = kernel.tile() else {
+        return false;
+    };
+    let t = split_threads([m, k, n], [mr, nr], threads);
+    t >= 2 && dynamic_applies(m, mr, t)
 }

@@ -2,8 +2,8 @@
 //! tile and block sizes, every transpose combination, accumulate on/off, strided views inside
 //! larger buffers, several thread counts, and random shapes (proptest).
 
-use super::blocking::{KC, MC, MR, NC, NR};
-use super::{available, sgemm_with, Kernel, MatRef};
+use super::tile::Tile;
+use super::{sgemm_with, Kernel, MatRef};
 use crate::testutil::rand_vec;
 use proptest::prelude::*;
 
@@ -35,12 +35,54 @@ fn layout(r: usize, c: usize, trans: bool, pad: usize) -> (usize, isize, isize) 
     }
 }
 
+/// Block sizes `[MR, NR, KC, MC, NC]` of an FMA kernel.
+fn blocks(kernel: Kernel) -> [usize; 5] {
+    fn of<T: Tile>() -> [usize; 5] {
+        [T::MR, T::NR, T::KC, T::MC, T::NC]
+    }
+    match kernel {
+        Kernel::Avx512 => of::<super::kernel::Avx512>(),
+        Kernel::Avx2 => of::<super::avx2::Avx2>(),
+        Kernel::Portable => of::<super::portable::Portable>(),
+        Kernel::Amx => [32, 32, super::amx::KC, 32, super::amx::NC],
+    }
+}
+
+/// The FMA kernels this CPU runs; one visible line names each kernel it cannot run (the
+/// forced lower paths cover the rest: `XTRAIN_ISA`).
+fn fma_kernels() -> Vec<Kernel> {
+    Kernel::FMA
+        .into_iter()
+        .filter(|&k| {
+            let ok = k.available();
+            if !ok {
+                let feature = if k == Kernel::Avx512 {
+                    "AVX-512F"
+                } else {
+                    "AVX2 + FMA"
+                };
+                crate::skip::cpu_feature(&format!("sgemm tests of the {k:?} kernel"), feature);
+            }
+            ok
+        })
+        .collect()
+}
+
+/// Every kernel this CPU runs: the FMA kernels and AMX where present.
+fn kernels() -> Vec<Kernel> {
+    let mut all = fma_kernels();
+    if Kernel::Amx.available() {
+        all.push(Kernel::Amx);
+    } else {
+        crate::skip::cpu_feature("sgemm tests of the AMX kernel", "AMX-TILE + AMX-BF16");
+    }
+    all
+}
+
 /// Runs the case through every available kernel; see [`run_on`].
 fn run(case: Case) {
-    for kernel in [Kernel::Fma, Kernel::Amx] {
-        if kernel.available() {
-            run_on(kernel, case);
-        }
+    for kernel in kernels() {
+        run_on(kernel, case);
     }
 }
 
@@ -130,9 +172,6 @@ fn same_bits(x: &[f32], y: &[f32]) -> bool {
 
 #[test]
 fn odd_sizes_all_layouts() {
-    if !available() {
-        return;
-    }
     let sizes = [1usize, 7, 13, 17, 31, 33];
     for &m in &sizes {
         for &k in &[1usize, 7, 17, 33] {
@@ -145,51 +184,61 @@ fn odd_sizes_all_layouts() {
 
 #[test]
 fn tile_and_block_edges() {
-    if !available() {
-        return;
-    }
-    // Around MR, NR, 16-lane halves and the KC split, with strided views and threads.
-    for &(m, k, n) in &[
-        (MR, KC, NR),
-        (MR + 1, KC + 1, NR + 1),
-        (2 * MR - 1, 2 * KC + 3, NR + 16),
-        (100, 100, 100),
-        (3 * MR + 5, 19, 3 * NR - 15),
-    ] {
-        each_layout(m, k, n, &[0, 3], &[1, 2, 3]);
+    // Around each kernel's MR, NR, half-vectors and the KC split, with strided views and
+    // threads.
+    for kernel in kernels() {
+        let [mr, nr, kc, _, _] = blocks(kernel);
+        for &(m, k, n) in &[
+            (mr, kc, nr),
+            (mr + 1, kc + 1, nr + 1),
+            (2 * mr - 1, 2 * kc + 3, nr + nr / 2),
+            (100, 100, 100),
+            (3 * mr + 5, 19, 3 * nr - nr / 2 + 1),
+        ] {
+            each_layout(m, k, n, &[0, 3], &[1, 2, 3]);
+        }
     }
 }
 
 #[test]
 fn spans_column_blocks_and_threads() {
-    if !available() {
-        return;
-    }
-    // n beyond NC exercises the jc loop; m, n large enough for every thread to get a slab.
-    run(Case {
-        m: 45,
-        k: 40,
-        n: NC + 37,
-        trans_a: false,
-        trans_b: true,
-        accumulate: true,
-        pad: 1,
-        threads: 2,
-    });
     for t in [1, 2, 3] {
         each_layout(130, 70, 150, &[0], &[t]);
     }
-    // m beyond MC with several B blocks: more than one packed A block per rank update.
-    run(Case {
-        m: MC + 2 * MR + 3,
-        k: 3,
-        n: NC + 5,
-        trans_a: false,
-        trans_b: false,
-        accumulate: true,
-        pad: 0,
-        threads: 1,
-    });
+    for kernel in kernels() {
+        let [mr, _, _, mc, nc] = blocks(kernel);
+        // n beyond NC exercises the jc loop; m, n large enough for every thread to get a slab.
+        run_on(
+            kernel,
+            Case {
+                m: 45,
+                k: 40,
+                n: nc + 37,
+                trans_a: false,
+                trans_b: true,
+                accumulate: true,
+                pad: 1,
+                threads: 2,
+            },
+        );
+        // m beyond MC with several B blocks: more than one packed A block per rank update,
+        // with a row-major and a column-major A.
+        for trans_a in [false, true] {
+            run_on(
+                kernel,
+                Case {
+                    m: mc + 2 * mr + 3,
+                    k: 3,
+                    n: nc + 5,
+                    trans_a,
+                    trans_b: false,
+                    accumulate: true,
+                    pad: 0,
+                    threads: 1,
+                },
+            );
+        }
+    }
 }
 
 /// A computed case: the operands, `C` before and after, and the strides of `A` and `B`
@@ -265,14 +314,18 @@ const LAYOUTS: [(bool, bool, bool); 4] = [
 /// packed per panel, packed once and shared) and accumulation.
 #[test]
 fn threads_give_the_bits_of_one_thread() {
-    if !available() {
-        return;
+    for kernel in fma_kernels() {
+        threads_keep_bits(kernel);
     }
+}
+
+fn threads_keep_bits(kernel: Kernel) {
+    let [mr, _, kc, _, nc] = blocks(kernel);
     for (m, k, n) in [
         (300, 1100, 1100),
         (311, 700, 300),
         (40, 600, 700),
-        (8 * MR, KC + 3, NC),
+        (8 * mr, kc + 3, nc),
     ] {
         for (trans_a, trans_b, accumulate) in LAYOUTS {
             for pad in [0, 5] {
@@ -286,11 +339,11 @@ fn threads_give_the_bits_of_one_thread() {
                     pad,
                     threads,
                 };
-                let one = product(Kernel::Fma, case(1)).c;
+                let one = product(kernel, case(1)).c;
                 for t in [2, 3, 4] {
-                    let many = product(Kernel::Fma, case(t)).c;
+                    let many = product(kernel, case(t)).c;
                     let same = same_bits(&one, &many);
-                    assert!(same, "{:?}: {t} threads differ from 1", case(t));
+                    assert!(same, "{kernel:?} {:?}: {t} threads differ from 1", case(t));
                 }
             }
         }
@@ -302,14 +355,13 @@ fn threads_give_the_bits_of_one_thread() {
 /// keeps the bits of one thread.
 #[test]
 fn concurrent_split_products_keep_their_bits() {
-    if !available() {
-        return;
-    }
+    let kernel = Kernel::for_isa(crate::isa::Isa::detected());
+    let [_, _, kc, _, nc] = blocks(kernel);
     let cases: Vec<Case> = (0..4)
         .map(|i| Case {
             m: 150 + 40 * i,
-            k: KC + 7 * i,
-            n: if i % 2 == 0 { NC + 9 } else { 200 },
+            k: kc + 7 * i,
+            n: if i % 2 == 0 { nc + 9 } else { 200 },
             trans_a: i % 2 == 1,
             trans_b: i >= 2,
             accumulate: i % 3 == 0,
@@ -319,13 +371,13 @@ fn concurrent_split_products_keep_their_bits() {
         .collect();
     let want: Vec<Vec<f32>> = cases
         .iter()
-        .map(|&c| product(Kernel::Fma, Case { threads: 1, ..c }).c)
+        .map(|&c| product(kernel, Case { threads: 1, ..c }).c)
         .collect();
     std::thread::scope(|scope| {
         for (case, want) in cases.iter().zip(&want) {
             scope.spawn(move || {
                 for _ in 0..5 {
-                    let got = product(Kernel::Fma, *case).c;
+                    let got = product(kernel, *case).c;
                     let same = same_bits(&got, want);
                     assert!(same, "{case:?}: concurrent split differs from 1 thread");
                 }
@@ -336,18 +388,12 @@ fn concurrent_split_products_keep_their_bits() {
 
 #[test]
 fn k_zero_and_empty() {
-    if !available() {
-        return;
-    }
     let e = MatRef {
         ptr: [].as_ptr(),
         rs: 0,
         cs: 0,
     };
-    for kernel in [Kernel::Fma, Kernel::Amx]
-        .into_iter()
-        .filter(|k| k.available())
-    {
+    for kernel in kernels() {
         let mut c = vec![5.0f32; 6];
         unsafe { sgemm_with(kernel, c.as_mut_ptr(), 3, e, e, 2, 0, 3, true, 1) };
         assert_eq!(c, vec![5.0; 6]);
@@ -370,9 +416,7 @@ proptest! {
         pad in 0usize..3,
         threads in 1usize..4,
     ) {
-        if available() {
-            run(Case { m, k, n, trans_a, trans_b, accumulate, pad, threads });
-        }
+        run(Case { m, k, n, trans_a, trans_b, accumulate, pad, threads });
     }
 }
 
@@ -429,7 +473,7 @@ fn relative_errors(kernel: Kernel, m: usize, k: usize, n: usize, seed: u64) -> (
 #[test]
 fn amx_split_has_fp32_accuracy() {
     if !Kernel::Amx.available() {
-        return;
+        return crate::skip::cpu_feature("amx_split_has_fp32_accuracy", "AMX-TILE + AMX-BF16");
     }
     let u = f32::EPSILON as f64 / 2.0; // fp32 unit roundoff 2⁻²⁴
                                        // k = 1: C = a·b. An fp32 multiply is within u; the split adds the fp32 rounding of its
@@ -442,7 +486,7 @@ fn amx_split_has_fp32_accuracy() {
     // RMS error; 3× is the bound, and both stay far below the worst case k·u.
     for (k, seed) in [(512usize, 21u64), (1000, 22)] {
         let (rms_amx, max_amx) = relative_errors(Kernel::Amx, 48, k, 48, seed);
-        let (rms_fma, _) = relative_errors(Kernel::Fma, 48, k, 48, seed);
+        let (rms_fma, _) = relative_errors(Kernel::Avx512, 48, k, 48, seed);
         assert!(
             rms_amx <= 3.0 * rms_fma,
             "k = {k}: RMS relative error {rms_amx:e} vs FMA {rms_fma:e}"
@@ -458,7 +502,10 @@ fn amx_split_has_fp32_accuracy() {
 #[test]
 fn amx_split_propagates_nan_and_infinity() {
     if !Kernel::Amx.available() {
-        return;
+        return crate::skip::cpu_feature(
+            "amx_split_propagates_nan_and_infinity",
+            "AMX-TILE + AMX-BF16",
+        );
     }
     // A has a NaN in row 0 and +∞ in row 1; B is positive, so C's row 0 is NaN and row 1
     // non-finite: +∞ where every part of B(9, j) is non-zero, NaN where a lower part is 0
@@ -474,6 +521,76 @@ fn amx_split_propagates_nan_and_infinity() {
         assert!(c[n + j] == f32::INFINITY || c[n + j].is_nan(), "C(1, {j})");
         for i in 2..m {
             assert!(c[i * n + j].is_finite(), "C({i}, {j})");
+        }
+    }
+}
+
+/// Batch invariance: each row of `C = A·B` has the same bits computed alone, among a few rows
+/// or among many, for every kernel, layout of the operands and thread count (the property
+/// that keeps expert parallelism, which regroups an expert's tokens across ranks, equal to
+/// one process). The `gemm` crate fails this (its small-matrix paths sum in another order).
+#[test]
+fn a_row_has_the_same_bits_whatever_rows_share_the_product() {
+    for kernel in kernels() {
+        for (k, n) in [(32, 48), (300, 40), (700, 129)] {
+            for (trans_a, trans_b, accumulate) in LAYOUTS {
+                let case = |m, threads| Case {
+                    m,
+                    k,
+                    n,
+                    trans_a,
+                    trans_b,
+                    accumulate,
+                    pad: 0,
+                    threads,
+                };
+                // One operand set for every m: the first m rows of the largest A (stored
+                // transposed, row i of op(A) is column i, so slice by re-laying out).
+                let big = 70;
+                let full = product(kernel, case(big, 2));
+                for m in [1, 2, 5, 6, 13, 33] {
+                    let mut a = vec![0.0f32; m * k];
+                    for i in 0..m {
+                        for p in 0..k {
+                            let [ars, acs, _, _] = full.strides;
+                            a[if trans_a { p * m + i } else { i * k + p }] =
+                                full.a[(i as isize * ars + p as isize * acs) as usize];
+                        }
+                    }
+                    let (ars, acs) = if trans_a {
+                        (1, m as isize)
+                    } else {
+                        (k as isize, 1)
+                    };
+                    let [_, _, brs, bcs] = full.strides;
+                    let mut c = full.c0[..m * n].to_vec();
+                    let mat = |v: &[f32], rs, cs| MatRef {
+                        ptr: v.as_ptr(),
+                        rs,
+                        cs,
+                    };
+                    // SAFETY: dense operands of the shapes given.
+                    unsafe {
+                        sgemm_with(
+                            kernel,
+                            c.as_mut_ptr(),
+                            n,
+                            mat(&a, ars, acs),
+                            mat(&full.b, brs, bcs),
+                            m,
+                            k,
+                            n,
+                            accumulate,
+                            1,
+                        )
+                    };
+                    assert!(
+                        same_bits(&c, &full.c[..m * n]),
+                        "{kernel:?} m = {m} of {big}, k = {k}, n = {n}, {trans_a} {trans_b}: \
+                         rows differ"
+                    );
+                }
+            }
         }
     }
 }
