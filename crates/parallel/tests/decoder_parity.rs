@@ -3,10 +3,11 @@
 //! auxiliary loss is a per-micro-batch quantity): Llama with GQA and a Mixtral-style MoE
 //! (shared expert, auxiliary loss), dp ∈ {1, 2, 4} at every ZeRO stage with and without
 //! accumulation, tp ∈ {2, 4} with and without sequence parallelism, and dp × tp at every ZeRO
-//! stage. fp32: every loss of 5 AdamW steps and every parameter within 1e-5 relative. Also the
-//! first step's gradients, the collectives a step issues, and impossible layouts.
+//! stage. fp32: every loss and gradient norm of 5 AdamW steps and every parameter within 1e-5
+//! relative. Also the first step's full gradients, the collectives a step issues, and
+//! impossible layouts.
 use comm::OpKind;
-use model::{Model, ModelConfig, StepOptions};
+use model::{Model, ModelConfig};
 use parallel::data_parallel::ZeroStage;
 use parallel::tensor_parallel::TpPlan;
 use parallel::{ParallelDims, ParallelError, Precision};
@@ -36,24 +37,10 @@ fn check_batch(cfg: &ModelConfig, layouts: &[(usize, usize, bool, usize, usize)]
     let model = Model::new(cfg.clone()).unwrap();
     for &(dp, tp, sp, zero, accum) in layouts {
         let exec = decoder_exec(ZeroStage::from_index(zero).unwrap(), Precision::Fp32);
-        let (ref_losses, ref_params) =
-            llm_reference(&model, exec.adamw, 1.0, global, STEPS, dp * accum);
+        let reference = llm_reference(&model, exec.adamw, Some(1.0), global, STEPS, dp * accum);
         let runs = train_decoder(cfg, dims(dp, tp, sp, zero), &exec, global, accum, STEPS);
         let what = format!("dp={dp} tp={tp} sp={sp} zero={zero} accum={accum}");
-        let losses: Vec<f32> = runs[0].stats.iter().map(|s| s.loss).collect();
-        for r in &runs {
-            let l: Vec<f32> = r.stats.iter().map(|s| s.loss).collect();
-            assert_eq!(l, losses, "{what}: every rank reports the same losses");
-        }
-        for (s, (a, b)) in losses.iter().zip(&ref_losses).enumerate() {
-            assert!(
-                (a - b).abs() / b.abs() < 1e-5,
-                "{what} step {s}: {a} vs {b}"
-            );
-        }
-        let params = assemble(cfg, &runs, |r| &r.params);
-        let err = rel_err(&params, &ref_params);
-        assert!(err < 1e-5, "{what}: params differ by {err:e}");
+        assert_matches_reference(&what, cfg, &runs, &reference, RankLosses::Bitwise);
     }
 }
 
@@ -115,49 +102,28 @@ fn padded_vocab_matches_single_process() {
 }
 
 /// The gradients of one step, gathered to the full layout, equal the single-process ones to
-/// f32 rounding (1e-6 of the largest gradient), for every tp and sp.
+/// f32 rounding (1e-6 of the largest gradient), for dp, every tp and sp, and dp × tp.
 #[test]
 fn first_step_gradients_match() {
     for cfg in [llama(), moe()] {
         let model = Model::new(cfg.clone()).unwrap();
-        let p = model.init_params(3);
-        let mut g = vec![0.0; p.len()];
-        model
-            .forward_backward(
-                &p,
-                &mut g,
-                &rows(&cfg, 0, GLOBAL),
-                &StepOptions::default(),
-                &mut |_| {},
-            )
-            .unwrap();
-        let scale = g.iter().fold(0.0f32, |m, x| m.max(x.abs()));
         let exec = parallel::ExecConfig {
             max_grad_norm: None,
             ..decoder_exec(ZeroStage::Ddp, Precision::Fp32)
         };
-        for tp in [1, 2, 4] {
-            for sp in [false, true] {
-                if sp && tp == 1 {
-                    continue;
-                }
-                let runs = train_decoder(&cfg, dims(1, tp, sp, 0), &exec, GLOBAL, 1, 1);
-                let gt = assemble(&cfg, &runs, |r| &r.grads);
-                for e in &model.layout.entries {
-                    let err = e
-                        .view
-                        .of(&gt)
-                        .iter()
-                        .zip(e.view.of(&g))
-                        .fold(0.0f32, |m, (a, b)| m.max((a - b).abs()));
-                    assert!(
-                        err <= 1e-6 * scale,
-                        "tp={tp} sp={sp} {}: {:e} of the gradient scale",
-                        e.name,
-                        err / scale
-                    );
-                }
-            }
+        for (dp, tp, sp) in [
+            (1, 1, false),
+            (2, 1, false),
+            (1, 2, false),
+            (1, 2, true),
+            (1, 4, false),
+            (1, 4, true),
+            (2, 2, true),
+        ] {
+            let reference = llm_reference(&model, exec.adamw, None, GLOBAL, 1, dp);
+            let runs = train_decoder(&cfg, dims(dp, tp, sp, 0), &exec, GLOBAL, 1, 1);
+            let what = format!("dp={dp} tp={tp} sp={sp}");
+            assert_first_step_gradients(&what, &cfg, &runs, &reference);
         }
     }
 }

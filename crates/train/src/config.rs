@@ -144,8 +144,9 @@ pub struct ParallelConfig {
     /// Expert-parallel degree (carved out of dp × cp).
     #[serde(default = "one")]
     pub ep: usize,
-    /// Pipeline stages per pipeline rank of the interleaved schedule.
-    #[serde(default = "one")]
+    /// Pipeline stages per pipeline rank of the interleaved schedule; 0 (the default) takes the
+    /// schedule's own default (2 for interleaved, as `xtrain schedule` does; 1 otherwise).
+    #[serde(default)]
     pub virtual_stages: usize,
     /// The pipeline schedule (pp > 1): `gpipe`, `1f1b`, `interleaved`, `zb-h1`, `zb-h2`,
     /// `zb-v`, `dualpipev`, `dualpipe`, or `csv:FILE` (a schedule written by `xtrain schedule
@@ -175,8 +176,19 @@ impl ParallelConfig {
             ep: self.ep,
             zero,
             sp: self.sp,
-            virtual_stages: self.virtual_stages,
+            virtual_stages: self.virtual_stages(),
         })
+    }
+
+    /// `virtual_stages`, with 0 resolved to the schedule's default (1 for a schedule read from
+    /// a CSV file or one that does not parse, which is reported where the schedule is built).
+    pub fn virtual_stages(&self) -> usize {
+        if self.virtual_stages > 0 {
+            return self.virtual_stages;
+        }
+        self.schedule
+            .parse::<parallel::pipeline_parallel::ScheduleKind>()
+            .map_or(1, |k| k.default_virtual_stages())
     }
 
     /// Completes a layout from the degrees a user gave: `nproc` alone sets dp to
@@ -324,7 +336,7 @@ impl RunConfig {
                 cp_balance: default_cp_balance(),
                 cp_comm: default_cp_comm(),
                 ep: 1,
-                virtual_stages: 1,
+                virtual_stages: 0,
                 schedule: default_schedule(),
                 bucket_mb: default_bucket_mb(),
             },
@@ -419,7 +431,6 @@ impl RunConfig {
             ("parallel.pp", self.parallel.pp),
             ("parallel.cp", self.parallel.cp),
             ("parallel.ep", self.parallel.ep),
-            ("parallel.virtual_stages", self.parallel.virtual_stages),
         ] {
             if v == 0 {
                 return bad(format!("{name} must be > 0"));
@@ -501,6 +512,10 @@ impl RunConfig {
                 ));
             }
         }
+        // The degrees against the model (heads, KV heads and ffn over tp, experts over ep):
+        // here too, so that a bad layout is reported before any worker starts.
+        dims.validate_model(&crate::trainer::model_config(self), m.seq_len)
+            .map_err(pconf)?;
         Ok(())
     }
 

@@ -8,9 +8,9 @@
 //!
 //! - The checkpoint holds the full fp32 master weights: loaded at B and saved again at once,
 //!   its Hugging Face export is byte for byte A's.
-//! - fp32 → fp32: the resumed losses equal the single-process run's within 1e-5 relative (the
-//!   state is restored exactly; layouts differ only in the order of their sums), and equal the
-//!   uninterrupted run of A bit for bit when B = A.
+//! - fp32 → fp32: the resumed losses and gradient norms equal the single-process run's within
+//!   1e-5 relative (the state is restored exactly; layouts differ only in the order of their
+//!   sums), and equal the uninterrupted run of A bit for bit when B = A.
 //! - bf16 → bf16 at the same layout: bit for bit too.
 //! - Across precisions the run continues from the same master weights in the other format:
 //!   each loss within 0.05 nats of the fp32 run (bf16's own drift, see the trainer's
@@ -158,15 +158,18 @@ fn fp32(layout: &[&str]) -> bool {
     !layout.contains(&"train.precision=bf16")
 }
 
+/// One step's loss and global gradient norm (before clipping).
+type Step = (f64, f32);
+
 /// Runs `steps` steps of `cfg` on its processes (threads), from checkpoint `from` if given,
-/// saving to `save_at_start` before the first step; returns rank 0's losses.
+/// saving to `save_at_start` before the first step; returns rank 0's steps.
 fn run(
     cfg: &RunConfig,
     from: Option<&Path>,
     save_at_start: Option<&Path>,
     steps: usize,
     save_at_end: Option<&Path>,
-) -> Vec<f64> {
+) -> Vec<Step> {
     comm::testing::run_threads(cfg.parallel.nproc, |c| {
         let mut t = match from {
             Some(ck) => Trainer::resume(cfg.clone(), ck, &c).unwrap(),
@@ -175,7 +178,12 @@ fn run(
         if let Some(dir) = save_at_start {
             t.save_checkpoint(dir).unwrap();
         }
-        let losses = (0..steps).map(|_| t.train_step().unwrap().loss).collect();
+        let losses = (0..steps)
+            .map(|_| {
+                let r = t.train_step().unwrap();
+                (r.loss, r.stats.grad_norm)
+            })
+            .collect();
         if let Some(dir) = save_at_end {
             t.save_checkpoint(dir).unwrap();
         }
@@ -222,7 +230,12 @@ fn every_layout_resumes_every_other() {
                 "{what}: the Hugging Face export of the reloaded checkpoint"
             );
             if fp32(la) && fp32(lb) {
-                for (s, (x, y)) in rest.iter().zip(&reference[2..]).enumerate() {
+                for (s, ((x, nx), (y, ny))) in rest.iter().zip(&reference[2..]).enumerate() {
+                    assert!(
+                        (nx - ny).abs() / ny.abs() < 1e-5,
+                        "{what} step {}: gradient norm {nx} vs {ny}",
+                        s + 3
+                    );
                     assert!(
                         (x - y).abs() / y.abs() < 1e-5,
                         "{what} step {}: {x} vs {y}",
@@ -230,7 +243,7 @@ fn every_layout_resumes_every_other() {
                     );
                 }
             } else {
-                for (s, (x, y)) in rest.iter().zip(&reference[2..]).enumerate() {
+                for (s, ((x, _), (y, _))) in rest.iter().zip(&reference[2..]).enumerate() {
                     assert!(
                         (x - y).abs() < 0.05,
                         "{what} step {}: {x} vs fp32 {y}",
@@ -239,7 +252,11 @@ fn every_layout_resumes_every_other() {
                 }
             }
             if a == b {
-                let bits = |v: &[f64]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+                let bits = |v: &[Step]| {
+                    v.iter()
+                        .map(|(l, n)| (l.to_bits(), n.to_bits()))
+                        .collect::<Vec<_>>()
+                };
                 assert_eq!(bits(&rest), bits(&straight[2..]), "{what}: bit for bit");
             }
         }

@@ -180,6 +180,66 @@ fn bad_arguments_are_clear_errors() {
     );
 }
 
+/// Every layout that cannot work is refused before any worker starts (no `[rank R]` line),
+/// naming the constraint: ep not dividing the experts, ep on a dense model, tp not dividing
+/// the heads, more pipeline stages than layers; and `--schedule interleaved` without
+/// `--virtual-stages` runs with 2, as `xtrain schedule` does.
+#[test]
+fn layout_errors_come_before_launch_and_interleaved_defaults_to_two_stages() {
+    for (args, says) in [
+        (
+            &["--preset", "moe-small", "--nproc", "3", "--ep", "3"][..],
+            "not divisible by ep = 3",
+        ),
+        (
+            &["--preset", "tiny", "--nproc", "2", "--ep", "2"],
+            "no experts",
+        ),
+        (
+            &["--preset", "tiny", "--tp", "8"],
+            "not divisible by tp = 8",
+        ),
+        (
+            &[
+                "--preset",
+                "tiny",
+                "--pp",
+                "2",
+                "--schedule",
+                "interleaved",
+                "--microbatches",
+                "4",
+            ],
+            "cuts the model into 4 stages but model.num_layers = 2",
+        ),
+    ] {
+        let (ok, out) = xtrain(&[&["train", "--quiet"][..], args].concat());
+        assert!(!ok && out.contains(says), "{args:?}: {out}");
+        assert!(!out.contains("[rank"), "{args:?}: a worker started:\n{out}");
+    }
+    let d = std::env::temp_dir().join(format!("xtrain-cli-interleaved-{}", std::process::id()));
+    let (ok, out) = xtrain(&[
+        "train",
+        "--quiet",
+        "--preset",
+        "tiny",
+        "--pp",
+        "2",
+        "--schedule",
+        "interleaved",
+        "--microbatches",
+        "4",
+        "--set",
+        "model.num_layers=4",
+        "--set",
+        "train.steps=1",
+        "--out",
+        d.to_str().unwrap(),
+    ]);
+    assert!(ok, "{out}");
+    let _ = std::fs::remove_dir_all(&d);
+}
+
 /// `XTRAIN_ISA` forces the kernels' path for a whole run, and `bench train` names the CPU and
 /// every kernel's path.
 #[test]

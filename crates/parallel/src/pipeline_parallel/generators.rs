@@ -61,6 +61,16 @@ impl ScheduleKind {
         }
     }
 
+    /// The `virtual_stages` a kind runs with when none is given: 2 for interleaved (its
+    /// smallest, Megatron's usual choice), 1 for every other kind.
+    pub fn default_virtual_stages(self) -> usize {
+        if self == ScheduleKind::Interleaved {
+            2
+        } else {
+            1
+        }
+    }
+
     /// Stages per pp rank the kind runs (`virtual_stages` for interleaved).
     pub fn stages_per_rank(self, virtual_stages: usize) -> usize {
         match self {

@@ -23,9 +23,9 @@ pub struct ScheduleArgs {
     /// Micro-batches per step.
     #[arg(long, default_value_t = 8)]
     pub microbatches: usize,
-    /// Stages per rank of the interleaved schedule.
-    #[arg(long, default_value_t = 2)]
-    pub virtual_stages: usize,
+    /// Stages per rank of the interleaved schedule (default 2, as `xtrain train`).
+    #[arg(long)]
+    pub virtual_stages: Option<usize>,
     /// Cost of each action type for the simulation, e.g. `F=1,B=2,W=1` (B is the fused
     /// backward, I = B − W; `FB=` an overlapped pair). Default: F = I = W = 1.
     #[arg(long)]
@@ -45,7 +45,9 @@ pub struct ScheduleArgs {
 }
 
 /// The schedule `spec` names.
-fn schedule(spec: &str, pp: usize, m: usize, v: usize) -> Result<Schedule> {
+/// The schedule `spec` for `pp` ranks and `m` micro-batches; `v` virtual stages for
+/// interleaved (its default when `None`), ignored by the other kinds.
+fn schedule(spec: &str, pp: usize, m: usize, v: Option<usize>) -> Result<Schedule> {
     if let Some(path) = spec.strip_prefix("csv:") {
         let text = std::fs::read_to_string(path).with_context(|| format!("reading {path}"))?;
         let s = Schedule::from_csv(&text).with_context(|| path.to_string())?;
@@ -54,7 +56,7 @@ fn schedule(spec: &str, pp: usize, m: usize, v: usize) -> Result<Schedule> {
     }
     let kind: ScheduleKind = spec.parse()?;
     let v = if kind == ScheduleKind::Interleaved {
-        v
+        v.unwrap_or(kind.default_virtual_stages())
     } else {
         1
     };
@@ -98,7 +100,13 @@ pub fn run_cmd(a: ScheduleArgs) -> Result<()> {
     if a.compare {
         println!(
             "pp = {}, m = {}, costs F={} I={} W={} (interleaved: v = {})",
-            a.pp, a.microbatches, costs.forward, costs.input, costs.weight, a.virtual_stages
+            a.pp,
+            a.microbatches,
+            costs.forward,
+            costs.input,
+            costs.weight,
+            a.virtual_stages
+                .unwrap_or(ScheduleKind::Interleaved.default_virtual_stages())
         );
         println!("{HEADER}");
         for kind in ScheduleKind::ALL {
@@ -147,6 +155,7 @@ pub fn run_cmd(a: ScheduleArgs) -> Result<()> {
     println!("peak activations per rank: {:?}", sim.peak_activations);
     let v = if s.kind == "interleaved" {
         a.virtual_stages
+            .unwrap_or(ScheduleKind::Interleaved.default_virtual_stages())
     } else {
         1
     };

@@ -50,7 +50,7 @@ pub struct LayoutArgs {
     #[arg(long)]
     pub ep: Option<usize>,
     /// Pipeline stages per pipeline rank of the interleaved schedule
-    /// (`parallel.virtual_stages`).
+    /// (`parallel.virtual_stages`; default 2, as `xtrain schedule`).
     #[arg(long)]
     pub virtual_stages: Option<usize>,
     /// Pipeline schedule (`parallel.schedule`): gpipe, 1f1b, interleaved, zb-h1, zb-h2, zb-v,
