@@ -31,6 +31,9 @@ pub enum TensorError {
     /// A setting from the environment is invalid or cannot apply on this machine.
     #[error("{0}")]
     Config(String),
+    /// The GPU (or the CUDA libraries) failed or is missing (`crate::cuda::CudaError`).
+    #[error("{0}")]
+    Device(String),
 }
 
 /// Checks that `buf_len == expected`, naming the buffer in the error.

@@ -21,6 +21,8 @@
 //!   independent of how many rows share a product; on request ([`gemm::matmul_using`]) the
 //!   `gemm` crate or the fp32 product on AMX tiles from an exact bf16 split ([`sgemm::amx`]).
 //! - [`skip`]: tests that cannot run here say so visibly, or fail where `XTRAIN_REQUIRE` says.
+//! - [`cuda`]: the same kernels on an NVIDIA GPU (driver, NVRTC and cuBLASLt opened at run
+//!   time; CUDA C compiled for the GPU found), each tested against its CPU twin.
 //! - [`norm`]: RMSNorm; [`rope::Rope`]: rotary embedding (HF rotate-half);
 //!   [`activation`]: SiLU / SwiGLU; [`softmax`]: row softmax.
 //! - [`attention`]: tiled online-softmax attention with GQA, causal offsets, log-sum-exp and
@@ -33,6 +35,7 @@
 pub mod activation;
 pub mod attention;
 pub mod cross_entropy;
+pub mod cuda;
 pub mod dtype;
 pub mod embedding;
 pub mod error;

@@ -1,0 +1,694 @@
+//! The GPU a process uses: the driver's primary context on one device, one compute stream,
+//! the kernel modules compiled for it, the caching allocator and the cuBLASLt handle
+//! ([`Gpu`]); device buffers ([`DevBuf`]); kernel launches ([`KArg`], [`Gpu::launch`]).
+//!
+//! Every call makes the context current on the calling thread first (cheap), so any thread of
+//! the process may use the `Gpu`. All work goes to the one compute stream in order, so a
+//! buffer freed after a kernel that reads it may be handed to the next kernel at once
+//! (stream order), and the host only waits where it reads results ([`DevBuf::to_host`]).
+
+use super::alloc::Allocator;
+use super::sys::{self, CUcontext, CUdevice, CUdeviceptr, CUfunction, CUmodule, CUstream};
+use super::{nvrtc, CudaError};
+use std::collections::HashMap;
+use std::ffi::{c_void, CStr, CString};
+use std::sync::{Arc, Mutex, OnceLock};
+
+/// The result of a driver call as an error naming the call.
+pub(crate) fn check(r: sys::CUresult, call: &str) -> Result<(), CudaError> {
+    if r == sys::CUDA_SUCCESS {
+        return Ok(());
+    }
+    Err(CudaError::Driver {
+        call: call.to_string(),
+        code: r,
+        message: error_text(r),
+    })
+}
+
+/// `NAME: description` of a driver result code.
+pub(crate) fn error_text(r: sys::CUresult) -> String {
+    let Ok(lib) = sys::driver() else {
+        return format!("CUDA error {r}");
+    };
+    let mut name: *const std::ffi::c_char = std::ptr::null();
+    let mut text: *const std::ffi::c_char = std::ptr::null();
+    // SAFETY: both calls write a pointer to a static string (or leave it null).
+    unsafe {
+        (lib.cuGetErrorName)(r, &mut name);
+        (lib.cuGetErrorString)(r, &mut text);
+    }
+    let s = |p: *const std::ffi::c_char| {
+        if p.is_null() {
+            String::new()
+        } else {
+            // SAFETY: non-null pointers from the driver are NUL-terminated static strings.
+            unsafe { CStr::from_ptr(p) }.to_string_lossy().into_owned()
+        }
+    };
+    format!("{}: {}", s(name), s(text))
+}
+
+/// What the driver reports of a device.
+#[derive(Debug, Clone, PartialEq)]
+pub struct DeviceInfo {
+    pub ordinal: usize,
+    pub name: String,
+    /// Compute capability `(major, minor)`, e.g. `(9, 0)` for an H100.
+    pub capability: (i32, i32),
+    pub multiprocessors: i32,
+    /// Shared memory a block may opt in to, in bytes.
+    pub shared_per_block: i32,
+    pub total_memory: usize,
+    /// The driver's CUDA version, e.g. 13000.
+    pub driver_version: i32,
+}
+
+impl DeviceInfo {
+    /// The `sm_XY` architecture number NVRTC compiles for.
+    pub fn arch(&self) -> u32 {
+        (self.capability.0 * 10 + self.capability.1) as u32
+    }
+
+    /// The device's dense bf16 tensor-core peak in FLOP/s, for utilisation figures: from the
+    /// vendors' data sheets by name (SXM parts; `None` for a device not in the table).
+    pub fn bf16_peak_flops(&self) -> Option<f64> {
+        let n = self.name.to_ascii_uppercase();
+        let tflops = if n.contains("H200") || n.contains("H100") && !n.contains("PCIE") {
+            989.4
+        } else if n.contains("H100") {
+            756.0
+        } else if n.contains("A100") {
+            312.0
+        } else if n.contains("L40S") {
+            362.1
+        } else if n.contains("A10G") {
+            70.0
+        } else {
+            return None;
+        };
+        Some(tflops * 1e12)
+    }
+}
+
+/// Number of CUDA devices (an error when the driver is missing or cannot start).
+pub fn device_count() -> Result<usize, CudaError> {
+    let lib = init()?;
+    let mut n = 0;
+    // SAFETY: valid out-pointer, after cuInit.
+    check(
+        unsafe { (lib.cuDeviceGetCount)(&mut n) },
+        "cuDeviceGetCount",
+    )?;
+    Ok(n.max(0) as usize)
+}
+
+/// The driver, initialised once (`cuInit`), at CUDA 12 or newer.
+fn init() -> Result<&'static sys::Driver, CudaError> {
+    static INIT: OnceLock<Result<(), CudaError>> = OnceLock::new();
+    let lib = sys::driver().map_err(CudaError::Library)?;
+    INIT.get_or_init(|| {
+        // SAFETY: cuInit(0) may be called any number of times.
+        let r = unsafe { (lib.cuInit)(0) };
+        if r == sys::CUDA_ERROR_NO_DEVICE {
+            return Err(CudaError::NoDevice(
+                "the NVIDIA driver found no GPU on this machine".into(),
+            ));
+        }
+        check(r, "cuInit")?;
+        let mut v = 0;
+        // SAFETY: valid out-pointer.
+        check(unsafe { (lib.cuDriverGetVersion)(&mut v) }, "cuDriverGetVersion")?;
+        if v < 12000 {
+            return Err(CudaError::NoDevice(format!(
+                "the NVIDIA driver supports CUDA {}.{}; xtrain needs CUDA 12.0 or newer (update the driver)",
+                v / 1000,
+                v % 1000 / 10
+            )));
+        }
+        Ok(())
+    })
+    .clone()?;
+    Ok(lib)
+}
+
+/// A device buffer of `len` elements of `T` from the [`Gpu`]'s caching allocator; returned to
+/// it on drop.
+pub struct DevBuf<T> {
+    ptr: CUdeviceptr,
+    len: usize,
+    gpu: Arc<Gpu>,
+    _t: std::marker::PhantomData<T>,
+}
+
+// SAFETY: a device pointer is an integer; the memory is only touched through the stream.
+unsafe impl<T: Send> Send for DevBuf<T> {}
+unsafe impl<T: Sync> Sync for DevBuf<T> {}
+
+impl<T: Copy> DevBuf<T> {
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// The device address (for kernel arguments and library calls).
+    pub fn ptr(&self) -> CUdeviceptr {
+        self.ptr
+    }
+
+    /// The device address of element `i`.
+    pub fn ptr_at(&self, i: usize) -> CUdeviceptr {
+        assert!(i <= self.len, "DevBuf::ptr_at({i}) beyond {}", self.len);
+        self.ptr + (i * std::mem::size_of::<T>()) as u64
+    }
+
+    pub fn bytes(&self) -> usize {
+        self.len * std::mem::size_of::<T>()
+    }
+
+    pub fn gpu(&self) -> &Arc<Gpu> {
+        &self.gpu
+    }
+
+    /// Copies the buffer to the host (waits for the stream).
+    pub fn to_host(&self) -> Result<Vec<T>, CudaError> {
+        let mut out = Vec::<T>::with_capacity(self.len);
+        self.gpu.bind()?;
+        let lib = self.gpu.lib;
+        // SAFETY: `out` has capacity for `len` elements; the copy completes before
+        // `set_len` (stream synchronised).
+        unsafe {
+            check(
+                (lib.cuMemcpyDtoHAsync_v2)(
+                    out.as_mut_ptr() as *mut c_void,
+                    self.ptr,
+                    self.bytes(),
+                    self.gpu.stream,
+                ),
+                "cuMemcpyDtoHAsync",
+            )?;
+            self.gpu.synchronize()?;
+            out.set_len(self.len);
+        }
+        Ok(out)
+    }
+
+    /// Overwrites the buffer with `src` (same length).
+    pub fn copy_from_host(&mut self, src: &[T]) -> Result<(), CudaError> {
+        if src.len() != self.len {
+            return Err(CudaError::Shape(format!(
+                "copy_from_host: {} elements into a buffer of {}",
+                src.len(),
+                self.len
+            )));
+        }
+        self.gpu.bind()?;
+        // SAFETY: `src` is `bytes()` long. The stream is synchronised before returning, as
+        // `src` may be freed by the caller right after.
+        unsafe {
+            check(
+                (self.gpu.lib.cuMemcpyHtoDAsync_v2)(
+                    self.ptr,
+                    src.as_ptr() as *const c_void,
+                    self.bytes(),
+                    self.gpu.stream,
+                ),
+                "cuMemcpyHtoDAsync",
+            )?;
+        }
+        self.gpu.synchronize()
+    }
+
+    /// Copies `len` elements from `src[src_at..]` into `self[at..]` on the device.
+    pub fn copy_within_device(
+        &mut self,
+        at: usize,
+        src: &DevBuf<T>,
+        src_at: usize,
+        len: usize,
+    ) -> Result<(), CudaError> {
+        if at + len > self.len || src_at + len > src.len {
+            return Err(CudaError::Shape(format!(
+                "device copy of {len} elements: [{src_at}..] of {} into [{at}..] of {}",
+                src.len, self.len
+            )));
+        }
+        self.gpu.bind()?;
+        let size = std::mem::size_of::<T>();
+        // SAFETY: both ranges are in bounds (checked above).
+        check(
+            unsafe {
+                (self.gpu.lib.cuMemcpyDtoDAsync_v2)(
+                    self.ptr_at(at),
+                    src.ptr_at(src_at),
+                    len * size,
+                    self.gpu.stream,
+                )
+            },
+            "cuMemcpyDtoDAsync",
+        )
+    }
+
+    /// Sets every byte to zero (stream-ordered).
+    pub fn zero(&mut self) -> Result<(), CudaError> {
+        self.gpu.bind()?;
+        // SAFETY: the buffer's bytes.
+        check(
+            unsafe { (self.gpu.lib.cuMemsetD8Async)(self.ptr, 0, self.bytes(), self.gpu.stream) },
+            "cuMemsetD8Async",
+        )
+    }
+}
+
+impl<T> Drop for DevBuf<T> {
+    fn drop(&mut self) {
+        self.gpu
+            .alloc
+            .release(self.ptr, self.len * std::mem::size_of::<T>());
+    }
+}
+
+impl<T> std::fmt::Debug for DevBuf<T> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "DevBuf<{}>[{}] on cuda:{}",
+            std::any::type_name::<T>(),
+            self.len,
+            self.gpu.info.ordinal
+        )
+    }
+}
+
+/// One kernel argument, held where the launch can point at it.
+#[derive(Clone, Copy, Debug)]
+pub enum KArg {
+    Ptr(CUdeviceptr),
+    I32(i32),
+    U32(u32),
+    I64(i64),
+    F32(f32),
+}
+
+impl KArg {
+    fn as_param(&mut self) -> *mut c_void {
+        match self {
+            KArg::Ptr(p) => p as *mut u64 as *mut c_void,
+            KArg::I32(v) => v as *mut i32 as *mut c_void,
+            KArg::U32(v) => v as *mut u32 as *mut c_void,
+            KArg::I64(v) => v as *mut i64 as *mut c_void,
+            KArg::F32(v) => v as *mut f32 as *mut c_void,
+        }
+    }
+}
+
+impl<T: Copy> From<&DevBuf<T>> for KArg {
+    fn from(b: &DevBuf<T>) -> KArg {
+        KArg::Ptr(b.ptr)
+    }
+}
+
+impl<T: Copy> From<&mut DevBuf<T>> for KArg {
+    fn from(b: &mut DevBuf<T>) -> KArg {
+        KArg::Ptr(b.ptr)
+    }
+}
+
+impl From<i32> for KArg {
+    fn from(v: i32) -> KArg {
+        KArg::I32(v)
+    }
+}
+
+impl From<f32> for KArg {
+    fn from(v: f32) -> KArg {
+        KArg::F32(v)
+    }
+}
+
+/// `v` as a 32-bit kernel argument, or an error naming it when it does not fit.
+pub fn to_i32(v: usize, what: &str) -> Result<i32, CudaError> {
+    i32::try_from(v).map_err(|_| CudaError::Shape(format!("{what} = {v} exceeds 2^31 - 1")))
+}
+
+/// Grid, block and dynamic shared memory of a launch.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct LaunchCfg {
+    pub grid: (u32, u32, u32),
+    pub block: (u32, u32, u32),
+    pub shared_bytes: u32,
+}
+
+impl LaunchCfg {
+    /// A 1-D launch of `blocks` blocks of `threads` threads.
+    pub fn linear(blocks: usize, threads: u32) -> LaunchCfg {
+        LaunchCfg {
+            grid: (blocks.max(1) as u32, 1, 1),
+            block: (threads, 1, 1),
+            shared_bytes: 0,
+        }
+    }
+
+    /// Enough blocks of `threads` threads for `n` elements (one per thread).
+    pub fn for_elements(n: usize, threads: u32) -> LaunchCfg {
+        LaunchCfg::linear(n.div_ceil(threads as usize), threads)
+    }
+}
+
+/// One device, its context, stream, kernels, allocator and cuBLASLt handle.
+pub struct Gpu {
+    pub(crate) lib: &'static sys::Driver,
+    pub info: DeviceInfo,
+    ctx: CUcontext,
+    pub(crate) stream: CUstream,
+    modules: Mutex<HashMap<&'static str, CUmodule>>,
+    functions: Mutex<HashMap<(&'static str, &'static str), CUfunction>>,
+    pub(crate) alloc: Allocator,
+    pub(crate) blas: Mutex<Option<super::blas::Blas>>,
+}
+
+// SAFETY: the driver's handles may be used from any thread once the context is current there
+// (`bind`); the maps are behind mutexes.
+unsafe impl Send for Gpu {}
+unsafe impl Sync for Gpu {}
+
+impl Gpu {
+    /// Device `ordinal`, opened once per process (its primary context and a non-blocking
+    /// stream) and shared by every caller: a clear error when there is no driver, no such
+    /// device, or the driver is older than CUDA 12.
+    pub fn open(ordinal: usize) -> Result<Arc<Gpu>, CudaError> {
+        static OPEN: OnceLock<Mutex<HashMap<usize, Arc<Gpu>>>> = OnceLock::new();
+        let mut open = OPEN
+            .get_or_init(Default::default)
+            .lock()
+            .unwrap_or_else(|e| e.into_inner());
+        if let Some(g) = open.get(&ordinal) {
+            return Ok(g.clone());
+        }
+        let g = Self::open_new(ordinal)?;
+        open.insert(ordinal, g.clone());
+        Ok(g)
+    }
+
+    fn open_new(ordinal: usize) -> Result<Arc<Gpu>, CudaError> {
+        let lib = init()?;
+        let count = device_count()?;
+        if ordinal >= count {
+            return Err(CudaError::NoDevice(format!(
+                "cuda:{ordinal} asked for, but this machine has {count} CUDA device(s)"
+            )));
+        }
+        let mut dev: CUdevice = 0;
+        // SAFETY: valid out-pointers throughout; the device exists (checked above).
+        unsafe {
+            check((lib.cuDeviceGet)(&mut dev, ordinal as i32), "cuDeviceGet")?;
+            let mut name = [0 as std::ffi::c_char; 256];
+            check(
+                (lib.cuDeviceGetName)(name.as_mut_ptr(), name.len() as i32, dev),
+                "cuDeviceGetName",
+            )?;
+            let attr = |a| {
+                let mut v = 0;
+                check(
+                    (lib.cuDeviceGetAttribute)(&mut v, a, dev),
+                    "cuDeviceGetAttribute",
+                )
+                .map(|_| v)
+            };
+            let mut total = 0usize;
+            check(
+                (lib.cuDeviceTotalMem_v2)(&mut total, dev),
+                "cuDeviceTotalMem",
+            )?;
+            let mut version = 0;
+            check((lib.cuDriverGetVersion)(&mut version), "cuDriverGetVersion")?;
+            let info = DeviceInfo {
+                ordinal,
+                name: CStr::from_ptr(name.as_ptr()).to_string_lossy().into_owned(),
+                capability: (
+                    attr(sys::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR)?,
+                    attr(sys::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR)?,
+                ),
+                multiprocessors: attr(sys::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)?,
+                shared_per_block: attr(sys::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN)?,
+                total_memory: total,
+                driver_version: version,
+            };
+            if info.capability.0 < 8 {
+                return Err(CudaError::NoDevice(format!(
+                    "{} has compute capability {}.{}; xtrain's kernels need 8.0 or newer (A100, H100, L40, RTX 30xx and later)",
+                    info.name, info.capability.0, info.capability.1
+                )));
+            }
+            let mut ctx: CUcontext = std::ptr::null_mut();
+            check(
+                (lib.cuDevicePrimaryCtxRetain)(&mut ctx, dev),
+                "cuDevicePrimaryCtxRetain",
+            )?;
+            check((lib.cuCtxSetCurrent)(ctx), "cuCtxSetCurrent")?;
+            let mut stream: CUstream = std::ptr::null_mut();
+            check(
+                (lib.cuStreamCreate)(&mut stream, sys::CU_STREAM_NON_BLOCKING),
+                "cuStreamCreate",
+            )?;
+            Ok(Arc::new(Gpu {
+                lib,
+                info,
+                ctx,
+                stream,
+                modules: Mutex::new(HashMap::new()),
+                functions: Mutex::new(HashMap::new()),
+                alloc: Allocator::new(lib),
+                blas: Mutex::new(None),
+            }))
+        }
+    }
+
+    /// Makes the context current on this thread.
+    pub(crate) fn bind(&self) -> Result<(), CudaError> {
+        // SAFETY: the context was retained in `open` and lives as long as `self`.
+        check(
+            unsafe { (self.lib.cuCtxSetCurrent)(self.ctx) },
+            "cuCtxSetCurrent",
+        )
+    }
+
+    /// Waits until every queued operation finished.
+    pub fn synchronize(&self) -> Result<(), CudaError> {
+        self.bind()?;
+        // SAFETY: the stream belongs to this context.
+        check(
+            unsafe { (self.lib.cuStreamSynchronize)(self.stream) },
+            "cuStreamSynchronize",
+        )
+    }
+
+    /// A buffer of `len` elements (contents undefined) from the caching allocator.
+    pub fn alloc<T: Copy>(self: &Arc<Self>, len: usize) -> Result<DevBuf<T>, CudaError> {
+        self.bind()?;
+        let bytes = len * std::mem::size_of::<T>();
+        let ptr = self.alloc.acquire(bytes)?;
+        Ok(DevBuf {
+            ptr,
+            len,
+            gpu: self.clone(),
+            _t: std::marker::PhantomData,
+        })
+    }
+
+    /// A zeroed buffer of `len` elements.
+    pub fn zeros<T: Copy>(self: &Arc<Self>, len: usize) -> Result<DevBuf<T>, CudaError> {
+        let mut b = self.alloc(len)?;
+        b.zero()?;
+        Ok(b)
+    }
+
+    /// A buffer holding a copy of `src`.
+    pub fn upload<T: Copy>(self: &Arc<Self>, src: &[T]) -> Result<DevBuf<T>, CudaError> {
+        let mut b = self.alloc(src.len())?;
+        b.copy_from_host(src)?;
+        Ok(b)
+    }
+
+    /// Free and total device memory in bytes (`cuMemGetInfo`).
+    pub fn memory_info(&self) -> Result<(usize, usize), CudaError> {
+        self.bind()?;
+        let (mut free, mut total) = (0usize, 0usize);
+        // SAFETY: valid out-pointers.
+        check(
+            unsafe { (self.lib.cuMemGetInfo_v2)(&mut free, &mut total) },
+            "cuMemGetInfo",
+        )?;
+        Ok((free, total))
+    }
+
+    /// The allocator's counters (live, peak and cached bytes, driver allocations).
+    pub fn memory_stats(&self) -> super::alloc::AllocStats {
+        self.alloc.stats()
+    }
+
+    /// The function `func` of kernel module `module` ([`super::kernels::SOURCES`]), compiled
+    /// for this device on first use.
+    pub fn function(
+        &self,
+        module: &'static str,
+        func: &'static str,
+    ) -> Result<CUfunction, CudaError> {
+        if let Some(&f) = self
+            .functions
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .get(&(module, func))
+        {
+            return Ok(f);
+        }
+        self.bind()?;
+        let m = {
+            let mut modules = self.modules.lock().unwrap_or_else(|e| e.into_inner());
+            match modules.get(module) {
+                Some(&m) => m,
+                None => {
+                    let source = super::kernels::source(module).ok_or_else(|| {
+                        CudaError::Compile(format!("no kernel module named {module}"))
+                    })?;
+                    let compiled = nvrtc::compile(module, &source, self.info.arch())?;
+                    let mut m: CUmodule = std::ptr::null_mut();
+                    // SAFETY: a cubin NVRTC produced for this device's architecture.
+                    check(
+                        unsafe {
+                            (self.lib.cuModuleLoadData)(
+                                &mut m,
+                                compiled.cubin.as_ptr() as *const c_void,
+                            )
+                        },
+                        "cuModuleLoadData",
+                    )?;
+                    modules.insert(module, m);
+                    m
+                }
+            }
+        };
+        let name = CString::new(func).expect("kernel names have no NUL");
+        let mut f: CUfunction = std::ptr::null_mut();
+        // SAFETY: a loaded module and a NUL-terminated name.
+        check(
+            unsafe { (self.lib.cuModuleGetFunction)(&mut f, m, name.as_ptr()) },
+            &format!("cuModuleGetFunction({module}::{func})"),
+        )?;
+        if self.info.shared_per_block > 48 * 1024 {
+            // Let kernels ask for more than the default 48 KiB of dynamic shared memory.
+            // SAFETY: a valid function handle.
+            check(
+                unsafe {
+                    (self.lib.cuFuncSetAttribute)(
+                        f,
+                        sys::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                        self.info.shared_per_block,
+                    )
+                },
+                "cuFuncSetAttribute",
+            )?;
+        }
+        self.functions
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .insert((module, func), f);
+        Ok(f)
+    }
+
+    /// Queues kernel `module::func` with `args` on the compute stream.
+    pub fn launch(
+        &self,
+        module: &'static str,
+        func: &'static str,
+        cfg: LaunchCfg,
+        args: &[KArg],
+    ) -> Result<(), CudaError> {
+        let f = self.function(module, func)?;
+        if cfg.grid.0 == 0 || cfg.grid.1 == 0 || cfg.grid.2 == 0 {
+            return Ok(()); // nothing to do
+        }
+        self.bind()?;
+        let mut held: Vec<KArg> = args.to_vec();
+        let mut params: Vec<*mut c_void> = held.iter_mut().map(KArg::as_param).collect();
+        // SAFETY: `params` points into `held`, alive until the call returns (the driver copies
+        // the argument values at launch); the kernel's signature is the caller's contract.
+        check(
+            unsafe {
+                (self.lib.cuLaunchKernel)(
+                    f,
+                    cfg.grid.0,
+                    cfg.grid.1,
+                    cfg.grid.2,
+                    cfg.block.0,
+                    cfg.block.1,
+                    cfg.block.2,
+                    cfg.shared_bytes,
+                    self.stream,
+                    params.as_mut_ptr(),
+                    std::ptr::null_mut(),
+                )
+            },
+            &format!("cuLaunchKernel({module}::{func})"),
+        )
+    }
+
+    /// Times `f`'s queued work on the stream with events, in milliseconds.
+    pub fn time_ms(&self, f: impl FnOnce() -> Result<(), CudaError>) -> Result<f32, CudaError> {
+        self.bind()?;
+        let lib = self.lib;
+        let (mut a, mut b) = (std::ptr::null_mut(), std::ptr::null_mut());
+        // SAFETY: event handles created, recorded on our stream and destroyed here.
+        unsafe {
+            check(
+                (lib.cuEventCreate)(&mut a, sys::CU_EVENT_DEFAULT),
+                "cuEventCreate",
+            )?;
+            check(
+                (lib.cuEventCreate)(&mut b, sys::CU_EVENT_DEFAULT),
+                "cuEventCreate",
+            )?;
+            let out = (|| {
+                check((lib.cuEventRecord)(a, self.stream), "cuEventRecord")?;
+                f()?;
+                check((lib.cuEventRecord)(b, self.stream), "cuEventRecord")?;
+                check((lib.cuEventSynchronize)(b), "cuEventSynchronize")?;
+                let mut ms = 0f32;
+                check(
+                    (lib.cuEventElapsedTime)(&mut ms, a, b),
+                    "cuEventElapsedTime",
+                )?;
+                Ok(ms)
+            })();
+            (lib.cuEventDestroy_v2)(a);
+            (lib.cuEventDestroy_v2)(b);
+            out
+        }
+    }
+}
+
+impl Drop for Gpu {
+    fn drop(&mut self) {
+        if self.bind().is_ok() {
+            // SAFETY: the stream is ours; the workspace and the cached blocks go back to the
+            // driver (no buffer is live: each holds an `Arc` of this `Gpu`).
+            unsafe {
+                (self.lib.cuStreamSynchronize)(self.stream);
+                if let Some(b) = self.blas.lock().unwrap_or_else(|e| e.into_inner()).take() {
+                    self.alloc.release(b.workspace, super::blas::WORKSPACE);
+                }
+                self.alloc.release_cached();
+                (self.lib.cuStreamDestroy_v2)(self.stream);
+            }
+        }
+    }
+}
+
+impl std::fmt::Debug for Gpu {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "Gpu({:?})", self.info)
+    }
+}

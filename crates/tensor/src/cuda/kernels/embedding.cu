@@ -1,0 +1,28 @@
+// Embedding lookup and its backward (`tensor::embedding`), full table or a vocabulary shard
+// [vocab_start, vocab_start + rows): tokens outside the shard get zero rows and no gradient.
+
+// out[t] = table[ids[t] - vocab_start] (or zeros). One thread per output element.
+extern "C" __global__ void embedding_forward(const u32* ids, const float* table, float* out,
+                                             int tokens, int dim, int vocab_start, int rows) {
+    long long n = (long long)tokens * dim;
+    XT_FOR(idx, n) {
+        int t = (int)(idx / dim), c = (int)(idx % dim);
+        long long r = (long long)ids[t] - vocab_start;
+        out[idx] = (r >= 0 && r < rows) ? table[r * dim + c] : 0.0f;
+    }
+}
+
+// dtable[row] += sum of dout[t] over the tokens of that row, in token order: the host sorts
+// the tokens by row into CSR form (`uniq[u]` the row, `start[u]..start[u+1]` its tokens in
+// `tokens_sorted`), so no two threads add to one element and the sum order is fixed.
+// Grid (distinct rows, ceil(dim / blockDim.x)).
+extern "C" __global__ void embedding_backward(const float* dout, const int* uniq,
+                                              const int* start, const int* tokens_sorted,
+                                              float* dtable, int dim) {
+    int u = blockIdx.x;
+    int c = blockIdx.y * blockDim.x + threadIdx.x;
+    if (c >= dim) return;
+    float acc = 0.0f;
+    for (int k = start[u]; k < start[u + 1]; k++) acc += dout[(long long)tokens_sorted[k] * dim + c];
+    dtable[(long long)uniq[u] * dim + c] += acc;
+}

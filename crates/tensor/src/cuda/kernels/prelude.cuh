@@ -1,0 +1,67 @@
+// Prelude of every xtrain kernel module (prepended by the loader; NVRTC is given no headers,
+// so nothing here includes one). Types, 16-bit conversions done by hand with the rounding the
+// CPU path uses (round to nearest even), warp and block reductions in a fixed order.
+typedef unsigned short u16;
+typedef unsigned int u32;
+typedef unsigned long long u64;
+
+#define XT_WARP 32
+#define XT_FULL_MASK 0xffffffffu
+#define XT_NEG_INF (__int_as_float(0xff800000))
+
+// bf16 is the upper half of an f32.
+__device__ __forceinline__ float bf16_to_f32(u16 h) { return __uint_as_float(((u32)h) << 16); }
+
+// f32 -> bf16, round to nearest even; NaN stays NaN (quiet), as `half::bf16::from_f32`.
+__device__ __forceinline__ u16 f32_to_bf16(float f) {
+    u32 u = __float_as_uint(f);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (u16)((u >> 16) | 0x0040u);
+    u += 0x7fffu + ((u >> 16) & 1u);
+    return (u16)(u >> 16);
+}
+
+__device__ __forceinline__ float f16_to_f32(u16 h) {
+    float f;
+    asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h));
+    return f;
+}
+
+__device__ __forceinline__ u16 f32_to_f16(float f) {
+    u16 h;
+    asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(f));
+    return h;
+}
+
+// Sum over the warp (butterfly: every lane gets the same bits).
+__device__ __forceinline__ float warp_sum(float v) {
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(XT_FULL_MASK, v, o);
+    return v;
+}
+
+__device__ __forceinline__ double warp_sum_f64(double v) {
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(XT_FULL_MASK, v, o);
+    return v;
+}
+
+__device__ __forceinline__ float warp_max(float v) {
+    for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(XT_FULL_MASK, v, o));
+    return v;
+}
+
+// Sum over a block of `blockDim.x` threads (a multiple of 32, at most 1024); every thread
+// gets the result. `scratch` holds 32 floats of shared memory; the block must call it
+// together.
+__device__ __forceinline__ float block_sum(float v, float* scratch) {
+    int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
+    v = warp_sum(v);
+    __syncthreads();
+    if (lane == 0) scratch[warp] = v;
+    __syncthreads();
+    v = lane < warps ? scratch[lane] : 0.0f;
+    return warp_sum(v);
+}
+
+// Grid-stride loop over `n` elements.
+#define XT_FOR(i, n) \
+    for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < (long long)(n); \
+         i += (long long)blockDim.x * gridDim.x)

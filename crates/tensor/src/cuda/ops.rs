@@ -1,0 +1,964 @@
+//! Typed launchers of the kernels, one per CPU kernel they mirror, with the same shapes,
+//! layouts and accumulate/write conventions (see each CPU function), so that the engine can
+//! call either and the tests compare them on the same inputs.
+
+use super::driver::{to_i32, DevBuf, Gpu, KArg, LaunchCfg};
+use super::CudaError;
+use crate::attention::AttnShape;
+use std::sync::Arc;
+
+/// Threads per block of the element-wise kernels.
+const THREADS: u32 = 256;
+
+fn same_len(what: &str, a: usize, b: usize) -> Result<(), CudaError> {
+    if a == b {
+        Ok(())
+    } else {
+        Err(CudaError::Shape(format!("{what}: {a} vs {b} elements")))
+    }
+}
+
+/// Blocks for `n` elements (grid-stride kernels cap the grid; each thread loops).
+fn elements(n: usize) -> LaunchCfg {
+    LaunchCfg::linear(n.div_ceil(THREADS as usize).min(65_535), THREADS)
+}
+
+/// `y = bf16(x)` (round to nearest even), 16-bit storage.
+pub fn cast_f32_to_bf16(x: &DevBuf<f32>, y: &mut DevBuf<u16>) -> Result<(), CudaError> {
+    cast("cast_f32_bf16", x.gpu(), x.ptr(), y.ptr(), x.len(), y.len())
+}
+
+/// `y = f32(x)` from bf16 storage.
+pub fn cast_bf16_to_f32(x: &DevBuf<u16>, y: &mut DevBuf<f32>) -> Result<(), CudaError> {
+    cast("cast_bf16_f32", x.gpu(), x.ptr(), y.ptr(), x.len(), y.len())
+}
+
+/// `y = f16(x)` (round to nearest even).
+pub fn cast_f32_to_f16(x: &DevBuf<f32>, y: &mut DevBuf<u16>) -> Result<(), CudaError> {
+    cast("cast_f32_f16", x.gpu(), x.ptr(), y.ptr(), x.len(), y.len())
+}
+
+/// `y = f32(x)` from fp16 storage.
+pub fn cast_f16_to_f32(x: &DevBuf<u16>, y: &mut DevBuf<f32>) -> Result<(), CudaError> {
+    cast("cast_f16_f32", x.gpu(), x.ptr(), y.ptr(), x.len(), y.len())
+}
+
+fn cast(
+    func: &'static str,
+    gpu: &Arc<Gpu>,
+    x: u64,
+    y: u64,
+    nx: usize,
+    ny: usize,
+) -> Result<(), CudaError> {
+    same_len(func, nx, ny)?;
+    let n = to_i32(nx, "elements")?;
+    gpu.launch(
+        "elementwise",
+        func,
+        elements(nx),
+        &[KArg::Ptr(x), KArg::Ptr(y), n.into()],
+    )
+}
+
+/// Rounds every element to bf16 (`bf16 = true`) or fp16 and back, in place.
+pub fn round_to_16bit(x: &mut DevBuf<f32>, bf16: bool) -> Result<(), CudaError> {
+    let f = if bf16 { "round_bf16" } else { "round_f16" };
+    let n = to_i32(x.len(), "elements")?;
+    x.gpu().launch(
+        "elementwise",
+        f,
+        elements(x.len()),
+        &[(&*x).into(), n.into()],
+    )
+}
+
+/// `x *= s`.
+pub fn scale(x: &mut DevBuf<f32>, s: f32) -> Result<(), CudaError> {
+    let n = to_i32(x.len(), "elements")?;
+    x.gpu().launch(
+        "elementwise",
+        "scale_f32",
+        elements(x.len()),
+        &[(&*x).into(), s.into(), n.into()],
+    )
+}
+
+/// `y += a·x`.
+pub fn axpy(y: &mut DevBuf<f32>, x: &DevBuf<f32>, a: f32) -> Result<(), CudaError> {
+    same_len("axpy", y.len(), x.len())?;
+    let n = to_i32(x.len(), "elements")?;
+    y.gpu().launch(
+        "elementwise",
+        "axpy_f32",
+        elements(x.len()),
+        &[(&*y).into(), x.into(), a.into(), n.into()],
+    )
+}
+
+/// `a + b` as a new buffer.
+pub fn add(a: &DevBuf<f32>, b: &DevBuf<f32>) -> Result<DevBuf<f32>, CudaError> {
+    same_len("add", a.len(), b.len())?;
+    let gpu = a.gpu().clone();
+    let y = gpu.alloc::<f32>(a.len())?;
+    let n = to_i32(a.len(), "elements")?;
+    gpu.launch(
+        "elementwise",
+        "add_f32",
+        elements(a.len()),
+        &[(&y).into(), a.into(), b.into(), n.into()],
+    )?;
+    Ok(y)
+}
+
+/// Every element set to `v`.
+pub fn fill(y: &mut DevBuf<f32>, v: f32) -> Result<(), CudaError> {
+    let n = to_i32(y.len(), "elements")?;
+    y.gpu().launch(
+        "elementwise",
+        "fill_f32",
+        elements(y.len()),
+        &[(&*y).into(), v.into(), n.into()],
+    )
+}
+
+/// `silu(gate) ∘ up` ([`crate::activation::swiglu_forward`]).
+pub fn swiglu_forward(gate: &DevBuf<f32>, up: &DevBuf<f32>) -> Result<DevBuf<f32>, CudaError> {
+    same_len("swiglu", gate.len(), up.len())?;
+    let gpu = gate.gpu().clone();
+    let s = gpu.alloc::<f32>(gate.len())?;
+    let n = to_i32(gate.len(), "elements")?;
+    gpu.launch(
+        "elementwise",
+        "swiglu_forward",
+        elements(gate.len()),
+        &[gate.into(), up.into(), (&s).into(), n.into()],
+    )?;
+    Ok(s)
+}
+
+/// `(dgate, dup)` ([`crate::activation::swiglu_backward`]).
+pub fn swiglu_backward(
+    dout: &DevBuf<f32>,
+    gate: &DevBuf<f32>,
+    up: &DevBuf<f32>,
+) -> Result<(DevBuf<f32>, DevBuf<f32>), CudaError> {
+    same_len("swiglu dout", dout.len(), gate.len())?;
+    same_len("swiglu up", up.len(), gate.len())?;
+    let gpu = gate.gpu().clone();
+    let (dg, du) = (gpu.alloc::<f32>(gate.len())?, gpu.alloc::<f32>(gate.len())?);
+    let n = to_i32(gate.len(), "elements")?;
+    gpu.launch(
+        "elementwise",
+        "swiglu_backward",
+        elements(gate.len()),
+        &[
+            dout.into(),
+            gate.into(),
+            up.into(),
+            (&dg).into(),
+            (&du).into(),
+            n.into(),
+        ],
+    )?;
+    Ok((dg, du))
+}
+
+/// How many elements are NaN or infinite (fp16 loss scaling's overflow check).
+pub fn count_nonfinite(x: &DevBuf<f32>) -> Result<usize, CudaError> {
+    let gpu = x.gpu().clone();
+    let count = gpu.zeros::<i32>(1)?;
+    let n = to_i32(x.len(), "elements")?;
+    gpu.launch(
+        "elementwise",
+        "count_nonfinite",
+        elements(x.len()),
+        &[x.into(), n.into(), (&count).into()],
+    )?;
+    Ok(count.to_host()?[0].max(0) as usize)
+}
+
+/// Threads per block of the row kernels (a row per block).
+fn row_threads(dim: usize) -> u32 {
+    (dim.next_multiple_of(32) as u32).clamp(32, 256)
+}
+
+fn rows_of(len: usize, dim: usize, what: &str) -> Result<usize, CudaError> {
+    if dim == 0 || !len.is_multiple_of(dim) {
+        return Err(CudaError::Shape(format!(
+            "{what}: {len} elements are not rows of {dim}"
+        )));
+    }
+    Ok(len / dim)
+}
+
+/// `(y, rstd)` ([`crate::norm::rmsnorm_forward`]).
+pub fn rmsnorm_forward(
+    x: &DevBuf<f32>,
+    w: &DevBuf<f32>,
+    dim: usize,
+    eps: f32,
+) -> Result<(DevBuf<f32>, DevBuf<f32>), CudaError> {
+    let rows = rows_of(x.len(), dim, "rmsnorm x")?;
+    same_len("rmsnorm w", w.len(), dim)?;
+    let gpu = x.gpu().clone();
+    let (y, rstd) = (gpu.alloc::<f32>(x.len())?, gpu.alloc::<f32>(rows)?);
+    gpu.launch(
+        "norm",
+        "rmsnorm_forward",
+        LaunchCfg::linear(rows, row_threads(dim)),
+        &[
+            x.into(),
+            w.into(),
+            (&y).into(),
+            (&rstd).into(),
+            to_i32(dim, "dim")?.into(),
+            eps.into(),
+        ],
+    )?;
+    Ok((y, rstd))
+}
+
+/// `dx` (`+ residual` when given) ([`crate::norm::rmsnorm_backward_input`]).
+pub fn rmsnorm_backward_input(
+    dy: &DevBuf<f32>,
+    x: &DevBuf<f32>,
+    w: &DevBuf<f32>,
+    rstd: &DevBuf<f32>,
+    dim: usize,
+    residual: Option<&DevBuf<f32>>,
+) -> Result<DevBuf<f32>, CudaError> {
+    let rows = rows_of(x.len(), dim, "rmsnorm x")?;
+    same_len("rmsnorm dy", dy.len(), x.len())?;
+    same_len("rmsnorm rstd", rstd.len(), rows)?;
+    if let Some(r) = residual {
+        same_len("rmsnorm residual", r.len(), x.len())?;
+    }
+    let gpu = x.gpu().clone();
+    let dx = gpu.alloc::<f32>(x.len())?;
+    let res = residual.map_or(KArg::Ptr(0), KArg::from);
+    gpu.launch(
+        "norm",
+        "rmsnorm_backward_input",
+        LaunchCfg::linear(rows, row_threads(dim)),
+        &[
+            dy.into(),
+            x.into(),
+            w.into(),
+            rstd.into(),
+            res,
+            (&dx).into(),
+            to_i32(dim, "dim")?.into(),
+        ],
+    )?;
+    Ok(dx)
+}
+
+/// `dw += Σ_rows dy ∘ x·rstd` ([`crate::norm::rmsnorm_backward_weight`]).
+pub fn rmsnorm_backward_weight(
+    dy: &DevBuf<f32>,
+    x: &DevBuf<f32>,
+    rstd: &DevBuf<f32>,
+    dim: usize,
+    dw: &mut DevBuf<f32>,
+) -> Result<(), CudaError> {
+    const ROWS_PER_CHUNK: usize = 64;
+    let rows = rows_of(x.len(), dim, "rmsnorm x")?;
+    same_len("rmsnorm dy", dy.len(), x.len())?;
+    same_len("rmsnorm rstd", rstd.len(), rows)?;
+    same_len("rmsnorm dw", dw.len(), dim)?;
+    let gpu = x.gpu().clone();
+    let chunks = rows.div_ceil(ROWS_PER_CHUNK).max(1);
+    let partial = gpu.alloc::<f32>(chunks * dim)?;
+    let cols = dim.div_ceil(128) as u32;
+    gpu.launch(
+        "norm",
+        "rmsnorm_dw_partial",
+        LaunchCfg {
+            grid: (cols, chunks as u32, 1),
+            block: (128, 1, 1),
+            shared_bytes: 0,
+        },
+        &[
+            dy.into(),
+            x.into(),
+            rstd.into(),
+            (&partial).into(),
+            to_i32(rows, "rows")?.into(),
+            to_i32(dim, "dim")?.into(),
+            (ROWS_PER_CHUNK as i32).into(),
+        ],
+    )?;
+    gpu.launch(
+        "norm",
+        "rmsnorm_dw_reduce",
+        LaunchCfg::linear(cols as usize, 128),
+        &[
+            (&partial).into(),
+            (&*dw).into(),
+            (chunks as i32).into(),
+            to_i32(dim, "dim")?.into(),
+        ],
+    )
+}
+
+/// The cos/sin rows of a RoPE rotation on the device: one row per distinct position,
+/// computed on the host with [`crate::rope::Rope`]'s formula, and each token's row.
+pub struct RopeTable {
+    table: DevBuf<f32>,
+    rows: DevBuf<i32>,
+    head_dim: usize,
+    tokens: usize,
+}
+
+impl RopeTable {
+    /// The table for `positions` (one per token); `backward` rotates by `−a`.
+    pub fn new(
+        gpu: &Arc<Gpu>,
+        rope: &crate::rope::Rope,
+        positions: &[usize],
+        backward: bool,
+    ) -> Result<RopeTable, CudaError> {
+        let d = rope.head_dim();
+        let half = d / 2;
+        let mut uniq = positions.to_vec();
+        uniq.sort_unstable();
+        uniq.dedup();
+        let sign = if backward { -1.0f32 } else { 1.0 };
+        let mut table = vec![0.0f32; uniq.len() * d];
+        for (row, &pos) in table.chunks_mut(d).zip(&uniq) {
+            for i in 0..half {
+                let a = pos as f32 * rope.inv_freq()[i];
+                row[i] = a.cos();
+                row[half + i] = sign * a.sin();
+            }
+        }
+        let rows: Vec<i32> = positions
+            .iter()
+            .map(|p| uniq.binary_search(p).expect("position in the table") as i32)
+            .collect();
+        Ok(RopeTable {
+            table: gpu.upload(&table)?,
+            rows: gpu.upload(&rows)?,
+            head_dim: d,
+            tokens: positions.len(),
+        })
+    }
+}
+
+/// Rotates `x` (`[tokens, n_heads, head_dim]`) in place ([`crate::rope::Rope::apply`], or
+/// `apply_backward` with a backward table).
+pub fn rope_rotate(x: &mut DevBuf<f32>, n_heads: usize, t: &RopeTable) -> Result<(), CudaError> {
+    same_len("rope x", x.len(), t.tokens * n_heads * t.head_dim)?;
+    let n = t.tokens * n_heads * t.head_dim / 2;
+    x.gpu().launch(
+        "rope",
+        "rope_rotate",
+        elements(n),
+        &[
+            (&*x).into(),
+            (&t.table).into(),
+            (&t.rows).into(),
+            to_i32(t.tokens, "tokens")?.into(),
+            to_i32(n_heads, "heads")?.into(),
+            to_i32(t.head_dim, "head_dim")?.into(),
+        ],
+    )
+}
+
+/// `out[t] = table[ids[t] − vocab_start]` or zeros outside the shard
+/// ([`crate::embedding::embedding_forward_shard`]); `table` holds `rows × dim`.
+pub fn embedding_forward(
+    ids: &DevBuf<u32>,
+    table: &DevBuf<f32>,
+    dim: usize,
+    vocab_start: usize,
+) -> Result<DevBuf<f32>, CudaError> {
+    let rows = rows_of(table.len(), dim, "embedding table")?;
+    let gpu = table.gpu().clone();
+    let out = gpu.alloc::<f32>(ids.len() * dim)?;
+    gpu.launch(
+        "embedding",
+        "embedding_forward",
+        elements(ids.len() * dim),
+        &[
+            ids.into(),
+            table.into(),
+            (&out).into(),
+            to_i32(ids.len(), "tokens")?.into(),
+            to_i32(dim, "dim")?.into(),
+            to_i32(vocab_start, "vocab_start")?.into(),
+            to_i32(rows, "rows")?.into(),
+        ],
+    )?;
+    Ok(out)
+}
+
+/// `dtable[ids[t] − vocab_start] += dout[t]` for the tokens in the shard
+/// ([`crate::embedding::embedding_backward_shard`]); the tokens are grouped by row on the
+/// host (`ids` is the host copy), so the device sums each row's tokens in token order.
+pub fn embedding_backward(
+    ids: &[u32],
+    dout: &DevBuf<f32>,
+    dim: usize,
+    vocab_start: usize,
+    dtable: &mut DevBuf<f32>,
+) -> Result<(), CudaError> {
+    let rows = rows_of(dtable.len(), dim, "embedding dtable")?;
+    same_len("embedding dout", dout.len(), ids.len() * dim)?;
+    let mut order: Vec<(i32, i32)> = ids
+        .iter()
+        .enumerate()
+        .filter_map(|(t, &id)| {
+            let r = (id as usize)
+                .checked_sub(vocab_start)
+                .filter(|&r| r < rows)?;
+            Some((r as i32, t as i32))
+        })
+        .collect();
+    if order.is_empty() {
+        return Ok(());
+    }
+    order.sort_unstable();
+    let (mut uniq, mut start, mut tokens) = (Vec::new(), Vec::new(), Vec::new());
+    for (k, &(r, t)) in order.iter().enumerate() {
+        if uniq.last() != Some(&r) {
+            uniq.push(r);
+            start.push(k as i32);
+        }
+        tokens.push(t);
+    }
+    start.push(order.len() as i32);
+    let gpu = dtable.gpu().clone();
+    let (u, s, t) = (
+        gpu.upload(&uniq)?,
+        gpu.upload(&start)?,
+        gpu.upload(&tokens)?,
+    );
+    gpu.launch(
+        "embedding",
+        "embedding_backward",
+        LaunchCfg {
+            grid: (uniq.len() as u32, dim.div_ceil(128) as u32, 1),
+            block: (128, 1, 1),
+            shared_bytes: 0,
+        },
+        &[
+            dout.into(),
+            (&u).into(),
+            (&s).into(),
+            (&t).into(),
+            (&*dtable).into(),
+            to_i32(dim, "dim")?.into(),
+        ],
+    )
+}
+
+/// Per-row `(max, Σ exp(z − max), target logit)` of a logits block `[rows, shard]` over
+/// vocabulary ids `[vocab_start, vocab_start + shard)` ([`crate::cross_entropy::logits_row_stats`]).
+pub fn ce_row_stats(
+    logits: &DevBuf<f32>,
+    targets: &DevBuf<i64>,
+    shard: usize,
+    vocab_start: usize,
+    ignore_index: i64,
+) -> Result<[DevBuf<f32>; 3], CudaError> {
+    let rows = targets.len();
+    same_len("ce logits", logits.len(), rows * shard)?;
+    let gpu = logits.gpu().clone();
+    let out = [
+        gpu.alloc::<f32>(rows)?,
+        gpu.alloc::<f32>(rows)?,
+        gpu.alloc::<f32>(rows)?,
+    ];
+    gpu.launch(
+        "cross_entropy",
+        "ce_row_stats",
+        LaunchCfg::linear(rows.div_ceil(8), 256),
+        &[
+            logits.into(),
+            targets.into(),
+            to_i32(rows, "rows")?.into(),
+            to_i32(shard, "shard")?.into(),
+            to_i32(vocab_start, "vocab_start")?.into(),
+            KArg::I64(ignore_index),
+            (&out[0]).into(),
+            (&out[1]).into(),
+            (&out[2]).into(),
+        ],
+    )?;
+    Ok(out)
+}
+
+/// `lse = max + log Σ exp` per row, for statistics that cover the whole vocabulary.
+pub fn ce_lse(max: &DevBuf<f32>, sumexp: &DevBuf<f32>) -> Result<DevBuf<f32>, CudaError> {
+    same_len("ce lse", max.len(), sumexp.len())?;
+    let gpu = max.gpu().clone();
+    let lse = gpu.alloc::<f32>(max.len())?;
+    gpu.launch(
+        "cross_entropy",
+        "ce_lse",
+        elements(max.len()),
+        &[
+            max.into(),
+            sumexp.into(),
+            (&lse).into(),
+            to_i32(max.len(), "rows")?.into(),
+        ],
+    )?;
+    Ok(lse)
+}
+
+/// Turns the logits block into its gradient in place ([`crate::cross_entropy::logits_grad_inplace`]).
+#[allow(clippy::too_many_arguments)]
+pub fn ce_grad_inplace(
+    logits: &mut DevBuf<f32>,
+    targets: &DevBuf<i64>,
+    lse: &DevBuf<f32>,
+    shard: usize,
+    vocab_start: usize,
+    ignore_index: i64,
+    grad_scale: f32,
+) -> Result<(), CudaError> {
+    let rows = targets.len();
+    same_len("ce logits", logits.len(), rows * shard)?;
+    same_len("ce lse", lse.len(), rows)?;
+    logits.gpu().launch(
+        "cross_entropy",
+        "ce_grad_inplace",
+        elements(rows * shard),
+        &[
+            (&*logits).into(),
+            targets.into(),
+            lse.into(),
+            to_i32(rows, "rows")?.into(),
+            to_i32(shard, "shard")?.into(),
+            to_i32(vocab_start, "vocab_start")?.into(),
+            KArg::I64(ignore_index),
+            grad_scale.into(),
+        ],
+    )
+}
+
+/// `Σ (lse − target logit)` over the valid rows, in f64.
+pub fn ce_loss_sum(
+    lse: &DevBuf<f32>,
+    target_logit: &DevBuf<f32>,
+    targets: &DevBuf<i64>,
+    ignore_index: i64,
+) -> Result<f64, CudaError> {
+    same_len("ce lse", lse.len(), targets.len())?;
+    let gpu = lse.gpu().clone();
+    let out = gpu.alloc::<f64>(1)?;
+    gpu.launch(
+        "cross_entropy",
+        "ce_loss_sum",
+        LaunchCfg::linear(1, 1024),
+        &[
+            lse.into(),
+            target_logit.into(),
+            targets.into(),
+            to_i32(targets.len(), "rows")?.into(),
+            KArg::I64(ignore_index),
+            (&out).into(),
+        ],
+    )?;
+    Ok(out.to_host()?[0])
+}
+
+fn attn_args(s: &AttnShape) -> Result<Vec<KArg>, CudaError> {
+    Ok(vec![
+        to_i32(s.batch, "batch")?.into(),
+        to_i32(s.q_len, "q_len")?.into(),
+        to_i32(s.kv_len, "kv_len")?.into(),
+        to_i32(s.n_heads, "n_heads")?.into(),
+        to_i32(s.n_kv_heads, "n_kv_heads")?.into(),
+        to_i32(s.head_dim, "head_dim")?.into(),
+        (s.causal as i32).into(),
+        to_i32(s.q_start, "q_start")?.into(),
+        to_i32(s.k_start, "k_start")?.into(),
+        s.scale().into(),
+    ])
+}
+
+fn check_attn(s: &AttnShape, q: usize, k: usize, v: usize) -> Result<(), CudaError> {
+    if s.head_dim == 0
+        || s.head_dim > 256
+        || s.n_kv_heads == 0
+        || !s.n_heads.is_multiple_of(s.n_kv_heads)
+    {
+        return Err(CudaError::Shape(format!(
+            "attention on the GPU needs 1 <= head_dim <= 256 and n_heads a multiple of n_kv_heads: {s:?}"
+        )));
+    }
+    same_len("attention q", q, s.q_elems())?;
+    same_len("attention k", k, s.kv_elems())?;
+    same_len("attention v", v, s.kv_elems())
+}
+
+/// Warps per block of the attention kernels.
+const ATT_WARPS: usize = 4;
+
+/// Forward: writes `out` and `lse` ([`crate::attention::attention_forward`]).
+pub fn attention_forward(
+    s: &AttnShape,
+    q: &DevBuf<f32>,
+    k: &DevBuf<f32>,
+    v: &DevBuf<f32>,
+    out: &mut DevBuf<f32>,
+    lse: &mut DevBuf<f32>,
+) -> Result<(), CudaError> {
+    check_attn(s, q.len(), k.len(), v.len())?;
+    same_len("attention out", out.len(), s.q_elems())?;
+    same_len("attention lse", lse.len(), s.lse_elems())?;
+    if s.q_len == 0 {
+        return Ok(());
+    }
+    let mut args = vec![q.into(), k.into(), v.into(), (&*out).into(), (&*lse).into()];
+    args.extend(attn_args(s)?);
+    q.gpu().launch(
+        "attention",
+        "attn_fwd_f32",
+        LaunchCfg {
+            grid: (
+                s.q_len.div_ceil(ATT_WARPS) as u32,
+                (s.batch * s.n_heads) as u32,
+                1,
+            ),
+            block: (32 * ATT_WARPS as u32, 1, 1),
+            shared_bytes: (ATT_WARPS * s.head_dim * 4) as u32,
+        },
+        &args,
+    )
+}
+
+/// Backward: accumulates (`+=`) into `dq`, `dk`, `dv` ([`crate::attention::attention_backward`];
+/// pass the final merged `out` and `lse` for a partial key block).
+#[allow(clippy::too_many_arguments)]
+pub fn attention_backward(
+    s: &AttnShape,
+    q: &DevBuf<f32>,
+    k: &DevBuf<f32>,
+    v: &DevBuf<f32>,
+    out: &DevBuf<f32>,
+    lse: &DevBuf<f32>,
+    dout: &DevBuf<f32>,
+    dq: &mut DevBuf<f32>,
+    dk: &mut DevBuf<f32>,
+    dv: &mut DevBuf<f32>,
+) -> Result<(), CudaError> {
+    check_attn(s, q.len(), k.len(), v.len())?;
+    for (what, len, want) in [
+        ("attention out", out.len(), s.q_elems()),
+        ("attention dout", dout.len(), s.q_elems()),
+        ("attention dq", dq.len(), s.q_elems()),
+        ("attention dk", dk.len(), s.kv_elems()),
+        ("attention dv", dv.len(), s.kv_elems()),
+        ("attention lse", lse.len(), s.lse_elems()),
+    ] {
+        same_len(what, len, want)?;
+    }
+    if s.q_len == 0 || s.kv_len == 0 {
+        return Ok(());
+    }
+    let gpu = q.gpu().clone();
+    let delta = gpu.alloc::<f32>(s.lse_elems())?;
+    let rows = s.batch * s.q_len * s.n_heads;
+    gpu.launch(
+        "attention",
+        "attn_bwd_delta",
+        LaunchCfg::linear(rows.div_ceil(ATT_WARPS), 32 * ATT_WARPS as u32),
+        &[
+            out.into(),
+            dout.into(),
+            (&delta).into(),
+            to_i32(s.batch, "batch")?.into(),
+            to_i32(s.q_len, "q_len")?.into(),
+            to_i32(s.n_heads, "n_heads")?.into(),
+            to_i32(s.head_dim, "head_dim")?.into(),
+        ],
+    )?;
+    let mut args = vec![
+        q.into(),
+        k.into(),
+        v.into(),
+        dout.into(),
+        lse.into(),
+        (&delta).into(),
+        (&*dq).into(),
+    ];
+    args.extend(attn_args(s)?);
+    gpu.launch(
+        "attention",
+        "attn_bwd_dq",
+        LaunchCfg {
+            grid: (
+                s.q_len.div_ceil(ATT_WARPS) as u32,
+                (s.batch * s.n_heads) as u32,
+                1,
+            ),
+            block: (32 * ATT_WARPS as u32, 1, 1),
+            shared_bytes: 0,
+        },
+        &args,
+    )?;
+    let mut args = vec![
+        q.into(),
+        k.into(),
+        v.into(),
+        dout.into(),
+        lse.into(),
+        (&delta).into(),
+        (&*dk).into(),
+        (&*dv).into(),
+    ];
+    args.extend(attn_args(s)?);
+    gpu.launch(
+        "attention",
+        "attn_bwd_dkv",
+        LaunchCfg {
+            grid: (
+                s.kv_len.div_ceil(ATT_WARPS) as u32,
+                (s.batch * s.n_kv_heads) as u32,
+                1,
+            ),
+            block: (32 * ATT_WARPS as u32, 1, 1),
+            shared_bytes: 0,
+        },
+        &args,
+    )
+}
+
+/// The per-step scalars of AdamW ([`model::optim::AdamW::update`]'s, computed the same way).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct AdamScalars {
+    pub one_m_b1: f32,
+    pub b2: f32,
+    pub one_m_b2: f32,
+    pub bc2_sqrt: f32,
+    pub eps: f32,
+    pub step_size: f32,
+}
+
+impl AdamScalars {
+    /// The scalars of step `t ≥ 1` with learning rate `lr` (bias corrections in f64, as torch).
+    pub fn new(beta1: f32, beta2: f32, eps: f32, lr: f32, t: u64) -> AdamScalars {
+        let (b1, b2) = (beta1 as f64, beta2 as f64);
+        let bc1 = 1.0 - b1.powi(t as i32);
+        AdamScalars {
+            one_m_b1: 1.0 - beta1,
+            b2: beta2,
+            one_m_b2: 1.0 - beta2,
+            bc2_sqrt: (1.0 - b2.powi(t as i32)).sqrt() as f32,
+            eps,
+            step_size: (lr as f64 / bc1) as f32,
+        }
+    }
+}
+
+/// One AdamW step over flat buffers; segment `i` of the buffer ends at `segments[i].0`
+/// (increasing, the last = the length) and decays by `segments[i].1 = 1 − lr·weight_decay`.
+pub fn adamw(
+    p: &mut DevBuf<f32>,
+    g: &DevBuf<f32>,
+    m: &mut DevBuf<f32>,
+    v: &mut DevBuf<f32>,
+    segments: &[(usize, f32)],
+    s: AdamScalars,
+) -> Result<(), CudaError> {
+    let n = p.len();
+    same_len("adamw g", g.len(), n)?;
+    same_len("adamw m", m.len(), n)?;
+    same_len("adamw v", v.len(), n)?;
+    if segments.last().map(|s| s.0) != Some(n) || segments.windows(2).any(|w| w[0].0 > w[1].0) {
+        return Err(CudaError::Shape(format!(
+            "adamw segments must increase and end at the buffer length {n}: {segments:?}"
+        )));
+    }
+    let gpu = p.gpu().clone();
+    let ends: Vec<i32> = segments.iter().map(|s| s.0 as i32).collect();
+    let decays: Vec<f32> = segments.iter().map(|s| s.1).collect();
+    let (ends, decays) = (gpu.upload(&ends)?, gpu.upload(&decays)?);
+    gpu.launch(
+        "optimizer",
+        "adamw",
+        elements(n),
+        &[
+            (&*p).into(),
+            g.into(),
+            (&*m).into(),
+            (&*v).into(),
+            to_i32(n, "elements")?.into(),
+            (&ends).into(),
+            (&decays).into(),
+            (segments.len() as i32).into(),
+            s.one_m_b1.into(),
+            s.b2.into(),
+            s.one_m_b2.into(),
+            s.bc2_sqrt.into(),
+            s.eps.into(),
+            s.step_size.into(),
+        ],
+    )
+}
+
+/// `Σ g²` in f64 (global-norm clipping), summed in a fixed order.
+pub fn sq_sum(g: &DevBuf<f32>) -> Result<f64, CudaError> {
+    const CHUNK: usize = 1 << 16;
+    let gpu = g.gpu().clone();
+    let blocks = g.len().div_ceil(CHUNK).max(1);
+    let partial = gpu.alloc::<f64>(blocks)?;
+    let out = gpu.alloc::<f64>(1)?;
+    gpu.launch(
+        "optimizer",
+        "sq_sum_partial",
+        LaunchCfg::linear(blocks, 256),
+        &[
+            g.into(),
+            to_i32(g.len(), "elements")?.into(),
+            (CHUNK as i32).into(),
+            (&partial).into(),
+        ],
+    )?;
+    gpu.launch(
+        "optimizer",
+        "sum_f64",
+        LaunchCfg::linear(1, 1024),
+        &[(&partial).into(), (blocks as i32).into(), (&out).into()],
+    )?;
+    Ok(out.to_host()?[0])
+}
+
+/// What the router chose: `probs [T, E]`, `experts [T, k]`, `weights [T, k]`.
+pub struct Routed {
+    pub probs: DevBuf<f32>,
+    pub experts: DevBuf<i32>,
+    pub weights: DevBuf<f32>,
+}
+
+/// The router's [`Routed`] `(probs, experts, weights)` from its logits (softmax,
+/// top-k by probability plus `bias`, ties to the lower expert, weights renormalised), as
+/// [`model::layers::moe::Moe::route`] before capacity.
+pub fn router_topk(
+    logits: &DevBuf<f32>,
+    bias: Option<&DevBuf<f32>>,
+    experts: usize,
+    k: usize,
+) -> Result<Routed, CudaError> {
+    let tokens = rows_of(logits.len(), experts, "router logits")?;
+    if k == 0 || k > experts || experts > 1024 {
+        return Err(CudaError::Shape(format!(
+            "router top-{k} of {experts} experts (at most 1024)"
+        )));
+    }
+    let gpu = logits.gpu().clone();
+    let probs = gpu.alloc::<f32>(logits.len())?;
+    let chosen = gpu.alloc::<i32>(tokens * k)?;
+    let weights = gpu.alloc::<f32>(tokens * k)?;
+    gpu.launch(
+        "moe",
+        "router_topk",
+        LaunchCfg::linear(tokens.div_ceil(4), 128),
+        &[
+            logits.into(),
+            bias.map_or(KArg::Ptr(0), KArg::from),
+            (&probs).into(),
+            (&chosen).into(),
+            (&weights).into(),
+            to_i32(tokens, "tokens")?.into(),
+            to_i32(experts, "experts")?.into(),
+            to_i32(k, "k")?.into(),
+        ],
+    )?;
+    Ok(Routed {
+        probs,
+        experts: chosen,
+        weights,
+    })
+}
+
+/// `dst[r] = src[idx[r]]·scale[r]` (rows of `dim`).
+pub fn gather_rows(
+    src: &DevBuf<f32>,
+    idx: &DevBuf<i32>,
+    scale: Option<&DevBuf<f32>>,
+    dim: usize,
+) -> Result<DevBuf<f32>, CudaError> {
+    let rows = idx.len();
+    let gpu = src.gpu().clone();
+    let dst = gpu.alloc::<f32>(rows * dim)?;
+    gpu.launch(
+        "moe",
+        "gather_rows",
+        elements(rows * dim),
+        &[
+            src.into(),
+            idx.into(),
+            scale.map_or(KArg::Ptr(0), KArg::from),
+            (&dst).into(),
+            to_i32(rows, "rows")?.into(),
+            to_i32(dim, "dim")?.into(),
+        ],
+    )?;
+    Ok(dst)
+}
+
+/// `y[t] (+)= Σ_j w[t, j]·rows[slot[t, j]]` (`slot = −1`: dropped), the experts' outputs back
+/// in token order.
+pub fn combine_rows(
+    rows: &DevBuf<f32>,
+    slot: &DevBuf<i32>,
+    w: &DevBuf<f32>,
+    y: &mut DevBuf<f32>,
+    k: usize,
+    dim: usize,
+    accumulate: bool,
+) -> Result<(), CudaError> {
+    let tokens = rows_of(y.len(), dim, "combine y")?;
+    same_len("combine slots", slot.len(), tokens * k)?;
+    same_len("combine weights", w.len(), tokens * k)?;
+    y.gpu().launch(
+        "moe",
+        "combine_rows",
+        elements(tokens * dim),
+        &[
+            rows.into(),
+            slot.into(),
+            w.into(),
+            (&*y).into(),
+            to_i32(tokens, "tokens")?.into(),
+            to_i32(k, "k")?.into(),
+            to_i32(dim, "dim")?.into(),
+            (accumulate as i32).into(),
+        ],
+    )
+}
+
+/// `out[r] = a[ia[r]] · b[ib[r]]` (rows of `dim`).
+pub fn row_dots(
+    a: &DevBuf<f32>,
+    ia: &DevBuf<i32>,
+    b: &DevBuf<f32>,
+    ib: &DevBuf<i32>,
+    dim: usize,
+) -> Result<DevBuf<f32>, CudaError> {
+    let rows = ia.len();
+    same_len("row_dots", ib.len(), rows)?;
+    let gpu = a.gpu().clone();
+    let out = gpu.alloc::<f32>(rows)?;
+    gpu.launch(
+        "moe",
+        "row_dots",
+        LaunchCfg::linear(rows.div_ceil(4), 128),
+        &[
+            a.into(),
+            ia.into(),
+            b.into(),
+            ib.into(),
+            (&out).into(),
+            to_i32(rows, "rows")?.into(),
+            to_i32(dim, "dim")?.into(),
+        ],
+    )?;
+    Ok(out)
+}

@@ -1,0 +1,377 @@
+//! The three NVIDIA libraries xtrain calls, opened at run time (`dlopen`) so that building
+//! needs no CUDA toolkit and a machine without a GPU runs everything else: the driver
+//! (`libcuda`), NVRTC (`libnvrtc`, kernels compiled from CUDA C) and cuBLASLt (`libcublasLt`,
+//! the matrix products). Each library is a table of function pointers resolved once; a library
+//! or symbol that is missing is an error naming it and where it was looked for, never a panic.
+//!
+//! Where they are looked for, in order: the folders of `XTRAIN_CUDA_LIB_PATH` (`:`-separated),
+//! then the system loader's search (`LD_LIBRARY_PATH`, `ldconfig`), then the usual toolkit
+//! folders (`$CUDA_HOME/lib64`, `/usr/local/cuda/lib64`). CUDA 13 names are tried before
+//! CUDA 12 ones (`libnvrtc.so.13`, `libnvrtc.so.12`, `libnvrtc.so`), so either toolkit (or the
+//! pip wheels `nvidia-cuda-nvrtc`, `nvidia-cublas`, whose `lib` folder goes in
+//! `XTRAIN_CUDA_LIB_PATH`) serves. The constants below are the values of the CUDA 12 and 13
+//! headers (`cuda.h`, `cublasLt.h`, `library_types.h`), which both versions share.
+//!
+//! (A binding crate such as `cudarc` would supply these tables, but it panics where a library
+//! is missing and looks for the library names of the one CUDA version it was built for.)
+#![allow(non_camel_case_types, non_snake_case, clippy::upper_case_acronyms)]
+
+use libloading::Library;
+use std::ffi::{c_char, c_int, c_uint, c_void};
+use std::path::PathBuf;
+use std::sync::OnceLock;
+
+pub type CUresult = c_int;
+pub type CUdevice = c_int;
+pub type CUdeviceptr = u64;
+pub type CUcontext = *mut c_void;
+pub type CUstream = *mut c_void;
+pub type CUevent = *mut c_void;
+pub type CUmodule = *mut c_void;
+pub type CUfunction = *mut c_void;
+
+pub const CUDA_SUCCESS: CUresult = 0;
+pub const CUDA_ERROR_OUT_OF_MEMORY: CUresult = 2;
+pub const CUDA_ERROR_NO_DEVICE: CUresult = 100;
+pub const CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT: c_int = 16;
+pub const CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR: c_int = 75;
+pub const CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR: c_int = 76;
+pub const CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN: c_int = 97;
+pub const CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES: c_int = 8;
+pub const CU_STREAM_NON_BLOCKING: c_uint = 1;
+pub const CU_EVENT_DEFAULT: c_uint = 0;
+
+pub type nvrtcResult = c_int;
+pub type nvrtcProgram = *mut c_void;
+pub const NVRTC_SUCCESS: nvrtcResult = 0;
+
+pub type cublasStatus_t = c_int;
+pub type cublasLtHandle_t = *mut c_void;
+pub type cublasLtMatmulDesc_t = *mut c_void;
+pub type cublasLtMatrixLayout_t = *mut c_void;
+pub type cublasLtMatmulPreference_t = *mut c_void;
+pub const CUBLAS_STATUS_SUCCESS: cublasStatus_t = 0;
+/// `cublasComputeType_t::CUBLAS_COMPUTE_32F`: fp32 accumulation, no TF32.
+pub const CUBLAS_COMPUTE_32F: c_int = 68;
+/// `cudaDataType`: fp32, fp16, bf16.
+pub const CUDA_R_32F: c_int = 0;
+pub const CUDA_R_16F: c_int = 2;
+pub const CUDA_R_16BF: c_int = 14;
+pub const CUBLASLT_MATMUL_DESC_TRANSA: c_int = 3;
+pub const CUBLASLT_MATMUL_DESC_TRANSB: c_int = 4;
+pub const CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES: c_int = 1;
+pub const CUBLAS_OP_N: c_int = 0;
+pub const CUBLAS_OP_T: c_int = 1;
+
+/// `cublasLtMatmulAlgo_t`: an opaque algorithm description.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub struct cublasLtMatmulAlgo_t {
+    pub data: [u64; 8],
+}
+
+/// `cublasLtMatmulHeuristicResult_t`.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default)]
+pub struct cublasLtMatmulHeuristicResult_t {
+    pub algo: cublasLtMatmulAlgo_t,
+    pub workspaceSize: usize,
+    pub state: cublasStatus_t,
+    pub wavesCount: f32,
+    pub reserved: [c_int; 4],
+}
+
+/// Declares a table of functions resolved from one library.
+macro_rules! api {
+    ($table:ident, $what:literal { $( $name:ident : fn($($arg:ty),*) -> $ret:ty; )* }) => {
+        pub struct $table {
+            /// The file the table was resolved from.
+            pub path: String,
+            _lib: Library,
+            $( pub $name: unsafe extern "C" fn($($arg),*) -> $ret, )*
+        }
+
+        impl $table {
+            /// Resolves every symbol of the table from `lib`.
+            ///
+            /// # Safety
+            /// `lib` must be the library the signatures were written for.
+            unsafe fn resolve(lib: Library, path: String) -> Result<Self, String> {
+                $(
+                    let $name = *lib
+                        .get::<unsafe extern "C" fn($($arg),*) -> $ret>(
+                            concat!(stringify!($name), "\0").as_bytes(),
+                        )
+                        .map_err(|e| {
+                            format!("{} ({path}) lacks {}: {e}", $what, stringify!($name))
+                        })?;
+                )*
+                Ok(Self { path, _lib: lib, $($name),* })
+            }
+        }
+    };
+}
+
+api!(Driver, "the CUDA driver library" {
+    cuInit: fn(c_uint) -> CUresult;
+    cuDriverGetVersion: fn(*mut c_int) -> CUresult;
+    cuGetErrorName: fn(CUresult, *mut *const c_char) -> CUresult;
+    cuGetErrorString: fn(CUresult, *mut *const c_char) -> CUresult;
+    cuDeviceGetCount: fn(*mut c_int) -> CUresult;
+    cuDeviceGet: fn(*mut CUdevice, c_int) -> CUresult;
+    cuDeviceGetName: fn(*mut c_char, c_int, CUdevice) -> CUresult;
+    cuDeviceGetAttribute: fn(*mut c_int, c_int, CUdevice) -> CUresult;
+    cuDeviceTotalMem_v2: fn(*mut usize, CUdevice) -> CUresult;
+    cuDevicePrimaryCtxRetain: fn(*mut CUcontext, CUdevice) -> CUresult;
+    cuCtxSetCurrent: fn(CUcontext) -> CUresult;
+    cuCtxSynchronize: fn() -> CUresult;
+    cuMemAlloc_v2: fn(*mut CUdeviceptr, usize) -> CUresult;
+    cuMemFree_v2: fn(CUdeviceptr) -> CUresult;
+    cuMemAllocHost_v2: fn(*mut *mut c_void, usize) -> CUresult;
+    cuMemFreeHost: fn(*mut c_void) -> CUresult;
+    cuMemGetInfo_v2: fn(*mut usize, *mut usize) -> CUresult;
+    cuMemcpyHtoDAsync_v2: fn(CUdeviceptr, *const c_void, usize, CUstream) -> CUresult;
+    cuMemcpyDtoHAsync_v2: fn(*mut c_void, CUdeviceptr, usize, CUstream) -> CUresult;
+    cuMemcpyDtoDAsync_v2: fn(CUdeviceptr, CUdeviceptr, usize, CUstream) -> CUresult;
+    cuMemsetD8Async: fn(CUdeviceptr, u8, usize, CUstream) -> CUresult;
+    cuStreamCreate: fn(*mut CUstream, c_uint) -> CUresult;
+    cuStreamDestroy_v2: fn(CUstream) -> CUresult;
+    cuStreamSynchronize: fn(CUstream) -> CUresult;
+    cuStreamWaitEvent: fn(CUstream, CUevent, c_uint) -> CUresult;
+    cuEventCreate: fn(*mut CUevent, c_uint) -> CUresult;
+    cuEventDestroy_v2: fn(CUevent) -> CUresult;
+    cuEventRecord: fn(CUevent, CUstream) -> CUresult;
+    cuEventSynchronize: fn(CUevent) -> CUresult;
+    cuEventElapsedTime: fn(*mut f32, CUevent, CUevent) -> CUresult;
+    cuModuleLoadData: fn(*mut CUmodule, *const c_void) -> CUresult;
+    cuModuleGetFunction: fn(*mut CUfunction, CUmodule, *const c_char) -> CUresult;
+    cuFuncSetAttribute: fn(CUfunction, c_int, c_int) -> CUresult;
+    cuLaunchKernel: fn(
+        CUfunction, c_uint, c_uint, c_uint, c_uint, c_uint, c_uint, c_uint, CUstream,
+        *mut *mut c_void, *mut *mut c_void
+    ) -> CUresult;
+});
+
+api!(Nvrtc, "the NVRTC library" {
+    nvrtcVersion: fn(*mut c_int, *mut c_int) -> nvrtcResult;
+    nvrtcGetErrorString: fn(nvrtcResult) -> *const c_char;
+    nvrtcCreateProgram: fn(
+        *mut nvrtcProgram, *const c_char, *const c_char, c_int, *const *const c_char,
+        *const *const c_char
+    ) -> nvrtcResult;
+    nvrtcCompileProgram: fn(nvrtcProgram, c_int, *const *const c_char) -> nvrtcResult;
+    nvrtcGetProgramLogSize: fn(nvrtcProgram, *mut usize) -> nvrtcResult;
+    nvrtcGetProgramLog: fn(nvrtcProgram, *mut c_char) -> nvrtcResult;
+    nvrtcGetCUBINSize: fn(nvrtcProgram, *mut usize) -> nvrtcResult;
+    nvrtcGetCUBIN: fn(nvrtcProgram, *mut c_char) -> nvrtcResult;
+    nvrtcDestroyProgram: fn(*mut nvrtcProgram) -> nvrtcResult;
+});
+
+api!(BlasLt, "the cuBLASLt library" {
+    cublasLtCreate: fn(*mut cublasLtHandle_t) -> cublasStatus_t;
+    cublasLtDestroy: fn(cublasLtHandle_t) -> cublasStatus_t;
+    cublasLtMatmulDescCreate: fn(*mut cublasLtMatmulDesc_t, c_int, c_int) -> cublasStatus_t;
+    cublasLtMatmulDescDestroy: fn(cublasLtMatmulDesc_t) -> cublasStatus_t;
+    cublasLtMatmulDescSetAttribute: fn(
+        cublasLtMatmulDesc_t, c_int, *const c_void, usize
+    ) -> cublasStatus_t;
+    cublasLtMatrixLayoutCreate: fn(
+        *mut cublasLtMatrixLayout_t, c_int, u64, u64, i64
+    ) -> cublasStatus_t;
+    cublasLtMatrixLayoutDestroy: fn(cublasLtMatrixLayout_t) -> cublasStatus_t;
+    cublasLtMatmulPreferenceCreate: fn(*mut cublasLtMatmulPreference_t) -> cublasStatus_t;
+    cublasLtMatmulPreferenceDestroy: fn(cublasLtMatmulPreference_t) -> cublasStatus_t;
+    cublasLtMatmulPreferenceSetAttribute: fn(
+        cublasLtMatmulPreference_t, c_int, *const c_void, usize
+    ) -> cublasStatus_t;
+    cublasLtMatmulAlgoGetHeuristic: fn(
+        cublasLtHandle_t, cublasLtMatmulDesc_t, cublasLtMatrixLayout_t, cublasLtMatrixLayout_t,
+        cublasLtMatrixLayout_t, cublasLtMatrixLayout_t, cublasLtMatmulPreference_t, c_int,
+        *mut cublasLtMatmulHeuristicResult_t, *mut c_int
+    ) -> cublasStatus_t;
+    cublasLtMatmul: fn(
+        cublasLtHandle_t, cublasLtMatmulDesc_t, *const c_void, *const c_void,
+        cublasLtMatrixLayout_t, *const c_void, cublasLtMatrixLayout_t, *const c_void,
+        *const c_void, cublasLtMatrixLayout_t, *mut c_void, cublasLtMatrixLayout_t,
+        *const cublasLtMatmulAlgo_t, *mut c_void, usize, CUstream
+    ) -> cublasStatus_t;
+});
+
+/// Environment variable: folders (`:`-separated) searched first for the CUDA libraries.
+pub const LIB_PATH_ENV: &str = "XTRAIN_CUDA_LIB_PATH";
+
+/// The folders searched before the system loader's own search.
+fn first_folders() -> Vec<PathBuf> {
+    std::env::var(LIB_PATH_ENV)
+        .map(|v| {
+            v.split(':')
+                .filter(|s| !s.is_empty())
+                .map(PathBuf::from)
+                .collect()
+        })
+        .unwrap_or_default()
+}
+
+/// The usual toolkit folders, searched after the system loader.
+fn toolkit_folders() -> Vec<PathBuf> {
+    let mut v = Vec::new();
+    for var in ["CUDA_HOME", "CUDA_PATH"] {
+        if let Ok(home) = std::env::var(var) {
+            v.push(PathBuf::from(&home).join("lib64"));
+            v.push(PathBuf::from(&home).join("lib"));
+        }
+    }
+    v.push("/usr/local/cuda/lib64".into());
+    v.push("/usr/local/cuda/targets/x86_64-linux/lib".into());
+    v
+}
+
+/// Opens the first of `names` found in the search order (module doc); the error lists every
+/// place tried.
+fn open(what: &str, names: &[&str]) -> Result<(Library, String), String> {
+    let mut tried = Vec::new();
+    let attempt = |spec: &std::ffi::OsStr, tried: &mut Vec<String>| {
+        let path = std::path::Path::new(spec);
+        if path.is_absolute() && spec.to_string_lossy().contains("libnvrtc.") {
+            preload_builtins(path);
+        }
+        // SAFETY: loading a vendor library runs its initialisers, which is what using it means.
+        match unsafe { Library::new(spec) } {
+            Ok(lib) => Some(lib),
+            Err(e) => {
+                tried.push(format!("{} ({e})", spec.to_string_lossy()));
+                None
+            }
+        }
+    };
+    for dir in first_folders() {
+        for n in names {
+            let p = dir.join(n);
+            if p.exists() {
+                if let Some(lib) = attempt(p.as_os_str(), &mut tried) {
+                    return Ok((lib, p.display().to_string()));
+                }
+            }
+        }
+    }
+    for n in names {
+        if let Some(lib) = attempt(std::ffi::OsStr::new(n), &mut tried) {
+            return Ok((lib, (*n).to_string()));
+        }
+    }
+    for dir in toolkit_folders() {
+        for n in names {
+            let p = dir.join(n);
+            if p.exists() {
+                if let Some(lib) = attempt(p.as_os_str(), &mut tried) {
+                    return Ok((lib, p.display().to_string()));
+                }
+            }
+        }
+    }
+    let short: Vec<&str> = tried
+        .iter()
+        .map(|t| t.split(" (").next().unwrap_or(t))
+        .collect();
+    Err(format!(
+        "{what} was not found (tried {}); install it or name its folder in {LIB_PATH_ENV}",
+        short.join(", ")
+    ))
+}
+
+/// The driver library, opened once per process.
+pub fn driver() -> Result<&'static Driver, String> {
+    static LIB: OnceLock<Result<Driver, String>> = OnceLock::new();
+    LIB.get_or_init(|| {
+        let (lib, path) = open(
+            "the NVIDIA driver (libcuda.so.1; no NVIDIA driver is installed on this machine?)",
+            &["libcuda.so.1", "libcuda.so"],
+        )?;
+        // SAFETY: the signatures are those of cuda.h (CUDA 12 and 13).
+        unsafe { Driver::resolve(lib, path) }
+    })
+    .as_ref()
+    .map_err(Clone::clone)
+}
+
+/// NVRTC, opened once per process.
+pub fn nvrtc() -> Result<&'static Nvrtc, String> {
+    static LIB: OnceLock<Result<Nvrtc, String>> = OnceLock::new();
+    LIB.get_or_init(|| {
+        let (lib, path) = open(
+            "NVRTC (libnvrtc.so.13 or .12, from a CUDA toolkit or the pip wheel nvidia-cuda-nvrtc)",
+            &["libnvrtc.so.13", "libnvrtc.so.12", "libnvrtc.so"],
+        )?;
+        // SAFETY: the signatures are those of nvrtc.h (CUDA 12 and 13).
+        unsafe { Nvrtc::resolve(lib, path) }
+    })
+    .as_ref()
+    .map_err(Clone::clone)
+}
+
+/// Loads the NVRTC builtins library beside `nvrtc` (same folder) first, by its path, so that
+/// NVRTC's own `dlopen("libnvrtc-builtins.so.M.m")` finds it already loaded even when the folder
+/// is not on the loader's search path (pip wheels: some NVRTC releases carry no `$ORIGIN`
+/// run path). Loaded for the life of the process, as NVRTC itself would.
+fn preload_builtins(nvrtc: &std::path::Path) {
+    let Some(dir) = nvrtc.parent() else { return };
+    let Ok(entries) = std::fs::read_dir(dir) else {
+        return;
+    };
+    for e in entries.flatten() {
+        let name = e.file_name().to_string_lossy().into_owned();
+        if name.starts_with("libnvrtc-builtins.so") {
+            // SAFETY: the vendor's helper library; loading runs its initialisers only.
+            if let Ok(lib) = unsafe {
+                libloading::os::unix::Library::open(
+                    Some(e.path()),
+                    libloading::os::unix::RTLD_NOW | libloading::os::unix::RTLD_GLOBAL,
+                )
+            } {
+                std::mem::forget(lib);
+            }
+        }
+    }
+}
+
+/// The NVRTC library of folder `dir` (its `libnvrtc.so.13` or `.12`), opened apart from the
+/// process's own ([`nvrtc`]): the kernel check compiles with every NVRTC it is given.
+pub fn nvrtc_in(dir: &std::path::Path) -> Result<Nvrtc, String> {
+    for name in ["libnvrtc.so.13", "libnvrtc.so.12", "libnvrtc.so"] {
+        let p = dir.join(name);
+        if p.exists() {
+            preload_builtins(&p);
+            // SAFETY: loading NVRTC runs its initialisers; the signatures are nvrtc.h's.
+            let lib = unsafe { Library::new(&p) }.map_err(|e| format!("{}: {e}", p.display()))?;
+            return unsafe { Nvrtc::resolve(lib, p.display().to_string()) };
+        }
+    }
+    Err(format!("no libnvrtc in {}", dir.display()))
+}
+
+/// The folders of `XTRAIN_CUDA_LIB_PATH` that hold an NVRTC library.
+pub fn nvrtc_folders() -> Vec<PathBuf> {
+    first_folders()
+        .into_iter()
+        .filter(|d| {
+            ["libnvrtc.so.13", "libnvrtc.so.12", "libnvrtc.so"]
+                .iter()
+                .any(|n| d.join(n).exists())
+        })
+        .collect()
+}
+
+/// cuBLASLt, opened once per process.
+pub fn blaslt() -> Result<&'static BlasLt, String> {
+    static LIB: OnceLock<Result<BlasLt, String>> = OnceLock::new();
+    LIB.get_or_init(|| {
+        let (lib, path) = open(
+            "cuBLASLt (libcublasLt.so.13 or .12, from a CUDA toolkit or the pip wheel nvidia-cublas)",
+            &["libcublasLt.so.13", "libcublasLt.so.12", "libcublasLt.so"],
+        )?;
+        // SAFETY: the signatures are those of cublasLt.h (CUDA 12 and 13).
+        unsafe { BlasLt::resolve(lib, path) }
+    })
+    .as_ref()
+    .map_err(Clone::clone)
+}

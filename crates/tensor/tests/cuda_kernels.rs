@@ -1,0 +1,604 @@
+//! Every GPU kernel against its CPU twin on the same inputs (the CPU kernels are the
+//! reference). fp32: within 1e-5 of the largest element of the CPU result (a few ulp of f32
+//! rounding: the device sums in another order and its `expf` differs from the CPU's polynomial
+//! `exp` by at most 2 ulp); 16-bit casts: bit for bit. Skipped with one visible line where no
+//! GPU is found (a failure where `XTRAIN_REQUIRE` lists `gpu` or `XTRAIN_REQUIRE_GPU=1`).
+use std::sync::Arc;
+use tensor::attention::{attention_backward, attention_forward, AttnShape, AttnTiles};
+use tensor::cuda::{ops, DevBuf, Gpu};
+
+/// The GPU, or `None` after the one skip line of this file (`test` names the caller for the
+/// failure message where a GPU is required).
+fn gpu(test: &str) -> Option<Arc<Gpu>> {
+    match Gpu::open(0) {
+        Ok(g) => Some(g),
+        Err(e) => {
+            let what = if tensor::skip::required("gpu") {
+                test.to_string()
+            } else {
+                "the GPU kernel tests (tensor/tests/cuda_kernels.rs)".to_string()
+            };
+            tensor::skip::skip(&what, "gpu", &format!("no GPU: {e}"));
+            None
+        }
+    }
+}
+
+fn rand(n: usize, seed: u64) -> Vec<f32> {
+    let mut s = seed
+        .wrapping_mul(6364136223846793005)
+        .wrapping_add(1442695040888963407);
+    (0..n)
+        .map(|_| {
+            s = s
+                .wrapping_mul(6364136223846793005)
+                .wrapping_add(1442695040888963407);
+            ((s >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
+        })
+        .collect()
+}
+
+/// `max |a − b| / max |b|` (0 for two empty or zero vectors).
+fn rel(a: &[f32], b: &[f32]) -> f32 {
+    assert_eq!(a.len(), b.len());
+    let scale = b.iter().fold(0.0f32, |m, x| m.max(x.abs()));
+    let d = a
+        .iter()
+        .zip(b)
+        .fold(0.0f32, |m, (x, y)| m.max((x - y).abs()));
+    if scale == 0.0 {
+        d
+    } else {
+        d / scale
+    }
+}
+
+fn assert_close(what: &str, got: &[f32], want: &[f32]) {
+    let e = rel(got, want);
+    assert!(
+        e <= 1e-5,
+        "{what}: GPU differs from CPU by {e:e} of the largest element"
+    );
+}
+
+fn host<T: Copy>(b: &DevBuf<T>) -> Vec<T> {
+    b.to_host().unwrap()
+}
+
+#[test]
+fn casts_round_like_the_cpu() {
+    let Some(g) = gpu("casts_round_like_the_cpu") else {
+        return;
+    };
+    let mut x = rand(10_001, 1);
+    x.extend([
+        0.0,
+        -0.0,
+        f32::INFINITY,
+        f32::NEG_INFINITY,
+        1e-40,
+        3.0e38,
+        65504.0,
+        70000.0,
+    ]);
+    let dx = g.upload(&x).unwrap();
+    let mut b = g.alloc::<u16>(x.len()).unwrap();
+    ops::cast_f32_to_bf16(&dx, &mut b).unwrap();
+    let want: Vec<u16> = tensor::dtype::to_bf16_vec(&x)
+        .iter()
+        .map(|h| h.to_bits())
+        .collect();
+    assert_eq!(host(&b), want, "bf16 bits");
+    let mut back = g.alloc::<f32>(x.len()).unwrap();
+    ops::cast_bf16_to_f32(&b, &mut back).unwrap();
+    let want_back = tensor::dtype::from_bf16_vec(&tensor::dtype::to_bf16_vec(&x));
+    assert_eq!(host(&back), want_back);
+    let mut h = g.alloc::<u16>(x.len()).unwrap();
+    ops::cast_f32_to_f16(&dx, &mut h).unwrap();
+    let want: Vec<u16> = x
+        .iter()
+        .map(|&v| half::f16::from_f32(v).to_bits())
+        .collect();
+    assert_eq!(host(&h), want, "f16 bits");
+}
+
+#[test]
+fn swiglu_matches_cpu() {
+    let Some(g) = gpu("swiglu_matches_cpu") else {
+        return;
+    };
+    let n = 4099;
+    let (gate, up, d) = (rand(n, 2), rand(n, 3), rand(n, 4));
+    let s = ops::swiglu_forward(&g.upload(&gate).unwrap(), &g.upload(&up).unwrap()).unwrap();
+    assert_close(
+        "swiglu",
+        &host(&s),
+        &tensor::activation::swiglu_forward(&gate, &up).unwrap(),
+    );
+    let (dg, du) = ops::swiglu_backward(
+        &g.upload(&d).unwrap(),
+        &g.upload(&gate).unwrap(),
+        &g.upload(&up).unwrap(),
+    )
+    .unwrap();
+    let (wg, wu) = tensor::activation::swiglu_backward(&d, &gate, &up).unwrap();
+    assert_close("swiglu dgate", &host(&dg), &wg);
+    assert_close("swiglu dup", &host(&du), &wu);
+}
+
+#[test]
+fn rmsnorm_matches_cpu() {
+    let Some(g) = gpu("rmsnorm_matches_cpu") else {
+        return;
+    };
+    for (rows, dim) in [(1, 8), (37, 64), (130, 512), (5, 4096)] {
+        let (x, w, dy, res) = (
+            rand(rows * dim, 5),
+            rand(dim, 6),
+            rand(rows * dim, 7),
+            rand(rows * dim, 8),
+        );
+        let (y, rstd) = tensor::norm::rmsnorm_forward(&x, &w, dim, 1e-5).unwrap();
+        let (dx_, dw_) = (g.upload(&x).unwrap(), g.upload(&w).unwrap());
+        let (gy, grstd) = ops::rmsnorm_forward(&dx_, &dw_, dim, 1e-5).unwrap();
+        assert_close("rmsnorm y", &host(&gy), &y);
+        assert_close("rmsnorm rstd", &host(&grstd), &rstd);
+        let ddy = g.upload(&dy).unwrap();
+        for residual in [None, Some(&res)] {
+            let want = tensor::norm::rmsnorm_backward_input(
+                &dy,
+                &x,
+                &w,
+                &rstd,
+                dim,
+                residual.map(|v| v.as_slice()),
+            )
+            .unwrap();
+            let r = residual.map(|v| g.upload(v).unwrap());
+            let got =
+                ops::rmsnorm_backward_input(&ddy, &dx_, &dw_, &grstd, dim, r.as_ref()).unwrap();
+            assert_close("rmsnorm dx", &host(&got), &want);
+        }
+        let mut dw = rand(dim, 9);
+        let mut gdw = g.upload(&dw).unwrap();
+        tensor::norm::rmsnorm_backward_weight(&dy, &x, &rstd, dim, &mut dw).unwrap();
+        ops::rmsnorm_backward_weight(&ddy, &dx_, &grstd, dim, &mut gdw).unwrap();
+        assert_close("rmsnorm dw", &host(&gdw), &dw);
+    }
+}
+
+#[test]
+fn rope_matches_cpu() {
+    let Some(g) = gpu("rope_matches_cpu") else {
+        return;
+    };
+    let rope = tensor::rope::Rope::new(64, 10000.0).unwrap();
+    let positions: Vec<usize> = (0..3)
+        .flat_map(|b| (0..50).map(move |p| 7 * b + p))
+        .collect();
+    let heads = 3;
+    let x = rand(positions.len() * heads * 64, 10);
+    for backward in [false, true] {
+        let mut want = x.clone();
+        if backward {
+            rope.apply_backward(&mut want, heads, &positions).unwrap();
+        } else {
+            rope.apply(&mut want, heads, &positions).unwrap();
+        }
+        let t = ops::RopeTable::new(&g, &rope, &positions, backward).unwrap();
+        let mut gx = g.upload(&x).unwrap();
+        ops::rope_rotate(&mut gx, heads, &t).unwrap();
+        assert_close("rope", &host(&gx), &want);
+    }
+}
+
+#[test]
+fn embedding_matches_cpu_full_and_sharded() {
+    let Some(g) = gpu("embedding_matches_cpu_full_and_sharded") else {
+        return;
+    };
+    let (vocab, dim) = (50, 24);
+    let table = rand(vocab * dim, 11);
+    let ids: Vec<u32> = (0..300u32)
+        .map(|i| (i * 7 + i / 3) % vocab as u32)
+        .collect();
+    let dout = rand(ids.len() * dim, 12);
+    for (start, rows) in [(0, vocab), (20, 13)] {
+        let shard = &table[start * dim..(start + rows) * dim];
+        let mut want = vec![0.0; ids.len() * dim];
+        tensor::embedding::embedding_forward_shard(&ids, shard, dim, start, &mut want).unwrap();
+        let got = ops::embedding_forward(
+            &g.upload(&ids).unwrap(),
+            &g.upload(shard).unwrap(),
+            dim,
+            start,
+        )
+        .unwrap();
+        assert_eq!(host(&got), want, "lookup copies rows");
+        let mut dt = rand(rows * dim, 13);
+        let mut gdt = g.upload(&dt).unwrap();
+        tensor::embedding::embedding_backward_shard(&ids, &dout, dim, start, &mut dt).unwrap();
+        ops::embedding_backward(&ids, &g.upload(&dout).unwrap(), dim, start, &mut gdt).unwrap();
+        assert_close("embedding backward", &host(&gdt), &dt);
+    }
+}
+
+#[test]
+fn cross_entropy_pieces_match_cpu() {
+    use tensor::cross_entropy::{logits_grad_inplace, logits_row_stats, IGNORE_INDEX};
+    let Some(g) = gpu("cross_entropy_pieces_match_cpu") else {
+        return;
+    };
+    let (rows, vocab) = (67, 1000);
+    let logits: Vec<f32> = rand(rows * vocab, 14).iter().map(|x| 8.0 * x).collect();
+    let targets: Vec<i64> = (0..rows as i64)
+        .map(|r| {
+            if r % 9 == 4 {
+                IGNORE_INDEX
+            } else {
+                r * 13 % vocab as i64
+            }
+        })
+        .collect();
+    let (gl, gt) = (g.upload(&logits).unwrap(), g.upload(&targets).unwrap());
+    for (start, shard) in [(0, vocab), (400, 300)] {
+        let block: Vec<f32> = logits
+            .chunks(vocab)
+            .flat_map(|r| r[start..start + shard].to_vec())
+            .collect();
+        let (mut mx, mut se, mut tl) = (vec![0.0; rows], vec![0.0; rows], vec![0.0; rows]);
+        logits_row_stats(
+            &block,
+            shard,
+            start,
+            &targets,
+            IGNORE_INDEX,
+            &mut mx,
+            &mut se,
+            &mut tl,
+        );
+        let gb = g.upload(&block).unwrap();
+        let [gm, gs, gtl] = ops::ce_row_stats(&gb, &gt, shard, start, IGNORE_INDEX).unwrap();
+        assert_eq!(host(&gm), mx, "row max");
+        assert_close("sum exp", &host(&gs), &se);
+        assert_eq!(host(&gtl), tl, "target logit");
+    }
+    let (mut mx, mut se, mut tl) = (vec![0.0; rows], vec![0.0; rows], vec![0.0; rows]);
+    logits_row_stats(
+        &logits,
+        vocab,
+        0,
+        &targets,
+        IGNORE_INDEX,
+        &mut mx,
+        &mut se,
+        &mut tl,
+    );
+    let lse: Vec<f32> = mx
+        .iter()
+        .zip(&se)
+        .map(|(m, s)| tensor::cross_entropy::combine_row_stats(&[(*m, *s)]))
+        .collect();
+    let [gm, gs, gtl] = ops::ce_row_stats(&gl, &gt, vocab, 0, IGNORE_INDEX).unwrap();
+    let glse = ops::ce_lse(&gm, &gs).unwrap();
+    assert_close("lse", &host(&glse), &lse);
+    let want_sum: f64 = (0..rows)
+        .filter(|&r| targets[r] != IGNORE_INDEX)
+        .map(|r| lse[r] as f64 - tl[r] as f64)
+        .sum();
+    let got_sum = ops::ce_loss_sum(&glse, &gtl, &gt, IGNORE_INDEX).unwrap();
+    assert!(
+        (got_sum - want_sum).abs() <= 1e-5 * want_sum.abs(),
+        "{got_sum} vs {want_sum}"
+    );
+    let mut grad = logits.clone();
+    logits_grad_inplace(&mut grad, vocab, 0, &targets, IGNORE_INDEX, &lse, 0.25);
+    let mut gg = g.upload(&logits).unwrap();
+    ops::ce_grad_inplace(&mut gg, &gt, &glse, vocab, 0, IGNORE_INDEX, 0.25).unwrap();
+    assert_close("logits gradient", &host(&gg), &grad);
+}
+
+/// Causal and not, grouped KV heads, head sizes 8 to 128, and the offsets of ring attention
+/// (a query block against a key block from elsewhere in the sequence, including one no query
+/// sees).
+#[test]
+fn attention_matches_cpu_forward_and_backward() {
+    let Some(g) = gpu("attention_matches_cpu_forward_and_backward") else {
+        return;
+    };
+    let shape =
+        |batch, q_len, kv_len, n_heads, n_kv_heads, head_dim, causal, q_start, k_start| AttnShape {
+            batch,
+            q_len,
+            kv_len,
+            n_heads,
+            n_kv_heads,
+            head_dim,
+            causal,
+            q_start,
+            k_start,
+        };
+    for s in [
+        AttnShape::causal(2, 33, 4, 2, 8),
+        AttnShape::causal(1, 100, 8, 4, 32),
+        AttnShape::causal(2, 64, 4, 4, 64),
+        AttnShape::causal(1, 40, 2, 1, 128),
+        shape(2, 20, 30, 4, 2, 16, false, 0, 0),
+        shape(1, 16, 16, 4, 2, 32, true, 32, 16),
+        shape(1, 16, 16, 4, 2, 32, true, 16, 32),
+    ] {
+        let (q, k, v, dout) = (
+            rand(s.q_elems(), 20),
+            rand(s.kv_elems(), 21),
+            rand(s.kv_elems(), 22),
+            rand(s.q_elems(), 23),
+        );
+        let (mut out, mut lse) = (vec![0.0; s.q_elems()], vec![0.0; s.lse_elems()]);
+        attention_forward(&s, &q, &k, &v, &mut out, &mut lse, AttnTiles::default()).unwrap();
+        let (gq, gk, gv) = (
+            g.upload(&q).unwrap(),
+            g.upload(&k).unwrap(),
+            g.upload(&v).unwrap(),
+        );
+        let (mut go, mut gl) = (
+            g.alloc::<f32>(s.q_elems()).unwrap(),
+            g.alloc::<f32>(s.lse_elems()).unwrap(),
+        );
+        ops::attention_forward(&s, &gq, &gk, &gv, &mut go, &mut gl).unwrap();
+        assert_close(&format!("{s:?} out"), &host(&go), &out);
+        let glse = host(&gl);
+        for (a, b) in glse.iter().zip(&lse) {
+            assert!(
+                a == b || (a - b).abs() <= 1e-5 * b.abs().max(1.0),
+                "{s:?} lse {a} vs {b}"
+            );
+        }
+        let (mut dq, mut dk, mut dv) = (
+            rand(s.q_elems(), 24),
+            rand(s.kv_elems(), 25),
+            rand(s.kv_elems(), 26),
+        );
+        let (mut gdq, mut gdk, mut gdv) = (
+            g.upload(&dq).unwrap(),
+            g.upload(&dk).unwrap(),
+            g.upload(&dv).unwrap(),
+        );
+        attention_backward(
+            &s,
+            &q,
+            &k,
+            &v,
+            &out,
+            &lse,
+            &dout,
+            &mut dq,
+            &mut dk,
+            &mut dv,
+            AttnTiles::default(),
+        )
+        .unwrap();
+        ops::attention_backward(
+            &s,
+            &gq,
+            &gk,
+            &gv,
+            &go,
+            &gl,
+            &g.upload(&dout).unwrap(),
+            &mut gdq,
+            &mut gdk,
+            &mut gdv,
+        )
+        .unwrap();
+        assert_close(&format!("{s:?} dq"), &host(&gdq), &dq);
+        assert_close(&format!("{s:?} dk"), &host(&gdk), &dk);
+        assert_close(&format!("{s:?} dv"), &host(&gdv), &dv);
+    }
+}
+
+/// AdamW with two weight-decay segments against `model::optim::AdamW::update`'s formula (the
+/// same operations; repeated here, as the tensor crate sits below the model crate), over
+/// three steps; and the f64 sum of squares.
+#[test]
+fn adamw_and_square_sum_match_cpu() {
+    let Some(g) = gpu("adamw_and_square_sum_match_cpu") else {
+        return;
+    };
+    let n = 70_001;
+    let (b1, b2, eps, lr, wd) = (0.9f32, 0.95f32, 1e-8f32, 3e-3f32, 0.1f32);
+    let mut p = rand(n, 30);
+    let (mut m, mut v) = (vec![0.0f32; n], vec![0.0f32; n]);
+    let segments = [(40_000, 1.0 - lr * wd), (n, 1.0)];
+    let (mut gp, mut gm, mut gv) = (
+        g.upload(&p).unwrap(),
+        g.upload(&m).unwrap(),
+        g.upload(&v).unwrap(),
+    );
+    for t in 1..=3u64 {
+        let grad = rand(n, 30 + t);
+        let s = ops::AdamScalars::new(b1, b2, eps, lr, t);
+        ops::adamw(
+            &mut gp,
+            &g.upload(&grad).unwrap(),
+            &mut gm,
+            &mut gv,
+            &segments,
+            s,
+        )
+        .unwrap();
+        for i in 0..n {
+            let decay = if i < 40_000 { 1.0 - lr * wd } else { 1.0 };
+            p[i] *= decay;
+            m[i] += s.one_m_b1 * (grad[i] - m[i]);
+            v[i] = v[i] * s.b2 + s.one_m_b2 * grad[i] * grad[i];
+            let denom = v[i].sqrt() / s.bc2_sqrt + s.eps;
+            p[i] -= s.step_size * (m[i] / denom);
+        }
+    }
+    assert_close("adamw params", &host(&gp), &p);
+    assert_close("adamw m", &host(&gm), &m);
+    assert_close("adamw v", &host(&gv), &v);
+    let x = rand(n, 40);
+    let want: f64 = x.iter().map(|&a| a as f64 * a as f64).sum();
+    let got = ops::sq_sum(&g.upload(&x).unwrap()).unwrap();
+    assert!((got - want).abs() <= 1e-12 * want, "{got} vs {want}");
+}
+
+/// The router's softmax and top-k (ties to the lower expert), and the row movements.
+#[test]
+fn router_and_row_moves_match_cpu() {
+    let Some(g) = gpu("router_and_row_moves_match_cpu") else {
+        return;
+    };
+    let (tokens, experts, k, dim) = (90, 8, 2, 40);
+    let mut logits = rand(tokens * experts, 50);
+    logits[3] = logits[5]; // a tie in token 0
+    let bias = rand(experts, 51)
+        .iter()
+        .map(|b| 0.01 * b)
+        .collect::<Vec<_>>();
+    for use_bias in [false, true] {
+        let b = use_bias.then(|| g.upload(&bias).unwrap());
+        let ops::Routed {
+            probs: gp,
+            experts: ge,
+            weights: gw,
+        } = ops::router_topk(&g.upload(&logits).unwrap(), b.as_ref(), experts, k).unwrap();
+        let mut probs = vec![0.0; logits.len()];
+        tensor::softmax::softmax_rows(&logits, experts, &mut probs).unwrap();
+        assert_close("router probs", &host(&gp), &probs);
+        let (ge, gw) = (host(&ge), host(&gw));
+        for t in 0..tokens {
+            let pr = &probs[t * experts..(t + 1) * experts];
+            let score: Vec<f32> = (0..experts)
+                .map(|e| pr[e] + if use_bias { bias[e] } else { 0.0 })
+                .collect();
+            let mut order: Vec<usize> = (0..experts).collect();
+            order.sort_by(|&a, &b| score[b].total_cmp(&score[a]));
+            let sum: f32 = order[..k].iter().map(|&e| pr[e]).sum();
+            for j in 0..k {
+                assert_eq!(ge[t * k + j] as usize, order[j], "token {t} choice {j}");
+                let w = pr[order[j]] / sum;
+                assert!((gw[t * k + j] - w).abs() <= 1e-6, "token {t} weight {j}");
+            }
+        }
+    }
+    let src = rand(tokens * dim, 52);
+    let idx: Vec<i32> = (0..tokens as i32 * 2)
+        .map(|i| (i * 37) % tokens as i32)
+        .collect();
+    let scale = rand(idx.len(), 53);
+    let rows = ops::gather_rows(
+        &g.upload(&src).unwrap(),
+        &g.upload(&idx).unwrap(),
+        Some(&g.upload(&scale).unwrap()),
+        dim,
+    )
+    .unwrap();
+    let want: Vec<f32> = idx
+        .iter()
+        .zip(&scale)
+        .flat_map(|(&i, &s)| src[i as usize * dim..][..dim].iter().map(move |x| x * s))
+        .collect();
+    assert_eq!(host(&rows), want, "gathered rows");
+    let slot: Vec<i32> = (0..tokens as i32 * 2)
+        .map(|i| {
+            if i % 7 == 3 {
+                -1
+            } else {
+                (i * 11) % (tokens as i32 * 2)
+            }
+        })
+        .collect();
+    let w = rand(slot.len(), 54);
+    let y0 = rand(tokens * dim, 55);
+    let mut gy = g.upload(&y0).unwrap();
+    ops::combine_rows(
+        &rows,
+        &g.upload(&slot).unwrap(),
+        &g.upload(&w).unwrap(),
+        &mut gy,
+        2,
+        dim,
+        true,
+    )
+    .unwrap();
+    let mut want = y0.clone();
+    for t in 0..tokens {
+        for c in 0..dim {
+            for j in 0..2 {
+                let s = slot[t * 2 + j];
+                if s >= 0 {
+                    want[t * dim + c] += w[t * 2 + j] * host(&rows)[s as usize * dim + c];
+                }
+            }
+        }
+    }
+    assert_close("combined rows", &host(&gy), &want);
+}
+
+/// cuBLASLt products with `tensor::gemm::matmul`'s conventions, every transpose, with and
+/// without accumulation; fp32 keeps fp32 accuracy (no TF32).
+#[test]
+fn matmul_matches_cpu() {
+    let Some(g) = gpu("matmul_matches_cpu") else {
+        return;
+    };
+    for (m, k, n) in [(1, 1, 1), (33, 65, 17), (128, 256, 96), (512, 64, 1000)] {
+        for (ta, tb) in [(false, false), (false, true), (true, false), (true, true)] {
+            for acc in [false, true] {
+                let (a, b, c0) = (rand(m * k, 60), rand(k * n, 61), rand(m * n, 62));
+                let mut want = c0.clone();
+                tensor::gemm::matmul(&mut want, &a, &b, m, k, n, ta, tb, acc).unwrap();
+                let mut gc = g.upload(&c0).unwrap();
+                tensor::cuda::blas::matmul(
+                    &mut gc,
+                    &g.upload(&a).unwrap(),
+                    &g.upload(&b).unwrap(),
+                    m,
+                    k,
+                    n,
+                    ta,
+                    tb,
+                    acc,
+                )
+                .unwrap();
+                let e = rel(&host(&gc), &want);
+                // k products of values in [-1, 1]: both sides round k times; the bound is
+                // the f32 error of a length-k sum relative to the largest result.
+                assert!(
+                    e <= 1e-5 * (k as f32).sqrt().max(1.0),
+                    "{m}x{k}x{n} ta={ta} tb={tb} acc={acc}: {e:e}"
+                );
+            }
+        }
+    }
+}
+
+/// After a warm-up, repeating the same work makes no driver allocation; an impossible device
+/// is a clear error.
+#[test]
+fn steady_state_allocates_nothing_and_bad_devices_are_errors() {
+    let Some(g) = gpu("steady_state_allocates_nothing_and_bad_devices_are_errors") else {
+        return;
+    };
+    let x = g.upload(&rand(100_000, 70)).unwrap();
+    let w = g.upload(&rand(1000, 71)).unwrap();
+    let work = || {
+        let (y, _r) = ops::rmsnorm_forward(&x, &w, 1000, 1e-5).unwrap();
+        let s = ops::swiglu_forward(&y, &x).unwrap();
+        ops::sq_sum(&s).unwrap()
+    };
+    work();
+    let before = g.memory_stats().driver_allocs;
+    for _ in 0..5 {
+        work();
+    }
+    assert_eq!(
+        g.memory_stats().driver_allocs,
+        before,
+        "steady state allocated"
+    );
+    let err = Gpu::open(1000).expect_err("no device 1000");
+    assert!(err.to_string().contains("cuda:1000"), "{err}");
+}

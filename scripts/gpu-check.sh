@@ -1,0 +1,95 @@
+#!/usr/bin/env bash
+# The prepared GPU check: every GPU test and benchmark in one command, under 8 minutes,
+# writing a report. Two steps, because the GPU machine has no Rust toolchain:
+#
+#   scripts/gpu-check.sh build        # here: builds the GPU test binaries and xtrain, strips
+#                                     # them into .gpu-check/ (ignored by git, < 64 MiB)
+#   scripts/gpu-check.sh run [OUT]    # on the GPU machine, from the repository root: runs
+#                                     # them with XTRAIN_REQUIRE_GPU=1 (a skip is a failure)
+#                                     # and writes OUT/report.md (default: ./gpu-report)
+#
+# The report names the GPU, the driver and the CUDA version (nvidia-smi), NVRTC's version,
+# and each test's result. The CUDA libraries (NVRTC, cuBLASLt) are found in a CUDA toolkit or
+# in the pip wheels of the machine's Python (nvidia-cuda-nvrtc, nvidia-cublas), whose folders
+# go in XTRAIN_CUDA_LIB_PATH.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+dir=.gpu-check
+
+build() {
+    set -e
+    rm -rf "$dir" && mkdir -p "$dir"
+    cargo build --release -p xtrain
+    cp target/release/xtrain "$dir/xtrain"
+    # Test binaries: cargo prints their paths as JSON artifacts.
+    cargo test --release -p tensor --test cuda_kernels --test cuda_kernels_compile --no-run \
+        --message-format=json |
+        python3 -c '
+import json, sys
+for line in sys.stdin:
+    try: m = json.loads(line)
+    except ValueError: continue
+    if m.get("reason") == "compiler-artifact" and m.get("executable") and m["target"]["kind"] == ["test"]:
+        print(m["target"]["name"], m["executable"])
+' | while read -r name exe; do cp "$exe" "$dir/$name"; done
+    strip "$dir"/*
+    du -sh "$dir"
+    ls -la "$dir"
+}
+
+run() {
+    local out=${1:-gpu-report}
+    mkdir -p "$out"
+    local report="$out/report.md"
+    # NVRTC and cuBLASLt from the machine's Python wheels, if no toolkit provides them.
+    local libs
+    libs=$(python3 - <<'PY' 2>/dev/null
+import glob, os, site
+roots = site.getsitepackages() + [site.getusersitepackages()]
+dirs = set()
+for r in roots:
+    for pat in ("nvidia/*/lib", "nvidia/cu*/lib"):
+        for d in glob.glob(os.path.join(r, pat)):
+            if glob.glob(os.path.join(d, "libnvrtc.so*")) or glob.glob(os.path.join(d, "libcublasLt.so*")):
+                dirs.add(d)
+print(":".join(sorted(dirs)))
+PY
+)
+    export XTRAIN_CUDA_LIB_PATH="${XTRAIN_CUDA_LIB_PATH:+$XTRAIN_CUDA_LIB_PATH:}$libs"
+    export XTRAIN_REQUIRE_GPU=1 XTRAIN_REQUIRE=gpu,nvrtc RUST_BACKTRACE=1
+    export XTRAIN_KERNEL_CACHE="$out/kernel-cache"
+    {
+        echo "# xtrain GPU check, $(date -u '+%Y-%m-%d %H:%M UTC')"
+        echo
+        echo '```'
+        nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv 2>&1
+        nvidia-smi 2>/dev/null | grep -o 'CUDA Version: [0-9.]*'
+        echo "XTRAIN_CUDA_LIB_PATH=$XTRAIN_CUDA_LIB_PATH"
+        echo '```'
+        echo
+    } >"$report"
+    local failed=0
+    for t in cuda_kernels_compile cuda_kernels; do
+        if [ ! -x "$dir/$t" ]; then
+            echo "- $t: MISSING (run scripts/gpu-check.sh build first)" >>"$report"
+            failed=1
+            continue
+        fi
+        local start=$SECONDS
+        if timeout 300 "$dir/$t" --test-threads=1 >"$out/$t.log" 2>&1; then
+            echo "- $t: ok ($((SECONDS - start)) s)" >>"$report"
+        else
+            echo "- $t: FAILED ($((SECONDS - start)) s), see $t.log" >>"$report"
+            failed=1
+        fi
+        grep -E '^test |test result' "$out/$t.log" | sed 's/^/    /' >>"$report"
+    done
+    cat "$report"
+    return $failed
+}
+
+case "${1:-}" in
+build) build ;;
+run) shift; run "$@" ;;
+*) echo "usage: scripts/gpu-check.sh build | run [OUT]" >&2; exit 2 ;;
+esac
