@@ -3,7 +3,7 @@
 //! device and costs tens of microseconds).
 //!
 //! Sizes are rounded up to a class: multiples of 512 bytes up to 1 MiB, then multiples of
-//! 1/8 of the next power of two (≤ 12.5 % waste). A released block goes to the free list of
+//! 1/8 of the power of two below (≤ 12.5 % waste). A released block goes to the free list of
 //! its class; an acquire takes a block of its class if one is free, else asks the driver. When
 //! the driver is out of memory, every cached block is returned to it and the request tried
 //! once more; a second failure is an error naming the request, what is live, what is free on
@@ -49,7 +49,8 @@ pub fn size_class(bytes: usize) -> usize {
     if bytes <= LARGE {
         return bytes.div_ceil(SMALL) * SMALL;
     }
-    let step = bytes.next_power_of_two() / 8;
+    // 1/8 of the largest power of two not above `bytes`: at most 12.5 % rounded up.
+    let step = (1usize << (usize::BITS - 1 - bytes.leading_zeros())) / 8;
     bytes.div_ceil(step) * step
 }
 
