@@ -155,8 +155,15 @@ fn rmsnorm_matches_cpu() {
             )
             .unwrap();
             let r = residual.map(|v| g.upload(v).unwrap());
-            let got =
-                ops::rmsnorm_backward_input(&ddy, &dx_, &dw_, &grstd, dim, r.as_ref()).unwrap();
+            let got = ops::rmsnorm_backward_input(
+                &ddy,
+                &dx_,
+                &dw_,
+                &grstd,
+                dim,
+                r.as_ref().map(|b| b.as_slice()),
+            )
+            .unwrap();
             assert_close("rmsnorm dx", &host(&got), &want);
         }
         let mut dw = rand(dim, 9);
@@ -463,7 +470,13 @@ fn router_and_row_moves_match_cpu() {
             probs: gp,
             experts: ge,
             weights: gw,
-        } = ops::router_topk(&g.upload(&logits).unwrap(), b.as_ref(), experts, k).unwrap();
+        } = ops::router_topk(
+            &g.upload(&logits).unwrap(),
+            b.as_ref().map(|b| b.as_slice()),
+            experts,
+            k,
+        )
+        .unwrap();
         let mut probs = vec![0.0; logits.len()];
         tensor::softmax::softmax_rows(&logits, experts, &mut probs).unwrap();
         assert_close("router probs", &host(&gp), &probs);
@@ -491,7 +504,7 @@ fn router_and_row_moves_match_cpu() {
     let rows = ops::gather_rows(
         &g.upload(&src).unwrap(),
         &g.upload(&idx).unwrap(),
-        Some(&g.upload(&scale).unwrap()),
+        Some(g.upload(&scale).unwrap().as_slice()),
         dim,
     )
     .unwrap();

@@ -175,51 +175,32 @@ impl<T: Copy> DevBuf<T> {
 
     /// Copies the buffer to the host (waits for the stream).
     pub fn to_host(&self) -> Result<Vec<T>, CudaError> {
-        let mut out = Vec::<T>::with_capacity(self.len);
-        self.gpu.bind()?;
-        let lib = self.gpu.lib;
-        // SAFETY: `out` has capacity for `len` elements; the copy completes before
-        // `set_len` (stream synchronised).
-        unsafe {
-            check(
-                (lib.cuMemcpyDtoHAsync_v2)(
-                    out.as_mut_ptr() as *mut c_void,
-                    self.ptr,
-                    self.bytes(),
-                    self.gpu.stream,
-                ),
-                "cuMemcpyDtoHAsync",
-            )?;
-            self.gpu.synchronize()?;
-            out.set_len(self.len);
-        }
-        Ok(out)
+        copy_to_host(&self.gpu, self.ptr, self.len)
     }
 
     /// Overwrites the buffer with `src` (same length).
     pub fn copy_from_host(&mut self, src: &[T]) -> Result<(), CudaError> {
-        if src.len() != self.len {
-            return Err(CudaError::Shape(format!(
-                "copy_from_host: {} elements into a buffer of {}",
-                src.len(),
-                self.len
-            )));
-        }
-        self.gpu.bind()?;
-        // SAFETY: `src` is `bytes()` long. The stream is synchronised before returning, as
-        // `src` may be freed by the caller right after.
-        unsafe {
-            check(
-                (self.gpu.lib.cuMemcpyHtoDAsync_v2)(
-                    self.ptr,
-                    src.as_ptr() as *const c_void,
-                    self.bytes(),
-                    self.gpu.stream,
-                ),
-                "cuMemcpyHtoDAsync",
-            )?;
-        }
-        self.gpu.synchronize()
+        copy_from_host(&self.gpu, self.ptr, self.len, src)
+    }
+
+    /// The whole buffer as a read-only view.
+    pub fn as_slice(&self) -> DevSlice<'_, T> {
+        DevSlice::from(self)
+    }
+
+    /// The whole buffer as a mutable view.
+    pub fn as_mut_slice(&mut self) -> DevSliceMut<'_, T> {
+        DevSliceMut::from(self)
+    }
+
+    /// The range `r` as a read-only view.
+    pub fn slice(&self, r: std::ops::Range<usize>) -> DevSlice<'_, T> {
+        self.as_slice().slice(r)
+    }
+
+    /// The range `r` as a mutable view.
+    pub fn slice_mut(&mut self, r: std::ops::Range<usize>) -> DevSliceMut<'_, T> {
+        self.as_mut_slice().slice_mut(r)
     }
 
     /// Copies `len` elements from `src[src_at..]` into `self[at..]` on the device.
@@ -269,6 +250,243 @@ impl<T> Drop for DevBuf<T> {
             .alloc
             .release(self.ptr, self.len * std::mem::size_of::<T>());
     }
+}
+
+/// A borrowed range of a [`DevBuf`] (a device address, a length and the device): what the
+/// kernel launchers read.
+pub struct DevSlice<'a, T> {
+    ptr: CUdeviceptr,
+    len: usize,
+    gpu: &'a Arc<Gpu>,
+    _t: std::marker::PhantomData<&'a T>,
+}
+
+/// A mutably borrowed range of a [`DevBuf`]: what the kernel launchers write.
+pub struct DevSliceMut<'a, T> {
+    ptr: CUdeviceptr,
+    len: usize,
+    gpu: &'a Arc<Gpu>,
+    _t: std::marker::PhantomData<&'a mut T>,
+}
+
+impl<T> Clone for DevSlice<'_, T> {
+    fn clone(&self) -> Self {
+        *self
+    }
+}
+impl<T> Copy for DevSlice<'_, T> {}
+
+impl<'a, T: Copy> DevSlice<'a, T> {
+    pub fn len(&self) -> usize {
+        self.len
+    }
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+    pub fn ptr(&self) -> CUdeviceptr {
+        self.ptr
+    }
+    pub fn gpu(&self) -> &'a Arc<Gpu> {
+        self.gpu
+    }
+    /// The sub-range `r` (panics beyond the end, as slicing does).
+    pub fn slice(self, r: std::ops::Range<usize>) -> DevSlice<'a, T> {
+        assert!(
+            r.start <= r.end && r.end <= self.len,
+            "DevSlice {r:?} of {}",
+            self.len
+        );
+        DevSlice {
+            ptr: self.ptr + (r.start * std::mem::size_of::<T>()) as u64,
+            len: r.end - r.start,
+            gpu: self.gpu,
+            _t: std::marker::PhantomData,
+        }
+    }
+    /// Copies the range to the host (waits for the stream).
+    pub fn to_host(&self) -> Result<Vec<T>, CudaError> {
+        copy_to_host(self.gpu, self.ptr, self.len)
+    }
+}
+
+impl<'a, T: Copy> DevSliceMut<'a, T> {
+    pub fn len(&self) -> usize {
+        self.len
+    }
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+    pub fn ptr(&self) -> CUdeviceptr {
+        self.ptr
+    }
+    pub fn gpu(&self) -> &'a Arc<Gpu> {
+        self.gpu
+    }
+    /// A shorter-lived mutable view of the same range.
+    pub fn reborrow(&mut self) -> DevSliceMut<'_, T> {
+        DevSliceMut {
+            ptr: self.ptr,
+            len: self.len,
+            gpu: self.gpu,
+            _t: std::marker::PhantomData,
+        }
+    }
+    /// A read-only view of the same range.
+    pub fn as_ref(&self) -> DevSlice<'_, T> {
+        DevSlice {
+            ptr: self.ptr,
+            len: self.len,
+            gpu: self.gpu,
+            _t: std::marker::PhantomData,
+        }
+    }
+    /// The sub-range `r` (panics beyond the end).
+    pub fn slice_mut(self, r: std::ops::Range<usize>) -> DevSliceMut<'a, T> {
+        assert!(
+            r.start <= r.end && r.end <= self.len,
+            "DevSliceMut {r:?} of {}",
+            self.len
+        );
+        DevSliceMut {
+            ptr: self.ptr + (r.start * std::mem::size_of::<T>()) as u64,
+            len: r.end - r.start,
+            gpu: self.gpu,
+            _t: std::marker::PhantomData,
+        }
+    }
+    /// Overwrites the range with `src` (same length; waits for the copy).
+    pub fn copy_from_host(&mut self, src: &[T]) -> Result<(), CudaError> {
+        copy_from_host(self.gpu, self.ptr, self.len, src)
+    }
+    /// Copies `src` (same length) into the range, on the device.
+    pub fn copy_from(&mut self, src: DevSlice<'_, T>) -> Result<(), CudaError> {
+        if src.len != self.len {
+            return Err(CudaError::Shape(format!(
+                "device copy of {} elements into {}",
+                src.len, self.len
+            )));
+        }
+        self.gpu.bind()?;
+        // SAFETY: both ranges hold `len` elements of `T` on this device.
+        check(
+            unsafe {
+                (self.gpu.lib.cuMemcpyDtoDAsync_v2)(
+                    self.ptr,
+                    src.ptr,
+                    self.len * std::mem::size_of::<T>(),
+                    self.gpu.stream,
+                )
+            },
+            "cuMemcpyDtoDAsync",
+        )
+    }
+    /// Sets every byte of the range to zero (stream-ordered).
+    pub fn zero(&mut self) -> Result<(), CudaError> {
+        self.gpu.bind()?;
+        // SAFETY: the range's bytes.
+        check(
+            unsafe {
+                (self.gpu.lib.cuMemsetD8Async)(
+                    self.ptr,
+                    0,
+                    self.len * std::mem::size_of::<T>(),
+                    self.gpu.stream,
+                )
+            },
+            "cuMemsetD8Async",
+        )
+    }
+}
+
+impl<'a, T> From<&'a DevBuf<T>> for DevSlice<'a, T> {
+    fn from(b: &'a DevBuf<T>) -> Self {
+        DevSlice {
+            ptr: b.ptr,
+            len: b.len,
+            gpu: &b.gpu,
+            _t: std::marker::PhantomData,
+        }
+    }
+}
+
+impl<'a, T> From<&'a mut DevBuf<T>> for DevSlice<'a, T> {
+    fn from(b: &'a mut DevBuf<T>) -> Self {
+        DevSlice::from(&*b)
+    }
+}
+
+impl<'a, T> From<&'a mut DevBuf<T>> for DevSliceMut<'a, T> {
+    fn from(b: &'a mut DevBuf<T>) -> Self {
+        DevSliceMut {
+            ptr: b.ptr,
+            len: b.len,
+            gpu: &b.gpu,
+            _t: std::marker::PhantomData,
+        }
+    }
+}
+
+impl<T: Copy> From<DevSlice<'_, T>> for KArg {
+    fn from(s: DevSlice<'_, T>) -> KArg {
+        KArg::Ptr(s.ptr)
+    }
+}
+
+impl<T: Copy> From<&DevSliceMut<'_, T>> for KArg {
+    fn from(s: &DevSliceMut<'_, T>) -> KArg {
+        KArg::Ptr(s.ptr)
+    }
+}
+
+/// `len` elements at device address `ptr` copied to a new host vector (waits for the stream).
+fn copy_to_host<T: Copy>(gpu: &Gpu, ptr: CUdeviceptr, len: usize) -> Result<Vec<T>, CudaError> {
+    let mut out = Vec::<T>::with_capacity(len);
+    gpu.bind()?;
+    // SAFETY: `out` has capacity for `len` elements; the copy completes before `set_len`
+    // (stream synchronised).
+    unsafe {
+        check(
+            (gpu.lib.cuMemcpyDtoHAsync_v2)(
+                out.as_mut_ptr() as *mut c_void,
+                ptr,
+                len * std::mem::size_of::<T>(),
+                gpu.stream,
+            ),
+            "cuMemcpyDtoHAsync",
+        )?;
+        gpu.synchronize()?;
+        out.set_len(len);
+    }
+    Ok(out)
+}
+
+/// `src` copied to `len` elements at device address `ptr` (waits: `src` may be freed next).
+fn copy_from_host<T: Copy>(
+    gpu: &Gpu,
+    ptr: CUdeviceptr,
+    len: usize,
+    src: &[T],
+) -> Result<(), CudaError> {
+    if src.len() != len {
+        return Err(CudaError::Shape(format!(
+            "copy_from_host: {} elements into a buffer of {len}",
+            src.len()
+        )));
+    }
+    gpu.bind()?;
+    // SAFETY: `src` holds `len` elements; the device range as well.
+    unsafe {
+        check(
+            (gpu.lib.cuMemcpyHtoDAsync_v2)(
+                ptr,
+                src.as_ptr() as *const c_void,
+                len * std::mem::size_of::<T>(),
+                gpu.stream,
+            ),
+            "cuMemcpyHtoDAsync",
+        )?;
+    }
+    gpu.synchronize()
 }
 
 impl<T> std::fmt::Debug for DevBuf<T> {

@@ -22,7 +22,7 @@ pub mod nvrtc;
 pub mod ops;
 pub mod sys;
 
-pub use driver::{device_count, DevBuf, DeviceInfo, Gpu, KArg, LaunchCfg};
+pub use driver::{device_count, DevBuf, DevSlice, DevSliceMut, DeviceInfo, Gpu, KArg, LaunchCfg};
 
 /// Why a CUDA operation failed.
 #[derive(Debug, Clone, PartialEq, thiserror::Error)]

@@ -2,7 +2,7 @@
 //! layouts and accumulate/write conventions (see each CPU function), so that the engine can
 //! call either and the tests compare them on the same inputs.
 
-use super::driver::{to_i32, DevBuf, Gpu, KArg, LaunchCfg};
+use super::driver::{to_i32, DevBuf, DevSlice, DevSliceMut, Gpu, KArg, LaunchCfg};
 use super::CudaError;
 use crate::attention::AttnShape;
 use std::sync::Arc;
@@ -24,22 +24,46 @@ fn elements(n: usize) -> LaunchCfg {
 }
 
 /// `y = bf16(x)` (round to nearest even), 16-bit storage.
-pub fn cast_f32_to_bf16(x: &DevBuf<f32>, y: &mut DevBuf<u16>) -> Result<(), CudaError> {
+pub fn cast_f32_to_bf16<'a>(
+    x: impl Into<DevSlice<'a, f32>>,
+    y: impl Into<DevSliceMut<'a, u16>>,
+) -> Result<(), CudaError> {
+    let x: DevSlice<'_, f32> = x.into();
+    let y: DevSliceMut<'_, u16> = y.into();
+
     cast("cast_f32_bf16", x.gpu(), x.ptr(), y.ptr(), x.len(), y.len())
 }
 
 /// `y = f32(x)` from bf16 storage.
-pub fn cast_bf16_to_f32(x: &DevBuf<u16>, y: &mut DevBuf<f32>) -> Result<(), CudaError> {
+pub fn cast_bf16_to_f32<'a>(
+    x: impl Into<DevSlice<'a, u16>>,
+    y: impl Into<DevSliceMut<'a, f32>>,
+) -> Result<(), CudaError> {
+    let x: DevSlice<'_, u16> = x.into();
+    let y: DevSliceMut<'_, f32> = y.into();
+
     cast("cast_bf16_f32", x.gpu(), x.ptr(), y.ptr(), x.len(), y.len())
 }
 
 /// `y = f16(x)` (round to nearest even).
-pub fn cast_f32_to_f16(x: &DevBuf<f32>, y: &mut DevBuf<u16>) -> Result<(), CudaError> {
+pub fn cast_f32_to_f16<'a>(
+    x: impl Into<DevSlice<'a, f32>>,
+    y: impl Into<DevSliceMut<'a, u16>>,
+) -> Result<(), CudaError> {
+    let x: DevSlice<'_, f32> = x.into();
+    let y: DevSliceMut<'_, u16> = y.into();
+
     cast("cast_f32_f16", x.gpu(), x.ptr(), y.ptr(), x.len(), y.len())
 }
 
 /// `y = f32(x)` from fp16 storage.
-pub fn cast_f16_to_f32(x: &DevBuf<u16>, y: &mut DevBuf<f32>) -> Result<(), CudaError> {
+pub fn cast_f16_to_f32<'a>(
+    x: impl Into<DevSlice<'a, u16>>,
+    y: impl Into<DevSliceMut<'a, f32>>,
+) -> Result<(), CudaError> {
+    let x: DevSlice<'_, u16> = x.into();
+    let y: DevSliceMut<'_, f32> = y.into();
+
     cast("cast_f16_f32", x.gpu(), x.ptr(), y.ptr(), x.len(), y.len())
 }
 
@@ -62,42 +86,57 @@ fn cast(
 }
 
 /// Rounds every element to bf16 (`bf16 = true`) or fp16 and back, in place.
-pub fn round_to_16bit(x: &mut DevBuf<f32>, bf16: bool) -> Result<(), CudaError> {
+pub fn round_to_16bit<'a>(x: impl Into<DevSliceMut<'a, f32>>, bf16: bool) -> Result<(), CudaError> {
+    let x: DevSliceMut<'_, f32> = x.into();
     let f = if bf16 { "round_bf16" } else { "round_f16" };
     let n = to_i32(x.len(), "elements")?;
     x.gpu().launch(
         "elementwise",
         f,
         elements(x.len()),
-        &[(&*x).into(), n.into()],
+        &[(&x).into(), n.into()],
     )
 }
 
 /// `x *= s`.
-pub fn scale(x: &mut DevBuf<f32>, s: f32) -> Result<(), CudaError> {
+pub fn scale<'a>(x: impl Into<DevSliceMut<'a, f32>>, s: f32) -> Result<(), CudaError> {
+    let x: DevSliceMut<'_, f32> = x.into();
     let n = to_i32(x.len(), "elements")?;
     x.gpu().launch(
         "elementwise",
         "scale_f32",
         elements(x.len()),
-        &[(&*x).into(), s.into(), n.into()],
+        &[(&x).into(), s.into(), n.into()],
     )
 }
 
 /// `y += a·x`.
-pub fn axpy(y: &mut DevBuf<f32>, x: &DevBuf<f32>, a: f32) -> Result<(), CudaError> {
+pub fn axpy<'a>(
+    y: impl Into<DevSliceMut<'a, f32>>,
+    x: impl Into<DevSlice<'a, f32>>,
+    a: f32,
+) -> Result<(), CudaError> {
+    let y: DevSliceMut<'_, f32> = y.into();
+    let x: DevSlice<'_, f32> = x.into();
+
     same_len("axpy", y.len(), x.len())?;
     let n = to_i32(x.len(), "elements")?;
     y.gpu().launch(
         "elementwise",
         "axpy_f32",
         elements(x.len()),
-        &[(&*y).into(), x.into(), a.into(), n.into()],
+        &[(&y).into(), x.into(), a.into(), n.into()],
     )
 }
 
 /// `a + b` as a new buffer.
-pub fn add(a: &DevBuf<f32>, b: &DevBuf<f32>) -> Result<DevBuf<f32>, CudaError> {
+pub fn add<'a>(
+    a: impl Into<DevSlice<'a, f32>>,
+    b: impl Into<DevSlice<'a, f32>>,
+) -> Result<DevBuf<f32>, CudaError> {
+    let a: DevSlice<'_, f32> = a.into();
+    let b: DevSlice<'_, f32> = b.into();
+
     same_len("add", a.len(), b.len())?;
     let gpu = a.gpu().clone();
     let y = gpu.alloc::<f32>(a.len())?;
@@ -112,18 +151,25 @@ pub fn add(a: &DevBuf<f32>, b: &DevBuf<f32>) -> Result<DevBuf<f32>, CudaError> {
 }
 
 /// Every element set to `v`.
-pub fn fill(y: &mut DevBuf<f32>, v: f32) -> Result<(), CudaError> {
+pub fn fill<'a>(y: impl Into<DevSliceMut<'a, f32>>, v: f32) -> Result<(), CudaError> {
+    let y: DevSliceMut<'_, f32> = y.into();
     let n = to_i32(y.len(), "elements")?;
     y.gpu().launch(
         "elementwise",
         "fill_f32",
         elements(y.len()),
-        &[(&*y).into(), v.into(), n.into()],
+        &[(&y).into(), v.into(), n.into()],
     )
 }
 
 /// `silu(gate) ∘ up` ([`crate::activation::swiglu_forward`]).
-pub fn swiglu_forward(gate: &DevBuf<f32>, up: &DevBuf<f32>) -> Result<DevBuf<f32>, CudaError> {
+pub fn swiglu_forward<'a>(
+    gate: impl Into<DevSlice<'a, f32>>,
+    up: impl Into<DevSlice<'a, f32>>,
+) -> Result<DevBuf<f32>, CudaError> {
+    let gate: DevSlice<'_, f32> = gate.into();
+    let up: DevSlice<'_, f32> = up.into();
+
     same_len("swiglu", gate.len(), up.len())?;
     let gpu = gate.gpu().clone();
     let s = gpu.alloc::<f32>(gate.len())?;
@@ -138,11 +184,15 @@ pub fn swiglu_forward(gate: &DevBuf<f32>, up: &DevBuf<f32>) -> Result<DevBuf<f32
 }
 
 /// `(dgate, dup)` ([`crate::activation::swiglu_backward`]).
-pub fn swiglu_backward(
-    dout: &DevBuf<f32>,
-    gate: &DevBuf<f32>,
-    up: &DevBuf<f32>,
+pub fn swiglu_backward<'a>(
+    dout: impl Into<DevSlice<'a, f32>>,
+    gate: impl Into<DevSlice<'a, f32>>,
+    up: impl Into<DevSlice<'a, f32>>,
 ) -> Result<(DevBuf<f32>, DevBuf<f32>), CudaError> {
+    let dout: DevSlice<'_, f32> = dout.into();
+    let gate: DevSlice<'_, f32> = gate.into();
+    let up: DevSlice<'_, f32> = up.into();
+
     same_len("swiglu dout", dout.len(), gate.len())?;
     same_len("swiglu up", up.len(), gate.len())?;
     let gpu = gate.gpu().clone();
@@ -165,7 +215,8 @@ pub fn swiglu_backward(
 }
 
 /// How many elements are NaN or infinite (fp16 loss scaling's overflow check).
-pub fn count_nonfinite(x: &DevBuf<f32>) -> Result<usize, CudaError> {
+pub fn count_nonfinite<'a>(x: impl Into<DevSlice<'a, f32>>) -> Result<usize, CudaError> {
+    let x: DevSlice<'_, f32> = x.into();
     let gpu = x.gpu().clone();
     let count = gpu.zeros::<i32>(1)?;
     let n = to_i32(x.len(), "elements")?;
@@ -193,12 +244,14 @@ fn rows_of(len: usize, dim: usize, what: &str) -> Result<usize, CudaError> {
 }
 
 /// `(y, rstd)` ([`crate::norm::rmsnorm_forward`]).
-pub fn rmsnorm_forward(
-    x: &DevBuf<f32>,
-    w: &DevBuf<f32>,
+pub fn rmsnorm_forward<'a>(
+    x: impl Into<DevSlice<'a, f32>>,
+    w: impl Into<DevSlice<'a, f32>>,
     dim: usize,
     eps: f32,
 ) -> Result<(DevBuf<f32>, DevBuf<f32>), CudaError> {
+    let x: DevSlice<'_, f32> = x.into();
+    let w: DevSlice<'_, f32> = w.into();
     let rows = rows_of(x.len(), dim, "rmsnorm x")?;
     same_len("rmsnorm w", w.len(), dim)?;
     let gpu = x.gpu().clone();
@@ -220,14 +273,18 @@ pub fn rmsnorm_forward(
 }
 
 /// `dx` (`+ residual` when given) ([`crate::norm::rmsnorm_backward_input`]).
-pub fn rmsnorm_backward_input(
-    dy: &DevBuf<f32>,
-    x: &DevBuf<f32>,
-    w: &DevBuf<f32>,
-    rstd: &DevBuf<f32>,
+pub fn rmsnorm_backward_input<'a>(
+    dy: impl Into<DevSlice<'a, f32>>,
+    x: impl Into<DevSlice<'a, f32>>,
+    w: impl Into<DevSlice<'a, f32>>,
+    rstd: impl Into<DevSlice<'a, f32>>,
     dim: usize,
-    residual: Option<&DevBuf<f32>>,
+    residual: Option<DevSlice<'a, f32>>,
 ) -> Result<DevBuf<f32>, CudaError> {
+    let dy: DevSlice<'_, f32> = dy.into();
+    let x: DevSlice<'_, f32> = x.into();
+    let w: DevSlice<'_, f32> = w.into();
+    let rstd: DevSlice<'_, f32> = rstd.into();
     let rows = rows_of(x.len(), dim, "rmsnorm x")?;
     same_len("rmsnorm dy", dy.len(), x.len())?;
     same_len("rmsnorm rstd", rstd.len(), rows)?;
@@ -255,13 +312,18 @@ pub fn rmsnorm_backward_input(
 }
 
 /// `dw += Σ_rows dy ∘ x·rstd` ([`crate::norm::rmsnorm_backward_weight`]).
-pub fn rmsnorm_backward_weight(
-    dy: &DevBuf<f32>,
-    x: &DevBuf<f32>,
-    rstd: &DevBuf<f32>,
+pub fn rmsnorm_backward_weight<'a>(
+    dy: impl Into<DevSlice<'a, f32>>,
+    x: impl Into<DevSlice<'a, f32>>,
+    rstd: impl Into<DevSlice<'a, f32>>,
     dim: usize,
-    dw: &mut DevBuf<f32>,
+    dw: impl Into<DevSliceMut<'a, f32>>,
 ) -> Result<(), CudaError> {
+    let dy: DevSlice<'_, f32> = dy.into();
+    let x: DevSlice<'_, f32> = x.into();
+    let rstd: DevSlice<'_, f32> = rstd.into();
+    let dw: DevSliceMut<'_, f32> = dw.into();
+
     const ROWS_PER_CHUNK: usize = 64;
     let rows = rows_of(x.len(), dim, "rmsnorm x")?;
     same_len("rmsnorm dy", dy.len(), x.len())?;
@@ -295,7 +357,7 @@ pub fn rmsnorm_backward_weight(
         LaunchCfg::linear(cols as usize, 128),
         &[
             (&partial).into(),
-            (&*dw).into(),
+            (&dw).into(),
             (chunks as i32).into(),
             to_i32(dim, "dim")?.into(),
         ],
@@ -348,7 +410,13 @@ impl RopeTable {
 
 /// Rotates `x` (`[tokens, n_heads, head_dim]`) in place ([`crate::rope::Rope::apply`], or
 /// `apply_backward` with a backward table).
-pub fn rope_rotate(x: &mut DevBuf<f32>, n_heads: usize, t: &RopeTable) -> Result<(), CudaError> {
+pub fn rope_rotate<'a>(
+    x: impl Into<DevSliceMut<'a, f32>>,
+    n_heads: usize,
+    t: &RopeTable,
+) -> Result<(), CudaError> {
+    let x: DevSliceMut<'_, f32> = x.into();
+
     same_len("rope x", x.len(), t.tokens * n_heads * t.head_dim)?;
     let n = t.tokens * n_heads * t.head_dim / 2;
     x.gpu().launch(
@@ -356,7 +424,7 @@ pub fn rope_rotate(x: &mut DevBuf<f32>, n_heads: usize, t: &RopeTable) -> Result
         "rope_rotate",
         elements(n),
         &[
-            (&*x).into(),
+            (&x).into(),
             (&t.table).into(),
             (&t.rows).into(),
             to_i32(t.tokens, "tokens")?.into(),
@@ -368,12 +436,14 @@ pub fn rope_rotate(x: &mut DevBuf<f32>, n_heads: usize, t: &RopeTable) -> Result
 
 /// `out[t] = table[ids[t] − vocab_start]` or zeros outside the shard
 /// ([`crate::embedding::embedding_forward_shard`]); `table` holds `rows × dim`.
-pub fn embedding_forward(
-    ids: &DevBuf<u32>,
-    table: &DevBuf<f32>,
+pub fn embedding_forward<'a>(
+    ids: impl Into<DevSlice<'a, u32>>,
+    table: impl Into<DevSlice<'a, f32>>,
     dim: usize,
     vocab_start: usize,
 ) -> Result<DevBuf<f32>, CudaError> {
+    let ids: DevSlice<'_, u32> = ids.into();
+    let table: DevSlice<'_, f32> = table.into();
     let rows = rows_of(table.len(), dim, "embedding table")?;
     let gpu = table.gpu().clone();
     let out = gpu.alloc::<f32>(ids.len() * dim)?;
@@ -397,13 +467,15 @@ pub fn embedding_forward(
 /// `dtable[ids[t] − vocab_start] += dout[t]` for the tokens in the shard
 /// ([`crate::embedding::embedding_backward_shard`]); the tokens are grouped by row on the
 /// host (`ids` is the host copy), so the device sums each row's tokens in token order.
-pub fn embedding_backward(
+pub fn embedding_backward<'a>(
     ids: &[u32],
-    dout: &DevBuf<f32>,
+    dout: impl Into<DevSlice<'a, f32>>,
     dim: usize,
     vocab_start: usize,
-    dtable: &mut DevBuf<f32>,
+    dtable: impl Into<DevSliceMut<'a, f32>>,
 ) -> Result<(), CudaError> {
+    let dout: DevSlice<'_, f32> = dout.into();
+    let dtable: DevSliceMut<'_, f32> = dtable.into();
     let rows = rows_of(dtable.len(), dim, "embedding dtable")?;
     same_len("embedding dout", dout.len(), ids.len() * dim)?;
     let mut order: Vec<(i32, i32)> = ids
@@ -448,7 +520,7 @@ pub fn embedding_backward(
             (&u).into(),
             (&s).into(),
             (&t).into(),
-            (&*dtable).into(),
+            (&dtable).into(),
             to_i32(dim, "dim")?.into(),
         ],
     )
@@ -456,13 +528,15 @@ pub fn embedding_backward(
 
 /// Per-row `(max, Σ exp(z − max), target logit)` of a logits block `[rows, shard]` over
 /// vocabulary ids `[vocab_start, vocab_start + shard)` ([`crate::cross_entropy::logits_row_stats`]).
-pub fn ce_row_stats(
-    logits: &DevBuf<f32>,
-    targets: &DevBuf<i64>,
+pub fn ce_row_stats<'a>(
+    logits: impl Into<DevSlice<'a, f32>>,
+    targets: impl Into<DevSlice<'a, i64>>,
     shard: usize,
     vocab_start: usize,
     ignore_index: i64,
 ) -> Result<[DevBuf<f32>; 3], CudaError> {
+    let logits: DevSlice<'_, f32> = logits.into();
+    let targets: DevSlice<'_, i64> = targets.into();
     let rows = targets.len();
     same_len("ce logits", logits.len(), rows * shard)?;
     let gpu = logits.gpu().clone();
@@ -491,7 +565,13 @@ pub fn ce_row_stats(
 }
 
 /// `lse = max + log Σ exp` per row, for statistics that cover the whole vocabulary.
-pub fn ce_lse(max: &DevBuf<f32>, sumexp: &DevBuf<f32>) -> Result<DevBuf<f32>, CudaError> {
+pub fn ce_lse<'a>(
+    max: impl Into<DevSlice<'a, f32>>,
+    sumexp: impl Into<DevSlice<'a, f32>>,
+) -> Result<DevBuf<f32>, CudaError> {
+    let max: DevSlice<'_, f32> = max.into();
+    let sumexp: DevSlice<'_, f32> = sumexp.into();
+
     same_len("ce lse", max.len(), sumexp.len())?;
     let gpu = max.gpu().clone();
     let lse = gpu.alloc::<f32>(max.len())?;
@@ -511,15 +591,18 @@ pub fn ce_lse(max: &DevBuf<f32>, sumexp: &DevBuf<f32>) -> Result<DevBuf<f32>, Cu
 
 /// Turns the logits block into its gradient in place ([`crate::cross_entropy::logits_grad_inplace`]).
 #[allow(clippy::too_many_arguments)]
-pub fn ce_grad_inplace(
-    logits: &mut DevBuf<f32>,
-    targets: &DevBuf<i64>,
-    lse: &DevBuf<f32>,
+pub fn ce_grad_inplace<'a>(
+    logits: impl Into<DevSliceMut<'a, f32>>,
+    targets: impl Into<DevSlice<'a, i64>>,
+    lse: impl Into<DevSlice<'a, f32>>,
     shard: usize,
     vocab_start: usize,
     ignore_index: i64,
     grad_scale: f32,
 ) -> Result<(), CudaError> {
+    let logits: DevSliceMut<'_, f32> = logits.into();
+    let targets: DevSlice<'_, i64> = targets.into();
+    let lse: DevSlice<'_, f32> = lse.into();
     let rows = targets.len();
     same_len("ce logits", logits.len(), rows * shard)?;
     same_len("ce lse", lse.len(), rows)?;
@@ -528,7 +611,7 @@ pub fn ce_grad_inplace(
         "ce_grad_inplace",
         elements(rows * shard),
         &[
-            (&*logits).into(),
+            (&logits).into(),
             targets.into(),
             lse.into(),
             to_i32(rows, "rows")?.into(),
@@ -541,12 +624,16 @@ pub fn ce_grad_inplace(
 }
 
 /// `Σ (lse − target logit)` over the valid rows, in f64.
-pub fn ce_loss_sum(
-    lse: &DevBuf<f32>,
-    target_logit: &DevBuf<f32>,
-    targets: &DevBuf<i64>,
+pub fn ce_loss_sum<'a>(
+    lse: impl Into<DevSlice<'a, f32>>,
+    target_logit: impl Into<DevSlice<'a, f32>>,
+    targets: impl Into<DevSlice<'a, i64>>,
     ignore_index: i64,
 ) -> Result<f64, CudaError> {
+    let lse: DevSlice<'_, f32> = lse.into();
+    let target_logit: DevSlice<'_, f32> = target_logit.into();
+    let targets: DevSlice<'_, i64> = targets.into();
+
     same_len("ce lse", lse.len(), targets.len())?;
     let gpu = lse.gpu().clone();
     let out = gpu.alloc::<f64>(1)?;
@@ -600,21 +687,27 @@ fn check_attn(s: &AttnShape, q: usize, k: usize, v: usize) -> Result<(), CudaErr
 const ATT_WARPS: usize = 4;
 
 /// Forward: writes `out` and `lse` ([`crate::attention::attention_forward`]).
-pub fn attention_forward(
+pub fn attention_forward<'a>(
     s: &AttnShape,
-    q: &DevBuf<f32>,
-    k: &DevBuf<f32>,
-    v: &DevBuf<f32>,
-    out: &mut DevBuf<f32>,
-    lse: &mut DevBuf<f32>,
+    q: impl Into<DevSlice<'a, f32>>,
+    k: impl Into<DevSlice<'a, f32>>,
+    v: impl Into<DevSlice<'a, f32>>,
+    out: impl Into<DevSliceMut<'a, f32>>,
+    lse: impl Into<DevSliceMut<'a, f32>>,
 ) -> Result<(), CudaError> {
+    let q: DevSlice<'_, f32> = q.into();
+    let k: DevSlice<'_, f32> = k.into();
+    let v: DevSlice<'_, f32> = v.into();
+    let out: DevSliceMut<'_, f32> = out.into();
+    let lse: DevSliceMut<'_, f32> = lse.into();
+
     check_attn(s, q.len(), k.len(), v.len())?;
     same_len("attention out", out.len(), s.q_elems())?;
     same_len("attention lse", lse.len(), s.lse_elems())?;
     if s.q_len == 0 {
         return Ok(());
     }
-    let mut args = vec![q.into(), k.into(), v.into(), (&*out).into(), (&*lse).into()];
+    let mut args = vec![q.into(), k.into(), v.into(), (&out).into(), (&lse).into()];
     args.extend(attn_args(s)?);
     q.gpu().launch(
         "attention",
@@ -635,18 +728,28 @@ pub fn attention_forward(
 /// Backward: accumulates (`+=`) into `dq`, `dk`, `dv` ([`crate::attention::attention_backward`];
 /// pass the final merged `out` and `lse` for a partial key block).
 #[allow(clippy::too_many_arguments)]
-pub fn attention_backward(
+pub fn attention_backward<'a>(
     s: &AttnShape,
-    q: &DevBuf<f32>,
-    k: &DevBuf<f32>,
-    v: &DevBuf<f32>,
-    out: &DevBuf<f32>,
-    lse: &DevBuf<f32>,
-    dout: &DevBuf<f32>,
-    dq: &mut DevBuf<f32>,
-    dk: &mut DevBuf<f32>,
-    dv: &mut DevBuf<f32>,
+    q: impl Into<DevSlice<'a, f32>>,
+    k: impl Into<DevSlice<'a, f32>>,
+    v: impl Into<DevSlice<'a, f32>>,
+    out: impl Into<DevSlice<'a, f32>>,
+    lse: impl Into<DevSlice<'a, f32>>,
+    dout: impl Into<DevSlice<'a, f32>>,
+    dq: impl Into<DevSliceMut<'a, f32>>,
+    dk: impl Into<DevSliceMut<'a, f32>>,
+    dv: impl Into<DevSliceMut<'a, f32>>,
 ) -> Result<(), CudaError> {
+    let q: DevSlice<'_, f32> = q.into();
+    let k: DevSlice<'_, f32> = k.into();
+    let v: DevSlice<'_, f32> = v.into();
+    let out: DevSlice<'_, f32> = out.into();
+    let lse: DevSlice<'_, f32> = lse.into();
+    let dout: DevSlice<'_, f32> = dout.into();
+    let dq: DevSliceMut<'_, f32> = dq.into();
+    let dk: DevSliceMut<'_, f32> = dk.into();
+    let dv: DevSliceMut<'_, f32> = dv.into();
+
     check_attn(s, q.len(), k.len(), v.len())?;
     for (what, len, want) in [
         ("attention out", out.len(), s.q_elems()),
@@ -685,7 +788,7 @@ pub fn attention_backward(
         dout.into(),
         lse.into(),
         (&delta).into(),
-        (&*dq).into(),
+        (&dq).into(),
     ];
     args.extend(attn_args(s)?);
     gpu.launch(
@@ -709,8 +812,8 @@ pub fn attention_backward(
         dout.into(),
         lse.into(),
         (&delta).into(),
-        (&*dk).into(),
-        (&*dv).into(),
+        (&dk).into(),
+        (&dv).into(),
     ];
     args.extend(attn_args(s)?);
     gpu.launch(
@@ -758,14 +861,18 @@ impl AdamScalars {
 
 /// One AdamW step over flat buffers; segment `i` of the buffer ends at `segments[i].0`
 /// (increasing, the last = the length) and decays by `segments[i].1 = 1 − lr·weight_decay`.
-pub fn adamw(
-    p: &mut DevBuf<f32>,
-    g: &DevBuf<f32>,
-    m: &mut DevBuf<f32>,
-    v: &mut DevBuf<f32>,
+pub fn adamw<'a>(
+    p: impl Into<DevSliceMut<'a, f32>>,
+    g: impl Into<DevSlice<'a, f32>>,
+    m: impl Into<DevSliceMut<'a, f32>>,
+    v: impl Into<DevSliceMut<'a, f32>>,
     segments: &[(usize, f32)],
     s: AdamScalars,
 ) -> Result<(), CudaError> {
+    let p: DevSliceMut<'_, f32> = p.into();
+    let g: DevSlice<'_, f32> = g.into();
+    let m: DevSliceMut<'_, f32> = m.into();
+    let v: DevSliceMut<'_, f32> = v.into();
     let n = p.len();
     same_len("adamw g", g.len(), n)?;
     same_len("adamw m", m.len(), n)?;
@@ -784,10 +891,10 @@ pub fn adamw(
         "adamw",
         elements(n),
         &[
-            (&*p).into(),
+            (&p).into(),
             g.into(),
-            (&*m).into(),
-            (&*v).into(),
+            (&m).into(),
+            (&v).into(),
             to_i32(n, "elements")?.into(),
             (&ends).into(),
             (&decays).into(),
@@ -803,7 +910,9 @@ pub fn adamw(
 }
 
 /// `Σ g²` in f64 (global-norm clipping), summed in a fixed order.
-pub fn sq_sum(g: &DevBuf<f32>) -> Result<f64, CudaError> {
+pub fn sq_sum<'a>(g: impl Into<DevSlice<'a, f32>>) -> Result<f64, CudaError> {
+    let g: DevSlice<'_, f32> = g.into();
+
     const CHUNK: usize = 1 << 16;
     let gpu = g.gpu().clone();
     let blocks = g.len().div_ceil(CHUNK).max(1);
@@ -839,12 +948,13 @@ pub struct Routed {
 /// The router's [`Routed`] `(probs, experts, weights)` from its logits (softmax,
 /// top-k by probability plus `bias`, ties to the lower expert, weights renormalised), as
 /// [`model::layers::moe::Moe::route`] before capacity.
-pub fn router_topk(
-    logits: &DevBuf<f32>,
-    bias: Option<&DevBuf<f32>>,
+pub fn router_topk<'a>(
+    logits: impl Into<DevSlice<'a, f32>>,
+    bias: Option<DevSlice<'a, f32>>,
     experts: usize,
     k: usize,
 ) -> Result<Routed, CudaError> {
+    let logits: DevSlice<'_, f32> = logits.into();
     let tokens = rows_of(logits.len(), experts, "router logits")?;
     if k == 0 || k > experts || experts > 1024 {
         return Err(CudaError::Shape(format!(
@@ -878,12 +988,14 @@ pub fn router_topk(
 }
 
 /// `dst[r] = src[idx[r]]·scale[r]` (rows of `dim`).
-pub fn gather_rows(
-    src: &DevBuf<f32>,
-    idx: &DevBuf<i32>,
-    scale: Option<&DevBuf<f32>>,
+pub fn gather_rows<'a>(
+    src: impl Into<DevSlice<'a, f32>>,
+    idx: impl Into<DevSlice<'a, i32>>,
+    scale: Option<DevSlice<'a, f32>>,
     dim: usize,
 ) -> Result<DevBuf<f32>, CudaError> {
+    let src: DevSlice<'_, f32> = src.into();
+    let idx: DevSlice<'_, i32> = idx.into();
     let rows = idx.len();
     let gpu = src.gpu().clone();
     let dst = gpu.alloc::<f32>(rows * dim)?;
@@ -905,15 +1017,19 @@ pub fn gather_rows(
 
 /// `y[t] (+)= Σ_j w[t, j]·rows[slot[t, j]]` (`slot = −1`: dropped), the experts' outputs back
 /// in token order.
-pub fn combine_rows(
-    rows: &DevBuf<f32>,
-    slot: &DevBuf<i32>,
-    w: &DevBuf<f32>,
-    y: &mut DevBuf<f32>,
+pub fn combine_rows<'a>(
+    rows: impl Into<DevSlice<'a, f32>>,
+    slot: impl Into<DevSlice<'a, i32>>,
+    w: impl Into<DevSlice<'a, f32>>,
+    y: impl Into<DevSliceMut<'a, f32>>,
     k: usize,
     dim: usize,
     accumulate: bool,
 ) -> Result<(), CudaError> {
+    let rows: DevSlice<'_, f32> = rows.into();
+    let slot: DevSlice<'_, i32> = slot.into();
+    let w: DevSlice<'_, f32> = w.into();
+    let y: DevSliceMut<'_, f32> = y.into();
     let tokens = rows_of(y.len(), dim, "combine y")?;
     same_len("combine slots", slot.len(), tokens * k)?;
     same_len("combine weights", w.len(), tokens * k)?;
@@ -925,7 +1041,7 @@ pub fn combine_rows(
             rows.into(),
             slot.into(),
             w.into(),
-            (&*y).into(),
+            (&y).into(),
             to_i32(tokens, "tokens")?.into(),
             to_i32(k, "k")?.into(),
             to_i32(dim, "dim")?.into(),
@@ -935,13 +1051,17 @@ pub fn combine_rows(
 }
 
 /// `out[r] = a[ia[r]] · b[ib[r]]` (rows of `dim`).
-pub fn row_dots(
-    a: &DevBuf<f32>,
-    ia: &DevBuf<i32>,
-    b: &DevBuf<f32>,
-    ib: &DevBuf<i32>,
+pub fn row_dots<'a>(
+    a: impl Into<DevSlice<'a, f32>>,
+    ia: impl Into<DevSlice<'a, i32>>,
+    b: impl Into<DevSlice<'a, f32>>,
+    ib: impl Into<DevSlice<'a, i32>>,
     dim: usize,
 ) -> Result<DevBuf<f32>, CudaError> {
+    let a: DevSlice<'_, f32> = a.into();
+    let ia: DevSlice<'_, i32> = ia.into();
+    let b: DevSlice<'_, f32> = b.into();
+    let ib: DevSlice<'_, i32> = ib.into();
     let rows = ia.len();
     same_len("row_dots", ib.len(), rows)?;
     let gpu = a.gpu().clone();
