@@ -21,6 +21,8 @@
 //!   independent of how many rows share a product; on request ([`gemm::matmul_using`]) the
 //!   `gemm` crate or the fp32 product on AMX tiles from an exact bf16 split ([`sgemm::amx`]).
 //! - [`skip`]: tests that cannot run here say so visibly, or fail where `XTRAIN_REQUIRE` says.
+//! - [`buf`]: buffers on a device (host or GPU) and their views; [`ops`]: every kernel on
+//!   either device (the CPU kernel on host buffers, its CUDA twin on GPU buffers).
 //! - [`cuda`]: the same kernels on an NVIDIA GPU (driver, NVRTC and cuBLASLt opened at run
 //!   time; CUDA C compiled for the GPU found), each tested against its CPU twin.
 //! - [`norm`]: RMSNorm; [`rope::Rope`]: rotary embedding (HF rotate-half);
@@ -34,6 +36,7 @@
 
 pub mod activation;
 pub mod attention;
+pub mod buf;
 pub mod cross_entropy;
 pub mod cuda;
 pub mod dtype;
@@ -42,6 +45,7 @@ pub mod error;
 pub mod gemm;
 pub mod isa;
 pub mod norm;
+pub mod ops;
 pub mod peak;
 pub mod rope;
 pub mod sgemm;

@@ -615,3 +615,98 @@ fn steady_state_allocates_nothing_and_bad_devices_are_errors() {
     let err = Gpu::open(1000).expect_err("no device 1000");
     assert!(err.to_string().contains("cuda:1000"), "{err}");
 }
+
+/// The fused LM head + cross-entropy through the device dispatch (`tensor::ops`): loss, lse and
+/// both gradients on the GPU against the CPU, forward then backward and in one pass, with
+/// ignored rows and a chunk of only ignored rows.
+#[test]
+fn fused_cross_entropy_matches_cpu() {
+    use tensor::buf::{Buf, Dev};
+    use tensor::cross_entropy::{CeConfig, IGNORE_INDEX};
+    use tensor::ops::{fused_linear_ce, Lse};
+    let Some(g) = gpu("fused_cross_entropy_matches_cpu") else {
+        return;
+    };
+    let dev = Dev::Cuda(g.clone());
+    let (rows, dim, vocab) = (300, 48, 500);
+    let cfg = CeConfig {
+        chunk_rows: 128,
+        ..CeConfig::default()
+    };
+    let x = rand(rows * dim, 80);
+    let w = rand(vocab * dim, 81);
+    let targets: Vec<i64> = (0..rows as i64)
+        .map(|r| {
+            if (128..256).contains(&r) || r % 11 == 0 {
+                IGNORE_INDEX
+            } else {
+                r * 7 % vocab as i64
+            }
+        })
+        .collect();
+    let run = |dev: &Dev, one_pass: bool| {
+        let (xb, wb) = (
+            dev.from_vec(x.clone()).unwrap(),
+            dev.from_vec(w.clone()).unwrap(),
+        );
+        let mut lse = dev.zeros(rows).unwrap();
+        let mut dx = dev.zeros(rows * dim).unwrap();
+        let mut dw = dev.from_vec(rand(vocab * dim, 82)).unwrap();
+        let out = if one_pass {
+            fused_linear_ce(
+                xb.r(),
+                wb.r(),
+                &targets,
+                dim,
+                vocab,
+                &cfg,
+                Lse::Write(lse.m()),
+                Some((0.5, Some(dx.m()), Some(dw.m()))),
+            )
+            .unwrap()
+        } else {
+            let out = fused_linear_ce(
+                xb.r(),
+                wb.r(),
+                &targets,
+                dim,
+                vocab,
+                &cfg,
+                Lse::Write(lse.m()),
+                None,
+            )
+            .unwrap();
+            let l: Buf = lse.try_clone().unwrap();
+            fused_linear_ce(
+                xb.r(),
+                wb.r(),
+                &targets,
+                dim,
+                vocab,
+                &cfg,
+                Lse::Read(l.r()),
+                Some((0.5, Some(dx.m()), Some(dw.m()))),
+            )
+            .unwrap();
+            out
+        };
+        (
+            out,
+            lse.to_vec().unwrap(),
+            dx.to_vec().unwrap(),
+            dw.to_vec().unwrap(),
+        )
+    };
+    for one_pass in [false, true] {
+        let (want, l0, dx0, dw0) = run(&Dev::Cpu, one_pass);
+        let (got, l1, dx1, dw1) = run(&dev, one_pass);
+        assert_eq!(got.n_valid, want.n_valid);
+        assert!(
+            (got.loss_sum - want.loss_sum).abs() <= 1e-5 * want.loss_sum.abs(),
+            "{got:?} vs {want:?}"
+        );
+        assert_close("fused ce lse", &l1, &l0);
+        assert_close("fused ce dx", &dx1, &dx0);
+        assert_close("fused ce dw", &dw1, &dw0);
+    }
+}

@@ -1082,3 +1082,109 @@ pub fn row_dots<'a>(
     )?;
     Ok(out)
 }
+
+/// The log-sum-exps of a fused cross-entropy pass on the device: computed or given.
+pub enum CeLse<'a> {
+    Write(DevSliceMut<'a, f32>),
+    Read(DevSlice<'a, f32>),
+}
+
+/// The gradient outputs of a fused cross-entropy pass on the device.
+pub struct CeGrad<'a> {
+    pub scale: f32,
+    pub dx: Option<DevSliceMut<'a, f32>>,
+    pub dw: Option<DevSliceMut<'a, f32>>,
+}
+
+/// The fused LM head + cross-entropy ([`crate::cross_entropy::fused_linear_ce_forward`],
+/// `_backward`, `_forward_backward` in one): per chunk of `chunk_rows` rows, `z = x·Wᵀ` on
+/// cuBLASLt, the row statistics and log-sum-exps (written or read), the loss, and with a
+/// gradient `dz = (softmax(z) − onehot)·scale` in place, `dx = dz·W`, `dW += dzᵀ·x`. `targets`
+/// are on the host (uploaded once). Returns the loss sum over valid rows (0 when reading lse).
+#[allow(clippy::too_many_arguments)]
+pub fn fused_linear_ce(
+    x: DevSlice<'_, f32>,
+    w: DevSlice<'_, f32>,
+    targets: &[i64],
+    dim: usize,
+    vocab: usize,
+    chunk_rows: usize,
+    ignore_index: i64,
+    mut lse: CeLse<'_>,
+    mut grad: Option<CeGrad<'_>>,
+) -> Result<f64, CudaError> {
+    let rows = targets.len();
+    same_len("fused ce x", x.len(), rows * dim)?;
+    same_len("fused ce w", w.len(), vocab * dim)?;
+    let gpu = x.gpu().clone();
+    let dev_targets = gpu.upload(targets)?;
+    let chunk_rows = chunk_rows.max(1);
+    let mut logits = gpu.alloc::<f32>(chunk_rows.min(rows.max(1)) * vocab)?;
+    let mut loss_sum = 0.0f64;
+    let matmul = |c: u64, a: u64, b: u64, mkn: [usize; 3], flags: [bool; 3]| {
+        // SAFETY: the callers pass ranges of the checked buffers with these shapes.
+        unsafe { super::blas::matmul_raw(&gpu, super::blas::GemmInput::F32, c, a, b, mkn, flags) }
+    };
+    for r0 in (0..rows).step_by(chunk_rows) {
+        let n = chunk_rows.min(rows - r0);
+        let t = dev_targets.slice(r0..r0 + n);
+        let xc = x.slice(r0 * dim..(r0 + n) * dim);
+        let ignored = targets[r0..r0 + n].iter().all(|&v| v == ignore_index);
+        if ignored && matches!(lse, CeLse::Read(_)) {
+            if let Some(dx) = grad.as_mut().and_then(|g| g.dx.as_mut()) {
+                dx.reborrow().slice_mut(r0 * dim..(r0 + n) * dim).zero()?;
+            }
+            continue;
+        }
+        let z = logits.slice_mut(0..n * vocab);
+        matmul(
+            z.ptr(),
+            xc.ptr(),
+            w.ptr(),
+            [n, dim, vocab],
+            [false, true, false],
+        )?;
+        let lse_c: DevSlice<'_, f32> = match &mut lse {
+            CeLse::Write(l) => {
+                let [mx, se, tl] = ce_row_stats(z.as_ref(), t, vocab, 0, ignore_index)?;
+                let lc = ce_lse(&mx, &se)?;
+                loss_sum += ce_loss_sum(&lc, &tl, t, ignore_index)?;
+                l.reborrow()
+                    .slice_mut(r0..r0 + n)
+                    .copy_from(lc.as_slice())?;
+                l.as_ref().slice(r0..r0 + n)
+            }
+            CeLse::Read(l) => l.slice(r0..r0 + n),
+        };
+        let Some(g) = grad.as_mut() else { continue };
+        if ignored {
+            if let Some(dx) = g.dx.as_mut() {
+                dx.reborrow().slice_mut(r0 * dim..(r0 + n) * dim).zero()?;
+            }
+            continue;
+        }
+        let z = logits.slice_mut(0..n * vocab);
+        ce_grad_inplace(z, t, lse_c, vocab, 0, ignore_index, g.scale)?;
+        let z = logits.slice(0..n * vocab);
+        if let Some(dx) = g.dx.as_mut() {
+            let dxc = dx.reborrow().slice_mut(r0 * dim..(r0 + n) * dim);
+            matmul(
+                dxc.ptr(),
+                z.ptr(),
+                w.ptr(),
+                [n, vocab, dim],
+                [false, false, false],
+            )?;
+        }
+        if let Some(dw) = g.dw.as_mut() {
+            matmul(
+                dw.ptr(),
+                z.ptr(),
+                xc.ptr(),
+                [vocab, n, dim],
+                [true, false, true],
+            )?;
+        }
+    }
+    Ok(loss_sum)
+}

@@ -1,0 +1,390 @@
+//! Buffers on a device: host memory or a GPU's ([`Buf`]), borrowed whole or as a range
+//! ([`BufRef`], [`BufMut`]), and the device they live on ([`Dev`]). The engine's activations,
+//! caches and flat parameter / gradient buffers are `Buf`s, so one model runs on either device;
+//! [`crate::ops`] dispatches each kernel to the CPU implementation or its CUDA twin.
+//!
+//! Host buffers are plain vectors: on the CPU every operation is the CPU kernel on the same
+//! slices as before, bit for bit. Code that needs host data (collectives over host transports,
+//! checkpoints) asks for it explicitly ([`Buf::as_host`], [`BufRef::to_vec`]); a device buffer
+//! there is an error naming the operation, never a silent copy.
+
+use crate::cuda::{DevBuf, DevSlice, DevSliceMut, Gpu};
+use crate::TensorError;
+use std::ops::Range;
+use std::sync::Arc;
+
+/// Where buffers live: the host, or an opened GPU.
+#[derive(Clone, Debug)]
+pub enum Dev {
+    Cpu,
+    Cuda(Arc<Gpu>),
+}
+
+/// Environment variable choosing the device (`cpu`, `cuda`, `cuda:N`).
+pub const DEVICE_ENV: &str = "XTRAIN_DEVICE";
+
+impl Dev {
+    /// Parses `cpu`, `cuda` (device 0) or `cuda:N` and opens the GPU (a clear error where there
+    /// is none).
+    pub fn open(spec: &str) -> Result<Dev, TensorError> {
+        let s = spec.trim().to_ascii_lowercase();
+        if s == "cpu" {
+            return Ok(Dev::Cpu);
+        }
+        let ordinal = match s.strip_prefix("cuda") {
+            Some("") => 0,
+            Some(rest) => rest
+                .strip_prefix(':')
+                .and_then(|n| n.parse::<usize>().ok())
+                .ok_or_else(|| bad_spec(spec))?,
+            None => return Err(bad_spec(spec)),
+        };
+        Ok(Dev::Cuda(Gpu::open(ordinal)?))
+    }
+
+    /// The device `XTRAIN_DEVICE` names, or the CPU when it is unset.
+    pub fn from_env() -> Result<Dev, TensorError> {
+        match std::env::var(DEVICE_ENV) {
+            Ok(v) if !v.trim().is_empty() => Dev::open(&v),
+            _ => Ok(Dev::Cpu),
+        }
+    }
+
+    /// `cpu` or `cuda:N`.
+    pub fn name(&self) -> String {
+        match self {
+            Dev::Cpu => "cpu".into(),
+            Dev::Cuda(g) => format!("cuda:{}", g.info.ordinal),
+        }
+    }
+
+    pub fn is_cuda(&self) -> bool {
+        matches!(self, Dev::Cuda(_))
+    }
+
+    /// `n` zeros on this device.
+    pub fn zeros(&self, n: usize) -> Result<Buf, TensorError> {
+        Ok(match self {
+            Dev::Cpu => Buf::Host(crate::threads::zeros(n)),
+            Dev::Cuda(g) => Buf::Cuda(g.zeros(n)?),
+        })
+    }
+
+    /// `v` on this device (moved on the host, copied to a GPU).
+    pub fn from_vec(&self, v: Vec<f32>) -> Result<Buf, TensorError> {
+        Ok(match self {
+            Dev::Cpu => Buf::Host(v),
+            Dev::Cuda(g) => Buf::Cuda(g.upload(&v)?),
+        })
+    }
+}
+
+fn bad_spec(spec: &str) -> TensorError {
+    TensorError::Config(format!("device `{spec}`: expected cpu, cuda or cuda:N"))
+}
+
+/// An `f32` buffer on a device.
+#[derive(Debug)]
+pub enum Buf {
+    Host(Vec<f32>),
+    Cuda(DevBuf<f32>),
+}
+
+/// A borrowed range of a [`Buf`].
+#[derive(Clone, Copy)]
+pub enum BufRef<'a> {
+    Host(&'a [f32]),
+    Cuda(DevSlice<'a, f32>),
+}
+
+/// A mutably borrowed range of a [`Buf`].
+pub enum BufMut<'a> {
+    Host(&'a mut [f32]),
+    Cuda(DevSliceMut<'a, f32>),
+}
+
+/// The error of host-only code given a device buffer.
+pub(crate) fn not_host(what: &str) -> TensorError {
+    TensorError::Device(format!(
+        "{what} runs on host buffers; this buffer is on the GPU (not built for the GPU yet)"
+    ))
+}
+
+impl Buf {
+    pub fn len(&self) -> usize {
+        match self {
+            Buf::Host(v) => v.len(),
+            Buf::Cuda(b) => b.len(),
+        }
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// Bytes held.
+    pub fn bytes(&self) -> usize {
+        4 * self.len()
+    }
+
+    pub fn is_cuda(&self) -> bool {
+        matches!(self, Buf::Cuda(_))
+    }
+
+    /// The device of the buffer.
+    pub fn dev(&self) -> Dev {
+        match self {
+            Buf::Host(_) => Dev::Cpu,
+            Buf::Cuda(b) => Dev::Cuda(b.gpu().clone()),
+        }
+    }
+
+    /// The whole buffer, borrowed.
+    pub fn r(&self) -> BufRef<'_> {
+        match self {
+            Buf::Host(v) => BufRef::Host(v),
+            Buf::Cuda(b) => BufRef::Cuda(b.as_slice()),
+        }
+    }
+
+    /// The whole buffer, mutably borrowed.
+    pub fn m(&mut self) -> BufMut<'_> {
+        match self {
+            Buf::Host(v) => BufMut::Host(v),
+            Buf::Cuda(b) => BufMut::Cuda(b.as_mut_slice()),
+        }
+    }
+
+    /// The host data (an error for a GPU buffer, naming `what` needed it).
+    pub fn as_host(&self, what: &str) -> Result<&[f32], TensorError> {
+        match self {
+            Buf::Host(v) => Ok(v),
+            Buf::Cuda(_) => Err(not_host(what)),
+        }
+    }
+
+    /// The host data, mutably (an error for a GPU buffer).
+    pub fn as_host_mut(&mut self, what: &str) -> Result<&mut [f32], TensorError> {
+        match self {
+            Buf::Host(v) => Ok(v),
+            Buf::Cuda(_) => Err(not_host(what)),
+        }
+    }
+
+    /// The host vector (an error for a GPU buffer).
+    pub fn into_host(self, what: &str) -> Result<Vec<f32>, TensorError> {
+        match self {
+            Buf::Host(v) => Ok(v),
+            Buf::Cuda(_) => Err(not_host(what)),
+        }
+    }
+
+    /// A host copy (downloaded from a GPU).
+    pub fn to_vec(&self) -> Result<Vec<f32>, TensorError> {
+        self.r().to_vec()
+    }
+
+    /// A copy on the same device.
+    pub fn try_clone(&self) -> Result<Buf, TensorError> {
+        Ok(match self {
+            Buf::Host(v) => Buf::Host(v.clone()),
+            Buf::Cuda(b) => {
+                let mut c = b.gpu().alloc::<f32>(b.len())?;
+                c.as_mut_slice().copy_from(b.as_slice())?;
+                Buf::Cuda(c)
+            }
+        })
+    }
+}
+
+impl From<Vec<f32>> for Buf {
+    fn from(v: Vec<f32>) -> Buf {
+        Buf::Host(v)
+    }
+}
+
+impl<'a> From<&'a Buf> for BufRef<'a> {
+    fn from(b: &'a Buf) -> BufRef<'a> {
+        b.r()
+    }
+}
+
+impl<'a> From<&'a [f32]> for BufRef<'a> {
+    fn from(s: &'a [f32]) -> BufRef<'a> {
+        BufRef::Host(s)
+    }
+}
+
+impl<'a> From<&'a Vec<f32>> for BufRef<'a> {
+    fn from(s: &'a Vec<f32>) -> BufRef<'a> {
+        BufRef::Host(s)
+    }
+}
+
+impl<'a> From<&'a mut [f32]> for BufMut<'a> {
+    fn from(s: &'a mut [f32]) -> BufMut<'a> {
+        BufMut::Host(s)
+    }
+}
+
+impl<'a> BufRef<'a> {
+    pub fn len(&self) -> usize {
+        match self {
+            BufRef::Host(s) => s.len(),
+            BufRef::Cuda(s) => s.len(),
+        }
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// The sub-range `r` (panics beyond the end, as slicing does).
+    pub fn slice(self, r: Range<usize>) -> BufRef<'a> {
+        match self {
+            BufRef::Host(s) => BufRef::Host(&s[r]),
+            BufRef::Cuda(s) => BufRef::Cuda(s.slice(r)),
+        }
+    }
+
+    /// The device of the range.
+    pub fn dev(&self) -> Dev {
+        match self {
+            BufRef::Host(_) => Dev::Cpu,
+            BufRef::Cuda(s) => Dev::Cuda(s.gpu().clone()),
+        }
+    }
+
+    /// The host data (an error for a GPU range).
+    pub fn as_host(self, what: &str) -> Result<&'a [f32], TensorError> {
+        match self {
+            BufRef::Host(s) => Ok(s),
+            BufRef::Cuda(_) => Err(not_host(what)),
+        }
+    }
+
+    /// A host copy (downloaded from a GPU).
+    pub fn to_vec(self) -> Result<Vec<f32>, TensorError> {
+        match self {
+            BufRef::Host(s) => Ok(s.to_vec()),
+            BufRef::Cuda(s) => Ok(s.to_host()?),
+        }
+    }
+
+    /// A new buffer holding a copy of the range, on its device.
+    pub fn to_buf(self) -> Result<Buf, TensorError> {
+        Ok(match self {
+            BufRef::Host(s) => Buf::Host(s.to_vec()),
+            BufRef::Cuda(s) => {
+                let mut c = s.gpu().alloc::<f32>(s.len())?;
+                c.as_mut_slice().copy_from(s)?;
+                Buf::Cuda(c)
+            }
+        })
+    }
+}
+
+impl<'a> BufMut<'a> {
+    pub fn len(&self) -> usize {
+        match self {
+            BufMut::Host(s) => s.len(),
+            BufMut::Cuda(s) => s.len(),
+        }
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// A shorter-lived mutable borrow of the same range.
+    pub fn reborrow(&mut self) -> BufMut<'_> {
+        match self {
+            BufMut::Host(s) => BufMut::Host(s),
+            BufMut::Cuda(s) => BufMut::Cuda(s.reborrow()),
+        }
+    }
+
+    /// A read-only borrow of the same range.
+    pub fn as_ref(&self) -> BufRef<'_> {
+        match self {
+            BufMut::Host(s) => BufRef::Host(s),
+            BufMut::Cuda(s) => BufRef::Cuda(s.as_ref()),
+        }
+    }
+
+    /// The sub-range `r` (panics beyond the end).
+    pub fn slice_mut(self, r: Range<usize>) -> BufMut<'a> {
+        match self {
+            BufMut::Host(s) => BufMut::Host(&mut s[r]),
+            BufMut::Cuda(s) => BufMut::Cuda(s.slice_mut(r)),
+        }
+    }
+
+    /// The host data (an error for a GPU range).
+    pub fn as_host(self, what: &str) -> Result<&'a mut [f32], TensorError> {
+        match self {
+            BufMut::Host(s) => Ok(s),
+            BufMut::Cuda(_) => Err(not_host(what)),
+        }
+    }
+
+    /// Overwrites the range with `src` (same length, same device).
+    pub fn copy_from(&mut self, src: BufRef<'_>) -> Result<(), TensorError> {
+        match (self, src) {
+            (BufMut::Host(d), BufRef::Host(s)) => {
+                crate::error::check_len("copy_from", s.len(), d.len())?;
+                d.copy_from_slice(s);
+                Ok(())
+            }
+            (BufMut::Cuda(d), BufRef::Cuda(s)) => Ok(d.copy_from(s)?),
+            _ => Err(mixed("copy_from")),
+        }
+    }
+
+    /// Sets every element to zero.
+    pub fn zero(&mut self) -> Result<(), TensorError> {
+        match self {
+            BufMut::Host(s) => {
+                s.fill(0.0);
+                Ok(())
+            }
+            BufMut::Cuda(s) => Ok(s.zero()?),
+        }
+    }
+}
+
+/// The error of an operation given buffers on different devices.
+pub(crate) fn mixed(what: &str) -> TensorError {
+    TensorError::Device(format!("{what}: buffers on different devices"))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn host_buffers_borrow_slice_and_refuse_nothing() {
+        let mut b = Buf::from(vec![1.0, 2.0, 3.0, 4.0]);
+        assert_eq!(b.r().slice(1..3).to_vec().unwrap(), vec![2.0, 3.0]);
+        b.m().slice_mut(0..2).zero().unwrap();
+        assert_eq!(b.as_host("test").unwrap(), &[0.0, 0.0, 3.0, 4.0]);
+        let mut c = Dev::Cpu.zeros(2).unwrap();
+        c.m().copy_from(b.r().slice(2..4)).unwrap();
+        assert_eq!(c.to_vec().unwrap(), vec![3.0, 4.0]);
+        assert!(c.m().copy_from(b.r()).is_err(), "lengths differ");
+    }
+
+    #[test]
+    fn device_specs_parse_or_are_clear_errors() {
+        assert!(matches!(Dev::open("cpu"), Ok(Dev::Cpu)));
+        for bad in ["gpu", "cuda:x", "cuda0", "tpu:1"] {
+            let e = Dev::open(bad).unwrap_err().to_string();
+            assert!(e.contains("expected cpu, cuda or cuda:N"), "{bad}: {e}");
+        }
+        // Without a GPU, asking for one names what is missing.
+        if crate::cuda::device_count().is_err() {
+            let e = Dev::open("cuda").unwrap_err().to_string();
+            assert!(e.contains("driver") || e.contains("GPU"), "{e}");
+        }
+    }
+}
