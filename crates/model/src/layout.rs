@@ -32,6 +32,14 @@ impl View {
     pub fn of_mut<'a>(&self, buf: &'a mut [f32]) -> &'a mut [f32] {
         &mut buf[self.range()]
     }
+    /// The range of `buf` this view covers, on the buffer's device.
+    pub fn at<'a>(&self, buf: tensor::buf::BufRef<'a>) -> tensor::buf::BufRef<'a> {
+        buf.slice(self.range())
+    }
+    /// The mutable range of `buf` this view covers, on the buffer's device.
+    pub fn at_mut<'a>(&self, buf: tensor::buf::BufMut<'a>) -> tensor::buf::BufMut<'a> {
+        buf.slice_mut(self.range())
+    }
     /// The same view shifted by `-base` (absolute offset -> offset relative to a range start).
     pub fn relative_to(&self, base: usize) -> View {
         View {

@@ -16,7 +16,7 @@ use crate::layers::block::{Block, BlockCache, Ffn};
 use crate::layers::head::{Head, HeadCache, HeadWeightGrad};
 use crate::layers::mlp::SwiGlu;
 use crate::layers::moe::Moe;
-use crate::layers::{Act, Pass, Recompute, WeightGradStore};
+use crate::layers::{Act, Buf, BufMut, BufRef, Pass, Recompute, WeightGradStore};
 use crate::layout::{ParamLayout, View};
 use crate::profile::{time, Kernel};
 
@@ -306,74 +306,86 @@ impl Model {
         Ok(())
     }
 
-    /// Embedding lookup: `p_embed` is the embedding range, output `[tokens, hidden]`.
-    pub fn embed_forward(&self, p_embed: &[f32], ids: &[u32]) -> Result<Vec<f32>> {
+    /// Embedding lookup: `p_embed` is the embedding range, output `[tokens, hidden]` on its
+    /// device.
+    pub fn embed_forward<'a1>(&self, p_embed: impl Into<BufRef<'a1>>, ids: &[u32]) -> Result<Buf> {
+        let p_embed: BufRef<'_> = p_embed.into();
         self.check_ids(ids)?;
         let h = self.cfg.hidden_size;
-        let mut x = vec![0.0; ids.len() * h];
-        time(Kernel::Embedding, || {
-            tensor::embedding::embedding_forward(ids, p_embed, h, &mut x)
-        })?;
-        Ok(x)
+        Ok(time(Kernel::Embedding, || {
+            tensor::ops::embedding_forward(ids, p_embed, h, None)
+        })?)
     }
 
     /// Embedding backward: scatter-add `dx` into the embedding-range gradient `g_embed`.
-    pub fn embed_backward(&self, g_embed: &mut [f32], ids: &[u32], dx: &[f32]) -> Result<()> {
+    pub fn embed_backward<'a1, 'a2>(
+        &self,
+        g_embed: impl Into<BufMut<'a2>>,
+        ids: &[u32],
+        dx: impl Into<BufRef<'a1>>,
+    ) -> Result<()> {
+        let g_embed: BufMut<'_> = g_embed.into();
+        let dx: BufRef<'_> = dx.into();
         time(Kernel::Embedding, || {
-            tensor::embedding::embedding_backward(ids, dx, self.cfg.hidden_size, g_embed)
+            tensor::ops::embedding_backward(ids, dx, self.cfg.hidden_size, None, g_embed)
         })?;
         Ok(())
     }
 
     /// Forward of block `i` with its parameter range `p_block`.
-    pub fn block_forward(
+    pub fn block_forward<'a1>(
         &self,
         i: usize,
-        p_block: &[f32],
+        p_block: impl Into<BufRef<'a1>>,
         x: Act,
         pass: &Pass,
-    ) -> Result<(Vec<f32>, BlockCache)> {
+    ) -> Result<(Buf, BlockCache)> {
+        let p_block: BufRef<'_> = p_block.into();
         self.blocks[i].forward(p_block, x, pass)
     }
 
     /// Input gradient of block `i`; its weight gradients stay in the returned store.
-    pub fn block_backward_input(
+    pub fn block_backward_input<'a1>(
         &self,
         i: usize,
-        p_block: &[f32],
+        p_block: impl Into<BufRef<'a1>>,
         cache: BlockCache,
-        dy: Vec<f32>,
-    ) -> Result<(Vec<f32>, WeightGradStore)> {
+        dy: Buf,
+    ) -> Result<(Buf, WeightGradStore)> {
+        let p_block: BufRef<'_> = p_block.into();
         self.blocks[i].backward_input(p_block, cache, dy)
     }
 
     /// Weight gradients of block `i`, accumulated into its gradient range `g_block`.
-    pub fn block_backward_weight(
+    pub fn block_backward_weight<'a1>(
         &self,
         i: usize,
         store: WeightGradStore,
-        g_block: &mut [f32],
+        g_block: impl Into<BufMut<'a1>>,
     ) -> Result<()> {
+        let g_block: BufMut<'_> = g_block.into();
         self.blocks[i].backward_weight(store, g_block)
     }
 
     /// The LM-head weight: `lm_head.weight` inside the head range, or the tied embedding.
-    fn lm<'a>(&self, p_head: &'a [f32], p_embed: &'a [f32]) -> &'a [f32] {
+    fn lm<'a>(&self, p_head: BufRef<'a>, p_embed: BufRef<'a>) -> BufRef<'a> {
         match &self.lm_head {
-            Some(v) => v.of(p_head),
+            Some(v) => v.at(p_head),
             None => p_embed,
         }
     }
 
     /// Final norm + LM head + CE forward. `p_embed` is only read when embeddings are tied
-    /// (pass `&[]` otherwise).
-    pub fn head_forward(
+    /// (pass an empty range otherwise).
+    pub fn head_forward<'a1, 'a2>(
         &self,
-        p_head: &[f32],
-        p_embed: &[f32],
+        p_head: impl Into<BufRef<'a1>>,
+        p_embed: impl Into<BufRef<'a2>>,
         x: Act,
         targets: Arc<Vec<i64>>,
     ) -> Result<HeadCache> {
+        let p_head: BufRef<'_> = p_head.into();
+        let p_embed: BufRef<'_> = p_embed.into();
         self.head
             .forward(p_head, self.lm(p_head, p_embed), x, targets)
     }
@@ -382,14 +394,16 @@ impl Model {
     /// `grad_scale · loss_sum` in the same pass over the logits (see `layers::head`);
     /// [`Model::head_backward`] / [`Model::head_backward_input`] called with the same scale
     /// then reuse them instead of recomputing the logits.
-    pub fn head_forward_with_grad(
+    pub fn head_forward_with_grad<'a1, 'a2>(
         &self,
-        p_head: &[f32],
-        p_embed: &[f32],
+        p_head: impl Into<BufRef<'a1>>,
+        p_embed: impl Into<BufRef<'a2>>,
         x: Act,
         targets: Arc<Vec<i64>>,
         grad_scale: f32,
     ) -> Result<HeadCache> {
+        let p_head: BufRef<'_> = p_head.into();
+        let p_embed: BufRef<'_> = p_embed.into();
         self.head
             .forward_with_grad(p_head, self.lm(p_head, p_embed), x, targets, grad_scale)
     }
@@ -397,68 +411,66 @@ impl Model {
     /// Head backward for `grad_scale · loss_sum` (use `loss_scale / n_valid` for a mean):
     /// returns `dx`, accumulates the norm and LM-head gradients into `g_head` (and into
     /// `g_embed` when embeddings are tied).
-    pub fn head_backward(
+    pub fn head_backward<'a1, 'a2, 'a3>(
         &self,
-        p_head: &[f32],
-        p_embed: &[f32],
-        g_head: &mut [f32],
-        g_embed: Option<&mut [f32]>,
+        p_head: impl Into<BufRef<'a1>>,
+        p_embed: impl Into<BufRef<'a2>>,
+        g_head: impl Into<BufMut<'a3>>,
+        g_embed: Option<BufMut<'_>>,
         cache: HeadCache,
         grad_scale: f32,
-    ) -> Result<Vec<f32>> {
+    ) -> Result<Buf> {
+        let p_head: BufRef<'_> = p_head.into();
+        let p_embed: BufRef<'_> = p_embed.into();
+        let g_head: BufMut<'_> = g_head.into();
         let lm = self.lm(p_head, p_embed);
-        let h = self.cfg.hidden_size;
-        let (g_norm, g_rest) = g_head.split_at_mut(h);
-        let g_lm: &mut [f32] = match (&self.lm_head, g_embed) {
-            (Some(v), _) => &mut g_rest[v.offset - h..v.offset - h + v.numel()],
-            (None, Some(g)) => g,
-            (None, None) => {
-                return Err(ModelError::InvalidBatch(
-                    "tied embeddings: the head backward needs the embedding gradient".into(),
-                ))
-            }
-        };
+        let (g_norm, g_lm) = self.split_head_grads(g_head, g_embed)?;
         self.head
             .backward(p_head, lm, cache, grad_scale, g_norm, g_lm)
     }
 
     /// Head input gradient only (zero-bubble `B` for the last stage); the norm and LM-head
     /// weight gradients are deferred to [`Model::head_backward_weight`].
-    pub fn head_backward_input(
+    pub fn head_backward_input<'a1, 'a2>(
         &self,
-        p_head: &[f32],
-        p_embed: &[f32],
+        p_head: impl Into<BufRef<'a1>>,
+        p_embed: impl Into<BufRef<'a2>>,
         cache: HeadCache,
         grad_scale: f32,
-    ) -> Result<(Vec<f32>, HeadWeightGrad)> {
+    ) -> Result<(Buf, HeadWeightGrad)> {
+        let p_head: BufRef<'_> = p_head.into();
+        let p_embed: BufRef<'_> = p_embed.into();
         self.head
             .backward_input(p_head, self.lm(p_head, p_embed), cache, grad_scale)
     }
 
     /// Deferred head weight gradients, accumulated like [`Model::head_backward`].
-    pub fn head_backward_weight(
+    pub fn head_backward_weight<'a1, 'a2, 'a3>(
         &self,
-        p_head: &[f32],
-        p_embed: &[f32],
-        g_head: &mut [f32],
-        g_embed: Option<&mut [f32]>,
+        p_head: impl Into<BufRef<'a1>>,
+        p_embed: impl Into<BufRef<'a2>>,
+        g_head: impl Into<BufMut<'a3>>,
+        g_embed: Option<BufMut<'_>>,
         pending: HeadWeightGrad,
     ) -> Result<()> {
+        let p_head: BufRef<'_> = p_head.into();
+        let p_embed: BufRef<'_> = p_embed.into();
+        let g_head: BufMut<'_> = g_head.into();
         let lm = self.lm(p_head, p_embed);
         let (g_norm, g_lm) = self.split_head_grads(g_head, g_embed)?;
         self.head.backward_weight(lm, pending, g_norm, g_lm)
     }
 
-    /// The norm-gain and LM-head gradient slices for the head.
+    /// The norm-gain and LM-head gradient ranges for the head.
     fn split_head_grads<'a>(
         &self,
-        g_head: &'a mut [f32],
-        g_embed: Option<&'a mut [f32]>,
-    ) -> Result<(&'a mut [f32], &'a mut [f32])> {
+        g_head: BufMut<'a>,
+        g_embed: Option<BufMut<'a>>,
+    ) -> Result<(BufMut<'a>, BufMut<'a>)> {
         let h = self.cfg.hidden_size;
         let (g_norm, g_rest) = g_head.split_at_mut(h);
-        let g_lm: &mut [f32] = match (&self.lm_head, g_embed) {
-            (Some(v), _) => &mut g_rest[v.offset - h..v.offset - h + v.numel()],
+        let g_lm = match (&self.lm_head, g_embed) {
+            (Some(v), _) => g_rest.slice_mut(v.offset - h..v.offset - h + v.numel()),
             (None, Some(g)) => g,
             (None, None) => {
                 return Err(ModelError::InvalidBatch(
@@ -469,14 +481,16 @@ impl Model {
         Ok((g_norm, g_lm))
     }
 
-    /// Full logits `[batch·seq, vocab]` for token ids `[batch, seq]` (no gradient).
-    pub fn logits(
+    /// Full logits `[batch·seq, vocab]` for token ids `[batch, seq]` (no gradient), on the
+    /// host whatever the device of `params`.
+    pub fn logits<'a>(
         &self,
-        params: &[f32],
+        params: impl Into<BufRef<'a>>,
         ids: &[u32],
         batch: usize,
         seq: usize,
     ) -> Result<Vec<f32>> {
+        let params = params.into();
         self.check_len("params", params.len())?;
         if ids.len() != batch * seq {
             return Err(ModelError::InvalidBatch(format!(
@@ -486,37 +500,37 @@ impl Model {
             )));
         }
         let pass = Pass::new(batch, seq);
-        let mut x = self.embed_forward(&params[self.layout.embed_range()], ids)?;
+        let mut x = self.embed_forward(params.slice(self.layout.embed_range()), ids)?;
         for (i, b) in self.blocks.iter().enumerate() {
             x = b
-                .forward(&params[self.layout.block_range(i)], Arc::new(x), &pass)?
+                .forward(params.slice(self.layout.block_range(i)), Arc::new(x), &pass)?
                 .0;
         }
-        let ph = &params[self.layout.head_range()];
-        self.head
-            .logits(ph, self.lm(ph, &params[self.layout.embed_range()]), &x)
+        let ph = params.slice(self.layout.head_range());
+        let pe = params.slice(self.layout.embed_range());
+        Ok(self.head.logits(ph, self.lm(ph, pe), x.r())?.to_vec()?)
     }
 
     /// Forward through every layer; with `loss_scale`, the head also computes its gradients
     /// of `loss_scale ×` the mean loss ([`Model::head_forward_with_grad`]).
     fn forward_all(
         &self,
-        params: &[f32],
+        params: BufRef<'_>,
         batch: &Batch,
         pass: &Pass,
         loss_scale: Option<f32>,
     ) -> Result<(Vec<BlockCache>, HeadCache)> {
         self.check_len("params", params.len())?;
-        let mut x = self.embed_forward(&params[self.layout.embed_range()], &batch.inputs)?;
+        let mut x = self.embed_forward(params.slice(self.layout.embed_range()), &batch.inputs)?;
         let mut caches = Vec::with_capacity(self.blocks.len());
         for (i, b) in self.blocks.iter().enumerate() {
-            let (y, c) = b.forward(&params[self.layout.block_range(i)], Arc::new(x), pass)?;
+            let (y, c) = b.forward(params.slice(self.layout.block_range(i)), Arc::new(x), pass)?;
             caches.push(c);
             x = y;
         }
         let (ph, pe) = (
-            &params[self.layout.head_range()],
-            &params[self.layout.embed_range()],
+            params.slice(self.layout.head_range()),
+            params.slice(self.layout.embed_range()),
         );
         let (x, targets) = (Arc::new(x), Arc::new(batch.targets.clone()));
         let head = match loss_scale {
@@ -544,25 +558,31 @@ impl Model {
         }
     }
 
-    /// Forward only: the losses of `batch`.
-    pub fn forward_loss(&self, params: &[f32], batch: &Batch) -> Result<LossReport> {
+    /// Forward only: the losses of `batch` (parameters on the host or a GPU).
+    pub fn forward_loss<'a>(
+        &self,
+        params: impl Into<BufRef<'a>>,
+        batch: &Batch,
+    ) -> Result<LossReport> {
         let pass = Pass::new(batch.batch, batch.seq);
-        let (caches, head) = self.forward_all(params, batch, &pass, None)?;
+        let (caches, head) = self.forward_all(params.into(), batch, &pass, None)?;
         Ok(Self::report(&caches, &head))
     }
 
     /// Forward and backward of one micro-batch: gradients of `loss_scale · (ce + aux)` are
-    /// accumulated (`+=`) into `grads`. `on_grads_ready(range)` is called as soon as the
-    /// gradients of a parameter range are final for this micro-batch: the head range, then
-    /// blocks from last to first, then the embedding (DDP launches bucket reductions there).
-    pub fn forward_backward(
+    /// accumulated (`+=`) into `grads` (on the device of `params`). `on_grads_ready(range)` is
+    /// called as soon as the gradients of a parameter range are final for this micro-batch:
+    /// the head range, then blocks from last to first, then the embedding (DDP launches
+    /// bucket reductions there).
+    pub fn forward_backward<'a, 'b>(
         &self,
-        params: &[f32],
-        grads: &mut [f32],
+        params: impl Into<BufRef<'a>>,
+        grads: impl Into<BufMut<'b>>,
         batch: &Batch,
         opts: &StepOptions,
         on_grads_ready: &mut dyn FnMut(Range<usize>),
     ) -> Result<LossReport> {
+        let (params, grads) = (params.into(), grads.into());
         self.check_len("grads", grads.len())?;
         let mut pass = Pass::new(batch.batch, batch.seq).with_recompute(opts.recompute);
         pass.loss_scale = opts.loss_scale;
@@ -577,25 +597,25 @@ impl Model {
         };
         let (er, hr) = (self.layout.embed_range(), self.layout.head_range());
         // Embedding range comes first in the layout, the head range last.
-        let (g_embed, g_rest) = grads.split_at_mut(er.end);
-        let (g_mid, g_head) = g_rest.split_at_mut(hr.start - er.end);
+        let (mut g_embed, g_rest) = grads.split_at_mut(er.end);
+        let (mut g_mid, g_head) = g_rest.split_at_mut(hr.start - er.end);
         let tied = self.lm_head.is_none();
         let mut dx = self.head_backward(
-            &params[hr.clone()],
-            &params[er.clone()],
+            params.slice(hr.clone()),
+            params.slice(er.clone()),
             g_head,
-            tied.then_some(&mut *g_embed),
+            tied.then(|| g_embed.reborrow()),
             head,
             scale,
         )?;
         on_grads_ready(hr);
         for (i, cache) in caches.into_iter().enumerate().rev() {
             let r = self.layout.block_range(i);
-            let g = &mut g_mid[r.start - er.end..r.end - er.end];
-            dx = self.blocks[i].backward(&params[r.clone()], g, cache, dx)?;
+            let g = g_mid.reborrow().slice_mut(r.start - er.end..r.end - er.end);
+            dx = self.blocks[i].backward(params.slice(r.clone()), g, cache, dx)?;
             on_grads_ready(r);
         }
-        self.embed_backward(g_embed, &batch.inputs, &dx)?;
+        self.embed_backward(g_embed, &batch.inputs, dx.r())?;
         on_grads_ready(er);
         Ok(report)
     }

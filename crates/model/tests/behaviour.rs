@@ -516,12 +516,17 @@ fn position_offset_is_relative() {
     let x: Vec<f32> = (0..pass.tokens() * 32)
         .map(|_| r.next_normal() as f32)
         .collect();
-    let (y0, _) = m.block_forward(0, pb, Arc::new(x.clone()), &pass).unwrap();
+    let (y0, _) = m
+        .block_forward(0, pb, Arc::new(x.clone().into()), &pass)
+        .unwrap();
     let shifted = Pass {
         part: model::layers::SeqPart::Offset(7),
         ..pass
     };
-    let (y1, _) = m.block_forward(0, pb, Arc::new(x), &shifted).unwrap();
+    let (y1, _) = m
+        .block_forward(0, pb, Arc::new(x.into()), &shifted)
+        .unwrap();
+    let (y0, y1) = (y0.to_vec().unwrap(), y1.to_vec().unwrap());
     let err = y0
         .iter()
         .zip(&y1)
@@ -541,7 +546,7 @@ fn block_cache_bytes_count_every_saved_buffer() {
     let t = b * s;
     let (h, f, d) = (16, 24, 4);
     let pb = &p[m.layout.block_range(0)];
-    let x = Arc::new(vec![0.1f32; t * h]);
+    let x = Arc::new(model::layers::Buf::Host(vec![0.1f32; t * h]));
     let (_, full) = m.block_forward(0, pb, x.clone(), &Pass::new(b, s)).unwrap();
     let want = 4 * (4 * t * h + 2 * t + 2 * t * 4 * d + 2 * t * 2 * d + b * 4 * s + 3 * t * f);
     assert_eq!(full.bytes(), want);

@@ -21,6 +21,10 @@ fn randn(n: usize, seed: u64, std: f32) -> Vec<f32> {
     (0..n).map(|_| (r.next_normal() as f32) * std).collect()
 }
 
+fn host(b: model::layers::Buf) -> Vec<f32> {
+    b.into_host("test").unwrap()
+}
+
 fn dot(a: &[f32], b: &[f32]) -> f64 {
     a.iter().zip(b).map(|(x, y)| *x as f64 * *y as f64).sum()
 }
@@ -142,15 +146,15 @@ fn attention_layer() {
     let (m, params, pass, x, r) = block_setup(false);
     let p = &params[m.layout.block_range(0)];
     let a = &m.blocks[0].attn;
-    let fwd = |pp: &[f32], xx: &[f32]| (a.forward(pp, xx, &pass).unwrap().0, 0.0, vec![]);
+    let fwd = |pp: &[f32], xx: &[f32]| (host(a.forward(pp, xx, &pass).unwrap().0), 0.0, vec![]);
     let (_, cache) = a.forward(p, &x, &pass).unwrap();
     let mut store = WeightGradStore::new();
     let dx = a
         .backward_input(
             p,
-            &Arc::new(x.clone()),
+            &Arc::new(x.clone().into()),
             cache,
-            Arc::new(r.clone()),
+            Arc::new(r.clone().into()),
             &pass,
             &mut store,
         )
@@ -163,7 +167,7 @@ fn attention_layer() {
         ("wv", a.wv.clone()),
         ("wo", a.wo.clone()),
     ];
-    check_layer("attention", &fwd, p, &x, &r, &dx, &g, &views);
+    check_layer("attention", &fwd, p, &x, &r, &host(dx), &g, &views);
 }
 
 #[test]
@@ -173,15 +177,15 @@ fn mlp_layer() {
     let Ffn::Dense(mlp) = &m.blocks[1].ffn else {
         panic!("dense")
     };
-    let fwd = |pp: &[f32], xx: &[f32]| (mlp.forward(pp, xx, true).unwrap().0, 0.0, vec![]);
+    let fwd = |pp: &[f32], xx: &[f32]| (host(mlp.forward(pp, xx, true).unwrap().0), 0.0, vec![]);
     let (_, cache) = mlp.forward(p, &x, true).unwrap();
     let mut store = WeightGradStore::new();
     let dx = mlp
         .backward_input(
             p,
-            &Arc::new(x.clone()),
+            &Arc::new(x.clone().into()),
             cache,
-            Arc::new(r.clone()),
+            Arc::new(r.clone().into()),
             &mut store,
         )
         .unwrap();
@@ -192,7 +196,7 @@ fn mlp_layer() {
         ("up", mlp.up.clone()),
         ("down", mlp.down.clone()),
     ];
-    check_layer("mlp", &fwd, p, &x, &r, &dx, &g, &views);
+    check_layer("mlp", &fwd, p, &x, &r, &host(dx), &g, &views);
 }
 
 fn moe_check(capacity: Option<f32>) {
@@ -220,9 +224,9 @@ fn moe_check(capacity: Option<f32>) {
     let dx = moe
         .backward_input(
             p,
-            &Arc::new(x.clone()),
+            &Arc::new(x.clone().into()),
             cache,
-            Arc::new(r.clone()),
+            Arc::new(r.clone().into()),
             &pass,
             &mut store,
         )
@@ -263,13 +267,13 @@ fn block_check(moe: bool) {
     let p = &params[range.clone()];
     let b = &m.blocks[0];
     let fwd = |pp: &[f32], xx: &[f32]| {
-        let (y, c) = b.forward(pp, Arc::new(xx.to_vec()), &pass).unwrap();
+        let (y, c) = b.forward(pp, Arc::new(xx.to_vec().into()), &pass).unwrap();
         let key = c.routing().map(route_key).unwrap_or_default();
-        (y, c.aux_loss() as f64, key)
+        (host(y), c.aux_loss() as f64, key)
     };
-    let (_, cache) = b.forward(p, Arc::new(x.clone()), &pass).unwrap();
+    let (_, cache) = b.forward(p, Arc::new(x.clone().into()), &pass).unwrap();
     let mut g = vec![0.0; p.len()];
-    let dx = b.backward(p, &mut g, cache, r.clone()).unwrap();
+    let dx = host(b.backward(p, &mut g, cache, r.clone().into()).unwrap());
     let views: Vec<(&str, View)> = m
         .layout
         .entries_in(range.clone())

@@ -123,11 +123,14 @@ fn tensor_parallel_block_matches_single_device() {
     let fr = full.layout.block_range(0);
     let pf = &params[fr.clone()];
     let (y_ref, cache) = full.blocks[0]
-        .forward(pf, Arc::new(x.clone()), &pass)
+        .forward(pf, Arc::new(x.clone().into()), &pass)
         .unwrap();
+    let y_ref = y_ref.to_vec().unwrap();
     let mut g_ref = vec![0.0; fr.len()];
     let dx_ref = full.blocks[0]
-        .backward(pf, &mut g_ref, cache, dy.clone())
+        .backward(pf, &mut g_ref, cache, dy.clone().into())
+        .unwrap()
+        .to_vec()
         .unwrap();
     let mut g_full = vec![0.0; params.len()];
     g_full[fr.clone()].copy_from_slice(&g_ref);
@@ -145,10 +148,12 @@ fn tensor_parallel_block_matches_single_device() {
                     let p = shard(full, local, params, r);
                     let mut block = local.blocks[0].clone();
                     block.hooks = Some(Arc::new(TpHooks { group, rank: r }));
-                    let (y, c) = block.forward(&p, Arc::new(x.clone()), &pass).unwrap();
+                    let (y, c) = block
+                        .forward(&p, Arc::new(x.clone().into()), &pass)
+                        .unwrap();
                     let mut g = vec![0.0; p.len()];
-                    let dx = block.backward(&p, &mut g, c, dy.clone()).unwrap();
-                    (y, dx, g)
+                    let dx = block.backward(&p, &mut g, c, dy.clone().into()).unwrap();
+                    (y.to_vec().unwrap(), dx.to_vec().unwrap(), g)
                 })
             })
             .collect();

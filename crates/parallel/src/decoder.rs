@@ -23,7 +23,7 @@ use std::sync::Arc;
 use comm::ProcessGroup;
 use model::layers::block::BlockCache;
 use model::layers::head::{HeadCache, HeadWeightGrad};
-use model::layers::{Pass, Recompute, WeightGradStore};
+use model::layers::{Buf, Pass, Recompute, WeightGradStore};
 use model::{Batch, Model, ModelConfig};
 
 use crate::context_parallel::CpLayout;
@@ -36,7 +36,7 @@ use crate::ParallelError;
 
 /// Activations between units, with the auxiliary loss accumulated so far.
 pub struct LlmAct {
-    pub x: Vec<f32>,
+    pub x: Buf,
     pub aux: f32,
 }
 
@@ -56,7 +56,7 @@ pub enum DecoderWeightGrad {
     /// The embedding's scatter-add of its output gradient.
     Embed {
         ids: Vec<u32>,
-        dx: Vec<f32>,
+        dx: Buf,
     },
     Block(WeightGradStore),
     Head(HeadWeightGrad),
@@ -425,7 +425,7 @@ impl StageModel for DecoderStage {
                 let x = match &self.tp {
                     Some(t) => {
                         t.plan.check_seq(batch.seq)?;
-                        t.embed.forward(p, &batch.inputs).map_err(merr)?
+                        Buf::Host(t.embed.forward(p, &batch.inputs).map_err(merr)?)
                     }
                     None => self.local.embed_forward(p, &batch.inputs).map_err(merr)?,
                 };
@@ -483,11 +483,12 @@ impl StageModel for DecoderStage {
                         )
                         .map_err(|e| ParallelError::Model(e.to_string()))?;
                         let n = self.mean_count(full, local_valid)?;
+                        let none: &[f32] = &[];
                         let c = if scale == 0.0 || !self.early_head_grads {
-                            self.local.head_forward(p, &[], x, targets)
+                            self.local.head_forward(p, none, x, targets)
                         } else {
                             let s = grad_scale(scale * mult, n);
-                            self.local.head_forward_with_grad(p, &[], x, targets, s)
+                            self.local.head_forward_with_grad(p, none, x, targets, s)
                         }
                         .map_err(merr)?;
                         let ce = mean(c.loss_sum, n) * mult;
@@ -511,7 +512,7 @@ impl StageModel for DecoderStage {
                 };
                 Ok((
                     LlmAct {
-                        x: vec![ce + aux],
+                        x: Buf::Host(vec![ce + aux]),
                         aux,
                     },
                     cache,
@@ -532,7 +533,7 @@ impl StageModel for DecoderStage {
             dy.map(|a| a.x)
                 .ok_or_else(|| ParallelError::Model(format!("unit {unit} backward needs dY")))
         };
-        let act = |x: Vec<f32>| Some(LlmAct { x, aux: 0.0 });
+        let act = |x: Buf| Some(LlmAct { x, aux: 0.0 });
         match cache {
             DecoderCache::Embed(ids) => Ok((None, DecoderWeightGrad::Embed { ids, dx: need(dy)? })),
             DecoderCache::Block(c) => {
@@ -548,7 +549,11 @@ impl StageModel for DecoderStage {
             DecoderCache::Head(c, _, n) => {
                 // d(mean CE)/d(loss_sum) = 1/n_valid, times the micro-batch's weight (and cp).
                 let s = grad_scale(scale * self.cp_mult(), n);
-                let (dx, pending) = self.local.head_backward_input(p, &[], c, s).map_err(merr)?;
+                let none: &[f32] = &[];
+                let (dx, pending) = self
+                    .local
+                    .head_backward_input(p, none, c, s)
+                    .map_err(merr)?;
                 Ok((act(dx), DecoderWeightGrad::Head(pending)))
             }
             DecoderCache::TpHead(c, n) => {
@@ -559,7 +564,7 @@ impl StageModel for DecoderStage {
                 let s = grad_scale(scale * self.cp_mult(), n);
                 let mut gu = vec![0.0; p.len()];
                 let dx = t.head.backward(p, &mut gu, c, s).map_err(merr)?;
-                Ok((act(dx), DecoderWeightGrad::Dense(gu)))
+                Ok((act(Buf::Host(dx)), DecoderWeightGrad::Dense(gu)))
             }
         }
     }
@@ -573,8 +578,11 @@ impl StageModel for DecoderStage {
     ) -> Result<(), ParallelError> {
         match pending {
             DecoderWeightGrad::Embed { ids, dx } => match &self.tp {
-                Some(t) => t.embed.backward(g, &ids, dx).map_err(merr),
-                None => self.local.embed_backward(g, &ids, &dx).map_err(merr),
+                Some(t) => t
+                    .embed
+                    .backward(g, &ids, dx.into_host(TP).map_err(terr)?)
+                    .map_err(merr),
+                None => self.local.embed_backward(g, &ids, dx.r()).map_err(merr),
             },
             DecoderWeightGrad::Block(store) => {
                 if self.partial[unit] {
@@ -585,16 +593,19 @@ impl StageModel for DecoderStage {
                     store.apply(g).map_err(merr)
                 }
             }
-            DecoderWeightGrad::Head(w) => self
-                .local
-                .head_backward_weight(p, &[], g, None, w)
-                .map_err(merr),
+            DecoderWeightGrad::Head(w) => {
+                let none: &[f32] = &[];
+                self.local
+                    .head_backward_weight(p, none, g, None, w)
+                    .map_err(merr)
+            }
             DecoderWeightGrad::Dense(gu) => self.add_synced(unit, gu, g),
         }
     }
 
     fn loss(&self, out: &LlmAct) -> f32 {
-        out.x[0]
+        // The head's output is one host scalar (the loss), whatever the device.
+        out.x.as_host("the loss").map_or(f32::NAN, |v| v[0])
     }
 
     fn eval_metric(&self, out: &LlmAct, last: &DecoderCache) -> Result<f32, ParallelError> {
@@ -603,7 +614,7 @@ impl StageModel for DecoderStage {
         let ce = match last {
             DecoderCache::Head(_, ce, _) => *ce,
             DecoderCache::TpHead(c, n) => mean(c.loss_sum, *n) * self.cp_mult(),
-            _ => out.x[0] - out.aux,
+            _ => self.loss(out) - out.aux,
         };
         match &self.seqs {
             Some(g) => {
@@ -714,19 +725,34 @@ impl StageModel for DecoderStage {
     }
 
     fn act_to_wire(&self, act: LlmAct) -> Vec<f32> {
-        let mut v = act.x;
+        // Pipeline messages travel through host transports (device buffers are copied out).
+        let mut v = match act.x {
+            Buf::Host(v) => v,
+            cuda => cuda.to_vec().unwrap_or_default(),
+        };
         v.push(act.aux);
         v
     }
 
     fn wire_to_act(&self, mut wire: Vec<f32>) -> LlmAct {
         let aux = wire.pop().unwrap_or(0.0);
-        LlmAct { x: wire, aux }
+        LlmAct {
+            x: Buf::Host(wire),
+            aux,
+        }
     }
 
     fn wire_len(&self, batch: &Batch) -> usize {
         self.local_tokens(batch) * self.cfg.hidden_size + 1
     }
+}
+
+/// What the tensor-parallel parts need host buffers for (on the GPU they are not built yet).
+const TP: &str = "tensor parallelism";
+
+/// A tensor error as this crate's.
+fn terr(e: tensor::TensorError) -> ParallelError {
+    ParallelError::Model(e.to_string())
 }
 
 /// Mean loss over `n` valid targets (0 when none).

@@ -4,6 +4,7 @@
 //! sum of the single-process layer's over every rank's tokens — for random (uneven) loads and
 //! for a router that sends every token to experts 0 and 1, which leaves the other ranks'
 //! experts empty. Also the bytes each rank sends per layer, from the communicator's statistics.
+use model::layers::Buf;
 use std::sync::Arc;
 
 use comm::OpKind;
@@ -82,8 +83,8 @@ fn run(ep: usize, skewed: bool) -> (Vec<Out>, Vec<Vec<f32>>, Model, Vec<f32>) {
         m.exchange = Some(Arc::new(EpExchange(group.clone())));
         let p = &lp[local.layout.block_range(0)];
         let pass = Pass::new(1, T);
-        let xr = Arc::new(x(r));
-        let (y, cache) = m.forward(p, &xr, &pass).unwrap();
+        let xr = Arc::new(Buf::Host(x(r)));
+        let (y, cache) = m.forward(p, xr.as_host("test").unwrap(), &pass).unwrap();
         let rows_out: usize = (0..8)
             .filter(|&e| e / (8 / ep) != r)
             .map(|e| cache.routing.assigned[e].len())
@@ -100,7 +101,7 @@ fn run(ep: usize, skewed: bool) -> (Vec<Out>, Vec<Vec<f32>>, Model, Vec<f32>) {
             .sum();
         let mut store = WeightGradStore::new();
         let dx = m
-            .backward_input(p, &xr, cache, Arc::new(dy(r)), &pass, &mut store)
+            .backward_input(p, &xr, cache, Arc::new(Buf::Host(dy(r))), &pass, &mut store)
             .unwrap();
         let mut g = vec![0.0; p.len()];
         store.apply(&mut g).unwrap();
@@ -138,13 +139,13 @@ fn check(ep: usize, skewed: bool) {
     let down = lay("model.layers.0.mlp.experts.down_proj");
     let router = lay("model.layers.0.mlp.gate.weight");
     for (r, o) in outs.iter().enumerate() {
-        let xr = Arc::new(xs[r].clone());
-        let (y, cache) = m.forward(p, &xr, &pass).unwrap();
+        let xr = Arc::new(Buf::Host(xs[r].clone()));
+        let (y, cache) = m.forward(p, xr.as_host("test").unwrap(), &pass).unwrap();
         assert!(rel_err(&o.y, &y) < 1e-6, "{what} rank {r}: output");
         let mut store = WeightGradStore::new();
         let dy = rand(T * cfg.hidden_size, 100 + r as u64);
         let dx = m
-            .backward_input(p, &xr, cache, Arc::new(dy), &pass, &mut store)
+            .backward_input(p, &xr, cache, Arc::new(Buf::Host(dy)), &pass, &mut store)
             .unwrap();
         assert!(
             rel_err(&o.dx, &dx) < 1e-6,

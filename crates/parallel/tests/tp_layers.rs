@@ -4,6 +4,7 @@
 //! KV heads replicated when tp > kv heads), a MoE block (router replicated, experts split),
 //! and the vocab-parallel embedding + fused LM head / cross-entropy. Gradients are compared
 //! after the partial-gradient sync, gathered back to the full layout.
+use model::layers::{Buf, BufRef};
 use std::sync::Arc;
 
 use comm::testing::run_threads;
@@ -118,18 +119,22 @@ fn check_block_with(cfg: &ModelConfig, tp: usize, sp: bool, recompute: Recompute
     let (t, fr) = (pass.tokens(), full.layout.block_range(0));
     let x = randn(t * h, 5);
     let dy = randn(t * h, 6);
+    let host = |b: Buf| b.into_host("test").unwrap();
     let (y_ref, cache) = full.blocks[0]
-        .forward(&params[fr.clone()], Arc::new(x.clone()), &pass)
+        .forward(&params[fr.clone()], Arc::new(Buf::Host(x.clone())), &pass)
         .unwrap();
+    let y_ref = host(y_ref);
     let mut g_ref = vec![0.0; params.len()];
-    let dx_ref = full.blocks[0]
-        .backward(
-            &params[fr.clone()],
-            &mut g_ref[fr.clone()],
-            cache,
-            dy.clone(),
-        )
-        .unwrap();
+    let dx_ref = host(
+        full.blocks[0]
+            .backward(
+                &params[fr.clone()],
+                &mut g_ref[fr.clone()],
+                cache,
+                Buf::Host(dy.clone()),
+            )
+            .unwrap(),
+    );
     let out = run_threads(tp, |c| {
         let (local, m) = shard_model(cfg, c.world().clone(), sp).unwrap();
         let p = m.plan.shard(&params, m.rank());
@@ -141,20 +146,22 @@ fn check_block_with(cfg: &ModelConfig, tp: usize, sp: bool, recompute: Recompute
         let (y, cache) = b
             .forward(
                 &p[br.clone()],
-                Arc::new(rows(&x, h, toks.clone())),
+                Arc::new(Buf::Host(rows(&x, h, toks.clone()))),
                 &local_pass,
             )
             .unwrap();
+        let y = host(y);
         close(&y, &rows(&y_ref, h, toks.clone()), "block output");
         let mut g = vec![0.0; p.len()];
-        let dx = b
-            .backward(
+        let dx = host(
+            b.backward(
                 &p[br.clone()],
                 &mut g[br],
                 cache,
-                rows(&dy, h, toks.clone()),
+                Buf::Host(rows(&dy, h, toks.clone())),
             )
-            .unwrap();
+            .unwrap(),
+        );
         close(&dx, &rows(&dx_ref, h, toks), "block input grad");
         m.plan.sync_grads(m.group(), &mut g).unwrap();
         (g, m.plan.clone())
@@ -216,11 +223,12 @@ fn vocab_parallel_embedding_and_head_match_single_device() {
     let batch = model::Batch::next_token(b, s, &ids).unwrap();
     let (er, hr) = (full.layout.embed_range(), full.layout.head_range());
     // Reference: embedding straight into the head (no blocks).
+    let none = BufRef::Host(&[]);
     let x = full.embed_forward(&params[er.clone()], &ids).unwrap();
     let hc = full
         .head_forward(
             &params[hr.clone()],
-            &[],
+            none,
             Arc::new(x),
             Arc::new(batch.targets.clone()),
         )
@@ -230,9 +238,10 @@ fn vocab_parallel_embedding_and_head_match_single_device() {
     let mut g_ref = vec![0.0; params.len()];
     let (ge, gr) = g_ref.split_at_mut(hr.start);
     let dx = full
-        .head_backward(&params[hr.clone()], &[], gr, None, hc, scale)
+        .head_backward(&params[hr.clone()], none, gr, None, hc, scale)
         .unwrap();
-    full.embed_backward(&mut ge[er.clone()], &ids, &dx).unwrap();
+    full.embed_backward(&mut ge[er.clone()], &ids, dx.r())
+        .unwrap();
     for tp in [1, 2, 4] {
         for sp in [false, true] {
             let out = run_threads(tp, |c| {
@@ -243,7 +252,11 @@ fn vocab_parallel_embedding_and_head_match_single_device() {
                 let x = m.embed.forward(&p[er.clone()], &ids).unwrap();
                 let hc = m
                     .head
-                    .forward(&p[hr.clone()], Arc::new(x), Arc::new(batch.targets.clone()))
+                    .forward(
+                        &p[hr.clone()],
+                        Arc::new(Buf::Host(x)),
+                        Arc::new(batch.targets.clone()),
+                    )
                     .unwrap();
                 let loss = hc.loss_sum;
                 let mut g = vec![0.0; p.len()];

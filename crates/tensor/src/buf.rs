@@ -227,6 +227,18 @@ impl<'a> From<&'a mut [f32]> for BufMut<'a> {
     }
 }
 
+impl<'a> From<&'a mut Vec<f32>> for BufMut<'a> {
+    fn from(s: &'a mut Vec<f32>) -> BufMut<'a> {
+        BufMut::Host(s)
+    }
+}
+
+impl<'a> From<&'a mut Buf> for BufMut<'a> {
+    fn from(b: &'a mut Buf) -> BufMut<'a> {
+        b.m()
+    }
+}
+
 impl<'a> BufRef<'a> {
     pub fn len(&self) -> usize {
         match self {
@@ -317,6 +329,20 @@ impl<'a> BufMut<'a> {
         match self {
             BufMut::Host(s) => BufMut::Host(&mut s[r]),
             BufMut::Cuda(s) => BufMut::Cuda(s.slice_mut(r)),
+        }
+    }
+
+    /// The range cut in two at `mid` (panics beyond the end).
+    pub fn split_at_mut(self, mid: usize) -> (BufMut<'a>, BufMut<'a>) {
+        match self {
+            BufMut::Host(s) => {
+                let (a, b) = s.split_at_mut(mid);
+                (BufMut::Host(a), BufMut::Host(b))
+            }
+            BufMut::Cuda(s) => {
+                let (a, b) = s.split_at(mid);
+                (BufMut::Cuda(a), BufMut::Cuda(b))
+            }
         }
     }
 

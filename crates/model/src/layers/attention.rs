@@ -7,13 +7,12 @@
 
 use std::sync::Arc;
 
-use tensor::attention::{attention_backward, attention_forward, AttnShape, AttnTiles};
+use tensor::attention::AttnShape;
 use tensor::rope::Rope;
-use tensor::threads::zeros;
 
 use super::{
-    linear_backward_input, linear_backward_input_new, linear_forward_new, Act, Pass, SeqPart,
-    WeightGradStore, WeightTask,
+    linear_backward_input, linear_backward_input_new, linear_forward_new, Act, Buf, BufRef, Pass,
+    SeqPart, WeightGradStore, WeightTask,
 };
 use crate::error::Result;
 use crate::layout::View;
@@ -21,7 +20,9 @@ use crate::profile::{time, Kernel};
 
 /// The attention of rotated `q`, `k`, `v` (layouts of [`tensor::attention`]) for a pass whose
 /// tokens may be one rank's part of the sequences: `shape` is the local one (`q_len = kv_len =`
-/// the pass's tokens per sequence) and `part` says which global positions they are.
+/// the pass's tokens per sequence) and `part` says which global positions they are. Cores run
+/// on host buffers (context parallelism on the GPU is not built yet: a GPU buffer there is an
+/// error naming it).
 pub trait AttentionCore: Send + Sync + std::fmt::Debug {
     /// `(out, lse)` of the local queries against every key of their sequences.
     fn forward(
@@ -109,7 +110,14 @@ impl Attention {
     }
 
     /// `x [tokens, hidden]` (already normed) -> `y [tokens, hidden]` (before the residual add).
-    pub fn forward(&self, p: &[f32], x: &[f32], pass: &Pass) -> Result<(Vec<f32>, AttnCache)> {
+    pub fn forward<'a1, 'a2>(
+        &self,
+        p: impl Into<BufRef<'a1>>,
+        x: impl Into<BufRef<'a2>>,
+        pass: &Pass,
+    ) -> Result<(Buf, AttnCache)> {
+        let p: BufRef<'_> = p.into();
+        let x: BufRef<'_> = x.into();
         let t = pass.tokens();
         let (dq, dkv) = (
             self.n_heads * self.head_dim,
@@ -121,23 +129,28 @@ impl Attention {
         debug_assert_eq!((q.len(), k.len(), v.len()), (t * dq, t * dkv, t * dkv));
         let pos = pass.positions();
         time(Kernel::Rope, || -> Result<()> {
-            self.rope.apply(&mut q, self.n_heads, &pos)?;
-            self.rope.apply(&mut k, self.n_kv_heads, &pos)?;
+            tensor::ops::rope(&self.rope, q.m(), self.n_heads, &pos, false)?;
+            tensor::ops::rope(&self.rope, k.m(), self.n_kv_heads, &pos, false)?;
             Ok(())
         })?;
         let shape = self.shape(pass)?;
         let (o, lse) = match &self.core {
-            Some(core) => core.forward(&shape, pass.part, &q, &k, &v)?,
-            None => {
-                let mut o = zeros(t * dq);
-                let mut lse = zeros(shape.lse_elems());
-                time(Kernel::Attention, || {
-                    attention_forward(&shape, &q, &k, &v, &mut o, &mut lse, AttnTiles::default())
-                })?;
-                (o, lse)
+            Some(core) => {
+                let what = "context-parallel attention";
+                let (o, lse) = core.forward(
+                    &shape,
+                    pass.part,
+                    q.as_host(what)?,
+                    k.as_host(what)?,
+                    v.as_host(what)?,
+                )?;
+                (Buf::Host(o), Buf::Host(lse))
             }
+            None => time(Kernel::Attention, || {
+                tensor::ops::attention_forward(&shape, q.r(), k.r(), v.r())
+            })?,
         };
-        let y = linear_forward_new(p, &self.wo, &o)?;
+        let y = linear_forward_new(p, &self.wo, o.r())?;
         let cache = AttnCache {
             q: Arc::new(q),
             k: Arc::new(k),
@@ -150,21 +163,22 @@ impl Attention {
 
     /// Input gradient `dx` (written) from `dy`; records the four projection weight gradients.
     /// `x` is the forward input.
-    pub fn backward_input(
+    pub fn backward_input<'a1>(
         &self,
-        p: &[f32],
+        p: impl Into<BufRef<'a1>>,
         x: &Act,
         cache: AttnCache,
         dy: Act,
         pass: &Pass,
         store: &mut WeightGradStore,
-    ) -> Result<Vec<f32>> {
+    ) -> Result<Buf> {
+        let p: BufRef<'_> = p.into();
         let t = pass.tokens();
         let (dqn, dkvn) = (
             self.n_heads * self.head_dim,
             self.n_kv_heads * self.head_dim,
         );
-        let d_o = linear_backward_input_new(p, &self.wo, &dy)?;
+        let d_o = linear_backward_input_new(p, &self.wo, dy.r())?;
         debug_assert_eq!(d_o.len(), t * dqn);
         store.push(WeightTask::Linear {
             w: self.wo.clone(),
@@ -173,26 +187,37 @@ impl Attention {
         });
         let shape = self.shape(pass)?;
         let (mut dq, mut dk, dv) = match &self.core {
-            Some(core) => core.backward(
-                &shape, pass.part, &cache.q, &cache.k, &cache.v, &cache.o, &cache.lse, &d_o,
-            )?,
+            Some(core) => {
+                let what = "context-parallel attention";
+                let (dq, dk, dv) = core.backward(
+                    &shape,
+                    pass.part,
+                    cache.q.as_host(what)?,
+                    cache.k.as_host(what)?,
+                    cache.v.as_host(what)?,
+                    cache.o.as_host(what)?,
+                    cache.lse.as_host(what)?,
+                    d_o.as_host(what)?,
+                )?;
+                (Buf::Host(dq), Buf::Host(dk), Buf::Host(dv))
+            }
             None => {
-                let mut dq = zeros(t * dqn);
-                let mut dk = zeros(t * dkvn);
-                let mut dv = zeros(t * dkvn);
+                let dev = d_o.dev();
+                let mut dq = dev.zeros(t * dqn)?;
+                let mut dk = dev.zeros(t * dkvn)?;
+                let mut dv = dev.zeros(t * dkvn)?;
                 time(Kernel::Attention, || {
-                    attention_backward(
+                    tensor::ops::attention_backward(
                         &shape,
-                        &cache.q,
-                        &cache.k,
-                        &cache.v,
-                        &cache.o,
-                        &cache.lse,
-                        &d_o,
-                        &mut dq,
-                        &mut dk,
-                        &mut dv,
-                        AttnTiles::default(),
+                        cache.q.r(),
+                        cache.k.r(),
+                        cache.v.r(),
+                        cache.o.r(),
+                        cache.lse.r(),
+                        d_o.r(),
+                        dq.m(),
+                        dk.m(),
+                        dv.m(),
                     )
                 })?;
                 (dq, dk, dv)
@@ -200,13 +225,13 @@ impl Attention {
         };
         let pos = pass.positions();
         time(Kernel::Rope, || -> Result<()> {
-            self.rope.apply_backward(&mut dq, self.n_heads, &pos)?;
-            self.rope.apply_backward(&mut dk, self.n_kv_heads, &pos)?;
+            tensor::ops::rope(&self.rope, dq.m(), self.n_heads, &pos, true)?;
+            tensor::ops::rope(&self.rope, dk.m(), self.n_kv_heads, &pos, true)?;
             Ok(())
         })?;
-        let mut dx = linear_backward_input_new(p, &self.wq, &dq)?;
-        linear_backward_input(p, &self.wk, &dk, &mut dx, true)?;
-        linear_backward_input(p, &self.wv, &dv, &mut dx, true)?;
+        let mut dx = linear_backward_input_new(p, &self.wq, dq.r())?;
+        linear_backward_input(p, &self.wk, dk.r(), dx.m(), true)?;
+        linear_backward_input(p, &self.wv, dv.r(), dx.m(), true)?;
         for (w, d) in [(&self.wq, dq), (&self.wk, dk), (&self.wv, dv)] {
             store.push(WeightTask::Linear {
                 w: w.clone(),

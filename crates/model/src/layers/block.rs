@@ -13,13 +13,15 @@ use super::attention::{Attention, AttnCache};
 use super::mlp::{MlpCache, SwiGlu};
 use super::moe::{Moe, MoeCache};
 use super::{
-    act_bytes, rmsnorm, rmsnorm_backward_input, Act, Pass, Recompute, WeightGradStore, WeightTask,
+    act_bytes, rmsnorm, rmsnorm_backward_input, Act, Buf, BufMut, BufRef, Pass, Recompute,
+    WeightGradStore, WeightTask,
 };
 use crate::error::Result;
 use crate::layout::View;
 
 /// Communication at the borders of a block's parallel regions (see the module doc). Each
-/// method takes and returns a whole activation / gradient buffer.
+/// method takes and returns a whole activation / gradient buffer, on the host (tensor
+/// parallelism on the GPU is not built yet: a GPU buffer there is an error naming it).
 pub trait RegionHooks: Send + Sync + std::fmt::Debug {
     /// Input of a region, forward (TP: identity).
     fn enter_forward(&self, x: Vec<f32>) -> Result<Vec<f32>>;
@@ -118,9 +120,18 @@ impl BlockCache {
     }
 }
 
+/// What needs host buffers in a block with parallel-region hooks.
+const REGION: &str = "a tensor-parallel region";
+
 impl Block {
     /// `x [tokens, hidden] -> y [tokens, hidden]`.
-    pub fn forward(&self, p: &[f32], x: Act, pass: &Pass) -> Result<(Vec<f32>, BlockCache)> {
+    pub fn forward<'a1>(
+        &self,
+        p: impl Into<BufRef<'a1>>,
+        x: Act,
+        pass: &Pass,
+    ) -> Result<(Buf, BlockCache)> {
+        let p: BufRef<'_> = p.into();
         let (y, saved, aux) = self.forward_saved(p, &x, pass)?;
         let keep = pass.recompute != Recompute::Full;
         let routing = match (&saved.ffn, keep) {
@@ -137,28 +148,29 @@ impl Block {
         Ok((y, cache))
     }
 
-    fn forward_saved(&self, p: &[f32], x: &Act, pass: &Pass) -> Result<(Vec<f32>, Saved, f32)> {
+    fn forward_saved(&self, p: BufRef<'_>, x: &Act, pass: &Pass) -> Result<(Buf, Saved, f32)> {
         let selective = pass.recompute == Recompute::Selective;
-        let (xn1, rstd1) = rmsnorm(p, &self.attn_norm, x, self.eps)?;
+        let (xn1, rstd1) = rmsnorm(p, &self.attn_norm, x.r(), self.eps)?;
         let xn1 = self.enter(xn1)?;
-        let (a, attn) = self.attn.forward(p, &xn1, pass)?;
+        let (a, attn) = self.attn.forward(p, xn1.r(), pass)?;
         let mut h = self.exit(a)?;
-        tensor::threads::add_assign(&mut h, x);
-        let (xn2, rstd2) = rmsnorm(p, &self.ffn_norm, &h, self.eps)?;
+        tensor::ops::add_assign(h.m(), x.r())?;
+        let (xn2, rstd2) = rmsnorm(p, &self.ffn_norm, h.r(), self.eps)?;
         let xn2 = self.enter(xn2)?;
         let (mut y, ffn, aux) = match &self.ffn {
             Ffn::Dense(m) => {
-                let (y, c) = m.forward(p, &xn2, !selective)?;
+                let (y, c) = m.forward(p, xn2.r(), !selective)?;
                 (y, FfnCache::Dense(c), 0.0)
             }
             Ffn::Moe(m) => {
-                let (y, c) = m.forward(p, &xn2, pass)?;
+                let what = "mixture of experts";
+                let (y, c) = m.forward(p.as_host(what)?, xn2.as_host(what)?, pass)?;
                 let aux = m.aux_coef * c.aux;
-                (y, FfnCache::Moe(Box::new(c)), aux)
+                (Buf::Host(y), FfnCache::Moe(Box::new(c)), aux)
             }
         };
         y = self.exit(y)?;
-        tensor::threads::add_assign(&mut y, &h);
+        tensor::ops::add_assign(y.m(), h.r())?;
         let saved = Saved {
             xn1: (!selective).then(|| Arc::new(xn1)),
             rstd1: Arc::new(rstd1),
@@ -171,21 +183,21 @@ impl Block {
         Ok((y, saved, aux))
     }
 
-    fn enter(&self, x: Vec<f32>) -> Result<Vec<f32>> {
+    fn enter(&self, x: Buf) -> Result<Buf> {
         match &self.hooks {
-            Some(h) => h.enter_forward(x),
+            Some(h) => Ok(Buf::Host(h.enter_forward(x.into_host(REGION)?)?)),
             None => Ok(x),
         }
     }
-    fn exit(&self, y: Vec<f32>) -> Result<Vec<f32>> {
+    fn exit(&self, y: Buf) -> Result<Buf> {
         match &self.hooks {
-            Some(h) => h.exit_forward(y),
+            Some(h) => Ok(Buf::Host(h.exit_forward(y.into_host(REGION)?)?)),
             None => Ok(y),
         }
     }
-    fn enter_backward(&self, dx: Vec<f32>) -> Result<Vec<f32>> {
+    fn enter_backward(&self, dx: Buf) -> Result<Buf> {
         match &self.hooks {
-            Some(h) => h.enter_backward(dx),
+            Some(h) => Ok(Buf::Host(h.enter_backward(dx.into_host(REGION)?)?)),
             None => Ok(dx),
         }
     }
@@ -193,18 +205,21 @@ impl Block {
     /// with the residual stream, which still needs it).
     fn exit_backward_shared(&self, dy: &Act) -> Result<Act> {
         match &self.hooks {
-            Some(h) => Ok(Arc::new(h.exit_backward(dy.to_vec())?)),
+            Some(h) => Ok(Arc::new(Buf::Host(
+                h.exit_backward(dy.as_host(REGION)?.to_vec())?,
+            ))),
             None => Ok(dy.clone()),
         }
     }
 
     /// Input gradient of the block; every weight gradient is left in the returned store.
-    pub fn backward_input(
+    pub fn backward_input<'a1>(
         &self,
-        p: &[f32],
+        p: impl Into<BufRef<'a1>>,
         cache: BlockCache,
-        dy: Vec<f32>,
-    ) -> Result<(Vec<f32>, WeightGradStore)> {
+        dy: Buf,
+    ) -> Result<(Buf, WeightGradStore)> {
+        let p: BufRef<'_> = p.into();
         let pass = cache.pass;
         let x = cache.x;
         let s = match cache.saved {
@@ -218,19 +233,31 @@ impl Block {
         // FFN half.
         let xn2 = match s.xn2 {
             Some(v) => v,
-            None => Arc::new(self.enter(rmsnorm(p, &self.ffn_norm, &s.h, self.eps)?.0)?),
+            None => Arc::new(self.enter(rmsnorm(p, &self.ffn_norm, s.h.r(), self.eps)?.0)?),
         };
         let dy = Arc::new(dy);
         let dm = self.exit_backward_shared(&dy)?;
         let dxn2 = match (&self.ffn, s.ffn) {
             (Ffn::Dense(m), FfnCache::Dense(c)) => m.backward_input(p, &xn2, c, dm, &mut store)?,
-            (Ffn::Moe(m), FfnCache::Moe(c)) => {
-                m.backward_input(p, &xn2, *c, dm, &pass, &mut store)?
-            }
+            (Ffn::Moe(m), FfnCache::Moe(c)) => Buf::Host(m.backward_input(
+                p.as_host("mixture of experts")?,
+                &xn2,
+                *c,
+                dm,
+                &pass,
+                &mut store,
+            )?),
             _ => unreachable!("cache built by this block's own forward"),
         };
         let dxn2 = self.enter_backward(dxn2)?;
-        let dh = rmsnorm_backward_input(p, &self.ffn_norm, &s.h, &s.rstd2, &dxn2, Some(&dy))?;
+        let dh = rmsnorm_backward_input(
+            p,
+            &self.ffn_norm,
+            s.h.r(),
+            s.rstd2.r(),
+            dxn2.r(),
+            Some(dy.r()),
+        )?;
         store.push(WeightTask::Norm {
             w: self.ffn_norm.clone(),
             dy: Arc::new(dxn2),
@@ -240,7 +267,7 @@ impl Block {
         // Attention half.
         let xn1 = match s.xn1 {
             Some(v) => v,
-            None => Arc::new(self.enter(rmsnorm(p, &self.attn_norm, &x, self.eps)?.0)?),
+            None => Arc::new(self.enter(rmsnorm(p, &self.attn_norm, x.r(), self.eps)?.0)?),
         };
         let dh = Arc::new(dh);
         let da = self.exit_backward_shared(&dh)?;
@@ -248,7 +275,14 @@ impl Block {
             .attn
             .backward_input(p, &xn1, s.attn, da, &pass, &mut store)?;
         let dxn1 = self.enter_backward(dxn1)?;
-        let dx = rmsnorm_backward_input(p, &self.attn_norm, &x, &s.rstd1, &dxn1, Some(&dh))?;
+        let dx = rmsnorm_backward_input(
+            p,
+            &self.attn_norm,
+            x.r(),
+            s.rstd1.r(),
+            dxn1.r(),
+            Some(dh.r()),
+        )?;
         store.push(WeightTask::Norm {
             w: self.attn_norm.clone(),
             dy: Arc::new(dxn1),
@@ -259,18 +293,25 @@ impl Block {
     }
 
     /// Weight gradients recorded by [`Block::backward_input`], accumulated into `g`.
-    pub fn backward_weight(&self, store: WeightGradStore, g: &mut [f32]) -> Result<()> {
+    pub fn backward_weight<'a1>(
+        &self,
+        store: WeightGradStore,
+        g: impl Into<BufMut<'a1>>,
+    ) -> Result<()> {
+        let g: BufMut<'_> = g.into();
         store.apply(g)
     }
 
     /// Fused backward: input gradient returned, weight gradients accumulated into `g`.
-    pub fn backward(
+    pub fn backward<'a1, 'a2>(
         &self,
-        p: &[f32],
-        g: &mut [f32],
+        p: impl Into<BufRef<'a1>>,
+        g: impl Into<BufMut<'a2>>,
         cache: BlockCache,
-        dy: Vec<f32>,
-    ) -> Result<Vec<f32>> {
+        dy: Buf,
+    ) -> Result<Buf> {
+        let p: BufRef<'_> = p.into();
+        let g: BufMut<'_> = g.into();
         let (dx, store) = self.backward_input(p, cache, dy)?;
         self.backward_weight(store, g)?;
         Ok(dx)

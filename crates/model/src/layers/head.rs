@@ -16,12 +16,10 @@
 
 use std::sync::Arc;
 
-use tensor::cross_entropy::{
-    count_valid, fused_linear_ce_backward, fused_linear_ce_forward,
-    fused_linear_ce_forward_backward, CeConfig,
-};
+use tensor::cross_entropy::{count_valid, CeConfig};
+use tensor::ops::{fused_linear_ce, Lse};
 
-use super::{rmsnorm, rmsnorm_backward_input, Act};
+use super::{rmsnorm, rmsnorm_backward_input, Act, Buf, BufMut, BufRef};
 use crate::error::Result;
 use crate::layout::View;
 use crate::profile::{time, Kernel};
@@ -37,12 +35,12 @@ pub struct Head {
 }
 
 /// What the head's backward needs.
-#[derive(Debug, Clone)]
+#[derive(Debug)]
 pub struct HeadCache {
     x: Act,
     xn: Act,
     rstd: Act,
-    lse: Vec<f32>,
+    lse: Buf,
     targets: Arc<Vec<i64>>,
     /// Sum of the loss over valid targets.
     pub loss_sum: f64,
@@ -52,13 +50,13 @@ pub struct HeadCache {
 }
 
 /// Gradients of `grad_scale · loss_sum` computed during the forward.
-#[derive(Debug, Clone)]
+#[derive(Debug)]
 struct EarlyGrad {
     grad_scale: f32,
     /// Gradient at the normed hidden states `[tokens, hidden]`.
-    dxn: Vec<f32>,
+    dxn: Buf,
     /// LM-head weight gradient `[vocab, hidden]`, not yet accumulated.
-    dw: Vec<f32>,
+    dw: Buf,
 }
 
 impl HeadCache {
@@ -69,17 +67,17 @@ impl HeadCache {
 }
 
 /// The head's deferred weight gradients (norm gain and LM head).
-#[derive(Debug, Clone)]
+#[derive(Debug)]
 pub struct HeadWeightGrad {
     xn: Act,
-    dxn: Vec<f32>,
+    dxn: Buf,
     x: Act,
     rstd: Act,
     targets: Arc<Vec<i64>>,
-    lse: Vec<f32>,
+    lse: Buf,
     grad_scale: f32,
     /// LM-head weight gradient computed in the forward (else recomputed from the logits).
-    early_dw: Option<Vec<f32>>,
+    early_dw: Option<Buf>,
 }
 
 impl HeadWeightGrad {
@@ -92,13 +90,13 @@ impl HeadWeightGrad {
             + act_bytes(&self.rstd)
             + act_bytes(&self.lse)
             + 8 * self.targets.len()
-            + self.early_dw.as_ref().map_or(0, |d| act_bytes(d))
+            + self.early_dw.as_ref().map_or(0, act_bytes)
     }
 }
 
 /// `g += d` (the early LM-head weight gradient into its accumulator).
-fn add_into(g: &mut [f32], d: &[f32]) {
-    g.iter_mut().zip(d).for_each(|(g, d)| *g += d);
+fn add_into(g: BufMut<'_>, d: &Buf) -> Result<()> {
+    Ok(tensor::ops::add_assign(g, d.r())?)
 }
 
 impl HeadCache {
@@ -124,26 +122,30 @@ impl Head {
     }
 
     /// Loss sum and count for final hidden states `x [tokens, hidden]` and `targets [tokens]`.
-    pub fn forward(
+    pub fn forward<'a1, 'a2>(
         &self,
-        p_norm: &[f32],
-        lm: &[f32],
+        p_norm: impl Into<BufRef<'a1>>,
+        lm: impl Into<BufRef<'a2>>,
         x: Act,
         targets: Arc<Vec<i64>>,
     ) -> Result<HeadCache> {
+        let p_norm: BufRef<'_> = p_norm.into();
+        let lm: BufRef<'_> = lm.into();
         self.forward_impl(p_norm, lm, x, targets, None)
     }
 
     /// [`Head::forward`] that also computes the LM-head gradients of `grad_scale · loss_sum`
     /// (see the module doc); the backward then reuses them when given the same scale.
-    pub fn forward_with_grad(
+    pub fn forward_with_grad<'a1, 'a2>(
         &self,
-        p_norm: &[f32],
-        lm: &[f32],
+        p_norm: impl Into<BufRef<'a1>>,
+        lm: impl Into<BufRef<'a2>>,
         x: Act,
         targets: Arc<Vec<i64>>,
         grad_scale: f32,
     ) -> Result<HeadCache> {
+        let p_norm: BufRef<'_> = p_norm.into();
+        let lm: BufRef<'_> = lm.into();
         self.forward_impl(p_norm, lm, x, targets, Some(grad_scale))
     }
 
@@ -156,50 +158,54 @@ impl Head {
 
     fn forward_impl(
         &self,
-        p_norm: &[f32],
-        lm: &[f32],
+        p_norm: BufRef<'_>,
+        lm: BufRef<'_>,
         x: Act,
         targets: Arc<Vec<i64>>,
         grad_scale: Option<f32>,
     ) -> Result<HeadCache> {
-        let (xn, rstd) = rmsnorm(p_norm, &self.norm, &x, self.eps)?;
-        let mut lse = vec![0.0; targets.len()];
-        let (out, early) = time(Kernel::Head, || match grad_scale {
-            None => fused_linear_ce_forward(
-                &xn,
-                lm,
-                &targets,
-                self.hidden(),
-                self.vocab,
-                &self.ce,
-                &mut lse,
-            )
-            .map(|o| (o, None)),
-            Some(grad_scale) => {
-                let mut dxn = vec![0.0; xn.len()];
-                let mut dw = vec![0.0; lm.len()];
-                fused_linear_ce_forward_backward(
-                    &xn,
-                    lm,
-                    &targets,
-                    self.hidden(),
-                    self.vocab,
-                    &self.ce,
-                    grad_scale,
-                    &mut lse,
-                    Some(&mut dxn),
-                    Some(&mut dw),
-                )
-                .map(|o| {
-                    let e = EarlyGrad {
-                        grad_scale,
-                        dxn,
-                        dw,
-                    };
-                    (o, Some(e))
-                })
+        let (xn, rstd) = rmsnorm(p_norm, &self.norm, x.r(), self.eps)?;
+        let dev = xn.dev();
+        let mut lse = dev.zeros(targets.len())?;
+        let (out, early) = match grad_scale {
+            None => {
+                let out = time(Kernel::Head, || {
+                    fused_linear_ce(
+                        xn.r(),
+                        lm,
+                        &targets,
+                        self.hidden(),
+                        self.vocab,
+                        &self.ce,
+                        Lse::Write(lse.m()),
+                        None,
+                    )
+                })?;
+                (out, None)
             }
-        })?;
+            Some(grad_scale) => {
+                let mut dxn = dev.zeros(xn.len())?;
+                let mut dw = dev.zeros(lm.len())?;
+                let out = time(Kernel::Head, || {
+                    fused_linear_ce(
+                        xn.r(),
+                        lm,
+                        &targets,
+                        self.hidden(),
+                        self.vocab,
+                        &self.ce,
+                        Lse::Write(lse.m()),
+                        Some((grad_scale, Some(dxn.m()), Some(dw.m()))),
+                    )
+                })?;
+                let e = EarlyGrad {
+                    grad_scale,
+                    dxn,
+                    dw,
+                };
+                (out, Some(e))
+            }
+        };
         Ok(HeadCache {
             x,
             xn: Arc::new(xn),
@@ -213,22 +219,26 @@ impl Head {
     }
 
     /// Logits `[tokens, vocab]` (for evaluation and generation; training uses the fused loss).
-    pub fn logits(&self, p_norm: &[f32], lm: &[f32], x: &[f32]) -> Result<Vec<f32>> {
+    pub fn logits<'a1, 'a2, 'a3>(
+        &self,
+        p_norm: impl Into<BufRef<'a1>>,
+        lm: impl Into<BufRef<'a2>>,
+        x: impl Into<BufRef<'a3>>,
+    ) -> Result<Buf> {
+        let p_norm: BufRef<'_> = p_norm.into();
+        let lm: BufRef<'_> = lm.into();
+        let x: BufRef<'_> = x.into();
         let (xn, _) = rmsnorm(p_norm, &self.norm, x, self.eps)?;
         let rows = x.len() / self.hidden();
-        let mut z = vec![0.0; rows * self.vocab];
-        tensor::gemm::matmul(
-            &mut z,
-            &xn,
+        Ok(tensor::ops::matmul_new(
+            xn.r(),
             lm,
             rows,
             self.hidden(),
             self.vocab,
             false,
             true,
-            false,
-        )?;
-        Ok(z)
+        )?)
     }
 
     /// The LM head's gradients (`dxn` into the normed input, `g_lm` accumulated) by recomputing
@@ -236,46 +246,53 @@ impl Head {
     /// not kept or were made for another scale.
     fn recompute_grads(
         &self,
-        lm: &[f32],
+        lm: BufRef<'_>,
         cache: &HeadCache,
         grad_scale: f32,
-        dxn: Option<&mut [f32]>,
-        g_lm: Option<&mut [f32]>,
+        dxn: Option<BufMut<'_>>,
+        g_lm: Option<BufMut<'_>>,
     ) -> Result<()> {
         time(Kernel::Head, || {
-            fused_linear_ce_backward(
-                &cache.xn,
+            fused_linear_ce(
+                cache.xn.r(),
                 lm,
                 &cache.targets,
-                &cache.lse,
                 self.hidden(),
                 self.vocab,
                 &self.ce,
-                grad_scale,
-                dxn,
-                g_lm,
+                Lse::Read(cache.lse.r()),
+                Some((grad_scale, dxn, g_lm)),
             )
         })?;
         Ok(())
     }
 
     /// Input gradient of `grad_scale · loss_sum`; the weight gradients are deferred.
-    pub fn backward_input(
+    pub fn backward_input<'a1, 'a2>(
         &self,
-        p_norm: &[f32],
-        lm: &[f32],
+        p_norm: impl Into<BufRef<'a1>>,
+        lm: impl Into<BufRef<'a2>>,
         mut cache: HeadCache,
         grad_scale: f32,
-    ) -> Result<(Vec<f32>, HeadWeightGrad)> {
+    ) -> Result<(Buf, HeadWeightGrad)> {
+        let p_norm: BufRef<'_> = p_norm.into();
+        let lm: BufRef<'_> = lm.into();
         let (dxn, early_dw) = match cache.take_early(grad_scale) {
             Some(e) => (e.dxn, Some(e.dw)),
             None => {
-                let mut dxn = vec![0.0; cache.x.len()];
-                self.recompute_grads(lm, &cache, grad_scale, Some(&mut dxn), None)?;
+                let mut dxn = cache.x.dev().zeros(cache.x.len())?;
+                self.recompute_grads(lm, &cache, grad_scale, Some(dxn.m()), None)?;
                 (dxn, None)
             }
         };
-        let dx = rmsnorm_backward_input(p_norm, &self.norm, &cache.x, &cache.rstd, &dxn, None)?;
+        let dx = rmsnorm_backward_input(
+            p_norm,
+            &self.norm,
+            cache.x.r(),
+            cache.rstd.r(),
+            dxn.r(),
+            None,
+        )?;
         let pending = HeadWeightGrad {
             xn: cache.xn,
             dxn,
@@ -290,37 +307,40 @@ impl Head {
     }
 
     /// Deferred weight gradients: norm gain into `g_norm`, LM head into `g_lm` (accumulated).
-    pub fn backward_weight(
+    pub fn backward_weight<'a1, 'a2, 'a3>(
         &self,
-        lm: &[f32],
+        lm: impl Into<BufRef<'a1>>,
         w: HeadWeightGrad,
-        g_norm: &mut [f32],
-        g_lm: &mut [f32],
+        g_norm: impl Into<BufMut<'a2>>,
+        g_lm: impl Into<BufMut<'a3>>,
     ) -> Result<()> {
+        let lm: BufRef<'_> = lm.into();
+        let g_norm: BufMut<'_> = g_norm.into();
+        let g_lm: BufMut<'_> = g_lm.into();
         match &w.early_dw {
-            Some(dw) => time(Kernel::Head, || add_into(g_lm, dw)),
-            None => time(Kernel::Head, || {
-                fused_linear_ce_backward(
-                    &w.xn,
-                    lm,
-                    &w.targets,
-                    &w.lse,
-                    self.hidden(),
-                    self.vocab,
-                    &self.ce,
-                    w.grad_scale,
-                    None,
-                    Some(g_lm),
-                )
-            })?,
+            Some(dw) => time(Kernel::Head, || add_into(g_lm, dw))?,
+            None => {
+                time(Kernel::Head, || {
+                    fused_linear_ce(
+                        w.xn.r(),
+                        lm,
+                        &w.targets,
+                        self.hidden(),
+                        self.vocab,
+                        &self.ce,
+                        Lse::Read(w.lse.r()),
+                        Some((w.grad_scale, None, Some(g_lm))),
+                    )
+                })?;
+            }
         }
         time(Kernel::Norm, || {
-            tensor::norm::rmsnorm_backward_weight(
-                &w.dxn,
-                &w.x,
-                &w.rstd,
+            tensor::ops::rmsnorm_backward_weight(
+                w.dxn.r(),
+                w.x.r(),
+                w.rstd.r(),
                 self.hidden(),
-                self.norm.of_mut(g_norm),
+                self.norm.at_mut(g_norm),
             )
         })?;
         Ok(())
@@ -328,34 +348,45 @@ impl Head {
 
     /// Fused backward (one pass over the logits for both gradients). Returns `dx`.
     #[allow(clippy::too_many_arguments)]
-    pub fn backward(
+    pub fn backward<'a1, 'a2, 'a3, 'a4>(
         &self,
-        p_norm: &[f32],
-        lm: &[f32],
+        p_norm: impl Into<BufRef<'a1>>,
+        lm: impl Into<BufRef<'a2>>,
         mut cache: HeadCache,
         grad_scale: f32,
-        g_norm: &mut [f32],
-        g_lm: &mut [f32],
-    ) -> Result<Vec<f32>> {
+        g_norm: impl Into<BufMut<'a3>>,
+        g_lm: impl Into<BufMut<'a4>>,
+    ) -> Result<Buf> {
+        let p_norm: BufRef<'_> = p_norm.into();
+        let lm: BufRef<'_> = lm.into();
+        let g_norm: BufMut<'_> = g_norm.into();
+        let g_lm: BufMut<'_> = g_lm.into();
         let dxn = match cache.take_early(grad_scale) {
             Some(e) => {
-                time(Kernel::Head, || add_into(g_lm, &e.dw));
+                time(Kernel::Head, || add_into(g_lm, &e.dw))?;
                 e.dxn
             }
             None => {
-                let mut dxn = vec![0.0; cache.x.len()];
-                self.recompute_grads(lm, &cache, grad_scale, Some(&mut dxn), Some(g_lm))?;
+                let mut dxn = cache.x.dev().zeros(cache.x.len())?;
+                self.recompute_grads(lm, &cache, grad_scale, Some(dxn.m()), Some(g_lm))?;
                 dxn
             }
         };
-        let dx = rmsnorm_backward_input(p_norm, &self.norm, &cache.x, &cache.rstd, &dxn, None)?;
+        let dx = rmsnorm_backward_input(
+            p_norm,
+            &self.norm,
+            cache.x.r(),
+            cache.rstd.r(),
+            dxn.r(),
+            None,
+        )?;
         time(Kernel::Norm, || {
-            tensor::norm::rmsnorm_backward_weight(
-                &dxn,
-                &cache.x,
-                &cache.rstd,
+            tensor::ops::rmsnorm_backward_weight(
+                dxn.r(),
+                cache.x.r(),
+                cache.rstd.r(),
                 self.hidden(),
-                self.norm.of_mut(g_norm),
+                self.norm.at_mut(g_norm),
             )
         })?;
         Ok(dx)

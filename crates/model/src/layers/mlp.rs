@@ -5,8 +5,8 @@
 use std::sync::Arc;
 
 use super::{
-    linear_backward_input, linear_backward_input_new, linear_forward_new, Act, WeightGradStore,
-    WeightTask,
+    linear_backward_input, linear_backward_input_new, linear_forward_new, Act, Buf, BufRef,
+    WeightGradStore, WeightTask,
 };
 use crate::error::Result;
 use crate::layout::View;
@@ -42,19 +42,21 @@ impl SwiGlu {
         self.gate.shape[0]
     }
 
-    fn product(g: &[f32], u: &[f32]) -> Result<Vec<f32>> {
+    fn product(g: &Buf, u: &Buf) -> Result<Buf> {
         Ok(time(Kernel::Activation, || {
-            tensor::activation::swiglu_forward(g, u)
+            tensor::ops::swiglu_forward(g.r(), u.r())
         })?)
     }
 
     /// `x [n, hidden] -> y [n, hidden]`; `keep_product = false` drops `s` from the cache.
-    pub fn forward(
+    pub fn forward<'a1, 'a2>(
         &self,
-        p: &[f32],
-        x: &[f32],
+        p: impl Into<BufRef<'a1>>,
+        x: impl Into<BufRef<'a2>>,
         keep_product: bool,
-    ) -> Result<(Vec<f32>, MlpCache)> {
+    ) -> Result<(Buf, MlpCache)> {
+        let p: BufRef<'_> = p.into();
+        let x: BufRef<'_> = x.into();
         let hidden = self.gate.shape[1];
         let n = x.len() / hidden;
         let f = self.ffn();
@@ -62,7 +64,7 @@ impl SwiGlu {
         let u = linear_forward_new(p, &self.up, x)?;
         debug_assert_eq!(g.len(), n * f);
         let s = Self::product(&g, &u)?;
-        let y = linear_forward_new(p, &self.down, &s)?;
+        let y = linear_forward_new(p, &self.down, s.r())?;
         debug_assert_eq!(y.len(), n * hidden);
         let cache = MlpCache {
             g: Arc::new(g),
@@ -74,29 +76,30 @@ impl SwiGlu {
 
     /// Input gradient (written) from `dy`; records the three weight gradients. `x` is the
     /// forward input.
-    pub fn backward_input(
+    pub fn backward_input<'a1>(
         &self,
-        p: &[f32],
+        p: impl Into<BufRef<'a1>>,
         x: &Act,
         cache: MlpCache,
         dy: Act,
         store: &mut WeightGradStore,
-    ) -> Result<Vec<f32>> {
+    ) -> Result<Buf> {
+        let p: BufRef<'_> = p.into();
         let s = match cache.s {
             Some(s) => s,
             None => Arc::new(Self::product(&cache.g, &cache.u)?),
         };
-        let ds = linear_backward_input_new(p, &self.down, &dy)?;
+        let ds = linear_backward_input_new(p, &self.down, dy.r())?;
         store.push(WeightTask::Linear {
             w: self.down.clone(),
             dy,
             x: s,
         });
         let (dg, du) = time(Kernel::Activation, || {
-            tensor::activation::swiglu_backward(&ds, &cache.g, &cache.u)
+            tensor::ops::swiglu_backward(ds.r(), cache.g.r(), cache.u.r())
         })?;
-        let mut dx = linear_backward_input_new(p, &self.gate, &dg)?;
-        linear_backward_input(p, &self.up, &du, &mut dx, true)?;
+        let mut dx = linear_backward_input_new(p, &self.gate, dg.r())?;
+        linear_backward_input(p, &self.up, du.r(), dx.m(), true)?;
         store.push(WeightTask::Linear {
             w: self.gate.clone(),
             dy: Arc::new(dg),

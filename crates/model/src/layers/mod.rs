@@ -1,7 +1,7 @@
 //! Layers with explicit forward/backward over views of a flat parameter buffer.
 //!
 //! Every layer follows one protocol:
-//! - `forward(p, x, ..) -> (y, cache)`: `p` is the parameter slice the layer's [`View`]s are
+//! - `forward(p, x, ..) -> (y, cache)`: `p` is the parameter range the layer's [`View`]s are
 //!   relative to (a block's range, or a gathered ZeRO-3 / TP-local copy of it);
 //! - `backward_input(p, cache, dy, store) -> dx`: the input gradient only; every weight
 //!   gradient is *recorded* in a [`WeightGradStore`] (the inputs and output-gradients it needs);
@@ -9,6 +9,10 @@
 //!
 //! Fused backward is simply both in a row, so splitting them (zero-bubble, DualPipe) cannot
 //! change the result. Activations are shared [`Act`]s, so caches and stores never copy them.
+//!
+//! Parameters, gradients and activations are [`Buf`]s (views [`BufRef`], [`BufMut`]) on the
+//! host or a GPU; every kernel goes through [`tensor::ops`], which runs the CPU kernel or its
+//! CUDA twin, so one model serves both devices.
 
 pub mod attention;
 pub mod block;
@@ -18,15 +22,17 @@ pub mod moe;
 
 use std::sync::Arc;
 
+pub use tensor::buf::{Buf, BufMut, BufRef};
+
 use crate::error::Result;
 use crate::layout::View;
 
 /// A shared, immutable activation buffer.
-pub type Act = Arc<Vec<f32>>;
+pub type Act = Arc<Buf>;
 
 /// Bytes of an activation buffer (caches report what they hold for memory accounting).
-pub fn act_bytes(a: &[f32]) -> usize {
-    std::mem::size_of_val(a)
+pub fn act_bytes(a: &Buf) -> usize {
+    a.bytes()
 }
 
 /// Activation recomputation policy of a block.
@@ -119,37 +125,37 @@ impl Pass {
 
 /// `y = x·Wᵀ` for `W [out, in]` (Hugging Face layout), into a new buffer (the product writes
 /// it; no zero fill).
-pub fn linear_forward_new(p: &[f32], w: &View, x: &[f32]) -> Result<Vec<f32>> {
+pub fn linear_forward_new(p: BufRef<'_>, w: &View, x: BufRef<'_>) -> Result<Buf> {
     let (dout, din) = (w.shape[0], w.shape[1]);
     let tokens = x.len() / din;
     Ok(crate::profile::time(
         crate::profile::Kernel::Matmul,
-        || tensor::gemm::matmul_new(x, w.of(p), tokens, din, dout, false, true),
+        || tensor::ops::matmul_new(x, w.at(p), tokens, din, dout, false, true),
     )?)
 }
 
 /// `dx = dy·W` into a new buffer (the product writes it; no zero fill).
-pub fn linear_backward_input_new(p: &[f32], w: &View, dy: &[f32]) -> Result<Vec<f32>> {
+pub fn linear_backward_input_new(p: BufRef<'_>, w: &View, dy: BufRef<'_>) -> Result<Buf> {
     let (dout, din) = (w.shape[0], w.shape[1]);
     let tokens = dy.len() / dout;
     Ok(crate::profile::time(
         crate::profile::Kernel::Matmul,
-        || tensor::gemm::matmul_new(dy, w.of(p), tokens, dout, din, false, false),
+        || tensor::ops::matmul_new(dy, w.at(p), tokens, dout, din, false, false),
     )?)
 }
 
 /// `dx (+)= dy·W` for `W [out, in]`.
 pub fn linear_backward_input(
-    p: &[f32],
+    p: BufRef<'_>,
     w: &View,
-    dy: &[f32],
-    dx: &mut [f32],
+    dy: BufRef<'_>,
+    dx: BufMut<'_>,
     accumulate: bool,
 ) -> Result<()> {
     let (dout, din) = (w.shape[0], w.shape[1]);
     let tokens = dy.len() / dout;
     crate::profile::time(crate::profile::Kernel::Matmul, || {
-        tensor::gemm::matmul(dx, dy, w.of(p), tokens, dout, din, false, false, accumulate)
+        tensor::ops::matmul(dx, dy, w.at(p), tokens, dout, din, false, false, accumulate)
     })?;
     Ok(())
 }
@@ -206,17 +212,18 @@ impl WeightGradStore {
         self.tasks.extend(other.tasks);
     }
     /// Run every task: accumulate into `g` (same indexing as `p`).
-    pub fn apply(self, g: &mut [f32]) -> Result<()> {
+    pub fn apply<'a1>(self, g: impl Into<BufMut<'a1>>) -> Result<()> {
+        let mut g: BufMut<'_> = g.into();
         for t in self.tasks {
             match t {
                 WeightTask::Linear { w, dy, x } => {
                     let (dout, din) = (w.shape[0], w.shape[1]);
                     let tokens = x.len() / din;
                     crate::profile::time(crate::profile::Kernel::MatmulWeight, || {
-                        tensor::gemm::matmul(
-                            w.of_mut(g),
-                            &dy,
-                            &x,
+                        tensor::ops::matmul(
+                            w.at_mut(g.reborrow()),
+                            dy.r(),
+                            x.r(),
                             dout,
                             tokens,
                             din,
@@ -228,12 +235,12 @@ impl WeightGradStore {
                 }
                 WeightTask::Norm { w, dy, x, rstd } => {
                     crate::profile::time(crate::profile::Kernel::Norm, || {
-                        tensor::norm::rmsnorm_backward_weight(
-                            &dy,
-                            &x,
-                            &rstd,
+                        tensor::ops::rmsnorm_backward_weight(
+                            dy.r(),
+                            x.r(),
+                            rstd.r(),
                             w.numel(),
-                            w.of_mut(g),
+                            w.at_mut(g.reborrow()),
                         )
                     })?;
                 }
@@ -244,23 +251,23 @@ impl WeightGradStore {
 }
 
 /// RMSNorm forward over rows of `x`: returns `(y, rstd)`.
-pub fn rmsnorm(p: &[f32], w: &View, x: &[f32], eps: f32) -> Result<(Vec<f32>, Vec<f32>)> {
+pub fn rmsnorm(p: BufRef<'_>, w: &View, x: BufRef<'_>, eps: f32) -> Result<(Buf, Buf)> {
     Ok(crate::profile::time(crate::profile::Kernel::Norm, || {
-        tensor::norm::rmsnorm_forward(x, w.of(p), w.numel(), eps)
+        tensor::ops::rmsnorm_forward(x, w.at(p), w.numel(), eps)
     })?)
 }
 
-/// RMSNorm input gradient as a new vector, plus `residual` (the residual stream's gradient)
+/// RMSNorm input gradient as a new buffer, plus `residual` (the residual stream's gradient)
 /// when given.
 pub fn rmsnorm_backward_input(
-    p: &[f32],
+    p: BufRef<'_>,
     w: &View,
-    x: &[f32],
-    rstd: &[f32],
-    dy: &[f32],
-    residual: Option<&[f32]>,
-) -> Result<Vec<f32>> {
+    x: BufRef<'_>,
+    rstd: BufRef<'_>,
+    dy: BufRef<'_>,
+    residual: Option<BufRef<'_>>,
+) -> Result<Buf> {
     Ok(crate::profile::time(crate::profile::Kernel::Norm, || {
-        tensor::norm::rmsnorm_backward_input(dy, x, w.of(p), rstd, w.numel(), residual)
+        tensor::ops::rmsnorm_backward_input(dy, x, w.at(p), rstd, w.numel(), residual)
     })?)
 }

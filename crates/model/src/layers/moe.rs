@@ -15,7 +15,9 @@
 use std::sync::Arc;
 
 use super::mlp::{MlpCache, SwiGlu};
-use super::{linear_backward_input, linear_forward_new, Act, Pass, WeightGradStore, WeightTask};
+use super::{
+    linear_backward_input, linear_forward_new, Act, Buf, Pass, WeightGradStore, WeightTask,
+};
 use crate::error::Result;
 use crate::layout::View;
 use crate::profile::{time, Kernel};
@@ -99,10 +101,10 @@ pub struct Routing {
 impl Routing {
     /// Bytes of the routing tables.
     pub fn bytes(&self) -> usize {
-        use std::mem::size_of;
+        use std::mem::{size_of, size_of_val};
         let pairs: usize = self.assigned.iter().map(Vec::len).sum();
-        super::act_bytes(&self.probs)
-            + super::act_bytes(&self.weights)
+        size_of_val(self.probs.as_slice())
+            + size_of_val(self.weights.as_slice())
             + (self.experts.len() + self.counts.len()) * size_of::<usize>()
             + pairs * size_of::<(usize, usize)>()
     }
@@ -161,11 +163,15 @@ impl MoeCache {
             .dispatch
             .iter()
             .flat_map(|d| d.returned.iter())
-            .map(|r| super::act_bytes(r))
+            .map(|r| std::mem::size_of_val(r.as_slice()))
             .sum();
         self.routing.bytes() + experts + returned + self.shared.as_ref().map_or(0, MlpCache::bytes)
     }
 }
+
+/// What the mixture of experts needs host buffers for (the routing lists; on the GPU it is
+/// not built yet).
+const HOST: &str = "the mixture of experts";
 
 impl Moe {
     pub fn num_experts(&self) -> usize {
@@ -178,7 +184,7 @@ impl Moe {
         let hidden = self.router.shape[1];
         let t_n = x.len() / hidden;
         let k = self.top_k;
-        let logits = linear_forward_new(p, &self.router, x)?;
+        let logits = linear_forward_new(p.into(), &self.router, x.into())?.into_host(HOST)?;
         time(Kernel::Router, || -> Result<Routing> {
             let mut probs = vec![0.0; t_n * e_n];
             tensor::softmax::softmax_rows(&logits, e_n, &mut probs)?;
@@ -261,7 +267,9 @@ impl Moe {
                 let shared = match &self.shared {
                     Some(s) => {
                         let (ys, c) = s.forward(p, x, keep_product)?;
-                        y.iter_mut().zip(&ys).for_each(|(a, b)| *a += b);
+                        y.iter_mut()
+                            .zip(ys.as_host(HOST)?)
+                            .for_each(|(a, b)| *a += b);
                         Some(c)
                     }
                     None => None,
@@ -327,6 +335,7 @@ impl Moe {
                 }
             });
             let (out, mlp) = expert.forward(p, &xs, keep_product)?;
+            let out = out.into_host(HOST)?;
             time(Kernel::Router, || {
                 for (i, &(t, j)) in list.iter().enumerate() {
                     let w = routing.weights[t * k + j];
@@ -337,9 +346,9 @@ impl Moe {
                 }
             });
             caches.push(Some(ExpertCache {
-                x: Arc::new(xs),
+                x: Arc::new(Buf::Host(xs)),
                 mlp,
-                out: Arc::new(out),
+                out: Arc::new(Buf::Host(out)),
             }));
         }
         Ok(caches)
@@ -403,6 +412,7 @@ impl Moe {
                 xs.extend_from_slice(&b[at(m, l)..at(m, l) + received[m][l] * hidden]);
             }
             let (out, mlp) = expert.forward(p, &xs, keep_product)?;
+            let out = out.into_host(HOST)?;
             let mut o = 0;
             for (m, bk) in back.iter_mut().enumerate() {
                 let len = received[m][l] * hidden;
@@ -410,9 +420,9 @@ impl Moe {
                 o += len;
             }
             caches.push(Some(ExpertCache {
-                x: Arc::new(xs),
+                x: Arc::new(Buf::Host(xs)),
                 mlp,
-                out: Arc::new(out),
+                out: Arc::new(Buf::Host(out)),
             }));
         }
         let returned = time(Kernel::ExpertExchange, ex.all_to_all(back))?;
@@ -429,10 +439,15 @@ impl Moe {
                 }
             }
         });
-        let shared = shared.map(|(ys, c)| {
-            y.iter_mut().zip(&ys).for_each(|(a, b)| *a += b);
-            c
-        });
+        let shared = match shared {
+            Some((ys, c)) => {
+                y.iter_mut()
+                    .zip(ys.as_host(HOST)?)
+                    .for_each(|(a, b)| *a += b);
+                Some(c)
+            }
+            None => None,
+        };
         Ok((caches, Dispatch { received, returned }, shared))
     }
 
@@ -458,6 +473,7 @@ impl Moe {
         let hidden = self.router.shape[1];
         let k = self.top_k;
         let (n, per) = (ex.size(), self.experts.len());
+        let dyh = dy.as_host(HOST)?;
         let send: Vec<Vec<f32>> = time(Kernel::Router, || {
             (0..n)
                 .map(|m| {
@@ -465,7 +481,7 @@ impl Moe {
                     let mut o = 0;
                     for &(t, j) in r.assigned[m * per..(m + 1) * per].iter().flatten() {
                         let w = r.weights[t * k + j];
-                        let dyt = &dy[t * hidden..(t + 1) * hidden];
+                        let dyt = &dyh[t * hidden..(t + 1) * hidden];
                         let out = &d.returned[m][o..o + hidden];
                         dw[t * k + j] = dyt.iter().zip(out).map(|(a, b)| a * b).sum();
                         buf.extend(dyt.iter().map(|g| w * g));
@@ -478,7 +494,10 @@ impl Moe {
         let wait = ex.all_to_all(send);
         let (shared, x) = shared;
         let shared_dx = match shared {
-            Some((s, c)) => Some(s.backward_input(p, x, c, dy.clone(), store)?),
+            Some((s, c)) => Some(
+                s.backward_input(p, x, c, dy.clone(), store)?
+                    .into_host(HOST)?,
+            ),
             None => None,
         };
         let recv = time(Kernel::ExpertExchange, wait)?;
@@ -490,7 +509,9 @@ impl Moe {
             for (m, b) in recv.iter().enumerate() {
                 dout.extend_from_slice(&b[at(m, l)..at(m, l) + d.received[m][l] * hidden]);
             }
-            let dxs = expert.backward_input(p, &c.x, c.mlp, Arc::new(dout), store)?;
+            let dxs = expert
+                .backward_input(p, &c.x, c.mlp, Arc::new(Buf::Host(dout)), store)?
+                .into_host(HOST)?;
             let mut o = 0;
             for (m, bk) in back.iter_mut().enumerate() {
                 let len = d.received[m][l] * hidden;
@@ -532,6 +553,7 @@ impl Moe {
         let t_n = x.len() / hidden;
         let k = self.top_k;
         let r = &cache.routing;
+        let dyh = dy.as_host(HOST)?;
         let mut dx = vec![0.0; x.len()];
         let mut dw = vec![0.0f32; t_n * k];
         // Under expert parallelism the shared expert's input gradient is computed while the
@@ -561,19 +583,22 @@ impl Moe {
                 for (e, (expert, c)) in self.experts.iter().zip(cache.experts).enumerate() {
                     let Some(c) = c else { continue };
                     let list = &r.assigned[e];
+                    let out = c.out.as_host(HOST)?;
                     let mut dout = vec![0.0; list.len() * hidden];
                     time(Kernel::Router, || {
                         for (i, &(t, j)) in list.iter().enumerate() {
                             let w = r.weights[t * k + j];
-                            let dyt = &dy[t * hidden..(t + 1) * hidden];
-                            let o = &c.out[i * hidden..(i + 1) * hidden];
+                            let dyt = &dyh[t * hidden..(t + 1) * hidden];
+                            let o = &out[i * hidden..(i + 1) * hidden];
                             dw[t * k + j] = dyt.iter().zip(o).map(|(a, b)| a * b).sum();
                             for (d, g) in dout[i * hidden..(i + 1) * hidden].iter_mut().zip(dyt) {
                                 *d = w * g;
                             }
                         }
                     });
-                    let dxs = expert.backward_input(p, &c.x, c.mlp, Arc::new(dout), store)?;
+                    let dxs = expert
+                        .backward_input(p, &c.x, c.mlp, Arc::new(Buf::Host(dout)), store)?
+                        .into_host(HOST)?;
                     time(Kernel::Router, || {
                         for (i, &(t, _)) in list.iter().enumerate() {
                             for (a, b) in dx[t * hidden..(t + 1) * hidden]
@@ -615,16 +640,22 @@ impl Moe {
         time(Kernel::Router, || {
             tensor::softmax::softmax_rows_backward(&dp, &r.probs, e_n, &mut dlogits)
         })?;
-        linear_backward_input(p, &self.router, &dlogits, &mut dx, true)?;
+        linear_backward_input(
+            p.into(),
+            &self.router,
+            (&dlogits).into(),
+            (&mut dx[..]).into(),
+            true,
+        )?;
         store.push(WeightTask::Linear {
             w: self.router.clone(),
-            dy: Arc::new(dlogits),
+            dy: Arc::new(Buf::Host(dlogits)),
             x: x.clone(),
         });
         let shared_dx = match shared_dx {
             Some(d) => Some(d),
             None => match (&self.shared, shared_cache) {
-                (Some(s), Some(c)) => Some(s.backward_input(p, x, c, dy, store)?),
+                (Some(s), Some(c)) => Some(s.backward_input(p, x, c, dy, store)?.into_host(HOST)?),
                 _ => None,
             },
         };

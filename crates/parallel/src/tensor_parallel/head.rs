@@ -98,7 +98,9 @@ impl VocabParallelHead {
     /// the targets of all tokens.
     pub fn forward(&self, p: &[f32], x: Act, targets: Arc<Vec<i64>>) -> Result<TpHeadCache> {
         let n_valid = count_valid(&targets, self.vocab, self.ce.ignore_index)?;
-        let (xn, rstd) = rmsnorm(p, &self.norm, &x, self.eps)?;
+        let host = |b: model::layers::Buf| b.into_host("tensor parallelism");
+        let (xn, rstd) = rmsnorm(p.into(), &self.norm, x.r(), self.eps)?;
+        let (xn, rstd) = (host(xn)?, host(rstd)?);
         let xn = self.region.enter_forward(xn)?;
         let rows = targets.len();
         if xn.len() != rows * self.dim() {
@@ -207,8 +209,17 @@ impl VocabParallelHead {
             )?;
         }
         let dxn = self.region.enter_backward(dxn)?;
-        let dx = rmsnorm_backward_input(p, &self.norm, &cache.x, &cache.rstd, &dxn, None)?;
-        tensor::norm::rmsnorm_backward_weight(&dxn, &cache.x, &cache.rstd, d, self.norm.of_mut(g))?;
+        let dx = rmsnorm_backward_input(
+            p.into(),
+            &self.norm,
+            cache.x.r(),
+            (&cache.rstd).into(),
+            (&dxn).into(),
+            None,
+        )?
+        .into_host("tensor parallelism")?;
+        let x = cache.x.as_host("tensor parallelism")?;
+        tensor::norm::rmsnorm_backward_weight(&dxn, x, &cache.rstd, d, self.norm.of_mut(g))?;
         Ok(dx)
     }
 }

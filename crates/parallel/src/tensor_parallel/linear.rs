@@ -38,6 +38,9 @@ pub struct LinearCache {
     x: Vec<f32>,
 }
 
+/// What needs host buffers here (tensor parallelism on the GPU is not built yet).
+const TP: &str = "tensor parallelism";
+
 /// `dW += dyᵀ·x` for `W [out, in]`.
 fn weight_grad(w: &View, dy: &[f32], x: &[f32], g: &mut [f32]) -> Result<()> {
     let (dout, din) = (w.shape[0], w.shape[1]);
@@ -48,7 +51,7 @@ fn weight_grad(w: &View, dy: &[f32], x: &[f32], g: &mut [f32]) -> Result<()> {
 
 fn local_backward_input(p: &[f32], w: &View, dy: &[f32]) -> Result<Vec<f32>> {
     let mut dx = vec![0.0; dy.len() / w.shape[0] * w.shape[1]];
-    linear_backward_input(p, w, dy, &mut dx, false)?;
+    linear_backward_input(p.into(), w, dy.into(), (&mut dx).into(), false)?;
     Ok(dx)
 }
 
@@ -56,7 +59,7 @@ impl ColumnParallelLinear {
     /// `x [tokens(, local under sp), in] -> y_r [tokens, out/tp]`.
     pub fn forward(&self, p: &[f32], x: Vec<f32>) -> Result<(Vec<f32>, LinearCache)> {
         let x = self.region.enter_forward(x)?;
-        let y = linear_forward_new(p, &self.w, &x)?;
+        let y = linear_forward_new(p.into(), &self.w, (&x).into())?.into_host(TP)?;
         Ok((y, LinearCache { x }))
     }
 
@@ -77,7 +80,7 @@ impl ColumnParallelLinear {
 impl RowParallelLinear {
     /// `x_r [tokens, in/tp] -> y [tokens(, local under sp), out]`.
     pub fn forward(&self, p: &[f32], x: Vec<f32>) -> Result<(Vec<f32>, LinearCache)> {
-        let y = linear_forward_new(p, &self.w, &x)?;
+        let y = linear_forward_new(p.into(), &self.w, (&x).into())?.into_host(TP)?;
         Ok((self.region.exit_forward(y)?, LinearCache { x }))
     }
 

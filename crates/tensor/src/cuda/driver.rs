@@ -354,6 +354,23 @@ impl<'a, T: Copy> DevSliceMut<'a, T> {
             _t: std::marker::PhantomData,
         }
     }
+    /// The range cut in two at `mid` (panics beyond the end, as `split_at_mut` does).
+    pub fn split_at(self, mid: usize) -> (DevSliceMut<'a, T>, DevSliceMut<'a, T>) {
+        assert!(
+            mid <= self.len,
+            "DevSliceMut split at {mid} of {}",
+            self.len
+        );
+        let right = DevSliceMut {
+            ptr: self.ptr + (mid * std::mem::size_of::<T>()) as u64,
+            len: self.len - mid,
+            gpu: self.gpu,
+            _t: std::marker::PhantomData,
+        };
+        let left = DevSliceMut { len: mid, ..self };
+        (left, right)
+    }
+
     /// Overwrites the range with `src` (same length; waits for the copy).
     pub fn copy_from_host(&mut self, src: &[T]) -> Result<(), CudaError> {
         copy_from_host(self.gpu, self.ptr, self.len, src)

@@ -36,7 +36,11 @@ pub fn run(a: Args) -> Result<()> {
                 .map(|i| (i % 7) as f32 * 0.1)
                 .collect();
             let br = local.layout.block_range(0);
-            let (y, cache) = local.blocks[0].forward(&p[br], Arc::new(x), &Pass::new(b, s))?;
+            let (y, cache) = local.blocks[0].forward(
+                &p[br],
+                Arc::new(model::layers::Buf::Host(x)),
+                &Pass::new(b, s),
+            )?;
             Ok((cache.residual_bytes(), y.len() * 4))
         });
         let (res, out) = rows.into_iter().next().expect("rank 0")?;
