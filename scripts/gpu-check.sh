@@ -22,8 +22,8 @@ build() {
     cargo build --release -p xtrain
     cp target/release/xtrain "$dir/xtrain"
     # Test binaries: cargo prints their paths as JSON artifacts.
-    cargo test --release -p tensor --test cuda_kernels --test cuda_kernels_compile --no-run \
-        --message-format=json |
+    cargo test --release -p tensor -p model --test cuda_kernels --test cuda_kernels_compile \
+        --test gpu_model --no-run --message-format=json |
         python3 -c '
 import json, sys
 for line in sys.stdin:
@@ -69,7 +69,7 @@ PY
         echo
     } >"$report"
     local failed=0
-    for t in cuda_kernels_compile cuda_kernels; do
+    for t in cuda_kernels_compile cuda_kernels gpu_model; do
         if [ ! -x "$dir/$t" ]; then
             echo "- $t: MISSING (run scripts/gpu-check.sh build first)" >>"$report"
             failed=1

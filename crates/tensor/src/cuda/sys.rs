@@ -223,6 +223,8 @@ fn toolkit_folders() -> Vec<PathBuf> {
     }
     v.push("/usr/local/cuda/lib64".into());
     v.push("/usr/local/cuda/targets/x86_64-linux/lib".into());
+    // Where container images mount the driver's libraries.
+    v.push("/usr/local/nvidia/lib64".into());
     v
 }
 
