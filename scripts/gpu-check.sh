@@ -22,8 +22,9 @@ build() {
     cargo build --release -p xtrain
     cp target/release/xtrain "$dir/xtrain"
     # Test binaries: cargo prints their paths as JSON artifacts.
-    cargo test --release -p tensor -p model --test cuda_kernels --test cuda_kernels_compile \
-        --test gpu_model --no-run --message-format=json |
+    cargo test --release -p tensor -p model -p train --test cuda_kernels \
+        --test cuda_kernels_compile --test gpu_model --test gpu_train --no-run \
+        --message-format=json |
         python3 -c '
 import json, sys
 for line in sys.stdin:
@@ -69,7 +70,7 @@ PY
         echo
     } >"$report"
     local failed=0
-    for t in cuda_kernels_compile cuda_kernels gpu_model; do
+    for t in cuda_kernels_compile cuda_kernels gpu_model gpu_train; do
         if [ ! -x "$dir/$t" ]; then
             echo "- $t: MISSING (run scripts/gpu-check.sh build first)" >>"$report"
             failed=1
@@ -84,6 +85,23 @@ PY
         fi
         grep -E '^test |test result' "$out/$t.log" | sed 's/^/    /' >>"$report"
     done
+    # Benchmarks, alternating xtrain and the PyTorch peer on the same GPU (fp32, TF32 off).
+    {
+        echo
+        echo "## Benchmarks (fp32, TF32 off; xtrain then PyTorch, twice)"
+        echo
+        echo '```'
+    } >>"$report"
+    for round in 1 2; do
+        for preset in tiny small; do
+            timeout 120 "$dir/xtrain" bench train --preset "$preset" --device cuda --steps 10 \
+                >>"$report" 2>&1 || echo "xtrain bench $preset failed" >>"$report"
+            PYTHONUNBUFFERED=1 timeout 120 python3 benches/peers/torch_peer.py train \
+                --preset "$preset" --device cuda --steps 10 >>"$report" 2>&1 ||
+                echo "torch peer $preset failed" >>"$report"
+        done
+    done
+    echo '```' >>"$report"
     cat "$report"
     return $failed
 }

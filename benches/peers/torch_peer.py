@@ -10,8 +10,13 @@ alternately in one session on one machine and compared as a ratio:
   head dim 32, sequence 256 (the tensor-core issue's shape), median of 7; FLOPs counted as in
   `cpu_throughput attention` (the causal half: 2·b·h·s²·d forward, 2.5× that backward).
 
+On a GPU (`--device cuda`): the same training step on the device, fp32 with TF32 off (what
+`xtrain bench train --device cuda` runs today) or `--dtype bf16` (bf16 weights), fused AdamW,
+timed with `torch.cuda.synchronize()` around each step.
+
     pip install torch transformers
     python3 benches/peers/torch_peer.py train --preset small --threads 1 --steps 4
+    python3 benches/peers/torch_peer.py train --preset small --device cuda --steps 10
     python3 benches/peers/torch_peer.py gemm --threads 2 --n 2048
     python3 benches/peers/torch_peer.py attention --threads 2
 """
@@ -80,6 +85,8 @@ def main():
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--steps", type=int, default=4)
     ap.add_argument("--n", type=int, default=2048)
+    ap.add_argument("--device", default="cpu", help="train: cpu or cuda")
+    ap.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32", help="train on cuda")
     ap.add_argument("--shape", default="8,8,8,32,256",
                     help="attention: batch,heads,kv_heads,head_dim,seq (medium preset: 4,8,4,64,512)")
     args = ap.parse_args()
@@ -102,18 +109,27 @@ def main():
         tie_word_embeddings=False,
         attn_implementation="sdpa",
     )
-    model = LlamaForCausalLM(cfg).float().train()
-    opt = torch.optim.AdamW(model.parameters(), lr=3e-4, weight_decay=0.1)
+    cuda = args.device.startswith("cuda")
+    if cuda:
+        # fp32 parity with xtrain's fp32 GPU path: no TF32 in matrix products.
+        torch.backends.cuda.matmul.allow_tf32 = False
+        torch.backends.cudnn.allow_tf32 = False
+    dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
+    model = LlamaForCausalLM(cfg).to(device=args.device, dtype=dtype).train()
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-4, weight_decay=0.1, fused=cuda)
     n_params = sum(p.numel() for p in model.parameters())
-    ids = torch.randint(0, vocab, (batch, seq))
+    ids = torch.randint(0, vocab, (batch, seq), device=args.device)
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
 
     def step():
+        sync()
         t0 = time.perf_counter()
         loss = model(input_ids=ids, labels=ids).loss
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         opt.zero_grad(set_to_none=True)
+        sync()
         return time.perf_counter() - t0
 
     step()  # warm-up
@@ -122,7 +138,8 @@ def main():
     flops_per_token = 6 * n_params + 12 * layers * hidden * seq
     print(
         f"torch {torch.__version__} preset {args.preset} ({n_params} params), "
-        f"{args.threads} thread(s): median step {median:.4f} s -> {tokens / median:.0f} tokens/s, "
+        f"{torch.cuda.get_device_name() + ' ' + args.dtype if cuda else str(args.threads) + ' thread(s)'}: "
+        f"median step {median:.4f} s -> {tokens / median:.0f} tokens/s, "
         f"{flops_per_token * tokens / median / 1e9:.1f} GFLOP/s"
     )
 

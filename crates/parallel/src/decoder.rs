@@ -23,7 +23,7 @@ use std::sync::Arc;
 use comm::ProcessGroup;
 use model::layers::block::BlockCache;
 use model::layers::head::{HeadCache, HeadWeightGrad};
-use model::layers::{Buf, Pass, Recompute, WeightGradStore};
+use model::layers::{Buf, BufMut, BufRef, Pass, Recompute, WeightGradStore};
 use model::{Batch, Model, ModelConfig};
 
 use crate::context_parallel::CpLayout;
@@ -410,7 +410,7 @@ impl StageModel for DecoderStage {
     fn forward(
         &self,
         unit: usize,
-        p: &[f32],
+        p: BufRef<'_>,
         x: Option<LlmAct>,
         batch: &Batch,
         scale: f32,
@@ -425,7 +425,7 @@ impl StageModel for DecoderStage {
                 let x = match &self.tp {
                     Some(t) => {
                         t.plan.check_seq(batch.seq)?;
-                        Buf::Host(t.embed.forward(p, &batch.inputs).map_err(merr)?)
+                        Buf::Host(t.embed.forward(host(p)?, &batch.inputs).map_err(merr)?)
                     }
                     None => self.local.embed_forward(p, &batch.inputs).map_err(merr)?,
                 };
@@ -466,7 +466,7 @@ impl StageModel for DecoderStage {
                 let mult = self.cp_mult();
                 let (cache, ce) = match &self.tp {
                     Some(t) => {
-                        let c = t.head.forward(p, x, targets).map_err(merr)?;
+                        let c = t.head.forward(host(p)?, x, targets).map_err(merr)?;
                         let n = self.mean_count(full, c.n_valid)?;
                         let ce = mean(c.loss_sum, n) * mult;
                         (DecoderCache::TpHead(c, n), ce)
@@ -524,7 +524,7 @@ impl StageModel for DecoderStage {
     fn backward_input(
         &self,
         unit: usize,
-        p: &[f32],
+        p: BufRef<'_>,
         cache: DecoderCache,
         dy: Option<LlmAct>,
         scale: f32,
@@ -563,7 +563,7 @@ impl StageModel for DecoderStage {
                     .expect("a tp head cache comes from a tp stage");
                 let s = grad_scale(scale * self.cp_mult(), n);
                 let mut gu = vec![0.0; p.len()];
-                let dx = t.head.backward(p, &mut gu, c, s).map_err(merr)?;
+                let dx = t.head.backward(host(p)?, &mut gu, c, s).map_err(merr)?;
                 Ok((act(Buf::Host(dx)), DecoderWeightGrad::Dense(gu)))
             }
         }
@@ -572,15 +572,19 @@ impl StageModel for DecoderStage {
     fn backward_weight(
         &self,
         unit: usize,
-        p: &[f32],
+        p: BufRef<'_>,
         pending: DecoderWeightGrad,
-        g: &mut [f32],
+        g: BufMut<'_>,
     ) -> Result<(), ParallelError> {
         match pending {
             DecoderWeightGrad::Embed { ids, dx } => match &self.tp {
                 Some(t) => t
                     .embed
-                    .backward(g, &ids, dx.into_host(TP).map_err(terr)?)
+                    .backward(
+                        g.as_host(TP).map_err(terr)?,
+                        &ids,
+                        dx.into_host(TP).map_err(terr)?,
+                    )
                     .map_err(merr),
                 None => self.local.embed_backward(g, &ids, dx.r()).map_err(merr),
             },
@@ -588,7 +592,7 @@ impl StageModel for DecoderStage {
                 if self.partial[unit] {
                     let mut gu = vec![0.0; g.len()];
                     store.apply(&mut gu).map_err(merr)?;
-                    self.add_synced(unit, gu, g)
+                    self.add_synced(unit, gu, g.as_host(TP).map_err(terr)?)
                 } else {
                     store.apply(g).map_err(merr)
                 }
@@ -599,7 +603,7 @@ impl StageModel for DecoderStage {
                     .head_backward_weight(p, none, g, None, w)
                     .map_err(merr)
             }
-            DecoderWeightGrad::Dense(gu) => self.add_synced(unit, gu, g),
+            DecoderWeightGrad::Dense(gu) => self.add_synced(unit, gu, g.as_host(TP).map_err(terr)?),
         }
     }
 
@@ -753,6 +757,11 @@ const TP: &str = "tensor parallelism";
 /// A tensor error as this crate's.
 fn terr(e: tensor::TensorError) -> ParallelError {
     ParallelError::Model(e.to_string())
+}
+
+/// A parameter range the tensor-parallel parts read on the host.
+fn host(p: BufRef<'_>) -> Result<&[f32], ParallelError> {
+    p.as_host(TP).map_err(terr)
 }
 
 /// Mean loss over `n` valid targets (0 when none).

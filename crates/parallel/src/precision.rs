@@ -13,6 +13,8 @@ use std::ops::Range;
 
 use half::{bf16, f16};
 use serde::{Deserialize, Serialize};
+use tensor::buf::{Buf, BufMut, BufRef, Dev};
+use tensor::TensorError;
 
 /// Numeric format of the training state.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -96,7 +98,12 @@ impl Half {
 }
 
 /// A flat buffer of parameters or gradients in the compute precision.
-#[derive(Clone, Debug, PartialEq)]
+///
+/// `Dev` is fp32 on a GPU: it is read and written only through [`Flat::view`],
+/// [`Flat::update_buf`], [`Flat::download`] and [`Flat::upload`] (the executor refuses the
+/// configurations whose paths read host slices — data parallelism, ZeRO, pipelines, 16-bit
+/// storage — on a GPU, so the host-slice methods never meet a device buffer).
+#[derive(Debug)]
 pub enum Flat {
     F32(Vec<f32>),
     /// 16-bit bit patterns of `kind`.
@@ -104,7 +111,12 @@ pub enum Flat {
         kind: Half,
         bits: Vec<u16>,
     },
+    /// fp32 on a GPU.
+    Dev(Buf),
 }
+
+/// The invariant of [`Flat::Dev`] (see its doc).
+const DEVICE_PATH: &str = "a GPU buffer on a host-slice path of the executor";
 
 impl Flat {
     /// `n` zeros in the compute precision of `precision`.
@@ -134,6 +146,80 @@ impl Flat {
         match self {
             Flat::F32(v) => v.len(),
             Flat::Half { bits, .. } => bits.len(),
+            Flat::Dev(b) => b.len(),
+        }
+    }
+
+    /// `values` on device `dev` in the compute precision of `precision` (a GPU holds fp32
+    /// only).
+    pub fn from_f32_on(
+        dev: &Dev,
+        values: Vec<f32>,
+        precision: Precision,
+    ) -> Result<Self, TensorError> {
+        match dev {
+            Dev::Cpu => Ok(Self::from_f32(values, precision)),
+            Dev::Cuda(_) => Ok(Flat::Dev(dev.from_vec(values)?)),
+        }
+    }
+
+    /// `n` zeros on device `dev` (a GPU holds fp32 only).
+    pub fn zeros_on(dev: &Dev, n: usize, precision: Precision) -> Result<Self, TensorError> {
+        match dev {
+            Dev::Cpu => Ok(Self::zeros(n, precision)),
+            Dev::Cuda(_) => Ok(Flat::Dev(dev.zeros(n)?)),
+        }
+    }
+
+    /// Elements `r` as a read-only view (fp32 storage only: host or GPU).
+    pub fn view(&self, r: Range<usize>) -> Option<BufRef<'_>> {
+        match self {
+            Flat::F32(v) => Some(BufRef::Host(&v[r])),
+            Flat::Dev(b) => Some(b.r().slice(r)),
+            Flat::Half { .. } => None,
+        }
+    }
+
+    /// Runs `f` on elements `r` as an fp32 view on the buffer's device: in place for fp32
+    /// (host or GPU); for 16-bit storage through an fp32 copy rounded back afterwards.
+    pub fn update_buf<T>(&mut self, r: Range<usize>, f: impl FnOnce(BufMut<'_>) -> T) -> T {
+        match self {
+            Flat::F32(v) => f(BufMut::Host(&mut v[r])),
+            Flat::Dev(b) => f(b.m().slice_mut(r)),
+            Flat::Half { kind, bits } => {
+                let mut g = vec![0.0; r.len()];
+                kind.upcast(&bits[r.clone()], &mut g);
+                let out = f(BufMut::Host(&mut g));
+                kind.downcast(&g, &mut bits[r]);
+                out
+            }
+        }
+    }
+
+    /// The whole buffer as fp32 on the host (a copy; downloaded from a GPU).
+    pub fn download(&self) -> Result<Vec<f32>, TensorError> {
+        match self {
+            Flat::Dev(b) => b.to_vec(),
+            other => Ok(other.read(0..other.len())),
+        }
+    }
+
+    /// Sets every element to zero.
+    pub fn try_fill_zero(&mut self) -> Result<(), TensorError> {
+        match self {
+            Flat::Dev(b) => b.m().zero(),
+            other => {
+                other.fill_zero();
+                Ok(())
+            }
+        }
+    }
+
+    /// Σ x² over elements `r` in f64 (on the buffer's device).
+    pub fn try_sq_sum(&self, r: Range<usize>) -> Result<f64, TensorError> {
+        match self {
+            Flat::Dev(b) => tensor::ops::sq_sum(b.r().slice(r)),
+            other => Ok(other.sq_sum(r)),
         }
     }
 
@@ -146,14 +232,16 @@ impl Flat {
         match self {
             Flat::F32(v) => std::mem::size_of_val(v.as_slice()),
             Flat::Half { bits, .. } => std::mem::size_of_val(bits.as_slice()),
+            Flat::Dev(b) => b.bytes(),
         }
     }
 
-    /// The fp32 buffer itself (`None` for 16-bit storage, which is read through a copy).
+    /// The fp32 host buffer itself (`None` for 16-bit storage, which is read through a copy,
+    /// and for a GPU buffer).
     pub fn as_f32(&self) -> Option<&[f32]> {
         match self {
             Flat::F32(v) => Some(v),
-            Flat::Half { .. } => None,
+            Flat::Half { .. } | Flat::Dev(_) => None,
         }
     }
 
@@ -169,6 +257,7 @@ impl Flat {
         match self {
             Flat::F32(v) => out.copy_from_slice(&v[r]),
             Flat::Half { kind, bits } => kind.upcast(&bits[r], out),
+            Flat::Dev(_) => unreachable!("{DEVICE_PATH}"),
         }
     }
 
@@ -178,6 +267,7 @@ impl Flat {
         match self {
             Flat::F32(v) => v[r].copy_from_slice(src),
             Flat::Half { kind, bits } => kind.downcast(src, &mut bits[r]),
+            Flat::Dev(_) => unreachable!("{DEVICE_PATH}"),
         }
     }
 
@@ -193,6 +283,7 @@ impl Flat {
                 kind.downcast(&g, &mut bits[r]);
                 out
             }
+            Flat::Dev(_) => unreachable!("{DEVICE_PATH}"),
         }
     }
 
@@ -200,6 +291,7 @@ impl Flat {
         match self {
             Flat::F32(v) => tensor::threads::scale(v, 0.0),
             Flat::Half { bits, .. } => bits.fill(0),
+            Flat::Dev(_) => unreachable!("{DEVICE_PATH}"),
         }
     }
 
@@ -220,6 +312,7 @@ impl Flat {
                     })
                     .sum::<f64>()
             }),
+            Flat::Dev(_) => unreachable!("{DEVICE_PATH}"),
         }
     }
 
@@ -235,6 +328,7 @@ impl Flat {
                 kind: Half::F16,
                 bits,
             } => Piece::F16(bytemuck::cast_slice::<u16, f16>(&bits[r]).to_vec()),
+            Flat::Dev(_) => unreachable!("{DEVICE_PATH}"),
         }
     }
 }
@@ -347,10 +441,80 @@ impl Bucketed {
             .collect()
     }
 
-    pub fn fill_zero(&mut self) {
-        self.bufs
-            .iter_mut()
-            .for_each(|b| b.as_mut().expect("bucket is not lent out").fill_zero());
+    /// Sets every bucket to zero (on its device).
+    pub fn fill_zero(&mut self) -> Result<(), TensorError> {
+        for b in &mut self.bufs {
+            b.as_mut()
+                .expect("bucket is not lent out")
+                .try_fill_zero()?;
+        }
+        Ok(())
+    }
+
+    /// Zeros cut into `ranges` (as [`Bucketed::zeros`]) on device `dev`.
+    pub fn zeros_on(
+        dev: &Dev,
+        ranges: Vec<Range<usize>>,
+        precision: Precision,
+    ) -> Result<Self, TensorError> {
+        let mut b = Self::zeros(ranges, precision);
+        if dev.is_cuda() {
+            for (buf, r) in b.bufs.iter_mut().zip(&b.ranges) {
+                *buf = Some(Flat::zeros_on(dev, r.len(), precision)?);
+            }
+        }
+        Ok(b)
+    }
+
+    /// [`Flat::update_buf`] of range `r`, which must lie inside bucket `b`.
+    pub fn update_buf<T>(
+        &mut self,
+        b: usize,
+        r: Range<usize>,
+        f: impl FnOnce(BufMut<'_>) -> T,
+    ) -> T {
+        let start = self.ranges[b].start;
+        debug_assert!(self.ranges[b].start <= r.start && r.end <= self.ranges[b].end);
+        self.buf_mut(b)
+            .update_buf(r.start - start..r.end - start, f)
+    }
+
+    /// Runs `f(flat offset, piece)` on the fp32 pieces of flat range `r` as views on their
+    /// device, in address order (`None` for 16-bit storage).
+    pub fn f32_views_mut(
+        &mut self,
+        r: Range<usize>,
+        mut f: impl FnMut(usize, BufMut<'_>),
+    ) -> Option<()> {
+        for (b, p) in self.pieces(r) {
+            let start = self.ranges[b].start + p.start;
+            match self.buf_mut(b) {
+                Flat::F32(v) => f(start, BufMut::Host(&mut v[p])),
+                Flat::Dev(d) => f(start, d.m().slice_mut(p)),
+                Flat::Half { .. } => return None,
+            }
+        }
+        Some(())
+    }
+
+    /// Σ x² over flat range `r` on the buffers' device (bucket by bucket).
+    pub fn try_sq_sum(&self, r: Range<usize>) -> Result<f64, TensorError> {
+        let mut total = 0.0;
+        for (b, p) in self.pieces(r) {
+            total += self.buf(b).try_sq_sum(p)?;
+        }
+        Ok(total)
+    }
+
+    /// The whole buffer as fp32 on the host (downloaded from a GPU).
+    pub fn download(&self) -> Result<Vec<f32>, TensorError> {
+        let total: usize = self.ranges.iter().map(|r| r.len()).sum();
+        let mut out = vec![0.0; total];
+        for &b in &self.order {
+            let r = self.ranges[b].clone();
+            out[r].copy_from_slice(&self.buf(b).download()?);
+        }
+        Ok(out)
     }
 
     /// [`Flat::update`] of range `r`, which must lie inside bucket `b`.
@@ -416,7 +580,7 @@ impl Bucketed {
             let start = self.ranges[b].start + p.start;
             match self.buf_mut(b) {
                 Flat::F32(v) => f(start, &mut v[p]),
-                Flat::Half { .. } => return None,
+                Flat::Half { .. } | Flat::Dev(_) => return None,
             }
         }
         Some(())

@@ -12,10 +12,15 @@
 //! change the result. Recomputation is a property of a unit's forward (it keeps less in its
 //! cache and rebuilds it in `backward_input`).
 //!
+//! Parameters and gradients are ranges of the executor's flat buffers on its device
+//! ([`BufRef`], [`BufMut`]: host memory, or a GPU's).
+//!
 //! The executor drives the unit loop itself, so the point where a unit's weight gradients are
 //! final is the "gradients of this range are ready" event DDP buckets wait for, and ZeRO-3 can
 //! gather a unit's parameters just before it runs and free them right after.
 use std::ops::Range;
+
+use tensor::buf::{BufMut, BufRef};
 
 use crate::placement::Placement;
 use crate::ParallelError;
@@ -48,7 +53,7 @@ pub trait StageModel: Sync {
     fn forward(
         &self,
         unit: usize,
-        params: &[f32],
+        params: BufRef<'_>,
         x: Option<Self::Act>,
         batch: &Self::Batch,
         scale: f32,
@@ -59,7 +64,7 @@ pub trait StageModel: Sync {
     fn backward_input(
         &self,
         unit: usize,
-        params: &[f32],
+        params: BufRef<'_>,
         cache: Self::Cache,
         dy: Option<Self::Act>,
         scale: f32,
@@ -69,20 +74,21 @@ pub trait StageModel: Sync {
     fn backward_weight(
         &self,
         unit: usize,
-        params: &[f32],
+        params: BufRef<'_>,
         pending: Self::WeightGrad,
-        grads: &mut [f32],
+        grads: BufMut<'_>,
     ) -> Result<(), ParallelError>;
 
     /// Fused backward: [`Self::backward_input`] then [`Self::backward_weight`].
+    #[allow(clippy::too_many_arguments)]
     fn backward(
         &self,
         unit: usize,
-        params: &[f32],
+        params: BufRef<'_>,
         cache: Self::Cache,
         dy: Option<Self::Act>,
         scale: f32,
-        grads: &mut [f32],
+        grads: BufMut<'_>,
     ) -> Result<Option<Self::Act>, ParallelError> {
         let (dx, w) = self.backward_input(unit, params, cache, dy, scale)?;
         self.backward_weight(unit, params, w, grads)?;

@@ -11,6 +11,7 @@ use std::ops::Range;
 use crate::placement::{Placement, TensorSlice};
 use crate::stage::StageModel;
 use crate::ParallelError;
+use tensor::buf::{BufMut, BufRef};
 
 #[derive(Clone, Debug)]
 pub struct ToyModel {
@@ -137,6 +138,12 @@ fn rows(batch: usize, x: &[f32], dim: usize) -> Result<(), ParallelError> {
     Ok(())
 }
 
+/// The toy model runs on host buffers only.
+fn host(p: BufRef<'_>) -> Result<&[f32], ParallelError> {
+    p.as_host("the toy model")
+        .map_err(|e| ParallelError::Model(e.to_string()))
+}
+
 impl StageModel for ToyModel {
     type Batch = Vec<Sample>;
     type Act = Vec<f32>;
@@ -193,11 +200,12 @@ impl StageModel for ToyModel {
     fn forward(
         &self,
         unit: usize,
-        p: &[f32],
+        p: BufRef<'_>,
         x: Option<Vec<f32>>,
         batch: &Vec<Sample>,
         _scale: f32,
     ) -> Result<(Vec<f32>, ToyCache), ParallelError> {
+        let p = host(p)?;
         let (d, n, g) = (self.dim, batch.len(), self.global(unit));
         if g == 0 {
             let mut y = vec![0.0; n * d];
@@ -253,11 +261,12 @@ impl StageModel for ToyModel {
     fn backward_input(
         &self,
         unit: usize,
-        p: &[f32],
+        p: BufRef<'_>,
         cache: ToyCache,
         dy: Option<Vec<f32>>,
         scale: f32,
     ) -> Result<(Option<Vec<f32>>, ToyWeightGrad), ParallelError> {
+        let p = host(p)?;
         let d = self.dim;
         let need = |dy: Option<Vec<f32>>| {
             dy.ok_or_else(|| ParallelError::Model(format!("unit {unit} backward needs dY")))
@@ -307,10 +316,13 @@ impl StageModel for ToyModel {
     fn backward_weight(
         &self,
         _unit: usize,
-        _p: &[f32],
+        _p: BufRef<'_>,
         pending: ToyWeightGrad,
-        g: &mut [f32],
+        g: BufMut<'_>,
     ) -> Result<(), ParallelError> {
+        let g = g
+            .as_host("the toy model")
+            .map_err(|e| ParallelError::Model(e.to_string()))?;
         let d = self.dim;
         match pending {
             ToyWeightGrad::Embed { tokens, dy } => {
@@ -398,7 +410,9 @@ mod tests {
             let mut x = None;
             let mut caches = Vec::new();
             for (u, r) in units.iter().enumerate() {
-                let (y, c) = m.forward(u, &p[r.clone()], x.take(), &batch, 1.0).unwrap();
+                let (y, c) = m
+                    .forward(u, (&p[r.clone()]).into(), x.take(), &batch, 1.0)
+                    .unwrap();
                 caches.push(c);
                 x = Some(y);
             }
@@ -409,11 +423,11 @@ mod tests {
                 dy = m
                     .backward(
                         u,
-                        &p[r.clone()],
+                        (&p[r.clone()]).into(),
                         caches.pop().unwrap(),
                         dy.take(),
                         1.0,
-                        &mut g[r.clone()],
+                        (&mut g[r.clone()]).into(),
                     )
                     .unwrap();
             }

@@ -66,7 +66,13 @@ fn run(
             losses.push(e.train_step(&batches).unwrap().loss);
         }
         if let Some(dir) = save {
-            checkpoint::save(dir, c.world(), &e.checkpoint_pieces(), &meta(dp, stage, &e)).unwrap();
+            checkpoint::save(
+                dir,
+                c.world(),
+                &e.checkpoint_pieces().unwrap(),
+                &meta(dp, stage, &e),
+            )
+            .unwrap();
         }
         losses
     });

@@ -258,7 +258,7 @@ fn impossible_layouts_are_clear_errors() {
         let p = vec![0.0; par.stage.units()[0].len()];
         let b = model::Batch::next_token(1, 5, &[1, 2, 3, 4, 5]).unwrap();
         par.stage
-            .forward(0, &p, None, &b, 1.0)
+            .forward(0, (&p).into(), None, &b, 1.0)
             .err()
             .unwrap()
             .to_string()

@@ -57,6 +57,18 @@ pub struct BenchReport {
     /// With context parallelism: each rank's attention compute and exposed ring wait, seconds
     /// per step, by world rank.
     pub context: Option<Vec<(f64, f64)>>,
+    /// On a GPU: the device, the bytes of xtrain's live buffers at their peak (the caching
+    /// allocator's count) and the bytes the device had in use at the end (`cuMemGetInfo`:
+    /// total − free, the allocator's cache and the CUDA context included).
+    pub gpu: Option<GpuMemory>,
+}
+
+/// A GPU run's device and memory.
+#[derive(Clone, Debug, serde::Serialize)]
+pub struct GpuMemory {
+    pub device: String,
+    pub peak_live_bytes: u64,
+    pub device_used_bytes: u64,
 }
 
 /// Cumulative (steal, total) CPU time of the machine in clock ticks, from the first line of
@@ -154,6 +166,16 @@ impl std::fmt::Display for BenchReport {
                 100.0 * wait / (mean + wait).max(1e-12)
             )?;
         }
+        if let Some(g) = &self.gpu {
+            writeln!(
+                f,
+                "GPU {}: peak live buffers {} ({:.2}x the account), device memory in use {}",
+                g.device,
+                human(g.peak_live_bytes),
+                g.peak_live_bytes as f64 / self.accounted_bytes as f64,
+                human(g.device_used_bytes)
+            )?;
+        }
         write!(
             f,
             "memory of rank 0: accounted {} ; peak RSS {} ({})",
@@ -179,8 +201,21 @@ pub fn bench_train(
     cfg.train.sample_tokens = 0;
     cfg.data.corpus_bytes = cfg.data.corpus_bytes.min(400_000);
     let mut t = Trainer::new(cfg, comm)?;
+    let gpu = match &t.exec.config().device {
+        tensor::buf::Dev::Cuda(g) => Some(g.clone()),
+        tensor::buf::Dev::Cpu => None,
+    };
+    // A GPU step ends when its queued kernels have run.
+    let sync = || -> Result<()> {
+        if let Some(g) = &gpu {
+            g.synchronize()
+                .map_err(|e| crate::error::TrainError::Config(e.to_string()))?;
+        }
+        Ok(())
+    };
     let threads = tensor::threads::thread_budget();
     t.train_step()?; // warm-up: page in buffers, size the thread pool
+    sync()?;
     model::profile::reset();
     model::profile::enable(true);
     // The MFU denominators are sampled before every timed step and the best kept: on a shared
@@ -191,13 +226,23 @@ pub fn bench_train(
     let mut times = Vec::with_capacity(steps.max(1));
     let mut ep_imbalance = Vec::new();
     for _ in 0..steps.max(1) {
-        peak = peak.max(job_peak_flops(comm, gemm_peak_flops)?);
-        let fma = job_peak_flops(comm, || {
-            tensor::peak::fma_peak_flops(threads).unwrap_or(f64::NAN)
-        })?;
-        fma_peak = fma_peak.filter(|_| fma.is_finite()).map(|p| p.max(fma));
+        match &gpu {
+            // The GPU's dense bf16 tensor-core peak (the usual MFU denominator).
+            Some(g) => {
+                peak = g.info.bf16_peak_flops().unwrap_or(f64::NAN);
+                fma_peak = None;
+            }
+            None => {
+                peak = peak.max(job_peak_flops(comm, gemm_peak_flops)?);
+                let fma = job_peak_flops(comm, || {
+                    tensor::peak::fma_peak_flops(threads).unwrap_or(f64::NAN)
+                })?;
+                fma_peak = fma_peak.filter(|_| fma.is_finite()).map(|p| p.max(fma));
+            }
+        }
         let s = Instant::now();
         let report = t.train_step()?;
+        sync()?;
         times.push(s.elapsed().as_secs_f64());
         ep_imbalance.extend(report.experts.map(|x| x.ep_imbalance));
     }
@@ -245,6 +290,26 @@ pub fn bench_train(
     let tokens = t.tokens_per_step();
     let tps = tokens as f64 / median;
     let fpt = t.flops_per_token();
+    let gpu = match &gpu {
+        Some(g) => {
+            let (free, total) = g
+                .memory_info()
+                .map_err(|e| crate::error::TrainError::Config(e.to_string()))?;
+            Some(GpuMemory {
+                device: format!(
+                    "cuda:{} {} (sm_{}, driver CUDA {}.{})",
+                    g.info.ordinal,
+                    g.info.name,
+                    g.info.arch(),
+                    g.info.driver_version / 1000,
+                    g.info.driver_version % 1000 / 10
+                ),
+                peak_live_bytes: g.memory_stats().peak as u64,
+                device_used_bytes: (total - free) as u64,
+            })
+        }
+        None => None,
+    };
     Ok(Some(BenchReport {
         preset: preset.to_string(),
         layout: t.dims.describe(),
@@ -267,6 +332,7 @@ pub fn bench_train(
         expert_imbalance,
         pipeline,
         context,
+        gpu,
     }))
 }
 

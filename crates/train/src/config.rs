@@ -96,6 +96,23 @@ pub struct TrainConfig {
     pub sample_tokens: usize,
     /// Prompt for that sample.
     pub sample_prompt: String,
+    /// Where the model trains: `cpu`, `cuda` or `cuda:N` (`--device`); empty: `XTRAIN_DEVICE`,
+    /// else the CPU.
+    #[serde(default)]
+    pub device: String,
+}
+
+impl TrainConfig {
+    /// The device spec in effect: `train.device`, else `XTRAIN_DEVICE`, else `cpu`.
+    pub fn device_spec(&self) -> String {
+        if !self.device.trim().is_empty() {
+            return self.device.trim().to_string();
+        }
+        match std::env::var(tensor::buf::DEVICE_ENV) {
+            Ok(v) if !v.trim().is_empty() => v.trim().to_string(),
+            _ => "cpu".into(),
+        }
+    }
 }
 
 /// Where tokens come from.
@@ -317,6 +334,7 @@ impl RunConfig {
                 threads: 0,
                 sample_tokens: 200,
                 sample_prompt: "the ".into(),
+                device: String::new(),
             },
             data: DataConfig {
                 path: String::new(),
@@ -479,6 +497,7 @@ impl RunConfig {
             return bad("train.loss_scale must be >= 1".into());
         }
         self.recompute()?;
+        self.check_device()?;
         crate::trainer::model_config(self)
             .validate()
             .map_err(|e| TrainError::Config(format!("model: {e}")))?;
@@ -517,6 +536,52 @@ impl RunConfig {
         dims.validate_model(&crate::trainer::model_config(self), m.seq_len)
             .map_err(pconf)?;
         Ok(())
+    }
+
+    /// The device spec is well formed, and a GPU is asked for only where the engine runs on one
+    /// today (one process, fp32, a dense model): refused here, before any worker starts or any
+    /// GPU is opened, naming what to change.
+    fn check_device(&self) -> Result<()> {
+        let spec = self.train.device_spec();
+        let s = spec.to_ascii_lowercase();
+        let cuda = match s.strip_prefix("cuda") {
+            _ if s == "cpu" => false,
+            Some("") => true,
+            Some(n)
+                if n.strip_prefix(':')
+                    .is_some_and(|n| n.parse::<usize>().is_ok()) =>
+            {
+                true
+            }
+            _ => {
+                return Err(TrainError::Config(format!(
+                    "train.device = `{spec}`: expected cpu, cuda or cuda:N"
+                )))
+            }
+        };
+        if !cuda {
+            return Ok(());
+        }
+        let mut why = Vec::new();
+        if self.parallel.nproc > 1 {
+            why.push(format!("{} processes", self.parallel.nproc));
+        }
+        if self.train.precision != Precision::Fp32 {
+            why.push(format!("{:?} training", self.train.precision));
+        }
+        if self.model.arch == "mixtral" {
+            why.push("a mixture of experts (its routing runs on host buffers)".into());
+        }
+        if self.parallel.zero != 0 {
+            why.push(format!("ZeRO-{}", self.parallel.zero));
+        }
+        if why.is_empty() {
+            return Ok(());
+        }
+        Err(TrainError::Config(format!(
+            "train.device = {spec}: on the GPU xtrain trains one process, fp32, a dense model for now; {} on the GPU is not built yet",
+            why.join(", ")
+        )))
     }
 
     /// `parallel.cp_balance` and `parallel.cp_comm`, parsed.

@@ -108,7 +108,25 @@ pub fn run(t: &mut Trainer, opts: &RunOptions) -> Result<RunSummary> {
     }
     let fault = crate::fault::Fault::from_env()?;
     let total = t.cfg.train.steps;
-    let peak = job_peak_flops(t.comm(), gemm_peak_flops)?;
+    let peak = match &t.exec.config().device {
+        // On a GPU the denominator is its dense bf16 tensor-core peak (the usual MFU), from
+        // the data sheet of the model found (NaN for a GPU not in the table).
+        tensor::buf::Dev::Cuda(g) => g.info.bf16_peak_flops().unwrap_or(f64::NAN),
+        tensor::buf::Dev::Cpu => job_peak_flops(t.comm(), gemm_peak_flops)?,
+    };
+    if let tensor::buf::Dev::Cuda(g) = &t.exec.config().device {
+        let i = &g.info;
+        say(&format!(
+            "device: cuda:{} {} (compute capability {}.{}, {} MiB, driver CUDA {}.{})",
+            i.ordinal,
+            i.name,
+            i.capability.0,
+            i.capability.1,
+            i.total_memory >> 20,
+            i.driver_version / 1000,
+            i.driver_version % 1000 / 10
+        ));
+    }
     let fpt = t.flops_per_token();
     say(&format!(
         "model: {} parameters ({} layers, hidden {}), data: {} ({} train / {} val tokens)",

@@ -364,6 +364,8 @@ impl Trainer {
         )
         .map_err(perr)?;
         let t = &cfg.train;
+        let device = tensor::buf::Dev::open(&t.device_spec())
+            .map_err(|e| TrainError::Config(format!("train.device: {e}")))?;
         let exec_cfg = ExecConfig {
             zero: dims.zero,
             bucket_bytes: (p.bucket_mb * 1024.0 * 1024.0) as usize,
@@ -380,6 +382,7 @@ impl Trainer {
             // A launched worker or a lone process runs one rank; ranks as threads of a test
             // process do not.
             one_rank_per_process: comm.size() == 1 || comm::env::LaunchEnv::from_env().is_ok(),
+            device,
         };
         let init = par.stage.clone();
         let seed = t.seed;
@@ -669,7 +672,7 @@ impl Trainer {
         checkpoint::save(
             dir,
             self.comm.world(),
-            &self.exec.checkpoint_pieces(),
+            &self.exec.checkpoint_pieces().map_err(perr)?,
             &meta,
         )
         .map_err(perr)

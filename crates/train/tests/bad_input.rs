@@ -97,9 +97,14 @@ fn a_failed_save_keeps_the_previous_checkpoint() {
         state: t.state(),
         files: vec![("../escape".into(), b"x".to_vec())],
     };
-    let e = parallel::checkpoint::save(&ck, t.comm().world(), &t.exec.checkpoint_pieces(), &meta)
-        .unwrap_err()
-        .to_string();
+    let e = parallel::checkpoint::save(
+        &ck,
+        t.comm().world(),
+        &t.exec.checkpoint_pieces().unwrap(),
+        &meta,
+    )
+    .unwrap_err()
+    .to_string();
     assert!(e.contains("invalid file name"), "{e}");
     let back = resume(&ck).unwrap();
     assert_eq!(back.step, 1);

@@ -37,9 +37,12 @@ use std::collections::HashMap;
 use std::ops::Range;
 use std::time::{Duration, Instant};
 
+use std::borrow::Cow;
+
 use comm::ProcessGroup;
 use model::optim::AdamW;
 use serde::Serialize;
+use tensor::buf::{Buf, Dev};
 
 use crate::data_parallel::bucket::{Bucket, BucketPlan};
 use crate::data_parallel::shard::ShardSpec;
@@ -49,6 +52,7 @@ use crate::pipeline_parallel::Action;
 use crate::precision::{Bucketed, Flat, LossScaler, Precision, CHUNK};
 use crate::stage::StageModel;
 use crate::ParallelError;
+use run::terr;
 
 /// Configuration of the executor.
 #[derive(Clone, Debug)]
@@ -67,6 +71,10 @@ pub struct ExecConfig {
     /// This process runs one rank (not ranks as threads): each unit's compute may then run
     /// on the process's kernel pool even when it issues collectives.
     pub one_rank_per_process: bool,
+    /// Where the rank's buffers live and its kernels run: the host, or a GPU (one process,
+    /// fp32, no data, tensor, pipeline, context or expert parallelism yet: see
+    /// [`check_device`]).
+    pub device: Dev,
 }
 
 impl Default for ExecConfig {
@@ -79,6 +87,7 @@ impl Default for ExecConfig {
             precision: Precision::Fp32,
             loss_scale: 65536.0,
             one_rank_per_process: false,
+            device: Dev::Cpu,
         }
     }
 }
@@ -244,9 +253,9 @@ pub struct Executor<M: StageModel> {
     /// 16-bit training only (empty in fp32): the fp32 master weights of the range AdamW
     /// updates, like `m` and `v`.
     master: Vec<f32>,
-    /// Full (stage 0) or this rank's padded shard (stages 1-3).
-    m: Vec<f32>,
-    v: Vec<f32>,
+    /// Full (stage 0) or this rank's padded shard (stages 1-3), on the executor's device.
+    m: Buf,
+    v: Buf,
     step: u64,
     lr: f32,
     scaler: LossScaler,
@@ -290,6 +299,8 @@ impl<M: StageModel> Executor<M> {
             )));
         }
         let spec = ShardSpec::new(total, dp.size())?;
+        check_device(&cfg, dp.size(), pipe.is_some())?;
+        let dev = cfg.device.clone();
         let zero = cfg.zero;
         // Buckets hold whole units of one stage: a unit's gradients are written by one call
         // into one contiguous slice, and its backward returning is the grads-ready event.
@@ -324,11 +335,15 @@ impl<M: StageModel> Executor<M> {
             b
         };
         let per = |sharded: bool| if sharded { spec.shard_len() } else { total };
+        let dev_err = |e: tensor::TensorError| ParallelError::Model(e.to_string());
         let (params, master) = match precision.half() {
             None if zero.shards_params() => {
                 (Flat::F32(fill(own.clone(), spec.shard_len())), Vec::new())
             }
-            None => (Flat::F32(fill(0..total, total)), Vec::new()),
+            None => (
+                Flat::from_f32_on(&dev, fill(0..total, total), precision).map_err(dev_err)?,
+                Vec::new(),
+            ),
             Some(_) => {
                 let master = if zero.shards_optimizer() {
                     fill(own.clone(), spec.shard_len())
@@ -360,10 +375,15 @@ impl<M: StageModel> Executor<M> {
         let grads = if zero.shards_grads() {
             Bucketed::zeros(std::iter::once(0..spec.shard_len()).collect(), precision)
         } else {
-            Bucketed::zeros(buckets.iter().map(|b| b.range.clone()).collect(), precision)
+            Bucketed::zeros_on(
+                &dev,
+                buckets.iter().map(|b| b.range.clone()).collect(),
+                precision,
+            )
+            .map_err(dev_err)?
         };
-        let m = vec![0.0; per(zero.shards_optimizer())];
-        let v = vec![0.0; per(zero.shards_optimizer())];
+        let m = dev.zeros(per(zero.shards_optimizer())).map_err(dev_err)?;
+        let v = dev.zeros(per(zero.shards_optimizer())).map_err(dev_err)?;
         let lr = cfg.adamw.lr;
         let scaler = LossScaler::new(precision, cfg.loss_scale);
         let staging = vec![None; buckets.len()];
@@ -484,7 +504,7 @@ impl<M: StageModel> Executor<M> {
     /// Accounted bytes on this rank: the persistent buffers, and the peaks of the transient
     /// ones (communication buffers include ZeRO-3's gathered units).
     pub fn memory(&self) -> MemoryAccount {
-        let (master, optimizer) = (self.master.len() * F32, (self.m.len() + self.v.len()) * F32);
+        let (master, optimizer) = (self.master.len() * F32, self.m.bytes() + self.v.bytes());
         MemoryAccount {
             params: self.params.bytes(),
             grads: self.grads.bytes(),
@@ -516,28 +536,36 @@ impl<M: StageModel> Executor<M> {
         )
     }
 
-    /// The fp32 master weights this rank holds: full (`false`) or its shard (`true`).
-    fn master_view(&self) -> (&[f32], bool) {
-        match &self.params {
-            Flat::F32(p) => (p, self.cfg.zero.shards_params()),
-            Flat::Half { .. } => (&self.master, self.cfg.zero.shards_optimizer()),
-        }
+    /// The fp32 master weights this rank holds on the host (downloaded from a GPU): full
+    /// (`false`) or its shard (`true`).
+    fn master_view(&self) -> Result<(Cow<'_, [f32]>, bool), ParallelError> {
+        Ok(match &self.params {
+            Flat::F32(p) => (Cow::Borrowed(p), self.cfg.zero.shards_params()),
+            Flat::Half { .. } => (
+                Cow::Borrowed(&self.master),
+                self.cfg.zero.shards_optimizer(),
+            ),
+            Flat::Dev(b) => (Cow::Owned(b.to_vec().map_err(terr)?), false),
+        })
     }
 
-    /// This rank's gradient buffer as fp32 (its shard at ZeRO-2/3): what the last step's
-    /// backward and reductions produced, loss-scaled, and clipped in place when fp32 training
-    /// clipped. For tests and diagnostics.
-    pub fn local_grads(&self) -> Vec<f32> {
+    /// This rank's gradient buffer as fp32 on the host (its shard at ZeRO-2/3): what the last
+    /// step's backward and reductions produced, loss-scaled, and clipped in place when fp32
+    /// training clipped. For tests and diagnostics.
+    pub fn local_grads(&self) -> Result<Vec<f32>, ParallelError> {
+        if self.cfg.device.is_cuda() {
+            return self.grads.download().map_err(terr);
+        }
         let n = self.grads.bytes() / self.cfg.precision.compute_bytes();
         let mut out = vec![0.0; n];
         self.grads.read_into(0..n, &mut out);
-        out
+        Ok(out)
     }
 
-    /// This rank's whole flat buffer of fp32 (master) parameters; a collective over the dp
-    /// group where the master weights are sharded (every dp rank must call it).
+    /// This rank's whole flat buffer of fp32 (master) parameters on the host; a collective
+    /// over the dp group where the master weights are sharded (every dp rank must call it).
     pub fn full_params(&self) -> Result<Vec<f32>, ParallelError> {
-        let (master, sharded) = self.master_view();
+        let (master, sharded) = self.master_view()?;
         if !sharded {
             return Ok(master[..self.spec.total()].to_vec());
         }
@@ -545,6 +573,37 @@ impl<M: StageModel> Executor<M> {
         let (full, _) = self.dp.all_gather_v(&master[..n])?;
         Ok(full)
     }
+}
+
+/// The layouts the executor runs on a GPU today: one process (no data, tensor, pipeline,
+/// context or expert parallelism: their collectives and host-slice paths are not on the device
+/// yet), fp32, no ZeRO. Anything else is refused before a buffer is allocated, naming what to
+/// change.
+pub fn check_device(cfg: &ExecConfig, dp: usize, pipeline: bool) -> Result<(), ParallelError> {
+    if !cfg.device.is_cuda() {
+        return Ok(());
+    }
+    let mut why = Vec::new();
+    if dp > 1 {
+        why.push(format!("data parallelism (dp = {dp})"));
+    }
+    if pipeline {
+        why.push("pipeline parallelism".to_string());
+    }
+    if cfg.zero != ZeroStage::Ddp {
+        why.push(format!("ZeRO-{}", cfg.zero.index()));
+    }
+    if cfg.precision != Precision::Fp32 {
+        why.push(format!("{:?} training", cfg.precision));
+    }
+    if why.is_empty() {
+        return Ok(());
+    }
+    Err(ParallelError::Unsupported(format!(
+        "on {} xtrain trains one process in fp32 for now; {} on the GPU is not built yet (run it on the CPU, or train with --nproc 1 --set train.precision=\"fp32\")",
+        cfg.device.name(),
+        why.join(", ")
+    )))
 }
 
 fn check_units(units: &[Range<usize>]) -> Result<(), ParallelError> {

@@ -6,6 +6,10 @@ use std::ops::Range;
 use comm::ProcessGroup;
 use model::optim::scale_grads;
 
+use tensor::buf::{BufMut, BufRef};
+use tensor::cuda::ops::{adamw, AdamScalars};
+
+use super::run::terr;
 use super::{Executor, F32};
 use crate::data_parallel::ZeroStage;
 use crate::precision::{Flat, CHUNK};
@@ -49,9 +53,20 @@ impl<M: StageModel> Executor<M> {
         };
         let shift = flat.start - gr.start;
         let grads = &self.grads;
-        let mut sq = self.model.grad_sq_sum(flat, &|r: Range<usize>| {
-            grads.sq_sum(r.start - shift..r.end - shift)
+        // A device error inside the model's callback is kept and reported after it.
+        let failed = std::sync::Mutex::new(None);
+        let mut sq = self.model.grad_sq_sum(flat, &|r: Range<usize>| match grads
+            .try_sq_sum(r.start - shift..r.end - shift)
+        {
+            Ok(s) => s,
+            Err(e) => {
+                *failed.lock().unwrap_or_else(|p| p.into_inner()) = Some(e);
+                f64::NAN
+            }
         })?;
+        if let Some(e) = failed.into_inner().unwrap_or_else(|p| p.into_inner()) {
+            return Err(terr(e));
+        }
         if zero.shards_optimizer() {
             sq = sum_over(&self.dp, sq)?;
         }
@@ -86,7 +101,41 @@ impl<M: StageModel> Executor<M> {
         let (gr, pr, mr) = self.own_ranges();
         let opt = self.cfg.adamw;
         let (t, lr) = (self.step, self.lr);
-        let (m, v) = (&mut self.m[mr.clone()], &mut self.v[mr.clone()]);
+        if let Flat::Dev(p) = &mut self.params {
+            // On the GPU: each gradient piece scaled, then AdamW's kernel on the matching
+            // ranges of the weights and moments (the same operations as `AdamW::update`).
+            let s = AdamScalars::new(opt.beta1, opt.beta2, opt.eps, lr, t);
+            let decay = 1.0 - lr * opt.weight_decay;
+            let (m, v) = (&mut self.m, &mut self.v);
+            let mut result = Ok(());
+            self.grads.f32_views_mut(gr.clone(), |at, mut g| {
+                if result.is_err() {
+                    return;
+                }
+                let o = at - gr.start;
+                let n = g.len();
+                result = (|| -> Result<(), tensor::TensorError> {
+                    tensor::ops::scale(g.reborrow(), factor)?;
+                    let (BufMut::Cuda(pd), BufRef::Cuda(gd), BufMut::Cuda(md), BufMut::Cuda(vd)) = (
+                        p.m().slice_mut(pr.start + o..pr.start + o + n),
+                        g.as_ref(),
+                        m.m().slice_mut(mr.start + o..mr.start + o + n),
+                        v.m().slice_mut(mr.start + o..mr.start + o + n),
+                    ) else {
+                        return Err(tensor::TensorError::Device(
+                            "the optimizer's buffers are not all on the GPU".into(),
+                        ));
+                    };
+                    Ok(adamw(pd, gd, md, vd, &[(n, decay)], s)?)
+                })();
+            });
+            result.map_err(terr)?;
+            return Ok((norm as f32, true));
+        }
+        let (m, v) = (
+            &mut self.m.as_host_mut("the optimizer").map_err(terr)?[mr.clone()],
+            &mut self.v.as_host_mut("the optimizer").map_err(terr)?[mr.clone()],
+        );
         match (&mut self.params, &mut self.grads) {
             (Flat::F32(p), grads) if grads.is_f32() => {
                 // Bucket by bucket (AdamW is elementwise): the piece at flat offset `s` of the

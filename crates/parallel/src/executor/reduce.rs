@@ -1,7 +1,9 @@
 //! Data-parallel communication of the executor: ZeRO-3's per-unit parameter gathers, and the
 //! gradient bucket reductions launched during backward and completed later.
 use std::collections::HashMap;
+
 use std::ops::Range;
+use tensor::buf::{BufMut, BufRef};
 
 use comm::{ReduceOp, Work};
 
@@ -53,14 +55,14 @@ pub(super) fn param_slice<'a>(
     owned: &'a Option<Vec<f32>>,
     u: usize,
     range: Range<usize>,
-) -> &'a [f32] {
+) -> BufRef<'a> {
     if let Some(o) = owned {
-        return o;
+        return BufRef::Host(o);
     }
     if let Some(r) = resident.get(&u) {
-        return r;
+        return BufRef::Host(r);
     }
-    &params.as_f32().expect("fp32 weights are used in place")[range]
+    params.view(range).expect("fp32 weights are used in place")
 }
 
 impl<M: StageModel> Executor<M> {
@@ -134,7 +136,7 @@ impl<M: StageModel> Executor<M> {
             let w = self.gather_async(u);
             return self.finish_gather(u, w).map(Some);
         }
-        if self.params.as_f32().is_some() {
+        if self.params.view(0..0).is_some() {
             return Ok(None);
         }
         let r = self.units[u].clone();
@@ -162,8 +164,12 @@ impl<M: StageModel> Executor<M> {
             if single {
                 // One rank: the accumulated gradients are already the sum.
                 let model = &self.model;
-                self.grads
-                    .update(b, br.clone(), |g| model.prepare_reduction(br.clone(), g))?;
+                self.grads.update_buf(b, br.clone(), |g| match g {
+                    BufMut::Host(g) => model.prepare_reduction(br.clone(), g),
+                    // On a GPU there is one process, so nothing to prepare for (expert
+                    // parallelism is a dp group of several ranks).
+                    BufMut::Cuda(_) => Ok(()),
+                })?;
                 self.record(TraceKind::BucketDone(b));
                 return Ok(());
             }

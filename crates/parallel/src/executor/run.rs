@@ -15,6 +15,7 @@ use crate::pipeline_parallel::Action;
 use crate::precision::Bucketed;
 use crate::stage::StageModel;
 use crate::ParallelError;
+use tensor::buf::BufMut;
 
 type Key = (usize, usize);
 
@@ -81,6 +82,11 @@ pub(super) struct StepState<M: StageModel> {
     loss: f64,
 }
 
+/// A tensor (device) error as this crate's.
+pub(super) fn terr(e: tensor::TensorError) -> ParallelError {
+    ParallelError::Model(e.to_string())
+}
+
 /// Runs `f` on the process's kernel pool when allowed (see [`Executor::pin_compute`]).
 fn compute<R: Send>(pin: bool, f: impl FnOnce() -> R + Send) -> R {
     if pin {
@@ -126,7 +132,7 @@ impl GradSink<'_> {
         self,
         u: usize,
         range: Range<usize>,
-        f: impl FnOnce(&mut [f32]) -> Result<(), ParallelError>,
+        f: impl FnOnce(BufMut<'_>) -> Result<(), ParallelError>,
     ) -> Result<(), ParallelError> {
         let b = self.unit_bucket[u];
         if self.zero.shards_grads() {
@@ -136,13 +142,15 @@ impl GradSink<'_> {
                 comm_bytes.add(br.len() * F32);
                 vec![0.0; br.len()]
             });
-            return f(&mut buf[range.start - br.start..range.end - br.start]);
+            return f(BufMut::Host(
+                &mut buf[range.start - br.start..range.end - br.start],
+            ));
         }
         let widened = !self.grads.is_f32();
         if widened {
             self.gathered_bytes.add(range.len() * F32);
         }
-        let r = self.grads.update(b, range.clone(), f);
+        let r = self.grads.update_buf(b, range.clone(), f);
         if widened {
             self.gathered_bytes.sub(range.len() * F32);
         }
@@ -196,7 +204,7 @@ impl<M: StageModel> Executor<M> {
                 ))
             }
         }
-        self.grads.fill_zero();
+        self.grads.fill_zero().map_err(terr)?;
         let weight_left = self
             .stages
             .iter()

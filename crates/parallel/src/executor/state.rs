@@ -1,8 +1,12 @@
 //! The executor's part of a checkpoint: the pieces this rank saves (the blocks it owns,
 //! within the range of the flat buffer whose optimizer state it holds), and loading its
 //! buffers from a checkpoint saved at any layout.
+use std::borrow::Cow;
 use std::ops::Range;
 
+use tensor::buf::Buf;
+
+use super::run::terr;
 use super::Executor;
 use crate::checkpoint::{Checkpoint, Kind, SavedPiece};
 use crate::precision::{Flat, LossScaler};
@@ -23,13 +27,21 @@ impl<M: StageModel> Executor<M> {
     }
 
     /// The pieces this rank writes into a checkpoint: fp32 master weights and AdamW moments of
-    /// every block it owns, over [`Self::saved_range`].
-    pub fn checkpoint_pieces(&self) -> Vec<SavedPiece> {
+    /// every block it owns, over [`Self::saved_range`] (copied from the GPU when the buffers
+    /// are there).
+    pub fn checkpoint_pieces(&self) -> Result<Vec<SavedPiece>, ParallelError> {
         let saved = self.saved_range();
         if saved.is_empty() {
-            return Vec::new();
+            return Ok(Vec::new());
         }
-        let (master, master_sharded) = self.master_view();
+        let (master, master_sharded) = self.master_view()?;
+        fn host(b: &Buf) -> Result<Cow<'_, [f32]>, ParallelError> {
+            Ok(match b {
+                Buf::Host(v) => Cow::Borrowed(v.as_slice()),
+                dev => Cow::Owned(dev.to_vec().map_err(terr)?),
+            })
+        }
+        let (m, v) = (host(&self.m)?, host(&self.v)?);
         let own_start = self.spec.range(self.dp.rank()).start;
         let master_base = if master_sharded { own_start } else { 0 };
         let moment_base = if self.cfg.zero.shards_optimizer() {
@@ -47,13 +59,13 @@ impl<M: StageModel> Executor<M> {
             let take = |buf: &[f32], base: usize| buf[s - base..e - base].to_vec();
             out.push(SavedPiece {
                 start: s - p.start,
-                param: take(master, master_base),
-                exp_avg: take(&self.m, moment_base),
-                exp_avg_sq: take(&self.v, moment_base),
+                param: take(&master, master_base),
+                exp_avg: take(&m, moment_base),
+                exp_avg_sq: take(&v, moment_base),
                 slice: p.slice,
             });
         }
-        out
+        Ok(out)
     }
 
     /// Elements `range` of this rank's flat buffer of checkpoint buffer `kind`, into `out`
@@ -115,10 +127,11 @@ impl<M: StageModel> Executor<M> {
         let (mr, ml) = cut(zero.shards_optimizer());
         let m = buf(Kind::ExpAvg, mr.clone(), ml)?;
         let v = buf(Kind::ExpAvgSq, mr, ml)?;
-        self.params = Flat::from_f32(weights, self.cfg.precision);
+        let dev = self.cfg.device.clone();
+        self.params = Flat::from_f32_on(&dev, weights, self.cfg.precision).map_err(terr)?;
         self.master = master;
-        self.m = m;
-        self.v = v;
+        self.m = dev.from_vec(m).map_err(terr)?;
+        self.v = dev.from_vec(v).map_err(terr)?;
         let state = &ck.manifest.state;
         self.step = state.adam_step;
         self.scaler = if ck.manifest.precision == self.cfg.precision {

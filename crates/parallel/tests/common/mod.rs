@@ -47,7 +47,7 @@ pub fn reference(
         let mut caches = Vec::new();
         for (u, r) in units.iter().enumerate() {
             let (y, c) = model
-                .forward(u, &p[r.clone()], x.take(), &batch, 1.0)
+                .forward(u, (&p[r.clone()]).into(), x.take(), &batch, 1.0)
                 .unwrap();
             caches.push(c);
             x = Some(y);
@@ -59,11 +59,11 @@ pub fn reference(
             dy = model
                 .backward(
                     u,
-                    &p[r.clone()],
+                    (&p[r.clone()]).into(),
                     caches.pop().unwrap(),
                     dy.take(),
                     1.0,
-                    &mut g[r.clone()],
+                    (&mut g[r.clone()]).into(),
                 )
                 .unwrap();
         }
@@ -407,7 +407,7 @@ fn run_decoder(
             params: e.full_params().unwrap(),
             placements: e.model().placements(),
             memory: e.memory(),
-            grads: e.local_grads(),
+            grads: e.local_grads().unwrap(),
             gathered: e.peak_gathered_bytes(),
         }
     })

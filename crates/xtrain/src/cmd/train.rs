@@ -61,6 +61,10 @@ pub struct LayoutArgs {
     /// schedule fills its stages with.
     #[arg(long)]
     pub microbatches: Option<usize>,
+    /// Where to train: cpu, cuda or cuda:N (`train.device`; default `XTRAIN_DEVICE`, else the
+    /// CPU). On a GPU today: one process, fp32, a dense model (docs/GPU.md).
+    #[arg(long)]
+    pub device: Option<String>,
 }
 
 impl LayoutArgs {
@@ -95,6 +99,9 @@ impl LayoutArgs {
         }
         if let Some(m) = self.microbatches {
             o.push(format!("train.grad_accum={m}"));
+        }
+        if let Some(d) = &self.device {
+            o.push(format!("train.device={}", toml::Value::String(d.clone())));
         }
         o
     }

@@ -1,0 +1,116 @@
+//! Training on a GPU through the one trainer and executor, against the same run on the CPU:
+//! the tiny preset (fp32, no TF32), ten AdamW steps — every loss within 1e-4 relative and the
+//! final parameters within 1e-4 of the largest; and checkpoints crossing devices: one written
+//! on the CPU continues on the GPU, and one written on the GPU continues on the CPU, each with
+//! the uninterrupted run's losses (1e-4). Skipped with one line where no GPU is found (a
+//! failure under `XTRAIN_REQUIRE_GPU=1`).
+use std::path::{Path, PathBuf};
+
+use train::trainer::Trainer;
+use train::RunConfig;
+
+fn has_gpu() -> bool {
+    match tensor::buf::Dev::open("cuda") {
+        Ok(_) => true,
+        Err(e) => {
+            tensor::skip::skip(
+                "the GPU training tests (train/tests/gpu_train.rs)",
+                "gpu",
+                &format!("no GPU: {e}"),
+            );
+            false
+        }
+    }
+}
+
+fn config(device: &str) -> RunConfig {
+    let o: Vec<String> = [
+        "train.steps=10",
+        "train.warmup_steps=2",
+        "train.eval_batches=0",
+        "data.corpus_bytes=20000",
+    ]
+    .iter()
+    .map(|s| s.to_string())
+    .chain([format!("train.device=\"{device}\"")])
+    .collect();
+    RunConfig::resolve("tiny", None, &o).unwrap()
+}
+
+/// `steps` losses of a run on `device`, from checkpoint `from` if given, saving to `save` at
+/// the end; with the final parameters.
+fn run(
+    device: &str,
+    from: Option<&Path>,
+    steps: usize,
+    save: Option<&Path>,
+) -> (Vec<f64>, Vec<f32>) {
+    let cfg = config(device);
+    comm::testing::run_threads(1, |c| {
+        let mut t = match from {
+            Some(ck) => Trainer::resume(cfg.clone(), ck, &c).unwrap(),
+            None => Trainer::new(cfg.clone(), &c).unwrap(),
+        };
+        let losses = (0..steps).map(|_| t.train_step().unwrap().loss).collect();
+        if let Some(dir) = save {
+            t.save_checkpoint(dir).unwrap();
+        }
+        (losses, t.exec.full_params().unwrap())
+    })
+    .remove(0)
+}
+
+fn close(what: &str, got: &[f64], want: &[f64]) {
+    for (s, (a, b)) in got.iter().zip(want).enumerate() {
+        assert!(
+            (a - b).abs() <= 1e-4 * b.abs(),
+            "{what} step {s}: {a} vs {b}"
+        );
+    }
+}
+
+fn tmp(tag: &str) -> PathBuf {
+    let d = std::env::temp_dir().join(format!("xtrain-gpu-train-{tag}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&d);
+    d
+}
+
+#[test]
+fn ten_steps_on_the_gpu_match_the_cpu() {
+    if !has_gpu() {
+        return;
+    }
+    let (cpu, p_cpu) = run("cpu", None, 10, None);
+    let (gpu, p_gpu) = run("cuda", None, 10, None);
+    close("gpu vs cpu", &gpu, &cpu);
+    let scale = p_cpu.iter().fold(0.0f32, |m, x| m.max(x.abs()));
+    let err = p_gpu
+        .iter()
+        .zip(&p_cpu)
+        .fold(0.0f32, |m, (a, b)| m.max((a - b).abs()));
+    assert!(
+        err <= 1e-4 * scale,
+        "parameters differ by {:e} of the largest",
+        err / scale
+    );
+}
+
+#[test]
+fn checkpoints_cross_devices_with_the_uninterrupted_losses() {
+    if !has_gpu() {
+        return;
+    }
+    let d = tmp("cross");
+    let (straight, _) = run("cpu", None, 10, None);
+    for (first, second) in [("cpu", "cuda"), ("cuda", "cpu")] {
+        let ck = d.join(format!("{first}-ck"));
+        let (a, _) = run(first, None, 5, Some(&ck));
+        let (b, _) = run(second, Some(&ck), 5, None);
+        close(
+            &format!("{first} then {second}"),
+            &[a, b].concat(),
+            &straight,
+        );
+    }
+    let _ = std::fs::remove_dir_all(&d);
+}
