@@ -1,10 +1,9 @@
 //! The whole model on a GPU against the same model on the CPU (the reference): a Llama config
-//! (GQA, 2 layers), one forward/backward on the same parameters and batch (loss, and every
-//! gradient within 1e-4 of the largest), then ten AdamW steps with the optimizer on the device
-//! (every loss and the final parameters within 1e-4 relative). fp32 throughout, no TF32. (The
-//! mixture of experts still routes on host buffers: a Mixtral config on the GPU is an error
-//! naming it, until its routing runs on the device.) Skipped with one line where no GPU is
-//! found (a failure under `XTRAIN_REQUIRE_GPU=1`).
+//! (GQA, 2 layers) and Mixtral configs (8 experts, top-2, the auxiliary loss; one with a shared
+//! expert and capacity drops), one forward/backward on the same parameters and batch (loss,
+//! and every gradient within 1e-4 of the largest), then ten AdamW steps with the optimizer on
+//! the device (every loss and the final parameters within 1e-4 relative). fp32 throughout, no
+//! TF32. Skipped with one line where no GPU is found (a failure under `XTRAIN_REQUIRE_GPU=1`).
 use model::optim::{clip_factor, grad_sq_sum, scale_grads, AdamW};
 use model::{Batch, Model, ModelConfig, StepOptions};
 use tensor::buf::{Buf, Dev};
@@ -48,11 +47,30 @@ fn dense() -> ModelConfig {
     ModelConfig::llama(256, 64, 176, 2, 4, 2)
 }
 
+/// The same shape as a mixture of 8 experts (top-2, experts of 96, the auxiliary loss on);
+/// with `extras` a shared expert of 64 and capacity 1.0 (assignments dropped).
+fn moe(extras: bool) -> ModelConfig {
+    let mut c = dense();
+    c.num_local_experts = 8;
+    c.num_experts_per_tok = 2;
+    c.moe_intermediate_size = Some(96);
+    c.output_router_logits = true;
+    c.router_aux_loss_coef = 0.02;
+    if extras {
+        c.shared_expert_intermediate_size = Some(64);
+        c.capacity_factor = Some(1.0);
+    }
+    c
+}
+
+fn configs() -> [ModelConfig; 3] {
+    [dense(), moe(false), moe(true)]
+}
+
 #[test]
 fn one_step_matches_the_cpu() {
     let Some(dev) = gpu() else { return };
-    {
-        let cfg = dense();
+    for cfg in configs() {
         let m = Model::new(cfg.clone()).unwrap();
         let p = m.init_params(3);
         let b = batch(&cfg, 0);
@@ -84,7 +102,12 @@ fn one_step_matches_the_cpu() {
 #[test]
 fn ten_adamw_steps_match_the_cpu() {
     let Some(dev) = gpu() else { return };
-    let cfg = dense();
+    for cfg in configs() {
+        ten_steps(&dev, cfg);
+    }
+}
+
+fn ten_steps(dev: &Dev, cfg: ModelConfig) {
     let m = Model::new(cfg.clone()).unwrap();
     let opt = AdamW {
         lr: 3e-3,
@@ -120,7 +143,7 @@ fn ten_adamw_steps_match_the_cpu() {
             .unwrap();
         assert!(
             (got.loss - want.loss).abs() <= 1e-4 * want.loss.abs(),
-            "step {step}: loss {} vs {}",
+            "{cfg:?} step {step}: loss {} vs {}",
             got.loss,
             want.loss
         );
@@ -136,5 +159,8 @@ fn ten_adamw_steps_match_the_cpu() {
         adamw(pdb, gdb, mdb, vdb, &segments, s).unwrap();
     }
     let e = rel(&pd.to_vec().unwrap(), &p);
-    assert!(e <= 1e-4, "parameters after 10 steps differ by {e:e}");
+    assert!(
+        e <= 1e-4,
+        "{cfg:?}: parameters after 10 steps differ by {e:e}"
+    );
 }

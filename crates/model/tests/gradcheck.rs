@@ -209,7 +209,11 @@ fn moe_check(capacity: Option<f32>) {
     moe.capacity_factor = capacity;
     let fwd = |pp: &[f32], xx: &[f32]| {
         let (y, c) = moe.forward(pp, xx, &pass).unwrap();
-        (y, (moe.aux_coef * c.aux) as f64, route_key(&c.routing))
+        (
+            y.into_vec().unwrap(),
+            (moe.aux_coef * c.aux) as f64,
+            route_key(&c.routing),
+        )
     };
     let (_, cache) = moe.forward(p, &x, &pass).unwrap();
     if capacity.is_some() {
@@ -248,6 +252,7 @@ fn moe_check(capacity: Option<f32>) {
         ("shared down", s.down.clone()),
     ]);
     assert!(moe.aux_coef > 0.0);
+    let dx = dx.into_vec().unwrap();
     check_layer("moe", &fwd, p, &x, &r, &dx, &g, &views);
 }
 

@@ -184,6 +184,14 @@ impl Buf {
         self.r().to_vec()
     }
 
+    /// The data on the host: the vector itself, or downloaded from a GPU.
+    pub fn into_vec(self) -> Result<Vec<f32>, TensorError> {
+        match self {
+            Buf::Host(v) => Ok(v),
+            Buf::Cuda(b) => Ok(b.to_host()?),
+        }
+    }
+
     /// A copy on the same device.
     pub fn try_clone(&self) -> Result<Buf, TensorError> {
         Ok(match self {

@@ -31,6 +31,7 @@
 //!   [`attention::merge_partial`] for ring attention.
 //! - [`cross_entropy`]: LM head + cross-entropy fused in row chunks, with vocab-shard pieces.
 //! - [`embedding`]: lookup and scatter-add (full table or a vocabulary shard).
+//! - [`rows`]: row gathers, scatter-adds and dot products (the mixture of experts' token moves).
 //! - [`dtype`]: bf16 / f16 storage conversions; [`Tensor`]: small owned tensor.
 //! - [`peak`]: the measured f32 FMA ceiling of this machine's cores, for utilisation figures.
 
@@ -48,6 +49,7 @@ pub mod norm;
 pub mod ops;
 pub mod peak;
 pub mod rope;
+pub mod rows;
 pub mod sgemm;
 pub mod skip;
 pub mod softmax;

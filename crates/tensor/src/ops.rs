@@ -323,6 +323,90 @@ pub fn embedding_backward(
     }
 }
 
+/// Indices for the GPU (checked on the host first: a kernel would read or write anywhere).
+fn device_indices(
+    gpu: &std::sync::Arc<crate::cuda::Gpu>,
+    idx: &[u32],
+) -> Result<crate::cuda::DevBuf<i32>> {
+    if idx.iter().any(|&i| i > i32::MAX as u32) {
+        return Err(TensorError::Shape("row index beyond i32".into()));
+    }
+    let idx: Vec<i32> = idx.iter().map(|&i| i as i32).collect();
+    Ok(gpu.upload(&idx)?)
+}
+
+/// `scale[r]·src[idx[r]]` per row of `dim` as a new buffer ([`crate::rows::gather_rows`]).
+pub fn gather_rows(src: BufRef<'_>, idx: &[u32], scale: Option<&[f32]>, dim: usize) -> Result<Buf> {
+    match src {
+        BufRef::Host(s) => Ok(Buf::Host(crate::rows::gather_rows(s, idx, scale, dim)?)),
+        BufRef::Cuda(s) => {
+            let rows = crate::rows::rows_of(s.len(), dim, "gathered rows")?;
+            crate::rows::check_indices(idx, rows, false, "gather")?;
+            if let Some(sc) = scale {
+                crate::error::check_len("gather scales", sc.len(), idx.len())?;
+            }
+            let gpu = s.gpu().clone();
+            let d_idx = device_indices(&gpu, idx)?;
+            let d_scale = scale.map(|sc| gpu.upload(sc)).transpose()?;
+            Ok(Buf::Cuda(gpu::gather_rows(
+                s,
+                &d_idx,
+                d_scale.as_ref().map(|b| b.as_slice()),
+                dim,
+            )?))
+        }
+    }
+}
+
+/// `y[idx[r]] += w[r]·rows[r]` at distinct indices ([`crate::rows::scatter_add_rows`]).
+pub fn scatter_add_rows(
+    rows: BufRef<'_>,
+    idx: &[u32],
+    w: Option<&[f32]>,
+    y: BufMut<'_>,
+    dim: usize,
+) -> Result<()> {
+    match (rows, y) {
+        (BufRef::Host(r), BufMut::Host(y)) => crate::rows::scatter_add_rows(r, idx, w, y, dim),
+        (BufRef::Cuda(r), BufMut::Cuda(y)) => {
+            let n = crate::rows::rows_of(r.len(), dim, "scattered rows")?;
+            crate::error::check_len("scatter indices", idx.len(), n)?;
+            if let Some(w) = w {
+                crate::error::check_len("scatter weights", w.len(), n)?;
+            }
+            let target = crate::rows::rows_of(y.len(), dim, "scatter target")?;
+            crate::rows::check_indices(idx, target, true, "scatter")?;
+            let gpu = r.gpu().clone();
+            let d_idx = device_indices(&gpu, idx)?;
+            let d_w = w.map(|w| gpu.upload(w)).transpose()?;
+            Ok(gpu::scatter_add_rows(
+                r,
+                &d_idx,
+                d_w.as_ref().map(|b| b.as_slice()),
+                y,
+                dim,
+            )?)
+        }
+        _ => Err(mixed("scatter rows")),
+    }
+}
+
+/// `a[ia[r]] · b[r]` per row of `dim`, on the host ([`crate::rows::row_dots`]).
+pub fn row_dots(a: BufRef<'_>, ia: &[u32], b: BufRef<'_>, dim: usize) -> Result<Vec<f32>> {
+    match (a, b) {
+        (BufRef::Host(a), BufRef::Host(b)) => crate::rows::row_dots(a, ia, b, dim),
+        (BufRef::Cuda(a), BufRef::Cuda(b)) => {
+            let rows = crate::rows::rows_of(a.len(), dim, "row_dots a")?;
+            crate::rows::check_indices(ia, rows, false, "row_dots")?;
+            crate::error::check_len("row_dots b", b.len(), ia.len() * dim)?;
+            let gpu = a.gpu().clone();
+            let d_ia = device_indices(&gpu, ia)?;
+            Ok(gpu::row_dots(a, &d_ia, b, None, dim)?.to_host()?)
+        }
+        _ => Err(mixed("row dots")),
+    }
+}
+
 /// `dst += src` element-wise ([`crate::threads::add_assign`]).
 pub fn add_assign(dst: BufMut<'_>, src: BufRef<'_>) -> Result<()> {
     match (dst, src) {

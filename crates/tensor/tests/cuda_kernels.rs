@@ -5,6 +5,7 @@
 //! GPU is found (a failure where `XTRAIN_REQUIRE` lists `gpu` or `XTRAIN_REQUIRE_GPU=1`).
 use std::sync::Arc;
 use tensor::attention::{attention_backward, attention_forward, AttnShape, AttnTiles};
+use tensor::buf::Buf;
 use tensor::cuda::{ops, DevBuf, Gpu};
 
 /// The GPU, or `None` after the one skip line of this file (`test` names the caller for the
@@ -496,58 +497,37 @@ fn router_and_row_moves_match_cpu() {
             }
         }
     }
+    // Row moves through tensor::ops, against their host twins (tensor::rows).
     let src = rand(tokens * dim, 52);
-    let idx: Vec<i32> = (0..tokens as i32 * 2)
-        .map(|i| (i * 37) % tokens as i32)
+    let idx: Vec<u32> = (0..tokens as u32 * 2)
+        .map(|i| (i * 37) % tokens as u32)
         .collect();
     let scale = rand(idx.len(), 53);
-    let rows = ops::gather_rows(
-        &g.upload(&src).unwrap(),
-        &g.upload(&idx).unwrap(),
-        Some(g.upload(&scale).unwrap().as_slice()),
-        dim,
-    )
-    .unwrap();
-    let want: Vec<f32> = idx
-        .iter()
-        .zip(&scale)
-        .flat_map(|(&i, &s)| src[i as usize * dim..][..dim].iter().map(move |x| x * s))
-        .collect();
-    assert_eq!(host(&rows), want, "gathered rows");
-    let slot: Vec<i32> = (0..tokens as i32 * 2)
-        .map(|i| {
-            if i % 7 == 3 {
-                -1
-            } else {
-                (i * 11) % (tokens as i32 * 2)
-            }
-        })
-        .collect();
-    let w = rand(slot.len(), 54);
-    let y0 = rand(tokens * dim, 55);
-    let mut gy = g.upload(&y0).unwrap();
-    ops::combine_rows(
-        &rows,
-        &g.upload(&slot).unwrap(),
-        &g.upload(&w).unwrap(),
-        &mut gy,
-        2,
-        dim,
-        true,
-    )
-    .unwrap();
-    let mut want = y0.clone();
-    for t in 0..tokens {
-        for c in 0..dim {
-            for j in 0..2 {
-                let s = slot[t * 2 + j];
-                if s >= 0 {
-                    want[t * dim + c] += w[t * 2 + j] * host(&rows)[s as usize * dim + c];
-                }
-            }
-        }
+    let d_src = Buf::Cuda(g.upload(&src).unwrap());
+    for sc in [None, Some(&scale[..])] {
+        let rows = tensor::ops::gather_rows(d_src.r(), &idx, sc, dim).unwrap();
+        let want = tensor::rows::gather_rows(&src, &idx, sc, dim).unwrap();
+        assert_eq!(rows.to_vec().unwrap(), want, "gathered rows");
     }
-    assert_close("combined rows", &host(&gy), &want);
+    // One expert's tokens: distinct indices.
+    let dst_idx: Vec<u32> = (0..tokens as u32).filter(|t| t % 3 != 1).collect();
+    let rows = rand(dst_idx.len() * dim, 54);
+    let w = rand(dst_idx.len(), 55);
+    let y0 = rand(tokens * dim, 56);
+    for wt in [None, Some(&w[..])] {
+        let mut gy = Buf::Cuda(g.upload(&y0).unwrap());
+        let d_rows = Buf::Cuda(g.upload(&rows).unwrap());
+        tensor::ops::scatter_add_rows(d_rows.r(), &dst_idx, wt, gy.m(), dim).unwrap();
+        let mut want = y0.clone();
+        tensor::rows::scatter_add_rows(&rows, &dst_idx, wt, &mut want, dim).unwrap();
+        assert_close("scattered rows", &gy.to_vec().unwrap(), &want);
+    }
+    let d_rows = Buf::Cuda(g.upload(&rows).unwrap());
+    let dots = tensor::ops::row_dots(d_src.r(), &dst_idx, d_rows.r(), dim).unwrap();
+    let want = tensor::rows::row_dots(&src, &dst_idx, &rows, dim).unwrap();
+    assert_close("row dots", &dots, &want);
+    // A bad index is refused before any kernel runs.
+    assert!(tensor::ops::gather_rows(d_src.r(), &[tokens as u32], None, dim).is_err());
 }
 
 /// cuBLASLt products with `tensor::gemm::matmul`'s conventions, every transpose, with and

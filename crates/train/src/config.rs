@@ -569,9 +569,6 @@ impl RunConfig {
         if self.train.precision != Precision::Fp32 {
             why.push(format!("{:?} training", self.train.precision));
         }
-        if self.model.arch == "mixtral" {
-            why.push("a mixture of experts (its routing runs on host buffers)".into());
-        }
         if self.parallel.zero != 0 {
             why.push(format!("ZeRO-{}", self.parallel.zero));
         }
@@ -579,7 +576,7 @@ impl RunConfig {
             return Ok(());
         }
         Err(TrainError::Config(format!(
-            "train.device = {spec}: on the GPU xtrain trains one process, fp32, a dense model for now; {} on the GPU is not built yet",
+            "train.device = {spec}: on the GPU xtrain trains one process in fp32 for now; {} on the GPU is not built yet",
             why.join(", ")
         )))
     }

@@ -1,6 +1,7 @@
 //! Training on a GPU through the one trainer and executor, against the same run on the CPU:
-//! the tiny preset (fp32, no TF32), ten AdamW steps — every loss within 1e-4 relative and the
-//! final parameters within 1e-4 of the largest; and checkpoints crossing devices: one written
+//! the tiny, small and moe-small presets (fp32, no TF32), ten AdamW steps — every loss within
+//! 1e-4 relative and the final parameters within 1e-4 of the largest; and checkpoints crossing
+//! devices: one written
 //! on the CPU continues on the GPU, and one written on the GPU continues on the CPU, each with
 //! the uninterrupted run's losses (1e-4). Skipped with one line where no GPU is found (a
 //! failure under `XTRAIN_REQUIRE_GPU=1`).
@@ -23,7 +24,7 @@ fn has_gpu() -> bool {
     }
 }
 
-fn config(device: &str) -> RunConfig {
+fn config(preset: &str, device: &str) -> RunConfig {
     let o: Vec<String> = [
         "train.steps=10",
         "train.warmup_steps=2",
@@ -34,18 +35,19 @@ fn config(device: &str) -> RunConfig {
     .map(|s| s.to_string())
     .chain([format!("train.device=\"{device}\"")])
     .collect();
-    RunConfig::resolve("tiny", None, &o).unwrap()
+    RunConfig::resolve(preset, None, &o).unwrap()
 }
 
 /// `steps` losses of a run on `device`, from checkpoint `from` if given, saving to `save` at
 /// the end; with the final parameters.
 fn run(
+    preset: &str,
     device: &str,
     from: Option<&Path>,
     steps: usize,
     save: Option<&Path>,
 ) -> (Vec<f64>, Vec<f32>) {
-    let cfg = config(device);
+    let cfg = config(preset, device);
     comm::testing::run_threads(1, |c| {
         let mut t = match from {
             Some(ck) => Trainer::resume(cfg.clone(), ck, &c).unwrap(),
@@ -80,19 +82,21 @@ fn ten_steps_on_the_gpu_match_the_cpu() {
     if !has_gpu() {
         return;
     }
-    let (cpu, p_cpu) = run("cpu", None, 10, None);
-    let (gpu, p_gpu) = run("cuda", None, 10, None);
-    close("gpu vs cpu", &gpu, &cpu);
-    let scale = p_cpu.iter().fold(0.0f32, |m, x| m.max(x.abs()));
-    let err = p_gpu
-        .iter()
-        .zip(&p_cpu)
-        .fold(0.0f32, |m, (a, b)| m.max((a - b).abs()));
-    assert!(
-        err <= 1e-4 * scale,
-        "parameters differ by {:e} of the largest",
-        err / scale
-    );
+    for preset in ["tiny", "small", "moe-small"] {
+        let (cpu, p_cpu) = run(preset, "cpu", None, 10, None);
+        let (gpu, p_gpu) = run(preset, "cuda", None, 10, None);
+        close(&format!("{preset}: gpu vs cpu"), &gpu, &cpu);
+        let scale = p_cpu.iter().fold(0.0f32, |m, x| m.max(x.abs()));
+        let err = p_gpu
+            .iter()
+            .zip(&p_cpu)
+            .fold(0.0f32, |m, (a, b)| m.max((a - b).abs()));
+        assert!(
+            err <= 1e-4 * scale,
+            "{preset}: parameters differ by {:e} of the largest",
+            err / scale
+        );
+    }
 }
 
 #[test]
@@ -101,11 +105,11 @@ fn checkpoints_cross_devices_with_the_uninterrupted_losses() {
         return;
     }
     let d = tmp("cross");
-    let (straight, _) = run("cpu", None, 10, None);
+    let (straight, _) = run("tiny", "cpu", None, 10, None);
     for (first, second) in [("cpu", "cuda"), ("cuda", "cpu")] {
         let ck = d.join(format!("{first}-ck"));
-        let (a, _) = run(first, None, 5, Some(&ck));
-        let (b, _) = run(second, Some(&ck), 5, None);
+        let (a, _) = run("tiny", first, None, 5, Some(&ck));
+        let (b, _) = run("tiny", second, Some(&ck), 5, None);
         close(
             &format!("{first} then {second}"),
             &[a, b].concat(),

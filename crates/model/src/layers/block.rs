@@ -163,10 +163,9 @@ impl Block {
                 (y, FfnCache::Dense(c), 0.0)
             }
             Ffn::Moe(m) => {
-                let what = "mixture of experts";
-                let (y, c) = m.forward(p.as_host(what)?, xn2.as_host(what)?, pass)?;
+                let (y, c) = m.forward(p, xn2.r(), pass)?;
                 let aux = m.aux_coef * c.aux;
-                (Buf::Host(y), FfnCache::Moe(Box::new(c)), aux)
+                (y, FfnCache::Moe(Box::new(c)), aux)
             }
         };
         y = self.exit(y)?;
@@ -239,14 +238,9 @@ impl Block {
         let dm = self.exit_backward_shared(&dy)?;
         let dxn2 = match (&self.ffn, s.ffn) {
             (Ffn::Dense(m), FfnCache::Dense(c)) => m.backward_input(p, &xn2, c, dm, &mut store)?,
-            (Ffn::Moe(m), FfnCache::Moe(c)) => Buf::Host(m.backward_input(
-                p.as_host("mixture of experts")?,
-                &xn2,
-                *c,
-                dm,
-                &pass,
-                &mut store,
-            )?),
+            (Ffn::Moe(m), FfnCache::Moe(c)) => {
+                m.backward_input(p, &xn2, *c, dm, &pass, &mut store)?
+            }
             _ => unreachable!("cache built by this block's own forward"),
         };
         let dxn2 = self.enter_backward(dxn2)?;

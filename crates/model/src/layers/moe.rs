@@ -16,7 +16,8 @@ use std::sync::Arc;
 
 use super::mlp::{MlpCache, SwiGlu};
 use super::{
-    linear_backward_input, linear_forward_new, Act, Buf, Pass, WeightGradStore, WeightTask,
+    linear_backward_input, linear_forward_new, Act, Buf, BufMut, BufRef, Pass, WeightGradStore,
+    WeightTask,
 };
 use crate::error::Result;
 use crate::layout::View;
@@ -109,6 +110,14 @@ impl Routing {
             + pairs * size_of::<(usize, usize)>()
     }
 
+    /// Expert `e`'s kept assignments as row indices: their tokens and routing weights.
+    pub fn rows_of(&self, e: usize, k: usize) -> (Vec<u32>, Vec<f32>) {
+        self.assigned[e]
+            .iter()
+            .map(|&(t, j)| (t as u32, self.weights[t * k + j]))
+            .unzip()
+    }
+
     /// Number of assignments dropped by the capacity limit.
     pub fn dropped(&self) -> usize {
         self.counts.iter().sum::<usize>() - self.assigned.iter().map(Vec::len).sum::<usize>()
@@ -169,22 +178,28 @@ impl MoeCache {
     }
 }
 
-/// What the mixture of experts needs host buffers for (the routing lists; on the GPU it is
-/// not built yet).
-const HOST: &str = "the mixture of experts";
+/// What needs host buffers: expert parallelism's exchange (its messages are host vectors).
+const HOST: &str = "expert parallelism";
 
 impl Moe {
     pub fn num_experts(&self) -> usize {
         self.router.shape[0]
     }
 
-    /// Router probabilities, top-k, renormalised weights and capacity assignment.
-    pub fn route(&self, p: &[f32], x: &[f32]) -> Result<Routing> {
+    /// Router probabilities, top-k, renormalised weights and capacity assignment. The router
+    /// product runs on the buffers' device; its logits (T·E values) come to the host, where
+    /// the decisions are made, so a GPU routes exactly as the CPU would on the same logits.
+    pub fn route<'a1, 'a2>(
+        &self,
+        p: impl Into<BufRef<'a1>>,
+        x: impl Into<BufRef<'a2>>,
+    ) -> Result<Routing> {
+        let (p, x): (BufRef<'_>, BufRef<'_>) = (p.into(), x.into());
         let e_n = self.num_experts();
         let hidden = self.router.shape[1];
         let t_n = x.len() / hidden;
         let k = self.top_k;
-        let logits = linear_forward_new(p.into(), &self.router, x.into())?.into_host(HOST)?;
+        let logits = linear_forward_new(p, &self.router, x)?.into_vec()?;
         time(Kernel::Router, || -> Result<Routing> {
             let mut probs = vec![0.0; t_n * e_n];
             tensor::softmax::softmax_rows(&logits, e_n, &mut probs)?;
@@ -250,31 +265,38 @@ impl Moe {
         })
     }
 
-    /// `x [T, hidden] -> y [T, hidden]`.
-    pub fn forward(&self, p: &[f32], x: &[f32], pass: &Pass) -> Result<(Vec<f32>, MoeCache)> {
+    /// `x [T, hidden] -> y [T, hidden]`, on the device of `x` (expert parallelism: the host).
+    pub fn forward<'a1, 'a2>(
+        &self,
+        p: impl Into<BufRef<'a1>>,
+        x: impl Into<BufRef<'a2>>,
+        pass: &Pass,
+    ) -> Result<(Buf, MoeCache)> {
+        let (p, x): (BufRef<'_>, BufRef<'_>) = (p.into(), x.into());
         let hidden = self.router.shape[1];
         let keep_product = pass.recompute != super::Recompute::Selective;
         let routing = self.route(p, x)?;
         let t_n = x.len() / hidden;
-        let mut y = vec![0.0; x.len()];
-        let (caches, dispatch, shared) = match &self.exchange {
+        let (y, caches, dispatch, shared) = match &self.exchange {
             Some(ex) => {
-                let (c, d, s) = self.forward_parallel(p, x, &routing, keep_product, ex, &mut y)?;
-                (c, Some(d), s)
+                let (ph, xh) = (p.as_host(HOST)?, x.as_host(HOST)?);
+                let mut y = vec![0.0; x.len()];
+                let (c, d, s) =
+                    self.forward_parallel(ph, xh, &routing, keep_product, ex, &mut y)?;
+                (Buf::Host(y), c, Some(d), s)
             }
             None => {
-                let caches = self.forward_local(p, x, &routing, keep_product, &mut y)?;
+                let mut y = tensor::ops::zeros_like(x, x.len())?;
+                let caches = self.forward_local(p, x, &routing, keep_product, y.m())?;
                 let shared = match &self.shared {
                     Some(s) => {
                         let (ys, c) = s.forward(p, x, keep_product)?;
-                        y.iter_mut()
-                            .zip(ys.as_host(HOST)?)
-                            .for_each(|(a, b)| *a += b);
+                        tensor::ops::add_assign(y.m(), ys.r())?;
                         Some(c)
                     }
                     None => None,
                 };
-                (caches, None, shared)
+                (y, caches, None, shared)
             }
         };
         let e_n = self.num_experts();
@@ -309,46 +331,40 @@ impl Moe {
     }
 
     /// The routed experts on this rank's own tokens (every expert held): adds their weighted
-    /// outputs into `y`, expert by expert.
+    /// outputs into `y`, expert by expert (so each token sums its experts in index order).
     fn forward_local(
         &self,
-        p: &[f32],
-        x: &[f32],
+        p: BufRef<'_>,
+        x: BufRef<'_>,
         routing: &Routing,
         keep_product: bool,
-        y: &mut [f32],
+        mut y: BufMut<'_>,
     ) -> Result<Vec<Option<ExpertCache>>> {
         let hidden = self.router.shape[1];
-        let k = self.top_k;
         let mut caches = Vec::with_capacity(self.experts.len());
         for (e, expert) in self.experts.iter().enumerate() {
-            let list = &routing.assigned[e];
-            if list.is_empty() {
+            let (tokens, weights) = routing.rows_of(e, self.top_k);
+            if tokens.is_empty() {
                 caches.push(None);
                 continue;
             }
-            let mut xs = vec![0.0; list.len() * hidden];
+            let xs = time(Kernel::Router, || {
+                tensor::ops::gather_rows(x, &tokens, None, hidden)
+            })?;
+            let (out, mlp) = expert.forward(p, xs.r(), keep_product)?;
             time(Kernel::Router, || {
-                for (i, &(t, _)) in list.iter().enumerate() {
-                    xs[i * hidden..(i + 1) * hidden]
-                        .copy_from_slice(&x[t * hidden..(t + 1) * hidden]);
-                }
-            });
-            let (out, mlp) = expert.forward(p, &xs, keep_product)?;
-            let out = out.into_host(HOST)?;
-            time(Kernel::Router, || {
-                for (i, &(t, j)) in list.iter().enumerate() {
-                    let w = routing.weights[t * k + j];
-                    let yt = &mut y[t * hidden..(t + 1) * hidden];
-                    for (a, b) in yt.iter_mut().zip(&out[i * hidden..(i + 1) * hidden]) {
-                        *a += w * b;
-                    }
-                }
-            });
+                tensor::ops::scatter_add_rows(
+                    out.r(),
+                    &tokens,
+                    Some(&weights),
+                    y.reborrow(),
+                    hidden,
+                )
+            })?;
             caches.push(Some(ExpertCache {
-                x: Arc::new(Buf::Host(xs)),
+                x: Arc::new(xs),
                 mlp,
-                out: Arc::new(Buf::Host(out)),
+                out: Arc::new(out),
             }));
         }
         Ok(caches)
@@ -539,22 +555,22 @@ impl Moe {
 
     /// Input gradient (written) from `dy`, including the router and auxiliary-loss paths;
     /// records every weight gradient. `x` is the forward input.
-    pub fn backward_input(
+    pub fn backward_input<'a1>(
         &self,
-        p: &[f32],
+        p: impl Into<BufRef<'a1>>,
         x: &Act,
         cache: MoeCache,
         dy: Act,
         pass: &Pass,
         store: &mut WeightGradStore,
-    ) -> Result<Vec<f32>> {
+    ) -> Result<Buf> {
+        let p: BufRef<'_> = p.into();
         let hidden = self.router.shape[1];
         let e_n = self.num_experts();
         let t_n = x.len() / hidden;
         let k = self.top_k;
         let r = &cache.routing;
-        let dyh = dy.as_host(HOST)?;
-        let mut dx = vec![0.0; x.len()];
+        let mut dx = tensor::ops::zeros_like(x.r(), x.len())?;
         let mut dw = vec![0.0f32; t_n * k];
         // Under expert parallelism the shared expert's input gradient is computed while the
         // routed gradients travel, and added last, as without it.
@@ -566,49 +582,39 @@ impl Moe {
                     (Some(s), Some(c)) => Some((s, c)),
                     _ => None,
                 };
-                shared_dx = self.backward_parallel(
-                    p,
-                    r,
-                    cache.experts,
-                    d,
-                    &dy,
-                    ex,
-                    (shared, x),
-                    &mut dx,
-                    &mut dw,
-                    store,
-                )?;
+                shared_dx = self
+                    .backward_parallel(
+                        p.as_host(HOST)?,
+                        r,
+                        cache.experts,
+                        d,
+                        &dy,
+                        ex,
+                        (shared, x),
+                        dx.as_host_mut(HOST)?,
+                        &mut dw,
+                        store,
+                    )?
+                    .map(Buf::Host);
             }
             (None, None) => {
                 for (e, (expert, c)) in self.experts.iter().zip(cache.experts).enumerate() {
                     let Some(c) = c else { continue };
-                    let list = &r.assigned[e];
-                    let out = c.out.as_host(HOST)?;
-                    let mut dout = vec![0.0; list.len() * hidden];
+                    let (tokens, weights) = r.rows_of(e, k);
+                    // dL/dw_te = dy_t · expert_e(x_t); the expert's output gradient w_te·dy_t.
+                    let dots = time(Kernel::Router, || {
+                        tensor::ops::row_dots(dy.r(), &tokens, c.out.r(), hidden)
+                    })?;
+                    for (&(t, j), v) in r.assigned[e].iter().zip(dots) {
+                        dw[t * k + j] = v;
+                    }
+                    let dout = time(Kernel::Router, || {
+                        tensor::ops::gather_rows(dy.r(), &tokens, Some(&weights), hidden)
+                    })?;
+                    let dxs = expert.backward_input(p, &c.x, c.mlp, Arc::new(dout), store)?;
                     time(Kernel::Router, || {
-                        for (i, &(t, j)) in list.iter().enumerate() {
-                            let w = r.weights[t * k + j];
-                            let dyt = &dyh[t * hidden..(t + 1) * hidden];
-                            let o = &out[i * hidden..(i + 1) * hidden];
-                            dw[t * k + j] = dyt.iter().zip(o).map(|(a, b)| a * b).sum();
-                            for (d, g) in dout[i * hidden..(i + 1) * hidden].iter_mut().zip(dyt) {
-                                *d = w * g;
-                            }
-                        }
-                    });
-                    let dxs = expert
-                        .backward_input(p, &c.x, c.mlp, Arc::new(Buf::Host(dout)), store)?
-                        .into_host(HOST)?;
-                    time(Kernel::Router, || {
-                        for (i, &(t, _)) in list.iter().enumerate() {
-                            for (a, b) in dx[t * hidden..(t + 1) * hidden]
-                                .iter_mut()
-                                .zip(&dxs[i * hidden..(i + 1) * hidden])
-                            {
-                                *a += b;
-                            }
-                        }
-                    });
+                        tensor::ops::scatter_add_rows(dxs.r(), &tokens, None, dx.m(), hidden)
+                    })?;
                 }
             }
             _ => {
@@ -640,27 +646,22 @@ impl Moe {
         time(Kernel::Router, || {
             tensor::softmax::softmax_rows_backward(&dp, &r.probs, e_n, &mut dlogits)
         })?;
-        linear_backward_input(
-            p.into(),
-            &self.router,
-            (&dlogits).into(),
-            (&mut dx[..]).into(),
-            true,
-        )?;
+        let dlogits = x.dev().from_vec(dlogits)?;
+        linear_backward_input(p, &self.router, dlogits.r(), dx.m(), true)?;
         store.push(WeightTask::Linear {
             w: self.router.clone(),
-            dy: Arc::new(Buf::Host(dlogits)),
+            dy: Arc::new(dlogits),
             x: x.clone(),
         });
         let shared_dx = match shared_dx {
             Some(d) => Some(d),
             None => match (&self.shared, shared_cache) {
-                (Some(s), Some(c)) => Some(s.backward_input(p, x, c, dy, store)?.into_host(HOST)?),
+                (Some(s), Some(c)) => Some(s.backward_input(p, x, c, dy, store)?),
                 _ => None,
             },
         };
         if let Some(dxs) = shared_dx {
-            dx.iter_mut().zip(&dxs).for_each(|(a, b)| *a += b);
+            tensor::ops::add_assign(dx.m(), dxs.r())?;
         }
         Ok(dx)
     }

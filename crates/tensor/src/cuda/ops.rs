@@ -1015,55 +1015,55 @@ pub fn gather_rows<'a>(
     Ok(dst)
 }
 
-/// `y[t] (+)= Σ_j w[t, j]·rows[slot[t, j]]` (`slot = −1`: dropped), the experts' outputs back
-/// in token order.
-pub fn combine_rows<'a>(
+/// `y[idx[r]] += w[r]·rows[r]` (`w` absent: 1), rows of `dim`; the indices must be distinct
+/// (one expert's tokens), so calls made expert by expert add in the host's order.
+pub fn scatter_add_rows<'a>(
     rows: impl Into<DevSlice<'a, f32>>,
-    slot: impl Into<DevSlice<'a, i32>>,
-    w: impl Into<DevSlice<'a, f32>>,
+    idx: impl Into<DevSlice<'a, i32>>,
+    w: Option<DevSlice<'a, f32>>,
     y: impl Into<DevSliceMut<'a, f32>>,
-    k: usize,
     dim: usize,
-    accumulate: bool,
 ) -> Result<(), CudaError> {
     let rows: DevSlice<'_, f32> = rows.into();
-    let slot: DevSlice<'_, i32> = slot.into();
-    let w: DevSlice<'_, f32> = w.into();
+    let idx: DevSlice<'_, i32> = idx.into();
     let y: DevSliceMut<'_, f32> = y.into();
-    let tokens = rows_of(y.len(), dim, "combine y")?;
-    same_len("combine slots", slot.len(), tokens * k)?;
-    same_len("combine weights", w.len(), tokens * k)?;
+    let n = rows_of(rows.len(), dim, "scattered rows")?;
+    same_len("scatter indices", idx.len(), n)?;
+    if let Some(w) = &w {
+        same_len("scatter weights", w.len(), n)?;
+    }
+    rows_of(y.len(), dim, "scatter target")?;
     y.gpu().launch(
         "moe",
-        "combine_rows",
-        elements(tokens * dim),
+        "scatter_add_rows",
+        elements(n * dim),
         &[
             rows.into(),
-            slot.into(),
-            w.into(),
+            idx.into(),
+            w.map_or(KArg::Ptr(0), KArg::from),
             (&y).into(),
-            to_i32(tokens, "tokens")?.into(),
-            to_i32(k, "k")?.into(),
+            to_i32(n, "rows")?.into(),
             to_i32(dim, "dim")?.into(),
-            (accumulate as i32).into(),
         ],
     )
 }
 
-/// `out[r] = a[ia[r]] · b[ib[r]]` (rows of `dim`).
+/// `out[r] = a[ia[r]] · b[ib[r]]` (rows of `dim`; `ib` absent: `b`'s rows in order).
 pub fn row_dots<'a>(
     a: impl Into<DevSlice<'a, f32>>,
     ia: impl Into<DevSlice<'a, i32>>,
     b: impl Into<DevSlice<'a, f32>>,
-    ib: impl Into<DevSlice<'a, i32>>,
+    ib: Option<DevSlice<'a, i32>>,
     dim: usize,
 ) -> Result<DevBuf<f32>, CudaError> {
     let a: DevSlice<'_, f32> = a.into();
     let ia: DevSlice<'_, i32> = ia.into();
     let b: DevSlice<'_, f32> = b.into();
-    let ib: DevSlice<'_, i32> = ib.into();
     let rows = ia.len();
-    same_len("row_dots", ib.len(), rows)?;
+    match &ib {
+        Some(ib) => same_len("row_dots", ib.len(), rows)?,
+        None => same_len("row_dots", b.len(), rows * dim)?,
+    }
     let gpu = a.gpu().clone();
     let out = gpu.alloc::<f32>(rows)?;
     gpu.launch(
@@ -1074,7 +1074,7 @@ pub fn row_dots<'a>(
             a.into(),
             ia.into(),
             b.into(),
-            ib.into(),
+            ib.map_or(KArg::Ptr(0), KArg::from),
             (&out).into(),
             to_i32(rows, "rows")?.into(),
             to_i32(dim, "dim")?.into(),

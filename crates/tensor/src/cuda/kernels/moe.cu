@@ -1,7 +1,7 @@
 // Mixture-of-experts pieces (`model::layers::moe`): the router's softmax and top-k with the k
 // weights renormalised, and the row movements between token order and expert order. The
-// assignment lists (capacity, expert parallelism's counts) are built on the host from the
-// chosen experts; these kernels move the rows.
+// assignment lists (capacity, expert parallelism's counts) are built on the host; these
+// kernels move the rows.
 
 // One warp per token: probs = softmax(logits[t]) over E experts; the k experts of highest
 // score (probability + bias, bias may be null), ties to the lower index; weights = p / sum of
@@ -57,29 +57,28 @@ extern "C" __global__ void gather_rows(const float* src, const int* idx, const f
     }
 }
 
-// y[t] (+)= sum over j < k (in order) of w[t, j] * rows[slot[t, j]], slot -1 = dropped.
-extern "C" __global__ void combine_rows(const float* rows, const int* slot, const float* w,
-                                        float* y, int tokens, int k, int dim, int accumulate) {
-    long long n = (long long)tokens * dim;
+// y[idx[r]] += (w ? w[r] : 1) * rows[r], rows of `dim`. The indices of one call are distinct
+// (one expert's tokens), so no two threads add into the same element; calls in expert order
+// give the host's summation order.
+extern "C" __global__ void scatter_add_rows(const float* rows, const int* idx, const float* w,
+                                            float* y, int n_rows, int dim) {
+    long long n = (long long)n_rows * dim;
     XT_FOR(i, n) {
-        int t = (int)(i / dim), c = (int)(i % dim);
-        float acc = accumulate ? y[i] : 0.0f;
-        for (int j = 0; j < k; j++) {
-            int s = slot[t * k + j];
-            if (s >= 0) acc += w[t * k + j] * rows[(long long)s * dim + c];
-        }
-        y[i] = acc;
+        int r = (int)(i / dim), c = (int)(i % dim);
+        float v = rows[i];
+        float* dst = y + (long long)idx[r] * dim + c;
+        *dst = w ? *dst + w[r] * v : *dst + v;
     }
 }
 
-// out[r] = dot(a[ia[r]], b[ib[r]]) over `dim`; one warp per row.
+// out[r] = dot(a[ia[r]], b[ib ? ib[r] : r]) over `dim`; one warp per row.
 extern "C" __global__ void row_dots(const float* a, const int* ia, const float* b,
                                     const int* ib, float* out, int rows, int dim) {
     int r = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
     int lane = threadIdx.x & 31;
     if (r >= rows) return;
     const float* x = a + (long long)ia[r] * dim;
-    const float* y = b + (long long)ib[r] * dim;
+    const float* y = b + (long long)(ib ? ib[r] : r) * dim;
     float s = 0.0f;
     for (int c = lane; c < dim; c += 32) s += x[c] * y[c];
     s = warp_sum(s);
