@@ -34,6 +34,10 @@ for line in sys.stdin:
         print(m["target"]["name"], m["executable"])
 ' | while read -r name exe; do cp "$exe" "$dir/$name"; done
     strip "$dir"/*
+    # The real corpus of the bf16 convergence check, where this checkout has it beside it.
+    if [ -f ../shared/data/tinyshakespeare.txt ]; then
+        cp ../shared/data/tinyshakespeare.txt "$dir/"
+    fi
     du -sh "$dir"
     ls -la "$dir"
 }
@@ -101,6 +105,40 @@ PY
                 echo "torch peer $preset failed" >>"$report"
         done
     done
+    # bf16 (16-bit storage, fp32 compute) against PyTorch with bf16 weights.
+    timeout 120 "$dir/xtrain" bench train --preset small --device cuda --steps 10 \
+        --set 'train.precision="bf16"' >>"$report" 2>&1 || echo "xtrain bench bf16 failed" >>"$report"
+    PYTHONUNBUFFERED=1 timeout 120 python3 benches/peers/torch_peer.py train --preset small \
+        --device cuda --dtype bf16 --steps 10 >>"$report" 2>&1 || echo "torch peer bf16 failed" >>"$report"
+    echo '```' >>"$report"
+    # bf16 convergence: preset tiny, 1500 steps, the final validation loss of the GPU in
+    # bf16 within 0.03 of the CPU in fp32 (tinyshakespeare where present, else the built-in
+    # corpus).
+    local data=()
+    [ -f "$dir/tinyshakespeare.txt" ] && data=(--set "data.path=\"$dir/tinyshakespeare.txt\"")
+    {
+        echo
+        echo "## bf16 convergence (tiny, 1500 steps${data:+, tinyshakespeare}): GPU bf16 vs CPU fp32"
+        echo
+        echo '```'
+    } >>"$report"
+    local vals=()
+    for run in "cpu fp32" "cuda bf16"; do
+        set -- $run
+        local log="$out/converge-$1.log"
+        timeout 300 "$dir/xtrain" train --preset tiny --device "$1" \
+            --set "train.precision=\"$2\"" "${data[@]}" --out "$out/converge-$1" >"$log" 2>&1
+        local v
+        v=$(grep -o 'validation loss [0-9.]* after step 1500' "$log" | tail -1 | awk '{print $3}')
+        echo "$1 $2: final validation loss ${v:-MISSING} (log: converge-$1.log)" >>"$report"
+        vals+=("${v:-nan}")
+    done
+    if python3 -c "import sys; a, b = map(float, sys.argv[1:]); sys.exit(0 if abs(a - b) <= 0.03 else 1)" "${vals[@]}"; then
+        echo "bf16 within 0.03 of fp32: yes" >>"$report"
+    else
+        echo "bf16 within 0.03 of fp32: NO" >>"$report"
+        failed=1
+    fi
     echo '```' >>"$report"
     cat "$report"
     return $failed

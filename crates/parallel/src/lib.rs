@@ -62,3 +62,9 @@ pub enum ParallelError {
     #[error(transparent)]
     Comm(#[from] comm::CommError),
 }
+
+impl From<tensor::TensorError> for ParallelError {
+    fn from(e: tensor::TensorError) -> Self {
+        ParallelError::Model(e.to_string())
+    }
+}

@@ -4,16 +4,19 @@
 //!
 //! The model's kernels compute in fp32 over fp32 slices. For bf16 / fp16 training the weights
 //! and gradients are *stored* in 16 bits (2Φ + 2Φ bytes) beside fp32 master weights; the
-//! executor widens one unit's weights at a time into an fp32 copy ([`Flat::read`]), and a
+//! executor widens one unit's weights at a time into an fp32 copy ([`Flat::read_buf`]), and a
 //! unit's backward accumulates its gradient in fp32 before rounding it back once
-//! ([`Flat::update`]). So the numerics are those of 16-bit storage with fp32 accumulation
+//! ([`Flat::update_buf`]). So the numerics are those of 16-bit storage with fp32 accumulation
 //! (Megatron's bf16 mode), and the memory held is the accounted 2Φ + 2Φ + 12Φ plus one unit's
-//! scratch.
+//! scratch. On a GPU the same rule holds with the 16-bit buffers on the device
+//! ([`Flat::DevHalf`]), widened and rounded by the cast kernels (round to nearest even, as
+//! `half` does on the host).
 use std::ops::Range;
 
 use half::{bf16, f16};
 use serde::{Deserialize, Serialize};
 use tensor::buf::{Buf, BufMut, BufRef, Dev};
+use tensor::cuda::{DevBuf, DevSlice, DevSliceMut};
 use tensor::TensorError;
 
 /// Numeric format of the training state.
@@ -59,6 +62,9 @@ impl Precision {
 /// Elements per chunk of chunked passes over the flat buffers.
 pub const CHUNK: usize = 1 << 16;
 
+/// Elements per chunk of chunked passes over 16-bit GPU buffers (a widened chunk is 16 MiB).
+pub const DEVICE_CHUNK: usize = 1 << 22;
+
 /// A 16-bit storage format.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Half {
@@ -95,14 +101,38 @@ impl Half {
             .zip(src)
             .for_each(|(d, &s)| *d = self.from_f32(s));
     }
+
+    /// `src` widened to fp32 in a new GPU buffer.
+    fn widen_dev(self, src: DevSlice<'_, u16>) -> Result<Buf, TensorError> {
+        let mut out = src.gpu().alloc::<f32>(src.len())?;
+        match self {
+            Half::Bf16 => tensor::cuda::ops::cast_bf16_to_f32(src, &mut out)?,
+            Half::F16 => tensor::cuda::ops::cast_f16_to_f32(src, &mut out)?,
+        }
+        Ok(Buf::Cuda(out))
+    }
+
+    /// `src` rounded into `dst` on the GPU.
+    fn narrow_dev(
+        self,
+        src: DevSlice<'_, f32>,
+        dst: DevSliceMut<'_, u16>,
+    ) -> Result<(), TensorError> {
+        match self {
+            Half::Bf16 => tensor::cuda::ops::cast_f32_to_bf16(src, dst)?,
+            Half::F16 => tensor::cuda::ops::cast_f32_to_f16(src, dst)?,
+        }
+        Ok(())
+    }
 }
 
 /// A flat buffer of parameters or gradients in the compute precision.
 ///
-/// `Dev` is fp32 on a GPU: it is read and written only through [`Flat::view`],
-/// [`Flat::update_buf`], [`Flat::download`] and [`Flat::upload`] (the executor refuses the
-/// configurations whose paths read host slices — data parallelism, ZeRO, pipelines, 16-bit
-/// storage — on a GPU, so the host-slice methods never meet a device buffer).
+/// `Dev` and `DevHalf` live on a GPU: they are read and written only through the methods
+/// taking or giving [`Buf`] views ([`Flat::view`], [`Flat::read_buf`], [`Flat::write_buf`],
+/// [`Flat::update_buf`], [`Flat::download`], [`Flat::try_fill_zero`], [`Flat::try_sq_sum`]);
+/// the executor refuses the configurations whose paths read host slices — data parallelism,
+/// ZeRO, pipelines — on a GPU, so the host-slice methods never meet a device buffer.
 #[derive(Debug)]
 pub enum Flat {
     F32(Vec<f32>),
@@ -113,6 +143,11 @@ pub enum Flat {
     },
     /// fp32 on a GPU.
     Dev(Buf),
+    /// 16-bit bit patterns of `kind` on a GPU.
+    DevHalf {
+        kind: Half,
+        bits: DevBuf<u16>,
+    },
 }
 
 /// The invariant of [`Flat::Dev`] (see its doc).
@@ -147,27 +182,40 @@ impl Flat {
             Flat::F32(v) => v.len(),
             Flat::Half { bits, .. } => bits.len(),
             Flat::Dev(b) => b.len(),
+            Flat::DevHalf { bits, .. } => bits.len(),
         }
     }
 
-    /// `values` on device `dev` in the compute precision of `precision` (a GPU holds fp32
-    /// only).
+    /// `values` rounded to the compute precision of `precision`, on device `dev` (16-bit
+    /// values are rounded on the host, then copied).
     pub fn from_f32_on(
         dev: &Dev,
         values: Vec<f32>,
         precision: Precision,
     ) -> Result<Self, TensorError> {
-        match dev {
-            Dev::Cpu => Ok(Self::from_f32(values, precision)),
-            Dev::Cuda(_) => Ok(Flat::Dev(dev.from_vec(values)?)),
+        match (dev, precision.half()) {
+            (Dev::Cpu, _) => Ok(Self::from_f32(values, precision)),
+            (Dev::Cuda(_), None) => Ok(Flat::Dev(dev.from_vec(values)?)),
+            (Dev::Cuda(g), Some(kind)) => {
+                let mut bits = vec![0; values.len()];
+                kind.downcast(&values, &mut bits);
+                Ok(Flat::DevHalf {
+                    kind,
+                    bits: g.upload(&bits)?,
+                })
+            }
         }
     }
 
-    /// `n` zeros on device `dev` (a GPU holds fp32 only).
+    /// `n` zeros on device `dev` in the compute precision of `precision`.
     pub fn zeros_on(dev: &Dev, n: usize, precision: Precision) -> Result<Self, TensorError> {
-        match dev {
-            Dev::Cpu => Ok(Self::zeros(n, precision)),
-            Dev::Cuda(_) => Ok(Flat::Dev(dev.zeros(n)?)),
+        match (dev, precision.half()) {
+            (Dev::Cpu, _) => Ok(Self::zeros(n, precision)),
+            (Dev::Cuda(_), None) => Ok(Flat::Dev(dev.zeros(n)?)),
+            (Dev::Cuda(g), Some(kind)) => Ok(Flat::DevHalf {
+                kind,
+                bits: g.zeros(n)?,
+            }),
         }
     }
 
@@ -176,22 +224,62 @@ impl Flat {
         match self {
             Flat::F32(v) => Some(BufRef::Host(&v[r])),
             Flat::Dev(b) => Some(b.r().slice(r)),
-            Flat::Half { .. } => None,
+            Flat::Half { .. } | Flat::DevHalf { .. } => None,
+        }
+    }
+
+    /// Elements `r` as an fp32 copy on the buffer's device (16-bit storage widened).
+    pub fn read_buf(&self, r: Range<usize>) -> Result<Buf, TensorError> {
+        match self {
+            Flat::F32(_) | Flat::Half { .. } => Ok(Buf::Host(self.read(r))),
+            Flat::Dev(b) => b.r().slice(r).to_buf(),
+            Flat::DevHalf { kind, bits } => kind.widen_dev(bits.slice(r)),
+        }
+    }
+
+    /// Stores `src` (rounded for 16-bit storage) at `start..`; `src` is on the buffer's device.
+    pub fn write_buf(&mut self, start: usize, src: BufRef<'_>) -> Result<(), TensorError> {
+        let r = start..start + src.len();
+        match self {
+            Flat::F32(_) | Flat::Half { .. } => {
+                self.write(start, src.as_host("a host parameter buffer")?);
+                Ok(())
+            }
+            Flat::Dev(b) => b.m().slice_mut(r).copy_from(src),
+            Flat::DevHalf { kind, bits } => match src {
+                BufRef::Cuda(s) => kind.narrow_dev(s, bits.slice_mut(r)),
+                BufRef::Host(_) => Err(TensorError::Device(
+                    "host values written into a GPU parameter buffer".into(),
+                )),
+            },
         }
     }
 
     /// Runs `f` on elements `r` as an fp32 view on the buffer's device: in place for fp32
     /// (host or GPU); for 16-bit storage through an fp32 copy rounded back afterwards.
-    pub fn update_buf<T>(&mut self, r: Range<usize>, f: impl FnOnce(BufMut<'_>) -> T) -> T {
+    pub fn update_buf<T, E: From<TensorError>>(
+        &mut self,
+        r: Range<usize>,
+        f: impl FnOnce(BufMut<'_>) -> Result<T, E>,
+    ) -> Result<T, E> {
         match self {
             Flat::F32(v) => f(BufMut::Host(&mut v[r])),
             Flat::Dev(b) => f(b.m().slice_mut(r)),
             Flat::Half { kind, bits } => {
                 let mut g = vec![0.0; r.len()];
                 kind.upcast(&bits[r.clone()], &mut g);
-                let out = f(BufMut::Host(&mut g));
+                let out = f(BufMut::Host(&mut g))?;
                 kind.downcast(&g, &mut bits[r]);
-                out
+                Ok(out)
+            }
+            Flat::DevHalf { kind, bits } => {
+                let mut g = kind.widen_dev(bits.slice(r.clone()))?;
+                let out = f(g.m())?;
+                let Buf::Cuda(g) = &g else {
+                    unreachable!("widened on the GPU")
+                };
+                kind.narrow_dev(g.as_slice(), bits.slice_mut(r))?;
+                Ok(out)
             }
         }
     }
@@ -200,6 +288,12 @@ impl Flat {
     pub fn download(&self) -> Result<Vec<f32>, TensorError> {
         match self {
             Flat::Dev(b) => b.to_vec(),
+            Flat::DevHalf { kind, bits } => {
+                let bits = bits.to_host()?;
+                let mut out = vec![0.0; bits.len()];
+                kind.upcast(&bits, &mut out);
+                Ok(out)
+            }
             other => Ok(other.read(0..other.len())),
         }
     }
@@ -208,6 +302,7 @@ impl Flat {
     pub fn try_fill_zero(&mut self) -> Result<(), TensorError> {
         match self {
             Flat::Dev(b) => b.m().zero(),
+            Flat::DevHalf { bits, .. } => Ok(bits.zero()?),
             other => {
                 other.fill_zero();
                 Ok(())
@@ -215,10 +310,19 @@ impl Flat {
         }
     }
 
-    /// Σ x² over elements `r` in f64 (on the buffer's device).
+    /// Σ x² over elements `r` in f64 (on the buffer's device; 16-bit storage widened a chunk
+    /// of [`DEVICE_CHUNK`] at a time).
     pub fn try_sq_sum(&self, r: Range<usize>) -> Result<f64, TensorError> {
         match self {
             Flat::Dev(b) => tensor::ops::sq_sum(b.r().slice(r)),
+            Flat::DevHalf { kind, bits } => {
+                let mut total = 0.0;
+                for s in r.clone().step_by(DEVICE_CHUNK) {
+                    let e = (s + DEVICE_CHUNK).min(r.end);
+                    total += tensor::ops::sq_sum(kind.widen_dev(bits.slice(s..e))?.r())?;
+                }
+                Ok(total)
+            }
             other => Ok(other.sq_sum(r)),
         }
     }
@@ -233,6 +337,7 @@ impl Flat {
             Flat::F32(v) => std::mem::size_of_val(v.as_slice()),
             Flat::Half { bits, .. } => std::mem::size_of_val(bits.as_slice()),
             Flat::Dev(b) => b.bytes(),
+            Flat::DevHalf { bits, .. } => bits.bytes(),
         }
     }
 
@@ -241,7 +346,7 @@ impl Flat {
     pub fn as_f32(&self) -> Option<&[f32]> {
         match self {
             Flat::F32(v) => Some(v),
-            Flat::Half { .. } | Flat::Dev(_) => None,
+            _ => None,
         }
     }
 
@@ -257,7 +362,7 @@ impl Flat {
         match self {
             Flat::F32(v) => out.copy_from_slice(&v[r]),
             Flat::Half { kind, bits } => kind.upcast(&bits[r], out),
-            Flat::Dev(_) => unreachable!("{DEVICE_PATH}"),
+            Flat::Dev(_) | Flat::DevHalf { .. } => unreachable!("{DEVICE_PATH}"),
         }
     }
 
@@ -267,7 +372,7 @@ impl Flat {
         match self {
             Flat::F32(v) => v[r].copy_from_slice(src),
             Flat::Half { kind, bits } => kind.downcast(src, &mut bits[r]),
-            Flat::Dev(_) => unreachable!("{DEVICE_PATH}"),
+            Flat::Dev(_) | Flat::DevHalf { .. } => unreachable!("{DEVICE_PATH}"),
         }
     }
 
@@ -283,7 +388,7 @@ impl Flat {
                 kind.downcast(&g, &mut bits[r]);
                 out
             }
-            Flat::Dev(_) => unreachable!("{DEVICE_PATH}"),
+            Flat::Dev(_) | Flat::DevHalf { .. } => unreachable!("{DEVICE_PATH}"),
         }
     }
 
@@ -291,7 +396,7 @@ impl Flat {
         match self {
             Flat::F32(v) => tensor::threads::scale(v, 0.0),
             Flat::Half { bits, .. } => bits.fill(0),
-            Flat::Dev(_) => unreachable!("{DEVICE_PATH}"),
+            Flat::Dev(_) | Flat::DevHalf { .. } => unreachable!("{DEVICE_PATH}"),
         }
     }
 
@@ -312,7 +417,7 @@ impl Flat {
                     })
                     .sum::<f64>()
             }),
-            Flat::Dev(_) => unreachable!("{DEVICE_PATH}"),
+            Flat::Dev(_) | Flat::DevHalf { .. } => unreachable!("{DEVICE_PATH}"),
         }
     }
 
@@ -328,7 +433,7 @@ impl Flat {
                 kind: Half::F16,
                 bits,
             } => Piece::F16(bytemuck::cast_slice::<u16, f16>(&bits[r]).to_vec()),
-            Flat::Dev(_) => unreachable!("{DEVICE_PATH}"),
+            Flat::Dev(_) | Flat::DevHalf { .. } => unreachable!("{DEVICE_PATH}"),
         }
     }
 }
@@ -467,12 +572,12 @@ impl Bucketed {
     }
 
     /// [`Flat::update_buf`] of range `r`, which must lie inside bucket `b`.
-    pub fn update_buf<T>(
+    pub fn update_buf<T, E: From<TensorError>>(
         &mut self,
         b: usize,
         r: Range<usize>,
-        f: impl FnOnce(BufMut<'_>) -> T,
-    ) -> T {
+        f: impl FnOnce(BufMut<'_>) -> Result<T, E>,
+    ) -> Result<T, E> {
         let start = self.ranges[b].start;
         debug_assert!(self.ranges[b].start <= r.start && r.end <= self.ranges[b].end);
         self.buf_mut(b)
@@ -491,10 +596,24 @@ impl Bucketed {
             match self.buf_mut(b) {
                 Flat::F32(v) => f(start, BufMut::Host(&mut v[p])),
                 Flat::Dev(d) => f(start, d.m().slice_mut(p)),
-                Flat::Half { .. } => return None,
+                Flat::Half { .. } | Flat::DevHalf { .. } => return None,
             }
         }
         Some(())
+    }
+
+    /// Runs `f(flat offset, piece)` on fp32 copies of the pieces of flat range `r` on their
+    /// device ([`Flat::read_buf`]), in address order.
+    pub fn try_for_each_copy<E: From<TensorError>>(
+        &self,
+        r: Range<usize>,
+        mut f: impl FnMut(usize, Buf) -> Result<(), E>,
+    ) -> Result<(), E> {
+        for (b, p) in self.pieces(r) {
+            let start = self.ranges[b].start + p.start;
+            f(start, self.buf(b).read_buf(p)?)?;
+        }
+        Ok(())
     }
 
     /// Σ x² over flat range `r` on the buffers' device (bucket by bucket).
@@ -580,7 +699,7 @@ impl Bucketed {
             let start = self.ranges[b].start + p.start;
             match self.buf_mut(b) {
                 Flat::F32(v) => f(start, &mut v[p]),
-                Flat::Half { .. } | Flat::Dev(_) => return None,
+                _ => return None,
             }
         }
         Some(())

@@ -566,9 +566,6 @@ impl RunConfig {
         if self.parallel.nproc > 1 {
             why.push(format!("{} processes", self.parallel.nproc));
         }
-        if self.train.precision != Precision::Fp32 {
-            why.push(format!("{:?} training", self.train.precision));
-        }
         if self.parallel.zero != 0 {
             why.push(format!("ZeRO-{}", self.parallel.zero));
         }
@@ -576,7 +573,7 @@ impl RunConfig {
             return Ok(());
         }
         Err(TrainError::Config(format!(
-            "train.device = {spec}: on the GPU xtrain trains one process in fp32 for now; {} on the GPU is not built yet",
+            "train.device = {spec}: on the GPU xtrain trains one process for now; {} on the GPU is not built yet",
             why.join(", ")
         )))
     }

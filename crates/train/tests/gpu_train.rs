@@ -25,6 +25,10 @@ fn has_gpu() -> bool {
 }
 
 fn config(preset: &str, device: &str) -> RunConfig {
+    config_with(preset, device, &[])
+}
+
+fn config_with(preset: &str, device: &str, extra: &[String]) -> RunConfig {
     let o: Vec<String> = [
         "train.steps=10",
         "train.warmup_steps=2",
@@ -34,6 +38,7 @@ fn config(preset: &str, device: &str) -> RunConfig {
     .iter()
     .map(|s| s.to_string())
     .chain([format!("train.device=\"{device}\"")])
+    .chain(extra.iter().cloned())
     .collect();
     RunConfig::resolve(preset, None, &o).unwrap()
 }
@@ -47,7 +52,15 @@ fn run(
     steps: usize,
     save: Option<&Path>,
 ) -> (Vec<f64>, Vec<f32>) {
-    let cfg = config(preset, device);
+    run_cfg(config(preset, device), from, steps, save)
+}
+
+fn run_cfg(
+    cfg: RunConfig,
+    from: Option<&Path>,
+    steps: usize,
+    save: Option<&Path>,
+) -> (Vec<f64>, Vec<f32>) {
     comm::testing::run_threads(1, |c| {
         let mut t = match from {
             Some(ck) => Trainer::resume(cfg.clone(), ck, &c).unwrap(),
@@ -117,4 +130,42 @@ fn checkpoints_cross_devices_with_the_uninterrupted_losses() {
         );
     }
     let _ = std::fs::remove_dir_all(&d);
+}
+
+/// bf16 and fp16 training (16-bit weights and gradients, fp32 compute, fp32 master weights
+/// and moments; fp16 with dynamic loss scaling) on the GPU against the CPU under the same rule.
+/// Tolerance, from the formats: both runs compute in fp32 (sums in different orders, ~1e-6
+/// apart) and then round to 16 bits, where a value at a rounding boundary lands one 16-bit
+/// ulp apart — at most 2^-8 of itself for bf16 (8 significand bits), 2^-11 for fp16. So the
+/// weights each step reads agree within 2^-8 relative, and the loss, a smooth function of
+/// them, within 2^-8 relative. An AdamW update is lr·m̂/(√v̂ + ε): gradients 2^-8 apart move
+/// it by at most about 2^-8·lr, so after n steps the master weights agree within n·lr·2^-8;
+/// the bound below doubles that (2^-7) for the first steps' bias correction.
+#[test]
+fn sixteen_bit_training_on_the_gpu_matches_the_cpu() {
+    if !has_gpu() {
+        return;
+    }
+    let steps = 10;
+    for precision in ["bf16", "fp16"] {
+        let extra = [format!("train.precision=\"{precision}\"")];
+        let (cpu, p_cpu) = run_cfg(config_with("tiny", "cpu", &extra), None, steps, None);
+        let (gpu, p_gpu) = run_cfg(config_with("tiny", "cuda", &extra), None, steps, None);
+        let lr = config("tiny", "cpu").train.lr;
+        for (s, (a, b)) in gpu.iter().zip(&cpu).enumerate() {
+            assert!(
+                (a - b).abs() <= b.abs() / 256.0,
+                "{precision} step {s}: loss {a} vs {b}"
+            );
+        }
+        let bound = steps as f64 * lr / 128.0;
+        let err = p_gpu
+            .iter()
+            .zip(&p_cpu)
+            .fold(0.0f64, |m, (a, b)| m.max((a - b).abs() as f64));
+        assert!(
+            err <= bound,
+            "{precision}: master weights differ by {err:e} (bound {bound:e})"
+        );
+    }
 }

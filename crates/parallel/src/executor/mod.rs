@@ -251,8 +251,8 @@ pub struct Executor<M: StageModel> {
     /// Full, bucket by bucket (stages 0-1), or this rank's padded shard (stages 2-3).
     grads: Bucketed,
     /// 16-bit training only (empty in fp32): the fp32 master weights of the range AdamW
-    /// updates, like `m` and `v`.
-    master: Vec<f32>,
+    /// updates, like `m` and `v`, on the executor's device.
+    master: Buf,
     /// Full (stage 0) or this rank's padded shard (stages 1-3), on the executor's device.
     m: Buf,
     v: Buf,
@@ -336,14 +336,22 @@ impl<M: StageModel> Executor<M> {
         };
         let per = |sharded: bool| if sharded { spec.shard_len() } else { total };
         let dev_err = |e: tensor::TensorError| ParallelError::Model(e.to_string());
+        let no_master = || Buf::Host(Vec::new());
         let (params, master) = match precision.half() {
             None if zero.shards_params() => {
-                (Flat::F32(fill(own.clone(), spec.shard_len())), Vec::new())
+                (Flat::F32(fill(own.clone(), spec.shard_len())), no_master())
             }
             None => (
                 Flat::from_f32_on(&dev, fill(0..total, total), precision).map_err(dev_err)?,
-                Vec::new(),
+                no_master(),
             ),
+            Some(_) if dev.is_cuda() => {
+                // One process on a GPU (ZeRO is refused there): the full master and the
+                // 16-bit weights rounded from it.
+                let master = fill(0..total, total);
+                let params = Flat::from_f32_on(&dev, master.clone(), precision).map_err(dev_err)?;
+                (params, dev.from_vec(master).map_err(dev_err)?)
+            }
             Some(_) => {
                 let master = if zero.shards_optimizer() {
                     fill(own.clone(), spec.shard_len())
@@ -367,7 +375,7 @@ impl<M: StageModel> Executor<M> {
                     }
                     p
                 };
-                (params, master)
+                (params, Buf::Host(master))
             }
         };
         // Stages 0/1: the full gradients, one allocation per bucket (all-reduced in place);
@@ -504,7 +512,7 @@ impl<M: StageModel> Executor<M> {
     /// Accounted bytes on this rank: the persistent buffers, and the peaks of the transient
     /// ones (communication buffers include ZeRO-3's gathered units).
     pub fn memory(&self) -> MemoryAccount {
-        let (master, optimizer) = (self.master.len() * F32, self.m.bytes() + self.v.bytes());
+        let (master, optimizer) = (self.master.bytes(), self.m.bytes() + self.v.bytes());
         MemoryAccount {
             params: self.params.bytes(),
             grads: self.grads.bytes(),
@@ -542,10 +550,11 @@ impl<M: StageModel> Executor<M> {
         Ok(match &self.params {
             Flat::F32(p) => (Cow::Borrowed(p), self.cfg.zero.shards_params()),
             Flat::Half { .. } => (
-                Cow::Borrowed(&self.master),
+                Cow::Borrowed(self.master.as_host("the master weights").map_err(terr)?),
                 self.cfg.zero.shards_optimizer(),
             ),
             Flat::Dev(b) => (Cow::Owned(b.to_vec().map_err(terr)?), false),
+            Flat::DevHalf { .. } => (Cow::Owned(self.master.to_vec().map_err(terr)?), false),
         })
     }
 
@@ -577,7 +586,7 @@ impl<M: StageModel> Executor<M> {
 
 /// The layouts the executor runs on a GPU today: one process (no data, tensor, pipeline,
 /// context or expert parallelism: their collectives and host-slice paths are not on the device
-/// yet), fp32, no ZeRO. Anything else is refused before a buffer is allocated, naming what to
+/// yet), no ZeRO; fp32, bf16 or fp16. Anything else is refused before a buffer is allocated, naming what to
 /// change.
 pub fn check_device(cfg: &ExecConfig, dp: usize, pipeline: bool) -> Result<(), ParallelError> {
     if !cfg.device.is_cuda() {
@@ -593,14 +602,11 @@ pub fn check_device(cfg: &ExecConfig, dp: usize, pipeline: bool) -> Result<(), P
     if cfg.zero != ZeroStage::Ddp {
         why.push(format!("ZeRO-{}", cfg.zero.index()));
     }
-    if cfg.precision != Precision::Fp32 {
-        why.push(format!("{:?} training", cfg.precision));
-    }
     if why.is_empty() {
         return Ok(());
     }
     Err(ParallelError::Unsupported(format!(
-        "on {} xtrain trains one process in fp32 for now; {} on the GPU is not built yet (run it on the CPU, or train with --nproc 1 --set train.precision=\"fp32\")",
+        "on {} xtrain trains one process for now; {} on the GPU is not built yet (run it on the CPU, or train with --nproc 1)",
         cfg.device.name(),
         why.join(", ")
     )))

@@ -6,7 +6,7 @@ use std::ops::Range;
 use comm::ProcessGroup;
 use model::optim::scale_grads;
 
-use tensor::buf::{BufMut, BufRef};
+use tensor::buf::{Buf, BufMut, BufRef};
 use tensor::cuda::ops::{adamw, AdamScalars};
 
 use super::run::terr;
@@ -101,35 +101,8 @@ impl<M: StageModel> Executor<M> {
         let (gr, pr, mr) = self.own_ranges();
         let opt = self.cfg.adamw;
         let (t, lr) = (self.step, self.lr);
-        if let Flat::Dev(p) = &mut self.params {
-            // On the GPU: each gradient piece scaled, then AdamW's kernel on the matching
-            // ranges of the weights and moments (the same operations as `AdamW::update`).
-            let s = AdamScalars::new(opt.beta1, opt.beta2, opt.eps, lr, t);
-            let decay = 1.0 - lr * opt.weight_decay;
-            let (m, v) = (&mut self.m, &mut self.v);
-            let mut result = Ok(());
-            self.grads.f32_views_mut(gr.clone(), |at, mut g| {
-                if result.is_err() {
-                    return;
-                }
-                let o = at - gr.start;
-                let n = g.len();
-                result = (|| -> Result<(), tensor::TensorError> {
-                    tensor::ops::scale(g.reborrow(), factor)?;
-                    let (BufMut::Cuda(pd), BufRef::Cuda(gd), BufMut::Cuda(md), BufMut::Cuda(vd)) = (
-                        p.m().slice_mut(pr.start + o..pr.start + o + n),
-                        g.as_ref(),
-                        m.m().slice_mut(mr.start + o..mr.start + o + n),
-                        v.m().slice_mut(mr.start + o..mr.start + o + n),
-                    ) else {
-                        return Err(tensor::TensorError::Device(
-                            "the optimizer's buffers are not all on the GPU".into(),
-                        ));
-                    };
-                    Ok(adamw(pd, gd, md, vd, &[(n, decay)], s)?)
-                })();
-            });
-            result.map_err(terr)?;
+        if self.cfg.device.is_cuda() {
+            self.device_update(factor, (gr, pr, mr))?;
             return Ok((norm as f32, true));
         }
         let (m, v) = (
@@ -158,7 +131,10 @@ impl<M: StageModel> Executor<M> {
             (params, grads) => {
                 // 16-bit: chunk by chunk, widen the gradients, clip and unscale, update the
                 // fp32 master, round it into the weights.
-                let master = &mut self.master[mr.clone()];
+                let master = &mut self
+                    .master
+                    .as_host_mut("the master weights")
+                    .map_err(terr)?[mr.clone()];
                 let mut g = vec![0.0f32; CHUNK.min(master.len())];
                 for s in (0..master.len()).step_by(CHUNK) {
                     let e = (s + CHUNK).min(master.len());
@@ -188,5 +164,70 @@ impl<M: StageModel> Executor<M> {
             }
         }
         Ok((norm as f32, true))
+    }
+
+    /// AdamW on the GPU, piece by piece of the gradient buckets: each piece scaled by
+    /// `factor` (clipping and unscaling), then AdamW's kernel on the matching ranges of the
+    /// fp32 weights (or, in 16-bit training, of the fp32 master, then rounded into the 16-bit
+    /// weights) and the moments: the same operations as the host path.
+    fn device_update(
+        &mut self,
+        factor: f32,
+        (gr, pr, mr): (Range<usize>, Range<usize>, Range<usize>),
+    ) -> Result<(), ParallelError> {
+        let opt = self.cfg.adamw;
+        let s = AdamScalars::new(opt.beta1, opt.beta2, opt.eps, self.lr, self.step);
+        let decay = 1.0 - self.lr * opt.weight_decay;
+        let half = self.cfg.precision.half().is_some();
+        let (params, master, m, v) = (&mut self.params, &mut self.master, &mut self.m, &mut self.v);
+        let step = |o: usize, g: BufRef<'_>, p: BufMut<'_>, m: &mut Buf, v: &mut Buf| {
+            let n = g.len();
+            let (BufMut::Cuda(pd), BufRef::Cuda(gd), BufMut::Cuda(md), BufMut::Cuda(vd)) = (
+                p,
+                g,
+                m.m().slice_mut(mr.start + o..mr.start + o + n),
+                v.m().slice_mut(mr.start + o..mr.start + o + n),
+            ) else {
+                return Err(tensor::TensorError::Device(
+                    "the optimizer's buffers are not all on the GPU".into(),
+                ));
+            };
+            Ok(adamw(pd, gd, md, vd, &[(n, decay)], s)?)
+        };
+        if !half {
+            let Flat::Dev(p) = params else {
+                return Err(terr(tensor::TensorError::Device(
+                    "fp32 weights not on the GPU".into(),
+                )));
+            };
+            let mut result = Ok(());
+            self.grads.f32_views_mut(gr.clone(), |at, mut g| {
+                if result.is_ok() {
+                    let o = at - gr.start;
+                    let n = g.len();
+                    result = tensor::ops::scale(g.reborrow(), factor).and_then(|()| {
+                        step(
+                            o,
+                            g.as_ref(),
+                            p.m().slice_mut(pr.start + o..pr.start + o + n),
+                            m,
+                            v,
+                        )
+                    });
+                }
+            });
+            return result.map_err(terr);
+        }
+        // 16-bit: the gradient pieces widened into fp32 copies.
+        self.grads
+            .try_for_each_copy(gr.clone(), |at, mut g| -> Result<(), ParallelError> {
+                let o = at - gr.start;
+                let n = g.len();
+                tensor::ops::scale(g.m(), factor)?;
+                let mrange = mr.start + o..mr.start + o + n;
+                step(o, g.r(), master.m().slice_mut(mrange.clone()), m, v)?;
+                params.write_buf(pr.start + o, master.r().slice(mrange))?;
+                Ok(())
+            })
     }
 }

@@ -3,7 +3,7 @@
 use std::collections::HashMap;
 
 use std::ops::Range;
-use tensor::buf::{BufMut, BufRef};
+use tensor::buf::{Buf, BufRef};
 
 use comm::{ReduceOp, Work};
 
@@ -52,12 +52,12 @@ pub(super) enum Gather {
 pub(super) fn param_slice<'a>(
     params: &'a Flat,
     resident: &'a HashMap<usize, Vec<f32>>,
-    owned: &'a Option<Vec<f32>>,
+    owned: &'a Option<Buf>,
     u: usize,
     range: Range<usize>,
 ) -> BufRef<'a> {
     if let Some(o) = owned {
-        return BufRef::Host(o);
+        return o.r();
     }
     if let Some(r) = resident.get(&u) {
         return BufRef::Host(r);
@@ -119,33 +119,33 @@ impl<M: StageModel> Executor<M> {
     }
 
     /// Unit `u`'s parameters as an fp32 copy when they are not used in place: gathered
-    /// (ZeRO-3, from the prefetch `w`) or widened from 16 bits. `None`: read `self.params` (or
-    /// the unit `UNSHARD` keeps).
+    /// (ZeRO-3, from the prefetch `w`) or widened from 16 bits (on the weights' device).
+    /// `None`: read `self.params` (or the unit `UNSHARD` keeps).
     pub(super) fn unit_params(
         &mut self,
         u: usize,
         w: Option<Gather>,
-    ) -> Result<Option<Vec<f32>>, ParallelError> {
+    ) -> Result<Option<Buf>, ParallelError> {
         if let Some(w) = w {
-            return self.finish_gather(u, w).map(Some);
+            return Ok(Some(Buf::Host(self.finish_gather(u, w)?)));
         }
         if self.resident.contains_key(&u) {
             return Ok(None);
         }
         if self.cfg.zero.shards_params() {
             let w = self.gather_async(u);
-            return self.finish_gather(u, w).map(Some);
+            return Ok(Some(Buf::Host(self.finish_gather(u, w)?)));
         }
         if self.params.view(0..0).is_some() {
             return Ok(None);
         }
         let r = self.units[u].clone();
         self.gathered_bytes.add(r.len() * F32);
-        Ok(Some(self.params.read(r)))
+        Ok(Some(self.params.read_buf(r)?))
     }
 
     /// Frees a unit's parameter copy.
-    pub(super) fn release(&mut self, owned: Option<Vec<f32>>) {
+    pub(super) fn release(&mut self, owned: Option<Buf>) {
         if let Some(o) = owned {
             self.gathered_bytes.sub(o.len() * F32);
         }
@@ -162,14 +162,15 @@ impl<M: StageModel> Executor<M> {
         let single = self.dp.size() == 1;
         if !self.cfg.zero.shards_grads() {
             if single {
-                // One rank: the accumulated gradients are already the sum.
-                let model = &self.model;
-                self.grads.update_buf(b, br.clone(), |g| match g {
-                    BufMut::Host(g) => model.prepare_reduction(br.clone(), g),
-                    // On a GPU there is one process, so nothing to prepare for (expert
-                    // parallelism is a dp group of several ranks).
-                    BufMut::Cuda(_) => Ok(()),
-                })?;
+                // One rank: the accumulated gradients are already the sum. (On a GPU there is
+                // one process, so nothing to prepare for: expert parallelism is a dp group of
+                // several ranks.)
+                if !self.cfg.device.is_cuda() {
+                    let model = &self.model;
+                    self.grads.update_buf(b, br.clone(), |g| {
+                        model.prepare_reduction(br.clone(), g.as_host("a gradient reduction")?)
+                    })?;
+                }
                 self.record(TraceKind::BucketDone(b));
                 return Ok(());
             }

@@ -124,10 +124,15 @@ impl<M: StageModel> Executor<M> {
         } else {
             Vec::new()
         };
+        let dev = self.cfg.device.clone();
+        let master = if master.is_empty() {
+            Buf::Host(master)
+        } else {
+            dev.from_vec(master).map_err(terr)?
+        };
         let (mr, ml) = cut(zero.shards_optimizer());
         let m = buf(Kind::ExpAvg, mr.clone(), ml)?;
         let v = buf(Kind::ExpAvgSq, mr, ml)?;
-        let dev = self.cfg.device.clone();
         self.params = Flat::from_f32_on(&dev, weights, self.cfg.precision).map_err(terr)?;
         self.master = master;
         self.m = dev.from_vec(m).map_err(terr)?;
