@@ -6,6 +6,7 @@ use crate::data::Tokenizer;
 use crate::error::{Result, TrainError};
 use crate::rng::Rng;
 use model::Model;
+use tensor::buf::BufRef;
 
 /// Sampling settings.
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -61,9 +62,10 @@ pub fn sample_token(logits: &[f32], opts: &SampleOptions, rng: &mut Rng) -> u32 
 }
 
 /// Continues `prompt` by up to `max_new_tokens` tokens; returns the decoded continuation.
+/// `params` may live on the host or a GPU (the model runs where they are).
 pub fn generate(
     model: &Model,
-    params: &[f32],
+    params: BufRef<'_>,
     tokenizer: &Tokenizer,
     prompt: &str,
     opts: &SampleOptions,

@@ -275,7 +275,13 @@ pub fn run(t: &mut Trainer, opts: &RunOptions) -> Result<RunSummary> {
                 context: cfg.model.seq_len,
             };
             let prompt = cfg.train.sample_prompt.clone();
-            let text = generate(&model, &params, &tokenizer, &prompt, &o)?;
+            // On the device the run trained on.
+            let dev = tensor::buf::Dev::open(&cfg.train.device_spec())
+                .map_err(|e| crate::TrainError::Config(format!("train.device: {e}")))?;
+            let params = dev
+                .from_vec(params)
+                .map_err(|e| crate::TrainError::Model(e.to_string()))?;
+            let text = generate(&model, params.r(), &tokenizer, &prompt, &o)?;
             say(&format!("sample: {prompt}{text}"));
             sample = Some(text);
         }

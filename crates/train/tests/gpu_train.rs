@@ -1,10 +1,11 @@
-//! Training on a GPU through the one trainer and executor, against the same run on the CPU:
-//! the tiny, small and moe-small presets (fp32, no TF32), ten AdamW steps — every loss within
-//! 1e-4 relative and the final parameters within 1e-4 of the largest; and checkpoints crossing
-//! devices: one written
-//! on the CPU continues on the GPU, and one written on the GPU continues on the CPU, each with
-//! the uninterrupted run's losses (1e-4). Skipped with one line where no GPU is found (a
-//! failure under `XTRAIN_REQUIRE_GPU=1`).
+//! Training (and generating) on a GPU through the one trainer and executor, against the same
+//! run on the CPU: the tiny, small and moe-small presets (fp32, no TF32), ten AdamW steps —
+//! every loss within 1e-4 relative and the final parameters within 1e-4 of the largest; bf16
+//! and fp16 under the same 16-bit rule on both devices (bounds from the formats); checkpoints
+//! crossing devices — one written on the CPU continues on the GPU, and one written on the GPU
+//! continues on the CPU, each with the uninterrupted run's losses (1e-4); and greedy
+//! generation from a checkpoint. Skipped with one line where no GPU is found (a failure under
+//! `XTRAIN_REQUIRE_GPU=1`).
 use std::path::{Path, PathBuf};
 
 use train::trainer::Trainer;
@@ -168,4 +169,33 @@ fn sixteen_bit_training_on_the_gpu_matches_the_cpu() {
             "{precision}: master weights differ by {err:e} (bound {bound:e})"
         );
     }
+}
+
+/// `generate` from a checkpoint on the GPU: greedy decoding gives the CPU's text (the logits
+/// agree to ~1e-6, far inside the gaps between a trained model's top two tokens).
+#[test]
+fn generation_on_the_gpu_matches_the_cpu() {
+    if !has_gpu() {
+        return;
+    }
+    let d = tmp("generate");
+    let ck = d.join("ck");
+    run("tiny", "cpu", None, 10, Some(&ck));
+    let (_, model, params, tokenizer) = train::trainer::load_model(&ck).unwrap();
+    let o = train::generate::SampleOptions {
+        max_new_tokens: 40,
+        temperature: 0.0,
+        top_k: 0,
+        seed: 0,
+        context: 64,
+    };
+    let text = |dev: &str| {
+        let p = tensor::buf::Dev::open(dev)
+            .unwrap()
+            .from_vec(params.clone())
+            .unwrap();
+        train::generate::generate(&model, p.r(), &tokenizer, "the ", &o).unwrap()
+    };
+    assert_eq!(text("cuda"), text("cpu"));
+    let _ = std::fs::remove_dir_all(&d);
 }

@@ -21,6 +21,9 @@ pub struct GenerateArgs {
     pub top_k: usize,
     #[arg(long, default_value_t = 0)]
     pub seed: u64,
+    /// Where to run the model: cpu, cuda or cuda:N (default `XTRAIN_DEVICE`, else the CPU).
+    #[arg(long)]
+    pub device: Option<String>,
 }
 
 pub fn run_cmd(a: GenerateArgs) -> Result<()> {
@@ -32,7 +35,12 @@ pub fn run_cmd(a: GenerateArgs) -> Result<()> {
         seed: a.seed,
         context: cfg.model.seq_len,
     };
-    let text = generate(&model, &params, &tokenizer, &a.prompt, &o)?;
+    let dev = match &a.device {
+        Some(d) => tensor::buf::Dev::open(d)?,
+        None => tensor::buf::Dev::from_env()?,
+    };
+    let params = dev.from_vec(params)?;
+    let text = generate(&model, params.r(), &tokenizer, &a.prompt, &o)?;
     println!("{}{}", a.prompt, text);
     Ok(())
 }

@@ -62,7 +62,7 @@ pub struct LayoutArgs {
     #[arg(long)]
     pub microbatches: Option<usize>,
     /// Where to train: cpu, cuda or cuda:N (`train.device`; default `XTRAIN_DEVICE`, else the
-    /// CPU). On a GPU today: one process, fp32, a dense model (docs/GPU.md).
+    /// CPU). On a GPU today: one process (docs/GPU.md).
     #[arg(long)]
     pub device: Option<String>,
 }
