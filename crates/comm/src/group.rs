@@ -11,6 +11,7 @@ use std::sync::{Arc, Condvar, Mutex};
 
 use crate::backend::Backend;
 use crate::collectives::AllReduceAlgo;
+use crate::compress::Codec;
 use crate::element::{Element, ReduceOp};
 use crate::engine::{Counters, Engine, GroupDesc};
 use crate::error::{CommError, Result};
@@ -341,6 +342,55 @@ impl ProcessGroup {
         algo: AllReduceAlgo,
     ) -> Work<Vec<T>> {
         self.submit(move |e| e.all_reduce(&mut buf, op, algo).map(|_| buf))
+    }
+
+    /// Sums `buf` over the group with the values on the wire in `codec`, summed in fp32
+    /// ([`crate::compress::all_reduce`]); the same result on every rank.
+    pub fn all_reduce_compressed(&self, buf: &mut [f32], codec: Codec) -> Result<()> {
+        let (name, n, me) = (self.name().to_string(), self.size(), self.rank());
+        self.run(|e| {
+            crate::compress::all_reduce(
+                e,
+                buf,
+                codec,
+                crate::compress::On {
+                    group: &name,
+                    n,
+                    me,
+                },
+            )
+        })
+    }
+
+    pub fn all_reduce_compressed_async(&self, mut buf: Vec<f32>, codec: Codec) -> Work<Vec<f32>> {
+        let (name, n, me) = (self.name().to_string(), self.size(), self.rank());
+        self.submit(move |e| {
+            let on = crate::compress::On {
+                group: &name,
+                n,
+                me,
+            };
+            crate::compress::all_reduce(e, &mut buf, codec, on).map(|_| buf)
+        })
+    }
+
+    /// Sums `buf` over the group onto `root` with the values on the wire in `codec`
+    /// ([`crate::compress::reduce`]); other ranks' buffers are left unchanged.
+    pub fn reduce_compressed_async(
+        &self,
+        mut buf: Vec<f32>,
+        codec: Codec,
+        root: usize,
+    ) -> Work<Vec<f32>> {
+        let (name, n, me) = (self.name().to_string(), self.size(), self.rank());
+        self.submit(move |e| {
+            let on = crate::compress::On {
+                group: &name,
+                n,
+                me,
+            };
+            crate::compress::reduce(e, &mut buf, codec, root, on).map(|_| buf)
+        })
     }
 
     /// Reduces into `buf` on `root`; other ranks' buffers are left unchanged.

@@ -15,6 +15,7 @@
 //!   `single_copy`: ring steps that read a same-host peer's buffer directly.
 //! - [`flight`], [`monitor`], [`diagnosis`]: every rank's record of its last operations, its
 //!   heartbeat, and the hung-rank locator's message when a wait times out or a peer stops.
+//! - [`compress`]: reductions with values on the wire in bf16 or fp8, summed in fp32.
 //! - [`element`]: element types and reductions. [`testing`]: ranks as threads. `fuzzing`: each
 //!   decoder of network bytes on a byte string, for the fuzz tests.
 //!
@@ -24,6 +25,7 @@ pub mod auth;
 mod backend;
 pub mod collectives;
 pub mod communicator;
+pub mod compress;
 mod deadline_io;
 pub mod diagnosis;
 pub mod element;

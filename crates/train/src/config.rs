@@ -100,6 +100,10 @@ pub struct TrainConfig {
     /// else the CPU.
     #[serde(default)]
     pub device: String,
+    /// The wire format of the data-parallel gradient reductions: `fp32` (exact), `bf16` or
+    /// `fp8` (half and a quarter of the bytes, summed in fp32 where they arrive).
+    #[serde(default = "default_grad_comm")]
+    pub grad_comm: String,
 }
 
 impl TrainConfig {
@@ -262,6 +266,10 @@ fn default_recompute() -> String {
     "none".into()
 }
 
+fn default_grad_comm() -> String {
+    "fp32".into()
+}
+
 /// The whole run.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -335,6 +343,7 @@ impl RunConfig {
                 sample_tokens: 200,
                 sample_prompt: "the ".into(),
                 device: String::new(),
+                grad_comm: default_grad_comm(),
             },
             data: DataConfig {
                 path: String::new(),
@@ -427,6 +436,8 @@ impl RunConfig {
         let m = &self.model;
         let t = &self.train;
         let bad = |msg: String| Err(TrainError::Config(msg));
+        parallel::data_parallel::grad_comm::GradComm::parse(&t.grad_comm)
+            .map_err(TrainError::Config)?;
         if m.arch != "llama" && m.arch != "mixtral" {
             return bad(format!(
                 "model.arch must be `llama` or `mixtral`, not `{}`",

@@ -29,6 +29,9 @@ pub struct StepRecord {
     pub dropped_fraction: Option<f64>,
     #[serde(skip_serializing_if = "Option::is_none", default)]
     pub all_to_all_ms: Option<f64>,
+    /// Bytes rank 0 sent over its data-parallel group in the step (with dp > 1).
+    #[serde(skip_serializing_if = "Option::is_none", default)]
+    pub dp_bytes_sent: Option<u64>,
 }
 
 /// Appends records to a JSONL file.

@@ -189,6 +189,7 @@ pub fn run(t: &mut Trainer, opts: &RunOptions) -> Result<RunSummary> {
                 .experts
                 .filter(|_| t.dims.ep > 1)
                 .map(|e| e.all_to_all_s * 1e3),
+            dp_bytes_sent: (t.dims.dp * t.dims.cp > 1).then_some(r.stats.dp_bytes_sent),
         };
         let every = t.cfg.train.eval_every;
         if (every > 0 && r.step % every == 0) || r.step == total {
@@ -217,9 +218,17 @@ pub fn run(t: &mut Trainer, opts: &RunOptions) -> Result<RunSummary> {
                     100.0 * e.dropped
                 )
             });
+            let dp_sent = rec.dp_bytes_sent.map_or(String::new(), |b| {
+                format!(
+                    " | dp sent {:.2} MiB ({})",
+                    b as f64 / (1024.0 * 1024.0),
+                    t.cfg.train.grad_comm
+                )
+            });
             c.step(&status, rec.grad_norm, dt * 1e3, || {
                 let mib = |b: usize| b as f64 / (1024.0 * 1024.0);
                 experts
+                    + &dp_sent
                     + &format!(
                     " | mem/rank params {:.2} grads {:.2} master+optim {:.2} comm {:.2} act {:.2} MiB",
                     mib(m.params),

@@ -369,6 +369,8 @@ impl Trainer {
         let exec_cfg = ExecConfig {
             zero: dims.zero,
             bucket_bytes: (p.bucket_mb * 1024.0 * 1024.0) as usize,
+            grad_comm: parallel::data_parallel::grad_comm::GradComm::parse(&t.grad_comm)
+                .map_err(TrainError::Config)?,
             adamw: model::AdamW {
                 lr: t.lr as f32,
                 beta1: t.beta1 as f32,

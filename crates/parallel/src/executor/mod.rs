@@ -45,6 +45,7 @@ use serde::Serialize;
 use tensor::buf::{Buf, Dev};
 
 use crate::data_parallel::bucket::{Bucket, BucketPlan};
+use crate::data_parallel::grad_comm::GradComm;
 use crate::data_parallel::shard::ShardSpec;
 use crate::data_parallel::ZeroStage;
 use crate::memory::{formula, MemoryAccount};
@@ -60,6 +61,8 @@ pub struct ExecConfig {
     pub zero: ZeroStage,
     /// Gradient bucket size in bytes (PyTorch DDP's default 25 MiB).
     pub bucket_bytes: usize,
+    /// The wire format of the gradient reductions over the dp group.
+    pub grad_comm: GradComm,
     /// AdamW hyper-parameters; `adamw.lr` is the initial learning rate (see
     /// [`Executor::set_lr`]).
     pub adamw: AdamW,
@@ -82,6 +85,7 @@ impl Default for ExecConfig {
         Self {
             zero: ZeroStage::Ddp,
             bucket_bytes: crate::data_parallel::bucket::DEFAULT_BUCKET_BYTES,
+            grad_comm: GradComm::Fp32,
             adamw: AdamW::default(),
             max_grad_norm: Some(1.0),
             precision: Precision::Fp32,
@@ -174,6 +178,9 @@ pub struct StepStats {
     pub applied: bool,
     /// The loss scale the step used (1 unless fp16).
     pub loss_scale: f64,
+    /// Bytes this rank sent over the dp group during the step (gradient reductions, ZeRO's
+    /// gathers): what `train.grad_comm` compresses.
+    pub dp_bytes_sent: u64,
 }
 
 /// Timeline events recorded when tracing is on: the actions of the schedule as they ran (a

@@ -192,10 +192,11 @@ impl<M: StageModel> Executor<M> {
                 buf
             };
             self.model.prepare_reduction(br.clone(), &mut buf)?;
-            pending.push(Pending::AllReduce {
-                bucket: b,
-                work: self.dp.all_reduce_async(buf, ReduceOp::Sum),
-            });
+            let work = match self.cfg.grad_comm.codec() {
+                Some(codec) => self.dp.all_reduce_compressed_async(buf, codec),
+                None => self.dp.all_reduce_async(buf, ReduceOp::Sum),
+            };
+            pending.push(Pending::AllReduce { bucket: b, work });
             return Ok(());
         }
         let mut buf = self.staging[b].take().ok_or_else(|| {
@@ -223,9 +224,15 @@ impl<M: StageModel> Executor<M> {
                 self.reduce_scratch = self.reduce_scratch.max(piece.len() * F32);
             }
         }
+        let codec = self.cfg.grad_comm.codec();
+        let dp = &self.dp;
+        let reduce = |data: Vec<f32>, root: usize| match codec {
+            Some(c) => dp.reduce_compressed_async(data, c, root),
+            None => dp.reduce_async(data, ReduceOp::Sum, root),
+        };
         if let [(root, piece)] = pieces.as_slice() {
             let bytes = buf.len() * F32;
-            let work = self.dp.reduce_async(buf, ReduceOp::Sum, *root);
+            let work = reduce(buf, *root);
             pending.push(Pending::Reduce {
                 bucket: b,
                 root: *root,
@@ -239,7 +246,7 @@ impl<M: StageModel> Executor<M> {
             let data = buf[piece.start - br.start..piece.end - br.start].to_vec();
             let bytes = data.len() * F32;
             self.comm_bytes.add(bytes);
-            let work = self.dp.reduce_async(data, ReduceOp::Sum, root);
+            let work = reduce(data, root);
             pending.push(Pending::Reduce {
                 bucket: b,
                 root,

@@ -204,6 +204,7 @@ impl<M: StageModel> Executor<M> {
                 ))
             }
         }
+        let dp_sent_before = self.dp.stats().total_bytes_sent();
         self.grads.fill_zero().map_err(terr)?;
         let weight_left = self
             .stages
@@ -247,8 +248,9 @@ impl<M: StageModel> Executor<M> {
             self.record_span(a, start, st.waited);
         }
         let start = Instant::now();
-        let stats = self.finish(micro.len(), st)?;
+        let mut stats = self.finish(micro.len(), st)?;
         self.record_span(&Action::Optimizer, start, Duration::ZERO);
+        stats.dp_bytes_sent = self.dp.stats().total_bytes_sent() - dp_sent_before;
         Ok(stats)
     }
 
@@ -717,6 +719,7 @@ impl<M: StageModel> Executor<M> {
             grad_norm,
             applied,
             loss_scale,
+            dp_bytes_sent: 0,
         })
     }
 
