@@ -171,26 +171,31 @@ fn e4m3_table() -> &'static [f32; 256] {
 }
 
 /// `x` as E4M3: round to nearest, ties to even; beyond ±448 saturates to ±448; NaN → 0x7f.
+/// Integer and exact float operations only (no division, no library call), so the encoding
+/// loop vectorises.
+#[inline]
 pub fn e4m3_from_f32(x: f32) -> u8 {
     if x.is_nan() {
         return 0x7f;
     }
-    let sign = if x.is_sign_negative() { 0x80u8 } else { 0 };
+    let sign = ((x.to_bits() >> 24) & 0x80) as u8;
     let a = x.abs();
     let code = if a >= E4M3_MAX {
         0x7e
-    } else if a < 2f32.powi(-6) {
-        // Subnormals: multiples of 2^-9; a = 2^-6 (code 8) is the smallest normal, which
-        // the rounding reaches exactly as code 8.
-        (a * 512.0).round_ties_even() as u8
+    } else if a < 1.0 / 64.0 {
+        // Subnormals: multiples of 2^-9. `a·512` is exact and below 8; adding and removing
+        // 2^23 rounds it to an integer, to nearest and ties to even (the f32 rounding mode);
+        // a = 2^-6 (code 8), the smallest normal, is reached exactly as code 8.
+        const MAGIC: f32 = 8_388_608.0;
+        ((a * 512.0 + MAGIC) - MAGIC) as u8
     } else {
-        // a = 2^e · (1 + f), f in [0, 1): every step below is exact in f32 (scaling by powers
-        // of two, subtracting 1 from a value in [1, 2)), so only the final rounding rounds.
-        let e = ((a.to_bits() >> 23) as i32) - 127;
-        let f = a / 2f32.powi(e) - 1.0;
-        let q = (f * 8.0).round_ties_even() as i32;
-        let (e, q) = if q == 8 { (e + 1, 0) } else { (e, q) };
-        (((e + 7) << 3) | q).min(0x7e) as u8
+        // a = 2^e · 1.m: keep the top 3 of the 23 mantissa bits, rounding the 20 dropped ones
+        // to nearest, ties to even (add 2^19 − 1 plus the kept lowest bit); a carry out of
+        // the mantissa increments the exponent, as it must. Re-bias the exponent from 127 to
+        // 7; values rounding past 448 saturate.
+        let bits = a.to_bits();
+        let rounded = (bits + 0x7_ffff + ((bits >> 20) & 1)) >> 20;
+        (rounded - ((127 - 7) << 3)).min(0x7e) as u8
     };
     sign | code
 }

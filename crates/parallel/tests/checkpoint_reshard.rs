@@ -27,6 +27,7 @@ fn meta(dp: usize, stage: ZeroStage, e: &Executor<ToyModel>) -> SaveMeta {
             adam_step: e.step_count(),
             loss_scaler: *e.loss_scaler(),
             router_bias: Vec::new(),
+            grad_comm_error: false,
         },
         files: vec![("note.txt".into(), b"toy".to_vec())],
     }

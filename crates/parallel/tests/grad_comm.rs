@@ -101,6 +101,7 @@ fn compressed_reductions_are_the_mean_within_the_format() {
                     GradComm::Fp32 => x.abs() * 2f32.powi(-23),
                     GradComm::Bf16 => x.abs() * 2f32.powi(-8),
                     GradComm::Fp8 => (x.abs() * 2f32.powi(-4)).max(amax / 448.0 * 2f32.powi(-10)),
+                    GradComm::PowerSgd { .. } => unreachable!("tests/powersgd.rs"),
                 };
                 let (got, bytes) = reduced(&model, dp, zero, comm);
                 for (rank, (at, g)) in got.iter().enumerate() {

@@ -436,8 +436,21 @@ impl RunConfig {
         let m = &self.model;
         let t = &self.train;
         let bad = |msg: String| Err(TrainError::Config(msg));
-        parallel::data_parallel::grad_comm::GradComm::parse(&t.grad_comm)
-            .map_err(TrainError::Config)?;
+        let grad_comm = parallel::data_parallel::grad_comm::GradComm::parse(
+            &t.grad_comm,
+            t.warmup_steps as u64,
+        )
+        .map_err(TrainError::Config)?;
+        if matches!(
+            grad_comm,
+            parallel::data_parallel::grad_comm::GradComm::PowerSgd { .. }
+        ) && self.parallel.zero >= 2
+        {
+            return bad(format!(
+                "train.grad_comm = {}: PowerSGD compresses whole gradient buckets; ZeRO-{} reduces shards (use parallel.zero = 0 or 1, or grad_comm bf16 / fp8)",
+                t.grad_comm, self.parallel.zero
+            ));
+        }
         if m.arch != "llama" && m.arch != "mixtral" {
             return bad(format!(
                 "model.arch must be `llama` or `mixtral`, not `{}`",

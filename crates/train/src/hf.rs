@@ -79,6 +79,7 @@ pub fn from_hf(dir: &Path, out: &Path, preset: &str, overrides: &[String]) -> Re
                 param: e.view.of(&params).to_vec(),
                 exp_avg: vec![0.0; n],
                 exp_avg_sq: vec![0.0; n],
+                grad_comm_error: None,
             }
         })
         .collect();
@@ -102,6 +103,7 @@ pub fn from_hf(dir: &Path, out: &Path, preset: &str, overrides: &[String]) -> Re
             adam_step: 0,
             loss_scaler: LossScaler::new(cfg.train.precision, cfg.train.loss_scale),
             router_bias: Vec::new(),
+            grad_comm_error: false,
         },
         files,
     };

@@ -156,6 +156,9 @@ pub fn run(t: &mut Trainer, opts: &RunOptions) -> Result<RunSummary> {
     ));
     if t.step > 0 {
         say(&format!("resumed at step {}", t.step));
+        if t.exec.has_powersgd() {
+            say("PowerSGD: the error feedback continues from the checkpoint (the ranks' mean; zero if it was saved without PowerSGD); the warm-start Q matrices begin afresh");
+        }
     }
     if opts.trace.is_some() {
         if t.pipeline.is_none() {

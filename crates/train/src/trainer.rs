@@ -369,8 +369,11 @@ impl Trainer {
         let exec_cfg = ExecConfig {
             zero: dims.zero,
             bucket_bytes: (p.bucket_mb * 1024.0 * 1024.0) as usize,
-            grad_comm: parallel::data_parallel::grad_comm::GradComm::parse(&t.grad_comm)
-                .map_err(TrainError::Config)?,
+            grad_comm: parallel::data_parallel::grad_comm::GradComm::parse(
+                &t.grad_comm,
+                t.warmup_steps as u64,
+            )
+            .map_err(TrainError::Config)?,
             adamw: model::AdamW {
                 lr: t.lr as f32,
                 beta1: t.beta1 as f32,
@@ -649,6 +652,7 @@ impl Trainer {
             } else {
                 Vec::new()
             },
+            grad_comm_error: self.exec.has_powersgd(),
         }
     }
 

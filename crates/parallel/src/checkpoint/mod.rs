@@ -12,7 +12,9 @@
 //!   config.toml  config.json   the resolved run config and the Hugging Face model config
 //!   tokenizer.json             (when not the byte tokenizer)
 //!   shard-00000.safetensors    rank 0's pieces: `param/<tensor>@<start>`, `exp_avg/…`,
-//!   shard-00001.safetensors      `exp_avg_sq/…` (fp32, 1-D: elements start.. of the block)
+//!   shard-00001.safetensors      `exp_avg_sq/…` (fp32, 1-D: elements start.. of the block),
+//!                                and under PowerSGD `grad_comm_error/…` (the ranks' mean
+//!                                error feedback, which reshards like the moments)
 //! ```
 //!
 //! A piece is elements `start .. start + len` (row-major) of a block: ZeRO cuts a rank's flat
@@ -74,15 +76,20 @@ pub enum Kind {
     Param,
     ExpAvg,
     ExpAvgSq,
+    /// PowerSGD's error feedback, the mean over the dp ranks (present when
+    /// [`TrainingState::grad_comm_error`] says so).
+    GradCommError,
 }
 
 impl Kind {
+    /// The buffers every checkpoint holds.
     pub const ALL: [Kind; 3] = [Kind::Param, Kind::ExpAvg, Kind::ExpAvgSq];
     pub fn name(self) -> &'static str {
         match self {
             Kind::Param => "param",
             Kind::ExpAvg => "exp_avg",
             Kind::ExpAvgSq => "exp_avg_sq",
+            Kind::GradCommError => "grad_comm_error",
         }
     }
     /// The safetensors key of a piece.
@@ -134,6 +141,9 @@ pub struct TrainingState {
     /// for layers without one, none at all when it is off).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub router_bias: Vec<Vec<f32>>,
+    /// Every piece also holds PowerSGD's mean error feedback ([`Kind::GradCommError`]).
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub grad_comm_error: bool,
 }
 
 /// One piece: elements `start .. start + len` of a block, in file `file`.
@@ -166,6 +176,8 @@ pub struct SavedPiece {
     pub param: Vec<f32>,
     pub exp_avg: Vec<f32>,
     pub exp_avg_sq: Vec<f32>,
+    /// PowerSGD's mean error feedback over the same elements (`None` without PowerSGD).
+    pub grad_comm_error: Option<Vec<f32>>,
 }
 
 /// What a whole checkpoint records besides the ranks' pieces.
@@ -255,13 +267,23 @@ fn write_shard(
     let mut records = Vec::with_capacity(pieces.len());
     for p in pieces {
         let len = p.param.len();
-        if p.exp_avg.len() != len || p.exp_avg_sq.len() != len || p.start + len > p.slice.numel() {
+        if p.exp_avg.len() != len
+            || p.exp_avg_sq.len() != len
+            || p.grad_comm_error.as_ref().is_some_and(|e| e.len() != len)
+            || p.start + len > p.slice.numel()
+        {
             return Err(CheckpointError::at(
                 tmp,
                 format!("piece of {} does not fit its block", p.slice.name),
             ));
         }
-        for (kind, data) in Kind::ALL.iter().zip([&p.param, &p.exp_avg, &p.exp_avg_sq]) {
+        let buffers = [
+            (Kind::Param, Some(&p.param)),
+            (Kind::ExpAvg, Some(&p.exp_avg)),
+            (Kind::ExpAvgSq, Some(&p.exp_avg_sq)),
+            (Kind::GradCommError, p.grad_comm_error.as_ref()),
+        ];
+        for (kind, data) in buffers.iter().filter_map(|(k, d)| d.map(|d| (k, d))) {
             let view = safetensors::tensor::TensorView::new(
                 safetensors::Dtype::F32,
                 vec![len],

@@ -5,12 +5,13 @@
 //! - [`shard`]: equal padded ranges of a flat buffer (ZeRO partitioning);
 //! - [`bucket`]: gradient buckets in reverse layer order and their readiness during backward;
 //! - [`grad_comm`]: the wire format of the gradient reductions (fp32, or bf16 / fp8 summed in
-//!   fp32);
+//!   fp32, or PowerSGD); [`powersgd`]: low-rank compression with error feedback;
 //! - [`sampler`]: which samples of a global batch each dp rank reads.
 //!
 //! Design notes: `docs/DATA_PARALLEL.md`.
 pub mod bucket;
 pub mod grad_comm;
+pub mod powersgd;
 pub mod sampler;
 pub mod shard;
 

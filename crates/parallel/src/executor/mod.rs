@@ -46,6 +46,7 @@ use tensor::buf::{Buf, Dev};
 
 use crate::data_parallel::bucket::{Bucket, BucketPlan};
 use crate::data_parallel::grad_comm::GradComm;
+use crate::data_parallel::powersgd::{BucketLayout, PowerSgd};
 use crate::data_parallel::shard::ShardSpec;
 use crate::data_parallel::ZeroStage;
 use crate::memory::{formula, MemoryAccount};
@@ -54,6 +55,9 @@ use crate::precision::{Bucketed, Flat, LossScaler, Precision, CHUNK};
 use crate::stage::StageModel;
 use crate::ParallelError;
 use run::terr;
+
+/// Seed of PowerSGD's first random `Q`s (the same on every rank).
+const POWERSGD_SEED: u64 = 0x5057_5253_4744;
 
 /// Configuration of the executor.
 #[derive(Clone, Debug)]
@@ -277,6 +281,8 @@ pub struct Executor<M: StageModel> {
     gathered_bytes: Gauge,
     act_bytes: Gauge,
     trace: Option<Vec<TraceEvent>>,
+    /// PowerSGD's state and each bucket's layout (`grad_comm = powersgd:R`).
+    powersgd: Option<(PowerSgd, Vec<BucketLayout>)>,
 }
 
 impl<M: StageModel> Executor<M> {
@@ -402,6 +408,27 @@ impl<M: StageModel> Executor<M> {
         let lr = cfg.adamw.lr;
         let scaler = LossScaler::new(precision, cfg.loss_scale);
         let staging = vec![None; buckets.len()];
+        let powersgd = match cfg.grad_comm {
+            GradComm::PowerSgd { rank, .. } => {
+                if zero.shards_grads() {
+                    return Err(ParallelError::Unsupported(format!(
+                        "PowerSGD compresses whole gradient buckets; ZeRO-{} reduces shards (use ZeRO-0 or 1, or grad_comm bf16 / fp8)",
+                        zero.index()
+                    )));
+                }
+                let tensors: Vec<(Range<usize>, Vec<usize>)> = model
+                    .placements()
+                    .iter()
+                    .map(|p| (p.range(), p.slice.local.clone()))
+                    .collect();
+                let layouts = buckets
+                    .iter()
+                    .map(|b| BucketLayout::new(b.range.clone(), &tensors, rank))
+                    .collect();
+                Some((PowerSgd::new(rank, POWERSGD_SEED), layouts))
+            }
+            _ => None,
+        };
         Ok(Self {
             model,
             dp,
@@ -428,6 +455,7 @@ impl<M: StageModel> Executor<M> {
             gathered_bytes: Gauge::default(),
             act_bytes: Gauge::default(),
             trace: None,
+            powersgd,
         })
     }
 

@@ -8,6 +8,7 @@ use tensor::buf::{Buf, BufRef};
 use comm::{ReduceOp, Work};
 
 use super::{Executor, TraceKind, F32};
+use crate::data_parallel::grad_comm::GradComm;
 use crate::precision::{Flat, Piece};
 use crate::stage::StageModel;
 use crate::ParallelError;
@@ -25,17 +26,23 @@ pub(super) enum Pending {
         bytes: usize,
         work: Work<Vec<f32>>,
     },
+    /// Stages 0/1 under PowerSGD: the bucket's gradients, reduced when drained (its rounds of
+    /// products and all-reduces run then, in launch order on every rank).
+    PowerSgd { bucket: usize, buf: Vec<f32> },
 }
 
 impl Pending {
     fn bucket(&self) -> usize {
         match self {
-            Pending::AllReduce { bucket, .. } | Pending::Reduce { bucket, .. } => *bucket,
+            Pending::AllReduce { bucket, .. }
+            | Pending::Reduce { bucket, .. }
+            | Pending::PowerSgd { bucket, .. } => *bucket,
         }
     }
     fn is_completed(&self) -> bool {
         match self {
             Pending::AllReduce { work, .. } | Pending::Reduce { work, .. } => work.is_completed(),
+            Pending::PowerSgd { .. } => false,
         }
     }
 }
@@ -192,6 +199,14 @@ impl<M: StageModel> Executor<M> {
                 buf
             };
             self.model.prepare_reduction(br.clone(), &mut buf)?;
+            let powersgd_on = match self.cfg.grad_comm {
+                GradComm::PowerSgd { start, .. } => self.step >= start,
+                _ => false,
+            };
+            if powersgd_on {
+                pending.push(Pending::PowerSgd { bucket: b, buf });
+                return Ok(());
+            }
             let work = match self.cfg.grad_comm.codec() {
                 Some(codec) => self.dp.all_reduce_compressed_async(buf, codec),
                 None => self.dp.all_reduce_async(buf, ReduceOp::Sum),
@@ -259,6 +274,18 @@ impl<M: StageModel> Executor<M> {
         Ok(())
     }
 
+    /// Puts bucket `b`'s averaged gradients (a whole-bucket fp32 buffer) in place: back into
+    /// its lent allocation, or written (rounded) into its 16-bit storage.
+    fn store_mean(&mut self, b: usize, mean: Vec<f32>) {
+        if self.grads.has(b) {
+            let r = self.buckets[b].range.clone();
+            self.grads.write(b, r.start, &mean);
+            self.comm_bytes.sub(mean.len() * F32);
+        } else {
+            self.grads.put(b, Flat::F32(mean));
+        }
+    }
+
     /// Stores the averaged gradients of the reductions that already finished.
     pub(super) fn poll(&mut self, pending: &mut Vec<Pending>) -> Result<(), ParallelError> {
         self.complete(pending, |p| p.is_completed())
@@ -293,14 +320,16 @@ impl<M: StageModel> Executor<M> {
             let bucket = match p {
                 Pending::AllReduce { bucket, work } => {
                     let mut sum = work.wait()?;
-                    let r = self.buckets[bucket].range.clone();
                     sum.iter_mut().for_each(|s| *s *= inv);
-                    if self.grads.has(bucket) {
-                        self.grads.write(bucket, r.start, &sum);
-                        self.comm_bytes.sub(sum.len() * F32);
-                    } else {
-                        self.grads.put(bucket, Flat::F32(sum));
-                    }
+                    self.store_mean(bucket, sum);
+                    bucket
+                }
+                Pending::PowerSgd { bucket, mut buf } => {
+                    let (state, layouts) = self.powersgd.as_mut().ok_or_else(|| {
+                        ParallelError::Protocol("a PowerSGD reduction without its state".into())
+                    })?;
+                    state.reduce(bucket, &layouts[bucket], &mut buf, &self.dp)?;
+                    self.store_mean(bucket, buf);
                     bucket
                 }
                 Pending::Reduce {

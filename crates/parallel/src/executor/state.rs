@@ -30,6 +30,8 @@ impl<M: StageModel> Executor<M> {
     /// every block it owns, over [`Self::saved_range`] (copied from the GPU when the buffers
     /// are there).
     pub fn checkpoint_pieces(&self) -> Result<Vec<SavedPiece>, ParallelError> {
+        // A collective over the dp group under PowerSGD: every dp rank takes part.
+        let error = self.powersgd_mean_error()?;
         let saved = self.saved_range();
         if saved.is_empty() {
             return Ok(Vec::new());
@@ -62,10 +64,40 @@ impl<M: StageModel> Executor<M> {
                 param: take(&master, master_base),
                 exp_avg: take(&m, moment_base),
                 exp_avg_sq: take(&v, moment_base),
+                grad_comm_error: error.as_deref().map(|e| take(e, 0)),
                 slice: p.slice,
             });
         }
         Ok(out)
+    }
+
+    /// Whether gradients are reduced by PowerSGD (its error feedback goes into checkpoints).
+    pub fn has_powersgd(&self) -> bool {
+        self.powersgd.is_some()
+    }
+
+    /// PowerSGD's error feedback, the mean over the dp ranks, as one flat buffer (zeros for
+    /// buckets not reduced yet); `None` without PowerSGD. A collective over the dp group.
+    ///
+    /// The mean is what a checkpoint needs: after its first step PowerSGD depends on the
+    /// ranks' errors only through their sum (see `data_parallel::powersgd`), so every rank
+    /// resuming with the mean continues the same reductions, at this layout or any other.
+    fn powersgd_mean_error(&self) -> Result<Option<Vec<f32>>, ParallelError> {
+        let Some((state, _)) = &self.powersgd else {
+            return Ok(None);
+        };
+        let mut flat = vec![0.0f32; self.spec.total()];
+        for (b, bucket) in self.buckets.iter().enumerate() {
+            if let Some(e) = state.error(b) {
+                flat[bucket.range.clone()].copy_from_slice(e);
+            }
+        }
+        if self.dp.size() > 1 {
+            self.dp.all_reduce(&mut flat, comm::ReduceOp::Sum)?;
+            let inv = 1.0 / self.dp.size() as f32;
+            flat.iter_mut().for_each(|v| *v *= inv);
+        }
+        Ok(Some(flat))
     }
 
     /// Elements `range` of this rank's flat buffer of checkpoint buffer `kind`, into `out`
@@ -137,6 +169,18 @@ impl<M: StageModel> Executor<M> {
         self.master = master;
         self.m = dev.from_vec(m).map_err(terr)?;
         self.v = dev.from_vec(v).map_err(terr)?;
+        // PowerSGD continues from the saved mean error (every rank holds it); a checkpoint
+        // without one starts its error feedback at zero, as a run switching PowerSGD on does.
+        if self.powersgd.is_some() && ck.manifest.state.grad_comm_error {
+            let mut e = vec![0.0; total];
+            self.read_range(ck, Kind::GradCommError, 0..total, &mut e)?;
+            let buckets: Vec<Range<usize>> = self.buckets.iter().map(|b| b.range.clone()).collect();
+            if let Some((state, layouts)) = &mut self.powersgd {
+                for (b, r) in buckets.into_iter().enumerate() {
+                    state.set_error(b, &layouts[b], e[r].to_vec());
+                }
+            }
+        }
         let state = &ck.manifest.state;
         self.step = state.adam_step;
         self.scaler = if ck.manifest.precision == self.cfg.precision {
