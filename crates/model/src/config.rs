@@ -51,6 +51,11 @@ pub struct ModelConfig {
     pub rope_theta: f32,
     #[serde(default)]
     pub tie_word_embeddings: bool,
+    /// RoPE frequency scaling (`rope_scaling`; transformers 5 writes it, with `rope_theta`,
+    /// as `rope_parameters`, which [`ModelConfig::from_json_str`] reads too). Only
+    /// `rope_type = "llama3"` is implemented: any other type is refused, never ignored.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub rope_scaling: Option<RopeScaling>,
     #[serde(default = "default_max_pos")]
     pub max_position_embeddings: usize,
     /// Std of the normal initialisation of every matrix (HF `initializer_range`).
@@ -89,6 +94,56 @@ pub struct ModelConfig {
     pub expert_shard: Option<ExpertShard>,
 }
 
+/// Hugging Face's `rope_scaling` object. The fields are those of the `llama3` type (the only
+/// one implemented); `type` is the older spelling of `rope_type`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct RopeScaling {
+    #[serde(alias = "type")]
+    pub rope_type: String,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub factor: Option<f32>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub low_freq_factor: Option<f32>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub high_freq_factor: Option<f32>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub original_max_position_embeddings: Option<usize>,
+}
+
+impl RopeScaling {
+    /// Llama 3's scaling with the given constants.
+    pub fn llama3(factor: f32, low: f32, high: f32, original: usize) -> Self {
+        RopeScaling {
+            rope_type: "llama3".into(),
+            factor: Some(factor),
+            low_freq_factor: Some(low),
+            high_freq_factor: Some(high),
+            original_max_position_embeddings: Some(original),
+        }
+    }
+
+    /// The scaling as the rotary kernel takes it, or why it cannot be.
+    pub fn to_llama3(&self) -> std::result::Result<tensor::rope::Llama3Scaling, String> {
+        if self.rope_type != "llama3" {
+            return Err(format!(
+                "rope_scaling of type `{}` is not supported (only `llama3` is)",
+                self.rope_type
+            ));
+        }
+        let need = |v: Option<f32>, name: &str| {
+            v.ok_or_else(|| format!("rope_scaling of type llama3 needs `{name}`"))
+        };
+        Ok(tensor::rope::Llama3Scaling {
+            factor: need(self.factor, "factor")?,
+            low_freq_factor: need(self.low_freq_factor, "low_freq_factor")?,
+            high_freq_factor: need(self.high_freq_factor, "high_freq_factor")?,
+            original_max_position_embeddings: self
+                .original_max_position_embeddings
+                .ok_or("rope_scaling of type llama3 needs `original_max_position_embeddings`")?,
+        })
+    }
+}
+
 /// A contiguous range of a MoE layer's experts (expert parallelism).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct ExpertShard {
@@ -117,6 +172,7 @@ impl ModelConfig {
             rms_norm_eps: 1e-5,
             rope_theta: 10000.0,
             tie_word_embeddings: false,
+            rope_scaling: None,
             max_position_embeddings: default_max_pos(),
             initializer_range: 0.02,
             num_local_experts: 0,
@@ -161,8 +217,29 @@ impl ModelConfig {
 
     /// Parse a HF `config.json` text and validate it.
     pub fn from_json_str(text: &str) -> Result<Self> {
-        let cfg: ModelConfig =
-            serde_json::from_str(text).map_err(|e| ModelError::ConfigParse(e.to_string()))?;
+        let parse = |e: serde_json::Error| ModelError::ConfigParse(e.to_string());
+        let mut json: serde_json::Value = serde_json::from_str(text).map_err(parse)?;
+        // transformers 5: `rope_parameters = {rope_type, rope_theta, ...}` in place of
+        // `rope_theta` and `rope_scaling` (type `default`: no scaling).
+        if let Some(obj) = json.as_object_mut() {
+            if let Some(mut rp) = obj.remove("rope_parameters").filter(|v| v.is_object()) {
+                let rp_obj = rp.as_object_mut().expect("checked to be an object");
+                if let Some(theta) = rp_obj.remove("rope_theta") {
+                    obj.insert("rope_theta".into(), theta);
+                }
+                let kind = rp_obj.get("rope_type").or_else(|| rp_obj.get("type"));
+                if kind.and_then(|k| k.as_str()) != Some("default")
+                    && !obj.get("rope_scaling").is_some_and(|v| v.is_object())
+                {
+                    obj.insert("rope_scaling".into(), rp);
+                }
+            }
+            // `rope_scaling: null` is what configs without scaling often say.
+            if obj.get("rope_scaling").is_some_and(|v| v.is_null()) {
+                obj.remove("rope_scaling");
+            }
+        }
+        let cfg: ModelConfig = serde_json::from_value(json).map_err(parse)?;
         cfg.validate()?;
         Ok(cfg)
     }
@@ -179,6 +256,16 @@ impl ModelConfig {
     /// Serialise to HF-style JSON.
     pub fn to_json_string(&self) -> String {
         serde_json::to_string_pretty(self).expect("config serialises")
+    }
+
+    /// The rotary embedding of this config: `rope_theta`, scaled by `rope_scaling`.
+    pub fn rope(&self) -> std::result::Result<tensor::rope::Rope, String> {
+        let rope =
+            tensor::rope::Rope::new(self.head_dim(), self.rope_theta).map_err(|e| e.to_string())?;
+        match &self.rope_scaling {
+            None => Ok(rope),
+            Some(s) => rope.with_llama3(&s.to_llama3()?).map_err(|e| e.to_string()),
+        }
     }
 
     pub fn kv_heads(&self) -> usize {
@@ -256,6 +343,10 @@ impl ModelConfig {
         }
         if !(self.rope_theta > 0.0 && self.rope_theta.is_finite()) {
             return bad(format!("rope_theta {} must be > 0", self.rope_theta));
+        }
+        if let Some(r) = &self.rope_scaling {
+            self.rope()
+                .map_err(|e| ModelError::InvalidConfig(format!("{e} ({r:?})")))?;
         }
         if !(self.initializer_range >= 0.0 && self.initializer_range.is_finite()) {
             return bad("initializer_range must be finite and >= 0".into());

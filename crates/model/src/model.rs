@@ -7,7 +7,6 @@ use std::ops::Range;
 use std::sync::Arc;
 
 use tensor::cross_entropy::{CeConfig, IGNORE_INDEX};
-use tensor::rope::Rope;
 
 use crate::config::ModelConfig;
 use crate::error::{ModelError, Result};
@@ -152,7 +151,7 @@ impl Model {
     pub fn new(cfg: ModelConfig) -> Result<Self> {
         cfg.validate()?;
         let layout = ParamLayout::new(&cfg);
-        let rope = Arc::new(Rope::new(cfg.head_dim(), cfg.rope_theta)?);
+        let rope = Arc::new(cfg.rope().map_err(ModelError::InvalidConfig)?);
         let layers = cfg.num_hidden_layers;
         let blocks = (0..layers)
             .map(|l| {

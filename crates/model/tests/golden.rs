@@ -1,5 +1,7 @@
 //! Golden comparison with Hugging Face transformers (LlamaForCausalLM, MixtralForCausalLM, fp32):
-//! logits, loss, every parameter gradient, and the weights and losses over 3 AdamW steps.
+//! logits, loss, every parameter gradient, and the weights and losses over 3 AdamW steps; for
+//! untied configs and for tied embeddings with Llama 3's RoPE scaling. The goldens are made by
+//! `dev/golden/make_goldens.py`.
 //!
 //! Tolerance for logits, loss and gradients: per tensor, `max|ours − ref| ≤ 1e-4 · max|ref|`
 //! (relative to the tensor's scale, so entries that are near zero by cancellation do not make an
@@ -47,6 +49,17 @@ fn assert_close(what: &str, ours: &[f32], reference: &[f32], rel: f32) {
 fn check(name: &str) {
     let (w, j) = golden(name);
     let cfg = ModelConfig::from_json_str(&j["config"].to_string()).unwrap();
+    if let Some(hf) = j.get("hf_config") {
+        // The config as transformers wrote it (5.x: `rope_parameters`) reads the same.
+        let hf = ModelConfig::from_json_str(&hf.to_string()).unwrap();
+        assert_eq!(hf.rope_theta, cfg.rope_theta);
+        assert_eq!(hf.rope_scaling, cfg.rope_scaling);
+        assert_eq!(hf.tie_word_embeddings, cfg.tie_word_embeddings);
+        assert_eq!(
+            hf.rope().unwrap().inv_freq(),
+            cfg.rope().unwrap().inv_freq()
+        );
+    }
     let model = Model::new(cfg).unwrap();
     let mut params = vec![0.0; model.num_params()];
     w.load_into(&model.layout, "", &mut params).unwrap();
@@ -150,4 +163,41 @@ fn llama_tiny_matches_transformers() {
 #[test]
 fn mixtral_tiny_matches_transformers() {
     check("mixtral_tiny");
+}
+
+#[test]
+fn llama_tied_with_llama3_rope_matches_transformers() {
+    check("llama_tied_rope3");
+}
+
+#[test]
+fn mixtral_tied_with_llama3_rope_matches_transformers() {
+    check("mixtral_tied_rope3");
+}
+
+/// Scaling types other than llama3 are refused with their name, not ignored; `rope_scaling:
+/// null` and `rope_parameters` of type `default` mean none.
+#[test]
+fn other_rope_scalings_are_refused() {
+    let base = r#""vocab_size": 32, "hidden_size": 16, "intermediate_size": 32,
+        "num_hidden_layers": 1, "num_attention_heads": 2"#;
+    let err = ModelConfig::from_json_str(&format!(
+        r#"{{{base}, "rope_scaling": {{"type": "yarn", "factor": 4.0}}}}"#
+    ))
+    .unwrap_err()
+    .to_string();
+    assert!(err.contains("`yarn` is not supported"), "{err}");
+    let err = ModelConfig::from_json_str(&format!(
+        r#"{{{base}, "rope_scaling": {{"rope_type": "llama3", "factor": 8.0}}}}"#
+    ))
+    .unwrap_err()
+    .to_string();
+    assert!(err.contains("needs `low_freq_factor`"), "{err}");
+    let none = ModelConfig::from_json_str(&format!(r#"{{{base}, "rope_scaling": null}}"#)).unwrap();
+    assert_eq!(none.rope_scaling, None);
+    let v5 = ModelConfig::from_json_str(&format!(
+        r#"{{{base}, "rope_parameters": {{"rope_type": "default", "rope_theta": 500000.0}}}}"#
+    ))
+    .unwrap();
+    assert_eq!((v5.rope_scaling, v5.rope_theta), (None, 500000.0));
 }

@@ -9,12 +9,43 @@
 //! rounded to f32, then `cos`/`sin`), so results match Hugging Face references bit-closely.
 //! Positions are given per token, so offsets (pipeline/context-parallel chunks, zigzag
 //! layouts) are just different position lists.
+//!
+//! Llama 3's frequency scaling ([`Llama3Scaling`], `rope_scaling = {rope_type = "llama3"}`)
+//! rewrites `inv_freq` once; everything else is unchanged.
 
 use crate::error::check_len;
 use crate::microkernel::rotate_half;
 use crate::threads;
 use crate::TensorError;
 use rayon::prelude::*;
+
+/// Llama 3's RoPE frequency scaling (Hugging Face `rope_scaling` with `rope_type = "llama3"`;
+/// Llama 3.1 / 3.2 use factor 8 or 32, low 1, high 4, original length 8192).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Llama3Scaling {
+    pub factor: f32,
+    pub low_freq_factor: f32,
+    pub high_freq_factor: f32,
+    pub original_max_position_embeddings: usize,
+}
+
+impl Llama3Scaling {
+    fn check(&self) -> Result<(), TensorError> {
+        let ok = self.factor > 0.0
+            && self.factor.is_finite()
+            && self.low_freq_factor > 0.0
+            && self.high_freq_factor > self.low_freq_factor
+            && self.high_freq_factor.is_finite()
+            && self.original_max_position_embeddings > 0;
+        if ok {
+            Ok(())
+        } else {
+            Err(TensorError::Shape(format!(
+                "llama3 rope scaling needs factor > 0, 0 < low_freq_factor < high_freq_factor and original_max_position_embeddings > 0, got {self:?}"
+            )))
+        }
+    }
+}
 
 /// Precomputed inverse frequencies for one head size.
 #[derive(Debug, Clone)]
@@ -41,6 +72,42 @@ impl Rope {
             .map(|i| 1.0 / theta.powf((2 * i) as f32 / head_dim as f32))
             .collect();
         Ok(Rope { head_dim, inv_freq })
+    }
+
+    /// The same rotation with Llama 3's frequency scaling: long wavelengths slowed by
+    /// `factor`, short ones kept, the band between interpolated (transformers'
+    /// `_compute_llama3_parameters`, in the same f32 operations and order). With `λ_i = 2π /
+    /// inv_freq_i`, `L = original_max_position_embeddings`:
+    /// `λ_i < L / high_freq_factor`: unchanged; `λ_i > L / low_freq_factor`: `inv_freq_i /
+    /// factor`; between: `(1 − s)·inv_freq_i/factor + s·inv_freq_i` with
+    /// `s = (L/λ_i − low_freq_factor) / (high_freq_factor − low_freq_factor)`.
+    pub fn with_llama3(mut self, s: &Llama3Scaling) -> Result<Rope, TensorError> {
+        s.check()?;
+        let l = s.original_max_position_embeddings as f32;
+        let wavelen_at =
+            |factor: f32| (s.original_max_position_embeddings as f64 / factor as f64) as f32;
+        let (low_wavelen, high_wavelen) = (
+            wavelen_at(s.low_freq_factor),
+            wavelen_at(s.high_freq_factor),
+        );
+        // `scalar / tensor` is `tensor.reciprocal() * scalar` in PyTorch: the same here.
+        let two_pi = (2.0 * std::f64::consts::PI) as f32;
+        for f in &mut self.inv_freq {
+            let wavelen = (1.0 / *f) * two_pi;
+            let scaled = if wavelen > low_wavelen {
+                *f / s.factor
+            } else {
+                *f
+            };
+            if (high_wavelen..=low_wavelen).contains(&wavelen) {
+                let smooth = ((1.0 / wavelen) * l - s.low_freq_factor)
+                    / (s.high_freq_factor - s.low_freq_factor);
+                *f = (1.0 - smooth) * scaled / s.factor + smooth * scaled;
+            } else {
+                *f = scaled;
+            }
+        }
+        Ok(self)
     }
 
     pub fn head_dim(&self) -> usize {
@@ -131,6 +198,39 @@ mod tests {
     use super::*;
     use crate::testutil::rand_vec;
 
+    /// Llama 3.1's scaling (d 128, θ 5e5, factor 8, low 1, high 4, L 8192) against the
+    /// formula in f64: all three bands occur, and only the f32 roundings differ.
+    #[test]
+    fn llama3_scaling_follows_the_three_bands() {
+        let s = Llama3Scaling {
+            factor: 8.0,
+            low_freq_factor: 1.0,
+            high_freq_factor: 4.0,
+            original_max_position_embeddings: 8192,
+        };
+        let plain = Rope::new(128, 5e5).unwrap();
+        let scaled = plain.clone().with_llama3(&s).unwrap();
+        let mut bands = [0; 3];
+        for (i, (&p, &q)) in plain.inv_freq().iter().zip(scaled.inv_freq()).enumerate() {
+            let f = 5e5f64.powf(-(2.0 * i as f64) / 128.0);
+            let wavelen = 2.0 * std::f64::consts::PI / f;
+            let want = if wavelen < 8192.0 / 4.0 {
+                bands[0] += 1;
+                f
+            } else if wavelen > 8192.0 {
+                bands[2] += 1;
+                f / 8.0
+            } else {
+                bands[1] += 1;
+                let sm = (8192.0 / wavelen - 1.0) / 3.0;
+                (1.0 - sm) * f / 8.0 + sm * f
+            };
+            assert!((q as f64 - want).abs() <= 1e-6 * want, "{i}: {q} vs {want}");
+            assert!((p as f64 - f).abs() <= 1e-6 * f);
+        }
+        assert!(bands.iter().all(|&n| n > 0), "{bands:?}");
+    }
+
     #[test]
     fn matches_direct_formula_and_inverts() {
         let (batch, seq, heads, d) = (2, 5, 3, 8);
@@ -175,6 +275,13 @@ mod tests {
             assert_eq!(one, z[t * heads * d..(t + 1) * heads * d]);
         }
         assert!(Rope::new(7, 1e4).is_err());
+        let bad = Llama3Scaling {
+            factor: 8.0,
+            low_freq_factor: 4.0,
+            high_freq_factor: 1.0,
+            original_max_position_embeddings: 8192,
+        };
+        assert!(Rope::new(64, 5e5).unwrap().with_llama3(&bad).is_err());
         assert!(rope.apply(&mut y[1..], heads, &pos).is_err());
     }
 }

@@ -24,6 +24,11 @@ pub struct ModelConfig {
     /// Training context length (tokens per sample).
     pub seq_len: usize,
     pub rope_theta: f64,
+    /// RoPE frequency scaling as Hugging Face's `rope_scaling` table (only `rope_type =
+    /// "llama3"`, with `factor`, `low_freq_factor`, `high_freq_factor`,
+    /// `original_max_position_embeddings`); absent: none.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub rope_scaling: Option<model::config::RopeScaling>,
     pub norm_eps: f64,
     /// Number of experts (mixtral only).
     pub num_experts: usize,
@@ -310,6 +315,7 @@ impl RunConfig {
                 num_kv_heads: kv,
                 seq_len: s,
                 rope_theta: 10000.0,
+                rope_scaling: None,
                 norm_eps: 1e-5,
                 num_experts: 0,
                 experts_per_token: 0,
@@ -646,6 +652,9 @@ fn parse_value(raw: &str) -> toml::Value {
         .unwrap_or_else(|| toml::Value::String(raw.to_string()))
 }
 
+/// Keys the presets leave out (tables that are absent unless set): a layer may add them.
+const OPTIONAL_KEYS: &[&str] = &["model.rope_scaling"];
+
 fn merge(base: &mut toml::Value, user: &toml::Value, prefix: &str) -> Result<()> {
     let (Some(bt), Some(ut)) = (base.as_table_mut(), user.as_table()) else {
         return Err(TrainError::Config(format!("`{prefix}` must be a table")));
@@ -657,6 +666,9 @@ fn merge(base: &mut toml::Value, user: &toml::Value, prefix: &str) -> Result<()>
             format!("{prefix}.{k}")
         };
         match bt.get_mut(k) {
+            None if OPTIONAL_KEYS.contains(&path.as_str()) => {
+                bt.insert(k.clone(), v.clone());
+            }
             None => return Err(TrainError::UnknownKey(path)),
             Some(slot) if slot.is_table() => merge(slot, v, &path)?,
             Some(slot) => *slot = coerce(slot, v.clone()),
@@ -672,6 +684,10 @@ fn set_path(tree: &mut toml::Value, key: &str, value: toml::Value) -> Result<()>
         let table = node
             .as_table_mut()
             .ok_or_else(|| TrainError::UnknownKey(key.to_string()))?;
+        if i + 1 == parts.len() && !table.contains_key(*part) && OPTIONAL_KEYS.contains(&key) {
+            table.insert(part.to_string(), value);
+            return Ok(());
+        }
         let slot = table
             .get_mut(*part)
             .ok_or_else(|| TrainError::UnknownKey(key.to_string()))?;

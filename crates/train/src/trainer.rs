@@ -35,6 +35,7 @@ pub fn model_config(cfg: &RunConfig) -> model::ModelConfig {
         m.num_kv_heads,
     );
     mc.rope_theta = m.rope_theta as f32;
+    mc.rope_scaling = m.rope_scaling.clone();
     mc.rms_norm_eps = m.norm_eps as f32;
     mc.initializer_range = cfg.train.init_std as f32;
     mc.max_position_embeddings = m.seq_len;
@@ -93,6 +94,7 @@ pub fn from_model_config(
         num_kv_heads: mc.kv_heads(),
         seq_len,
         rope_theta: f32_decimal(mc.rope_theta),
+        rope_scaling: mc.rope_scaling.clone(),
         norm_eps: f32_decimal(mc.rms_norm_eps),
         num_experts: mc.num_local_experts,
         experts_per_token: if mc.is_moe() {

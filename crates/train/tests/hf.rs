@@ -107,3 +107,52 @@ fn bad_imports_are_errors() {
     assert!(train::hf::to_hf(&d.join("nothing"), &d.join("out")).is_err());
     std::fs::remove_dir_all(&d).unwrap();
 }
+
+/// Llama 3's RoPE scaling goes out as `rope_scaling` in config.json and comes back in, and a
+/// run configured with it trains (the rotation is the scaled one: other losses than without).
+#[test]
+fn rope_scaling_survives_export_and_import() {
+    let d = tmp("rope3");
+    let set = |scaled: bool| {
+        let mut s = vec!["train.steps=2".into(), "data.corpus_bytes=50000".into()];
+        if scaled {
+            s.push(
+                "model.rope_scaling={rope_type=\"llama3\", factor=8.0, low_freq_factor=1.0, \
+                 high_freq_factor=4.0, original_max_position_embeddings=64}"
+                    .into(),
+            );
+        }
+        s
+    };
+    let mut t = Trainer::single(RunConfig::resolve("tiny", None, &set(true)).unwrap()).unwrap();
+    let mut plain =
+        Trainer::single(RunConfig::resolve("tiny", None, &set(false)).unwrap()).unwrap();
+    let (a, b) = (t.train_step().unwrap(), plain.train_step().unwrap());
+    assert_ne!(a.loss, b.loss, "the scaling changes the rotation");
+    t.save_checkpoint(&d.join("ck")).unwrap();
+    train::hf::to_hf(&d.join("ck"), &d.join("hf")).unwrap();
+    let cj: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(d.join("hf/config.json")).unwrap()).unwrap();
+    assert_eq!(cj["rope_scaling"]["rope_type"], "llama3");
+    assert_eq!(cj["rope_scaling"]["original_max_position_embeddings"], 64);
+    train::hf::from_hf(
+        &d.join("hf"),
+        &d.join("back"),
+        "tiny",
+        &["data.corpus_bytes=50000".into()],
+    )
+    .unwrap();
+    let ck = parallel::checkpoint::Checkpoint::open(&d.join("back")).unwrap();
+    let back =
+        RunConfig::resolve("tiny", Some(&checkpoint_config_text(&ck).unwrap()), &[]).unwrap();
+    assert_eq!(back.model.rope_scaling, t.cfg.model.rope_scaling);
+    // A type xtrain does not implement is refused before anything runs.
+    let bad = RunConfig::resolve(
+        "tiny",
+        None,
+        &["model.rope_scaling={rope_type=\"yarn\", factor=4.0}".into()],
+    )
+    .unwrap_err();
+    assert!(bad.to_string().contains("`yarn` is not supported"), "{bad}");
+    std::fs::remove_dir_all(&d).unwrap();
+}
