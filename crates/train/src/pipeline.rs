@@ -9,7 +9,10 @@
 //! prediction with unit costs and with each stage's measured mean cost of each action type (a
 //! compute action's cost includes the sends, receives and gathers the rank does right after
 //! it), and `--trace FILE` writes every action as a Chrome trace (`chrome://tracing`,
-//! Perfetto): one row per rank, each action with what it waited for.
+//! Perfetto): one process per rank, each action with what it waited for, and below it the
+//! backward of each unit and each gradient bucket's data-parallel reduction from launch to
+//! completion (what overlaps what). The timeline and the trace serve every layout: without
+//! pipeline parallelism the one-stage schedule's actions are traced the same way.
 use std::collections::BTreeMap;
 use std::path::Path;
 use std::time::{Instant, SystemTime, UNIX_EPOCH};
@@ -112,6 +115,17 @@ struct Span {
     waited_us: i64,
 }
 
+/// A unit's backward or a bucket's reduction, in microseconds since the Unix epoch, on trace
+/// row `tid` (1: units, 2: reductions).
+#[derive(Clone, Debug)]
+struct Detail {
+    name: String,
+    tid: u8,
+    step: usize,
+    start_us: i64,
+    dur_us: i64,
+}
+
 /// This rank's measured timeline of the steps run so far.
 #[derive(Debug)]
 pub struct Timeline {
@@ -125,6 +139,8 @@ pub struct Timeline {
     costs: BTreeMap<(usize, usize), (i64, i64)>,
     /// Every action, when a trace file was asked for.
     spans: Option<Vec<Span>>,
+    /// Units' backwards and buckets' reductions, likewise.
+    details: Vec<Detail>,
 }
 
 impl Timeline {
@@ -135,6 +151,7 @@ impl Timeline {
             steps: Vec::new(),
             costs: BTreeMap::new(),
             spans: keep_spans.then(Vec::new),
+            details: Vec::new(),
         }
     }
 
@@ -152,6 +169,9 @@ impl Timeline {
         let step = self.steps.len();
         let (mut first, mut last, mut busy) = (i64::MAX, i64::MIN, 0i64);
         let (mut lead, mut last_key) = (0i64, None);
+        if self.spans.is_some() {
+            self.absorb_details(step, trace);
+        }
         for e in trace {
             let TraceKind::Action {
                 action,
@@ -196,6 +216,38 @@ impl Timeline {
         }
         if first <= last {
             self.steps.push([first, last, busy]);
+        }
+    }
+}
+
+impl Timeline {
+    /// Pairs the trace's unit-backward and bucket events into spans.
+    fn absorb_details(&mut self, step: usize, trace: &[TraceEvent]) {
+        let mut open: BTreeMap<(u8, usize), i64> = BTreeMap::new();
+        for e in trace {
+            let at = self.epoch_ns(e.at) / 1000;
+            let (key, end) = match e.kind {
+                TraceKind::BackwardStart(u) => ((1, u), false),
+                TraceKind::BackwardEnd(u) => ((1, u), true),
+                TraceKind::BucketLaunched(b) => ((2, b), false),
+                TraceKind::BucketDone(b) => ((2, b), true),
+                TraceKind::Action { .. } => continue,
+            };
+            if !end {
+                open.insert(key, at);
+            } else if let Some(start_us) = open.remove(&key) {
+                let name = match key.0 {
+                    1 => format!("unit {} backward", key.1),
+                    _ => format!("bucket {} reduction", key.1),
+                };
+                self.details.push(Detail {
+                    name,
+                    tid: key.0,
+                    step,
+                    start_us,
+                    dur_us: at - start_us,
+                });
+            }
         }
     }
 }
@@ -379,6 +431,12 @@ pub fn write_trace(comm: &Communicator, timeline: &Timeline, path: &Path) -> Res
             }));
         }
     }
+    for d in &timeline.details {
+        events.push(serde_json::json!({
+            "name": d.name, "ph": "X", "pid": rank, "tid": d.tid, "ts": d.start_us,
+            "dur": d.dur_us, "args": {"step": d.step},
+        }));
+    }
     let bytes = serde_json::to_vec(&events).expect("serialises");
     let (all, counts) = comm.world().all_gather_v(&bytes)?;
     if rank != 0 {
@@ -406,6 +464,15 @@ pub fn write_trace(comm: &Communicator, timeline: &Timeline, path: &Path) -> Res
         merged.push(serde_json::json!({
             "name": "process_name", "ph": "M", "pid": r, "args": {"name": format!("rank {r}")},
         }));
+        for (tid, row) in [
+            (0, "schedule actions"),
+            (1, "unit backwards"),
+            (2, "dp reductions"),
+        ] {
+            merged.push(serde_json::json!({
+                "name": "thread_name", "ph": "M", "pid": r, "tid": tid, "args": {"name": row},
+            }));
+        }
     }
     let doc = serde_json::json!({ "traceEvents": merged, "displayTimeUnit": "ms" });
     std::fs::write(path, serde_json::to_vec(&doc).expect("serialises"))

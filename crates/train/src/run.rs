@@ -26,7 +26,8 @@ pub struct RunOptions {
     pub out_dir: PathBuf,
     /// No progress bar, step lines or messages (the summary is still returned).
     pub quiet: bool,
-    /// Write the pipeline's actions as a Chrome trace to this file (pp > 1).
+    /// Write the run's schedule actions, units' backwards and gradient reductions as a Chrome
+    /// trace to this file (any layout).
     pub trace: Option<PathBuf>,
 }
 
@@ -161,11 +162,6 @@ pub fn run(t: &mut Trainer, opts: &RunOptions) -> Result<RunSummary> {
         }
     }
     if opts.trace.is_some() {
-        if t.pipeline.is_none() {
-            return Err(crate::TrainError::Config(
-                "--trace records pipeline schedules: it needs pp > 1".into(),
-            ));
-        }
         t.keep_trace();
     }
     let mut console = rank0.then(|| Console::new(t.step, total, opts.quiet, fpt, peak));

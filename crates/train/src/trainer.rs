@@ -199,6 +199,8 @@ pub struct Trainer {
     pub exec: Executor<DecoderStage>,
     /// The pipeline schedule and its measured timeline (pp > 1).
     pub pipeline: Option<RunPipeline>,
+    /// The traced timeline of a run without pipeline parallelism ([`Self::keep_trace`]).
+    trace: Option<crate::pipeline::Timeline>,
     pub data: Dataset,
     pub sampler: Sampler,
     pub schedule: CosineSchedule,
@@ -425,6 +427,7 @@ impl Trainer {
             mesh,
             exec,
             pipeline,
+            trace: None,
             data,
             sampler,
             schedule,
@@ -495,7 +498,13 @@ impl Trainer {
                 p.timeline.absorb(&self.exec.take_trace());
                 stats
             }
-            None => self.exec.train_step(&batches).map_err(perr)?,
+            None => {
+                let stats = self.exec.train_step(&batches).map_err(perr)?;
+                if let Some(t) = &mut self.trace {
+                    t.absorb(&self.exec.take_trace());
+                }
+                stats
+            }
         };
         let loss = stats.loss as f64;
         if !loss.is_finite() && !self.exec.loss_scaler().dynamic {
@@ -623,22 +632,31 @@ impl Trainer {
         }
     }
 
-    /// Keeps every action's span from now on, for [`Self::write_trace`] (pp > 1).
+    /// Keeps every action's span (and the units' backwards and buckets' reductions) from now
+    /// on, for [`Self::write_trace`]; at any layout.
     pub fn keep_trace(&mut self) {
-        if let Some(p) = &mut self.pipeline {
-            p.timeline = crate::pipeline::Timeline::new(true);
+        match &mut self.pipeline {
+            Some(p) => p.timeline = crate::pipeline::Timeline::new(true),
+            None => {
+                self.exec.enable_trace();
+                self.trace = Some(crate::pipeline::Timeline::new(true));
+            }
         }
     }
 
-    /// Writes the Chrome trace of the actions kept since [`Self::keep_trace`] (rank 0 writes;
+    /// Writes the Chrome trace of what was kept since [`Self::keep_trace`] (rank 0 writes;
     /// a collective).
     pub fn write_trace(&self, path: &Path) -> Result<()> {
-        match &self.pipeline {
-            Some(p) => crate::pipeline::write_trace(&self.comm, &p.timeline, path),
-            None => Err(TrainError::Config(
-                "a trace records pipeline schedules: it needs pp > 1".into(),
-            )),
-        }
+        let timeline = match (&self.pipeline, &self.trace) {
+            (Some(p), _) => &p.timeline,
+            (None, Some(t)) => t,
+            (None, None) => {
+                return Err(TrainError::Config(
+                    "write_trace: no trace was kept (keep_trace first)".into(),
+                ))
+            }
+        };
+        crate::pipeline::write_trace(&self.comm, timeline, path)
     }
 
     /// Where training stands (what a checkpoint records besides tensors).

@@ -31,11 +31,43 @@ fn train(args: &[&str], out: &Path) -> Output {
 fn readme_main_command_then_convert_to_hf() {
     let d = tmp("layouts-readme");
     let run = d.join("run");
-    // `cargo run --release -p xtrain -- train --preset tiny --nproc 2`, shortened.
+    // `cargo run --release -p xtrain -- train --preset tiny --nproc 2`, shortened, traced.
+    let trace = d.join("trace.json");
     ok(&train(
-        &["--preset", "tiny", "--nproc", "2", "--set", "train.steps=3"],
+        &[
+            "--preset",
+            "tiny",
+            "--nproc",
+            "2",
+            "--set",
+            "train.steps=3",
+            "--trace",
+            trace.to_str().unwrap(),
+        ],
         &run,
     ));
+    // The trace of a dp2 run: on each rank, per step one forward, one backward and one
+    // optimizer action, every unit's backward, and the bucket reductions.
+    let t: serde_json::Value = serde_json::from_slice(&std::fs::read(&trace).unwrap()).unwrap();
+    let events = t["traceEvents"].as_array().unwrap();
+    let count = |pid: u64, tid: u64, prefix: &str| {
+        events
+            .iter()
+            .filter(|e| {
+                e["ph"] == "X"
+                    && e["pid"] == pid
+                    && e["tid"] == tid
+                    && e["name"].as_str().unwrap().starts_with(prefix)
+            })
+            .count()
+    };
+    for rank in 0..2 {
+        assert_eq!(count(rank, 0, "OPTIMIZER"), 3, "rank {rank}: {t}");
+        assert!(count(rank, 0, "0F0") == 3 && count(rank, 0, "0B0") == 3);
+        // tiny: embedding, 2 blocks, head.
+        assert_eq!(count(rank, 1, "unit "), 3 * 4, "rank {rank}");
+        assert!(count(rank, 2, "bucket ") >= 3, "rank {rank}");
+    }
     for f in [
         "config.toml",
         "metrics.jsonl",
@@ -294,7 +326,6 @@ fn impossible_layouts_are_clear_errors() {
             ],
             "use ZeRO-0 or 1 with it",
         ),
-        (&["--trace", "t.json"], "needs pp > 1"),
         (&["--ep", "2", "--dp", "2"], "the model has no experts"),
         (
             &["--cp", "3"],

@@ -134,8 +134,10 @@ pub struct TrainArgs {
     pub out: Option<PathBuf>,
     #[command(flatten)]
     pub layout: LayoutArgs,
-    /// Write every pipeline action of the run as a Chrome trace (chrome://tracing, Perfetto)
-    /// to this file (pp > 1).
+    /// Write the run as a Chrome trace (chrome://tracing, Perfetto) to this file, at any
+    /// layout: one process per rank, its schedule actions (forwards, backwards, optimizer
+    /// steps; with what each waited for), each unit's backward and each gradient bucket's
+    /// data-parallel reduction.
     #[arg(long)]
     pub trace: Option<PathBuf>,
     /// No progress bar, step lines or messages.
