@@ -63,8 +63,17 @@ fn moe(extras: bool) -> ModelConfig {
     c
 }
 
-fn configs() -> [ModelConfig; 3] {
-    [dense(), moe(false), moe(true)]
+/// The dense shape with tied embeddings and Llama 3's RoPE scaling (the head reads and the
+/// embedding's gradient sums both uses; the rotation tables come from the scaled frequencies).
+fn tied_rope3() -> ModelConfig {
+    let mut c = dense();
+    c.tie_word_embeddings = true;
+    c.rope_scaling = Some(model::config::RopeScaling::llama3(8.0, 1.0, 4.0, 256));
+    c
+}
+
+fn configs() -> [ModelConfig; 4] {
+    [dense(), moe(false), moe(true), tied_rope3()]
 }
 
 #[test]
