@@ -296,11 +296,15 @@ pub struct EventFile {
 }
 
 impl EventFile {
-    /// Starts a new event file in `dir` for a run at `step` (0: fresh), after dropping the
-    /// events past `step` from the earlier files of the run.
+    /// Starts a new event file in `dir` for a run at `step`, after dropping the events past
+    /// `step` from the earlier files of the run (a fresh run, step 0, removes them).
     pub fn continue_at(dir: &Path, step: usize) -> Result<Self> {
         for f in event_files(dir)? {
-            truncate_after(&f, step as u64)?;
+            if step == 0 {
+                std::fs::remove_file(&f).ctx(|| format!("removing {}", f.display()))?;
+            } else {
+                truncate_after(&f, step as u64)?;
+            }
         }
         let secs = std::time::SystemTime::now()
             .duration_since(std::time::UNIX_EPOCH)
@@ -445,7 +449,16 @@ mod tests {
         let d = std::env::temp_dir().join(format!("xtrain-tb-{}", std::process::id()));
         let _ = std::fs::remove_dir_all(&d);
         std::fs::create_dir_all(&d).unwrap();
+        std::fs::write(
+            d.join("events.out.tfevents.1.old.xtrain"),
+            b"an earlier run",
+        )
+        .unwrap();
+        std::fs::write(d.join("events.out.tfevents.1.other"), b"another tool's").unwrap();
         let mut f = EventFile::continue_at(&d, 0).unwrap();
+        // A fresh run removes the run's earlier files, not another tool's.
+        assert_eq!(event_files(&d).unwrap(), [f.path()]);
+        assert!(d.join("events.out.tfevents.1.other").is_file());
         for s in 1..=5 {
             f.scalars(s, &[("x".into(), s as f64)]).unwrap();
         }
@@ -474,5 +487,22 @@ mod tests {
             "{e}"
         );
         std::fs::remove_dir_all(&d).unwrap();
+    }
+
+    #[test]
+    fn a_failing_write_stops_the_logging_not_the_run() {
+        let Ok(full) = std::fs::OpenOptions::new().write(true).open("/dev/full") else {
+            eprintln!("skipped: no /dev/full to fail writes on");
+            return;
+        };
+        let mut b = Board {
+            file: Some(EventFile {
+                file: full,
+                path: "/dev/full".into(),
+            }),
+        };
+        b.scalars(1, &[("x".into(), 1.0)]);
+        assert!(b.file.is_none());
+        b.scalars(2, &[("x".into(), 2.0)]);
     }
 }
