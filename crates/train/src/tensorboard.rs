@@ -56,7 +56,8 @@ pub fn crc32c(data: &[u8]) -> u32 {
 /// The CRC as TFRecord stores it (rotated and offset, so a CRC of CRCs is not trivial).
 pub fn masked_crc(data: &[u8]) -> u32 {
     let c = crc32c(data);
-    ((c >> 15) | (c << 17)).wrapping_add(0xa282_ead8)
+    // ((crc >> 15) | (crc << 17)) + 0xa282ead8
+    c.rotate_right(15).wrapping_add(0xa282_ead8)
 }
 
 /// One TFRecord: length, its masked CRC, the data, its masked CRC.
@@ -100,9 +101,11 @@ mod pb {
         out.extend_from_slice(v);
     }
 
-    /// The fields of a message as (field, wire type, varint or fixed value, payload), or
-    /// `None` where it is malformed.
-    pub fn fields(mut b: &[u8]) -> Option<Vec<(u64, u8, u64, &[u8])>> {
+    /// A decoded field: number, wire type, varint or fixed value (or length), payload.
+    pub type Field<'a> = (u64, u8, u64, &'a [u8]);
+
+    /// The fields of a message, or `None` where it is malformed.
+    pub fn fields(mut b: &[u8]) -> Option<Vec<Field<'_>>> {
         fn read_varint(b: &mut &[u8]) -> Option<u64> {
             let mut v = 0u64;
             for shift in (0..64).step_by(7) {
