@@ -109,6 +109,9 @@ pub struct TrainConfig {
     /// `fp8` (half and a quarter of the bytes, summed in fp32 where they arrive).
     #[serde(default = "default_grad_comm")]
     pub grad_comm: String,
+    /// Write TensorBoard event files into the run directory (rank 0).
+    #[serde(default = "default_true")]
+    pub tensorboard: bool,
 }
 
 impl TrainConfig {
@@ -275,6 +278,10 @@ fn default_grad_comm() -> String {
     "fp32".into()
 }
 
+fn default_true() -> bool {
+    true
+}
+
 /// The whole run.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -350,6 +357,7 @@ impl RunConfig {
                 sample_prompt: "the ".into(),
                 device: String::new(),
                 grad_comm: default_grad_comm(),
+                tensorboard: true,
             },
             data: DataConfig {
                 path: String::new(),

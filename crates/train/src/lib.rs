@@ -11,6 +11,7 @@
 //! - [`data`]: built-in corpus, tokenizers, token files, deterministic sampling;
 //! - [`schedule`]: warmup + cosine learning rate;
 //! - [`metrics`], [`progress`]: `metrics.jsonl`, the loss plot, the progress bar;
+//! - [`tensorboard`]: the run's TensorBoard event files (scalars and the config);
 //! - [`generate`], [`hf`]: sampling, and Hugging Face export / import of any checkpoint;
 //! - [`fault`]: the `XTRAIN_FAULT` hook that kills or stops a rank at a step (tests);
 //! - [`rng`]: the seekable RNG of the sampler; [`allocator`]: glibc tuning so each step
@@ -29,6 +30,7 @@ pub mod progress;
 pub mod rng;
 pub mod run;
 pub mod schedule;
+pub mod tensorboard;
 pub mod trainer;
 
 pub use config::{Precision, RunConfig};

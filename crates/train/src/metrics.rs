@@ -1,5 +1,7 @@
-//! Metrics: one JSON object per line in `metrics.jsonl`, and the loss curve drawn as a PNG
-//! (lines only: the bitmap backend has no font here) and an SVG (with axis labels and legend).
+//! Metrics: one JSON object per line in `metrics.jsonl`, and the loss curve drawn as a PNG and
+//! an SVG (axes, tick labels, axis titles and a legend). The PNG's text is rasterised from a
+//! font compiled into the binary (`assets/fonts`, DejaVu Sans), so it renders on a machine
+//! without system fonts.
 use crate::error::{IoContext, Result, TrainError};
 use serde::{Deserialize, Serialize};
 use std::io::Write;
@@ -105,34 +107,102 @@ pub fn read(path: &Path) -> Result<Vec<StepRecord>> {
         .collect()
 }
 
+/// DejaVu Sans reduced to Latin-1 (license and provenance beside it).
+static FONT: &[u8] = include_bytes!("../assets/fonts/DejaVuSans-subset.ttf");
+
+/// Registers [`FONT`] as plotters' `sans-serif` (once per process).
+fn register_font() -> Result<()> {
+    static REGISTERED: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    let ok = *REGISTERED.get_or_init(|| {
+        plotters::style::register_font("sans-serif", plotters::style::FontStyle::Normal, FONT)
+            .is_ok()
+    });
+    if ok {
+        Ok(())
+    } else {
+        Err(TrainError::Data(
+            "the bundled plot font does not parse".into(),
+        ))
+    }
+}
+
 /// Draws training and validation loss against step into `png` and `svg`.
 pub fn plot_loss(records: &[StepRecord], png: &Path, svg: &Path) -> Result<()> {
-    use plotters::prelude::*;
-    let train: Vec<(f64, f64)> = records
-        .iter()
-        .filter(|r| r.loss.is_finite())
-        .map(|r| (r.step as f64, r.loss))
-        .collect();
-    let val: Vec<(f64, f64)> = records
-        .iter()
-        .filter_map(|r| r.val_loss.map(|v| (r.step as f64, v)))
-        .collect();
-    if train.is_empty() {
+    let fail = |p: &Path, e: String| TrainError::Io {
+        context: format!("plotting {}", p.display()),
+        source: std::io::Error::other(e),
+    };
+    let Some(curves) = Curves::new(records) else {
         return Ok(());
+    };
+    register_font()?;
+    use plotters::prelude::*;
+    curves
+        .draw(BitMapBackend::new(png, SIZE).into_drawing_area(), true)
+        .map_err(|e| fail(png, e))?;
+    curves
+        .draw(SVGBackend::new(svg, SIZE).into_drawing_area(), true)
+        .map_err(|e| fail(svg, e))
+}
+
+/// Width and height of the plots in pixels.
+const SIZE: (u32, u32) = (800, 500);
+
+/// The loss curve as RGB pixels (row-major, `SIZE`), with or without its text and legend.
+#[cfg(test)]
+fn render_rgb(records: &[StepRecord], labels: bool) -> Vec<u8> {
+    use plotters::prelude::IntoDrawingArea;
+    let mut buf = vec![0u8; (SIZE.0 * SIZE.1 * 3) as usize];
+    register_font().unwrap();
+    let area = plotters::prelude::BitMapBackend::with_buffer(&mut buf, SIZE);
+    let curves = Curves::new(records).unwrap();
+    curves.draw(area.into_drawing_area(), labels).unwrap();
+    buf
+}
+
+/// The points of the loss plot and its axis ranges.
+struct Curves {
+    train: Vec<(f64, f64)>,
+    val: Vec<(f64, f64)>,
+    x_max: f64,
+    y_max: f64,
+}
+
+impl Curves {
+    /// `None` when there is no finite training loss to draw.
+    fn new(records: &[StepRecord]) -> Option<Self> {
+        let train: Vec<(f64, f64)> = records
+            .iter()
+            .filter(|r| r.loss.is_finite())
+            .map(|r| (r.step as f64, r.loss))
+            .collect();
+        let val: Vec<(f64, f64)> = records
+            .iter()
+            .filter_map(|r| r.val_loss.map(|v| (r.step as f64, v)))
+            .collect();
+        if train.is_empty() {
+            return None;
+        }
+        let x_max = train.iter().chain(&val).map(|p| p.0).fold(1.0, f64::max);
+        let y_max = train.iter().chain(&val).map(|p| p.1).fold(0.0, f64::max) * 1.05;
+        Some(Self {
+            train,
+            val,
+            x_max,
+            y_max,
+        })
     }
-    let x_max = train.iter().chain(&val).map(|p| p.0).fold(1.0, f64::max);
-    let y_max = train.iter().chain(&val).map(|p| p.1).fold(0.0, f64::max) * 1.05;
-    fn draw<DB: DrawingBackend>(
-        root: DrawingArea<DB, plotters::coord::Shift>,
+
+    fn draw<DB: plotters::prelude::DrawingBackend>(
+        &self,
+        root: plotters::prelude::DrawingArea<DB, plotters::coord::Shift>,
         labels: bool,
-        train: &[(f64, f64)],
-        val: &[(f64, f64)],
-        x_max: f64,
-        y_max: f64,
     ) -> std::result::Result<(), String>
     where
         DB::ErrorType: 'static,
     {
+        use plotters::prelude::*;
+        let (train, val, x_max, y_max) = (&self.train, &self.val, self.x_max, self.y_max);
         let e = |e: DrawingAreaErrorKind<DB::ErrorType>| e.to_string();
         root.fill(&WHITE).map_err(e)?;
         let mut b = ChartBuilder::on(&root);
@@ -145,7 +215,9 @@ pub fn plot_loss(records: &[StepRecord], png: &Path, svg: &Path) -> Result<()> {
         let mut chart = b.build_cartesian_2d(0.0..x_max, 0.0..y_max).map_err(e)?;
         let mut mesh = chart.configure_mesh();
         if labels {
-            mesh.x_desc("step").y_desc("loss (nats/token)");
+            mesh.x_desc("step")
+                .y_desc("loss (nats/token)")
+                .x_label_formatter(&|x| format!("{x:.0}"));
         } else {
             mesh.disable_x_mesh()
                 .disable_y_mesh()
@@ -172,6 +244,8 @@ pub fn plot_loss(records: &[StepRecord], png: &Path, svg: &Path) -> Result<()> {
         if labels {
             chart
                 .configure_series_labels()
+                // Loss falls: the upper right stays clear of the curves.
+                .position(SeriesLabelPosition::UpperRight)
                 .background_style(WHITE)
                 .border_style(BLACK)
                 .draw()
@@ -179,29 +253,6 @@ pub fn plot_loss(records: &[StepRecord], png: &Path, svg: &Path) -> Result<()> {
         }
         root.present().map_err(e)
     }
-    let fail = |p: &Path, e: String| TrainError::Io {
-        context: format!("plotting {}", p.display()),
-        source: std::io::Error::other(e),
-    };
-    draw(
-        BitMapBackend::new(png, (800, 500)).into_drawing_area(),
-        false,
-        &train,
-        &val,
-        x_max,
-        y_max,
-    )
-    .map_err(|e| fail(png, e))?;
-    draw(
-        SVGBackend::new(svg, (800, 500)).into_drawing_area(),
-        true,
-        &train,
-        &val,
-        x_max,
-        y_max,
-    )
-    .map_err(|e| fail(svg, e))?;
-    Ok(())
 }
 
 #[cfg(test)]
@@ -235,6 +286,59 @@ mod tests {
             .unwrap()
             .contains("validation"));
         std::fs::remove_dir_all(&d).unwrap();
+    }
+
+    /// Dark pixels (text and axes, not the light mesh or the coloured curves) of an RGB
+    /// image `SIZE` wide in the rectangle `x0..x1` × `y0..y1`.
+    fn dark(rgb: &[u8], (x0, x1): (u32, u32), (y0, y1): (u32, u32)) -> usize {
+        (y0..y1)
+            .flat_map(|y| (x0..x1).map(move |x| ((y * SIZE.0 + x) * 3) as usize))
+            .filter(|&i| rgb[i..i + 3].iter().all(|&c| c < 100))
+            .count()
+    }
+
+    #[test]
+    fn the_png_has_tick_labels_axis_titles_and_a_legend() {
+        let recs: Vec<StepRecord> = (1..=300)
+            .map(|s| StepRecord {
+                step: s,
+                loss: 5.0 / (1.0 + 0.02 * s as f64),
+                val_loss: (s % 50 == 0).then_some(5.2 / (1.0 + 0.02 * s as f64)),
+                ..Default::default()
+            })
+            .collect();
+        let d = std::env::temp_dir().join(format!("xtrain-metrics-png-{}", std::process::id()));
+        std::fs::create_dir_all(&d).unwrap();
+        let png = d.join("loss.png");
+        plot_loss(&recs, &png, &d.join("loss.svg")).unwrap();
+        let mut reader = png::Decoder::new(std::fs::File::open(&png).unwrap())
+            .read_info()
+            .unwrap();
+        let mut rgb = vec![0u8; reader.output_buffer_size()];
+        let info = reader.next_frame(&mut rgb).unwrap();
+        assert_eq!((info.width, info.height), SIZE);
+        assert_eq!(info.color_type, png::ColorType::Rgb);
+        std::fs::remove_dir_all(&d).unwrap();
+        // Left of the y axis: the tick labels and the axis title; below the x axis: the tick
+        // labels and "step"; the legend's words in the top right. Without the text these
+        // regions hold no dark pixel, so the count is the text's.
+        let (w, h) = SIZE;
+        let regions = [
+            ((0, 60), (30, h - 70)),
+            ((80, w - 30), (h - 55, h)),
+            ((w - 200, w - 20), (20, 110)),
+        ];
+        let bare = render_rgb(&recs, false);
+        for (x, y) in regions {
+            assert_eq!(dark(&bare, x, y), 0, "{x:?} {y:?}");
+            let text = dark(&rgb, x, y);
+            assert!(text > 100, "{x:?} {y:?}: {text} dark pixels");
+        }
+        assert_eq!(
+            rgb,
+            render_rgb(&recs, true),
+            "the file is the labelled rendering"
+        );
     }
 
     #[test]

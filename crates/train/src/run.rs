@@ -5,6 +5,7 @@
 //!
 //! ```text
 //! <out>/config.toml  metrics.jsonl  loss.png  loss.svg  memory.json  pipeline.json (pp > 1)
+//! <out>/events.out.tfevents.<time>.<host>.xtrain   (TensorBoard; one per start of the run)
 //! <out>/checkpoints/step_NNNNNN/   (one format for every layout, see parallel::checkpoint)
 //! <out>/latest                      (names the newest checkpoint)
 //! ```
@@ -18,6 +19,7 @@ use crate::error::{IoContext, Result};
 use crate::generate::{generate, SampleOptions};
 use crate::metrics::{self, MetricsWriter, StepRecord};
 use crate::progress::{Console, StepStatus};
+use crate::tensorboard::{step_scalars, Board};
 use crate::trainer::Trainer;
 
 /// Options of a run beyond its config.
@@ -97,6 +99,7 @@ pub fn run(t: &mut Trainer, opts: &RunOptions) -> Result<RunSummary> {
         }
     };
     let mut writer = None;
+    let mut board = Board::off();
     if rank0 {
         std::fs::create_dir_all(out).ctx(|| format!("creating {}", out.display()))?;
         std::fs::write(out.join("config.toml"), t.cfg.to_toml())
@@ -106,7 +109,11 @@ pub fn run(t: &mut Trainer, opts: &RunOptions) -> Result<RunSummary> {
             &out.join("metrics.jsonl"),
             t.step,
         )?);
+        if t.cfg.train.tensorboard {
+            board = Board::open(out, t.step, &t.cfg.to_toml())?;
+        }
     }
+    let first_step = t.step;
     let fault = crate::fault::Fault::from_env()?;
     let total = t.cfg.train.steps;
     let peak = match &t.exec.config().device {
@@ -197,6 +204,12 @@ pub fn run(t: &mut Trainer, opts: &RunOptions) -> Result<RunSummary> {
         }
         if let Some(w) = &mut writer {
             w.write(&rec)?;
+            let mut scalars = step_scalars(&rec);
+            let mib = |b: usize| b as f64 / (1024.0 * 1024.0);
+            let m = t.memory();
+            scalars.push(("memory/rank0/accounted_mib".into(), mib(m.total())));
+            scalars.push(("memory/rank0/activations_mib".into(), mib(m.activations)));
+            board.scalars(r.step, &scalars);
         }
         if let Some(c) = &mut console {
             let status = StepStatus {
@@ -249,9 +262,34 @@ pub fn run(t: &mut Trainer, opts: &RunOptions) -> Result<RunSummary> {
     if let Some(c) = &console {
         c.finish();
     }
-    write_memory(t, out)?;
+    for (r, accounted, rss) in write_memory(t, out)? {
+        let mib = |b: f64| b / (1024.0 * 1024.0);
+        // Rank 0's accounted bytes are in every step's scalars already.
+        let mut v = Vec::new();
+        if r > 0 {
+            v.push((format!("memory/rank{r}/accounted_mib"), mib(accounted)));
+        }
+        if let Some(rss) = rss {
+            v.push((format!("memory/rank{r}/peak_rss_mib"), mib(rss as f64)));
+        }
+        board.scalars(t.step, &v);
+    }
     if let Some(report) = t.pipeline_report()? {
         if rank0 {
+            // The measured bubble of each step this process ran (the last ones if fewer).
+            let n = report.measured.len().min(t.step - first_step);
+            let last = &report.measured[report.measured.len() - n..];
+            for (i, b) in last.iter().enumerate() {
+                let s = t.step - n + 1 + i;
+                board.scalars(s, &[("pipeline/bubble_measured".into(), *b)]);
+            }
+            board.scalars(
+                t.step,
+                &[(
+                    "pipeline/bubble_simulated".into(),
+                    report.simulated_measured_costs,
+                )],
+            );
             say(&report.to_string());
             let text = serde_json::to_string_pretty(&report).expect("serialises");
             std::fs::write(out.join("pipeline.json"), text)
@@ -304,8 +342,8 @@ pub fn run(t: &mut Trainer, opts: &RunOptions) -> Result<RunSummary> {
 
 /// Writes `out/memory.json` (rank 0): every rank's accounted bytes by category beside the
 /// formula's model states, its measured peak resident set and the baseline before the model
-/// existed. A collective.
-pub fn write_memory(t: &Trainer, out: &Path) -> Result<()> {
+/// existed. A collective. Returns (on rank 0) every rank's accounted total and peak RSS.
+pub fn write_memory(t: &Trainer, out: &Path) -> Result<Vec<(usize, f64, Option<u64>)>> {
     let mut mine = t.memory().to_array().to_vec();
     let kib = |b: Option<u64>| b.map_or(-1, |b| b as i64);
     mine.push(kib(peak_rss_bytes()));
@@ -314,7 +352,7 @@ pub fn write_memory(t: &Trainer, out: &Path) -> Result<()> {
     let mut all = vec![0i64; mine.len() * n];
     t.comm().all_gather(&mine, &mut all)?;
     if t.rank() != 0 {
-        return Ok(());
+        return Ok(Vec::new());
     }
     let d = &t.dims;
     let precision = t.cfg.train.precision;
@@ -352,5 +390,13 @@ pub fn write_memory(t: &Trainer, out: &Path) -> Result<()> {
         "ranks": ranks,
     });
     let text = serde_json::to_string_pretty(&doc).expect("serialises");
-    std::fs::write(out.join("memory.json"), text).ctx(|| "writing memory.json".into())
+    std::fs::write(out.join("memory.json"), text).ctx(|| "writing memory.json".into())?;
+    Ok(all
+        .chunks_exact(mine.len())
+        .enumerate()
+        .map(|(r, v)| {
+            let m = MemoryAccount::from_array(v);
+            (r, m.total() as f64, u64::try_from(v[6]).ok())
+        })
+        .collect())
 }

@@ -70,6 +70,14 @@ fn train_resume_convert_generate() {
     ] {
         assert!(run.join(f).exists(), "{f}");
     }
+    let events = std::fs::read_dir(&run)
+        .unwrap()
+        .filter(|e| {
+            let name = e.as_ref().unwrap().file_name();
+            name.to_string_lossy().starts_with("events.out.tfevents.")
+        })
+        .count();
+    assert_eq!(events, 1, "one TensorBoard event file");
     let (ok, out) = xtrain(
         &[
             &["train", "--resume", r, "--set", "train.steps=8"][..],
