@@ -233,6 +233,10 @@ impl Curves {
                 .legend(|(x, y)| PathElement::new(vec![(x, y), (x + 20, y)], BLUE));
         }
         if !val.is_empty() {
+            // Each evaluation also as a dot: a run evaluated once still shows its point.
+            chart
+                .draw_series(val.iter().map(|&p| Circle::new(p, 3, RED.filled())))
+                .map_err(e)?;
             let s = chart
                 .draw_series(LineSeries::new(val.iter().copied(), RED.stroke_width(2)))
                 .map_err(e)?;
