@@ -131,16 +131,30 @@ impl TrainConfig {
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct DataConfig {
-    /// Empty: the built-in procedural corpus. Otherwise a `.tok` token file or a text file.
+    /// Empty: the built-in procedural corpus. Otherwise a shard folder (written by
+    /// `xtrain tokenize … -o FOLDER`), a `.tok` token file or a text file.
     pub path: String,
+    /// A mixture instead of `path`: sources (any form `path` takes) sampled with these weights
+    /// (normalised to sum to 1).
+    #[serde(default)]
+    pub mix: Vec<MixSource>,
     /// `byte` or the path of a Hugging Face `tokenizer.json`.
     pub tokenizer: String,
-    /// Fraction of the tokens held out for validation (the tail of the stream).
+    /// Fraction held out for validation: of each shard's documents (its last ones) for a shard
+    /// folder, else of the tokens (the tail of the stream).
     pub val_fraction: f64,
     /// Size of the built-in corpus in bytes.
     pub corpus_bytes: usize,
     /// Seed of the built-in corpus (independent of the training seed).
     pub corpus_seed: u64,
+}
+
+/// One source of `data.mix`.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct MixSource {
+    pub path: String,
+    pub weight: f64,
 }
 
 /// Process layout: the degrees of the mesh `[pp, dp, cp, tp]` (`nproc = pp·dp·cp·tp`), the
@@ -361,6 +375,7 @@ impl RunConfig {
             },
             data: DataConfig {
                 path: String::new(),
+                mix: Vec::new(),
                 tokenizer: "byte".into(),
                 val_fraction: 0.05,
                 corpus_bytes: 2_000_000,
@@ -530,6 +545,20 @@ impl RunConfig {
         }
         if !(0.0..0.5).contains(&self.data.val_fraction) {
             return bad("data.val_fraction must lie in [0, 0.5)".into());
+        }
+        if !self.data.mix.is_empty() && !self.data.path.is_empty() {
+            return bad("set data.path or data.mix, not both".into());
+        }
+        if let Some(m) = self
+            .data
+            .mix
+            .iter()
+            .find(|m| m.path.is_empty() || !(m.weight.is_finite() && m.weight > 0.0))
+        {
+            return bad(format!(
+                "data.mix: each source needs a path and a positive weight (got path {:?}, weight {})",
+                m.path, m.weight
+            ));
         }
         if t.precision == Precision::Fp16 && (t.loss_scale.is_nan() || t.loss_scale < 1.0) {
             return bad("train.loss_scale must be >= 1".into());

@@ -23,7 +23,8 @@ enum Command {
     Train(Box<cmd::train::TrainArgs>),
     /// Sample text from a checkpoint.
     Generate(cmd::generate::GenerateArgs),
-    /// Tokenize text files into a token file (optionally training a BPE tokenizer).
+    /// Tokenize a corpus (text, JSONL, Parquet) into a shard folder, or text into a token file
+    /// (optionally training a BPE tokenizer first).
     Tokenize(cmd::tokenize::TokenizeArgs),
     /// Show a pipeline schedule: every rank's actions, the simulated timeline, bubble and
     /// memory (`--compare`: every schedule side by side; `--svg`, `--csv`).

@@ -1,9 +1,15 @@
-//! Token streams, the train/validation split, and the deterministic batch sampler.
+//! Token streams, the train/validation split, mixtures, and the deterministic batch sampler.
 //!
-//! Sampling is stateless given `(seed, step)`: global sample `g` starts at a position drawn from
-//! the random stream `(seed, g)`, so resuming needs only the step, and a data-parallel rank draws
+//! Sampling is stateless given `(seed, step)`: global sample `g` draws its window from the
+//! random stream `(seed, g)`, so resuming needs only the step, and a data-parallel rank draws
 //! exactly the samples the single-process run would have used in the same step.
+//!
+//! A split is a weighted mixture of sources, each a list of segments: contiguous token ranges
+//! a window of `seq_len + 1` tokens may lie in (a shard's training documents, its held-out
+//! documents, or a stream's head or tail). Sample `g` picks a source by weight (only when there
+//! are several), then a window start uniformly among all the source's valid starts.
 use super::corpus;
+use super::shards::ShardSet;
 use super::tokenizer::Tokenizer;
 use super::tokfile::TokenFile;
 use crate::config::DataConfig;
@@ -18,39 +24,145 @@ enum Store {
     Mapped(TokenFile),
 }
 
-/// A contiguous window `[start, start + len)` of a shared token store.
+impl Store {
+    fn len(&self) -> usize {
+        match self {
+            Store::Owned(v) => v.len(),
+            Store::Mapped(f) => f.len(),
+        }
+    }
+
+    fn get(&self, i: usize) -> u32 {
+        match self {
+            Store::Owned(v) => v[i],
+            Store::Mapped(f) => f.get(i),
+        }
+    }
+}
+
+/// A contiguous range `[start, start + len)` of a store.
 #[derive(Clone)]
-pub struct TokenSplit {
+struct Segment {
     store: Arc<Store>,
     start: usize,
     len: usize,
 }
 
+/// One source of a split: its segments and the running count of window starts.
+#[derive(Clone)]
+struct Source {
+    segments: Vec<Segment>,
+    /// `starts[i]`: valid window starts in segments `0..=i`.
+    starts: Vec<u64>,
+}
+
+impl Source {
+    fn new(segments: Vec<Segment>, window: usize) -> Self {
+        let mut acc = 0u64;
+        let starts = segments
+            .iter()
+            .map(|s| {
+                acc += (s.len + 1).saturating_sub(window) as u64;
+                acc
+            })
+            .collect();
+        Self { segments, starts }
+    }
+
+    fn windows(&self) -> u64 {
+        self.starts.last().copied().unwrap_or(0)
+    }
+
+    /// The segment and offset of window start number `k` (`k < windows()`).
+    fn locate(&self, k: u64) -> (&Segment, usize) {
+        let i = self.starts.partition_point(|&c| c <= k);
+        let before = if i == 0 { 0 } else { self.starts[i - 1] };
+        (&self.segments[i], (k - before) as usize)
+    }
+}
+
+/// The windows one split (training or validation) draws from: a weighted mixture of sources.
+#[derive(Clone)]
+pub struct TokenSplit {
+    sources: Vec<Source>,
+    /// Running sums of the normalised source weights (the last is 1).
+    cum_weights: Vec<f64>,
+    /// Tokens per window: `seq_len + 1`.
+    window: usize,
+}
+
 impl TokenSplit {
+    /// Tokens in the split.
     pub fn len(&self) -> usize {
-        self.len
+        self.sources
+            .iter()
+            .flat_map(|s| &s.segments)
+            .map(|s| s.len)
+            .sum()
     }
 
     pub fn is_empty(&self) -> bool {
-        self.len == 0
+        self.windows() == 0
     }
 
-    pub fn get(&self, i: usize) -> u32 {
-        match &*self.store {
-            Store::Owned(v) => v[self.start + i],
-            Store::Mapped(f) => f.get(self.start + i),
+    /// Distinct windows the split can give.
+    pub fn windows(&self) -> u64 {
+        self.sources.iter().map(Source::windows).sum()
+    }
+
+    /// Tokens per window (`seq_len + 1`).
+    pub fn window(&self) -> usize {
+        self.window
+    }
+
+    /// Where global sample `g` of stream `seed` lies: its source, its token store and its
+    /// first token there.
+    pub fn locate(&self, seed: u64, g: u64) -> WindowAt {
+        let (source, seg, start) = self.pick(seed, g);
+        WindowAt {
+            source,
+            store: Arc::as_ptr(&seg.store) as usize,
+            start,
         }
     }
 
-    /// Copies `out.len()` tokens from position `pos`.
-    pub fn copy_to(&self, pos: usize, out: &mut [u32]) {
+    fn pick(&self, seed: u64, g: u64) -> (usize, &Segment, usize) {
+        let mut r = Rng::stream(seed, g);
+        // One source draws only its position, so a single stream samples as it always has.
+        let source = if self.sources.len() == 1 {
+            0
+        } else {
+            let u = r.uniform();
+            self.cum_weights
+                .iter()
+                .position(|&c| u < c)
+                .unwrap_or(self.sources.len() - 1)
+        };
+        let src = &self.sources[source];
+        let (seg, off) = src.locate(r.below(src.windows()));
+        (source, seg, seg.start + off)
+    }
+
+    /// Copies the window of global sample `g` of stream `seed` into `out` (`window()` tokens).
+    fn copy_window(&self, seed: u64, g: u64, out: &mut [u32]) {
+        let (_, seg, start) = self.pick(seed, g);
         for (k, o) in out.iter_mut().enumerate() {
-            *o = self.get(pos + k);
+            *o = seg.store.get(start + k);
         }
     }
 }
 
-/// Training and validation tokens with their tokenizer's vocabulary size.
+/// Where a sampled window lies (see [`TokenSplit::locate`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct WindowAt {
+    pub source: usize,
+    /// Identity of the token store (a shard, a token file, an in-memory stream).
+    pub store: usize,
+    /// First token of the window in the store.
+    pub start: usize,
+}
+
+/// Training and validation tokens.
 pub struct Dataset {
     pub train: TokenSplit,
     pub val: TokenSplit,
@@ -58,53 +170,63 @@ pub struct Dataset {
     pub source: String,
 }
 
+/// The train and validation segments of one source, before weighting.
+struct Loaded {
+    train: Vec<Segment>,
+    val: Vec<Segment>,
+    source: String,
+}
+
 impl Dataset {
-    /// Builds the dataset `cfg` describes: the built-in corpus, a token file (`.tok`), or a text
-    /// file tokenised with `tokenizer`. Every id is checked against `vocab_size`.
+    /// Builds the dataset `cfg` describes: the built-in corpus, a shard folder, a token file
+    /// (`.tok`) or a text file tokenised with `tokenizer`, or a mixture of such (`data.mix`).
     pub fn load(
         cfg: &DataConfig,
         tokenizer: &Tokenizer,
         vocab_size: usize,
         seq_len: usize,
     ) -> Result<Self> {
-        let (store, source) = if cfg.path.is_empty() {
+        let window = seq_len + 1;
+        let parts: Vec<(Loaded, f64)> = if !cfg.mix.is_empty() {
+            if !cfg.path.is_empty() {
+                return Err(TrainError::Data(
+                    "set data.path or data.mix, not both".into(),
+                ));
+            }
+            cfg.mix
+                .iter()
+                .map(|m| {
+                    if !(m.weight.is_finite() && m.weight > 0.0) {
+                        return Err(TrainError::Data(format!(
+                            "data.mix: {} has weight {}: weights must be positive",
+                            m.path, m.weight
+                        )));
+                    }
+                    Ok((
+                        load_path(&m.path, cfg.val_fraction, tokenizer, vocab_size, window)?,
+                        m.weight,
+                    ))
+                })
+                .collect::<Result<_>>()?
+        } else if cfg.path.is_empty() {
             let text = corpus::generate(cfg.corpus_seed, cfg.corpus_bytes);
-            (
-                Store::Owned(tokenizer.encode(&text)?),
-                format!(
-                    "built-in corpus ({} bytes, seed {})",
-                    text.len(),
-                    cfg.corpus_seed
-                ),
-            )
+            let source = format!(
+                "built-in corpus ({} bytes, seed {})",
+                text.len(),
+                cfg.corpus_seed
+            );
+            let store = Store::Owned(tokenizer.encode(&text)?);
+            vec![(
+                stream(store, source, cfg.val_fraction, vocab_size, window)?,
+                1.0,
+            )]
         } else {
-            let path = Path::new(&cfg.path);
-            if !path.exists() {
-                return Err(TrainError::Data(format!(
-                    "dataset {} does not exist",
-                    cfg.path
-                )));
-            }
-            if path.extension().is_some_and(|e| e == "tok") {
-                let f = TokenFile::open(path)?;
-                if f.vocab_size() > vocab_size {
-                    return Err(TrainError::Data(format!(
-                        "token file {} was written for vocab size {} but the model has {vocab_size}",
-                        cfg.path,
-                        f.vocab_size()
-                    )));
-                }
-                (Store::Mapped(f), format!("token file {}", cfg.path))
-            } else {
-                let text =
-                    std::fs::read_to_string(path).ctx(|| format!("reading text {}", cfg.path))?;
-                (
-                    Store::Owned(tokenizer.encode(&text)?),
-                    format!("text file {}", cfg.path),
-                )
-            }
+            vec![(
+                load_path(&cfg.path, cfg.val_fraction, tokenizer, vocab_size, window)?,
+                1.0,
+            )]
         };
-        Self::from_store(store, source, cfg.val_fraction, vocab_size, seq_len)
+        Self::assemble(parts, cfg.val_fraction, window)
     }
 
     /// A dataset over in-memory ids (tests, benchmarks).
@@ -114,69 +236,210 @@ impl Dataset {
         vocab_size: usize,
         seq_len: usize,
     ) -> Result<Self> {
-        Self::from_store(
+        let l = stream(
             Store::Owned(ids),
             "in-memory ids".into(),
             val_fraction,
             vocab_size,
-            seq_len,
-        )
+            seq_len + 1,
+        )?;
+        Self::assemble(vec![(l, 1.0)], val_fraction, seq_len + 1)
     }
 
-    fn from_store(
-        store: Store,
-        source: String,
-        val_fraction: f64,
-        vocab_size: usize,
-        seq_len: usize,
-    ) -> Result<Self> {
-        let n = match &store {
-            Store::Owned(v) => v.len(),
-            Store::Mapped(f) => f.len(),
-        };
-        if n == 0 {
-            return Err(TrainError::Data(format!("{source} is empty")));
-        }
-        let check = |pos: usize, id: u32| {
-            if id as usize >= vocab_size {
-                Err(TrainError::Data(format!(
-                    "{source}: token id {id} at position {pos} is >= model vocab size {vocab_size}"
-                )))
-            } else {
-                Ok(())
-            }
-        };
-        match &store {
-            Store::Owned(v) => v.iter().enumerate().try_for_each(|(p, &id)| check(p, id))?,
-            Store::Mapped(f) => (0..n).try_for_each(|p| check(p, f.get(p)))?,
-        }
-        let n_val = if val_fraction > 0.0 {
-            ((n as f64 * val_fraction) as usize).max(seq_len + 1)
+    fn assemble(parts: Vec<(Loaded, f64)>, val_fraction: f64, window: usize) -> Result<Self> {
+        let total: f64 = parts.iter().map(|(_, w)| w).sum();
+        let mut acc = 0.0;
+        let cum_weights: Vec<f64> = parts
+            .iter()
+            .map(|(_, w)| {
+                acc += w / total;
+                acc
+            })
+            .collect();
+        let source = if parts.len() == 1 {
+            parts[0].0.source.clone()
         } else {
-            0
+            let names: Vec<String> = parts
+                .iter()
+                .map(|(l, w)| format!("{:.3} × {}", w / total, l.source))
+                .collect();
+            format!("mixture of {}", names.join(" + "))
         };
-        let n_train = n.saturating_sub(n_val);
-        // A sample is seq_len + 1 tokens (inputs plus the shifted targets).
-        if n_train < seq_len + 1 || (val_fraction > 0.0 && n_val < seq_len + 1) {
+        let split = |pick: fn(&Loaded) -> &Vec<Segment>| TokenSplit {
+            sources: parts
+                .iter()
+                .map(|(l, _)| Source::new(pick(l).clone(), window))
+                .collect(),
+            cum_weights: cum_weights.clone(),
+            window,
+        };
+        let (train, val) = (split(|l| &l.train), split(|l| &l.val));
+        for (k, (l, _)) in parts.iter().enumerate() {
+            if train.sources[k].windows() == 0 {
+                return Err(TrainError::Data(format!(
+                    "{} has no training window of {window} tokens (seq_len + 1) outside its validation documents",
+                    l.source
+                )));
+            }
+            if val_fraction > 0.0 && val.sources[k].windows() == 0 {
+                return Err(TrainError::Data(format!(
+                    "{} has no validation window of {window} tokens (seq_len + 1): too few held-out tokens for data.val_fraction {val_fraction}",
+                    l.source
+                )));
+            }
+        }
+        Ok(Self { train, val, source })
+    }
+}
+
+/// Loads one path: a shard folder, a `.tok` file, or a text file.
+fn load_path(
+    path_str: &str,
+    val_fraction: f64,
+    tokenizer: &Tokenizer,
+    vocab_size: usize,
+    window: usize,
+) -> Result<Loaded> {
+    let path = Path::new(path_str);
+    if !path.exists() {
+        return Err(TrainError::Data(format!(
+            "dataset {path_str} does not exist"
+        )));
+    }
+    if path.is_dir() {
+        return shard_folder(path, val_fraction, tokenizer, vocab_size);
+    }
+    if path.extension().is_some_and(|e| e == "tok") {
+        let f = TokenFile::open(path)?;
+        if f.vocab_size() > vocab_size {
             return Err(TrainError::Data(format!(
-                "{source} has {n} tokens: too few for sequences of {seq_len} with a {val_fraction} validation split"
+                "token file {path_str} was written for vocab size {} but the model has {vocab_size}",
+                f.vocab_size()
             )));
         }
-        let store = Arc::new(store);
-        Ok(Self {
-            train: TokenSplit {
-                store: store.clone(),
-                start: 0,
-                len: n_train,
-            },
-            val: TokenSplit {
-                store,
-                start: n_train,
-                len: n_val,
-            },
-            source,
-        })
+        return stream(
+            Store::Mapped(f),
+            format!("token file {path_str}"),
+            val_fraction,
+            vocab_size,
+            window,
+        );
     }
+    let text = std::fs::read_to_string(path).ctx(|| format!("reading text {path_str}"))?;
+    stream(
+        Store::Owned(tokenizer.encode(&text)?),
+        format!("text file {path_str}"),
+        val_fraction,
+        vocab_size,
+        window,
+    )
+}
+
+/// A stream without document boundaries: every id is checked against the vocabulary, and the
+/// tail (`val_fraction` of the tokens, at least one window) is held out.
+fn stream(
+    store: Store,
+    source: String,
+    val_fraction: f64,
+    vocab_size: usize,
+    window: usize,
+) -> Result<Loaded> {
+    let n = store.len();
+    if n == 0 {
+        return Err(TrainError::Data(format!("{source} is empty")));
+    }
+    if let Some(p) = (0..n).find(|&p| store.get(p) as usize >= vocab_size) {
+        return Err(TrainError::Data(format!(
+            "{source}: token id {} at position {p} is >= model vocab size {vocab_size}",
+            store.get(p)
+        )));
+    }
+    let n_val = if val_fraction > 0.0 {
+        ((n as f64 * val_fraction) as usize).max(window)
+    } else {
+        0
+    };
+    let n_train = n.saturating_sub(n_val);
+    // A sample is seq_len + 1 tokens (inputs plus the shifted targets).
+    if n_train < window || (val_fraction > 0.0 && n_val < window) {
+        return Err(TrainError::Data(format!(
+            "{source} has {n} tokens: too few for sequences of {} with a {val_fraction} validation split",
+            window - 1
+        )));
+    }
+    let store = Arc::new(store);
+    Ok(Loaded {
+        train: vec![Segment {
+            store: store.clone(),
+            start: 0,
+            len: n_train,
+        }],
+        val: vec![Segment {
+            store,
+            start: n_train,
+            len: n_val,
+        }],
+        source,
+    })
+}
+
+/// Documents of a shard of `docs` held out for validation: `ceil(val_fraction × docs)`, so every
+/// shard gives some when `val_fraction > 0`, but at most `docs − 1`, so every shard trains.
+pub fn held_out_documents(docs: usize, val_fraction: f64) -> usize {
+    ((docs as f64 * val_fraction).ceil() as usize).min(docs.saturating_sub(1))
+}
+
+/// A shard folder: each shard's last [`held_out_documents`] documents are held out for
+/// validation, the documents before them train. The ids are not scanned (that would page in
+/// the whole corpus): the shard headers' vocabulary must match the tokenizer's and fit the model,
+/// and the writer refused any id beyond it.
+fn shard_folder(
+    dir: &Path,
+    val_fraction: f64,
+    tokenizer: &Tokenizer,
+    vocab_size: usize,
+) -> Result<Loaded> {
+    let set = ShardSet::open(dir)?;
+    let m = &set.manifest;
+    if m.vocab_size != tokenizer.vocab_size() || m.vocab_size > vocab_size {
+        return Err(TrainError::Data(format!(
+            "shard folder {} was tokenized with {} (vocab {}), but data.tokenizer has vocab {} and the model {vocab_size}",
+            dir.display(),
+            m.tokenizer,
+            m.vocab_size,
+            tokenizer.vocab_size()
+        )));
+    }
+    let source = format!(
+        "shard folder {} ({} documents, {} tokens in {} shards)",
+        dir.display(),
+        m.documents,
+        m.tokens,
+        m.shards.len()
+    );
+    let (mut train, mut val) = (Vec::new(), Vec::new());
+    for shard in set.shards {
+        let docs = shard.docs.len();
+        let n_val = held_out_documents(docs, val_fraction);
+        let n = shard.tokens.len();
+        let split = if n_val == 0 {
+            n
+        } else {
+            shard.docs.start(docs - n_val) as usize
+        };
+        let store = Arc::new(Store::Mapped(shard.tokens));
+        train.push(Segment {
+            store: store.clone(),
+            start: 0,
+            len: split,
+        });
+        val.push(Segment {
+            store,
+            start: split,
+            len: n - split,
+        });
+    }
+    Ok(Loaded { train, val, source })
 }
 
 /// One micro-batch: `batch × seq` inputs and the next-token targets.
@@ -231,13 +494,16 @@ impl Sampler {
 
     fn batch_at(&self, data: &TokenSplit, seed: u64, first: u64) -> Batch {
         let (b, s) = (self.micro_batch, self.seq_len);
+        assert_eq!(
+            data.window(),
+            s + 1,
+            "split built for another sequence length"
+        );
         let mut inputs = vec![0; b * s];
         let mut targets = vec![0; b * s];
         let mut window = vec![0; s + 1];
-        let span = (data.len() - s) as u64; // valid starts: 0..=len-(s+1)
         for k in 0..b {
-            let start = Rng::stream(seed, first + k as u64).below(span) as usize;
-            data.copy_to(start, &mut window);
+            data.copy_window(seed, first + k as u64, &mut window);
             inputs[k * s..(k + 1) * s].copy_from_slice(&window[..s]);
             targets[k * s..(k + 1) * s].copy_from_slice(&window[1..]);
         }
@@ -343,6 +609,7 @@ mod tests {
             .contains("too few"));
         let cfg = DataConfig {
             path: "/nonexistent/data.tok".into(),
+            mix: Vec::new(),
             tokenizer: "byte".into(),
             val_fraction: 0.1,
             corpus_bytes: 0,

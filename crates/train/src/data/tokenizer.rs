@@ -46,6 +46,63 @@ impl Tokenizer {
         }
     }
 
+    /// The end-of-document id appended to each document of a shard folder, and the
+    /// beginning-of-document id prepended where the tokenizer has one. The byte tokenizer ends
+    /// documents with byte 0 (NUL, absent from text) and has no BOS. A Hugging Face tokenizer's
+    /// are `eos` / `bos` when given (they must be in its vocabulary), else the first of the
+    /// usual names it knows; one without an end-of-document token is an error.
+    pub fn document_ids(&self, eos: Option<&str>, bos: Option<&str>) -> Result<(Option<u32>, u32)> {
+        const EOS: &[&str] = &[
+            "<|endoftext|>",
+            "</s>",
+            "<|end_of_text|>",
+            "<eos>",
+            "<|eos|>",
+        ];
+        const BOS: &[&str] = &["<s>", "<|begin_of_text|>", "<bos>", "<|bos|>"];
+        match self {
+            Self::Byte => {
+                if eos.is_some() || bos.is_some() {
+                    return Err(tk_err(
+                        "the byte tokenizer ends documents with byte 0 and has no BOS: --eos and --bos need a tokenizer.json",
+                    ));
+                }
+                Ok((None, 0))
+            }
+            Self::Hf(t) => {
+                let named = |tok: &str| {
+                    t.token_to_id(tok).ok_or_else(|| {
+                        tk_err(format!(
+                            "token {tok:?} is not in the tokenizer's vocabulary"
+                        ))
+                    })
+                };
+                let eos_id = match eos {
+                    Some(tok) => named(tok)?,
+                    None => EOS.iter().find_map(|tok| t.token_to_id(tok)).ok_or_else(|| {
+                        tk_err(format!(
+                            "the tokenizer has no end-of-document token (none of {EOS:?}); name one with --eos"
+                        ))
+                    })?,
+                };
+                let bos_id = match bos {
+                    Some(tok) => Some(named(tok)?),
+                    None => BOS.iter().find_map(|tok| t.token_to_id(tok)),
+                };
+                Ok((bos_id, eos_id))
+            }
+        }
+    }
+
+    /// One document as a shard stores it: BOS (if any), the text's ids, EOS.
+    pub fn encode_document(&self, text: &str, bos: Option<u32>, eos: u32) -> Result<Vec<u32>> {
+        let mut ids = Vec::with_capacity(text.len() / 3 + 2);
+        ids.extend(bos);
+        ids.extend(self.encode(text)?);
+        ids.push(eos);
+        Ok(ids)
+    }
+
     /// Decodes ids; bytes that are not valid UTF-8 become U+FFFD (a sample can stop mid-character).
     pub fn decode(&self, ids: &[u32]) -> Result<String> {
         match self {
@@ -61,20 +118,23 @@ impl Tokenizer {
     }
 }
 
+/// A Hugging Face tokenizer (as [`train_bpe`] returns it).
+pub type HfTokenizer = tokenizers::Tokenizer;
+
+/// Saves `tk` as a `tokenizer.json` at `path`; returns its vocabulary size.
+pub fn save_tokenizer(tk: &HfTokenizer, path: &Path) -> Result<usize> {
+    tk.save(path, false)
+        .map_err(|e| TrainError::Tokenizer(format!("saving {}: {e}", path.display())))?;
+    Ok(tk.get_vocab_size(true))
+}
+
+/// The special token [`train_bpe`] adds: the end of a document.
+pub const END_OF_TEXT: &str = "<|endoftext|>";
+
 /// Trains a byte-level BPE tokenizer (GPT-2 style: byte-level pre-tokenizer and decoder, so
-/// every string round-trips) on `files` with a target vocabulary of `vocab_size`.
+/// every string round-trips) on `files` with a target vocabulary of `vocab_size`, including
+/// the special token [`END_OF_TEXT`].
 pub fn train_bpe(files: &[String], vocab_size: usize) -> Result<tokenizers::Tokenizer> {
-    use tokenizers::models::bpe::{BpeTrainerBuilder, BPE};
-    use tokenizers::pre_tokenizers::byte_level::ByteLevel;
-    use tokenizers::{
-        DecoderWrapper, NormalizerWrapper, PostProcessorWrapper, PreTokenizerWrapper,
-        TokenizerBuilder,
-    };
-    if vocab_size < 256 + 1 {
-        return Err(TrainError::Tokenizer(format!(
-            "BPE vocab size {vocab_size} must exceed the 256-symbol byte alphabet"
-        )));
-    }
     for f in files {
         if !Path::new(f).is_file() {
             return Err(TrainError::Tokenizer(format!(
@@ -82,29 +142,56 @@ pub fn train_bpe(files: &[String], vocab_size: usize) -> Result<tokenizers::Toke
             )));
         }
     }
-    let mut trainer = BpeTrainerBuilder::new()
+    let (mut trainer, mut tk) = bpe_setup(vocab_size)?;
+    tk.train_from_files(&mut trainer, files.to_vec())
+        .map_err(tk_err)?;
+    Ok(tokenizers::Tokenizer::from(tk))
+}
+
+/// [`train_bpe`] on a stream of documents (JSONL or Parquet corpora).
+pub fn train_bpe_on<I>(documents: I, vocab_size: usize) -> Result<tokenizers::Tokenizer>
+where
+    I: Iterator<Item = String> + Send,
+{
+    let (mut trainer, mut tk) = bpe_setup(vocab_size)?;
+    tk.train(&mut trainer, documents).map_err(tk_err)?;
+    Ok(tokenizers::Tokenizer::from(tk))
+}
+
+type BpeTokenizer = tokenizers::TokenizerImpl<
+    tokenizers::models::bpe::BPE,
+    tokenizers::NormalizerWrapper,
+    tokenizers::PreTokenizerWrapper,
+    tokenizers::PostProcessorWrapper,
+    tokenizers::DecoderWrapper,
+>;
+
+fn bpe_setup(vocab_size: usize) -> Result<(tokenizers::models::bpe::BpeTrainer, BpeTokenizer)> {
+    use tokenizers::models::bpe::{BpeTrainerBuilder, BPE};
+    use tokenizers::pre_tokenizers::byte_level::ByteLevel;
+    use tokenizers::TokenizerBuilder;
+    if vocab_size < 256 + 1 {
+        return Err(TrainError::Tokenizer(format!(
+            "BPE vocab size {vocab_size} must exceed the 256-symbol byte alphabet"
+        )));
+    }
+    let trainer = BpeTrainerBuilder::new()
         .show_progress(false)
         .vocab_size(vocab_size)
         .min_frequency(2)
         .initial_alphabet(ByteLevel::alphabet().into_iter().collect())
+        // The end-of-document token that shard folders append to every document.
+        .special_tokens(vec![tokenizers::AddedToken::from(END_OF_TEXT, true)])
         .build();
-    let mut tk = TokenizerBuilder::<
-        BPE,
-        NormalizerWrapper,
-        PreTokenizerWrapper,
-        PostProcessorWrapper,
-        DecoderWrapper,
-    >::new()
-    .with_model(BPE::default())
-    .with_normalizer(None)
-    .with_pre_tokenizer(Some(ByteLevel::new(false, true, true).into()))
-    .with_post_processor(None)
-    .with_decoder(Some(ByteLevel::default().into()))
-    .build()
-    .map_err(tk_err)?;
-    tk.train_from_files(&mut trainer, files.to_vec())
+    let tk = TokenizerBuilder::new()
+        .with_model(BPE::default())
+        .with_normalizer(None)
+        .with_pre_tokenizer(Some(ByteLevel::new(false, true, true).into()))
+        .with_post_processor(None)
+        .with_decoder(Some(ByteLevel::default().into()))
+        .build()
         .map_err(tk_err)?;
-    Ok(tokenizers::Tokenizer::from(tk))
+    Ok((trainer, tk))
 }
 
 #[cfg(test)]

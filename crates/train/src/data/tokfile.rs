@@ -4,7 +4,7 @@
 //! (2 = u16 ids, 4 = u32 ids; the width in bytes), `count: u64` (number of ids),
 //! `vocab_size: u32`, `reserved: u32 = 0`, then `count × dtype` bytes of ids.
 use crate::error::{IoContext, Result, TrainError};
-use std::io::Write;
+use std::io::{BufWriter, Seek, SeekFrom, Write};
 use std::path::{Path, PathBuf};
 
 pub const MAGIC: &[u8; 8] = b"XTRNTOK\0";
@@ -13,34 +13,95 @@ pub const HEADER_BYTES: usize = 32;
 
 /// Writes `ids` with the narrowest width that holds `vocab_size`.
 pub fn write(path: &Path, ids: &[u32], vocab_size: usize) -> Result<()> {
-    let width: u32 = if vocab_size <= 1 << 16 { 2 } else { 4 };
-    if let Some((pos, &id)) = ids
-        .iter()
-        .enumerate()
-        .find(|(_, &i)| i as usize >= vocab_size)
-    {
-        return Err(TrainError::Data(format!(
-            "token {id} at position {pos} is >= vocab size {vocab_size}"
-        )));
+    let mut w = Writer::create(path, vocab_size)?;
+    w.push(ids)?;
+    w.finish()
+}
+
+/// Streams ids into a token file: the header goes first with a zero count, which
+/// [`Writer::finish`] patches, so a file of any size is written with bounded memory.
+pub struct Writer {
+    path: PathBuf,
+    out: BufWriter<std::fs::File>,
+    width: u32,
+    vocab_size: usize,
+    count: u64,
+}
+
+impl Writer {
+    /// Creates `path` for ids below `vocab_size` (2-byte ids when they fit, else 4).
+    pub fn create(path: &Path, vocab_size: usize) -> Result<Self> {
+        let width: u32 = if vocab_size <= 1 << 16 { 2 } else { 4 };
+        let f = std::fs::File::create(path).ctx(|| format!("creating {}", path.display()))?;
+        let mut out = BufWriter::with_capacity(1 << 20, f);
+        let mut head = Vec::with_capacity(HEADER_BYTES);
+        head.extend_from_slice(MAGIC);
+        head.extend_from_slice(&VERSION.to_le_bytes());
+        head.extend_from_slice(&width.to_le_bytes());
+        head.extend_from_slice(&0u64.to_le_bytes());
+        head.extend_from_slice(&(vocab_size as u32).to_le_bytes());
+        head.extend_from_slice(&0u32.to_le_bytes());
+        out.write_all(&head)
+            .ctx(|| format!("writing {}", path.display()))?;
+        Ok(Self {
+            path: path.to_path_buf(),
+            out,
+            width,
+            vocab_size,
+            count: 0,
+        })
     }
-    let mut buf = Vec::with_capacity(HEADER_BYTES + ids.len() * width as usize);
-    buf.extend_from_slice(MAGIC);
-    buf.extend_from_slice(&VERSION.to_le_bytes());
-    buf.extend_from_slice(&width.to_le_bytes());
-    buf.extend_from_slice(&(ids.len() as u64).to_le_bytes());
-    buf.extend_from_slice(&(vocab_size as u32).to_le_bytes());
-    buf.extend_from_slice(&0u32.to_le_bytes());
-    for &id in ids {
-        if width == 2 {
-            buf.extend_from_slice(&(id as u16).to_le_bytes());
-        } else {
-            buf.extend_from_slice(&id.to_le_bytes());
+
+    /// Ids written so far.
+    pub fn len(&self) -> u64 {
+        self.count
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.count == 0
+    }
+
+    /// Appends `ids`; an id beyond the vocabulary is refused with its position in the file.
+    pub fn push(&mut self, ids: &[u32]) -> Result<()> {
+        if let Some((k, &id)) = ids
+            .iter()
+            .enumerate()
+            .find(|(_, &i)| i as usize >= self.vocab_size)
+        {
+            return Err(TrainError::Data(format!(
+                "token {id} at position {} is >= vocab size {}",
+                self.count + k as u64,
+                self.vocab_size
+            )));
         }
+        let mut buf = Vec::with_capacity(ids.len() * self.width as usize);
+        for &id in ids {
+            if self.width == 2 {
+                buf.extend_from_slice(&(id as u16).to_le_bytes());
+            } else {
+                buf.extend_from_slice(&id.to_le_bytes());
+            }
+        }
+        self.out
+            .write_all(&buf)
+            .ctx(|| format!("writing {}", self.path.display()))?;
+        self.count += ids.len() as u64;
+        Ok(())
     }
-    let mut f = std::fs::File::create(path).ctx(|| format!("creating {}", path.display()))?;
-    f.write_all(&buf)
-        .ctx(|| format!("writing {}", path.display()))?;
-    f.sync_all().ctx(|| format!("syncing {}", path.display()))
+
+    /// Writes the final count into the header and syncs the file.
+    pub fn finish(self) -> Result<()> {
+        let path = self.path;
+        let mut f = self
+            .out
+            .into_inner()
+            .map_err(|e| e.into_error())
+            .ctx(|| format!("writing {}", path.display()))?;
+        f.seek(SeekFrom::Start(16))
+            .and_then(|_| f.write_all(&self.count.to_le_bytes()))
+            .ctx(|| format!("writing {}", path.display()))?;
+        f.sync_all().ctx(|| format!("syncing {}", path.display()))
+    }
 }
 
 /// A validated, memory-mapped token file.

@@ -115,7 +115,8 @@ pub struct TrainArgs {
     /// Base preset: tiny, small, medium or moe-small (default tiny).
     #[arg(long)]
     pub preset: Option<String>,
-    /// Dataset: a `.tok` token file or a text file (default: the built-in corpus).
+    /// Dataset: a shard folder (`xtrain tokenize … -o FOLDER`), a `.tok` token file or a text
+    /// file (default: the built-in corpus). A mixture is `data.mix` in the config.
     #[arg(long)]
     pub data: Option<String>,
     /// Config overrides `section.key=value` (repeatable), e.g. `--set train.steps=100`.
