@@ -31,6 +31,7 @@ pub mod parallelize;
 pub mod pipeline_parallel;
 pub mod placement;
 pub mod plan;
+pub mod plot_font;
 pub mod precision;
 pub mod stage;
 pub mod tensor_parallel;

@@ -1,6 +1,6 @@
 //! Metrics: one JSON object per line in `metrics.jsonl`, and the loss curve drawn as a PNG and
 //! an SVG (axes, tick labels, axis titles and a legend). The PNG's text is rasterised from a
-//! font compiled into the binary (`assets/fonts`, DejaVu Sans), so it renders on a machine
+//! font compiled into the binary (`parallel::plot_font`, DejaVu Sans), so it renders on a machine
 //! without system fonts.
 use crate::error::{IoContext, Result, TrainError};
 use serde::{Deserialize, Serialize};
@@ -107,23 +107,9 @@ pub fn read(path: &Path) -> Result<Vec<StepRecord>> {
         .collect()
 }
 
-/// DejaVu Sans reduced to Latin-1 (license and provenance beside it).
-static FONT: &[u8] = include_bytes!("../assets/fonts/DejaVuSans-subset.ttf");
-
-/// Registers [`FONT`] as plotters' `sans-serif` (once per process).
+/// Registers the bundled chart font ([`parallel::plot_font`]).
 fn register_font() -> Result<()> {
-    static REGISTERED: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    let ok = *REGISTERED.get_or_init(|| {
-        plotters::style::register_font("sans-serif", plotters::style::FontStyle::Normal, FONT)
-            .is_ok()
-    });
-    if ok {
-        Ok(())
-    } else {
-        Err(TrainError::Data(
-            "the bundled plot font does not parse".into(),
-        ))
-    }
+    parallel::plot_font::register().map_err(TrainError::Data)
 }
 
 /// Draws training and validation loss against step into `png` and `svg`.

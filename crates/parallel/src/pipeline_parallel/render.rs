@@ -63,6 +63,7 @@ pub fn svg(
     with_stage: bool,
 ) -> Result<String, String> {
     use plotters::prelude::*;
+    crate::plot_font::register()?;
     let mut buf = String::new();
     {
         let width = 1200u32;

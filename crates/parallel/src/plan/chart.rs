@@ -17,6 +17,7 @@ pub fn memory_svg(
 ) -> Result<String, ParallelError> {
     let preds = &preds[..preds.len().min(24)];
     let err = |e: String| ParallelError::Config(format!("chart: {e}"));
+    crate::plot_font::register().map_err(err)?;
     let limit = limit_bytes as f64 / GIB;
     let top = preds
         .iter()
