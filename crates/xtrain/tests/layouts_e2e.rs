@@ -81,6 +81,26 @@ fn readme_main_command_then_convert_to_hf() {
     }
     let metrics = std::fs::read_to_string(run.join("metrics.jsonl")).unwrap();
     assert_eq!(metrics.lines().count(), 3, "{metrics}");
+    // One TensorBoard event file, from rank 0, with the data-parallel tags of a dp2 run
+    // (tags travel as plain strings in the protobuf records; tests/tensorboard.rs decodes).
+    let events: Vec<_> = std::fs::read_dir(&run)
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .filter(|p| p.to_string_lossy().contains("events.out.tfevents."))
+        .collect();
+    assert_eq!(events.len(), 1, "{events:?}");
+    let bytes = std::fs::read(&events[0]).unwrap();
+    for tag in [
+        "loss/train",
+        "comm/dp_bytes_sent",
+        "memory/rank1/peak_rss_mib",
+    ] {
+        assert!(
+            bytes.windows(tag.len()).any(|w| w == tag.as_bytes()),
+            "{tag} missing from {}",
+            events[0].display()
+        );
+    }
     assert!(metrics.lines().last().unwrap().contains("\"val_loss\""));
     let memory: serde_json::Value =
         serde_json::from_slice(&std::fs::read(run.join("memory.json")).unwrap()).unwrap();
