@@ -209,6 +209,15 @@ fn malformed_inputs_name_the_file_and_line() {
     assert!(e.contains("c.jsonl:1") && e.contains("not a string"), "{e}");
     let e = run("d.parquet", b"PAR1 this is not parquet PAR1", "text");
     assert!(e.contains("d.parquet") && e.contains("Parquet"), "{e}");
+    // zstd-compressed (written by pyarrow: `pq.write_table(pa.table({"text": ["hello world",
+    // "second doc"]}), path, compression="zstd")`); the C codec is not built: refused, saying
+    // which codecs are read.
+    let zstd = include_bytes!("../../../tests/data/parquet/zstd.parquet");
+    let e = run("z.parquet", zstd, "text");
+    assert!(
+        e.contains("z.parquet") && e.contains("zstd") && e.contains("snappy"),
+        "{e}"
+    );
     let p = d.join("e.parquet");
     write_parquet(&p, &["x".to_string(), "y".to_string()]);
     let e = run("e.parquet", &std::fs::read(&p).unwrap(), "body");

@@ -282,7 +282,15 @@ fn parquet_rows(path: &Path, field: &str, doc: &mut dyn FnMut(String) -> Result<
     use parquet::record::Field;
     use parquet::schema::types::Type;
     use std::sync::Arc;
-    let bad = |msg: String| TrainError::Data(format!("{}: {msg}", path.display()));
+    let bad = |msg: String| {
+        // This build's Parquet codecs (see the workspace manifest): say what to do about others.
+        let hint = if msg.contains("Disabled feature") {
+            " (xtrain reads uncompressed, snappy and gzip Parquet; recompress the file, e.g. pyarrow's write_table(..., compression=\"snappy\"))"
+        } else {
+            ""
+        };
+        TrainError::Data(format!("{}: {msg}{hint}", path.display()))
+    };
     let f = std::fs::File::open(path).ctx(|| format!("opening {}", path.display()))?;
     let size = f.metadata().map(|m| m.len()).unwrap_or(0);
     let reader =
