@@ -123,6 +123,40 @@ impl ToyModel {
             .collect()
     }
 
+    /// The loss and the full gradient of `params` on `batch` (one process, every unit in
+    /// order, then backward): the reference the parallel runs are compared with.
+    pub fn loss_and_grads(
+        &self,
+        params: &[f32],
+        batch: &<Self as StageModel>::Batch,
+    ) -> (f32, Vec<f32>) {
+        let units = self.units();
+        let (mut x, mut caches) = (None, Vec::new());
+        for (u, r) in units.iter().enumerate() {
+            let (y, c) = self
+                .forward(u, (&params[r.clone()]).into(), x.take(), batch, 1.0)
+                .expect("toy forward");
+            caches.push(c);
+            x = Some(y);
+        }
+        let loss = self.loss(x.as_ref().expect("a model has units"));
+        let mut g = vec![0.0; params.len()];
+        let mut dy = None;
+        for (u, r) in units.iter().enumerate().rev() {
+            dy = self
+                .backward(
+                    u,
+                    (&params[r.clone()]).into(),
+                    caches.pop().expect("one cache per unit"),
+                    dy.take(),
+                    1.0,
+                    (&mut g[r.clone()]).into(),
+                )
+                .expect("toy backward");
+        }
+        (loss, g)
+    }
+
     fn global(&self, unit: usize) -> usize {
         self.held[unit]
     }
@@ -405,34 +439,7 @@ mod tests {
         let m = ToyModel::new(5, 3, 2, 4);
         let mut p = m.init(1);
         let batch = m.samples(0, 3);
-        let loss_and_grad = |p: &[f32]| {
-            let units = m.units();
-            let mut x = None;
-            let mut caches = Vec::new();
-            for (u, r) in units.iter().enumerate() {
-                let (y, c) = m
-                    .forward(u, (&p[r.clone()]).into(), x.take(), &batch, 1.0)
-                    .unwrap();
-                caches.push(c);
-                x = Some(y);
-            }
-            let loss = m.loss(x.as_ref().unwrap());
-            let mut g = vec![0.0; p.len()];
-            let mut dy = None;
-            for (u, r) in units.iter().enumerate().rev() {
-                dy = m
-                    .backward(
-                        u,
-                        (&p[r.clone()]).into(),
-                        caches.pop().unwrap(),
-                        dy.take(),
-                        1.0,
-                        (&mut g[r.clone()]).into(),
-                    )
-                    .unwrap();
-            }
-            (loss, g)
-        };
+        let loss_and_grad = |p: &[f32]| m.loss_and_grads(p, &batch);
         let (_, g) = loss_and_grad(&p);
         let h = 1e-2f32;
         for i in (0..p.len()).step_by(3) {

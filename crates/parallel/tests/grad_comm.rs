@@ -15,39 +15,14 @@ use parallel::data_parallel::grad_comm::GradComm;
 use parallel::data_parallel::sampler::DistributedSampler;
 use parallel::data_parallel::ZeroStage;
 use parallel::executor::Executor;
-use parallel::stage::StageModel;
 use parallel::testing::ToyModel;
 
 const GLOBAL: usize = 12;
 
 /// Rank `r`'s own gradient of step 0 (a single process over its samples).
 fn own_grad(model: &ToyModel, samples: std::ops::Range<usize>) -> Vec<f32> {
-    let p = model.init(7);
     let batch = model.samples(samples.start, samples.len());
-    let units = model.units();
-    let (mut x, mut caches) = (None, Vec::new());
-    for (u, r) in units.iter().enumerate() {
-        let (y, c) = model
-            .forward(u, (&p[r.clone()]).into(), x.take(), &batch, 1.0)
-            .unwrap();
-        caches.push(c);
-        x = Some(y);
-    }
-    let mut g = vec![0.0; p.len()];
-    let mut dy = None;
-    for (u, r) in units.iter().enumerate().rev() {
-        dy = model
-            .backward(
-                u,
-                (&p[r.clone()]).into(),
-                caches.pop().unwrap(),
-                dy.take(),
-                1.0,
-                (&mut g[r.clone()]).into(),
-            )
-            .unwrap();
-    }
-    g
+    model.loss_and_grads(&model.init(7), &batch).1
 }
 
 /// One step at `dp`, `zero`, `comm`: each rank's reduced gradients with their flat offset,

@@ -38,35 +38,12 @@ pub fn reference(
 ) -> (Vec<f32>, Vec<f32>, Vec<f32>) {
     let mut p = model.init(7);
     let (mut m, mut v) = (vec![0.0; p.len()], vec![0.0; p.len()]);
-    let units = model.units();
     let mut losses = Vec::new();
     let mut norms = Vec::new();
     for step in 0..steps {
         let batch = model.samples(step * global, global);
-        let mut x = None;
-        let mut caches = Vec::new();
-        for (u, r) in units.iter().enumerate() {
-            let (y, c) = model
-                .forward(u, (&p[r.clone()]).into(), x.take(), &batch, 1.0)
-                .unwrap();
-            caches.push(c);
-            x = Some(y);
-        }
-        losses.push(model.loss(x.as_ref().unwrap()));
-        let mut g = vec![0.0; p.len()];
-        let mut dy = None;
-        for (u, r) in units.iter().enumerate().rev() {
-            dy = model
-                .backward(
-                    u,
-                    (&p[r.clone()]).into(),
-                    caches.pop().unwrap(),
-                    dy.take(),
-                    1.0,
-                    (&mut g[r.clone()]).into(),
-                )
-                .unwrap();
-        }
+        let (loss, mut g) = model.loss_and_grads(&p, &batch);
+        losses.push(loss);
         let (norm, coef) = clip_factor(grad_sq_sum(&g), cfg.max_grad_norm.unwrap());
         norms.push(norm);
         scale_grads(&mut g, coef);
