@@ -6,32 +6,14 @@
 //! and a missing one are clear errors.
 mod common;
 use common::*;
-use parallel::checkpoint::{self, Checkpoint, MeshRecord, SaveMeta, TrainingState};
+use parallel::checkpoint::{self, Checkpoint};
 use parallel::data_parallel::sampler::DistributedSampler;
 use parallel::data_parallel::ZeroStage;
 use parallel::executor::Executor;
 use parallel::testing::ToyModel;
-use parallel::{ParallelDims, Precision};
 use std::path::Path;
 
 const GLOBAL: usize = 8;
-
-fn meta(dp: usize, stage: ZeroStage, e: &Executor<ToyModel>) -> SaveMeta {
-    SaveMeta {
-        mesh: MeshRecord::from(&ParallelDims::data_parallel(dp, stage)),
-        precision: Precision::Fp32,
-        state: TrainingState {
-            step: e.step_count(),
-            tokens_seen: 0,
-            data_seed: 0,
-            adam_step: e.step_count(),
-            loss_scaler: *e.loss_scaler(),
-            router_bias: Vec::new(),
-            grad_comm_error: false,
-        },
-        files: vec![("note.txt".into(), b"toy".to_vec())],
-    }
-}
 
 /// Runs steps `from..to` on `dp` ranks at `stage`, loading `load` first and saving to `save`
 /// after; returns the losses.
@@ -71,7 +53,7 @@ fn run(
                 dir,
                 c.world(),
                 &e.checkpoint_pieces().unwrap(),
-                &meta(dp, stage, &e),
+                &save_meta(dp, stage, &e),
             )
             .unwrap();
         }

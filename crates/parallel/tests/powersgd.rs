@@ -302,7 +302,7 @@ fn compressed_training_keeps_the_ranks_together_and_learns() {
 /// saving layout and at another dp size (saved again at once, it is the same).
 #[test]
 fn error_feedback_survives_a_checkpoint_at_any_dp() {
-    use parallel::checkpoint::{self, Checkpoint, MeshRecord, SaveMeta, TrainingState};
+    use parallel::checkpoint::{self, Checkpoint};
     use parallel::executor::Executor;
     let model = toy();
     let dir = std::env::temp_dir().join(format!("xtrain-powersgd-ck-{}", std::process::id()));
@@ -311,20 +311,6 @@ fn error_feedback_survives_a_checkpoint_at_any_dp() {
         let mut c = config(zero);
         c.grad_comm = GradComm::PowerSgd { rank: 1, start: 0 };
         c
-    };
-    let meta = |e: &Executor<parallel::testing::ToyModel>, dp| SaveMeta {
-        mesh: MeshRecord::from(&parallel::ParallelDims::data_parallel(dp, ZeroStage::One)),
-        precision: parallel::Precision::Fp32,
-        state: TrainingState {
-            step: e.step_count(),
-            tokens_seen: 0,
-            data_seed: 0,
-            adam_step: e.step_count(),
-            loss_scaler: *e.loss_scaler(),
-            router_bias: Vec::new(),
-            grad_comm_error: e.has_powersgd(),
-        },
-        files: Vec::new(),
     };
     let errors = |pieces: Vec<parallel::checkpoint::SavedPiece>| -> Vec<f32> {
         pieces
@@ -348,7 +334,7 @@ fn error_feedback_survives_a_checkpoint_at_any_dp() {
             e.train_step(&[model.samples(r.start, r.len())]).unwrap();
         }
         let pieces = e.checkpoint_pieces().unwrap();
-        checkpoint::save(&dir, c.world(), &pieces, &meta(&e, 2)).unwrap();
+        checkpoint::save(&dir, c.world(), &pieces, &save_meta(2, ZeroStage::One, &e)).unwrap();
         errors(pieces)
     })
     .into_iter()

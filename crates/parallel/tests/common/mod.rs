@@ -452,3 +452,27 @@ pub fn decoder_exec(zero: ZeroStage, precision: Precision) -> ExecConfig {
         ..ExecConfig::default()
     }
 }
+
+/// What a toy executor's checkpoint records besides tensors, at data parallelism `dp` and
+/// `stage` (with a `note.txt` file, and PowerSGD's error when the executor compresses so).
+pub fn save_meta(
+    dp: usize,
+    stage: ZeroStage,
+    e: &parallel::executor::Executor<ToyModel>,
+) -> parallel::checkpoint::SaveMeta {
+    use parallel::checkpoint::{MeshRecord, SaveMeta, TrainingState};
+    SaveMeta {
+        mesh: MeshRecord::from(&parallel::ParallelDims::data_parallel(dp, stage)),
+        precision: parallel::Precision::Fp32,
+        state: TrainingState {
+            step: e.step_count(),
+            tokens_seen: 0,
+            data_seed: 0,
+            adam_step: e.step_count(),
+            loss_scaler: *e.loss_scaler(),
+            router_bias: Vec::new(),
+            grad_comm_error: e.has_powersgd(),
+        },
+        files: vec![("note.txt".into(), b"toy".to_vec())],
+    }
+}
