@@ -13,6 +13,10 @@
 //!
 //! The root's own contribution is encoded and decoded like every other, so the result does
 //! not depend on which rank owns a piece: `Σ_r decode(encode(x_r))`, summed in rank order.
+//! With [`Codec::F32`] (no rounding at all) this makes an exact-order reduction: every element
+//! is the same rank-order sum wherever it sits in the buffer, which a ring or tree reduction
+//! (whose order depends on the element's chunk or on the root) does not give — the executor
+//! reduces the copies of tied tensors so, which keeps them equal bit for bit.
 //!
 //! fp8 is E4M3 (OCP "e4m3fn": 4 exponent bits with bias 7, 3 mantissa bits, largest finite
 //! 448, no infinities) with one fp32 scale per encoded piece, `s = max|x| / 448`, stored before
@@ -47,6 +51,8 @@ impl On<'_> {
 /// The format of values on the wire.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Codec {
+    /// fp32 itself (4 bytes per value): no compression, only the reduction order.
+    F32,
     /// bfloat16: 8 exponent bits, 8 significand bits (2 bytes per value).
     Bf16,
     /// E4M3 with a per-piece fp32 scale (1 byte per value + 4 per piece).
@@ -60,6 +66,7 @@ impl Codec {
     /// Encoded bytes of `n` values (one piece).
     pub fn encoded_len(self, n: usize) -> usize {
         match self {
+            Codec::F32 => 4 * n,
             Codec::Bf16 => 2 * n,
             Codec::Fp8 => 4 + n,
         }
@@ -68,6 +75,12 @@ impl Codec {
     /// Appends the encoding of `x` (one piece) to `out`.
     pub fn encode(self, x: &[f32], out: &mut Vec<u8>) {
         match self {
+            Codec::F32 => {
+                out.reserve(4 * x.len());
+                for &v in x {
+                    out.extend_from_slice(&v.to_le_bytes());
+                }
+            }
             Codec::Bf16 => {
                 out.reserve(2 * x.len());
                 for &v in x {
@@ -119,6 +132,11 @@ impl Codec {
             }
         };
         match self {
+            Codec::F32 => {
+                for (o, b) in out.iter_mut().zip(bytes.chunks_exact(4)) {
+                    put(o, f32::from_le_bytes([b[0], b[1], b[2], b[3]]));
+                }
+            }
             Codec::Bf16 => {
                 for (o, b) in out.iter_mut().zip(bytes.chunks_exact(2)) {
                     put(
@@ -343,13 +361,17 @@ mod tests {
     fn codecs_round_within_their_precision() {
         let x: Vec<f32> = (0..1000).map(|i| ((i as f32) * 0.37).sin() * 3.0).collect();
         let amax = 3.0f32;
-        for (codec, rel) in [(Codec::Bf16, 2f32.powi(-8)), (Codec::Fp8, 2f32.powi(-4))] {
+        for (codec, rel) in [
+            (Codec::F32, 0.0),
+            (Codec::Bf16, 2f32.powi(-8)),
+            (Codec::Fp8, 2f32.powi(-4)),
+        ] {
             let y = codec.round_trip(&x);
             for (a, b) in x.iter().zip(&y) {
                 // Round to nearest: half an ulp of the value (bf16) or of the scaled value
                 // (fp8, whose subnormals below 2^-6·s are absolute steps of 2^-10·s).
                 let bound = match codec {
-                    Codec::Bf16 => a.abs() * rel,
+                    Codec::F32 | Codec::Bf16 => a.abs() * rel,
                     Codec::Fp8 => (a.abs() * rel).max(amax / 448.0 * 2f32.powi(-10)),
                 };
                 assert!((a - b).abs() <= bound * 1.0001, "{codec:?}: {a} -> {b}");

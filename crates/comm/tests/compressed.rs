@@ -1,7 +1,7 @@
 //! Compressed reductions (`comm::compress`) against a naive reference built from the codec
 //! alone — every rank's piece encoded and decoded, summed in fp32 in rank order, the sum
 //! encoded and decoded — bit for bit, for world sizes 1–5, lengths that do and do not divide,
-//! bf16 and fp8; and the bytes they put on the wire against the fp32 all-reduce's.
+//! fp32, bf16 and fp8; and the bytes they put on the wire against the fp32 all-reduce's.
 use comm::compress::Codec;
 use comm::testing::run_threads;
 use comm::{shard_range, OpKind};
@@ -45,7 +45,7 @@ fn compressed_reductions_match_the_reference() {
         run_threads(n, |c| {
             let g = c.world();
             let r = g.rank();
-            for codec in [Codec::Bf16, Codec::Fp8] {
+            for codec in [Codec::F32, Codec::Bf16, Codec::Fp8] {
                 for len in [0, 1, 3, 64, 1001] {
                     let want = all_reduce_reference(n, len, codec);
                     let mut buf = input(r, len);
@@ -120,4 +120,45 @@ fn mismatched_lengths_are_an_error() {
         g.all_reduce_compressed(&mut buf, Codec::Bf16)
     });
     assert!(res.iter().any(|r| r.is_err()), "{res:?}");
+}
+
+/// `Codec::F32` is exact and its order is the rank order wherever an element sits: the same
+/// values reduced at another offset of a longer buffer, or onto another root, give the same
+/// bits (what keeps the copies of a tied tensor equal in the executor).
+#[test]
+fn the_f32_codec_sums_every_element_in_rank_order() {
+    for n in 1..=5 {
+        run_threads(n, |c| {
+            let g = c.world();
+            let r = g.rank();
+            let len = 777;
+            let x = input(r, len);
+            let mut direct = x.clone();
+            g.all_reduce_compressed(&mut direct, Codec::F32).unwrap();
+            let want: Vec<f32> = (0..len)
+                .map(|i| (0..n).map(|q| input(q, len)[i]).fold(0.0f32, |a, v| a + v))
+                .collect();
+            assert_eq!(direct, want, "n={n}: exact rank-order sums");
+            for pad in [1, 130, 501] {
+                let mut shifted = shifted_input(r, pad, &x);
+                g.all_reduce_compressed(&mut shifted, Codec::F32).unwrap();
+                assert_eq!(&shifted[pad..], &direct[..], "n={n} pad={pad}");
+                let root = pad % n;
+                let got = g
+                    .reduce_compressed_async(shifted_input(r, pad, &x), Codec::F32, root)
+                    .wait()
+                    .unwrap();
+                if r == root {
+                    assert_eq!(&got[pad..], &direct[..], "n={n} pad={pad} reduce");
+                }
+            }
+        });
+    }
+}
+
+/// `x` after `pad` other values.
+fn shifted_input(r: usize, pad: usize, x: &[f32]) -> Vec<f32> {
+    let mut v = input(r + 7, pad);
+    v.extend_from_slice(x);
+    v
 }

@@ -11,6 +11,12 @@
 //! The loss of a micro-batch is the model's: mean cross-entropy over its valid targets plus the
 //! blocks' MoE auxiliary losses, which travel forward with the activations ([`LlmAct`]).
 //!
+//! Tied embeddings: the head holds a copy of the embedding (see [`crate::tensor_parallel::plan`]);
+//! [`StageModel::tied_ranges`] names both (or the one this rank holds, with the group of the
+//! rank holding the other: Megatron's embedding group, [`DecoderStage::with_tie_group`]) and
+//! [`StageModel::sum_tied`] makes each the sum of both. Norms, checkpoints and exports count
+//! the embedding only.
+//!
 //! With context parallelism ([`DecoderStage::with_context`]) the stage runs on its rank's
 //! tokens of every sequence ([`CpLayout::slice`]) at their global positions; attention and the
 //! MoE statistics see the other ranks' through the cores it is given. Each rank's loss is its
@@ -74,6 +80,10 @@ struct Held {
     full_offset: usize,
     /// A stacked expert tensor (held by this ep rank only; the others are replicated over ep).
     experts: bool,
+    /// The embedding of a model with tied embeddings, or the head's copy of it.
+    tied: bool,
+    /// The head's copy (never counted in norms or saved).
+    tied_copy: bool,
 }
 
 /// Routed tokens of the MoE layers since the last [`DecoderStage::take_moe_load`]: per layer
@@ -121,6 +131,9 @@ pub struct DecoderStage {
     /// Expert parallelism (ep > 1).
     ep: Option<EpGroups>,
     moe_load: Arc<std::sync::Mutex<MoeLoad>>,
+    /// The ranks holding the other copy of the tied embedding (pipeline parallelism with the
+    /// embedding and the head on different ranks), this rank first or second.
+    tie_group: Option<ProcessGroup>,
     /// Whether the head (without tensor parallelism) computes its gradients in its forward:
     /// one logits product fewer, but its `V·h` weight gradient is then held until the
     /// micro-batch's weight gradients run ([`crate::parallelize::head_grads_in_forward`]).
@@ -202,6 +215,9 @@ impl DecoderStage {
                 local_len: t.local.numel(),
                 full_offset: t.full.offset,
                 experts: t.experts.is_some(),
+                tied: cfg.tie_word_embeddings
+                    && (t.tied_copy || t.name == "model.embed_tokens.weight"),
+                tied_copy: t.tied_copy,
             });
         }
         held.sort_by_key(|h| h.placement.start);
@@ -220,8 +236,16 @@ impl DecoderStage {
             seqs: None,
             ep: None,
             moe_load: Arc::default(),
+            tie_group: None,
             early_head_grads: true,
         })
+    }
+
+    /// The stage with the group over which its copy of the tied embedding is summed with the
+    /// other copy, held by another rank (see the module doc).
+    pub fn with_tie_group(mut self, group: ProcessGroup) -> Self {
+        self.tie_group = Some(group);
+        self
     }
 
     /// The stage with the head computing its gradients in its forward or not (default: it
@@ -658,7 +682,20 @@ impl StageModel for DecoderStage {
         let group = match (&self.ep, &self.tp) {
             (Some(g), _) => &g.parts,
             (None, Some(tp)) => tp.group(),
-            (None, None) => return Ok(sq(range)),
+            (None, None) => {
+                // Everything but the tied copy, in flat order.
+                let mut at = range.start;
+                let mut total = 0.0;
+                for h in self.held.iter().filter(|h| h.tied_copy) {
+                    let r = h.placement.start..h.placement.start + h.local_len;
+                    let (s, e) = (r.start.max(range.start), r.end.min(range.end));
+                    if s < e {
+                        total += sq(at..s);
+                        at = e;
+                    }
+                }
+                return Ok(total + sq(at..range.end));
+            }
         };
         let local: f64 = self
             .held
@@ -720,6 +757,40 @@ impl StageModel for DecoderStage {
                 *x = y * inv;
             }
             at += r.len();
+        }
+        Ok(())
+    }
+
+    fn tied_ranges(&self) -> Vec<Range<usize>> {
+        self.held
+            .iter()
+            .filter(|h| h.tied)
+            .map(|h| h.placement.start..h.placement.start + h.local_len)
+            .collect()
+    }
+
+    /// The copies on this rank summed in flat order (the embedding first), then over the
+    /// tie group: two members, and `a + b = b + a` exactly, so both ranks get the same bits.
+    fn sum_tied(&self, copies: &mut [&mut [f32]]) -> Result<(), ParallelError> {
+        let (first, rest) = match copies.split_first_mut() {
+            Some(x) => x,
+            None => return Ok(()),
+        };
+        for c in rest.iter() {
+            if c.len() != first.len() {
+                return Err(ParallelError::Layout(format!(
+                    "tied copies of {} and {} elements",
+                    first.len(),
+                    c.len()
+                )));
+            }
+            tensor::threads::add_assign(first, c);
+        }
+        if let Some(g) = &self.tie_group {
+            g.all_reduce(first, comm::ReduceOp::Sum)?;
+        }
+        for c in rest.iter_mut() {
+            c.copy_from_slice(first);
         }
         Ok(())
     }

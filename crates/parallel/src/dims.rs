@@ -187,12 +187,6 @@ impl ParallelDims {
                 seq_len / self.cp
             ));
         }
-        if m.tie_word_embeddings {
-            return bad(
-                "tied word embeddings are not supported: the embedding and the LM head are separate units"
-                    .into(),
-            );
-        }
         Ok(())
     }
 }

@@ -80,6 +80,44 @@ pub fn head_grads_in_forward(schedule: &Schedule, pp_rank: usize) -> bool {
         .all(|s| schedule.max_in_flight(s) <= 1)
 }
 
+/// Tied embeddings under pipeline parallelism: the pp ranks `[embedding, head]` whose copies
+/// are summed over a group of their own (Megatron's embedding group), when this rank is one of
+/// them; `None` where every rank holding one also holds the other (V-shaped schedules put
+/// the first and last stage on one rank, DualPipe's two chains give each end rank both), so
+/// the copies are summed on the rank.
+fn tie_pair(
+    cfg: &ModelConfig,
+    schedule: &Schedule,
+    splits: usize,
+    pp_rank: usize,
+) -> Result<Option<[usize; 2]>, ParallelError> {
+    use crate::pipeline_parallel::split::Part;
+    let mut embed_only = Vec::new();
+    let mut head_only = Vec::new();
+    for r in 0..schedule.num_ranks() {
+        let mut holds = (false, false);
+        for s in schedule.local_stages(r) {
+            for p in stage_parts(cfg.num_hidden_layers, splits, schedule.stage_split(s))? {
+                holds.0 |= p == Part::Embedding;
+                holds.1 |= p == Part::Head;
+            }
+        }
+        match holds {
+            (true, false) => embed_only.push(r),
+            (false, true) => head_only.push(r),
+            _ => {}
+        }
+    }
+    match (embed_only.as_slice(), head_only.as_slice()) {
+        ([], []) => Ok(None),
+        ([e], [h]) => Ok([*e, *h].contains(&pp_rank).then_some([*e, *h])),
+        _ => Err(not_yet(&format!(
+            "tied embeddings with the {} schedule's placement (embedding alone on pp ranks {embed_only:?}, head alone on {head_only:?})",
+            schedule.kind
+        ))),
+    }
+}
+
 /// Applies the passes of the module doc to `cfg` for this rank of `mesh`; with pipeline
 /// parallelism, `schedule` (for the whole pp group) places the stages.
 pub fn parallelize(
@@ -195,8 +233,18 @@ pub fn parallelize(
     } else {
         None
     };
+    let tie = if cfg.tie_word_embeddings && dims.pp > 1 {
+        tie_pair(cfg, schedule, splits, pp_rank)?
+    } else {
+        None
+    };
     let mut stage = DecoderStage::new(cfg, tp, parts, opts.recompute, (dims.ep, ep_rank))?
         .with_early_head_grads(head_grads_in_forward(schedule, pp_rank));
+    if let Some(pair) = tie {
+        let pp = mesh.pp()?;
+        let world = pair.map(|r| pp.world_ranks()[r]);
+        stage = stage.with_tie_group(mesh.comm().new_named_group("tied-embedding", &world)?);
+    }
     if let Some((layout, attention, seqs)) = cp {
         stage = stage.with_context(layout, Arc::new(attention), Arc::new(seqs));
     }

@@ -135,6 +135,22 @@ pub trait StageModel: Sync {
         Ok(())
     }
 
+    /// Flat ranges of this rank's copies of a tied tensor (the embedding and the LM head of a
+    /// model with tied embeddings), in flat order; empty when nothing is tied. The executor
+    /// reduces the buckets holding them only after [`Self::sum_tied`], with an exact
+    /// rank-order reduction, so every copy stays the same bits.
+    fn tied_ranges(&self) -> Vec<Range<usize>> {
+        Vec::new()
+    }
+
+    /// Makes each of `copies` (the fp32 gradients of [`Self::tied_ranges`], after
+    /// [`Self::prepare_reduction`]) the sum over every copy of the tensor, on this rank and on
+    /// the ranks holding the others; called once per step, by every rank holding a copy.
+    fn sum_tied(&self, copies: &mut [&mut [f32]]) -> Result<(), ParallelError> {
+        let _ = copies;
+        Ok(())
+    }
+
     /// Whether units issue collectives inside forward / backward (tensor parallelism): then
     /// ranks that are threads of one process must not share one compute pool worker.
     fn communicates(&self) -> bool {

@@ -29,6 +29,10 @@ pub struct ModelConfig {
     /// `original_max_position_embeddings`); absent: none.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub rope_scaling: Option<model::config::RopeScaling>,
+    /// The LM head reads the token embedding (one parameter), as Hugging Face's
+    /// `tie_word_embeddings` (Llama 3.2 1B/3B, SmolLM).
+    #[serde(default)]
+    pub tie_word_embeddings: bool,
     pub norm_eps: f64,
     /// Number of experts (mixtral only).
     pub num_experts: usize,
@@ -337,6 +341,7 @@ impl RunConfig {
                 seq_len: s,
                 rope_theta: 10000.0,
                 rope_scaling: None,
+                tie_word_embeddings: false,
                 norm_eps: 1e-5,
                 num_experts: 0,
                 experts_per_token: 0,

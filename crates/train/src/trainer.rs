@@ -36,6 +36,7 @@ pub fn model_config(cfg: &RunConfig) -> model::ModelConfig {
     );
     mc.rope_theta = m.rope_theta as f32;
     mc.rope_scaling = m.rope_scaling.clone();
+    mc.tie_word_embeddings = m.tie_word_embeddings;
     mc.rms_norm_eps = m.norm_eps as f32;
     mc.initializer_range = cfg.train.init_std as f32;
     mc.max_position_embeddings = m.seq_len;
@@ -67,9 +68,6 @@ pub fn from_model_config(
             "importing a model with {what}"
         )))
     };
-    if mc.tie_word_embeddings {
-        return unsupported("tied word embeddings");
-    }
     if mc
         .head_dim
         .is_some_and(|d| d * mc.num_attention_heads != mc.hidden_size)
@@ -95,6 +93,7 @@ pub fn from_model_config(
         seq_len,
         rope_theta: f32_decimal(mc.rope_theta),
         rope_scaling: mc.rope_scaling.clone(),
+        tie_word_embeddings: mc.tie_word_embeddings,
         norm_eps: f32_decimal(mc.rms_norm_eps),
         num_experts: mc.num_local_experts,
         experts_per_token: if mc.is_moe() {

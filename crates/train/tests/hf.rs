@@ -61,39 +61,63 @@ fn round_trip_is_identical() {
     std::fs::remove_dir_all(&d).unwrap();
 }
 
+/// Every transformers golden — Llama and Mixtral, untied, and tied with Llama 3 RoPE
+/// scaling — imported through `from_hf` gives transformers' loss; exported again, the tied
+/// ones keep `tie_word_embeddings` and hold no `lm_head.weight`, with the golden's weights
+/// bit for bit (so transformers loads the same model).
 #[test]
-fn imported_golden_gives_the_golden_loss() {
-    let d = tmp("golden");
-    let meta: serde_json::Value =
-        serde_json::from_slice(&std::fs::read(golden().join("llama_tiny.json")).unwrap()).unwrap();
-    let hf = d.join("hf");
-    std::fs::create_dir_all(&hf).unwrap();
-    std::fs::write(hf.join("config.json"), meta["config"].to_string()).unwrap();
-    std::fs::copy(
-        golden().join("llama_tiny.safetensors"),
-        hf.join("model.safetensors"),
-    )
-    .unwrap();
-    train::hf::from_hf(
-        &hf,
-        &d.join("ck"),
-        "tiny",
-        &["data.corpus_bytes=50000".into()],
-    )
-    .unwrap();
-    let (_, model, params, _) = load_model(&d.join("ck")).unwrap();
-    let wf = model::io::WeightsFile::open(&golden().join("llama_tiny.safetensors")).unwrap();
-    let (ids, shape) = wf.i64("input_ids").unwrap();
-    let ids: Vec<u32> = ids.iter().map(|&x| x as u32).collect();
-    let batch = model::Batch::next_token(shape[0], shape[1], &ids).unwrap();
-    let loss = model.forward_loss(&params, &batch).unwrap().loss as f64;
-    let want = meta["loss"].as_f64().unwrap();
-    // fp32 with a different summation order than torch: agreement to ~1e-6 relative.
-    assert!(
-        (loss - want).abs() / want < 1e-5,
-        "loss {loss} vs golden {want}"
-    );
-    std::fs::remove_dir_all(&d).unwrap();
+fn imported_goldens_give_the_golden_loss() {
+    for name in [
+        "llama_tiny",
+        "mixtral_tiny",
+        "llama_tied_rope3",
+        "mixtral_tied_rope3",
+    ] {
+        let d = tmp(name);
+        let meta: serde_json::Value =
+            serde_json::from_slice(&std::fs::read(golden().join(format!("{name}.json"))).unwrap())
+                .unwrap();
+        let hf = d.join("hf");
+        std::fs::create_dir_all(&hf).unwrap();
+        std::fs::write(hf.join("config.json"), meta["config"].to_string()).unwrap();
+        let weights = golden().join(format!("{name}.safetensors"));
+        std::fs::copy(&weights, hf.join("model.safetensors")).unwrap();
+        train::hf::from_hf(
+            &hf,
+            &d.join("ck"),
+            "tiny",
+            &["data.corpus_bytes=50000".into()],
+        )
+        .unwrap();
+        let (_, model, params, _) = load_model(&d.join("ck")).unwrap();
+        let tied = meta["config"]["tie_word_embeddings"].as_bool() == Some(true);
+        assert_eq!(model.cfg.tie_word_embeddings, tied, "{name}");
+        let wf = model::io::WeightsFile::open(&weights).unwrap();
+        let (ids, shape) = wf.i64("input_ids").unwrap();
+        let ids: Vec<u32> = ids.iter().map(|&x| x as u32).collect();
+        let batch = model::Batch::next_token(shape[0], shape[1], &ids).unwrap();
+        let loss = model.forward_loss(&params, &batch).unwrap().loss as f64;
+        let want = meta["loss"].as_f64().unwrap();
+        // fp32 with a different summation order than torch: agreement to ~1e-6 relative.
+        assert!(
+            (loss - want).abs() / want < 1e-5,
+            "{name}: loss {loss} vs golden {want}"
+        );
+        train::hf::to_hf(&d.join("ck"), &d.join("out")).unwrap();
+        let cj: serde_json::Value =
+            serde_json::from_slice(&std::fs::read(d.join("out/config.json")).unwrap()).unwrap();
+        assert_eq!(cj["tie_word_embeddings"].as_bool(), Some(tied), "{name}");
+        let out = model::io::WeightsFile::open(&d.join("out/model.safetensors")).unwrap();
+        let has_head = out.names().iter().any(|n| n == "lm_head.weight");
+        assert_eq!(has_head, !tied, "{name}");
+        let embed = "model.embed_tokens.weight";
+        let (a, b) = (out.f32(embed).unwrap().0, wf.f32(embed).unwrap().0);
+        assert!(
+            a.iter().zip(&b).all(|(x, y)| x.to_bits() == y.to_bits()),
+            "{name}: the exported embedding is the golden's"
+        );
+        std::fs::remove_dir_all(&d).unwrap();
+    }
 }
 
 #[test]

@@ -149,7 +149,12 @@ fn overrides(layout: &[&str]) -> Vec<String> {
 }
 
 fn config(layout: &[&str]) -> RunConfig {
-    let mut o: Vec<String> = BASE.iter().map(|s| s.to_string()).collect();
+    config_with(layout, &[])
+}
+
+/// [`config`] with `extra` settings of the model.
+fn config_with(layout: &[&str], extra: &[&str]) -> RunConfig {
+    let mut o: Vec<String> = BASE.iter().chain(extra).map(|s| s.to_string()).collect();
     o.extend(overrides(layout));
     RunConfig::resolve("tiny", None, &o).unwrap()
 }
@@ -199,7 +204,11 @@ fn export(ck: &Path, out: &Path) -> Vec<u8> {
 }
 
 fn tmp() -> PathBuf {
-    let d = std::env::temp_dir().join(format!("xtrain-reshard-matrix-{}", std::process::id()));
+    tmp_named("matrix")
+}
+
+fn tmp_named(tag: &str) -> PathBuf {
+    let d = std::env::temp_dir().join(format!("xtrain-reshard-{tag}-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&d);
     d
 }
@@ -258,6 +267,57 @@ fn every_layout_resumes_every_other() {
                         .collect::<Vec<_>>()
                 };
                 assert_eq!(bits(&rest), bits(&straight[2..]), "{what}: bit for bit");
+            }
+        }
+    }
+    let _ = std::fs::remove_dir_all(&d);
+}
+
+/// A model with tied embeddings saved at one layout resumes at another: the checkpoint holds
+/// the embedding once (the head's copies are refilled from it), so the resumed losses and
+/// gradient norms equal the single process's and the export is A's, byte for byte.
+#[test]
+fn tied_embeddings_resume_across_layouts() {
+    let d = tmp_named("tied");
+    let tied = ["model.tie_word_embeddings=true"];
+    let pick = |names: &[&str]| -> Vec<(&str, &[&str])> {
+        LAYOUTS
+            .iter()
+            .filter(|(n, _)| names.contains(n))
+            .copied()
+            .collect()
+    };
+    let reference = run(&config_with(LAYOUTS[0].1, &tied), None, None, 4, None);
+    for (a, la) in pick(&["single", "pp2", "tp2sp"]) {
+        let ck_a = d.join(a).join("ck");
+        run(&config_with(la, &tied), None, None, 2, Some(&ck_a));
+        let hf_a = export(&ck_a, &d.join(a).join("hf"));
+        let saved = {
+            let ck = parallel::checkpoint::Checkpoint::open(&ck_a).unwrap();
+            train::trainer::checkpoint_config_text(&ck).unwrap()
+        };
+        for (b, lb) in pick(&["single", "dp2z3", "tp2sp", "pp2", "pp2dp2z3", "cp2"]) {
+            let cfg_b = RunConfig::resolve("tiny", Some(&saved), &overrides(lb)).unwrap();
+            assert!(cfg_b.model.tie_word_embeddings);
+            let what = format!("tied {a} -> {b}");
+            let ck_ab = d.join(a).join(format!("to-{b}"));
+            let rest = run(&cfg_b, Some(&ck_a), Some(&ck_ab), 2, None);
+            assert_eq!(
+                export(&ck_ab, &d.join(a).join(format!("hf-{b}"))),
+                hf_a,
+                "{what}: the Hugging Face export of the reloaded checkpoint"
+            );
+            for (s, ((x, nx), (y, ny))) in rest.iter().zip(&reference[2..]).enumerate() {
+                assert!(
+                    (nx - ny).abs() / ny.abs() < 1e-5,
+                    "{what} step {}: gradient norm {nx} vs {ny}",
+                    s + 3
+                );
+                assert!(
+                    (x - y).abs() / y.abs() < 1e-5,
+                    "{what} step {}: {x} vs {y}",
+                    s + 3
+                );
             }
         }
     }

@@ -283,6 +283,11 @@ pub struct Executor<M: StageModel> {
     trace: Option<Vec<TraceEvent>>,
     /// PowerSGD's state and each bucket's layout (`grad_comm = powersgd:R`).
     powersgd: Option<(PowerSgd, Vec<BucketLayout>)>,
+    /// This rank's copies of a tied tensor ([`StageModel::tied_ranges`]), and whether each
+    /// bucket holds one: those are reduced at the end of the step, after the copies' sum
+    /// (`reduce::reduce_tied`).
+    tied: Vec<Range<usize>>,
+    tied_bucket: Vec<bool>,
 }
 
 impl<M: StageModel> Executor<M> {
@@ -429,6 +434,20 @@ impl<M: StageModel> Executor<M> {
             }
             _ => None,
         };
+        let tied = model.tied_ranges();
+        if !tied.is_empty() && dev.is_cuda() {
+            return Err(ParallelError::Unsupported(
+                "tied word embeddings on a GPU are not implemented yet (untie them, or train on the CPU)"
+                    .into(),
+            ));
+        }
+        let tied_bucket = buckets
+            .iter()
+            .map(|b| {
+                tied.iter()
+                    .any(|t| t.start < b.range.end && b.range.start < t.end)
+            })
+            .collect();
         Ok(Self {
             model,
             dp,
@@ -456,6 +475,8 @@ impl<M: StageModel> Executor<M> {
             act_bytes: Gauge::default(),
             trace: None,
             powersgd,
+            tied,
+            tied_bucket,
         })
     }
 

@@ -12,6 +12,7 @@ use crate::data_parallel::grad_comm::GradComm;
 use crate::precision::{Flat, Piece};
 use crate::stage::StageModel;
 use crate::ParallelError;
+use comm::compress::Codec;
 
 /// A reduction in flight.
 pub(super) enum Pending {
@@ -166,58 +167,84 @@ impl<M: StageModel> Executor<M> {
     ) -> Result<(), ParallelError> {
         self.record(TraceKind::BucketLaunched(b));
         let br = self.buckets[b].range.clone();
+        if !self.cfg.zero.shards_grads() && self.dp.size() == 1 {
+            // One rank: the accumulated gradients are already the sum. (On a GPU there is
+            // one process, so nothing to prepare for: expert parallelism is a dp group of
+            // several ranks.)
+            if !self.cfg.device.is_cuda() {
+                let model = &self.model;
+                self.grads.update_buf(b, br.clone(), |g| {
+                    model.prepare_reduction(br.clone(), g.as_host("a gradient reduction")?)
+                })?;
+            }
+            self.record(TraceKind::BucketDone(b));
+            return Ok(());
+        }
+        let mut buf = self.take_bucket(b)?;
+        self.model.prepare_reduction(br, &mut buf)?;
+        self.reduce_taken(b, buf, pending, false)
+    }
+
+    /// Bucket `b`'s fp32 gradients taken out for its reduction: at ZeRO-2/3 its staging
+    /// buffer; else its own fp32 allocation (lent to the collective, returned in `drain`) or,
+    /// for 16-bit storage, an fp32 copy (reductions run in fp32).
+    fn take_bucket(&mut self, b: usize) -> Result<Vec<f32>, ParallelError> {
+        if self.cfg.zero.shards_grads() {
+            return self.staging[b].take().ok_or_else(|| {
+                ParallelError::Protocol(format!("bucket {b} has no staged gradients"))
+            });
+        }
+        if self.grads.is_f32() {
+            return match self.grads.take(b) {
+                Some(Flat::F32(v)) => Ok(v),
+                _ => Err(ParallelError::Protocol(format!(
+                    "bucket {b} is already in flight"
+                ))),
+            };
+        }
+        let buf = self.grads.read(b, self.buckets[b].range.clone());
+        self.comm_bytes.add(buf.len() * F32);
+        Ok(buf)
+    }
+
+    /// Reduces bucket `b`'s taken and prepared gradients `buf` over the dp group: with
+    /// `train.grad_comm`, or `exact`ly — uncompressed and every element summed in rank order
+    /// wherever it sits ([`Codec::F32`]), which the tied copies need to stay equal.
+    fn reduce_taken(
+        &mut self,
+        b: usize,
+        buf: Vec<f32>,
+        pending: &mut Vec<Pending>,
+        exact: bool,
+    ) -> Result<(), ParallelError> {
+        let br = self.buckets[b].range.clone();
         let single = self.dp.size() == 1;
+        let codec = if exact {
+            Some(Codec::F32)
+        } else {
+            self.cfg.grad_comm.codec()
+        };
         if !self.cfg.zero.shards_grads() {
             if single {
-                // One rank: the accumulated gradients are already the sum. (On a GPU there is
-                // one process, so nothing to prepare for: expert parallelism is a dp group of
-                // several ranks.)
-                if !self.cfg.device.is_cuda() {
-                    let model = &self.model;
-                    self.grads.update_buf(b, br.clone(), |g| {
-                        model.prepare_reduction(br.clone(), g.as_host("a gradient reduction")?)
-                    })?;
-                }
+                self.store_mean(b, buf);
                 self.record(TraceKind::BucketDone(b));
                 return Ok(());
             }
-            // fp32: the bucket's own allocation is all-reduced in place (lent to the
-            // collective, returned in `drain`). 16-bit: an fp32 copy, since reductions run in
-            // fp32.
-            let mut buf = if self.grads.is_f32() {
-                match self.grads.take(b) {
-                    Some(Flat::F32(v)) => v,
-                    _ => {
-                        return Err(ParallelError::Protocol(format!(
-                            "bucket {b} is already in flight"
-                        )))
-                    }
-                }
-            } else {
-                let buf = self.grads.read(b, br.clone());
-                self.comm_bytes.add(buf.len() * F32);
-                buf
-            };
-            self.model.prepare_reduction(br.clone(), &mut buf)?;
             let powersgd_on = match self.cfg.grad_comm {
-                GradComm::PowerSgd { start, .. } => self.step >= start,
+                GradComm::PowerSgd { start, .. } => !exact && self.step >= start,
                 _ => false,
             };
             if powersgd_on {
                 pending.push(Pending::PowerSgd { bucket: b, buf });
                 return Ok(());
             }
-            let work = match self.cfg.grad_comm.codec() {
+            let work = match codec {
                 Some(codec) => self.dp.all_reduce_compressed_async(buf, codec),
                 None => self.dp.all_reduce_async(buf, ReduceOp::Sum),
             };
             pending.push(Pending::AllReduce { bucket: b, work });
             return Ok(());
         }
-        let mut buf = self.staging[b].take().ok_or_else(|| {
-            ParallelError::Protocol(format!("bucket {b} has no staged gradients"))
-        })?;
-        self.model.prepare_reduction(br.clone(), &mut buf)?;
         if single {
             // One rank owns the whole shard: the staged gradients are the sum.
             self.grads.update(0, br.clone(), |g| {
@@ -239,7 +266,6 @@ impl<M: StageModel> Executor<M> {
                 self.reduce_scratch = self.reduce_scratch.max(piece.len() * F32);
             }
         }
-        let codec = self.cfg.grad_comm.codec();
         let dp = &self.dp;
         let reduce = |data: Vec<f32>, root: usize| match codec {
             Some(c) => dp.reduce_compressed_async(data, c, root),
@@ -271,6 +297,64 @@ impl<M: StageModel> Executor<M> {
             });
         }
         self.comm_bytes.sub(buf.len() * F32);
+        Ok(())
+    }
+
+    /// The buckets holding copies of a tied tensor, at the end of the step: their gradients
+    /// taken and prepared in bucket order, the copies summed ([`StageModel::sum_tied`]: on
+    /// this rank and over the tie group), then reduced exactly. Every copy enters its
+    /// reduction with the same bits and every element is summed in rank order, so the copies
+    /// leave it equal, and AdamW keeps them equal (Megatron sums its embedding group's
+    /// gradients after the data-parallel reduction for the same reason).
+    pub(super) fn reduce_tied(&mut self, pending: &mut Vec<Pending>) -> Result<(), ParallelError> {
+        if self.tied.is_empty() {
+            return Ok(());
+        }
+        let buckets: Vec<usize> = (0..self.buckets.len())
+            .filter(|&b| self.tied_bucket[b])
+            .collect();
+        let mut bufs = Vec::with_capacity(buckets.len());
+        for &b in &buckets {
+            self.record(TraceKind::BucketLaunched(b));
+            let mut buf = self.take_bucket(b)?;
+            self.model
+                .prepare_reduction(self.buckets[b].range.clone(), &mut buf)?;
+            bufs.push(buf);
+        }
+        // Each copy's place: (index into `bufs`, range inside that buffer).
+        let places: Vec<(usize, Range<usize>)> = self
+            .tied
+            .iter()
+            .map(|t| {
+                let i = buckets
+                    .iter()
+                    .position(|&b| {
+                        let r = &self.buckets[b].range;
+                        r.start <= t.start && t.end <= r.end
+                    })
+                    .expect("a tied copy lies inside one bucket");
+                let base = self.buckets[buckets[i]].range.start;
+                (i, t.start - base..t.end - base)
+            })
+            .collect();
+        let mut copies: Vec<Vec<f32>> = places
+            .iter()
+            .map(|(i, r)| bufs[*i][r.clone()].to_vec())
+            .collect();
+        self.comm_bytes
+            .add(copies.iter().map(|c| c.len() * F32).sum::<usize>());
+        {
+            let mut views: Vec<&mut [f32]> = copies.iter_mut().map(|c| c.as_mut_slice()).collect();
+            self.model.sum_tied(&mut views)?;
+        }
+        for ((i, r), c) in places.iter().zip(&copies) {
+            bufs[*i][r.clone()].copy_from_slice(c);
+        }
+        self.comm_bytes
+            .sub(copies.iter().map(|c| c.len() * F32).sum::<usize>());
+        for (b, buf) in buckets.into_iter().zip(bufs) {
+            self.reduce_taken(b, buf, pending, true)?;
+        }
         Ok(())
     }
 

@@ -319,7 +319,9 @@ impl<M: StageModel> Executor<M> {
                 let buckets = self.stages[ls].buckets.clone();
                 if self.defer_reductions() {
                     for b in buckets.clone() {
-                        self.launch(b, &mut st.reductions)?;
+                        if !self.tied_bucket[b] {
+                            self.launch(b, &mut st.reductions)?;
+                        }
                     }
                 }
                 self.drain(&mut st.reductions, Some(&buckets))
@@ -523,7 +525,10 @@ impl<M: StageModel> Executor<M> {
         if let Some(tr) = tracker {
             let first = self.stages[ls].buckets.start;
             for b in tr.mark(self.units[u].clone())? {
-                self.launch(first + b, &mut st.reductions)?;
+                // Tied copies wait for their sum at the end of the step.
+                if !self.tied_bucket[first + b] {
+                    self.launch(first + b, &mut st.reductions)?;
+                }
             }
         }
         // Consume reductions that already finished, so their buffers are freed during
@@ -666,6 +671,7 @@ impl<M: StageModel> Executor<M> {
             w.wait()
                 .map_err(|e| schedule_err(&a, format!("sending to pp rank {peer}: {e}")))?;
         }
+        self.reduce_tied(&mut st.reductions)?;
         self.drain(&mut st.reductions, None)?;
         let leftover = |what: &str, keys: Vec<Key>| -> Result<(), ParallelError> {
             match keys.first() {

@@ -12,6 +12,11 @@
 //!   padding rows stay zero: no id looks them up and the vocab-parallel head leaves them out
 //!   of the softmax); norms replicated.
 //!
+//! Tied embeddings (`tie_word_embeddings`): the local model is untied, and its `lm_head.weight`
+//! is a *copy* of the embedding's block ([`TensorShard::tied_copy`]: the same full tensor, the
+//! same vocabulary rows); the executor keeps the copies equal by summing their gradients
+//! (`StageModel::tied_ranges`), and only the embedding's block is counted and saved.
+//!
 //! A replicated tensor whose gradient each rank only sees part of ([`TensorShard::partial_grad`]:
 //! the router, replicated KV heads, and under sequence parallelism the norm gains) is summed
 //! over its replicas by [`TpPlan::sync_grads`] before the optimizer step.
@@ -62,6 +67,9 @@ pub struct TensorShard {
     /// counted in groups for `Rows`) into the full tensor, whose first dimension is
     /// `full_lead`.
     pub experts: Option<ExpertBlock>,
+    /// The LM head of a model with tied embeddings: a copy of `model.embed_tokens.weight`
+    /// (`name` and `full` are the embedding's), never counted or saved.
+    pub tied_copy: bool,
 }
 
 /// Where a rank's experts sit in a stacked expert tensor (see [`TensorShard::experts`]).
@@ -120,12 +128,9 @@ impl TpPlan {
         if tp == 0 {
             return Err(ParallelError::Layout("tp must be >= 1".into()));
         }
-        if cfg.tie_word_embeddings {
-            return Err(ParallelError::Config(
-                "tensor parallelism needs untied embeddings (tie_word_embeddings = false)".into(),
-            ));
-        }
         let mut lc = cfg.clone();
+        // The head holds its own copy of the tied embedding (module doc).
+        lc.tie_word_embeddings = false;
         lc.num_attention_heads = divides("num_attention_heads", cfg.num_attention_heads, tp)?;
         let kv = cfg.kv_heads();
         let kv_parts = if kv >= tp {
@@ -182,12 +187,18 @@ impl TpPlan {
             .entries
             .iter()
             .map(|e| {
+                let tied_copy = cfg.tie_word_embeddings && e.name == "lm_head.weight";
+                let name = if tied_copy {
+                    "model.embed_tokens.weight"
+                } else {
+                    e.name.as_str()
+                };
                 let full = full_layout
-                    .get(&e.name)
-                    .ok_or_else(|| ParallelError::Layout(format!("{} not in full layout", e.name)))?
+                    .get(name)
+                    .ok_or_else(|| ParallelError::Layout(format!("{name} not in full layout")))?
                     .view
                     .clone();
-                let n = e.name.as_str();
+                let n = name;
                 let rows = Split::Rows {
                     groups: 1,
                     parts: tp,
@@ -241,12 +252,13 @@ impl TpPlan {
                     None
                 };
                 Ok(TensorShard {
-                    name: e.name.clone(),
+                    name: name.to_string(),
                     full,
                     local: e.view.clone(),
                     split,
                     partial_grad,
                     experts,
+                    tied_copy,
                 })
             })
             .collect::<Result<Vec<_>, ParallelError>>()?;
@@ -292,8 +304,9 @@ impl TpPlan {
 
     /// Whether tp rank `rank` of this ep rank holds the counted copy of tensor `t`: its tp
     /// part's first holder, and for tensors replicated over the ep ranks the first of those.
+    /// A tied copy is never the counted one.
     pub fn owns_tensor(&self, t: &TensorShard, rank: usize) -> bool {
-        self.owns(rank, t.split) && (t.experts.is_some() || self.ep_rank == 0)
+        !t.tied_copy && self.owns(rank, t.split) && (t.experts.is_some() || self.ep_rank == 0)
     }
 
     /// The block of tensor `t`'s full view that rank `rank` holds, as a [`TensorSlice`]; its
@@ -396,7 +409,7 @@ impl TpPlan {
     }
 
     /// The full-layout buffer from every rank's shard (rank order); each part is taken from
-    /// its first holder.
+    /// its first holder (a tied copy from the embedding it copies).
     pub fn gather(&self, locals: &[Vec<f32>]) -> Result<Vec<f32>, ParallelError> {
         if locals.len() != self.tp || locals.iter().any(|l| l.len() != self.local_layout.total()) {
             return Err(ParallelError::Layout(format!(
@@ -409,7 +422,7 @@ impl TpPlan {
         let mut locals = locals.to_vec();
         for t in &self.tensors {
             for (r, l) in locals.iter_mut().enumerate() {
-                if self.owns(r, t.split) {
+                if self.owns(r, t.split) && !t.tied_copy {
                     Self::copy(t, self.part(r, t.split.parts()), &mut full, l, false);
                 }
             }
