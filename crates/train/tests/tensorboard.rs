@@ -299,6 +299,49 @@ fn switched_off_writes_no_event_file() {
     std::fs::remove_dir_all(&out).unwrap();
 }
 
+/// A pipeline run on two ranks (threads): rank 0 writes the one event file, with the measured
+/// bubble of every step and the simulated one, every rank's accounted memory and peak RSS,
+/// and the scalars of `metrics.jsonl`.
+#[test]
+fn a_pipeline_run_logs_its_bubble_and_every_rank_s_memory() {
+    let out = tmp("pp");
+    let c = cfg(
+        4,
+        &[
+            "parallel.nproc=2",
+            "parallel.pp=2",
+            "parallel.schedule=\"1f1b\"",
+            "train.grad_accum=4",
+            "train.micro_batch=1",
+        ],
+    );
+    let opts = RunOptions {
+        out_dir: out.clone(),
+        quiet: true,
+        trace: None,
+    };
+    comm::testing::run_threads(2, |comm| {
+        let mut t = Trainer::new(c.clone(), &comm).unwrap();
+        run(&mut t, &opts).unwrap();
+    });
+    let files = event_files(&out);
+    assert_eq!(files.len(), 1, "rank 0 alone writes events");
+    let mut ev = Events::default();
+    decode(&files[0], &mut ev);
+    assert_matches_metrics(&ev, &out);
+    for step in 1..=4u64 {
+        let b = ev.scalars[&("pipeline/bubble_measured".to_string(), step)];
+        assert!((0.0..1.0).contains(&b), "bubble {b} at step {step}");
+    }
+    let sim = ev.scalars[&("pipeline/bubble_simulated".to_string(), 4)];
+    assert!((0.0..1.0).contains(&sim), "simulated bubble {sim}");
+    for rank in [0, 1] {
+        let acc = format!("memory/rank{rank}/accounted_mib");
+        assert!(ev.scalars[&(acc, 4)] > 0.0, "rank {rank}'s account");
+    }
+    std::fs::remove_dir_all(&out).unwrap();
+}
+
 /// TensorBoard's own reader, where it is installed: the same scalar tags and steps.
 fn python_reads(dir: &Path, ev: &Events) {
     let probe = std::process::Command::new("python3")
