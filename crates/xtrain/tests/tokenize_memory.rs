@@ -43,7 +43,7 @@ fn write_corpus(path: &Path, bytes: usize) -> (u64, u64) {
         let mut w = docs as usize;
         while text.len() < len {
             text.push_str(words[w % words.len()]);
-            text.push(if w % 13 == 0 { '\n' } else { ' ' });
+            text.push(if w.is_multiple_of(13) { '\n' } else { ' ' });
             w = w.wrapping_mul(31).wrapping_add(7);
         }
         let line = serde_json::json!({ "id": docs, "text": text }).to_string();
@@ -58,6 +58,9 @@ fn write_corpus(path: &Path, bytes: usize) -> (u64, u64) {
 
 /// Runs `xtrain args` to completion; returns whether it succeeded, its output and its peak
 /// resident set in bytes.
+// The child is reaped by `wait4`, which also returns its own resource usage (`Child::wait`
+// would not).
+#[allow(clippy::zombie_processes)]
 fn run_measured(args: &[&str]) -> (bool, String, u64) {
     let child = Command::new(env!("CARGO_BIN_EXE_xtrain"))
         .args(args)
