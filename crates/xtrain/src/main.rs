@@ -39,7 +39,6 @@ enum Command {
 }
 
 fn main() -> anyhow::Result<()> {
-    train::allocator::use_one_arena();
     tracing_subscriber::fmt()
         .with_env_filter(
             tracing_subscriber::EnvFilter::try_from_default_env()
@@ -48,6 +47,11 @@ fn main() -> anyhow::Result<()> {
         .with_writer(std::io::stderr)
         .init();
     let cli = Cli::parse();
+    // Before any thread starts. Tokenizing allocates many small strings on every thread, which
+    // one arena would serialise (its memory is bounded by a batch either way).
+    if !matches!(cli.command, Command::Tokenize(_)) {
+        train::allocator::use_one_arena();
+    }
     // A bad or unsupported XTRAIN_ISA is reported here, before any kernel runs.
     tensor::isa::selected()?;
     let result = match cli.command {

@@ -1,6 +1,7 @@
 //! Tokenizing a corpus into a shard folder: documents are read one file at a time, tokenized
-//! in parallel batches (rayon) and appended to shards as they fill, so memory stays bounded by
-//! a batch and the largest single document whatever the corpus size.
+//! in parallel batches (on the process's kernel thread pool, `XTRAIN_THREADS`) and appended to
+//! shards as they fill, so memory stays bounded by a batch and the largest single document
+//! whatever the corpus size.
 use super::shards::{Manifest, ShardWriter};
 use super::sources::{self, BYTES_READ};
 use super::tokenizer::Tokenizer;
@@ -10,9 +11,11 @@ use std::path::{Path, PathBuf};
 use std::sync::atomic::Ordering;
 use std::time::Instant;
 
-/// Documents per parallel batch, and the text bytes at which a batch is cut earlier.
+/// Documents per parallel batch, and the text bytes at which a batch is cut earlier. A batch
+/// holds its text and then its ids, up to 4 bytes per text byte (the byte tokenizer), so
+/// `BATCH_BYTES` bounds the pipeline's memory at about 5 × 4 MiB plus the largest document.
 const BATCH_DOCS: usize = 4096;
-const BATCH_BYTES: usize = 32 << 20;
+const BATCH_BYTES: usize = 4 << 20;
 
 /// How to turn documents into shards.
 #[derive(Clone, Debug)]
@@ -95,10 +98,12 @@ pub fn prepare(
     let mut batch: Vec<String> = Vec::new();
     let mut batch_bytes = 0usize;
     let mut flush = |batch: &mut Vec<String>, writer: &mut ShardWriter| -> Result<()> {
-        let encoded: Vec<Vec<u32>> = batch
-            .par_iter()
-            .map(|text| tk.encode_document(text, bos, eos))
-            .collect::<Result<_>>()?;
+        let encoded: Vec<Vec<u32>> = tensor::threads::install(|| {
+            batch
+                .par_iter()
+                .map(|text| tk.encode_document(text, bos, eos))
+                .collect::<Result<_>>()
+        })?;
         for ids in &encoded {
             writer.push(ids)?;
             tokens += ids.len() as u64;

@@ -42,7 +42,12 @@ impl Tokenizer {
     pub fn encode(&self, text: &str) -> Result<Vec<u32>> {
         match self {
             Self::Byte => Ok(text.bytes().map(u32::from).collect()),
-            Self::Hf(t) => Ok(t.encode(text, false).map_err(tk_err)?.get_ids().to_vec()),
+            // The ids only: no offsets to track.
+            Self::Hf(t) => Ok(t
+                .encode_fast(text, false)
+                .map_err(tk_err)?
+                .get_ids()
+                .to_vec()),
         }
     }
 
@@ -95,12 +100,22 @@ impl Tokenizer {
     }
 
     /// One document as a shard stores it: BOS (if any), the text's ids, EOS.
+    /// Allocates the result once, at its final size.
     pub fn encode_document(&self, text: &str, bos: Option<u32>, eos: u32) -> Result<Vec<u32>> {
-        let mut ids = Vec::with_capacity(text.len() / 3 + 2);
-        ids.extend(bos);
-        ids.extend(self.encode(text)?);
-        ids.push(eos);
-        Ok(ids)
+        let assemble = |body: &mut dyn ExactSizeIterator<Item = u32>| {
+            let mut ids = Vec::with_capacity(body.len() + 2);
+            ids.extend(bos);
+            ids.extend(body);
+            ids.push(eos);
+            ids
+        };
+        Ok(match self {
+            Self::Byte => assemble(&mut text.bytes().map(u32::from)),
+            Self::Hf(t) => {
+                let enc = t.encode_fast(text, false).map_err(tk_err)?;
+                assemble(&mut enc.get_ids().iter().copied())
+            }
+        })
     }
 
     /// Decodes ids; bytes that are not valid UTF-8 become U+FFFD (a sample can stop mid-character).

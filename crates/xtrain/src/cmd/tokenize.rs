@@ -40,11 +40,17 @@ pub struct TokenizeArgs {
     /// <bos> if it has one; none otherwise).
     #[arg(long)]
     pub bos: Option<String>,
+    /// Tokenizing threads (default: `XTRAIN_THREADS`, else every core).
+    #[arg(long)]
+    pub threads: Option<usize>,
 }
 
 pub fn run_cmd(a: TokenizeArgs) -> Result<()> {
     if a.train_bpe.is_some() && a.tokenizer.is_some() {
         bail!("--train-bpe and --tokenizer are exclusive");
+    }
+    if let Some(n) = a.threads {
+        tensor::threads::set_thread_budget(n)?;
     }
     let files = sources::expand(&a.inputs)?;
     if a.out.extension().is_some_and(|e| e == "tok") {
