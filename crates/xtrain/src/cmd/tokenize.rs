@@ -1,6 +1,6 @@
 //! `xtrain tokenize`: tokenize a corpus (text, JSONL, Parquet; optionally training a
 //! byte-level BPE tokenizer first) into a shard folder, or text files into one token file.
-use anyhow::{bail, Result};
+use anyhow::{bail, Context, Result};
 use clap::Args;
 use std::io::IsTerminal;
 use std::path::{Path, PathBuf};
@@ -50,7 +50,7 @@ pub fn run_cmd(a: TokenizeArgs) -> Result<()> {
         bail!("--train-bpe and --tokenizer are exclusive");
     }
     if let Some(n) = a.threads {
-        tensor::threads::set_thread_budget(n)?;
+        tensor::threads::set_thread_budget(n).with_context(|| format!("--threads {n}"))?;
     }
     let files = sources::expand(&a.inputs)?;
     if a.out.extension().is_some_and(|e| e == "tok") {
