@@ -82,6 +82,18 @@ impl Batch {
         Self::new(batch, seq, ids.to_vec(), targets)
     }
 
+    /// A packed causal-LM batch: rows of `ids` cut into `docs`, each token predicting the next
+    /// token of its own document, the last token of each document nothing. Every document is
+    /// then trained exactly as if it were a row of its own ([`Batch::next_token`]).
+    pub fn next_token_per_document(ids: &[u32], docs: Documents) -> Result<Self> {
+        let (batch, seq) = (docs.batch(), docs.seq());
+        let mut b = Self::next_token(batch, seq, ids)?;
+        for (row, start, len) in docs.spans() {
+            b.targets[row * seq + start + len - 1] = IGNORE_INDEX;
+        }
+        b.with_documents(docs)
+    }
+
     pub fn tokens(&self) -> usize {
         self.batch * self.seq
     }
