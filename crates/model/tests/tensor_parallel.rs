@@ -149,9 +149,7 @@ fn tensor_parallel_block_matches_single_device() {
                     let p = shard(full, local, params, r);
                     let mut block = local.blocks[0].clone();
                     block.hooks = Some(Arc::new(TpHooks { group, rank: r }));
-                    let (y, c) = block
-                        .forward(&p, Arc::new(x.clone().into()), pass)
-                        .unwrap();
+                    let (y, c) = block.forward(&p, Arc::new(x.clone().into()), pass).unwrap();
                     let mut g = vec![0.0; p.len()];
                     let dx = block.backward(&p, &mut g, c, dy.clone().into()).unwrap();
                     (y.to_vec().unwrap(), dx.to_vec().unwrap(), g)
