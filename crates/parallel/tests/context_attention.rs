@@ -46,7 +46,7 @@ fn packed(seq: usize) -> Documents {
         if b == 0 {
             p % 5 == 3
         } else {
-            p % 7 == 0 || p == 1 || p == 2
+            p.is_multiple_of(7) || p == 1 || p == 2
         }
     })
 }

@@ -124,7 +124,8 @@ pub type RowsFn = fn(&model::ModelConfig, usize, usize) -> model::Batch;
 /// predicting the next one of its own document ([`model::Batch::next_token_per_document`]).
 pub fn packed_rows(cfg: &model::ModelConfig, start: usize, n: usize) -> model::Batch {
     let b = rows(cfg, start, n);
-    let docs = model::Documents::from_openings(n, b.seq, true, |r, p| (p + start + r) % 3 == 0);
+    let docs =
+        model::Documents::from_openings(n, b.seq, true, |r, p| (p + start + r).is_multiple_of(3));
     model::Batch::next_token_per_document(&b.inputs, docs).unwrap()
 }
 
