@@ -1,4 +1,5 @@
-//! Document masking through the one path (`parallelize` → executor): the same packed batches
+//! Document masking through the one path (`parallelize` → executor), Llama with GQA and a
+//! Mixtral-style MoE (auxiliary loss on): the same packed batches
 //! (several documents per row, block-causal attention, positions restarting per document) at
 //! cp 2 (ring and all-gather, zigzag and striped), tp 2 (± sp), pp 2 and cp × tp against the
 //! single process. fp32, one step: the loss, the gradient norm and the parameters after AdamW
@@ -96,7 +97,9 @@ fn packed_documents_match_the_single_process_in_every_layout() {
             ..cp(CpBalance::Zigzag, CpComm::AllGather)
         },
     ] {
-        check(&llama(), l);
+        for cfg in [llama(), moe()] {
+            check(&cfg, l);
+        }
     }
 }
 
