@@ -2,6 +2,7 @@
 //! separable forward/backward over flat parameter and gradient buffers.
 //!
 //! - [`config`]: HF-named configuration, presets, validation.
+//! - [`documents`]: document boundaries of packed batches (block-causal attention).
 //! - [`layout`]: the flat parameter layout (HF names, shapes, offsets; blocks contiguous).
 //! - [`init`]: deterministic initialisation.
 //! - [`optim`]: AdamW over flat (sub-)ranges and gradient-norm clipping.
@@ -11,6 +12,7 @@
 //! - [`io`]: safetensors load/save with HF names and layouts.
 
 pub mod config;
+pub mod documents;
 pub mod error;
 pub mod init;
 pub mod io;
@@ -21,6 +23,7 @@ pub mod optim;
 pub mod profile;
 
 pub use config::ModelConfig;
+pub use documents::Documents;
 pub use error::{ModelError, Result};
 pub use layers::{Pass, Recompute, WeightGradStore};
 pub use layout::{ParamLayout, View};

@@ -9,6 +9,7 @@ use std::sync::Arc;
 use tensor::cross_entropy::{CeConfig, IGNORE_INDEX};
 
 use crate::config::ModelConfig;
+use crate::documents::Documents;
 use crate::error::{ModelError, Result};
 use crate::layers::attention::Attention;
 use crate::layers::block::{Block, BlockCache, Ffn};
@@ -19,13 +20,17 @@ use crate::layers::{Act, Buf, BufMut, BufRef, Pass, Recompute, WeightGradStore};
 use crate::layout::{ParamLayout, View};
 use crate::profile::{time, Kernel};
 
-/// A micro-batch of token ids `[batch, seq]` and next-token targets (`IGNORE_INDEX` = no loss).
+/// A micro-batch of token ids `[batch, seq]` and next-token targets (`IGNORE_INDEX` = no loss),
+/// with the document boundaries of its rows when attention is masked per document.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Batch {
     pub batch: usize,
     pub seq: usize,
     pub inputs: Vec<u32>,
     pub targets: Vec<i64>,
+    /// Block-causal attention over these documents ([`Batch::with_documents`]); `None`:
+    /// causal attention over whole rows.
+    pub docs: Option<Arc<Documents>>,
 }
 
 impl Batch {
@@ -47,7 +52,15 @@ impl Batch {
             seq,
             inputs,
             targets,
+            docs: None,
         })
+    }
+
+    /// This batch with attention masked to `docs` (which must be `[batch, seq]`).
+    pub fn with_documents(mut self, docs: Documents) -> Result<Self> {
+        docs.check(self.batch, self.seq)?;
+        self.docs = Some(Arc::new(docs));
+        Ok(self)
     }
 
     /// Causal-LM batch from rows of `ids` (`[batch, seq]`): position `t` predicts `ids[t+1]` of
@@ -67,6 +80,18 @@ impl Batch {
             }
         }
         Self::new(batch, seq, ids.to_vec(), targets)
+    }
+
+    /// A packed causal-LM batch: rows of `ids` cut into `docs`, each token predicting the next
+    /// token of its own document, the last token of each document nothing. Every document is
+    /// then trained exactly as if it were a row of its own ([`Batch::next_token`]).
+    pub fn next_token_per_document(ids: &[u32], docs: Documents) -> Result<Self> {
+        let (batch, seq) = (docs.batch(), docs.seq());
+        let mut b = Self::next_token(batch, seq, ids)?;
+        for (row, start, len) in docs.spans() {
+            b.targets[row * seq + start + len - 1] = IGNORE_INDEX;
+        }
+        b.with_documents(docs)
     }
 
     pub fn tokens(&self) -> usize {
@@ -498,7 +523,18 @@ impl Model {
                 ids.len()
             )));
         }
-        let pass = Pass::new(batch, seq);
+        self.logits_pass(params, ids, &Pass::new(batch, seq))
+    }
+
+    /// [`Model::logits`] of a batch's inputs, under its document mask if it has one.
+    pub fn logits_of<'a>(&self, params: impl Into<BufRef<'a>>, batch: &Batch) -> Result<Vec<f32>> {
+        let pass = Pass::new(batch.batch, batch.seq).with_documents(batch.docs.clone());
+        self.logits_pass(params.into(), &batch.inputs, &pass)
+    }
+
+    fn logits_pass(&self, params: BufRef<'_>, ids: &[u32], pass: &Pass) -> Result<Vec<f32>> {
+        self.check_len("params", params.len())?;
+        let pass = pass.clone();
         let mut x = self.embed_forward(params.slice(self.layout.embed_range()), ids)?;
         for (i, b) in self.blocks.iter().enumerate() {
             x = b
@@ -563,7 +599,7 @@ impl Model {
         params: impl Into<BufRef<'a>>,
         batch: &Batch,
     ) -> Result<LossReport> {
-        let pass = Pass::new(batch.batch, batch.seq);
+        let pass = Pass::new(batch.batch, batch.seq).with_documents(batch.docs.clone());
         let (caches, head) = self.forward_all(params.into(), batch, &pass, None)?;
         Ok(Self::report(&caches, &head))
     }
@@ -583,7 +619,9 @@ impl Model {
     ) -> Result<LossReport> {
         let (params, grads) = (params.into(), grads.into());
         self.check_len("grads", grads.len())?;
-        let mut pass = Pass::new(batch.batch, batch.seq).with_recompute(opts.recompute);
+        let mut pass = Pass::new(batch.batch, batch.seq)
+            .with_recompute(opts.recompute)
+            .with_documents(batch.docs.clone());
         pass.loss_scale = opts.loss_scale;
         // The head's gradient scale (a mean over this batch's valid targets) is known before
         // the head's forward, so the head computes its gradients in that pass.

@@ -144,13 +144,12 @@ fn tensor_parallel_block_matches_single_device() {
             .map(|r| {
                 let (group, full, local, params, x, dy) =
                     (group.clone(), &full, &local, &params, &x, &dy);
+                let pass = &pass;
                 s.spawn(move || {
                     let p = shard(full, local, params, r);
                     let mut block = local.blocks[0].clone();
                     block.hooks = Some(Arc::new(TpHooks { group, rank: r }));
-                    let (y, c) = block
-                        .forward(&p, Arc::new(x.clone().into()), &pass)
-                        .unwrap();
+                    let (y, c) = block.forward(&p, Arc::new(x.clone().into()), pass).unwrap();
                     let mut g = vec![0.0; p.len()];
                     let dx = block.backward(&p, &mut g, c, dy.clone().into()).unwrap();
                     (y.to_vec().unwrap(), dx.to_vec().unwrap(), g)

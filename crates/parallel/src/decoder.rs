@@ -460,7 +460,10 @@ impl StageModel for DecoderStage {
             }
             Part::Block(i) => {
                 let act = need(x)?;
-                let mut pass = Pass::new(batch.batch, batch.seq).with_recompute(self.recompute);
+                // The documents are over the whole sequences (global positions), also under cp.
+                let mut pass = Pass::new(batch.batch, batch.seq)
+                    .with_recompute(self.recompute)
+                    .with_documents(full.docs.clone());
                 if let Some(l) = &self.cp {
                     pass.part = l.part(full.seq);
                 }

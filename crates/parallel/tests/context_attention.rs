@@ -3,11 +3,13 @@
 //! 1, 2 and 4; the forward's output and log-sum-exp and the backward's dQ, dK, dV of every
 //! rank's tokens within 1e-5 of the largest reference element (fp32). The errors per cp are
 //! printed (`--nocapture`): they stay at the level of f32 reassociation, and the backward's
-//! do not grow with the ring.
+//! do not grow with the ring. Every configuration runs twice: plain causal, and block-causal
+//! over packed documents (the single-process kernel's document mask as the reference).
 use model::layers::attention::AttentionCore;
+use model::Documents;
 use parallel::context_parallel::ring::ContextAttention;
 use parallel::context_parallel::{CpBalance, CpComm, CpLayout};
-use tensor::attention::{attention_backward, attention_forward, AttnShape, AttnTiles};
+use tensor::attention::{attention_backward_docs, attention_forward_docs, AttnShape, AttnTiles};
 
 fn rand(n: usize, seed: u64) -> Vec<f32> {
     let mut r = model::init::SplitMix64::new(seed);
@@ -36,11 +38,26 @@ fn slice_lse(lse: &[f32], lay: &CpLayout, batch: usize, heads: usize, seq: usize
     out
 }
 
+/// Packed documents of `[2, seq]` rows: row 0 opens one at every position ≡ 3 (mod 5) (short
+/// documents, boundaries inside every rank's part), row 1 at multiples of 7 — and a document
+/// of one token at 1.
+fn packed(seq: usize) -> Documents {
+    Documents::from_openings(2, seq, false, |b, p| {
+        if b == 0 {
+            p % 5 == 3
+        } else {
+            p.is_multiple_of(7) || p == 1 || p == 2
+        }
+    })
+}
+
 /// Errors (forward out, lse, dq, dk, dv) of one configuration, worst over ranks.
-fn errors(cp: usize, balance: CpBalance, comm: CpComm, gqa: usize) -> [f32; 5] {
+fn errors(cp: usize, balance: CpBalance, comm: CpComm, gqa: usize, masked: bool) -> [f32; 5] {
     let (batch, heads, d) = (2, 4, 8);
     let kv_heads = heads / gqa;
     let seq = 8 * cp;
+    let docs = masked.then(|| packed(seq));
+    let starts = docs.as_ref().map(|d| d.starts());
     let shape = AttnShape::causal(batch, seq, heads, kv_heads, d);
     let q = rand(shape.q_elems(), 1);
     let k = rand(shape.kv_elems(), 2);
@@ -48,14 +65,16 @@ fn errors(cp: usize, balance: CpBalance, comm: CpComm, gqa: usize) -> [f32; 5] {
     let dout = rand(shape.q_elems(), 4);
     let mut o = vec![0.0; shape.q_elems()];
     let mut lse = vec![0.0; shape.lse_elems()];
-    attention_forward(&shape, &q, &k, &v, &mut o, &mut lse, AttnTiles::default()).unwrap();
+    let t = AttnTiles::default();
+    attention_forward_docs(&shape, starts, &q, &k, &v, &mut o, &mut lse, t).unwrap();
     let (mut dq, mut dk, mut dv) = (
         vec![0.0; shape.q_elems()],
         vec![0.0; shape.kv_elems()],
         vec![0.0; shape.kv_elems()],
     );
-    attention_backward(
+    attention_backward_docs(
         &shape,
+        starts,
         &q,
         &k,
         &v,
@@ -86,9 +105,10 @@ fn errors(cp: usize, balance: CpBalance, comm: CpComm, gqa: usize) -> [f32; 5] {
             lay.slice(&v, batch, seq, kvd),
             lay.slice(&dout, batch, seq, hd),
         );
-        let (ol, lsel) = core.forward(&local, part, &ql, &kl, &vl).unwrap();
+        let docs = docs.as_ref();
+        let (ol, lsel) = core.forward(&local, part, docs, &ql, &kl, &vl).unwrap();
         let (dql, dkl, dvl) = core
-            .backward(&local, part, &ql, &kl, &vl, &ol, &lsel, &dl)
+            .backward(&local, part, docs, &ql, &kl, &vl, &ol, &lsel, &dl)
             .unwrap();
         [
             rel(&ol, &lay.slice(&o, batch, seq, hd)),
@@ -109,21 +129,23 @@ fn errors(cp: usize, balance: CpBalance, comm: CpComm, gqa: usize) -> [f32; 5] {
 
 #[test]
 fn ring_and_allgather_attention_equal_the_single_process_kernel() {
-    eprintln!("cp  balance  comm       gqa  out       lse       dq        dk        dv");
+    eprintln!("cp  balance  comm       gqa  docs   out       lse       dq        dk        dv");
     for cp in 1..=4 {
         for balance in [CpBalance::None, CpBalance::Zigzag, CpBalance::Striped] {
             for comm in [CpComm::Ring, CpComm::AllGather] {
                 for gqa in [1, 2, 4] {
-                    let e = errors(cp, balance, comm, gqa);
-                    eprintln!(
-                        "{cp}   {balance:<8?} {comm:<10?} {gqa}    {:.1e}   {:.1e}   {:.1e}   {:.1e}   {:.1e}",
-                        e[0], e[1], e[2], e[3], e[4]
-                    );
-                    for (what, x) in ["out", "lse", "dq", "dk", "dv"].iter().zip(e) {
-                        assert!(
-                            x < 1e-5,
-                            "cp={cp} {balance:?} {comm:?} gqa={gqa}: {what} differs by {x:e}"
+                    for masked in [false, true] {
+                        let e = errors(cp, balance, comm, gqa, masked);
+                        eprintln!(
+                            "{cp}   {balance:<8?} {comm:<10?} {gqa}    {masked:<5}  {:.1e}   {:.1e}   {:.1e}   {:.1e}   {:.1e}",
+                            e[0], e[1], e[2], e[3], e[4]
                         );
+                        for (what, x) in ["out", "lse", "dq", "dk", "dv"].iter().zip(e) {
+                            assert!(
+                                x < 1e-5,
+                                "cp={cp} {balance:?} {comm:?} gqa={gqa} docs={masked}: {what} differs by {x:e}"
+                            );
+                        }
                     }
                 }
             }
@@ -143,7 +165,7 @@ fn a_part_other_than_the_ranks_own_is_refused() {
         let core = ContextAttention::new(lay, CpComm::Ring, c.world().clone(), dkv).unwrap();
         let shape = AttnShape::causal(1, 4, 2, 2, 4);
         let x = vec![0.0; shape.q_elems()];
-        core.forward(&shape, model::layers::SeqPart::Offset(0), &x, &x, &x)
+        core.forward(&shape, model::layers::SeqPart::Offset(0), None, &x, &x, &x)
             .unwrap_err()
             .to_string()
     });
@@ -176,9 +198,9 @@ fn bytes_sent_per_layer_equal_the_formula() {
                 let part = lay.part(seq);
                 let q = rand(local.q_elems(), 1 + c.rank() as u64);
                 let k = rand(local.kv_elems(), 7);
-                let (o, lse) = core.forward(&local, part, &q, &k, &k).unwrap();
+                let (o, lse) = core.forward(&local, part, None, &q, &k, &k).unwrap();
                 let fwd = kv.stats();
-                core.backward(&local, part, &q, &k, &k, &o, &lse, &q)
+                core.backward(&local, part, None, &q, &k, &k, &o, &lse, &q)
                     .unwrap();
                 let (all, grads) = (kv.stats(), dkv.stats());
                 (

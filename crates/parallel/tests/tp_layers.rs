@@ -140,7 +140,7 @@ fn check_block_with(cfg: &ModelConfig, tp: usize, sp: bool, recompute: Recompute
         let p = m.plan.shard(&params, m.rank());
         let br = local.layout.block_range(0);
         let toks = m.region.local_tokens(t);
-        let mut local_pass = pass;
+        let mut local_pass = pass.clone();
         local_pass.loss_scale = if m.rank() == 0 { 1.0 } else { 0.0 };
         let b = &local.blocks[0];
         let (y, cache) = b

@@ -18,6 +18,17 @@
 //! attend to a key block from elsewhere in the sequence (ring / context parallelism); a query
 //! that sees no key gets `out = 0`, `lse = −∞`, which [`merge_partial`] treats as "no
 //! contribution".
+//!
+//! Document masking (block-causal attention over packed documents, [`attention_forward_docs`]):
+//! each query `i` also carries `doc_start[i]`, the position (same frame as `q_start`/`k_start`)
+//! of the first token of its document, and sees key `j` iff
+//! `doc_start[i] <= k_start + j <= q_start + i`. Documents are contiguous runs of positions, so
+//! this interval is exactly "same document, not after the query". Per query tile the key loop
+//! starts at the smallest `doc_start` of its rows (key tiles wholly before every row's document
+//! are skipped, so packed short documents cost less than full causal attention); inside a tile
+//! that straddles a row's document start, that row's earlier scores are set to `−∞` before the
+//! softmax step, so `exp` gives exactly 0 there and forward and backward mask the same pairs.
+//! Without a mask the kernels run as before (one untaken branch per key tile).
 
 use crate::error::check_len;
 use crate::microkernel::{
@@ -195,8 +206,67 @@ pub fn attention_forward(
     lse: &mut [f32],
     tiles: AttnTiles,
 ) -> Result<(), TensorError> {
+    attention_forward_docs(shape, None, q, k, v, out, lse, tiles)
+}
+
+/// Checks a document mask: one start per query (`[batch, q_len]`), on a causal shape (a
+/// document mask narrows the causal window from below; without causality it is not defined).
+fn check_doc_start(shape: &AttnShape, doc_start: Option<&[usize]>) -> Result<(), TensorError> {
+    if let Some(ds) = doc_start {
+        if !shape.causal {
+            return Err(TensorError::Shape(
+                "attention: a document mask needs causal attention".into(),
+            ));
+        }
+        check_len("attention doc_start", ds.len(), shape.batch * shape.q_len)?;
+    }
+    Ok(())
+}
+
+/// The document starts of batch row `b`'s queries (`[q_len]`).
+fn doc_row(doc_start: Option<&[usize]>, b: usize, sq: usize) -> Option<&[usize]> {
+    doc_start.map(|ds| &ds[b * sq..(b + 1) * sq])
+}
+
+/// First key (local index) a query tile needs: the smallest document start among its rows
+/// (`ds`, the tile's rows of [`doc_row`]), clamped to `[0, kend]`; 0 without a mask.
+#[inline]
+fn first_key(ds: Option<&[usize]>, k_start: usize, kend: usize) -> usize {
+    ds.map_or(0, |ds| {
+        let lo = ds.iter().copied().min().unwrap_or(0);
+        lo.saturating_sub(k_start).min(kend)
+    })
+}
+
+/// Sets to `−∞` the scores of the `[bq, bk]` tile whose key (position `key0 + c` for column
+/// `c`) lies before its row's document start (`ds[r]`, row `r` of the tile). Only rows whose
+/// document starts after `key0` have such columns: in a tile of one document that begins at
+/// or before the tile's first key this writes nothing.
+#[inline]
+fn mask_before_documents(st: &mut [f32], bk: usize, ds: &[usize], key0: usize) {
+    for (row, &start) in st.chunks_mut(bk).zip(ds) {
+        let n = start.saturating_sub(key0).min(bk);
+        row[..n].fill(f32::NEG_INFINITY);
+    }
+}
+
+/// [`attention_forward`] with an optional document mask: `doc_start` (`[batch, q_len]`) gives,
+/// per query, the position of its document's first token in the frame of `q_start` /
+/// `k_start`; keys before it are masked (module doc). `None` is plain causal attention.
+#[allow(clippy::too_many_arguments)]
+pub fn attention_forward_docs(
+    shape: &AttnShape,
+    doc_start: Option<&[usize]>,
+    q: &[f32],
+    k: &[f32],
+    v: &[f32],
+    out: &mut [f32],
+    lse: &mut [f32],
+    tiles: AttnTiles,
+) -> Result<(), TensorError> {
     shape.validate()?;
     tiles.validate()?;
+    check_doc_start(shape, doc_start)?;
     check_len("attention q", q.len(), shape.q_elems())?;
     check_len("attention k", k.len(), shape.kv_elems())?;
     check_len("attention v", v.len(), shape.kv_elems())?;
@@ -223,6 +293,7 @@ pub fn attention_forward(
                 let (b, h) = (bh / s.n_heads, bh % s.n_heads);
                 let qbase = b * sq * hd + h * d;
                 let kvbase = b * sk * kvd + (h / group) * d;
+                let docs = doc_row(doc_start, b, sq);
                 let scratch_len = d * n_keys + tq * tk + tq * d + 2 * tq;
                 with_scratch(scratch_len, |buf| {
                     let (kt, rest) = buf.split_at_mut(d * n_keys);
@@ -246,7 +317,9 @@ pub fn attention_forward(
                         l[..bq].fill(0.0);
                         acc[..bq * d].fill(0.0);
                         let kend = s.visible_keys(i0 + bq - 1);
-                        for j0 in (0..kend).step_by(tk) {
+                        let tile_docs = docs.map(|ds| &ds[i0..i0 + bq]);
+                        let kbegin = first_key(tile_docs, s.k_start, kend);
+                        for j0 in (kbegin..kend).step_by(tk) {
                             let bk = tk.min(kend - j0);
                             let st = &mut st[..bq * bk];
                             // S̃ = Q·Kᵀ for this tile (the scale is applied inside the exp)
@@ -263,6 +336,9 @@ pub fn attention_forward(
                                 bk,
                                 false,
                             );
+                            if let Some(ds) = tile_docs {
+                                mask_before_documents(st, bk, ds, s.k_start + j0);
+                            }
                             let vis0 = s.tile_vis0(i0, j0);
                             online_softmax_tile(st, bq, bk, vis0, scale, m, l, acc, d);
                             // acc += P̃ · V
@@ -327,8 +403,29 @@ pub fn attention_backward(
     dv: &mut [f32],
     tiles: AttnTiles,
 ) -> Result<(), TensorError> {
+    attention_backward_docs(shape, None, q, k, v, out, lse, dout, dq, dk, dv, tiles)
+}
+
+/// [`attention_backward`] under the document mask of [`attention_forward_docs`] (the same
+/// `doc_start` as the forward: the masked pairs have `P = 0`, so they get no gradient).
+#[allow(clippy::too_many_arguments)]
+pub fn attention_backward_docs(
+    shape: &AttnShape,
+    doc_start: Option<&[usize]>,
+    q: &[f32],
+    k: &[f32],
+    v: &[f32],
+    out: &[f32],
+    lse: &[f32],
+    dout: &[f32],
+    dq: &mut [f32],
+    dk: &mut [f32],
+    dv: &mut [f32],
+    tiles: AttnTiles,
+) -> Result<(), TensorError> {
     shape.validate()?;
     tiles.validate()?;
+    check_doc_start(shape, doc_start)?;
     for (what, buf) in [
         ("attention q", q),
         ("attention out", out),
@@ -369,6 +466,7 @@ pub fn attention_backward(
             .for_each(|task| {
                 let (b, kvh) = (task / s.n_kv_heads, task % s.n_kv_heads);
                 let kvbase = b * sk * kvd + kvh * d;
+                let docs = doc_row(doc_start, b, sq);
                 with_scratch(2 * d * n_keys + 2 * tq * tk + sq, |buf| {
                     let (kt, rest) = buf.split_at_mut(d * n_keys);
                     let (vt, rest) = rest.split_at_mut(d * n_keys);
@@ -413,12 +511,17 @@ pub fn attention_backward(
                             kend_before = kend;
                             let q_i = &q[qbase + i0 * hd..];
                             let do_i = &dout[qbase + i0 * hd..];
-                            for j0 in (0..kend).step_by(tk) {
+                            let tile_docs = docs.map(|ds| &ds[i0..i0 + bq]);
+                            let kbegin = first_key(tile_docs, s.k_start, kend);
+                            for j0 in (kbegin..kend).step_by(tk) {
                                 let bk = tk.min(kend - j0);
                                 let p = &mut p[..bq * bk];
                                 let dp = &mut dp[..bq * bk];
                                 // P = exp(s·Q·Kᵀ − lse)
                                 mm(p, bk, q_i, hd, 1, &kt[j0..], n_keys, bq, d, bk, false);
+                                if let Some(ds) = tile_docs {
+                                    mask_before_documents(p, bk, ds, s.k_start + j0);
+                                }
                                 let vis0 = s.tile_vis0(i0, j0);
                                 exp_tile(p, bq, bk, vis0, scale, &lse_row[i0..]);
                                 // dP = dO·Vᵀ, then dS' = s·P∘(dP − D) in place

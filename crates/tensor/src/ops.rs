@@ -193,9 +193,19 @@ pub fn rope(
     }
 }
 
-/// `(out, lse)` of attention as new buffers ([`crate::attention::attention_forward`]).
+/// The error of a document mask on the GPU: the CUDA attention kernels have no document
+/// mask, and running without it would silently train another model.
+fn no_gpu_document_mask() -> TensorError {
+    TensorError::Config(
+        "document masking (data.document_mask) is built for the CPU attention kernel only, not for CUDA".into(),
+    )
+}
+
+/// `(out, lse)` of attention as new buffers ([`crate::attention::attention_forward_docs`]:
+/// `doc_start` masks attention per document; `None` is plain causal attention).
 pub fn attention_forward(
     s: &AttnShape,
+    doc_start: Option<&[usize]>,
     q: BufRef<'_>,
     k: BufRef<'_>,
     v: BufRef<'_>,
@@ -205,8 +215,18 @@ pub fn attention_forward(
     let mut lse = dev.zeros(s.lse_elems())?;
     match (q, k, v, out.m(), lse.m()) {
         (BufRef::Host(q), BufRef::Host(k), BufRef::Host(v), BufMut::Host(o), BufMut::Host(l)) => {
-            crate::attention::attention_forward(s, q, k, v, o, l, AttnTiles::default())?
+            crate::attention::attention_forward_docs(
+                s,
+                doc_start,
+                q,
+                k,
+                v,
+                o,
+                l,
+                AttnTiles::default(),
+            )?
         }
+        (BufRef::Cuda(_), ..) if doc_start.is_some() => return Err(no_gpu_document_mask()),
         (BufRef::Cuda(q), BufRef::Cuda(k), BufRef::Cuda(v), BufMut::Cuda(o), BufMut::Cuda(l)) => {
             gpu::attention_forward(s, q, k, v, o, l)?
         }
@@ -216,10 +236,11 @@ pub fn attention_forward(
 }
 
 /// Attention backward, accumulated into `dq`, `dk`, `dv`
-/// ([`crate::attention::attention_backward`]).
+/// ([`crate::attention::attention_backward_docs`], the forward's `doc_start`).
 #[allow(clippy::too_many_arguments)]
 pub fn attention_backward(
     s: &AttnShape,
+    doc_start: Option<&[usize]>,
     q: BufRef<'_>,
     k: BufRef<'_>,
     v: BufRef<'_>,
@@ -237,9 +258,21 @@ pub fn attention_backward(
             (R::Host(q), R::Host(k), R::Host(v)),
             (R::Host(o), R::Host(l), R::Host(d)),
             (M::Host(a), M::Host(b), M::Host(c)),
-        ) => {
-            crate::attention::attention_backward(s, q, k, v, o, l, d, a, b, c, AttnTiles::default())
-        }
+        ) => crate::attention::attention_backward_docs(
+            s,
+            doc_start,
+            q,
+            k,
+            v,
+            o,
+            l,
+            d,
+            a,
+            b,
+            c,
+            AttnTiles::default(),
+        ),
+        ((R::Cuda(_), ..), ..) if doc_start.is_some() => Err(no_gpu_document_mask()),
         (
             (R::Cuda(q), R::Cuda(k), R::Cuda(v)),
             (R::Cuda(o), R::Cuda(l), R::Cuda(d)),

@@ -151,6 +151,15 @@ pub struct DataConfig {
     pub corpus_bytes: usize,
     /// Seed of the built-in corpus (independent of the training seed).
     pub corpus_seed: u64,
+    /// Block-causal attention: a token attends only to the tokens of its own document inside
+    /// its (packed) window. The boundaries come from shard folders' document indexes, so every
+    /// source must be a shard folder. CPU only (the CUDA attention has no document mask).
+    #[serde(default)]
+    pub document_mask: bool,
+    /// With `document_mask`: RoPE positions restart at 0 at every document's first token, so
+    /// each document is computed exactly as if it were alone in its sequence.
+    #[serde(default)]
+    pub document_positions: bool,
 }
 
 /// One source of `data.mix`.
@@ -385,6 +394,8 @@ impl RunConfig {
                 val_fraction: 0.05,
                 corpus_bytes: 2_000_000,
                 corpus_seed: 42,
+                document_mask: false,
+                document_positions: false,
             },
             parallel: ParallelConfig {
                 nproc: 1,
@@ -570,6 +581,7 @@ impl RunConfig {
         }
         self.recompute()?;
         self.check_device()?;
+        self.check_documents()?;
         crate::trainer::model_config(self)
             .validate()
             .map_err(|e| TrainError::Config(format!("model: {e}")))?;
@@ -648,6 +660,54 @@ impl RunConfig {
             "train.device = {spec}: on the GPU xtrain trains one process for now; {} on the GPU is not built yet",
             why.join(", ")
         )))
+    }
+
+    /// `data.document_mask` needs document boundaries, which only shard folders record (their
+    /// `.idx` document starts): the built-in corpus, `.tok` streams and text files have none.
+    /// Boundaries are not guessed from EOS ids: the byte tokenizer's EOS is byte 0, which a
+    /// text may contain, and a `.tok` file does not record which id ended its documents.
+    /// The CUDA attention has no document mask: asking for one there is refused here rather
+    /// than trained without it.
+    fn check_documents(&self) -> Result<()> {
+        let d = &self.data;
+        let bad = |msg: String| Err(TrainError::Config(msg));
+        if d.document_positions && !d.document_mask {
+            return bad(
+                "data.document_positions restarts positions per document: it needs data.document_mask = true".into(),
+            );
+        }
+        if !d.document_mask {
+            return Ok(());
+        }
+        if self
+            .train
+            .device_spec()
+            .to_ascii_lowercase()
+            .starts_with("cuda")
+        {
+            return bad(format!(
+                "data.document_mask is built for the CPU attention kernel only: train.device = {} has no document mask (train on cpu, or turn the mask off)",
+                self.train.device_spec()
+            ));
+        }
+        let paths: Vec<&str> = if d.mix.is_empty() {
+            vec![d.path.as_str()]
+        } else {
+            d.mix.iter().map(|m| m.path.as_str()).collect()
+        };
+        for p in paths {
+            let what = if p.is_empty() {
+                "the built-in corpus".to_string()
+            } else if crate::data::shards::is_shard_folder(std::path::Path::new(p)) {
+                continue;
+            } else {
+                format!("{p} (not a shard folder)")
+            };
+            return bad(format!(
+                "data.document_mask needs document boundaries, which only shard folders record (`xtrain tokenize … -o FOLDER`); {what} has none"
+            ));
+        }
+        Ok(())
     }
 
     /// `parallel.cp_balance` and `parallel.cp_comm`, parsed.

@@ -474,16 +474,30 @@ impl Trainer {
         self.cfg.global_batch() * self.cfg.model.seq_len
     }
 
-    fn model_batch(b: crate::data::Batch) -> Result<model::Batch> {
+    /// The model's batch of a sampled one: under `data.document_mask` with the windows'
+    /// document starts (validation made every source a shard folder, which records them).
+    fn model_batch(&self, b: crate::data::Batch) -> Result<model::Batch> {
         let targets = b.targets.iter().map(|&t| t as i64).collect();
-        model::Batch::new(b.batch, b.seq, b.inputs, targets).map_err(merr)
+        let mb = model::Batch::new(b.batch, b.seq, b.inputs, targets).map_err(merr)?;
+        let d = &self.cfg.data;
+        if !d.document_mask {
+            return Ok(mb);
+        }
+        let starts = b.doc_starts.ok_or_else(|| {
+            TrainError::Data(
+                "data.document_mask: a sampled window has no document boundaries (only shard folders record them)".into(),
+            )
+        })?;
+        let docs =
+            model::Documents::new(b.batch, b.seq, starts, d.document_positions).map_err(merr)?;
+        mb.with_documents(docs).map_err(merr)
     }
 
     /// One optimizer step over this dp rank's `grad_accum` micro-batches.
     pub fn train_step(&mut self) -> Result<StepReport> {
         let batches = (0..self.cfg.train.grad_accum)
             .map(|a| {
-                Self::model_batch(
+                self.model_batch(
                     self.sampler
                         .train_batch(&self.data.train, self.step as u64, a),
                 )
@@ -534,7 +548,7 @@ impl Trainer {
         }
         let mut sum = 0.0;
         for i in 0..self.cfg.train.eval_batches {
-            let batch = Self::model_batch(self.sampler.val_batch(&self.data.val, i))?;
+            let batch = self.model_batch(self.sampler.val_batch(&self.data.val, i))?;
             sum += self.exec.evaluate(&batch).map_err(perr)? as f64;
         }
         Ok(Some(sum / self.cfg.train.eval_batches as f64))

@@ -406,3 +406,96 @@ fn a_run_trains_on_a_shard_folder_and_a_mixture() {
     );
     std::fs::remove_dir_all(&d).unwrap();
 }
+
+/// Document boundaries reach the batches from the shards' indexes: in marked documents (each
+/// ending with EOS 0), an input position opens a document exactly after an EOS; a stream
+/// without an index gives no boundaries; a run with `data.document_mask` (and restarted
+/// positions) trains; sources without boundaries, positions without the mask and the GPU are
+/// configuration errors.
+#[test]
+fn document_masks_come_from_the_shard_index() {
+    let d = tmp("docmask");
+    let out = marked_corpus(&d, 30, 6, 120);
+    let seq = 16;
+    let data = Dataset::load(
+        &folder_cfg(&out.to_string_lossy(), 0.1),
+        &Tokenizer::Byte,
+        256,
+        seq,
+    )
+    .unwrap();
+    let sampler = Sampler {
+        seed: 5,
+        seq_len: seq,
+        micro_batch: 4,
+        grad_accum: 1,
+        dp: 1,
+        rank: 0,
+    };
+    let mut openings = 0;
+    for step in 0..20 {
+        let b = sampler.train_batch(&data.train, step, 0);
+        let starts = b
+            .doc_starts
+            .as_ref()
+            .expect("a shard folder records boundaries");
+        for r in 0..b.batch {
+            let (x, s) = (&b.inputs[r * seq..][..seq], &starts[r * seq..][..seq]);
+            assert_eq!(s[0], 0, "a window opens a document at 0");
+            for p in 1..seq {
+                let opens = x[p - 1] == 0;
+                assert_eq!(
+                    s[p],
+                    if opens { p } else { s[p - 1] },
+                    "row {r} {x:?} {s:?}"
+                );
+                openings += usize::from(opens);
+            }
+        }
+    }
+    assert!(openings > 20, "windows cross documents: {openings}");
+    let stream = Dataset::from_ids((0..500).map(|i| i % 7).collect(), 0.1, 256, seq).unwrap();
+    assert_eq!(sampler.train_batch(&stream.train, 0, 0).doc_starts, None);
+
+    let cfg = |extra: &[&str]| {
+        let mut o = vec![
+            format!("data.path=\"{}\"", out.display()),
+            "train.steps=2".into(),
+            "model.seq_len=16".into(),
+            "data.val_fraction=0.3".into(),
+            "train.sample_tokens=0".into(),
+            "train.eval_batches=1".into(),
+        ];
+        o.extend(extra.iter().map(|s| s.to_string()));
+        RunConfig::resolve("tiny", None, &o)
+    };
+    for extra in [
+        &["data.document_mask=true"][..],
+        &["data.document_mask=true", "data.document_positions=true"],
+    ] {
+        let mut t = Trainer::single(cfg(extra).unwrap()).unwrap();
+        assert!(t.train_step().unwrap().loss.is_finite(), "{extra:?}");
+        assert!(
+            t.evaluate().unwrap().is_some_and(f64::is_finite),
+            "{extra:?}"
+        );
+    }
+    let err = |o: &[&str]| {
+        RunConfig::resolve(
+            "tiny",
+            None,
+            &o.iter().map(|s| s.to_string()).collect::<Vec<_>>(),
+        )
+        .unwrap_err()
+        .to_string()
+    };
+    let e = err(&["data.document_mask=true"]);
+    assert!(e.contains("the built-in corpus has none"), "{e}");
+    let e = err(&["data.document_positions=true"]);
+    assert!(e.contains("needs data.document_mask"), "{e}");
+    let e = cfg(&["data.document_mask=true", "train.device=\"cuda\""])
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("CPU attention kernel only"), "{e}");
+    std::fs::remove_dir_all(&d).unwrap();
+}

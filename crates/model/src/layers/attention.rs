@@ -4,6 +4,9 @@
 //! rank's local heads (then the output is a partial sum the caller all-reduces), and its core
 //! (the attention of rotated q, k, v) is replaceable: context parallelism plugs in ring
 //! attention over the ranks holding the other parts of the sequence ([`AttentionCore`]).
+//! With a pass's [`Documents`](crate::Documents), attention is block-causal: no query sees a
+//! key of another document (the kernel's document mask), and RoPE positions restart per
+//! document when the documents say so ([`Pass::positions`]).
 
 use std::sync::Arc;
 
@@ -14,21 +17,24 @@ use super::{
     linear_backward_input, linear_backward_input_new, linear_forward_new, Act, Buf, BufRef, Pass,
     SeqPart, WeightGradStore, WeightTask,
 };
+use crate::documents::Documents;
 use crate::error::Result;
 use crate::layout::View;
 use crate::profile::{time, Kernel};
 
 /// The attention of rotated `q`, `k`, `v` (layouts of [`tensor::attention`]) for a pass whose
 /// tokens may be one rank's part of the sequences: `shape` is the local one (`q_len = kv_len =`
-/// the pass's tokens per sequence) and `part` says which global positions they are. Cores run
-/// on host buffers (context parallelism on the GPU is not built yet: a GPU buffer there is an
-/// error naming it).
+/// the pass's tokens per sequence) and `part` says which global positions they are; `docs`,
+/// when given, are the document boundaries of the whole sequences (global positions): no
+/// query may see a key of another document. Cores run on host buffers (context parallelism on
+/// the GPU is not built yet: a GPU buffer there is an error naming it).
 pub trait AttentionCore: Send + Sync + std::fmt::Debug {
     /// `(out, lse)` of the local queries against every key of their sequences.
     fn forward(
         &self,
         shape: &AttnShape,
         part: SeqPart,
+        docs: Option<&Documents>,
         q: &[f32],
         k: &[f32],
         v: &[f32],
@@ -39,6 +45,7 @@ pub trait AttentionCore: Send + Sync + std::fmt::Debug {
         &self,
         shape: &AttnShape,
         part: SeqPart,
+        docs: Option<&Documents>,
         q: &[f32],
         k: &[f32],
         v: &[f32],
@@ -140,15 +147,19 @@ impl Attention {
                 let (o, lse) = core.forward(
                     &shape,
                     pass.part,
+                    pass.docs.as_deref(),
                     q.as_host(what)?,
                     k.as_host(what)?,
                     v.as_host(what)?,
                 )?;
                 (Buf::Host(o), Buf::Host(lse))
             }
-            None => time(Kernel::Attention, || {
-                tensor::ops::attention_forward(&shape, q.r(), k.r(), v.r())
-            })?,
+            None => {
+                let docs = pass.doc_starts()?;
+                time(Kernel::Attention, || {
+                    tensor::ops::attention_forward(&shape, docs.as_deref(), q.r(), k.r(), v.r())
+                })?
+            }
         };
         let y = linear_forward_new(p, &self.wo, o.r())?;
         let cache = AttnCache {
@@ -192,6 +203,7 @@ impl Attention {
                 let (dq, dk, dv) = core.backward(
                     &shape,
                     pass.part,
+                    pass.docs.as_deref(),
                     cache.q.as_host(what)?,
                     cache.k.as_host(what)?,
                     cache.v.as_host(what)?,
@@ -206,9 +218,11 @@ impl Attention {
                 let mut dq = dev.zeros(t * dqn)?;
                 let mut dk = dev.zeros(t * dkvn)?;
                 let mut dv = dev.zeros(t * dkvn)?;
+                let docs = pass.doc_starts()?;
                 time(Kernel::Attention, || {
                     tensor::ops::attention_backward(
                         &shape,
+                        docs.as_deref(),
                         cache.q.r(),
                         cache.k.r(),
                         cache.v.r(),

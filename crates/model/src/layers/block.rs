@@ -139,7 +139,7 @@ impl Block {
             _ => None,
         };
         let cache = BlockCache {
-            pass: *pass,
+            pass: pass.clone(),
             x,
             saved: keep.then_some(saved),
             aux,
@@ -224,7 +224,7 @@ impl Block {
         let s = match cache.saved {
             Some(s) => s,
             None => {
-                let full = pass.with_recompute(Recompute::None);
+                let full = pass.clone().with_recompute(Recompute::None);
                 self.forward_saved(p, &x, &full)?.1
             }
         };

@@ -86,7 +86,7 @@ pub trait SequenceGroup: Send + Sync + std::fmt::Debug {
 }
 
 /// Per-call settings of a forward pass (stored in caches, so backward needs nothing more).
-#[derive(Debug, Clone, Copy, PartialEq)]
+#[derive(Debug, Clone, PartialEq)]
 pub struct Pass {
     pub batch: usize,
     /// Tokens of each sequence in this pass (a context-parallel rank's share of it).
@@ -97,6 +97,10 @@ pub struct Pass {
     /// d(total loss)/d(this micro-batch's loss): scales the MoE auxiliary-loss gradient the
     /// same way the trainer scales the cross-entropy gradient (gradient accumulation).
     pub loss_scale: f32,
+    /// Document boundaries of the whole sequences (`[batch, full seq]`, global positions):
+    /// attention is block-causal over them, and RoPE positions restart per document when they
+    /// say so ([`crate::Documents`]).
+    pub docs: Option<Arc<crate::Documents>>,
 }
 
 impl Pass {
@@ -107,19 +111,61 @@ impl Pass {
             part: SeqPart::Offset(0),
             recompute: Recompute::None,
             loss_scale: 1.0,
+            docs: None,
         }
     }
     pub fn with_recompute(mut self, r: Recompute) -> Self {
         self.recompute = r;
         self
     }
+    pub fn with_documents(mut self, docs: Option<Arc<crate::Documents>>) -> Self {
+        self.docs = docs;
+        self
+    }
     pub fn tokens(&self) -> usize {
         self.batch * self.seq
     }
     /// The global position of every token of the pass (sequence after sequence).
-    pub fn positions(&self) -> Vec<usize> {
+    pub fn global_positions(&self) -> Vec<usize> {
         let one = self.part.positions(self.seq);
         (0..self.batch).flat_map(|_| one.iter().copied()).collect()
+    }
+
+    /// The RoPE position of every token of the pass: its global position, or its offset in its
+    /// document when the documents restart positions.
+    pub fn positions(&self) -> Vec<usize> {
+        match &self.docs {
+            Some(d) if d.restart_positions() => {
+                let one = self.part.positions(self.seq);
+                (0..self.batch)
+                    .flat_map(|b| one.iter().map(move |&p| d.position(b, p)))
+                    .collect()
+            }
+            _ => self.global_positions(),
+        }
+    }
+
+    /// The document start of every local token (`[batch, seq]`, global positions), when the
+    /// pass is masked per document; checks that the documents cover this pass's sequences.
+    pub fn doc_starts(&self) -> Result<Option<Vec<usize>>> {
+        let Some(d) = &self.docs else {
+            return Ok(None);
+        };
+        let pos = self.part.positions(self.seq);
+        if d.batch() != self.batch || pos.iter().any(|&p| p >= d.seq()) {
+            return Err(crate::ModelError::InvalidBatch(format!(
+                "document starts of {} × {} tokens for a pass of {} sequences at {:?}",
+                d.batch(),
+                d.seq(),
+                self.batch,
+                self.part
+            )));
+        }
+        Ok(Some(
+            (0..self.batch)
+                .flat_map(|b| pos.iter().map(move |&p| d.start(b, p)))
+                .collect(),
+        ))
     }
 }
 

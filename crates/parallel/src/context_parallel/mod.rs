@@ -171,13 +171,28 @@ impl SequenceGroup for CpGroup {
 
 /// One kernel call of a (query part, key part) pair, per sequence: local query rows and key
 /// rows, and the offsets that make the kernel's causal rule (`k_start + j ≤ q_start + i`) the
-/// true one for these rows.
+/// true one for these rows. Key row `k_rows.start + j` is at global position
+/// `k_pos0 + j·k_stride` (what [`BlockCall::first_key`] needs for a document mask).
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct BlockCall {
     pub q_rows: std::ops::Range<usize>,
     pub k_rows: std::ops::Range<usize>,
     pub q_start: usize,
     pub k_start: usize,
+    pub k_pos0: usize,
+    pub k_stride: usize,
+}
+
+impl BlockCall {
+    /// The kernel's `doc_start` for a query whose document starts at global position `start`:
+    /// the first key of this call, in the kernel's frame (key `j` at `k_start + j`), at or after
+    /// `start`. Key `j` is at global position `k_pos0 + j·k_stride`, which is `≥ start` iff
+    /// `j ≥ ⌈(start − k_pos0)/k_stride⌉` (0 when `start ≤ k_pos0`). For blocks and zigzag
+    /// chunks the frame is the global positions (`k_start = k_pos0`, stride 1) and this is
+    /// `max(start, k_start)`; for stripes it is a local key index.
+    pub fn first_key(&self, start: usize) -> usize {
+        self.k_start + start.saturating_sub(self.k_pos0).div_ceil(self.k_stride)
+    }
 }
 
 /// The kernel calls of local queries at `q` against keys at `k` (`len` tokens each), skipping
@@ -197,6 +212,8 @@ pub fn block_calls(q: SeqPart, k: SeqPart, len: usize) -> Vec<BlockCall> {
                 k_rows: 0..len,
                 q_start: a,
                 k_start: b,
+                k_pos0: b,
+                k_stride: 1,
             })
             .into_iter()
             .collect(),
@@ -220,13 +237,21 @@ pub fn block_calls(q: SeqPart, k: SeqPart, len: usize) -> Vec<BlockCall> {
                             k_rows: ki * c..ki * c + c,
                             q_start: qc * c,
                             k_start: kc * c,
+                            k_pos0: kc * c,
+                            k_stride: 1,
                         });
                     }
                 }
             }
             v
         }
-        (SeqPart::Strided { first: i, .. }, SeqPart::Strided { first: j, .. }) => {
+        (
+            SeqPart::Strided { first: i, .. },
+            SeqPart::Strided {
+                first: j,
+                stride: cp,
+            },
+        ) => {
             let k_start = usize::from(j > i);
             // With k_start = 1 and one token per rank, no key is visible.
             (k_start < len)
@@ -235,6 +260,8 @@ pub fn block_calls(q: SeqPart, k: SeqPart, len: usize) -> Vec<BlockCall> {
                     k_rows: 0..len,
                     q_start: 0,
                     k_start,
+                    k_pos0: j,
+                    k_stride: cp,
                 })
                 .into_iter()
                 .collect()
@@ -249,9 +276,22 @@ mod tests {
 
     /// The calls reproduce the causal mask of the global positions exactly: for every pair of
     /// ranks, every (query, key) pair of local rows is visible in exactly one call iff its key
-    /// position is not after its query position.
+    /// position is not after its query position — and, under a document mask (documents
+    /// opening at `opens`), iff it is moreover not before the query's document start, the
+    /// kernel's rule with [`BlockCall::first_key`] as `doc_start`.
     #[test]
     fn block_calls_are_the_causal_mask() {
+        for docs in [None, Some(&[0usize, 3, 4, 11, 17][..])] {
+            block_calls_mask(docs);
+        }
+    }
+
+    fn block_calls_mask(opens: Option<&[usize]>) {
+        let doc_start = |p: usize| {
+            opens.map_or(0, |o| {
+                o.iter().copied().filter(|&x| x <= p).max().unwrap_or(0)
+            })
+        };
         for balance in [CpBalance::None, CpBalance::Zigzag, CpBalance::Striped] {
             for cp in 1..=4 {
                 let seq = 8 * cp;
@@ -268,8 +308,10 @@ mod tests {
                         let mut seen = vec![vec![0; len]; len];
                         for c in block_calls(qp, kp, len) {
                             for (a, qi) in c.q_rows.clone().enumerate() {
+                                let first = c.first_key(doc_start(qpos[qi]));
                                 for (b, kj) in c.k_rows.clone().enumerate() {
-                                    if c.k_start + b <= c.q_start + a {
+                                    let key = c.k_start + b;
+                                    if key <= c.q_start + a && (opens.is_none() || first <= key) {
                                         seen[qi][kj] += 1;
                                     }
                                 }
@@ -277,10 +319,12 @@ mod tests {
                         }
                         for qi in 0..len {
                             for kj in 0..len {
-                                let want = usize::from(kpos[kj] <= qpos[qi]);
+                                let want = usize::from(
+                                    kpos[kj] <= qpos[qi] && doc_start(qpos[qi]) <= kpos[kj],
+                                );
                                 assert_eq!(
                                     seen[qi][kj], want,
-                                    "{balance:?} cp={cp} q rank {i} row {qi}, k rank {j} row {kj}"
+                                    "{balance:?} cp={cp} docs {opens:?} q rank {i} row {qi}, k rank {j} row {kj}"
                                 );
                             }
                         }

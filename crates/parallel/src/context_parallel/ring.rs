@@ -17,6 +17,14 @@
 //! **All-gather** (`CpComm::AllGather`): every rank's K/V at once (cp blocks held), the same
 //! kernel calls per block, dK/dV of all blocks reduce-scattered back to their owners.
 //!
+//! **Document masking** (block-causal attention over packed documents): the model passes the
+//! document starts of the whole sequences (global positions). A rank looks up the start of
+//! each of its queries, and each kernel call turns it into the first visible key of the block
+//! at hand in that call's frame ([`super::BlockCall::first_key`]); the kernel masks keys before
+//! it. A key block wholly in earlier documents gives a query `lse = −∞`, which the merge treats
+//! as no contribution, and its backward adds nothing; so ring and all-gather compute exactly
+//! the masked attention of the single process.
+//!
 //! The merge of two partial results over disjoint keys cannot overflow: with
 //! `δ = lse_b − lse_a`, `lse = lse_a + softplus(δ)` and `o = o_a·σ(−δ) + o_b·σ(δ)`
 //! (ring-flash-attention's `lse − logsigmoid(lse − lse_blk)` form); a side with `lse = −∞`
@@ -24,8 +32,8 @@
 use comm::{ProcessGroup, ReduceOp};
 use model::layers::attention::AttentionCore;
 use model::layers::SeqPart;
-use model::{ModelError, Result};
-use tensor::attention::{attention_backward, attention_forward, AttnShape, AttnTiles};
+use model::{Documents, ModelError, Result};
+use tensor::attention::{attention_backward_docs, attention_forward_docs, AttnShape, AttnTiles};
 
 use super::{block_calls, CpComm, CpLayout};
 
@@ -103,9 +111,12 @@ impl ContextAttention {
         (self.layout.rank + self.layout.cp - 1) % self.layout.cp
     }
 
-    fn check(&self, shape: &AttnShape, part: SeqPart) -> Result<usize> {
+    fn check(&self, shape: &AttnShape, part: SeqPart, docs: Option<&Documents>) -> Result<usize> {
         let len = shape.q_len;
         let seq = len * self.layout.cp;
+        if let Some(d) = docs {
+            d.check(shape.batch, seq)?;
+        }
         if shape.kv_len != len || part != self.layout.part(seq) {
             return Err(ModelError::InvalidBatch(format!(
                 "context-parallel attention of rank {} expects its own tokens {:?}, got {part:?} with {} queries and {} keys",
@@ -142,11 +153,32 @@ impl ContextAttention {
             .collect()
     }
 
+    /// The kernel's `doc_start` for call `c` on sequence `b`: the first visible key of each of
+    /// the call's query rows (`None` without documents).
+    fn call_docs(
+        &self,
+        docs: Option<&Documents>,
+        c: &super::BlockCall,
+        b: usize,
+        len: usize,
+    ) -> Option<Vec<usize>> {
+        let docs = docs?;
+        let pos = self.layout.part(len * self.layout.cp).positions(len);
+        Some(
+            c.q_rows
+                .clone()
+                .map(|r| c.first_key(docs.start(b, pos[r])))
+                .collect(),
+        )
+    }
+
     /// Merges into `o`, `lse` the partial attention of this rank's queries against block
     /// `j` (`kv` = its K then V, `[batch, len, n_kv, d]` each).
+    #[allow(clippy::too_many_arguments)]
     fn block_forward(
         &self,
         shape: &AttnShape,
+        docs: Option<&Documents>,
         q: &[f32],
         kv: &[f32],
         j: usize,
@@ -163,9 +195,11 @@ impl ContextAttention {
             for b in 0..shape.batch {
                 let qr = (b * len + c.q_rows.start) * hd..(b * len + c.q_rows.end) * hd;
                 let kr = (b * len + c.k_rows.start) * kvd..(b * len + c.k_rows.end) * kvd;
+                let ds = self.call_docs(docs, &c, b, len);
                 model::profile::time(model::profile::Kernel::Attention, || {
-                    attention_forward(
+                    attention_forward_docs(
                         &s,
+                        ds.as_deref(),
                         &q[qr.clone()],
                         &k[kr.clone()],
                         &v[kr],
@@ -198,6 +232,7 @@ impl ContextAttention {
     fn block_backward(
         &self,
         shape: &AttnShape,
+        docs: Option<&Documents>,
         q: &[f32],
         kv: &[f32],
         j: usize,
@@ -221,9 +256,11 @@ impl ContextAttention {
                 }
                 let qr = (b * len + c.q_rows.start) * hd..(b * len + c.q_rows.end) * hd;
                 let kr = (b * len + c.k_rows.start) * kvd..(b * len + c.k_rows.end) * kvd;
+                let ds = self.call_docs(docs, &c, b, len);
                 model::profile::time(model::profile::Kernel::Attention, || {
-                    attention_backward(
+                    attention_backward_docs(
                         &s,
+                        ds.as_deref(),
                         &q[qr.clone()],
                         &k[kr.clone()],
                         &v[kr.clone()],
@@ -279,11 +316,12 @@ impl AttentionCore for ContextAttention {
         &self,
         shape: &AttnShape,
         part: SeqPart,
+        docs: Option<&Documents>,
         q: &[f32],
         k: &[f32],
         v: &[f32],
     ) -> Result<(Vec<f32>, Vec<f32>)> {
-        self.check(shape, part)?;
+        self.check(shape, part, docs)?;
         let cp = self.layout.cp;
         let mut o = vec![0.0f32; shape.q_elems()];
         let mut lse = vec![f32::NEG_INFINITY; shape.lse_elems()];
@@ -294,7 +332,7 @@ impl AttentionCore for ContextAttention {
                 for step in 0..cp {
                     let j = (self.layout.rank + cp - step) % cp;
                     let next = (step + 1 < cp).then(|| self.shift(&self.kv, cur.clone(), TAG_KV));
-                    self.block_forward(shape, q, &cur, j, &mut o, &mut lse)?;
+                    self.block_forward(shape, docs, q, &cur, j, &mut o, &mut lse)?;
                     if let Some(w) = next {
                         cur = received(w)?;
                     }
@@ -307,7 +345,8 @@ impl AttentionCore for ContextAttention {
                 // The own block first, then the others in ring order: the ring's merge order.
                 for step in 0..cp {
                     let j = (self.layout.rank + cp - step) % cp;
-                    self.block_forward(shape, q, &all[j * n..(j + 1) * n], j, &mut o, &mut lse)?;
+                    let blk = &all[j * n..(j + 1) * n];
+                    self.block_forward(shape, docs, q, blk, j, &mut o, &mut lse)?;
                 }
             }
         }
@@ -318,6 +357,7 @@ impl AttentionCore for ContextAttention {
         &self,
         shape: &AttnShape,
         part: SeqPart,
+        docs: Option<&Documents>,
         q: &[f32],
         k: &[f32],
         v: &[f32],
@@ -325,7 +365,7 @@ impl AttentionCore for ContextAttention {
         lse: &[f32],
         dout: &[f32],
     ) -> Result<(Vec<f32>, Vec<f32>, Vec<f32>)> {
-        self.check(shape, part)?;
+        self.check(shape, part, docs)?;
         let cp = self.layout.cp;
         let mut dq = vec![0.0f32; shape.q_elems()];
         let mine = Self::kv_buffer(k, v);
@@ -340,7 +380,8 @@ impl AttentionCore for ContextAttention {
                     let j = (self.layout.rank + cp - step) % cp;
                     let next = (step + 1 < cp).then(|| self.shift(&self.kv, cur.clone(), TAG_KV));
                     let mut dkv = vec![0.0f32; n];
-                    self.block_backward(shape, q, &cur, j, out, lse, dout, &mut dq, &mut dkv)?;
+                    let (o, l) = (out, lse);
+                    self.block_backward(shape, docs, q, &cur, j, o, l, dout, &mut dq, &mut dkv)?;
                     if let Some(w) = incoming.take() {
                         let sum = received(w)?;
                         dkv.iter_mut().zip(&sum).for_each(|(a, b)| *a += b);
@@ -369,7 +410,7 @@ impl AttentionCore for ContextAttention {
                 for step in 0..cp {
                     let j = (self.layout.rank + cp - step) % cp;
                     let (blk, dblk) = (&all[j * n..(j + 1) * n], &mut dall[j * n..(j + 1) * n]);
-                    self.block_backward(shape, q, blk, j, out, lse, dout, &mut dq, dblk)?;
+                    self.block_backward(shape, docs, q, blk, j, out, lse, dout, &mut dq, dblk)?;
                 }
                 let mut own = vec![0.0f32; n];
                 waited(|| self.kv.reduce_scatter(&dall, &mut own, ReduceOp::Sum))?;

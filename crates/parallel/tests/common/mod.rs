@@ -114,6 +114,21 @@ pub fn rows(cfg: &model::ModelConfig, start: usize, n: usize) -> model::Batch {
     model::Batch::next_token(n, SEQ, &ids).unwrap()
 }
 
+/// How a test turns global rows `start..start + n` into a micro-batch ([`rows`],
+/// [`packed_rows`]).
+pub type RowsFn = fn(&model::ModelConfig, usize, usize) -> model::Batch;
+
+/// [`rows`] packed with documents: global row `r` opens a document at every position `p` with
+/// `(p + r) % 3 == 0` (documents of 1 to 3 tokens, boundaries at a different offset in every
+/// row, inside every context-parallel chunk), positions restarting per document, each token
+/// predicting the next one of its own document ([`model::Batch::next_token_per_document`]).
+pub fn packed_rows(cfg: &model::ModelConfig, start: usize, n: usize) -> model::Batch {
+    let b = rows(cfg, start, n);
+    let docs =
+        model::Documents::from_openings(n, b.seq, true, |r, p| (p + start + r).is_multiple_of(3));
+    model::Batch::next_token_per_document(&b.inputs, docs).unwrap()
+}
+
 /// What the single-process reference of the decoders gives per run.
 pub struct Reference {
     /// The mean loss of every step.
@@ -137,6 +152,19 @@ pub fn llm_reference(
     global: usize,
     steps: usize,
     n_micro: usize,
+) -> Reference {
+    llm_reference_rows(model, adamw, max_norm, global, steps, n_micro, rows)
+}
+
+/// [`llm_reference`] over the micro-batches `rows` makes.
+pub fn llm_reference_rows(
+    model: &model::Model,
+    adamw: AdamW,
+    max_norm: Option<f32>,
+    global: usize,
+    steps: usize,
+    n_micro: usize,
+    rows: RowsFn,
 ) -> Reference {
     let mut p = model.init_params(3);
     let (mut m, mut v) = (vec![0.0; p.len()], vec![0.0; p.len()]);
@@ -311,7 +339,23 @@ pub fn train_decoder_opts(
     schedule: Option<&parallel::pipeline_parallel::Schedule>,
     opts: parallel::ModelOptions,
 ) -> Vec<RankRun> {
-    run_decoder(cfg, dims, exec, global, accum, steps, schedule, opts)
+    run_decoder(cfg, dims, exec, global, accum, steps, schedule, opts, rows)
+}
+
+/// [`train_decoder_opts`] over the micro-batches `rows` makes.
+#[allow(clippy::too_many_arguments)]
+pub fn train_decoder_rows(
+    cfg: &model::ModelConfig,
+    dims: parallel::ParallelDims,
+    exec: &ExecConfig,
+    global: usize,
+    accum: usize,
+    steps: usize,
+    schedule: Option<&parallel::pipeline_parallel::Schedule>,
+    opts: parallel::ModelOptions,
+    rows: RowsFn,
+) -> Vec<RankRun> {
+    run_decoder(cfg, dims, exec, global, accum, steps, schedule, opts, rows)
 }
 
 /// [`train_decoder`] with pipeline parallelism: `schedule` is the compute-only schedule for
@@ -335,6 +379,7 @@ pub fn train_decoder_with(
         steps,
         schedule,
         parallel::ModelOptions::new(8),
+        rows,
     )
 }
 
@@ -348,6 +393,7 @@ fn run_decoder(
     steps: usize,
     schedule: Option<&parallel::pipeline_parallel::Schedule>,
     opts: parallel::ModelOptions,
+    rows: RowsFn,
 ) -> Vec<RankRun> {
     use parallel::pipeline_parallel::{lower, LowerOptions};
     let lowered = schedule.map(|s| {

@@ -6,6 +6,18 @@ use crate::testutil::{assert_close, fd_grad, rand_vec};
 
 /// Naive f64 attention: returns (out `[b, i, h, d]`, lse `[b, h, i]`).
 fn reference(s: &AttnShape, q: &[f64], k: &[f64], v: &[f64]) -> (Vec<f64>, Vec<f64>) {
+    reference_docs(s, None, q, k, v)
+}
+
+/// [`reference`] under a document mask: key `j` is visible to query `i` iff it is causally
+/// visible and `doc_start[b, i] <= k_start + j` (the mask written out pair by pair).
+fn reference_docs(
+    s: &AttnShape,
+    doc_start: Option<&[usize]>,
+    q: &[f64],
+    k: &[f64],
+    v: &[f64],
+) -> (Vec<f64>, Vec<f64>) {
     let d = s.head_dim;
     let group = s.n_heads / s.n_kv_heads;
     let scale = 1.0 / (d as f64).sqrt();
@@ -18,7 +30,8 @@ fn reference(s: &AttnShape, q: &[f64], k: &[f64], v: &[f64]) -> (Vec<f64>, Vec<f
                 let qi = &q[((b * s.q_len + i) * s.n_heads + h) * d..][..d];
                 let scores: Vec<f64> = (0..s.kv_len)
                     .map(|j| {
-                        let visible = !s.causal || s.k_start + j <= s.q_start + i;
+                        let visible = (!s.causal || s.k_start + j <= s.q_start + i)
+                            && doc_start.is_none_or(|ds| ds[b * s.q_len + i] <= s.k_start + j);
                         if !visible {
                             return f64::NEG_INFINITY;
                         }
@@ -199,6 +212,125 @@ fn backward_matches_finite_differences() {
         AttnTiles::default(),
         8,
     ); // lanes
+}
+
+/// Document starts `[batch, q_len]` for queries at `q_start..`: row `b`'s documents begin at
+/// `bounds[b]` (sorted; a query before the first bound belongs to a document that started at 0).
+fn doc_starts(s: &AttnShape, bounds: &[&[usize]]) -> Vec<usize> {
+    (0..s.batch)
+        .flat_map(|b| {
+            (0..s.q_len).map(move |i| {
+                let p = s.q_start + i;
+                bounds[b]
+                    .iter()
+                    .copied()
+                    .filter(|&x| x <= p)
+                    .max()
+                    .unwrap_or(0)
+            })
+        })
+        .collect()
+}
+
+/// Shapes with document masks, their boundaries chosen to exercise every tile case: a
+/// boundary inside a query tile (rows of one tile in two documents), at a tile edge, key tiles
+/// wholly before a document (skipped), documents of one token, and key blocks from elsewhere
+/// in the sequence (`q_start`, `k_start`) whose keys all lie in an earlier document.
+fn doc_cases() -> Vec<(AttnShape, Vec<usize>)> {
+    let mut v = Vec::new();
+    let s = shape(2, 13, 13, 4, 2, 8, true, 0, 0);
+    v.push((s, doc_starts(&s, &[&[0, 4, 5, 9], &[0, 8]])));
+    let s = shape(1, 70, 70, 2, 1, 16, true, 0, 0);
+    v.push((s, doc_starts(&s, &[&[0, 16, 17, 40, 69]])));
+    let s = shape(1, 9, 14, 4, 1, 8, true, 5, 0); // queries after the keys' start
+    v.push((s, doc_starts(&s, &[&[3, 7, 12]])));
+    let s = shape(1, 10, 7, 2, 1, 8, true, 3, 6); // keys start later
+    v.push((s, doc_starts(&s, &[&[0, 8]])));
+    let s = shape(1, 8, 8, 2, 2, 8, true, 16, 0); // every key in an earlier document: lse = −∞
+    v.push((s, doc_starts(&s, &[&[0, 12]])));
+    let s = shape(1, 300, 300, 1, 1, 8, true, 0, 0); // several default-size key tiles
+    v.push((s, doc_starts(&s, &[&[0, 130, 260, 262]])));
+    v
+}
+
+#[test]
+fn document_mask_forward_matches_naive_reference() {
+    let tiles = [(1, 1), (3, 5), (4, 4), (16, 32), (16, 256)];
+    for (n, (s, ds)) in doc_cases().into_iter().enumerate() {
+        let c = case(s, 500 + 10 * n as u64);
+        let (want_o, want_l) = reference_docs(&s, Some(&ds), &to64(&c.q), &to64(&c.k), &to64(&c.v));
+        for &(q_tile, k_tile) in &tiles {
+            let t = AttnTiles { q_tile, k_tile };
+            let mut o = vec![f32::NAN; s.q_elems()];
+            let mut l = vec![f32::NAN; s.lse_elems()];
+            attention_forward_docs(&s, Some(&ds), &c.q, &c.k, &c.v, &mut o, &mut l, t).unwrap();
+            // As in the unmasked test: f32 accumulation over <= 300 keys of O(1) values.
+            assert_close(&format!("out {s:?} {t:?}"), &o, &want_o, 2e-5, 1e-5);
+            check_lse(&format!("lse {s:?} {t:?}"), &l, &want_l);
+        }
+    }
+}
+
+#[test]
+fn document_mask_backward_matches_finite_differences() {
+    let t = |q_tile, k_tile| AttnTiles { q_tile, k_tile };
+    for (n, (s, ds)) in doc_cases().into_iter().enumerate() {
+        if s.q_len * s.kv_len > 200 {
+            continue; // finite differences of the long cases would take seconds
+        }
+        for tiles in [t(3, 2), t(4, 4), AttnTiles::default()] {
+            let seed = 600 + 10 * n as u64;
+            let c = case(s, seed);
+            let dout = rand_vec(s.q_elems(), seed + 7);
+            let mut o = vec![f32::NAN; s.q_elems()];
+            let mut l = vec![f32::NAN; s.lse_elems()];
+            let ds = Some(&ds[..]);
+            attention_forward_docs(&s, ds, &c.q, &c.k, &c.v, &mut o, &mut l, tiles).unwrap();
+            let mut dq = vec![0.0f32; s.q_elems()];
+            let mut dk = vec![0.0f32; s.kv_elems()];
+            let mut dv = vec![0.0f32; s.kv_elems()];
+            attention_backward_docs(
+                &s, ds, &c.q, &c.k, &c.v, &o, &l, &dout, &mut dq, &mut dk, &mut dv, tiles,
+            )
+            .unwrap();
+            let (q64, k64, v64) = (to64(&c.q), to64(&c.k), to64(&c.v));
+            let loss = |q: &[f64], k: &[f64], v: &[f64]| -> f64 {
+                let (o, _) = reference_docs(&s, ds, q, k, v);
+                o.iter().zip(&dout).map(|(a, b)| a * *b as f64).sum()
+            };
+            // Central differences of the f64 reference, as in `check_backward`.
+            let gq = fd_grad(&c.q, 1e-4, &mut |x| loss(x, &k64, &v64));
+            let gk = fd_grad(&c.k, 1e-4, &mut |x| loss(&q64, x, &v64));
+            let gv = fd_grad(&c.v, 1e-4, &mut |x| loss(&q64, &k64, x));
+            let what = format!("{s:?} {tiles:?}");
+            assert_close(&format!("dq {what}"), &dq, &gq, 1e-4, 1e-4);
+            assert_close(&format!("dk {what}"), &dk, &gk, 1e-4, 1e-4);
+            assert_close(&format!("dv {what}"), &dv, &gv, 1e-4, 1e-4);
+        }
+    }
+}
+
+#[test]
+fn document_mask_errors() {
+    let s = AttnShape::causal(1, 4, 2, 2, 8);
+    let c = case(s, 1);
+    let mut out = vec![0.0; s.q_elems()];
+    let mut lse = vec![0.0; s.lse_elems()];
+    let t = AttnTiles::default();
+    let e = attention_forward_docs(&s, Some(&[0; 3]), &c.q, &c.k, &c.v, &mut out, &mut lse, t);
+    assert!(e.unwrap_err().to_string().contains("doc_start"));
+    let open = AttnShape { causal: false, ..s };
+    let e = attention_forward_docs(
+        &open,
+        Some(&[0; 4]),
+        &c.q,
+        &c.k,
+        &c.v,
+        &mut out,
+        &mut lse,
+        t,
+    );
+    assert!(e.unwrap_err().to_string().contains("causal"));
 }
 
 #[test]

@@ -8,8 +8,15 @@
 //! a window of `seq_len + 1` tokens may lie in (a shard's training documents, its held-out
 //! documents, or a stream's head or tail). Sample `g` picks a source by weight (only when there
 //! are several), then a window start uniformly among all the source's valid starts.
+//!
+//! Document boundaries: a shard's segments keep its document index, so a window also gives the
+//! document start of each of its input positions (the first position of the window opens a
+//! document: the window may begin inside one). A batch carries them when every window has
+//! them; the trainer masks attention with them under `data.document_mask`. Windows still
+//! cross boundaries (packing), and targets stay the next token of the stream: a document's
+//! last token (its EOS) predicts the next document's first token from its own document only.
 use super::corpus;
-use super::shards::ShardSet;
+use super::shards::{DocIndex, ShardSet};
 use super::tokenizer::Tokenizer;
 use super::tokfile::TokenFile;
 use crate::config::DataConfig;
@@ -40,12 +47,14 @@ impl Store {
     }
 }
 
-/// A contiguous range `[start, start + len)` of a store.
+/// A contiguous range `[start, start + len)` of a store, with the store's document starts when
+/// it has them (a shard).
 #[derive(Clone)]
 struct Segment {
     store: Arc<Store>,
     start: usize,
     len: usize,
+    docs: Option<Arc<DocIndex>>,
 }
 
 /// One source of a split: its segments and the running count of window starts.
@@ -143,12 +152,29 @@ impl TokenSplit {
         (source, seg, seg.start + off)
     }
 
-    /// Copies the window of global sample `g` of stream `seed` into `out` (`window()` tokens).
-    fn copy_window(&self, seed: u64, g: u64, out: &mut [u32]) {
+    /// Copies the window of global sample `g` of stream `seed` into `out` (`window()` tokens)
+    /// and, when its store has document boundaries, writes into `starts` (one per input
+    /// position, `window() − 1`) the window position where each input's document starts;
+    /// returns whether it did.
+    fn copy_window(&self, seed: u64, g: u64, out: &mut [u32], starts: &mut [usize]) -> bool {
         let (_, seg, start) = self.pick(seed, g);
         for (k, o) in out.iter_mut().enumerate() {
             *o = seg.store.get(start + k);
         }
+        let Some(docs) = &seg.docs else {
+            return false;
+        };
+        // Documents opening inside the window: those starting after its first token.
+        let mut next = docs.starts_up_to(start as u64);
+        let mut cur = 0;
+        for (p, s) in starts.iter_mut().enumerate() {
+            if next < docs.len() && docs.start(next) == (start + p) as u64 {
+                cur = p;
+                next += 1;
+            }
+            *s = cur;
+        }
+        true
     }
 }
 
@@ -373,11 +399,13 @@ fn stream(
             store: store.clone(),
             start: 0,
             len: n_train,
+            docs: None,
         }],
         val: vec![Segment {
             store,
             start: n_train,
             len: n_val,
+            docs: None,
         }],
         source,
     })
@@ -428,15 +456,18 @@ fn shard_folder(
             shard.docs.start(docs - n_val) as usize
         };
         let store = Arc::new(Store::Mapped(shard.tokens));
+        let docs = Some(Arc::new(shard.docs));
         train.push(Segment {
             store: store.clone(),
             start: 0,
             len: split,
+            docs: docs.clone(),
         });
         val.push(Segment {
             store,
             start: split,
             len: n - split,
+            docs,
         });
     }
     Ok(Loaded { train, val, source })
@@ -449,6 +480,9 @@ pub struct Batch {
     pub seq: usize,
     pub inputs: Vec<u32>,
     pub targets: Vec<u32>,
+    /// `[batch, seq]`: the position in its row where each input's document starts (module
+    /// doc), when every window's source records document boundaries.
+    pub doc_starts: Option<Vec<usize>>,
 }
 
 /// Which global samples a rank reads: step `s` owns global samples `s·G .. (s+1)·G` with
@@ -501,9 +535,12 @@ impl Sampler {
         );
         let mut inputs = vec![0; b * s];
         let mut targets = vec![0; b * s];
+        let mut starts = vec![0; b * s];
+        let mut all_docs = true;
         let mut window = vec![0; s + 1];
         for k in 0..b {
-            data.copy_window(seed, first + k as u64, &mut window);
+            let row = k * s..(k + 1) * s;
+            all_docs &= data.copy_window(seed, first + k as u64, &mut window, &mut starts[row]);
             inputs[k * s..(k + 1) * s].copy_from_slice(&window[..s]);
             targets[k * s..(k + 1) * s].copy_from_slice(&window[1..]);
         }
@@ -512,6 +549,7 @@ impl Sampler {
             seq: s,
             inputs,
             targets,
+            doc_starts: all_docs.then_some(starts),
         }
     }
 }
@@ -614,6 +652,8 @@ mod tests {
             val_fraction: 0.1,
             corpus_bytes: 0,
             corpus_seed: 0,
+            document_mask: false,
+            document_positions: false,
         };
         assert!(Dataset::load(&cfg, &Tokenizer::Byte, 256, 16)
             .err()

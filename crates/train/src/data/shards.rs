@@ -243,6 +243,21 @@ impl DocIndex {
         let o = IDX_HEADER + 8 * d;
         u64::from_le_bytes(self.map[o..o + 8].try_into().expect("8 bytes"))
     }
+
+    /// Number of documents starting at or before token `pos` (binary search: the starts are
+    /// strictly increasing). Document `starts_up_to(pos)` is the first to start after `pos`.
+    pub fn starts_up_to(&self, pos: u64) -> usize {
+        let (mut lo, mut hi) = (0, self.count);
+        while lo < hi {
+            let mid = (lo + hi) / 2;
+            if self.start(mid) <= pos {
+                lo = mid + 1;
+            } else {
+                hi = mid;
+            }
+        }
+        lo
+    }
 }
 
 /// One opened shard.
