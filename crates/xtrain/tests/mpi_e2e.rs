@@ -1,6 +1,6 @@
 //! The MPI backend end to end, where Open MPI is installed (CI installs Debian's
-//! `openmpi-bin` and `libopenmpi-dev`): builds `xtrain` with the `mpi` feature (into its own
-//! target directory, `target/mpi`), then `mpirun -np 4 xtrain train …` trains with the same
+//! `openmpi-bin` and `libopenmpi-dev`): builds `xtrain` with the `mpi` feature (beside the
+//! plain build, copied to `target/mpi`), then `mpirun -np 4 xtrain train …` trains with the same
 //! losses on MPI's collectives as on the own ones, over data parallel with ZeRO-3, tp × dp with
 //! sequence parallelism, pipeline × dp and expert parallelism; and `xtrain bench comm
 //! --backend mpi` checks and times every benchmarked collective on both; comm's `mpi_parity`
@@ -36,33 +36,60 @@ fn skip(reason: &str) {
     );
 }
 
-/// Builds `xtrain --features mpi` and comm's `mpi_parity` example into `target/mpi`; returns
-/// the release folder.
+/// Builds `xtrain --features mpi` and comm's `mpi_parity` example with the profile and in the
+/// target directory of this test's own build, so the dependencies are the ones already built
+/// (a target directory of its own rebuilt all of them: 7.4 of a clean CI run's minutes; here
+/// only the crates above `comm`, whose feature changes, are compiled again). Cargo releases
+/// the directory's lock while tests run. The two programs are copied to `<target>/mpi/`, and
+/// the plain `xtrain` the build replaced is put back for the tests that run after this one.
+/// Returns the folder holding `xtrain` and `examples/mpi_parity`.
 fn build_with_mpi() -> PathBuf {
     let own = Path::new(env!("CARGO_BIN_EXE_xtrain"));
-    // .../target/release/xtrain → .../target/mpi
-    let target = own.parent().unwrap().parent().unwrap().join("mpi");
+    // .../target/<profile dir>/xtrain
+    let profile_dir = own.parent().unwrap();
+    let target = profile_dir.parent().unwrap();
+    let profile = match profile_dir.file_name().and_then(|n| n.to_str()) {
+        Some("debug") => "dev",
+        Some(other) => other,
+        None => panic!("no profile folder in {}", own.display()),
+    };
+    let out = target.join("mpi");
+    std::fs::create_dir_all(out.join("examples")).unwrap();
+    // Fresh files (never through an existing path: cargo hard-links its outputs).
+    let copy = |from: &Path, to: &Path| {
+        let _ = std::fs::remove_file(to);
+        std::fs::copy(from, to)
+            .unwrap_or_else(|e| panic!("copying {} to {}: {e}", from.display(), to.display()));
+    };
+    let plain = out.join("xtrain.plain");
+    copy(own, &plain);
     let workspace = Path::new(env!("CARGO_MANIFEST_DIR")).join("../..");
     let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
     for what in [
         &["-p", "xtrain", "--features", "mpi"][..],
         &["-p", "comm", "--features", "mpi", "--example", "mpi_parity"],
     ] {
-        let out = Command::new(&cargo)
+        let built = Command::new(&cargo)
             .current_dir(&workspace)
-            .args(["build", "--release"])
+            .args(["build", "--profile", profile])
             .args(what)
             .arg("--target-dir")
-            .arg(&target)
+            .arg(target)
             .output()
             .expect("running cargo build");
         assert!(
-            out.status.success(),
+            built.status.success(),
             "cargo build {what:?} failed:\n{}",
-            String::from_utf8_lossy(&out.stderr)
+            String::from_utf8_lossy(&built.stderr)
         );
     }
-    target.join("release")
+    copy(own, &out.join("xtrain"));
+    copy(
+        &profile_dir.join("examples/mpi_parity"),
+        &out.join("examples/mpi_parity"),
+    );
+    copy(&plain, own);
+    out
 }
 
 /// A port free on this host now (for the own backend's rendezvous store under mpirun).
@@ -100,6 +127,11 @@ fn mpirun_trains_with_the_own_backends_losses_and_bench_compares_them() {
         return skip("mpirun is installed but not the MPI development files (mpicc)");
     }
     let release = build_with_mpi();
+    // The plain binary is back in place: the MPI build's copy is what runs under mpirun.
+    assert_ne!(
+        std::fs::read(release.join("xtrain")).unwrap(),
+        std::fs::read(env!("CARGO_BIN_EXE_xtrain")).unwrap()
+    );
     let exe = release.join("xtrain");
     // Every operation, element type and reduction, on the world and on a reordered
     // sub-group: MPI's results are the own backend's, bit for bit.
