@@ -197,6 +197,23 @@ fn run(
     .remove(0)
 }
 
+/// Steps 3 and 4 of a resumed fp32 run (`rest`) against the single-process run's: losses and
+/// gradient norms within 1e-5 relative.
+fn assert_continues(what: &str, rest: &[Step], reference: &[Step]) {
+    for (s, ((x, nx), (y, ny))) in rest.iter().zip(&reference[2..]).enumerate() {
+        assert!(
+            (nx - ny).abs() / ny.abs() < 1e-5,
+            "{what} step {}: gradient norm {nx} vs {ny}",
+            s + 3
+        );
+        assert!(
+            (x - y).abs() / y.abs() < 1e-5,
+            "{what} step {}: {x} vs {y}",
+            s + 3
+        );
+    }
+}
+
 /// The Hugging Face weights file exported from checkpoint `ck`.
 fn export(ck: &Path, out: &Path) -> Vec<u8> {
     train::hf::to_hf(ck, out).unwrap();
@@ -239,18 +256,7 @@ fn every_layout_resumes_every_other() {
                 "{what}: the Hugging Face export of the reloaded checkpoint"
             );
             if fp32(la) && fp32(lb) {
-                for (s, ((x, nx), (y, ny))) in rest.iter().zip(&reference[2..]).enumerate() {
-                    assert!(
-                        (nx - ny).abs() / ny.abs() < 1e-5,
-                        "{what} step {}: gradient norm {nx} vs {ny}",
-                        s + 3
-                    );
-                    assert!(
-                        (x - y).abs() / y.abs() < 1e-5,
-                        "{what} step {}: {x} vs {y}",
-                        s + 3
-                    );
-                }
+                assert_continues(&what, &rest, &reference);
             } else {
                 for (s, ((x, _), (y, _))) in rest.iter().zip(&reference[2..]).enumerate() {
                     assert!(
@@ -307,18 +313,7 @@ fn tied_embeddings_resume_across_layouts() {
                 hf_a,
                 "{what}: the Hugging Face export of the reloaded checkpoint"
             );
-            for (s, ((x, nx), (y, ny))) in rest.iter().zip(&reference[2..]).enumerate() {
-                assert!(
-                    (nx - ny).abs() / ny.abs() < 1e-5,
-                    "{what} step {}: gradient norm {nx} vs {ny}",
-                    s + 3
-                );
-                assert!(
-                    (x - y).abs() / y.abs() < 1e-5,
-                    "{what} step {}: {x} vs {y}",
-                    s + 3
-                );
-            }
+            assert_continues(&what, &rest, &reference);
         }
     }
     let _ = std::fs::remove_dir_all(&d);

@@ -153,17 +153,21 @@ impl ContextAttention {
             .collect()
     }
 
+    /// The global positions of this rank's queries when the pass has documents (computed once
+    /// per block, not per kernel call).
+    fn query_positions(&self, docs: Option<&Documents>, len: usize) -> Option<Vec<usize>> {
+        docs.map(|_| self.layout.part(len * self.layout.cp).positions(len))
+    }
+
     /// The kernel's `doc_start` for call `c` on sequence `b`: the first visible key of each of
-    /// the call's query rows (`None` without documents).
+    /// the call's query rows at global positions `pos` (`None` without documents).
     fn call_docs(
-        &self,
         docs: Option<&Documents>,
+        pos: Option<&[usize]>,
         c: &super::BlockCall,
         b: usize,
-        len: usize,
     ) -> Option<Vec<usize>> {
-        let docs = docs?;
-        let pos = self.layout.part(len * self.layout.cp).positions(len);
+        let (docs, pos) = (docs?, pos?);
         Some(
             c.q_rows
                 .clone()
@@ -188,6 +192,7 @@ impl ContextAttention {
         let (len, h, d) = (shape.q_len, shape.n_heads, shape.head_dim);
         let (hd, kvd) = (h * d, shape.n_kv_heads * d);
         let (k, v) = kv.split_at(kv.len() / 2);
+        let pos = self.query_positions(docs, len);
         for (c, s) in self.calls(shape, j) {
             let rows = c.q_rows.len();
             let mut ob = vec![0.0f32; rows * hd];
@@ -195,7 +200,7 @@ impl ContextAttention {
             for b in 0..shape.batch {
                 let qr = (b * len + c.q_rows.start) * hd..(b * len + c.q_rows.end) * hd;
                 let kr = (b * len + c.k_rows.start) * kvd..(b * len + c.k_rows.end) * kvd;
-                let ds = self.call_docs(docs, &c, b, len);
+                let ds = Self::call_docs(docs, pos.as_deref(), &c, b);
                 model::profile::time(model::profile::Kernel::Attention, || {
                     attention_forward_docs(
                         &s,
@@ -246,6 +251,7 @@ impl ContextAttention {
         let (hd, kvd) = (h * d, shape.n_kv_heads * d);
         let (k, v) = kv.split_at(kv.len() / 2);
         let (dk, dv) = dkv.split_at_mut(dkv.len() / 2);
+        let pos = self.query_positions(docs, len);
         for (c, s) in self.calls(shape, j) {
             let rows = c.q_rows.len();
             let mut lb = vec![0.0f32; h * rows];
@@ -256,7 +262,7 @@ impl ContextAttention {
                 }
                 let qr = (b * len + c.q_rows.start) * hd..(b * len + c.q_rows.end) * hd;
                 let kr = (b * len + c.k_rows.start) * kvd..(b * len + c.k_rows.end) * kvd;
-                let ds = self.call_docs(docs, &c, b, len);
+                let ds = Self::call_docs(docs, pos.as_deref(), &c, b);
                 model::profile::time(model::profile::Kernel::Attention, || {
                     attention_backward_docs(
                         &s,

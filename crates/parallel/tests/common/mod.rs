@@ -339,7 +339,7 @@ pub fn train_decoder_opts(
     schedule: Option<&parallel::pipeline_parallel::Schedule>,
     opts: parallel::ModelOptions,
 ) -> Vec<RankRun> {
-    run_decoder(cfg, dims, exec, global, accum, steps, schedule, opts, rows)
+    train_decoder_rows(cfg, dims, exec, global, accum, steps, schedule, opts, rows)
 }
 
 /// [`train_decoder_opts`] over the micro-batches `rows` makes.
@@ -370,17 +370,8 @@ pub fn train_decoder_with(
     steps: usize,
     schedule: Option<&parallel::pipeline_parallel::Schedule>,
 ) -> Vec<RankRun> {
-    run_decoder(
-        cfg,
-        dims,
-        exec,
-        global,
-        accum,
-        steps,
-        schedule,
-        parallel::ModelOptions::new(8),
-        rows,
-    )
+    let opts = parallel::ModelOptions::new(8);
+    train_decoder_rows(cfg, dims, exec, global, accum, steps, schedule, opts, rows)
 }
 
 #[allow(clippy::too_many_arguments)]
