@@ -111,6 +111,26 @@ PY
     PYTHONUNBUFFERED=1 timeout 120 python3 benches/peers/torch_peer.py train --preset small \
         --device cuda --dtype bf16 --steps 10 >>"$report" 2>&1 || echo "torch peer bf16 failed" >>"$report"
     echo '```' >>"$report"
+    # Launched processes sharing the GPU (each opens cuda:LOCAL_RANK mod count): dp 2 at
+    # ZeRO-2 and pp 2 1F1B through the CLI, 30 steps each (the parity against one GPU is in
+    # gpu_train's layouts test; this is the launcher, the store and the processes' contexts).
+    {
+        echo
+        echo "## Processes sharing the GPU (tiny, 30 steps)"
+        echo
+        echo '```'
+    } >>"$report"
+    for layout in "--dp 2 --zero 2" "--pp 2 --schedule 1f1b"; do
+        local tag=${layout// /}
+        if timeout 120 "$dir/xtrain" train --preset tiny --device cuda --nproc 2 $layout \
+            --set train.steps=30 --out "$out/procs$tag" >"$out/procs$tag.log" 2>&1; then
+            echo "nproc 2 $layout: ok, $(grep -o 'loss [0-9.]* -> [0-9.]*' "$out/procs$tag.log" | tail -1)" >>"$report"
+        else
+            echo "nproc 2 $layout: FAILED (log: procs$tag.log)" >>"$report"
+            failed=1
+        fi
+    done
+    echo '```' >>"$report"
     # bf16 convergence: preset tiny, 1500 steps, the final validation loss of the GPU in
     # bf16 within 0.03 of the CPU in fp32 (tinyshakespeare where present, else the built-in
     # corpus).

@@ -31,6 +31,7 @@ use model::layers::block::BlockCache;
 use model::layers::head::{HeadCache, HeadWeightGrad};
 use model::layers::{Buf, BufMut, BufRef, Pass, Recompute, WeightGradStore};
 use model::{Batch, Model, ModelConfig};
+use tensor::buf::Dev;
 
 use crate::context_parallel::CpLayout;
 use crate::pipeline_parallel::split::Part;
@@ -802,22 +803,19 @@ impl StageModel for DecoderStage {
         self.tp.is_some() || self.cp.is_some() || self.ep.is_some()
     }
 
-    fn act_to_wire(&self, act: LlmAct) -> Vec<f32> {
+    fn act_to_wire(&self, act: LlmAct) -> Result<Vec<f32>, ParallelError> {
         // Pipeline messages travel through host transports (device buffers are copied out).
-        let mut v = match act.x {
-            Buf::Host(v) => v,
-            cuda => cuda.to_vec().unwrap_or_default(),
-        };
+        let mut v = act.x.into_vec().map_err(terr)?;
         v.push(act.aux);
-        v
+        Ok(v)
     }
 
-    fn wire_to_act(&self, mut wire: Vec<f32>) -> LlmAct {
+    fn wire_to_act(&self, mut wire: Vec<f32>, dev: &Dev) -> Result<LlmAct, ParallelError> {
         let aux = wire.pop().unwrap_or(0.0);
-        LlmAct {
-            x: Buf::Host(wire),
+        Ok(LlmAct {
+            x: dev.from_vec(wire).map_err(terr)?,
             aux,
-        }
+        })
     }
 
     fn wire_len(&self, batch: &Batch) -> usize {

@@ -128,11 +128,12 @@ impl Half {
 
 /// A flat buffer of parameters or gradients in the compute precision.
 ///
-/// `Dev` and `DevHalf` live on a GPU: they are read and written only through the methods
+/// `Dev` and `DevHalf` live on a GPU. The kernels use them in place through the methods
 /// taking or giving [`Buf`] views ([`Flat::view`], [`Flat::read_buf`], [`Flat::write_buf`],
-/// [`Flat::update_buf`], [`Flat::download`], [`Flat::try_fill_zero`], [`Flat::try_sq_sum`]);
-/// the executor refuses the configurations whose paths read host slices — data parallelism,
-/// ZeRO, pipelines — on a GPU, so the host-slice methods never meet a device buffer.
+/// [`Flat::update_buf`], [`Flat::try_fill_zero`], [`Flat::try_sq_sum`]); the host-slice
+/// methods ([`Flat::read_into`], [`Flat::write`], [`Flat::update`], [`Flat::piece`]) stage
+/// through host memory there — a download, the host code, an upload — which is how the
+/// data-parallel reductions and ZeRO's gathers of a GPU run over the host transports.
 #[derive(Debug)]
 pub enum Flat {
     F32(Vec<f32>),
@@ -149,9 +150,6 @@ pub enum Flat {
         bits: DevBuf<u16>,
     },
 }
-
-/// The invariant of [`Flat::Dev`] (see its doc).
-const DEVICE_PATH: &str = "a GPU buffer on a host-slice path of the executor";
 
 impl Flat {
     /// `n` zeros in the compute precision of `precision`.
@@ -231,7 +229,7 @@ impl Flat {
     /// Elements `r` as an fp32 copy on the buffer's device (16-bit storage widened).
     pub fn read_buf(&self, r: Range<usize>) -> Result<Buf, TensorError> {
         match self {
-            Flat::F32(_) | Flat::Half { .. } => Ok(Buf::Host(self.read(r))),
+            Flat::F32(_) | Flat::Half { .. } => Ok(Buf::Host(self.read(r)?)),
             Flat::Dev(b) => b.r().slice(r).to_buf(),
             Flat::DevHalf { kind, bits } => kind.widen_dev(bits.slice(r)),
         }
@@ -242,8 +240,7 @@ impl Flat {
         let r = start..start + src.len();
         match self {
             Flat::F32(_) | Flat::Half { .. } => {
-                self.write(start, src.as_host("a host parameter buffer")?);
-                Ok(())
+                self.write(start, src.as_host("a host parameter buffer")?)
             }
             Flat::Dev(b) => b.m().slice_mut(r).copy_from(src),
             Flat::DevHalf { kind, bits } => match src {
@@ -294,20 +291,19 @@ impl Flat {
                 kind.upcast(&bits, &mut out);
                 Ok(out)
             }
-            other => Ok(other.read(0..other.len())),
+            other => other.read(0..other.len()),
         }
     }
 
     /// Sets every element to zero.
     pub fn try_fill_zero(&mut self) -> Result<(), TensorError> {
         match self {
-            Flat::Dev(b) => b.m().zero(),
-            Flat::DevHalf { bits, .. } => Ok(bits.zero()?),
-            other => {
-                other.fill_zero();
-                Ok(())
-            }
+            Flat::F32(v) => tensor::threads::scale(v, 0.0),
+            Flat::Half { bits, .. } => bits.fill(0),
+            Flat::Dev(b) => b.m().zero()?,
+            Flat::DevHalf { bits, .. } => bits.zero()?,
         }
+        Ok(())
     }
 
     /// Σ x² over elements `r` in f64 (on the buffer's device; 16-bit storage widened a chunk
@@ -323,7 +319,7 @@ impl Flat {
                 }
                 Ok(total)
             }
-            other => Ok(other.sq_sum(r)),
+            other => Ok(other.host_sq_sum(r)),
         }
     }
 
@@ -350,59 +346,60 @@ impl Flat {
         }
     }
 
-    /// Elements `r` as fp32 (a copy).
-    pub fn read(&self, r: Range<usize>) -> Vec<f32> {
+    /// Elements `r` as fp32 (a copy on the host; downloaded from a GPU).
+    pub fn read(&self, r: Range<usize>) -> Result<Vec<f32>, TensorError> {
         let mut out = vec![0.0; r.len()];
-        self.read_into(r, &mut out);
-        out
+        self.read_into(r, &mut out)?;
+        Ok(out)
     }
 
-    /// Elements `r` as fp32 into `out`.
-    pub fn read_into(&self, r: Range<usize>, out: &mut [f32]) {
+    /// Elements `r` as fp32 into host slice `out` (downloaded from a GPU).
+    pub fn read_into(&self, r: Range<usize>, out: &mut [f32]) -> Result<(), TensorError> {
         match self {
             Flat::F32(v) => out.copy_from_slice(&v[r]),
             Flat::Half { kind, bits } => kind.upcast(&bits[r], out),
-            Flat::Dev(_) | Flat::DevHalf { .. } => unreachable!("{DEVICE_PATH}"),
+            Flat::Dev(b) => b.r().slice(r).read_into(out)?,
+            Flat::DevHalf { kind, bits } => kind.upcast(&bits.slice(r).to_host()?, out),
         }
+        Ok(())
     }
 
-    /// Stores `src` (rounded for 16-bit storage) at `start..`.
-    pub fn write(&mut self, start: usize, src: &[f32]) {
+    /// Stores host values `src` (rounded for 16-bit storage) at `start..` (uploaded to a GPU).
+    pub fn write(&mut self, start: usize, src: &[f32]) -> Result<(), TensorError> {
         let r = start..start + src.len();
         match self {
             Flat::F32(v) => v[r].copy_from_slice(src),
             Flat::Half { kind, bits } => kind.downcast(src, &mut bits[r]),
-            Flat::Dev(_) | Flat::DevHalf { .. } => unreachable!("{DEVICE_PATH}"),
-        }
-    }
-
-    /// Runs `f` on elements `r` as fp32: in place for fp32; for 16-bit storage through an fp32
-    /// copy that is rounded back afterwards (one rounding per call).
-    pub fn update<T>(&mut self, r: Range<usize>, f: impl FnOnce(&mut [f32]) -> T) -> T {
-        match self {
-            Flat::F32(v) => f(&mut v[r]),
-            Flat::Half { kind, bits } => {
-                let mut g = vec![0.0; r.len()];
-                kind.upcast(&bits[r.clone()], &mut g);
-                let out = f(&mut g);
-                kind.downcast(&g, &mut bits[r]);
-                out
+            Flat::Dev(b) => b.m().slice_mut(r).copy_from_host(src)?,
+            Flat::DevHalf { kind, bits } => {
+                let mut h = vec![0; src.len()];
+                kind.downcast(src, &mut h);
+                bits.slice_mut(r).copy_from_host(&h)?;
             }
-            Flat::Dev(_) | Flat::DevHalf { .. } => unreachable!("{DEVICE_PATH}"),
         }
+        Ok(())
     }
 
-    pub fn fill_zero(&mut self) {
-        match self {
-            Flat::F32(v) => tensor::threads::scale(v, 0.0),
-            Flat::Half { bits, .. } => bits.fill(0),
-            Flat::Dev(_) | Flat::DevHalf { .. } => unreachable!("{DEVICE_PATH}"),
+    /// Runs `f` on elements `r` as fp32 host values: in place for fp32 on the host; for
+    /// 16-bit storage or a GPU buffer through an fp32 host copy that is stored back afterwards
+    /// (one rounding per call).
+    pub fn update<T>(
+        &mut self,
+        r: Range<usize>,
+        f: impl FnOnce(&mut [f32]) -> T,
+    ) -> Result<T, TensorError> {
+        if let Flat::F32(v) = self {
+            return Ok(f(&mut v[r]));
         }
+        let mut g = self.read(r.clone())?;
+        let out = f(&mut g);
+        self.write(r.start, &g)?;
+        Ok(out)
     }
 
-    /// Σ x² over elements `r` in f64, as chunk partials on the thread budget added in chunk
-    /// order: bit-reproducible run to run and whatever the thread count.
-    pub fn sq_sum(&self, r: Range<usize>) -> f64 {
+    /// Σ x² over host elements `r` in f64, as chunk partials on the thread budget added in
+    /// chunk order: bit-reproducible run to run and whatever the thread count.
+    fn host_sq_sum(&self, r: Range<usize>) -> f64 {
         let base = r.start;
         match self {
             Flat::F32(v) => tensor::threads::sum_chunks(r.len(), CHUNK, |c| {
@@ -417,24 +414,39 @@ impl Flat {
                     })
                     .sum::<f64>()
             }),
-            Flat::Dev(_) | Flat::DevHalf { .. } => unreachable!("{DEVICE_PATH}"),
+            Flat::Dev(_) | Flat::DevHalf { .. } => unreachable!("try_sq_sum sums on the GPU"),
         }
     }
 
-    /// Elements `r` as a piece to send in the buffer's own precision (16-bit: half the bytes).
-    pub fn piece(&self, r: Range<usize>) -> Piece {
-        match self {
+    /// Elements `r` as a piece to send in the buffer's own precision (16-bit: half the bytes;
+    /// downloaded from a GPU).
+    pub fn piece(&self, r: Range<usize>) -> Result<Piece, TensorError> {
+        let half = |kind: Half, bits: &[u16]| match kind {
+            Half::Bf16 => Piece::Bf16(bytemuck::cast_slice::<u16, bf16>(bits).to_vec()),
+            Half::F16 => Piece::F16(bytemuck::cast_slice::<u16, f16>(bits).to_vec()),
+        };
+        Ok(match self {
             Flat::F32(v) => Piece::F32(v[r].to_vec()),
-            Flat::Half {
-                kind: Half::Bf16,
-                bits,
-            } => Piece::Bf16(bytemuck::cast_slice::<u16, bf16>(&bits[r]).to_vec()),
-            Flat::Half {
-                kind: Half::F16,
-                bits,
-            } => Piece::F16(bytemuck::cast_slice::<u16, f16>(&bits[r]).to_vec()),
-            Flat::Dev(_) | Flat::DevHalf { .. } => unreachable!("{DEVICE_PATH}"),
-        }
+            Flat::Half { kind, bits } => half(*kind, &bits[r]),
+            Flat::Dev(b) => Piece::F32(b.r().slice(r).to_vec()?),
+            Flat::DevHalf { kind, bits } => half(*kind, &bits.slice(r).to_host()?),
+        })
+    }
+
+    /// This buffer on device `dev`: itself on the CPU, uploaded (16-bit storage as its bits)
+    /// to a GPU.
+    pub fn to_dev(self, dev: &Dev) -> Result<Self, TensorError> {
+        let Dev::Cuda(g) = dev else {
+            return Ok(self);
+        };
+        Ok(match self {
+            Flat::F32(v) => Flat::Dev(dev.from_vec(v)?),
+            Flat::Half { kind, bits } => Flat::DevHalf {
+                kind,
+                bits: g.upload(&bits)?,
+            },
+            on_gpu => on_gpu,
+        })
     }
 }
 
@@ -637,7 +649,12 @@ impl Bucketed {
     }
 
     /// [`Flat::update`] of range `r`, which must lie inside bucket `b`.
-    pub fn update<T>(&mut self, b: usize, r: Range<usize>, f: impl FnOnce(&mut [f32]) -> T) -> T {
+    pub fn update<T>(
+        &mut self,
+        b: usize,
+        r: Range<usize>,
+        f: impl FnOnce(&mut [f32]) -> T,
+    ) -> Result<T, TensorError> {
         let start = self.ranges[b].start;
         debug_assert!(self.ranges[b].start <= r.start && r.end <= self.ranges[b].end);
         self.buf_mut(b).update(r.start - start..r.end - start, f)
@@ -659,33 +676,26 @@ impl Bucketed {
         self.bufs[b].is_some()
     }
 
-    /// Elements `r` of bucket `b` as fp32 (a copy).
-    pub fn read(&self, b: usize, r: Range<usize>) -> Vec<f32> {
+    /// Elements `r` of bucket `b` as fp32 (a host copy).
+    pub fn read(&self, b: usize, r: Range<usize>) -> Result<Vec<f32>, TensorError> {
         let start = self.ranges[b].start;
         self.buf(b).read(r.start - start..r.end - start)
     }
 
-    /// Stores `src` at flat offset `start` (inside bucket `b`).
-    pub fn write(&mut self, b: usize, start: usize, src: &[f32]) {
+    /// Stores host values `src` at flat offset `start` (inside bucket `b`).
+    pub fn write(&mut self, b: usize, start: usize, src: &[f32]) -> Result<(), TensorError> {
         let base = self.ranges[b].start;
         self.buf_mut(b).write(start - base, src)
     }
 
-    /// Σ x² over flat range `r` (bucket by bucket, each in fixed chunk order).
-    pub fn sq_sum(&self, r: Range<usize>) -> f64 {
-        self.pieces(r)
-            .into_iter()
-            .map(|(b, p)| self.buf(b).sq_sum(p))
-            .sum()
-    }
-
-    /// Flat range `r` as fp32 into `out`.
-    pub fn read_into(&self, r: Range<usize>, out: &mut [f32]) {
+    /// Flat range `r` as fp32 into host slice `out`.
+    pub fn read_into(&self, r: Range<usize>, out: &mut [f32]) -> Result<(), TensorError> {
         let base = r.start;
         for (b, p) in self.pieces(r) {
             let s = self.ranges[b].start + p.start - base;
-            self.buf(b).read_into(p.clone(), &mut out[s..s + p.len()]);
+            self.buf(b).read_into(p.clone(), &mut out[s..s + p.len()])?;
         }
+        Ok(())
     }
 
     /// Runs `f(flat offset, piece)` on the fp32 pieces of flat range `r`, in address order
@@ -788,15 +798,15 @@ mod tests {
             let mut f = Flat::from_f32(vec![1.0, 2.0, 3.0], p);
             assert_eq!(f.bytes(), 6);
             // 1 + 2^-12 is representable in neither format (8 and 11 significant bits).
-            f.update(0..1, |g| g[0] += 1.0 / 4096.0);
-            assert_eq!(f.read(0..3), vec![1.0, 2.0, 3.0], "{p:?}");
-            f.update(0..1, |g| g[0] += 1.0 / 128.0);
-            assert_eq!(f.read(0..1), vec![1.0 + 1.0 / 128.0]);
-            assert_eq!(f.piece(1..3).into_f32(), vec![2.0, 3.0]);
-            assert_eq!(f.sq_sum(1..3), 13.0);
+            f.update(0..1, |g| g[0] += 1.0 / 4096.0).unwrap();
+            assert_eq!(f.read(0..3).unwrap(), vec![1.0, 2.0, 3.0], "{p:?}");
+            f.update(0..1, |g| g[0] += 1.0 / 128.0).unwrap();
+            assert_eq!(f.read(0..1).unwrap(), vec![1.0 + 1.0 / 128.0]);
+            assert_eq!(f.piece(1..3).unwrap().into_f32(), vec![2.0, 3.0]);
+            assert_eq!(f.try_sq_sum(1..3).unwrap(), 13.0);
         }
         let mut g = Flat::zeros(2, Precision::Fp32);
-        g.write(0, &[0.1, 0.2]);
+        g.write(0, &[0.1, 0.2]).unwrap();
         assert_eq!(g.as_f32(), Some(&[0.1f32, 0.2][..]));
     }
 
@@ -805,12 +815,14 @@ mod tests {
         // Buckets in reverse address order, as gradient buckets are planned.
         let mut b = Bucketed::zeros(vec![6..10, 2..6, 0..2], Precision::Fp32);
         assert_eq!(b.bytes(), 40);
-        b.update(1, 3..5, |g| g.copy_from_slice(&[3.0, 4.0]));
-        b.update(0, 6..8, |g| g.copy_from_slice(&[6.0, 7.0]));
+        b.update(1, 3..5, |g| g.copy_from_slice(&[3.0, 4.0]))
+            .unwrap();
+        b.update(0, 6..8, |g| g.copy_from_slice(&[6.0, 7.0]))
+            .unwrap();
         let mut out = vec![0.0; 6];
-        b.read_into(2..8, &mut out);
+        b.read_into(2..8, &mut out).unwrap();
         assert_eq!(out, vec![0.0, 3.0, 4.0, 0.0, 6.0, 7.0]);
-        assert_eq!(b.sq_sum(0..10), 9.0 + 16.0 + 36.0 + 49.0);
+        assert_eq!(b.try_sq_sum(0..10).unwrap(), 9.0 + 16.0 + 36.0 + 49.0);
         let lent = b.take(1).unwrap();
         assert!(!b.has(1));
         b.put(1, lent);

@@ -20,7 +20,7 @@
 //! gather a unit's parameters just before it runs and free them right after.
 use std::ops::Range;
 
-use tensor::buf::{BufMut, BufRef};
+use tensor::buf::{BufMut, BufRef, Dev};
 
 use crate::placement::Placement;
 use crate::ParallelError;
@@ -157,10 +157,11 @@ pub trait StageModel: Sync {
         false
     }
 
-    /// An activation (or its gradient) as the flat `f32` message sent between pipeline stages.
-    fn act_to_wire(&self, act: Self::Act) -> Vec<f32>;
-    /// The inverse of [`Self::act_to_wire`].
-    fn wire_to_act(&self, wire: Vec<f32>) -> Self::Act;
+    /// An activation (or its gradient) as the flat `f32` host message sent between pipeline
+    /// stages (downloaded from a GPU: the pipeline's transports are the host's).
+    fn act_to_wire(&self, act: Self::Act) -> Result<Vec<f32>, ParallelError>;
+    /// The inverse of [`Self::act_to_wire`], on device `dev` (uploaded to a GPU).
+    fn wire_to_act(&self, wire: Vec<f32>, dev: &Dev) -> Result<Self::Act, ParallelError>;
     /// Length of the message [`Self::act_to_wire`] makes between units for `batch` (receivers
     /// size their buffers with it).
     fn wire_len(&self, batch: &Self::Batch) -> usize;

@@ -11,7 +11,7 @@ use std::ops::Range;
 use crate::placement::{Placement, TensorSlice};
 use crate::stage::StageModel;
 use crate::ParallelError;
-use tensor::buf::{BufMut, BufRef};
+use tensor::buf::{BufMut, BufRef, Dev};
 
 #[derive(Clone, Debug)]
 pub struct ToyModel {
@@ -416,12 +416,12 @@ impl StageModel for ToyModel {
         }
     }
 
-    fn act_to_wire(&self, act: Vec<f32>) -> Vec<f32> {
-        act
+    fn act_to_wire(&self, act: Vec<f32>) -> Result<Vec<f32>, ParallelError> {
+        Ok(act)
     }
 
-    fn wire_to_act(&self, wire: Vec<f32>) -> Vec<f32> {
-        wire
+    fn wire_to_act(&self, wire: Vec<f32>, _dev: &Dev) -> Result<Vec<f32>, ParallelError> {
+        Ok(wire)
     }
 
     fn wire_len(&self, batch: &Vec<Sample>) -> usize {

@@ -42,6 +42,21 @@ impl Dev {
         Ok(Dev::Cuda(Gpu::open(ordinal)?))
     }
 
+    /// [`Dev::open`] for the `local_rank`-th process of a host: `cuda` without an ordinal
+    /// opens GPU `local_rank mod (GPUs on the host)` — one GPU per rank where there are enough,
+    /// ranks sharing them round-robin where there are not (torchrun's `LOCAL_RANK`
+    /// convention) — and `cuda:N` opens GPU `N` whatever the rank.
+    pub fn open_local(spec: &str, local_rank: usize) -> Result<Dev, TensorError> {
+        if spec.trim().eq_ignore_ascii_case("cuda") {
+            let count = crate::cuda::device_count()?;
+            if count == 0 {
+                return Dev::open(spec);
+            }
+            return Dev::open(&format!("cuda:{}", local_rank % count));
+        }
+        Dev::open(spec)
+    }
+
     /// The device `XTRAIN_DEVICE` names, or the CPU when it is unset.
     pub fn from_env() -> Result<Dev, TensorError> {
         match std::env::var(DEVICE_ENV) {
@@ -291,6 +306,16 @@ impl<'a> BufRef<'a> {
         }
     }
 
+    /// Copies the range into host slice `out` (same length; downloaded from a GPU).
+    pub fn read_into(self, out: &mut [f32]) -> Result<(), TensorError> {
+        crate::error::check_len("read_into", out.len(), self.len())?;
+        match self {
+            BufRef::Host(s) => out.copy_from_slice(s),
+            BufRef::Cuda(s) => out.copy_from_slice(&s.to_host()?),
+        }
+        Ok(())
+    }
+
     /// A new buffer holding a copy of the range, on its device.
     pub fn to_buf(self) -> Result<Buf, TensorError> {
         Ok(match self {
@@ -375,6 +400,17 @@ impl<'a> BufMut<'a> {
         }
     }
 
+    /// Overwrites the range with host values `src` (same length; uploaded to a GPU): the
+    /// explicit host → device staging of the paths that compute on the host.
+    pub fn copy_from_host(&mut self, src: &[f32]) -> Result<(), TensorError> {
+        crate::error::check_len("copy_from_host", src.len(), self.len())?;
+        match self {
+            BufMut::Host(d) => d.copy_from_slice(src),
+            BufMut::Cuda(d) => d.copy_from_host(src)?,
+        }
+        Ok(())
+    }
+
     /// Sets every element to zero.
     pub fn zero(&mut self) -> Result<(), TensorError> {
         match self {
@@ -406,6 +442,12 @@ mod tests {
         c.m().copy_from(b.r().slice(2..4)).unwrap();
         assert_eq!(c.to_vec().unwrap(), vec![3.0, 4.0]);
         assert!(c.m().copy_from(b.r()).is_err(), "lengths differ");
+        c.m().copy_from_host(&[7.0, 8.0]).unwrap();
+        let mut out = [0.0; 2];
+        c.r().read_into(&mut out).unwrap();
+        assert_eq!(out, [7.0, 8.0]);
+        assert!(c.m().copy_from_host(&[1.0]).is_err(), "lengths differ");
+        assert!(c.r().read_into(&mut [0.0; 3]).is_err(), "lengths differ");
     }
 
     #[test]
@@ -415,10 +457,14 @@ mod tests {
             let e = Dev::open(bad).unwrap_err().to_string();
             assert!(e.contains("expected cpu, cuda or cuda:N"), "{bad}: {e}");
         }
+        assert!(matches!(Dev::open_local("cpu", 3), Ok(Dev::Cpu)));
+        assert!(Dev::open_local("cuda:x", 0).is_err());
         // Without a GPU, asking for one names what is missing.
         if crate::cuda::device_count().is_err() {
-            let e = Dev::open("cuda").unwrap_err().to_string();
-            assert!(e.contains("driver") || e.contains("GPU"), "{e}");
+            for e in [Dev::open("cuda"), Dev::open_local("cuda", 1)] {
+                let e = e.unwrap_err().to_string();
+                assert!(e.contains("driver") || e.contains("GPU"), "{e}");
+            }
         }
     }
 }

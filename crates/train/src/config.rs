@@ -623,8 +623,9 @@ impl RunConfig {
     }
 
     /// The device spec is well formed, and a GPU is asked for only where the engine runs on one
-    /// today (one process, fp32, a dense model): refused here, before any worker starts or any
-    /// GPU is opened, naming what to change.
+    /// today (data parallelism with ZeRO 0-3, pipelines; not tensor, context or expert
+    /// parallelism yet): refused here, before any worker starts or any GPU is opened, naming
+    /// what to change.
     fn check_device(&self) -> Result<()> {
         let spec = self.train.device_spec();
         let s = spec.to_ascii_lowercase();
@@ -646,18 +647,21 @@ impl RunConfig {
         if !cuda {
             return Ok(());
         }
-        let mut why = Vec::new();
-        if self.parallel.nproc > 1 {
-            why.push(format!("{} processes", self.parallel.nproc));
-        }
-        if self.parallel.zero != 0 {
-            why.push(format!("ZeRO-{}", self.parallel.zero));
-        }
+        let p = &self.parallel;
+        let why: Vec<String> = [
+            ("tensor", "tp", p.tp),
+            ("context", "cp", p.cp),
+            ("expert", "ep", p.ep),
+        ]
+        .iter()
+        .filter(|(_, _, n)| *n > 1)
+        .map(|(kind, flag, n)| format!("{kind} parallelism ({flag} = {n})"))
+        .collect();
         if why.is_empty() {
             return Ok(());
         }
         Err(TrainError::Config(format!(
-            "train.device = {spec}: on the GPU xtrain trains one process for now; {} on the GPU is not built yet",
+            "train.device = {spec}: {} on the GPU is not built yet (data parallelism with ZeRO 0-3 and pipeline parallelism are); train this layout on the CPU",
             why.join(", ")
         )))
     }
@@ -865,6 +869,43 @@ mod tests {
         assert_eq!(
             RunConfig::resolve("tiny", Some(&c.to_toml()), &[]).unwrap(),
             c
+        );
+    }
+
+    #[test]
+    fn gpu_layouts_are_checked_before_any_gpu_is_opened() {
+        let on_gpu = |extra: &[&str]| {
+            let o: Vec<String> = ["train.device=\"cuda\"", "parallel.nproc=2"]
+                .iter()
+                .chain(extra)
+                .map(|s| s.to_string())
+                .collect();
+            RunConfig::resolve("tiny", None, &o)
+        };
+        // Data parallelism with every ZeRO stage and pipelines pass (no GPU is opened here).
+        for ok in [
+            &["parallel.dp=2", "parallel.zero=3"][..],
+            &[
+                "parallel.dp=2",
+                "parallel.zero=1",
+                "train.precision=\"bf16\"",
+            ],
+            &["parallel.pp=2", "parallel.schedule=\"1f1b\""],
+        ] {
+            on_gpu(ok).unwrap_or_else(|e| panic!("{ok:?}: {e}"));
+        }
+        // The model's own collectives are host-only yet: refused, naming the parallelism.
+        for (bad, name) in [
+            ("parallel.tp=2", "tensor parallelism (tp = 2)"),
+            ("parallel.cp=2", "context parallelism (cp = 2)"),
+        ] {
+            let e = on_gpu(&[bad]).unwrap_err().to_string();
+            assert!(e.contains(name) && e.contains("on the CPU"), "{bad}: {e}");
+        }
+        let e = RunConfig::resolve("tiny", None, &["train.device=\"gpu\"".into()]).unwrap_err();
+        assert!(
+            e.to_string().contains("expected cpu, cuda or cuda:N"),
+            "{e}"
         );
     }
 

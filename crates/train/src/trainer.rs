@@ -367,7 +367,10 @@ impl Trainer {
         )
         .map_err(perr)?;
         let t = &cfg.train;
-        let device = tensor::buf::Dev::open(&t.device_spec())
+        // A launched worker takes its host's GPU `LOCAL_RANK mod count`; ranks as threads of
+        // one process share the process's GPU.
+        let local_rank = comm::env::LaunchEnv::from_env().map_or(0, |e| e.local_rank);
+        let device = tensor::buf::Dev::open_local(&t.device_spec(), local_rank)
             .map_err(|e| TrainError::Config(format!("train.device: {e}")))?;
         let exec_cfg = ExecConfig {
             zero: dims.zero,

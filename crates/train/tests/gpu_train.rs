@@ -4,7 +4,8 @@
 //! and fp16 under the same 16-bit rule on both devices (bounds from the formats); checkpoints
 //! crossing devices — one written on the CPU continues on the GPU, and one written on the GPU
 //! continues on the CPU, each with the uninterrupted run's losses (1e-4); and greedy
-//! generation from a checkpoint. Skipped with one line where no GPU is found (a failure under
+//! generation from a checkpoint; data parallelism (ZeRO 0-3) and pipelines on one GPU shared
+//! by ranks as threads, against the single-GPU run. Skipped with one line where no GPU is found (a failure under
 //! `XTRAIN_REQUIRE_GPU=1`).
 use std::path::{Path, PathBuf};
 
@@ -167,6 +168,150 @@ fn sixteen_bit_training_on_the_gpu_matches_the_cpu() {
         assert!(
             err <= bound,
             "{precision}: master weights differ by {err:e} (bound {bound:e})"
+        );
+    }
+}
+
+/// The layouts of [`layouts_on_one_gpu_match_one_gpu`], each with 4 sequences per step.
+const GPU_LAYOUTS: [(&str, usize, &[&str]); 9] = [
+    ("single", 1, &["train.grad_accum=4"]),
+    ("dp2 ZeRO-0", 2, &["parallel.dp=2", "train.grad_accum=2"]),
+    (
+        "dp2 ZeRO-1",
+        2,
+        &["parallel.dp=2", "parallel.zero=1", "train.grad_accum=2"],
+    ),
+    (
+        "dp2 ZeRO-2",
+        2,
+        &["parallel.dp=2", "parallel.zero=2", "train.grad_accum=2"],
+    ),
+    (
+        "dp2 ZeRO-3",
+        2,
+        &["parallel.dp=2", "parallel.zero=3", "train.grad_accum=2"],
+    ),
+    (
+        "pp2 1F1B",
+        2,
+        &[
+            "parallel.pp=2",
+            "parallel.schedule=\"1f1b\"",
+            "train.grad_accum=4",
+        ],
+    ),
+    (
+        "pp2 ZB-V",
+        2,
+        &[
+            "parallel.pp=2",
+            "parallel.schedule=\"zb-v\"",
+            "train.grad_accum=4",
+        ],
+    ),
+    (
+        "pp2 x dp2 ZeRO-1 1F1B",
+        4,
+        &[
+            "parallel.pp=2",
+            "parallel.dp=2",
+            "parallel.zero=1",
+            "parallel.schedule=\"1f1b\"",
+            "train.grad_accum=2",
+        ],
+    ),
+    (
+        "dp4 ZeRO-3",
+        4,
+        &["parallel.dp=4", "parallel.zero=3", "train.grad_accum=1"],
+    ),
+];
+
+/// Data parallelism at every ZeRO stage and pipelines on one GPU, `nproc` ranks as threads
+/// sharing it (the weights, gradients and optimizer states on the device; the reductions,
+/// gathers and pipeline messages staged through host memory over the host transports): five
+/// AdamW steps in fp32 (no TF32), every loss and grad norm within 1e-5 relative of the
+/// single-GPU run on the same global batch, every final parameter (read back from each run's
+/// checkpoint, whatever its layout) within 1e-5 of the largest (the layouts differ only in the
+/// order of their sums, as on the CPU).
+#[test]
+fn layouts_on_one_gpu_match_one_gpu() {
+    if has_gpu() {
+        layouts_match_one_rank("cuda");
+    }
+}
+
+/// The same comparison on the CPU (run everywhere): the layouts, batches and bounds of the
+/// GPU test hold where every kernel is the reference, so a failure on the GPU is the GPU's.
+#[test]
+fn layouts_on_the_cpu_match_one_process() {
+    layouts_match_one_rank("cpu");
+}
+
+fn layouts_match_one_rank(device: &str) {
+    let steps = 5;
+    let run_layout = |nproc: usize, extra: &[&str]| {
+        let o: Vec<String> = [
+            "train.micro_batch=1",
+            "model.seq_len=32",
+            "model.num_layers=4",
+            "train.warmup_steps=2",
+            "train.eval_batches=0",
+            "data.corpus_bytes=20000",
+        ]
+        .iter()
+        .chain(extra)
+        .map(|s| s.to_string())
+        .chain([
+            format!("parallel.nproc={nproc}"),
+            format!("train.device=\"{device}\""),
+        ])
+        .collect();
+        let cfg = RunConfig::resolve("tiny", None, &o).unwrap();
+        let tag: String = format!("layouts-{device}-{nproc}-{}", extra.join("-"))
+            .chars()
+            .filter(|c| c.is_ascii_alphanumeric() || *c == '-')
+            .collect();
+        let ck = tmp(&tag);
+        let mut out = comm::testing::run_threads(nproc, |c| {
+            let mut t = Trainer::new(cfg.clone(), &c).unwrap();
+            assert_eq!(t.sampler.global_batch(), 4);
+            let stats: Vec<(f64, f64)> = (0..steps)
+                .map(|_| {
+                    let s = t.train_step().unwrap();
+                    (s.loss, s.stats.grad_norm as f64)
+                })
+                .collect();
+            t.save_checkpoint(&ck).unwrap();
+            stats
+        });
+        // The whole model in the one layout of a checkpoint, whatever the run's layout.
+        let params = train::trainer::load_model(&ck).unwrap().2;
+        let _ = std::fs::remove_dir_all(&ck);
+        (out.remove(0), params)
+    };
+    let (want, p_want) = run_layout(1, GPU_LAYOUTS[0].2);
+    let scale = p_want.iter().fold(0.0f32, |m, x| m.max(x.abs()));
+    for (name, nproc, extra) in &GPU_LAYOUTS[1..] {
+        let (got, p_got) = run_layout(*nproc, extra);
+        for (s, ((l, n), (wl, wn))) in got.iter().zip(&want).enumerate() {
+            assert!(
+                (l - wl).abs() <= 1e-5 * wl.abs() && (n - wn).abs() <= 1e-5 * wn.abs(),
+                "{name} step {s}: loss {l} vs {wl}, grad norm {n} vs {wn}"
+            );
+        }
+        let err = p_got
+            .iter()
+            .zip(&p_want)
+            .fold(0.0f32, |m, (a, b)| m.max((a - b).abs()));
+        assert!(
+            err <= 1e-5 * scale,
+            "{name}: parameters differ by {:e} of the largest",
+            err / scale
+        );
+        eprintln!(
+            "{device} {name}: = one rank (parameters within {:e} of the largest)",
+            err / scale
         );
     }
 }

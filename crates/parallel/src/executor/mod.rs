@@ -78,9 +78,10 @@ pub struct ExecConfig {
     /// This process runs one rank (not ranks as threads): each unit's compute may then run
     /// on the process's kernel pool even when it issues collectives.
     pub one_rank_per_process: bool,
-    /// Where the rank's buffers live and its kernels run: the host, or a GPU (one process,
-    /// fp32, no data, tensor, pipeline, context or expert parallelism yet: see
-    /// [`check_device`]).
+    /// Where the rank's buffers live and its kernels run: the host, or a GPU. On a GPU the
+    /// executor's data-parallel, ZeRO and pipeline communication stages through host memory
+    /// (the host transports); the model's own collectives (tensor, context and expert
+    /// parallelism) are host-only yet and say so when given device buffers.
     pub device: Dev,
 }
 
@@ -254,8 +255,9 @@ pub struct Executor<M: StageModel> {
     buckets: Vec<Bucket>,
     /// The bucket each unit's gradients belong to.
     unit_bucket: Vec<usize>,
-    /// Stages 2/3: each bucket's fp32 gradients of the current backward, until reduced.
-    staging: Vec<Option<Vec<f32>>>,
+    /// Stages 2/3: each bucket's fp32 gradients of the current backward, until reduced (on
+    /// the executor's device).
+    staging: Vec<Option<Buf>>,
     /// Compute weights: full (stages 0-2) or this rank's padded shard (stage 3). In fp32 they
     /// are also the master weights.
     params: Flat,
@@ -270,8 +272,8 @@ pub struct Executor<M: StageModel> {
     step: u64,
     lr: f32,
     scaler: LossScaler,
-    /// ZeRO-3: units gathered by `UNSHARD`, kept until `RESHARD`.
-    resident: HashMap<usize, Vec<f32>>,
+    /// ZeRO-3: units gathered by `UNSHARD`, kept until `RESHARD` (on the executor's device).
+    resident: HashMap<usize, Buf>,
     comm_bytes: Gauge,
     /// Largest reduction a non-root rank has sent: comm's `reduce` sums partial results in a
     /// scratch copy of the input there, and the group's worker runs one collective at a time,
@@ -317,7 +319,6 @@ impl<M: StageModel> Executor<M> {
             )));
         }
         let spec = ShardSpec::new(total, dp.size())?;
-        check_device(&cfg, dp.size(), pipe.is_some())?;
         let dev = cfg.device.clone();
         let zero = cfg.zero;
         // Buckets hold whole units of one stage: a unit's gradients are written by one call
@@ -354,22 +355,10 @@ impl<M: StageModel> Executor<M> {
         };
         let per = |sharded: bool| if sharded { spec.shard_len() } else { total };
         let dev_err = |e: tensor::TensorError| ParallelError::Model(e.to_string());
-        let no_master = || Buf::Host(Vec::new());
+        // Made on the host, then (on a GPU) uploaded: the same values on either device.
         let (params, master) = match precision.half() {
-            None if zero.shards_params() => {
-                (Flat::F32(fill(own.clone(), spec.shard_len())), no_master())
-            }
-            None => (
-                Flat::from_f32_on(&dev, fill(0..total, total), precision).map_err(dev_err)?,
-                no_master(),
-            ),
-            Some(_) if dev.is_cuda() => {
-                // One process on a GPU (ZeRO is refused there): the full master and the
-                // 16-bit weights rounded from it.
-                let master = fill(0..total, total);
-                let params = Flat::from_f32_on(&dev, master.clone(), precision).map_err(dev_err)?;
-                (params, dev.from_vec(master).map_err(dev_err)?)
-            }
+            None if zero.shards_params() => (Flat::F32(fill(own.clone(), spec.shard_len())), None),
+            None => (Flat::F32(fill(0..total, total)), None),
             Some(_) => {
                 let master = if zero.shards_optimizer() {
                     fill(own.clone(), spec.shard_len())
@@ -379,7 +368,7 @@ impl<M: StageModel> Executor<M> {
                 let params = if zero.shards_params() || !zero.shards_optimizer() {
                     // The rounded master itself (the shard at ZeRO-3, everything for DDP).
                     let mut p = Flat::zeros(master.len(), precision);
-                    p.write(0, &master);
+                    p.write(0, &master).map_err(dev_err)?;
                     p
                 } else {
                     // Full 16-bit weights beside a master shard: generated chunk by chunk, so
@@ -389,30 +378,31 @@ impl<M: StageModel> Executor<M> {
                     for s in (0..total).step_by(CHUNK) {
                         let e = (s + CHUNK).min(total);
                         init(s..e, &mut buf[..e - s]);
-                        p.write(s, &buf[..e - s]);
+                        p.write(s, &buf[..e - s]).map_err(dev_err)?;
                     }
                     p
                 };
-                (params, Buf::Host(master))
+                (params, Some(master))
             }
+        };
+        let params = params.to_dev(&dev).map_err(dev_err)?;
+        let master = match master {
+            Some(m) => dev.from_vec(m).map_err(dev_err)?,
+            None => Buf::Host(Vec::new()),
         };
         // Stages 0/1: the full gradients, one allocation per bucket (all-reduced in place);
         // stages 2/3: the shard.
         let grads = if zero.shards_grads() {
-            Bucketed::zeros(std::iter::once(0..spec.shard_len()).collect(), precision)
+            vec![0..spec.shard_len()]
         } else {
-            Bucketed::zeros_on(
-                &dev,
-                buckets.iter().map(|b| b.range.clone()).collect(),
-                precision,
-            )
-            .map_err(dev_err)?
+            buckets.iter().map(|b| b.range.clone()).collect()
         };
+        let grads = Bucketed::zeros_on(&dev, grads, precision).map_err(dev_err)?;
         let m = dev.zeros(per(zero.shards_optimizer())).map_err(dev_err)?;
         let v = dev.zeros(per(zero.shards_optimizer())).map_err(dev_err)?;
         let lr = cfg.adamw.lr;
         let scaler = LossScaler::new(precision, cfg.loss_scale);
-        let staging = vec![None; buckets.len()];
+        let staging = (0..buckets.len()).map(|_| None).collect();
         let powersgd = match cfg.grad_comm {
             GradComm::PowerSgd { rank, .. } => {
                 if zero.shards_grads() {
@@ -609,8 +599,14 @@ impl<M: StageModel> Executor<M> {
                 Cow::Borrowed(self.master.as_host("the master weights").map_err(terr)?),
                 self.cfg.zero.shards_optimizer(),
             ),
-            Flat::Dev(b) => (Cow::Owned(b.to_vec().map_err(terr)?), false),
-            Flat::DevHalf { .. } => (Cow::Owned(self.master.to_vec().map_err(terr)?), false),
+            Flat::Dev(b) => (
+                Cow::Owned(b.to_vec().map_err(terr)?),
+                self.cfg.zero.shards_params(),
+            ),
+            Flat::DevHalf { .. } => (
+                Cow::Owned(self.master.to_vec().map_err(terr)?),
+                self.cfg.zero.shards_optimizer(),
+            ),
         })
     }
 
@@ -618,13 +614,7 @@ impl<M: StageModel> Executor<M> {
     /// step's backward and reductions produced, loss-scaled, and clipped in place when fp32
     /// training clipped. For tests and diagnostics.
     pub fn local_grads(&self) -> Result<Vec<f32>, ParallelError> {
-        if self.cfg.device.is_cuda() {
-            return self.grads.download().map_err(terr);
-        }
-        let n = self.grads.bytes() / self.cfg.precision.compute_bytes();
-        let mut out = vec![0.0; n];
-        self.grads.read_into(0..n, &mut out);
-        Ok(out)
+        self.grads.download().map_err(terr)
     }
 
     /// This rank's whole flat buffer of fp32 (master) parameters on the host; a collective
@@ -638,34 +628,6 @@ impl<M: StageModel> Executor<M> {
         let (full, _) = self.dp.all_gather_v(&master[..n])?;
         Ok(full)
     }
-}
-
-/// The layouts the executor runs on a GPU today: one process (no data, tensor, pipeline,
-/// context or expert parallelism: their collectives and host-slice paths are not on the device
-/// yet), no ZeRO; fp32, bf16 or fp16. Anything else is refused before a buffer is allocated, naming what to
-/// change.
-pub fn check_device(cfg: &ExecConfig, dp: usize, pipeline: bool) -> Result<(), ParallelError> {
-    if !cfg.device.is_cuda() {
-        return Ok(());
-    }
-    let mut why = Vec::new();
-    if dp > 1 {
-        why.push(format!("data parallelism (dp = {dp})"));
-    }
-    if pipeline {
-        why.push("pipeline parallelism".to_string());
-    }
-    if cfg.zero != ZeroStage::Ddp {
-        why.push(format!("ZeRO-{}", cfg.zero.index()));
-    }
-    if why.is_empty() {
-        return Ok(());
-    }
-    Err(ParallelError::Unsupported(format!(
-        "on {} xtrain trains one process for now; {} on the GPU is not built yet (run it on the CPU, or train with --nproc 1)",
-        cfg.device.name(),
-        why.join(", ")
-    )))
 }
 
 fn check_units(units: &[Range<usize>]) -> Result<(), ParallelError> {

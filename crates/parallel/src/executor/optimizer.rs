@@ -99,12 +99,32 @@ impl<M: StageModel> Executor<M> {
         let factor = (clip / loss_scale) as f32;
         self.step += 1;
         let (gr, pr, mr) = self.own_ranges();
-        let opt = self.cfg.adamw;
-        let (t, lr) = (self.step, self.lr);
         if self.cfg.device.is_cuda() {
             self.device_update(factor, (gr, pr, mr))?;
-            return Ok((norm as f32, true));
+        } else {
+            self.host_update(factor, (gr, pr, mr))?;
         }
+        if matches!(zero, ZeroStage::One | ZeroStage::Two) && self.dp.size() > 1 {
+            // All-gather the updated weights unit by unit (buffer bounded by one unit).
+            for u in 0..self.units.len() {
+                let w = self.gather_async(u)?;
+                let full = self.finish_gather(u, w)?;
+                self.gathered_bytes.sub(full.len() * F32);
+                self.params.write(self.units[u].start, &full)?;
+            }
+        }
+        Ok((norm as f32, true))
+    }
+
+    /// AdamW on the host, bucket by bucket of the gradients (fp32) or chunk by chunk (16-bit
+    /// storage, through the fp32 master).
+    fn host_update(
+        &mut self,
+        factor: f32,
+        (gr, pr, mr): (Range<usize>, Range<usize>, Range<usize>),
+    ) -> Result<(), ParallelError> {
+        let opt = self.cfg.adamw;
+        let (t, lr) = (self.step, self.lr);
         let (m, v) = (
             &mut self.m.as_host_mut("the optimizer").map_err(terr)?[mr.clone()],
             &mut self.v.as_host_mut("the optimizer").map_err(terr)?[mr.clone()],
@@ -139,7 +159,9 @@ impl<M: StageModel> Executor<M> {
                 for s in (0..master.len()).step_by(CHUNK) {
                     let e = (s + CHUNK).min(master.len());
                     let g = &mut g[..e - s];
-                    grads.read_into(gr.start + s..gr.start + e, g);
+                    grads
+                        .read_into(gr.start + s..gr.start + e, g)
+                        .map_err(terr)?;
                     scale_grads(g, factor);
                     opt.update(
                         t,
@@ -150,20 +172,11 @@ impl<M: StageModel> Executor<M> {
                         &mut m[s..e],
                         &mut v[s..e],
                     );
-                    params.write(pr.start + s, &master[s..e]);
+                    params.write(pr.start + s, &master[s..e]).map_err(terr)?;
                 }
             }
         }
-        if matches!(zero, ZeroStage::One | ZeroStage::Two) && self.dp.size() > 1 {
-            // All-gather the updated weights unit by unit (buffer bounded by one unit).
-            for u in 0..self.units.len() {
-                let w = self.gather_async(u);
-                let full = self.finish_gather(u, w)?;
-                self.gathered_bytes.sub(full.len() * F32);
-                self.params.write(self.units[u].start, &full);
-            }
-        }
-        Ok((norm as f32, true))
+        Ok(())
     }
 
     /// AdamW on the GPU, piece by piece of the gradient buckets: each piece scaled by

@@ -1,5 +1,10 @@
 //! Data-parallel communication of the executor: ZeRO-3's per-unit parameter gathers, and the
 //! gradient bucket reductions launched during backward and completed later.
+//!
+//! The collectives run over the host transports: on a GPU a bucket's gradients are
+//! downloaded when its reduction launches and the averaged values uploaded when it completes,
+//! and gathered weights are uploaded for the unit's kernels (the staging of
+//! [`crate::precision::Flat`]'s host methods).
 use std::collections::HashMap;
 
 use std::ops::Range;
@@ -59,7 +64,7 @@ pub(super) enum Gather {
 /// or the fp32 buffer itself.
 pub(super) fn param_slice<'a>(
     params: &'a Flat,
-    resident: &'a HashMap<usize, Vec<f32>>,
+    resident: &'a HashMap<usize, Buf>,
     owned: &'a Option<Buf>,
     u: usize,
     range: Range<usize>,
@@ -68,7 +73,7 @@ pub(super) fn param_slice<'a>(
         return o.r();
     }
     if let Some(r) = resident.get(&u) {
-        return BufRef::Host(r);
+        return r.r();
     }
     params.view(range).expect("fp32 weights are used in place")
 }
@@ -76,7 +81,7 @@ pub(super) fn param_slice<'a>(
 impl<M: StageModel> Executor<M> {
     /// This rank's real elements of flat range `r` of the compute weights (from the full
     /// buffer or the shard), in their own precision.
-    fn own_piece(&self, r: &Range<usize>) -> Piece {
+    fn own_piece(&self, r: &Range<usize>) -> Result<Piece, ParallelError> {
         let me = self.dp.rank();
         let own = self.spec.intersect(me, r);
         let local = if own.is_empty() {
@@ -86,20 +91,30 @@ impl<M: StageModel> Executor<M> {
         } else {
             own
         };
-        self.params.piece(local)
+        Ok(self.params.piece(local)?)
     }
 
     /// Starts gathering unit `u`'s compute weights from the shards (pieces arrive in rank
     /// order, which is flat order; 16-bit weights travel as 16 bits).
-    pub(super) fn gather_async(&mut self, u: usize) -> Gather {
+    pub(super) fn gather_async(&mut self, u: usize) -> Result<Gather, ParallelError> {
         let r = self.units[u].clone();
-        let piece = self.own_piece(&r);
+        let piece = self.own_piece(&r)?;
         self.gathered_bytes.add(r.len() * piece.elem_bytes());
-        match piece {
+        Ok(match piece {
             Piece::F32(p) => Gather::F32(self.dp.all_gather_v_async(p)),
             Piece::Bf16(p) => Gather::Bf16(self.dp.all_gather_v_async(p)),
             Piece::F16(p) => Gather::F16(self.dp.all_gather_v_async(p)),
-        }
+        })
+    }
+
+    /// Unit `u`'s gathered fp32 weights on the executor's device (uploaded to a GPU).
+    pub(super) fn finish_gather_on_device(
+        &mut self,
+        u: usize,
+        w: Gather,
+    ) -> Result<Buf, ParallelError> {
+        let full = self.finish_gather(u, w)?;
+        Ok(self.cfg.device.from_vec(full)?)
     }
 
     /// Waits for unit `u`'s gather and returns its weights in fp32 (accounted until
@@ -135,14 +150,14 @@ impl<M: StageModel> Executor<M> {
         w: Option<Gather>,
     ) -> Result<Option<Buf>, ParallelError> {
         if let Some(w) = w {
-            return Ok(Some(Buf::Host(self.finish_gather(u, w)?)));
+            return Ok(Some(self.finish_gather_on_device(u, w)?));
         }
         if self.resident.contains_key(&u) {
             return Ok(None);
         }
         if self.cfg.zero.shards_params() {
-            let w = self.gather_async(u);
-            return Ok(Some(Buf::Host(self.finish_gather(u, w)?)));
+            let w = self.gather_async(u)?;
+            return Ok(Some(self.finish_gather_on_device(u, w)?));
         }
         if self.params.view(0..0).is_some() {
             return Ok(None);
@@ -168,9 +183,8 @@ impl<M: StageModel> Executor<M> {
         self.record(TraceKind::BucketLaunched(b));
         let br = self.buckets[b].range.clone();
         if !self.cfg.zero.shards_grads() && self.dp.size() == 1 {
-            // One rank: the accumulated gradients are already the sum. (On a GPU there is
-            // one process, so nothing to prepare for: expert parallelism is a dp group of
-            // several ranks.)
+            // One rank: the accumulated gradients are already the sum. (On a GPU nothing to
+            // prepare for: expert parallelism, the one model that prepares, runs on the CPU.)
             if !self.cfg.device.is_cuda() {
                 let model = &self.model;
                 self.grads.update_buf(b, br.clone(), |g| {
@@ -185,16 +199,17 @@ impl<M: StageModel> Executor<M> {
         self.reduce_taken(b, buf, pending, false)
     }
 
-    /// Bucket `b`'s fp32 gradients taken out for its reduction: at ZeRO-2/3 its staging
-    /// buffer; else its own fp32 allocation (lent to the collective, returned in `drain`) or,
-    /// for 16-bit storage, an fp32 copy (reductions run in fp32).
+    /// Bucket `b`'s fp32 gradients taken out for its reduction, on the host: at ZeRO-2/3 its
+    /// staging buffer; else its own fp32 host allocation (lent to the collective, returned in
+    /// `drain`) or an fp32 host copy (16-bit storage — reductions run in fp32 — or a GPU's).
     fn take_bucket(&mut self, b: usize) -> Result<Vec<f32>, ParallelError> {
         if self.cfg.zero.shards_grads() {
-            return self.staging[b].take().ok_or_else(|| {
+            let staged = self.staging[b].take().ok_or_else(|| {
                 ParallelError::Protocol(format!("bucket {b} has no staged gradients"))
-            });
+            })?;
+            return Ok(staged.into_vec()?);
         }
-        if self.grads.is_f32() {
+        if self.grads.is_f32() && !self.cfg.device.is_cuda() {
             return match self.grads.take(b) {
                 Some(Flat::F32(v)) => Ok(v),
                 _ => Err(ParallelError::Protocol(format!(
@@ -202,7 +217,7 @@ impl<M: StageModel> Executor<M> {
                 ))),
             };
         }
-        let buf = self.grads.read(b, self.buckets[b].range.clone());
+        let buf = self.grads.read(b, self.buckets[b].range.clone())?;
         self.comm_bytes.add(buf.len() * F32);
         Ok(buf)
     }
@@ -226,7 +241,7 @@ impl<M: StageModel> Executor<M> {
         };
         if !self.cfg.zero.shards_grads() {
             if single {
-                self.store_mean(b, buf);
+                self.store_mean(b, buf)?;
                 self.record(TraceKind::BucketDone(b));
                 return Ok(());
             }
@@ -249,7 +264,7 @@ impl<M: StageModel> Executor<M> {
             // One rank owns the whole shard: the staged gradients are the sum.
             self.grads.update(0, br.clone(), |g| {
                 g.iter_mut().zip(&buf).for_each(|(g, s)| *g += s);
-            });
+            })?;
             self.comm_bytes.sub(buf.len() * F32);
             self.record(TraceKind::BucketDone(b));
             return Ok(());
@@ -358,16 +373,17 @@ impl<M: StageModel> Executor<M> {
         Ok(())
     }
 
-    /// Puts bucket `b`'s averaged gradients (a whole-bucket fp32 buffer) in place: back into
-    /// its lent allocation, or written (rounded) into its 16-bit storage.
-    fn store_mean(&mut self, b: usize, mean: Vec<f32>) {
+    /// Puts bucket `b`'s averaged gradients (a whole-bucket fp32 host buffer) in place: back
+    /// into its lent allocation, or written (rounded) into its 16-bit or GPU storage.
+    fn store_mean(&mut self, b: usize, mean: Vec<f32>) -> Result<(), ParallelError> {
         if self.grads.has(b) {
             let r = self.buckets[b].range.clone();
-            self.grads.write(b, r.start, &mean);
+            self.grads.write(b, r.start, &mean)?;
             self.comm_bytes.sub(mean.len() * F32);
         } else {
             self.grads.put(b, Flat::F32(mean));
         }
+        Ok(())
     }
 
     /// Stores the averaged gradients of the reductions that already finished.
@@ -405,7 +421,7 @@ impl<M: StageModel> Executor<M> {
                 Pending::AllReduce { bucket, work } => {
                     let mut sum = work.wait()?;
                     sum.iter_mut().for_each(|s| *s *= inv);
-                    self.store_mean(bucket, sum);
+                    self.store_mean(bucket, sum)?;
                     bucket
                 }
                 Pending::PowerSgd { bucket, mut buf } => {
@@ -413,7 +429,7 @@ impl<M: StageModel> Executor<M> {
                         ParallelError::Protocol("a PowerSGD reduction without its state".into())
                     })?;
                     state.reduce(bucket, &layouts[bucket], &mut buf, &self.dp)?;
-                    self.store_mean(bucket, buf);
+                    self.store_mean(bucket, buf)?;
                     bucket
                 }
                 Pending::Reduce {
@@ -430,7 +446,7 @@ impl<M: StageModel> Executor<M> {
                             for (g, s) in g.iter_mut().zip(&sum) {
                                 *g += s * inv;
                             }
-                        });
+                        })?;
                     }
                     self.comm_bytes.sub(bytes);
                     bucket

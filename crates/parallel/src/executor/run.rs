@@ -15,7 +15,7 @@ use crate::pipeline_parallel::Action;
 use crate::precision::Bucketed;
 use crate::stage::StageModel;
 use crate::ParallelError;
-use tensor::buf::BufMut;
+use tensor::buf::{Buf, BufMut, Dev};
 
 type Key = (usize, usize);
 
@@ -101,7 +101,8 @@ fn compute<R: Send>(pin: bool, f: impl FnOnce() -> R + Send) -> R {
 struct GradSink<'a> {
     zero: ZeroStage,
     grads: &'a mut Bucketed,
-    staging: &'a mut [Option<Vec<f32>>],
+    staging: &'a mut [Option<Buf>],
+    dev: &'a Dev,
     comm_bytes: &'a mut Gauge,
     gathered_bytes: &'a mut Gauge,
     buckets: &'a [Bucket],
@@ -115,6 +116,7 @@ macro_rules! grad_sink {
             zero: $e.cfg.zero,
             grads: &mut $e.grads,
             staging: &mut $e.staging,
+            dev: &$e.cfg.device,
             comm_bytes: &mut $e.comm_bytes,
             gathered_bytes: &mut $e.gathered_bytes,
             buckets: &$e.buckets,
@@ -137,14 +139,14 @@ impl GradSink<'_> {
         let b = self.unit_bucket[u];
         if self.zero.shards_grads() {
             let br = self.buckets[b].range.clone();
-            let comm_bytes = self.comm_bytes;
-            let buf = self.staging[b].get_or_insert_with(|| {
-                comm_bytes.add(br.len() * F32);
-                vec![0.0; br.len()]
-            });
-            return f(BufMut::Host(
-                &mut buf[range.start - br.start..range.end - br.start],
-            ));
+            if self.staging[b].is_none() {
+                self.comm_bytes.add(br.len() * F32);
+                self.staging[b] = Some(self.dev.zeros(br.len())?);
+            }
+            let buf = self.staging[b].as_mut().expect("staged just above");
+            return f(buf
+                .m()
+                .slice_mut(range.start - br.start..range.end - br.start));
         }
         let widened = !self.grads.is_f32();
         if widened {
@@ -297,8 +299,8 @@ impl<M: StageModel> Executor<M> {
                 if self.cfg.zero.shards_params() {
                     for u in self.stages[ls].units.clone() {
                         if !self.resident.contains_key(&u) {
-                            let w = self.gather_async(u);
-                            let full = self.finish_gather(u, w)?;
+                            let w = self.gather_async(u)?;
+                            let full = self.finish_gather_on_device(u, w)?;
                             self.resident.insert(u, full);
                         }
                     }
@@ -373,7 +375,7 @@ impl<M: StageModel> Executor<M> {
                 format!("stages {stage} and {to} have no link (same rank?)"),
             )
         })?;
-        let wire = self.model.act_to_wire(act);
+        let wire = self.model.act_to_wire(act)?;
         let tag = p2p_tag(flow == Flow::Gradient, to, mb);
         st.sends
             .push((*a, pipe.stage_rank[to], link.isend(wire, 1, tag)));
@@ -438,7 +440,7 @@ impl<M: StageModel> Executor<M> {
             )
         })?;
         st.waited += t.elapsed();
-        Ok(self.model.wire_to_act(wire))
+        self.model.wire_to_act(wire, &self.cfg.device)
     }
 
     /// Passes `stage`'s message of `flow` on: to the neighbour stage if this rank runs it,
@@ -451,9 +453,11 @@ impl<M: StageModel> Executor<M> {
     }
 
     /// Starts gathering unit `u`'s weights (ZeRO-3, unless a `UNSHARD` keeps them).
-    fn prefetch(&mut self, u: usize) -> Option<Gather> {
-        (self.cfg.zero.shards_params() && !self.resident.contains_key(&u))
-            .then(|| self.gather_async(u))
+    fn prefetch(&mut self, u: usize) -> Result<Option<Gather>, ParallelError> {
+        if self.cfg.zero.shards_params() && !self.resident.contains_key(&u) {
+            return Ok(Some(self.gather_async(u)?));
+        }
+        Ok(None)
     }
 
     fn forward(
@@ -476,11 +480,11 @@ impl<M: StageModel> Executor<M> {
         };
         let (scale, pin) = (st.scale[ls], self.pin_compute());
         let mut caches = Vec::with_capacity(units.len());
-        let mut prefetch = self.prefetch(units.start);
+        let mut prefetch = self.prefetch(units.start)?;
         for u in units.clone() {
             let w = prefetch.take();
             if u + 1 < units.end {
-                prefetch = self.prefetch(u + 1);
+                prefetch = self.prefetch(u + 1)?;
             }
             let owned = self.unit_params(u, w)?;
             let range = self.units[u].clone();
@@ -577,13 +581,13 @@ impl<M: StageModel> Executor<M> {
             .then(|| self.tracker(ls));
         let (scale, pin) = (st.scale[ls], self.pin_compute());
         let mut pending = Vec::new();
-        let mut prefetch = self.prefetch(units.end - 1);
+        let mut prefetch = self.prefetch(units.end - 1)?;
         for u in units.clone().rev() {
             let cache = caches.pop().expect("one cache per unit");
             let cache_bytes = self.model.cache_bytes(&cache);
             let w = prefetch.take();
             if u > units.start {
-                prefetch = self.prefetch(u - 1);
+                prefetch = self.prefetch(u - 1)?;
             }
             let owned = self.unit_params(u, w)?;
             self.record(TraceKind::BackwardStart(u));
@@ -641,12 +645,15 @@ impl<M: StageModel> Executor<M> {
             (self.reduces_now(ls, st) && !self.defer_reductions()).then(|| self.tracker(ls));
         let pin = self.pin_compute();
         let order: Vec<usize> = list.iter().map(|(u, _)| *u).collect();
-        let mut prefetch = order.first().and_then(|&u| self.prefetch(u));
+        let mut prefetch = match order.first() {
+            Some(&u) => self.prefetch(u)?,
+            None => None,
+        };
         for (k, (u, wg)) in list.into_iter().enumerate() {
             let bytes = self.model.weight_grad_bytes(&wg);
             let w = prefetch.take();
             if let Some(&next) = order.get(k + 1) {
-                prefetch = self.prefetch(next);
+                prefetch = self.prefetch(next)?;
             }
             let owned = self.unit_params(u, w)?;
             self.record(TraceKind::BackwardStart(u));
@@ -761,14 +768,14 @@ impl<M: StageModel> Executor<M> {
                     0,
                     p2p_tag(false, id, 0),
                 );
-                Some(self.model.wire_to_act(w.wait()?))
+                Some(self.model.wire_to_act(w.wait()?, &self.cfg.device)?)
             };
             let mut last = None;
-            let mut prefetch = self.prefetch(units.start);
+            let mut prefetch = self.prefetch(units.start)?;
             for u in units.clone() {
                 let w = prefetch.take();
                 if u + 1 < units.end {
-                    prefetch = self.prefetch(u + 1);
+                    prefetch = self.prefetch(u + 1)?;
                 }
                 let owned = self.unit_params(u, w)?;
                 let range = self.units[u].clone();
@@ -790,7 +797,7 @@ impl<M: StageModel> Executor<M> {
             } else {
                 let pipe = self.pipe.as_ref().ok_or_else(no_pipe)?;
                 let link = pipe.link(false, id).ok_or_else(no_pipe)?;
-                let wire = self.model.act_to_wire(y);
+                let wire = self.model.act_to_wire(y)?;
                 sends.push(link.isend(wire, 1, p2p_tag(false, id + 1, 0)));
             }
         }
