@@ -275,8 +275,23 @@ fn open(what: &str, names: &[&str]) -> Result<(Library, String), String> {
         .iter()
         .map(|t| t.split(" (").next().unwrap_or(t))
         .collect();
+    let first: Vec<String> = first_folders()
+        .iter()
+        .map(|d| d.display().to_string())
+        .collect();
+    let first = if first.is_empty() {
+        format!("{LIB_PATH_ENV} (unset)")
+    } else {
+        format!("{LIB_PATH_ENV} ({})", first.join(", "))
+    };
+    let toolkit: Vec<String> = toolkit_folders()
+        .iter()
+        .map(|d| d.display().to_string())
+        .collect();
     Err(format!(
-        "{what} was not found (tried {}); install it or name its folder in {LIB_PATH_ENV}",
+        "{what} was not found (looked in {first}, the system loader's path, {}; tried {}); \
+         install it or name its folder in {LIB_PATH_ENV}",
+        toolkit.join(", "),
         short.join(", ")
     ))
 }
