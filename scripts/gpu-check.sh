@@ -9,9 +9,9 @@
 #                                     # and writes OUT/report.md (default: ./gpu-report)
 #
 # The report names the GPU, the driver and the CUDA version (nvidia-smi), NVRTC's version,
-# and each test's result. The CUDA libraries (NVRTC, cuBLASLt) are found in a CUDA toolkit or
-# in the pip wheels of the machine's Python (nvidia-cuda-nvrtc, nvidia-cublas), whose folders
-# go in XTRAIN_CUDA_LIB_PATH.
+# and each test's result. The CUDA libraries (NVRTC, cuBLASLt, NCCL) are found in a CUDA
+# toolkit or in the pip wheels of the machine's Python (nvidia-cuda-nvrtc, nvidia-cublas,
+# nvidia-nccl-cu12 / -cu13), whose folders go in XTRAIN_CUDA_LIB_PATH.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 dir=.gpu-check
@@ -23,7 +23,7 @@ build() {
     cp target/release/xtrain "$dir/xtrain"
     # Test binaries: cargo prints their paths as JSON artifacts.
     cargo test --release -p tensor -p model -p train --test cuda_kernels \
-        --test cuda_kernels_compile --test gpu_model --test gpu_train --no-run \
+        --test cuda_kernels_compile --test gpu_nccl --test gpu_model --test gpu_train --no-run \
         --message-format=json |
         python3 -c '
 import json, sys
@@ -46,7 +46,7 @@ run() {
     local out=${1:-gpu-report}
     mkdir -p "$out"
     local report="$out/report.md"
-    # NVRTC and cuBLASLt from the machine's Python wheels, if no toolkit provides them.
+    # NVRTC, cuBLASLt and NCCL from the machine's Python wheels, if no toolkit provides them.
     local libs
     libs=$(python3 - <<'PY' 2>/dev/null
 import glob, os, site
@@ -55,7 +55,7 @@ dirs = set()
 for r in roots:
     for pat in ("nvidia/*/lib", "nvidia/cu*/lib"):
         for d in glob.glob(os.path.join(r, pat)):
-            if glob.glob(os.path.join(d, "libnvrtc.so*")) or glob.glob(os.path.join(d, "libcublasLt.so*")):
+            if any(glob.glob(os.path.join(d, lib)) for lib in ("libnvrtc.so*", "libcublasLt.so*", "libnccl.so*")):
                 dirs.add(d)
 print(":".join(sorted(dirs)))
 PY
@@ -74,7 +74,7 @@ PY
         echo
     } >"$report"
     local failed=0
-    for t in cuda_kernels_compile cuda_kernels gpu_model gpu_train; do
+    for t in cuda_kernels_compile cuda_kernels gpu_nccl gpu_model gpu_train; do
         if [ ! -x "$dir/$t" ]; then
             echo "- $t: MISSING (run scripts/gpu-check.sh build first)" >>"$report"
             failed=1

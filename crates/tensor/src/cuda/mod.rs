@@ -1,7 +1,8 @@
 //! The CUDA device: xtrain's kernels on an NVIDIA GPU, beside the CPU kernels that stay the
 //! reference (every GPU kernel is tested against its CPU twin on the same inputs).
 //!
-//! - [`sys`]: the driver, NVRTC and cuBLASLt, opened at run time (no toolkit at build time);
+//! - [`sys`]: the driver, NVRTC, cuBLASLt and NCCL, opened at run time (no toolkit at build
+//!   time);
 //! - [`driver`]: the [`Gpu`] (context, stream, kernel modules, allocator), [`DevBuf`] and
 //!   kernel launches;
 //! - [`nvrtc`]: CUDA C → cubin for the GPU found, cached on disk;
@@ -9,7 +10,9 @@
 //! - [`blas`]: matrix products on cuBLASLt (fp32 without TF32, bf16/fp16 inputs with fp32
 //!   accumulation), plans cached per shape;
 //! - [`kernels`]: the CUDA C sources; [`ops`]: typed launchers with the CPU kernels'
-//!   signatures and conventions.
+//!   signatures and conventions;
+//! - [`nccl`]: NCCL communicators ([`NcclComm`], [`NcclId`]) and their collectives on device
+//!   buffers, ordered on the [`Gpu`]'s compute stream.
 //!
 //! A machine without a driver or GPU builds and runs everything else; asking for the device
 //! there is an error naming what is missing ([`CudaError`]).
@@ -18,16 +21,18 @@ pub mod alloc;
 pub mod blas;
 pub mod driver;
 pub mod kernels;
+pub mod nccl;
 pub mod nvrtc;
 pub mod ops;
 pub mod sys;
 
 pub use driver::{device_count, DevBuf, DevSlice, DevSliceMut, DeviceInfo, Gpu, KArg, LaunchCfg};
+pub use nccl::{NcclBuf, NcclBufMut, NcclComm, NcclId, ReduceOp};
 
 /// Why a CUDA operation failed.
 #[derive(Debug, Clone, PartialEq, thiserror::Error)]
 pub enum CudaError {
-    /// A library (driver, NVRTC, cuBLASLt) is missing or incomplete.
+    /// A library (driver, NVRTC, cuBLASLt, NCCL) is missing or incomplete.
     #[error("{0}")]
     Library(String),
     /// No usable GPU (none found, driver too old, compute capability too low).
@@ -36,6 +41,13 @@ pub enum CudaError {
     /// A driver call failed.
     #[error("{call} failed: {message} (CUDA error {code})")]
     Driver {
+        call: String,
+        code: i32,
+        message: String,
+    },
+    /// An NCCL call failed (`message`: NCCL's `ncclGetErrorString`).
+    #[error("{call} failed: {message} (NCCL error {code}; NCCL_DEBUG=WARN prints NCCL's account)")]
+    Nccl {
         call: String,
         code: i32,
         message: String,

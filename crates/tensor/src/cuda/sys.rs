@@ -1,8 +1,9 @@
-//! The three NVIDIA libraries xtrain calls, opened at run time (`dlopen`) so that building
-//! needs no CUDA toolkit and a machine without a GPU runs everything else: the driver
-//! (`libcuda`), NVRTC (`libnvrtc`, kernels compiled from CUDA C) and cuBLASLt (`libcublasLt`,
-//! the matrix products). Each library is a table of function pointers resolved once; a library
-//! or symbol that is missing is an error naming it and where it was looked for, never a panic.
+//! The NVIDIA libraries xtrain calls, opened at run time (`dlopen`) so that building needs no
+//! CUDA toolkit and a machine without a GPU runs everything else: the driver (`libcuda`), NVRTC
+//! (`libnvrtc`, kernels compiled from CUDA C), cuBLASLt (`libcublasLt`, the matrix products)
+//! and NCCL (`libnccl`, the collectives between GPUs). Each library is a table of function
+//! pointers resolved once; a library or symbol that is missing is an error naming it and where
+//! it was looked for, never a panic.
 //!
 //! Where they are looked for, in order: the folders of `XTRAIN_CUDA_LIB_PATH` (`:`-separated),
 //! then the system loader's search (`LD_LIBRARY_PATH`, `ldconfig`), then the usual toolkit
@@ -10,7 +11,9 @@
 //! CUDA 12 ones (`libnvrtc.so.13`, `libnvrtc.so.12`, `libnvrtc.so`), so either toolkit (or the
 //! pip wheels `nvidia-cuda-nvrtc`, `nvidia-cublas`, whose `lib` folder goes in
 //! `XTRAIN_CUDA_LIB_PATH`) serves. The constants below are the values of the CUDA 12 and 13
-//! headers (`cuda.h`, `cublasLt.h`, `library_types.h`), which both versions share.
+//! headers (`cuda.h`, `cublasLt.h`, `library_types.h`), which both versions share, and of
+//! NCCL 2's `nccl.h` (`libnccl.so.2`, from an NCCL install or the pip wheel `nvidia-nccl-cu12`
+//! or `nvidia-nccl-cu13`, whose `nvidia/nccl/lib` folder goes in `XTRAIN_CUDA_LIB_PATH`).
 //!
 //! (A binding crate such as `cudarc` would supply these tables, but it panics where a library
 //! is missing and looks for the library names of the one CUDA version it was built for.)
@@ -79,6 +82,40 @@ pub struct cublasLtMatmulHeuristicResult_t {
     pub state: cublasStatus_t,
     pub wavesCount: f32,
     pub reserved: [c_int; 4],
+}
+
+pub type ncclResult_t = c_int;
+pub type ncclComm_t = *mut c_void;
+pub type ncclDataType_t = c_int;
+pub type ncclRedOp_t = c_int;
+
+/// `ncclResult_t` (nccl.h).
+pub const NCCL_SUCCESS: ncclResult_t = 0;
+pub const NCCL_UNHANDLED_CUDA_ERROR: ncclResult_t = 1;
+pub const NCCL_SYSTEM_ERROR: ncclResult_t = 2;
+pub const NCCL_INTERNAL_ERROR: ncclResult_t = 3;
+pub const NCCL_INVALID_ARGUMENT: ncclResult_t = 4;
+pub const NCCL_INVALID_USAGE: ncclResult_t = 5;
+pub const NCCL_REMOTE_ERROR: ncclResult_t = 6;
+pub const NCCL_IN_PROGRESS: ncclResult_t = 7;
+/// `ncclDataType_t`: fp16 (`ncclHalf`), fp32 (`ncclFloat`), bf16.
+pub const NCCL_FLOAT16: ncclDataType_t = 6;
+pub const NCCL_FLOAT32: ncclDataType_t = 7;
+pub const NCCL_BFLOAT16: ncclDataType_t = 9;
+/// `ncclRedOp_t`.
+pub const NCCL_SUM: ncclRedOp_t = 0;
+pub const NCCL_PROD: ncclRedOp_t = 1;
+pub const NCCL_MAX: ncclRedOp_t = 2;
+pub const NCCL_MIN: ncclRedOp_t = 3;
+pub const NCCL_AVG: ncclRedOp_t = 4;
+/// Bytes of an `ncclUniqueId`.
+pub const NCCL_UNIQUE_ID_BYTES: usize = 128;
+
+/// `ncclUniqueId`: the opaque bytes every rank of a communicator is given (passed by value).
+#[repr(C)]
+#[derive(Clone, Copy)]
+pub struct ncclUniqueId {
+    pub internal: [u8; NCCL_UNIQUE_ID_BYTES],
 }
 
 /// Declares a table of functions resolved from one library.
@@ -197,6 +234,36 @@ api!(BlasLt, "the cuBLASLt library" {
     ) -> cublasStatus_t;
 });
 
+api!(Nccl, "the NCCL library" {
+    ncclGetVersion: fn(*mut c_int) -> ncclResult_t;
+    ncclGetUniqueId: fn(*mut ncclUniqueId) -> ncclResult_t;
+    ncclCommInitRank: fn(*mut ncclComm_t, c_int, ncclUniqueId, c_int) -> ncclResult_t;
+    ncclCommDestroy: fn(ncclComm_t) -> ncclResult_t;
+    ncclCommAbort: fn(ncclComm_t) -> ncclResult_t;
+    ncclCommGetAsyncError: fn(ncclComm_t, *mut ncclResult_t) -> ncclResult_t;
+    ncclGetErrorString: fn(ncclResult_t) -> *const c_char;
+    ncclAllReduce: fn(
+        *const c_void, *mut c_void, usize, ncclDataType_t, ncclRedOp_t, ncclComm_t, CUstream
+    ) -> ncclResult_t;
+    ncclReduce: fn(
+        *const c_void, *mut c_void, usize, ncclDataType_t, ncclRedOp_t, c_int, ncclComm_t,
+        CUstream
+    ) -> ncclResult_t;
+    ncclBroadcast: fn(
+        *const c_void, *mut c_void, usize, ncclDataType_t, c_int, ncclComm_t, CUstream
+    ) -> ncclResult_t;
+    ncclAllGather: fn(
+        *const c_void, *mut c_void, usize, ncclDataType_t, ncclComm_t, CUstream
+    ) -> ncclResult_t;
+    ncclReduceScatter: fn(
+        *const c_void, *mut c_void, usize, ncclDataType_t, ncclRedOp_t, ncclComm_t, CUstream
+    ) -> ncclResult_t;
+    ncclSend: fn(*const c_void, usize, ncclDataType_t, c_int, ncclComm_t, CUstream) -> ncclResult_t;
+    ncclRecv: fn(*mut c_void, usize, ncclDataType_t, c_int, ncclComm_t, CUstream) -> ncclResult_t;
+    ncclGroupStart: fn() -> ncclResult_t;
+    ncclGroupEnd: fn() -> ncclResult_t;
+});
+
 /// Environment variable: folders (`:`-separated) searched first for the CUDA libraries.
 pub const LIB_PATH_ENV: &str = "XTRAIN_CUDA_LIB_PATH";
 
@@ -275,8 +342,23 @@ fn open(what: &str, names: &[&str]) -> Result<(Library, String), String> {
         .iter()
         .map(|t| t.split(" (").next().unwrap_or(t))
         .collect();
+    let first: Vec<String> = first_folders()
+        .iter()
+        .map(|d| d.display().to_string())
+        .collect();
+    let first = if first.is_empty() {
+        format!("{LIB_PATH_ENV} (unset)")
+    } else {
+        format!("{LIB_PATH_ENV} ({})", first.join(", "))
+    };
+    let toolkit: Vec<String> = toolkit_folders()
+        .iter()
+        .map(|d| d.display().to_string())
+        .collect();
     Err(format!(
-        "{what} was not found (tried {}); install it or name its folder in {LIB_PATH_ENV}",
+        "{what} was not found (looked in {first}, the system loader's path, {}; tried {}); \
+         install it or name its folder in {LIB_PATH_ENV}",
+        toolkit.join(", "),
         short.join(", ")
     ))
 }
@@ -373,6 +455,25 @@ pub fn blaslt() -> Result<&'static BlasLt, String> {
         )?;
         // SAFETY: the signatures are those of cublasLt.h (CUDA 12 and 13).
         unsafe { BlasLt::resolve(lib, path) }
+    })
+    .as_ref()
+    .map_err(Clone::clone)
+}
+
+/// NCCL, opened once per process. The error says what to install, or how to go on without it.
+pub fn nccl() -> Result<&'static Nccl, String> {
+    static LIB: OnceLock<Result<Nccl, String>> = OnceLock::new();
+    LIB.get_or_init(|| {
+        let (lib, path) =
+            open("NCCL (libnccl.so.2)", &["libnccl.so.2", "libnccl.so"]).map_err(|e| {
+                format!(
+                    "{e}: NCCL 2 comes with the pip wheel nvidia-nccl-cu12 or nvidia-nccl-cu13 \
+                     (its nvidia/nccl/lib folder goes in {LIB_PATH_ENV}) or an NCCL package; \
+                     without it, the own host-staged collectives serve (XTRAIN_BACKEND=own)"
+                )
+            })?;
+        // SAFETY: the signatures are those of NCCL 2's nccl.h.
+        unsafe { Nccl::resolve(lib, path) }
     })
     .as_ref()
     .map_err(Clone::clone)
