@@ -164,8 +164,37 @@ PY
     return $failed
 }
 
+# ZeRO-Offload on a model whose optimizer state does not fit beside it on the GPU: a 7B
+# Llama (hidden 4096, 32 layers, ffn 11008, vocab 32000; 6.7 G parameters) in bf16, the
+# 16-bit weights and gradients on the GPU (2 x 13.5 GB), the fp32 master and moments on the
+# host (81 GB): tokens/s, GPU and host memory. Separate from `run` (it needs ~100 GB of host
+# memory and a few minutes): scripts/gpu-check.sh offload [OUT].
+offload() {
+    local out=${1:-gpu-report}
+    mkdir -p "$out"
+    local report="$out/offload.md"
+    {
+        echo "# xtrain ZeRO-Offload check, $(date -u '+%Y-%m-%d %H:%M UTC')"
+        echo
+        echo '```'
+        nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv 2>&1
+        free -g | head -2
+    } >"$report"
+    local llama7b=(--set model.hidden_size=4096 --set model.num_layers=32
+        --set model.num_heads=32 --set model.num_kv_heads=32
+        --set model.intermediate_size=11008 --set model.vocab_size=32000
+        --set model.seq_len=256 --set train.micro_batch=1 --set 'train.precision="bf16"'
+        --set 'data.tokenizer="byte"')
+    XTRAIN_KERNEL_CACHE="$out/kernel-cache" timeout 420 "$dir/xtrain" bench train \
+        --preset medium --device cuda --offload optimizer --steps 2 "${llama7b[@]}" \
+        >>"$report" 2>&1 || echo "offload 7B: FAILED or timed out" >>"$report"
+    echo '```' >>"$report"
+    cat "$report"
+}
+
 case "${1:-}" in
 build) build ;;
 run) shift; run "$@" ;;
-*) echo "usage: scripts/gpu-check.sh build | run [OUT]" >&2; exit 2 ;;
+offload) shift; offload "$@" ;;
+*) echo "usage: scripts/gpu-check.sh build | run [OUT] | offload [OUT]" >&2; exit 2 ;;
 esac

@@ -40,6 +40,9 @@ pub struct BenchReport {
     pub fma_peak_gflops: Option<f64>,
     /// Rank 0's accounted bytes (its model states and the peaks of its transient buffers).
     pub accounted_bytes: u64,
+    /// Of which in host memory while training on a GPU (the optimizer state under
+    /// ZeRO-Offload).
+    pub offloaded_bytes: u64,
     pub peak_rss_bytes: Option<u64>,
     /// Seconds per step in each model kernel class, and the rest ("other": optimizer,
     /// precision conversions, data, glue), from the model's kernel timers.
@@ -167,14 +170,23 @@ impl std::fmt::Display for BenchReport {
             )?;
         }
         if let Some(g) = &self.gpu {
+            let on_device = self.accounted_bytes - self.offloaded_bytes;
             writeln!(
                 f,
-                "GPU {}: peak live buffers {} ({:.2}x the account), device memory in use {}",
+                "GPU {}: peak live buffers {} ({:.2}x the account on the device, {}), device memory in use {}",
                 g.device,
                 human(g.peak_live_bytes),
-                g.peak_live_bytes as f64 / self.accounted_bytes as f64,
+                g.peak_live_bytes as f64 / on_device as f64,
+                human(on_device),
                 human(g.device_used_bytes)
             )?;
+            if self.offloaded_bytes > 0 {
+                writeln!(
+                    f,
+                    "optimizer state offloaded to the host: {}",
+                    human(self.offloaded_bytes)
+                )?;
+            }
         }
         write!(
             f,
@@ -312,7 +324,11 @@ pub fn bench_train(
     };
     Ok(Some(BenchReport {
         preset: preset.to_string(),
-        layout: t.dims.describe(),
+        layout: if t.exec.config().offload_optimizer {
+            format!("{} + optimizer offloaded to the host", t.dims.describe())
+        } else {
+            t.dims.describe()
+        },
         ranks: comm.size(),
         threads,
         kernels: tensor::isa::describe(),
@@ -326,6 +342,7 @@ pub fn bench_train(
         mfu: tps * fpt / peak,
         fma_peak_gflops: fma_peak.map(|p| p / 1e9),
         accounted_bytes: t.memory().total() as u64,
+        offloaded_bytes: t.exec.offloaded_bytes() as u64,
         peak_rss_bytes: peak_rss_bytes(),
         profile,
         cpu_steal,

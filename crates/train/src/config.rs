@@ -213,9 +213,24 @@ pub struct ParallelConfig {
     /// Gradient bucket size of data parallelism in MiB (PyTorch DDP's 25 by default).
     #[serde(default = "default_bucket_mb")]
     pub bucket_mb: f64,
+    /// ZeRO-Offload: `none` (default) or `optimizer` — the fp32 master weights and AdamW
+    /// moments in host memory, AdamW on the CPU (docs/GPU.md).
+    #[serde(default = "default_offload")]
+    pub offload: String,
 }
 
 impl ParallelConfig {
+    /// Whether ZeRO-Offload moves the optimizer to the host (`offload = "optimizer"`).
+    pub fn offload_optimizer(&self) -> Result<bool> {
+        match self.offload.trim() {
+            "none" | "" => Ok(false),
+            "optimizer" => Ok(true),
+            other => Err(TrainError::Config(format!(
+                "parallel.offload = `{other}` (expected none or optimizer)"
+            ))),
+        }
+    }
+
     /// The degrees as the mesh takes them (not yet checked against each other).
     pub fn dims(&self) -> Result<parallel::ParallelDims> {
         let zero = parallel::data_parallel::ZeroStage::from_index(self.zero).ok_or_else(|| {
@@ -295,6 +310,10 @@ fn default_schedule() -> String {
 
 fn default_bucket_mb() -> f64 {
     25.0
+}
+
+fn default_offload() -> String {
+    "none".into()
 }
 
 fn default_recompute() -> String {
@@ -411,6 +430,7 @@ impl RunConfig {
                 virtual_stages: 0,
                 schedule: default_schedule(),
                 bucket_mb: default_bucket_mb(),
+                offload: default_offload(),
             },
         };
         if name == "moe-small" {
@@ -559,6 +579,7 @@ impl RunConfig {
                 "parallel.bucket_mb must be a positive size in MiB (got {bucket})"
             ));
         }
+        self.parallel.offload_optimizer()?;
         if !(0.0..0.5).contains(&self.data.val_fraction) {
             return bad("data.val_fraction must lie in [0, 0.5)".into());
         }

@@ -394,6 +394,7 @@ impl Trainer {
             // process do not.
             one_rank_per_process: comm.size() == 1 || comm::env::LaunchEnv::from_env().is_ok(),
             device,
+            offload_optimizer: p.offload_optimizer()?,
         };
         let init = par.stage.clone();
         let seed = t.seed;

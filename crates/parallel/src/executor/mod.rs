@@ -83,6 +83,13 @@ pub struct ExecConfig {
     /// (the host transports); the model's own collectives (tensor, context and expert
     /// parallelism) are host-only yet and say so when given device buffers.
     pub device: Dev,
+    /// ZeRO-Offload (Ren et al. 2021, arXiv 2101.06840): the fp32 master weights and AdamW
+    /// moments of what this rank updates live in host memory and AdamW runs on the CPU; the
+    /// device keeps the compute weights and gradients. Each step the gradients come to the
+    /// host chunk by chunk (widened from 16 bits), the master is updated there, and the
+    /// weights go back (rounded). In fp32 the master is then a host copy beside the device
+    /// weights. On the CPU nothing moves, but the same path runs (a separate master).
+    pub offload_optimizer: bool,
 }
 
 impl Default for ExecConfig {
@@ -97,6 +104,7 @@ impl Default for ExecConfig {
             loss_scale: 65536.0,
             one_rank_per_process: false,
             device: Dev::Cpu,
+            offload_optimizer: false,
         }
     }
 }
@@ -355,11 +363,15 @@ impl<M: StageModel> Executor<M> {
         };
         let per = |sharded: bool| if sharded { spec.shard_len() } else { total };
         let dev_err = |e: tensor::TensorError| ParallelError::Model(e.to_string());
-        // Made on the host, then (on a GPU) uploaded: the same values on either device.
+        // Made on the host, then (on a GPU) uploaded: the same values on either device. A
+        // separate fp32 master exists in 16-bit training and under ZeRO-Offload.
+        let offload = cfg.offload_optimizer;
         let (params, master) = match precision.half() {
-            None if zero.shards_params() => (Flat::F32(fill(own.clone(), spec.shard_len())), None),
-            None => (Flat::F32(fill(0..total, total)), None),
-            Some(_) => {
+            None if zero.shards_params() && !offload => {
+                (Flat::F32(fill(own.clone(), spec.shard_len())), None)
+            }
+            None if !offload => (Flat::F32(fill(0..total, total)), None),
+            _ => {
                 let master = if zero.shards_optimizer() {
                     fill(own.clone(), spec.shard_len())
                 } else {
@@ -386,8 +398,10 @@ impl<M: StageModel> Executor<M> {
             }
         };
         let params = params.to_dev(&dev).map_err(dev_err)?;
+        // Where AdamW's state lives: the device, or the host under ZeRO-Offload.
+        let state_dev = if offload { Dev::Cpu } else { dev.clone() };
         let master = match master {
-            Some(m) => dev.from_vec(m).map_err(dev_err)?,
+            Some(m) => state_dev.from_vec(m).map_err(dev_err)?,
             None => Buf::Host(Vec::new()),
         };
         // Stages 0/1: the full gradients, one allocation per bucket (all-reduced in place);
@@ -398,8 +412,12 @@ impl<M: StageModel> Executor<M> {
             buckets.iter().map(|b| b.range.clone()).collect()
         };
         let grads = Bucketed::zeros_on(&dev, grads, precision).map_err(dev_err)?;
-        let m = dev.zeros(per(zero.shards_optimizer())).map_err(dev_err)?;
-        let v = dev.zeros(per(zero.shards_optimizer())).map_err(dev_err)?;
+        let m = state_dev
+            .zeros(per(zero.shards_optimizer()))
+            .map_err(dev_err)?;
+        let v = state_dev
+            .zeros(per(zero.shards_optimizer()))
+            .map_err(dev_err)?;
         let lr = cfg.adamw.lr;
         let scaler = LossScaler::new(precision, cfg.loss_scale);
         let staging = (0..buckets.len()).map(|_| None).collect();
@@ -569,6 +587,16 @@ impl<M: StageModel> Executor<M> {
         }
     }
 
+    /// Bytes of [`Self::memory`] held in host memory rather than on the GPU: the master
+    /// weights and moments under ZeRO-Offload (0 otherwise, and on the CPU).
+    pub fn offloaded_bytes(&self) -> usize {
+        if self.cfg.offload_optimizer && self.cfg.device.is_cuda() {
+            self.master.bytes() + self.m.bytes() + self.v.bytes()
+        } else {
+            0
+        }
+    }
+
     /// Whether gradient reductions wait for `REDUCE_GRAD` (replicated layers: one launch order
     /// on every member of the gradient group).
     fn defer_reductions(&self) -> bool {
@@ -593,6 +621,12 @@ impl<M: StageModel> Executor<M> {
     /// The fp32 master weights this rank holds on the host (downloaded from a GPU): full
     /// (`false`) or its shard (`true`).
     fn master_view(&self) -> Result<(Cow<'_, [f32]>, bool), ParallelError> {
+        if self.cfg.offload_optimizer {
+            return Ok((
+                Cow::Borrowed(self.master.as_host("the offloaded master weights")?),
+                self.cfg.zero.shards_optimizer(),
+            ));
+        }
         Ok(match &self.params {
             Flat::F32(p) => (Cow::Borrowed(p), self.cfg.zero.shards_params()),
             Flat::Half { .. } => (

@@ -99,7 +99,7 @@ impl<M: StageModel> Executor<M> {
         let factor = (clip / loss_scale) as f32;
         self.step += 1;
         let (gr, pr, mr) = self.own_ranges();
-        if self.cfg.device.is_cuda() {
+        if self.cfg.device.is_cuda() && !self.cfg.offload_optimizer {
             self.device_update(factor, (gr, pr, mr))?;
         } else {
             self.host_update(factor, (gr, pr, mr))?;
@@ -116,8 +116,9 @@ impl<M: StageModel> Executor<M> {
         Ok((norm as f32, true))
     }
 
-    /// AdamW on the host, bucket by bucket of the gradients (fp32) or chunk by chunk (16-bit
-    /// storage, through the fp32 master).
+    /// AdamW on the host, bucket by bucket of the gradients (fp32) or chunk by chunk through
+    /// the fp32 master (16-bit storage, ZeRO-Offload: the gradients downloaded from a GPU and
+    /// the weights uploaded).
     fn host_update(
         &mut self,
         factor: f32,
@@ -129,8 +130,9 @@ impl<M: StageModel> Executor<M> {
             &mut self.m.as_host_mut("the optimizer").map_err(terr)?[mr.clone()],
             &mut self.v.as_host_mut("the optimizer").map_err(terr)?[mr.clone()],
         );
+        let offload = self.cfg.offload_optimizer;
         match (&mut self.params, &mut self.grads) {
-            (Flat::F32(p), grads) if grads.is_f32() => {
+            (Flat::F32(p), grads) if grads.is_f32() && !offload => {
                 // Bucket by bucket (AdamW is elementwise): the piece at flat offset `s` of the
                 // gradients pairs with the same offset from the starts of `pr` and `mr`.
                 grads.f32_pieces_mut(gr.clone(), |s, g| {
@@ -149,8 +151,9 @@ impl<M: StageModel> Executor<M> {
                 });
             }
             (params, grads) => {
-                // 16-bit: chunk by chunk, widen the gradients, clip and unscale, update the
-                // fp32 master, round it into the weights.
+                // 16-bit or offloaded: chunk by chunk, bring the gradients to the host as
+                // fp32, clip and unscale, update the fp32 master, store it into the weights
+                // (rounded; uploaded from the host under ZeRO-Offload).
                 let master = &mut self
                     .master
                     .as_host_mut("the master weights")

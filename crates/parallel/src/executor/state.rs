@@ -150,25 +150,31 @@ impl<M: StageModel> Executor<M> {
         };
         let (pr, pl) = cut(zero.shards_params());
         let weights = buf(Kind::Param, pr, pl)?;
-        let master = if self.cfg.precision.half().is_some() {
+        let master = if self.cfg.precision.half().is_some() || self.cfg.offload_optimizer {
             let (r, l) = cut(zero.shards_optimizer());
             buf(Kind::Param, r, l)?
         } else {
             Vec::new()
         };
         let dev = self.cfg.device.clone();
+        // AdamW's state on the device, or on the host under ZeRO-Offload.
+        let state_dev = if self.cfg.offload_optimizer {
+            tensor::buf::Dev::Cpu
+        } else {
+            dev.clone()
+        };
         let master = if master.is_empty() {
             Buf::Host(master)
         } else {
-            dev.from_vec(master).map_err(terr)?
+            state_dev.from_vec(master).map_err(terr)?
         };
         let (mr, ml) = cut(zero.shards_optimizer());
         let m = buf(Kind::ExpAvg, mr.clone(), ml)?;
         let v = buf(Kind::ExpAvgSq, mr, ml)?;
         self.params = Flat::from_f32_on(&dev, weights, self.cfg.precision).map_err(terr)?;
         self.master = master;
-        self.m = dev.from_vec(m).map_err(terr)?;
-        self.v = dev.from_vec(v).map_err(terr)?;
+        self.m = state_dev.from_vec(m).map_err(terr)?;
+        self.v = state_dev.from_vec(v).map_err(terr)?;
         // PowerSGD continues from the saved mean error (every rank holds it); a checkpoint
         // without one starts its error feedback at zero, as a run switching PowerSGD on does.
         if self.powersgd.is_some() && ck.manifest.state.grad_comm_error {

@@ -62,9 +62,13 @@ pub struct LayoutArgs {
     #[arg(long)]
     pub microbatches: Option<usize>,
     /// Where to train: cpu, cuda or cuda:N (`train.device`; default `XTRAIN_DEVICE`, else the
-    /// CPU). On a GPU today: one process (docs/GPU.md).
+    /// CPU). On a GPU today: data and pipeline parallelism (docs/GPU.md).
     #[arg(long)]
     pub device: Option<String>,
+    /// ZeRO-Offload: `optimizer` keeps the fp32 master weights and AdamW moments in host
+    /// memory and runs AdamW on the CPU (`parallel.offload`; default none).
+    #[arg(long)]
+    pub offload: Option<String>,
 }
 
 impl LayoutArgs {
@@ -92,6 +96,7 @@ impl LayoutArgs {
             ("schedule", &self.schedule),
             ("cp_balance", &self.cp_balance),
             ("cp_comm", &self.cp_comm),
+            ("offload", &self.offload),
         ] {
             if let Some(v) = v {
                 o.push(format!("parallel.{k}={}", toml::Value::String(v.clone())));
