@@ -3,7 +3,9 @@
 //! where a 70B model lands on 64 A100s, and a model that fits nowhere.
 use parallel::data_parallel::ZeroStage;
 use parallel::memory::formula;
-use parallel::plan::{evaluate, plan, shapes, Cluster, Conventions, Job, Layout, SearchSpace};
+use parallel::plan::{
+    evaluate, plan, shapes, Cluster, Conventions, Job, Layout, Offload, SearchSpace,
+};
 use parallel::Precision;
 
 const GIB: f64 = (1u64 << 30) as f64;
@@ -115,10 +117,12 @@ fn llama_70b_on_64_a100s_ranks_tp8_pp2_dp4_in_the_top_three() {
         expert_imbalance: 1.0,
     };
     let cluster = Cluster::preset("a100-80g", 8).unwrap();
-    // Megatron-LM's options: distributed optimizer (ZeRO-1), no context parallelism.
+    // Megatron-LM's options: distributed optimizer (ZeRO-1), no context parallelism, no
+    // optimizer offload.
     let space = SearchSpace {
         zero: vec![ZeroStage::Ddp, ZeroStage::One],
         cp: Some(1),
+        offload: vec![Offload::None],
         ..SearchSpace::default()
     };
     let p = plan(&job, &cluster, &space).unwrap();

@@ -1,5 +1,6 @@
 //! `xtrain plan` through the command line: a ranked table, JSON, the SVG chart, `--explain`
-//! by rank and by name, a model that fits nowhere, and bad input named.
+//! by rank and by name, a model that fits nowhere, optimizer offload on a cluster JSON with a
+//! host side, and bad input named.
 mod common;
 use common::*;
 
@@ -109,6 +110,56 @@ fn a_model_that_fits_nowhere_and_bad_input() {
         err.contains("--expert-imbalance must be at least 1"),
         "{err}"
     );
+}
+
+/// One H100-80G with 128 GB of host memory (PCIe Gen5, two sockets' CPU AdamW).
+const ONE_H100: &str = r#"{"name": "one H100", "nodes": 1, "devices_per_node": 1,
+  "memory_bytes": 85899345920, "peak_flops_16": 989e12, "peak_flops_32": 495e12,
+  "efficiency": 0.65, "memory_bandwidth": 3.35e12,
+  "intra": {"latency": 4e-6, "bandwidth": 360e9}, "inter": {"latency": 8e-6, "bandwidth": 46e9},
+  "host": {"memory_bytes": 128000000000, "link": {"latency": 1e-5, "bandwidth": 50e9},
+           "adam_params_per_s": 4e9}}"#;
+
+#[test]
+fn offload_fits_a_7b_model_on_one_h100() {
+    let dir = tmp("plan-offload");
+    std::fs::create_dir_all(&dir).unwrap();
+    let cluster = dir.join("one-h100.json");
+    std::fs::write(&cluster, ONE_H100).unwrap();
+    let base = [
+        "plan",
+        "--model",
+        "llama2-7b",
+        "--cluster",
+        cluster.to_str().unwrap(),
+        "--global-batch",
+        "8",
+        "--seq-len",
+        "2048",
+    ];
+    let out = ok(&xtrain(&base));
+    assert!(out.contains("host memory per device"), "{out}");
+    let first = out
+        .lines()
+        .find(|l| l.trim_start().starts_with("1 "))
+        .unwrap_or_else(|| panic!("{out}"));
+    assert!(first.contains("offload=optimizer"), "{out}");
+    // The host column: 16 bytes per parameter of the whole model, ~100 GiB.
+    let json = ok(&xtrain(&[&base[..], &["--top", "1", "--json"]].concat()));
+    let v: serde_json::Value = serde_json::from_str(&json).unwrap();
+    let best = &v["feasible"][0];
+    let params = best["ranks"][0]["params"].as_u64().unwrap();
+    assert_eq!(best["host"].as_u64().unwrap(), 16 * params);
+    assert_eq!(best["peak"]["master"].as_u64().unwrap(), 0);
+    let explained = ok(&xtrain(&[&base[..], &["--explain", "1"]].concat()));
+    assert!(
+        explained.contains("host: fp32 master") && explained.contains("on the host's CPUs"),
+        "{explained}"
+    );
+    let on_device = ok(&xtrain(&[&base[..], &["--offload", "none"]].concat()));
+    assert!(on_device.contains("nothing fits"), "{on_device}");
+    let err = failed(&xtrain(&[&base[..], &["--offload", "disk"]].concat()));
+    assert!(err.contains("offload `disk`"), "{err}");
 }
 
 #[test]

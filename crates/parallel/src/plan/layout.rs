@@ -1,6 +1,7 @@
 //! One candidate layout of a training job — the degrees, the ZeRO stage, sequence
-//! parallelism, the pipeline schedule, micro-batching and recomputation — with a compact
-//! name that prints and parses (`tp8 pp2 dp4 z1 sp 1f1b mb1x64 rc=selective`).
+//! parallelism, the pipeline schedule, micro-batching, recomputation and optimizer offload —
+//! with a compact name that prints and parses
+//! (`tp8 pp2 dp4 z1 sp 1f1b mb1x64 rc=selective offload=optimizer`).
 use std::fmt;
 use std::str::FromStr;
 
@@ -11,6 +12,41 @@ use crate::data_parallel::ZeroStage;
 use crate::dims::ParallelDims;
 use crate::pipeline_parallel::ScheduleKind;
 use crate::ParallelError;
+
+/// Where the optimizer's fp32 state lives and where its step runs.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub enum Offload {
+    /// On the device: master weights and AdamW moments beside the 16-bit weights.
+    #[default]
+    None,
+    /// ZeRO-Offload: the fp32 master weights, AdamW moments and fp32 gradients of the rank's
+    /// optimizer shard in host memory, the AdamW step on the CPU; gradients stream device →
+    /// host, the updated 16-bit weights host → device (16-bit training only).
+    Optimizer,
+}
+
+impl Offload {
+    /// The name in a layout (`offload=NAME`) and on the command line.
+    pub fn name(self) -> &'static str {
+        match self {
+            Offload::None => "none",
+            Offload::Optimizer => "optimizer",
+        }
+    }
+}
+
+impl FromStr for Offload {
+    type Err = ParallelError;
+    fn from_str(text: &str) -> Result<Self, ParallelError> {
+        match text {
+            "none" => Ok(Offload::None),
+            "optimizer" => Ok(Offload::Optimizer),
+            other => Err(ParallelError::Config(format!(
+                "offload `{other}` (expected none or optimizer)"
+            ))),
+        }
+    }
+}
 
 /// A layout of the job.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -31,6 +67,7 @@ pub struct Layout {
     /// Micro-batches per step on each dp rank (gradient accumulation / pipeline depth).
     pub microbatches: usize,
     pub recompute: Recompute,
+    pub offload: Offload,
 }
 
 impl Layout {
@@ -49,6 +86,7 @@ impl Layout {
             micro_batch,
             microbatches: 1,
             recompute: Recompute::None,
+            offload: Offload::None,
         }
     }
 
@@ -110,7 +148,11 @@ impl fmt::Display for Layout {
             self.micro_batch,
             self.microbatches,
             recompute_name(self.recompute)
-        )
+        )?;
+        if self.offload != Offload::None {
+            write!(f, " offload={}", self.offload.name())?;
+        }
+        Ok(())
     }
 }
 
@@ -123,11 +165,12 @@ impl Serialize for Layout {
 impl FromStr for Layout {
     type Err = ParallelError;
     /// Parses the printed name; tokens may be separated by spaces or commas, absent degrees
-    /// are 1, absent ZeRO stage 0, absent micro-batching `mb1x1`, absent recomputation none.
+    /// are 1, absent ZeRO stage 0, absent micro-batching `mb1x1`, absent recomputation and
+    /// offload none.
     fn from_str(text: &str) -> Result<Self, ParallelError> {
         let bad = |t: &str| {
             ParallelError::Config(format!(
-                "layout token `{t}` (expected tpN ppN dpN cpN epN zK sp SCHEDULE[/V] mbBxM rc=none|selective|full)"
+                "layout token `{t}` (expected tpN ppN dpN cpN epN zK sp SCHEDULE[/V] mbBxM rc=none|selective|full offload=none|optimizer)"
             ))
         };
         let mut l = Layout::single(1);
@@ -165,6 +208,8 @@ impl FromStr for Layout {
                     "full" => Recompute::Full,
                     _ => return Err(bad(tok)),
                 };
+            } else if let Some(o) = tok.strip_prefix("offload=") {
+                l.offload = o.parse().map_err(|_| bad(tok))?;
             } else {
                 let (name, v) = tok.split_once('/').unwrap_or((tok, "1"));
                 l.schedule = Some(name.parse().map_err(|_| bad(tok))?);
@@ -200,13 +245,21 @@ mod tests {
             micro_batch: 1,
             microbatches: 16,
             recompute: Recompute::Selective,
+            offload: Offload::Optimizer,
         };
         let name = l.to_string();
         assert_eq!(
             name,
-            "tp8 pp2 dp4 cp2 ep2 z1 sp interleaved/3 mb1x16 rc=selective"
+            "tp8 pp2 dp4 cp2 ep2 z1 sp interleaved/3 mb1x16 rc=selective offload=optimizer"
         );
         assert_eq!(name.parse::<Layout>().unwrap(), l);
+        let on_device = Layout {
+            offload: Offload::None,
+            ..l
+        };
+        assert!(!on_device.to_string().contains("offload"));
+        assert_eq!(on_device.to_string().parse::<Layout>().unwrap(), on_device);
+        assert!("dp2 offload=disk".parse::<Layout>().is_err());
         assert_eq!(
             "tp2,dp2,zb-h1,pp2".parse::<Layout>().unwrap().schedule,
             Some(ScheduleKind::ZbH1)

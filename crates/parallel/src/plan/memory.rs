@@ -6,6 +6,15 @@
 //!   are [`crate::memory::formula`] over the group ZeRO shards across (dp × cp, or the
 //!   expert-data-parallel dp·cp/ep, × DualPipe's two copies). The same functions build the
 //!   executor's buffers, so the prediction equals its accounting exactly (tested).
+//! - **Optimizer offload** ([`Offload::Optimizer`], ZeRO-Offload: Ren et al. 2021, arXiv
+//!   2101.06840, §4.1) moves the fp32 master weights and AdamW moments of the rank's optimizer
+//!   shard to host memory, with an fp32 gradient buffer beside them (DeepSpeed's ZeRO-1/2
+//!   optimizer keeps the partition's fp32 gradients on the host): the device keeps its 16-bit
+//!   weights and gradients — `2Φ + 2Φ` at ZeRO-0/1, `2Φ + 2Φ/N` at ZeRO-2, `2Φ/N + 2Φ/N` at
+//!   ZeRO-3 — and the host holds [`HOST_BYTES_PER_PARAM`]` = 4 + 8 + 4 = 16` bytes per
+//!   element of the optimizer shard: `16·⌈Φ/N⌉` at ZeRO-1/2/3 (partitioned over the ZeRO group
+//!   as the optimizer states are), `16Φ` per rank at ZeRO-0 (every rank updates all of it).
+//!   Only 16-bit training offloads (fp32 weights are their own master copy).
 //! - **Activations**, with [`Conventions::Xtrain`], are the bytes of what each unit caches
 //!   for its backward in this engine (fp32; per block: input, the two norms' outputs and
 //!   rstd, q, k, v, the attention output and log-sum-exp, the residual, SwiGLU's gate, up and
@@ -22,9 +31,10 @@
 //!   two gathered units, and the 16-bit engine's widened unit.
 use model::{ModelConfig, ParamLayout, Recompute};
 
-use super::layout::Layout;
+use super::layout::{Layout, Offload};
 use super::{Cluster, Conventions, Job};
 use crate::data_parallel::bucket::DEFAULT_BUCKET_BYTES;
+use crate::data_parallel::ZeroStage;
 use crate::memory::{formula, MemoryAccount};
 use crate::parallelize::head_grads_in_forward;
 use crate::pipeline_parallel::split::{stage_parts, Part};
@@ -392,6 +402,8 @@ pub struct RankMemory {
     /// The process around it: [`Cluster::process_bytes`] and the transport's buffers for the
     /// rank's groups ([`group_peers`] × [`Cluster::group_peer_bytes`]).
     pub process: usize,
+    /// Host memory of the rank's offloaded optimizer shard (0 without offload).
+    pub host: usize,
 }
 
 impl RankMemory {
@@ -475,11 +487,7 @@ pub fn predict(
             .max()
             .unwrap_or(0);
         let n = zero_group(l, sched, r);
-        let mut account = formula(params, n, l.zero, job.precision);
-        if job.conventions == Conventions::Megatron && job.precision.half().is_some() {
-            // Megatron accumulates gradients in fp32 beside 16-bit weights.
-            account.grads *= 2;
-        }
+        let (mut account, host) = model_states(job, l, params, n);
         account.activations = profile.peak(r, stage);
         account.comm_buffers = comm_buffers(job, l, params, max_unit, n);
         out.push(RankMemory {
@@ -490,9 +498,44 @@ pub fn predict(
             account,
             workspace,
             process,
+            host,
         });
     }
     out
+}
+
+/// Bytes per element of a rank's optimizer shard that optimizer offload keeps in host memory:
+/// fp32 master weights 4 + AdamW moments 8 + fp32 gradients 4 (see the module doc).
+pub const HOST_BYTES_PER_PARAM: usize = 16;
+
+/// Elements of the optimizer shard of a rank holding `params` over a ZeRO group of `n`:
+/// the padded `⌈Φ/N⌉` where the stage shards the optimizer (ZeRO ≥ 1), else all `Φ`.
+pub fn optimizer_shard(params: usize, n: usize, zero: ZeroStage) -> usize {
+    if zero.shards_optimizer() {
+        params.div_ceil(n.max(1))
+    } else {
+        params
+    }
+}
+
+/// The model states of `params` elements over a ZeRO group of `n`: the device's account (the
+/// engine's [`formula`]; with Megatron's conventions fp32 gradients; without the master
+/// weights and moments under offload) and the host's bytes (see the module doc).
+pub fn model_states(job: &Job, l: &Layout, params: usize, n: usize) -> (MemoryAccount, usize) {
+    let mut account = formula(params, n, l.zero, job.precision);
+    if job.conventions == Conventions::Megatron && job.precision.half().is_some() {
+        // Megatron accumulates gradients in fp32 beside 16-bit weights.
+        account.grads *= 2;
+    }
+    let host = match l.offload {
+        Offload::None => 0,
+        Offload::Optimizer => {
+            account.master = 0;
+            account.optimizer = 0;
+            HOST_BYTES_PER_PARAM * optimizer_shard(params, n, l.zero)
+        }
+    };
+    (account, host)
 }
 
 /// The ranks pipeline rank `r`'s model states are sharded over: dp × cp (× DualPipe's two
@@ -522,4 +565,58 @@ fn comm_buffers(job: &Job, l: &Layout, params: usize, max_unit: usize, n: usize)
             2 => unit + buckets,
             _ => 2 * unit + buckets,
         }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::Precision;
+
+    fn job(precision: Precision) -> Job {
+        Job {
+            model: model::ModelConfig::llama(256, 64, 128, 2, 4, 4),
+            seq_len: 16,
+            global_batch: 4,
+            precision,
+            conventions: Conventions::Xtrain,
+            expert_imbalance: 1.0,
+        }
+    }
+
+    #[test]
+    fn offload_moves_master_moments_and_fp32_grads_to_the_host() {
+        // Φ = 1001 does not divide by 2 or 4: shards are padded to ⌈Φ/N⌉ = 501, 251.
+        let phi: usize = 1001;
+        let job = job(Precision::Bf16);
+        for n in [2, 4] {
+            let s = phi.div_ceil(n);
+            // By hand, per stage: (device weights, device grads, host bytes).
+            let want = [
+                (2 * phi, 2 * phi, 16 * phi),
+                (2 * phi, 2 * phi, 16 * s),
+                (2 * phi, 2 * s, 16 * s),
+                (2 * s, 2 * s, 16 * s),
+            ];
+            for (k, &(params, grads, host)) in want.iter().enumerate() {
+                let l = Layout {
+                    dp: n,
+                    zero: ZeroStage::from_index(k).unwrap(),
+                    offload: Offload::Optimizer,
+                    ..Layout::single(1)
+                };
+                let (dev, h) = model_states(&job, &l, phi, n);
+                let got = (dev.params, dev.grads, dev.master, dev.optimizer, h);
+                assert_eq!(got, (params, grads, 0, 0, host), "z{k} over {n}");
+                // Without offload the same stage keeps 12 bytes per shard element on the
+                // device and nothing on the host.
+                let on_device = Layout {
+                    offload: Offload::None,
+                    ..l
+                };
+                let (dev, h) = model_states(&job, &on_device, phi, n);
+                let shard = if k == 0 { phi } else { s };
+                assert_eq!((dev.master + dev.optimizer, h), (12 * shard, 0), "z{k}");
+            }
+        }
+    }
 }

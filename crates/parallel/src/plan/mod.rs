@@ -22,8 +22,8 @@ pub mod search;
 pub mod shapes;
 pub mod time;
 
-pub use cluster::{Cluster, Link};
-pub use layout::Layout;
+pub use cluster::{Cluster, Host, Link};
+pub use layout::{Layout, Offload};
 pub use search::{evaluate, plan, Plan, Prediction, SearchSpace, Shortfall};
 
 use model::ModelConfig;

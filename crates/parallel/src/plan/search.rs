@@ -1,6 +1,9 @@
 //! The search: every layout of a job on a cluster (within the limits a [`SearchSpace`] sets),
 //! each predicted, the feasible ones ranked by tokens per second; when none fits, the one
-//! closest to fitting and what would make the job fit.
+//! closest to fitting and what would make the job fit. A layout fits when its fullest rank's
+//! resident bytes fit in a device and, under optimizer offload, its fullest rank's host bytes
+//! in the device's share of its node's host memory ([`Cluster::host_share`]); offload is
+//! searched beside every 16-bit layout on a cluster with a host side.
 use std::collections::HashMap;
 use std::rc::Rc;
 
@@ -8,7 +11,7 @@ use model::{ParamLayout, Recompute};
 use serde::Serialize;
 
 use super::cluster::Cluster;
-use super::layout::Layout;
+use super::layout::{Layout, Offload};
 use super::memory::{self, RankMemory};
 use super::time::{self, StepTime};
 use super::Job;
@@ -38,6 +41,8 @@ pub struct SearchSpace {
     /// Sequence parallelism wherever tp > 1 (it halves nothing it costs: the same bytes
     /// move as all-gather + reduce-scatter instead of all-reduce); `false` searches both.
     pub sp_always: bool,
+    /// Where the optimizer runs; offload only where it can ([`check_offload`]).
+    pub offload: Vec<Offload>,
 }
 
 impl Default for SearchSpace {
@@ -70,6 +75,7 @@ impl Default for SearchSpace {
             micro_batches: vec![1, 2, 4, 8],
             recompute: vec![Recompute::None, Recompute::Selective, Recompute::Full],
             sp_always: true,
+            offload: vec![Offload::None, Offload::Optimizer],
         }
     }
 }
@@ -85,19 +91,34 @@ pub struct Prediction {
     /// That rank's predicted resident bytes ([`memory::RankMemory::resident`]): what must
     /// fit in the device.
     pub resident: usize,
+    /// The most host memory a rank's offloaded optimizer shard holds (0 without offload):
+    /// what must fit in its share of the node's host memory.
+    pub host: usize,
     pub time: StepTime,
     /// The schedule's mean bubble share (simulated with unit costs).
     pub bubble: f64,
     pub fits: bool,
 }
 
+impl Prediction {
+    /// Bytes the layout lacks per device and in each device's host share.
+    pub fn short(&self, cluster: &Cluster) -> (u64, u64) {
+        let device = (self.resident as u64).saturating_sub(cluster.memory_bytes);
+        let host = (self.host as u64).saturating_sub(cluster.host_share().unwrap_or(0));
+        (device, host)
+    }
+}
+
 /// Why nothing fits, and what would.
 #[derive(Clone, Debug, Serialize)]
 pub struct Shortfall {
-    /// The layout needing the least memory per device.
+    /// The layout lacking the fewest bytes, device and host together (of those lacking
+    /// equally, the one needing the least device memory).
     pub closest: Prediction,
     /// Bytes it lacks per device.
     pub short_bytes: u64,
+    /// Bytes it lacks in each device's share of host memory (optimizer offload).
+    pub short_host_bytes: u64,
     pub suggestions: Vec<String>,
 }
 
@@ -236,6 +257,7 @@ fn evaluate_cached(
             "{l}: pp > 1 needs a schedule"
         )));
     }
+    check_offload(job, cluster, l.offload)?;
     if l.cp > 1 && job.model.is_moe() && job.model.capacity_factor.is_some() {
         return Err(ParallelError::Unsupported(
             "an expert capacity with context parallelism".into(),
@@ -287,15 +309,40 @@ fn evaluate_cached(
         .iter()
         .max_by_key(|r| r.resident())
         .map_or((MemoryAccount::default(), 0), |r| (r.account, r.resident()));
-    Ok(Prediction {
+    let host = ranks.iter().map(|r| r.host).max().unwrap_or(0);
+    let mut p = Prediction {
         layout: *l,
-        fits: resident as u64 <= cluster.memory_bytes,
+        fits: false,
         ranks,
         peak,
         resident,
+        host,
         time,
         bubble,
-    })
+    };
+    p.fits = p.short(cluster) == (0, 0);
+    Ok(p)
+}
+
+/// Whether `offload` can run: optimizer offload needs 16-bit weights on the device (fp32
+/// weights are their own master copy: nothing would leave the device but the moments) and a
+/// cluster with a host side.
+pub fn check_offload(job: &Job, cluster: &Cluster, offload: Offload) -> Result<(), ParallelError> {
+    if offload == Offload::None {
+        return Ok(());
+    }
+    if job.precision.half().is_none() {
+        return Err(ParallelError::Unsupported(
+            "optimizer offload in fp32 (it keeps 16-bit weights on the device: train in bf16 or fp16)".into(),
+        ));
+    }
+    if cluster.host.is_none() {
+        return Err(ParallelError::Config(format!(
+            "optimizer offload on {}, which describes no host memory (a cluster JSON's `host`)",
+            cluster.name
+        )));
+    }
+    Ok(())
 }
 
 fn divisors(n: usize, fixed: Option<usize>) -> Vec<usize> {
@@ -305,8 +352,23 @@ fn divisors(n: usize, fixed: Option<usize>) -> Vec<usize> {
     }
 }
 
-/// Every layout of `space` for `job` on all of `cluster`'s devices.
+/// Every layout of `space` for `job` on all of `cluster`'s devices, each with every offload
+/// choice of `space` that can run ([`check_offload`]).
 pub fn layouts(job: &Job, cluster: &Cluster, space: &SearchSpace) -> Vec<Layout> {
+    let offloads: Vec<Offload> = space
+        .offload
+        .iter()
+        .copied()
+        .filter(|&o| check_offload(job, cluster, o).is_ok())
+        .collect();
+    on_device_layouts(job, cluster, space)
+        .into_iter()
+        .flat_map(|l| offloads.iter().map(move |&offload| Layout { offload, ..l }))
+        .collect()
+}
+
+/// Every layout of `space` without offload.
+fn on_device_layouts(job: &Job, cluster: &Cluster, space: &SearchSpace) -> Vec<Layout> {
     let world = cluster.devices();
     let m = &job.model;
     let mut out = Vec::new();
@@ -362,6 +424,7 @@ pub fn layouts(job: &Job, cluster: &Cluster, space: &SearchSpace) -> Vec<Layout>
                                             micro_batch: mb,
                                             microbatches: micro,
                                             recompute,
+                                            offload: Offload::None,
                                         });
                                     }
                                 }
@@ -419,8 +482,8 @@ pub fn plan(job: &Job, cluster: &Cluster, space: &SearchSpace) -> Result<Plan, P
     })
 }
 
-/// The closest layout and what would make the job fit: more memory per device, more
-/// devices (the same nodes, up to 64 times as many), a shorter sequence.
+/// The closest layout and what would make the job fit: more memory per device or per node's
+/// host, more devices (the same nodes, up to 64 times as many), a shorter sequence.
 fn shortfall(
     job: &Job,
     cluster: &Cluster,
@@ -429,16 +492,30 @@ fn shortfall(
 ) -> Shortfall {
     let closest = rest
         .into_iter()
-        .min_by_key(|p| p.resident)
+        .min_by_key(|p| {
+            let (device, host) = p.short(cluster);
+            (device + host, p.resident)
+        })
         .expect("at least one layout was evaluated");
-    let need = closest.resident as u64;
-    let short = need.saturating_sub(cluster.memory_bytes);
-    let mut suggestions = vec![format!(
-        "a device with at least {} (this one has {}), at {}",
-        human(need),
-        human(cluster.memory_bytes),
-        closest.layout
-    )];
+    let (short, short_host) = closest.short(cluster);
+    let mut suggestions = Vec::new();
+    if short > 0 {
+        suggestions.push(format!(
+            "a device with at least {} (this one has {}), at {}",
+            human(closest.resident as u64),
+            human(cluster.memory_bytes),
+            closest.layout
+        ));
+    }
+    if short_host > 0 {
+        let per_node = |b: u64| human(b * cluster.devices_per_node as u64);
+        suggestions.push(format!(
+            "host memory of at least {} per node (this one has {}), at {}",
+            per_node(closest.host as u64),
+            per_node(cluster.host_share().unwrap_or(0)),
+            closest.layout
+        ));
+    }
     let fits_with = |c: &Cluster, j: &Job| {
         let mut cache = Cache::default();
         layouts(j, c, space)
@@ -484,6 +561,7 @@ fn shortfall(
     Shortfall {
         closest,
         short_bytes: short,
+        short_host_bytes: short_host,
         suggestions,
     }
 }

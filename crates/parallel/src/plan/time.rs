@@ -34,13 +34,26 @@
 //! - the optimizer step streams its shard's master weights, moments, gradients and weights
 //!   through memory once (`36` bytes per parameter at the cluster's memory bandwidth).
 //!
+//! **Optimizer offload** (ZeRO-Offload, Ren et al. 2021, arXiv 2101.06840, §4.1-4.2; the
+//! host's figures in [`Cluster::host`]) replaces the device's step: for a rank's optimizer
+//! shard of `S` elements ([`super::memory::optimizer_shard`]: `⌈Φ/N⌉` at ZeRO ≥ 1, `Φ` at
+//! ZeRO-0) on the host link (α, β per device and direction),
+//! - the gradients go device → host, `g·S` bytes (`g` = 2 for 16-bit gradients, 4 for
+//!   Megatron's fp32 ones), bucket by bucket as the last micro-batch's backward finishes them
+//!   (DeepSpeed overlaps the copy with the backward): `max(0, α + g·S/β − backward)` exposed;
+//! - the CPU's AdamW, `S / (R / devices per node)` seconds (R: the node's rate, its devices'
+//!   ranks updating their shards at once), exposed (DeepSpeed's one-step delayed update,
+//!   which hides it behind the next step, is not modelled);
+//! - the updated 16-bit weights go host → device, `α + 2·S/β`, exposed (ZeRO-1/2 all-gather
+//!   them among the group afterwards, as without offload).
+//!
 //! **Pipeline.** The rank's schedule is simulated with unit costs (F = I = W = 1, B = 2); the
 //! step's compute is the makespan in those units times the slowest stage's seconds per unit.
 use serde::Serialize;
 
-use super::cluster::{Cluster, Link};
-use super::layout::Layout;
-use super::memory::StageBytes;
+use super::cluster::{Cluster, Host, Link};
+use super::layout::{Layout, Offload};
+use super::memory::{optimizer_shard, StageBytes};
 use super::{Conventions, Job};
 use model::Recompute;
 
@@ -78,7 +91,10 @@ pub struct StepTime {
     pub pp_comm_s: f64,
     /// Data-parallel communication not hidden behind backward.
     pub dp_exposed_s: f64,
+    /// The optimizer step: on the device, or on the host's CPUs under offload.
     pub optimizer_s: f64,
+    /// Optimizer offload's host ↔ device copies not hidden behind the backward.
+    pub offload_exposed_s: f64,
     /// Predicted tokens per second of the whole job.
     pub tokens_per_s: f64,
 }
@@ -241,10 +257,10 @@ pub fn predict(
     for (r, cost) in costs.iter().enumerate() {
         let sum = |f: &dyn Fn(&StageCost) -> f64| cost.iter().map(f).sum::<f64>() * mb;
         let busy = sum(&|s| s.f + s.i + s.w);
-        let params = params[r] as f64;
+        let rank_params = params[r] as f64;
         let dp_link = c.link(dp_group, l.tp);
-        let grads = 4.0 * params;
-        let weights = job.precision.compute_bytes() as f64 * params;
+        let grads = 4.0 * rank_params;
+        let weights = job.precision.compute_bytes() as f64 * rank_params;
         // What the last micro-batch's backward hides, and what every micro-batch's hides.
         let last_backward: f64 = cost.iter().map(|s| s.i + s.w).sum();
         let per_mb_hidden: f64 = cost.iter().map(|s| s.f + s.i + s.w).sum();
@@ -258,13 +274,14 @@ pub fn predict(
             2 => mb * (per_mb - per_mb_hidden).max(0.0) + all_gather(dp_link, dp_group, weights),
             _ => mb * (per_mb - per_mb_hidden).max(0.0),
         };
-        let shard = if l.zero.shards_optimizer() {
-            params / dp_group as f64
-        } else {
-            params
+        let shard = optimizer_shard(params[r], dp_group, l.zero) as f64;
+        let (optimizer, offload_exposed) = match (l.offload, &c.host) {
+            (Offload::Optimizer, Some(host)) => {
+                offload(job, host, c.devices_per_node, shard, last_backward)
+            }
+            _ => (36.0 * shard / c.memory_bandwidth, 0.0),
         };
-        let optimizer = 36.0 * shard / c.memory_bandwidth;
-        let step = makespan + dp_exposed + optimizer;
+        let step = makespan + dp_exposed + optimizer + offload_exposed;
         if step > worst.step_s {
             worst = StepTime {
                 step_s: step,
@@ -276,10 +293,31 @@ pub fn predict(
                 pp_comm_s: sum(&|s| s.pp),
                 dp_exposed_s: dp_exposed,
                 optimizer_s: optimizer,
+                offload_exposed_s: offload_exposed,
                 tokens_per_s: 0.0,
             };
         }
     }
     worst.tokens_per_s = (l.global_batch() * job.seq_len) as f64 / worst.step_s;
     worst
+}
+
+/// Optimizer offload's seconds for a shard of `shard` elements whose gradients the last
+/// backward (`backward` seconds) can hide: (the CPU's AdamW, the copies exposed); see the
+/// module doc.
+pub fn offload(
+    job: &Job,
+    host: &Host,
+    devices_per_node: usize,
+    shard: f64,
+    backward: f64,
+) -> (f64, f64) {
+    let grad_bytes = match job.conventions {
+        Conventions::Megatron => 4.0,
+        Conventions::Xtrain => job.precision.compute_bytes() as f64,
+    };
+    let to_host = host.link.time(grad_bytes * shard);
+    let to_device = host.link.time(job.precision.compute_bytes() as f64 * shard);
+    let adam = shard * devices_per_node as f64 / host.adam_params_per_s;
+    (adam, (to_host - backward).max(0.0) + to_device)
 }

@@ -13,7 +13,9 @@ use clap::Args;
 use model::{ModelConfig, Recompute};
 use parallel::data_parallel::ZeroStage;
 use parallel::memory::human;
-use parallel::plan::{self, shapes, Cluster, Conventions, Job, Layout, Prediction, SearchSpace};
+use parallel::plan::{
+    self, shapes, Cluster, Conventions, Job, Layout, Offload, Prediction, SearchSpace,
+};
 use parallel::Precision;
 
 #[derive(Args, Debug)]
@@ -64,6 +66,11 @@ pub struct PlanArgs {
     /// ZeRO stages to search (comma-separated, e.g. `0,1`).
     #[arg(long, value_delimiter = ',')]
     pub zero: Vec<usize>,
+    /// Where the optimizer may run (comma-separated): `none` (on the device), `optimizer`
+    /// (ZeRO-Offload: master weights, moments and the step on the host; 16-bit precisions on
+    /// a cluster with a host side). Default: both.
+    #[arg(long, value_delimiter = ',')]
+    pub offload: Vec<String>,
     /// Deepest pipeline searched when --pp is not given.
     #[arg(long, default_value_t = 16)]
     pub max_pp: usize,
@@ -193,6 +200,13 @@ pub fn run_cmd(a: PlanArgs) -> Result<()> {
             .map(|&k| ZeroStage::from_index(k).with_context(|| format!("ZeRO stage {k} (0-3)")))
             .collect::<Result<_>>()?;
     }
+    if !a.offload.is_empty() {
+        space.offload = a
+            .offload
+            .iter()
+            .map(|o| o.parse::<Offload>())
+            .collect::<Result<_, _>>()?;
+    }
     let t = std::time::Instant::now();
     let p = plan::plan(&job, &cluster, &space)?;
     let took = t.elapsed();
@@ -236,8 +250,11 @@ pub fn run_cmd(a: PlanArgs) -> Result<()> {
         println!("{}", serde_json::to_string_pretty(&top)?);
         return Ok(());
     }
+    let host = cluster.host_share().map_or(String::new(), |h| {
+        format!(", {} of host memory per device", human(h))
+    });
     println!(
-        "{} ({} parameters), seq {seq_len}, global batch {global_batch}, {:?}, on {} × {} ({} per device); {} layouts in {:.2} s, {} fit",
+        "{} ({} parameters), seq {seq_len}, global batch {global_batch}, {:?}, on {} × {} ({} per device{host}); {} layouts in {:.2} s, {} fit",
         a.model,
         shapes::num_params(&job.model),
         job.precision,
@@ -249,33 +266,53 @@ pub fn run_cmd(a: PlanArgs) -> Result<()> {
         p.feasible.len()
     );
     if let Some(s) = &p.shortfall {
-        println!(
-            "nothing fits: the closest, {}, needs {} per device ({} more than there is):",
-            s.closest.layout,
+        let mut need = format!(
+            "{} per device ({} more than there is)",
             human(s.closest.resident as u64),
             human(s.short_bytes)
+        );
+        if s.closest.layout.offload == Offload::Optimizer {
+            need += &format!(
+                " and {} of host memory per device ({} more)",
+                human(s.closest.host as u64),
+                human(s.short_host_bytes)
+            );
+        }
+        println!(
+            "nothing fits: the closest, {}, needs {need}:",
+            s.closest.layout
         );
         for t in &s.suggestions {
             println!("  - {t}");
         }
         return Ok(());
     }
+    table(&p.feasible[..p.feasible.len().min(a.top)]);
+    Ok(())
+}
+
+/// The ranked layouts: speed, bubble, device memory and (offloaded) host memory per device.
+fn table(preds: &[Prediction]) {
     println!(
-        "{:>3}  {:<52} {:>12} {:>9} {:>7} {:>11}",
-        "#", "layout", "tokens/s", "step s", "bubble", "memory"
+        "{:>3}  {:<68} {:>12} {:>9} {:>7} {:>11} {:>11}",
+        "#", "layout", "tokens/s", "step s", "bubble", "memory", "host"
     );
-    for (i, x) in p.feasible.iter().take(a.top).enumerate() {
+    for (i, x) in preds.iter().enumerate() {
+        let host = match x.layout.offload {
+            Offload::None => "-".to_string(),
+            Offload::Optimizer => human(x.host as u64),
+        };
         println!(
-            "{:>3}  {:<52} {:>12.0} {:>9.3} {:>6.1}% {:>11}",
+            "{:>3}  {:<68} {:>12.0} {:>9.3} {:>6.1}% {:>11} {:>11}",
             i + 1,
             x.layout.to_string(),
             x.time.tokens_per_s,
             x.time.step_s,
             100.0 * x.bubble,
-            human(x.resident as u64)
+            human(x.resident as u64),
+            host
         );
     }
-    Ok(())
 }
 
 /// The breakdown of one layout.
@@ -306,6 +343,13 @@ fn explain(p: &Prediction, c: &Cluster) {
             human(r.process as u64),
             human(r.resident() as u64)
         );
+        if l.offload == Offload::Optimizer {
+            println!(
+                "      host: fp32 master + adam m,v + fp32 grads of its optimizer shard = {} (limit {} per device)",
+                human(r.host as u64),
+                human(c.host_share().unwrap_or(0))
+            );
+        }
     }
     let t = &p.time;
     println!("step {:.4} s → {:.0} tokens/s", t.step_s, t.tokens_per_s);
@@ -320,7 +364,17 @@ fn explain(p: &Prediction, c: &Cluster) {
         ("  expert all-to-alls", t.ep_comm_s),
         ("  pipeline sends", t.pp_comm_s),
         ("data-parallel reduction, exposed", t.dp_exposed_s),
-        ("optimizer step", t.optimizer_s),
+        (
+            match l.offload {
+                Offload::None => "optimizer step",
+                Offload::Optimizer => "optimizer step, on the host's CPUs",
+            },
+            t.optimizer_s,
+        ),
+        (
+            "host ↔ device copies (offload), exposed",
+            t.offload_exposed_s,
+        ),
     ] {
         println!("  {name:<52} {v:>10.4} s");
     }
