@@ -68,7 +68,7 @@ pub enum DecoderWeightGrad {
     Block(WeightGradStore),
     Head(HeadWeightGrad),
     /// Gradients already computed (the vocab-parallel head's fused backward), to be added.
-    Dense(Vec<f32>),
+    Dense(Buf),
 }
 
 /// One tensor this rank holds: where, and where it comes from in the full model.
@@ -388,18 +388,17 @@ impl DecoderStage {
     /// Adds `gu` (a unit's fresh gradients) into `g`, after summing its partial gradients over
     /// the tp group. A fresh buffer, so accumulation over micro-batches never sums an already
     /// synced part twice.
-    fn add_synced(
-        &self,
-        unit: usize,
-        mut gu: Vec<f32>,
-        g: &mut [f32],
-    ) -> Result<(), ParallelError> {
-        if let (Some(tp), true) = (&self.tp, self.partial[unit]) {
-            self.plan
-                .sync_grads_in(tp.group(), &mut gu, self.layout_ranges[unit].clone())?;
-        }
-        tensor::threads::add_assign(g, &gu);
-        Ok(())
+    /// The sum runs over the host transports (a GPU's gradients go through host memory).
+    fn add_synced(&self, unit: usize, gu: Buf, g: BufMut<'_>) -> Result<(), ParallelError> {
+        let gu = match (&self.tp, self.partial[unit]) {
+            (Some(tp), true) => gu.through_host(|mut v| -> Result<_, ParallelError> {
+                self.plan
+                    .sync_grads_in(tp.group(), &mut v, self.layout_ranges[unit].clone())?;
+                Ok(v)
+            })?,
+            _ => gu,
+        };
+        tensor::ops::add_assign(g, gu.r()).map_err(terr)
     }
 }
 
@@ -450,7 +449,7 @@ impl StageModel for DecoderStage {
                 let x = match &self.tp {
                     Some(t) => {
                         t.plan.check_seq(batch.seq)?;
-                        Buf::Host(t.embed.forward(host(p)?, &batch.inputs).map_err(merr)?)
+                        t.embed.forward(p, &batch.inputs).map_err(merr)?
                     }
                     None => self.local.embed_forward(p, &batch.inputs).map_err(merr)?,
                 };
@@ -494,7 +493,7 @@ impl StageModel for DecoderStage {
                 let mult = self.cp_mult();
                 let (cache, ce) = match &self.tp {
                     Some(t) => {
-                        let c = t.head.forward(host(p)?, x, targets).map_err(merr)?;
+                        let c = t.head.forward(p, x, targets).map_err(merr)?;
                         let n = self.mean_count(full, c.n_valid)?;
                         let ce = mean(c.loss_sum, n) * mult;
                         (DecoderCache::TpHead(c, n), ce)
@@ -590,9 +589,9 @@ impl StageModel for DecoderStage {
                     .as_ref()
                     .expect("a tp head cache comes from a tp stage");
                 let s = grad_scale(scale * self.cp_mult(), n);
-                let mut gu = vec![0.0; p.len()];
-                let dx = t.head.backward(host(p)?, &mut gu, c, s).map_err(merr)?;
-                Ok((act(Buf::Host(dx)), DecoderWeightGrad::Dense(gu)))
+                let mut gu = tensor::ops::zeros_like(p, p.len()).map_err(terr)?;
+                let dx = t.head.backward(p, gu.m(), c, s).map_err(merr)?;
+                Ok((act(dx), DecoderWeightGrad::Dense(gu)))
             }
         }
     }
@@ -606,21 +605,14 @@ impl StageModel for DecoderStage {
     ) -> Result<(), ParallelError> {
         match pending {
             DecoderWeightGrad::Embed { ids, dx } => match &self.tp {
-                Some(t) => t
-                    .embed
-                    .backward(
-                        g.as_host(TP).map_err(terr)?,
-                        &ids,
-                        dx.into_host(TP).map_err(terr)?,
-                    )
-                    .map_err(merr),
+                Some(t) => t.embed.backward(g, &ids, dx).map_err(merr),
                 None => self.local.embed_backward(g, &ids, dx.r()).map_err(merr),
             },
             DecoderWeightGrad::Block(store) => {
                 if self.partial[unit] {
-                    let mut gu = vec![0.0; g.len()];
-                    store.apply(&mut gu).map_err(merr)?;
-                    self.add_synced(unit, gu, g.as_host(TP).map_err(terr)?)
+                    let mut gu = tensor::ops::zeros_like(p, g.len()).map_err(terr)?;
+                    store.apply(gu.m()).map_err(merr)?;
+                    self.add_synced(unit, gu, g)
                 } else {
                     store.apply(g).map_err(merr)
                 }
@@ -631,7 +623,7 @@ impl StageModel for DecoderStage {
                     .head_backward_weight(p, none, g, None, w)
                     .map_err(merr)
             }
-            DecoderWeightGrad::Dense(gu) => self.add_synced(unit, gu, g.as_host(TP).map_err(terr)?),
+            DecoderWeightGrad::Dense(gu) => self.add_synced(unit, gu, g),
         }
     }
 
@@ -823,17 +815,9 @@ impl StageModel for DecoderStage {
     }
 }
 
-/// What the tensor-parallel parts need host buffers for (on the GPU they are not built yet).
-const TP: &str = "tensor parallelism";
-
 /// A tensor error as this crate's.
 fn terr(e: tensor::TensorError) -> ParallelError {
     ParallelError::Model(e.to_string())
-}
-
-/// A parameter range the tensor-parallel parts read on the host.
-fn host(p: BufRef<'_>) -> Result<&[f32], ParallelError> {
-    p.as_host(TP).map_err(terr)
 }
 
 /// Mean loss over `n` valid targets (0 when none).

@@ -249,12 +249,12 @@ fn vocab_parallel_embedding_and_head_match_single_device() {
                 let p = m.plan.shard(&params, m.rank());
                 let l = &local.layout;
                 let (er, hr) = (l.embed_range(), l.head_range());
-                let x = m.embed.forward(&p[er.clone()], &ids).unwrap();
+                let x = m.embed.forward((&p[er.clone()]).into(), &ids).unwrap();
                 let hc = m
                     .head
                     .forward(
-                        &p[hr.clone()],
-                        Arc::new(Buf::Host(x)),
+                        (&p[hr.clone()]).into(),
+                        Arc::new(x),
                         Arc::new(batch.targets.clone()),
                     )
                     .unwrap();
@@ -262,9 +262,9 @@ fn vocab_parallel_embedding_and_head_match_single_device() {
                 let mut g = vec![0.0; p.len()];
                 let dx = m
                     .head
-                    .backward(&p[hr.clone()], &mut g[hr], hc, scale)
+                    .backward((&p[hr.clone()]).into(), (&mut g[hr]).into(), hc, scale)
                     .unwrap();
-                m.embed.backward(&mut g[er], &ids, dx).unwrap();
+                m.embed.backward((&mut g[er]).into(), &ids, dx).unwrap();
                 m.plan.sync_grads(m.group(), &mut g).unwrap();
                 (loss, g, m.plan.clone())
             });

@@ -207,6 +207,18 @@ impl Buf {
         }
     }
 
+    /// `f` run on the buffer's values on the host, its result back on the buffer's device:
+    /// the vector itself on the CPU; downloaded, then the result uploaded, on a GPU. How
+    /// host-only code (a collective over the host transports) serves a device buffer.
+    pub fn through_host<E: From<TensorError>>(
+        self,
+        f: impl FnOnce(Vec<f32>) -> Result<Vec<f32>, E>,
+    ) -> Result<Buf, E> {
+        let dev = self.dev();
+        let out = f(self.into_vec()?)?;
+        Ok(dev.from_vec(out)?)
+    }
+
     /// A copy on the same device.
     pub fn try_clone(&self) -> Result<Buf, TensorError> {
         Ok(match self {
@@ -447,7 +459,11 @@ mod tests {
         c.r().read_into(&mut out).unwrap();
         assert_eq!(out, [7.0, 8.0]);
         assert!(c.m().copy_from_host(&[1.0]).is_err(), "lengths differ");
-        assert!(c.r().read_into(&mut [0.0; 3]).is_err(), "lengths differ");
+        let d = c
+            .through_host(|v| Ok::<_, TensorError>(v.iter().map(|x| x * 2.0).collect()))
+            .unwrap();
+        assert_eq!(d.as_host("test").unwrap(), &[14.0, 16.0]);
+        assert!(d.r().read_into(&mut [0.0; 3]).is_err(), "lengths differ");
     }
 
     #[test]

@@ -585,6 +585,84 @@ pub fn fused_linear_ce(
     }
 }
 
+/// Per-row `(max, Σ exp(z − max), target logit)` of a logits block `[rows, shard]` over
+/// vocabulary ids `[vocab_start, vocab_start + shard)`, into host slices
+/// ([`crate::cross_entropy::logits_row_stats`]; a GPU's `3·rows` values downloaded).
+#[allow(clippy::too_many_arguments)]
+pub fn logits_row_stats(
+    logits: BufRef<'_>,
+    shard: usize,
+    vocab_start: usize,
+    targets: &[i64],
+    ignore_index: i64,
+    max: &mut [f32],
+    sumexp: &mut [f32],
+    target_logit: &mut [f32],
+) -> Result<()> {
+    let rows = targets.len();
+    for (what, n) in [
+        ("logits", logits.len()),
+        ("max", max.len() * shard),
+        ("sumexp", sumexp.len() * shard),
+        ("target logit", target_logit.len() * shard),
+    ] {
+        crate::error::check_len(what, n, rows * shard)?;
+    }
+    match logits {
+        BufRef::Host(z) => crate::cross_entropy::logits_row_stats(
+            z,
+            shard,
+            vocab_start,
+            targets,
+            ignore_index,
+            max,
+            sumexp,
+            target_logit,
+        ),
+        BufRef::Cuda(z) => {
+            let t = z.gpu().upload(targets)?;
+            let [m, s, tl] = gpu::ce_row_stats(z, &t, shard, vocab_start, ignore_index)?;
+            max.copy_from_slice(&m.to_host()?);
+            sumexp.copy_from_slice(&s.to_host()?);
+            target_logit.copy_from_slice(&tl.to_host()?);
+        }
+    }
+    Ok(())
+}
+
+/// Turns a logits block over a vocabulary shard into its gradient in place, with the rows'
+/// log-sum-exp `lse` given on the host (uploaded for a GPU)
+/// ([`crate::cross_entropy::logits_grad_inplace`]).
+pub fn logits_grad_inplace(
+    logits: BufMut<'_>,
+    shard: usize,
+    vocab_start: usize,
+    targets: &[i64],
+    ignore_index: i64,
+    lse: &[f32],
+    grad_scale: f32,
+) -> Result<()> {
+    crate::error::check_len("logits", logits.len(), targets.len() * shard)?;
+    crate::error::check_len("lse", lse.len(), targets.len())?;
+    match logits {
+        BufMut::Host(z) => crate::cross_entropy::logits_grad_inplace(
+            z,
+            shard,
+            vocab_start,
+            targets,
+            ignore_index,
+            lse,
+            grad_scale,
+        ),
+        BufMut::Cuda(z) => {
+            let gpu = z.gpu().clone();
+            let (t, l) = (gpu.upload(targets)?, gpu.upload(lse)?);
+            gpu::ce_grad_inplace(z, &t, &l, shard, vocab_start, ignore_index, grad_scale)?;
+        }
+    }
+    Ok(())
+}
+
 /// The device of a set of views, or an error when they differ.
 pub fn same_dev(views: &[BufRef<'_>]) -> Result<Dev> {
     let first = views.first().map_or(Dev::Cpu, |v| v.dev());

@@ -644,9 +644,9 @@ impl RunConfig {
     }
 
     /// The device spec is well formed, and a GPU is asked for only where the engine runs on one
-    /// today (data parallelism with ZeRO 0-3, pipelines; not tensor, context or expert
-    /// parallelism yet): refused here, before any worker starts or any GPU is opened, naming
-    /// what to change.
+    /// today (data parallelism with ZeRO 0-3, tensor and sequence parallelism, pipelines; not
+    /// context or expert parallelism yet): refused here, before any worker starts or any GPU
+    /// is opened, naming what to change.
     fn check_device(&self) -> Result<()> {
         let spec = self.train.device_spec();
         let s = spec.to_ascii_lowercase();
@@ -669,20 +669,16 @@ impl RunConfig {
             return Ok(());
         }
         let p = &self.parallel;
-        let why: Vec<String> = [
-            ("tensor", "tp", p.tp),
-            ("context", "cp", p.cp),
-            ("expert", "ep", p.ep),
-        ]
-        .iter()
-        .filter(|(_, _, n)| *n > 1)
-        .map(|(kind, flag, n)| format!("{kind} parallelism ({flag} = {n})"))
-        .collect();
+        let why: Vec<String> = [("context", "cp", p.cp), ("expert", "ep", p.ep)]
+            .iter()
+            .filter(|(_, _, n)| *n > 1)
+            .map(|(kind, flag, n)| format!("{kind} parallelism ({flag} = {n})"))
+            .collect();
         if why.is_empty() {
             return Ok(());
         }
         Err(TrainError::Config(format!(
-            "train.device = {spec}: {} on the GPU is not built yet (data parallelism with ZeRO 0-3 and pipeline parallelism are); train this layout on the CPU",
+            "train.device = {spec}: {} on the GPU is not built yet (data parallelism with ZeRO 0-3, tensor and sequence parallelism and pipelines are); train this layout on the CPU",
             why.join(", ")
         )))
     }
@@ -912,14 +908,12 @@ mod tests {
                 "train.precision=\"bf16\"",
             ],
             &["parallel.pp=2", "parallel.schedule=\"1f1b\""],
+            &["parallel.tp=2", "parallel.sp=true"],
         ] {
             on_gpu(ok).unwrap_or_else(|e| panic!("{ok:?}: {e}"));
         }
         // The model's own collectives are host-only yet: refused, naming the parallelism.
-        for (bad, name) in [
-            ("parallel.tp=2", "tensor parallelism (tp = 2)"),
-            ("parallel.cp=2", "context parallelism (cp = 2)"),
-        ] {
+        for (bad, name) in [("parallel.cp=2", "context parallelism (cp = 2)")] {
             let e = on_gpu(&[bad]).unwrap_err().to_string();
             assert!(e.contains(name) && e.contains("on the CPU"), "{bad}: {e}");
         }

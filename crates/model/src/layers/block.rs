@@ -20,8 +20,8 @@ use crate::error::Result;
 use crate::layout::View;
 
 /// Communication at the borders of a block's parallel regions (see the module doc). Each
-/// method takes and returns a whole activation / gradient buffer, on the host (tensor
-/// parallelism on the GPU is not built yet: a GPU buffer there is an error naming it).
+/// method takes and returns a whole activation / gradient buffer on the host (a GPU's
+/// activations go through host memory around the call).
 pub trait RegionHooks: Send + Sync + std::fmt::Debug {
     /// Input of a region, forward (TP: identity).
     fn enter_forward(&self, x: Vec<f32>) -> Result<Vec<f32>>;
@@ -120,9 +120,6 @@ impl BlockCache {
     }
 }
 
-/// What needs host buffers in a block with parallel-region hooks.
-const REGION: &str = "a tensor-parallel region";
-
 impl Block {
     /// `x [tokens, hidden] -> y [tokens, hidden]`.
     pub fn forward<'a1>(
@@ -182,21 +179,23 @@ impl Block {
         Ok((y, saved, aux))
     }
 
+    // The hooks' collectives run over the host transports: a GPU activation goes through
+    // host memory (`Buf::through_host`: downloaded, then the result uploaded).
     fn enter(&self, x: Buf) -> Result<Buf> {
         match &self.hooks {
-            Some(h) => Ok(Buf::Host(h.enter_forward(x.into_host(REGION)?)?)),
+            Some(h) => x.through_host(|v| h.enter_forward(v)),
             None => Ok(x),
         }
     }
     fn exit(&self, y: Buf) -> Result<Buf> {
         match &self.hooks {
-            Some(h) => Ok(Buf::Host(h.exit_forward(y.into_host(REGION)?)?)),
+            Some(h) => y.through_host(|v| h.exit_forward(v)),
             None => Ok(y),
         }
     }
     fn enter_backward(&self, dx: Buf) -> Result<Buf> {
         match &self.hooks {
-            Some(h) => Ok(Buf::Host(h.enter_backward(dx.into_host(REGION)?)?)),
+            Some(h) => dx.through_host(|v| h.enter_backward(v)),
             None => Ok(dx),
         }
     }
@@ -204,9 +203,7 @@ impl Block {
     /// with the residual stream, which still needs it).
     fn exit_backward_shared(&self, dy: &Act) -> Result<Act> {
         match &self.hooks {
-            Some(h) => Ok(Arc::new(Buf::Host(
-                h.exit_backward(dy.as_host(REGION)?.to_vec())?,
-            ))),
+            Some(h) => Ok(Arc::new(dy.dev().from_vec(h.exit_backward(dy.to_vec()?)?)?)),
             None => Ok(dy.clone()),
         }
     }

@@ -443,12 +443,6 @@ impl<M: StageModel> Executor<M> {
             _ => None,
         };
         let tied = model.tied_ranges();
-        if !tied.is_empty() && dev.is_cuda() {
-            return Err(ParallelError::Unsupported(
-                "tied word embeddings on a GPU are not implemented yet (untie them, or train on the CPU)"
-                    .into(),
-            ));
-        }
         let tied_bucket = buckets
             .iter()
             .map(|b| {

@@ -5,8 +5,8 @@
 //! each rank scatter-adds the rows it owns: no further communication.
 
 use model::layers::block::RegionHooks;
+use model::layers::{Buf, BufMut, BufRef};
 use model::{ModelError, Result};
-use tensor::embedding::{embedding_backward_shard, embedding_forward_shard};
 
 use super::region::TpRegion;
 
@@ -25,23 +25,23 @@ impl VocabParallelEmbedding {
         self.region.rank() * self.rows
     }
 
-    /// `ids [tokens]`, `table` the local `[V/tp, dim]` rows -> `x [tokens (local under sp), dim]`.
-    pub fn forward(&self, table: &[f32], ids: &[u32]) -> Result<Vec<f32>> {
+    /// `ids [tokens]`, `table` the local `[V/tp, dim]` rows -> `x [tokens (local under sp), dim]`
+    /// on the table's device (the partial outputs summed through host memory).
+    pub fn forward(&self, table: BufRef<'_>, ids: &[u32]) -> Result<Buf> {
         if let Some(&bad) = ids.iter().find(|&&i| i as usize >= self.vocab) {
             return Err(ModelError::InvalidBatch(format!(
                 "token id {bad} out of range for vocab_size {}",
                 self.vocab
             )));
         }
-        let mut x = vec![0.0; ids.len() * self.dim];
-        embedding_forward_shard(ids, table, self.dim, self.start(), &mut x)?;
-        self.region.exit_forward(x)
+        let x = tensor::ops::embedding_forward(ids, table, self.dim, Some(self.start()))?;
+        x.through_host(|x| self.region.exit_forward(x))
     }
 
     /// Accumulates the owned rows' gradient into `g_table` from `dx` (local tokens under sp).
-    pub fn backward(&self, g_table: &mut [f32], ids: &[u32], dx: Vec<f32>) -> Result<()> {
-        let dx = self.region.exit_backward(dx)?;
-        embedding_backward_shard(ids, &dx, self.dim, self.start(), g_table)?;
+    pub fn backward(&self, g_table: BufMut<'_>, ids: &[u32], dx: Buf) -> Result<()> {
+        let dx = dx.through_host(|dx| self.region.exit_backward(dx))?;
+        tensor::ops::embedding_backward(ids, dx.r(), self.dim, Some(self.start()), g_table)?;
         Ok(())
     }
 }

@@ -17,10 +17,10 @@ use std::sync::Arc;
 
 use comm::ReduceOp;
 use model::layers::block::RegionHooks;
-use model::layers::{rmsnorm, rmsnorm_backward_input, Act};
+use model::layers::{rmsnorm, rmsnorm_backward_input, Act, Buf, BufMut, BufRef};
 use model::{ModelError, Result, View};
-use tensor::cross_entropy::{count_valid, logits_grad_inplace, logits_row_stats, CeConfig};
-use tensor::gemm::matmul;
+use tensor::cross_entropy::{count_valid, CeConfig};
+use tensor::ops::{logits_grad_inplace, logits_row_stats, matmul};
 
 use super::region::TpRegion;
 
@@ -36,13 +36,14 @@ pub struct VocabParallelHead {
     pub region: TpRegion,
 }
 
-/// What the head's backward needs.
+/// What the head's backward needs (on the device of the weights; the per-row log-sum-exp on
+/// the host).
 #[derive(Debug, Clone)]
 pub struct TpHeadCache {
     x: Act,
-    rstd: Vec<f32>,
+    rstd: Act,
     /// Normed input of all tokens (gathered under sp).
-    xn: Vec<f32>,
+    xn: Act,
     lse: Vec<f32>,
     targets: Arc<Vec<i64>>,
     pub loss_sum: f64,
@@ -73,35 +74,25 @@ impl VocabParallelHead {
         self.rows().min(self.vocab.saturating_sub(self.start()))
     }
     /// The LM-head rows of the real vocabulary.
-    fn weights<'a>(&self, p: &'a [f32]) -> &'a [f32] {
-        &self.lm.of(p)[..self.shard() * self.dim()]
+    fn weights<'a>(&self, p: BufRef<'a>) -> BufRef<'a> {
+        self.lm.at(p).slice(0..self.shard() * self.dim())
     }
 
-    /// Local logits of rows `[r0, r0 + n)` of `xn`.
-    fn logits(&self, w: &[f32], xn: &[f32], r0: usize, n: usize, z: &mut [f32]) -> Result<()> {
+    /// Local logits of rows `[r0, r0 + n)` of `xn` into `z` (`[n, shard]`).
+    fn logits(&self, w: BufRef<'_>, xn: &Buf, r0: usize, n: usize, z: BufMut<'_>) -> Result<()> {
         let d = self.dim();
-        matmul(
-            z,
-            &xn[r0 * d..(r0 + n) * d],
-            w,
-            n,
-            d,
-            self.shard(),
-            false,
-            true,
-            false,
-        )?;
+        let x = xn.r().slice(r0 * d..(r0 + n) * d);
+        matmul(z, x, w, n, d, self.shard(), false, true, false)?;
         Ok(())
     }
 
     /// Loss sum over valid targets for final hidden states `x` (local tokens under sp) and
-    /// the targets of all tokens.
-    pub fn forward(&self, p: &[f32], x: Act, targets: Arc<Vec<i64>>) -> Result<TpHeadCache> {
+    /// the targets of all tokens. The products run on the weights' device; the per-row
+    /// statistics (three values a row) and their all-reduces on the host.
+    pub fn forward(&self, p: BufRef<'_>, x: Act, targets: Arc<Vec<i64>>) -> Result<TpHeadCache> {
         let n_valid = count_valid(&targets, self.vocab, self.ce.ignore_index)?;
-        let host = |b: model::layers::Buf| b.into_host("tensor parallelism");
-        let (xn, rstd) = rmsnorm(p.into(), &self.norm, x.r(), self.eps)?;
-        let (xn, rstd) = (host(xn)?, host(rstd)?);
-        let xn = self.region.enter_forward(xn)?;
+        let (xn, rstd) = rmsnorm(p, &self.norm, x.r(), self.eps)?;
+        let xn = xn.through_host(|xn| self.region.enter_forward(xn))?;
         let rows = targets.len();
         if xn.len() != rows * self.dim() {
             return Err(ModelError::InvalidBatch(format!(
@@ -114,12 +105,12 @@ impl VocabParallelHead {
         let mut max = vec![f32::NEG_INFINITY; rows];
         let (mut sum, mut tl) = (vec![0.0; rows], vec![0.0; rows]);
         let chunk = self.ce.chunk_rows.max(1);
-        let mut z = vec![0.0; chunk.min(rows) * v];
+        let mut z = tensor::ops::zeros_like(xn.r(), chunk.min(rows) * v)?;
         for r0 in (0..rows).step_by(chunk).filter(|_| v > 0) {
             let n = chunk.min(rows - r0);
-            self.logits(w, &xn, r0, n, &mut z[..n * v])?;
+            self.logits(w, &xn, r0, n, z.m().slice_mut(0..n * v))?;
             logits_row_stats(
-                &z[..n * v],
+                z.r().slice(0..n * v),
                 v,
                 self.start(),
                 &targets[r0..r0 + n],
@@ -127,7 +118,7 @@ impl VocabParallelHead {
                 &mut max[r0..r0 + n],
                 &mut sum[r0..r0 + n],
                 &mut tl[r0..r0 + n],
-            );
+            )?;
         }
         let mut gmax = max.clone();
         self.region.all_reduce_op(&mut gmax, ReduceOp::Max)?;
@@ -149,8 +140,8 @@ impl VocabParallelHead {
             .sum();
         Ok(TpHeadCache {
             x,
-            rstd,
-            xn,
+            rstd: Arc::new(rstd),
+            xn: Arc::new(xn),
             lse,
             targets,
             loss_sum,
@@ -162,31 +153,31 @@ impl VocabParallelHead {
     /// local LM-head gradients are accumulated into `g` (same indexing as `p`).
     pub fn backward(
         &self,
-        p: &[f32],
-        g: &mut [f32],
+        p: BufRef<'_>,
+        mut g: BufMut<'_>,
         cache: TpHeadCache,
         grad_scale: f32,
-    ) -> Result<Vec<f32>> {
+    ) -> Result<Buf> {
         let (w, v, d) = (self.weights(p), self.shard(), self.dim());
         let rows = cache.targets.len();
         let chunk = self.ce.chunk_rows.max(1);
-        let mut z = vec![0.0; chunk.min(rows) * v];
-        let mut dxn = vec![0.0; rows * d];
+        let mut z = tensor::ops::zeros_like(cache.xn.r(), chunk.min(rows) * v)?;
+        let mut dxn = tensor::ops::zeros_like(cache.xn.r(), rows * d)?;
         for r0 in (0..rows).step_by(chunk).filter(|_| v > 0) {
             let n = chunk.min(rows - r0);
-            let zc = &mut z[..n * v];
-            self.logits(w, &cache.xn, r0, n, zc)?;
+            self.logits(w, &cache.xn, r0, n, z.m().slice_mut(0..n * v))?;
             logits_grad_inplace(
-                zc,
+                z.m().slice_mut(0..n * v),
                 v,
                 self.start(),
                 &cache.targets[r0..r0 + n],
                 self.ce.ignore_index,
                 &cache.lse[r0..r0 + n],
                 grad_scale,
-            );
+            )?;
+            let zc = z.r().slice(0..n * v);
             matmul(
-                &mut dxn[r0 * d..(r0 + n) * d],
+                dxn.m().slice_mut(r0 * d..(r0 + n) * d),
                 zc,
                 w,
                 n,
@@ -197,9 +188,9 @@ impl VocabParallelHead {
                 false,
             )?;
             matmul(
-                &mut self.lm.of_mut(g)[..v * d],
+                self.lm.at_mut(g.reborrow()).slice_mut(0..v * d),
                 zc,
-                &cache.xn[r0 * d..(r0 + n) * d],
+                cache.xn.r().slice(r0 * d..(r0 + n) * d),
                 v,
                 n,
                 d,
@@ -208,18 +199,15 @@ impl VocabParallelHead {
                 true,
             )?;
         }
-        let dxn = self.region.enter_backward(dxn)?;
-        let dx = rmsnorm_backward_input(
-            p.into(),
-            &self.norm,
+        let dxn = dxn.through_host(|dxn| self.region.enter_backward(dxn))?;
+        let dx = rmsnorm_backward_input(p, &self.norm, cache.x.r(), cache.rstd.r(), dxn.r(), None)?;
+        tensor::ops::rmsnorm_backward_weight(
+            dxn.r(),
             cache.x.r(),
-            (&cache.rstd).into(),
-            (&dxn).into(),
-            None,
-        )?
-        .into_host("tensor parallelism")?;
-        let x = cache.x.as_host("tensor parallelism")?;
-        tensor::norm::rmsnorm_backward_weight(&dxn, x, &cache.rstd, d, self.norm.of_mut(g))?;
+            cache.rstd.r(),
+            d,
+            self.norm.at_mut(g),
+        )?;
         Ok(dx)
     }
 }

@@ -38,7 +38,8 @@ pub struct LinearCache {
     x: Vec<f32>,
 }
 
-/// What needs host buffers here (tensor parallelism on the GPU is not built yet).
+/// What needs host buffers here: these layers are the region operators' reference on host
+/// buffers (the model's blocks call the operators through their hooks on either device).
 const TP: &str = "tensor parallelism";
 
 /// `dW += dyᵀ·x` for `W [out, in]`.
