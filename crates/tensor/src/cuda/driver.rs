@@ -581,10 +581,12 @@ pub struct LaunchCfg {
 }
 
 impl LaunchCfg {
-    /// A 1-D launch of `blocks` blocks of `threads` threads.
+    /// A 1-D launch of `blocks` blocks of `threads` threads; no blocks (an empty input) is
+    /// no launch ([`Gpu::launch`] skips it: a kernel with one block per row must not run
+    /// on zero rows, where its one block would read and write a row that is not there).
     pub fn linear(blocks: usize, threads: u32) -> LaunchCfg {
         LaunchCfg {
-            grid: (blocks.max(1) as u32, 1, 1),
+            grid: (blocks as u32, 1, 1),
             block: (threads, 1, 1),
             shared_bytes: 0,
         }
