@@ -63,6 +63,12 @@ pub const CUDA_R_16BF: c_int = 14;
 pub const CUBLASLT_MATMUL_DESC_TRANSA: c_int = 3;
 pub const CUBLASLT_MATMUL_DESC_TRANSB: c_int = 4;
 pub const CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES: c_int = 1;
+/// Minimum alignments (bytes, `uint32_t`) of the operands the heuristic may assume; the
+/// default is 256, so an algorithm chosen without them may fault on a less aligned pointer.
+pub const CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES: c_int = 5;
+pub const CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES: c_int = 6;
+pub const CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES: c_int = 7;
+pub const CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES: c_int = 8;
 pub const CUBLAS_OP_N: c_int = 0;
 pub const CUBLAS_OP_T: c_int = 1;
 
