@@ -132,7 +132,17 @@ fn rmsnorm_matches_cpu() {
     let Some(g) = gpu("rmsnorm_matches_cpu") else {
         return;
     };
-    for (rows, dim) in [(1, 8), (37, 64), (130, 512), (5, 4096)] {
+    // Widths below, between and above the block sizes (a partial warp at 33 and 300), and
+    // no rows at all (nothing may run: a block would write a row past the empty buffers).
+    for (rows, dim) in [
+        (1, 8),
+        (3, 33),
+        (37, 64),
+        (7, 300),
+        (130, 512),
+        (5, 4096),
+        (0, 4096),
+    ] {
         let (x, w, dy, res) = (
             rand(rows * dim, 5),
             rand(dim, 6),
@@ -180,13 +190,13 @@ fn rope_matches_cpu() {
     let Some(g) = gpu("rope_matches_cpu") else {
         return;
     };
-    let rope = tensor::rope::Rope::new(64, 10000.0).unwrap();
     let positions: Vec<usize> = (0..3)
         .flat_map(|b| (0..50).map(move |p| 7 * b + p))
         .collect();
     let heads = 3;
-    let x = rand(positions.len() * heads * 64, 10);
-    for backward in [false, true] {
+    for (d, backward) in [(64, false), (64, true), (6, false), (128, true)] {
+        let rope = tensor::rope::Rope::new(d, 10000.0).unwrap();
+        let x = rand(positions.len() * heads * d, 10);
         let mut want = x.clone();
         if backward {
             rope.apply_backward(&mut want, heads, &positions).unwrap();
@@ -196,7 +206,11 @@ fn rope_matches_cpu() {
         let t = ops::RopeTable::new(&g, &rope, &positions, backward).unwrap();
         let mut gx = g.upload(&x).unwrap();
         ops::rope_rotate(&mut gx, heads, &t).unwrap();
-        assert_close("rope", &host(&gx), &want);
+        assert_close(
+            &format!("rope d={d} backward={backward}"),
+            &host(&gx),
+            &want,
+        );
     }
 }
 
@@ -227,7 +241,8 @@ fn embedding_matches_cpu_full_and_sharded() {
         let mut gdt = g.upload(&dt).unwrap();
         tensor::embedding::embedding_backward_shard(&ids, &dout, dim, start, &mut dt).unwrap();
         ops::embedding_backward(&ids, &g.upload(&dout).unwrap(), dim, start, &mut gdt).unwrap();
-        assert_close("embedding backward", &host(&gdt), &dt);
+        // Each token added into the table value in token order, as the CPU: the same bits.
+        assert_eq!(host(&gdt), dt, "embedding backward");
     }
 }
 
@@ -292,7 +307,7 @@ fn cross_entropy_pieces_match_cpu() {
     assert_close("lse", &host(&glse), &lse);
     let want_sum: f64 = (0..rows)
         .filter(|&r| targets[r] != IGNORE_INDEX)
-        .map(|r| lse[r] as f64 - tl[r] as f64)
+        .map(|r| (lse[r] - tl[r]) as f64)
         .sum();
     let got_sum = ops::ce_loss_sum(&glse, &gtl, &gt, IGNORE_INDEX).unwrap();
     assert!(
@@ -334,6 +349,13 @@ fn attention_matches_cpu_forward_and_backward() {
         shape(2, 20, 30, 4, 2, 16, false, 0, 0),
         shape(1, 16, 16, 4, 2, 32, true, 32, 16),
         shape(1, 16, 16, 4, 2, 32, true, 16, 32),
+        // Head sizes that are not a multiple of 32 above one warp, the largest one, groups
+        // of four query heads per KV head, a single query token (decoding against a cache),
+        // and a single key.
+        AttnShape::causal(2, 37, 8, 2, 80),
+        AttnShape::causal(1, 9, 4, 4, 256),
+        shape(2, 1, 45, 8, 2, 96, true, 44, 0),
+        shape(1, 5, 1, 4, 1, 40, false, 0, 0),
     ] {
         let (q, k, v, dout) = (
             rand(s.q_elems(), 20),
@@ -565,6 +587,119 @@ fn matmul_matches_cpu() {
                 );
             }
         }
+    }
+}
+
+/// Products on views that start 4, 8 or 12 bytes into their buffers (a weight inside the flat
+/// parameter buffer, a chunk of rows of an odd width): cuBLASLt must be told the operands'
+/// real alignment, or the algorithm it picks for 256-byte aligned ones may fault.
+#[test]
+fn matmul_on_unaligned_views_matches_cpu() {
+    let Some(g) = gpu("matmul_on_unaligned_views_matches_cpu") else {
+        return;
+    };
+    let dev = tensor::buf::Dev::Cuda(g.clone());
+    for (m, k, n) in [(33, 65, 17), (64, 128, 96)] {
+        for (ta, tb) in [(false, false), (false, true), (true, false), (true, true)] {
+            for (oa, ob, oc) in [(1, 2, 3), (0, 3, 1), (2, 0, 0)] {
+                let (a, b, c0) = (rand(m * k, 63), rand(k * n, 64), rand(m * n, 65));
+                let mut want = c0.clone();
+                tensor::gemm::matmul(&mut want, &a, &b, m, k, n, ta, tb, true).unwrap();
+                let pad = |v: &[f32], o: usize| {
+                    let mut p = vec![0.5f32; o];
+                    p.extend_from_slice(v);
+                    dev.from_vec(p).unwrap()
+                };
+                let (da, db, mut dc) = (pad(&a, oa), pad(&b, ob), pad(&c0, oc));
+                tensor::ops::matmul(
+                    dc.m().slice_mut(oc..oc + m * n),
+                    da.r().slice(oa..oa + m * k),
+                    db.r().slice(ob..ob + k * n),
+                    m,
+                    k,
+                    n,
+                    ta,
+                    tb,
+                    true,
+                )
+                .unwrap();
+                let got = dc.to_vec().unwrap();
+                assert!(got[..oc].iter().all(|&v| v == 0.5), "wrote before C");
+                let e = rel(&got[oc..], &want);
+                assert!(
+                    e <= 1e-5 * (k as f32).sqrt(),
+                    "{m}x{k}x{n} ta={ta} tb={tb} offsets {oa},{ob},{oc}: {e:e}"
+                );
+            }
+        }
+    }
+}
+
+/// The small element-wise kernels (scaling, sums, fills, 16-bit rounding, the non-finite
+/// count) against the host, at lengths that are not a multiple of the block, and empty.
+#[test]
+fn elementwise_helpers_match_cpu() {
+    let Some(g) = gpu("elementwise_helpers_match_cpu") else {
+        return;
+    };
+    for n in [0, 1, 257, 70_001] {
+        let (x, y) = (rand(n, 90), rand(n, 91));
+        let mut gx = g.upload(&x).unwrap();
+        ops::scale(&mut gx, 0.375).unwrap();
+        let want: Vec<f32> = x.iter().map(|v| v * 0.375).collect();
+        assert_eq!(host(&gx), want, "scale n={n}");
+        let mut gy = g.upload(&y).unwrap();
+        ops::axpy(&mut gy, &g.upload(&x).unwrap(), -2.5).unwrap();
+        let want: Vec<f32> = y.iter().zip(&x).map(|(b, a)| b + -2.5 * a).collect();
+        assert_close(&format!("axpy n={n}"), &host(&gy), &want);
+        let sum = ops::add(&g.upload(&x).unwrap(), &g.upload(&y).unwrap()).unwrap();
+        let want: Vec<f32> = x.iter().zip(&y).map(|(a, b)| a + b).collect();
+        assert_eq!(host(&sum), want, "add n={n}");
+        let mut gf = g.upload(&x).unwrap();
+        ops::fill(&mut gf, 7.25).unwrap();
+        assert_eq!(host(&gf), vec![7.25; n], "fill n={n}");
+        for bf16 in [true, false] {
+            let big: Vec<f32> = x.iter().map(|v| v * 1000.0).collect();
+            let mut gr = g.upload(&big).unwrap();
+            ops::round_to_16bit(&mut gr, bf16).unwrap();
+            let want: Vec<f32> = big
+                .iter()
+                .map(|&v| {
+                    if bf16 {
+                        half::bf16::from_f32(v).to_f32()
+                    } else {
+                        half::f16::from_f32(v).to_f32()
+                    }
+                })
+                .collect();
+            assert_eq!(host(&gr), want, "round to 16 bits (bf16 {bf16}) n={n}");
+            let mut h = g.alloc::<u16>(n).unwrap();
+            let mut back = g.alloc::<f32>(n).unwrap();
+            if bf16 {
+                ops::cast_f32_to_bf16(&g.upload(&big).unwrap(), &mut h).unwrap();
+                ops::cast_bf16_to_f32(&h, &mut back).unwrap();
+            } else {
+                ops::cast_f32_to_f16(&g.upload(&big).unwrap(), &mut h).unwrap();
+                ops::cast_f16_to_f32(&h, &mut back).unwrap();
+            }
+            assert_eq!(host(&back), want, "cast there and back (bf16 {bf16}) n={n}");
+        }
+        let mut bad = x.clone();
+        let mut count = 0;
+        for (i, v) in [f32::NAN, f32::INFINITY, f32::NEG_INFINITY]
+            .into_iter()
+            .enumerate()
+        {
+            if let Some(e) = bad.get_mut(i * 97) {
+                *e = v;
+                count += 1;
+            }
+        }
+        assert_eq!(
+            ops::count_nonfinite(&g.upload(&bad).unwrap()).unwrap(),
+            count,
+            "non-finite count n={n}"
+        );
     }
 }
 

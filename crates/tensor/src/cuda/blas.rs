@@ -47,6 +47,16 @@ struct Key {
     input: GemmInput,
     mkn: [usize; 3],
     trans: [bool; 2],
+    /// Alignments in bytes of the `a`, `b`, `c` addresses ([`alignment`]).
+    align: [u32; 3],
+}
+
+/// The alignment in bytes of a device address, as cuBLASLt's preferences take it: the
+/// largest power of two dividing it, at most 256 (the heuristic's default assumption).
+/// Views into flat buffers (a weight inside the parameter buffer, a chunk of rows) are often
+/// less aligned than the 256 bytes of a fresh allocation.
+fn alignment(ptr: u64) -> u32 {
+    1u32 << ptr.trailing_zeros().min(8)
 }
 
 /// The descriptors and algorithm of one product shape.
@@ -164,15 +174,34 @@ impl Blas {
                 "cublasLtMatmulPreferenceCreate",
             )?;
             let ws = WORKSPACE as u64;
-            ok(
-                (lib.cublasLtMatmulPreferenceSetAttribute)(
-                    pref,
+            let set_pref = |attr: i32, value: *const c_void, size: usize| {
+                ok(
+                    (lib.cublasLtMatmulPreferenceSetAttribute)(pref, attr, value, size),
+                    "cublasLtMatmulPreferenceSetAttribute",
+                )
+            };
+            let prefs = (|| {
+                set_pref(
                     sys::CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES,
                     &ws as *const u64 as *const c_void,
                     8,
-                ),
-                "cublasLtMatmulPreferenceSetAttribute",
-            )?;
+                )?;
+                // cuBLASLt's first operand is B, its second A (module doc); C and D are `c`.
+                let [align_a, align_b, align_c] = key.align;
+                for (attr, align) in [
+                    (sys::CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, align_b),
+                    (sys::CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES, align_a),
+                    (sys::CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, align_c),
+                    (sys::CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, align_c),
+                ] {
+                    set_pref(attr, &align as *const u32 as *const c_void, 4)?;
+                }
+                Ok(())
+            })();
+            if let Err(e) = prefs {
+                (lib.cublasLtMatmulPreferenceDestroy)(pref);
+                return Err(e);
+            }
             let mut result = sys::cublasLtMatmulHeuristicResult_t::default();
             let mut found = 0;
             let r = (lib.cublasLtMatmulAlgoGetHeuristic)(
@@ -258,6 +287,7 @@ pub unsafe fn matmul_raw(
         input,
         mkn: [m, k, n],
         trans: [trans_a, trans_b],
+        align: [alignment(a), alignment(b), alignment(c)],
     };
     let (lib, handle, ws) = (blas.lib, blas.handle, blas.workspace);
     let plan = blas.plan(key)?;
@@ -319,5 +349,21 @@ pub fn matmul(
             [m, k, n],
             [trans_a, trans_b, accumulate],
         )
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::alignment;
+
+    #[test]
+    fn alignments_are_the_largest_power_of_two_up_to_256() {
+        assert_eq!(alignment(0x7f00_0000_0000), 256);
+        assert_eq!(alignment(0x7f00_0000_0100), 256);
+        assert_eq!(alignment(0x7f00_0000_0080), 128);
+        assert_eq!(alignment(0x7f00_0000_0004), 4);
+        assert_eq!(alignment(0x7f00_0000_000c), 4);
+        assert_eq!(alignment(0x7f00_0000_0010 + 8), 8);
+        assert_eq!(alignment(0x7f00_0000_0002), 2);
     }
 }

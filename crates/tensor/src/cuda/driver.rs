@@ -569,6 +569,9 @@ pub fn to_i32(v: usize, what: &str) -> Result<i32, CudaError> {
     i32::try_from(v).map_err(|_| CudaError::Shape(format!("{what} = {v} exceeds 2^31 - 1")))
 }
 
+/// Dynamic shared memory a kernel may use without opting in (48 KiB).
+const DEFAULT_DYNAMIC_SHARED: u32 = 48 * 1024;
+
 /// Grid, block and dynamic shared memory of a launch.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct LaunchCfg {
@@ -578,10 +581,12 @@ pub struct LaunchCfg {
 }
 
 impl LaunchCfg {
-    /// A 1-D launch of `blocks` blocks of `threads` threads.
+    /// A 1-D launch of `blocks` blocks of `threads` threads; no blocks (an empty input) is
+    /// no launch ([`Gpu::launch`] skips it: a kernel with one block per row must not run
+    /// on zero rows, where its one block would read and write a row that is not there).
     pub fn linear(blocks: usize, threads: u32) -> LaunchCfg {
         LaunchCfg {
-            grid: (blocks.max(1) as u32, 1, 1),
+            grid: (blocks as u32, 1, 1),
             block: (threads, 1, 1),
             shared_bytes: 0,
         }
@@ -601,6 +606,8 @@ pub struct Gpu {
     pub(crate) stream: CUstream,
     modules: Mutex<HashMap<&'static str, CUmodule>>,
     functions: Mutex<HashMap<(&'static str, &'static str), CUfunction>>,
+    /// Dynamic shared memory each function was allowed beyond the default.
+    dynamic_shared: Mutex<HashMap<(&'static str, &'static str), u32>>,
     pub(crate) alloc: Allocator,
     pub(crate) blas: Mutex<Option<super::blas::Blas>>,
 }
@@ -696,6 +703,7 @@ impl Gpu {
                 stream,
                 modules: Mutex::new(HashMap::new()),
                 functions: Mutex::new(HashMap::new()),
+                dynamic_shared: Mutex::new(HashMap::new()),
                 alloc: Allocator::new(lib),
                 blas: Mutex::new(None),
             }))
@@ -813,25 +821,50 @@ impl Gpu {
             unsafe { (self.lib.cuModuleGetFunction)(&mut f, m, name.as_ptr()) },
             &format!("cuModuleGetFunction({module}::{func})"),
         )?;
-        if self.info.shared_per_block > 48 * 1024 {
-            // Let kernels ask for more than the default 48 KiB of dynamic shared memory.
-            // SAFETY: a valid function handle.
-            check(
-                unsafe {
-                    (self.lib.cuFuncSetAttribute)(
-                        f,
-                        sys::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-                        self.info.shared_per_block,
-                    )
-                },
-                "cuFuncSetAttribute",
-            )?;
-        }
         self.functions
             .lock()
             .unwrap_or_else(|e| e.into_inner())
             .insert((module, func), f);
         Ok(f)
+    }
+
+    /// Lets `f` use `bytes` of dynamic shared memory (above the default 48 KiB the driver
+    /// needs an opt-in per function). Set to what the launch asks for, never to the device's
+    /// whole opt-in size: the driver refuses a maximum that, with the kernel's static shared
+    /// memory, exceeds the opt-in size.
+    fn allow_dynamic_shared(
+        &self,
+        f: CUfunction,
+        module: &'static str,
+        func: &'static str,
+        bytes: u32,
+    ) -> Result<(), CudaError> {
+        let mut allowed = self
+            .dynamic_shared
+            .lock()
+            .unwrap_or_else(|e| e.into_inner());
+        let have = allowed
+            .entry((module, func))
+            .or_insert(DEFAULT_DYNAMIC_SHARED);
+        if bytes <= *have {
+            return Ok(());
+        }
+        // SAFETY: a valid function handle of this context (current).
+        check(
+            unsafe {
+                (self.lib.cuFuncSetAttribute)(
+                    f,
+                    sys::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                    bytes as i32,
+                )
+            },
+            &format!(
+                "cuFuncSetAttribute({module}::{func}, {bytes} bytes of dynamic shared memory; the device allows {})",
+                self.info.shared_per_block
+            ),
+        )?;
+        *have = bytes;
+        Ok(())
     }
 
     /// Queues kernel `module::func` with `args` on the compute stream.
@@ -847,6 +880,9 @@ impl Gpu {
             return Ok(()); // nothing to do
         }
         self.bind()?;
+        if cfg.shared_bytes > DEFAULT_DYNAMIC_SHARED {
+            self.allow_dynamic_shared(f, module, func, cfg.shared_bytes)?;
+        }
         let mut held: Vec<KArg> = args.to_vec();
         let mut params: Vec<*mut c_void> = held.iter_mut().map(KArg::as_param).collect();
         // SAFETY: `params` points into `held`, alive until the call returns (the driver copies

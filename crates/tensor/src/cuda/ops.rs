@@ -10,6 +10,9 @@ use std::sync::Arc;
 /// Threads per block of the element-wise kernels.
 const THREADS: u32 = 256;
 
+/// The largest grid dimension y or z of a launch.
+const MAX_GRID_YZ: usize = 65_535;
+
 fn same_len(what: &str, a: usize, b: usize) -> Result<(), CudaError> {
     if a == b {
         Ok(())
@@ -324,13 +327,14 @@ pub fn rmsnorm_backward_weight<'a>(
     let rstd: DevSlice<'_, f32> = rstd.into();
     let dw: DevSliceMut<'_, f32> = dw.into();
 
-    const ROWS_PER_CHUNK: usize = 64;
     let rows = rows_of(x.len(), dim, "rmsnorm x")?;
     same_len("rmsnorm dy", dy.len(), x.len())?;
     same_len("rmsnorm rstd", rstd.len(), rows)?;
     same_len("rmsnorm dw", dw.len(), dim)?;
     let gpu = x.gpu().clone();
-    let chunks = rows.div_ceil(ROWS_PER_CHUNK).max(1);
+    // 64 rows per chunk, more where the chunks would exceed the grid's y limit (65 535).
+    let rows_per_chunk = rows.div_ceil(MAX_GRID_YZ).max(64);
+    let chunks = rows.div_ceil(rows_per_chunk).max(1);
     let partial = gpu.alloc::<f32>(chunks * dim)?;
     let cols = dim.div_ceil(128) as u32;
     gpu.launch(
@@ -348,7 +352,7 @@ pub fn rmsnorm_backward_weight<'a>(
             (&partial).into(),
             to_i32(rows, "rows")?.into(),
             to_i32(dim, "dim")?.into(),
-            (ROWS_PER_CHUNK as i32).into(),
+            to_i32(rows_per_chunk, "rows per chunk")?.into(),
         ],
     )?;
     gpu.launch(
@@ -676,6 +680,13 @@ fn check_attn(s: &AttnShape, q: usize, k: usize, v: usize) -> Result<(), CudaErr
     {
         return Err(CudaError::Shape(format!(
             "attention on the GPU needs 1 <= head_dim <= 256 and n_heads a multiple of n_kv_heads: {s:?}"
+        )));
+    }
+    if s.batch * s.n_heads > MAX_GRID_YZ {
+        return Err(CudaError::Shape(format!(
+            "attention on the GPU launches batch × n_heads = {} blocks in the grid's y \
+             dimension (at most {MAX_GRID_YZ}): split the batch",
+            s.batch * s.n_heads
         )));
     }
     same_len("attention q", q, s.q_elems())?;

@@ -8,7 +8,8 @@
 //! Where they are looked for, in order: the folders of `XTRAIN_CUDA_LIB_PATH` (`:`-separated),
 //! then the system loader's search (`LD_LIBRARY_PATH`, `ldconfig`), then the usual toolkit
 //! folders (`$CUDA_HOME/lib64`, `/usr/local/cuda/lib64`). CUDA 13 names are tried before
-//! CUDA 12 ones (`libnvrtc.so.13`, `libnvrtc.so.12`, `libnvrtc.so`), so either toolkit (or the
+//! CUDA 12 ones (`libnvrtc.so.13`, `libnvrtc.so.12`, `libnvrtc.so`) except under a CUDA 12
+//! driver, which looks for the CUDA 12 NVRTC and cuBLASLt first, so either toolkit (or the
 //! pip wheels `nvidia-cuda-nvrtc`, `nvidia-cublas`, whose `lib` folder goes in
 //! `XTRAIN_CUDA_LIB_PATH`) serves. The constants below are the values of the CUDA 12 and 13
 //! headers (`cuda.h`, `cublasLt.h`, `library_types.h`), which both versions share, and of
@@ -63,6 +64,12 @@ pub const CUDA_R_16BF: c_int = 14;
 pub const CUBLASLT_MATMUL_DESC_TRANSA: c_int = 3;
 pub const CUBLASLT_MATMUL_DESC_TRANSB: c_int = 4;
 pub const CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES: c_int = 1;
+/// Minimum alignments (bytes, `uint32_t`) of the operands the heuristic may assume; the
+/// default is 256, so an algorithm chosen without them may fault on a less aligned pointer.
+pub const CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES: c_int = 5;
+pub const CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES: c_int = 6;
+pub const CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES: c_int = 7;
+pub const CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES: c_int = 8;
 pub const CUBLAS_OP_N: c_int = 0;
 pub const CUBLAS_OP_T: c_int = 1;
 
@@ -378,12 +385,35 @@ pub fn driver() -> Result<&'static Driver, String> {
     .map_err(Clone::clone)
 }
 
+/// Whether the machine's driver is a CUDA 12 one (`cuDriverGetVersion` in 12000..13000; it
+/// needs no `cuInit`). Such a driver cannot load the cubins a CUDA 13 NVRTC makes nor run a
+/// CUDA 13 cuBLASLt, so their CUDA 12 libraries are looked for first there.
+fn driver_is_cuda12() -> bool {
+    let Ok(d) = driver() else { return false };
+    let mut v = 0;
+    // SAFETY: a valid out-pointer.
+    let r = unsafe { (d.cuDriverGetVersion)(&mut v) };
+    r == CUDA_SUCCESS && (12000..13000).contains(&v)
+}
+
+/// [`open`] of `names`, trying `cuda12` alone first under a CUDA 12 driver
+/// ([`driver_is_cuda12`]), wherever a CUDA 13 library would otherwise be found first.
+fn open_for_driver(what: &str, cuda12: &str, names: &[&str]) -> Result<(Library, String), String> {
+    if driver_is_cuda12() {
+        if let Ok(found) = open(what, &[cuda12]) {
+            return Ok(found);
+        }
+    }
+    open(what, names)
+}
+
 /// NVRTC, opened once per process.
 pub fn nvrtc() -> Result<&'static Nvrtc, String> {
     static LIB: OnceLock<Result<Nvrtc, String>> = OnceLock::new();
     LIB.get_or_init(|| {
-        let (lib, path) = open(
+        let (lib, path) = open_for_driver(
             "NVRTC (libnvrtc.so.13 or .12, from a CUDA toolkit or the pip wheel nvidia-cuda-nvrtc)",
+            "libnvrtc.so.12",
             &["libnvrtc.so.13", "libnvrtc.so.12", "libnvrtc.so"],
         )?;
         // SAFETY: the signatures are those of nvrtc.h (CUDA 12 and 13).
@@ -449,8 +479,9 @@ pub fn nvrtc_folders() -> Vec<PathBuf> {
 pub fn blaslt() -> Result<&'static BlasLt, String> {
     static LIB: OnceLock<Result<BlasLt, String>> = OnceLock::new();
     LIB.get_or_init(|| {
-        let (lib, path) = open(
+        let (lib, path) = open_for_driver(
             "cuBLASLt (libcublasLt.so.13 or .12, from a CUDA toolkit or the pip wheel nvidia-cublas)",
+            "libcublasLt.so.12",
             &["libcublasLt.so.13", "libcublasLt.so.12", "libcublasLt.so"],
         )?;
         // SAFETY: the signatures are those of cublasLt.h (CUDA 12 and 13).

@@ -48,14 +48,15 @@ extern "C" __global__ void ce_grad_inplace(float* logits, const long long* targe
     }
 }
 
-// out[0] = sum over valid rows of (lse - target_logit), in f64, by one block in a fixed order.
+// out[0] = sum over valid rows of (lse - target_logit), in f64, by one block in a fixed order;
+// each row's difference is taken in f32 and then widened, as the CPU does.
 extern "C" __global__ void ce_loss_sum(const float* lse, const float* target_logit,
                                        const long long* targets, int rows, long long ignore,
                                        double* out) {
     __shared__ double part[32];
     double acc = 0.0;
     for (int i = threadIdx.x; i < rows; i += blockDim.x)
-        if (targets[i] != ignore) acc += (double)lse[i] - (double)target_logit[i];
+        if (targets[i] != ignore) acc += (double)(lse[i] - target_logit[i]);
     acc = warp_sum_f64(acc);
     int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     if (lane == 0) part[warp] = acc;

@@ -12,9 +12,11 @@ extern "C" __global__ void embedding_forward(const u32* ids, const float* table,
     }
 }
 
-// dtable[row] += sum of dout[t] over the tokens of that row, in token order: the host sorts
-// the tokens by row into CSR form (`uniq[u]` the row, `start[u]..start[u+1]` its tokens in
-// `tokens_sorted`), so no two threads add to one element and the sum order is fixed.
+// dtable[row] += dout[t] for each token of that row, in token order: the host sorts the
+// tokens by row into CSR form (`uniq[u]` the row, `start[u]..start[u+1]` its tokens in
+// `tokens_sorted`), so no two threads add to one element and the sum order is fixed. Each
+// token is added into the running table value, as the CPU does (the same bits), not summed
+// apart first.
 // Grid (distinct rows, ceil(dim / blockDim.x)).
 extern "C" __global__ void embedding_backward(const float* dout, const int* uniq,
                                               const int* start, const int* tokens_sorted,
@@ -22,7 +24,8 @@ extern "C" __global__ void embedding_backward(const float* dout, const int* uniq
     int u = blockIdx.x;
     int c = blockIdx.y * blockDim.x + threadIdx.x;
     if (c >= dim) return;
-    float acc = 0.0f;
+    float* dst = dtable + (long long)uniq[u] * dim + c;
+    float acc = *dst;
     for (int k = start[u]; k < start[u + 1]; k++) acc += dout[(long long)tokens_sorted[k] * dim + c];
-    dtable[(long long)uniq[u] * dim + c] += acc;
+    *dst = acc;
 }

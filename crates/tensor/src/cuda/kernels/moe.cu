@@ -38,6 +38,10 @@ extern "C" __global__ void router_topk(const float* logits, const float* bias, f
             int oe = __shfl_xor_sync(XT_FULL_MASK, best_e, o);
             if (ob > best || (ob == best && oe < best_e)) { best = ob; best_e = oe; }
         }
+        if (best_e >= E) {  // every score left is NaN: the lowest expert not taken yet
+            best_e = 0;
+            while (taken[best_e >> 5] & (1u << (best_e & 31))) best_e++;
+        }
         taken[best_e >> 5] |= 1u << (best_e & 31);
         if (lane == 0) experts[t * k + j] = best_e;
         sum += p[best_e];
