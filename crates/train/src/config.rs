@@ -913,10 +913,24 @@ mod tests {
             on_gpu(ok).unwrap_or_else(|e| panic!("{ok:?}: {e}"));
         }
         // The model's own collectives are host-only yet: refused, naming the parallelism.
-        for (bad, name) in [("parallel.cp=2", "context parallelism (cp = 2)")] {
-            let e = on_gpu(&[bad]).unwrap_err().to_string();
-            assert!(e.contains(name) && e.contains("on the CPU"), "{bad}: {e}");
-        }
+        let e = on_gpu(&["parallel.cp=2"]).unwrap_err().to_string();
+        assert!(
+            e.contains("context parallelism (cp = 2)") && e.contains("on the CPU"),
+            "{e}"
+        );
+        let moe: Vec<String> = [
+            "train.device=\"cuda\"",
+            "parallel.nproc=2",
+            "parallel.dp=2",
+            "parallel.ep=2",
+        ]
+        .iter()
+        .map(|s| s.to_string())
+        .collect();
+        let e = RunConfig::resolve("moe-small", None, &moe)
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("expert parallelism (ep = 2)"), "{e}");
         let e = RunConfig::resolve("tiny", None, &["train.device=\"gpu\"".into()]).unwrap_err();
         assert!(
             e.to_string().contains("expected cpu, cuda or cuda:N"),

@@ -407,7 +407,7 @@ impl<M: StageModel> Executor<M> {
         // Stages 0/1: the full gradients, one allocation per bucket (all-reduced in place);
         // stages 2/3: the shard.
         let grads = if zero.shards_grads() {
-            vec![0..spec.shard_len()]
+            std::iter::once(0..spec.shard_len()).collect()
         } else {
             buckets.iter().map(|b| b.range.clone()).collect()
         };
