@@ -130,6 +130,15 @@ PY
             failed=1
         fi
     done
+    # XTRAIN_BACKEND=nccl with two ranks on this one GPU: refused by name before NCCL runs.
+    if XTRAIN_BACKEND=nccl timeout 60 "$dir/xtrain" train --preset tiny --device cuda \
+        --nproc 2 --dp 2 --set train.steps=2 --out "$out/nccl-shared" >"$out/nccl-shared.log" 2>&1 ||
+        ! grep -q "one GPU per rank" "$out/nccl-shared.log"; then
+        echo "XTRAIN_BACKEND=nccl, 2 ranks on 1 GPU: NOT refused by name (log: nccl-shared.log)" >>"$report"
+        failed=1
+    else
+        echo "XTRAIN_BACKEND=nccl, 2 ranks on 1 GPU: refused, naming the shared GPU" >>"$report"
+    fi
     echo '```' >>"$report"
     # bf16 convergence: preset tiny, 1500 steps, the final validation loss of the GPU in
     # bf16 within 0.03 of the CPU in fp32 (tinyshakespeare where present, else the built-in

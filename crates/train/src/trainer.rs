@@ -372,6 +372,7 @@ impl Trainer {
         let local_rank = comm::env::LaunchEnv::from_env().map_or(0, |e| e.local_rank);
         let device = tensor::buf::Dev::open_local(&t.device_spec(), local_rank)
             .map_err(|e| TrainError::Config(format!("train.device: {e}")))?;
+        let nccl = dp_nccl(&device, &par.dp)?;
         let exec_cfg = ExecConfig {
             zero: dims.zero,
             bucket_bytes: (p.bucket_mb * 1024.0 * 1024.0) as usize,
@@ -395,6 +396,7 @@ impl Trainer {
             one_rank_per_process: comm.size() == 1 || comm::env::LaunchEnv::from_env().is_ok(),
             device,
             offload_optimizer: p.offload_optimizer()?,
+            nccl,
         };
         let init = par.stage.clone();
         let seed = t.seed;
@@ -735,4 +737,25 @@ pub fn load_model(path: &Path) -> Result<(RunConfig, Model, Vec<f32>, Tokenizer)
     }
     let (tokenizer, _) = checkpoint_tokenizer(&ck)?;
     Ok((cfg, model, params, tokenizer))
+}
+
+/// The NCCL communicator of the dp group when `XTRAIN_BACKEND=nccl` asks for one (GPU ranks,
+/// one GPU each; `None` for the own engine, and for a dp group of one rank).
+fn dp_nccl(
+    device: &tensor::buf::Dev,
+    dp: &comm::ProcessGroup,
+) -> Result<Option<parallel::data_parallel::nccl::NcclGroup>> {
+    use parallel::data_parallel::nccl::{Backend, NcclGroup, BACKEND_ENV};
+    if Backend::from_env().map_err(perr)? == Backend::Own {
+        return Ok(None);
+    }
+    let tensor::buf::Dev::Cuda(gpu) = device else {
+        return Err(TrainError::Config(format!(
+            "{BACKEND_ENV}=nccl reduces gradients on GPUs: train with --device cuda (or unset it)"
+        )));
+    };
+    if dp.size() == 1 {
+        return Ok(None);
+    }
+    Ok(Some(NcclGroup::new(dp, gpu).map_err(perr)?))
 }

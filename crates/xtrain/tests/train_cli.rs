@@ -186,6 +186,21 @@ fn bad_arguments_are_clear_errors() {
         !ok && out.contains("XTRAIN_ISA") && !out.contains("panicked"),
         "{out}"
     );
+    // NCCL serves GPU ranks only; an unknown backend is named.
+    let steps = [
+        "train",
+        "--set",
+        "train.steps=1",
+        "--set",
+        "data.corpus_bytes=20000",
+    ];
+    let (ok, out) = xtrain_env(&steps, &[("XTRAIN_BACKEND", "nccl")]);
+    assert!(
+        !ok && out.contains("XTRAIN_BACKEND=nccl") && out.contains("--device cuda"),
+        "{out}"
+    );
+    let (ok, out) = xtrain_env(&steps, &[("XTRAIN_BACKEND", "gloo")]);
+    assert!(!ok && out.contains("expected own or nccl"), "{out}");
 }
 
 /// Every layout that cannot work is refused before any worker starts (no `[rank R]` line),

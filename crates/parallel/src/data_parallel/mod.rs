@@ -6,11 +6,13 @@
 //! - [`bucket`]: gradient buckets in reverse layer order and their readiness during backward;
 //! - [`grad_comm`]: the wire format of the gradient reductions (fp32, or bf16 / fp8 summed in
 //!   fp32, or PowerSGD); [`powersgd`]: low-rank compression with error feedback;
-//! - [`sampler`]: which samples of a global batch each dp rank reads.
+//! - [`sampler`]: which samples of a global batch each dp rank reads;
+//! - [`nccl`]: the gradient all-reduce of GPU ranks on NCCL (`XTRAIN_BACKEND=nccl`).
 //!
 //! Design notes: `docs/DATA_PARALLEL.md`.
 pub mod bucket;
 pub mod grad_comm;
+pub mod nccl;
 pub mod powersgd;
 pub mod sampler;
 pub mod shard;

@@ -90,6 +90,10 @@ pub struct ExecConfig {
     /// weights go back (rounded). In fp32 the master is then a host copy beside the device
     /// weights. On the CPU nothing moves, but the same path runs (a separate master).
     pub offload_optimizer: bool,
+    /// GPU ranks with a GPU each: the plain (uncompressed) gradient all-reduces of ZeRO-0/1
+    /// on NCCL, in place on the device ([`crate::data_parallel::nccl`]); `None`: every
+    /// reduction through host memory over the own transports.
+    pub nccl: Option<crate::data_parallel::nccl::NcclGroup>,
 }
 
 impl Default for ExecConfig {
@@ -105,6 +109,7 @@ impl Default for ExecConfig {
             one_rank_per_process: false,
             device: Dev::Cpu,
             offload_optimizer: false,
+            nccl: None,
         }
     }
 }

@@ -194,6 +194,19 @@ impl<M: StageModel> Executor<M> {
             self.record(TraceKind::BucketDone(b));
             return Ok(());
         }
+        if let (Some(nccl), false, None) = (
+            &self.cfg.nccl,
+            self.cfg.zero.shards_grads(),
+            self.cfg.grad_comm.codec(),
+        ) {
+            if !matches!(self.cfg.grad_comm, GradComm::PowerSgd { .. }) {
+                // In place on the device (16-bit storage: its fp32 copy), on the compute
+                // stream; nothing to prepare on a GPU (see above).
+                self.grads.update_buf(b, br, |g| nccl.all_reduce_mean(g))?;
+                self.record(TraceKind::BucketDone(b));
+                return Ok(());
+            }
+        }
         let mut buf = self.take_bucket(b)?;
         self.model.prepare_reduction(br, &mut buf)?;
         self.reduce_taken(b, buf, pending, false)
