@@ -6,6 +6,7 @@
 //! do not grow with the ring. Every configuration runs twice: plain causal, and block-causal
 //! over packed documents (the single-process kernel's document mask as the reference).
 use model::layers::attention::AttentionCore;
+use model::layers::{Buf, BufRef};
 use model::Documents;
 use parallel::context_parallel::ring::ContextAttention;
 use parallel::context_parallel::{CpBalance, CpComm, CpLayout};
@@ -106,10 +107,27 @@ fn errors(cp: usize, balance: CpBalance, comm: CpComm, gqa: usize, masked: bool)
             lay.slice(&dout, batch, seq, hd),
         );
         let docs = docs.as_ref();
-        let (ol, lsel) = core.forward(&local, part, docs, &ql, &kl, &vl).unwrap();
-        let (dql, dkl, dvl) = core
-            .backward(&local, part, docs, &ql, &kl, &vl, &ol, &lsel, &dl)
+        fn r(v: &[f32]) -> BufRef<'_> {
+            BufRef::Host(v)
+        }
+        let (ol, lsel) = core
+            .forward(&local, part, docs, r(&ql), r(&kl), r(&vl))
             .unwrap();
+        let (dql, dkl, dvl) = core
+            .backward(
+                &local,
+                part,
+                docs,
+                r(&ql),
+                r(&kl),
+                r(&vl),
+                ol.r(),
+                lsel.r(),
+                r(&dl),
+            )
+            .unwrap();
+        let h = |b: &Buf| b.as_host("test").unwrap().to_vec();
+        let (ol, lsel, dql, dkl, dvl) = (h(&ol), h(&lsel), h(&dql), h(&dkl), h(&dvl));
         [
             rel(&ol, &lay.slice(&o, batch, seq, hd)),
             rel(&lsel, &slice_lse(&lse, &lay, batch, heads, seq)),
@@ -165,7 +183,8 @@ fn a_part_other_than_the_ranks_own_is_refused() {
         let core = ContextAttention::new(lay, CpComm::Ring, c.world().clone(), dkv).unwrap();
         let shape = AttnShape::causal(1, 4, 2, 2, 4);
         let x = vec![0.0; shape.q_elems()];
-        core.forward(&shape, model::layers::SeqPart::Offset(0), None, &x, &x, &x)
+        let x = BufRef::Host(&x);
+        core.forward(&shape, model::layers::SeqPart::Offset(0), None, x, x, x)
             .unwrap_err()
             .to_string()
     });
@@ -198,9 +217,10 @@ fn bytes_sent_per_layer_equal_the_formula() {
                 let part = lay.part(seq);
                 let q = rand(local.q_elems(), 1 + c.rank() as u64);
                 let k = rand(local.kv_elems(), 7);
-                let (o, lse) = core.forward(&local, part, None, &q, &k, &k).unwrap();
+                let (q, k) = (BufRef::Host(&q), BufRef::Host(&k));
+                let (o, lse) = core.forward(&local, part, None, q, k, k).unwrap();
                 let fwd = kv.stats();
-                core.backward(&local, part, None, &q, &k, &k, &o, &lse, &q)
+                core.backward(&local, part, None, q, k, k, o.r(), lse.r(), q)
                     .unwrap();
                 let (all, grads) = (kv.stats(), dkv.stats());
                 (

@@ -4,8 +4,8 @@
 //! and fp16 under the same 16-bit rule on both devices (bounds from the formats); checkpoints
 //! crossing devices — one written on the CPU continues on the GPU, and one written on the GPU
 //! continues on the CPU, each with the uninterrupted run's losses (1e-4); and greedy
-//! generation from a checkpoint; data parallelism (ZeRO 0-3), tensor parallelism and pipelines
-//! on one GPU shared
+//! generation from a checkpoint; data parallelism (ZeRO 0-3), tensor, context and pipeline
+//! parallelism on one GPU shared
 //! by ranks as threads, against the single-GPU run; ZeRO-Offload against the optimizer on the
 //! GPU. Skipped with one line where no GPU is found (a failure under
 //! `XTRAIN_REQUIRE_GPU=1`).
@@ -175,7 +175,7 @@ fn sixteen_bit_training_on_the_gpu_matches_the_cpu() {
 }
 
 /// The layouts of [`layouts_on_one_gpu_match_one_gpu`], each with 4 sequences per step.
-const GPU_LAYOUTS: [(&str, usize, &[&str]); 12] = [
+const GPU_LAYOUTS: [(&str, usize, &[&str]); 15] = [
     ("single", 1, &["train.grad_accum=4"]),
     ("dp2 ZeRO-0", 2, &["parallel.dp=2", "train.grad_accum=2"]),
     (
@@ -239,6 +239,26 @@ const GPU_LAYOUTS: [(&str, usize, &[&str]); 12] = [
             "train.grad_accum=2",
         ],
     ),
+    ("cp2 ring", 2, &["parallel.cp=2", "train.grad_accum=4"]),
+    (
+        "cp2 all-gather",
+        2,
+        &[
+            "parallel.cp=2",
+            "parallel.cp_comm=\"allgather\"",
+            "train.grad_accum=4",
+        ],
+    ),
+    (
+        "cp2 x tp2 + sp",
+        4,
+        &[
+            "parallel.cp=2",
+            "parallel.tp=2",
+            "parallel.sp=true",
+            "train.grad_accum=4",
+        ],
+    ),
     (
         "dp4 ZeRO-3",
         4,
@@ -246,8 +266,8 @@ const GPU_LAYOUTS: [(&str, usize, &[&str]); 12] = [
     ),
 ];
 
-/// Data parallelism at every ZeRO stage, tensor (+ sequence) parallelism and pipelines on one
-/// GPU, `nproc` ranks as threads
+/// Data parallelism at every ZeRO stage, tensor (+ sequence), context and pipeline parallelism
+/// on one GPU, `nproc` ranks as threads
 /// sharing it (the weights, gradients and optimizer states on the device; the reductions,
 /// gathers and pipeline messages staged through host memory over the host transports): five
 /// AdamW steps in fp32 (no TF32), every loss and grad norm within 1e-5 relative of the

@@ -26,19 +26,19 @@ use crate::profile::{time, Kernel};
 /// tokens may be one rank's part of the sequences: `shape` is the local one (`q_len = kv_len =`
 /// the pass's tokens per sequence) and `part` says which global positions they are; `docs`,
 /// when given, are the document boundaries of the whole sequences (global positions): no
-/// query may see a key of another document. Cores run on host buffers (context parallelism on
-/// the GPU is not built yet: a GPU buffer there is an error naming it).
+/// query may see a key of another document. The buffers are on the model's device.
 pub trait AttentionCore: Send + Sync + std::fmt::Debug {
-    /// `(out, lse)` of the local queries against every key of their sequences.
+    /// `(out, lse)` of the local queries against every key of their sequences, on the
+    /// device of `q`.
     fn forward(
         &self,
         shape: &AttnShape,
         part: SeqPart,
         docs: Option<&Documents>,
-        q: &[f32],
-        k: &[f32],
-        v: &[f32],
-    ) -> Result<(Vec<f32>, Vec<f32>)>;
+        q: BufRef<'_>,
+        k: BufRef<'_>,
+        v: BufRef<'_>,
+    ) -> Result<(Buf, Buf)>;
     /// `(dq, dk, dv)` of the local q, k, v, given the forward's `out` and `lse` and `dout`.
     #[allow(clippy::too_many_arguments)]
     fn backward(
@@ -46,13 +46,13 @@ pub trait AttentionCore: Send + Sync + std::fmt::Debug {
         shape: &AttnShape,
         part: SeqPart,
         docs: Option<&Documents>,
-        q: &[f32],
-        k: &[f32],
-        v: &[f32],
-        out: &[f32],
-        lse: &[f32],
-        dout: &[f32],
-    ) -> Result<(Vec<f32>, Vec<f32>, Vec<f32>)>;
+        q: BufRef<'_>,
+        k: BufRef<'_>,
+        v: BufRef<'_>,
+        out: BufRef<'_>,
+        lse: BufRef<'_>,
+        dout: BufRef<'_>,
+    ) -> Result<(Buf, Buf, Buf)>;
 }
 
 /// Attention weights (views relative to the parameter slice) and head geometry.
@@ -143,16 +143,7 @@ impl Attention {
         let shape = self.shape(pass)?;
         let (o, lse) = match &self.core {
             Some(core) => {
-                let what = "context-parallel attention";
-                let (o, lse) = core.forward(
-                    &shape,
-                    pass.part,
-                    pass.docs.as_deref(),
-                    q.as_host(what)?,
-                    k.as_host(what)?,
-                    v.as_host(what)?,
-                )?;
-                (Buf::Host(o), Buf::Host(lse))
+                core.forward(&shape, pass.part, pass.docs.as_deref(), q.r(), k.r(), v.r())?
             }
             None => {
                 let docs = pass.doc_starts()?;
@@ -198,21 +189,17 @@ impl Attention {
         });
         let shape = self.shape(pass)?;
         let (mut dq, mut dk, dv) = match &self.core {
-            Some(core) => {
-                let what = "context-parallel attention";
-                let (dq, dk, dv) = core.backward(
-                    &shape,
-                    pass.part,
-                    pass.docs.as_deref(),
-                    cache.q.as_host(what)?,
-                    cache.k.as_host(what)?,
-                    cache.v.as_host(what)?,
-                    cache.o.as_host(what)?,
-                    cache.lse.as_host(what)?,
-                    d_o.as_host(what)?,
-                )?;
-                (Buf::Host(dq), Buf::Host(dk), Buf::Host(dv))
-            }
+            Some(core) => core.backward(
+                &shape,
+                pass.part,
+                pass.docs.as_deref(),
+                cache.q.r(),
+                cache.k.r(),
+                cache.v.r(),
+                cache.o.r(),
+                cache.lse.r(),
+                d_o.r(),
+            )?,
             None => {
                 let dev = d_o.dev();
                 let mut dq = dev.zeros(t * dqn)?;

@@ -32,8 +32,9 @@
 use comm::{ProcessGroup, ReduceOp};
 use model::layers::attention::AttentionCore;
 use model::layers::SeqPart;
+use model::layers::{Buf, BufMut, BufRef};
 use model::{Documents, ModelError, Result};
-use tensor::attention::{attention_backward_docs, attention_forward_docs, AttnShape, AttnTiles};
+use tensor::attention::AttnShape;
 
 use super::{block_calls, CpComm, CpLayout};
 
@@ -176,43 +177,41 @@ impl ContextAttention {
         )
     }
 
-    /// Merges into `o`, `lse` the partial attention of this rank's queries against block
-    /// `j` (`kv` = its K then V, `[batch, len, n_kv, d]` each).
+    /// Merges into `o`, `lse` (host) the partial attention of this rank's queries against
+    /// block `j` (`kv` = its K then V, `[batch, len, n_kv, d]` each), computed on the device
+    /// of `q` (a GPU's partial results come to the host for the merge).
     #[allow(clippy::too_many_arguments)]
     fn block_forward(
         &self,
         shape: &AttnShape,
         docs: Option<&Documents>,
-        q: &[f32],
-        kv: &[f32],
+        q: BufRef<'_>,
+        kv: BufRef<'_>,
         j: usize,
         o: &mut [f32],
         lse: &mut [f32],
     ) -> Result<()> {
         let (len, h, d) = (shape.q_len, shape.n_heads, shape.head_dim);
         let (hd, kvd) = (h * d, shape.n_kv_heads * d);
-        let (k, v) = kv.split_at(kv.len() / 2);
+        let half = kv.len() / 2;
+        let (k, v) = (kv.slice(0..half), kv.slice(half..kv.len()));
         let pos = self.query_positions(docs, len);
         for (c, s) in self.calls(shape, j) {
             let rows = c.q_rows.len();
-            let mut ob = vec![0.0f32; rows * hd];
-            let mut lb = vec![0.0f32; h * rows];
             for b in 0..shape.batch {
                 let qr = (b * len + c.q_rows.start) * hd..(b * len + c.q_rows.end) * hd;
                 let kr = (b * len + c.k_rows.start) * kvd..(b * len + c.k_rows.end) * kvd;
                 let ds = Self::call_docs(docs, pos.as_deref(), &c, b);
-                model::profile::time(model::profile::Kernel::Attention, || {
-                    attention_forward_docs(
+                let (ob, lb) = model::profile::time(model::profile::Kernel::Attention, || {
+                    tensor::ops::attention_forward(
                         &s,
                         ds.as_deref(),
-                        &q[qr.clone()],
-                        &k[kr.clone()],
-                        &v[kr],
-                        &mut ob,
-                        &mut lb,
-                        AttnTiles::default(),
+                        q.slice(qr.clone()),
+                        k.slice(kr.clone()),
+                        v.slice(kr),
                     )
                 })?;
+                let (ob, lb) = (ob.into_vec()?, lb.into_vec()?);
                 // Merge: o rows [b, q_rows, h, d]; lse [b, h, len] at q_rows.
                 for (r, row) in c.q_rows.clone().enumerate() {
                     for hh in 0..h {
@@ -232,51 +231,52 @@ impl ContextAttention {
     }
 
     /// Adds to `dq` and to `dkv` (block `j`'s dK then dV) the gradients of this rank's
-    /// queries' attention to block `j`, from the final `o`, `lse` and `dout`.
+    /// queries' attention to block `j`, from the final `o`, `lse` (host) and `dout`, on the
+    /// device of `q`.
     #[allow(clippy::too_many_arguments)]
     fn block_backward(
         &self,
         shape: &AttnShape,
         docs: Option<&Documents>,
-        q: &[f32],
-        kv: &[f32],
-        j: usize,
-        o: &[f32],
+        (q, kv, j): (BufRef<'_>, BufRef<'_>, usize),
+        o: BufRef<'_>,
         lse: &[f32],
-        dout: &[f32],
-        dq: &mut [f32],
-        dkv: &mut [f32],
+        dout: BufRef<'_>,
+        mut dq: BufMut<'_>,
+        dkv: BufMut<'_>,
     ) -> Result<()> {
         let (len, h, d) = (shape.q_len, shape.n_heads, shape.head_dim);
         let (hd, kvd) = (h * d, shape.n_kv_heads * d);
-        let (k, v) = kv.split_at(kv.len() / 2);
-        let (dk, dv) = dkv.split_at_mut(dkv.len() / 2);
+        let half = kv.len() / 2;
+        let (k, v) = (kv.slice(0..half), kv.slice(half..kv.len()));
+        let (mut dk, mut dv) = dkv.split_at_mut(half);
         let pos = self.query_positions(docs, len);
+        let dev = q.dev();
         for (c, s) in self.calls(shape, j) {
             let rows = c.q_rows.len();
-            let mut lb = vec![0.0f32; h * rows];
             for b in 0..shape.batch {
+                let mut lb = vec![0.0f32; h * rows];
                 for hh in 0..h {
                     let from = (b * h + hh) * len + c.q_rows.start;
                     lb[hh * rows..(hh + 1) * rows].copy_from_slice(&lse[from..from + rows]);
                 }
+                let lb = dev.from_vec(lb)?;
                 let qr = (b * len + c.q_rows.start) * hd..(b * len + c.q_rows.end) * hd;
                 let kr = (b * len + c.k_rows.start) * kvd..(b * len + c.k_rows.end) * kvd;
                 let ds = Self::call_docs(docs, pos.as_deref(), &c, b);
                 model::profile::time(model::profile::Kernel::Attention, || {
-                    attention_backward_docs(
+                    tensor::ops::attention_backward(
                         &s,
                         ds.as_deref(),
-                        &q[qr.clone()],
-                        &k[kr.clone()],
-                        &v[kr.clone()],
-                        &o[qr.clone()],
-                        &lb,
-                        &dout[qr.clone()],
-                        &mut dq[qr],
-                        &mut dk[kr.clone()],
-                        &mut dv[kr],
-                        AttnTiles::default(),
+                        q.slice(qr.clone()),
+                        k.slice(kr.clone()),
+                        v.slice(kr.clone()),
+                        o.slice(qr.clone()),
+                        lb.r(),
+                        dout.slice(qr.clone()),
+                        dq.reborrow().slice_mut(qr),
+                        dk.reborrow().slice_mut(kr.clone()),
+                        dv.reborrow().slice_mut(kr),
                     )
                 })?;
             }
@@ -284,12 +284,12 @@ impl ContextAttention {
         Ok(())
     }
 
-    /// K then V as one buffer.
-    fn kv_buffer(k: &[f32], v: &[f32]) -> Vec<f32> {
-        let mut kv = Vec::with_capacity(k.len() + v.len());
-        kv.extend_from_slice(k);
-        kv.extend_from_slice(v);
-        kv
+    /// K then V as one buffer on their device.
+    fn kv_buffer(k: BufRef<'_>, v: BufRef<'_>) -> Result<Buf> {
+        let mut kv = tensor::ops::zeros_like(k, k.len() + v.len())?;
+        kv.m().slice_mut(0..k.len()).copy_from(k)?;
+        kv.m().slice_mut(k.len()..k.len() + v.len()).copy_from(v)?;
+        Ok(kv)
     }
 
     /// Starts the ring shift of `buf` on `group`: sent to the next rank, the previous rank's
@@ -317,46 +317,54 @@ fn waited<R>(f: impl FnOnce() -> comm::Result<R>) -> Result<R> {
     model::profile::time(model::profile::Kernel::ContextWait, f).map_err(cerr)
 }
 
+// The blocks travel over the host transports: on a GPU each is downloaded to be sent and
+// uploaded when received; the partial outputs are merged on the host.
 impl AttentionCore for ContextAttention {
     fn forward(
         &self,
         shape: &AttnShape,
         part: SeqPart,
         docs: Option<&Documents>,
-        q: &[f32],
-        k: &[f32],
-        v: &[f32],
-    ) -> Result<(Vec<f32>, Vec<f32>)> {
+        q: BufRef<'_>,
+        k: BufRef<'_>,
+        v: BufRef<'_>,
+    ) -> Result<(Buf, Buf)> {
         self.check(shape, part, docs)?;
         let cp = self.layout.cp;
+        let dev = q.dev();
         let mut o = vec![0.0f32; shape.q_elems()];
         let mut lse = vec![f32::NEG_INFINITY; shape.lse_elems()];
-        let mine = Self::kv_buffer(k, v);
+        let mine = Self::kv_buffer(k, v)?;
         match self.comm {
             CpComm::Ring => {
                 let mut cur = mine;
                 for step in 0..cp {
                     let j = (self.layout.rank + cp - step) % cp;
-                    let next = (step + 1 < cp).then(|| self.shift(&self.kv, cur.clone(), TAG_KV));
-                    self.block_forward(shape, docs, q, &cur, j, &mut o, &mut lse)?;
+                    let next = match step + 1 < cp {
+                        true => Some(self.shift(&self.kv, cur.to_vec()?, TAG_KV)),
+                        false => None,
+                    };
+                    self.block_forward(shape, docs, q, cur.r(), j, &mut o, &mut lse)?;
                     if let Some(w) = next {
-                        cur = received(w)?;
+                        cur = dev.from_vec(received(w)?)?;
                     }
                 }
             }
             CpComm::AllGather => {
                 let n = mine.len();
                 let mut all = vec![0.0f32; n * cp];
+                let mine = mine.into_vec()?;
                 waited(|| self.kv.all_gather(&mine, &mut all))?;
+                let all = dev.from_vec(all)?;
                 // The own block first, then the others in ring order: the ring's merge order.
                 for step in 0..cp {
                     let j = (self.layout.rank + cp - step) % cp;
-                    let blk = &all[j * n..(j + 1) * n];
+                    let blk = all.r().slice(j * n..(j + 1) * n);
                     self.block_forward(shape, docs, q, blk, j, &mut o, &mut lse)?;
                 }
             }
         }
-        Ok((o, lse))
+        Ok((dev.from_vec(o)?, dev.from_vec(lse)?))
     }
 
     fn backward(
@@ -364,17 +372,19 @@ impl AttentionCore for ContextAttention {
         shape: &AttnShape,
         part: SeqPart,
         docs: Option<&Documents>,
-        q: &[f32],
-        k: &[f32],
-        v: &[f32],
-        out: &[f32],
-        lse: &[f32],
-        dout: &[f32],
-    ) -> Result<(Vec<f32>, Vec<f32>, Vec<f32>)> {
+        q: BufRef<'_>,
+        k: BufRef<'_>,
+        v: BufRef<'_>,
+        out: BufRef<'_>,
+        lse: BufRef<'_>,
+        dout: BufRef<'_>,
+    ) -> Result<(Buf, Buf, Buf)> {
         self.check(shape, part, docs)?;
         let cp = self.layout.cp;
-        let mut dq = vec![0.0f32; shape.q_elems()];
-        let mine = Self::kv_buffer(k, v);
+        let dev = q.dev();
+        let lse = lse.to_vec()?;
+        let mut dq = tensor::ops::zeros_like(q, shape.q_elems())?;
+        let mine = Self::kv_buffer(k, v)?;
         let n = mine.len();
         let own = match self.comm {
             CpComm::Ring => {
@@ -384,46 +394,62 @@ impl AttentionCore for ContextAttention {
                 let mut alone = None; // cp = 1: the own block's gradient stays here
                 for step in 0..cp {
                     let j = (self.layout.rank + cp - step) % cp;
-                    let next = (step + 1 < cp).then(|| self.shift(&self.kv, cur.clone(), TAG_KV));
-                    let mut dkv = vec![0.0f32; n];
-                    let (o, l) = (out, lse);
-                    self.block_backward(shape, docs, q, &cur, j, o, l, dout, &mut dq, &mut dkv)?;
+                    let next = match step + 1 < cp {
+                        true => Some(self.shift(&self.kv, cur.to_vec()?, TAG_KV)),
+                        false => None,
+                    };
+                    let mut dkv = tensor::ops::zeros_like(q, n)?;
+                    self.block_backward(
+                        shape,
+                        docs,
+                        (q, cur.r(), j),
+                        out,
+                        &lse,
+                        dout,
+                        dq.m(),
+                        dkv.m(),
+                    )?;
                     if let Some(w) = incoming.take() {
-                        let sum = received(w)?;
-                        dkv.iter_mut().zip(&sum).for_each(|(a, b)| *a += b);
+                        let sum = dev.from_vec(received(w)?)?;
+                        tensor::ops::add_assign(dkv.m(), sum.r())?;
                     }
                     // On to the next rank, which sees block j at the next step; after the
                     // last step the next rank is j's owner.
                     if cp > 1 {
-                        incoming = Some(self.shift(&self.dkv, dkv, TAG_DKV));
+                        incoming = Some(self.shift(&self.dkv, dkv.into_vec()?, TAG_DKV));
                     } else {
                         alone = Some(dkv);
                     }
                     if let Some(w) = next {
-                        cur = received(w)?;
+                        cur = dev.from_vec(received(w)?)?;
                     }
                 }
                 match (incoming, alone) {
-                    (Some(w), _) => received(w)?,
+                    (Some(w), _) => dev.from_vec(received(w)?)?,
                     (None, Some(g)) => g,
                     (None, None) => unreachable!("cp ≥ 1 steps ran"),
                 }
             }
             CpComm::AllGather => {
                 let mut all = vec![0.0f32; n * cp];
+                let mine = mine.into_vec()?;
                 waited(|| self.kv.all_gather(&mine, &mut all))?;
-                let mut dall = vec![0.0f32; n * cp];
+                let all = dev.from_vec(all)?;
+                let mut dall = tensor::ops::zeros_like(q, n * cp)?;
                 for step in 0..cp {
                     let j = (self.layout.rank + cp - step) % cp;
-                    let (blk, dblk) = (&all[j * n..(j + 1) * n], &mut dall[j * n..(j + 1) * n]);
-                    self.block_backward(shape, docs, q, blk, j, out, lse, dout, &mut dq, dblk)?;
+                    let blk = all.r().slice(j * n..(j + 1) * n);
+                    let dblk = dall.m().slice_mut(j * n..(j + 1) * n);
+                    let (o, l) = (out, &lse);
+                    self.block_backward(shape, docs, (q, blk, j), o, l, dout, dq.m(), dblk)?;
                 }
+                let dall = dall.into_vec()?;
                 let mut own = vec![0.0f32; n];
                 waited(|| self.kv.reduce_scatter(&dall, &mut own, ReduceOp::Sum))?;
-                own
+                dev.from_vec(own)?
             }
         };
-        let (dk, dv) = own.split_at(n / 2);
-        Ok((dq, dk.to_vec(), dv.to_vec()))
+        let (dk, dv) = (own.r().slice(0..n / 2), own.r().slice(n / 2..n));
+        Ok((dq, dk.to_buf()?, dv.to_buf()?))
     }
 }
