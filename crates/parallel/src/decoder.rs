@@ -713,6 +713,10 @@ impl StageModel for DecoderStage {
         Ok(all.iter().map(|&b| f64::from_bits(b as u64)).sum())
     }
 
+    fn prepares_reductions(&self) -> bool {
+        self.ep.is_some()
+    }
+
     /// Expert parallelism (module doc of [`crate::expert_parallel`]): the replicated tensors'
     /// gradients averaged over the ep ranks (one all-reduce of their parts of `range`), the
     /// experts' divided by ep.

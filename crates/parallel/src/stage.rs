@@ -135,6 +135,12 @@ pub trait StageModel: Sync {
         Ok(())
     }
 
+    /// Whether [`Self::prepare_reduction`] changes anything (expert parallelism): where it
+    /// does not, the executor skips it — and the trip of a GPU's bucket through host memory.
+    fn prepares_reductions(&self) -> bool {
+        false
+    }
+
     /// Flat ranges of this rank's copies of a tied tensor (the embedding and the LM head of a
     /// model with tied embeddings), in flat order; empty when nothing is tied. The executor
     /// reduces the buckets holding them only after [`Self::sum_tied`], with an exact

@@ -643,38 +643,22 @@ impl RunConfig {
         Ok(())
     }
 
-    /// The device spec is well formed, and a GPU is asked for only where the engine runs on one
-    /// today (data parallelism with ZeRO 0-3, tensor, sequence, context and pipeline
-    /// parallelism; not expert parallelism yet): refused here, before any worker starts or any
-    /// GPU is opened, naming what to change.
+    /// The device spec is well formed: `cpu`, `cuda` or `cuda:N` (checked here, before any
+    /// worker starts or any GPU is opened). Every layout runs on a GPU.
     fn check_device(&self) -> Result<()> {
         let spec = self.train.device_spec();
         let s = spec.to_ascii_lowercase();
-        let cuda = match s.strip_prefix("cuda") {
-            _ if s == "cpu" => false,
-            Some("") => true,
-            Some(n)
-                if n.strip_prefix(':')
-                    .is_some_and(|n| n.parse::<usize>().is_ok()) =>
-            {
-                true
-            }
-            _ => {
-                return Err(TrainError::Config(format!(
-                    "train.device = `{spec}`: expected cpu, cuda or cuda:N"
-                )))
-            }
+        let ordinal_ok = |n: &str| {
+            n.strip_prefix(':')
+                .is_some_and(|n| n.parse::<usize>().is_ok())
         };
-        if !cuda {
-            return Ok(());
+        match s.strip_prefix("cuda") {
+            _ if s == "cpu" => Ok(()),
+            Some(n) if n.is_empty() || ordinal_ok(n) => Ok(()),
+            _ => Err(TrainError::Config(format!(
+                "train.device = `{spec}`: expected cpu, cuda or cuda:N"
+            ))),
         }
-        if self.parallel.ep <= 1 {
-            return Ok(());
-        }
-        Err(TrainError::Config(format!(
-            "train.device = {spec}: expert parallelism (ep = {}) on the GPU is not built yet (data parallelism with ZeRO 0-3, tensor, sequence, context and pipeline parallelism are); train this layout on the CPU",
-            self.parallel.ep
-        )))
     }
 
     /// `data.document_mask` needs document boundaries, which only shard folders record (their
@@ -885,45 +869,32 @@ mod tests {
 
     #[test]
     fn gpu_layouts_are_checked_before_any_gpu_is_opened() {
-        let on_gpu = |extra: &[&str]| {
+        let on_gpu = |preset: &str, extra: &[&str]| {
             let o: Vec<String> = ["train.device=\"cuda\"", "parallel.nproc=2"]
                 .iter()
                 .chain(extra)
                 .map(|s| s.to_string())
                 .collect();
-            RunConfig::resolve("tiny", None, &o)
+            RunConfig::resolve(preset, None, &o)
         };
-        // Data parallelism with every ZeRO stage and pipelines pass (no GPU is opened here).
-        for ok in [
-            &["parallel.dp=2", "parallel.zero=3"][..],
-            &[
-                "parallel.dp=2",
-                "parallel.zero=1",
-                "train.precision=\"bf16\"",
-            ],
-            &["parallel.pp=2", "parallel.schedule=\"1f1b\""],
-            &["parallel.tp=2", "parallel.sp=true"],
-            &["parallel.cp=2"],
+        // Every layout passes (no GPU is opened here).
+        for (preset, ok) in [
+            ("tiny", &["parallel.dp=2", "parallel.zero=3"][..]),
+            (
+                "tiny",
+                &[
+                    "parallel.dp=2",
+                    "parallel.zero=1",
+                    "train.precision=\"bf16\"",
+                ],
+            ),
+            ("tiny", &["parallel.pp=2", "parallel.schedule=\"1f1b\""]),
+            ("tiny", &["parallel.tp=2", "parallel.sp=true"]),
+            ("tiny", &["parallel.cp=2"]),
+            ("moe-small", &["parallel.dp=2", "parallel.ep=2"]),
         ] {
-            on_gpu(ok).unwrap_or_else(|e| panic!("{ok:?}: {e}"));
+            on_gpu(preset, ok).unwrap_or_else(|e| panic!("{ok:?}: {e}"));
         }
-        // The experts' exchange is host-only yet: refused, naming the parallelism.
-        let moe: Vec<String> = [
-            "train.device=\"cuda\"",
-            "parallel.nproc=2",
-            "parallel.dp=2",
-            "parallel.ep=2",
-        ]
-        .iter()
-        .map(|s| s.to_string())
-        .collect();
-        let e = RunConfig::resolve("moe-small", None, &moe)
-            .unwrap_err()
-            .to_string();
-        assert!(
-            e.contains("expert parallelism (ep = 2)") && e.contains("on the CPU"),
-            "{e}"
-        );
         let e = RunConfig::resolve("tiny", None, &["train.device=\"gpu\"".into()]).unwrap_err();
         assert!(
             e.to_string().contains("expected cpu, cuda or cuda:N"),

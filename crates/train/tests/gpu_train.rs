@@ -374,7 +374,42 @@ fn layouts_match_one_rank(device: &str) {
         .copied()
         .collect::<Vec<_>>();
     layouts_match_in(device, &["model.tie_word_embeddings=true"], &tied);
+    // A mixture of experts (4 experts, top 2), with expert parallelism: the rows travel
+    // through host memory, the experts compute on the device.
+    let moe = [
+        "model.arch=\"mixtral\"",
+        "model.num_experts=4",
+        "model.experts_per_token=2",
+        "model.aux_loss_coef=0.01",
+    ];
+    layouts_match_in(device, &moe, &MOE_LAYOUTS);
 }
+
+/// Mixture-of-experts layouts, 4 sequences per step.
+const MOE_LAYOUTS: [(&str, usize, &[&str]); 4] = [
+    ("single", 1, &["train.grad_accum=4"]),
+    (
+        "dp2 ZeRO-1",
+        2,
+        &["parallel.dp=2", "parallel.zero=1", "train.grad_accum=2"],
+    ),
+    (
+        "ep2",
+        2,
+        &["parallel.dp=2", "parallel.ep=2", "train.grad_accum=2"],
+    ),
+    (
+        "ep2 x tp2 + sp",
+        4,
+        &[
+            "parallel.dp=2",
+            "parallel.ep=2",
+            "parallel.tp=2",
+            "parallel.sp=true",
+            "train.grad_accum=2",
+        ],
+    ),
+];
 
 fn refs(v: &[String]) -> Vec<&str> {
     v.iter().map(|s| s.as_str()).collect()
@@ -391,7 +426,7 @@ fn layouts_match_in(device: &str, with: &[&str], layouts: &[(&str, usize, &[&str
         |e: &[&str]| -> Vec<String> { e.iter().chain(with).map(|s| s.to_string()).collect() };
     let want = run_layout(device, 1, &refs(&extra(layouts[0].2)));
     for (name, nproc, e) in &layouts[1..] {
-        let name = format!("{name}{}", if with.is_empty() { "" } else { " (tied)" });
+        let name = format!("{name} {}", with.join(" "));
         let got = run_layout(device, *nproc, &refs(&extra(e)));
         let err = assert_close_runs(&name, &got, &want, 1e-5);
         eprintln!("{device} {name}: = one rank (parameters within {err:e} of the largest)");

@@ -12,6 +12,7 @@
 //! - renormalisation backward: `∂L/∂p_tm = (∂L/∂w_tm − Σ_{j∈K_t} w_tj ∂L/∂w_tj) / S_t` for
 //!   `m ∈ K_t`; then the softmax backward to the router logits.
 
+use std::borrow::Cow;
 use std::sync::Arc;
 
 use super::mlp::{MlpCache, SwiGlu};
@@ -178,8 +179,14 @@ impl MoeCache {
     }
 }
 
-/// What needs host buffers: expert parallelism's exchange (its messages are host vectors).
-const HOST: &str = "expert parallelism";
+/// A buffer's values on the host: borrowed there, downloaded from a GPU (expert
+/// parallelism's exchange carries host vectors).
+fn host(b: &Buf) -> Result<Cow<'_, [f32]>> {
+    Ok(match b {
+        Buf::Host(v) => Cow::Borrowed(v.as_slice()),
+        dev => Cow::Owned(dev.to_vec()?),
+    })
+}
 
 impl Moe {
     pub fn num_experts(&self) -> usize {
@@ -265,7 +272,8 @@ impl Moe {
         })
     }
 
-    /// `x [T, hidden] -> y [T, hidden]`, on the device of `x` (expert parallelism: the host).
+    /// `x [T, hidden] -> y [T, hidden]`, on the device of `x` (expert parallelism: the experts
+    /// there too, the rows travelling and combined through host memory).
     pub fn forward<'a1, 'a2>(
         &self,
         p: impl Into<BufRef<'a1>>,
@@ -279,11 +287,14 @@ impl Moe {
         let t_n = x.len() / hidden;
         let (y, caches, dispatch, shared) = match &self.exchange {
             Some(ex) => {
-                let (ph, xh) = (p.as_host(HOST)?, x.as_host(HOST)?);
+                let xh: Cow<'_, [f32]> = match x {
+                    BufRef::Host(v) => Cow::Borrowed(v),
+                    dev => Cow::Owned(dev.to_vec()?),
+                };
                 let mut y = vec![0.0; x.len()];
                 let (c, d, s) =
-                    self.forward_parallel(ph, xh, &routing, keep_product, ex, &mut y)?;
-                (Buf::Host(y), c, Some(d), s)
+                    self.forward_parallel(p, (x, &xh), &routing, keep_product, ex, &mut y)?;
+                (x.dev().from_vec(y)?, c, Some(d), s)
             }
             None => {
                 let mut y = tensor::ops::zeros_like(x, x.len())?;
@@ -374,12 +385,14 @@ impl Moe {
     /// member holding its expert (a header of per-expert row counts first), the members run
     /// their experts over the rows of every member, the outputs come back in the order sent,
     /// and are added into `y` in expert order (as [`Self::forward_local`] does); the shared
-    /// expert runs while the tokens travel and is added after the routed experts.
+    /// expert runs while the tokens travel and is added after the routed experts. The experts
+    /// compute on the device of `x` (given also as host values `xh`); the rows travel and are
+    /// combined into `y` on the host.
     #[allow(clippy::type_complexity)]
     fn forward_parallel(
         &self,
-        p: &[f32],
-        x: &[f32],
+        p: BufRef<'_>,
+        (x, xh): (BufRef<'_>, &[f32]),
         r: &Routing,
         keep_product: bool,
         ex: &Arc<dyn ExpertExchange>,
@@ -396,7 +409,7 @@ impl Moe {
                     let mut buf = Vec::with_capacity(per + rows * hidden);
                     buf.extend(lists.iter().map(|l| l.len() as f32));
                     for &(t, _) in lists.iter().flatten() {
-                        buf.extend_from_slice(&x[t * hidden..(t + 1) * hidden]);
+                        buf.extend_from_slice(&xh[t * hidden..(t + 1) * hidden]);
                     }
                     buf
                 })
@@ -427,18 +440,21 @@ impl Moe {
             for (m, b) in recv.iter().enumerate() {
                 xs.extend_from_slice(&b[at(m, l)..at(m, l) + received[m][l] * hidden]);
             }
-            let (out, mlp) = expert.forward(p, &xs, keep_product)?;
-            let out = out.into_host(HOST)?;
-            let mut o = 0;
-            for (m, bk) in back.iter_mut().enumerate() {
-                let len = received[m][l] * hidden;
-                bk.extend_from_slice(&out[o..o + len]);
-                o += len;
+            let xs = x.dev().from_vec(xs)?;
+            let (out, mlp) = expert.forward(p, xs.r(), keep_product)?;
+            {
+                let outh = host(&out)?;
+                let mut o = 0;
+                for (m, bk) in back.iter_mut().enumerate() {
+                    let len = received[m][l] * hidden;
+                    bk.extend_from_slice(&outh[o..o + len]);
+                    o += len;
+                }
             }
             caches.push(Some(ExpertCache {
-                x: Arc::new(Buf::Host(xs)),
+                x: Arc::new(xs),
                 mlp,
-                out: Arc::new(Buf::Host(out)),
+                out: Arc::new(out),
             }));
         }
         let returned = time(Kernel::ExpertExchange, ex.all_to_all(back))?;
@@ -458,7 +474,7 @@ impl Moe {
         let shared = match shared {
             Some((ys, c)) => {
                 y.iter_mut()
-                    .zip(ys.as_host(HOST)?)
+                    .zip(host(&ys)?.iter())
                     .for_each(|(a, b)| *a += b);
                 Some(c)
             }
@@ -475,7 +491,7 @@ impl Moe {
     #[allow(clippy::too_many_arguments, clippy::type_complexity)]
     fn backward_parallel(
         &self,
-        p: &[f32],
+        p: BufRef<'_>,
         r: &Routing,
         caches: Vec<Option<ExpertCache>>,
         d: Dispatch,
@@ -485,11 +501,12 @@ impl Moe {
         dx: &mut [f32],
         dw: &mut [f32],
         store: &mut WeightGradStore,
-    ) -> Result<Option<Vec<f32>>> {
+    ) -> Result<Option<Buf>> {
         let hidden = self.router.shape[1];
         let k = self.top_k;
         let (n, per) = (ex.size(), self.experts.len());
-        let dyh = dy.as_host(HOST)?;
+        let dev = dy.dev();
+        let dyh = host(dy)?;
         let send: Vec<Vec<f32>> = time(Kernel::Router, || {
             (0..n)
                 .map(|m| {
@@ -510,10 +527,7 @@ impl Moe {
         let wait = ex.all_to_all(send);
         let (shared, x) = shared;
         let shared_dx = match shared {
-            Some((s, c)) => Some(
-                s.backward_input(p, x, c, dy.clone(), store)?
-                    .into_host(HOST)?,
-            ),
+            Some((s, c)) => Some(s.backward_input(p, x, c, dy.clone(), store)?),
             None => None,
         };
         let recv = time(Kernel::ExpertExchange, wait)?;
@@ -525,9 +539,9 @@ impl Moe {
             for (m, b) in recv.iter().enumerate() {
                 dout.extend_from_slice(&b[at(m, l)..at(m, l) + d.received[m][l] * hidden]);
             }
-            let dxs = expert
-                .backward_input(p, &c.x, c.mlp, Arc::new(Buf::Host(dout)), store)?
-                .into_host(HOST)?;
+            let dout = Arc::new(dev.from_vec(dout)?);
+            let dxs = expert.backward_input(p, &c.x, c.mlp, dout, store)?;
+            let dxs = host(&dxs)?;
             let mut o = 0;
             for (m, bk) in back.iter_mut().enumerate() {
                 let len = d.received[m][l] * hidden;
@@ -582,20 +596,21 @@ impl Moe {
                     (Some(s), Some(c)) => Some((s, c)),
                     _ => None,
                 };
-                shared_dx = self
-                    .backward_parallel(
-                        p.as_host(HOST)?,
-                        r,
-                        cache.experts,
-                        d,
-                        &dy,
-                        ex,
-                        (shared, x),
-                        dx.as_host_mut(HOST)?,
-                        &mut dw,
-                        store,
-                    )?
-                    .map(Buf::Host);
+                // The routed experts' input gradients are combined on the host.
+                let mut dxh = vec![0.0f32; dx.len()];
+                shared_dx = self.backward_parallel(
+                    p,
+                    r,
+                    cache.experts,
+                    d,
+                    &dy,
+                    ex,
+                    (shared, x),
+                    &mut dxh,
+                    &mut dw,
+                    store,
+                )?;
+                dx = x.dev().from_vec(dxh)?;
             }
             (None, None) => {
                 for (e, (expert, c)) in self.experts.iter().zip(cache.experts).enumerate() {

@@ -183,25 +183,25 @@ impl<M: StageModel> Executor<M> {
         self.record(TraceKind::BucketLaunched(b));
         let br = self.buckets[b].range.clone();
         if !self.cfg.zero.shards_grads() && self.dp.size() == 1 {
-            // One rank: the accumulated gradients are already the sum. (On a GPU nothing to
-            // prepare for: expert parallelism, the one model that prepares, runs on the CPU.)
-            if !self.cfg.device.is_cuda() {
+            // One rank: the accumulated gradients are already the sum (prepared on the host:
+            // expert parallelism's average over the ep group).
+            if self.model.prepares_reductions() {
                 let model = &self.model;
-                self.grads.update_buf(b, br.clone(), |g| {
-                    model.prepare_reduction(br.clone(), g.as_host("a gradient reduction")?)
-                })?;
+                self.grads
+                    .update(b, br.clone(), |g| model.prepare_reduction(br.clone(), g))??;
             }
             self.record(TraceKind::BucketDone(b));
             return Ok(());
         }
-        if let (Some(nccl), false, None) = (
+        if let (Some(nccl), false, None, false) = (
             &self.cfg.nccl,
             self.cfg.zero.shards_grads(),
             self.cfg.grad_comm.codec(),
+            self.model.prepares_reductions(),
         ) {
             if !matches!(self.cfg.grad_comm, GradComm::PowerSgd { .. }) {
                 // In place on the device (16-bit storage: its fp32 copy), on the compute
-                // stream; nothing to prepare on a GPU (see above).
+                // stream.
                 self.grads.update_buf(b, br, |g| nccl.all_reduce_mean(g))?;
                 self.record(TraceKind::BucketDone(b));
                 return Ok(());
