@@ -35,7 +35,7 @@ use crate::transport::{Link, TransportKind};
 /// `XTRAIN_ALLREDUCE_ALGO` (ring|tree|hd|auto), `XTRAIN_JOB_ID`, `XTRAIN_JOB_TOKEN`,
 /// `XTRAIN_TCP_ADDR` (address this
 /// rank listens on and advertises), `XTRAIN_SPIN_US`, `XTRAIN_SHM_SINGLE_COPY` (0|1) and
-/// `XTRAIN_SHM_SINGLE_COPY_MIN` (bytes) and `XTRAIN_BACKEND` (own|mpi).
+/// `XTRAIN_SHM_SINGLE_COPY_MIN` (bytes) and `XTRAIN_BACKEND` (own|mpi; nccl: own here).
 #[derive(Clone, Debug)]
 pub struct Options {
     /// Which library runs the collectives (see [`CommBackend`]).
@@ -88,9 +88,13 @@ impl std::str::FromStr for CommBackend {
     type Err = String;
     fn from_str(s: &str) -> std::result::Result<Self, String> {
         match s.to_ascii_lowercase().as_str() {
-            "own" => Ok(CommBackend::Own),
+            // `nccl` puts GPU ranks' gradient all-reduces on NCCL (the `parallel` crate); the
+            // host collectives stay on the own engine.
+            "own" | "nccl" => Ok(CommBackend::Own),
             "mpi" => Ok(CommBackend::Mpi),
-            _ => Err(format!("unknown communication backend {s:?} (own or mpi)")),
+            _ => Err(format!(
+                "unknown communication backend {s:?} (own, mpi or nccl)"
+            )),
         }
     }
 }

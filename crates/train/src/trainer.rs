@@ -746,7 +746,7 @@ fn dp_nccl(
     dp: &comm::ProcessGroup,
 ) -> Result<Option<parallel::data_parallel::nccl::NcclGroup>> {
     use parallel::data_parallel::nccl::{Backend, NcclGroup, BACKEND_ENV};
-    if Backend::from_env().map_err(perr)? == Backend::Own {
+    if Backend::from_env().map_err(perr)? == Backend::Host {
         return Ok(None);
     }
     let tensor::buf::Dev::Cuda(gpu) = device else {

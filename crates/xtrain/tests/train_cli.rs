@@ -200,7 +200,7 @@ fn bad_arguments_are_clear_errors() {
         "{out}"
     );
     let (ok, out) = xtrain_env(&steps, &[("XTRAIN_BACKEND", "gloo")]);
-    assert!(!ok && out.contains("expected own or nccl"), "{out}");
+    assert!(!ok && out.contains("own, mpi or nccl"), "{out}");
 }
 
 /// Every layout that cannot work is refused before any worker starts (no `[rank R]` line),

@@ -3,7 +3,8 @@
 //! is all-reduced in place on the device, on the compute stream, and scaled by `1/dp` — no
 //! trip through host memory. Everything else of the executor (ZeRO-2/3's reduce-scatter, the
 //! weight gathers, compressed reductions, pipeline messages, the model's collectives) keeps
-//! the own engine over the host transports (`XTRAIN_BACKEND=own`, the default).
+//! the communicator's collectives over host memory (`XTRAIN_BACKEND=own`, the default, or
+//! `mpi`).
 //!
 //! The communicator is made over the dp group itself: every rank reports its host and GPU
 //! (NCCL needs one GPU per rank, so ranks sharing one are refused by name before NCCL is
@@ -23,25 +24,26 @@ pub const BACKEND_ENV: &str = "XTRAIN_BACKEND";
 /// The data-parallel backend of GPU ranks.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Backend {
-    /// The project's own collectives over host memory (any number of ranks per GPU).
-    Own,
-    /// NCCL on the device (one GPU per rank).
+    /// Through host memory, on the collectives of the communicator (`XTRAIN_BACKEND` `own`
+    /// or `mpi`: any number of ranks per GPU).
+    Host,
+    /// NCCL on the device (`XTRAIN_BACKEND=nccl`: one GPU per rank).
     Nccl,
 }
 
 impl Backend {
-    /// `XTRAIN_BACKEND`: `own` (the default when unset) or `nccl`.
+    /// From `XTRAIN_BACKEND` (unset: through host memory).
     pub fn from_env() -> Result<Backend, ParallelError> {
         Backend::parse(&std::env::var(BACKEND_ENV).unwrap_or_default())
     }
 
-    /// `own` or `nccl` (empty: `own`).
+    /// `own`, `mpi` (the host collectives' library) or `nccl` (empty: `own`).
     pub fn parse(v: &str) -> Result<Backend, ParallelError> {
         match v.trim().to_ascii_lowercase().as_str() {
-            "" | "own" => Ok(Backend::Own),
+            "" | "own" | "mpi" => Ok(Backend::Host),
             "nccl" => Ok(Backend::Nccl),
             other => Err(ParallelError::Config(format!(
-                "{BACKEND_ENV}={other}: expected own or nccl"
+                "{BACKEND_ENV}={other}: expected own, mpi or nccl"
             ))),
         }
     }
@@ -139,12 +141,13 @@ mod tests {
 
     #[test]
     fn backends_parse_and_hosts_hash_apart() {
-        assert_eq!(Backend::parse("").unwrap(), Backend::Own);
-        assert_eq!(Backend::parse(" OWN ").unwrap(), Backend::Own);
+        assert_eq!(Backend::parse("").unwrap(), Backend::Host);
+        assert_eq!(Backend::parse(" OWN ").unwrap(), Backend::Host);
+        assert_eq!(Backend::parse("mpi").unwrap(), Backend::Host);
         assert_eq!(Backend::parse("nccl").unwrap(), Backend::Nccl);
         let e = Backend::parse("gloo").unwrap_err().to_string();
         assert!(
-            e.contains("XTRAIN_BACKEND=gloo") && e.contains("own or nccl"),
+            e.contains("XTRAIN_BACKEND=gloo") && e.contains("own, mpi or nccl"),
             "{e}"
         );
         assert_ne!(fnv1a("node-a"), fnv1a("node-b"));
