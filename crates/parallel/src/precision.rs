@@ -514,23 +514,7 @@ pub struct Bucketed {
 impl Bucketed {
     /// Zeros cut into `ranges`, which must tile `0..n` for some `n`.
     pub fn zeros(ranges: Vec<Range<usize>>, precision: Precision) -> Self {
-        let mut order: Vec<usize> = (0..ranges.len()).collect();
-        order.sort_by_key(|&b| ranges[b].start);
-        let mut next = 0;
-        for &b in &order {
-            assert_eq!(ranges[b].start, next, "buckets must tile the buffer");
-            next = ranges[b].end;
-        }
-        let bufs = ranges
-            .iter()
-            .map(|r| Some(Flat::zeros(r.len(), precision)))
-            .collect();
-        Self {
-            ranges,
-            order,
-            bufs,
-            elem_bytes: precision.compute_bytes(),
-        }
+        Self::zeros_on(&Dev::Cpu, ranges, precision).expect("host zeros cannot fail")
     }
 
     /// Bytes of the whole buffer (lent buckets included).
@@ -574,13 +558,24 @@ impl Bucketed {
         ranges: Vec<Range<usize>>,
         precision: Precision,
     ) -> Result<Self, TensorError> {
-        let mut b = Self::zeros(ranges, precision);
-        if dev.is_cuda() {
-            for (buf, r) in b.bufs.iter_mut().zip(&b.ranges) {
-                *buf = Some(Flat::zeros_on(dev, r.len(), precision)?);
-            }
+        let mut order: Vec<usize> = (0..ranges.len()).collect();
+        order.sort_by_key(|&b| ranges[b].start);
+        let mut next = 0;
+        for &b in &order {
+            assert_eq!(ranges[b].start, next, "buckets must tile the buffer");
+            next = ranges[b].end;
         }
-        Ok(b)
+        // Each bucket made on its device directly (no host copy of a GPU's gradients).
+        let bufs = ranges
+            .iter()
+            .map(|r| Flat::zeros_on(dev, r.len(), precision).map(Some))
+            .collect::<Result<_, _>>()?;
+        Ok(Self {
+            ranges,
+            order,
+            bufs,
+            elem_bytes: precision.compute_bytes(),
+        })
     }
 
     /// [`Flat::update_buf`] of range `r`, which must lie inside bucket `b`.

@@ -367,6 +367,7 @@ impl Trainer {
         )
         .map_err(perr)?;
         let t = &cfg.train;
+        same_device_kind(comm, &t.device_spec())?;
         // A launched worker takes its host's GPU `LOCAL_RANK mod count`; ranks as threads of
         // one process share the process's GPU.
         let local_rank = comm::env::LaunchEnv::from_env().map_or(0, |e| e.local_rank);
@@ -758,4 +759,30 @@ fn dp_nccl(
         return Ok(None);
     }
     Ok(Some(NcclGroup::new(dp, gpu).map_err(perr)?))
+}
+
+/// Every rank of the job trains on the same kind of device (a CPU rank beside GPU ranks would
+/// meet device buffers it cannot read, or the reverse, somewhere in the first step): checked
+/// over the world before any device is opened, naming each rank's device.
+fn same_device_kind(comm: &Communicator, spec: &str) -> Result<()> {
+    if comm.size() == 1 {
+        return Ok(());
+    }
+    let gpu = spec.trim().to_ascii_lowercase().starts_with("cuda") as i64;
+    let mut all = vec![0i64; comm.size()];
+    comm.world()
+        .all_gather(&[gpu], &mut all)
+        .map_err(|e| TrainError::Config(format!("agreeing on the device: {e}")))?;
+    if all.iter().all(|&g| g == all[0]) {
+        return Ok(());
+    }
+    let each: Vec<String> = all
+        .iter()
+        .enumerate()
+        .map(|(r, &g)| format!("rank {r} {}", if g == 1 { "cuda" } else { "cpu" }))
+        .collect();
+    Err(TrainError::Config(format!(
+        "the ranks train on different kinds of device ({}): set train.device (or XTRAIN_DEVICE) alike on every rank",
+        each.join(", ")
+    )))
 }

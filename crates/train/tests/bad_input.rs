@@ -1,7 +1,7 @@
 //! Bad input gives clear errors, never a panic: corrupt and truncated checkpoints, checksum
 //! mismatches, a failed save (the previous checkpoint stays whole), unknown config keys,
 //! missing or empty datasets, token ids beyond the vocabulary, a layout that does not match
-//! the processes.
+//! the processes, ranks on different kinds of device.
 use std::path::PathBuf;
 
 use parallel::checkpoint::Checkpoint;
@@ -151,4 +151,28 @@ fn bad_data_and_config() {
         "{e}"
     );
     std::fs::remove_dir_all(&d).unwrap();
+}
+
+/// Ranks configured for different kinds of device are refused on every rank, naming each
+/// rank's device, before any device is opened (rank 1 asks for a GPU this machine may not
+/// have: the disagreement is reported first).
+#[test]
+fn ranks_on_different_kinds_of_device_are_refused() {
+    let errs = comm::testing::run_threads(2, |c| {
+        let base = cfg(&["parallel.nproc=2", "parallel.dp=2"]);
+        let mut mine = base.clone();
+        if c.rank() == 1 {
+            mine.train.device = "cuda".into();
+        }
+        match Trainer::new(mine, &c) {
+            Ok(_) => "trained".to_string(),
+            Err(e) => e.to_string(),
+        }
+    });
+    for e in errs {
+        assert!(
+            e.contains("rank 0 cpu, rank 1 cuda") && e.contains("XTRAIN_DEVICE"),
+            "{e}"
+        );
+    }
 }
