@@ -121,7 +121,7 @@ pub enum BufMut<'a> {
 /// The error of host-only code given a device buffer.
 pub(crate) fn not_host(what: &str) -> TensorError {
     TensorError::Device(format!(
-        "{what} runs on host buffers; this buffer is on the GPU (not built for the GPU yet)"
+        "{what} runs on host buffers; this buffer is on the GPU"
     ))
 }
 
