@@ -12,7 +12,7 @@ use tensor::cuda::ops::{adamw, AdamScalars};
 use super::run::terr;
 use super::{Executor, F32};
 use crate::data_parallel::ZeroStage;
-use crate::precision::{Flat, CHUNK};
+use crate::precision::{Flat, CHUNK, DEVICE_CHUNK};
 use crate::stage::StageModel;
 use crate::ParallelError;
 
@@ -158,9 +158,16 @@ impl<M: StageModel> Executor<M> {
                     .master
                     .as_host_mut("the master weights")
                     .map_err(terr)?[mr.clone()];
-                let mut g = vec![0.0f32; CHUNK.min(master.len())];
-                for s in (0..master.len()).step_by(CHUNK) {
-                    let e = (s + CHUNK).min(master.len());
+                // Offloaded from a GPU, chunks of DEVICE_CHUNK: each is a synchronous download
+                // and upload, whose fixed cost 64 Ki elements would not amortise.
+                let chunk = if self.cfg.device.is_cuda() {
+                    DEVICE_CHUNK
+                } else {
+                    CHUNK
+                };
+                let mut g = vec![0.0f32; chunk.min(master.len())];
+                for s in (0..master.len()).step_by(chunk) {
+                    let e = (s + chunk).min(master.len());
                     let g = &mut g[..e - s];
                     grads
                         .read_into(gr.start + s..gr.start + e, g)
