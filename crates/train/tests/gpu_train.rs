@@ -14,6 +14,8 @@ use std::path::{Path, PathBuf};
 use train::trainer::Trainer;
 use train::RunConfig;
 
+mod common;
+
 fn has_gpu() -> bool {
     match tensor::buf::Dev::open("cuda") {
         Ok(_) => true,
@@ -291,7 +293,7 @@ fn layouts_on_the_cpu_match_one_process() {
 /// Five steps of `nproc` ranks as threads on `device` with the layout `extra`: rank 0's
 /// (loss, grad norm) per step, and the whole model read back from the run's checkpoint (the
 /// one layout of a checkpoint, whatever the run's).
-fn run_layout(device: &str, nproc: usize, extra: &[&str]) -> (Vec<(f64, f64)>, Vec<f32>) {
+fn run_layout(device: &str, nproc: usize, extra: &[&str]) -> (Vec<(f64, f32)>, Vec<f32>) {
     let o: Vec<String> = [
         "train.micro_batch=1",
         "model.seq_len=32",
@@ -320,32 +322,21 @@ fn run_layout(device: &str, nproc: usize, extra: &[&str]) -> (Vec<(f64, f64)>, V
         .filter(|c| c.is_ascii_alphanumeric() || *c == '-')
         .collect();
     let ck = tmp(&tag);
-    let mut out = comm::testing::run_threads(nproc, |c| {
-        let mut t = Trainer::new(cfg.clone(), &c).unwrap();
-        assert_eq!(t.sampler.global_batch(), 4);
-        let stats: Vec<(f64, f64)> = (0..5)
-            .map(|_| {
-                let s = t.train_step().unwrap();
-                (s.loss, s.stats.grad_norm as f64)
-            })
-            .collect();
-        t.save_checkpoint(&ck).unwrap();
-        stats
-    });
-    let params = train::trainer::load_model(&ck).unwrap().2;
+    let out = common::run_read_back(&cfg, nproc, 4, (None, 5, &ck));
     let _ = std::fs::remove_dir_all(&ck);
-    (out.remove(0), params)
+    out
 }
 
 /// Asserts run `got` within `rel` of run `want` in every loss and grad norm, and its
 /// parameters within `rel` of the largest; returns the parameters' difference / largest.
 fn assert_close_runs(
     what: &str,
-    (got, p_got): &(Vec<(f64, f64)>, Vec<f32>),
-    (want, p_want): &(Vec<(f64, f64)>, Vec<f32>),
+    (got, p_got): &(Vec<(f64, f32)>, Vec<f32>),
+    (want, p_want): &(Vec<(f64, f32)>, Vec<f32>),
     rel: f64,
 ) -> f64 {
     for (s, ((l, n), (wl, wn))) in got.iter().zip(want).enumerate() {
+        let (n, wn) = (*n as f64, *wn as f64);
         assert!(
             (l - wl).abs() <= rel * wl.abs() && (n - wn).abs() <= rel * wn.abs(),
             "{what} step {s}: loss {l} vs {wl}, grad norm {n} vs {wn}"

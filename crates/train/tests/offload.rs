@@ -7,8 +7,9 @@
 //! `gpu_train.rs`.)
 use std::path::{Path, PathBuf};
 
-use train::trainer::Trainer;
 use train::RunConfig;
+
+mod common;
 
 /// Layouts with 4 sequences per step.
 const LAYOUTS: [(&str, usize, &[&str]); 7] = [
@@ -70,8 +71,7 @@ fn tmp(tag: &str) -> PathBuf {
     d
 }
 
-/// `steps` (loss, grad norm) pairs of rank 0, from checkpoint `from` if given; the run saves
-/// its checkpoint to `save` and the whole model is read back from it (any layout).
+/// [`common::run_read_back`] of 4 sequences per step.
 fn run(
     cfg: &RunConfig,
     nproc: usize,
@@ -79,22 +79,7 @@ fn run(
     steps: usize,
     save: &Path,
 ) -> (Vec<(f64, f32)>, Vec<f32>) {
-    let mut out = comm::testing::run_threads(nproc, |c| {
-        let mut t = match from {
-            Some(ck) => Trainer::resume(cfg.clone(), ck, &c).unwrap(),
-            None => Trainer::new(cfg.clone(), &c).unwrap(),
-        };
-        let stats: Vec<(f64, f32)> = (0..steps)
-            .map(|_| {
-                let s = t.train_step().unwrap();
-                (s.loss, s.stats.grad_norm)
-            })
-            .collect();
-        t.save_checkpoint(save).unwrap();
-        stats
-    });
-    let params = train::trainer::load_model(save).unwrap().2;
-    (out.remove(0), params)
+    common::run_read_back(cfg, nproc, 4, (from, steps, save))
 }
 
 #[test]

@@ -737,6 +737,13 @@ impl NcclComm {
         )
     }
 
+    /// `ranks × n` elements (the long side of a gather or scatter), or an error on overflow.
+    fn ranks_times(&self, call: &str, n: usize) -> Result<usize, CudaError> {
+        n.checked_mul(self.size).ok_or_else(|| {
+            CudaError::Shape(format!("{call}: {n} × {} elements overflow", self.size))
+        })
+    }
+
     /// `recv = [send of rank 0, send of rank 1, …]` on every rank (`ncclAllGather`):
     /// `recv.len() == size × send.len()`.
     pub fn all_gather<'s, 'r>(
@@ -747,12 +754,7 @@ impl NcclComm {
         let (send, recv) = (send.into(), recv.into());
         const CALL: &str = "ncclAllGather";
         self.pair(CALL, &send, &recv)?;
-        let want = send.len.checked_mul(self.size).ok_or_else(|| {
-            CudaError::Shape(format!(
-                "{CALL}: {} × {} elements overflow",
-                send.len, self.size
-            ))
-        })?;
+        let want = self.ranks_times(CALL, send.len)?;
         check_len(CALL, "recv (ranks × send)", recv.len, want)?;
         if send.len == 0 {
             return Ok(());
@@ -786,12 +788,7 @@ impl NcclComm {
         let (send, recv) = (send.into(), recv.into());
         const CALL: &str = "ncclReduceScatter";
         self.pair(CALL, &send, &recv)?;
-        let want = recv.len.checked_mul(self.size).ok_or_else(|| {
-            CudaError::Shape(format!(
-                "{CALL}: {} × {} elements overflow",
-                recv.len, self.size
-            ))
-        })?;
+        let want = self.ranks_times(CALL, recv.len)?;
         check_len(CALL, "send (ranks × recv)", send.len, want)?;
         if recv.len == 0 {
             return Ok(());
