@@ -74,42 +74,64 @@ PY
         echo
     } >"$report"
     local failed=0
-    for t in cuda_kernels_compile cuda_kernels gpu_nccl gpu_model gpu_train; do
+    # The test binaries run side by side (each its own process and CUDA context; the kernel
+    # cache is written atomically per process), then report in a fixed order.
+    local t
+    local tests=(cuda_kernels_compile cuda_kernels gpu_nccl gpu_model gpu_train)
+    for t in "${tests[@]}"; do
+        [ -x "$dir/$t" ] || continue
+        (
+            start=$SECONDS
+            timeout 300 "$dir/$t" --test-threads=1 >"$out/$t.log" 2>&1
+            echo "$? $((SECONDS - start))" >"$out/$t.rc"
+        ) &
+    done
+    wait
+    for t in "${tests[@]}"; do
         if [ ! -x "$dir/$t" ]; then
             echo "- $t: MISSING (run scripts/gpu-check.sh build first)" >>"$report"
             failed=1
             continue
         fi
-        local start=$SECONDS
-        if timeout 300 "$dir/$t" --test-threads=1 >"$out/$t.log" 2>&1; then
-            echo "- $t: ok ($((SECONDS - start)) s)" >>"$report"
+        read -r code secs <"$out/$t.rc"
+        rm -f "$out/$t.rc"
+        if [ "$code" = 0 ]; then
+            echo "- $t: ok ($secs s)" >>"$report"
         else
-            echo "- $t: FAILED ($((SECONDS - start)) s), see $t.log" >>"$report"
+            echo "- $t: FAILED (exit $code, $secs s), see $t.log" >>"$report"
             failed=1
         fi
         grep -E '^test |test result' "$out/$t.log" | sed 's/^/    /' >>"$report"
     done
-    # Benchmarks, alternating xtrain and the PyTorch peer on the same GPU (fp32, TF32 off).
+    # Benchmarks, alternating xtrain and the PyTorch peer on the same GPU: `small` in fp32
+    # (TF32 off), `medium` and a 124M-class Llama (12 layers, hidden 768, 12 heads, seq 1024,
+    # vocab 32000, micro-batch 8) in bf16.
     {
         echo
-        echo "## Benchmarks (fp32, TF32 off; xtrain then PyTorch, twice)"
+        echo "## Benchmarks (xtrain then PyTorch, alternating, twice)"
         echo
         echo '```'
     } >>"$report"
+    local m124=(--set model.vocab_size=32000 --set model.hidden_size=768 --set model.intermediate_size=2048
+        --set model.num_layers=12 --set model.num_heads=12 --set model.num_kv_heads=12
+        --set model.seq_len=1024 --set train.micro_batch=8 --set 'data.tokenizer="byte"')
+    local bf16=(--set 'train.precision="bf16"')
     for round in 1 2; do
-        for preset in tiny small; do
-            timeout 120 "$dir/xtrain" bench train --preset "$preset" --device cuda --steps 10 \
-                >>"$report" 2>&1 || echo "xtrain bench $preset failed" >>"$report"
-            PYTHONUNBUFFERED=1 timeout 120 python3 benches/peers/torch_peer.py train \
-                --preset "$preset" --device cuda --steps 10 >>"$report" 2>&1 ||
-                echo "torch peer $preset failed" >>"$report"
-        done
+        timeout 120 "$dir/xtrain" bench train --preset small --device cuda --steps 10 \
+            >>"$report" 2>&1 || echo "xtrain bench small fp32 failed" >>"$report"
+        PYTHONUNBUFFERED=1 timeout 120 python3 benches/peers/torch_peer.py train \
+            --preset small --device cuda --steps 10 >>"$report" 2>&1 ||
+            echo "torch peer small fp32 failed" >>"$report"
+        timeout 120 "$dir/xtrain" bench train --preset medium --device cuda --steps 10 "${bf16[@]}" \
+            >>"$report" 2>&1 || echo "xtrain bench medium bf16 failed" >>"$report"
+        PYTHONUNBUFFERED=1 timeout 120 python3 benches/peers/torch_peer.py train --preset medium \
+            --device cuda --dtype bf16 --steps 10 >>"$report" 2>&1 || echo "torch peer medium bf16 failed" >>"$report"
+        timeout 120 "$dir/xtrain" bench train --preset medium --device cuda --steps 10 "${m124[@]}" "${bf16[@]}" \
+            >>"$report" 2>&1 || echo "xtrain bench 124M bf16 failed" >>"$report"
+        PYTHONUNBUFFERED=1 timeout 120 python3 benches/peers/torch_peer.py train --device cuda --dtype bf16 \
+            --model 32000,768,2048,12,12,12,1024,8 --steps 10 >>"$report" 2>&1 ||
+            echo "torch peer 124M bf16 failed" >>"$report"
     done
-    # bf16 (16-bit storage, fp32 compute) against PyTorch with bf16 weights.
-    timeout 120 "$dir/xtrain" bench train --preset small --device cuda --steps 10 \
-        --set 'train.precision="bf16"' >>"$report" 2>&1 || echo "xtrain bench bf16 failed" >>"$report"
-    PYTHONUNBUFFERED=1 timeout 120 python3 benches/peers/torch_peer.py train --preset small \
-        --device cuda --dtype bf16 --steps 10 >>"$report" 2>&1 || echo "torch peer bf16 failed" >>"$report"
     echo '```' >>"$report"
     # Launched processes sharing the GPU (each opens cuda:LOCAL_RANK mod count): dp 2 at
     # ZeRO-2 and pp 2 1F1B through the CLI, 30 steps each (the parity against one GPU is in

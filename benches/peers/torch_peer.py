@@ -89,6 +89,9 @@ def main():
     ap.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32", help="train on cuda")
     ap.add_argument("--shape", default="8,8,8,32,256",
                     help="attention: batch,heads,kv_heads,head_dim,seq (medium preset: 4,8,4,64,512)")
+    ap.add_argument("--model", default=None,
+                    help="train: vocab,hidden,ffn,layers,heads,kv_heads,seq,batch instead of the preset "
+                         "(xtrain's --set model.* / train.micro_batch overrides of the same shape)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
@@ -96,7 +99,10 @@ def main():
         return gemm(args)
     if args.what == "attention":
         return attention(args)
-    vocab, hidden, ffn, layers, heads, kv, seq, batch = PRESETS[args.preset]
+    if args.model:
+        vocab, hidden, ffn, layers, heads, kv, seq, batch = map(int, args.model.split(","))
+    else:
+        vocab, hidden, ffn, layers, heads, kv, seq, batch = PRESETS[args.preset]
     cfg = LlamaConfig(
         vocab_size=vocab,
         hidden_size=hidden,
@@ -137,7 +143,7 @@ def main():
     tokens = batch * seq
     flops_per_token = 6 * n_params + 12 * layers * hidden * seq
     print(
-        f"torch {torch.__version__} preset {args.preset} ({n_params} params), "
+        f"torch {torch.__version__} preset {args.model or args.preset} ({n_params} params), "
         f"{torch.cuda.get_device_name() + ' ' + args.dtype if cuda else str(args.threads) + ' thread(s)'}: "
         f"median step {median:.4f} s -> {tokens / median:.0f} tokens/s, "
         f"{flops_per_token * tokens / median / 1e9:.1f} GFLOP/s"

@@ -2,8 +2,9 @@
 //! (GQA, 2 layers) and Mixtral configs (8 experts, top-2, the auxiliary loss; one with a shared
 //! expert and capacity drops), one forward/backward on the same parameters and batch (loss,
 //! and every gradient within 1e-4 of the largest), then ten AdamW steps with the optimizer on
-//! the device (every loss and the final parameters within 1e-4 relative). fp32 throughout, no
-//! TF32. Skipped with one line where no GPU is found (a failure under `XTRAIN_REQUIRE_GPU=1`).
+//! the device (every loss, each step's gradients against the CPU's on the device's parameters
+//! of that step, and the parameters after every step within 1e-4 relative; a failure names the
+//! step and the tensor). fp32 throughout, no TF32. Skipped with one line where no GPU is found (a failure under `XTRAIN_REQUIRE_GPU=1`).
 use model::optim::{clip_factor, grad_sq_sum, scale_grads, AdamW};
 use model::{Batch, Model, ModelConfig, StepOptions};
 use tensor::buf::{Buf, Dev};
@@ -130,6 +131,7 @@ fn ten_steps(dev: &Dev, cfg: ModelConfig) {
     let segments = [(p.len(), 1.0 - opt.lr * opt.weight_decay)];
     for step in 0..10 {
         let b = batch(&cfg, step);
+        let p_before = pd.to_vec().unwrap();
         let mut g = vec![0.0; p.len()];
         let want = m
             .forward_backward(&p, &mut g, &b, &StepOptions::default(), &mut |_| {})
@@ -156,6 +158,25 @@ fn ten_steps(dev: &Dev, cfg: ModelConfig) {
             got.loss,
             want.loss
         );
+        // The gradients of this step first (before clipping): a mismatch here names the
+        // step and tensor where the device's forward/backward departs, rather than leaving
+        // only the parameters after ten steps to show it.
+        let gh = gd.to_vec().unwrap();
+        let mut g_cpu = vec![0.0; p.len()];
+        m.forward_backward(
+            &p_before,
+            &mut g_cpu,
+            &b,
+            &StepOptions::default(),
+            &mut |_| {},
+        )
+        .unwrap();
+        let e = rel(&gh, &g_cpu);
+        assert!(
+            e <= 1e-4,
+            "{cfg:?} step {step}: gradients differ by {e:e} of the largest, worst in {}",
+            worst_tensor(&m, &gh, &g_cpu)
+        );
         let sq = tensor::ops::sq_sum(gd.r()).unwrap();
         let (_, coef) = clip_factor(sq, 1.0);
         tensor::ops::scale(gd.m(), coef).unwrap();
@@ -166,10 +187,42 @@ fn ten_steps(dev: &Dev, cfg: ModelConfig) {
             unreachable!("device buffers")
         };
         adamw(pdb, gdb, mdb, vdb, &segments, s).unwrap();
+        let got = pd.to_vec().unwrap();
+        let e = rel(&got, &p);
+        assert!(
+            e <= 1e-4,
+            "{cfg:?}: parameters after step {step} differ by {e:e}, worst in {}",
+            worst_tensor(&m, &got, &p)
+        );
     }
-    let e = rel(&pd.to_vec().unwrap(), &p);
-    assert!(
-        e <= 1e-4,
-        "{cfg:?}: parameters after 10 steps differ by {e:e}"
-    );
+}
+
+/// The tensor holding the largest difference between `a` and `b`, its index in the tensor,
+/// both values and the tensor's largest magnitude in `b`.
+fn worst_tensor(m: &Model, a: &[f32], b: &[f32]) -> String {
+    let (i, _) = a
+        .iter()
+        .zip(b)
+        .map(|(x, y)| (x - y).abs())
+        .enumerate()
+        .fold((0, -1.0f32), |w, (i, d)| if d > w.1 { (i, d) } else { w });
+    let entry = m
+        .layout
+        .entries
+        .iter()
+        .find(|e| e.view.range().contains(&i));
+    match entry {
+        Some(e) => {
+            let r = e.view.range();
+            let largest = b[r.clone()].iter().fold(0.0f32, |w, x| w.max(x.abs()));
+            format!(
+                "{} [{}]: {} vs {} (largest there {largest})",
+                e.name,
+                i - r.start,
+                a[i],
+                b[i]
+            )
+        }
+        None => format!("element {i}"),
+    }
 }
