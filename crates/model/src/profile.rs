@@ -1,8 +1,25 @@
 //! Optional per-kernel wall-clock timers for benchmarks: off by default (one relaxed atomic load
 //! per call), switched on with [`enable`], read with [`report`].
+//!
+//! On a GPU a kernel call only queues work, so its wall time would land on whichever later
+//! call waits for the device. [`synchronize_with`] installs the device's wait, run before and
+//! after every timed call: each class is then charged the device time of its own kernels (at
+//! the price of an idle queue between them, so such a step is for the breakdown, not for
+//! throughput).
 
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, RwLock};
 use std::time::Instant;
+
+/// The device wait of a synchronised profile.
+pub type Sync = Arc<dyn Fn() + Send + std::marker::Sync>;
+
+static SYNC: RwLock<Option<Sync>> = RwLock::new(None);
+
+/// Wait for the device with `sync` around every timed call (`None`: host wall time only).
+pub fn synchronize_with(sync: Option<Sync>) {
+    *SYNC.write().unwrap_or_else(|e| e.into_inner()) = sync;
+}
 
 /// The kernel classes time is attributed to.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -60,8 +77,15 @@ pub fn time<R>(k: Kernel, f: impl FnOnce() -> R) -> R {
     if !ENABLED.load(Ordering::Relaxed) {
         return f();
     }
+    let sync = SYNC.read().unwrap_or_else(|e| e.into_inner()).clone();
+    if let Some(s) = &sync {
+        s();
+    }
     let t = Instant::now();
     let r = f();
+    if let Some(s) = &sync {
+        s();
+    }
     NANOS[k as usize].fetch_add(t.elapsed().as_nanos() as u64, Ordering::Relaxed);
     r
 }

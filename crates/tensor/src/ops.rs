@@ -187,7 +187,7 @@ pub fn rope(
         BufMut::Host(x) if backward => rope.apply_backward(x, n_heads, positions),
         BufMut::Host(x) => rope.apply(x, n_heads, positions),
         BufMut::Cuda(x) => {
-            let table = gpu::RopeTable::new(x.gpu(), rope, positions, backward)?;
+            let table = gpu::RopeTable::cached(x.gpu(), rope, positions, backward)?;
             Ok(gpu::rope_rotate(x, n_heads, &table)?)
         }
     }

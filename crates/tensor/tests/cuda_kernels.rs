@@ -211,6 +211,19 @@ fn rope_matches_cpu() {
             &host(&gx),
             &want,
         );
+        // The cached table: built once per key, the same rotation.
+        let c = ops::RopeTable::cached(&g, &rope, &positions, backward).unwrap();
+        let again = ops::RopeTable::cached(&g, &rope, &positions, backward).unwrap();
+        assert!(std::sync::Arc::ptr_eq(&c, &again), "rope table cached");
+        let other = ops::RopeTable::cached(&g, &rope, &positions, !backward).unwrap();
+        assert!(!std::sync::Arc::ptr_eq(&c, &other), "direction in the key");
+        let mut gx = g.upload(&x).unwrap();
+        ops::rope_rotate(&mut gx, heads, &c).unwrap();
+        assert_close(
+            &format!("cached rope d={d} backward={backward}"),
+            &host(&gx),
+            &want,
+        );
     }
 }
 

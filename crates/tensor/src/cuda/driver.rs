@@ -477,7 +477,13 @@ fn copy_to_host<T: Copy>(gpu: &Gpu, ptr: CUdeviceptr, len: usize) -> Result<Vec<
     Ok(out)
 }
 
-/// `src` copied to `len` elements at device address `ptr` (waits: `src` may be freed next).
+/// `src` copied to `len` elements at device address `ptr`, queued on the stream without
+/// waiting for it: `src` is pageable memory, which the driver stages into its own pinned
+/// buffers before `cuMemcpyHtoDAsync` returns (CUDA's "API synchronization behavior": a
+/// pageable source is consumed at the call, only the DMA to the device is deferred), so the
+/// caller may free or reuse `src` at once, and the stream orders the copy before every later
+/// kernel that reads the destination. A step's small uploads (token ids, targets, routing
+/// lists) then no longer drain the queue of kernels ahead of them.
 fn copy_from_host<T: Copy>(
     gpu: &Gpu,
     ptr: CUdeviceptr,
@@ -503,7 +509,7 @@ fn copy_from_host<T: Copy>(
             "cuMemcpyHtoDAsync",
         )?;
     }
-    gpu.synchronize()
+    Ok(())
 }
 
 impl<T> std::fmt::Debug for DevBuf<T> {

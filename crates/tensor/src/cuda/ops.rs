@@ -5,7 +5,7 @@
 use super::driver::{to_i32, DevBuf, DevSlice, DevSliceMut, Gpu, KArg, LaunchCfg};
 use super::CudaError;
 use crate::attention::AttnShape;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex, OnceLock};
 
 /// Threads per block of the element-wise kernels.
 const THREADS: u32 = 256;
@@ -409,6 +409,55 @@ impl RopeTable {
             head_dim: d,
             tokens: positions.len(),
         })
+    }
+}
+
+/// The identity of a cached [`RopeTable`]: the device, the rotation's frequencies (bits),
+/// the positions and the direction.
+#[derive(PartialEq)]
+struct RopeKey {
+    gpu: usize,
+    inv_freq: Vec<u32>,
+    positions: Vec<usize>,
+    backward: bool,
+}
+
+/// Tables kept per process, most recently used first: a training step rotates with the same
+/// positions in every layer, forward and backward, so a step builds no table after the first
+/// (no trigonometry on the host, no upload) and only compares positions.
+const ROPE_CACHE: usize = 8;
+
+impl RopeTable {
+    /// The table of [`RopeTable::new`], built once per (device, rotation, positions,
+    /// direction) and shared from then on.
+    pub fn cached(
+        gpu: &Arc<Gpu>,
+        rope: &crate::rope::Rope,
+        positions: &[usize],
+        backward: bool,
+    ) -> Result<Arc<RopeTable>, CudaError> {
+        type Cache = Mutex<Vec<(RopeKey, Arc<RopeTable>)>>;
+        static CACHE: OnceLock<Cache> = OnceLock::new();
+        let key = RopeKey {
+            gpu: Arc::as_ptr(gpu) as usize,
+            inv_freq: rope.inv_freq().iter().map(|f| f.to_bits()).collect(),
+            positions: positions.to_vec(),
+            backward,
+        };
+        let mut cache = CACHE
+            .get_or_init(Default::default)
+            .lock()
+            .unwrap_or_else(|e| e.into_inner());
+        if let Some(i) = cache.iter().position(|(k, _)| *k == key) {
+            let hit = cache.remove(i);
+            let table = hit.1.clone();
+            cache.insert(0, hit);
+            return Ok(table);
+        }
+        let table = Arc::new(RopeTable::new(gpu, rope, positions, backward)?);
+        cache.insert(0, (key, table.clone()));
+        cache.truncate(ROPE_CACHE);
+        Ok(table)
     }
 }
 
