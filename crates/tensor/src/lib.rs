@@ -46,6 +46,7 @@ pub mod error;
 pub mod gemm;
 pub mod isa;
 pub mod norm;
+pub mod operands;
 pub mod ops;
 pub mod peak;
 pub mod rope;

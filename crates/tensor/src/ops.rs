@@ -36,7 +36,8 @@ pub fn matmul_new(
     }
 }
 
-/// `C (+)= op(A)·op(B)` ([`crate::gemm::matmul`]).
+/// `C (+)= op(A)·op(B)` ([`crate::gemm::matmul`]); on a GPU with the calling thread's
+/// operand format ([`crate::operands`]).
 #[allow(clippy::too_many_arguments)]
 pub fn matmul(
     c: BufMut<'_>,
@@ -64,12 +65,11 @@ pub fn matmul(
             }
             // SAFETY: lengths checked; the three ranges are on the same device.
             unsafe {
-                crate::cuda::blas::matmul_raw(
-                    c.gpu(),
-                    crate::cuda::blas::GemmInput::F32,
+                gpu::matmul_operands(
+                    crate::operands::current(),
                     c.ptr(),
-                    a.ptr(),
-                    b.ptr(),
+                    a,
+                    b,
                     [m, k, n],
                     [trans_a, trans_b, accumulate],
                 )?

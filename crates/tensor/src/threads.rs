@@ -96,7 +96,12 @@ pub fn install<R: Send>(f: impl FnOnce() -> R + Send) -> R {
         // Already on one of this pool's workers: run directly, no re-entry.
         f()
     } else {
-        pool.install(f)
+        // The worker runs with the caller's GPU operand format.
+        let operands = crate::operands::current();
+        pool.install(move || {
+            let _scope = crate::operands::Scope::enter(operands);
+            f()
+        })
     }
 }
 

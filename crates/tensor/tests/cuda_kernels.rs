@@ -603,6 +603,75 @@ fn matmul_matches_cpu() {
     }
 }
 
+/// Products with 16-bit operands on the tensor cores (`tensor::operands`): the same product of
+/// the operands rounded to bf16 / fp16 on the host, summed in f64. Both round each operand the
+/// same way (round to nearest even), and a product of two 16-bit values is exact in fp32, so
+/// what remains is the fp32 accumulation of k terms: at most k·2^-24·Σ|a||b| per element
+/// (the standard bound of a length-k sum); doubled, as the tensor cores' fp32 accumulation is
+/// not guaranteed to round to nearest.
+#[test]
+fn sixteen_bit_operand_products_match_rounded_cpu() {
+    use tensor::operands::Operands;
+    let Some(g) = gpu("sixteen_bit_operand_products_match_rounded_cpu") else {
+        return;
+    };
+    for operands in [Operands::Bf16, Operands::F16] {
+        let round = |x: &[f32]| -> Vec<f32> {
+            x.iter()
+                .map(|&v| match operands {
+                    Operands::Bf16 => half::bf16::from_f32(v).to_f32(),
+                    _ => half::f16::from_f32(v).to_f32(),
+                })
+                .collect()
+        };
+        for (m, k, n) in [(1, 1, 1), (33, 65, 17), (128, 256, 96), (512, 64, 1000)] {
+            for (ta, tb) in [(false, false), (false, true), (true, false), (true, true)] {
+                for acc in [false, true] {
+                    let (a, b, c0) = (rand(m * k, 63), rand(k * n, 64), rand(m * n, 65));
+                    let (ar, br) = (round(&a), round(&b));
+                    let at = |i: usize, l: usize| if ta { ar[l * m + i] } else { ar[i * k + l] };
+                    let bt = |l: usize, j: usize| if tb { br[j * k + l] } else { br[l * n + j] };
+                    let gc = g.upload(&c0).unwrap();
+                    // SAFETY: gc, a and b hold m·n, m·k and k·n elements on one device.
+                    unsafe {
+                        ops::matmul_operands(
+                            operands,
+                            gc.ptr(),
+                            g.upload(&a).unwrap().as_slice(),
+                            g.upload(&b).unwrap().as_slice(),
+                            [m, k, n],
+                            [ta, tb, acc],
+                        )
+                        .unwrap()
+                    };
+                    let got = host(&gc);
+                    for i in 0..m {
+                        for j in 0..n {
+                            let (mut want, mut mag) = (0.0f64, 0.0f64);
+                            for l in 0..k {
+                                let p = at(i, l) as f64 * bt(l, j) as f64;
+                                want += p;
+                                mag += p.abs();
+                            }
+                            if acc {
+                                want += c0[i * n + j] as f64;
+                                mag += (c0[i * n + j] as f64).abs();
+                            }
+                            let bound = 2.0 * (k + 1) as f64 * mag / (1u64 << 24) as f64;
+                            let e = (got[i * n + j] as f64 - want).abs();
+                            assert!(
+                                e <= bound,
+                                "{operands:?} {m}x{k}x{n} ta={ta} tb={tb} acc={acc} [{i},{j}]: {} vs {want} (bound {bound:e})",
+                                got[i * n + j]
+                            );
+                        }
+                    }
+                }
+            }
+        }
+    }
+}
+
 /// Products on views that start 4, 8 or 12 bytes into their buffers (a weight inside the flat
 /// parameter buffer, a chunk of rows of an odd width): cuBLASLt must be told the operands'
 /// real alignment, or the algorithm it picks for 256-byte aligned ones may fault.

@@ -138,15 +138,21 @@ fn checkpoints_cross_devices_with_the_uninterrupted_losses() {
     let _ = std::fs::remove_dir_all(&d);
 }
 
-/// bf16 and fp16 training (16-bit weights and gradients, fp32 compute, fp32 master weights
-/// and moments; fp16 with dynamic loss scaling) on the GPU against the CPU under the same rule.
-/// Tolerance, from the formats: both runs compute in fp32 (sums in different orders, ~1e-6
-/// apart) and then round to 16 bits, where a value at a rounding boundary lands one 16-bit
-/// ulp apart — at most 2^-8 of itself for bf16 (8 significand bits), 2^-11 for fp16. So the
-/// weights each step reads agree within 2^-8 relative, and the loss, a smooth function of
-/// them, within 2^-8 relative. An AdamW update is lr·m̂/(√v̂ + ε): gradients 2^-8 apart move
-/// it by at most about 2^-8·lr, so after n steps the master weights agree within n·lr·2^-8;
-/// the bound below doubles that (2^-7) for the first steps' bias correction.
+/// bf16 and fp16 training (16-bit weights and gradients, fp32 master weights and moments;
+/// fp16 with dynamic loss scaling) on the GPU against the CPU. The GPU feeds its products
+/// 16-bit operands (tensor cores, fp32 accumulation: `tensor::operands`), the CPU computes them
+/// in fp32 from the same 16-bit weights. Tolerance, from the formats: an operand rounded to
+/// 16 bits is within 2^-8 of itself for bf16 (8 significand bits; fp16 2^-11), so the
+/// products, and the loss, a smooth function of them, agree within 2^-8 relative. An AdamW
+/// update is lr·m̂/(√v̂ + ε): gradients 2^-8 apart move it by at most about 2^-8·lr, so after
+/// n steps the master weights agree within n·lr·2^-8 (the bound doubles it, 2^-7, for the
+/// first steps' bias correction) — except where a gradient element is itself below the
+/// operands' rounding: its sign is then the rounding's, and AdamW turns it into a full ±lr
+/// step either way. Such elements are few, so the bound holds for the root mean square of the
+/// differences, not for the largest one (which is only bounded by 2·n·lr). Measured on the
+/// CPU, rounding the products' operands to bf16 or not (tiny, 10 steps, lr 3e-3): losses
+/// within 1.7e-5 relative, RMS 7.2e-5 against the bound 2.3e-4, largest 6.5e-3 (0.6 % of the
+/// weights above the bound).
 #[test]
 fn sixteen_bit_training_on_the_gpu_matches_the_cpu() {
     if !has_gpu() {
@@ -165,13 +171,23 @@ fn sixteen_bit_training_on_the_gpu_matches_the_cpu() {
             );
         }
         let bound = steps as f64 * lr / 128.0;
-        let err = p_gpu
+        let sq: f64 = p_gpu
+            .iter()
+            .zip(&p_cpu)
+            .map(|(a, b)| ((a - b) as f64).powi(2))
+            .sum();
+        let rms = (sq / p_cpu.len() as f64).sqrt();
+        assert!(
+            rms <= bound,
+            "{precision}: master weights differ by {rms:e} (root mean square; bound {bound:e})"
+        );
+        let largest = p_gpu
             .iter()
             .zip(&p_cpu)
             .fold(0.0f64, |m, (a, b)| m.max((a - b).abs() as f64));
         assert!(
-            err <= bound,
-            "{precision}: master weights differ by {err:e} (bound {bound:e})"
+            largest <= 2.0 * steps as f64 * lr,
+            "{precision}: a master weight moved {largest:e} apart, more than {steps} AdamW steps can"
         );
     }
 }

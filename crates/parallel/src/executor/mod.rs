@@ -96,6 +96,20 @@ pub struct ExecConfig {
     pub nccl: Option<crate::data_parallel::nccl::NcclGroup>,
 }
 
+impl ExecConfig {
+    /// The operand format of the products on this rank's device ([`tensor::operands`]):
+    /// 16-bit runs on a GPU feed the tensor cores their storage format; fp32 runs and every
+    /// CPU run compute in fp32.
+    pub fn operands(&self) -> tensor::operands::Operands {
+        use tensor::operands::Operands;
+        match (&self.device, self.precision) {
+            (Dev::Cuda(_), Precision::Bf16) => Operands::Bf16,
+            (Dev::Cuda(_), Precision::Fp16) => Operands::F16,
+            _ => Operands::F32,
+        }
+    }
+}
+
 impl Default for ExecConfig {
     fn default() -> Self {
         Self {

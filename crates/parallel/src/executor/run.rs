@@ -193,6 +193,7 @@ impl<M: StageModel> Executor<M> {
         micro: &[M::Batch],
         schedule: &[Action],
     ) -> Result<StepStats, ParallelError> {
+        let _operands = tensor::operands::Scope::enter(self.cfg.operands());
         if micro.is_empty() {
             return Err(ParallelError::Config(
                 "a step needs at least one micro-batch".into(),
@@ -741,6 +742,7 @@ impl<M: StageModel> Executor<M> {
     /// gathered (ZeRO-3) or stages send activations: every rank calls it, with the same batch
     /// on the ranks of one model replica.
     pub fn evaluate(&mut self, batch: &M::Batch) -> Result<f32, ParallelError> {
+        let _operands = tensor::operands::Scope::enter(self.cfg.operands());
         let pin = self.pin_compute();
         let mut metric = 0.0f32;
         let mut carried: Option<M::Act> = None;

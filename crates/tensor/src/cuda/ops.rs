@@ -26,6 +26,47 @@ fn elements(n: usize) -> LaunchCfg {
     LaunchCfg::linear(n.div_ceil(THREADS as usize).min(65_535), THREADS)
 }
 
+/// `C (+)= op(A)·op(B)` ([`super::blas::matmul_raw`]'s conventions) with `operands`
+/// ([`crate::operands`]): fp32 `a` and `b` as they are, or rounded into bf16 / fp16 copies
+/// first for the tensor cores; accumulation and `C` are fp32 either way.
+///
+/// # Safety
+/// `c` is a device range of `m·n` fp32 elements on `a`'s device; `a` and `b` hold `m·k` and
+/// `k·n` elements.
+pub unsafe fn matmul_operands(
+    operands: crate::operands::Operands,
+    c: u64,
+    a: DevSlice<'_, f32>,
+    b: DevSlice<'_, f32>,
+    mkn: [usize; 3],
+    flags: [bool; 3],
+) -> Result<(), CudaError> {
+    use super::blas::GemmInput;
+    use crate::operands::Operands;
+    let gpu = a.gpu().clone();
+    let input = match operands {
+        Operands::F32 => {
+            // SAFETY: the caller's contract.
+            return unsafe {
+                super::blas::matmul_raw(&gpu, GemmInput::F32, c, a.ptr(), b.ptr(), mkn, flags)
+            };
+        }
+        Operands::Bf16 => GemmInput::Bf16,
+        Operands::F16 => GemmInput::F16,
+    };
+    let narrow = |x: DevSlice<'_, f32>| -> Result<DevBuf<u16>, CudaError> {
+        let mut y = gpu.alloc::<u16>(x.len())?;
+        match input {
+            GemmInput::Bf16 => cast_f32_to_bf16(x, &mut y)?,
+            _ => cast_f32_to_f16(x, &mut y)?,
+        }
+        Ok(y)
+    };
+    let (a16, b16) = (narrow(a)?, narrow(b)?);
+    // SAFETY: the 16-bit copies hold the same elements as `a` and `b`.
+    unsafe { super::blas::matmul_raw(&gpu, input, c, a16.ptr(), b16.ptr(), mkn, flags) }
+}
+
 /// `y = bf16(x)` (round to nearest even), 16-bit storage.
 pub fn cast_f32_to_bf16<'a>(
     x: impl Into<DevSlice<'a, f32>>,
@@ -1181,10 +1222,14 @@ pub fn fused_linear_ce(
     let chunk_rows = chunk_rows.max(1);
     let mut logits = gpu.alloc::<f32>(chunk_rows.min(rows.max(1)) * vocab)?;
     let mut loss_sum = 0.0f64;
-    let matmul = |c: u64, a: u64, b: u64, mkn: [usize; 3], flags: [bool; 3]| {
-        // SAFETY: the callers pass ranges of the checked buffers with these shapes.
-        unsafe { super::blas::matmul_raw(&gpu, super::blas::GemmInput::F32, c, a, b, mkn, flags) }
-    };
+    // The products take the calling thread's operand format (the head's logits in bf16 on a
+    // bf16 run, like every other product).
+    let operands = crate::operands::current();
+    let matmul =
+        |c: u64, a: DevSlice<'_, f32>, b: DevSlice<'_, f32>, mkn: [usize; 3], flags: [bool; 3]| {
+            // SAFETY: the callers pass ranges of the checked buffers with these shapes.
+            unsafe { matmul_operands(operands, c, a, b, mkn, flags) }
+        };
     for r0 in (0..rows).step_by(chunk_rows) {
         let n = chunk_rows.min(rows - r0);
         let t = dev_targets.slice(r0..r0 + n);
@@ -1197,13 +1242,7 @@ pub fn fused_linear_ce(
             continue;
         }
         let z = logits.slice_mut(0..n * vocab);
-        matmul(
-            z.ptr(),
-            xc.ptr(),
-            w.ptr(),
-            [n, dim, vocab],
-            [false, true, false],
-        )?;
+        matmul(z.ptr(), xc, w, [n, dim, vocab], [false, true, false])?;
         let lse_c: DevSlice<'_, f32> = match &mut lse {
             CeLse::Write(l) => {
                 let [mx, se, tl] = ce_row_stats(z.as_ref(), t, vocab, 0, ignore_index)?;
@@ -1228,22 +1267,10 @@ pub fn fused_linear_ce(
         let z = logits.slice(0..n * vocab);
         if let Some(dx) = g.dx.as_mut() {
             let dxc = dx.reborrow().slice_mut(r0 * dim..(r0 + n) * dim);
-            matmul(
-                dxc.ptr(),
-                z.ptr(),
-                w.ptr(),
-                [n, vocab, dim],
-                [false, false, false],
-            )?;
+            matmul(dxc.ptr(), z, w, [n, vocab, dim], [false, false, false])?;
         }
         if let Some(dw) = g.dw.as_mut() {
-            matmul(
-                dw.ptr(),
-                z.ptr(),
-                xc.ptr(),
-                [vocab, n, dim],
-                [true, false, true],
-            )?;
+            matmul(dw.ptr(), z, xc, [vocab, n, dim], [true, false, true])?;
         }
     }
     Ok(loss_sum)
