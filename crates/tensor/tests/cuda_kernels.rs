@@ -488,12 +488,12 @@ fn bf16_scales(
     [mo, mq, mk, mv]
 }
 
-/// `|got − want| ≤ 2⁻⁸ · scale + 1e-5 · max |want|` element by element (see
+/// `|got − want| ≤ 2⁻⁷ · scale + 1e-5 · max |want|` element by element (see
 /// `tensor_core_attention_matches_cpu`).
 fn assert_bf16_close(what: &str, got: &[f32], want: &[f32], scale: &[f64]) {
     let top = want.iter().fold(0.0f32, |m, x| m.max(x.abs())) as f64;
     for (e, ((&a, &b), &m)) in got.iter().zip(want).zip(scale).enumerate() {
-        let bound = m / 256.0 + 1e-5 * top;
+        let bound = m / 128.0 + 1e-5 * top;
         assert!(
             ((a - b) as f64).abs() <= bound,
             "{what}[{e}]: GPU {a} vs CPU {b} (bound {bound:e}: bf16 scale {m:e}, max {top:e})"
@@ -513,10 +513,11 @@ fn assert_bf16_close(what: &str, got: &[f32], want: &[f32], scale: &[f64]) {
 /// products of rounded operands and the fp32 softmax agree up to fp32 rounding. What is left
 /// is the rounding of P (forward: O = Σ_j bf16(P_ij) v_j / l; backward: dV = Σ_i bf16(P_ij) dO_i)
 /// and of dS (dQ = scale Σ_j bf16(dS_ij) k_j, dK = scale Σ_i bf16(dS_ij) q_i): rounding to 8
-/// significant bits changes each by a relative 2⁻⁹ at most, so the error of an output element
-/// is at most 2⁻⁹ times its "bf16 scale" (`bf16_scales`: the same sum over absolute values,
-/// e.g. Σ_j P_ij |v_jd|). The bound is twice that, 2⁻⁸ · scale, the factor 2 for what the
-/// derivation leaves out at relative 1e-6 or less (P and dS from fp32 scores summed in another
+/// significant bits (nearest) changes each by half an ulp, a relative 2⁻⁸ at most (the ulp is
+/// 2⁻⁷ of the leading bit), so the error of an output element is at most 2⁻⁸ times its "bf16
+/// scale" (`bf16_scales`: the same sum over absolute values, e.g. Σ_j P_ij |v_jd|); a numpy
+/// emulation of the kernels reached 0.82 of that. The bound is twice it, 2⁻⁷ · scale, the
+/// factor 2 for what the derivation leaves out at relative 1e-6 or less (P and dS from fp32 scores summed in another
 /// order, expf vs the CPU's exp, the tensor cores' fp32 accumulation, 1/l), plus the fp32
 /// tolerance of the other tests, 1e-5 of the largest element (the fp32 sums of the initial
 /// dq, dk, dv and a difference dP − delta that cancels).

@@ -896,7 +896,7 @@ fn attn_tc_dkv_shared(s: &AttnShape) -> u32 {
 /// `mma.m16n8k16` bf16 product with fp32 accumulation; the online softmax (running max and
 /// sum, rescaling of the output accumulators) is fp32, `P` is rounded to bf16 for `O += P V`
 /// (fp32 accumulation), and `lse = m + ln(l)` with `l` summed from the fp32 `P`. So the result
-/// is the fp32 kernel's up to bf16 rounding of the operands (relative 2⁻⁹ each), not bit-equal.
+/// is the fp32 kernel's up to bf16 rounding of the operands (relative 2⁻⁸ each), not bit-equal.
 ///
 /// One block of 4 warps per (64 query rows, batch × head); dynamic shared memory
 /// `256 · (head_dim + 8)` bytes (34 816 for head_dim 128). `head_dim` must be a multiple of
