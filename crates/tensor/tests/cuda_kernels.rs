@@ -439,6 +439,221 @@ fn attention_matches_cpu_forward_and_backward() {
     }
 }
 
+fn round_bf16(x: &[f32]) -> Vec<f32> {
+    x.iter()
+        .map(|&v| half::bf16::from_f32(v).to_f32())
+        .collect()
+}
+
+/// Element-wise scales of the bf16 rounding of `P` and `dS` in the tensor-core kernels, from
+/// the reference's own `P = exp(s · scale − lse)` and `dS = P (dP − delta)` (f64, dense, on the
+/// rounded inputs): `Σ_j P_ij |v_jd|` (out), `scale Σ_j |dS_ij| |k_jd|` (dq),
+/// `scale Σ_h Σ_i |dS_ij| |q_id|` (dk), `Σ_h Σ_i P_ij |dO_id|` (dv).
+#[allow(clippy::too_many_arguments)]
+fn bf16_scales(
+    s: &AttnShape,
+    q: &[f32],
+    k: &[f32],
+    v: &[f32],
+    out: &[f32],
+    lse: &[f32],
+    dout: &[f32],
+) -> [Vec<f64>; 4] {
+    let (d, hs, hkv) = (s.head_dim, s.n_heads, s.n_kv_heads);
+    let scale = s.scale() as f64;
+    let mut mo = vec![0.0f64; s.q_elems()];
+    let mut mq = vec![0.0f64; s.q_elems()];
+    let mut mk = vec![0.0f64; s.kv_elems()];
+    let mut mv = vec![0.0f64; s.kv_elems()];
+    let qi = |b: usize, i: usize, h: usize| ((b * s.q_len + i) * hs + h) * d;
+    let kj = |b: usize, j: usize, hk: usize| ((b * s.kv_len + j) * hkv + hk) * d;
+    for b in 0..s.batch {
+        for h in 0..hs {
+            let hk = h / (hs / hkv);
+            for i in 0..s.q_len {
+                let l = lse[(b * hs + h) * s.q_len + i] as f64;
+                let (qo, ko) = (qi(b, i, h), kj(b, 0, hk));
+                let delta: f64 = (0..d)
+                    .map(|e| dout[qo + e] as f64 * out[qo + e] as f64)
+                    .sum();
+                for j in 0..s.kv_len {
+                    if s.causal && s.k_start + j > s.q_start + i {
+                        continue;
+                    }
+                    let ko = ko + j * hkv * d;
+                    let (mut sc, mut dp) = (0.0f64, 0.0f64);
+                    for e in 0..d {
+                        sc += q[qo + e] as f64 * k[ko + e] as f64;
+                        dp += dout[qo + e] as f64 * v[ko + e] as f64;
+                    }
+                    let p = (sc * scale - l).exp();
+                    let ds = (p * (dp - delta)).abs();
+                    for e in 0..d {
+                        mo[qo + e] += p * (v[ko + e] as f64).abs();
+                        mq[qo + e] += scale * ds * (k[ko + e] as f64).abs();
+                        mk[ko + e] += scale * ds * (q[qo + e] as f64).abs();
+                        mv[ko + e] += p * (dout[qo + e] as f64).abs();
+                    }
+                }
+            }
+        }
+    }
+    [mo, mq, mk, mv]
+}
+
+/// `|got − want| ≤ 2⁻⁷ · scale + 1e-5 · max |want|` element by element (see
+/// `tensor_core_attention_matches_cpu`).
+fn assert_bf16_close(what: &str, got: &[f32], want: &[f32], scale: &[f64]) {
+    let top = want.iter().fold(0.0f32, |m, x| m.max(x.abs())) as f64;
+    for (e, ((&a, &b), &m)) in got.iter().zip(want).zip(scale).enumerate() {
+        let bound = m / 128.0 + 1e-5 * top;
+        assert!(
+            ((a - b) as f64).abs() <= bound,
+            "{what}[{e}]: GPU {a} vs CPU {b} (bound {bound:e}: bf16 scale {m:e}, max {top:e})"
+        );
+    }
+}
+
+/// The tensor-core kernels (`attention_forward_tc` / `attention_backward_tc`) against the CPU
+/// fp32 kernels on head sizes 64 and 128 (and 32), causal and not, lengths that are not
+/// multiples of the 64-row tiles (100, 33, 1), grouped KV heads (8 over 2), the offsets of ring
+/// attention (a query block after its key block, one before it: no query sees a key, out 0
+/// and lse −inf), several batches; the backward accumulates into nonzero dq, dk, dv.
+///
+/// Tolerance. The CPU kernel runs on inputs rounded to bf16 (the kernels round q, k, v the
+/// same way, nearest even: the GPU gets q, k, v unrounded, dout rounded, since delta is
+/// computed from it in fp32), and the backward of both gets the CPU's out and lse, so the
+/// products of rounded operands and the fp32 softmax agree up to fp32 rounding. What is left
+/// is the rounding of P (forward: O = Σ_j bf16(P_ij) v_j / l; backward: dV = Σ_i bf16(P_ij) dO_i)
+/// and of dS (dQ = scale Σ_j bf16(dS_ij) k_j, dK = scale Σ_i bf16(dS_ij) q_i): rounding to 8
+/// significant bits (nearest) changes each by half an ulp, a relative 2⁻⁸ at most (the ulp is
+/// 2⁻⁷ of the leading bit), so the error of an output element is at most 2⁻⁸ times its "bf16
+/// scale" (`bf16_scales`: the same sum over absolute values, e.g. Σ_j P_ij |v_jd|); a numpy
+/// emulation of the kernels reached 0.82 of that. The bound is twice it, 2⁻⁷ · scale, the
+/// factor 2 for what the derivation leaves out at relative 1e-6 or less (P and dS from fp32 scores summed in another
+/// order, expf vs the CPU's exp, the tensor cores' fp32 accumulation, 1/l), plus the fp32
+/// tolerance of the other tests, 1e-5 of the largest element (the fp32 sums of the initial
+/// dq, dk, dv and a difference dP − delta that cancels).
+#[test]
+fn tensor_core_attention_matches_cpu() {
+    let Some(g) = gpu("tensor_core_attention_matches_cpu") else {
+        return;
+    };
+    let shape =
+        |batch, q_len, kv_len, n_heads, n_kv_heads, head_dim, causal, q_start, k_start| AttnShape {
+            batch,
+            q_len,
+            kv_len,
+            n_heads,
+            n_kv_heads,
+            head_dim,
+            causal,
+            q_start,
+            k_start,
+        };
+    for s in [
+        AttnShape::causal(2, 100, 8, 2, 64),
+        AttnShape::causal(1, 100, 4, 4, 128),
+        AttnShape::causal(2, 130, 8, 2, 128),
+        shape(2, 100, 33, 8, 2, 64, false, 0, 0),
+        shape(2, 33, 100, 8, 2, 128, false, 0, 0),
+        shape(2, 1, 45, 8, 2, 64, true, 44, 0),
+        shape(1, 33, 1, 4, 1, 128, false, 0, 0),
+        // Ring attention: the query block after its key block (every key visible), before it
+        // (none: out 0, lse −inf, gradients unchanged), and overlapping it partly.
+        shape(2, 64, 64, 8, 2, 64, true, 64, 0),
+        shape(2, 64, 64, 8, 2, 128, true, 0, 64),
+        shape(1, 100, 130, 8, 2, 64, true, 30, 0),
+        shape(1, 100, 70, 4, 2, 128, true, 0, 40),
+        AttnShape::causal(1, 70, 2, 1, 32),
+    ] {
+        let (q, k, v) = (
+            rand(s.q_elems(), 40),
+            rand(s.kv_elems(), 41),
+            rand(s.kv_elems(), 42),
+        );
+        let dout = round_bf16(&rand(s.q_elems(), 43));
+        let (qr, kr, vr) = (round_bf16(&q), round_bf16(&k), round_bf16(&v));
+        let (mut out, mut lse) = (vec![0.0; s.q_elems()], vec![0.0; s.lse_elems()]);
+        attention_forward(&s, &qr, &kr, &vr, &mut out, &mut lse, AttnTiles::default()).unwrap();
+        let [mo, mq, mk, mv] = bf16_scales(&s, &qr, &kr, &vr, &out, &lse, &dout);
+        let (gq, gk, gv) = (
+            g.upload(&q).unwrap(),
+            g.upload(&k).unwrap(),
+            g.upload(&v).unwrap(),
+        );
+        let (mut go, mut gl) = (
+            g.alloc::<f32>(s.q_elems()).unwrap(),
+            g.alloc::<f32>(s.lse_elems()).unwrap(),
+        );
+        ops::attention_forward_tc(&s, &gq, &gk, &gv, &mut go, &mut gl).unwrap();
+        assert_bf16_close(&format!("{s:?} out"), &host(&go), &out, &mo);
+        for (a, b) in host(&gl).iter().zip(&lse) {
+            assert!(
+                a == b || (a - b).abs() <= 1e-5 * b.abs().max(1.0),
+                "{s:?} lse {a} vs {b}"
+            );
+        }
+        let (mut dq, mut dk, mut dv) = (
+            rand(s.q_elems(), 44),
+            rand(s.kv_elems(), 45),
+            rand(s.kv_elems(), 46),
+        );
+        let (mut gdq, mut gdk, mut gdv) = (
+            g.upload(&dq).unwrap(),
+            g.upload(&dk).unwrap(),
+            g.upload(&dv).unwrap(),
+        );
+        attention_backward(
+            &s,
+            &qr,
+            &kr,
+            &vr,
+            &out,
+            &lse,
+            &dout,
+            &mut dq,
+            &mut dk,
+            &mut dv,
+            AttnTiles::default(),
+        )
+        .unwrap();
+        ops::attention_backward_tc(
+            &s,
+            &gq,
+            &gk,
+            &gv,
+            &g.upload(&out).unwrap(),
+            &g.upload(&lse).unwrap(),
+            &g.upload(&dout).unwrap(),
+            &mut gdq,
+            &mut gdk,
+            &mut gdv,
+        )
+        .unwrap();
+        assert_bf16_close(&format!("{s:?} dq"), &host(&gdq), &dq, &mq);
+        assert_bf16_close(&format!("{s:?} dk"), &host(&gdk), &dk, &mk);
+        assert_bf16_close(&format!("{s:?} dv"), &host(&gdv), &dv, &mv);
+    }
+    // Head sizes the kernels do not take are a shape error (the caller falls back to fp32).
+    for d in [8, 40, 256] {
+        let s = AttnShape::causal(1, 4, 2, 1, d);
+        let (gq, gk) = (
+            g.upload(&rand(s.q_elems(), 1)).unwrap(),
+            g.upload(&rand(s.kv_elems(), 2)).unwrap(),
+        );
+        let (mut go, mut gl) = (
+            g.alloc::<f32>(s.q_elems()).unwrap(),
+            g.alloc::<f32>(s.lse_elems()).unwrap(),
+        );
+        let err = ops::attention_forward_tc(&s, &gq, &gk, &gk, &mut go, &mut gl).unwrap_err();
+        assert!(
+            matches!(err, tensor::cuda::CudaError::Shape(_)),
+            "head_dim {d}: {err}"
+        );
+    }
+}
+
 /// AdamW with two weight-decay segments against `model::optim::AdamW::update`'s formula (the
 /// same operations; repeated here, as the tensor crate sits below the model crate), over
 /// three steps; and the f64 sum of squares.

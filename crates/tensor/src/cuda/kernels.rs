@@ -10,6 +10,7 @@ pub const SOURCES: &[(&str, &str)] = &[
     ("embedding", include_str!("kernels/embedding.cu")),
     ("cross_entropy", include_str!("kernels/cross_entropy.cu")),
     ("attention", include_str!("kernels/attention.cu")),
+    ("attention_tc", include_str!("kernels/attention_tc.cu")),
     ("optimizer", include_str!("kernels/optimizer.cu")),
     ("moe", include_str!("kernels/moe.cu")),
 ];

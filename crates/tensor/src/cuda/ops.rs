@@ -826,6 +826,32 @@ pub fn attention_forward<'a>(
     )
 }
 
+/// `delta = rowsum(dO ∘ O)` ([B, H, Sq], fp32) for the backward kernels.
+fn attn_delta(
+    s: &AttnShape,
+    out: DevSlice<'_, f32>,
+    dout: DevSlice<'_, f32>,
+) -> Result<DevBuf<f32>, CudaError> {
+    let gpu = out.gpu().clone();
+    let delta = gpu.alloc::<f32>(s.lse_elems())?;
+    let rows = s.batch * s.q_len * s.n_heads;
+    gpu.launch(
+        "attention",
+        "attn_bwd_delta",
+        LaunchCfg::linear(rows.div_ceil(ATT_WARPS), 32 * ATT_WARPS as u32),
+        &[
+            out.into(),
+            dout.into(),
+            (&delta).into(),
+            to_i32(s.batch, "batch")?.into(),
+            to_i32(s.q_len, "q_len")?.into(),
+            to_i32(s.n_heads, "n_heads")?.into(),
+            to_i32(s.head_dim, "head_dim")?.into(),
+        ],
+    )?;
+    Ok(delta)
+}
+
 /// Backward: accumulates (`+=`) into `dq`, `dk`, `dv` ([`crate::attention::attention_backward`];
 /// pass the final merged `out` and `lse` for a partial key block).
 #[allow(clippy::too_many_arguments)]
@@ -866,22 +892,7 @@ pub fn attention_backward<'a>(
         return Ok(());
     }
     let gpu = q.gpu().clone();
-    let delta = gpu.alloc::<f32>(s.lse_elems())?;
-    let rows = s.batch * s.q_len * s.n_heads;
-    gpu.launch(
-        "attention",
-        "attn_bwd_delta",
-        LaunchCfg::linear(rows.div_ceil(ATT_WARPS), 32 * ATT_WARPS as u32),
-        &[
-            out.into(),
-            dout.into(),
-            (&delta).into(),
-            to_i32(s.batch, "batch")?.into(),
-            to_i32(s.q_len, "q_len")?.into(),
-            to_i32(s.n_heads, "n_heads")?.into(),
-            to_i32(s.head_dim, "head_dim")?.into(),
-        ],
-    )?;
+    let delta = attn_delta(s, out, dout)?;
     let mut args = vec![
         q.into(),
         k.into(),
@@ -928,6 +939,200 @@ pub fn attention_backward<'a>(
             ),
             block: (32 * ATT_WARPS as u32, 1, 1),
             shared_bytes: 0,
+        },
+        &args,
+    )
+}
+
+/// Query rows (forward, dQ) and keys (dK/dV) per block of the tensor-core attention kernels;
+/// 4 warps of 16 rows each.
+const ATT_TC_TILE: usize = 64;
+
+/// Query rows per step of the tensor-core dK/dV kernel.
+const ATT_TC_QSTEP: usize = 32;
+
+/// The head sizes of the tensor-core attention kernels: a multiple of 16 (the `k` of one
+/// `mma.m16n8k16`), at most 128 (their register tiles).
+fn check_attn_tc(s: &AttnShape) -> Result<(), CudaError> {
+    if s.head_dim.is_multiple_of(16) && (16..=128).contains(&s.head_dim) {
+        Ok(())
+    } else {
+        Err(CudaError::Shape(format!(
+            "tensor-core attention needs head_dim a multiple of 16 in 16..=128 (got {}): use \
+             attention_forward / attention_backward (fp32) instead",
+            s.head_dim
+        )))
+    }
+}
+
+/// Dynamic shared memory of `attn_fwd_tc` and `attn_bwd_dq_tc`: a K and a V tile of 64 rows,
+/// bf16, row stride `head_dim + 8` (34 816 bytes for head_dim 128, 18 432 for 64).
+fn attn_tc_kv_shared(s: &AttnShape) -> u32 {
+    (2 * ATT_TC_TILE * (s.head_dim + 8) * 2) as u32
+}
+
+/// Dynamic shared memory of `attn_bwd_dkv_tc`: K and V tiles of 64 rows and Q and dO tiles of
+/// 32 rows (bf16, row stride `head_dim + 8`), then lse and delta of the 32 rows (fp32): 52 480
+/// bytes for head_dim 128, 27 904 for 64.
+fn attn_tc_dkv_shared(s: &AttnShape) -> u32 {
+    ((2 * ATT_TC_TILE + 2 * ATT_TC_QSTEP) * (s.head_dim + 8) * 2 + 2 * ATT_TC_QSTEP * 4) as u32
+}
+
+/// Forward on the tensor cores (sm_80+), FlashAttention-2 style: writes `out` and `lse` like
+/// [`attention_forward`] (same shapes, layouts, causal mask by global positions, grouped KV
+/// heads, `lse = -inf` and `out = 0` for a row that sees no key).
+///
+/// Numerics: Q, K, V are rounded to bf16 (nearest even) and `S = Q Kᵀ` is one
+/// `mma.m16n8k16` bf16 product with fp32 accumulation; the online softmax (running max and
+/// sum, rescaling of the output accumulators) is fp32, `P` is rounded to bf16 for `O += P V`
+/// (fp32 accumulation), and `lse = m + ln(l)` with `l` summed from the fp32 `P`. So the result
+/// is the fp32 kernel's up to bf16 rounding of the operands (relative 2⁻⁸ each), not bit-equal.
+///
+/// One block of 4 warps per (64 query rows, batch × head); dynamic shared memory
+/// `256 · (head_dim + 8)` bytes (34 816 for head_dim 128). `head_dim` must be a multiple of
+/// 16 in 16..=128: otherwise [`CudaError::Shape`], and the caller uses [`attention_forward`].
+pub fn attention_forward_tc<'a>(
+    s: &AttnShape,
+    q: impl Into<DevSlice<'a, f32>>,
+    k: impl Into<DevSlice<'a, f32>>,
+    v: impl Into<DevSlice<'a, f32>>,
+    out: impl Into<DevSliceMut<'a, f32>>,
+    lse: impl Into<DevSliceMut<'a, f32>>,
+) -> Result<(), CudaError> {
+    let q: DevSlice<'_, f32> = q.into();
+    let k: DevSlice<'_, f32> = k.into();
+    let v: DevSlice<'_, f32> = v.into();
+    let out: DevSliceMut<'_, f32> = out.into();
+    let lse: DevSliceMut<'_, f32> = lse.into();
+
+    check_attn(s, q.len(), k.len(), v.len())?;
+    check_attn_tc(s)?;
+    same_len("attention out", out.len(), s.q_elems())?;
+    same_len("attention lse", lse.len(), s.lse_elems())?;
+    if s.q_len == 0 {
+        return Ok(());
+    }
+    let mut args = vec![q.into(), k.into(), v.into(), (&out).into(), (&lse).into()];
+    args.extend(attn_args(s)?);
+    q.gpu().launch(
+        "attention_tc",
+        "attn_fwd_tc",
+        LaunchCfg {
+            grid: (
+                s.q_len.div_ceil(ATT_TC_TILE) as u32,
+                (s.batch * s.n_heads) as u32,
+                1,
+            ),
+            block: (32 * ATT_WARPS as u32, 1, 1),
+            shared_bytes: attn_tc_kv_shared(s),
+        },
+        &args,
+    )
+}
+
+/// Backward on the tensor cores (sm_80+): accumulates (`+=`) into `dq`, `dk`, `dv` like
+/// [`attention_backward`] (pass the final merged `out` and `lse` for a partial key block), and
+/// like it deterministic (no atomics; every output element has one writer summing in a fixed
+/// order).
+///
+/// Numerics: `delta = rowsum(dO ∘ O)` is the fp32 kernel's; the scores `S = Q Kᵀ` and
+/// `dP = dO Vᵀ` are recomputed with bf16 operands (Q, K, V, dO rounded to nearest even) and
+/// fp32 accumulation, `P = exp(S · scale − lse)` and `dS = P ∘ (dP − delta)` are fp32, then
+/// rounded to bf16 as the operands of `dV += Pᵀ dO`, `dK += scale · dSᵀ Q` and
+/// `dQ += scale · dS K` (fp32 accumulation).
+///
+/// Three launches: `attn_bwd_delta` (module "attention"); `attn_bwd_dq_tc`, 4 warps per
+/// (64 query rows, batch × head), dynamic shared memory `256 · (head_dim + 8)` bytes (34 816
+/// for head_dim 128); `attn_bwd_dkv_tc`, 4 warps per (64 keys, batch × KV head), dynamic
+/// shared memory `384 · (head_dim + 8) + 256` bytes (52 480 for head_dim 128: two blocks fit an
+/// H100's SM, one an A100's). `head_dim` must be a multiple of 16 in 16..=128: otherwise
+/// [`CudaError::Shape`], and the caller uses [`attention_backward`].
+#[allow(clippy::too_many_arguments)]
+pub fn attention_backward_tc<'a>(
+    s: &AttnShape,
+    q: impl Into<DevSlice<'a, f32>>,
+    k: impl Into<DevSlice<'a, f32>>,
+    v: impl Into<DevSlice<'a, f32>>,
+    out: impl Into<DevSlice<'a, f32>>,
+    lse: impl Into<DevSlice<'a, f32>>,
+    dout: impl Into<DevSlice<'a, f32>>,
+    dq: impl Into<DevSliceMut<'a, f32>>,
+    dk: impl Into<DevSliceMut<'a, f32>>,
+    dv: impl Into<DevSliceMut<'a, f32>>,
+) -> Result<(), CudaError> {
+    let q: DevSlice<'_, f32> = q.into();
+    let k: DevSlice<'_, f32> = k.into();
+    let v: DevSlice<'_, f32> = v.into();
+    let out: DevSlice<'_, f32> = out.into();
+    let lse: DevSlice<'_, f32> = lse.into();
+    let dout: DevSlice<'_, f32> = dout.into();
+    let dq: DevSliceMut<'_, f32> = dq.into();
+    let dk: DevSliceMut<'_, f32> = dk.into();
+    let dv: DevSliceMut<'_, f32> = dv.into();
+
+    check_attn(s, q.len(), k.len(), v.len())?;
+    check_attn_tc(s)?;
+    for (what, len, want) in [
+        ("attention out", out.len(), s.q_elems()),
+        ("attention dout", dout.len(), s.q_elems()),
+        ("attention dq", dq.len(), s.q_elems()),
+        ("attention dk", dk.len(), s.kv_elems()),
+        ("attention dv", dv.len(), s.kv_elems()),
+        ("attention lse", lse.len(), s.lse_elems()),
+    ] {
+        same_len(what, len, want)?;
+    }
+    if s.q_len == 0 || s.kv_len == 0 {
+        return Ok(());
+    }
+    let gpu = q.gpu().clone();
+    let delta = attn_delta(s, out, dout)?;
+    let mut args = vec![
+        q.into(),
+        k.into(),
+        v.into(),
+        dout.into(),
+        lse.into(),
+        (&delta).into(),
+        (&dq).into(),
+    ];
+    args.extend(attn_args(s)?);
+    gpu.launch(
+        "attention_tc",
+        "attn_bwd_dq_tc",
+        LaunchCfg {
+            grid: (
+                s.q_len.div_ceil(ATT_TC_TILE) as u32,
+                (s.batch * s.n_heads) as u32,
+                1,
+            ),
+            block: (32 * ATT_WARPS as u32, 1, 1),
+            shared_bytes: attn_tc_kv_shared(s),
+        },
+        &args,
+    )?;
+    let mut args = vec![
+        q.into(),
+        k.into(),
+        v.into(),
+        dout.into(),
+        lse.into(),
+        (&delta).into(),
+        (&dk).into(),
+        (&dv).into(),
+    ];
+    args.extend(attn_args(s)?);
+    gpu.launch(
+        "attention_tc",
+        "attn_bwd_dkv_tc",
+        LaunchCfg {
+            grid: (
+                s.kv_len.div_ceil(ATT_TC_TILE) as u32,
+                (s.batch * s.n_kv_heads) as u32,
+                1,
+            ),
+            block: (32 * ATT_WARPS as u32, 1, 1),
+            shared_bytes: attn_tc_dkv_shared(s),
         },
         &args,
     )
