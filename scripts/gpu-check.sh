@@ -132,6 +132,16 @@ PY
             --model 32000,768,2048,12,12,12,1024,8 --steps 10 >>"$report" 2>&1 ||
             echo "torch peer 124M bf16 failed" >>"$report"
     done
+    # A ~1B Llama (16 layers, hidden 2048, 16 heads, ffn 5504, vocab 32000, seq 1024,
+    # micro-batch 4) in bf16, once each.
+    local m1b=(--set model.vocab_size=32000 --set model.hidden_size=2048 --set model.intermediate_size=5504
+        --set model.num_layers=16 --set model.num_heads=16 --set model.num_kv_heads=16
+        --set model.seq_len=1024 --set train.micro_batch=4 --set 'data.tokenizer="byte"')
+    timeout 120 "$dir/xtrain" bench train --preset medium --device cuda --steps 5 "${m1b[@]}" "${bf16[@]}" \
+        >>"$report" 2>&1 || echo "xtrain bench 1B bf16 failed" >>"$report"
+    PYTHONUNBUFFERED=1 timeout 120 python3 benches/peers/torch_peer.py train --device cuda --dtype bf16 \
+        --model 32000,2048,5504,16,16,16,1024,4 --steps 5 >>"$report" 2>&1 ||
+        echo "torch peer 1B bf16 failed" >>"$report"
     echo '```' >>"$report"
     # Launched processes sharing the GPU (each opens cuda:LOCAL_RANK mod count): dp 2 at
     # ZeRO-2 and pp 2 1F1B through the CLI, 30 steps each (the parity against one GPU is in
@@ -191,6 +201,17 @@ PY
         failed=1
     fi
     echo '```' >>"$report"
+    # Where Nsight Compute is installed: the tensor-core attention kernels of a bf16 step of
+    # the 124M Llama (registers, occupancy, throughput against the peaks), for whoever tunes
+    # them next (ncu-attention.txt).
+    if command -v ncu >/dev/null; then
+        timeout 100 ncu --kernel-name 'regex:attn_.*' --launch-skip 4 --launch-count 8 \
+            --section SpeedOfLight --section LaunchStats --section Occupancy \
+            "$dir/xtrain" bench train --preset medium --device cuda --steps 1 "${m124[@]}" "${bf16[@]}" \
+            >"$out/ncu-attention.txt" 2>&1 &&
+            echo "Nsight Compute profile: ncu-attention.txt" >>"$report" ||
+            echo "Nsight Compute profile: failed (ncu-attention.txt)" >>"$report"
+    fi
     cat "$report"
     return $failed
 }

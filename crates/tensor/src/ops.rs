@@ -201,6 +201,16 @@ fn no_gpu_document_mask() -> TensorError {
     )
 }
 
+/// Whether attention on a GPU runs on the tensor cores: in a bf16 step
+/// ([`crate::operands::Operands::Bf16`]; Q, K, V, P, dO and dS rounded to bf16, softmax and
+/// sums in fp32) for head sizes the kernels take (multiples of 16 up to 128). Other head sizes,
+/// fp16 and fp32 steps use the fp32 kernels (the parity path) — by the shape and the run's
+/// precision, never by a failure.
+fn tensor_cores(s: &AttnShape) -> bool {
+    crate::operands::current() == crate::operands::Operands::Bf16
+        && gpu::tensor_core_attention_fits(s)
+}
+
 /// `(out, lse)` of attention as new buffers ([`crate::attention::attention_forward_docs`]:
 /// `doc_start` masks attention per document; `None` is plain causal attention).
 pub fn attention_forward(
@@ -228,7 +238,11 @@ pub fn attention_forward(
         }
         (BufRef::Cuda(_), ..) if doc_start.is_some() => return Err(no_gpu_document_mask()),
         (BufRef::Cuda(q), BufRef::Cuda(k), BufRef::Cuda(v), BufMut::Cuda(o), BufMut::Cuda(l)) => {
-            gpu::attention_forward(s, q, k, v, o, l)?
+            if tensor_cores(s) {
+                gpu::attention_forward_tc(s, q, k, v, o, l)?
+            } else {
+                gpu::attention_forward(s, q, k, v, o, l)?
+            }
         }
         _ => return Err(mixed("attention")),
     }
@@ -273,6 +287,11 @@ pub fn attention_backward(
             AttnTiles::default(),
         ),
         ((R::Cuda(_), ..), ..) if doc_start.is_some() => Err(no_gpu_document_mask()),
+        (
+            (R::Cuda(q), R::Cuda(k), R::Cuda(v)),
+            (R::Cuda(o), R::Cuda(l), R::Cuda(d)),
+            (M::Cuda(a), M::Cuda(b), M::Cuda(c)),
+        ) if tensor_cores(s) => Ok(gpu::attention_backward_tc(s, q, k, v, o, l, d, a, b, c)?),
         (
             (R::Cuda(q), R::Cuda(k), R::Cuda(v)),
             (R::Cuda(o), R::Cuda(l), R::Cuda(d)),
@@ -574,7 +593,7 @@ pub fn fused_linear_ce(
                 targets,
                 dim,
                 vocab,
-                cfg.chunk_rows,
+                cfg.chunk_rows.max(gpu::GPU_CE_CHUNK_FLOATS / vocab.max(1)),
                 cfg.ignore_index,
                 lse,
                 grad,

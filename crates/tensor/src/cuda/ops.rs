@@ -26,9 +26,83 @@ fn elements(n: usize) -> LaunchCfg {
     LaunchCfg::linear(n.div_ceil(THREADS as usize).min(65_535), THREADS)
 }
 
-/// `C (+)= op(A)·op(B)` ([`super::blas::matmul_raw`]'s conventions) with `operands`
-/// ([`crate::operands`]): fp32 `a` and `b` as they are, or rounded into bf16 / fp16 copies
-/// first for the tensor cores; accumulation and `C` are fp32 either way.
+/// A product's operand in the format of the product ([`crate::operands`]): the fp32 values
+/// as they are, or their bf16 / fp16 copy (rounded to nearest even) for the tensor cores.
+pub enum Operand<'a> {
+    F32(DevSlice<'a, f32>),
+    Half(DevBuf<u16>),
+}
+
+impl Operand<'_> {
+    /// `x` prepared for products with `operands`: a reference, or a rounded 16-bit copy
+    /// (prepare an operand used by several products once).
+    pub fn new(
+        x: DevSlice<'_, f32>,
+        operands: crate::operands::Operands,
+    ) -> Result<Operand<'_>, CudaError> {
+        use crate::operands::Operands;
+        let bf16 = match operands {
+            Operands::F32 => return Ok(Operand::F32(x)),
+            Operands::Bf16 => true,
+            Operands::F16 => false,
+        };
+        let mut y = x.gpu().alloc::<u16>(x.len())?;
+        if bf16 {
+            cast_f32_to_bf16(x, &mut y)?;
+        } else {
+            cast_f32_to_f16(x, &mut y)?;
+        }
+        Ok(Operand::Half(y))
+    }
+
+    fn ptr(&self) -> u64 {
+        match self {
+            Operand::F32(x) => x.ptr(),
+            Operand::Half(x) => x.ptr(),
+        }
+    }
+
+    fn len(&self) -> usize {
+        match self {
+            Operand::F32(x) => x.len(),
+            Operand::Half(x) => x.len(),
+        }
+    }
+}
+
+/// `C (+)= op(A)·op(B)` ([`super::blas::matmul_raw`]'s conventions) on operands prepared for
+/// `operands` ([`Operand::new`]); accumulation and `C` are fp32.
+///
+/// # Safety
+/// `c` is a device range of `m·n` fp32 elements on `gpu`; `a` and `b` are on `gpu`.
+pub unsafe fn matmul_prepared(
+    gpu: &Arc<Gpu>,
+    operands: crate::operands::Operands,
+    c: u64,
+    a: &Operand<'_>,
+    b: &Operand<'_>,
+    [m, k, n]: [usize; 3],
+    flags: [bool; 3],
+) -> Result<(), CudaError> {
+    use super::blas::GemmInput;
+    use crate::operands::Operands;
+    let input = match (operands, a, b) {
+        (Operands::F32, Operand::F32(_), Operand::F32(_)) => GemmInput::F32,
+        (Operands::Bf16, Operand::Half(_), Operand::Half(_)) => GemmInput::Bf16,
+        (Operands::F16, Operand::Half(_), Operand::Half(_)) => GemmInput::F16,
+        _ => {
+            return Err(CudaError::Shape(format!(
+                "a product in {operands:?} given operands prepared for another format"
+            )))
+        }
+    };
+    same_len("product a", a.len(), m * k)?;
+    same_len("product b", b.len(), k * n)?;
+    // SAFETY: the operands hold m·k and k·n elements; `c` per the caller's contract.
+    unsafe { super::blas::matmul_raw(gpu, input, c, a.ptr(), b.ptr(), [m, k, n], flags) }
+}
+
+/// `C (+)= op(A)·op(B)` with `operands`: [`matmul_prepared`] on `a` and `b` prepared here.
 ///
 /// # Safety
 /// `c` is a device range of `m·n` fp32 elements on `a`'s device; `a` and `b` hold `m·k` and
@@ -41,30 +115,10 @@ pub unsafe fn matmul_operands(
     mkn: [usize; 3],
     flags: [bool; 3],
 ) -> Result<(), CudaError> {
-    use super::blas::GemmInput;
-    use crate::operands::Operands;
     let gpu = a.gpu().clone();
-    let input = match operands {
-        Operands::F32 => {
-            // SAFETY: the caller's contract.
-            return unsafe {
-                super::blas::matmul_raw(&gpu, GemmInput::F32, c, a.ptr(), b.ptr(), mkn, flags)
-            };
-        }
-        Operands::Bf16 => GemmInput::Bf16,
-        Operands::F16 => GemmInput::F16,
-    };
-    let narrow = |x: DevSlice<'_, f32>| -> Result<DevBuf<u16>, CudaError> {
-        let mut y = gpu.alloc::<u16>(x.len())?;
-        match input {
-            GemmInput::Bf16 => cast_f32_to_bf16(x, &mut y)?,
-            _ => cast_f32_to_f16(x, &mut y)?,
-        }
-        Ok(y)
-    };
-    let (a16, b16) = (narrow(a)?, narrow(b)?);
-    // SAFETY: the 16-bit copies hold the same elements as `a` and `b`.
-    unsafe { super::blas::matmul_raw(&gpu, input, c, a16.ptr(), b16.ptr(), mkn, flags) }
+    let (a, b) = (Operand::new(a, operands)?, Operand::new(b, operands)?);
+    // SAFETY: the caller's contract.
+    unsafe { matmul_prepared(&gpu, operands, c, &a, &b, mkn, flags) }
 }
 
 /// `y = bf16(x)` (round to nearest even), 16-bit storage.
@@ -951,8 +1005,12 @@ const ATT_TC_TILE: usize = 64;
 /// Query rows per step of the tensor-core dK/dV kernel.
 const ATT_TC_QSTEP: usize = 32;
 
-/// The head sizes of the tensor-core attention kernels: a multiple of 16 (the `k` of one
-/// `mma.m16n8k16`), at most 128 (their register tiles).
+/// Whether the tensor-core attention kernels take this shape's head size: a multiple of 16
+/// (the `k` of one `mma.m16n8k16`), at most 128 (their register tiles).
+pub fn tensor_core_attention_fits(s: &AttnShape) -> bool {
+    check_attn_tc(s).is_ok()
+}
+
 fn check_attn_tc(s: &AttnShape) -> Result<(), CudaError> {
     if s.head_dim.is_multiple_of(16) && (16..=128).contains(&s.head_dim) {
         Ok(())
@@ -1402,6 +1460,12 @@ pub struct CeGrad<'a> {
     pub dw: Option<DevSliceMut<'a, f32>>,
 }
 
+/// Logits a chunk of the fused head holds at least on a GPU (64 Mi floats, 256 MiB;
+/// [`crate::ops::fused_linear_ce`]): memory is plentiful there, and each chunk's products
+/// read and write the whole fp32 `dW` once, so 128-row chunks of a 32k vocabulary spent more
+/// time streaming `dW` than multiplying.
+pub const GPU_CE_CHUNK_FLOATS: usize = 1 << 26;
+
 /// The fused LM head + cross-entropy ([`crate::cross_entropy::fused_linear_ce_forward`],
 /// `_backward`, `_forward_backward` in one): per chunk of `chunk_rows` rows, `z = x·Wᵀ` on
 /// cuBLASLt, the row statistics and log-sum-exps (written or read), the loss, and with a
@@ -1428,13 +1492,13 @@ pub fn fused_linear_ce(
     let mut logits = gpu.alloc::<f32>(chunk_rows.min(rows.max(1)) * vocab)?;
     let mut loss_sum = 0.0f64;
     // The products take the calling thread's operand format (the head's logits in bf16 on a
-    // bf16 run, like every other product).
+    // bf16 run, like every other product); the weight is prepared once for every chunk.
     let operands = crate::operands::current();
-    let matmul =
-        |c: u64, a: DevSlice<'_, f32>, b: DevSlice<'_, f32>, mkn: [usize; 3], flags: [bool; 3]| {
-            // SAFETY: the callers pass ranges of the checked buffers with these shapes.
-            unsafe { matmul_operands(operands, c, a, b, mkn, flags) }
-        };
+    let w_op = Operand::new(w, operands)?;
+    let matmul = |c: u64, a: &Operand<'_>, b: &Operand<'_>, mkn: [usize; 3], flags: [bool; 3]| {
+        // SAFETY: the callers pass ranges of the checked buffers with these shapes.
+        unsafe { matmul_prepared(&gpu, operands, c, a, b, mkn, flags) }
+    };
     for r0 in (0..rows).step_by(chunk_rows) {
         let n = chunk_rows.min(rows - r0);
         let t = dev_targets.slice(r0..r0 + n);
@@ -1447,7 +1511,8 @@ pub fn fused_linear_ce(
             continue;
         }
         let z = logits.slice_mut(0..n * vocab);
-        matmul(z.ptr(), xc, w, [n, dim, vocab], [false, true, false])?;
+        let x_op = Operand::new(xc, operands)?;
+        matmul(z.ptr(), &x_op, &w_op, [n, dim, vocab], [false, true, false])?;
         let lse_c: DevSlice<'_, f32> = match &mut lse {
             CeLse::Write(l) => {
                 let [mx, se, tl] = ce_row_stats(z.as_ref(), t, vocab, 0, ignore_index)?;
@@ -1469,13 +1534,19 @@ pub fn fused_linear_ce(
         }
         let z = logits.slice_mut(0..n * vocab);
         ce_grad_inplace(z, t, lse_c, vocab, 0, ignore_index, g.scale)?;
-        let z = logits.slice(0..n * vocab);
+        let z_op = Operand::new(logits.slice(0..n * vocab), operands)?;
         if let Some(dx) = g.dx.as_mut() {
             let dxc = dx.reborrow().slice_mut(r0 * dim..(r0 + n) * dim);
-            matmul(dxc.ptr(), z, w, [n, vocab, dim], [false, false, false])?;
+            matmul(
+                dxc.ptr(),
+                &z_op,
+                &w_op,
+                [n, vocab, dim],
+                [false, false, false],
+            )?;
         }
         if let Some(dw) = g.dw.as_mut() {
-            matmul(dw.ptr(), z, xc, [vocab, n, dim], [true, false, true])?;
+            matmul(dw.ptr(), &z_op, &x_op, [vocab, n, dim], [true, false, true])?;
         }
     }
     Ok(loss_sum)
