@@ -142,6 +142,10 @@ PY
     PYTHONUNBUFFERED=1 timeout 120 python3 benches/peers/torch_peer.py train --device cuda --dtype bf16 \
         --model 32000,2048,5504,16,16,16,1024,4 --steps 5 >>"$report" 2>&1 ||
         echo "torch peer 1B bf16 failed" >>"$report"
+    # Attention forward + backward against the MLP product per FLOP, at the 124M's shapes
+    # (the floor: within 2×).
+    timeout 60 "$dir/xtrain" bench kernels --preset medium --device cuda "${m124[@]}" "${bf16[@]}" \
+        >>"$report" 2>&1 || echo "xtrain bench kernels failed" >>"$report"
     echo '```' >>"$report"
     # Launched processes sharing the GPU (each opens cuda:LOCAL_RANK mod count): dp 2 at
     # ZeRO-2 and pp 2 1F1B through the CLI, 30 steps each (the parity against one GPU is in

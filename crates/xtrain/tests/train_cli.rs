@@ -312,3 +312,25 @@ fn bench_train_peak_rss_stays_within_one_and_a_half_accounts() {
         .unwrap_or_else(|| panic!("no peak RSS ratio in:\n{text}"));
     assert!(ratio < 1.5, "peak RSS {ratio}x the account:\n{text}");
 }
+
+/// `xtrain bench kernels` on the CPU: attention and the product at the tiny preset's shapes,
+/// each a positive rate, and their ratio; `--nproc` is refused (one process measures).
+#[test]
+fn bench_kernels_reports_attention_against_the_product() {
+    let (ok, text) = xtrain(&["bench", "kernels", "--preset", "tiny", "--reps", "2"]);
+    assert!(ok, "{text}");
+    let rate = |after: &str| -> f64 {
+        text.split(after)
+            .nth(1)
+            .and_then(|s| s.split('(').nth(1))
+            .and_then(|s| s.split(" GFLOP/s").next())
+            .and_then(|s| s.trim().parse().ok())
+            .unwrap_or_else(|| panic!("no rate after {after:?} in:\n{text}"))
+    };
+    assert!(rate("forward") > 0.0 && rate("backward") > 0.0, "{text}");
+    assert!(rate("up projection):") > 0.0, "{text}");
+    assert!(text.contains("head 16, seq 64, causal"), "{text}");
+    assert!(text.contains("time per FLOP / the product's: "), "{text}");
+    let (ok, text) = xtrain(&["bench", "kernels", "--preset", "tiny", "--nproc", "2"]);
+    assert!(!ok && text.contains("one process"), "{text}");
+}

@@ -1005,6 +1005,16 @@ const ATT_TC_TILE: usize = 64;
 /// Query rows per step of the tensor-core dK/dV kernel.
 const ATT_TC_QSTEP: usize = 32;
 
+/// The instantiation of a tensor-core attention kernel for the shape's head size: register
+/// tiles for 64 (`_k4`) or 128 (`_k8`).
+fn tc_kernel(s: &AttnShape, k4: &'static str, k8: &'static str) -> &'static str {
+    if s.head_dim <= 64 {
+        k4
+    } else {
+        k8
+    }
+}
+
 /// Whether the tensor-core attention kernels take this shape's head size: a multiple of 16
 /// (the `k` of one `mma.m16n8k16`), at most 128 (their register tiles).
 pub fn tensor_core_attention_fits(s: &AttnShape) -> bool {
@@ -1074,7 +1084,7 @@ pub fn attention_forward_tc<'a>(
     args.extend(attn_args(s)?);
     q.gpu().launch(
         "attention_tc",
-        "attn_fwd_tc",
+        tc_kernel(s, "attn_fwd_tc_k4", "attn_fwd_tc_k8"),
         LaunchCfg {
             grid: (
                 s.q_len.div_ceil(ATT_TC_TILE) as u32,
@@ -1157,7 +1167,7 @@ pub fn attention_backward_tc<'a>(
     args.extend(attn_args(s)?);
     gpu.launch(
         "attention_tc",
-        "attn_bwd_dq_tc",
+        tc_kernel(s, "attn_bwd_dq_tc_k4", "attn_bwd_dq_tc_k8"),
         LaunchCfg {
             grid: (
                 s.q_len.div_ceil(ATT_TC_TILE) as u32,
@@ -1182,7 +1192,7 @@ pub fn attention_backward_tc<'a>(
     args.extend(attn_args(s)?);
     gpu.launch(
         "attention_tc",
-        "attn_bwd_dkv_tc",
+        tc_kernel(s, "attn_bwd_dkv_tc_k4", "attn_bwd_dkv_tc_k8"),
         LaunchCfg {
             grid: (
                 s.kv_len.div_ceil(ATT_TC_TILE) as u32,

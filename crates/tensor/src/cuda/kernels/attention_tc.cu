@@ -40,8 +40,10 @@
 #define TC_QC 32   // query rows per step of the dK/dV kernel
 #define TC_KC 32   // keys per step of a dQ warp (half a key tile)
 #define TC_PAD 8   // bf16 of padding per shared-memory row
-#define TC_MAXK 8  // D / 16 at most (D <= 128)
-#define TC_MAXN 16 // D / 8 at most
+// Each kernel is a template on MAXK, the most k-steps of 16 its register tiles hold (D <= 16 MAXK;
+// D / 8 <= 2 MAXK n-tiles), instantiated for MAXK = 4 (D <= 64) and 8 (D <= 128): the tiles of
+// a head of 64 then take half the registers (Nsight Compute on an H200: 213 registers a thread
+// for the head-128 tiles, so 2 CTAs an SM, at head 64).
 
 __device__ __forceinline__ u32 tc_pack(float lo, float hi) {
     return (u32)f32_to_bf16(lo) | ((u32)f32_to_bf16(hi) << 16);
@@ -90,13 +92,14 @@ __device__ __forceinline__ void tc_load_tile(u16* tile, const float* src, long l
 // The A fragments (per k-step of 16 columns, D / 16 of them) of rows r and r + 8 of one head
 // of a [B, S, Hx, D] fp32 tensor, rounded to bf16, straight from global memory; rows at or
 // past S are zeros. `src` points at (b, 0, head, 0).
+template <int MAXK>
 __device__ __forceinline__ void tc_load_a(u32 (*f)[4], const float* src, long long rstride,
                                           int r, int S, int D, int t) {
     const float* pa = src + (long long)r * rstride;
     const float* pb = src + (long long)(r + 8) * rstride;
     bool oka = r < S, okb = r + 8 < S;
 #pragma unroll
-    for (int kk = 0; kk < TC_MAXK; kk++) {
+    for (int kk = 0; kk < MAXK; kk++) {
         if (kk < (D >> 4)) {
             int c = kk * 16 + 2 * t;
             f[kk][0] = oka ? tc_pack(pa[c], pa[c + 1]) : 0u;
@@ -124,10 +127,11 @@ __device__ __forceinline__ int tc_keys_seen(int i_end, int Sk, int causal, int q
 // + 15 (its Q fragments stay in registers), the CTA walks the key tiles of 64 that its rows
 // see. Dynamic shared memory: K and V tiles, 2 * 64 * (D + 8) bf16 = 256 (D + 8) bytes
 // (34816 for D = 128, 18432 for D = 64).
-extern "C" __global__ void __launch_bounds__(128)
-    attn_fwd_tc(const float* q, const float* k, const float* v, float* out, float* lse, int B,
-                int Sq, int Sk, int H, int Hkv, int D, int causal, int q_start, int k_start,
-                float scale) {
+template <int MAXK>
+__device__ __forceinline__ void attn_fwd_tc_body(const float* q, const float* k, const float* v,
+                                                 float* out, float* lse, int B, int Sq, int Sk,
+                                                 int H, int Hkv, int D, int causal, int q_start,
+                                                 int k_start, float scale) {
     extern __shared__ __align__(16) u16 tc_smem[];
     const int ld = D + TC_PAD;
     u16* ks = tc_smem;
@@ -142,11 +146,11 @@ extern "C" __global__ void __launch_bounds__(128)
     const float* vb = v + (long long)b * Sk * kstride + (long long)hk * D;
     const int r0 = q0 + warp * 16 + g; // this thread's rows: r0 (half 0) and r0 + 8 (half 1)
 
-    u32 qf[TC_MAXK][4];
-    tc_load_a(qf, qb, qstride, r0, Sq, D, t);
-    float o[TC_MAXN][4];
+    u32 qf[MAXK][4];
+    tc_load_a<MAXK>(qf, qb, qstride, r0, Sq, D, t);
+    float o[(2 * MAXK)][4];
 #pragma unroll
-    for (int n = 0; n < TC_MAXN; n++) o[n][0] = o[n][1] = o[n][2] = o[n][3] = 0.0f;
+    for (int n = 0; n < (2 * MAXK); n++) o[n][0] = o[n][1] = o[n][2] = o[n][3] = 0.0f;
     float m[2] = {XT_NEG_INF, XT_NEG_INF}, l[2] = {0.0f, 0.0f};
 
     const int nvis = tc_keys_seen(min(q0 + TC_BM, Sq), Sk, causal, q_start, k_start);
@@ -163,7 +167,7 @@ extern "C" __global__ void __launch_bounds__(128)
             s[n][0] = s[n][1] = s[n][2] = s[n][3] = 0.0f;
             const u16* kr = ks + (n * 8 + g) * ld + 2 * t;
 #pragma unroll
-            for (int kk = 0; kk < TC_MAXK; kk++) {
+            for (int kk = 0; kk < MAXK; kk++) {
                 if (kk < nk) {
                     tc_mma(s[n], qf[kk][0], qf[kk][1], qf[kk][2], qf[kk][3],
                            tc_ld2(kr, kk * 16), tc_ld2(kr, kk * 16 + 8));
@@ -208,7 +212,7 @@ extern "C" __global__ void __launch_bounds__(128)
             l[hf] = l[hf] * corr + sum; // this thread's part of the row sum (quad-summed last)
             m[hf] = mnew;
 #pragma unroll
-            for (int n = 0; n < TC_MAXN; n++) {
+            for (int n = 0; n < (2 * MAXK); n++) {
                 o[n][2 * hf] *= corr;
                 o[n][2 * hf + 1] *= corr;
             }
@@ -223,7 +227,7 @@ extern "C" __global__ void __launch_bounds__(128)
             const u32 a3 = tc_pack(s[2 * kk + 1][2], s[2 * kk + 1][3]);
             const u16* vr = vs + (kk * 16 + 2 * t) * ld + g;
 #pragma unroll
-            for (int n = 0; n < TC_MAXN; n++) {
+            for (int n = 0; n < (2 * MAXK); n++) {
                 if (n < nd) {
                     tc_mma(o[n], a0, a1, a2, a3, tc_ld2col(vr, n * 8, ld),
                            tc_ld2col(vr, 8 * ld + n * 8, ld));
@@ -243,7 +247,7 @@ extern "C" __global__ void __launch_bounds__(128)
             const float inv = sum > 0.0f ? 1.0f / sum : 0.0f;
             float* orow = ob + (long long)i * qstride + 2 * t;
 #pragma unroll
-            for (int n = 0; n < TC_MAXN; n++) {
+            for (int n = 0; n < (2 * MAXK); n++) {
                 if (n < nd) {
                     orow[n * 8] = o[n][2 * hf] * inv;
                     orow[n * 8 + 1] = o[n][2 * hf + 1] * inv;
@@ -260,10 +264,13 @@ extern "C" __global__ void __launch_bounds__(128)
 // (ceil(Sq / 64), B * H), block 128; warp w owns query rows 64 x + 16 w .. + 15 (Q and dO
 // fragments in registers) and walks each key tile of 64 in two steps of 32 keys. Dynamic
 // shared memory: K and V tiles, 256 (D + 8) bytes (34816 for D = 128).
-extern "C" __global__ void __launch_bounds__(128)
-    attn_bwd_dq_tc(const float* q, const float* k, const float* v, const float* dout,
-                   const float* lse, const float* delta, float* dq, int B, int Sq, int Sk, int H,
-                   int Hkv, int D, int causal, int q_start, int k_start, float scale) {
+template <int MAXK>
+__device__ __forceinline__ void attn_bwd_dq_tc_body(const float* q, const float* k,
+                                                    const float* v, const float* dout,
+                                                    const float* lse, const float* delta,
+                                                    float* dq, int B, int Sq, int Sk, int H,
+                                                    int Hkv, int D, int causal, int q_start,
+                                                    int k_start, float scale) {
     extern __shared__ __align__(16) u16 tc_smem[];
     const int ld = D + TC_PAD;
     u16* ks = tc_smem;
@@ -278,9 +285,9 @@ extern "C" __global__ void __launch_bounds__(128)
     const float* vb = v + (long long)b * Sk * kstride + (long long)hk * D;
     const int r0 = q0 + warp * 16 + g;
 
-    u32 qf[TC_MAXK][4], gf[TC_MAXK][4];
-    tc_load_a(qf, q + qbase, qstride, r0, Sq, D, t);
-    tc_load_a(gf, dout + qbase, qstride, r0, Sq, D, t);
+    u32 qf[MAXK][4], gf[MAXK][4];
+    tc_load_a<MAXK>(qf, q + qbase, qstride, r0, Sq, D, t);
+    tc_load_a<MAXK>(gf, dout + qbase, qstride, r0, Sq, D, t);
     float lse_r[2], del_r[2];
 #pragma unroll
     for (int hf = 0; hf < 2; hf++) {
@@ -289,9 +296,9 @@ extern "C" __global__ void __launch_bounds__(128)
         lse_r[hf] = i < Sq ? lse[li] : 0.0f;
         del_r[hf] = i < Sq ? delta[li] : 0.0f;
     }
-    float acc[TC_MAXN][4];
+    float acc[(2 * MAXK)][4];
 #pragma unroll
-    for (int n = 0; n < TC_MAXN; n++) acc[n][0] = acc[n][1] = acc[n][2] = acc[n][3] = 0.0f;
+    for (int n = 0; n < (2 * MAXK); n++) acc[n][0] = acc[n][1] = acc[n][2] = acc[n][3] = 0.0f;
 
     const int nvis = tc_keys_seen(min(q0 + TC_BM, Sq), Sk, causal, q_start, k_start);
     for (int j0 = 0; j0 < nvis; j0 += TC_BN) {
@@ -310,7 +317,7 @@ extern "C" __global__ void __launch_bounds__(128)
                 const u16* kr = ks + (c0 + n * 8 + g) * ld + 2 * t;
                 const u16* vr = vs + (c0 + n * 8 + g) * ld + 2 * t;
 #pragma unroll
-                for (int kk = 0; kk < TC_MAXK; kk++) {
+                for (int kk = 0; kk < MAXK; kk++) {
                     if (kk < nk) {
                         tc_mma(s[n], qf[kk][0], qf[kk][1], qf[kk][2], qf[kk][3],
                                tc_ld2(kr, kk * 16), tc_ld2(kr, kk * 16 + 8));
@@ -343,7 +350,7 @@ extern "C" __global__ void __launch_bounds__(128)
                 const u32 a3 = tc_pack(s[2 * kk + 1][2], s[2 * kk + 1][3]);
                 const u16* kr = ks + (c0 + kk * 16 + 2 * t) * ld + g;
 #pragma unroll
-                for (int n = 0; n < TC_MAXN; n++) {
+                for (int n = 0; n < (2 * MAXK); n++) {
                     if (n < nd) {
                         tc_mma(acc[n], a0, a1, a2, a3, tc_ld2col(kr, n * 8, ld),
                                tc_ld2col(kr, 8 * ld + n * 8, ld));
@@ -359,7 +366,7 @@ extern "C" __global__ void __launch_bounds__(128)
         if (i < Sq) {
             float* row = dq + qbase + (long long)i * qstride + 2 * t;
 #pragma unroll
-            for (int n = 0; n < TC_MAXN; n++) {
+            for (int n = 0; n < (2 * MAXK); n++) {
                 if (n < nd) {
                     row[n * 8] += scale * acc[n][2 * hf];
                     row[n * 8 + 1] += scale * acc[n][2 * hf + 1];
@@ -377,11 +384,13 @@ extern "C" __global__ void __launch_bounds__(128)
 // bf16 with row stride D + 8, then lse and delta of the 32 rows (fp32):
 // (2 * 64 + 2 * 32) * (D + 8) * 2 + 2 * 32 * 4 = 384 (D + 8) + 256 bytes (52480 for D = 128,
 // 27904 for D = 64).
-extern "C" __global__ void __launch_bounds__(128)
-    attn_bwd_dkv_tc(const float* q, const float* k, const float* v, const float* dout,
-                    const float* lse, const float* delta, float* dk, float* dv, int B, int Sq,
-                    int Sk, int H, int Hkv, int D, int causal, int q_start, int k_start,
-                    float scale) {
+template <int MAXK>
+__device__ __forceinline__ void attn_bwd_dkv_tc_body(const float* q, const float* k,
+                                                     const float* v, const float* dout,
+                                                     const float* lse, const float* delta,
+                                                     float* dk, float* dv, int B, int Sq,
+                                                     int Sk, int H, int Hkv, int D, int causal,
+                                                     int q_start, int k_start, float scale) {
     extern __shared__ __align__(16) u16 tc_smem[];
     const int ld = D + TC_PAD;
     u16* ks = tc_smem;
@@ -400,9 +409,9 @@ extern "C" __global__ void __launch_bounds__(128)
 
     tc_load_tile(ks, k + kbase, kstride, j0, TC_BN, Sk, D, ld);
     tc_load_tile(vs, v + kbase, kstride, j0, TC_BN, Sk, D, ld);
-    float dka[TC_MAXN][4], dva[TC_MAXN][4];
+    float dka[(2 * MAXK)][4], dva[(2 * MAXK)][4];
 #pragma unroll
-    for (int n = 0; n < TC_MAXN; n++) {
+    for (int n = 0; n < (2 * MAXK); n++) {
         dka[n][0] = dka[n][1] = dka[n][2] = dka[n][3] = 0.0f;
         dva[n][0] = dva[n][1] = dva[n][2] = dva[n][3] = 0.0f;
     }
@@ -434,7 +443,7 @@ extern "C" __global__ void __launch_bounds__(128)
                 dp[n][0] = dp[n][1] = dp[n][2] = dp[n][3] = 0.0f;
             }
 #pragma unroll
-            for (int kk = 0; kk < TC_MAXK; kk++) {
+            for (int kk = 0; kk < MAXK; kk++) {
                 if (kk < nk) {
                     const u16* ka = ks + (jw + g) * ld + kk * 16 + 2 * t;
                     const u16* va = vs + (jw + g) * ld + kk * 16 + 2 * t;
@@ -481,7 +490,7 @@ extern "C" __global__ void __launch_bounds__(128)
                 const u16* gr = gs + (kk * 16 + 2 * t) * ld + g;
                 const u16* qr = qs + (kk * 16 + 2 * t) * ld + g;
 #pragma unroll
-                for (int n = 0; n < TC_MAXN; n++) {
+                for (int n = 0; n < (2 * MAXK); n++) {
                     if (n < nd) {
                         tc_mma(dva[n], p0, p1, p2, p3, tc_ld2col(gr, n * 8, ld),
                                tc_ld2col(gr, 8 * ld + n * 8, ld));
@@ -499,7 +508,7 @@ extern "C" __global__ void __launch_bounds__(128)
         if (j < Sk) {
             const long long off = kbase + (long long)j * kstride + 2 * t;
 #pragma unroll
-            for (int n = 0; n < TC_MAXN; n++) {
+            for (int n = 0; n < (2 * MAXK); n++) {
                 if (n < nd) {
                     dk[off + n * 8] += scale * dka[n][2 * hf];
                     dk[off + n * 8 + 1] += scale * dka[n][2 * hf + 1];
@@ -510,3 +519,30 @@ extern "C" __global__ void __launch_bounds__(128)
         }
     }
 }
+
+// The kernels the launcher names: attn_fwd_tc_k4 (D <= 64) and attn_fwd_tc_k8 (D <= 128), and
+// likewise for the backward's two.
+#define TC_KERNELS(MAXK)                                                                       \
+    extern "C" __global__ void __launch_bounds__(128) attn_fwd_tc_k##MAXK(                    \
+        const float* q, const float* k, const float* v, float* out, float* lse, int B, int Sq, \
+        int Sk, int H, int Hkv, int D, int causal, int q_start, int k_start, float scale) {    \
+        attn_fwd_tc_body<MAXK>(q, k, v, out, lse, B, Sq, Sk, H, Hkv, D, causal, q_start,       \
+                               k_start, scale);                                                \
+    }                                                                                          \
+    extern "C" __global__ void __launch_bounds__(128) attn_bwd_dq_tc_k##MAXK(                 \
+        const float* q, const float* k, const float* v, const float* dout, const float* lse,   \
+        const float* delta, float* dq, int B, int Sq, int Sk, int H, int Hkv, int D,           \
+        int causal, int q_start, int k_start, float scale) {                                   \
+        attn_bwd_dq_tc_body<MAXK>(q, k, v, dout, lse, delta, dq, B, Sq, Sk, H, Hkv, D, causal, \
+                                  q_start, k_start, scale);                                    \
+    }                                                                                          \
+    extern "C" __global__ void __launch_bounds__(128) attn_bwd_dkv_tc_k##MAXK(                \
+        const float* q, const float* k, const float* v, const float* dout, const float* lse,   \
+        const float* delta, float* dk, float* dv, int B, int Sq, int Sk, int H, int Hkv,       \
+        int D, int causal, int q_start, int k_start, float scale) {                            \
+        attn_bwd_dkv_tc_body<MAXK>(q, k, v, dout, lse, delta, dk, dv, B, Sq, Sk, H, Hkv, D,    \
+                                   causal, q_start, k_start, scale);                           \
+    }
+
+TC_KERNELS(4)
+TC_KERNELS(8)

@@ -1,6 +1,7 @@
 //! `xtrain bench ...`: benchmarks that print tables with the figures quoted in
 //! `docs/PERFORMANCE.md`. One module per benchmark.
 pub mod comm;
+pub mod kernels;
 pub mod tp;
 pub mod train;
 
@@ -19,6 +20,8 @@ pub enum What {
     Train(Box<train::BenchTrainArgs>),
     /// Tensor-parallel activation bytes with and without sequence parallelism.
     Tp(tp::Args),
+    /// Attention forward + backward and the MLP product at a preset's shapes: GFLOP/s each.
+    Kernels(Box<kernels::Args>),
 }
 
 pub fn run(args: Args) -> anyhow::Result<()> {
@@ -26,5 +29,6 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         What::Comm(a) => comm::run(a),
         What::Train(a) => train::run_cmd(*a),
         What::Tp(a) => tp::run(a),
+        What::Kernels(a) => kernels::run(*a),
     }
 }

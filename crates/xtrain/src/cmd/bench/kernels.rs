@@ -1,0 +1,163 @@
+//! `xtrain bench kernels`: the two kernels a transformer step spends most of its time in, at
+//! one layer's shapes of a preset, on the run's device and precision — causal attention forward
+//! + backward and the MLP's up projection — as GFLOP/s each, and attention's time per FLOP
+//! against the product's (the GPU issue's floor: within 2×).
+//!
+//! FLOPs counted as FlashAttention-2 does (Dao 2023, §4): a causal forward is
+//! 4·B·H·S²·D / 2 (two products of 2·S·S·D per head, half the scores masked), the backward
+//! 2.5× the forward (five products to the forward's two); the product 2·M·K·N.
+use std::time::Instant;
+
+use anyhow::{bail, Result};
+use tensor::attention::AttnShape;
+use tensor::buf::{Buf, Dev};
+
+use crate::cmd::train::{resolve_config, LayoutArgs};
+
+#[derive(clap::Args, Debug)]
+pub struct Args {
+    #[arg(long, default_value = "small")]
+    pub preset: String,
+    /// Timed repetitions of each kernel (the median is reported), after one warm-up.
+    #[arg(long, default_value_t = 10)]
+    pub reps: usize,
+    /// Config overrides (`key=value`, repeatable), e.g. `--set model.seq_len=1024`.
+    #[arg(long = "set", value_name = "KEY=VALUE")]
+    pub overrides: Vec<String>,
+    #[command(flatten)]
+    pub layout: LayoutArgs,
+}
+
+/// Median seconds of `reps` runs of `f` (after one warm-up), each waited for on `dev`.
+fn median_secs(dev: &Dev, reps: usize, mut f: impl FnMut() -> Result<()>) -> Result<f64> {
+    let wait = || -> Result<()> {
+        if let Dev::Cuda(g) = dev {
+            g.synchronize()?;
+        }
+        Ok(())
+    };
+    f()?;
+    wait()?;
+    let mut t: Vec<f64> = (0..reps.max(1))
+        .map(|_| {
+            let s = Instant::now();
+            f()?;
+            wait()?;
+            Ok(s.elapsed().as_secs_f64())
+        })
+        .collect::<Result<_>>()?;
+    t.sort_by(f64::total_cmp);
+    Ok(t[t.len() / 2])
+}
+
+/// Deterministic values in [-1, 1) on `dev`.
+fn filled(dev: &Dev, n: usize, seed: u64) -> Result<Buf> {
+    let v: Vec<f32> = (0..n as u64)
+        .map(|i| {
+            let x = (i ^ seed).wrapping_mul(0x9E37_79B9_7F4A_7C15) >> 40;
+            (x as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
+        })
+        .collect();
+    Ok(dev.from_vec(v)?)
+}
+
+pub fn run(a: Args) -> Result<()> {
+    let cfg = resolve_config(Some(&a.preset), None, None, &a.layout, None, &a.overrides)?;
+    if cfg.parallel.nproc > 1 {
+        bail!("xtrain bench kernels runs one process: leave out --nproc and the layout flags");
+    }
+    let mc = train::trainer::model_config(&cfg);
+    let dev = Dev::open(&cfg.train.device_spec())?;
+    let exec = parallel::executor::ExecConfig {
+        device: dev.clone(),
+        precision: cfg.train.precision,
+        ..Default::default()
+    };
+    let operands = exec.operands();
+    let _scope = tensor::operands::Scope::enter(operands);
+    let (b, s) = (cfg.train.micro_batch, cfg.model.seq_len);
+    let shape = AttnShape::causal(b, s, mc.num_attention_heads, mc.kv_heads(), mc.head_dim());
+    let (q, k, v, dout) = (
+        filled(&dev, shape.q_elems(), 1)?,
+        filled(&dev, shape.kv_elems(), 2)?,
+        filled(&dev, shape.kv_elems(), 3)?,
+        filled(&dev, shape.q_elems(), 4)?,
+    );
+    let (mut out, mut lse) = (Buf::Host(Vec::new()), Buf::Host(Vec::new()));
+    let fwd = median_secs(&dev, a.reps, || {
+        (out, lse) = tensor::ops::attention_forward(&shape, None, q.r(), k.r(), v.r())?;
+        Ok(())
+    })?;
+    let (mut dq, mut dk, mut dv) = (
+        dev.zeros(shape.q_elems())?,
+        dev.zeros(shape.kv_elems())?,
+        dev.zeros(shape.kv_elems())?,
+    );
+    let bwd = median_secs(&dev, a.reps, || {
+        tensor::ops::attention_backward(
+            &shape,
+            None,
+            q.r(),
+            k.r(),
+            v.r(),
+            out.r(),
+            lse.r(),
+            dout.r(),
+            dq.m(),
+            dk.m(),
+            dv.m(),
+        )?;
+        Ok(())
+    })?;
+    let attn_fwd_flops = 2.0 * (b * shape.n_heads * s * s * shape.head_dim) as f64;
+    let attn_flops = 3.5 * attn_fwd_flops;
+    let (m, kk, n) = (b * s, mc.hidden_size, mc.intermediate_size);
+    let (x, w) = (filled(&dev, m * kk, 5)?, filled(&dev, n * kk, 6)?);
+    let mut y = dev.zeros(m * n)?;
+    let gemm = median_secs(&dev, a.reps, || {
+        tensor::ops::matmul(y.m(), x.r(), w.r(), m, kk, n, false, true, false)?;
+        Ok(())
+    })?;
+    let gemm_flops = 2.0 * (m * kk * n) as f64;
+    let device = match &dev {
+        Dev::Cuda(g) => format!(
+            "cuda:{} {} (driver CUDA {}.{})",
+            g.info.ordinal,
+            g.info.name,
+            g.info.driver_version / 1000,
+            g.info.driver_version % 1000 / 10
+        ),
+        Dev::Cpu => format!(
+            "CPU, {} thread(s), {}",
+            tensor::threads::thread_budget(),
+            tensor::isa::describe()
+        ),
+    };
+    println!("preset {} on {device}", a.preset);
+    println!(
+        "precision {:?}: the products' operands {operands:?}",
+        cfg.train.precision
+    );
+    let gf = |flops: f64, secs: f64| flops / secs / 1e9;
+    println!(
+        "attention (batch {b}, {} heads over {} KV heads, head {}, seq {s}, causal): forward {:.3} ms ({:.1} GFLOP/s), backward {:.3} ms ({:.1} GFLOP/s), together {:.1} GFLOP/s",
+        shape.n_heads,
+        shape.n_kv_heads,
+        shape.head_dim,
+        fwd * 1e3,
+        gf(attn_fwd_flops, fwd),
+        bwd * 1e3,
+        gf(2.5 * attn_fwd_flops, bwd),
+        gf(attn_flops, fwd + bwd)
+    );
+    println!(
+        "product [{m} x {kk}] x [{kk} x {n}] (the MLP's up projection): {:.3} ms ({:.1} GFLOP/s)",
+        gemm * 1e3,
+        gf(gemm_flops, gemm)
+    );
+    println!(
+        "attention time per FLOP / the product's: {:.2}",
+        ((fwd + bwd) / attn_flops) / (gemm / gemm_flops)
+    );
+    Ok(())
+}
