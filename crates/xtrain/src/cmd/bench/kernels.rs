@@ -1,7 +1,7 @@
 //! `xtrain bench kernels`: the two kernels a transformer step spends most of its time in, at
-//! one layer's shapes of a preset, on the run's device and precision — causal attention forward
-//! + backward and the MLP's up projection — as GFLOP/s each, and attention's time per FLOP
-//! against the product's (the GPU issue's floor: within 2×).
+//! one layer's shapes of a preset, on the run's device and precision: causal attention
+//! (forward and backward) and the MLP's up projection, as GFLOP/s each, and attention's time
+//! per FLOP against the product's (the GPU issue's floor: within 2×).
 //!
 //! FLOPs counted as FlashAttention-2 does (Dao 2023, §4): a causal forward is
 //! 4·B·H·S²·D / 2 (two products of 2·S·S·D per head, half the scores masked), the backward
