@@ -115,9 +115,9 @@ PY
     local m124=(--set model.vocab_size=32000 --set model.hidden_size=768 --set model.intermediate_size=2048
         --set model.num_layers=12 --set model.num_heads=12 --set model.num_kv_heads=12
         --set model.seq_len=1024 --set train.micro_batch=8 --set 'data.tokenizer="byte"')
-    local bf16=(--set 'train.precision="bf16"')
+    local bf16=(--set 'train.precision="bf16"') fp32=(--set 'train.precision="fp32"')
     for round in 1 2; do
-        timeout 120 "$dir/xtrain" bench train --preset small --device cuda --steps 10 \
+        timeout 120 "$dir/xtrain" bench train --preset small --device cuda --steps 10 "${fp32[@]}" \
             >>"$report" 2>&1 || echo "xtrain bench small fp32 failed" >>"$report"
         PYTHONUNBUFFERED=1 timeout 120 python3 benches/peers/torch_peer.py train \
             --preset small --device cuda --steps 10 >>"$report" 2>&1 ||

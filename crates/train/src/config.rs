@@ -129,6 +129,11 @@ impl TrainConfig {
             _ => "cpu".into(),
         }
     }
+
+    /// Whether the run is on a GPU (`cuda` or `cuda:N`).
+    pub fn on_gpu(&self) -> bool {
+        self.device_spec().to_ascii_lowercase().starts_with("cuda")
+    }
 }
 
 /// Where tokens come from.
@@ -470,19 +475,29 @@ impl RunConfig {
         let base = Self::preset(preset)?;
         let mut tree = toml::Value::try_from(&base)
             .map_err(|e| TrainError::Config(format!("serialising preset: {e}")))?;
+        // Whether the user chose the precision (a file or an override); if not, a GPU run
+        // trains in bf16 and a CPU run in fp32 (the presets' value).
+        let mut precision_given = false;
         if let Some(text) = toml_text {
             let user: toml::Value = toml::from_str(text)
                 .map_err(|e| TrainError::Config(format!("parsing TOML: {e}")))?;
+            precision_given |= user.get("train").and_then(|t| t.get("precision")).is_some();
             merge(&mut tree, &user, "")?;
         }
         for item in overrides {
             let (key, raw) = item.split_once('=').ok_or_else(|| {
                 TrainError::Config(format!("override `{item}` is not of the form key=value"))
             })?;
+            precision_given |= key.trim() == "train.precision";
             set_path(&mut tree, key.trim(), parse_value(raw.trim()))?;
         }
-        tree.try_into()
-            .map_err(|e: toml::de::Error| TrainError::Config(e.to_string()))
+        let mut cfg: RunConfig = tree
+            .try_into()
+            .map_err(|e: toml::de::Error| TrainError::Config(e.to_string()))?;
+        if !precision_given && cfg.train.on_gpu() {
+            cfg.train.precision = Precision::Bf16;
+        }
+        Ok(cfg)
     }
 
     /// Loads a TOML file on top of a preset.
@@ -678,12 +693,7 @@ impl RunConfig {
         if !d.document_mask {
             return Ok(());
         }
-        if self
-            .train
-            .device_spec()
-            .to_ascii_lowercase()
-            .starts_with("cuda")
-        {
+        if self.train.on_gpu() {
             return bad(format!(
                 "data.document_mask is built for the CPU attention kernel only: train.device = {} has no document mask (train on cpu, or turn the mask off)",
                 self.train.device_spec()
@@ -845,6 +855,39 @@ mod tests {
             assert_eq!(got, want, "preset {name}");
         }
         assert!(RunConfig::preset("huge").is_err());
+    }
+
+    /// A GPU run trains in bf16 unless the precision is chosen (a file or an override); a CPU
+    /// run keeps the presets' fp32; a written config keeps what it says.
+    #[test]
+    fn bf16_is_the_default_on_a_gpu_only() {
+        let on = |extra: &[&str], text: Option<&str>| {
+            let o: Vec<String> = extra.iter().map(|s| s.to_string()).collect();
+            RunConfig::resolve("tiny", text, &o)
+                .unwrap()
+                .train
+                .precision
+        };
+        assert_eq!(on(&["train.device=\"cuda\""], None), Precision::Bf16);
+        assert_eq!(on(&["train.device=\"cuda:1\""], None), Precision::Bf16);
+        assert_eq!(on(&["train.device=\"cpu\""], None), Precision::Fp32);
+        assert_eq!(
+            on(&["train.device=\"cuda\"", "train.precision=\"fp32\""], None),
+            Precision::Fp32
+        );
+        let text = "[train]\nprecision = \"fp16\"\n";
+        assert_eq!(on(&["train.device=\"cuda\""], Some(text)), Precision::Fp16);
+        let c = RunConfig::resolve("tiny", None, &["train.device=\"cuda\"".into()]).unwrap();
+        let mut cpu = c.clone();
+        cpu.train.precision = Precision::Fp32;
+        assert_eq!(
+            RunConfig::resolve("tiny", Some(&cpu.to_toml()), &[])
+                .unwrap()
+                .train
+                .precision,
+            Precision::Fp32,
+            "a written config (a checkpoint's) keeps its precision on a GPU"
+        );
     }
 
     #[test]

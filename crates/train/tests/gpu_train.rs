@@ -40,6 +40,8 @@ fn config_with(preset: &str, device: &str, extra: &[String]) -> RunConfig {
         "train.warmup_steps=2",
         "train.eval_batches=0",
         "data.corpus_bytes=20000",
+        // fp32 on either device (a GPU's default is bf16); `extra` may choose another.
+        "train.precision=\"fp32\"",
     ]
     .iter()
     .map(|s| s.to_string())
@@ -323,6 +325,8 @@ fn run_layout(device: &str, nproc: usize, extra: &[&str]) -> (Vec<(f64, f32)>, V
         // CPU drifts to 1.7e-5 of the largest parameter in 5 steps (losses and grad norms stay
         // within 1e-5).
         "train.eps=1e-4",
+        // fp32 on either device (a GPU's default is bf16); `extra` may choose another.
+        "train.precision=\"fp32\"",
     ]
     .iter()
     .chain(extra)
