@@ -22,8 +22,9 @@ build() {
     cargo build --release -p xtrain
     cp target/release/xtrain "$dir/xtrain"
     # Test binaries: cargo prints their paths as JSON artifacts.
-    cargo test --release -p tensor -p model -p train --test cuda_kernels \
-        --test cuda_kernels_compile --test gpu_nccl --test gpu_model --test gpu_train --no-run \
+    cargo test --release -p tensor -p model -p train -p xtrain --test cuda_kernels \
+        --test cuda_kernels_compile --test gpu_nccl --test gpu_model --test gpu_train \
+        --test gpu_processes --no-run \
         --message-format=json |
         python3 -c '
 import json, sys
@@ -62,7 +63,7 @@ PY
 )
     export XTRAIN_CUDA_LIB_PATH="${XTRAIN_CUDA_LIB_PATH:+$XTRAIN_CUDA_LIB_PATH:}$libs"
     export XTRAIN_REQUIRE_GPU=1 XTRAIN_REQUIRE=gpu,nvrtc RUST_BACKTRACE=1
-    export XTRAIN_KERNEL_CACHE="$out/kernel-cache"
+    export XTRAIN_KERNEL_CACHE="$out/kernel-cache" XTRAIN_BIN="$PWD/$dir/xtrain"
     {
         echo "# xtrain GPU check, $(date -u '+%Y-%m-%d %H:%M UTC')"
         echo
@@ -77,7 +78,7 @@ PY
     # The test binaries run side by side (each its own process and CUDA context; the kernel
     # cache is written atomically per process), then report in a fixed order.
     local t
-    local tests=(cuda_kernels_compile cuda_kernels gpu_nccl gpu_model gpu_train)
+    local tests=(cuda_kernels_compile cuda_kernels gpu_nccl gpu_model gpu_train gpu_processes)
     for t in "${tests[@]}"; do
         [ -x "$dir/$t" ] || continue
         (
