@@ -8,7 +8,12 @@
 
 use std::ops::Range;
 
+use rayon::prelude::*;
+
 use crate::layout::{ParamKind, ParamLayout};
+
+/// Elements of a matrix one task initialises.
+const INIT_CHUNK: usize = 1 << 16;
 
 /// SplitMix64 (Steele, Lea, Flood 2014): a tiny, fast, well-mixed 64-bit generator.
 #[derive(Debug, Clone)]
@@ -71,12 +76,21 @@ pub fn init_range(layout: &ParamLayout, std: f32, seed: u64, range: Range<usize>
         match e.kind {
             ParamKind::NormGain => dst.fill(1.0),
             ParamKind::Matrix => {
-                let mut rng =
-                    SplitMix64::new(seed ^ (i as u64 + 1).wrapping_mul(0xD6E8_FEB8_6659_FD93));
-                rng.advance(2 * (s - r.start) as u64);
-                for v in dst {
-                    *v = (rng.next_normal() * std as f64) as f32;
-                }
+                let stream = seed ^ (i as u64 + 1).wrapping_mul(0xD6E8_FEB8_6659_FD93);
+                // Chunks in parallel, each starting its stream where its first element's
+                // draws are (the same values as one sequential pass): a 7B model's 6.7 G
+                // normals took minutes on one core. On the budget pool, as every kernel.
+                tensor::threads::install(|| {
+                    dst.par_chunks_mut(INIT_CHUNK)
+                        .enumerate()
+                        .for_each(|(c, chunk)| {
+                            let mut rng = SplitMix64::new(stream);
+                            rng.advance(2 * (s - r.start + c * INIT_CHUNK) as u64);
+                            for v in chunk {
+                                *v = (rng.next_normal() * std as f64) as f32;
+                            }
+                        })
+                });
             }
         }
     }
@@ -132,5 +146,34 @@ mod tests {
                 .all(|(x, y)| x.to_bits() == y.to_bits());
             assert!(same, "range {r:?} differs from the full init");
         }
+    }
+
+    /// A matrix of several parallel chunks (and a range starting inside one) holds exactly
+    /// the values of one sequential pass over its stream.
+    #[test]
+    fn parallel_chunks_draw_the_sequential_stream() {
+        let cfg = crate::ModelConfig::llama(1000, 200, 256, 1, 4, 2);
+        let layout = ParamLayout::new(&cfg);
+        let (i, e) = layout
+            .entries
+            .iter()
+            .enumerate()
+            .find(|(_, e)| e.view.numel() > 2 * INIT_CHUNK + 1)
+            .expect("a matrix of more than two chunks");
+        let r = e.view.range();
+        let mut rng = SplitMix64::new(99 ^ (i as u64 + 1).wrapping_mul(0xD6E8_FEB8_6659_FD93));
+        let want: Vec<f32> = r
+            .clone()
+            .map(|_| (rng.next_normal() * 0.02f32 as f64) as f32)
+            .collect();
+        let skip = INIT_CHUNK / 2 + 3;
+        let mut got = vec![f32::NAN; r.len() - skip];
+        init_range(&layout, 0.02, 99, r.start + skip..r.end, &mut got);
+        assert!(
+            got.iter()
+                .zip(&want[skip..])
+                .all(|(x, y)| x.to_bits() == y.to_bits()),
+            "parallel chunks differ from the sequential stream"
+        );
     }
 }
