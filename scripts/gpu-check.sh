@@ -167,6 +167,15 @@ PY
             failed=1
         fi
     done
+    # Throughput of layouts as processes sharing the one GPU (small, bf16, 5 steps): what the
+    # host-staged communication costs where the ranks share a card (their parity is in
+    # gpu_processes above).
+    for layout in "--dp 2 --zero 1" "--dp 2 --zero 3" "--tp 2 --sp" "--pp 2 --schedule 1f1b" "--cp 2"; do
+        echo "bench nproc 2 $layout:" >>"$report"
+        timeout 90 "$dir/xtrain" bench train --preset small --device cuda --nproc 2 $layout \
+            --steps 5 2>&1 | grep -E '^preset|median step|peak live|memory of rank' >>"$report" ||
+            echo "  failed" >>"$report"
+    done
     # XTRAIN_BACKEND=nccl with two ranks on this one GPU: refused by name before NCCL runs.
     if XTRAIN_BACKEND=nccl timeout 60 "$dir/xtrain" train --preset tiny --device cuda \
         --nproc 2 --dp 2 --set train.steps=2 --out "$out/nccl-shared" >"$out/nccl-shared.log" 2>&1 ||
