@@ -748,6 +748,14 @@ fn dp_nccl(
 ) -> Result<Option<parallel::data_parallel::nccl::NcclGroup>> {
     use parallel::data_parallel::nccl::{Backend, NcclGroup, BACKEND_ENV};
     if Backend::from_env().map_err(perr)? == Backend::Host {
+        if let (tensor::buf::Dev::Cuda(gpu), true) = (device, dp.size() > 1) {
+            tracing::info!(
+                target: "comm",
+                "dp group of {} ranks: device buffers on cuda:{} staged through host memory over the own transports ({BACKEND_ENV}=nccl puts its gradients on NCCL)",
+                dp.size(),
+                gpu.info.ordinal
+            );
+        }
         return Ok(None);
     }
     let tensor::buf::Dev::Cuda(gpu) = device else {
