@@ -167,6 +167,10 @@ PY
             failed=1
         fi
     done
+    # The planner calibrated on this GPU (peaks, a layer's efficiency, the optimizer's
+    # bandwidth, host copies) and its ranking of the medium preset at 1024 tokens.
+    timeout 90 "$dir/xtrain" plan --cluster this --device cuda --model medium --seq-len 1024 \
+        --top 5 >>"$report" 2>&1 || echo "xtrain plan --cluster this --device cuda failed" >>"$report"
     # Throughput of layouts as processes sharing the one GPU (small, bf16, 5 steps): what the
     # host-staged communication costs where the ranks share a card (their parity is in
     # gpu_processes above).

@@ -187,3 +187,33 @@ fn this_machine_is_calibrated_by_a_worker_per_device() {
         "{out}"
     );
 }
+
+/// `--cluster this --device cuda` calibrates this host's GPUs; without a GPU it is an error
+/// naming what is missing (never a CPU calibration in its place), and an unknown device is
+/// named. (On a GPU the calibration runs in `scripts/gpu-check.sh`.)
+#[test]
+fn calibrating_gpus_without_one_is_a_clear_error() {
+    if tensor::buf::Dev::open("cuda").is_ok() {
+        return;
+    }
+    let err = failed(&xtrain(&[
+        "plan",
+        "--model",
+        "tiny",
+        "--cluster",
+        "this",
+        "--device",
+        "cuda",
+    ]));
+    assert!(err.contains("GPUs") && err.contains("libcuda"), "{err}");
+    let err = failed(&xtrain(&[
+        "plan",
+        "--model",
+        "tiny",
+        "--cluster",
+        "this",
+        "--device",
+        "tpu",
+    ]));
+    assert!(err.contains("--device tpu: cpu or cuda"), "{err}");
+}

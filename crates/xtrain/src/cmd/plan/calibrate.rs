@@ -49,24 +49,7 @@ fn efficiency(cfg: &ModelConfig, seq: usize, micro_batch: usize) -> Result<(f64,
         .collect();
     let batch = Batch::new(micro_batch, seq, ids, targets)?;
     let opts = StepOptions::default();
-    // The planner's compute seconds for the same work at a peak of 1 FLOP/s, efficiency 1:
-    // its FLOP count.
-    let job = Job {
-        model: one,
-        seq_len: seq,
-        global_batch: micro_batch,
-        precision: Precision::Fp32,
-        conventions: Conventions::Xtrain,
-        expert_imbalance: 1.0,
-    };
-    let unit = Link {
-        latency: 0.0,
-        bandwidth: 1e12,
-    };
-    let ideal = Cluster::calibrated(1, 1 << 40, 1.0, 1.0, 1e12, unit);
-    let flops = evaluate(&job, &ideal, &Layout::single(micro_batch))?
-        .time
-        .compute_s;
+    let flops = layer_flops(&one, seq, micro_batch)?;
     let mut step = || {
         tensor::threads::install(|| {
             model.forward_backward(&params, &mut grads, &batch, &opts, &mut |_| {})
@@ -85,6 +68,27 @@ fn efficiency(cfg: &ModelConfig, seq: usize, micro_batch: usize) -> Result<(f64,
     Ok((median(ratios).clamp(1e-3, 1.0), median(peaks)))
 }
 
+/// The planner's FLOPs of a forward and backward of `one` (a one-layer model) on
+/// `micro_batch` sequences of `seq`: its compute seconds at a peak of 1 FLOP/s, efficiency 1.
+pub(super) fn layer_flops(one: &ModelConfig, seq: usize, micro_batch: usize) -> Result<f64> {
+    let job = Job {
+        model: one.clone(),
+        seq_len: seq,
+        global_batch: micro_batch,
+        precision: Precision::Fp32,
+        conventions: Conventions::Xtrain,
+        expert_imbalance: 1.0,
+    };
+    let unit = Link {
+        latency: 0.0,
+        bandwidth: 1e12,
+    };
+    let ideal = Cluster::calibrated(1, 1 << 40, 1.0, 1.0, 1e12, unit);
+    Ok(evaluate(&job, &ideal, &Layout::single(micro_batch))?
+        .time
+        .compute_s)
+}
+
 /// The middle value (the upper one of an even count); `v` must not be empty.
 pub(super) fn median(mut v: Vec<f64>) -> f64 {
     v.sort_by(f64::total_cmp);
@@ -96,7 +100,7 @@ pub(super) fn median(mut v: Vec<f64>) -> f64 {
 /// scaling, AdamW, the zeroing of the gradients for the next step — over 16 Mi parameters
 /// (256 MiB of weights, gradients and moments, more than a server CPU's last-level cache
 /// holds: training finds its optimizer states evicted by the activations).
-fn memory_bandwidth() -> f64 {
+pub(super) fn memory_bandwidth() -> f64 {
     let n = 1 << 24;
     let (mut p, mut g, mut m, mut v) = (
         vec![0.1f32; n],
@@ -118,7 +122,7 @@ fn memory_bandwidth() -> f64 {
 
 /// Alpha and beta of the shared-memory link between two ranks: `xtrain bench comm` (two
 /// worker processes, the transport training uses) all-reducing 8 bytes and 2 MiB.
-fn link() -> Result<Link> {
+pub(super) fn link() -> Result<Link> {
     let out = Command::new(std::env::current_exe()?)
         .args([
             "bench",
@@ -161,7 +165,7 @@ fn link() -> Result<Link> {
 }
 
 /// Bytes of RAM on this machine (`MemTotal`), or 16 GiB where unknown.
-fn total_memory() -> u64 {
+pub(super) fn total_memory() -> u64 {
     std::fs::read_to_string("/proc/meminfo")
         .ok()
         .and_then(|s| {

@@ -4,6 +4,7 @@
 //! `--validate`, which runs short `xtrain bench train` jobs on this machine and prints
 //! predicted against measured. The planner itself is `parallel::plan` (docs/PLAN.md).
 mod calibrate;
+mod calibrate_gpu;
 mod validate;
 
 use std::path::Path;
@@ -32,9 +33,14 @@ pub struct PlanArgs {
     /// Nodes of a preset cluster.
     #[arg(long, default_value_t = 1)]
     pub nodes: usize,
-    /// Ranks (processes) on this machine, for `--cluster this`.
-    #[arg(long, default_value_t = 2)]
-    pub devices: usize,
+    /// Ranks (processes) on this machine, for `--cluster this` (default: 2 on the CPU, the
+    /// number of GPUs with `--device cuda`).
+    #[arg(long)]
+    pub devices: Option<usize>,
+    /// What `--cluster this` calibrates: `cpu` (ranks sharing the cores) or `cuda` (this
+    /// host's NVIDIA GPUs, measured on GPU 0).
+    #[arg(long, default_value = "cpu")]
+    pub device: String,
     /// Sequences per optimizer step (default: a preset's micro-batch × devices, else 1024).
     #[arg(long)]
     pub global_batch: Option<usize>,
@@ -141,7 +147,17 @@ fn parse_precision(s: &str) -> Result<Precision> {
 
 fn cluster(a: &PlanArgs, cfg: &ModelConfig, seq: usize, micro: usize) -> Result<Cluster> {
     match a.cluster.as_str() {
-        "this" => calibrate::this_machine(cfg, seq, micro, a.devices),
+        "this" if a.device.starts_with("cuda") => {
+            let devices = match a.devices {
+                Some(d) => d,
+                None => tensor::cuda::device_count().context("counting this machine's GPUs")?,
+            };
+            calibrate_gpu::this_gpus(cfg, seq, micro, devices, parse_precision(&a.precision)?)
+        }
+        "this" if a.device == "cpu" => {
+            calibrate::this_machine(cfg, seq, micro, a.devices.unwrap_or(2))
+        }
+        "this" => bail!("--device {}: cpu or cuda", a.device),
         name if Path::new(name).exists() => {
             let text = std::fs::read_to_string(name).with_context(|| format!("reading {name}"))?;
             Ok(Cluster::from_json(&text)?)
