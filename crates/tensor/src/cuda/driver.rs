@@ -478,12 +478,15 @@ fn copy_to_host<T: Copy>(gpu: &Gpu, ptr: CUdeviceptr, len: usize) -> Result<Vec<
 }
 
 /// `src` copied to `len` elements at device address `ptr`, queued on the stream without
-/// waiting for it: `src` is pageable memory, which the driver stages into its own pinned
-/// buffers before `cuMemcpyHtoDAsync` returns (CUDA's "API synchronization behavior": a
-/// pageable source is consumed at the call, only the DMA to the device is deferred), so the
-/// caller may free or reuse `src` at once, and the stream orders the copy before every later
-/// kernel that reads the destination. A step's small uploads (token ids, targets, routing
-/// lists) then no longer drain the queue of kernels ahead of them.
+/// waiting for it: `src` is pageable memory, which the driver must stage into pinned memory
+/// of its own to copy it (CUDA's "API synchronization behavior": "if pageable memory must
+/// first be staged to pinned memory, the driver may synchronize with the stream and stage the
+/// copy"), and it stages it during the call: the caller frees or reuses `src` at once (every
+/// caller here does), and the stream orders the copy before every later kernel that reads the
+/// destination. A step's small uploads (token ids, targets, routing lists) then no longer
+/// drain the queue of kernels ahead of them. The documentation promises the staging only for
+/// the synchronous copy; every GPU test passed with this on an H200 (driver 580.159.04), and
+/// a pinned staging ring with an event per slot is the way to need no such reading.
 fn copy_from_host<T: Copy>(
     gpu: &Gpu,
     ptr: CUdeviceptr,
