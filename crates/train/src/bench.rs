@@ -275,6 +275,9 @@ pub fn bench_train(
         ep_imbalance.extend(report.experts.map(|x| x.ep_imbalance));
     }
     let cpu_steal = steal_share(ticks0, cpu_ticks());
+    // The pipeline's measured bubble comes from the timed steps' trace, before the profiled
+    // GPU step below adds one with the device synchronised around every kernel.
+    let pipeline = t.pipeline_report()?;
     // (steps, seconds) the kernel timers ran over.
     let mut profiled = (times.len() as f64, times.iter().sum::<f64>());
     let profiled_on_gpu = gpu.is_some();
@@ -297,7 +300,6 @@ pub fn bench_train(
     model::profile::enable(false);
     let expert_imbalance = (t.dims.ep > 1 && !ep_imbalance.is_empty())
         .then(|| ep_imbalance.iter().sum::<f64>() / ep_imbalance.len() as f64);
-    let pipeline = t.pipeline_report()?;
     let context = if t.dims.cp > 1 {
         let secs = |k: model::profile::Kernel| {
             model::profile::report()

@@ -83,6 +83,8 @@ pub fn run(a: Args) -> Result<()> {
         filled(&dev, shape.kv_elems(), 3)?,
         filled(&dev, shape.q_elems(), 4)?,
     );
+    // The forward allocates its outputs (from the caching allocator on a GPU: no driver call
+    // after the first), as in training.
     let (mut out, mut lse) = (Buf::Host(Vec::new()), Buf::Host(Vec::new()));
     let fwd = median_secs(&dev, a.reps, || {
         (out, lse) = tensor::ops::attention_forward(&shape, None, q.r(), k.r(), v.r())?;
