@@ -838,6 +838,28 @@ fn check_attn(s: &AttnShape, q: usize, k: usize, v: usize) -> Result<(), CudaErr
     same_len("attention v", v, s.kv_elems())
 }
 
+/// The lengths of a backward's buffers against `s`: `q`, `k`, `v` ([`check_attn`]), then
+/// `out`, `lse`, `dout` and `dq`, `dk`, `dv`.
+fn check_attn_backward(
+    s: &AttnShape,
+    [q, k, v]: [usize; 3],
+    [out, lse, dout]: [usize; 3],
+    [dq, dk, dv]: [usize; 3],
+) -> Result<(), CudaError> {
+    check_attn(s, q, k, v)?;
+    for (what, len, want) in [
+        ("attention out", out, s.q_elems()),
+        ("attention dout", dout, s.q_elems()),
+        ("attention dq", dq, s.q_elems()),
+        ("attention dk", dk, s.kv_elems()),
+        ("attention dv", dv, s.kv_elems()),
+        ("attention lse", lse, s.lse_elems()),
+    ] {
+        same_len(what, len, want)?;
+    }
+    Ok(())
+}
+
 /// Warps per block of the attention kernels.
 const ATT_WARPS: usize = 4;
 
@@ -931,17 +953,12 @@ pub fn attention_backward<'a>(
     let dk: DevSliceMut<'_, f32> = dk.into();
     let dv: DevSliceMut<'_, f32> = dv.into();
 
-    check_attn(s, q.len(), k.len(), v.len())?;
-    for (what, len, want) in [
-        ("attention out", out.len(), s.q_elems()),
-        ("attention dout", dout.len(), s.q_elems()),
-        ("attention dq", dq.len(), s.q_elems()),
-        ("attention dk", dk.len(), s.kv_elems()),
-        ("attention dv", dv.len(), s.kv_elems()),
-        ("attention lse", lse.len(), s.lse_elems()),
-    ] {
-        same_len(what, len, want)?;
-    }
+    check_attn_backward(
+        s,
+        [q.len(), k.len(), v.len()],
+        [out.len(), lse.len(), dout.len()],
+        [dq.len(), dk.len(), dv.len()],
+    )?;
     if s.q_len == 0 || s.kv_len == 0 {
         return Ok(());
     }
@@ -1138,18 +1155,13 @@ pub fn attention_backward_tc<'a>(
     let dk: DevSliceMut<'_, f32> = dk.into();
     let dv: DevSliceMut<'_, f32> = dv.into();
 
-    check_attn(s, q.len(), k.len(), v.len())?;
     check_attn_tc(s)?;
-    for (what, len, want) in [
-        ("attention out", out.len(), s.q_elems()),
-        ("attention dout", dout.len(), s.q_elems()),
-        ("attention dq", dq.len(), s.q_elems()),
-        ("attention dk", dk.len(), s.kv_elems()),
-        ("attention dv", dv.len(), s.kv_elems()),
-        ("attention lse", lse.len(), s.lse_elems()),
-    ] {
-        same_len(what, len, want)?;
-    }
+    check_attn_backward(
+        s,
+        [q.len(), k.len(), v.len()],
+        [out.len(), lse.len(), dout.len()],
+        [dq.len(), dk.len(), dv.len()],
+    )?;
     if s.q_len == 0 || s.kv_len == 0 {
         return Ok(());
     }
