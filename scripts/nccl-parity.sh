@@ -1,10 +1,12 @@
 #!/usr/bin/env bash
 # NCCL against the own engine on a machine with two or more GPUs (the GPU machines this
-# project is checked on have one, where NCCL cannot pair two ranks): the same dp 2 run
-# (ZeRO-1, fp32 and bf16) with XTRAIN_BACKEND=own (gradients through host memory) and
-# XTRAIN_BACKEND=nccl (all-reduced on the GPUs), 20 steps each; every loss and grad norm of
-# the two must agree within 1e-5 relative (fp32; the sums differ only in order) and 1e-2
-# (bf16: 16-bit weights rounded from masters ~1e-7 apart).
+# project is checked on have one, where NCCL cannot pair two ranks): the same dp 2 run with
+# XTRAIN_BACKEND=own (gradients and weight gathers through host memory) and
+# XTRAIN_BACKEND=nccl (on the GPUs, on the communication stream), at ZeRO-0 to 3 in fp32 and
+# ZeRO-1 and 3 in bf16, 20 steps each; every loss and grad norm of the two must agree within
+# 1e-5 relative (fp32; the sums differ only in order) and 1e-2 (bf16: 16-bit weights rounded
+# from masters ~1e-7 apart). (One GPU checks the same path with a one-rank communicator:
+# `nccl_with_one_rank_matches_the_own_engine_bit_for_bit` in xtrain/tests/gpu_processes.rs.)
 #
 #   scripts/nccl-parity.sh [XTRAIN_BINARY] [OUT]
 set -euo pipefail
@@ -18,14 +20,17 @@ if [ "$gpus" -lt 2 ]; then
     exit 2
 fi
 status=0
-for precision in fp32 bf16; do
+for run in fp32:0 fp32:1 fp32:2 fp32:3 bf16:1 bf16:3; do
+    precision=${run%%:*} zero=${run#*:}
+    name="$precision-zero$zero"
     for backend in own nccl; do
         XTRAIN_BACKEND=$backend RUST_LOG=comm=info "$bin" train --preset small --device cuda \
-            --nproc 2 --dp 2 --zero 1 --set train.steps=20 --set "train.precision=\"$precision\"" \
-            --out "$out/$precision-$backend" >"$out/$precision-$backend.log" 2>&1
+            --nproc 2 --dp 2 --zero "$zero" --set train.steps=20 \
+            --set "train.precision=\"$precision\"" \
+            --out "$out/$name-$backend" >"$out/$name-$backend.log" 2>&1
     done
     tol=$([ "$precision" = fp32 ] && echo 1e-5 || echo 1e-2)
-    python3 - "$out/$precision-own/metrics.jsonl" "$out/$precision-nccl/metrics.jsonl" "$tol" "$precision" <<'PY' || status=1
+    python3 - "$out/$name-own/metrics.jsonl" "$out/$name-nccl/metrics.jsonl" "$tol" "$name" <<'PY' || status=1
 import json, sys
 own, nccl, tol, name = sys.argv[1], sys.argv[2], float(sys.argv[3]), sys.argv[4]
 rows = lambda p: [json.loads(l) for l in open(p)]
@@ -35,5 +40,6 @@ worst = max(max(abs(x[k] - y[k]) / abs(x[k]) for k in ("loss", "grad_norm")) for
 print(f"{name}: nccl vs own, worst relative difference {worst:.2e} (bound {tol:g})")
 sys.exit(0 if worst <= tol else 1)
 PY
+    grep -q "over NCCL" "$out/$name-nccl.log" || { echo "$name: NCCL was not used ($out/$name-nccl.log)"; status=1; }
 done
 exit $status

@@ -1,5 +1,5 @@
 //! Each decoder of bytes from the network, run on a byte string: the entry points of the fuzz
-//! tests (`tests/decoders.rs`), which check that arbitrary input gives a value or an error,
+//! tests (`tests/integration/decoders.rs`), which check that arbitrary input gives a value or an error,
 //! never a panic, and that no decoder allocates by a length the input merely declares.
 //! Not an API for anything else.
 use crate::store::codec::{read_frame, Request};

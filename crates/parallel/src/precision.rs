@@ -16,7 +16,8 @@ use std::ops::Range;
 use half::{bf16, f16};
 use serde::{Deserialize, Serialize};
 use tensor::buf::{Buf, BufMut, BufRef, Dev};
-use tensor::cuda::{DevBuf, DevSlice, DevSliceMut};
+use tensor::cuda::{DevBuf, DevSlice, DevSliceMut, NcclBufMut};
+use tensor::dtype::DType;
 use tensor::TensorError;
 
 /// Numeric format of the training state.
@@ -100,6 +101,14 @@ impl Half {
         dst.iter_mut()
             .zip(src)
             .for_each(|(d, &s)| *d = self.from_f32(s));
+    }
+
+    /// The element type of collectives on this storage.
+    pub fn dtype(self) -> DType {
+        match self {
+            Half::Bf16 => DType::BF16,
+            Half::F16 => DType::F16,
+        }
     }
 
     /// `src` widened to fp32 in a new GPU buffer.
@@ -249,6 +258,53 @@ impl Flat {
                     "host values written into a GPU parameter buffer".into(),
                 )),
             },
+        }
+    }
+
+    /// Elements `r` of GPU storage as the range an NCCL collective reads and writes, in the
+    /// storage's own format (`None` on the host).
+    pub fn nccl_view_mut(&mut self, r: Range<usize>) -> Option<NcclBufMut<'_>> {
+        match self {
+            Flat::Dev(Buf::Cuda(b)) => Some(b.slice_mut(r).into()),
+            Flat::DevHalf { kind, bits } => NcclBufMut::half(kind.dtype(), bits.slice_mut(r)).ok(),
+            _ => None,
+        }
+    }
+
+    /// A new GPU buffer of `len` elements in this GPU buffer's format with elements `src`
+    /// copied to `at..` (the rest undefined): this rank's block of an in-place gather.
+    /// `None` on the host.
+    pub fn dev_block(
+        &self,
+        len: usize,
+        src: Range<usize>,
+        at: usize,
+    ) -> Result<Option<Flat>, TensorError> {
+        let dst = at..at + src.len();
+        Ok(Some(match self {
+            Flat::Dev(Buf::Cuda(b)) => {
+                let mut out = b.gpu().alloc::<f32>(len)?;
+                out.slice_mut(dst).copy_from(b.slice(src))?;
+                Flat::Dev(Buf::Cuda(out))
+            }
+            Flat::DevHalf { kind, bits } => {
+                let mut out = bits.gpu().alloc::<u16>(len)?;
+                out.slice_mut(dst).copy_from(bits.slice(src))?;
+                Flat::DevHalf {
+                    kind: *kind,
+                    bits: out,
+                }
+            }
+            _ => return Ok(None),
+        }))
+    }
+
+    /// The whole buffer as fp32 on its device: itself when it is fp32, else widened.
+    pub fn into_f32_buf(self) -> Result<Buf, TensorError> {
+        match self {
+            Flat::F32(v) => Ok(Buf::Host(v)),
+            Flat::Dev(b) => Ok(b),
+            other => other.read_buf(0..other.len()),
         }
     }
 
@@ -653,6 +709,23 @@ impl Bucketed {
         let start = self.ranges[b].start;
         debug_assert!(self.ranges[b].start <= r.start && r.end <= self.ranges[b].end);
         self.buf_mut(b).update(r.start - start..r.end - start, f)
+    }
+
+    /// [`Flat::read_buf`] of range `r`, which must lie inside bucket `b`.
+    pub fn read_buf(&self, b: usize, r: Range<usize>) -> Result<Buf, TensorError> {
+        let start = self.ranges[b].start;
+        self.buf(b).read_buf(r.start - start..r.end - start)
+    }
+
+    /// [`Flat::write_buf`] at flat offset `start` (inside bucket `b`).
+    pub fn write_buf(
+        &mut self,
+        b: usize,
+        start: usize,
+        src: BufRef<'_>,
+    ) -> Result<(), TensorError> {
+        let base = self.ranges[b].start;
+        self.buf_mut(b).write_buf(start - base, src)
     }
 
     /// Lends bucket `b` out (e.g. to a collective).

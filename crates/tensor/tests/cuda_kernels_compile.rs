@@ -31,26 +31,50 @@ fn every_kernel_compiles_for_sm80_and_sm90_without_warnings() {
         };
         all.push(default);
     }
-    let mut failures = Vec::new();
-    for lib in all {
-        let (major, minor) = nvrtc::version_of(lib).unwrap();
-        for (module, _) in kernels::SOURCES {
-            let source = kernels::source(module).expect("listed module");
-            for arch in [80, 90] {
-                match nvrtc::compile_with(lib, module, &source, arch) {
-                    Ok(c) if c.log.is_empty() && !c.cubin.is_empty() => {}
-                    Ok(c) => failures.push(format!(
-                        "NVRTC {major}.{minor} ({}), {module} sm_{arch}: warnings:\n{}",
-                        lib.path, c.log
-                    )),
-                    Err(e) => failures.push(format!(
-                        "NVRTC {major}.{minor} ({}), {module} sm_{arch}: {e}",
-                        lib.path
-                    )),
-                }
-            }
-        }
-    }
+    // Every (compiler, module, architecture) on the cores there are: NVRTC compiles
+    // independent programs concurrently, and the check is CI's longest after the MPI test.
+    let jobs: Vec<(&sys::Nvrtc, &str, u32)> = all
+        .iter()
+        .flat_map(|&lib| {
+            kernels::SOURCES
+                .iter()
+                .flat_map(move |(module, _)| [80, 90].map(|arch| (lib, *module, arch)))
+        })
+        .collect();
+    let next = std::sync::atomic::AtomicUsize::new(0);
+    let threads = std::thread::available_parallelism().map_or(2, |n| n.get());
+    let failures: Vec<String> = std::thread::scope(|s| {
+        let workers: Vec<_> = (0..threads.min(jobs.len()))
+            .map(|_| {
+                s.spawn(|| {
+                    let mut failed = Vec::new();
+                    loop {
+                        let i = next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                        let Some(&(lib, module, arch)) = jobs.get(i) else {
+                            return failed;
+                        };
+                        let (major, minor) = nvrtc::version_of(lib).unwrap();
+                        let source = kernels::source(module).expect("listed module");
+                        match nvrtc::compile_with(lib, module, &source, arch) {
+                            Ok(c) if c.log.is_empty() && !c.cubin.is_empty() => {}
+                            Ok(c) => failed.push(format!(
+                                "NVRTC {major}.{minor} ({}), {module} sm_{arch}: warnings:\n{}",
+                                lib.path, c.log
+                            )),
+                            Err(e) => failed.push(format!(
+                                "NVRTC {major}.{minor} ({}), {module} sm_{arch}: {e}",
+                                lib.path
+                            )),
+                        }
+                    }
+                })
+            })
+            .collect();
+        workers
+            .into_iter()
+            .flat_map(|w| w.join().expect("a compile thread panicked"))
+            .collect()
+    });
     assert!(failures.is_empty(), "{}", failures.join("\n"));
 }
 

@@ -4,12 +4,13 @@
 //! (inputs on a grid of quarters, so that every sum and average of two is exact in each type
 //! and the host's result is the one NCCL must give). Skipped with one visible line where no
 //! GPU is found (a failure where `XTRAIN_REQUIRE` lists `gpu` or `XTRAIN_REQUIRE_GPU=1`, as is
-//! a GPU without NCCL).
+//! a GPU without NCCL). Also the communication stream: collectives queued there behind an
+//! event of the compute stream and joined by it.
 use half::{bf16, f16};
 use std::ops::Range;
 use std::sync::Arc;
 use std::time::Duration;
-use tensor::cuda::{device_count, nccl, CudaError, DevBuf, Gpu};
+use tensor::cuda::{device_count, nccl, CudaError, DevBuf, Gpu, Stream};
 use tensor::cuda::{NcclBuf, NcclBufMut, NcclComm, NcclId, ReduceOp};
 use tensor::dtype::DType;
 
@@ -426,6 +427,70 @@ fn one_rank_runs_every_collective() {
     assert!(errs.is_empty(), "{}", errs.join("\n"));
 }
 
+/// ZeRO's collectives over NCCL — the in-place reduce and the in-place all-gather with a
+/// count per rank — queued on the communication stream as the executor queues them: behind an
+/// event of the compute stream (which uploaded the input) and joined by the compute stream
+/// (which downloads the result), the host never waiting in between.
+#[test]
+fn one_rank_on_the_communication_stream() {
+    const T: &str = "one_rank_on_the_communication_stream";
+    let Some(g) = gpu(T) else {
+        return;
+    };
+    let id = NcclId::new().unwrap();
+    let mut comm = NcclComm::init(&g, &id, 1, 0).unwrap();
+    comm.set_stream(Stream::Comm);
+    assert_eq!(comm.stream(), Stream::Comm);
+    let mut errs = Vec::new();
+    let n = 3001;
+    let mut last = None;
+    for (k, dtype) in TYPES.into_iter().enumerate() {
+        let t = format!("{dtype:?} on the communication stream");
+        let x = values(dtype, n, 20 + k as u64);
+        let mut y = Data::upload(&g, dtype, &x);
+        let mut z = Data::upload(&g, dtype, &x);
+        let ready = g.record(Stream::Compute).unwrap();
+        g.wait_for(Stream::Comm, &ready).unwrap();
+        comm.reduce_in_place(y.all_mut(), ReduceOp::Sum, 0).unwrap();
+        comm.all_gather_v_in_place(z.all_mut(), &[n]).unwrap();
+        let done = g.record(Stream::Comm).unwrap();
+        g.wait_for(Stream::Compute, &done).unwrap();
+        let sum = reduce_host(dtype, std::slice::from_ref(&x), ReduceOp::Sum);
+        expect(
+            &mut errs,
+            &format!("{t}: reduce in place"),
+            &y.values(),
+            &sum,
+        );
+        expect(
+            &mut errs,
+            &format!("{t}: all_gather_v in place"),
+            &z.values(),
+            &x,
+        );
+        is_shape(
+            &mut errs,
+            &format!("{t}: counts short of the buffer"),
+            comm.all_gather_v_in_place(z.all_mut(), &[n - 1]),
+        );
+        is_shape(
+            &mut errs,
+            &format!("{t}: two counts for one rank"),
+            comm.all_gather_v_in_place(z.all_mut(), &[1, n - 1]),
+        );
+        last = Some(done);
+    }
+    g.synchronize().unwrap();
+    let done = last.expect("three types");
+    done.synchronize().unwrap();
+    assert!(
+        done.is_done().unwrap(),
+        "an event the host waited for is done"
+    );
+    comm.async_error().unwrap();
+    assert!(errs.is_empty(), "{}", errs.join("\n"));
+}
+
 /// Rank `rank` of the two-rank test: every collective on GPU `rank`, the mismatches listed.
 fn two_rank_body(rank: usize, id: &[u8]) -> Result<Vec<String>, CudaError> {
     let g = Gpu::open(rank)?;
@@ -462,6 +527,35 @@ fn two_rank_body(rank: usize, id: &[u8]) -> Result<Vec<String>, CudaError> {
             &format!("{t} broadcast from 1"),
             &b.values(),
             &inputs[1],
+        );
+
+        let mut y = Data::upload(&g, dtype, &inputs[rank]);
+        comm.reduce_in_place(y.all_mut(), ReduceOp::Sum, 1)?;
+        let want = if rank == 1 {
+            reduce_host(dtype, &inputs, ReduceOp::Sum)
+        } else {
+            inputs[0].clone() // only read
+        };
+        expect(
+            &mut errs,
+            &format!("{t} reduce in place to 1"),
+            &y.values(),
+            &want,
+        );
+
+        // Uneven blocks (a ZeRO unit across two shards), this rank's filled on entry.
+        let counts = [300usize, n - 300];
+        let mine = if rank == 0 { 0..300 } else { 300..n };
+        let mut start = vec![0.0; n];
+        start[mine.clone()].copy_from_slice(&inputs[rank][mine]);
+        let mut z = Data::upload(&g, dtype, &start);
+        comm.all_gather_v_in_place(z.all_mut(), &counts)?;
+        let want = [&inputs[0][..300], &inputs[1][300..]].concat();
+        expect(
+            &mut errs,
+            &format!("{t} all_gather_v in place"),
+            &z.values(),
+            &want,
         );
 
         let mut out = Data::zeros(&g, dtype, 2 * n);

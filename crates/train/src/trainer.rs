@@ -741,7 +741,9 @@ pub fn load_model(path: &Path) -> Result<(RunConfig, Model, Vec<f32>, Tokenizer)
 }
 
 /// The NCCL communicator of the dp group when `XTRAIN_BACKEND=nccl` asks for one (GPU ranks,
-/// one GPU each; `None` for the own engine, and for a dp group of one rank).
+/// one GPU each; `None` for the own engine). A dp group of one rank gets a one-rank
+/// communicator: its reductions change nothing, but they run the same path as many ranks'
+/// (how that path is checked on a machine with one GPU).
 fn dp_nccl(
     device: &tensor::buf::Dev,
     dp: &comm::ProcessGroup,
@@ -763,9 +765,6 @@ fn dp_nccl(
             "{BACKEND_ENV}=nccl reduces gradients on GPUs: train with --device cuda (or unset it)"
         )));
     };
-    if dp.size() == 1 {
-        return Ok(None);
-    }
     Ok(Some(NcclGroup::new(dp, gpu).map_err(perr)?))
 }
 

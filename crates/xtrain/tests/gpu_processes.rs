@@ -197,34 +197,108 @@ const LAYOUTS: [(&str, bool, &[&str]); 11] = [
     ),
 ];
 
-/// Runs `xtrain train` on `device` into `out` with the base settings, `moe` and `layout`;
-/// returns the losses and the final parameters.
-fn run(device: &str, out: &Path, moe: bool, layout: &[&str]) -> (Vec<(u64, f64)>, Vec<f32>) {
+/// A run's losses by step and its final parameters.
+type Run = (Vec<(u64, f64)>, Vec<f32>);
+
+/// Runs `xtrain train` on `device` into `out` with the base settings, `moe` and `layout`, in
+/// fp32; returns the losses and the final parameters.
+fn run(device: &str, out: &Path, moe: bool, layout: &[&str]) -> Run {
+    run_with(device, out, moe, "fp32", &[], layout).0
+}
+
+/// [`run`] in `precision` with environment `env`; also returns the run's output.
+fn run_with(
+    device: &str,
+    out: &Path,
+    moe: bool,
+    precision: &str,
+    env: &[(&str, &str)],
+    layout: &[&str],
+) -> (Run, String) {
     let out_s = out.to_str().unwrap();
     let moe: &[&str] = if moe { &MOE } else { &[] };
-    ok(&xtrain(
+    let precision = format!("train.precision=\"{precision}\"");
+    let text = ok(&xtrain_with(
         &[
             &["train", "--out", out_s, "--device", device][..],
             &BASE,
-            &["train.precision=\"fp32\""],
+            &[precision.as_str()],
             moe,
             layout,
         ]
         .concat(),
+        env,
     ));
     let (_, _, params, _) =
         train::trainer::load_model(&out.join("checkpoints/step_000005")).unwrap();
-    (losses(out), params)
+    ((losses(out), params), text)
+}
+
+/// Whether this machine has a GPU; else the skip line for `what`.
+fn have_gpu(what: &str) -> bool {
+    match tensor::buf::Dev::open("cuda") {
+        Ok(_) => true,
+        Err(e) => {
+            tensor::skip::skip(what, "gpu", &format!("no GPU: {e}"));
+            false
+        }
+    }
+}
+
+/// NCCL's path through the executor on the one GPU a check has (NCCL cannot pair two ranks
+/// on one GPU): `XTRAIN_BACKEND=nccl` with dp 1 makes a one-rank communicator, and the bucket
+/// reductions (ZeRO-0/1: all-reduce of the bucket, or of its fp32 copy in bf16; ZeRO-2/3:
+/// reduce of the staging buffer onto its owner) and the weight gathers (ZeRO-3) run on the
+/// communication stream, ordered against the kernels by events. A one-rank sum changes
+/// nothing and the arithmetic around it is the own engine's (times 1/n, added into the shard,
+/// rounded once), and every kernel is deterministic, so the losses and parameters must equal
+/// the own engine's bit for bit: a missing wait between the streams would read stale values.
+/// Many ranks: `scripts/nccl-parity.sh` on a machine with two GPUs or more.
+#[test]
+fn nccl_with_one_rank_matches_the_own_engine_bit_for_bit() {
+    if !have_gpu("NCCL through the executor (xtrain/tests/gpu_processes.rs)") {
+        return;
+    }
+    let d = tmp("nccl-one-rank");
+    for (precision, zero) in [
+        ("fp32", "0"),
+        ("fp32", "2"),
+        ("fp32", "3"),
+        ("bf16", "1"),
+        ("bf16", "3"),
+    ] {
+        let layout = ["--zero", zero, "--set", "train.grad_accum=2"];
+        let name = format!("{precision} ZeRO-{zero}");
+        let run_on = |backend: &str| {
+            let env = [("XTRAIN_BACKEND", backend), ("RUST_LOG", "comm=info")];
+            let out = d.join(format!("{precision}-{zero}-{backend}"));
+            run_with("cuda", &out, false, precision, &env, &layout)
+        };
+        let ((ol, op), _) = run_on("own");
+        let ((nl, np), text) = run_on("nccl");
+        assert!(
+            text.contains("over NCCL"),
+            "{name}: NCCL was not used:\n{text}"
+        );
+        assert_eq!(nl, ol, "{name}: losses over NCCL vs the own engine");
+        let differ = np
+            .iter()
+            .zip(&op)
+            .filter(|(a, b)| a.to_bits() != b.to_bits())
+            .count();
+        assert!(
+            np.len() == op.len() && differ == 0,
+            "{name}: {differ} of {} parameters differ over NCCL",
+            op.len()
+        );
+        eprintln!("{name}: NCCL (one rank, communication stream) = the own engine, bit for bit");
+    }
+    let _ = std::fs::remove_dir_all(&d);
 }
 
 #[test]
 fn layouts_as_processes_on_one_gpu_match_one_gpu() {
-    if let Err(e) = tensor::buf::Dev::open("cuda") {
-        tensor::skip::skip(
-            "the GPU layouts as processes (xtrain/tests/gpu_processes.rs)",
-            "gpu",
-            &format!("no GPU: {e}"),
-        );
+    if !have_gpu("the GPU layouts as processes (xtrain/tests/gpu_processes.rs)") {
         return;
     }
     layouts_match_one_process("cuda");

@@ -1,20 +1,30 @@
-//! NCCL for the data-parallel gradient reductions of ranks that each have their own GPU
-//! (`XTRAIN_BACKEND=nccl`): a bucket of fp32 gradients (or the fp32 copy of a 16-bit bucket)
-//! is all-reduced in place on the device, on the compute stream, and scaled by `1/dp` — no
-//! trip through host memory. Everything else of the executor (ZeRO-2/3's reduce-scatter, the
-//! weight gathers, compressed reductions, pipeline messages, the model's collectives) keeps
-//! the communicator's collectives over host memory (`XTRAIN_BACKEND=own`, the default, or
-//! `mpi`).
+//! NCCL for the data-parallel communication of ranks that each have their own GPU
+//! (`XTRAIN_BACKEND=nccl`), on the device, with no trip through host memory, on the GPU's
+//! communication stream so that it overlaps the backward's kernels:
+//! - ZeRO-0/1: a bucket of fp32 gradients (or the fp32 copy of a 16-bit bucket) all-reduced
+//!   in place, then scaled by `1/dp` on the compute stream;
+//! - ZeRO-2/3: each piece of a bucket's fp32 staging buffer summed in place onto the rank
+//!   whose shard holds it (`ncclReduce`), which adds `1/dp` of it to its gradient shard;
+//! - ZeRO-3's per-unit weight gathers, and ZeRO-1/2's gather of the updated weights after the
+//!   optimizer step, in the weights' own precision ([`NcclComm::all_gather_v_in_place`]).
+//!
+//! Each is queued after the compute stream's work so far (an event the communication stream
+//! waits for) and returns an [`InFlight`]; the executor joins it before it reads the result
+//! (the compute stream waits for the collective's event; the host does not) and keeps the
+//! buffers it uses alive until then. The rest of the executor (compressed or PowerSGD
+//! reductions, tied embeddings, expert parallelism's prepared reductions, pipeline messages,
+//! the model's collectives) keeps the communicator's collectives over host memory
+//! (`XTRAIN_BACKEND=own`, the default, or `mpi`).
 //!
 //! The communicator is made over the dp group itself: every rank reports its host and GPU
 //! (NCCL needs one GPU per rank, so ranks sharing one are refused by name before NCCL is
 //! asked), rank 0 makes the unique id and broadcasts it over the group's authenticated host
 //! transport, and every rank joins.
-use std::sync::{Arc, Mutex};
+use std::ops::Range;
+use std::sync::{Arc, Mutex, MutexGuard};
 
 use comm::ProcessGroup;
-use tensor::buf::BufMut;
-use tensor::cuda::{Gpu, NcclComm, NcclId, ReduceOp};
+use tensor::cuda::{DevSliceMut, Event, Gpu, NcclBufMut, NcclComm, NcclId, ReduceOp, Stream};
 
 use crate::ParallelError;
 
@@ -109,29 +119,100 @@ impl NcclGroup {
         dp.broadcast(&mut words, 0)?;
         let bytes: Vec<u8> = words.iter().flat_map(|w| w.to_le_bytes()).collect();
         let id = NcclId::from_bytes(&bytes).map_err(cuda_err)?;
-        let comm = NcclComm::init(gpu, &id, n, me).map_err(cuda_err)?;
-        tracing::info!(target: "comm", "dp group of {n} ranks: gradients over NCCL on cuda:{}", gpu.info.ordinal);
+        let mut comm = NcclComm::init(gpu, &id, n, me).map_err(cuda_err)?;
+        comm.set_stream(Stream::Comm);
+        tracing::info!(target: "comm", "dp group of {n} ranks: gradient reductions and ZeRO weight gathers over NCCL on cuda:{} (communication stream)", gpu.info.ordinal);
         Ok(NcclGroup {
             comm: Arc::new(Mutex::new(comm)),
             size: n,
         })
     }
 
-    /// `g ← mean over the ranks of g`, in place on the device (fp32): NCCL's sum, then
-    /// `· 1/n` (the own engine's order of operations, so the rounding rule is the same).
-    pub fn all_reduce_mean(&self, mut g: BufMut<'_>) -> Result<(), ParallelError> {
-        let BufMut::Cuda(s) = g.reborrow() else {
-            return Err(ParallelError::Model(
-                "NCCL reduces GPU buffers; this gradient bucket is on the host".into(),
-            ));
-        };
-        self.comm
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .all_reduce_in_place(s, ReduceOp::Sum)
-            .map_err(cuda_err)?;
-        tensor::ops::scale(g, 1.0 / self.size as f32)?;
-        Ok(())
+    /// The number of ranks.
+    pub fn size(&self) -> usize {
+        self.size
+    }
+
+    fn comm(&self) -> MutexGuard<'_, NcclComm> {
+        self.comm.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Queues `f`'s collectives on the communication stream after the compute stream's work
+    /// so far.
+    fn queue(
+        &self,
+        f: impl FnOnce(&NcclComm) -> Result<(), tensor::cuda::CudaError>,
+    ) -> Result<InFlight, ParallelError> {
+        let comm = self.comm();
+        let gpu = comm.gpu().clone();
+        let ready = gpu.record(Stream::Compute).map_err(cuda_err)?;
+        gpu.wait_for(Stream::Comm, &ready).map_err(cuda_err)?;
+        f(&comm).map_err(cuda_err)?;
+        let done = gpu.record(Stream::Comm).map_err(cuda_err)?;
+        Ok(InFlight { done, gpu })
+    }
+
+    /// Starts `g ← Σ over the ranks of g`, in place (fp32); the mean's `· 1/n` is the
+    /// caller's, after [`InFlight::join`] (the own engine's order of operations, so the
+    /// rounding rule is the same).
+    pub fn all_reduce_sum(&self, g: DevSliceMut<'_, f32>) -> Result<InFlight, ParallelError> {
+        self.queue(|c| c.all_reduce_in_place(g, ReduceOp::Sum))
+    }
+
+    /// Starts summing the `pieces` of `g` (ranges of `g`, each with the rank that owns it)
+    /// onto their owners, in place: an owner's piece becomes the sum over the ranks; the
+    /// others' pieces are only read.
+    pub fn reduce_pieces(
+        &self,
+        mut g: DevSliceMut<'_, f32>,
+        pieces: &[(usize, Range<usize>)],
+    ) -> Result<InFlight, ParallelError> {
+        self.queue(|c| {
+            for (root, r) in pieces {
+                c.reduce_in_place(g.reborrow().slice_mut(r.clone()), ReduceOp::Sum, *root)?;
+            }
+            Ok(())
+        })
+    }
+
+    /// Starts gathering `buf` in place from its blocks: `counts[p]` elements from rank `p`,
+    /// in rank order; this rank's block is filled before the call.
+    pub fn all_gather_v(
+        &self,
+        buf: NcclBufMut<'_>,
+        counts: &[usize],
+    ) -> Result<InFlight, ParallelError> {
+        self.queue(|c| c.all_gather_v_in_place(buf, counts))
+    }
+}
+
+/// A collective queued on the communication stream. Its buffers stay alive until it is
+/// joined (the caller holds them: the allocator knows the compute stream only).
+#[must_use = "a collective in flight is joined before its result is read"]
+pub struct InFlight {
+    done: Event,
+    gpu: Arc<Gpu>,
+}
+
+impl InFlight {
+    /// Whether it finished (the host does not wait; an error counts as finished, for
+    /// [`InFlight::join`] to report).
+    pub fn is_done(&self) -> bool {
+        self.done.is_done().unwrap_or(true)
+    }
+
+    /// Orders the compute stream after the collective: kernels queued from now on see its
+    /// results, and the buffers it used may be freed (the host does not wait).
+    pub fn join(self) -> Result<(), ParallelError> {
+        self.gpu
+            .wait_for(Stream::Compute, &self.done)
+            .map_err(cuda_err)
+    }
+}
+
+impl std::fmt::Debug for InFlight {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "InFlight({:?})", self.done)
     }
 }
 

@@ -105,6 +105,11 @@ impl<M: StageModel> Executor<M> {
             self.host_update(factor, (gr, pr, mr))?;
         }
         if matches!(zero, ZeroStage::One | ZeroStage::Two) && self.dp.size() > 1 {
+            if let Some(nccl) = self.cfg.nccl.clone() {
+                // In place in the full weight buffer, on the devices.
+                self.gather_updated_nccl(&nccl)?;
+                return Ok((norm as f32, true));
+            }
             // All-gather the updated weights unit by unit (buffer bounded by one unit).
             for u in 0..self.units.len() {
                 let w = self.gather_async(u)?;

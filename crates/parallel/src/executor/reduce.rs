@@ -4,16 +4,19 @@
 //! The collectives run over the host transports: on a GPU a bucket's gradients are
 //! downloaded when its reduction launches and the averaged values uploaded when it completes,
 //! and gathered weights are uploaded for the unit's kernels (the staging of
-//! [`crate::precision::Flat`]'s host methods).
+//! [`crate::precision::Flat`]'s host methods). With an NCCL group (ranks with a GPU each,
+//! [`crate::data_parallel::nccl`]) the exact reductions and the gathers stay on the devices,
+//! on the communication stream, joined before their results are read.
 use std::collections::HashMap;
 
 use std::ops::Range;
-use tensor::buf::{Buf, BufRef};
+use tensor::buf::{Buf, BufMut, BufRef};
 
 use comm::{ReduceOp, Work};
 
 use super::{Executor, TraceKind, F32};
 use crate::data_parallel::grad_comm::GradComm;
+use crate::data_parallel::nccl::{InFlight, NcclGroup};
 use crate::precision::{Flat, Piece};
 use crate::stage::StageModel;
 use crate::ParallelError;
@@ -35,6 +38,20 @@ pub(super) enum Pending {
     /// Stages 0/1 under PowerSGD: the bucket's gradients, reduced when drained (its rounds of
     /// products and all-reduces run then, in launch order on every rank).
     PowerSgd { bucket: usize, buf: Vec<f32> },
+    /// Stages 0/1 over NCCL: the bucket's fp32 gradients summed in place (`widened`: the fp32
+    /// copy of 16-bit storage, rounded back when completed).
+    NcclAllReduce {
+        bucket: usize,
+        widened: Option<Buf>,
+        flight: InFlight,
+    },
+    /// Stages 2/3 over NCCL: the pieces of the bucket's staging buffer summed in place onto
+    /// the ranks that own them.
+    NcclReduce {
+        bucket: usize,
+        staged: Buf,
+        flight: InFlight,
+    },
 }
 
 impl Pending {
@@ -42,13 +59,18 @@ impl Pending {
         match self {
             Pending::AllReduce { bucket, .. }
             | Pending::Reduce { bucket, .. }
-            | Pending::PowerSgd { bucket, .. } => *bucket,
+            | Pending::PowerSgd { bucket, .. }
+            | Pending::NcclAllReduce { bucket, .. }
+            | Pending::NcclReduce { bucket, .. } => *bucket,
         }
     }
     fn is_completed(&self) -> bool {
         match self {
             Pending::AllReduce { work, .. } | Pending::Reduce { work, .. } => work.is_completed(),
             Pending::PowerSgd { .. } => false,
+            Pending::NcclAllReduce { flight, .. } | Pending::NcclReduce { flight, .. } => {
+                flight.is_done()
+            }
         }
     }
 }
@@ -58,6 +80,11 @@ pub(super) enum Gather {
     F32(Work<(Vec<f32>, Vec<usize>)>),
     Bf16(Work<(Vec<half::bf16>, Vec<usize>)>),
     F16(Work<(Vec<half::f16>, Vec<usize>)>),
+    /// Over NCCL, in place in a new GPU buffer of the unit's length.
+    Nccl {
+        full: Flat,
+        flight: InFlight,
+    },
 }
 
 /// Unit `u`'s fp32 weights: a gathered or widened copy (`owned`), a unit kept by `UNSHARD`,
@@ -97,6 +124,9 @@ impl<M: StageModel> Executor<M> {
     /// Starts gathering unit `u`'s compute weights from the shards (pieces arrive in rank
     /// order, which is flat order; 16-bit weights travel as 16 bits).
     pub(super) fn gather_async(&mut self, u: usize) -> Result<Gather, ParallelError> {
+        if let Some(nccl) = self.cfg.nccl.clone() {
+            return self.gather_nccl(u, &nccl);
+        }
         let r = self.units[u].clone();
         let piece = self.own_piece(&r)?;
         self.gathered_bytes.add(r.len() * piece.elem_bytes());
@@ -107,14 +137,72 @@ impl<M: StageModel> Executor<M> {
         })
     }
 
+    /// Where each rank's block of flat range `r` lies: its length, in rank order (the
+    /// blocks tile `r` in flat order).
+    fn block_counts(&self, r: &Range<usize>) -> Vec<usize> {
+        (0..self.dp.size())
+            .map(|q| self.spec.intersect(q, r).len())
+            .collect()
+    }
+
+    /// [`Self::gather_async`] over NCCL: this rank's block copied into a new GPU buffer of the
+    /// unit's length, the others broadcast into it from their owners.
+    fn gather_nccl(&mut self, u: usize, nccl: &NcclGroup) -> Result<Gather, ParallelError> {
+        let r = self.units[u].clone();
+        let me = self.dp.rank();
+        let own = self.spec.intersect(me, &r);
+        let local = if own.is_empty() {
+            0..0
+        } else if self.cfg.zero.shards_params() {
+            self.spec.to_local(me, &own)
+        } else {
+            own.clone()
+        };
+        let at = own.start.saturating_sub(r.start);
+        let mut full = self
+            .params
+            .dev_block(r.len(), local, at)?
+            .ok_or_else(|| ParallelError::Model("NCCL gathers GPU weights".into()))?;
+        self.gathered_bytes.add(full.bytes());
+        let counts = self.block_counts(&r);
+        let view = full.nccl_view_mut(0..r.len()).expect("a GPU buffer");
+        let flight = nccl.all_gather_v(view, &counts)?;
+        Ok(Gather::Nccl { full, flight })
+    }
+
     /// Unit `u`'s gathered fp32 weights on the executor's device (uploaded to a GPU).
     pub(super) fn finish_gather_on_device(
         &mut self,
         u: usize,
         w: Gather,
     ) -> Result<Buf, ParallelError> {
+        if let Gather::Nccl { full, flight } = w {
+            flight.join()?;
+            let elem = full.bytes() / full.len().max(1);
+            if elem != F32 {
+                self.gathered_bytes.add(full.len() * F32);
+                self.gathered_bytes.sub(full.bytes());
+            }
+            return Ok(full.into_f32_buf()?);
+        }
         let full = self.finish_gather(u, w)?;
         Ok(self.cfg.device.from_vec(full)?)
+    }
+
+    /// ZeRO-1/2 after the optimizer step over NCCL: each unit's updated weights gathered in
+    /// place in the full weight buffer from the ranks that updated them.
+    pub(super) fn gather_updated_nccl(&mut self, nccl: &NcclGroup) -> Result<(), ParallelError> {
+        let mut flights = Vec::with_capacity(self.units.len());
+        for u in 0..self.units.len() {
+            let r = self.units[u].clone();
+            let counts = self.block_counts(&r);
+            let view = self
+                .params
+                .nccl_view_mut(r)
+                .ok_or_else(|| ParallelError::Model("NCCL gathers GPU weights".into()))?;
+            flights.push(nccl.all_gather_v(view, &counts)?);
+        }
+        flights.into_iter().try_for_each(InFlight::join)
     }
 
     /// Waits for unit `u`'s gather and returns its weights in fp32 (accounted until
@@ -124,6 +212,9 @@ impl<M: StageModel> Executor<M> {
             Gather::F32(w) => Piece::F32(w.wait()?.0),
             Gather::Bf16(w) => Piece::Bf16(w.wait()?.0),
             Gather::F16(w) => Piece::F16(w.wait()?.0),
+            nccl @ Gather::Nccl { .. } => {
+                return Ok(self.finish_gather_on_device(u, nccl)?.into_vec()?);
+            }
         };
         let want = self.units[u].len();
         if full.len() != want {
@@ -181,6 +272,9 @@ impl<M: StageModel> Executor<M> {
         pending: &mut Vec<Pending>,
     ) -> Result<(), ParallelError> {
         self.record(TraceKind::BucketLaunched(b));
+        if let Some(nccl) = self.grads_nccl() {
+            return self.launch_nccl(b, &nccl, pending);
+        }
         let br = self.buckets[b].range.clone();
         if !self.cfg.zero.shards_grads() && self.dp.size() == 1 {
             // One rank: the accumulated gradients are already the sum (prepared on the host:
@@ -193,23 +287,76 @@ impl<M: StageModel> Executor<M> {
             self.record(TraceKind::BucketDone(b));
             return Ok(());
         }
-        if let (Some(nccl), false, None, false) = (
-            &self.cfg.nccl,
-            self.cfg.zero.shards_grads(),
-            self.cfg.grad_comm.codec(),
-            self.model.prepares_reductions(),
-        ) {
-            if !matches!(self.cfg.grad_comm, GradComm::PowerSgd { .. }) {
-                // In place on the device (16-bit storage: its fp32 copy), on the compute
-                // stream.
-                self.grads.update_buf(b, br, |g| nccl.all_reduce_mean(g))?;
-                self.record(TraceKind::BucketDone(b));
-                return Ok(());
-            }
-        }
         let mut buf = self.take_bucket(b)?;
         self.model.prepare_reduction(br, &mut buf)?;
         self.reduce_taken(b, buf, pending, false)
+    }
+
+    /// The NCCL group, where the bucket reductions are exact sums it can run (no compression,
+    /// no PowerSGD, nothing the model prepares on the host).
+    fn grads_nccl(&self) -> Option<NcclGroup> {
+        let plain = self.cfg.grad_comm.codec().is_none()
+            && !matches!(self.cfg.grad_comm, GradComm::PowerSgd { .. })
+            && !self.model.prepares_reductions();
+        self.cfg.nccl.clone().filter(|_| plain)
+    }
+
+    /// Launches bucket `b`'s reduction over NCCL: at ZeRO-0/1 an all-reduce of its fp32
+    /// gradients in place (16-bit storage: of a widened copy), at ZeRO-2/3 the pieces of its
+    /// staging buffer reduced onto their owners.
+    fn launch_nccl(
+        &mut self,
+        b: usize,
+        nccl: &NcclGroup,
+        pending: &mut Vec<Pending>,
+    ) -> Result<(), ParallelError> {
+        let br = self.buckets[b].range.clone();
+        let on_host = || ParallelError::Model("NCCL reduces GPU gradients".into());
+        if self.cfg.zero.shards_grads() {
+            let mut staged = self.staging[b].take().ok_or_else(|| {
+                ParallelError::Protocol(format!("bucket {b} has no staged gradients"))
+            })?;
+            let pieces: Vec<(usize, Range<usize>)> = self
+                .spec
+                .split(br.clone())
+                .into_iter()
+                .map(|(root, p)| (root, p.start - br.start..p.end - br.start))
+                .collect();
+            let BufMut::Cuda(g) = staged.m() else {
+                return Err(on_host());
+            };
+            let flight = nccl.reduce_pieces(g, &pieces)?;
+            pending.push(Pending::NcclReduce {
+                bucket: b,
+                staged,
+                flight,
+            });
+            return Ok(());
+        }
+        if self.grads.is_f32() {
+            let flight = self.grads.update_buf(b, br, |g| match g {
+                BufMut::Cuda(g) => nccl.all_reduce_sum(g),
+                BufMut::Host(_) => Err(on_host()),
+            })?;
+            pending.push(Pending::NcclAllReduce {
+                bucket: b,
+                widened: None,
+                flight,
+            });
+            return Ok(());
+        }
+        let mut widened = self.grads.read_buf(b, br)?;
+        self.comm_bytes.add(widened.len() * F32);
+        let BufMut::Cuda(g) = widened.m() else {
+            return Err(on_host());
+        };
+        let flight = nccl.all_reduce_sum(g)?;
+        pending.push(Pending::NcclAllReduce {
+            bucket: b,
+            widened: Some(widened),
+            flight,
+        });
+        Ok(())
     }
 
     /// Bucket `b`'s fp32 gradients taken out for its reduction, on the host: at ZeRO-2/3 its
@@ -462,6 +609,45 @@ impl<M: StageModel> Executor<M> {
                         })?;
                     }
                     self.comm_bytes.sub(bytes);
+                    bucket
+                }
+                Pending::NcclAllReduce {
+                    bucket,
+                    widened,
+                    flight,
+                } => {
+                    flight.join()?;
+                    let br = self.buckets[bucket].range.clone();
+                    match widened {
+                        None => self
+                            .grads
+                            .update_buf(bucket, br, |g| tensor::ops::scale(g, inv))?,
+                        Some(mut w) => {
+                            tensor::ops::scale(w.m(), inv)?;
+                            self.grads.write_buf(bucket, br.start, w.r())?;
+                            self.comm_bytes.sub(w.len() * F32);
+                        }
+                    }
+                    bucket
+                }
+                Pending::NcclReduce {
+                    bucket,
+                    mut staged,
+                    flight,
+                } => {
+                    flight.join()?;
+                    let br = self.buckets[bucket].range.clone();
+                    let own = self.spec.intersect(me, &br);
+                    if !own.is_empty() {
+                        // g += (1/n)·sum, the sum rounded times 1/n first as on the host.
+                        let rel = own.start - br.start..own.end - br.start;
+                        tensor::ops::scale(staged.m().slice_mut(rel.clone()), inv)?;
+                        let local = self.spec.to_local(me, &own);
+                        let sum = staged.r().slice(rel);
+                        self.grads
+                            .update_buf(0, local, |g| tensor::ops::add_assign(g, sum))?;
+                    }
+                    self.comm_bytes.sub(staged.len() * F32);
                     bucket
                 }
             };

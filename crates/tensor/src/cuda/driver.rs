@@ -3,9 +3,18 @@
 //! ([`Gpu`]); device buffers ([`DevBuf`]); kernel launches ([`KArg`], [`Gpu::launch`]).
 //!
 //! Every call makes the context current on the calling thread first (cheap), so any thread of
-//! the process may use the `Gpu`. All work goes to the one compute stream in order, so a
-//! buffer freed after a kernel that reads it may be handed to the next kernel at once
+//! the process may use the `Gpu`. Kernels and copies go to the one compute stream in order, so
+//! a buffer freed after a kernel that reads it may be handed to the next kernel at once
 //! (stream order), and the host only waits where it reads results ([`DevBuf::to_host`]).
+//!
+//! A second stream carries communication ([`Stream::Comm`]: NCCL's collectives where a
+//! communicator is put there), ordered against the compute stream by [`Event`]s: the compute
+//! stream records an event where the data to send is final, the communication stream waits for
+//! it, runs the collective and records its own event, and the compute stream waits for that
+//! one before it reads the result — so the collective overlaps the kernels queued between.
+//! The caching allocator knows the compute stream only: a buffer the communication stream
+//! reads or writes is kept alive until the compute stream has waited for the collective's
+//! event (after that, compute-stream order covers it again).
 
 use super::alloc::Allocator;
 use super::sys::{self, CUcontext, CUdevice, CUdeviceptr, CUfunction, CUmodule, CUstream};
@@ -613,6 +622,8 @@ pub struct Gpu {
     pub info: DeviceInfo,
     ctx: CUcontext,
     pub(crate) stream: CUstream,
+    /// The communication stream ([`Stream::Comm`]).
+    comm_stream: CUstream,
     modules: Mutex<HashMap<&'static str, CUmodule>>,
     functions: Mutex<HashMap<(&'static str, &'static str), CUfunction>>,
     /// Dynamic shared memory each function was allowed beyond the default.
@@ -705,11 +716,17 @@ impl Gpu {
                 (lib.cuStreamCreate)(&mut stream, sys::CU_STREAM_NON_BLOCKING),
                 "cuStreamCreate",
             )?;
+            let mut comm_stream: CUstream = std::ptr::null_mut();
+            check(
+                (lib.cuStreamCreate)(&mut comm_stream, sys::CU_STREAM_NON_BLOCKING),
+                "cuStreamCreate",
+            )?;
             Ok(Arc::new(Gpu {
                 lib,
                 info,
                 ctx,
                 stream,
+                comm_stream,
                 modules: Mutex::new(HashMap::new()),
                 functions: Mutex::new(HashMap::new()),
                 dynamic_shared: Mutex::new(HashMap::new()),
@@ -735,6 +752,46 @@ impl Gpu {
         check(
             unsafe { (self.lib.cuStreamSynchronize)(self.stream) },
             "cuStreamSynchronize",
+        )
+    }
+
+    /// The driver's handle of stream `s`.
+    pub(crate) fn stream_of(&self, s: Stream) -> CUstream {
+        match s {
+            Stream::Compute => self.stream,
+            Stream::Comm => self.comm_stream,
+        }
+    }
+
+    /// An event recorded on stream `on`: it completes when the work queued there before it
+    /// has.
+    pub fn record(self: &Arc<Self>, on: Stream) -> Result<Event, CudaError> {
+        self.bind()?;
+        let mut ev: sys::CUevent = std::ptr::null_mut();
+        // SAFETY: a valid out-pointer; the event is destroyed by `Event`'s drop.
+        check(
+            unsafe { (self.lib.cuEventCreate)(&mut ev, sys::CU_EVENT_DISABLE_TIMING) },
+            "cuEventCreate",
+        )?;
+        let event = Event {
+            ev,
+            gpu: self.clone(),
+        };
+        // SAFETY: the event and the stream belong to this context.
+        check(
+            unsafe { (self.lib.cuEventRecord)(ev, self.stream_of(on)) },
+            "cuEventRecord",
+        )?;
+        Ok(event)
+    }
+
+    /// Makes stream `on` wait (on the device; the host goes on) until `event` completed.
+    pub fn wait_for(&self, on: Stream, event: &Event) -> Result<(), CudaError> {
+        self.bind()?;
+        // SAFETY: a live event of this context and one of its streams.
+        check(
+            unsafe { (self.lib.cuStreamWaitEvent)(self.stream_of(on), event.ev, 0) },
+            "cuStreamWaitEvent",
         )
     }
 
@@ -956,14 +1013,73 @@ impl Drop for Gpu {
             // SAFETY: the stream is ours; the workspace and the cached blocks go back to the
             // driver (no buffer is live: each holds an `Arc` of this `Gpu`).
             unsafe {
+                (self.lib.cuStreamSynchronize)(self.comm_stream);
                 (self.lib.cuStreamSynchronize)(self.stream);
                 if let Some(b) = self.blas.lock().unwrap_or_else(|e| e.into_inner()).take() {
                     self.alloc.release(b.workspace, super::blas::WORKSPACE);
                 }
                 self.alloc.release_cached();
                 (self.lib.cuStreamDestroy_v2)(self.stream);
+                (self.lib.cuStreamDestroy_v2)(self.comm_stream);
             }
         }
+    }
+}
+
+/// The two streams of a [`Gpu`]: kernels and copies, and communication.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Stream {
+    Compute,
+    Comm,
+}
+
+/// A point in a stream's queue ([`Gpu::record`]): other streams wait for it
+/// ([`Gpu::wait_for`]), the host asks whether it passed ([`Event::is_done`]).
+pub struct Event {
+    ev: sys::CUevent,
+    gpu: Arc<Gpu>,
+}
+
+// SAFETY: an event handle may be used from any thread once the context is current there.
+unsafe impl Send for Event {}
+unsafe impl Sync for Event {}
+
+impl Event {
+    /// Whether the work queued before the event has finished (`cuEventQuery`; the host does
+    /// not wait).
+    pub fn is_done(&self) -> Result<bool, CudaError> {
+        self.gpu.bind()?;
+        // SAFETY: a live event of this context.
+        match unsafe { (self.gpu.lib.cuEventQuery)(self.ev) } {
+            sys::CUDA_ERROR_NOT_READY => Ok(false),
+            r => check(r, "cuEventQuery").map(|_| true),
+        }
+    }
+
+    /// Waits on the host until the event completed.
+    pub fn synchronize(&self) -> Result<(), CudaError> {
+        self.gpu.bind()?;
+        // SAFETY: a live event of this context.
+        check(
+            unsafe { (self.gpu.lib.cuEventSynchronize)(self.ev) },
+            "cuEventSynchronize",
+        )
+    }
+}
+
+impl Drop for Event {
+    fn drop(&mut self) {
+        if self.gpu.bind().is_ok() {
+            // SAFETY: our event; the driver releases it once it completed, even if it is
+            // still pending now.
+            unsafe { (self.gpu.lib.cuEventDestroy_v2)(self.ev) };
+        }
+    }
+}
+
+impl std::fmt::Debug for Event {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "Event on cuda:{}", self.gpu.info.ordinal)
     }
 }
 

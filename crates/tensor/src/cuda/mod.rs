@@ -26,7 +26,9 @@ pub mod nvrtc;
 pub mod ops;
 pub mod sys;
 
-pub use driver::{device_count, DevBuf, DevSlice, DevSliceMut, DeviceInfo, Gpu, KArg, LaunchCfg};
+pub use driver::{
+    device_count, DevBuf, DevSlice, DevSliceMut, DeviceInfo, Event, Gpu, KArg, LaunchCfg, Stream,
+};
 pub use nccl::{NcclBuf, NcclBufMut, NcclComm, NcclId, ReduceOp};
 
 /// Why a CUDA operation failed.

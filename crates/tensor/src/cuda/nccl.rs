@@ -15,7 +15,9 @@
 //! wait), and the host sees them once it waits for the stream ([`DevBuf::to_host`],
 //! [`Gpu::synchronize`]). A buffer may be dropped right after the call that reads it, as after
 //! a kernel: the caching allocator hands its memory only to work queued later on the same
-//! stream. Every rank must call the same collectives in the same order; a rank that stops
+//! stream. A communicator moved to the communication stream ([`NcclComm::set_stream`]) runs
+//! beside the kernels instead, and its caller orders it with events (`driver`'s module docs).
+//! Every rank must call the same collectives in the same order; a rank that stops
 //! leaves the others waiting inside NCCL's kernels ([`NcclComm::async_error`] tells,
 //! [`NcclComm::abort`] frees).
 //!
@@ -23,7 +25,7 @@
 //! which is how [`NcclComm::all_to_all_v`] is made of sends and receives; a send or receive to
 //! the rank itself is only accepted inside a group (outside one it would wait for itself).
 
-use super::driver::{to_i32, DevBuf, DevSlice, DevSliceMut, Gpu};
+use super::driver::{to_i32, DevBuf, DevSlice, DevSliceMut, Gpu, Stream};
 use super::sys::{self, ncclComm_t};
 use super::CudaError;
 use crate::dtype::DType;
@@ -491,6 +493,8 @@ pub struct NcclComm {
     gpu: Arc<Gpu>,
     rank: usize,
     size: usize,
+    /// The stream its collectives are queued on ([`NcclComm::set_stream`]).
+    stream: Stream,
 }
 
 // SAFETY: an NCCL communicator may move between threads; the raw handle keeps it `!Sync`.
@@ -538,7 +542,21 @@ impl NcclComm {
             gpu: gpu.clone(),
             rank,
             size: nranks,
+            stream: Stream::Compute,
         })
+    }
+
+    /// Queues the collectives from now on on stream `s` of the GPU (the compute stream
+    /// unless set): on [`Stream::Comm`] the caller orders them against the compute stream
+    /// with events ([`Gpu::record`], [`Gpu::wait_for`]) and keeps their buffers alive until
+    /// the compute stream has waited for them (the module docs of `driver`).
+    pub fn set_stream(&mut self, s: Stream) {
+        self.stream = s;
+    }
+
+    /// The stream the collectives are queued on.
+    pub fn stream(&self) -> Stream {
+        self.stream
     }
 
     /// This process's rank.
@@ -661,7 +679,7 @@ impl NcclComm {
                     nccl_type(dtype),
                     op.code(),
                     self.comm,
-                    self.gpu.stream,
+                    self.gpu.stream_of(self.stream),
                 )
             },
             "ncclAllReduce",
@@ -698,7 +716,7 @@ impl NcclComm {
                     op.code(),
                     root as i32,
                     self.comm,
-                    self.gpu.stream,
+                    self.gpu.stream_of(self.stream),
                 )
             },
             CALL,
@@ -715,26 +733,93 @@ impl NcclComm {
         const CALL: &str = "ncclBroadcast";
         self.same_gpu(CALL, buf.gpu)?;
         check_rank(CALL, "root", root, self.size)?;
-        if buf.len == 0 {
+        self.broadcast_raw(buf.ptr_at(0), buf.len, buf.dtype, root)
+    }
+
+    fn broadcast_raw(
+        &self,
+        ptr: *mut c_void,
+        count: usize,
+        dtype: DType,
+        root: usize,
+    ) -> Result<(), CudaError> {
+        if count == 0 {
             return Ok(());
         }
         self.gpu.bind()?;
-        // SAFETY: the range holds `buf.len` elements on this GPU; in place (send == recv).
+        // SAFETY: the range holds `count` elements of `dtype` on this GPU (checked by the
+        // callers); in place (send == recv).
         check(
             self.lib,
             unsafe {
                 (self.lib.ncclBroadcast)(
+                    ptr,
+                    ptr,
+                    count,
+                    nccl_type(dtype),
+                    root as i32,
+                    self.comm,
+                    self.gpu.stream_of(self.stream),
+                )
+            },
+            "ncclBroadcast",
+        )
+    }
+
+    /// [`NcclComm::reduce`] in place: on `root`, `buf = op over the ranks of buf`; the
+    /// other ranks' `buf` is only read.
+    pub fn reduce_in_place<'b>(
+        &self,
+        buf: impl Into<NcclBufMut<'b>>,
+        op: ReduceOp,
+        root: usize,
+    ) -> Result<(), CudaError> {
+        let buf = buf.into();
+        const CALL: &str = "ncclReduce";
+        self.same_gpu(CALL, buf.gpu)?;
+        check_rank(CALL, "root", root, self.size)?;
+        if buf.len == 0 {
+            return Ok(());
+        }
+        self.gpu.bind()?;
+        // SAFETY: the range holds `buf.len` elements on this GPU; NCCL accepts send == recv.
+        check(
+            self.lib,
+            unsafe {
+                (self.lib.ncclReduce)(
                     buf.ptr_at(0),
                     buf.ptr_at(0),
                     buf.len,
                     nccl_type(buf.dtype),
+                    op.code(),
                     root as i32,
                     self.comm,
-                    self.gpu.stream,
+                    self.gpu.stream_of(self.stream),
                 )
             },
             CALL,
         )
+    }
+
+    /// All-gather with a count per rank, in place: `buf` holds rank 0's block, then rank 1's,
+    /// … (`counts[p]` elements from rank `p`, summing to its length), this rank's block
+    /// filled on entry; afterwards (stream order) every block holds its owner's values.
+    /// One broadcast from each rank with a block, grouped (NCCL's all-gather needs equal
+    /// counts; ZeRO's shards of a unit are not).
+    pub fn all_gather_v_in_place<'b>(
+        &self,
+        buf: impl Into<NcclBufMut<'b>>,
+        counts: &[usize],
+    ) -> Result<(), CudaError> {
+        let buf = buf.into();
+        self.same_gpu("all_gather_v_in_place", buf.gpu)?;
+        let at = offsets("all_gather_v_in_place", counts, buf.len, self.size)?;
+        self.group(|| {
+            for p in 0..self.size {
+                self.broadcast_raw(buf.ptr_at(at[p]), counts[p], buf.dtype, p)?;
+            }
+            Ok(())
+        })
     }
 
     /// `ranks × n` elements (the long side of a gather or scatter), or an error on overflow.
@@ -770,7 +855,7 @@ impl NcclComm {
                     send.len,
                     nccl_type(send.dtype),
                     self.comm,
-                    self.gpu.stream,
+                    self.gpu.stream_of(self.stream),
                 )
             },
             CALL,
@@ -805,7 +890,7 @@ impl NcclComm {
                     nccl_type(send.dtype),
                     op.code(),
                     self.comm,
-                    self.gpu.stream,
+                    self.gpu.stream_of(self.stream),
                 )
             },
             CALL,
@@ -863,7 +948,7 @@ impl NcclComm {
                     nccl_type(dtype),
                     peer as i32,
                     self.comm,
-                    self.gpu.stream,
+                    self.gpu.stream_of(self.stream),
                 )
             },
             "ncclSend",
@@ -891,7 +976,7 @@ impl NcclComm {
                     nccl_type(dtype),
                     peer as i32,
                     self.comm,
-                    self.gpu.stream,
+                    self.gpu.stream_of(self.stream),
                 )
             },
             "ncclRecv",

@@ -44,6 +44,9 @@ pub const CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN: c_int = 97;
 pub const CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES: c_int = 8;
 pub const CU_STREAM_NON_BLOCKING: c_uint = 1;
 pub const CU_EVENT_DEFAULT: c_uint = 0;
+pub const CU_EVENT_DISABLE_TIMING: c_uint = 2;
+/// `cuEventQuery`: the work before the event has not finished yet.
+pub const CUDA_ERROR_NOT_READY: CUresult = 600;
 
 pub type nvrtcResult = c_int;
 pub type nvrtcProgram = *mut c_void;
@@ -186,6 +189,7 @@ api!(Driver, "the CUDA driver library" {
     cuEventDestroy_v2: fn(CUevent) -> CUresult;
     cuEventRecord: fn(CUevent, CUstream) -> CUresult;
     cuEventSynchronize: fn(CUevent) -> CUresult;
+    cuEventQuery: fn(CUevent) -> CUresult;
     cuEventElapsedTime: fn(*mut f32, CUevent, CUevent) -> CUresult;
     cuModuleLoadData: fn(*mut CUmodule, *const c_void) -> CUresult;
     cuModuleGetFunction: fn(*mut CUfunction, CUmodule, *const c_char) -> CUresult;

@@ -23,12 +23,18 @@ pub const FAST_RUN: [&str; 10] = [
 /// Runs the built `xtrain` with `args` (outside any launched job): the binary cargo built, or
 /// `XTRAIN_BIN` where set (the GPU check runs these tests from prebuilt copies elsewhere).
 pub fn xtrain(args: &[&str]) -> Output {
+    xtrain_with(args, &[])
+}
+
+/// [`xtrain`] with environment variables `env` set for the run.
+pub fn xtrain_with(args: &[&str], env: &[(&str, &str)]) -> Output {
     let bin = std::env::var_os("XTRAIN_BIN").unwrap_or_else(|| env!("CARGO_BIN_EXE_xtrain").into());
     Command::new(bin)
         .args(args)
         .env_remove("RANK")
         .env_remove("WORLD_SIZE")
         .env("RUST_BACKTRACE", "0")
+        .envs(env.iter().copied())
         .output()
         .expect("running xtrain")
 }

@@ -14,13 +14,12 @@ use model::{Model, ModelConfig};
 use parallel::expert_parallel::EpExchange;
 use parallel::tensor_parallel::TpPlan;
 
-mod common;
-use common::rel_err;
+use crate::common::rel_err;
 
 const T: usize = 12;
 
 fn moe8() -> ModelConfig {
-    let mut cfg = common::llama().with_experts(8, 2);
+    let mut cfg = crate::common::llama().with_experts(8, 2);
     cfg.shared_expert_intermediate_size = Some(16);
     cfg.output_router_logits = true;
     cfg.router_aux_loss_coef = 0.05;

@@ -212,7 +212,7 @@ fn malformed_inputs_name_the_file_and_line() {
     // zstd-compressed (written by pyarrow: `pq.write_table(pa.table({"text": ["hello world",
     // "second doc"]}), path, compression="zstd")`); the C codec is not built: refused, saying
     // which codecs are read.
-    let zstd = include_bytes!("../../../tests/data/parquet/zstd.parquet");
+    let zstd = include_bytes!("../../../../tests/data/parquet/zstd.parquet");
     let e = run("z.parquet", zstd, "text");
     assert!(
         e.contains("z.parquet") && e.contains("zstd") && e.contains("snappy"),

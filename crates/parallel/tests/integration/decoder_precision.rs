@@ -28,8 +28,7 @@ use parallel::memory::formula;
 use parallel::precision::Half;
 use parallel::{ExecConfig, ParallelDims, Precision};
 
-mod common;
-use common::*;
+use crate::common::*;
 
 const GLOBAL: usize = 8;
 const STEPS: usize = 5;

@@ -1,7 +1,6 @@
 //! Memory accounting follows the ZeRO formulas exactly for the model states, ZeRO-3 keeps at
 //! most two gathered units beside its shard, and bucket reductions overlap backward.
-mod common;
-use common::*;
+use crate::common::*;
 use parallel::data_parallel::sampler::DistributedSampler;
 use parallel::data_parallel::ZeroStage;
 use parallel::executor::{Executor, TraceKind};

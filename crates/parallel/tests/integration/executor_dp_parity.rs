@@ -3,8 +3,7 @@
 //! steps and every parameter after them) within 1e-5 relative in fp32. The only differences are summation
 //! order (micro-batch partial sums, the rank reduction, the partial norms), so the residual is
 //! a few ulps amplified by 6 AdamW steps.
-mod common;
-use common::*;
+use crate::common::*;
 use parallel::data_parallel::ZeroStage;
 
 const GLOBAL: usize = 8;

@@ -5,9 +5,8 @@
 //! with m = p, 2p and an odd count (DualPipe: even counts), composed with every ZeRO stage at
 //! dp = 2 (ZeRO-3 with the lowering's UNSHARD / RESHARD; DualPipe with ZeRO 0 and 1), and
 //! with a schedule read back from its CSV form. A malformed schedule is an error naming the action.
-mod common;
+use crate::common::*;
 use comm::DeviceMesh;
-use common::*;
 use parallel::data_parallel::ZeroStage;
 use parallel::executor::{Executor, Pipeline};
 use parallel::pipeline_parallel::Action::{self, *};

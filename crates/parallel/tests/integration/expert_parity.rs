@@ -12,8 +12,7 @@ use parallel::data_parallel::ZeroStage;
 use parallel::pipeline_parallel::{generate, ScheduleKind};
 use parallel::{ModelOptions, ParallelDims, Precision};
 
-mod common;
-use common::*;
+use crate::common::*;
 
 const STEPS: usize = 5;
 const GLOBAL: usize = 8;

@@ -3,8 +3,7 @@
 //! algorithm written from the paper's equations; a rank-1 gradient passing exactly; and in the
 //! executor, a rank large enough that nothing compresses reproducing the single process (the
 //! plumbing), and a compressing rank giving every rank the same gradients.
-mod common;
-use common::*;
+use crate::common::*;
 use parallel::data_parallel::grad_comm::GradComm;
 use parallel::data_parallel::powersgd::{initial_qs, BucketLayout, Matrix, PowerSgd};
 use parallel::data_parallel::ZeroStage;
@@ -244,7 +243,7 @@ fn reference_run(
     model: &parallel::testing::ToyModel,
     cfg: &parallel::executor::ExecConfig,
 ) -> (Vec<f32>, Vec<f32>, Vec<f32>) {
-    common::reference(model, cfg, 8, 4)
+    crate::common::reference(model, cfg, 8, 4)
 }
 
 #[test]

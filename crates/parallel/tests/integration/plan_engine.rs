@@ -8,8 +8,7 @@ use parallel::pipeline_parallel::generate;
 use parallel::plan::{evaluate, Cluster, Conventions, Job, Layout};
 use parallel::{ModelOptions, Precision};
 
-mod common;
-use common::*;
+use crate::common::*;
 
 const GLOBAL: usize = 8;
 

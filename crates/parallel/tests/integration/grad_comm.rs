@@ -9,8 +9,7 @@
 //! bf16: at most `2^-8·|x|`; fp8 (E4M3 with a per-piece scale `s = max|piece| / 448`): at most
 //! `max(2^-4·|x|, 2^-10·s)` (normals have 3 mantissa bits; subnormals are steps of `2^-9·s`),
 //! with `s ≤ max|g_r| / 448`. Divided by n for the mean; plus fp32 slack.
-mod common;
-use common::*;
+use crate::common::*;
 use parallel::data_parallel::grad_comm::GradComm;
 use parallel::data_parallel::sampler::DistributedSampler;
 use parallel::data_parallel::ZeroStage;

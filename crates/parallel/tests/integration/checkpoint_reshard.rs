@@ -4,8 +4,7 @@
 //! differs between dp sizes) and bit for bit where the layout is the same. A DDP checkpoint
 //! (written once, by dp rank 0) loads at ZeRO-3; a checkpoint of another model, a corrupt shard
 //! and a missing one are clear errors.
-mod common;
-use common::*;
+use crate::common::*;
 use parallel::checkpoint::{self, Checkpoint};
 use parallel::data_parallel::sampler::DistributedSampler;
 use parallel::data_parallel::ZeroStage;

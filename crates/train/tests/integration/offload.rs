@@ -9,8 +9,6 @@ use std::path::{Path, PathBuf};
 
 use train::RunConfig;
 
-mod common;
-
 /// Layouts with 4 sequences per step.
 const LAYOUTS: [(&str, usize, &[&str]); 7] = [
     ("single", 1, &["train.grad_accum=4"]),
@@ -71,7 +69,7 @@ fn tmp(tag: &str) -> PathBuf {
     d
 }
 
-/// [`common::run_read_back`] of 4 sequences per step.
+/// [`crate::common::run_read_back`] of 4 sequences per step.
 fn run(
     cfg: &RunConfig,
     nproc: usize,
@@ -79,7 +77,7 @@ fn run(
     steps: usize,
     save: &Path,
 ) -> (Vec<(f64, f32)>, Vec<f32>) {
-    common::run_read_back(cfg, nproc, 4, (from, steps, save))
+    crate::common::run_read_back(cfg, nproc, 4, (from, steps, save))
 }
 
 #[test]

@@ -12,8 +12,7 @@ use parallel::data_parallel::ZeroStage;
 use parallel::tensor_parallel::TpPlan;
 use parallel::{ParallelDims, ParallelError, Precision};
 
-mod common;
-use common::*;
+use crate::common::*;
 
 const GLOBAL: usize = 8;
 const STEPS: usize = 5;

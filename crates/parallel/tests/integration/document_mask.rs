@@ -13,8 +13,7 @@ use parallel::data_parallel::ZeroStage;
 use parallel::pipeline_parallel::{generate, ScheduleKind};
 use parallel::{ModelOptions, ParallelDims, Precision};
 
-mod common;
-use common::*;
+use crate::common::*;
 
 const GLOBAL: usize = 4;
 const ACCUM: usize = 2;

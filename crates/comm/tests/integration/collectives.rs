@@ -1,12 +1,11 @@
 //! Every collective against a naive reference, for world sizes 1–8, every dtype and reduce
 //! op, every all-reduce algorithm, sync and async, over shared memory, TCP, and a mix.
-mod common;
 
 use std::time::Duration;
 
+use crate::common::*;
 use comm::testing::{run_threads, run_threads_on_hosts, run_threads_with};
 use comm::*;
-use common::*;
 use proptest::prelude::*;
 
 const ALGOS: [AllReduceAlgo; 5] = [

@@ -1,6 +1,5 @@
 //! Failure paths: every one ends in an error naming the rank, group and operation — never a
 //! hang or a panic.
-mod common;
 
 use std::time::{Duration, Instant};
 

@@ -12,8 +12,7 @@ use parallel::data_parallel::ZeroStage;
 use parallel::pipeline_parallel::{generate, ScheduleKind};
 use parallel::{ParallelDims, Precision};
 
-mod common;
-use common::*;
+use crate::common::*;
 
 const STEPS: usize = 5;
 /// Rows of one micro-batch.
