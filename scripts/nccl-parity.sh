@@ -2,11 +2,14 @@
 # NCCL against the own engine on a machine with two or more GPUs (the GPU machines this
 # project is checked on have one, where NCCL cannot pair two ranks): the same dp 2 run with
 # XTRAIN_BACKEND=own (gradients and weight gathers through host memory) and
-# XTRAIN_BACKEND=nccl (on the GPUs, on the communication stream), at ZeRO-0 to 3 in fp32 and
-# ZeRO-1 and 3 in bf16, 20 steps each; every loss and grad norm of the two must agree within
-# 1e-5 relative (fp32; the sums differ only in order) and 1e-2 (bf16: 16-bit weights rounded
-# from masters ~1e-7 apart). (One GPU checks the same path with a one-rank communicator:
-# `nccl_with_one_rank_matches_the_own_engine_bit_for_bit` in xtrain/tests/gpu_processes.rs.)
+# XTRAIN_BACKEND=nccl (on the GPUs): dp 2 at ZeRO-0 to 3 in fp32 and ZeRO-1 and 3 in bf16
+# (the gradient reductions and weight gathers, on the communication stream), and tp 2 with
+# and without sequence parallelism in fp32 (the region operators' collectives), 20 steps each;
+# every loss and grad norm of the two must agree within 1e-5 relative (fp32; the sums differ
+# only in order) and 1e-2 (bf16: 16-bit weights rounded from masters ~1e-7 apart). (One GPU
+# checks the same paths with one-rank communicators:
+# `nccl_with_one_rank_matches_the_own_engine_bit_for_bit` in xtrain/tests/gpu_processes.rs and
+# `tp_regions_run_on_a_one_rank_nccl_communicator` in train/tests/gpu_train.rs.)
 #
 #   scripts/nccl-parity.sh [XTRAIN_BINARY] [OUT]
 set -euo pipefail
@@ -20,13 +23,19 @@ if [ "$gpus" -lt 2 ]; then
     exit 2
 fi
 status=0
-for run in fp32:0 fp32:1 fp32:2 fp32:3 bf16:1 bf16:3; do
-    precision=${run%%:*} zero=${run#*:}
-    name="$precision-zero$zero"
+# name, precision, layout
+runs=(
+    "fp32-zero0 fp32 --dp 2 --zero 0" "fp32-zero1 fp32 --dp 2 --zero 1"
+    "fp32-zero2 fp32 --dp 2 --zero 2" "fp32-zero3 fp32 --dp 2 --zero 3"
+    "bf16-zero1 bf16 --dp 2 --zero 1" "bf16-zero3 bf16 --dp 2 --zero 3"
+    "fp32-tp2 fp32 --tp 2" "fp32-tp2-sp fp32 --tp 2 --sp"
+)
+for run in "${runs[@]}"; do
+    read -r name precision layout <<<"$run"
     for backend in own nccl; do
+        # shellcheck disable=SC2086 # the layout is words
         XTRAIN_BACKEND=$backend RUST_LOG=comm=info "$bin" train --preset small --device cuda \
-            --nproc 2 --dp 2 --zero "$zero" --set train.steps=20 \
-            --set "train.precision=\"$precision\"" \
+            --nproc 2 $layout --set train.steps=20 --set "train.precision=\"$precision\"" \
             --out "$out/$name-$backend" >"$out/$name-$backend.log" 2>&1
     done
     tol=$([ "$precision" = fp32 ] && echo 1e-5 || echo 1e-2)

@@ -18,7 +18,7 @@
 //! sampling), [`tensor_parallel`] (TP + SP), [`pipeline_parallel`] (the stage split and the
 //! schedule IR); context and expert parallelism get theirs as they land. [`precision`] (fp32,
 //! bf16, fp16 with loss scaling) and [`memory`] (the byte account and the ZeRO formulas) serve
-//! them all. [`testing`] holds a small model for the executor's tests.
+//! them all, and [`nccl`] puts a group's communication on NCCL for ranks with a GPU each. [`testing`] holds a small model for the executor's tests.
 pub mod checkpoint;
 pub mod context_parallel;
 pub mod data_parallel;
@@ -27,6 +27,7 @@ pub mod dims;
 pub mod executor;
 pub mod expert_parallel;
 pub mod memory;
+pub mod nccl;
 pub mod parallelize;
 pub mod pipeline_parallel;
 pub mod placement;

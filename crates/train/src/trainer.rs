@@ -373,7 +373,7 @@ impl Trainer {
         let local_rank = comm::env::LaunchEnv::from_env().map_or(0, |e| e.local_rank);
         let device = tensor::buf::Dev::open_local(&t.device_spec(), local_rank)
             .map_err(|e| TrainError::Config(format!("train.device: {e}")))?;
-        let nccl = dp_nccl(&device, &par.dp)?;
+        let nccl = nccl_groups(&device, &par)?;
         let exec_cfg = ExecConfig {
             zero: dims.zero,
             bucket_bytes: (p.bucket_mb * 1024.0 * 1024.0) as usize,
@@ -740,32 +740,59 @@ pub fn load_model(path: &Path) -> Result<(RunConfig, Model, Vec<f32>, Tokenizer)
     Ok((cfg, model, params, tokenizer))
 }
 
-/// The NCCL communicator of the dp group when `XTRAIN_BACKEND=nccl` asks for one (GPU ranks,
-/// one GPU each; `None` for the own engine). A dp group of one rank gets a one-rank
-/// communicator: its reductions change nothing, but they run the same path as many ranks'
-/// (how that path is checked on a machine with one GPU).
-fn dp_nccl(
+/// The NCCL communicators `XTRAIN_BACKEND=nccl` asks for (GPU ranks, one GPU each; none for
+/// the own engine): the dp group's, on the communication stream, returned for the executor;
+/// the tp group's (tp > 1), on the compute stream, attached to the region operators. A dp
+/// group of one rank gets a one-rank communicator: its reductions change nothing, but they
+/// run the same path as many ranks' (how that path is checked on a machine with one GPU).
+fn nccl_groups(
     device: &tensor::buf::Dev,
-    dp: &comm::ProcessGroup,
-) -> Result<Option<parallel::data_parallel::nccl::NcclGroup>> {
-    use parallel::data_parallel::nccl::{Backend, NcclGroup, BACKEND_ENV};
+    par: &parallel::parallelize::Parallelized,
+) -> Result<Option<parallel::nccl::NcclGroup>> {
+    use parallel::nccl::{Backend, NcclGroup, BACKEND_ENV};
+    use tensor::cuda::Stream;
+    let dp = &par.dp;
+    let region = par.stage.tp.as_ref().map(|t| &t.region);
     if Backend::from_env().map_err(perr)? == Backend::Host {
-        if let (tensor::buf::Dev::Cuda(gpu), true) = (device, dp.size() > 1) {
-            tracing::info!(
-                target: "comm",
-                "dp group of {} ranks: device buffers on cuda:{} staged through host memory over the own transports ({BACKEND_ENV}=nccl puts its gradients on NCCL)",
-                dp.size(),
-                gpu.info.ordinal
-            );
+        if let tensor::buf::Dev::Cuda(gpu) = device {
+            let groups = [(dp, dp.size() > 1)]
+                .into_iter()
+                .chain(region.map(|r| (r.group(), true)));
+            for (g, _) in groups.filter(|(g, used)| *used && g.size() > 1) {
+                tracing::info!(
+                    target: "comm",
+                    "group {} of {} ranks: device buffers on cuda:{} staged through host memory over the own transports ({BACKEND_ENV}=nccl puts them on NCCL)",
+                    g.name(),
+                    g.size(),
+                    gpu.info.ordinal
+                );
+            }
         }
         return Ok(None);
     }
     let tensor::buf::Dev::Cuda(gpu) = device else {
         return Err(TrainError::Config(format!(
-            "{BACKEND_ENV}=nccl reduces gradients on GPUs: train with --device cuda (or unset it)"
+            "{BACKEND_ENV}=nccl communicates between GPUs: train with --device cuda (or unset it)"
         )));
     };
-    Ok(Some(NcclGroup::new(dp, gpu).map_err(perr)?))
+    let dp_group = NcclGroup::new(
+        dp,
+        gpu,
+        Stream::Comm,
+        "gradient reductions and ZeRO weight gathers",
+    )
+    .map_err(perr)?;
+    if let Some(region) = region.filter(|r| r.tp() > 1) {
+        let tp_group = NcclGroup::new(
+            region.group(),
+            gpu,
+            Stream::Compute,
+            "tensor-parallel activations and their gradients",
+        )
+        .map_err(perr)?;
+        region.attach_nccl(tp_group).map_err(perr)?;
+    }
+    Ok(Some(dp_group))
 }
 
 /// Every rank of the job trains on the same kind of device (a CPU rank beside GPU ranks would

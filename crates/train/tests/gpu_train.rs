@@ -513,3 +513,57 @@ fn generation_on_the_gpu_matches_the_cpu() {
     assert_eq!(text("cuda"), text("cpu"));
     let _ = std::fs::remove_dir_all(&d);
 }
+
+/// Tensor parallelism's region operators over NCCL (`XTRAIN_BACKEND=nccl`, ranks with a GPU
+/// each), with the one-rank communicator one GPU can hold: every map, with and without
+/// sequence parallelism, runs its NCCL collective (all-reduce, all-gather, reduce-scatter) on
+/// the compute stream and must give the activation back bit for bit and on the GPU — the
+/// host path's answer at tp = 1. Two ranks: the collectives are `gpu_nccl`'s two-GPU test,
+/// the whole path `scripts/nccl-parity.sh`'s tp run, on a machine with two GPUs.
+#[test]
+fn tp_regions_run_on_a_one_rank_nccl_communicator() {
+    use model::layers::block::RegionHooks;
+    use parallel::tensor_parallel::TpRegion;
+    use tensor::buf::{Buf, Dev};
+    if !has_gpu() {
+        return;
+    }
+    let Ok(Dev::Cuda(gpu)) = Dev::open("cuda") else {
+        panic!("the GPU opened above");
+    };
+    let comm = comm::Communicator::single_process().unwrap();
+    let x: Vec<f32> = (0..4096)
+        .map(|i| ((i * 37 % 101) as f32 - 50.0) / 7.0)
+        .collect();
+    type Map = fn(&TpRegion, Buf) -> model::Result<Buf>;
+    let maps: [(&str, Map); 4] = [
+        ("enter forward", TpRegion::enter_forward),
+        ("enter backward", TpRegion::enter_backward),
+        ("exit forward", TpRegion::exit_forward),
+        ("exit backward", TpRegion::exit_backward),
+    ];
+    for sp in [false, true] {
+        let region = TpRegion::new(comm.world().clone(), sp);
+        let nccl = parallel::nccl::NcclGroup::new(
+            region.group(),
+            &gpu,
+            tensor::cuda::Stream::Compute,
+            "the region test",
+        )
+        .unwrap();
+        region.attach_nccl(nccl).unwrap();
+        for (name, map) in maps {
+            let y = map(&region, Buf::Cuda(gpu.upload(&x).unwrap())).unwrap();
+            assert!(matches!(y, Buf::Cuda(_)), "sp {sp} {name}: left the GPU");
+            let y = y.to_vec().unwrap();
+            assert!(
+                y.len() == x.len() && y.iter().zip(&x).all(|(a, b)| a.to_bits() == b.to_bits()),
+                "sp {sp} {name}: a one-rank collective changed the values"
+            );
+        }
+        assert!(
+            region.comm_nanos() > 0,
+            "sp {sp}: no collective ran on NCCL"
+        );
+    }
+}

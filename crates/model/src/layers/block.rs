@@ -23,14 +23,16 @@ use crate::layout::View;
 /// method takes and returns a whole activation / gradient buffer on the host (a GPU's
 /// activations go through host memory around the call).
 pub trait RegionHooks: Send + Sync + std::fmt::Debug {
-    /// Input of a region, forward (TP: identity).
-    fn enter_forward(&self, x: Vec<f32>) -> Result<Vec<f32>>;
+    /// Input of a region, forward (TP: identity). Each map takes and returns a buffer on the
+    /// activation's device; how its collective reaches the other ranks is the hooks' own
+    /// business (through host memory, or on the devices).
+    fn enter_forward(&self, x: Buf) -> Result<Buf>;
     /// Gradient of a region's input, backward (TP: all-reduce sum).
-    fn enter_backward(&self, dx: Vec<f32>) -> Result<Vec<f32>>;
+    fn enter_backward(&self, dx: Buf) -> Result<Buf>;
     /// Output of a region, forward (TP: all-reduce sum of the partial outputs).
-    fn exit_forward(&self, y: Vec<f32>) -> Result<Vec<f32>>;
+    fn exit_forward(&self, y: Buf) -> Result<Buf>;
     /// Gradient of a region's output, backward (TP: identity).
-    fn exit_backward(&self, dy: Vec<f32>) -> Result<Vec<f32>>;
+    fn exit_backward(&self, dy: Buf) -> Result<Buf>;
 }
 
 /// The feed-forward half of a block.
@@ -179,23 +181,21 @@ impl Block {
         Ok((y, saved, aux))
     }
 
-    // The hooks' collectives run over the host transports: a GPU activation goes through
-    // host memory (`Buf::through_host`: downloaded, then the result uploaded).
     fn enter(&self, x: Buf) -> Result<Buf> {
         match &self.hooks {
-            Some(h) => x.through_host(|v| h.enter_forward(v)),
+            Some(h) => h.enter_forward(x),
             None => Ok(x),
         }
     }
     fn exit(&self, y: Buf) -> Result<Buf> {
         match &self.hooks {
-            Some(h) => y.through_host(|v| h.exit_forward(v)),
+            Some(h) => h.exit_forward(y),
             None => Ok(y),
         }
     }
     fn enter_backward(&self, dx: Buf) -> Result<Buf> {
         match &self.hooks {
-            Some(h) => dx.through_host(|v| h.enter_backward(v)),
+            Some(h) => h.enter_backward(dx),
             None => Ok(dx),
         }
     }
@@ -203,7 +203,7 @@ impl Block {
     /// with the residual stream, which still needs it).
     fn exit_backward_shared(&self, dy: &Act) -> Result<Act> {
         match &self.hooks {
-            Some(h) => Ok(Arc::new(dy.dev().from_vec(h.exit_backward(dy.to_vec()?)?)?)),
+            Some(h) => Ok(Arc::new(h.exit_backward(dy.as_ref().try_clone()?)?)),
             None => Ok(dy.clone()),
         }
     }

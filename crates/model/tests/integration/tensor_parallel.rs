@@ -7,6 +7,7 @@ use std::sync::{Arc, Barrier, Mutex};
 use model::layers::block::RegionHooks;
 use model::layers::Pass;
 use model::{Model, ModelConfig, Result, View};
+use tensor::buf::Buf;
 
 /// In-process all-reduce over `n` threads (sums in rank order, so every rank gets the same bits).
 #[derive(Debug)]
@@ -39,16 +40,16 @@ impl TpHooks {
 }
 
 impl RegionHooks for TpHooks {
-    fn enter_forward(&self, x: Vec<f32>) -> Result<Vec<f32>> {
+    fn enter_forward(&self, x: Buf) -> Result<Buf> {
         Ok(x)
     }
-    fn enter_backward(&self, dx: Vec<f32>) -> Result<Vec<f32>> {
-        Ok(self.all_reduce(dx))
+    fn enter_backward(&self, dx: Buf) -> Result<Buf> {
+        dx.through_host(|v| Ok(self.all_reduce(v)))
     }
-    fn exit_forward(&self, y: Vec<f32>) -> Result<Vec<f32>> {
-        Ok(self.all_reduce(y))
+    fn exit_forward(&self, y: Buf) -> Result<Buf> {
+        y.through_host(|v| Ok(self.all_reduce(v)))
     }
-    fn exit_backward(&self, dy: Vec<f32>) -> Result<Vec<f32>> {
+    fn exit_backward(&self, dy: Buf) -> Result<Buf> {
         Ok(dy)
     }
 }

@@ -7,12 +7,12 @@
 //! - [`grad_comm`]: the wire format of the gradient reductions (fp32, or bf16 / fp8 summed in
 //!   fp32, or PowerSGD); [`powersgd`]: low-rank compression with error feedback;
 //! - [`sampler`]: which samples of a global batch each dp rank reads;
-//! - [`nccl`]: the gradient all-reduce of GPU ranks on NCCL (`XTRAIN_BACKEND=nccl`).
+//! - [`crate::nccl`]: its reductions and gathers on NCCL for ranks with a GPU each
+//!   (`XTRAIN_BACKEND=nccl`).
 //!
 //! Design notes: `docs/DATA_PARALLEL.md`.
 pub mod bucket;
 pub mod grad_comm;
-pub mod nccl;
 pub mod powersgd;
 pub mod sampler;
 pub mod shard;

@@ -91,9 +91,9 @@ pub struct ExecConfig {
     /// weights. On the CPU nothing moves, but the same path runs (a separate master).
     pub offload_optimizer: bool,
     /// GPU ranks with a GPU each: the plain (uncompressed) gradient all-reduces of ZeRO-0/1
-    /// on NCCL, in place on the device ([`crate::data_parallel::nccl`]); `None`: every
+    /// on NCCL, in place on the device ([`crate::nccl`]); `None`: every
     /// reduction through host memory over the own transports.
-    pub nccl: Option<crate::data_parallel::nccl::NcclGroup>,
+    pub nccl: Option<crate::nccl::NcclGroup>,
 }
 
 impl ExecConfig {

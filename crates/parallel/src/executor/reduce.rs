@@ -5,7 +5,7 @@
 //! downloaded when its reduction launches and the averaged values uploaded when it completes,
 //! and gathered weights are uploaded for the unit's kernels (the staging of
 //! [`crate::precision::Flat`]'s host methods). With an NCCL group (ranks with a GPU each,
-//! [`crate::data_parallel::nccl`]) the exact reductions and the gathers stay on the devices,
+//! [`crate::nccl`]) the exact reductions and the gathers stay on the devices,
 //! on the communication stream, joined before their results are read.
 use std::collections::HashMap;
 
@@ -16,7 +16,7 @@ use comm::{ReduceOp, Work};
 
 use super::{Executor, TraceKind, F32};
 use crate::data_parallel::grad_comm::GradComm;
-use crate::data_parallel::nccl::{InFlight, NcclGroup};
+use crate::nccl::{InFlight, NcclGroup};
 use crate::precision::{Flat, Piece};
 use crate::stage::StageModel;
 use crate::ParallelError;

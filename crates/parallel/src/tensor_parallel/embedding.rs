@@ -35,12 +35,12 @@ impl VocabParallelEmbedding {
             )));
         }
         let x = tensor::ops::embedding_forward(ids, table, self.dim, Some(self.start()))?;
-        x.through_host(|x| self.region.exit_forward(x))
+        self.region.exit_forward(x)
     }
 
     /// Accumulates the owned rows' gradient into `g_table` from `dx` (local tokens under sp).
     pub fn backward(&self, g_table: BufMut<'_>, ids: &[u32], dx: Buf) -> Result<()> {
-        let dx = dx.through_host(|dx| self.region.exit_backward(dx))?;
+        let dx = self.region.exit_backward(dx)?;
         tensor::ops::embedding_backward(ids, dx.r(), self.dim, Some(self.start()), g_table)?;
         Ok(())
     }

@@ -92,7 +92,7 @@ impl VocabParallelHead {
     pub fn forward(&self, p: BufRef<'_>, x: Act, targets: Arc<Vec<i64>>) -> Result<TpHeadCache> {
         let n_valid = count_valid(&targets, self.vocab, self.ce.ignore_index)?;
         let (xn, rstd) = rmsnorm(p, &self.norm, x.r(), self.eps)?;
-        let xn = xn.through_host(|xn| self.region.enter_forward(xn))?;
+        let xn = self.region.enter_forward(xn)?;
         let rows = targets.len();
         if xn.len() != rows * self.dim() {
             return Err(ModelError::InvalidBatch(format!(
@@ -199,7 +199,7 @@ impl VocabParallelHead {
                 true,
             )?;
         }
-        let dxn = dxn.through_host(|dxn| self.region.enter_backward(dxn))?;
+        let dxn = self.region.enter_backward(dxn)?;
         let dx = rmsnorm_backward_input(p, &self.norm, cache.x.r(), cache.rstd.r(), dxn.r(), None)?;
         tensor::ops::rmsnorm_backward_weight(
             dxn.r(),

@@ -59,7 +59,7 @@ fn local_backward_input(p: &[f32], w: &View, dy: &[f32]) -> Result<Vec<f32>> {
 impl ColumnParallelLinear {
     /// `x [tokens(, local under sp), in] -> y_r [tokens, out/tp]`.
     pub fn forward(&self, p: &[f32], x: Vec<f32>) -> Result<(Vec<f32>, LinearCache)> {
-        let x = self.region.enter_forward(x)?;
+        let x = self.region.enter_forward(x.into())?.into_host(TP)?;
         let y = linear_forward_new(p.into(), &self.w, (&x).into())?.into_host(TP)?;
         Ok((y, LinearCache { x }))
     }
@@ -74,7 +74,7 @@ impl ColumnParallelLinear {
     ) -> Result<Vec<f32>> {
         let dx = local_backward_input(p, &self.w, dy)?;
         weight_grad(&self.w, dy, &cache.x, g)?;
-        self.region.enter_backward(dx)
+        Ok(self.region.enter_backward(dx.into())?.into_host(TP)?)
     }
 }
 
@@ -82,7 +82,10 @@ impl RowParallelLinear {
     /// `x_r [tokens, in/tp] -> y [tokens(, local under sp), out]`.
     pub fn forward(&self, p: &[f32], x: Vec<f32>) -> Result<(Vec<f32>, LinearCache)> {
         let y = linear_forward_new(p.into(), &self.w, (&x).into())?.into_host(TP)?;
-        Ok((self.region.exit_forward(y)?, LinearCache { x }))
+        Ok((
+            self.region.exit_forward(y.into())?.into_host(TP)?,
+            LinearCache { x },
+        ))
     }
 
     /// Returns `dx_r`; accumulates `dW_r` into `g`.
@@ -93,7 +96,7 @@ impl RowParallelLinear {
         cache: LinearCache,
         dy: Vec<f32>,
     ) -> Result<Vec<f32>> {
-        let dy = self.region.exit_backward(dy)?;
+        let dy = self.region.exit_backward(dy.into())?.into_host(TP)?;
         let dx = local_backward_input(p, &self.w, &dy)?;
         weight_grad(&self.w, &dy, &cache.x, g)?;
         Ok(dx)

@@ -16,14 +16,22 @@
 //! Under sequence parallelism each rank holds a contiguous `1/tp` of the flattened `[batch·seq]`
 //! token axis in the norm / residual regions (every op there is per token, so which tokens are
 //! local does not matter; for `batch = 1` this is exactly Megatron's sequence split).
+//!
+//! The collectives run over the group's host transports (a GPU activation downloaded, the
+//! result uploaded), or, with an NCCL communicator attached ([`TpRegion::attach_nccl`], ranks
+//! with a GPU each under `XTRAIN_BACKEND=nccl`), on the devices in the compute stream's order.
 
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, OnceLock};
 use std::time::Instant;
 
 use comm::{ProcessGroup, ReduceOp};
 use model::layers::block::RegionHooks;
 use model::{ModelError, Result};
+use tensor::buf::Buf;
+
+use crate::nccl::NcclGroup;
+use crate::ParallelError;
 
 /// The `f` / `g` operators of one tensor-parallel group.
 #[derive(Debug, Clone)]
@@ -31,8 +39,10 @@ pub struct TpRegion {
     group: ProcessGroup,
     sp: bool,
     /// Wall time spent inside this group's activation collectives (shared by clones), for the
-    /// compute / communication split of a step.
+    /// compute / communication split of a step (over NCCL: the time to queue them).
     comm_nanos: Arc<AtomicU64>,
+    /// The group's NCCL communicator, once attached (shared by clones).
+    nccl: Arc<OnceLock<NcclGroup>>,
 }
 
 fn cerr(e: comm::CommError) -> ModelError {
@@ -46,7 +56,28 @@ impl TpRegion {
             group,
             sp,
             comm_nanos: Arc::default(),
+            nccl: Arc::default(),
         }
+    }
+
+    /// Runs the region's collectives on `nccl` (a communicator over this region's group, on
+    /// the compute stream) for activations on a GPU, here and in every clone. Once.
+    pub fn attach_nccl(&self, nccl: NcclGroup) -> std::result::Result<(), ParallelError> {
+        if nccl.size() != self.tp() {
+            return Err(ParallelError::Config(format!(
+                "an NCCL communicator of {} ranks for a tp group of {}",
+                nccl.size(),
+                self.tp()
+            )));
+        }
+        self.nccl.set(nccl).map_err(|_| {
+            ParallelError::Config("the tp region already has its NCCL communicator".into())
+        })
+    }
+
+    /// The NCCL communicator, where one is attached and `x` lies on a GPU.
+    fn on_nccl(&self, x: &Buf) -> Option<&NcclGroup> {
+        self.nccl.get().filter(|_| matches!(x, Buf::Cuda(_)))
     }
 
     /// Nanoseconds spent in collectives issued through this region (and its clones) so far.
@@ -82,34 +113,77 @@ impl TpRegion {
         self.sp
     }
 
-    fn all_reduce(&self, mut x: Vec<f32>) -> Result<Vec<f32>> {
-        self.all_reduce_op(&mut x, ReduceOp::Sum)?;
-        Ok(x)
+    /// `x ← Σ over the ranks of x`.
+    fn all_reduce(&self, x: Buf) -> Result<Buf> {
+        match (self.on_nccl(&x), x) {
+            (Some(nccl), Buf::Cuda(mut d)) => {
+                self.timed_nccl(|| nccl.all_reduce_sum(d.as_mut_slice())?.join())?;
+                Ok(Buf::Cuda(d))
+            }
+            (_, x) => x.through_host(|mut v| {
+                self.all_reduce_op(&mut v, ReduceOp::Sum)?;
+                Ok(v)
+            }),
+        }
     }
 
-    fn all_gather(&self, x: Vec<f32>) -> Result<Vec<f32>> {
+    /// `[x of rank 0, x of rank 1, …]`.
+    fn all_gather(&self, x: Buf) -> Result<Buf> {
+        if let (Some(nccl), Buf::Cuda(d)) = (self.on_nccl(&x), &x) {
+            let mut out = d
+                .gpu()
+                .alloc::<f32>(d.len() * self.tp())
+                .map_err(tensor::TensorError::from)?;
+            self.timed_nccl(|| nccl.all_gather(d.as_slice(), out.as_mut_slice())?.join())?;
+            return Ok(Buf::Cuda(out));
+        }
         if self.tp() == 1 {
             return Ok(x);
         }
-        let mut out = vec![0.0; x.len() * self.tp()];
-        self.timed(|| self.group.all_gather(&x, &mut out))?;
-        Ok(out)
+        x.through_host(|v| {
+            let mut out = vec![0.0; v.len() * self.tp()];
+            self.timed(|| self.group.all_gather(&v, &mut out))?;
+            Ok(out)
+        })
     }
 
-    fn reduce_scatter(&self, x: Vec<f32>) -> Result<Vec<f32>> {
+    /// This rank's block of `Σ over the ranks of x`.
+    fn reduce_scatter(&self, x: Buf) -> Result<Buf> {
         let n = self.tp();
-        if n == 1 {
-            return Ok(x);
-        }
         if !x.len().is_multiple_of(n) {
             return Err(ModelError::Collective(format!(
                 "sequence parallel: {} elements do not split over tp = {n}",
                 x.len()
             )));
         }
-        let mut out = vec![0.0; x.len() / n];
-        self.timed(|| self.group.reduce_scatter(&x, &mut out, ReduceOp::Sum))?;
-        Ok(out)
+        if let (Some(nccl), Buf::Cuda(d)) = (self.on_nccl(&x), &x) {
+            let mut out = d
+                .gpu()
+                .alloc::<f32>(d.len() / n)
+                .map_err(tensor::TensorError::from)?;
+            self.timed_nccl(|| {
+                nccl.reduce_scatter(d.as_slice(), out.as_mut_slice())?
+                    .join()
+            })?;
+            return Ok(Buf::Cuda(out));
+        }
+        if n == 1 {
+            return Ok(x);
+        }
+        x.through_host(|v| {
+            let mut out = vec![0.0; v.len() / n];
+            self.timed(|| self.group.reduce_scatter(&v, &mut out, ReduceOp::Sum))?;
+            Ok(out)
+        })
+    }
+
+    /// [`Self::timed`] for an NCCL call (its error as a collective's).
+    fn timed_nccl(&self, f: impl FnOnce() -> std::result::Result<(), ParallelError>) -> Result<()> {
+        let t0 = Instant::now();
+        let r = f().map_err(|e| ModelError::Collective(e.to_string()));
+        self.comm_nanos
+            .fetch_add(t0.elapsed().as_nanos() as u64, Ordering::Relaxed);
+        r
     }
 
     /// This rank's token range of `tokens` under sequence parallelism (all of them without).
@@ -124,28 +198,28 @@ impl TpRegion {
 }
 
 impl RegionHooks for TpRegion {
-    fn enter_forward(&self, x: Vec<f32>) -> Result<Vec<f32>> {
+    fn enter_forward(&self, x: Buf) -> Result<Buf> {
         if self.sp {
             self.all_gather(x)
         } else {
             Ok(x)
         }
     }
-    fn enter_backward(&self, dx: Vec<f32>) -> Result<Vec<f32>> {
+    fn enter_backward(&self, dx: Buf) -> Result<Buf> {
         if self.sp {
             self.reduce_scatter(dx)
         } else {
             self.all_reduce(dx)
         }
     }
-    fn exit_forward(&self, y: Vec<f32>) -> Result<Vec<f32>> {
+    fn exit_forward(&self, y: Buf) -> Result<Buf> {
         if self.sp {
             self.reduce_scatter(y)
         } else {
             self.all_reduce(y)
         }
     }
-    fn exit_backward(&self, dy: Vec<f32>) -> Result<Vec<f32>> {
+    fn exit_backward(&self, dy: Buf) -> Result<Buf> {
         if self.sp {
             self.all_gather(dy)
         } else {

@@ -1,30 +1,37 @@
-//! NCCL for the data-parallel communication of ranks that each have their own GPU
-//! (`XTRAIN_BACKEND=nccl`), on the device, with no trip through host memory, on the GPU's
-//! communication stream so that it overlaps the backward's kernels:
-//! - ZeRO-0/1: a bucket of fp32 gradients (or the fp32 copy of a 16-bit bucket) all-reduced
-//!   in place, then scaled by `1/dp` on the compute stream;
-//! - ZeRO-2/3: each piece of a bucket's fp32 staging buffer summed in place onto the rank
-//!   whose shard holds it (`ncclReduce`), which adds `1/dp` of it to its gradient shard;
-//! - ZeRO-3's per-unit weight gathers, and ZeRO-1/2's gather of the updated weights after the
-//!   optimizer step, in the weights' own precision ([`NcclComm::all_gather_v_in_place`]).
+//! NCCL communicators over the mesh's groups, for ranks that each have their own GPU
+//! (`XTRAIN_BACKEND=nccl`): the group's communication on the devices, with no trip through
+//! host memory.
 //!
-//! Each is queued after the compute stream's work so far (an event the communication stream
-//! waits for) and returns an [`InFlight`]; the executor joins it before it reads the result
-//! (the compute stream waits for the collective's event; the host does not) and keeps the
-//! buffers it uses alive until then. The rest of the executor (compressed or PowerSGD
-//! reductions, tied embeddings, expert parallelism's prepared reductions, pipeline messages,
-//! the model's collectives) keeps the communicator's collectives over host memory
-//! (`XTRAIN_BACKEND=own`, the default, or `mpi`).
+//! - Data parallelism (the executor, `executor::reduce`), on the GPU's communication stream so
+//!   that it overlaps the backward's kernels: ZeRO-0/1's bucket all-reduces (fp32, or the fp32
+//!   copy of a 16-bit bucket; `1/dp` applied on the compute stream), ZeRO-2/3's reductions of
+//!   each piece of a bucket's fp32 staging buffer onto the rank whose shard holds it (which
+//!   adds `1/dp` of it to its shard), ZeRO-3's per-unit weight gathers and ZeRO-1/2's gather
+//!   of the updated weights, in the weights' own precision
+//!   ([`NcclComm::all_gather_v_in_place`]). Each is queued after the compute stream's work so
+//!   far (an event the communication stream waits for) and returns an [`InFlight`], which the
+//!   executor joins before it reads the result (the compute stream waits for the collective's
+//!   event; the host does not), keeping the buffers it uses alive until then.
+//! - Tensor parallelism (`tensor_parallel::region`): the region operators' all-reduce,
+//!   all-gather and reduce-scatter of activations and their gradients, on the compute stream
+//!   (the model needs each result before its next kernel: stream order is the whole
+//!   synchronisation, and the host never waits).
 //!
-//! The communicator is made over the dp group itself: every rank reports its host and GPU
-//! (NCCL needs one GPU per rank, so ranks sharing one are refused by name before NCCL is
-//! asked), rank 0 makes the unique id and broadcasts it over the group's authenticated host
-//! transport, and every rank joins.
+//! The rest (compressed or PowerSGD reductions, tied embeddings, expert parallelism's prepared
+//! reductions, pipeline messages, the cp ring, the ep all-to-all) keeps the communicator's
+//! collectives over host memory (`XTRAIN_BACKEND=own`, the default, or `mpi`).
+//!
+//! A communicator is made over a process group: every rank reports its host and GPU (NCCL
+//! needs one GPU per rank, so ranks sharing one are refused by name before NCCL is asked),
+//! rank 0 makes the unique id and broadcasts it over the group's authenticated host transport,
+//! and every rank joins. Every rank makes its communicators in the same order (dp, then tp).
 use std::ops::Range;
 use std::sync::{Arc, Mutex, MutexGuard};
 
 use comm::ProcessGroup;
-use tensor::cuda::{DevSliceMut, Event, Gpu, NcclBufMut, NcclComm, NcclId, ReduceOp, Stream};
+use tensor::cuda::{
+    DevSlice, DevSliceMut, Event, Gpu, NcclBufMut, NcclComm, NcclId, ReduceOp, Stream,
+};
 
 use crate::ParallelError;
 
@@ -59,7 +66,7 @@ impl Backend {
     }
 }
 
-/// An NCCL communicator over a dp group (shared by the executor's clones of its config).
+/// An NCCL communicator over a process group (shared by its users' clones).
 #[derive(Clone)]
 pub struct NcclGroup {
     comm: Arc<Mutex<NcclComm>>,
@@ -91,18 +98,25 @@ fn fnv1a(s: &str) -> i64 {
 }
 
 impl NcclGroup {
-    /// Joins every rank of `dp` (each on its `gpu`) into one NCCL communicator. A
-    /// collective over `dp`: every rank calls it.
-    pub fn new(dp: &ProcessGroup, gpu: &Arc<Gpu>) -> Result<NcclGroup, ParallelError> {
-        let (n, me) = (dp.size(), dp.rank());
+    /// Joins every rank of `group` (each on its `gpu`) into one NCCL communicator whose
+    /// collectives are queued on `stream`; `what` names the traffic in the log line. A
+    /// collective over `group`: every rank calls it.
+    pub fn new(
+        group: &ProcessGroup,
+        gpu: &Arc<Gpu>,
+        stream: Stream,
+        what: &str,
+    ) -> Result<NcclGroup, ParallelError> {
+        let (n, me) = (group.size(), group.rank());
         let mine = [fnv1a(&host_name()), gpu.info.ordinal as i64];
         let mut all = vec![0i64; 2 * n];
-        dp.all_gather(&mine, &mut all)?;
+        group.all_gather(&mine, &mut all)?;
         for a in 0..n {
             for b in a + 1..n {
                 if all[2 * a..2 * a + 2] == all[2 * b..2 * b + 2] {
                     return Err(ParallelError::Config(format!(
-                        "{BACKEND_ENV}=nccl needs one GPU per rank, but dp ranks {a} and {b} share cuda:{} on one host (start at most as many ranks per host as it has GPUs, or use {BACKEND_ENV}=own)",
+                        "{BACKEND_ENV}=nccl needs one GPU per rank, but ranks {a} and {b} of group {} share cuda:{} on one host (start at most as many ranks per host as it has GPUs, or use {BACKEND_ENV}=own)",
+                        group.name(),
                         all[2 * a + 1]
                     )));
                 }
@@ -116,12 +130,12 @@ impl NcclGroup {
                 *w = i64::from_le_bytes(c.try_into().expect("8 bytes"));
             }
         }
-        dp.broadcast(&mut words, 0)?;
+        group.broadcast(&mut words, 0)?;
         let bytes: Vec<u8> = words.iter().flat_map(|w| w.to_le_bytes()).collect();
         let id = NcclId::from_bytes(&bytes).map_err(cuda_err)?;
         let mut comm = NcclComm::init(gpu, &id, n, me).map_err(cuda_err)?;
-        comm.set_stream(Stream::Comm);
-        tracing::info!(target: "comm", "dp group of {n} ranks: gradient reductions and ZeRO weight gathers over NCCL on cuda:{} (communication stream)", gpu.info.ordinal);
+        comm.set_stream(stream);
+        tracing::info!(target: "comm", "group {} of {n} ranks: {what} over NCCL on cuda:{} ({stream:?} stream)", group.name(), gpu.info.ordinal);
         Ok(NcclGroup {
             comm: Arc::new(Mutex::new(comm)),
             size: n,
@@ -137,19 +151,27 @@ impl NcclGroup {
         self.comm.lock().unwrap_or_else(|p| p.into_inner())
     }
 
-    /// Queues `f`'s collectives on the communication stream after the compute stream's work
-    /// so far.
+    /// Queues `f`'s collectives on the communicator's stream: on the communication stream
+    /// after the compute stream's work so far, with an event to join; on the compute stream in
+    /// its order (nothing to join).
     fn queue(
         &self,
         f: impl FnOnce(&NcclComm) -> Result<(), tensor::cuda::CudaError>,
     ) -> Result<InFlight, ParallelError> {
         let comm = self.comm();
         let gpu = comm.gpu().clone();
+        if comm.stream() == Stream::Compute {
+            f(&comm).map_err(cuda_err)?;
+            return Ok(InFlight { done: None, gpu });
+        }
         let ready = gpu.record(Stream::Compute).map_err(cuda_err)?;
         gpu.wait_for(Stream::Comm, &ready).map_err(cuda_err)?;
         f(&comm).map_err(cuda_err)?;
         let done = gpu.record(Stream::Comm).map_err(cuda_err)?;
-        Ok(InFlight { done, gpu })
+        Ok(InFlight {
+            done: Some(done),
+            gpu,
+        })
     }
 
     /// Starts `g ← Σ over the ranks of g`, in place (fp32); the mean's `· 1/n` is the
@@ -175,6 +197,26 @@ impl NcclGroup {
         })
     }
 
+    /// Starts `recv = [send of rank 0, send of rank 1, …]` (fp32; `recv` is `size` times
+    /// `send`).
+    pub fn all_gather(
+        &self,
+        send: DevSlice<'_, f32>,
+        recv: DevSliceMut<'_, f32>,
+    ) -> Result<InFlight, ParallelError> {
+        self.queue(|c| c.all_gather(send, recv))
+    }
+
+    /// Starts `recv` = this rank's block of the sum over the ranks of `send` (fp32; `send` is
+    /// `size` times `recv`).
+    pub fn reduce_scatter(
+        &self,
+        send: DevSlice<'_, f32>,
+        recv: DevSliceMut<'_, f32>,
+    ) -> Result<InFlight, ParallelError> {
+        self.queue(|c| c.reduce_scatter(send, recv, ReduceOp::Sum))
+    }
+
     /// Starts gathering `buf` in place from its blocks: `counts[p]` elements from rank `p`,
     /// in rank order; this rank's block is filled before the call.
     pub fn all_gather_v(
@@ -186,27 +228,31 @@ impl NcclGroup {
     }
 }
 
-/// A collective queued on the communication stream. Its buffers stay alive until it is
-/// joined (the caller holds them: the allocator knows the compute stream only).
+/// A queued collective. On the communication stream its buffers stay alive until it is
+/// joined (the caller holds them: the allocator knows the compute stream only); on the
+/// compute stream it is ordered already and joining does nothing.
 #[must_use = "a collective in flight is joined before its result is read"]
 pub struct InFlight {
-    done: Event,
+    done: Option<Event>,
     gpu: Arc<Gpu>,
 }
 
 impl InFlight {
-    /// Whether it finished (the host does not wait; an error counts as finished, for
-    /// [`InFlight::join`] to report).
+    /// Whether it finished, as far as the compute stream is concerned (the host does not
+    /// wait; an error counts as finished, for [`InFlight::join`] to report).
     pub fn is_done(&self) -> bool {
-        self.done.is_done().unwrap_or(true)
+        self.done
+            .as_ref()
+            .is_none_or(|d| d.is_done().unwrap_or(true))
     }
 
     /// Orders the compute stream after the collective: kernels queued from now on see its
     /// results, and the buffers it used may be freed (the host does not wait).
     pub fn join(self) -> Result<(), ParallelError> {
-        self.gpu
-            .wait_for(Stream::Compute, &self.done)
-            .map_err(cuda_err)
+        match &self.done {
+            Some(done) => self.gpu.wait_for(Stream::Compute, done).map_err(cuda_err),
+            None => Ok(()),
+        }
     }
 }
 
