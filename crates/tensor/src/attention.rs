@@ -588,64 +588,103 @@ pub fn attention_backward_docs(
 /// Rows ahead of use that the backward's `D = rowsum(dO∘O)` pass prefetches.
 const DELTA_AHEAD: usize = 8;
 
-/// Merges two partial attention results over disjoint key sets into the first one:
-/// `lse = log(e^lse_a + e^lse_b)`, `out = out_a·e^(lse_a − lse) + out_b·e^(lse_b − lse)`.
-/// Layouts as in [`attention_forward`]; a side with `lse = −∞` contributes nothing.
-#[allow(clippy::too_many_arguments)]
-pub fn merge_partial(
-    out_acc: &mut [f32],
-    lse_acc: &mut [f32],
-    out_other: &[f32],
-    lse_other: &[f32],
-    batch: usize,
-    q_len: usize,
-    n_heads: usize,
-    head_dim: usize,
-) -> Result<(), TensorError> {
-    let n_out = batch * q_len * n_heads * head_dim;
-    let n_lse = batch * n_heads * q_len;
-    check_len("merge out_acc", out_acc.len(), n_out)?;
-    check_len("merge out_other", out_other.len(), n_out)?;
-    check_len("merge lse_acc", lse_acc.len(), n_lse)?;
-    check_len("merge lse_other", lse_other.len(), n_lse)?;
-    if head_dim == 0 {
-        return Ok(());
-    }
-    // Weights per (b, h, i) first (lse is [b, h, i]); then rows of out ([b, i, h, :]).
-    let mut wa = vec![0.0f32; n_lse];
-    let mut wb = vec![0.0f32; n_lse];
-    for idx in 0..n_lse {
-        let (la, lb) = (lse_acc[idx], lse_other[idx]);
-        let m = la.max(lb);
-        if m == f32::NEG_INFINITY {
-            wa[idx] = 1.0;
-            wb[idx] = 0.0;
-            continue;
+/// Where a partial attention result merges into a whole one ([`merge_partial`]): query rows
+/// `row0 .. row0 + rows` of sequence `b` of a `[batch, len, heads, head_dim]` output and its
+/// `[batch, heads, len]` log-sum-exp; the partial is `[rows, heads, head_dim]` with lse
+/// `[heads, rows]` (what one kernel call on that sequence's rows returns).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct MergeRows {
+    pub b: usize,
+    pub len: usize,
+    pub heads: usize,
+    pub head_dim: usize,
+    pub row0: usize,
+    pub rows: usize,
+}
+
+impl MergeRows {
+    /// Checks the four lengths against the rows; `out` holds whole sequences.
+    pub fn check(
+        &self,
+        out: usize,
+        lse: usize,
+        part: usize,
+        part_lse: usize,
+    ) -> Result<(), TensorError> {
+        let seq = self.len * self.heads * self.head_dim;
+        if self.row0 + self.rows > self.len || seq == 0 || out % seq != 0 || self.b >= out / seq {
+            return Err(TensorError::Shape(format!(
+                "merge: rows {}..{} of sequence {} of an output of {out} elements ({} tokens × {} heads × {})",
+                self.row0,
+                self.row0 + self.rows,
+                self.b,
+                self.len,
+                self.heads,
+                self.head_dim
+            )));
         }
-        let (ea, eb) = ((la - m).exp(), (lb - m).exp());
-        let sum = ea + eb;
-        wa[idx] = ea / sum;
-        wb[idx] = eb / sum;
-        lse_acc[idx] = m + sum.ln();
+        check_len("merge lse", lse, out / self.head_dim)?;
+        check_len(
+            "merge partial",
+            part,
+            self.rows * self.heads * self.head_dim,
+        )?;
+        check_len("merge partial lse", part_lse, self.heads * self.rows)
     }
-    threads::install(|| {
-        out_acc
-            .par_chunks_mut(head_dim)
-            .zip(out_other.par_chunks(head_dim))
-            .enumerate()
-            .with_min_len(64)
-            .for_each(|(row, (oa, ob))| {
-                // row = (b·q_len + i)·n_heads + h
-                let h = row % n_heads;
-                let bi = row / n_heads;
-                let (b, i) = (bi / q_len, bi % q_len);
-                let idx = (b * n_heads + h) * q_len + i;
-                let (x, y) = (wa[idx], wb[idx]);
-                oa.iter_mut()
-                    .zip(ob)
-                    .for_each(|(a, &bv)| *a = *a * x + bv * y);
-            });
-    });
+}
+
+/// The merge of partial results `a` and `b` over disjoint keys from their log-sum-exps: the
+/// weights of `a` and `b` and the merged lse. With `δ = lse_b − lse_a`,
+/// `lse = lse_a + softplus(δ)`, `w_a = σ(−δ)`, `w_b = σ(δ)` (ring-flash-attention's
+/// `lse − logsigmoid(lse − lse_blk)` form), which cannot overflow; a side with `lse = −∞`
+/// contributes nothing.
+#[inline]
+pub fn merge_weights(la: f32, lb: f32) -> (f32, f32, f32) {
+    if lb == f32::NEG_INFINITY {
+        return (1.0, 0.0, la);
+    }
+    if la == f32::NEG_INFINITY {
+        return (0.0, 1.0, lb);
+    }
+    let d = lb - la;
+    let softplus = d.max(0.0) + (-d.abs()).exp().ln_1p();
+    let sig = |x: f32| {
+        if x >= 0.0 {
+            1.0 / (1.0 + (-x).exp())
+        } else {
+            let e = x.exp();
+            e / (1.0 + e)
+        }
+    };
+    (sig(-d), sig(d), la + softplus)
+}
+
+/// Merges a partial attention result (`part`, `part_lse`, laid out as [`MergeRows`] says)
+/// over keys disjoint from those already in `out`, `lse` into its rows there:
+/// `out = out·w_a + part·w_b`, `lse` the merged one ([`merge_weights`]). Ring attention merges
+/// each key block's result this way; its CUDA twin is `attn_merge`.
+pub fn merge_partial(
+    m: &MergeRows,
+    out: &mut [f32],
+    lse: &mut [f32],
+    part: &[f32],
+    part_lse: &[f32],
+) -> Result<(), TensorError> {
+    m.check(out.len(), lse.len(), part.len(), part_lse.len())?;
+    let (h, d) = (m.heads, m.head_dim);
+    for r in 0..m.rows {
+        let row = m.row0 + r;
+        for hh in 0..h {
+            let li = (m.b * h + hh) * m.len + row;
+            let (wa, wb, l) = merge_weights(lse[li], part_lse[hh * m.rows + r]);
+            lse[li] = l;
+            let oa = &mut out[((m.b * m.len + row) * h + hh) * d..][..d];
+            let ob = &part[(r * h + hh) * d..][..d];
+            for (x, &y) in oa.iter_mut().zip(ob) {
+                *x = *x * wa + y * wb;
+            }
+        }
+    }
     Ok(())
 }
 

@@ -249,6 +249,26 @@ pub fn attention_forward(
     Ok((out, lse))
 }
 
+/// Merges a partial attention result into rows of a whole one
+/// ([`crate::attention::merge_partial`]).
+pub fn attention_merge(
+    m: &crate::attention::MergeRows,
+    out: BufMut<'_>,
+    lse: BufMut<'_>,
+    part: BufRef<'_>,
+    part_lse: BufRef<'_>,
+) -> Result<()> {
+    match (out, lse, part, part_lse) {
+        (BufMut::Host(o), BufMut::Host(l), BufRef::Host(p), BufRef::Host(pl)) => {
+            crate::attention::merge_partial(m, o, l, p, pl)
+        }
+        (BufMut::Cuda(o), BufMut::Cuda(l), BufRef::Cuda(p), BufRef::Cuda(pl)) => {
+            Ok(gpu::attention_merge(m, o, l, p, pl)?)
+        }
+        _ => Err(mixed("attention merge")),
+    }
+}
+
 /// Attention backward, accumulated into `dq`, `dk`, `dv`
 /// ([`crate::attention::attention_backward_docs`], the forward's `doc_start`).
 #[allow(clippy::too_many_arguments)]

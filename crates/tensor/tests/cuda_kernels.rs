@@ -439,6 +439,97 @@ fn attention_matches_cpu_forward_and_backward() {
     }
 }
 
+/// Ring attention's merge of a partial result into rows of a whole one, with `lse = −∞` on
+/// either side (a query that saw no key yet, or none in this block) and a row range inside the
+/// sequence, as the context-parallel ring calls it.
+#[test]
+fn attention_merge_matches_cpu() {
+    use tensor::attention::{merge_partial, MergeRows};
+    let Some(g) = gpu("attention_merge_matches_cpu") else {
+        return;
+    };
+    for m in [
+        MergeRows {
+            b: 1,
+            len: 37,
+            heads: 4,
+            head_dim: 64,
+            row0: 5,
+            rows: 20,
+        },
+        MergeRows {
+            b: 0,
+            len: 16,
+            heads: 3,
+            head_dim: 40,
+            row0: 0,
+            rows: 16,
+        },
+        MergeRows {
+            b: 2,
+            len: 9,
+            heads: 2,
+            head_dim: 128,
+            row0: 8,
+            rows: 1,
+        },
+    ] {
+        let batch = m.b + 1;
+        let seq = m.len * m.heads * m.head_dim;
+        let out = rand(batch * seq, 40);
+        let mut lse: Vec<f32> = rand(batch * m.heads * m.len, 41)
+            .iter()
+            .map(|x| 3.0 * x)
+            .collect();
+        let part = rand(m.rows * m.heads * m.head_dim, 42);
+        let mut part_lse: Vec<f32> = rand(m.heads * m.rows, 43).iter().map(|x| 3.0 * x).collect();
+        // Some rows saw no key before, some see none in this block, one neither.
+        for h in 0..m.heads {
+            lse[(m.b * m.heads + h) * m.len + m.row0] = f32::NEG_INFINITY;
+            part_lse[h * m.rows + m.rows - 1] = f32::NEG_INFINITY;
+        }
+        let (mut want_out, mut want_lse) = (out.clone(), lse.clone());
+        merge_partial(&m, &mut want_out, &mut want_lse, &part, &part_lse).unwrap();
+        let (mut go, mut gl) = (g.upload(&out).unwrap(), g.upload(&lse).unwrap());
+        let (gp, gpl) = (g.upload(&part).unwrap(), g.upload(&part_lse).unwrap());
+        ops::attention_merge(
+            &m,
+            go.as_mut_slice(),
+            gl.as_mut_slice(),
+            gp.as_slice(),
+            gpl.as_slice(),
+        )
+        .unwrap();
+        assert_close(&format!("{m:?} out"), &host(&go), &want_out);
+        let got_lse = host(&gl);
+        for (i, (a, b)) in got_lse.iter().zip(&want_lse).enumerate() {
+            assert!(
+                (a.is_infinite() && a == b) || (a - b).abs() <= 1e-5 * b.abs().max(1.0),
+                "{m:?} lse[{i}]: GPU {a} vs CPU {b}"
+            );
+        }
+    }
+    // A row range past the sequence is a shape error, not a launch.
+    let m = MergeRows {
+        b: 0,
+        len: 4,
+        heads: 1,
+        head_dim: 8,
+        row0: 2,
+        rows: 3,
+    };
+    let (mut o, mut l) = (g.zeros::<f32>(32).unwrap(), g.zeros::<f32>(4).unwrap());
+    let (p, pl) = (g.zeros::<f32>(24).unwrap(), g.zeros::<f32>(3).unwrap());
+    assert!(ops::attention_merge(
+        &m,
+        o.as_mut_slice(),
+        l.as_mut_slice(),
+        p.as_slice(),
+        pl.as_slice()
+    )
+    .is_err());
+}
+
 fn round_bf16(x: &[f32]) -> Vec<f32> {
     x.iter()
         .map(|&v| half::bf16::from_f32(v).to_f32())

@@ -28,13 +28,13 @@
 //! The merge of two partial results over disjoint keys cannot overflow: with
 //! `δ = lse_b − lse_a`, `lse = lse_a + softplus(δ)` and `o = o_a·σ(−δ) + o_b·σ(δ)`
 //! (ring-flash-attention's `lse − logsigmoid(lse − lse_blk)` form); a side with `lse = −∞`
-//! contributes nothing.
+//! contributes nothing (`tensor::attention::merge_partial`, on the partials' device).
 use comm::{ProcessGroup, ReduceOp};
 use model::layers::attention::AttentionCore;
 use model::layers::SeqPart;
 use model::layers::{Buf, BufMut, BufRef};
 use model::{Documents, ModelError, Result};
-use tensor::attention::AttnShape;
+use tensor::attention::{AttnShape, MergeRows};
 
 use super::{block_calls, CpComm, CpLayout};
 
@@ -54,28 +54,6 @@ pub struct ContextAttention {
 
 fn cerr(e: comm::CommError) -> ModelError {
     ModelError::Collective(format!("context-parallel attention: {e}"))
-}
-
-/// `(a, b)`'s stable merge weights and lse (module doc).
-#[inline]
-fn merge_weights(la: f32, lb: f32) -> (f32, f32, f32) {
-    if lb == f32::NEG_INFINITY {
-        return (1.0, 0.0, la);
-    }
-    if la == f32::NEG_INFINITY {
-        return (0.0, 1.0, lb);
-    }
-    let d = lb - la;
-    let softplus = d.max(0.0) + (-d.abs()).exp().ln_1p();
-    let sig = |x: f32| {
-        if x >= 0.0 {
-            1.0 / (1.0 + (-x).exp())
-        } else {
-            let e = x.exp();
-            e / (1.0 + e)
-        }
-    };
-    (sig(-d), sig(d), la + softplus)
 }
 
 impl ContextAttention {
@@ -177,9 +155,8 @@ impl ContextAttention {
         )
     }
 
-    /// Merges into `o`, `lse` (host) the partial attention of this rank's queries against
-    /// block `j` (`kv` = its K then V, `[batch, len, n_kv, d]` each), computed on the device
-    /// of `q` (a GPU's partial results come to the host for the merge).
+    /// Merges into `o`, `lse` (on the device of `q`) the partial attention of this rank's
+    /// queries against block `j` (`kv` = its K then V, `[batch, len, n_kv, d]` each).
     #[allow(clippy::too_many_arguments)]
     fn block_forward(
         &self,
@@ -188,8 +165,8 @@ impl ContextAttention {
         q: BufRef<'_>,
         kv: BufRef<'_>,
         j: usize,
-        o: &mut [f32],
-        lse: &mut [f32],
+        mut o: BufMut<'_>,
+        mut lse: BufMut<'_>,
     ) -> Result<()> {
         let (len, h, d) = (shape.q_len, shape.n_heads, shape.head_dim);
         let (hd, kvd) = (h * d, shape.n_kv_heads * d);
@@ -197,7 +174,6 @@ impl ContextAttention {
         let (k, v) = (kv.slice(0..half), kv.slice(half..kv.len()));
         let pos = self.query_positions(docs, len);
         for (c, s) in self.calls(shape, j) {
-            let rows = c.q_rows.len();
             for b in 0..shape.batch {
                 let qr = (b * len + c.q_rows.start) * hd..(b * len + c.q_rows.end) * hd;
                 let kr = (b * len + c.k_rows.start) * kvd..(b * len + c.k_rows.end) * kvd;
@@ -211,20 +187,15 @@ impl ContextAttention {
                         v.slice(kr),
                     )
                 })?;
-                let (ob, lb) = (ob.into_vec()?, lb.into_vec()?);
-                // Merge: o rows [b, q_rows, h, d]; lse [b, h, len] at q_rows.
-                for (r, row) in c.q_rows.clone().enumerate() {
-                    for hh in 0..h {
-                        let li = (b * h + hh) * len + row;
-                        let (wa, wb, l) = merge_weights(lse[li], lb[hh * rows + r]);
-                        lse[li] = l;
-                        let oa = &mut o[(b * len + row) * hd + hh * d..][..d];
-                        let obr = &ob[r * hd + hh * d..][..d];
-                        for (x, &y) in oa.iter_mut().zip(obr) {
-                            *x = *x * wa + y * wb;
-                        }
-                    }
-                }
+                let rows = MergeRows {
+                    b,
+                    len,
+                    heads: h,
+                    head_dim: d,
+                    row0: c.q_rows.start,
+                    rows: c.q_rows.len(),
+                };
+                tensor::ops::attention_merge(&rows, o.reborrow(), lse.reborrow(), ob.r(), lb.r())?;
             }
         }
         Ok(())
@@ -317,8 +288,8 @@ fn waited<R>(f: impl FnOnce() -> comm::Result<R>) -> Result<R> {
     model::profile::time(model::profile::Kernel::ContextWait, f).map_err(cerr)
 }
 
-// The blocks travel over the host transports: on a GPU each is downloaded to be sent and
-// uploaded when received; the partial outputs are merged on the host.
+// The blocks travel over the host transports (on a GPU each is downloaded to be sent and
+// uploaded when received); the partial outputs are merged on their device.
 impl AttentionCore for ContextAttention {
     fn forward(
         &self,
@@ -332,8 +303,8 @@ impl AttentionCore for ContextAttention {
         self.check(shape, part, docs)?;
         let cp = self.layout.cp;
         let dev = q.dev();
-        let mut o = vec![0.0f32; shape.q_elems()];
-        let mut lse = vec![f32::NEG_INFINITY; shape.lse_elems()];
+        let mut o = dev.zeros(shape.q_elems())?;
+        let mut lse = dev.from_vec(vec![f32::NEG_INFINITY; shape.lse_elems()])?;
         let mine = Self::kv_buffer(k, v)?;
         match self.comm {
             CpComm::Ring => {
@@ -344,7 +315,7 @@ impl AttentionCore for ContextAttention {
                         true => Some(self.shift(&self.kv, cur.to_vec()?, TAG_KV)),
                         false => None,
                     };
-                    self.block_forward(shape, docs, q, cur.r(), j, &mut o, &mut lse)?;
+                    self.block_forward(shape, docs, q, cur.r(), j, o.m(), lse.m())?;
                     if let Some(w) = next {
                         cur = dev.from_vec(received(w)?)?;
                     }
@@ -360,11 +331,11 @@ impl AttentionCore for ContextAttention {
                 for step in 0..cp {
                     let j = (self.layout.rank + cp - step) % cp;
                     let blk = all.r().slice(j * n..(j + 1) * n);
-                    self.block_forward(shape, docs, q, blk, j, &mut o, &mut lse)?;
+                    self.block_forward(shape, docs, q, blk, j, o.m(), lse.m())?;
                 }
             }
         }
-        Ok((dev.from_vec(o)?, dev.from_vec(lse)?))
+        Ok((o, lse))
     }
 
     fn backward(

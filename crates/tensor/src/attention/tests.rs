@@ -369,7 +369,18 @@ fn merge_of_key_halves_equals_full_attention() {
         parts.push((part, o, l));
     }
     let (mut o, mut l) = (parts[1].1.clone(), parts[1].2.clone());
-    merge_partial(&mut o, &mut l, &parts[0].1, &parts[0].2, b, sq, h, d).unwrap();
+    for bb in 0..b {
+        let m = MergeRows {
+            b: bb,
+            len: sq,
+            heads: h,
+            head_dim: d,
+            row0: 0,
+            rows: sq,
+        };
+        let (po, pl) = (&parts[0].1[bb * sq * h * d..], &parts[0].2[bb * h * sq..]);
+        merge_partial(&m, &mut o, &mut l, &po[..sq * h * d], &pl[..h * sq]).unwrap();
+    }
     assert!(crate::tensor::max_abs_diff(&o, &o_full) < 1e-5);
     assert!(crate::tensor::max_abs_diff(&l, &l_full) < 1e-5);
 
@@ -458,5 +469,29 @@ fn flop_count_and_errors() {
         }
     )
     .is_err());
-    assert!(merge_partial(&mut out, &mut lse, &c.q, &[0.0; 1], 1, 4, 2, 8).is_err());
+    let m = MergeRows {
+        b: 0,
+        len: 4,
+        heads: 2,
+        head_dim: 8,
+        row0: 0,
+        rows: 4,
+    };
+    assert!(merge_partial(&m, &mut out, &mut lse, &c.q, &[0.0; 1]).is_err());
+    assert!(merge_partial(
+        &MergeRows { rows: 5, ..m },
+        &mut out,
+        &mut lse,
+        &c.q,
+        &[0.0; 8]
+    )
+    .is_err());
+    assert!(merge_partial(
+        &MergeRows { b: 1, ..m },
+        &mut out,
+        &mut lse,
+        &c.q,
+        &[0.0; 8]
+    )
+    .is_err());
 }

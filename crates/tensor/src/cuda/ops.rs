@@ -928,6 +928,39 @@ fn attn_delta(
     Ok(delta)
 }
 
+/// Merges a partial result into rows of a whole one ([`crate::attention::merge_partial`]).
+pub fn attention_merge(
+    m: &crate::attention::MergeRows,
+    out: DevSliceMut<'_, f32>,
+    lse: DevSliceMut<'_, f32>,
+    part: DevSlice<'_, f32>,
+    part_lse: DevSlice<'_, f32>,
+) -> Result<(), CudaError> {
+    m.check(out.len(), lse.len(), part.len(), part_lse.len())
+        .map_err(|e| CudaError::Shape(e.to_string()))?;
+    let warps = m.rows * m.heads;
+    if warps == 0 {
+        return Ok(());
+    }
+    out.gpu().clone().launch(
+        "attention",
+        "attn_merge",
+        LaunchCfg::linear(warps.div_ceil(ATT_WARPS), 32 * ATT_WARPS as u32),
+        &[
+            (&out).into(),
+            (&lse).into(),
+            part.into(),
+            part_lse.into(),
+            to_i32(m.b, "merge sequence")?.into(),
+            to_i32(m.len, "merge length")?.into(),
+            to_i32(m.heads, "merge heads")?.into(),
+            to_i32(m.head_dim, "merge head_dim")?.into(),
+            to_i32(m.row0, "merge first row")?.into(),
+            to_i32(m.rows, "merge rows")?.into(),
+        ],
+    )
+}
+
 /// Backward: accumulates (`+=`) into `dq`, `dk`, `dv` ([`crate::attention::attention_backward`];
 /// pass the final merged `out` and `lse` for a partial key block).
 #[allow(clippy::too_many_arguments)]

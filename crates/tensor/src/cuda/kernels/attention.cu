@@ -91,6 +91,46 @@ extern "C" __global__ void attn_bwd_delta(const float* out, const float* dout, f
     if (lane == 0) delta[((long long)b * H + h) * Sq + i] = s;
 }
 
+// sigma(x) = 1 / (1 + e^-x), without overflow on either side.
+__device__ __forceinline__ float attn_sigmoid(float x) {
+    if (x >= 0.0f) return 1.0f / (1.0f + expf(-x));
+    float e = expf(x);
+    return e / (1.0f + e);
+}
+
+// Merges a partial result over keys disjoint from those already in (out, lse): rows row0 ..
+// row0 + rows of sequence b of out [B, len, H, D] and lse [B, H, len]; the partial part is
+// [rows, H, D] with lse part_lse [H, rows] (tensor::attention::merge_partial, its CPU twin).
+// With delta = lse_b - lse_a: lse = lse_a + softplus(delta), out = out * sigma(-delta) +
+// part * sigma(delta); a side at -inf contributes nothing. One warp per (row, head).
+extern "C" __global__ void attn_merge(float* out, float* lse, const float* part,
+                                      const float* part_lse, int b, int len, int H, int D,
+                                      int row0, int rows) {
+    long long w = (long long)blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
+    int lane = threadIdx.x & 31;
+    if (w >= (long long)rows * H) return;
+    int r = (int)(w / H), h = (int)(w % H);
+    int row = row0 + r;
+    long long li = ((long long)b * H + h) * len + row;
+    float la = lse[li], lb = part_lse[(long long)h * rows + r];
+    float wa, wb, l;
+    if (lb == XT_NEG_INF) {
+        wa = 1.0f; wb = 0.0f; l = la;
+    } else if (la == XT_NEG_INF) {
+        wa = 0.0f; wb = 1.0f; l = lb;
+    } else {
+        float d = lb - la;
+        wa = attn_sigmoid(-d);
+        wb = attn_sigmoid(d);
+        l = la + (fmaxf(d, 0.0f) + log1pf(expf(-fabsf(d))));
+    }
+    __syncwarp(); // every lane has read lse[li] before lane 0 writes it
+    float* o = out + (((long long)b * len + row) * H + h) * D;
+    const float* p = part + ((long long)r * H + h) * D;
+    for (int d = lane; d < D; d += 32) o[d] = __fadd_rn(__fmul_rn(o[d], wa), __fmul_rn(p[d], wb));
+    if (lane == 0) lse[li] = l;
+}
+
 // dq += scale * sum_j dS_ij k_j; one warp per query row, grid (ceil(Sq / warps), B * H).
 extern "C" __global__ void attn_bwd_dq(const float* q, const float* k, const float* v,
                                        const float* dout, const float* lse, const float* delta,
