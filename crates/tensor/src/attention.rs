@@ -612,7 +612,11 @@ impl MergeRows {
         part_lse: usize,
     ) -> Result<(), TensorError> {
         let seq = self.len * self.heads * self.head_dim;
-        if self.row0 + self.rows > self.len || seq == 0 || out % seq != 0 || self.b >= out / seq {
+        if self.row0 + self.rows > self.len
+            || seq == 0
+            || !out.is_multiple_of(seq)
+            || self.b >= out / seq
+        {
             return Err(TensorError::Shape(format!(
                 "merge: rows {}..{} of sequence {} of an output of {out} elements ({} tokens × {} heads × {})",
                 self.row0,
