@@ -3,13 +3,15 @@
 # project is checked on have one, where NCCL cannot pair two ranks): the same dp 2 run with
 # XTRAIN_BACKEND=own (gradients and weight gathers through host memory) and
 # XTRAIN_BACKEND=nccl (on the GPUs): dp 2 at ZeRO-0 to 3 in fp32 and ZeRO-1 and 3 in bf16
-# (the gradient reductions and weight gathers, on the communication stream), and tp 2 with
-# and without sequence parallelism in fp32 (the region operators' collectives), 20 steps each;
+# (the gradient reductions and weight gathers, on the communication stream), tp 2 with and
+# without sequence parallelism in fp32 (the region operators' collectives) and cp 2, ring and
+# all-gather, in fp32 (the K/V blocks and their gradients), 20 steps each;
 # every loss and grad norm of the two must agree within 1e-5 relative (fp32; the sums differ
 # only in order) and 1e-2 (bf16: 16-bit weights rounded from masters ~1e-7 apart). (One GPU
 # checks the same paths with one-rank communicators:
 # `nccl_with_one_rank_matches_the_own_engine_bit_for_bit` in xtrain/tests/gpu_processes.rs and
-# `tp_regions_run_on_a_one_rank_nccl_communicator` in train/tests/gpu_train.rs.)
+# `tp_regions_run_on_a_one_rank_nccl_communicator` and
+# `context_attention_runs_on_a_one_rank_nccl_communicator` in train/tests/gpu_train.rs.)
 #
 #   scripts/nccl-parity.sh [XTRAIN_BINARY] [OUT]
 set -euo pipefail
@@ -29,6 +31,7 @@ runs=(
     "fp32-zero2 fp32 --dp 2 --zero 2" "fp32-zero3 fp32 --dp 2 --zero 3"
     "bf16-zero1 bf16 --dp 2 --zero 1" "bf16-zero3 bf16 --dp 2 --zero 3"
     "fp32-tp2 fp32 --tp 2" "fp32-tp2-sp fp32 --tp 2 --sp"
+    "fp32-cp2-ring fp32 --cp 2" "fp32-cp2-allgather fp32 --cp 2 --set parallel.cp_comm=\"allgather\""
 )
 for run in "${runs[@]}"; do
     read -r name precision layout <<<"$run"

@@ -128,6 +128,8 @@ pub struct DecoderStage {
     /// This rank's share of the sequences (context parallelism), and the group of the ranks
     /// holding the rest.
     pub cp: Option<CpLayout>,
+    /// The blocks' (shared) context-parallel attention (cp > 1).
+    pub cp_attention: Option<Arc<crate::context_parallel::ring::ContextAttention>>,
     seqs: Option<Arc<dyn model::layers::SequenceGroup>>,
     /// Expert parallelism (ep > 1).
     ep: Option<EpGroups>,
@@ -234,6 +236,7 @@ impl DecoderStage {
             partial,
             held,
             cp: None,
+            cp_attention: None,
             seqs: None,
             ep: None,
             moe_load: Arc::default(),
@@ -277,16 +280,18 @@ impl DecoderStage {
     pub fn with_context(
         mut self,
         layout: CpLayout,
-        attention: Arc<dyn model::layers::attention::AttentionCore>,
+        attention: Arc<crate::context_parallel::ring::ContextAttention>,
         seqs: Arc<dyn model::layers::SequenceGroup>,
     ) -> Self {
+        let core: Arc<dyn model::layers::attention::AttentionCore> = attention.clone();
         for b in &mut self.local.blocks {
-            b.attn.core = Some(attention.clone());
+            b.attn.core = Some(core.clone());
             if let model::layers::block::Ffn::Moe(m) = &mut b.ffn {
                 m.seq_group = Some(seqs.clone());
             }
         }
         self.cp = Some(layout);
+        self.cp_attention = Some(attention);
         self.seqs = Some(seqs);
         self
     }

@@ -12,19 +12,23 @@
 //!   far (an event the communication stream waits for) and returns an [`InFlight`], which the
 //!   executor joins before it reads the result (the compute stream waits for the collective's
 //!   event; the host does not), keeping the buffers it uses alive until then.
+//! - Context parallelism (`context_parallel::ring`), on the communication stream: the ring's
+//!   shifts of K/V blocks and of their gradient sums (a send to the next rank grouped with the
+//!   receive from the previous one), overlapping the block's attention kernels, or the
+//!   all-gather and reduce-scatter of the all-gather variant.
 //! - Tensor parallelism (`tensor_parallel::region`): the region operators' all-reduce,
 //!   all-gather and reduce-scatter of activations and their gradients, on the compute stream
 //!   (the model needs each result before its next kernel: stream order is the whole
 //!   synchronisation, and the host never waits).
 //!
 //! The rest (compressed or PowerSGD reductions, tied embeddings, expert parallelism's prepared
-//! reductions, pipeline messages, the cp ring, the ep all-to-all) keeps the communicator's
+//! reductions, pipeline messages, the ep all-to-all) keeps the communicator's
 //! collectives over host memory (`XTRAIN_BACKEND=own`, the default, or `mpi`).
 //!
 //! A communicator is made over a process group: every rank reports its host and GPU (NCCL
 //! needs one GPU per rank, so ranks sharing one are refused by name before NCCL is asked),
 //! rank 0 makes the unique id and broadcasts it over the group's authenticated host transport,
-//! and every rank joins. Every rank makes its communicators in the same order (dp, then tp).
+//! and every rank joins. Every rank makes its communicators in the same order (dp, tp, cp).
 use std::ops::Range;
 use std::sync::{Arc, Mutex, MutexGuard};
 
@@ -215,6 +219,23 @@ impl NcclGroup {
         recv: DevSliceMut<'_, f32>,
     ) -> Result<InFlight, ParallelError> {
         self.queue(|c| c.reduce_scatter(send, recv, ReduceOp::Sum))
+    }
+
+    /// Starts sending `send` to rank `to` while receiving `recv` from rank `from`, grouped (so
+    /// that a ring of such exchanges cannot wait on itself).
+    pub fn send_recv(
+        &self,
+        send: DevSlice<'_, f32>,
+        to: usize,
+        recv: DevSliceMut<'_, f32>,
+        from: usize,
+    ) -> Result<InFlight, ParallelError> {
+        self.queue(|c| {
+            c.group(|| {
+                c.send(send, to)?;
+                c.recv(recv, from)
+            })
+        })
     }
 
     /// Starts gathering `buf` in place from its blocks: `counts[p]` elements from rank `p`,

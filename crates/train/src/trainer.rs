@@ -741,8 +741,10 @@ pub fn load_model(path: &Path) -> Result<(RunConfig, Model, Vec<f32>, Tokenizer)
 }
 
 /// The NCCL communicators `XTRAIN_BACKEND=nccl` asks for (GPU ranks, one GPU each; none for
-/// the own engine): the dp group's, on the communication stream, returned for the executor;
-/// the tp group's (tp > 1), on the compute stream, attached to the region operators. A dp
+/// the own engine), made in this order on every rank: the dp group's, on the communication
+/// stream, returned for the executor; the tp group's (tp > 1), on the compute stream, attached
+/// to the region operators; the cp group's (cp > 1), on the communication stream, attached to
+/// the ring attention. A dp
 /// group of one rank gets a one-rank communicator: its reductions change nothing, but they
 /// run the same path as many ranks' (how that path is checked on a machine with one GPU).
 fn nccl_groups(
@@ -757,7 +759,8 @@ fn nccl_groups(
         if let tensor::buf::Dev::Cuda(gpu) = device {
             let groups = [(dp, dp.size() > 1)]
                 .into_iter()
-                .chain(region.map(|r| (r.group(), true)));
+                .chain(region.map(|r| (r.group(), true)))
+                .chain(par.stage.cp_attention.as_ref().map(|a| (a.group(), true)));
             for (g, _) in groups.filter(|(g, used)| *used && g.size() > 1) {
                 tracing::info!(
                     target: "comm",
@@ -791,6 +794,16 @@ fn nccl_groups(
         )
         .map_err(perr)?;
         region.attach_nccl(tp_group).map_err(perr)?;
+    }
+    if let Some(attention) = &par.stage.cp_attention {
+        let cp_group = NcclGroup::new(
+            attention.group(),
+            gpu,
+            Stream::Comm,
+            "context-parallel K/V blocks and their gradients",
+        )
+        .map_err(perr)?;
+        attention.attach_nccl(cp_group).map_err(perr)?;
     }
     Ok(Some(dp_group))
 }

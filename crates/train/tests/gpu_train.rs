@@ -567,3 +567,93 @@ fn tp_regions_run_on_a_one_rank_nccl_communicator() {
         );
     }
 }
+
+/// Context parallelism's collectives over NCCL (`XTRAIN_BACKEND=nccl`, cp > 1, ranks with a
+/// GPU each), with the one-rank communicator one GPU can hold: the all-gather variant runs
+/// NCCL's all-gather of the K/V blocks and reduce-scatter of their gradients on the
+/// communication stream, joined by the compute stream (at cp = 1 the ring shifts nothing).
+/// Forward and backward must equal the same attention without NCCL bit for bit, on the GPU.
+/// Two ranks: `scripts/nccl-parity.sh`'s cp run, on a machine with two GPUs.
+#[test]
+fn context_attention_runs_on_a_one_rank_nccl_communicator() {
+    use model::layers::attention::AttentionCore;
+    use parallel::context_parallel::ring::ContextAttention;
+    use parallel::context_parallel::{CpBalance, CpComm, CpLayout};
+    use tensor::attention::AttnShape;
+    use tensor::buf::{Buf, Dev};
+    if !has_gpu() {
+        return;
+    }
+    let Ok(Dev::Cuda(gpu)) = Dev::open("cuda") else {
+        panic!("the GPU opened above");
+    };
+    let comm = comm::Communicator::single_process().unwrap();
+    let layout = CpLayout {
+        cp: 1,
+        rank: 0,
+        balance: CpBalance::None,
+    };
+    let shape = AttnShape::causal(2, 48, 4, 2, 32);
+    let part = layout.part(shape.q_len);
+    let data = |n: usize, seed: usize| -> Buf {
+        let v: Vec<f32> = (0..n)
+            .map(|i| (((i * 7919 + seed * 104_729) % 1000) as f32 / 500.0) - 1.0)
+            .collect();
+        Buf::Cuda(gpu.upload(&v).unwrap())
+    };
+    let (q, k, v, dout) = (
+        data(shape.q_elems(), 1),
+        data(shape.kv_elems(), 2),
+        data(shape.kv_elems(), 3),
+        data(shape.q_elems(), 4),
+    );
+    let run = |attention: &ContextAttention| -> Vec<Vec<f32>> {
+        let (o, lse) = attention
+            .forward(&shape, part, None, q.r(), k.r(), v.r())
+            .unwrap();
+        let (dq, dk, dv) = attention
+            .backward(
+                &shape,
+                part,
+                None,
+                q.r(),
+                k.r(),
+                v.r(),
+                o.r(),
+                lse.r(),
+                dout.r(),
+            )
+            .unwrap();
+        [o, lse, dq, dk, dv]
+            .iter()
+            .map(|b| {
+                assert!(matches!(b, Buf::Cuda(_)), "a result left the GPU");
+                b.to_vec().unwrap()
+            })
+            .collect()
+    };
+    let make = || {
+        let dkv = comm.new_named_group("cp-dkv", &[0]).unwrap();
+        ContextAttention::new(layout, CpComm::AllGather, comm.world().clone(), dkv).unwrap()
+    };
+    let want = run(&make());
+    let attention = make();
+    let nccl = parallel::nccl::NcclGroup::new(
+        attention.group(),
+        &gpu,
+        tensor::cuda::Stream::Comm,
+        "the context-parallel test",
+    )
+    .unwrap();
+    attention.attach_nccl(nccl).unwrap();
+    let got = run(&attention);
+    for (name, (g, w)) in ["out", "lse", "dq", "dk", "dv"]
+        .iter()
+        .zip(got.iter().zip(&want))
+    {
+        assert!(
+            g.len() == w.len() && g.iter().zip(w).all(|(a, b)| a.to_bits() == b.to_bits()),
+            "{name}: over NCCL it differs from the host path"
+        );
+    }
+}

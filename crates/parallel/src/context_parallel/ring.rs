@@ -29,6 +29,8 @@
 //! `δ = lse_b − lse_a`, `lse = lse_a + softplus(δ)` and `o = o_a·σ(−δ) + o_b·σ(δ)`
 //! (ring-flash-attention's `lse − logsigmoid(lse − lse_blk)` form); a side with `lse = −∞`
 //! contributes nothing (`tensor::attention::merge_partial`, on the partials' device).
+use std::sync::OnceLock;
+
 use comm::{ProcessGroup, ReduceOp};
 use model::layers::attention::AttentionCore;
 use model::layers::SeqPart;
@@ -37,6 +39,7 @@ use model::{Documents, ModelError, Result};
 use tensor::attention::{AttnShape, MergeRows};
 
 use super::{block_calls, CpComm, CpLayout};
+use crate::nccl::{InFlight, NcclGroup};
 
 const TAG_KV: u32 = 0x4b56;
 const TAG_DKV: u32 = 0x644b56;
@@ -50,6 +53,33 @@ pub struct ContextAttention {
     kv: ProcessGroup,
     /// Carries the dK/dV sums of ring attention's backward.
     dkv: ProcessGroup,
+    /// Carries both on the devices, once attached ([`ContextAttention::attach_nccl`]).
+    nccl: OnceLock<NcclGroup>,
+}
+
+/// A block on its way round the ring (or a collective of the all-gather variant): over the
+/// host transports, or over NCCL (joined before the result is read; the buffer it sends is
+/// kept alive by the caller until then).
+enum Shift {
+    Host(comm::Work<Vec<Vec<f32>>>, tensor::buf::Dev),
+    Nccl { flight: InFlight, recv: Buf },
+}
+
+impl Shift {
+    /// The received buffer, on the device of the one sent (its wait charged to the profile's
+    /// `ContextWait`).
+    fn finish(self) -> Result<Buf> {
+        match self {
+            Shift::Host(w, dev) => Ok(dev.from_vec(received(w)?)?),
+            Shift::Nccl { flight, recv } => {
+                model::profile::time(model::profile::Kernel::ContextWait, || flight.join())
+                    .map_err(|e| {
+                        ModelError::Collective(format!("context-parallel attention: {e}"))
+                    })?;
+                Ok(recv)
+            }
+        }
+    }
 }
 
 fn cerr(e: comm::CommError) -> ModelError {
@@ -80,7 +110,35 @@ impl ContextAttention {
             comm,
             kv,
             dkv,
+            nccl: OnceLock::new(),
         })
+    }
+
+    /// The cp group (the K/V blocks' group).
+    pub fn group(&self) -> &ProcessGroup {
+        &self.kv
+    }
+
+    /// Moves the blocks of GPU activations onto `nccl` (a communicator over [`Self::group`],
+    /// on the communication stream). Once.
+    pub fn attach_nccl(&self, nccl: NcclGroup) -> std::result::Result<(), crate::ParallelError> {
+        if nccl.size() != self.layout.cp {
+            return Err(crate::ParallelError::Config(format!(
+                "an NCCL communicator of {} ranks for a cp group of {}",
+                nccl.size(),
+                self.layout.cp
+            )));
+        }
+        self.nccl.set(nccl).map_err(|_| {
+            crate::ParallelError::Config(
+                "the context-parallel attention already has its NCCL communicator".into(),
+            )
+        })
+    }
+
+    /// The NCCL communicator, where one is attached and `x` lies on a GPU.
+    fn on_nccl(&self, x: &Buf) -> Option<&NcclGroup> {
+        self.nccl.get().filter(|_| matches!(x, Buf::Cuda(_)))
     }
 
     fn next(&self) -> usize {
@@ -263,15 +321,72 @@ impl ContextAttention {
         Ok(kv)
     }
 
-    /// Starts the ring shift of `buf` on `group`: sent to the next rank, the previous rank's
-    /// received.
-    fn shift(&self, group: &ProcessGroup, buf: Vec<f32>, tag: u32) -> comm::Work<Vec<Vec<f32>>> {
+    /// Starts the ring shift of `buf` on `group` (or NCCL): sent to the next rank, the
+    /// previous rank's received. `buf` must live until the shift is finished.
+    fn shift(&self, group: &ProcessGroup, buf: &Buf, tag: u32) -> Result<Shift> {
         let n = buf.len();
-        group.send_recv_async(
-            vec![(self.next(), buf)],
+        if let (Some(nccl), Buf::Cuda(d)) = (self.on_nccl(buf), buf) {
+            let mut recv = d.gpu().alloc::<f32>(n).map_err(tensor::TensorError::from)?;
+            let flight = nccl
+                .send_recv(d.as_slice(), self.next(), recv.as_mut_slice(), self.prev())
+                .map_err(|e| ModelError::Collective(format!("context-parallel attention: {e}")))?;
+            return Ok(Shift::Nccl {
+                flight,
+                recv: Buf::Cuda(recv),
+            });
+        }
+        let w = group.send_recv_async(
+            vec![(self.next(), buf.to_vec()?)],
             vec![(self.prev(), vec![0.0; n])],
             tag,
-        )
+        );
+        Ok(Shift::Host(w, buf.dev()))
+    }
+
+    /// Every rank's `mine` in rank order, on the device of `mine` (the all-gather variant).
+    fn gather_blocks(&self, mine: &Buf) -> Result<Buf> {
+        let cp = self.layout.cp;
+        if let (Some(nccl), Buf::Cuda(d)) = (self.on_nccl(mine), mine) {
+            let mut all = d
+                .gpu()
+                .alloc::<f32>(d.len() * cp)
+                .map_err(tensor::TensorError::from)?;
+            let flight = nccl
+                .all_gather(d.as_slice(), all.as_mut_slice())
+                .map_err(|e| ModelError::Collective(format!("context-parallel attention: {e}")))?;
+            Shift::Nccl {
+                flight,
+                recv: Buf::Cuda(all),
+            }
+            .finish()
+        } else {
+            let mut all = vec![0.0f32; mine.len() * cp];
+            let m = mine.to_vec()?;
+            waited(|| self.kv.all_gather(&m, &mut all))?;
+            Ok(mine.dev().from_vec(all)?)
+        }
+    }
+
+    /// This rank's block of the sum over the ranks of `all` (the all-gather variant's
+    /// gradients), on the device of `all`.
+    fn scatter_sums(&self, all: &Buf) -> Result<Buf> {
+        let n = all.len() / self.layout.cp;
+        if let (Some(nccl), Buf::Cuda(d)) = (self.on_nccl(all), all) {
+            let mut own = d.gpu().alloc::<f32>(n).map_err(tensor::TensorError::from)?;
+            let flight = nccl
+                .reduce_scatter(d.as_slice(), own.as_mut_slice())
+                .map_err(|e| ModelError::Collective(format!("context-parallel attention: {e}")))?;
+            Shift::Nccl {
+                flight,
+                recv: Buf::Cuda(own),
+            }
+            .finish()
+        } else {
+            let a = all.to_vec()?;
+            let mut own = vec![0.0f32; n];
+            waited(|| self.kv.reduce_scatter(&a, &mut own, ReduceOp::Sum))?;
+            Ok(all.dev().from_vec(own)?)
+        }
     }
 }
 
@@ -289,7 +404,7 @@ fn waited<R>(f: impl FnOnce() -> comm::Result<R>) -> Result<R> {
 }
 
 // The blocks travel over the host transports (on a GPU each is downloaded to be sent and
-// uploaded when received); the partial outputs are merged on their device.
+// uploaded when received) or over NCCL; the partial outputs are merged on their device.
 impl AttentionCore for ContextAttention {
     fn forward(
         &self,
@@ -312,21 +427,18 @@ impl AttentionCore for ContextAttention {
                 for step in 0..cp {
                     let j = (self.layout.rank + cp - step) % cp;
                     let next = match step + 1 < cp {
-                        true => Some(self.shift(&self.kv, cur.to_vec()?, TAG_KV)),
+                        true => Some(self.shift(&self.kv, &cur, TAG_KV)?),
                         false => None,
                     };
                     self.block_forward(shape, docs, q, cur.r(), j, o.m(), lse.m())?;
                     if let Some(w) = next {
-                        cur = dev.from_vec(received(w)?)?;
+                        cur = w.finish()?; // (the block sent is freed only now)
                     }
                 }
             }
             CpComm::AllGather => {
                 let n = mine.len();
-                let mut all = vec![0.0f32; n * cp];
-                let mine = mine.into_vec()?;
-                waited(|| self.kv.all_gather(&mine, &mut all))?;
-                let all = dev.from_vec(all)?;
+                let all = self.gather_blocks(&mine)?;
                 // The own block first, then the others in ring order: the ring's merge order.
                 for step in 0..cp {
                     let j = (self.layout.rank + cp - step) % cp;
@@ -352,7 +464,6 @@ impl AttentionCore for ContextAttention {
     ) -> Result<(Buf, Buf, Buf)> {
         self.check(shape, part, docs)?;
         let cp = self.layout.cp;
-        let dev = q.dev();
         let lse = lse.to_vec()?;
         let mut dq = tensor::ops::zeros_like(q, shape.q_elems())?;
         let mine = Self::kv_buffer(k, v)?;
@@ -360,13 +471,14 @@ impl AttentionCore for ContextAttention {
         let own = match self.comm {
             CpComm::Ring => {
                 let mut cur = mine;
-                // The sum the previous rank passed on for this step's block.
-                let mut incoming: Option<comm::Work<Vec<Vec<f32>>>> = None;
+                // The sum the previous rank passed on for this step's block (and the sum this
+                // rank sent, alive until then).
+                let mut incoming: Option<(Shift, Buf)> = None;
                 let mut alone = None; // cp = 1: the own block's gradient stays here
                 for step in 0..cp {
                     let j = (self.layout.rank + cp - step) % cp;
                     let next = match step + 1 < cp {
-                        true => Some(self.shift(&self.kv, cur.to_vec()?, TAG_KV)),
+                        true => Some(self.shift(&self.kv, &cur, TAG_KV)?),
                         false => None,
                     };
                     let mut dkv = tensor::ops::zeros_like(q, n)?;
@@ -380,32 +492,29 @@ impl AttentionCore for ContextAttention {
                         dq.m(),
                         dkv.m(),
                     )?;
-                    if let Some(w) = incoming.take() {
-                        let sum = dev.from_vec(received(w)?)?;
+                    if let Some((w, _sent)) = incoming.take() {
+                        let sum = w.finish()?;
                         tensor::ops::add_assign(dkv.m(), sum.r())?;
                     }
                     // On to the next rank, which sees block j at the next step; after the
                     // last step the next rank is j's owner.
                     if cp > 1 {
-                        incoming = Some(self.shift(&self.dkv, dkv.into_vec()?, TAG_DKV));
+                        incoming = Some((self.shift(&self.dkv, &dkv, TAG_DKV)?, dkv));
                     } else {
                         alone = Some(dkv);
                     }
                     if let Some(w) = next {
-                        cur = dev.from_vec(received(w)?)?;
+                        cur = w.finish()?;
                     }
                 }
                 match (incoming, alone) {
-                    (Some(w), _) => dev.from_vec(received(w)?)?,
+                    (Some((w, _sent)), _) => w.finish()?,
                     (None, Some(g)) => g,
                     (None, None) => unreachable!("cp ≥ 1 steps ran"),
                 }
             }
             CpComm::AllGather => {
-                let mut all = vec![0.0f32; n * cp];
-                let mine = mine.into_vec()?;
-                waited(|| self.kv.all_gather(&mine, &mut all))?;
-                let all = dev.from_vec(all)?;
+                let all = self.gather_blocks(&mine)?;
                 let mut dall = tensor::ops::zeros_like(q, n * cp)?;
                 for step in 0..cp {
                     let j = (self.layout.rank + cp - step) % cp;
@@ -414,10 +523,7 @@ impl AttentionCore for ContextAttention {
                     let (o, l) = (out, &lse);
                     self.block_backward(shape, docs, (q, blk, j), o, l, dout, dq.m(), dblk)?;
                 }
-                let dall = dall.into_vec()?;
-                let mut own = vec![0.0f32; n];
-                waited(|| self.kv.reduce_scatter(&dall, &mut own, ReduceOp::Sum))?;
-                dev.from_vec(own)?
+                self.scatter_sums(&dall)?
             }
         };
         let (dk, dv) = (own.r().slice(0..n / 2), own.r().slice(n / 2..n));
