@@ -1,0 +1,497 @@
+// Candidate for the tensor-core FlashAttention-2 forward (kernels attn_fwd_tc_next_k4 for
+// D <= 64 and attn_fwd_tc_next_k8 for D <= 128), kept out of the library until it is measured
+// against attn_fwd_tc_k4 / _k8 of crates/tensor/src/cuda/kernels/attention_tc.cu
+// (crates/tensor/examples/attention_next.rs compares the two for correctness and speed). Like
+// every kernel module it is compiled with the prelude (kernels/prelude.cuh) put in front.
+//
+// Contract: that of attn_fwd_tc_k4 / _k8, argument for argument. q, out [B, Sq, H, D] fp32;
+// k, v [B, Sk, Hkv, D] fp32; lse [B, H, Sq] (natural log); causal by global positions (query
+// i at q_start + i sees key j iff k_start + j <= q_start + i); grouped KV heads h -> h / (H /
+// Hkv); a row that sees no key gets lse = -inf and out = 0; D a multiple of 16 in 16..128.
+// Products on the tensor cores with bf16 operands and fp32 accumulation
+// (mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32, sm_80+); Q, K, V are rounded to bf16
+// (nearest even) on their way into registers or shared memory, P before P V; scores, the
+// online softmax and every accumulator stay fp32. `scale` must be positive (the launcher
+// passes 1 / sqrt(D)): the running maximum is taken over the unscaled scores.
+//
+// Launch: grid (ceil(Sq / 64), B * H), block 128 (4 warps), the library's forward grid, and
+// 768 D + 2048 bytes of dynamic shared memory (below). Two requirements the library kernel does
+// not have: k and v must be 16-byte aligned (cp.async copies 16 bytes; rows of D fp32 are then
+// aligned too, D being a multiple of 4), q and out 8-byte aligned (float2 loads and stores).
+//
+// What differs from the library kernel, and why (Nsight Compute on an H200 showed that kernel
+// latency-bound: the K and V tiles loaded synchronously with nothing to overlap them):
+//  a. K and V tiles come in with cp.async (PTX ISA, "Data Movement and Conversion
+//     Instructions: cp.async"), 16 bytes a copy, L2 only (.cg), into an fp32 staging tile; the
+//     copies of tile j + 1 are issued right after tile j has been converted to bf16 and stay in
+//     flight while tile j is computed (the fp32 stage and the bf16 tiles are the two buffers of
+//     the pipeline). Rows at or past Sk are zero-filled by the copy (src-size 0), so that a
+//     masked P of 0 never meets a NaN of stale shared memory in P V.
+//  b. The conversion fp32 -> bf16 is one pass over the tile per CTA (each element converted
+//     once, cvt.rn.bf16x2.f32: round to nearest even, as the library's f32_to_bf16 for every
+//     number; a NaN stays a NaN, the canonical one), with no integer division: each thread
+//     converts exactly the 16-byte pieces it copied (so it needs no barrier between its
+//     cp.async.wait_group and the conversion: a thread's completed cp.async writes are visible
+//     to that thread), and their tile coordinates advance by a constant step.
+//  c. B fragments come from the bf16 tiles with ldmatrix (PTX ISA, "Warp-level matrix load
+//     instruction: ldmatrix"): .x4 gives the fragments of two n-tiles of 8 at once, .trans for
+//     V in P V (V's k index runs down the tile's rows).
+//  d. The online softmax runs in the exp2 domain: p = 2^(s * scale * log2(e) - m2) with one
+//     FFMA and ex2.approx.ftz (PTX ISA, "ex2"), m2 the running maximum of the row in the same
+//     units; lse = (m2 + log2(l)) * ln(2) at the end.
+//  e. The causal (and Sk-edge) mask is applied only on the key tiles where some row of the
+//     warp does not see some key of the tile; a warp skips tiles none of its rows sees, and on
+//     a partly seen tile the 16-key steps past the last key its last row sees.
+//  f. The query blocks are taken in reverse order (blockIdx.x = 0 takes the last rows, which
+//     see the most keys under a causal mask), so the longest blocks start first and the short
+//     ones fill the tail of the grid.
+//
+// Fragments of mma.m16n8k16 (PTX ISA, "Matrix Fragments for mma.m16n8k16 with floating point
+// type"), with g = lane >> 2 (groupID) and t = lane & 3 (threadID_in_group); a 32-bit register
+// holds two bf16, the lower-indexed element in the lower 16 bits:
+//   A (16 x 16, row-major, M x K), 4 registers:
+//     a[0] = (row g,     cols 2t, 2t+1)      a[1] = (row g + 8, cols 2t, 2t+1)
+//     a[2] = (row g,     cols 2t+8, 2t+9)    a[3] = (row g + 8, cols 2t+8, 2t+9)
+//   B (16 x 8, K x N, "col"), 2 registers:
+//     b[0] = (rows k = 2t, 2t+1, col n = g)  b[1] = (rows k = 2t+8, 2t+9, col n = g)
+//   C/D (16 x 8 fp32), 4 registers:
+//     c[0], c[1] = (row g, cols 2t, 2t+1)    c[2], c[3] = (row g + 8, cols 2t, 2t+1)
+// The C fragments of two adjacent n-tiles (score columns 16kk..16kk+7 and 16kk+8..16kk+15) are
+// the A fragment of k-step kk of P V: a = {pack(c0[0], c0[1]), pack(c0[2], c0[3]),
+// pack(c1[0], c1[1]), pack(c1[2], c1[3])}.
+//
+// ldmatrix .m8n8 .x4: lanes 8i .. 8i + 7 give the 8 row addresses (16 bytes each: 8 bf16) of
+// matrix i, and destination register i receives matrix i; lane l holds, of an 8 x 8 matrix M
+// whose row r starts at the r-th address, M[l >> 2][2 (l & 3)], M[l >> 2][2 (l & 3) + 1]
+// (lower half first), or with .trans M[2 (l & 3)][l >> 2], M[2 (l & 3) + 1][l >> 2]. So
+//   S = Q K^T, B(k = d, n = j) = K[j][d]: M[r][c] = K[8n + r][16kk + c] gives lane l
+//     K[8n + g][16kk + 2t, +1] = b[0] of n-tile n at k-step kk (columns 16kk + 8 .. give b[1]);
+//     the four matrices are (n, cols 16kk), (n, 16kk + 8), (n + 1, 16kk), (n + 1, 16kk + 8).
+//   O += P V, B(k = j, n = d) = V[j][d]: M[r][c] = V[16kk + r][8n + c] with .trans gives
+//     V[16kk + 2t, +1][8n + g] = b[0] (rows 16kk + 8 .. give b[1]); the four matrices are
+//     (rows 16kk, n), (16kk + 8, n), (16kk, n + 1), (16kk + 8, n + 1).
+// The bf16 tiles have a row stride of D + 8 elements, (D + 8) / 2 = 4 (mod 8) 32-bit words
+// since D is a multiple of 16: the 8 rows of one matrix start 4 (mod 8) words apart, i.e. on
+// 8 distinct groups of 4 banks, so every ldmatrix phase is free of bank conflicts.
+//
+// Shared memory (dynamic, 16-byte aligned): the fp32 stage of a K and a V tile (2 x 64 x D x 4
+// bytes, unpadded: the copies and the conversion read and write it 16 bytes a thread, 512
+// consecutive bytes a warp), then the bf16 K and V tiles (2 x 64 x (D + 8) x 2 bytes):
+// 768 D + 2048 bytes, 51200 (50 KiB) for D = 64 and 100352 (98 KiB) for D = 128. Budget: an
+// H100 or H200 SM has 228 KiB (at most 227 KiB a block, opt-in above 48 KiB; 1 KiB reserved
+// per block): shared memory allows 4 blocks an SM at D = 64 and 2 at D = 128 (an A100's
+// 164 KiB: 3 and 1); registers allow 3 at D = 64 and 2 at D = 128 (TN_K4_MIN_BLOCKS below).
+
+#define TN_BM 64  // query rows per CTA (16 per warp, 4 warps)
+#define TN_BN 64  // keys per tile
+#define TN_PAD 8  // bf16 of padding per row of the bf16 tiles
+#define TN_THREADS 128
+#define TN_LOG2E 1.4426950408889634f
+#define TN_LN2 0.6931471805599453f
+
+// Two fp32 as a bf16 pair, round to nearest even: `lo` in the lower 16 bits (cvt.rn.bf16x2.f32
+// d, a, b puts a in the upper half, b in the lower).
+__device__ __forceinline__ u32 tn_pack(float lo, float hi) {
+    u32 r;
+    asm("cvt.rn.bf16x2.f32 %0, %1, %2;\n" : "=r"(r) : "f"(hi), "f"(lo));
+    return r;
+}
+
+// 2^x (ex2.approx.ftz.f32: 2^-inf = +0; results below 2^-126 flush to 0, far below what bf16
+// P keeps next to the row's largest term, 1).
+__device__ __forceinline__ float tn_exp2(float x) {
+    float y;
+    asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
+    return y;
+}
+
+// d += a * b (16 x 8 x 16, bf16 operands, fp32 accumulate).
+__device__ __forceinline__ void tn_mma(float* d, const u32* a, u32 b0, u32 b1) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
+        "{%8, %9}, {%0, %1, %2, %3};\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+// Four 8 x 8 bf16 matrices from shared memory (`addr`: this lane's row address, see above).
+// volatile with a memory clobber: the tiles are rewritten at the same addresses every key tile,
+// so these loads must neither be merged across iterations nor moved across the barriers.
+__device__ __forceinline__ void tn_ldsm_x4(u32* r, u32 addr) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(addr)
+                 : "memory");
+}
+
+__device__ __forceinline__ void tn_ldsm_x4_trans(u32* r, u32 addr) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(addr)
+                 : "memory");
+}
+
+// 16 bytes global -> shared, cached in L2 only; `src_bytes` of them read from `src`, the rest
+// zero-filled (0: a row past the end, nothing is read).
+__device__ __forceinline__ void tn_cp_async16(u32 dst, const float* src, int src_bytes) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst),
+                 "l"((u64)__cvta_generic_to_global(src)), "r"(src_bytes)
+                 : "memory");
+}
+
+__device__ __forceinline__ void tn_cp_async_commit() {
+    asm volatile("cp.async.commit_group;\n" ::: "memory");
+}
+
+// Waits for every cp.async group of this thread; its copies are then visible to it.
+__device__ __forceinline__ void tn_cp_async_wait_all() {
+    asm volatile("cp.async.wait_group 0;\n" ::: "memory");
+}
+
+__device__ __forceinline__ u32 tn_smem_addr(const void* p) {
+    return (u32)__cvta_generic_to_shared(p);
+}
+
+// Keys visible to some query of rows [0, i_end): all of them, or up to the last row's.
+__device__ __forceinline__ int tn_keys_seen(int i_end, int Sk, int causal, int q_start,
+                                            int k_start) {
+    if (!causal) return Sk;
+    int v = q_start + i_end - k_start; // keys j with k_start + j <= q_start + i_end - 1
+    return v < 0 ? 0 : (v > Sk ? Sk : v);
+}
+
+// The 16-byte pieces of a 64-row tile that this thread copies and converts: pieces
+// e = threadIdx.x + 128 i for i < D / 8 (64 rows of D / 4 pieces: 16 D pieces, D / 8 a thread),
+// piece e at byte 16 e of the fp32 stage, tile row e / (D / 4), column 4 (e % (D / 4)). The
+// row and column of piece i + 1 are those of piece i advanced by 128 pieces: `dr` rows and
+// `dc` pieces, with a carry (no division in the loop).
+struct TnPieces {
+    int r, c;   // row and piece column of the first piece (i = 0)
+    int dr, dc; // 128 / (D / 4), 128 % (D / 4)
+    int cpr;    // pieces a row, D / 4
+};
+
+// Issues the copies of key rows j0 .. j0 + 63 of K and V (`kb`, `vb`: row 0 of the head;
+// `kstride` = Hkv * D) into the fp32 stage (shared addresses `kst`, `vst`); rows at or past Sk
+// are zero-filled.
+template <int MAXK>
+__device__ __forceinline__ void tn_copy_tile(u32 kst, u32 vst, const float* kb, const float* vb,
+                                             long long kstride, int j0, int Sk, int D,
+                                             const TnPieces& pc) {
+    int r = pc.r, c = pc.c;
+#pragma unroll
+    for (int i = 0; i < 2 * MAXK; i++) {
+        if (i < (D >> 3)) {
+            const int row = j0 + r;
+            const bool in = row < Sk;
+            // A row past the end reads nothing; its address stays inside row 0 of the head.
+            const long long off = (in ? (long long)row * kstride : 0) + 4 * c;
+            const u32 so = (u32)(threadIdx.x + TN_THREADS * i) * 16u;
+            tn_cp_async16(kst + so, kb + off, in ? 16 : 0);
+            tn_cp_async16(vst + so, vb + off, in ? 16 : 0);
+            c += pc.dc;
+            r += pc.dr;
+            if (c >= pc.cpr) {
+                c -= pc.cpr;
+                r++;
+            }
+        }
+    }
+}
+
+// This thread's pieces of the fp32 stage (`kst`, `vst`) rounded into the bf16 tiles (`kt`,
+// `vt`, row stride ld): 4 fp32 -> 4 bf16 (8 bytes) a piece. In batches of TN_CVT_BATCH pieces,
+// all loads first: the compiler cannot tell the stage's loads from the tiles' stores apart, so
+// it would otherwise wait out one shared-memory load latency per piece.
+#define TN_CVT_BATCH 2
+template <int MAXK>
+__device__ __forceinline__ void tn_convert_tile(const float* kst, const float* vst, u16* kt,
+                                                u16* vt, int D, int ld, const TnPieces& pc) {
+    int r = pc.r, c = pc.c;
+#pragma unroll
+    for (int i0 = 0; i0 < 2 * MAXK; i0 += TN_CVT_BATCH) {
+        float4 x[TN_CVT_BATCH], y[TN_CVT_BATCH];
+#pragma unroll
+        for (int j = 0; j < TN_CVT_BATCH; j++) {
+            if (i0 + j < (D >> 3)) {
+                const int e = threadIdx.x + TN_THREADS * (i0 + j);
+                x[j] = ((const float4*)kst)[e];
+                y[j] = ((const float4*)vst)[e];
+            }
+        }
+#pragma unroll
+        for (int j = 0; j < TN_CVT_BATCH; j++) {
+            if (i0 + j < (D >> 3)) {
+                const int o = r * ld + 4 * c; // a multiple of 4 elements: 8-byte aligned
+                *(uint2*)(kt + o) = make_uint2(tn_pack(x[j].x, x[j].y), tn_pack(x[j].z, x[j].w));
+                *(uint2*)(vt + o) = make_uint2(tn_pack(y[j].x, y[j].y), tn_pack(y[j].z, y[j].w));
+                c += pc.dc;
+                r += pc.dr;
+                if (c >= pc.cpr) {
+                    c -= pc.cpr;
+                    r++;
+                }
+            }
+        }
+    }
+}
+
+// One key tile of 64 for one warp's 16 query rows: S = Q K^T, the online softmax, O += P V.
+// `ks_lane`, `vs_lane`: this lane's ldmatrix row address in the bf16 K and V tiles (k-step 0,
+// n-tile pair 0). MASKED: some row of the warp does not see some key of the tile; then
+// `kv_lim` is the number of the tile's keys the warp's last row below Sq sees (16-key steps
+// from it on are skipped: no row of the warp sees them) and `vis[hf]` the number row r0 + 8 hf
+// sees (keys 0 .. vis - 1 of the tile; may be <= 0 or > 64).
+template <int MAXK, bool MASKED>
+__device__ __forceinline__ void tn_tile(const u32 (&qf)[MAXK][4], float (&o)[2 * MAXK][4],
+                                        float (&m)[2], float (&l)[2], u32 ks_lane, u32 vs_lane,
+                                        int ld, int nk, float sl2, int kv_lim,
+                                        const int (&vis)[2], int t) {
+    // S = Q K^T (16 rows x 64 keys): n-tiles 2p, 2p + 1 from one ldmatrix.x4 per k-step.
+    float s[8][4];
+#pragma unroll
+    for (int n = 0; n < 8; n++) s[n][0] = s[n][1] = s[n][2] = s[n][3] = 0.0f;
+#pragma unroll
+    for (int kk = 0; kk < MAXK; kk++) {
+        if (kk < nk) {
+#pragma unroll
+            for (int p = 0; p < 4; p++) {
+                if (!MASKED || 16 * p < kv_lim) {
+                    u32 bk[4];
+                    tn_ldsm_x4(bk, ks_lane + (u32)(p * 16 * ld + kk * 16) * 2u);
+                    tn_mma(s[2 * p], qf[kk], bk[0], bk[1]);
+                    tn_mma(s[2 * p + 1], qf[kk], bk[2], bk[3]);
+                }
+            }
+        }
+    }
+    // Online softmax, row r0 + 8 hf: s[n][2 hf], s[n][2 hf + 1] (keys 8n + 2t, +1 of the tile),
+    // the row's 64 scores spread over the 4 threads of the quad. Skipped n-tiles hold 0 and are
+    // masked (no row of the warp sees them).
+#pragma unroll
+    for (int hf = 0; hf < 2; hf++) {
+        float mx = m[hf];
+#pragma unroll
+        for (int n = 0; n < 8; n++) {
+#pragma unroll
+            for (int e = 0; e < 2; e++) {
+                if (MASKED && n * 8 + 2 * t + e >= vis[hf]) s[n][2 * hf + e] = XT_NEG_INF;
+                mx = fmaxf(mx, s[n][2 * hf + e]);
+            }
+        }
+        mx = fmaxf(mx, __shfl_xor_sync(XT_FULL_MASK, mx, 1));
+        mx = fmaxf(mx, __shfl_xor_sync(XT_FULL_MASK, mx, 2));
+        // The new running maximum mx (unscaled; scale > 0) in exp2 units, m2 = mx * scale *
+        // log2(e), rounded once (__fmul_rn: never fused) so that the previous tile's m2 is
+        // recomputed bit for bit below. 0 while the row has seen no key (mx = -inf): p = 2^-inf
+        // = 0, never -inf - -inf.
+        const float m2 = mx == XT_NEG_INF ? 0.0f : __fmul_rn(mx, sl2);
+        // The rescale of what was summed against the previous m2 (2^-inf = 0 on the first
+        // seen tile, where l and o are still 0).
+        const float corr = tn_exp2(__fmul_rn(m[hf], sl2) - m2);
+        m[hf] = mx;
+        float sum = 0.0f;
+#pragma unroll
+        for (int n = 0; n < 8; n++) {
+#pragma unroll
+            for (int e = 0; e < 2; e++) {
+                const float p = tn_exp2(fmaf(s[n][2 * hf + e], sl2, -m2));
+                s[n][2 * hf + e] = p;
+                sum += p;
+            }
+        }
+        l[hf] = l[hf] * corr + sum; // this thread's part of the row sum (quad-summed last)
+#pragma unroll
+        for (int n = 0; n < 2 * MAXK; n++) {
+            o[n][2 * hf] *= corr;
+            o[n][2 * hf + 1] *= corr;
+        }
+    }
+    // O += P V: A = P (k-step kk = keys 16 kk .. 16 kk + 15: n-tiles 2 kk, 2 kk + 1), B(k = j,
+    // n = d) = V[j][d], output n-tiles 2p, 2p + 1 (D / 16 = nk pairs) from one
+    // ldmatrix.x4.trans.
+#pragma unroll
+    for (int kk = 0; kk < 4; kk++) {
+        if (!MASKED || 16 * kk < kv_lim) {
+            u32 a[4];
+            a[0] = tn_pack(s[2 * kk][0], s[2 * kk][1]);
+            a[1] = tn_pack(s[2 * kk][2], s[2 * kk][3]);
+            a[2] = tn_pack(s[2 * kk + 1][0], s[2 * kk + 1][1]);
+            a[3] = tn_pack(s[2 * kk + 1][2], s[2 * kk + 1][3]);
+#pragma unroll
+            for (int p = 0; p < MAXK; p++) {
+                if (p < nk) {
+                    u32 bv[4];
+                    tn_ldsm_x4_trans(bv, vs_lane + (u32)(kk * 16 * ld + p * 16) * 2u);
+                    tn_mma(o[2 * p], a, bv[0], bv[1]);
+                    tn_mma(o[2 * p + 1], a, bv[2], bv[3]);
+                }
+            }
+        }
+    }
+}
+
+// Grid (ceil(Sq / 64), B * H), block 128; the CTA of blockIdx.x = x owns query rows
+// 64 (gridDim.x - 1 - x) .. + 63, warp w rows + 16 w .. + 15 (its Q fragments stay in
+// registers), and walks the key tiles of 64 that its rows see.
+template <int MAXK, bool FULL>
+__device__ __forceinline__ void attn_fwd_tc_next_body(const float* q, const float* k,
+                                                      const float* v, float* out, float* lse,
+                                                      int B, int Sq, int Sk, int H, int Hkv,
+                                                      int D, int causal, int q_start,
+                                                      int k_start, float scale) {
+    extern __shared__ __align__(16) unsigned char tn_smem[];
+    if (FULL) D = 16 * MAXK; // a constant from here on: loops without guards, fixed offsets
+    const int ld = D + TN_PAD;
+    float* kst = (float*)tn_smem; // fp32 stage, 64 x D each, unpadded
+    float* vst = kst + TN_BN * D;
+    u16* kt = (u16*)(vst + TN_BN * D); // bf16 tiles, 64 x ld each (byte offset 512 D)
+    u16* vt = kt + TN_BN * ld;
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+    const int b = blockIdx.y / H, h = blockIdx.y % H, hk = h / (H / Hkv);
+    const int q0 = (gridDim.x - 1 - blockIdx.x) * TN_BM; // longest rows first
+    const int nk = D >> 4, nd = D >> 3;
+    const long long qstride = (long long)H * D, kstride = (long long)Hkv * D;
+    const float* qb = q + (long long)b * Sq * qstride + (long long)h * D;
+    const float* kb = k + (long long)b * Sk * kstride + (long long)hk * D;
+    const float* vb = v + (long long)b * Sk * kstride + (long long)hk * D;
+    const int iw = q0 + warp * 16; // the warp's first row
+    const int r0 = iw + g;         // this thread's rows: r0 (half 0) and r0 + 8 (half 1)
+    const float sl2 = scale * TN_LOG2E;
+
+    const int nvis = tn_keys_seen(min(q0 + TN_BM, Sq), Sk, causal, q_start, k_start);
+    const int ntiles = (nvis + TN_BN - 1) / TN_BN;
+    TnPieces pc;
+    pc.cpr = D >> 2;
+    pc.r = threadIdx.x / pc.cpr;
+    pc.c = threadIdx.x - pc.r * pc.cpr;
+    pc.dr = TN_THREADS / pc.cpr;
+    pc.dc = TN_THREADS - pc.dr * pc.cpr;
+    const u32 kst_a = tn_smem_addr(kst), vst_a = tn_smem_addr(vst);
+
+    // The first tile's copies fly while Q is read.
+    if (ntiles > 0) {
+        tn_copy_tile<MAXK>(kst_a, vst_a, kb, vb, kstride, 0, Sk, D, pc);
+        tn_cp_async_commit();
+    }
+
+    // Q's A fragments (rows r0, r0 + 8; zeros past Sq), rounded to bf16, from global memory.
+    u32 qf[MAXK][4];
+    {
+        const float* pa = qb + (long long)r0 * qstride + 2 * t;
+        const float* pb = qb + (long long)(r0 + 8) * qstride + 2 * t;
+        const bool oka = r0 < Sq, okb = r0 + 8 < Sq;
+        const float2 z = make_float2(0.0f, 0.0f);
+#pragma unroll
+        for (int kk = 0; kk < MAXK; kk++) {
+            if (kk < nk) {
+                const float2 x0 = oka ? *(const float2*)(pa + kk * 16) : z;
+                const float2 x1 = okb ? *(const float2*)(pb + kk * 16) : z;
+                const float2 x2 = oka ? *(const float2*)(pa + kk * 16 + 8) : z;
+                const float2 x3 = okb ? *(const float2*)(pb + kk * 16 + 8) : z;
+                qf[kk][0] = tn_pack(x0.x, x0.y);
+                qf[kk][1] = tn_pack(x1.x, x1.y);
+                qf[kk][2] = tn_pack(x2.x, x2.y);
+                qf[kk][3] = tn_pack(x3.x, x3.y);
+            }
+        }
+    }
+
+    // What the warp sees (warp-uniform): keys 0 .. wfull - 1 by every row of it (the first
+    // row sees the fewest), keys 0 .. wkeys - 1 by some row (the last row below Sq sees the
+    // most); nothing for a warp whose rows are all past Sq. And what each of this thread's
+    // rows sees: keys 0 .. vis_row - 1.
+    int wfull = 0, wkeys = 0;
+    if (iw < Sq) {
+        wkeys = tn_keys_seen(min(iw + 16, Sq), Sk, causal, q_start, k_start);
+        wfull = tn_keys_seen(iw + 1, Sk, causal, q_start, k_start);
+    }
+    int vis_row[2];
+#pragma unroll
+    for (int hf = 0; hf < 2; hf++)
+        vis_row[hf] = tn_keys_seen(r0 + 8 * hf + 1, Sk, causal, q_start, k_start);
+
+    // ldmatrix row addresses of this lane (k-step 0, n-tile pair 0; see the header).
+    const int krow = ((lane >> 4) << 3) + (lane & 7), kcol = ((lane >> 3) & 1) << 3;
+    const int vrow = (((lane >> 3) & 1) << 3) + (lane & 7), vcol = (lane >> 4) << 3;
+    const u32 ks_lane = tn_smem_addr(kt) + (u32)(krow * ld + kcol) * 2u;
+    const u32 vs_lane = tn_smem_addr(vt) + (u32)(vrow * ld + vcol) * 2u;
+
+    float o[2 * MAXK][4];
+#pragma unroll
+    for (int n = 0; n < 2 * MAXK; n++) o[n][0] = o[n][1] = o[n][2] = o[n][3] = 0.0f;
+    float m[2] = {XT_NEG_INF, XT_NEG_INF}, l[2] = {0.0f, 0.0f};
+
+    for (int jt = 0; jt < ntiles; jt++) {
+        const int j0 = jt * TN_BN;
+        tn_cp_async_wait_all(); // this thread's pieces of tile jt are in the stage
+        __syncthreads();        // every warp is done with tile jt - 1's bf16 tiles
+        tn_convert_tile<MAXK>(kst, vst, kt, vt, D, ld, pc);
+        __syncthreads(); // the bf16 tiles of tile jt are complete
+        // The stage is free again (each thread converted its own pieces): tile jt + 1's
+        // copies fly while tile jt is computed.
+        if (jt + 1 < ntiles) {
+            tn_copy_tile<MAXK>(kst_a, vst_a, kb, vb, kstride, j0 + TN_BN, Sk, D, pc);
+            tn_cp_async_commit();
+        }
+        if (j0 + TN_BN <= wfull) {
+            const int none[2] = {0, 0};
+            tn_tile<MAXK, false>(qf, o, m, l, ks_lane, vs_lane, ld, nk, sl2, TN_BN, none, t);
+        } else if (j0 < wkeys) {
+            const int vis[2] = {vis_row[0] - j0, vis_row[1] - j0};
+            tn_tile<MAXK, true>(qf, o, m, l, ks_lane, vs_lane, ld, nk, sl2, wkeys - j0, vis, t);
+        }
+    }
+
+    float* ob = out + (long long)b * Sq * qstride + (long long)h * D;
+#pragma unroll
+    for (int hf = 0; hf < 2; hf++) {
+        float sum = l[hf];
+        sum += __shfl_xor_sync(XT_FULL_MASK, sum, 1);
+        sum += __shfl_xor_sync(XT_FULL_MASK, sum, 2);
+        const int i = r0 + 8 * hf;
+        if (i < Sq) {
+            const float inv = sum > 0.0f ? 1.0f / sum : 0.0f;
+            float* orow = ob + (long long)i * qstride + 2 * t;
+#pragma unroll
+            for (int n = 0; n < 2 * MAXK; n++) {
+                if (n < nd)
+                    *(float2*)(orow + n * 8) =
+                        make_float2(o[n][2 * hf] * inv, o[n][2 * hf + 1] * inv);
+            }
+            // lse = ln(sum_j e^(s_j scale)) = (m2 + log2(l)) ln 2, l summed against m2.
+            if (t == 0)
+                lse[((long long)b * H + h) * Sq + i] =
+                    sum > 0.0f ? (__fmul_rn(m[hf], sl2) + log2f(sum)) * TN_LN2 : XT_NEG_INF;
+        }
+    }
+}
+
+// Blocks an SM each kernel is compiled for (__launch_bounds__' second argument: the register
+// cap is 64K / (128 x blocks)). attn_fwd_tc_next_k4: 3, a cap of 168 registers a thread (ptxas
+// of CUDA 12.9 and 13.0 takes 167 with no spills; a cap of 128, for the 4 blocks that shared
+// memory would allow, spills on sm_90); attn_fwd_tc_next_k8: 2, a cap of 255 (it takes about
+// 245). Either may be overridden by a #define in front of the source to measure the other
+// choice (examples/attention_next.rs: `-- TN_K4_MIN_BLOCKS=4`).
+#ifndef TN_K4_MIN_BLOCKS
+#define TN_K4_MIN_BLOCKS 3
+#endif
+#ifndef TN_K8_MIN_BLOCKS
+#define TN_K8_MIN_BLOCKS 2
+#endif
+
+#define TN_KERNEL(MAXK, MIN_BLOCKS)                                                            \
+    extern "C" __global__ void __launch_bounds__(TN_THREADS, MIN_BLOCKS)                      \
+        attn_fwd_tc_next_k##MAXK(const float* q, const float* k, const float* v, float* out,  \
+                                 float* lse, int B, int Sq, int Sk, int H, int Hkv, int D,     \
+                                 int causal, int q_start, int k_start, float scale) {          \
+        if (D == 16 * MAXK)                                                                    \
+            attn_fwd_tc_next_body<MAXK, true>(q, k, v, out, lse, B, Sq, Sk, H, Hkv, D, causal,  \
+                                              q_start, k_start, scale);                        \
+        else                                                                                   \
+            attn_fwd_tc_next_body<MAXK, false>(q, k, v, out, lse, B, Sq, Sk, H, Hkv, D, causal, \
+                                               q_start, k_start, scale);                       \
+    }
+
+TN_KERNEL(4, TN_K4_MIN_BLOCKS)
+TN_KERNEL(8, TN_K8_MIN_BLOCKS)
