@@ -21,6 +21,9 @@ build() {
     rm -rf "$dir" && mkdir -p "$dir"
     cargo build --release -p xtrain
     cp target/release/xtrain "$dir/xtrain"
+    # The candidate attention kernel's harness (dev/attention, against the library's kernel).
+    cargo build --release -p tensor --example attention_next
+    cp target/release/examples/attention_next "$dir/attention_next"
     # Test binaries: cargo prints their paths as JSON artifacts.
     cargo test --release -p tensor -p model -p train -p xtrain --test cuda_kernels \
         --test cuda_kernels_compile --test gpu_nccl --test gpu_model --test gpu_train \
@@ -148,6 +151,16 @@ PY
     timeout 60 "$dir/xtrain" bench kernels --preset medium --device cuda "${m124[@]}" "${bf16[@]}" \
         >>"$report" 2>&1 || echo "xtrain bench kernels failed" >>"$report"
     echo '```' >>"$report"
+    # The candidate tensor-core attention forward (dev/attention/attention_tc_next.cu) against
+    # the library's: errors against the CPU for both, time and the ratio, per shape.
+    {
+        echo
+        echo "## Candidate attention forward (dev/attention) against the library's"
+        echo
+        echo '```'
+        timeout 90 "$dir/attention_next" 2>&1 || echo "attention_next: FAILED or timed out (exit $?)"
+        echo '```'
+    } >>"$report"
     # Launched processes sharing the GPU (each opens cuda:LOCAL_RANK mod count): dp 2 at
     # ZeRO-2 and pp 2 1F1B through the CLI, 30 steps each (the parity against one GPU is in
     # gpu_train's layouts test; this is the launcher, the store and the processes' contexts).
