@@ -203,6 +203,17 @@ PY
         echo "XTRAIN_BACKEND=nccl, 2 ranks on 1 GPU: refused, naming the shared GPU" >>"$report"
     fi
     echo '```' >>"$report"
+    # The planner against measured runs on this GPU (medium bf16 and fp32 on one GPU; dp 2
+    # and tp 2 where there are two): predicted and measured step time and memory.
+    {
+        echo
+        echo "## xtrain plan --validate --device cuda"
+        echo
+        echo '```'
+        timeout 100 "$dir/xtrain" plan --validate --device cuda --rounds 1 --steps 3 2>&1 ||
+            echo "xtrain plan --validate --device cuda: FAILED or timed out"
+        echo '```'
+    } >>"$report"
     # bf16 convergence: preset tiny, 1500 steps, the final validation loss of the GPU in
     # bf16 within 0.03 of the CPU in fp32 (tinyshakespeare where present, else the built-in
     # corpus).

@@ -34,6 +34,15 @@ pub enum Precision {
 }
 
 impl Precision {
+    /// The name configs use (`fp32`, `bf16`, `fp16`).
+    pub fn name(self) -> &'static str {
+        match self {
+            Precision::Fp32 => "fp32",
+            Precision::Bf16 => "bf16",
+            Precision::Fp16 => "fp16",
+        }
+    }
+
     /// The 16-bit storage format, `None` for fp32.
     pub fn half(self) -> Option<Half> {
         match self {

@@ -216,4 +216,9 @@ fn calibrating_gpus_without_one_is_a_clear_error() {
         "tpu",
     ]));
     assert!(err.contains("--device tpu: cpu or cuda"), "{err}");
+    // Validating on GPUs without one: the same cause, before any benchmark starts.
+    let err = failed(&xtrain(&["plan", "--validate", "--device", "cuda"]));
+    assert!(err.contains("GPUs") && err.contains("libcuda"), "{err}");
+    let err = failed(&xtrain(&["plan", "--validate", "--device", "tpu"]));
+    assert!(err.contains("--device tpu: cpu or cuda"), "{err}");
 }

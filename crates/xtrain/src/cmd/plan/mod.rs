@@ -94,7 +94,9 @@ pub struct PlanArgs {
     #[arg(long)]
     pub svg: Option<std::path::PathBuf>,
     /// Run short benchmarks of small and medium (single process, dp2, tp2, pp2, cp2; ep2 on
-    /// moe-small) and print predicted against measured step time and memory.
+    /// moe-small) and print predicted against measured step time and memory; with
+    /// `--device cuda`, medium on this machine's GPUs (bf16 and fp32 on one; dp2 and tp2 where
+    /// there are two).
     #[arg(long)]
     pub validate: bool,
     /// Rounds of each benchmark in --validate.
@@ -172,7 +174,7 @@ pub fn run_cmd(a: PlanArgs) -> Result<()> {
         return calibrate::worker(seq, micro_batch);
     }
     if a.validate {
-        return validate::run(a.rounds, a.steps);
+        return validate::run(a.rounds, a.steps, &a.device);
     }
     let (model, preset) = resolve_model(&a.model)?;
     let seq_len = a.seq_len.or(preset.map(|p| p.0)).unwrap_or(4096);
