@@ -290,15 +290,20 @@ impl Flat {
         at: usize,
     ) -> Result<Option<Flat>, TensorError> {
         let dst = at..at + src.len();
+        let copy = !src.is_empty();
         Ok(Some(match self {
             Flat::Dev(Buf::Cuda(b)) => {
                 let mut out = b.gpu().alloc::<f32>(len)?;
-                out.slice_mut(dst).copy_from(b.slice(src))?;
+                if copy {
+                    out.slice_mut(dst).copy_from(b.slice(src))?;
+                }
                 Flat::Dev(Buf::Cuda(out))
             }
             Flat::DevHalf { kind, bits } => {
                 let mut out = bits.gpu().alloc::<u16>(len)?;
-                out.slice_mut(dst).copy_from(bits.slice(src))?;
+                if copy {
+                    out.slice_mut(dst).copy_from(bits.slice(src))?;
+                }
                 Flat::DevHalf {
                     kind: *kind,
                     bits: out,

@@ -158,7 +158,13 @@ impl<M: StageModel> Executor<M> {
         } else {
             own.clone()
         };
-        let at = own.start.saturating_sub(r.start);
+        // Where this rank's block starts in the unit (a rank holding none of it: nothing to
+        // copy, and its empty range may lie past the unit).
+        let at = if own.is_empty() {
+            0
+        } else {
+            own.start - r.start
+        };
         let mut full = self
             .params
             .dev_block(r.len(), local, at)?

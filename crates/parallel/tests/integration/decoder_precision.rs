@@ -3,25 +3,25 @@
 //! data- and tensor-parallel runs track the one-rank run of the same precision; the accounted
 //! bytes equal the formulas.
 //!
-//! Tolerance. The runs keep 16-bit weights and gradients (unit roundoff u = 2⁻⁹ for bf16,
-//! 2⁻¹¹ for fp16) with fp32 arithmetic and fp32 master weights, and make the same roundings
+//! Tolerance. The runs keep 16-bit weights and gradients (unit roundoff u = 2⁻⁸ for bf16's 8
+//! significant bits, 2⁻¹¹ for fp16's 11) with fp32 arithmetic and fp32 master weights, and make the same roundings
 //! except where a parallel run splits a sum: the single rank rounds the accumulated gradient
 //! after each of its micro-batches, a ZeRO-0/1 rank after each of its own, and the fp32 average
 //! over ranks is rounded once more (ZeRO-2/3 reduce fp32 micro-batch gradients, one rounding
 //! fewer); tensor parallelism rounds each rank's partial sums.
 //! * Step 1 starts from the same 16-bit weights: the loss differs only by fp32 summation order
 //!   (< 1e-5), and the global gradient norm by the extra roundings, which are unbiased and
-//!   average out over the elements (observed ≤ 0.07u; bound u/2).
+//!   average out over the elements (observed ≤ 0.033u in both formats; bound u/4).
 //! * From step 2 on, a master weight that moved by a rounding's worth may round to the
 //!   neighbouring 16-bit value, and AdamW turns a near-cancelling gradient element's sign flip
 //!   into a 2·lr difference, so the runs drift apart the way any two 16-bit runs do: losses
-//!   within 1.5u and gradient norms within 10u (observed ≤ 0.22u and 2u), and the master
+//!   within 0.75u and gradient norms within 5u (observed ≤ 0.17u and 1.14u), and the master
 //!   weights within 0.15 of the update's size, ‖p − p_ref‖₂ ≤ 0.15·‖p_ref − p₀‖₂ (observed
 //!   ≤ 0.07; the fp32 run differs from the bf16 one by 0.065 for Llama and 0.30 for MoE in the
 //!   same measure, so this is bf16's own noise floor).
 //!
 //! A wrong averaging factor, a lost bucket or a shard left out of the norm changes the step-1
-//! gradient norm by far more than u/2.
+//! gradient norm by far more than u/4.
 use model::{Model, ModelConfig, StepOptions};
 use parallel::data_parallel::ZeroStage;
 use parallel::memory::formula;
@@ -43,7 +43,7 @@ fn exec(zero: ZeroStage, precision: Precision) -> ExecConfig {
 
 fn unit_roundoff(p: Precision) -> f32 {
     match p {
-        Precision::Bf16 => 2f32.powi(-9),
+        Precision::Bf16 => 2f32.powi(-8),
         Precision::Fp16 => 2f32.powi(-11),
         Precision::Fp32 => unreachable!(),
     }
@@ -133,18 +133,18 @@ fn check(cfg: &ModelConfig, precision: Precision) {
         );
         assert!(rel(a[0].loss, b[0].loss) < 1e-5, "{tag}: first loss");
         assert!(
-            rel(a[0].grad_norm, b[0].grad_norm) < u / 2.0,
+            rel(a[0].grad_norm, b[0].grad_norm) < u / 4.0,
             "{tag}: first norm"
         );
         for (s, (x, y)) in a.iter().zip(b).enumerate() {
             assert!(
-                rel(x.loss, y.loss) < 1.5 * u,
+                rel(x.loss, y.loss) < 0.75 * u,
                 "{tag} step {s}: loss {} vs {}",
                 x.loss,
                 y.loss
             );
             assert!(
-                rel(x.grad_norm, y.grad_norm) < 10.0 * u,
+                rel(x.grad_norm, y.grad_norm) < 5.0 * u,
                 "{tag} step {s}: norm {} vs {}",
                 x.grad_norm,
                 y.grad_norm
