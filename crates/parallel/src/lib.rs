@@ -61,6 +61,9 @@ pub enum ParallelError {
     Checkpoint(String),
     #[error("model: {0}")]
     Model(String),
+    /// A collective on the devices (NCCL) failed, naming the group and the rank.
+    #[error("{0}")]
+    Collective(String),
     #[error(transparent)]
     Comm(#[from] comm::CommError),
 }

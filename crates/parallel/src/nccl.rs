@@ -39,10 +39,10 @@ use tensor::cuda::{
 
 use crate::ParallelError;
 
-/// Environment variable choosing the data-parallel backend of GPU ranks.
+/// Environment variable choosing how GPU ranks communicate.
 pub const BACKEND_ENV: &str = "XTRAIN_BACKEND";
 
-/// The data-parallel backend of GPU ranks.
+/// How GPU ranks communicate.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Backend {
     /// Through host memory, on the collectives of the communicator (`XTRAIN_BACKEND` `own`
@@ -75,11 +75,14 @@ impl Backend {
 pub struct NcclGroup {
     comm: Arc<Mutex<NcclComm>>,
     size: usize,
+    /// The process group's name and this rank in it, for errors.
+    name: Arc<str>,
+    rank: usize,
 }
 
 impl std::fmt::Debug for NcclGroup {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "NcclGroup({} ranks)", self.size)
+        write!(f, "NcclGroup({}, {} ranks)", self.name, self.size)
     }
 }
 
@@ -143,12 +146,30 @@ impl NcclGroup {
         Ok(NcclGroup {
             comm: Arc::new(Mutex::new(comm)),
             size: n,
+            name: group.name().into(),
+            rank: me,
         })
     }
 
     /// The number of ranks.
     pub fn size(&self) -> usize {
         self.size
+    }
+
+    /// `NCCL on group <name> (rank r of n)`, for errors and a GPU's [`tensor::cuda::Watch`].
+    pub fn describe(&self) -> String {
+        format!(
+            "NCCL on group {} (rank {} of {})",
+            self.name, self.rank, self.size
+        )
+    }
+
+    /// An error NCCL met in the background (a peer that failed, a broken connection), as
+    /// text naming the group and the rank.
+    pub fn check(&self) -> Result<(), String> {
+        self.comm()
+            .async_error()
+            .map_err(|e| format!("{}: {e}", self.describe()))
     }
 
     fn comm(&self) -> MutexGuard<'_, NcclComm> {
@@ -158,20 +179,28 @@ impl NcclGroup {
     /// Queues `f`'s collectives on the communicator's stream: on the communication stream
     /// after the compute stream's work so far, with an event to join; on the compute stream in
     /// its order (nothing to join).
+    ///
+    /// An error NCCL met in the background since the last call (a peer that failed, a broken
+    /// connection) is reported here, naming the group and the rank, instead of queueing work
+    /// that would wait for that peer forever.
     fn queue(
         &self,
         f: impl FnOnce(&NcclComm) -> Result<(), tensor::cuda::CudaError>,
     ) -> Result<InFlight, ParallelError> {
         let comm = self.comm();
+        let err = |e: tensor::cuda::CudaError| {
+            ParallelError::Collective(format!("{}: {e}", self.describe()))
+        };
+        comm.async_error().map_err(err)?;
         let gpu = comm.gpu().clone();
         if comm.stream() == Stream::Compute {
-            f(&comm).map_err(cuda_err)?;
+            f(&comm).map_err(err)?;
             return Ok(InFlight { done: None, gpu });
         }
-        let ready = gpu.record(Stream::Compute).map_err(cuda_err)?;
-        gpu.wait_for(Stream::Comm, &ready).map_err(cuda_err)?;
-        f(&comm).map_err(cuda_err)?;
-        let done = gpu.record(Stream::Comm).map_err(cuda_err)?;
+        let ready = gpu.record(Stream::Compute).map_err(err)?;
+        gpu.wait_for(Stream::Comm, &ready).map_err(err)?;
+        f(&comm).map_err(err)?;
+        let done = gpu.record(Stream::Comm).map_err(err)?;
         Ok(InFlight {
             done: Some(done),
             gpu,

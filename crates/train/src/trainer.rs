@@ -373,7 +373,7 @@ impl Trainer {
         let local_rank = comm::env::LaunchEnv::from_env().map_or(0, |e| e.local_rank);
         let device = tensor::buf::Dev::open_local(&t.device_spec(), local_rank)
             .map_err(|e| TrainError::Config(format!("train.device: {e}")))?;
-        let nccl = nccl_groups(&device, &par)?;
+        let nccl = nccl_groups(&device, &par, comm.options().timeout)?;
         let exec_cfg = ExecConfig {
             zero: dims.zero,
             bucket_bytes: (p.bucket_mb * 1024.0 * 1024.0) as usize,
@@ -747,9 +747,14 @@ pub fn load_model(path: &Path) -> Result<(RunConfig, Model, Vec<f32>, Tokenizer)
 /// the ring attention. A dp
 /// group of one rank gets a one-rank communicator: its reductions change nothing, but they
 /// run the same path as many ranks' (how that path is checked on a machine with one GPU).
+///
+/// The GPU's host waits then watch them ([`tensor::cuda::Watch`]): a wait that outlasts
+/// `timeout` (`XTRAIN_COMM_TIMEOUT`), or a communicator's background error (a peer that
+/// failed), ends it with an error naming the groups and this rank, instead of a hang.
 fn nccl_groups(
     device: &tensor::buf::Dev,
     par: &parallel::parallelize::Parallelized,
+    timeout: std::time::Duration,
 ) -> Result<Option<parallel::nccl::NcclGroup>> {
     use parallel::nccl::{Backend, NcclGroup, BACKEND_ENV};
     use tensor::cuda::Stream;
@@ -785,6 +790,7 @@ fn nccl_groups(
         "gradient reductions and ZeRO weight gathers",
     )
     .map_err(perr)?;
+    let mut all = vec![dp_group.clone()];
     if let Some(region) = region.filter(|r| r.tp() > 1) {
         let tp_group = NcclGroup::new(
             region.group(),
@@ -793,6 +799,7 @@ fn nccl_groups(
             "tensor-parallel activations and their gradients",
         )
         .map_err(perr)?;
+        all.push(tp_group.clone());
         region.attach_nccl(tp_group).map_err(perr)?;
     }
     if let Some(attention) = &par.stage.cp_attention {
@@ -803,8 +810,18 @@ fn nccl_groups(
             "context-parallel K/V blocks and their gradients",
         )
         .map_err(perr)?;
+        all.push(cp_group.clone());
         attention.attach_nccl(cp_group).map_err(perr)?;
     }
+    gpu.watch(Some(tensor::cuda::Watch {
+        limit: timeout,
+        what: all
+            .iter()
+            .map(|g| g.describe())
+            .collect::<Vec<_>>()
+            .join(", "),
+        check: Box::new(move || all.iter().try_for_each(|g| g.check())),
+    }));
     Ok(Some(dp_group))
 }
 

@@ -630,6 +630,21 @@ pub struct Gpu {
     dynamic_shared: Mutex<HashMap<(&'static str, &'static str), u32>>,
     pub(crate) alloc: Allocator,
     pub(crate) blas: Mutex<Option<super::blas::Blas>>,
+    /// What a host wait checks while it waits ([`Gpu::watch`]).
+    watch: Mutex<Option<Arc<Watch>>>,
+}
+
+/// A limit on the host's waits for a GPU and a check run while it waits
+/// ([`Gpu::watch`]): where ranks run collectives on the device (NCCL), a peer that stopped
+/// leaves this GPU's queue waiting for it forever, and the host in `cuStreamSynchronize` with
+/// it; with a watch the wait polls, runs `check` (the communicators' background errors) and
+/// gives up after `limit`, with an error naming what was being waited for.
+pub struct Watch {
+    pub limit: std::time::Duration,
+    /// What the GPU's queue may be waiting for (named in the error after `limit`).
+    pub what: String,
+    /// An error found while waiting (e.g. NCCL's asynchronous error of a communicator).
+    pub check: Box<dyn Fn() -> Result<(), String> + Send + Sync>,
 }
 
 // SAFETY: the driver's handles may be used from any thread once the context is current there
@@ -732,6 +747,7 @@ impl Gpu {
                 dynamic_shared: Mutex::new(HashMap::new()),
                 alloc: Allocator::new(lib),
                 blas: Mutex::new(None),
+                watch: Mutex::new(None),
             }))
         }
     }
@@ -745,14 +761,42 @@ impl Gpu {
         )
     }
 
-    /// Waits until every queued operation finished.
+    /// Waits until every queued operation finished (within the watch's limit, if one is set).
     pub fn synchronize(&self) -> Result<(), CudaError> {
         self.bind()?;
-        // SAFETY: the stream belongs to this context.
-        check(
-            unsafe { (self.lib.cuStreamSynchronize)(self.stream) },
-            "cuStreamSynchronize",
-        )
+        let watch = self.watch.lock().unwrap_or_else(|e| e.into_inner()).clone();
+        let Some(w) = watch else {
+            // SAFETY: the stream belongs to this context.
+            return check(
+                unsafe { (self.lib.cuStreamSynchronize)(self.stream) },
+                "cuStreamSynchronize",
+            );
+        };
+        let t0 = std::time::Instant::now();
+        let mut pause = std::time::Duration::from_micros(5);
+        loop {
+            // SAFETY: the stream belongs to this context.
+            match unsafe { (self.lib.cuStreamQuery)(self.stream) } {
+                sys::CUDA_ERROR_NOT_READY => {}
+                r => return check(r, "cuStreamQuery"),
+            }
+            (w.check)().map_err(CudaError::Stalled)?;
+            if t0.elapsed() > w.limit {
+                return Err(CudaError::Stalled(format!(
+                    "cuda:{}: the queued work did not finish within {} s (it waits for {}: a peer stopped, or has not reached its matching call)",
+                    self.info.ordinal,
+                    w.limit.as_secs_f64(),
+                    w.what
+                )));
+            }
+            std::thread::sleep(pause);
+            pause = (pause * 2).min(std::time::Duration::from_micros(200));
+        }
+    }
+
+    /// Sets (or with `None` clears) the watch of the host's waits for this GPU ([`Watch`]).
+    pub fn watch(&self, w: Option<Watch>) {
+        *self.watch.lock().unwrap_or_else(|e| e.into_inner()) = w.map(Arc::new);
     }
 
     /// The driver's handle of stream `s`.

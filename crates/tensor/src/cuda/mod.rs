@@ -28,6 +28,7 @@ pub mod sys;
 
 pub use driver::{
     device_count, DevBuf, DevSlice, DevSliceMut, DeviceInfo, Event, Gpu, KArg, LaunchCfg, Stream,
+    Watch,
 };
 pub use nccl::{NcclBuf, NcclBufMut, NcclComm, NcclId, ReduceOp};
 
@@ -66,6 +67,10 @@ pub enum CudaError {
     /// Buffers of the wrong size for the operation.
     #[error("invalid shape: {0}")]
     Shape(String),
+    /// The host waited for the GPU's queued work longer than its watch allows, or the watch's
+    /// check found an error ([`Gpu::watch`]): typically a collective whose peer stopped.
+    #[error("{0}")]
+    Stalled(String),
 }
 
 impl From<CudaError> for crate::TensorError {

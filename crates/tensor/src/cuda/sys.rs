@@ -184,6 +184,7 @@ api!(Driver, "the CUDA driver library" {
     cuStreamCreate: fn(*mut CUstream, c_uint) -> CUresult;
     cuStreamDestroy_v2: fn(CUstream) -> CUresult;
     cuStreamSynchronize: fn(CUstream) -> CUresult;
+    cuStreamQuery: fn(CUstream) -> CUresult;
     cuStreamWaitEvent: fn(CUstream, CUevent, c_uint) -> CUresult;
     cuEventCreate: fn(*mut CUevent, c_uint) -> CUresult;
     cuEventDestroy_v2: fn(CUevent) -> CUresult;
