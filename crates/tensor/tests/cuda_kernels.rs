@@ -1213,3 +1213,74 @@ fn fused_cross_entropy_matches_cpu() {
         assert_close("fused ce dw", &dw1, &dw0);
     }
 }
+
+/// A watched wait, as NCCL runs set one up (`tensor::cuda::Watch`): a clean check and a
+/// generous limit wait like `cuStreamSynchronize`; a check that finds an error ends the wait
+/// with it; a busy queue outlasting the limit is an error naming what it waits for. The
+/// watch is the GPU's (process-wide): the check runs these binaries one test at a time.
+#[test]
+fn watched_waits_end_with_the_check_or_the_limit() {
+    use std::time::Duration;
+    use tensor::buf::{Buf, BufRef};
+    use tensor::cuda::{CudaError, Watch};
+    let Some(g) = gpu("watched_waits_end_with_the_check_or_the_limit") else {
+        return;
+    };
+    let n = 4096;
+    let (a, b) = (
+        g.upload(&rand(n * n, 60)).unwrap(),
+        g.upload(&rand(n * n, 61)).unwrap(),
+    );
+    // A queue busy for a while: fp32 products of 4096² (tens of ms each without TF32).
+    let busy = || -> Vec<Buf> {
+        (0..8)
+            .map(|_| {
+                tensor::ops::matmul_new(
+                    BufRef::Cuda(a.as_slice()),
+                    BufRef::Cuda(b.as_slice()),
+                    n,
+                    n,
+                    n,
+                    false,
+                    false,
+                )
+                .unwrap()
+            })
+            .collect()
+    };
+    let watch = |limit: Duration, fail: bool| Watch {
+        limit,
+        what: "the test's products".into(),
+        check: Box::new(move || {
+            if fail {
+                Err("a peer failed (the test's check)".into())
+            } else {
+                Ok(())
+            }
+        }),
+    };
+    g.watch(Some(watch(Duration::from_secs(60), false)));
+    let held = busy();
+    g.synchronize().expect("a clean watched wait");
+    drop(held);
+    g.watch(Some(watch(Duration::from_secs(60), true)));
+    let held = busy();
+    match g.synchronize() {
+        Err(CudaError::Stalled(m)) => assert!(m.contains("a peer failed"), "{m}"),
+        other => panic!("the check's error ends the wait: {other:?}"),
+    }
+    g.watch(Some(watch(Duration::ZERO, false)));
+    match g.synchronize() {
+        Err(CudaError::Stalled(m)) => {
+            assert!(
+                m.contains("did not finish") && m.contains("the test's products"),
+                "{m}"
+            )
+        }
+        // The products may have finished in between: then the wait is simply over.
+        other => other.expect("a finished queue"),
+    }
+    g.watch(None);
+    g.synchronize().unwrap();
+    drop(held);
+}
