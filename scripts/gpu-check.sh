@@ -9,7 +9,8 @@
 #                                     # and writes OUT/report.md (default: ./gpu-report)
 #
 # The report names the GPU, the driver and the CUDA version (nvidia-smi), NVRTC's version,
-# and each test's result. The CUDA libraries (NVRTC, cuBLASLt, NCCL) are found in a CUDA
+# and each test's result, and ends with the check's duration; past GPU_CHECK_BUDGET seconds
+# (default 450) the optional sections say "skipped (time budget)" instead of running. The CUDA libraries (NVRTC, cuBLASLt, NCCL) are found in a CUDA
 # toolkit or in the pip wheels of the machine's Python (nvidia-cuda-nvrtc, nvidia-cublas,
 # nvidia-nccl-cu12 / -cu13), whose folders go in XTRAIN_CUDA_LIB_PATH.
 set -uo pipefail
@@ -46,7 +47,15 @@ for line in sys.stdin:
     ls -la "$dir"
 }
 
+# Whether `$1` more seconds fit in the check's budget (GPU_CHECK_BUDGET, default 450 s from the
+# start of `run`): the optional sections (planner, per-layout throughput, Nsight Compute) are
+# skipped, saying so, rather than the whole check overrunning the machine's time.
+have_time() {
+    ((SECONDS + $1 <= ${GPU_CHECK_BUDGET:-450}))
+}
+
 run() {
+    SECONDS=0
     local out=${1:-gpu-report}
     mkdir -p "$out"
     local report="$out/report.md"
@@ -182,12 +191,20 @@ PY
     done
     # The planner calibrated on this GPU (peaks, a layer's efficiency, the optimizer's
     # bandwidth, host copies) and its ranking of the medium preset at 1024 tokens.
-    timeout 90 "$dir/xtrain" plan --cluster this --device cuda --model medium --seq-len 1024 \
-        --top 5 >>"$report" 2>&1 || echo "xtrain plan --cluster this --device cuda failed" >>"$report"
+    if have_time 90; then
+        timeout 90 "$dir/xtrain" plan --cluster this --device cuda --model medium --seq-len 1024 \
+            --top 5 >>"$report" 2>&1 || echo "xtrain plan --cluster this --device cuda failed" >>"$report"
+    else
+        echo "xtrain plan --cluster this --device cuda: skipped (time budget)" >>"$report"
+    fi
     # Throughput of layouts as processes sharing the one GPU (small, bf16, 5 steps): what the
     # host-staged communication costs where the ranks share a card (their parity is in
     # gpu_processes above).
     for layout in "--dp 2 --zero 1" "--dp 2 --zero 3" "--tp 2 --sp" "--pp 2 --schedule 1f1b" "--cp 2"; do
+        if ! have_time 60; then
+            echo "bench nproc 2 $layout: skipped (time budget)" >>"$report"
+            continue
+        fi
         echo "bench nproc 2 $layout:" >>"$report"
         timeout 90 "$dir/xtrain" bench train --preset small --device cuda --nproc 2 $layout \
             --steps 5 2>&1 | grep -E '^preset|median step|peak live|memory of rank' >>"$report" ||
@@ -210,8 +227,12 @@ PY
         echo "## xtrain plan --validate --device cuda"
         echo
         echo '```'
-        timeout 100 "$dir/xtrain" plan --validate --device cuda --rounds 1 --steps 3 2>&1 ||
-            echo "xtrain plan --validate --device cuda: FAILED or timed out"
+        if have_time 200; then
+            timeout 100 "$dir/xtrain" plan --validate --device cuda --rounds 1 --steps 3 2>&1 ||
+                echo "xtrain plan --validate --device cuda: FAILED or timed out"
+        else
+            echo "skipped (time budget)"
+        fi
         echo '```'
     } >>"$report"
     # bf16 convergence: preset tiny, 1500 steps, the final validation loss of the GPU in
@@ -246,7 +267,7 @@ PY
     # Where Nsight Compute is installed: the tensor-core attention kernels of a bf16 step of
     # the 124M Llama (registers, occupancy, throughput against the peaks), for whoever tunes
     # them next (ncu-attention.txt).
-    if command -v ncu >/dev/null; then
+    if command -v ncu >/dev/null && have_time 100; then
         timeout 100 ncu --kernel-name 'regex:attn_.*' --launch-skip 4 --launch-count 8 \
             --section SpeedOfLight --section LaunchStats --section Occupancy \
             "$dir/xtrain" bench train --preset medium --device cuda --steps 1 "${m124[@]}" "${bf16[@]}" \
@@ -254,6 +275,7 @@ PY
             echo "Nsight Compute profile: ncu-attention.txt" >>"$report" ||
             echo "Nsight Compute profile: failed (ncu-attention.txt)" >>"$report"
     fi
+    echo "The check took $SECONDS s (budget ${GPU_CHECK_BUDGET:-450} s)." >>"$report"
     cat "$report"
     return $failed
 }
