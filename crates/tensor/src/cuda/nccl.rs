@@ -700,26 +700,61 @@ impl NcclComm {
         self.pair(CALL, &send, &recv)?;
         check_len(CALL, "recv", recv.len, send.len)?;
         check_rank(CALL, "root", root, self.size)?;
-        if send.len == 0 {
+        self.reduce_raw(
+            send.ptr_at(0),
+            recv.ptr_at(0),
+            send.len,
+            send.dtype,
+            op,
+            root,
+        )
+    }
+
+    /// [`NcclComm::reduce`] in place: on `root`, `buf = op over the ranks of buf`; the
+    /// other ranks' `buf` is only read.
+    pub fn reduce_in_place<'b>(
+        &self,
+        buf: impl Into<NcclBufMut<'b>>,
+        op: ReduceOp,
+        root: usize,
+    ) -> Result<(), CudaError> {
+        let buf = buf.into();
+        const CALL: &str = "ncclReduce";
+        self.same_gpu(CALL, buf.gpu)?;
+        check_rank(CALL, "root", root, self.size)?;
+        self.reduce_raw(buf.ptr_at(0), buf.ptr_at(0), buf.len, buf.dtype, op, root)
+    }
+
+    fn reduce_raw(
+        &self,
+        send: *const c_void,
+        recv: *mut c_void,
+        count: usize,
+        dtype: DType,
+        op: ReduceOp,
+        root: usize,
+    ) -> Result<(), CudaError> {
+        if count == 0 {
             return Ok(());
         }
         self.gpu.bind()?;
-        // SAFETY: both ranges hold `send.len` elements of one type on this GPU (checked).
+        // SAFETY: both ranges hold `count` elements of `dtype` on this GPU (checked by the
+        // callers); NCCL accepts send == recv (in place).
         check(
             self.lib,
             unsafe {
                 (self.lib.ncclReduce)(
-                    send.ptr_at(0),
-                    recv.ptr_at(0),
-                    send.len,
-                    nccl_type(send.dtype),
+                    send,
+                    recv,
+                    count,
+                    nccl_type(dtype),
                     op.code(),
                     root as i32,
                     self.comm,
                     self.gpu.stream_of(self.stream),
                 )
             },
-            CALL,
+            "ncclReduce",
         )
     }
 
@@ -763,41 +798,6 @@ impl NcclComm {
                 )
             },
             "ncclBroadcast",
-        )
-    }
-
-    /// [`NcclComm::reduce`] in place: on `root`, `buf = op over the ranks of buf`; the
-    /// other ranks' `buf` is only read.
-    pub fn reduce_in_place<'b>(
-        &self,
-        buf: impl Into<NcclBufMut<'b>>,
-        op: ReduceOp,
-        root: usize,
-    ) -> Result<(), CudaError> {
-        let buf = buf.into();
-        const CALL: &str = "ncclReduce";
-        self.same_gpu(CALL, buf.gpu)?;
-        check_rank(CALL, "root", root, self.size)?;
-        if buf.len == 0 {
-            return Ok(());
-        }
-        self.gpu.bind()?;
-        // SAFETY: the range holds `buf.len` elements on this GPU; NCCL accepts send == recv.
-        check(
-            self.lib,
-            unsafe {
-                (self.lib.ncclReduce)(
-                    buf.ptr_at(0),
-                    buf.ptr_at(0),
-                    buf.len,
-                    nccl_type(buf.dtype),
-                    op.code(),
-                    root as i32,
-                    self.comm,
-                    self.gpu.stream_of(self.stream),
-                )
-            },
-            CALL,
         )
     }
 
