@@ -30,7 +30,7 @@
 //! rank 0 makes the unique id and broadcasts it over the group's authenticated host transport,
 //! and every rank joins. Every rank makes its communicators in the same order (dp, tp, cp).
 use std::ops::Range;
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
 
 use comm::ProcessGroup;
 use tensor::cuda::{
@@ -275,6 +275,35 @@ impl NcclGroup {
         counts: &[usize],
     ) -> Result<InFlight, ParallelError> {
         self.queue(|c| c.all_gather_v_in_place(buf, counts))
+    }
+}
+
+/// Where a layer keeps the NCCL communicator of its group once one is attached (shared by its
+/// clones): the region operators of tensor parallelism, the ring of context parallelism.
+#[derive(Clone, Debug, Default)]
+pub struct NcclSlot(Arc<OnceLock<NcclGroup>>);
+
+impl NcclSlot {
+    /// Attaches `nccl`, a communicator over the `what` group of `size` ranks. Once.
+    pub fn attach(&self, nccl: NcclGroup, size: usize, what: &str) -> Result<(), ParallelError> {
+        if nccl.size() != size {
+            return Err(ParallelError::Config(format!(
+                "an NCCL communicator of {} ranks for a {what} group of {size}",
+                nccl.size()
+            )));
+        }
+        self.0.set(nccl).map_err(|_| {
+            ParallelError::Config(format!(
+                "the {what} group already has its NCCL communicator"
+            ))
+        })
+    }
+
+    /// The communicator, where one is attached and `x` lies on a GPU.
+    pub fn for_buf(&self, x: &tensor::buf::Buf) -> Option<&NcclGroup> {
+        self.0
+            .get()
+            .filter(|_| matches!(x, tensor::buf::Buf::Cuda(_)))
     }
 }
 

@@ -762,11 +762,10 @@ fn nccl_groups(
     let region = par.stage.tp.as_ref().map(|t| &t.region);
     if Backend::from_env().map_err(perr)? == Backend::Host {
         if let tensor::buf::Dev::Cuda(gpu) = device {
-            let groups = [(dp, dp.size() > 1)]
-                .into_iter()
-                .chain(region.map(|r| (r.group(), true)))
-                .chain(par.stage.cp_attention.as_ref().map(|a| (a.group(), true)));
-            for (g, _) in groups.filter(|(g, used)| *used && g.size() > 1) {
+            let groups = std::iter::once(dp)
+                .chain(region.map(|r| r.group()))
+                .chain(par.stage.cp_attention.as_ref().map(|a| a.group()));
+            for g in groups.filter(|g| g.size() > 1) {
                 tracing::info!(
                     target: "comm",
                     "group {} of {} ranks: device buffers on cuda:{} staged through host memory over the own transports ({BACKEND_ENV}=nccl puts them on NCCL)",

@@ -29,8 +29,6 @@
 //! `δ = lse_b − lse_a`, `lse = lse_a + softplus(δ)` and `o = o_a·σ(−δ) + o_b·σ(δ)`
 //! (ring-flash-attention's `lse − logsigmoid(lse − lse_blk)` form); a side with `lse = −∞`
 //! contributes nothing (`tensor::attention::merge_partial`, on the partials' device).
-use std::sync::OnceLock;
-
 use comm::{ProcessGroup, ReduceOp};
 use model::layers::attention::AttentionCore;
 use model::layers::SeqPart;
@@ -39,7 +37,7 @@ use model::{Documents, ModelError, Result};
 use tensor::attention::{AttnShape, MergeRows};
 
 use super::{block_calls, CpComm, CpLayout};
-use crate::nccl::{InFlight, NcclGroup};
+use crate::nccl::{InFlight, NcclGroup, NcclSlot};
 
 const TAG_KV: u32 = 0x4b56;
 const TAG_DKV: u32 = 0x644b56;
@@ -54,7 +52,7 @@ pub struct ContextAttention {
     /// Carries the dK/dV sums of ring attention's backward.
     dkv: ProcessGroup,
     /// Carries both on the devices, once attached ([`ContextAttention::attach_nccl`]).
-    nccl: OnceLock<NcclGroup>,
+    nccl: NcclSlot,
 }
 
 /// A block on its way round the ring (or a collective of the all-gather variant): over the
@@ -86,6 +84,10 @@ fn cerr(e: comm::CommError) -> ModelError {
     ModelError::Collective(format!("context-parallel attention: {e}"))
 }
 
+fn nerr(e: crate::ParallelError) -> ModelError {
+    ModelError::Collective(format!("context-parallel attention: {e}"))
+}
+
 impl ContextAttention {
     /// The attention of `layout`'s rank over `kv` (the cp group) and `dkv` (a second group of
     /// the same ranks, in the same order).
@@ -110,7 +112,7 @@ impl ContextAttention {
             comm,
             kv,
             dkv,
-            nccl: OnceLock::new(),
+            nccl: NcclSlot::default(),
         })
     }
 
@@ -122,23 +124,7 @@ impl ContextAttention {
     /// Moves the blocks of GPU activations onto `nccl` (a communicator over [`Self::group`],
     /// on the communication stream). Once.
     pub fn attach_nccl(&self, nccl: NcclGroup) -> std::result::Result<(), crate::ParallelError> {
-        if nccl.size() != self.layout.cp {
-            return Err(crate::ParallelError::Config(format!(
-                "an NCCL communicator of {} ranks for a cp group of {}",
-                nccl.size(),
-                self.layout.cp
-            )));
-        }
-        self.nccl.set(nccl).map_err(|_| {
-            crate::ParallelError::Config(
-                "the context-parallel attention already has its NCCL communicator".into(),
-            )
-        })
-    }
-
-    /// The NCCL communicator, where one is attached and `x` lies on a GPU.
-    fn on_nccl(&self, x: &Buf) -> Option<&NcclGroup> {
-        self.nccl.get().filter(|_| matches!(x, Buf::Cuda(_)))
+        self.nccl.attach(nccl, self.layout.cp, "cp")
     }
 
     fn next(&self) -> usize {
@@ -325,11 +311,11 @@ impl ContextAttention {
     /// previous rank's received. `buf` must live until the shift is finished.
     fn shift(&self, group: &ProcessGroup, buf: &Buf, tag: u32) -> Result<Shift> {
         let n = buf.len();
-        if let (Some(nccl), Buf::Cuda(d)) = (self.on_nccl(buf), buf) {
+        if let (Some(nccl), Buf::Cuda(d)) = (self.nccl.for_buf(buf), buf) {
             let mut recv = d.gpu().alloc::<f32>(n).map_err(tensor::TensorError::from)?;
             let flight = nccl
                 .send_recv(d.as_slice(), self.next(), recv.as_mut_slice(), self.prev())
-                .map_err(|e| ModelError::Collective(format!("context-parallel attention: {e}")))?;
+                .map_err(nerr)?;
             return Ok(Shift::Nccl {
                 flight,
                 recv: Buf::Cuda(recv),
@@ -346,14 +332,14 @@ impl ContextAttention {
     /// Every rank's `mine` in rank order, on the device of `mine` (the all-gather variant).
     fn gather_blocks(&self, mine: &Buf) -> Result<Buf> {
         let cp = self.layout.cp;
-        if let (Some(nccl), Buf::Cuda(d)) = (self.on_nccl(mine), mine) {
+        if let (Some(nccl), Buf::Cuda(d)) = (self.nccl.for_buf(mine), mine) {
             let mut all = d
                 .gpu()
                 .alloc::<f32>(d.len() * cp)
                 .map_err(tensor::TensorError::from)?;
             let flight = nccl
                 .all_gather(d.as_slice(), all.as_mut_slice())
-                .map_err(|e| ModelError::Collective(format!("context-parallel attention: {e}")))?;
+                .map_err(nerr)?;
             Shift::Nccl {
                 flight,
                 recv: Buf::Cuda(all),
@@ -371,11 +357,11 @@ impl ContextAttention {
     /// gradients), on the device of `all`.
     fn scatter_sums(&self, all: &Buf) -> Result<Buf> {
         let n = all.len() / self.layout.cp;
-        if let (Some(nccl), Buf::Cuda(d)) = (self.on_nccl(all), all) {
+        if let (Some(nccl), Buf::Cuda(d)) = (self.nccl.for_buf(all), all) {
             let mut own = d.gpu().alloc::<f32>(n).map_err(tensor::TensorError::from)?;
             let flight = nccl
                 .reduce_scatter(d.as_slice(), own.as_mut_slice())
-                .map_err(|e| ModelError::Collective(format!("context-parallel attention: {e}")))?;
+                .map_err(nerr)?;
             Shift::Nccl {
                 flight,
                 recv: Buf::Cuda(own),

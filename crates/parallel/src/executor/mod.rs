@@ -90,9 +90,10 @@ pub struct ExecConfig {
     /// weights go back (rounded). In fp32 the master is then a host copy beside the device
     /// weights. On the CPU nothing moves, but the same path runs (a separate master).
     pub offload_optimizer: bool,
-    /// GPU ranks with a GPU each: the plain (uncompressed) gradient all-reduces of ZeRO-0/1
-    /// on NCCL, in place on the device ([`crate::nccl`]); `None`: every
-    /// reduction through host memory over the own transports.
+    /// GPU ranks with a GPU each: the dp group's NCCL communicator, which takes the exact
+    /// (uncompressed) gradient reductions and ZeRO's weight gathers of every stage onto the
+    /// devices ([`crate::nccl`]); `None`: all of them through host memory over the own
+    /// transports.
     pub nccl: Option<crate::nccl::NcclGroup>,
 }
 

@@ -184,9 +184,10 @@ impl<M: StageModel> Executor<M> {
     ) -> Result<Buf, ParallelError> {
         if let Gather::Nccl { full, flight } = w {
             flight.join()?;
-            let elem = full.bytes() / full.len().max(1);
-            if elem != F32 {
-                self.gathered_bytes.add(full.len() * F32);
+            // 16-bit weights are widened for the kernels (accounted as fp32 from now on).
+            let widened = full.len() * F32;
+            if full.bytes() != widened {
+                self.gathered_bytes.add(widened);
                 self.gathered_bytes.sub(full.bytes());
             }
             return Ok(full.into_f32_buf()?);

@@ -22,7 +22,7 @@
 //! with a GPU each under `XTRAIN_BACKEND=nccl`), on the devices in the compute stream's order.
 
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, OnceLock};
+use std::sync::Arc;
 use std::time::Instant;
 
 use comm::{ProcessGroup, ReduceOp};
@@ -30,7 +30,7 @@ use model::layers::block::RegionHooks;
 use model::{ModelError, Result};
 use tensor::buf::Buf;
 
-use crate::nccl::NcclGroup;
+use crate::nccl::{NcclGroup, NcclSlot};
 use crate::ParallelError;
 
 /// The `f` / `g` operators of one tensor-parallel group.
@@ -42,11 +42,7 @@ pub struct TpRegion {
     /// compute / communication split of a step (over NCCL: the time to queue them).
     comm_nanos: Arc<AtomicU64>,
     /// The group's NCCL communicator, once attached (shared by clones).
-    nccl: Arc<OnceLock<NcclGroup>>,
-}
-
-fn cerr(e: comm::CommError) -> ModelError {
-    ModelError::Collective(e.to_string())
+    nccl: NcclSlot,
 }
 
 impl TpRegion {
@@ -56,28 +52,14 @@ impl TpRegion {
             group,
             sp,
             comm_nanos: Arc::default(),
-            nccl: Arc::default(),
+            nccl: NcclSlot::default(),
         }
     }
 
     /// Runs the region's collectives on `nccl` (a communicator over this region's group, on
     /// the compute stream) for activations on a GPU, here and in every clone. Once.
     pub fn attach_nccl(&self, nccl: NcclGroup) -> std::result::Result<(), ParallelError> {
-        if nccl.size() != self.tp() {
-            return Err(ParallelError::Config(format!(
-                "an NCCL communicator of {} ranks for a tp group of {}",
-                nccl.size(),
-                self.tp()
-            )));
-        }
-        self.nccl.set(nccl).map_err(|_| {
-            ParallelError::Config("the tp region already has its NCCL communicator".into())
-        })
-    }
-
-    /// The NCCL communicator, where one is attached and `x` lies on a GPU.
-    fn on_nccl(&self, x: &Buf) -> Option<&NcclGroup> {
-        self.nccl.get().filter(|_| matches!(x, Buf::Cuda(_)))
+        self.nccl.attach(nccl, self.tp(), "tp")
     }
 
     /// Nanoseconds spent in collectives issued through this region (and its clones) so far.
@@ -85,9 +67,12 @@ impl TpRegion {
         self.comm_nanos.load(Ordering::Relaxed)
     }
 
-    fn timed<R>(&self, f: impl FnOnce() -> comm::Result<R>) -> Result<R> {
+    fn timed<R, E: std::fmt::Display>(
+        &self,
+        f: impl FnOnce() -> std::result::Result<R, E>,
+    ) -> Result<R> {
         let t0 = Instant::now();
-        let r = f().map_err(cerr);
+        let r = f().map_err(|e| ModelError::Collective(e.to_string()));
         self.comm_nanos
             .fetch_add(t0.elapsed().as_nanos() as u64, Ordering::Relaxed);
         r
@@ -115,9 +100,9 @@ impl TpRegion {
 
     /// `x ← Σ over the ranks of x`.
     fn all_reduce(&self, x: Buf) -> Result<Buf> {
-        match (self.on_nccl(&x), x) {
+        match (self.nccl.for_buf(&x), x) {
             (Some(nccl), Buf::Cuda(mut d)) => {
-                self.timed_nccl(|| nccl.all_reduce_sum(d.as_mut_slice())?.join())?;
+                self.timed(|| nccl.all_reduce_sum(d.as_mut_slice())?.join())?;
                 Ok(Buf::Cuda(d))
             }
             (_, x) => x.through_host(|mut v| {
@@ -129,12 +114,12 @@ impl TpRegion {
 
     /// `[x of rank 0, x of rank 1, …]`.
     fn all_gather(&self, x: Buf) -> Result<Buf> {
-        if let (Some(nccl), Buf::Cuda(d)) = (self.on_nccl(&x), &x) {
+        if let (Some(nccl), Buf::Cuda(d)) = (self.nccl.for_buf(&x), &x) {
             let mut out = d
                 .gpu()
                 .alloc::<f32>(d.len() * self.tp())
                 .map_err(tensor::TensorError::from)?;
-            self.timed_nccl(|| nccl.all_gather(d.as_slice(), out.as_mut_slice())?.join())?;
+            self.timed(|| nccl.all_gather(d.as_slice(), out.as_mut_slice())?.join())?;
             return Ok(Buf::Cuda(out));
         }
         if self.tp() == 1 {
@@ -156,12 +141,12 @@ impl TpRegion {
                 x.len()
             )));
         }
-        if let (Some(nccl), Buf::Cuda(d)) = (self.on_nccl(&x), &x) {
+        if let (Some(nccl), Buf::Cuda(d)) = (self.nccl.for_buf(&x), &x) {
             let mut out = d
                 .gpu()
                 .alloc::<f32>(d.len() / n)
                 .map_err(tensor::TensorError::from)?;
-            self.timed_nccl(|| {
+            self.timed(|| {
                 nccl.reduce_scatter(d.as_slice(), out.as_mut_slice())?
                     .join()
             })?;
@@ -175,15 +160,6 @@ impl TpRegion {
             self.timed(|| self.group.reduce_scatter(&v, &mut out, ReduceOp::Sum))?;
             Ok(out)
         })
-    }
-
-    /// [`Self::timed`] for an NCCL call (its error as a collective's).
-    fn timed_nccl(&self, f: impl FnOnce() -> std::result::Result<(), ParallelError>) -> Result<()> {
-        let t0 = Instant::now();
-        let r = f().map_err(|e| ModelError::Collective(e.to_string()));
-        self.comm_nanos
-            .fetch_add(t0.elapsed().as_nanos() as u64, Ordering::Relaxed);
-        r
     }
 
     /// This rank's token range of `tokens` under sequence parallelism (all of them without).
