@@ -5,7 +5,9 @@
 # XTRAIN_BACKEND=nccl (on the GPUs): dp 2 at ZeRO-0 to 3 in fp32 and ZeRO-1 and 3 in bf16
 # (the gradient reductions and weight gathers, on the communication stream), tp 2 with and
 # without sequence parallelism in fp32 (the region operators' collectives) and cp 2, ring and
-# all-gather, in fp32 (the K/V blocks and their gradients), 20 steps each;
+# all-gather, in fp32 (the K/V blocks and their gradients), pp 2 under 1F1B, interleaved, ZB-V
+# and DualPipeV in fp32 and 1F1B in bf16 (the pipeline links' activations and gradients, one
+# communicator and side stream per link), 20 steps each;
 # every loss and grad norm of the two must agree within 1e-5 relative (fp32; the sums differ
 # only in order) and 1e-2 (bf16: 16-bit weights rounded from masters ~1e-7 apart). (One GPU
 # checks the same paths with one-rank communicators:
@@ -32,6 +34,11 @@ runs=(
     "bf16-zero1 bf16 --dp 2 --zero 1" "bf16-zero3 bf16 --dp 2 --zero 3"
     "fp32-tp2 fp32 --tp 2" "fp32-tp2-sp fp32 --tp 2 --sp"
     "fp32-cp2-ring fp32 --cp 2" "fp32-cp2-allgather fp32 --cp 2 --set parallel.cp_comm=\"allgather\""
+    "fp32-pp2-1f1b fp32 --pp 2 --schedule 1f1b --microbatches 4"
+    "fp32-pp2-interleaved fp32 --pp 2 --schedule interleaved --microbatches 4"
+    "fp32-pp2-zbv fp32 --pp 2 --schedule zb-v --microbatches 4"
+    "fp32-pp2-dualpipev fp32 --pp 2 --schedule dualpipev --microbatches 4"
+    "bf16-pp2-1f1b bf16 --pp 2 --schedule 1f1b --microbatches 4"
 )
 for run in "${runs[@]}"; do
     read -r name precision layout <<<"$run"

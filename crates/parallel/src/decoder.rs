@@ -31,7 +31,6 @@ use model::layers::block::BlockCache;
 use model::layers::head::{HeadCache, HeadWeightGrad};
 use model::layers::{Buf, BufMut, BufRef, Pass, Recompute, WeightGradStore};
 use model::{Batch, Model, ModelConfig};
-use tensor::buf::Dev;
 
 use crate::context_parallel::CpLayout;
 use crate::pipeline_parallel::split::Part;
@@ -804,23 +803,44 @@ impl StageModel for DecoderStage {
         self.tp.is_some() || self.cp.is_some() || self.ep.is_some()
     }
 
-    fn act_to_wire(&self, act: LlmAct) -> Result<Vec<f32>, ParallelError> {
-        // Pipeline messages travel through host transports (device buffers are copied out).
-        let mut v = act.x.into_vec().map_err(terr)?;
-        v.push(act.aux);
-        Ok(v)
+    fn act_to_wire(&self, act: LlmAct) -> Result<Buf, ParallelError> {
+        if !self.cfg.is_moe() {
+            return Ok(act.x); // a dense model's auxiliary loss is 0: the message is x alone
+        }
+        // x then the auxiliary loss so far (one more element).
+        let n = act.x.len();
+        let mut wire = tensor::ops::zeros_like(act.x.r(), n + 1).map_err(terr)?;
+        wire.m().slice_mut(0..n).copy_from(act.x.r()).map_err(terr)?;
+        wire.m()
+            .slice_mut(n..n + 1)
+            .copy_from_host(&[act.aux])
+            .map_err(terr)?;
+        Ok(wire)
     }
 
-    fn wire_to_act(&self, mut wire: Vec<f32>, dev: &Dev) -> Result<LlmAct, ParallelError> {
-        let aux = wire.pop().unwrap_or(0.0);
-        Ok(LlmAct {
-            x: dev.from_vec(wire).map_err(terr)?,
-            aux,
-        })
+    fn wire_to_act(&self, wire: Buf) -> Result<LlmAct, ParallelError> {
+        if !self.cfg.is_moe() {
+            return Ok(LlmAct { x: wire, aux: 0.0 });
+        }
+        // The auxiliary loss is a host number: reading it from a GPU waits for the message
+        // (a MoE block's forward reads its router's loss on the host anyway).
+        let n = wire.len().checked_sub(1).ok_or_else(|| {
+            ParallelError::Protocol("an empty MoE pipeline message (no auxiliary loss)".into())
+        })?;
+        let mut aux = [0.0f32];
+        wire.r().slice(n..n + 1).read_into(&mut aux).map_err(terr)?;
+        let x = match wire {
+            Buf::Host(mut v) => {
+                v.truncate(n);
+                Buf::Host(v)
+            }
+            Buf::Cuda(_) => wire.r().slice(0..n).to_buf().map_err(terr)?,
+        };
+        Ok(LlmAct { x, aux: aux[0] })
     }
 
     fn wire_len(&self, batch: &Batch) -> usize {
-        self.local_tokens(batch) * self.cfg.hidden_size + 1
+        self.local_tokens(batch) * self.cfg.hidden_size + usize::from(self.cfg.is_moe())
     }
 }
 

@@ -21,14 +21,19 @@
 //!   (the model needs each result before its next kernel: stream order is the whole
 //!   synchronisation, and the host never waits).
 //!
+//! - Pipeline parallelism (`pipeline_parallel::link`): each link's activations or gradients
+//!   between two stages, on a communicator of the link's two ranks and a side stream of its
+//!   own, so that a message waiting for its peer never holds up another link's.
+//!
 //! The rest (compressed or PowerSGD reductions, tied embeddings, expert parallelism's prepared
-//! reductions, pipeline messages, the ep all-to-all) keeps the communicator's
+//! reductions, the ep all-to-all) keeps the communicator's
 //! collectives over host memory (`XTRAIN_BACKEND=own`, the default, or `mpi`).
 //!
 //! A communicator is made over a process group: every rank reports its host and GPU (NCCL
 //! needs one GPU per rank, so ranks sharing one are refused by name before NCCL is asked),
 //! rank 0 makes the unique id and broadcasts it over the group's authenticated host transport,
-//! and every rank joins. Every rank makes its communicators in the same order (dp, tp, cp).
+//! and every rank joins. Every rank makes its communicators in the same order (dp, tp, cp, then
+//! the pipeline's links by stage boundary).
 use std::ops::Range;
 use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
 
@@ -176,9 +181,9 @@ impl NcclGroup {
         self.comm.lock().unwrap_or_else(|p| p.into_inner())
     }
 
-    /// Queues `f`'s collectives on the communicator's stream: on the communication stream
-    /// after the compute stream's work so far, with an event to join; on the compute stream in
-    /// its order (nothing to join).
+    /// Queues `f`'s collectives on the communicator's stream: on the communication stream (or
+    /// a side stream) after the compute stream's work so far, with an event to join; on the
+    /// compute stream in its order (nothing to join).
     ///
     /// An error NCCL met in the background since the last call (a peer that failed, a broken
     /// connection) is reported here, naming the group and the rank, instead of queueing work
@@ -198,9 +203,9 @@ impl NcclGroup {
             return Ok(InFlight { done: None, gpu });
         }
         let ready = gpu.record(Stream::Compute).map_err(err)?;
-        gpu.wait_for(Stream::Comm, &ready).map_err(err)?;
+        gpu.wait_for(comm.stream(), &ready).map_err(err)?;
         f(&comm).map_err(err)?;
-        let done = gpu.record(Stream::Comm).map_err(err)?;
+        let done = gpu.record(comm.stream()).map_err(err)?;
         Ok(InFlight {
             done: Some(done),
             gpu,
@@ -265,6 +270,18 @@ impl NcclGroup {
                 c.recv(recv, from)
             })
         })
+    }
+
+    /// Starts sending `send` to rank `to` (fp32): the matching [`NcclGroup::recv`] on `to` is
+    /// the next one it posts from this rank on this communicator (NCCL's point-to-point
+    /// messages between two ranks arrive in the order they were sent).
+    pub fn send(&self, send: DevSlice<'_, f32>, to: usize) -> Result<InFlight, ParallelError> {
+        self.queue(|c| c.send(send, to))
+    }
+
+    /// Starts receiving `recv` from rank `from` (fp32; see [`NcclGroup::send`]).
+    pub fn recv(&self, recv: DevSliceMut<'_, f32>, from: usize) -> Result<InFlight, ParallelError> {
+        self.queue(|c| c.recv(recv, from))
     }
 
     /// Starts gathering `buf` in place from its blocks: `counts[p]` elements from rank `p`,

@@ -20,7 +20,7 @@
 //! gather a unit's parameters just before it runs and free them right after.
 use std::ops::Range;
 
-use tensor::buf::{BufMut, BufRef, Dev};
+use tensor::buf::{Buf, BufMut, BufRef};
 
 use crate::placement::Placement;
 use crate::ParallelError;
@@ -163,11 +163,12 @@ pub trait StageModel: Sync {
         false
     }
 
-    /// An activation (or its gradient) as the flat `f32` host message sent between pipeline
-    /// stages (downloaded from a GPU: the pipeline's transports are the host's).
-    fn act_to_wire(&self, act: Self::Act) -> Result<Vec<f32>, ParallelError>;
-    /// The inverse of [`Self::act_to_wire`], on device `dev` (uploaded to a GPU).
-    fn wire_to_act(&self, wire: Vec<f32>, dev: &Dev) -> Result<Self::Act, ParallelError>;
+    /// An activation (or its gradient) as the flat `f32` message sent between pipeline
+    /// stages, on the activation's device (a pipeline link carries it over the host
+    /// transports or, device to device, over NCCL: `pipeline_parallel::link`).
+    fn act_to_wire(&self, act: Self::Act) -> Result<Buf, ParallelError>;
+    /// The inverse of [`Self::act_to_wire`], given the message on the receiver's device.
+    fn wire_to_act(&self, wire: Buf) -> Result<Self::Act, ParallelError>;
     /// Length of the message [`Self::act_to_wire`] makes between units for `batch` (receivers
     /// size their buffers with it).
     fn wire_len(&self, batch: &Self::Batch) -> usize;

@@ -11,7 +11,7 @@ use std::ops::Range;
 use crate::placement::{Placement, TensorSlice};
 use crate::stage::StageModel;
 use crate::ParallelError;
-use tensor::buf::{BufMut, BufRef, Dev};
+use tensor::buf::{Buf, BufMut, BufRef};
 
 #[derive(Clone, Debug)]
 pub struct ToyModel {
@@ -416,12 +416,12 @@ impl StageModel for ToyModel {
         }
     }
 
-    fn act_to_wire(&self, act: Vec<f32>) -> Result<Vec<f32>, ParallelError> {
-        Ok(act)
+    fn act_to_wire(&self, act: Vec<f32>) -> Result<Buf, ParallelError> {
+        Ok(Buf::Host(act))
     }
 
-    fn wire_to_act(&self, wire: Vec<f32>, _dev: &Dev) -> Result<Vec<f32>, ParallelError> {
-        Ok(wire)
+    fn wire_to_act(&self, wire: Buf) -> Result<Vec<f32>, ParallelError> {
+        Ok(wire.into_host("a toy model's activation")?)
     }
 
     fn wire_len(&self, batch: &Vec<Sample>) -> usize {

@@ -359,7 +359,7 @@ impl Trainer {
         } else {
             None
         };
-        let par = parallel::parallelize(
+        let mut par = parallel::parallelize(
             &model_config(&cfg),
             &mesh,
             &opts,
@@ -373,7 +373,7 @@ impl Trainer {
         let local_rank = comm::env::LaunchEnv::from_env().map_or(0, |e| e.local_rank);
         let device = tensor::buf::Dev::open_local(&t.device_spec(), local_rank)
             .map_err(|e| TrainError::Config(format!("train.device: {e}")))?;
-        let nccl = nccl_groups(&device, &par, comm.options().timeout)?;
+        let nccl = nccl_groups(&device, &mut par, comm.options().timeout)?;
         let exec_cfg = ExecConfig {
             zero: dims.zero,
             bucket_bytes: (p.bucket_mb * 1024.0 * 1024.0) as usize,
@@ -744,8 +744,8 @@ pub fn load_model(path: &Path) -> Result<(RunConfig, Model, Vec<f32>, Tokenizer)
 /// the own engine), made in this order on every rank: the dp group's, on the communication
 /// stream, returned for the executor; the tp group's (tp > 1), on the compute stream, attached
 /// to the region operators; the cp group's (cp > 1), on the communication stream, attached to
-/// the ring attention. A dp
-/// group of one rank gets a one-rank communicator: its reductions change nothing, but they
+/// the ring attention; one per pipeline link (pp > 1), a side stream each
+/// ([`parallel::pipeline_parallel::link`]). A dp group of one rank gets a one-rank communicator: its reductions change nothing, but they
 /// run the same path as many ranks' (how that path is checked on a machine with one GPU).
 ///
 /// The GPU's host waits then watch them ([`tensor::cuda::Watch`]): a wait that outlasts
@@ -753,7 +753,7 @@ pub fn load_model(path: &Path) -> Result<(RunConfig, Model, Vec<f32>, Tokenizer)
 /// failed), ends it with an error naming the groups and this rank, instead of a hang.
 fn nccl_groups(
     device: &tensor::buf::Dev,
-    par: &parallel::parallelize::Parallelized,
+    par: &mut parallel::parallelize::Parallelized,
     timeout: std::time::Duration,
 ) -> Result<Option<parallel::nccl::NcclGroup>> {
     use parallel::nccl::{Backend, NcclGroup, BACKEND_ENV};
@@ -762,9 +762,11 @@ fn nccl_groups(
     let region = par.stage.tp.as_ref().map(|t| &t.region);
     if Backend::from_env().map_err(perr)? == Backend::Host {
         if let tensor::buf::Dev::Cuda(gpu) = device {
+            let links = par.pipe.iter().flat_map(|p| p.links.values());
             let groups = std::iter::once(dp)
                 .chain(region.map(|r| r.group()))
-                .chain(par.stage.cp_attention.as_ref().map(|a| a.group()));
+                .chain(par.stage.cp_attention.as_ref().map(|a| a.group()))
+                .chain(links.map(|l| l.group()));
             for g in groups.filter(|g| g.size() > 1) {
                 tracing::info!(
                     target: "comm",
@@ -811,6 +813,9 @@ fn nccl_groups(
         .map_err(perr)?;
         all.push(cp_group.clone());
         attention.attach_nccl(cp_group).map_err(perr)?;
+    }
+    if let Some(pipe) = &mut par.pipe {
+        all.extend(pipe.use_nccl(gpu).map_err(perr)?);
     }
     gpu.watch(Some(tensor::cuda::Watch {
         limit: timeout,

@@ -396,9 +396,19 @@ fn layouts_match_one_rank(device: &str) {
     layouts_match_in(device, &moe, &MOE_LAYOUTS);
 }
 
-/// Mixture-of-experts layouts, 4 sequences per step.
-const MOE_LAYOUTS: [(&str, usize, &[&str]); 4] = [
+/// Mixture-of-experts layouts, 4 sequences per step (pp 2: the auxiliary loss travels with
+/// the activations, one element more in each pipeline message).
+const MOE_LAYOUTS: [(&str, usize, &[&str]); 5] = [
     ("single", 1, &["train.grad_accum=4"]),
+    (
+        "pp2 1F1B",
+        2,
+        &[
+            "parallel.pp=2",
+            "parallel.schedule=\"1f1b\"",
+            "train.grad_accum=4",
+        ],
+    ),
     (
         "dp2 ZeRO-1",
         2,

@@ -50,6 +50,7 @@ use crate::data_parallel::powersgd::{BucketLayout, PowerSgd};
 use crate::data_parallel::shard::ShardSpec;
 use crate::data_parallel::ZeroStage;
 use crate::memory::{formula, MemoryAccount};
+use crate::pipeline_parallel::link::Link;
 use crate::pipeline_parallel::Action;
 use crate::precision::{Bucketed, Flat, LossScaler, Precision, CHUNK};
 use crate::stage::StageModel;
@@ -140,11 +141,12 @@ pub struct Pipeline {
     /// The stages this rank runs, with their units (contiguous, in order, covering all of the
     /// model's units).
     pub local: Vec<(usize, Range<usize>)>,
-    /// The link each cross-rank message travels on, by (is a gradient, sending stage): a group
-    /// of the two ranks, the sender first. One link per stage boundary and direction, each
-    /// with its own worker thread, so messages of different boundaries never queue behind
-    /// each other and every link delivers in the order its messages were sent.
-    pub links: HashMap<(bool, usize), ProcessGroup>,
+    /// The link each cross-rank message travels on, by (is a gradient, sending stage): over a
+    /// group of the two ranks, the sender first. One link per stage boundary and direction,
+    /// each with its own worker thread (or NCCL stream), so messages of different boundaries
+    /// never queue behind each other and every link delivers in the order its messages were
+    /// sent ([`Link`]).
+    pub links: HashMap<(bool, usize), Link>,
     /// How many pp ranks hold this rank's layers (DualPipe: 2, the rank and its mirror; else
     /// 1). The executor's gradient group then spans them all (dp × replicas): their
     /// gradients are averaged like data-parallel ones — each replica's are the mean over its
@@ -179,7 +181,7 @@ impl Pipeline {
                 if me == from || me == to {
                     let label = format!("pp-{}{sender}", if gradient { "grad" } else { "act" });
                     let g = comm.new_named_group(&label, &[world[from], world[to]])?;
-                    links.insert((gradient, sender), g);
+                    links.insert((gradient, sender), Link::new(g));
                 }
             }
         }
@@ -195,8 +197,34 @@ impl Pipeline {
     }
 
     /// The link a message of `gradient` kind sent by stage `sender` travels on.
-    fn link(&self, gradient: bool, sender: usize) -> Option<&ProcessGroup> {
+    fn link(&self, gradient: bool, sender: usize) -> Option<&Link> {
         self.links.get(&(gradient, sender))
+    }
+
+    /// Moves every link's device messages onto NCCL (`XTRAIN_BACKEND=nccl`, ranks with a GPU
+    /// each), a communicator of the link's two ranks on a side stream of `gpu` each; returns
+    /// them (for the GPU's watch). A collective over the pp group: every rank makes its links'
+    /// communicators in one global order — by stage boundary, activations first — so that no
+    /// two ranks wait for each other's next link.
+    pub fn use_nccl(
+        &mut self,
+        gpu: &std::sync::Arc<tensor::cuda::Gpu>,
+    ) -> Result<Vec<crate::nccl::NcclGroup>, ParallelError> {
+        let mut keys: Vec<(bool, usize)> = self.links.keys().copied().collect();
+        let boundary = |&(gradient, sender): &(bool, usize)| (sender - usize::from(gradient), gradient);
+        keys.sort_by_key(boundary);
+        let mut groups = Vec::with_capacity(keys.len());
+        for key in keys {
+            let (b, gradient) = boundary(&key);
+            let what = if gradient {
+                format!("pipeline gradients stage {} → {b}", b + 1)
+            } else {
+                format!("pipeline activations stage {b} → {}", b + 1)
+            };
+            let link = self.links.get_mut(&key).expect("a key of the map");
+            groups.push(link.use_nccl(gpu, &what)?);
+        }
+        Ok(groups)
     }
 }
 

@@ -5,12 +5,13 @@ use std::collections::HashMap;
 use std::ops::Range;
 use std::time::{Duration, Instant};
 
-use comm::{ReduceOp, Work};
+use comm::ReduceOp;
 
 use super::reduce::{param_slice, Gather, Pending};
 use super::{p2p_tag, schedule_err, Executor, Gauge, StepStats, TraceKind, F32};
 use crate::data_parallel::bucket::{Bucket, ReadyTracker};
 use crate::data_parallel::ZeroStage;
+use crate::pipeline_parallel::link::{check_order, Incoming, Outgoing};
 use crate::pipeline_parallel::Action;
 use crate::precision::Bucketed;
 use crate::stage::StageModel;
@@ -20,7 +21,7 @@ use tensor::buf::{Buf, BufMut, Dev};
 type Key = (usize, usize);
 
 /// A posted receive: the sending pp rank and the transfer.
-type Receive = (usize, Work<Vec<f32>>);
+type Receive = (usize, Incoming);
 
 /// The two directions of pipeline messages: activations to the next stage, gradients to the
 /// previous one.
@@ -69,7 +70,7 @@ pub(super) struct StepState<M: StageModel> {
     outbox: [HashMap<Key, M::Act>; 2],
     receives: [HashMap<Key, Receive>; 2],
     /// Sends in flight: the action, the receiving pp rank, the transfer.
-    sends: Vec<(Action, usize, Work<Vec<f32>>)>,
+    sends: Vec<(Action, usize, Outgoing)>,
     caches: HashMap<Key, Vec<M::Cache>>,
     /// Pending weight gradients per unit, in the order `BACKWARD_INPUT` made them.
     weight_grads: HashMap<Key, Vec<(usize, M::WeightGrad)>>,
@@ -80,6 +81,15 @@ pub(super) struct StepState<M: StageModel> {
     waited: Duration,
     /// Sum of the losses of this rank's micro-batches (on the rank of the last stage).
     loss: f64,
+}
+
+/// Waits for `sends` (each with its action and the receiving pp rank, for errors).
+fn wait_sends(sends: Vec<(Action, usize, Outgoing)>) -> Result<(), ParallelError> {
+    for (a, peer, w) in sends {
+        w.wait()
+            .map_err(|e| schedule_err(&a, format!("sending to pp rank {peer}: {e}")))?;
+    }
+    Ok(())
 }
 
 /// A tensor (device) error as this crate's.
@@ -206,6 +216,9 @@ impl<M: StageModel> Executor<M> {
                     "a step's schedule ends with its one OPTIMIZER action".into(),
                 ))
             }
+        }
+        if self.pipe.as_ref().is_some_and(|p| p.links.values().any(|l| l.is_nccl())) {
+            check_order(schedule)?;
         }
         let dp_sent_before = self.dp.stats().total_bytes_sent();
         self.grads.fill_zero().map_err(terr)?;
@@ -378,8 +391,14 @@ impl<M: StageModel> Executor<M> {
         })?;
         let wire = self.model.act_to_wire(act)?;
         let tag = p2p_tag(flow == Flow::Gradient, to, mb);
-        st.sends
-            .push((*a, pipe.stage_rank[to], link.isend(wire, 1, tag)));
+        let out = link.send(wire, tag)?;
+        // The sends that have left release their buffers now rather than at the step's end.
+        let (done, pending) = std::mem::take(&mut st.sends)
+            .into_iter()
+            .partition(|(_, _, w)| w.is_done());
+        st.sends = pending;
+        wait_sends(done)?;
+        st.sends.push((*a, pipe.stage_rank[to], out));
         Ok(())
     }
 
@@ -407,7 +426,7 @@ impl<M: StageModel> Executor<M> {
             )
         })?;
         let tag = p2p_tag(flow == Flow::Gradient, stage, mb);
-        let w = link.irecv(vec![0.0; len], 0, tag);
+        let w = link.recv(len, &self.cfg.device, tag)?;
         st.receives[flow.index()].insert((stage, mb), (pipe.stage_rank[from], w));
         Ok(())
     }
@@ -441,7 +460,7 @@ impl<M: StageModel> Executor<M> {
             )
         })?;
         st.waited += t.elapsed();
-        self.model.wire_to_act(wire, &self.cfg.device)
+        self.model.wire_to_act(wire)
     }
 
     /// Passes `stage`'s message of `flow` on: to the neighbour stage if this rank runs it,
@@ -675,10 +694,7 @@ impl<M: StageModel> Executor<M> {
     /// Ends the step: every message delivered, every reduction stored, nothing left over; the
     /// loss averaged over micro-batches and ranks; the optimizer step.
     fn finish(&mut self, n_micro: usize, mut st: StepState<M>) -> Result<StepStats, ParallelError> {
-        for (a, peer, w) in st.sends.drain(..) {
-            w.wait()
-                .map_err(|e| schedule_err(&a, format!("sending to pp rank {peer}: {e}")))?;
-        }
+        wait_sends(std::mem::take(&mut st.sends))?;
         self.reduce_tied(&mut st.reductions)?;
         self.drain(&mut st.reductions, None)?;
         let leftover = |what: &str, keys: Vec<Key>| -> Result<(), ParallelError> {
@@ -765,12 +781,12 @@ impl<M: StageModel> Executor<M> {
             } else {
                 let pipe = self.pipe.as_ref().ok_or_else(no_pipe)?;
                 let link = pipe.link(false, id - 1).ok_or_else(no_pipe)?;
-                let w = link.irecv(
-                    vec![0.0; self.model.wire_len(batch)],
-                    0,
+                let w = link.recv(
+                    self.model.wire_len(batch),
+                    &self.cfg.device,
                     p2p_tag(false, id, 0),
-                );
-                Some(self.model.wire_to_act(w.wait()?, &self.cfg.device)?)
+                )?;
+                Some(self.model.wire_to_act(w.wait()?)?)
             };
             let mut last = None;
             let mut prefetch = self.prefetch(units.start)?;
@@ -800,7 +816,7 @@ impl<M: StageModel> Executor<M> {
                 let pipe = self.pipe.as_ref().ok_or_else(no_pipe)?;
                 let link = pipe.link(false, id).ok_or_else(no_pipe)?;
                 let wire = self.model.act_to_wire(y)?;
-                sends.push(link.isend(wire, 1, p2p_tag(false, id + 1, 0)));
+                sends.push(link.send(wire, p2p_tag(false, id + 1, 0))?);
             }
         }
         for w in sends {

@@ -8,11 +8,14 @@
 //! - [`generators`]: GPipe, 1F1B, interleaved 1F1B, ZB-H1, ZB-H2, ZB-V, DualPipeV, DualPipe;
 //! - [`validate`]: the checks a schedule passes before it runs, naming what can never run;
 //! - [`lower`]: adds the sends, receives, gradient reductions and ZeRO-3 gathers;
+//! - [`link`]: the channel of one stage boundary and direction between two ranks (host
+//!   transports or NCCL) that carries the sends and receives;
 //! - [`simulate`]: makespan, bubbles and activations in flight from per-action costs;
 //! - [`render`]: the timeline as text and as an SVG picture;
 //! - [`split`]: which layers each stage holds.
 pub mod action;
 pub mod generators;
+pub mod link;
 pub mod lower;
 pub mod render;
 pub mod schedule;

@@ -15,6 +15,10 @@
 //! The caching allocator knows the compute stream only: a buffer the communication stream
 //! reads or writes is kept alive until the compute stream has waited for the collective's
 //! event (after that, compute-stream order covers it again).
+//!
+//! Further streams ([`Gpu::side_stream`], [`Stream::Side`]) follow the same rules; they carry
+//! traffic that must not queue behind the communication stream's (a pipeline link's messages,
+//! each link in its own order).
 
 use super::alloc::Allocator;
 use super::sys::{self, CUcontext, CUdevice, CUdeviceptr, CUfunction, CUmodule, CUstream};
@@ -624,6 +628,8 @@ pub struct Gpu {
     pub(crate) stream: CUstream,
     /// The communication stream ([`Stream::Comm`]).
     comm_stream: CUstream,
+    /// The side streams made so far ([`Gpu::side_stream`]), by index.
+    side_streams: Mutex<Vec<CUstream>>,
     modules: Mutex<HashMap<&'static str, CUmodule>>,
     functions: Mutex<HashMap<(&'static str, &'static str), CUfunction>>,
     /// Dynamic shared memory each function was allowed beyond the default.
@@ -742,6 +748,7 @@ impl Gpu {
                 ctx,
                 stream,
                 comm_stream,
+                side_streams: Mutex::new(Vec::new()),
                 modules: Mutex::new(HashMap::new()),
                 functions: Mutex::new(HashMap::new()),
                 dynamic_shared: Mutex::new(HashMap::new()),
@@ -800,11 +807,39 @@ impl Gpu {
     }
 
     /// The driver's handle of stream `s`.
-    pub(crate) fn stream_of(&self, s: Stream) -> CUstream {
+    pub(crate) fn stream_of(&self, s: Stream) -> Result<CUstream, CudaError> {
         match s {
-            Stream::Compute => self.stream,
-            Stream::Comm => self.comm_stream,
+            Stream::Compute => Ok(self.stream),
+            Stream::Comm => Ok(self.comm_stream),
+            Stream::Side(i) => self
+                .side_streams
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .get(i)
+                .copied()
+                .ok_or_else(|| {
+                    CudaError::Shape(format!(
+                        "cuda:{} has no side stream {i} (a stream of another GPU?)",
+                        self.info.ordinal
+                    ))
+                }),
         }
+    }
+
+    /// A new stream of its own beside the compute and communication streams (non-blocking,
+    /// kept until the GPU is closed): for traffic that must not wait behind other traffic,
+    /// ordered against the compute stream by events like [`Stream::Comm`].
+    pub fn side_stream(&self) -> Result<Stream, CudaError> {
+        self.bind()?;
+        let mut s: CUstream = std::ptr::null_mut();
+        // SAFETY: a valid out-pointer; the stream is destroyed in `Drop`.
+        check(
+            unsafe { (self.lib.cuStreamCreate)(&mut s, sys::CU_STREAM_NON_BLOCKING) },
+            "cuStreamCreate",
+        )?;
+        let mut side = self.side_streams.lock().unwrap_or_else(|e| e.into_inner());
+        side.push(s);
+        Ok(Stream::Side(side.len() - 1))
     }
 
     /// An event recorded on stream `on`: it completes when the work queued there before it
@@ -823,7 +858,7 @@ impl Gpu {
         };
         // SAFETY: the event and the stream belong to this context.
         check(
-            unsafe { (self.lib.cuEventRecord)(ev, self.stream_of(on)) },
+            unsafe { (self.lib.cuEventRecord)(ev, self.stream_of(on)?) },
             "cuEventRecord",
         )?;
         Ok(event)
@@ -832,9 +867,10 @@ impl Gpu {
     /// Makes stream `on` wait (on the device; the host goes on) until `event` completed.
     pub fn wait_for(&self, on: Stream, event: &Event) -> Result<(), CudaError> {
         self.bind()?;
+        let stream = self.stream_of(on)?;
         // SAFETY: a live event of this context and one of its streams.
         check(
-            unsafe { (self.lib.cuStreamWaitEvent)(self.stream_of(on), event.ev, 0) },
+            unsafe { (self.lib.cuStreamWaitEvent)(stream, event.ev, 0) },
             "cuStreamWaitEvent",
         )
     }
@@ -1057,24 +1093,33 @@ impl Drop for Gpu {
             // SAFETY: the stream is ours; the workspace and the cached blocks go back to the
             // driver (no buffer is live: each holds an `Arc` of this `Gpu`).
             unsafe {
-                (self.lib.cuStreamSynchronize)(self.comm_stream);
+                let side = std::mem::take(
+                    &mut *self.side_streams.lock().unwrap_or_else(|e| e.into_inner()),
+                );
+                for &s in side.iter().chain([&self.comm_stream]) {
+                    (self.lib.cuStreamSynchronize)(s);
+                }
                 (self.lib.cuStreamSynchronize)(self.stream);
                 if let Some(b) = self.blas.lock().unwrap_or_else(|e| e.into_inner()).take() {
                     self.alloc.release(b.workspace, super::blas::WORKSPACE);
                 }
                 self.alloc.release_cached();
                 (self.lib.cuStreamDestroy_v2)(self.stream);
-                (self.lib.cuStreamDestroy_v2)(self.comm_stream);
+                for s in side.into_iter().chain([self.comm_stream]) {
+                    (self.lib.cuStreamDestroy_v2)(s);
+                }
             }
         }
     }
 }
 
-/// The two streams of a [`Gpu`]: kernels and copies, and communication.
+/// The streams of a [`Gpu`]: kernels and copies, communication, and the side streams made
+/// with [`Gpu::side_stream`] (by index).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Stream {
     Compute,
     Comm,
+    Side(usize),
 }
 
 /// A point in a stream's queue ([`Gpu::record`]): other streams wait for it

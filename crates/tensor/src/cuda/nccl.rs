@@ -667,6 +667,7 @@ impl NcclComm {
             return Ok(()); // every rank has the same count: nothing to do anywhere
         }
         self.gpu.bind()?;
+        let stream = self.gpu.stream_of(self.stream)?;
         // SAFETY: both ranges hold `count` elements of `dtype` on this communicator's GPU
         // (checked by the callers); NCCL accepts send == recv (in place).
         check(
@@ -679,7 +680,7 @@ impl NcclComm {
                     nccl_type(dtype),
                     op.code(),
                     self.comm,
-                    self.gpu.stream_of(self.stream),
+                    stream,
                 )
             },
             "ncclAllReduce",
@@ -738,6 +739,7 @@ impl NcclComm {
             return Ok(());
         }
         self.gpu.bind()?;
+        let stream = self.gpu.stream_of(self.stream)?;
         // SAFETY: both ranges hold `count` elements of `dtype` on this GPU (checked by the
         // callers); NCCL accepts send == recv (in place).
         check(
@@ -751,7 +753,7 @@ impl NcclComm {
                     op.code(),
                     root as i32,
                     self.comm,
-                    self.gpu.stream_of(self.stream),
+                    stream,
                 )
             },
             "ncclReduce",
@@ -782,6 +784,7 @@ impl NcclComm {
             return Ok(());
         }
         self.gpu.bind()?;
+        let stream = self.gpu.stream_of(self.stream)?;
         // SAFETY: the range holds `count` elements of `dtype` on this GPU (checked by the
         // callers); in place (send == recv).
         check(
@@ -794,7 +797,7 @@ impl NcclComm {
                     nccl_type(dtype),
                     root as i32,
                     self.comm,
-                    self.gpu.stream_of(self.stream),
+                    stream,
                 )
             },
             "ncclBroadcast",
@@ -845,6 +848,7 @@ impl NcclComm {
             return Ok(());
         }
         self.gpu.bind()?;
+        let stream = self.gpu.stream_of(self.stream)?;
         // SAFETY: `send` holds `send.len` and `recv` `size × send.len` elements (checked).
         check(
             self.lib,
@@ -855,7 +859,7 @@ impl NcclComm {
                     send.len,
                     nccl_type(send.dtype),
                     self.comm,
-                    self.gpu.stream_of(self.stream),
+                    stream,
                 )
             },
             CALL,
@@ -879,6 +883,7 @@ impl NcclComm {
             return Ok(());
         }
         self.gpu.bind()?;
+        let stream = self.gpu.stream_of(self.stream)?;
         // SAFETY: `send` holds `size × recv.len` and `recv` `recv.len` elements (checked).
         check(
             self.lib,
@@ -890,7 +895,7 @@ impl NcclComm {
                     nccl_type(send.dtype),
                     op.code(),
                     self.comm,
-                    self.gpu.stream_of(self.stream),
+                    stream,
                 )
             },
             CALL,
@@ -938,6 +943,7 @@ impl NcclComm {
             return Ok(()); // the matching receive is empty too, and skipped the same way
         }
         self.gpu.bind()?;
+        let stream = self.gpu.stream_of(self.stream)?;
         // SAFETY: `ptr` holds `count` elements of `dtype` on this GPU (checked by the callers).
         check(
             self.lib,
@@ -948,7 +954,7 @@ impl NcclComm {
                     nccl_type(dtype),
                     peer as i32,
                     self.comm,
-                    self.gpu.stream_of(self.stream),
+                    stream,
                 )
             },
             "ncclSend",
@@ -966,6 +972,7 @@ impl NcclComm {
             return Ok(());
         }
         self.gpu.bind()?;
+        let stream = self.gpu.stream_of(self.stream)?;
         // SAFETY: `ptr` holds `count` elements of `dtype` on this GPU (checked by the callers).
         check(
             self.lib,
@@ -976,7 +983,7 @@ impl NcclComm {
                     nccl_type(dtype),
                     peer as i32,
                     self.comm,
-                    self.gpu.stream_of(self.stream),
+                    stream,
                 )
             },
             "ncclRecv",
