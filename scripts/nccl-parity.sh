@@ -7,7 +7,8 @@
 # without sequence parallelism in fp32 (the region operators' collectives) and cp 2, ring and
 # all-gather, in fp32 (the K/V blocks and their gradients), pp 2 under 1F1B, interleaved, ZB-V
 # and DualPipeV in fp32 and 1F1B in bf16 (the pipeline links' activations and gradients, one
-# communicator and side stream per link), 20 steps each;
+# communicator and side stream per link) and ep 2 on a mixture of experts in fp32 (the token
+# rows' all-to-alls), 20 steps each;
 # every loss and grad norm of the two must agree within 1e-5 relative (fp32; the sums differ
 # only in order) and 1e-2 (bf16: 16-bit weights rounded from masters ~1e-7 apart). (One GPU
 # checks the same paths with one-rank communicators:
@@ -39,6 +40,7 @@ runs=(
     "fp32-pp2-zbv fp32 --pp 2 --schedule zb-v --microbatches 4"
     "fp32-pp2-dualpipev fp32 --pp 2 --schedule dualpipev --microbatches 4"
     "bf16-pp2-1f1b bf16 --pp 2 --schedule 1f1b --microbatches 4"
+    "fp32-ep2 fp32 --dp 2 --ep 2 --set model.arch=\"mixtral\" --set model.num_experts=4 --set model.experts_per_token=2"
 )
 for run in "${runs[@]}"; do
     read -r name precision layout <<<"$run"

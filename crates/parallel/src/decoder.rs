@@ -129,6 +129,8 @@ pub struct DecoderStage {
     pub cp: Option<CpLayout>,
     /// The blocks' (shared) context-parallel attention (cp > 1).
     pub cp_attention: Option<Arc<crate::context_parallel::ring::ContextAttention>>,
+    /// The MoE layers' (shared) token exchange over the ep group (ep > 1).
+    pub ep_exchange: Option<crate::expert_parallel::EpExchange>,
     seqs: Option<Arc<dyn model::layers::SequenceGroup>>,
     /// Expert parallelism (ep > 1).
     ep: Option<EpGroups>,
@@ -236,6 +238,7 @@ impl DecoderStage {
             held,
             cp: None,
             cp_attention: None,
+            ep_exchange: None,
             seqs: None,
             ep: None,
             moe_load: Arc::default(),
@@ -263,13 +266,14 @@ impl DecoderStage {
     /// and `parts` the group of the ranks holding parts of the same layers (ep × tp). The
     /// stage must have been built for this ep rank ([`Self::new`]'s `ep`).
     pub fn with_experts(mut self, ep: ProcessGroup, parts: ProcessGroup) -> Self {
-        let exchange: Arc<dyn model::layers::moe::ExpertExchange> =
-            Arc::new(crate::expert_parallel::EpExchange(ep.clone()));
+        let ep_exchange = crate::expert_parallel::EpExchange::new(ep.clone());
+        let exchange: Arc<dyn model::layers::moe::ExpertExchange> = Arc::new(ep_exchange.clone());
         for b in &mut self.local.blocks {
             if let model::layers::block::Ffn::Moe(m) = &mut b.ffn {
                 m.exchange = Some(exchange.clone());
             }
         }
+        self.ep_exchange = Some(ep_exchange);
         self.ep = Some(EpGroups { ep, parts });
         self
     }

@@ -25,15 +25,20 @@
 //!   between two stages, on a communicator of the link's two ranks and a side stream of its
 //!   own, so that a message waiting for its peer never holds up another link's.
 //!
+//! - Expert parallelism (`expert_parallel`): the all-to-alls of the token rows to the
+//!   experts' ranks and of the outputs back (forward) and of their gradients (backward), on
+//!   the communication stream, overlapping the shared expert; the row counts go first over
+//!   the host.
+//!
 //! The rest (compressed or PowerSGD reductions, tied embeddings, expert parallelism's prepared
-//! reductions, the ep all-to-all) keeps the communicator's
+//! reductions) keeps the communicator's
 //! collectives over host memory (`XTRAIN_BACKEND=own`, the default, or `mpi`).
 //!
 //! A communicator is made over a process group: every rank reports its host and GPU (NCCL
 //! needs one GPU per rank, so ranks sharing one are refused by name before NCCL is asked),
 //! rank 0 makes the unique id and broadcasts it over the group's authenticated host transport,
-//! and every rank joins. Every rank makes its communicators in the same order (dp, tp, cp, then
-//! the pipeline's links by stage boundary).
+//! and every rank joins. Every rank makes its communicators in the same order (dp, tp, cp, ep,
+//! then the pipeline's links by stage boundary).
 use std::ops::Range;
 use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
 
@@ -282,6 +287,19 @@ impl NcclGroup {
     /// Starts receiving `recv` from rank `from` (fp32; see [`NcclGroup::send`]).
     pub fn recv(&self, recv: DevSliceMut<'_, f32>, from: usize) -> Result<InFlight, ParallelError> {
         self.queue(|c| c.recv(recv, from))
+    }
+
+    /// Starts an all-to-all with counts per rank (fp32): `send` holds `send_counts[p]`
+    /// elements for each rank p, rank after rank; `recv` gets `recv_counts[p]` from each rank
+    /// p, rank after rank (grouped sends and receives).
+    pub fn all_to_all_v(
+        &self,
+        send: DevSlice<'_, f32>,
+        send_counts: &[usize],
+        recv: DevSliceMut<'_, f32>,
+        recv_counts: &[usize],
+    ) -> Result<InFlight, ParallelError> {
+        self.queue(|c| c.all_to_all_v(send, send_counts, recv, recv_counts))
     }
 
     /// Starts gathering `buf` in place from its blocks: `counts[p]` elements from rank `p`,

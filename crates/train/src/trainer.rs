@@ -744,7 +744,8 @@ pub fn load_model(path: &Path) -> Result<(RunConfig, Model, Vec<f32>, Tokenizer)
 /// the own engine), made in this order on every rank: the dp group's, on the communication
 /// stream, returned for the executor; the tp group's (tp > 1), on the compute stream, attached
 /// to the region operators; the cp group's (cp > 1), on the communication stream, attached to
-/// the ring attention; one per pipeline link (pp > 1), a side stream each
+/// the ring attention; the ep group's (ep > 1), on the communication stream, attached to the
+/// MoE layers' token exchange; one per pipeline link (pp > 1), a side stream each
 /// ([`parallel::pipeline_parallel::link`]). A dp group of one rank gets a one-rank communicator: its reductions change nothing, but they
 /// run the same path as many ranks' (how that path is checked on a machine with one GPU).
 ///
@@ -766,6 +767,7 @@ fn nccl_groups(
             let groups = std::iter::once(dp)
                 .chain(region.map(|r| r.group()))
                 .chain(par.stage.cp_attention.as_ref().map(|a| a.group()))
+                .chain(par.stage.ep_exchange.as_ref().map(|e| e.group()))
                 .chain(links.map(|l| l.group()));
             for g in groups.filter(|g| g.size() > 1) {
                 tracing::info!(
@@ -813,6 +815,17 @@ fn nccl_groups(
         .map_err(perr)?;
         all.push(cp_group.clone());
         attention.attach_nccl(cp_group).map_err(perr)?;
+    }
+    if let Some(exchange) = &par.stage.ep_exchange {
+        let ep_group = NcclGroup::new(
+            exchange.group(),
+            gpu,
+            Stream::Comm,
+            "expert-parallel token rows and their gradients",
+        )
+        .map_err(perr)?;
+        all.push(ep_group.clone());
+        exchange.attach_nccl(ep_group).map_err(perr)?;
     }
     if let Some(pipe) = &mut par.pipe {
         all.extend(pipe.use_nccl(gpu).map_err(perr)?);

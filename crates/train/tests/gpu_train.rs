@@ -524,6 +524,81 @@ fn generation_on_the_gpu_matches_the_cpu() {
     let _ = std::fs::remove_dir_all(&d);
 }
 
+/// Expert parallelism's token exchange over NCCL with the one-rank communicator one GPU can
+/// hold: a MoE layer whose exchange is a one-rank ep group runs the whole device dispatch
+/// (rows gathered, exchanged, run through the experts, sent back and combined on the GPU), once
+/// over the host transports and once over NCCL on the communication stream — the output and
+/// the input gradient bit for bit the same and on the GPU. (A missing wait between the
+/// streams would read the rows before they arrived.) Two ranks: `scripts/nccl-parity.sh`.
+#[test]
+fn expert_exchange_runs_on_a_one_rank_nccl_communicator() {
+    use model::layers::block::Ffn;
+    use model::layers::{Pass, WeightGradStore};
+    use parallel::expert_parallel::EpExchange;
+    use parallel::tensor_parallel::TpPlan;
+    use std::sync::Arc;
+    use tensor::buf::{Buf, Dev};
+    if !has_gpu() {
+        return;
+    }
+    let Ok(Dev::Cuda(gpu)) = Dev::open("cuda") else {
+        panic!("the GPU opened above");
+    };
+    let comm = comm::Communicator::single_process().unwrap();
+    let cfg = model::ModelConfig::preset("tiny-moe").unwrap();
+    let params = model::Model::new(cfg.clone()).unwrap().init_params(5);
+    let plan = TpPlan::with_experts(&cfg, 1, false, 1, 0).unwrap();
+    let lp = plan.shard(&params, 0);
+    let tokens = 24;
+    let data = |seed: usize| -> Vec<f32> {
+        (0..tokens * cfg.hidden_size)
+            .map(|i| (((i * 7919 + seed * 104_729) % 1000) as f32 / 500.0) - 1.0)
+            .collect()
+    };
+    let run = |nccl: bool| -> Vec<Vec<f32>> {
+        let mut local = plan.local_model().unwrap();
+        let p = Buf::Cuda(gpu.upload(&lp[local.layout.block_range(0)]).unwrap());
+        let Ffn::Moe(m) = &mut local.blocks[0].ffn else {
+            panic!("a MoE block")
+        };
+        let exchange = EpExchange::new(comm.world().clone());
+        if nccl {
+            let g = parallel::nccl::NcclGroup::new(
+                exchange.group(),
+                &gpu,
+                tensor::cuda::Stream::Comm,
+                "the ep test",
+            )
+            .unwrap();
+            exchange.attach_nccl(g).unwrap();
+        }
+        m.exchange = Some(Arc::new(exchange));
+        let pass = Pass::new(1, tokens);
+        let x = Arc::new(Buf::Cuda(gpu.upload(&data(1)).unwrap()));
+        let (y, cache) = m.forward(p.r(), x.r(), &pass).unwrap();
+        let dy = Arc::new(Buf::Cuda(gpu.upload(&data(2)).unwrap()));
+        let mut store = WeightGradStore::new();
+        let dx = m
+            .backward_input(p.r(), &x, cache, dy, &pass, &mut store)
+            .unwrap();
+        [y, dx]
+            .iter()
+            .map(|b| {
+                assert!(matches!(b, Buf::Cuda(_)), "a result left the GPU");
+                b.to_vec().unwrap()
+            })
+            .collect()
+    };
+    let (host, nccl) = (run(false), run(true));
+    for (name, (a, b)) in ["output", "input gradient"].iter().zip(host.iter().zip(&nccl)) {
+        assert!(
+            a.len() == b.len() && a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits()),
+            "{name}: NCCL's exchange differs from the host's"
+        );
+        assert!(a.iter().any(|v| *v != 0.0), "{name}: all zero");
+    }
+}
+
 /// Tensor parallelism's region operators over NCCL (`XTRAIN_BACKEND=nccl`, ranks with a GPU
 /// each), with the one-rank communicator one GPU can hold: every map, with and without
 /// sequence parallelism, runs its NCCL collective (all-reduce, all-gather, reduce-scatter) on

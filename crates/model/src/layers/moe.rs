@@ -12,7 +12,6 @@
 //! - renormalisation backward: `∂L/∂p_tm = (∂L/∂w_tm − Σ_{j∈K_t} w_tj ∂L/∂w_tj) / S_t` for
 //!   `m ∈ K_t`; then the softmax backward to the router logits.
 
-use std::borrow::Cow;
 use std::sync::Arc;
 
 use super::mlp::{MlpCache, SwiGlu};
@@ -79,11 +78,24 @@ pub fn balance_bias(bias: &mut [f32], loads: &[u64], rate: f32) {
 pub trait ExpertExchange: Send + Sync + std::fmt::Debug {
     fn size(&self) -> usize;
     fn rank(&self) -> usize;
-    /// Starts an all-to-all of variable-length buffers (`send[d]` to member d); the returned
-    /// function waits for it and gives what each member sent this one, in member order.
-    #[allow(clippy::type_complexity)]
-    fn all_to_all(&self, send: Vec<Vec<f32>>) -> Box<dyn FnOnce() -> Result<Vec<Vec<f32>>> + Send>;
+    /// Row counts, one list per member (`send[d]` goes to member d, every list of one
+    /// length); waits, and returns the list each member sent this one, in member order.
+    fn exchange_counts(&self, send: &[Vec<usize>]) -> Result<Vec<Vec<usize>>>;
+    /// Starts an all-to-all of rows of `width` values on the device of `send`, which holds
+    /// `send_rows[d]` rows for each member d, member after member; the returned function
+    /// waits for it and gives the rows each member sent this one (`recv_rows[m]` from member
+    /// m, which the counts exchanged first told), member after member, on the same device.
+    fn all_to_all_rows(
+        &self,
+        send: Buf,
+        send_rows: &[usize],
+        recv_rows: &[usize],
+        width: usize,
+    ) -> Result<RowsInFlight>;
 }
+
+/// An all-to-all of rows in flight ([`ExpertExchange::all_to_all_rows`]): call it to wait.
+pub type RowsInFlight = Box<dyn FnOnce() -> Result<Buf> + Send>;
 
 /// The routing decisions of one forward.
 #[derive(Debug, Clone)]
@@ -133,13 +145,70 @@ pub struct ExpertCache {
     pub out: Act,
 }
 
-/// Expert parallelism's side of a forward: per member, how many rows of each of its experts
-/// came from each member (`[member][local expert]`), and the outputs of this rank's own
-/// assignments as they came back (in the order they were sent).
+/// Expert parallelism's side of a forward: how many rows of each held expert came from each
+/// member (`[member][local expert]`), and the outputs of this rank's own assignments as they
+/// came back (rows in the order they were sent, [`SendPlan`]).
 #[derive(Debug, Clone)]
 pub struct Dispatch {
     pub received: Vec<Vec<usize>>,
-    pub returned: Vec<Vec<f32>>,
+    pub returned: Act,
+}
+
+/// Where this rank's assignments travel under expert parallelism: their token rows in
+/// (member, expert, token) order — every member's block is its experts' rows in expert order
+/// — with their routing weights, and per global expert its range of those rows. The same
+/// order on the way out, on the way back and in the backward.
+struct SendPlan {
+    tokens: Vec<u32>,
+    weights: Vec<f32>,
+    /// `(token, slot)` of each row (the slot of the expert among the token's k).
+    slots: Vec<(usize, usize)>,
+    expert_rows: Vec<std::ops::Range<usize>>,
+    /// Rows per member, and per member its experts' row counts (the counts it is told).
+    member_rows: Vec<usize>,
+    counts: Vec<Vec<usize>>,
+}
+
+impl SendPlan {
+    fn new(r: &Routing, k: usize, members: usize, per: usize) -> SendPlan {
+        let mut plan = SendPlan {
+            tokens: Vec::new(),
+            weights: Vec::new(),
+            slots: Vec::new(),
+            expert_rows: Vec::with_capacity(members * per),
+            member_rows: Vec::with_capacity(members),
+            counts: Vec::with_capacity(members),
+        };
+        for d in 0..members {
+            let lists = &r.assigned[d * per..(d + 1) * per];
+            for list in lists {
+                let start = plan.tokens.len();
+                for &(t, j) in list {
+                    plan.tokens.push(t as u32);
+                    plan.weights.push(r.weights[t * k + j]);
+                    plan.slots.push((t, j));
+                }
+                plan.expert_rows.push(start..plan.tokens.len());
+            }
+            plan.counts.push(lists.iter().map(Vec::len).collect());
+            plan.member_rows.push(lists.iter().map(Vec::len).sum());
+        }
+        plan
+    }
+}
+
+/// The rows of held expert `l` in a buffer laid out member after member, each member's block
+/// its `received[m]` experts' rows in expert order (what the all-to-all delivers): their row
+/// indices, member by member — the expert's input rows in order, and where its outputs go back.
+fn rows_of_held(received: &[Vec<usize>], l: usize) -> Vec<u32> {
+    let mut idx = Vec::new();
+    let mut at = 0usize;
+    for counts in received {
+        let start = at + counts[..l].iter().sum::<usize>();
+        idx.extend((start..start + counts[l]).map(|i| i as u32));
+        at += counts.iter().sum::<usize>();
+    }
+    idx
 }
 
 /// Everything MoE backward needs.
@@ -169,23 +238,9 @@ impl MoeCache {
             .flatten()
             .map(|e| super::act_bytes(&e.x) + e.mlp.bytes() + super::act_bytes(&e.out))
             .sum();
-        let returned: usize = self
-            .dispatch
-            .iter()
-            .flat_map(|d| d.returned.iter())
-            .map(|r| std::mem::size_of_val(r.as_slice()))
-            .sum();
+        let returned: usize = self.dispatch.iter().map(|d| d.returned.bytes()).sum();
         self.routing.bytes() + experts + returned + self.shared.as_ref().map_or(0, MlpCache::bytes)
     }
-}
-
-/// A buffer's values on the host: borrowed there, downloaded from a GPU (expert
-/// parallelism's exchange carries host vectors).
-fn host(b: &Buf) -> Result<Cow<'_, [f32]>> {
-    Ok(match b {
-        Buf::Host(v) => Cow::Borrowed(v.as_slice()),
-        dev => Cow::Owned(dev.to_vec()?),
-    })
 }
 
 impl Moe {
@@ -272,8 +327,8 @@ impl Moe {
         })
     }
 
-    /// `x [T, hidden] -> y [T, hidden]`, on the device of `x` (expert parallelism: the experts
-    /// there too, the rows travelling and combined through host memory).
+    /// `x [T, hidden] -> y [T, hidden]`, on the device of `x` (expert parallelism too: the rows
+    /// are gathered, exchanged and combined there).
     pub fn forward<'a1, 'a2>(
         &self,
         p: impl Into<BufRef<'a1>>,
@@ -287,14 +342,9 @@ impl Moe {
         let t_n = x.len() / hidden;
         let (y, caches, dispatch, shared) = match &self.exchange {
             Some(ex) => {
-                let xh: Cow<'_, [f32]> = match x {
-                    BufRef::Host(v) => Cow::Borrowed(v),
-                    dev => Cow::Owned(dev.to_vec()?),
-                };
-                let mut y = vec![0.0; x.len()];
-                let (c, d, s) =
-                    self.forward_parallel(p, (x, &xh), &routing, keep_product, ex, &mut y)?;
-                (x.dev().from_vec(y)?, c, Some(d), s)
+                let mut y = tensor::ops::zeros_like(x, x.len())?;
+                let (c, d, s) = self.forward_parallel(p, x, &routing, keep_product, ex, y.m())?;
+                (y, c, Some(d), s)
             }
             None => {
                 let mut y = tensor::ops::zeros_like(x, x.len())?;
@@ -382,113 +432,92 @@ impl Moe {
     }
 
     /// The routed experts under expert parallelism: each assignment's token row goes to the
-    /// member holding its expert (a header of per-expert row counts first), the members run
-    /// their experts over the rows of every member, the outputs come back in the order sent,
-    /// and are added into `y` in expert order (as [`Self::forward_local`] does); the shared
-    /// expert runs while the tokens travel and is added after the routed experts. The experts
-    /// compute on the device of `x` (given also as host values `xh`); the rows travel and are
-    /// combined into `y` on the host.
+    /// member holding its expert (the members first learn how many rows of each of their
+    /// experts come), the members run their experts over the rows of every member, the
+    /// outputs come back in the order sent, and are added into `y` expert by expert (as
+    /// [`Self::forward_local`] does); the shared expert runs while the tokens travel and is
+    /// added after the routed experts. Rows are gathered, exchanged and combined on the device
+    /// of `x`; only the counts and the routing live on the host.
     #[allow(clippy::type_complexity)]
     fn forward_parallel(
         &self,
         p: BufRef<'_>,
-        (x, xh): (BufRef<'_>, &[f32]),
+        x: BufRef<'_>,
         r: &Routing,
         keep_product: bool,
         ex: &Arc<dyn ExpertExchange>,
-        y: &mut [f32],
+        mut y: BufMut<'_>,
     ) -> Result<(Vec<Option<ExpertCache>>, Dispatch, Option<MlpCache>)> {
         let hidden = self.router.shape[1];
-        let k = self.top_k;
-        let (n, per) = (ex.size(), self.experts.len());
-        let send: Vec<Vec<f32>> = time(Kernel::Router, || {
-            (0..n)
-                .map(|d| {
-                    let lists = &r.assigned[d * per..(d + 1) * per];
-                    let rows: usize = lists.iter().map(Vec::len).sum();
-                    let mut buf = Vec::with_capacity(per + rows * hidden);
-                    buf.extend(lists.iter().map(|l| l.len() as f32));
-                    for &(t, _) in lists.iter().flatten() {
-                        buf.extend_from_slice(&xh[t * hidden..(t + 1) * hidden]);
-                    }
-                    buf
-                })
-                .collect()
-        });
-        let wait = ex.all_to_all(send);
+        let plan = SendPlan::new(r, self.top_k, ex.size(), self.experts.len());
+        let received = time(Kernel::ExpertExchange, || ex.exchange_counts(&plan.counts))?;
+        let recv_rows: Vec<usize> = received.iter().map(|c| c.iter().sum()).collect();
+        let send = time(Kernel::Router, || {
+            tensor::ops::gather_rows(x, &plan.tokens, None, hidden)
+        })?;
+        let wait = ex.all_to_all_rows(send, &plan.member_rows, &recv_rows, hidden)?;
         // The shared expert overlaps the transfer; its output is added last.
         let shared = match &self.shared {
             Some(s) => Some(s.forward(p, x, keep_product)?),
             None => None,
         };
         let recv = time(Kernel::ExpertExchange, wait)?;
-        let received: Vec<Vec<usize>> = recv
-            .iter()
-            .map(|b| b[..per].iter().map(|&c| c as usize).collect())
-            .collect();
-        // Offset of member m's rows of held expert l in its buffer.
-        let at = |m: usize, l: usize| per + received[m][..l].iter().sum::<usize>() * hidden;
-        let mut caches = Vec::with_capacity(per);
-        let mut back: Vec<Vec<f32>> = vec![Vec::new(); n];
+        // The reply has the layout of what came: each output row goes where its input was.
+        let mut back = tensor::ops::zeros_like(x, recv.len())?;
+        let mut caches = Vec::with_capacity(self.experts.len());
         for (l, expert) in self.experts.iter().enumerate() {
-            let rows: usize = received.iter().map(|c| c[l]).sum();
-            if rows == 0 {
+            let idx = rows_of_held(&received, l);
+            if idx.is_empty() {
                 caches.push(None);
                 continue;
             }
-            let mut xs = Vec::with_capacity(rows * hidden);
-            for (m, b) in recv.iter().enumerate() {
-                xs.extend_from_slice(&b[at(m, l)..at(m, l) + received[m][l] * hidden]);
-            }
-            let xs = x.dev().from_vec(xs)?;
+            let xs = time(Kernel::Router, || {
+                tensor::ops::gather_rows(recv.r(), &idx, None, hidden)
+            })?;
             let (out, mlp) = expert.forward(p, xs.r(), keep_product)?;
-            {
-                let outh = host(&out)?;
-                let mut o = 0;
-                for (m, bk) in back.iter_mut().enumerate() {
-                    let len = received[m][l] * hidden;
-                    bk.extend_from_slice(&outh[o..o + len]);
-                    o += len;
-                }
-            }
+            time(Kernel::Router, || {
+                tensor::ops::scatter_add_rows(out.r(), &idx, None, back.m(), hidden)
+            })?;
             caches.push(Some(ExpertCache {
                 x: Arc::new(xs),
                 mlp,
                 out: Arc::new(out),
             }));
         }
-        let returned = time(Kernel::ExpertExchange, ex.all_to_all(back))?;
+        let wait = ex.all_to_all_rows(back, &recv_rows, &plan.member_rows, hidden)?;
+        let returned = time(Kernel::ExpertExchange, wait)?;
         time(Kernel::Router, || {
-            for (d, ret) in returned.iter().enumerate() {
-                let mut o = 0;
-                for &(t, j) in r.assigned[d * per..(d + 1) * per].iter().flatten() {
-                    let w = r.weights[t * k + j];
-                    let yt = &mut y[t * hidden..(t + 1) * hidden];
-                    for (a, b) in yt.iter_mut().zip(&ret[o..o + hidden]) {
-                        *a += w * b;
-                    }
-                    o += hidden;
-                }
+            for rows in plan.expert_rows.iter().filter(|r| !r.is_empty()) {
+                tensor::ops::scatter_add_rows(
+                    returned.r().slice(rows.start * hidden..rows.end * hidden),
+                    &plan.tokens[rows.clone()],
+                    Some(&plan.weights[rows.clone()]),
+                    y.reborrow(),
+                    hidden,
+                )?;
             }
-        });
+            Ok::<_, tensor::TensorError>(())
+        })?;
         let shared = match shared {
             Some((ys, c)) => {
-                y.iter_mut()
-                    .zip(host(&ys)?.iter())
-                    .for_each(|(a, b)| *a += b);
+                tensor::ops::add_assign(y, ys.r())?;
                 Some(c)
             }
             None => None,
         };
-        Ok((caches, Dispatch { received, returned }, shared))
+        let dispatch = Dispatch {
+            received,
+            returned: Arc::new(returned),
+        };
+        Ok((caches, dispatch, shared))
     }
 
     /// The routed experts' backward under expert parallelism, mirroring
     /// [`Self::forward_parallel`]: each assignment's weight gradient `dw` from the output that
     /// came back, its output gradient `w·dy` sent to the expert's member, the members' input
-    /// gradients sent back and added into `dx` in expert order. The shared expert's backward
+    /// gradients sent back and added into `dx` expert by expert. The shared expert's backward
     /// (given) runs while the gradients travel; its input gradient is returned.
-    #[allow(clippy::too_many_arguments, clippy::type_complexity)]
+    #[allow(clippy::too_many_arguments)]
     fn backward_parallel(
         &self,
         p: BufRef<'_>,
@@ -498,72 +527,58 @@ impl Moe {
         dy: &Act,
         ex: &Arc<dyn ExpertExchange>,
         shared: (Option<(&SwiGlu, MlpCache)>, &Act),
-        dx: &mut [f32],
+        mut dx: BufMut<'_>,
         dw: &mut [f32],
         store: &mut WeightGradStore,
     ) -> Result<Option<Buf>> {
         let hidden = self.router.shape[1];
         let k = self.top_k;
-        let (n, per) = (ex.size(), self.experts.len());
-        let dev = dy.dev();
-        let dyh = host(dy)?;
-        let send: Vec<Vec<f32>> = time(Kernel::Router, || {
-            (0..n)
-                .map(|m| {
-                    let mut buf = Vec::with_capacity(d.returned[m].len());
-                    let mut o = 0;
-                    for &(t, j) in r.assigned[m * per..(m + 1) * per].iter().flatten() {
-                        let w = r.weights[t * k + j];
-                        let dyt = &dyh[t * hidden..(t + 1) * hidden];
-                        let out = &d.returned[m][o..o + hidden];
-                        dw[t * k + j] = dyt.iter().zip(out).map(|(a, b)| a * b).sum();
-                        buf.extend(dyt.iter().map(|g| w * g));
-                        o += hidden;
-                    }
-                    buf
-                })
-                .collect()
-        });
-        let wait = ex.all_to_all(send);
+        let plan = SendPlan::new(r, k, ex.size(), self.experts.len());
+        let recv_rows: Vec<usize> = d.received.iter().map(|c| c.iter().sum()).collect();
+        // dL/dw_te = dy_t · expert_e(x_t) (as it came back); the expert's output gradient
+        // w_te·dy_t.
+        let dots = time(Kernel::Router, || {
+            tensor::ops::row_dots(dy.r(), &plan.tokens, d.returned.r(), hidden)
+        })?;
+        for (&(t, j), v) in plan.slots.iter().zip(dots) {
+            dw[t * k + j] = v;
+        }
+        let send = time(Kernel::Router, || {
+            tensor::ops::gather_rows(dy.r(), &plan.tokens, Some(&plan.weights), hidden)
+        })?;
+        let wait = ex.all_to_all_rows(send, &plan.member_rows, &recv_rows, hidden)?;
         let (shared, x) = shared;
         let shared_dx = match shared {
             Some((s, c)) => Some(s.backward_input(p, x, c, dy.clone(), store)?),
             None => None,
         };
         let recv = time(Kernel::ExpertExchange, wait)?;
-        let at = |m: usize, l: usize| d.received[m][..l].iter().sum::<usize>() * hidden;
-        let mut back: Vec<Vec<f32>> = vec![Vec::new(); n];
+        let mut back = tensor::ops::zeros_like(dy.r(), recv.len())?;
         for (l, (expert, c)) in self.experts.iter().zip(caches).enumerate() {
             let Some(c) = c else { continue };
-            let mut dout = Vec::with_capacity(c.x.len());
-            for (m, b) in recv.iter().enumerate() {
-                dout.extend_from_slice(&b[at(m, l)..at(m, l) + d.received[m][l] * hidden]);
-            }
-            let dout = Arc::new(dev.from_vec(dout)?);
-            let dxs = expert.backward_input(p, &c.x, c.mlp, dout, store)?;
-            let dxs = host(&dxs)?;
-            let mut o = 0;
-            for (m, bk) in back.iter_mut().enumerate() {
-                let len = d.received[m][l] * hidden;
-                bk.extend_from_slice(&dxs[o..o + len]);
-                o += len;
-            }
+            let idx = rows_of_held(&d.received, l);
+            let dout = time(Kernel::Router, || {
+                tensor::ops::gather_rows(recv.r(), &idx, None, hidden)
+            })?;
+            let dxs = expert.backward_input(p, &c.x, c.mlp, Arc::new(dout), store)?;
+            time(Kernel::Router, || {
+                tensor::ops::scatter_add_rows(dxs.r(), &idx, None, back.m(), hidden)
+            })?;
         }
-        let grads = time(Kernel::ExpertExchange, ex.all_to_all(back))?;
+        let wait = ex.all_to_all_rows(back, &recv_rows, &plan.member_rows, hidden)?;
+        let grads = time(Kernel::ExpertExchange, wait)?;
         time(Kernel::Router, || {
-            for (m, g) in grads.iter().enumerate() {
-                let mut o = 0;
-                for &(t, _) in r.assigned[m * per..(m + 1) * per].iter().flatten() {
-                    for (a, b) in dx[t * hidden..(t + 1) * hidden]
-                        .iter_mut()
-                        .zip(&g[o..o + hidden])
-                    {
-                        *a += b;
-                    }
-                    o += hidden;
-                }
+            for rows in plan.expert_rows.iter().filter(|r| !r.is_empty()) {
+                tensor::ops::scatter_add_rows(
+                    grads.r().slice(rows.start * hidden..rows.end * hidden),
+                    &plan.tokens[rows.clone()],
+                    None,
+                    dx.reborrow(),
+                    hidden,
+                )?;
             }
-        });
+            Ok::<_, tensor::TensorError>(())
+        })?;
         Ok(shared_dx)
     }
 
@@ -596,8 +611,6 @@ impl Moe {
                     (Some(s), Some(c)) => Some((s, c)),
                     _ => None,
                 };
-                // The routed experts' input gradients are combined on the host.
-                let mut dxh = vec![0.0f32; dx.len()];
                 shared_dx = self.backward_parallel(
                     p,
                     r,
@@ -606,11 +619,10 @@ impl Moe {
                     &dy,
                     ex,
                     (shared, x),
-                    &mut dxh,
+                    dx.m(),
                     &mut dw,
                     store,
                 )?;
-                dx = x.dev().from_vec(dxh)?;
             }
             (None, None) => {
                 for (e, (expert, c)) in self.experts.iter().zip(cache.experts).enumerate() {

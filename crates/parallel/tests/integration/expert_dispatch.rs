@@ -35,8 +35,10 @@ struct Out {
     y: Vec<f32>,
     dx: Vec<f32>,
     grads: Vec<f32>,
-    /// Rows this rank sent to others per direction, and the bytes it sent.
+    /// Rows this rank sent to others per direction, and the bytes it sent: in the rows'
+    /// all-to-all-v and in the counts' all-to-all.
     bytes: u64,
+    count_bytes: u64,
     rows_out: usize,
     rows_in: usize,
 }
@@ -79,7 +81,7 @@ fn run(ep: usize, skewed: bool) -> (Vec<Out>, Vec<Vec<f32>>, Model, Vec<f32>) {
         let Ffn::Moe(m) = &mut local.blocks[0].ffn else {
             panic!("a MoE block")
         };
-        m.exchange = Some(Arc::new(EpExchange(group.clone())));
+        m.exchange = Some(Arc::new(EpExchange::new(group.clone())));
         let p = &lp[local.layout.block_range(0)];
         let pass = Pass::new(1, T);
         let xr = Arc::new(Buf::Host(x(r)));
@@ -109,6 +111,7 @@ fn run(ep: usize, skewed: bool) -> (Vec<Out>, Vec<Vec<f32>>, Model, Vec<f32>) {
             dx: dx.into_vec().unwrap(),
             grads: g,
             bytes: group.stats().bytes_sent(OpKind::AllToAllV),
+            count_bytes: group.stats().bytes_sent(OpKind::AllToAll),
             rows_out,
             rows_in,
         }
@@ -197,15 +200,15 @@ fn check(ep: usize, skewed: bool) {
     }
     // Bytes per layer (forward and backward, two all-to-all-v each): the rows this rank sends
     // to other ranks' experts go out twice (tokens, output gradients), the rows it received
-    // go back twice (outputs, input gradients), each h·4 bytes; the dispatch carries E/ep
-    // row counts per peer; every all-to-all-v exchanges one 8-byte count per peer.
+    // go back twice (outputs, input gradients), each h·4 bytes, and every all-to-all-v
+    // exchanges one 8-byte count per peer; before them, in the forward, the E/ep row counts
+    // per peer (8 bytes each) tell each rank what comes.
     let h = cfg.hidden_size as u64;
     for (r, o) in outs.iter().enumerate() {
         let peers = (ep - 1) as u64;
-        let want = 2 * (o.rows_out as u64 + o.rows_in as u64) * h * 4
-            + peers * per as u64 * 4
-            + 4 * peers * 8;
+        let want = 2 * (o.rows_out as u64 + o.rows_in as u64) * h * 4 + 4 * peers * 8;
         assert_eq!(o.bytes, want, "{what} rank {r}: bytes sent");
+        assert_eq!(o.count_bytes, peers * per as u64 * 8, "{what} rank {r}: count bytes");
     }
 }
 
