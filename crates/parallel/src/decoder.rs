@@ -814,7 +814,10 @@ impl StageModel for DecoderStage {
         // x then the auxiliary loss so far (one more element).
         let n = act.x.len();
         let mut wire = tensor::ops::zeros_like(act.x.r(), n + 1).map_err(terr)?;
-        wire.m().slice_mut(0..n).copy_from(act.x.r()).map_err(terr)?;
+        wire.m()
+            .slice_mut(0..n)
+            .copy_from(act.x.r())
+            .map_err(terr)?;
         wire.m()
             .slice_mut(n..n + 1)
             .copy_from_host(&[act.aux])

@@ -590,7 +590,10 @@ fn expert_exchange_runs_on_a_one_rank_nccl_communicator() {
             .collect()
     };
     let (host, nccl) = (run(false), run(true));
-    for (name, (a, b)) in ["output", "input gradient"].iter().zip(host.iter().zip(&nccl)) {
+    for (name, (a, b)) in ["output", "input gradient"]
+        .iter()
+        .zip(host.iter().zip(&nccl))
+    {
         assert!(
             a.len() == b.len() && a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits()),
             "{name}: NCCL's exchange differs from the host's"

@@ -211,7 +211,8 @@ impl Pipeline {
         gpu: &std::sync::Arc<tensor::cuda::Gpu>,
     ) -> Result<Vec<crate::nccl::NcclGroup>, ParallelError> {
         let mut keys: Vec<(bool, usize)> = self.links.keys().copied().collect();
-        let boundary = |&(gradient, sender): &(bool, usize)| (sender - usize::from(gradient), gradient);
+        let boundary =
+            |&(gradient, sender): &(bool, usize)| (sender - usize::from(gradient), gradient);
         keys.sort_by_key(boundary);
         let mut groups = Vec::with_capacity(keys.len());
         for key in keys {

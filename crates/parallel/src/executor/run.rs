@@ -217,7 +217,11 @@ impl<M: StageModel> Executor<M> {
                 ))
             }
         }
-        if self.pipe.as_ref().is_some_and(|p| p.links.values().any(|l| l.is_nccl())) {
+        if self
+            .pipe
+            .as_ref()
+            .is_some_and(|p| p.links.values().any(|l| l.is_nccl()))
+        {
             check_order(schedule)?;
         }
         let dp_sent_before = self.dp.stats().total_bytes_sent();

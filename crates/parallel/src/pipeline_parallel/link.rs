@@ -68,9 +68,9 @@ impl Link {
     /// both ranks call it (every rank makes its links' communicators in one global order,
     /// [`crate::executor::Pipeline::use_nccl`]).
     pub fn use_nccl(&mut self, gpu: &Arc<Gpu>, what: &str) -> Result<NcclGroup, ParallelError> {
-        let stream = gpu.side_stream().map_err(|e| {
-            ParallelError::Collective(format!("a stream for {what}: {e}"))
-        })?;
+        let stream = gpu
+            .side_stream()
+            .map_err(|e| ParallelError::Collective(format!("a stream for {what}: {e}")))?;
         let nccl = NcclGroup::new(&self.host, gpu, stream, what)?;
         self.nccl = Some(nccl.clone());
         Ok(nccl)
@@ -170,7 +170,11 @@ mod tests {
     fn every_generated_schedule_sends_each_link_in_micro_batch_order() {
         let mut checked = Vec::new();
         for kind in ScheduleKind::ALL {
-            let v = if kind == ScheduleKind::Interleaved { 2 } else { 1 };
+            let v = if kind == ScheduleKind::Interleaved {
+                2
+            } else {
+                1
+            };
             for (p, m) in [(2, 4), (4, 8), (3, 6)] {
                 let Ok(s) = generate(kind, p, m, v) else {
                     continue; // a shape the kind does not support
@@ -184,7 +188,11 @@ mod tests {
             }
         }
         checked.dedup();
-        assert_eq!(checked, ScheduleKind::ALL, "kinds with at least one shape checked");
+        assert_eq!(
+            checked,
+            ScheduleKind::ALL,
+            "kinds with at least one shape checked"
+        );
     }
 
     #[test]
@@ -195,7 +203,10 @@ mod tests {
             Action::SendForward { stage: 0, mb: 0 },
         ];
         let e = check_order(&list).unwrap_err().to_string();
-        assert!(e.contains("micro-batch 1") && e.contains("XTRAIN_BACKEND=own"), "{e}");
+        assert!(
+            e.contains("micro-batch 1") && e.contains("XTRAIN_BACKEND=own"),
+            "{e}"
+        );
         // Different links (a gradient of another stage) are independent.
         check_order(&list[..2]).unwrap();
         let recv = [

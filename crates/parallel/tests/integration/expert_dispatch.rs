@@ -208,7 +208,11 @@ fn check(ep: usize, skewed: bool) {
         let peers = (ep - 1) as u64;
         let want = 2 * (o.rows_out as u64 + o.rows_in as u64) * h * 4 + 4 * peers * 8;
         assert_eq!(o.bytes, want, "{what} rank {r}: bytes sent");
-        assert_eq!(o.count_bytes, peers * per as u64 * 8, "{what} rank {r}: count bytes");
+        assert_eq!(
+            o.count_bytes,
+            peers * per as u64 * 8,
+            "{what} rank {r}: count bytes"
+        );
     }
 }
 

@@ -948,14 +948,7 @@ impl NcclComm {
         check(
             self.lib,
             unsafe {
-                (self.lib.ncclSend)(
-                    ptr,
-                    count,
-                    nccl_type(dtype),
-                    peer as i32,
-                    self.comm,
-                    stream,
-                )
+                (self.lib.ncclSend)(ptr, count, nccl_type(dtype), peer as i32, self.comm, stream)
             },
             "ncclSend",
         )
@@ -977,14 +970,7 @@ impl NcclComm {
         check(
             self.lib,
             unsafe {
-                (self.lib.ncclRecv)(
-                    ptr,
-                    count,
-                    nccl_type(dtype),
-                    peer as i32,
-                    self.comm,
-                    stream,
-                )
+                (self.lib.ncclRecv)(ptr, count, nccl_type(dtype), peer as i32, self.comm, stream)
             },
             "ncclRecv",
         )
