@@ -12,7 +12,7 @@ use tensor::cuda::ops::{adamw, AdamScalars};
 use super::run::terr;
 use super::{Executor, F32};
 use crate::data_parallel::ZeroStage;
-use crate::precision::{Flat, CHUNK, DEVICE_CHUNK};
+use crate::precision::{Bucketed, Flat, CHUNK, DEVICE_CHUNK};
 use crate::stage::StageModel;
 use crate::ParallelError;
 
@@ -170,25 +170,27 @@ impl<M: StageModel> Executor<M> {
                 } else {
                     CHUNK
                 };
-                let mut g = vec![0.0f32; chunk.min(master.len())];
-                for s in (0..master.len()).step_by(chunk) {
-                    let e = (s + chunk).min(master.len());
-                    let g = &mut g[..e - s];
-                    grads
-                        .read_into(gr.start + s..gr.start + e, g)
-                        .map_err(terr)?;
-                    scale_grads(g, factor);
-                    opt.update(
-                        t,
-                        lr,
-                        opt.weight_decay,
-                        &mut master[s..e],
-                        g,
-                        &mut m[s..e],
-                        &mut v[s..e],
-                    );
-                    params.write(pr.start + s, &master[s..e]).map_err(terr)?;
-                }
+                let grads: &Bucketed = grads;
+                pipelined_chunks(
+                    master.len(),
+                    chunk,
+                    |r, g| grads.read_into(gr.start + r.start..gr.start + r.end, g),
+                    |r, g| {
+                        scale_grads(g, factor);
+                        let (s, e) = (r.start, r.end);
+                        opt.update(
+                            t,
+                            lr,
+                            opt.weight_decay,
+                            &mut master[s..e],
+                            g,
+                            &mut m[s..e],
+                            &mut v[s..e],
+                        );
+                        params.write(pr.start + s, &master[s..e])
+                    },
+                )
+                .map_err(terr)?;
             }
         }
         Ok(())
@@ -257,5 +259,108 @@ impl<M: StageModel> Executor<M> {
                 params.write_buf(pr.start + o, master.r().slice(mrange))?;
                 Ok(())
             })
+    }
+}
+
+/// Runs `update` over the chunks `0..n` (`chunk` elements each, the last shorter) of a
+/// buffer whose values `read` fetches, with the read of the next chunk overlapping the update
+/// of this one: `read` runs on a second thread, a chunk ahead, into one of two host buffers
+/// handed back and forth. ZeRO-Offload's step from a GPU: the copy engine downloads chunk
+/// i + 1 while the cores run AdamW on chunk i and chunk i's weights go back up. The chunks
+/// are updated in order, each exactly as without the overlap; the first error of either
+/// side ends the loop (the reader stops when the updater has gone).
+fn pipelined_chunks<E: Send>(
+    n: usize,
+    chunk: usize,
+    read: impl Fn(Range<usize>, &mut [f32]) -> Result<(), E> + Sync,
+    mut update: impl FnMut(Range<usize>, &mut [f32]) -> Result<(), E>,
+) -> Result<(), E> {
+    use std::sync::mpsc::sync_channel;
+    if n == 0 {
+        return Ok(());
+    }
+    let chunk = chunk.max(1);
+    let ranges = move || (0..n).step_by(chunk).map(move |s| s..(s + chunk).min(n));
+    std::thread::scope(|scope| {
+        let (full_tx, full_rx) = sync_channel::<(Range<usize>, Vec<f32>, Result<(), E>)>(1);
+        let (empty_tx, empty_rx) = sync_channel::<Vec<f32>>(2);
+        let read = &read;
+        scope.spawn(move || {
+            for r in ranges() {
+                let Ok(mut g) = empty_rx.recv() else { return };
+                g.resize(r.len(), 0.0);
+                let result = read(r.clone(), &mut g);
+                if full_tx.send((r, g, result)).is_err() {
+                    return;
+                }
+            }
+        });
+        for _ in 0..2 {
+            empty_tx
+                .send(Vec::with_capacity(chunk.min(n)))
+                .expect("the reader holds its end");
+        }
+        for _ in ranges() {
+            let Ok((r, mut g, result)) = full_rx.recv() else {
+                break; // the reader panicked: the scope's end passes the panic on
+            };
+            result?;
+            update(r, &mut g)?;
+            // The reader may have finished already: then nobody needs the buffer.
+            let _ = empty_tx.send(g);
+        }
+        Ok(())
+    })
+}
+
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn pipelined_chunks_update_every_chunk_in_order_and_stop_at_an_error() {
+        let src: Vec<f32> = (0..1000).map(|i| i as f32).collect();
+        let read = |r: Range<usize>, g: &mut [f32]| -> Result<(), String> {
+            if r.start == 900 && g.len() == 1 {
+                return Err("a read error".into()); // only with the chunk size 1 below
+            }
+            g.copy_from_slice(&src[r]);
+            Ok(())
+        };
+        for chunk in [7, 100, 1000, 4096] {
+            let mut out = vec![0.0f32; src.len()];
+            let mut seen = Vec::new();
+            pipelined_chunks(src.len(), chunk, read, |r, g| {
+                seen.push(r.clone());
+                out[r].iter_mut().zip(g.iter()).for_each(|(o, v)| *o = 2.0 * v);
+                Ok(())
+            })
+            .unwrap();
+            let want: Vec<f32> = src.iter().map(|v| 2.0 * v).collect();
+            assert_eq!(out, want, "chunk {chunk}");
+            let starts: Vec<usize> = seen.iter().map(|r| r.start).collect();
+            assert_eq!(
+                starts,
+                (0..src.len()).step_by(chunk).collect::<Vec<_>>(),
+                "chunk {chunk}"
+            );
+        }
+        // An error of the reader or of the update ends the loop (no hang: the reader stops
+        // once the updater has gone).
+        let e = pipelined_chunks(src.len(), 1, read, |_, _| Ok(())).unwrap_err();
+        assert_eq!(e, "a read error");
+        let mut updates = 0;
+        let e = pipelined_chunks(src.len(), 10, read, |r, _| {
+            updates += 1;
+            if r.start == 50 {
+                Err(format!("update of {r:?}"))
+            } else {
+                Ok(())
+            }
+        })
+        .unwrap_err();
+        assert_eq!((e.as_str(), updates), ("update of 50..60", 6));
+        pipelined_chunks(0, 10, read, |_, _| -> Result<(), String> { panic!("no chunk") }).unwrap();
     }
 }
