@@ -210,6 +210,15 @@ PY
             --steps 5 2>&1 | grep -E '^preset|median step|peak live|memory of rank' >>"$report" ||
             echo "  failed" >>"$report"
     done
+    # The host-staged all-reduce of two ranks sharing the GPU against the device <-> host
+    # copies alone, measured in the same run (issue "Every layout on GPUs").
+    if have_time 40; then
+        echo "bench comm --nproc 2 --device cuda (all-reduce staged through host memory):" >>"$report"
+        timeout 60 "$dir/xtrain" bench comm --nproc 2 --device cuda --min 1M --max 256M \
+            --factor 4 --iters 5 --warmup 2 >>"$report" 2>&1 || echo "  failed" >>"$report"
+    else
+        echo "bench comm --device cuda: skipped (time budget)" >>"$report"
+    fi
     # XTRAIN_BACKEND=nccl with two ranks on this one GPU: refused by name before NCCL runs.
     if XTRAIN_BACKEND=nccl timeout 60 "$dir/xtrain" train --preset tiny --device cuda \
         --nproc 2 --dp 2 --set train.steps=2 --out "$out/nccl-shared" >"$out/nccl-shared.log" 2>&1 ||

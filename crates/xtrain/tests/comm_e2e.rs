@@ -368,3 +368,43 @@ fn a_rank_with_another_token_is_refused_by_the_store() {
         text(&host.stderr)
     );
 }
+
+/// `--device cuda`: the buffers on each rank's GPU, staged through host memory around the
+/// collective, with the copies alone measured beside it; every result checked from the GPU's
+/// copy. Without a GPU, one clear error naming the option.
+#[test]
+fn bench_comm_stages_gpu_buffers_or_says_there_is_no_gpu() {
+    let gpus = tensor::cuda::device_count().unwrap_or(0);
+    for op in ["all_reduce", "all_gather", "reduce_scatter"] {
+        let out = xtrain()
+            .args([
+                "bench", "comm", "--nproc", "2", "--device", "cuda", "--json",
+            ])
+            .args(["--op", op, "--min", "4K", "--max", "64K", "--factor", "16"])
+            .args(["--iters", "2", "--warmup", "1"])
+            .output()
+            .unwrap();
+        if gpus == 0 {
+            assert!(!out.status.success(), "{op}: ran without a GPU");
+            let stderr = text(&out.stderr);
+            assert!(
+                stderr.contains("bench comm --device cuda"),
+                "{op}: {stderr}"
+            );
+            eprintln!("no GPU: bench comm --device cuda refused ({op})");
+            continue;
+        }
+        assert!(out.status.success(), "{op}: {}", text(&out.stderr));
+        let doc: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+        assert!(doc["device"].as_str().unwrap().starts_with("cuda"), "{doc}");
+        for r in doc["rows"].as_array().unwrap() {
+            assert_eq!(r["wrong"], 0, "{op}: {r}");
+            let (time, copy) = (
+                r["time_us"].as_f64().unwrap(),
+                r["copy_us"].as_f64().unwrap(),
+            );
+            assert!(copy > 0.0 && copy < time * 4.0, "{op}: {r}");
+            assert!(r["copy_gbs"].as_f64().unwrap() > 0.0, "{op}: {r}");
+        }
+    }
+}

@@ -284,6 +284,12 @@ fn pipelined_chunks<E: Send>(
     std::thread::scope(|scope| {
         let (full_tx, full_rx) = sync_channel::<(Range<usize>, Vec<f32>, Result<(), E>)>(1);
         let (empty_tx, empty_rx) = sync_channel::<Vec<f32>>(2);
+        // Both buffers are in the channel before the reader starts (it may be done, and its
+        // end gone, before this side would send them).
+        for _ in 0..2 {
+            // Cannot fail: the receiving end is here and the channel has room for both.
+            let _ = empty_tx.send(Vec::with_capacity(chunk.min(n)));
+        }
         let read = &read;
         scope.spawn(move || {
             for r in ranges() {
@@ -295,11 +301,6 @@ fn pipelined_chunks<E: Send>(
                 }
             }
         });
-        for _ in 0..2 {
-            empty_tx
-                .send(Vec::with_capacity(chunk.min(n)))
-                .expect("the reader holds its end");
-        }
         for _ in ranges() {
             let Ok((r, mut g, result)) = full_rx.recv() else {
                 break; // the reader panicked: the scope's end passes the panic on
@@ -312,7 +313,6 @@ fn pipelined_chunks<E: Send>(
         Ok(())
     })
 }
-
 
 #[cfg(test)]
 mod tests {
@@ -333,7 +333,10 @@ mod tests {
             let mut seen = Vec::new();
             pipelined_chunks(src.len(), chunk, read, |r, g| {
                 seen.push(r.clone());
-                out[r].iter_mut().zip(g.iter()).for_each(|(o, v)| *o = 2.0 * v);
+                out[r]
+                    .iter_mut()
+                    .zip(g.iter())
+                    .for_each(|(o, v)| *o = 2.0 * v);
                 Ok(())
             })
             .unwrap();
@@ -361,6 +364,9 @@ mod tests {
         })
         .unwrap_err();
         assert_eq!((e.as_str(), updates), ("update of 50..60", 6));
-        pipelined_chunks(0, 10, read, |_, _| -> Result<(), String> { panic!("no chunk") }).unwrap();
+        pipelined_chunks(0, 10, read, |_, _| -> Result<(), String> {
+            panic!("no chunk")
+        })
+        .unwrap();
     }
 }

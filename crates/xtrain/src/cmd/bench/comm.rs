@@ -14,10 +14,16 @@
 //! f32 elements. `algbw = size / time`; `busbw = algbw × factor` with nccl-tests' factors
 //! (all-reduce 2(n−1)/n; all-gather, reduce-scatter, all-to-all (n−1)/n; broadcast 1),
 //! which makes busbw comparable with the link bandwidth whatever n is.
+//!
+//! `--device cuda` keeps the buffers on each rank's GPU and measures what the executor's host
+//! path does with them: download, the host collective, upload (the time includes both
+//! copies); beside it the table shows the download and upload alone, measured in the same
+//! run, so the collective's share of a staged step is plain.
 use super::super::launch::{run_group, GroupSpec};
 use anyhow::{bail, Context};
 use comm::{AllReduceAlgo, CommBackend, Communicator, Options, ReduceOp, TransportKind};
 use std::time::{Duration, Instant};
+use tensor::buf::{Buf, Dev};
 
 /// Collective to measure.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
@@ -98,6 +104,11 @@ pub struct Args {
     /// Untimed iterations before the timed ones (capped like --iters).
     #[arg(long, default_value_t = 5)]
     pub warmup: usize,
+    /// Where the buffers live: `cpu`, or `cuda[:N]` (each rank on its host's GPU `LOCAL_RANK
+    /// mod count`): staged through host memory around the host collective, with the copies
+    /// alone measured beside it.
+    #[arg(long, default_value = "cpu")]
+    pub device: String,
     /// Print one JSON document instead of the table.
     #[arg(long)]
     pub json: bool,
@@ -212,6 +223,9 @@ impl Args {
         if self.json {
             a.push("--json".into());
         }
+        if self.device != "cpu" {
+            a.push(format!("--device={}", self.device));
+        }
         if self.backend != CommBackend::Own {
             a.push(format!("--backend={}", self.backend.name()));
         }
@@ -271,6 +285,12 @@ struct Row {
     time_us: f64,
     algbw_gbs: f64,
     busbw_gbs: f64,
+    /// `--device cuda`: the download and upload alone, and their bandwidth (bytes moved both
+    /// ways over the time).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    copy_us: Option<f64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    copy_gbs: Option<f64>,
     wrong: i64,
 }
 
@@ -297,6 +317,8 @@ fn worker(args: &Args) -> anyhow::Result<()> {
     };
     let (own, env) = comm::env::init_with(options)
         .context("bench comm: joining the job (run with --nproc N, or under `xtrain launch`)")?;
+    let dev = Dev::open_local(&args.device, env.local_rank)
+        .with_context(|| format!("bench comm --device {}", args.device))?;
     let mut comms = vec![("own", &own)];
     comms.extend(mpi.as_ref().map(|m| ("mpi", m)));
     let (n, rank) = (own.size(), own.rank());
@@ -320,6 +342,13 @@ fn worker(args: &Args) -> anyhow::Result<()> {
                 comm::env::mpi_library_version().unwrap_or_default()
             );
         }
+        if dev.is_cuda() {
+            println!(
+                "# buffers on {} (rank 0's): downloaded, the host collective, uploaded (time); \
+                 copy = the download and upload alone, copybw = bytes both ways / copy time",
+                dev.name()
+            );
+        }
         print!(
             "#{:>11} {:>12} {:>6} {:>6} {:>6}",
             "size(B)", "count", "type", "redop", "iters"
@@ -332,6 +361,9 @@ fn worker(args: &Args) -> anyhow::Result<()> {
                 format!("{prefix}algbw(GB/s)"),
                 format!("{prefix}busbw(GB/s)")
             );
+        }
+        if dev.is_cuda() {
+            print!(" {:>12} {:>12}", "copy(us)", "copybw(GB/s)");
         }
         println!(" {:>7}", "#wrong");
     }
@@ -348,7 +380,7 @@ fn worker(args: &Args) -> anyhow::Result<()> {
         let count = (bytes / 4) / unit * unit;
         if count > 0 {
             for (k, (_, c)) in comms.iter().enumerate() {
-                let row = match measure(c, args, count, first) {
+                let row = match measure(c, args, &dev, count, first) {
                     Ok(row) => row,
                     Err(e) => {
                         if env.hosts_store() {
@@ -376,6 +408,9 @@ fn worker(args: &Args) -> anyhow::Result<()> {
                     );
                     wrong += r.wrong;
                 }
+                if let (Some(us), Some(gbs)) = (r0.copy_us, r0.copy_gbs) {
+                    print!(" {us:>12.1} {gbs:>12.3}");
+                }
                 println!(" {wrong:>7}");
             }
         }
@@ -391,6 +426,7 @@ fn worker(args: &Args) -> anyhow::Result<()> {
             "nproc": n,
             "transport": transport_name(transport),
             "algo": algo_name(algo),
+            "device": dev.name(),
             "dtype": "float",
             "rows": rows[0],
         });
@@ -425,7 +461,8 @@ fn tag_value(rank: usize, i: usize) -> f32 {
     (rank * 1024 + i % 1021) as f32
 }
 
-/// The buffers of one op at one size.
+/// The buffers of one op at one size: on the host, and with `--device cuda` their GPU copies
+/// (`input`, `output`), which each run stages through the host ones.
 struct Case {
     op: Op,
     algo: AllReduceAlgo,
@@ -433,27 +470,44 @@ struct Case {
     rank: usize,
     input: Vec<f32>,
     output: Vec<f32>,
+    dev: Option<(Buf, Buf)>,
 }
 
 impl Case {
-    fn new(op: Op, algo: AllReduceAlgo, count: usize, n: usize, rank: usize) -> Self {
+    fn new(
+        op: Op,
+        algo: AllReduceAlgo,
+        count: usize,
+        (n, rank): (usize, usize),
+        dev: &Dev,
+    ) -> anyhow::Result<Self> {
         let (ilen, olen) = match op {
             Op::AllReduce | Op::Broadcast => (count, 0),
             Op::AllGather => (count / n, count),
             Op::ReduceScatter => (count, count / n),
             Op::AllToAll => (count, count),
         };
-        Case {
+        let dev = match dev {
+            Dev::Cpu => None,
+            d => Some((d.zeros(ilen)?, d.zeros(olen)?)),
+        };
+        Ok(Case {
             op,
             algo,
             n,
             rank,
             input: vec![0.0; ilen],
             output: vec![0.0; olen],
-        }
+            dev,
+        })
     }
 
-    fn fill_check_data(&mut self) {
+    /// Whether the result is written over the input (all-reduce, broadcast).
+    fn in_place(&self) -> bool {
+        matches!(self.op, Op::AllReduce | Op::Broadcast)
+    }
+
+    fn fill_check_data(&mut self) -> anyhow::Result<()> {
         let r = self.rank;
         for (i, x) in self.input.iter_mut().enumerate() {
             *x = match self.op {
@@ -464,16 +518,67 @@ impl Case {
             };
         }
         self.output.fill(-1.0);
+        if let Some((input, output)) = &mut self.dev {
+            input.m().copy_from_host(&self.input)?;
+            output.m().copy_from_host(&self.output)?;
+        }
+        Ok(())
     }
 
-    fn run(&mut self, comm: &Communicator) -> comm::Result<()> {
+    /// The collective; on a GPU the input downloaded first and the result uploaded after
+    /// (finished before it returns).
+    fn run(&mut self, comm: &Communicator) -> anyhow::Result<()> {
+        if let Some((input, _)) = &self.dev {
+            input.r().read_into(&mut self.input)?;
+        }
         match self.op {
             Op::AllReduce => comm.all_reduce_with(&mut self.input, ReduceOp::Sum, self.algo),
             Op::Broadcast => comm.broadcast(&mut self.input, 0),
             Op::AllGather => comm.all_gather(&self.input, &mut self.output),
             Op::ReduceScatter => comm.reduce_scatter(&self.input, &mut self.output, ReduceOp::Sum),
             Op::AllToAll => comm.all_to_all(&self.input, &mut self.output),
+        }?;
+        self.upload()
+    }
+
+    /// The result onto the GPU, waiting until it is there.
+    fn upload(&mut self) -> anyhow::Result<()> {
+        let in_place = self.in_place();
+        if let Some((input, output)) = &mut self.dev {
+            let (host, buf) = if in_place {
+                (&self.input, input)
+            } else {
+                (&self.output, output)
+            };
+            buf.m().copy_from_host(host)?;
+            if let Buf::Cuda(d) = buf {
+                d.gpu().synchronize()?; // the copy is queued: done once the stream is
+            }
         }
+        Ok(())
+    }
+
+    /// The download and the upload alone (`--device cuda`).
+    fn copy(&mut self) -> anyhow::Result<()> {
+        if let Some((input, _)) = &self.dev {
+            input.r().read_into(&mut self.input)?;
+        }
+        self.upload()
+    }
+
+    /// The GPU's result into the host buffers (what the check reads).
+    fn fetch(&mut self) -> anyhow::Result<()> {
+        let in_place = self.in_place();
+        if let Some((input, output)) = &self.dev {
+            let (buf, host) = if in_place {
+                (input, &mut self.input)
+            } else {
+                (output, &mut self.output)
+            };
+            host.fill(f32::NAN);
+            buf.r().read_into(host)?;
+        }
+        Ok(())
     }
 
     /// Elements differing from the exact expected result.
@@ -505,11 +610,18 @@ impl Case {
     }
 }
 
-fn measure(comm: &Communicator, args: &Args, count: usize, first: bool) -> anyhow::Result<Row> {
+fn measure(
+    comm: &Communicator,
+    args: &Args,
+    dev: &Dev,
+    count: usize,
+    first: bool,
+) -> anyhow::Result<Row> {
     let (n, rank) = (comm.size(), comm.rank());
-    let mut case = Case::new(args.op, comm.options().algo, count, n, rank);
-    case.fill_check_data();
+    let mut case = Case::new(args.op, comm.options().algo, count, (n, rank), dev)?;
+    case.fill_check_data()?;
     case.run(comm)?;
+    case.fetch()?;
     let wrong = case.wrong() as i64;
 
     let iters = args.iters_for(count * 4);
@@ -530,17 +642,32 @@ fn measure(comm: &Communicator, args: &Args, count: usize, first: bool) -> anyho
         case.run(comm)?;
         times.push(t0.elapsed().as_nanos() as i64);
     }
+    // The copies alone, as many times (every rank at once, as in the collective).
+    let mut copy_times = Vec::with_capacity(iters);
+    if case.dev.is_some() {
+        for _ in 0..iters {
+            comm.barrier()?;
+            let t0 = Instant::now();
+            case.copy()?;
+            copy_times.push(t0.elapsed().as_nanos() as i64);
+        }
+    }
     // Per iteration, the slowest rank's time; and the total of wrong elements.
-    comm.all_reduce(&mut times, ReduceOp::Max)?;
+    let median_ns = slowest_median(comm, times)?;
+    let copy_ns = match copy_times.is_empty() {
+        true => None,
+        false => Some(slowest_median(comm, copy_times)?),
+    };
     let mut wrong_total = [wrong];
     comm.all_reduce(&mut wrong_total, ReduceOp::Sum)?;
-    times.sort_unstable();
-    let median_ns = if iters % 2 == 1 {
-        times[iters / 2] as f64
-    } else {
-        (times[iters / 2 - 1] + times[iters / 2]) as f64 / 2.0
-    };
     let bytes = count * 4;
+    let moved = (case.input.len()
+        + if case.in_place() {
+            case.input.len()
+        } else {
+            case.output.len()
+        })
+        * 4;
     let algbw = bytes as f64 / median_ns; // bytes/ns = GB/s
     Ok(Row {
         bytes,
@@ -551,7 +678,21 @@ fn measure(comm: &Communicator, args: &Args, count: usize, first: bool) -> anyho
         time_us: median_ns / 1e3,
         algbw_gbs: algbw,
         busbw_gbs: algbw * args.op.bus_factor(n),
+        copy_us: copy_ns.map(|t| t / 1e3),
+        copy_gbs: copy_ns.map(|t| moved as f64 / t),
         wrong: wrong_total[0],
+    })
+}
+
+/// The median over iterations of the slowest rank's time (ns): a collective over `comm`.
+fn slowest_median(comm: &Communicator, mut times: Vec<i64>) -> anyhow::Result<f64> {
+    comm.all_reduce(&mut times, ReduceOp::Max)?;
+    times.sort_unstable();
+    let k = times.len();
+    Ok(if k % 2 == 1 {
+        times[k / 2] as f64
+    } else {
+        (times[k / 2 - 1] + times[k / 2]) as f64 / 2.0
     })
 }
 
