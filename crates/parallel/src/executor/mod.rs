@@ -81,8 +81,9 @@ pub struct ExecConfig {
     pub one_rank_per_process: bool,
     /// Where the rank's buffers live and its kernels run: the host, or a GPU. On a GPU the
     /// executor's data-parallel, ZeRO and pipeline communication stages through host memory
-    /// (the host transports); the model's own collectives (tensor, context and expert
-    /// parallelism) are host-only yet and say so when given device buffers.
+    /// over the host transports, or runs on NCCL (`nccl` below, and the pipeline's links:
+    /// [`Pipeline::use_nccl`]); so do the model's own collectives (tensor, context and expert
+    /// parallelism, each with its group's communicator attached).
     pub device: Dev,
     /// ZeRO-Offload (Ren et al. 2021, arXiv 2101.06840): the fp32 master weights and AdamW
     /// moments of what this rank updates live in host memory and AdamW runs on the CPU; the
