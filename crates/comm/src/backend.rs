@@ -1,7 +1,7 @@
 //! [`Backend`]: what executes a group's operations — xtrain's own [`Engine`] (shared memory and
-//! TCP links) or, with the `mpi` feature, the system MPI library. [`ProcessGroup`] holds one and
-//! calls the same methods on either, so the trainer and every parallelism run unchanged on
-//! both.
+//! TCP links) or an external library (the system MPI library, [`crate::external`]).
+//! [`ProcessGroup`] holds one and calls the same methods on either, so the trainer and every
+//! parallelism run unchanged on both.
 //!
 //! [`ProcessGroup`]: crate::ProcessGroup
 use crate::collectives::AllReduceAlgo;
@@ -9,10 +9,11 @@ use crate::element::{Element, ReduceOp};
 use crate::engine::Engine;
 use crate::error::Result;
 
+// One per group, behind the group's mutex: its size does not matter.
+#[allow(clippy::large_enum_variant)]
 pub(crate) enum Backend {
     Own(Engine),
-    #[cfg(feature = "mpi")]
-    Mpi(crate::mpi::MpiGroup),
+    External(Box<dyn crate::external::ExternalGroup>),
 }
 
 /// Defines each operation on [`Backend`] as a call of the same method on the active backend.
@@ -22,8 +23,7 @@ macro_rules! dispatch {
             $(pub fn $name<$t: Element>(&mut self $(, $arg: $ty)*) -> $ret {
                 match self {
                     Backend::Own(e) => e.$name($($arg),*),
-                    #[cfg(feature = "mpi")]
-                    Backend::Mpi(m) => m.$name($($arg),*),
+                    Backend::External(g) => crate::external::$name(g.as_mut() $(, $arg)*),
                 }
             })*
         }
@@ -48,18 +48,16 @@ impl Backend {
     pub fn barrier(&mut self) -> Result<()> {
         match self {
             Backend::Own(e) => e.barrier(),
-            #[cfg(feature = "mpi")]
-            Backend::Mpi(m) => m.barrier(),
+            Backend::External(g) => g.barrier(),
         }
     }
 
     /// Records the end of the operation begun last in the rank's flight recorder (the own
-    /// engine records its operations; MPI's are not recorded).
+    /// engine records its operations; an external library's are not recorded).
     pub fn end_op(&mut self, ok: bool) {
         match self {
             Backend::Own(e) => e.end_op(ok),
-            #[cfg(feature = "mpi")]
-            Backend::Mpi(_) => {}
+            Backend::External(_) => {}
         }
     }
 
@@ -68,8 +66,7 @@ impl Backend {
     pub fn abort(&mut self, reason: String) {
         match self {
             Backend::Own(e) => e.abort(reason),
-            #[cfg(feature = "mpi")]
-            Backend::Mpi(m) => m.abort(reason),
+            Backend::External(g) => g.abort(reason),
         }
     }
 }

@@ -208,9 +208,9 @@ struct Ctx {
     created: Mutex<HashMap<Vec<usize>, usize>>,
     /// Flight recorder and heartbeat of this rank, shared by all its groups.
     monitor: Arc<Monitor>,
-    /// The MPI world when the MPI backend runs this communicator's groups.
-    #[cfg(feature = "mpi")]
-    mpi: Option<crate::mpi::World>,
+    /// The external library's world when it runs this communicator's groups
+    /// (`XTRAIN_BACKEND=mpi`).
+    mpi: Option<Arc<dyn crate::external::ExternalWorld>>,
 }
 
 impl Drop for Ctx {
@@ -272,7 +272,6 @@ impl Communicator {
             options,
             created: Mutex::new(HashMap::new()),
             monitor,
-            #[cfg(feature = "mpi")]
             mpi: None,
         });
         let world = connect_group(&ctx, "world", &(0..world_size).collect::<Vec<_>>())?;
@@ -281,10 +280,17 @@ impl Communicator {
 
     /// Joins `mpirun`'s world with the MPI backend: ranks and size are `MPI_COMM_WORLD`'s, and
     /// every group's operations run as MPI collectives (`options` other than the job id and
-    /// the backend do not apply). Collective over the world.
-    #[cfg(feature = "mpi")]
+    /// the backend do not apply). Collective over the world. Needs the MPI backend registered
+    /// ([`crate::external::register`]: a build with the `mpi` feature).
     pub fn init_mpi(options: Options) -> Result<Self> {
-        let world = crate::mpi::World::init()?;
+        let library = crate::external::library().ok_or_else(|| {
+            CommError::invalid(
+                "init_mpi",
+                "XTRAIN_BACKEND=mpi, but this build has no MPI backend: build with \
+                 `cargo build --release --features mpi` (needs an MPI library, e.g. libopenmpi-dev)",
+            )
+        })?;
+        let world = (library.init)()?;
         let (rank, size) = (world.rank(), world.size());
         let hosts = world.all_hosts(&crate::env::host_identity())?;
         let store: Arc<dyn Store> = Arc::new(crate::store::MemStore::new());
@@ -418,22 +424,21 @@ fn connect_group(ctx: &Arc<Ctx>, label: &str, members: &[usize]) -> Result<Proce
     let key = group_key(members, k);
     let ns = format!("xtrain/{}/{key}", ctx.options.job_id);
     let name = format!("{label}[{member_str}]");
-    #[cfg(feature = "mpi")]
     if let Some(world) = &ctx.mpi {
         // The tag tells apart group creations that could overlap; every member derives the
         // same one from the member list and how many such groups it created before.
         let tag = (fnv(key.as_bytes()) & 0x3fff_ffff) as i32;
-        let comm = world.create(members, tag, &name)?;
+        let counters = Arc::new(Counters::default());
+        let counter = crate::external::OpCounter(Arc::clone(&counters));
+        let group = world.create(members, me, tag, &name, counter)?;
         tracing::info!(target: "comm", "group {name}: rank {} runs on MPI", ctx.rank);
         let desc = Arc::new(GroupDesc {
             name,
             world_ranks: members.to_vec(),
             rank: me,
         });
-        let counters = Arc::new(Counters::default());
-        let group = crate::mpi::MpiGroup::new(comm, Arc::clone(&desc), Arc::clone(&counters));
         return Ok(ProcessGroup::with_backend(
-            crate::backend::Backend::Mpi(group),
+            crate::backend::Backend::External(group),
             desc,
             counters,
             None,

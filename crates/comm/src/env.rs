@@ -407,20 +407,17 @@ pub fn init_with(mut options: Options) -> crate::Result<(Communicator, LaunchEnv
 /// backend started MPI in this process, nothing otherwise. A failed rank must not call it
 /// (its peers may be blocked in a collective; `mpirun` stops the job when a rank fails).
 pub fn finalize() {
-    #[cfg(feature = "mpi")]
-    crate::mpi::finalize();
+    if let Some(library) = crate::external::library() {
+        (library.finalize)();
+    }
 }
 
 /// The MPI library's version line when this build has the MPI backend.
 pub fn mpi_library_version() -> Option<String> {
-    #[cfg(feature = "mpi")]
-    return Some(crate::mpi::library_version());
-    #[cfg(not(feature = "mpi"))]
-    None
+    crate::external::library().map(|l| (l.version)())
 }
 
 /// The MPI backend's world; its ranks must be the launcher's.
-#[cfg(feature = "mpi")]
 fn init_mpi(options: Options, env: LaunchEnv) -> crate::Result<(Communicator, LaunchEnv)> {
     let comm = Communicator::init_mpi(options)?;
     if (comm.rank(), comm.size()) != (env.rank, env.world_size) {
@@ -438,15 +435,6 @@ fn init_mpi(options: Options, env: LaunchEnv) -> crate::Result<(Communicator, La
         ));
     }
     Ok((comm, env))
-}
-
-#[cfg(not(feature = "mpi"))]
-fn init_mpi(_: Options, _: LaunchEnv) -> crate::Result<(Communicator, LaunchEnv)> {
-    Err(CommError::invalid(
-        "init_from_env",
-        "XTRAIN_BACKEND=mpi, but this build has no MPI backend: build with \
-         `cargo build --release --features mpi` (needs an MPI library, e.g. libopenmpi-dev)",
-    ))
 }
 
 /// The identity ranks compare to pick shared memory (equal) or TCP (different): the host

@@ -552,8 +552,7 @@ impl ProcessGroup {
     pub(crate) fn with_engine<R>(&self, f: impl FnOnce(&mut Engine) -> R) -> R {
         match &mut *self.shared.engine.lock().unwrap() {
             Backend::Own(e) => f(e),
-            #[cfg(feature = "mpi")]
-            Backend::Mpi(_) => panic!("not the own engine"),
+            Backend::External(_) => panic!("not the own engine"),
         }
     }
 }

@@ -7,7 +7,8 @@
 //!   [`env::init_from_env`] builds the world communicator from them.
 //! - [`communicator`]: initialisation from a store + rank identity; creating groups.
 //! - [`group`]: [`ProcessGroup`] with point-to-point and collectives, sync and async ([`Work`]),
-//!   run by a `backend`: the own engine or, with the `mpi` feature, `mpi` (the system MPI).
+//!   run by a `backend`: the own engine or an [`external`] library (the system MPI, which the
+//!   `comm-mpi` crate registers in a build with the `mpi` feature).
 //! - [`mesh`]: [`DeviceMesh`], named dimensions from which every group is sliced.
 //! - [`collectives`]: the algorithms (ring, tree, halving-doubling, ...); `arg_check`: the
 //!   buffer checks every backend makes before an operation.
@@ -32,14 +33,13 @@ pub mod element;
 mod engine;
 pub mod env;
 pub mod error;
+pub mod external;
 pub mod flight;
 #[doc(hidden)]
 pub mod fuzzing;
 pub mod group;
 pub mod mesh;
 pub mod monitor;
-#[cfg(feature = "mpi")]
-pub mod mpi;
 mod single_copy;
 pub mod store;
 pub mod testing;

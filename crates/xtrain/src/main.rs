@@ -54,6 +54,8 @@ fn main() -> anyhow::Result<()> {
     }
     // A bad or unsupported XTRAIN_ISA is reported here, before any kernel runs.
     tensor::isa::selected()?;
+    // XTRAIN_BACKEND=mpi's library (a build with the `mpi` feature; else nothing to register).
+    comm_mpi::register();
     let result = match cli.command {
         Command::Launch(args) => cmd::launch::run(args),
         Command::Train(a) => cmd::train::run_cmd(*a),

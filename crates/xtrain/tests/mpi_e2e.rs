@@ -3,7 +3,7 @@
 //! plain build, copied to `target/mpi`), then `mpirun -np 4 xtrain train …` trains with the same
 //! losses on MPI's collectives as on the own ones, over data parallel with ZeRO-3, tp × dp with
 //! sequence parallelism, pipeline × dp and expert parallelism; and `xtrain bench comm
-//! --backend mpi` checks and times every benchmarked collective on both; comm's `mpi_parity`
+//! --backend mpi` checks and times every benchmarked collective on both; comm-mpi's `mpi_parity`
 //! example compares every operation bit for bit. Without `mpirun` the
 //! test says on stderr that it was skipped, and passes, except where `XTRAIN_REQUIRE` lists
 //! `mpi` (CI sets it), where a skip fails.
@@ -36,10 +36,10 @@ fn skip(reason: &str) {
     );
 }
 
-/// Builds `xtrain --features mpi` and comm's `mpi_parity` example with the profile and in the
-/// target directory of this test's own build, so the dependencies are the ones already built
-/// (a target directory of its own rebuilt all of them: 7.4 of a clean CI run's minutes; here
-/// only the crates above `comm`, whose feature changes, are compiled again). Cargo releases
+/// Builds `xtrain --features mpi` and comm-mpi's `mpi_parity` example with the profile and in
+/// the target directory of this test's own build, so the dependencies are the ones already
+/// built (a target directory of its own rebuilt all of them: 7.4 of a clean CI run's minutes;
+/// here only `comm-mpi`, whose feature changes, and the `xtrain` crate are compiled again). Cargo releases
 /// the directory's lock while tests run. The two programs are copied to `<target>/mpi/`, and
 /// the plain `xtrain` the build replaced is put back for the tests that run after this one.
 /// Returns the folder holding `xtrain` and `examples/mpi_parity`.
@@ -65,24 +65,32 @@ fn build_with_mpi() -> PathBuf {
     copy(own, &plain);
     let workspace = Path::new(env!("CARGO_MANIFEST_DIR")).join("../..");
     let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
-    for what in [
-        &["-p", "xtrain", "--features", "mpi"][..],
-        &["-p", "comm", "--features", "mpi", "--example", "mpi_parity"],
-    ] {
-        let built = Command::new(&cargo)
-            .current_dir(&workspace)
-            .args(["build", "--profile", profile])
-            .args(what)
-            .arg("--target-dir")
-            .arg(target)
-            .output()
-            .expect("running cargo build");
-        assert!(
-            built.status.success(),
-            "cargo build {what:?} failed:\n{}",
-            String::from_utf8_lossy(&built.stderr)
-        );
-    }
+    // The whole workspace's feature resolution (that of the test build, dev-dependencies
+    // included), so that every crate but `comm-mpi` and `xtrain` keeps its artifact: resolved
+    // for `-p xtrain` alone, crates such as `bitflags` lose features the dev-dependencies turn
+    // on, and `parallel` and `train` would be compiled again (two minutes of CI).
+    let what = [
+        "--workspace",
+        "--features",
+        "comm-mpi/mpi",
+        "--bin",
+        "xtrain",
+        "--example",
+        "mpi_parity",
+    ];
+    let built = Command::new(&cargo)
+        .current_dir(&workspace)
+        .args(["build", "--profile", profile])
+        .args(what)
+        .arg("--target-dir")
+        .arg(target)
+        .output()
+        .expect("running cargo build");
+    assert!(
+        built.status.success(),
+        "cargo build {what:?} failed:\n{}",
+        String::from_utf8_lossy(&built.stderr)
+    );
     copy(own, &out.join("xtrain"));
     copy(
         &profile_dir.join("examples/mpi_parity"),

@@ -1,7 +1,8 @@
-//! The MPI backend (cargo feature `mpi`): a group's operations run as the system MPI
-//! library's collectives (Open MPI through the `mpi` crate) instead of xtrain's own engine,
-//! behind the same [`ProcessGroup`](crate::ProcessGroup) API, so every parallelism runs on it
-//! unchanged.
+//! The MPI backend: a group's operations run as the system MPI library's collectives (Open MPI
+//! through the `mpi` crate) instead of xtrain's own engine, behind the same
+//! [`comm::ProcessGroup`] API ([`comm::external`]: this module implements its
+//! [`ExternalWorld`] and [`ExternalGroup`] on type-erased buffers, whose arguments `comm` has
+//! checked), so every parallelism runs on it unchanged.
 //!
 //! - The world is `MPI_COMM_WORLD` (ranks from `mpirun`); a group is
 //!   `MPI_Comm_create_group` over its members in the given order, collective over them only.
@@ -9,24 +10,36 @@
 //!   on its own worker thread (as with the own engine), so several groups call MPI at once.
 //! - Element types travel as their MPI equivalents; bf16 and f16 travel as 16-bit words and
 //!   are reduced by user-defined operations that combine in f32 and round once per
-//!   combination, like the own engine. `Avg` is a sum divided by the group size afterwards.
+//!   combination, like the own engine. `Avg` comes here as a sum (`comm` divides).
 //! - Errors are returned (`MPI_ERRORS_RETURN`), not fatal. MPI has no timeouts: a peer that
 //!   dies is handled by `mpirun`, which stops the job.
 //! - [`finalize`] ends MPI at the end of a successful run; groups still alive then leave their
 //!   communicators to the library instead of freeing them after the end.
 use std::ffi::{c_int, c_void};
-use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex, OnceLock};
 
+use comm::external::{ExternalGroup, ExternalLibrary, ExternalWorld, OpCounter};
+use comm::{CommError, DType, Element, OpKind, ReduceOp, Result};
 use mpi::ffi;
 use mpi::topology::{Communicator as _, Group as _, SimpleCommunicator};
 use mpi::traits::AsRaw;
 
-use crate::arg_check;
-use crate::element::{DType, Element, ReduceOp};
-use crate::engine::{Counters, GroupDesc};
-use crate::error::{CommError, Result};
-use crate::wire::OpKind;
+/// The entry points `comm` calls.
+pub fn library() -> ExternalLibrary {
+    ExternalLibrary {
+        init: || Ok(Arc::new(World::init()?) as Arc<dyn ExternalWorld>),
+        finalize,
+        version: library_version,
+    }
+}
+
+/// A caller's mistake, as `comm`'s error for it.
+fn invalid(op: &str, detail: impl Into<String>) -> CommError {
+    CommError::InvalidArgument {
+        op: op.into(),
+        detail: detail.into(),
+    }
+}
 
 /// The MPI environment, alive from the first [`World::init`] to [`finalize`].
 static UNIVERSE: Mutex<Option<mpi::environment::Universe>> = Mutex::new(None);
@@ -34,7 +47,7 @@ static UNIVERSE: Mutex<Option<mpi::environment::Universe>> = Mutex::new(None);
 /// Ends MPI (`MPI_Finalize`) if this process started it; a no-op otherwise. Call it once, at
 /// the end of a successful run: a rank that failed must exit without it (its peers may be
 /// blocked in a collective, and `mpirun` stops the job when a rank exits with an error).
-pub fn finalize() {
+fn finalize() {
     let universe = UNIVERSE.lock().unwrap_or_else(|e| e.into_inner()).take();
     drop(universe);
 }
@@ -67,10 +80,15 @@ fn check(code: c_int, group: &str, call: &str) -> Result<()> {
     )))
 }
 
+/// Elements of `dt` in `bytes` bytes.
+fn elems(bytes: usize, dt: DType) -> usize {
+    bytes / dt.size()
+}
+
 /// An MPI count (`int`) for `n` elements, or an error past MPI's limit.
 fn count(n: usize, call: &str) -> Result<c_int> {
     c_int::try_from(n).map_err(|_| {
-        CommError::invalid(
+        invalid(
             call,
             format!("{n} elements exceed MPI's count limit of {}", c_int::MAX),
         )
@@ -154,14 +172,14 @@ unsafe extern "C" fn reduce_elements<T: Element, const OP: u8>(
     }
 }
 
-/// The MPI operation reducing elements of type `T` by `op` (`Avg` sums).
-fn operation<T: Element>(op: ReduceOp) -> ffi::MPI_Op {
+/// The MPI operation reducing elements of type `dt` by `op` (`Avg` sums).
+fn operation(dt: DType, op: ReduceOp) -> ffi::MPI_Op {
     let k = match op {
         ReduceOp::Sum | ReduceOp::Avg => 0,
         ReduceOp::Max => 1,
         ReduceOp::Min => 2,
     };
-    if !matches!(T::DTYPE, DType::BF16 | DType::F16) {
+    if !matches!(dt, DType::BF16 | DType::F16) {
         // SAFETY: predefined operation handles, valid after MPI_Init.
         return unsafe { [ffi::RSMPI_SUM, ffi::RSMPI_MAX, ffi::RSMPI_MIN][k] };
     }
@@ -188,17 +206,11 @@ fn operation<T: Element>(op: ReduceOp) -> ffi::MPI_Op {
             ],
         ]
     });
-    ops[usize::from(T::DTYPE == DType::F16)][k].0
-}
-
-fn scale_avg<T: Element>(buf: &mut [T], n: usize) {
-    for x in buf {
-        *x = x.div_n(n);
-    }
+    ops[usize::from(dt == DType::F16)][k].0
 }
 
 /// This process's place in `MPI_COMM_WORLD`.
-pub(crate) struct World {
+struct World {
     world: SimpleCommunicator,
 }
 
@@ -209,19 +221,16 @@ unsafe impl Sync for World {}
 
 impl World {
     /// Initialises MPI with `MPI_THREAD_MULTIPLE` (once per process).
-    pub fn init() -> Result<World> {
+    fn init() -> Result<World> {
         let mut universe = UNIVERSE.lock().unwrap_or_else(|e| e.into_inner());
         if universe.is_none() {
             if finalized() {
-                return Err(CommError::invalid(
-                    "MPI",
-                    "MPI was already finalized in this process",
-                ));
+                return Err(invalid("MPI", "MPI was already finalized in this process"));
             }
             let (u, provided) = mpi::initialize_with_threading(mpi::Threading::Multiple)
-                .ok_or_else(|| CommError::invalid("MPI", "MPI was initialised outside xtrain"))?;
+                .ok_or_else(|| invalid("MPI", "MPI was initialised outside xtrain"))?;
             if provided != mpi::Threading::Multiple {
-                return Err(CommError::invalid(
+                return Err(invalid(
                     "MPI",
                     format!(
                         "the MPI library provides thread level {provided:?}, xtrain needs \
@@ -239,17 +248,18 @@ impl World {
             world: SimpleCommunicator::world(),
         })
     }
+}
 
-    pub fn rank(&self) -> usize {
+impl ExternalWorld for World {
+    fn rank(&self) -> usize {
         self.world.rank() as usize
     }
 
-    pub fn size(&self) -> usize {
+    fn size(&self) -> usize {
         self.world.size() as usize
     }
 
-    /// Every rank's `host` (collective over the world).
-    pub fn all_hosts(&self, host: &str) -> Result<Vec<String>> {
+    fn all_hosts(&self, host: &str) -> Result<Vec<String>> {
         const W: usize = 256;
         let mut mine = [0u8; W];
         let b = host.as_bytes();
@@ -277,23 +287,42 @@ impl World {
             .collect())
     }
 
-    /// The communicator of `members` (world ranks, in group-rank order); collective over the
-    /// members only. `tag` tells apart creations that may run concurrently.
-    pub fn create(&self, members: &[usize], tag: i32, name: &str) -> Result<SimpleCommunicator> {
+    /// `MPI_Comm_create_group` over `members`.
+    fn create(
+        &self,
+        members: &[usize],
+        rank: usize,
+        tag: i32,
+        name: &str,
+        counter: OpCounter,
+    ) -> Result<Box<dyn ExternalGroup>> {
         let ranks: Vec<i32> = members.iter().map(|&r| r as i32).collect();
         let group = self.world.group().include(&ranks);
-        self.world
+        let comm = self
+            .world
             .split_by_subgroup_with_tag(&group, tag)
-            .ok_or_else(|| CommError::Refused(format!("{name}: MPI_Comm_create_group failed")))
+            .ok_or_else(|| CommError::Refused(format!("{name}: MPI_Comm_create_group failed")))?;
+        let raw = comm.as_raw();
+        Ok(Box::new(MpiGroup {
+            comm: Some(comm),
+            raw,
+            name: name.to_string(),
+            size: members.len(),
+            rank,
+            counter,
+            poisoned: None,
+        }))
     }
 }
 
 /// One group's MPI communicator.
-pub(crate) struct MpiGroup {
+struct MpiGroup {
     comm: Option<SimpleCommunicator>,
     raw: ffi::MPI_Comm,
-    desc: Arc<GroupDesc>,
-    counters: Arc<Counters>,
+    name: String,
+    size: usize,
+    rank: usize,
+    counter: OpCounter,
     poisoned: Option<String>,
 }
 
@@ -313,93 +342,88 @@ impl Drop for MpiGroup {
 }
 
 impl MpiGroup {
-    pub fn new(comm: SimpleCommunicator, desc: Arc<GroupDesc>, counters: Arc<Counters>) -> Self {
-        let raw = comm.as_raw();
-        MpiGroup {
-            comm: Some(comm),
-            raw,
-            desc,
-            counters,
-            poisoned: None,
-        }
-    }
-
-    fn size(&self) -> usize {
-        self.desc.world_ranks.len()
-    }
-
-    fn rank(&self) -> usize {
-        self.desc.rank
-    }
-
     /// Counts one operation of `kind` sending `bytes`, after checking the group is usable.
     fn begin(&self, kind: OpKind, bytes: usize) -> Result<()> {
         if let Some(first) = &self.poisoned {
             return Err(CommError::Poisoned {
-                group: self.desc.name.clone(),
+                group: self.name.clone(),
                 first: first.clone(),
             });
         }
-        self.counters.ops[kind.index()].fetch_add(1, Ordering::Relaxed);
-        self.counters.bytes[kind.index()].fetch_add(bytes as u64, Ordering::Relaxed);
+        self.counter.count(kind, bytes);
         Ok(())
     }
 
     /// Checks an MPI return code; a failure poisons the group like a broken link does.
     fn check(&mut self, code: c_int, call: &str) -> Result<()> {
-        let r = check(code, &self.desc.name, call);
+        let r = check(code, &self.name, call);
         if let Err(e) = &r {
             self.poisoned.get_or_insert_with(|| e.to_string());
         }
         r
     }
 
-    fn check_root(&self, call: &str, root: usize) -> Result<c_int> {
-        arg_check::root(call, &self.desc.name, self.size(), root)?;
-        Ok(root as c_int)
-    }
-
     fn check_peer(&self, call: &str, p: usize) -> Result<c_int> {
-        if p >= self.size() || p == self.rank() {
-            return Err(CommError::invalid(
+        if p >= self.size || p == self.rank {
+            return Err(invalid(
                 call,
                 format!(
                     "peer {p} is not another rank of group {} (size {})",
-                    self.desc.name,
-                    self.size()
+                    self.name, self.size
                 ),
             ));
         }
         Ok(p as c_int)
     }
+}
 
-    pub fn abort(&mut self, reason: String) {
+impl ExternalGroup for MpiGroup {
+    fn size(&self) -> usize {
+        self.size
+    }
+
+    fn rank(&self) -> usize {
+        self.rank
+    }
+
+    fn name(&self) -> &str {
+        &self.name
+    }
+
+    fn abort(&mut self, reason: String) {
         self.poisoned.get_or_insert(reason);
     }
 
-    pub fn p2p<T: Element>(
+    fn p2p(
         &mut self,
-        sends: &[(usize, &[T])],
-        recvs: &mut [(usize, &mut [T])],
+        dtype: DType,
+        sends: &[(usize, &[u8])],
+        recvs: &mut [(usize, &mut [u8])],
         tag: u32,
     ) -> Result<()> {
         let call = "p2p";
-        let bytes = sends.iter().map(|s| std::mem::size_of_val(s.1)).sum();
+        let bytes = sends.iter().map(|s| s.1.len()).sum();
         self.begin(OpKind::P2p, bytes)?;
         let tag = c_int::try_from(tag)
-            .map_err(|_| CommError::invalid(call, format!("tag {tag} exceeds MPI's tag range")))?;
-        let dt = datatype(T::DTYPE);
+            .map_err(|_| invalid(call, format!("tag {tag} exceeds MPI's tag range")))?;
+        let dt = datatype(dtype);
         let mut reqs: Vec<ffi::MPI_Request> = Vec::with_capacity(sends.len() + recvs.len());
         let mut rc = 0;
         for (p, b) in recvs.iter_mut() {
-            let (p, n) = (self.check_peer(call, *p)?, count(b.len(), call)?);
+            let (p, n) = (
+                self.check_peer(call, *p)?,
+                count(elems(b.len(), dtype), call)?,
+            );
             // SAFETY: a null request slot MPI fills; `b` stays borrowed until Waitall below.
             let mut r = unsafe { ffi::RSMPI_REQUEST_NULL };
             rc = rc.max(unsafe { ffi::MPI_Irecv(out_ptr(b), n, dt, p, tag, self.raw, &mut r) });
             reqs.push(r);
         }
         for (p, b) in sends {
-            let (p, n) = (self.check_peer(call, *p)?, count(b.len(), call)?);
+            let (p, n) = (
+                self.check_peer(call, *p)?,
+                count(elems(b.len(), dtype), call)?,
+            );
             // SAFETY: as above; `sends` outlives Waitall.
             let mut r = unsafe { ffi::RSMPI_REQUEST_NULL };
             rc = rc.max(unsafe { ffi::MPI_Isend(in_ptr(b), n, dt, p, tag, self.raw, &mut r) });
@@ -420,13 +444,13 @@ impl MpiGroup {
             let mut got: c_int = 0;
             // SAFETY: a status MPI_Waitall filled in.
             unsafe { ffi::MPI_Get_count(st, dt, &mut got) };
-            if got as usize != b.len() {
-                return Err(CommError::invalid(
+            let want = elems(b.len(), dtype);
+            if got as usize != want {
+                return Err(invalid(
                     call,
                     format!(
-                        "group {}: rank {p} sent {got} elements, {} expected",
-                        self.desc.name,
-                        b.len()
+                        "group {}: rank {p} sent {got} elements, {want} expected",
+                        self.name
                     ),
                 ));
             }
@@ -434,46 +458,36 @@ impl MpiGroup {
         Ok(())
     }
 
-    pub fn all_reduce<T: Element>(
-        &mut self,
-        buf: &mut [T],
-        op: ReduceOp,
-        _algo: crate::AllReduceAlgo,
-    ) -> Result<()> {
-        self.begin(OpKind::AllReduce, std::mem::size_of_val(buf))?;
+    fn all_reduce(&mut self, dtype: DType, buf: &mut [u8], op: ReduceOp) -> Result<()> {
+        self.begin(OpKind::AllReduce, buf.len())?;
         if buf.is_empty() {
             // Every rank passes the same length; MPI would see two equal (dangling) pointers.
             return Ok(());
         }
         let input = buf.to_vec();
-        let n = count(buf.len(), "all_reduce")?;
-        // SAFETY: two buffers of n elements of T's datatype.
+        let n = count(elems(buf.len(), dtype), "all_reduce")?;
+        // SAFETY: two buffers of n elements of the datatype.
         let rc = unsafe {
             ffi::MPI_Allreduce(
                 in_ptr(&input),
                 out_ptr(buf),
                 n,
-                datatype(T::DTYPE),
-                operation::<T>(op),
+                datatype(dtype),
+                operation(dtype, op),
                 self.raw,
             )
         };
-        self.check(rc, "MPI_Allreduce")?;
-        if op == ReduceOp::Avg {
-            scale_avg(buf, self.size());
-        }
-        Ok(())
+        self.check(rc, "MPI_Allreduce")
     }
 
-    pub fn reduce<T: Element>(&mut self, buf: &mut [T], op: ReduceOp, root: usize) -> Result<()> {
-        let root_c = self.check_root("reduce", root)?;
-        self.begin(OpKind::Reduce, std::mem::size_of_val(buf))?;
+    fn reduce(&mut self, dtype: DType, buf: &mut [u8], op: ReduceOp, root: usize) -> Result<()> {
+        self.begin(OpKind::Reduce, buf.len())?;
         if buf.is_empty() {
             return Ok(());
         }
         let input = buf.to_vec();
-        let n = count(buf.len(), "reduce")?;
-        let out: *mut c_void = if self.rank() == root {
+        let n = count(elems(buf.len(), dtype), "reduce")?;
+        let out: *mut c_void = if self.rank == root {
             out_ptr(buf)
         } else {
             std::ptr::null_mut()
@@ -484,45 +498,36 @@ impl MpiGroup {
                 in_ptr(&input),
                 out,
                 n,
-                datatype(T::DTYPE),
-                operation::<T>(op),
-                root_c,
+                datatype(dtype),
+                operation(dtype, op),
+                root as c_int,
                 self.raw,
             )
         };
-        self.check(rc, "MPI_Reduce")?;
-        if op == ReduceOp::Avg && self.rank() == root {
-            scale_avg(buf, self.size());
-        }
-        Ok(())
+        self.check(rc, "MPI_Reduce")
     }
 
-    pub fn broadcast<T: Element>(&mut self, buf: &mut [T], root: usize) -> Result<()> {
-        let root_c = self.check_root("broadcast", root)?;
-        let sent = if self.rank() == root {
-            std::mem::size_of_val(buf)
-        } else {
-            0
-        };
+    fn broadcast(&mut self, dtype: DType, buf: &mut [u8], root: usize) -> Result<()> {
+        let sent = if self.rank == root { buf.len() } else { 0 };
         self.begin(OpKind::Broadcast, sent)?;
-        let n = count(buf.len(), "broadcast")?;
-        // SAFETY: n elements of T's datatype.
-        let rc = unsafe { ffi::MPI_Bcast(out_ptr(buf), n, datatype(T::DTYPE), root_c, self.raw) };
+        let n = count(elems(buf.len(), dtype), "broadcast")?;
+        // SAFETY: n elements of the datatype.
+        let rc =
+            unsafe { ffi::MPI_Bcast(out_ptr(buf), n, datatype(dtype), root as c_int, self.raw) };
         self.check(rc, "MPI_Bcast")
     }
 
-    pub fn reduce_scatter<T: Element>(
+    fn reduce_scatter(
         &mut self,
-        input: &[T],
-        output: &mut [T],
+        dtype: DType,
+        input: &[u8],
+        output: &mut [u8],
         op: ReduceOp,
     ) -> Result<()> {
-        let (n, r) = (self.size(), self.rank());
-        let shards: Vec<usize> = (0..n)
-            .map(|i| crate::shard_range(input.len(), n, i).len())
-            .collect();
-        arg_check::reduce_scatter(n, r, input.len(), output.len())?;
-        self.begin(OpKind::ReduceScatter, std::mem::size_of_val(input))?;
+        let n = self.size;
+        let len = elems(input.len(), dtype);
+        let shards: Vec<usize> = (0..n).map(|i| comm::shard_range(len, n, i).len()).collect();
+        self.begin(OpKind::ReduceScatter, input.len())?;
         if input.is_empty() {
             return Ok(());
         }
@@ -533,33 +538,30 @@ impl MpiGroup {
                 in_ptr(input),
                 out_ptr(output),
                 recvcounts.as_ptr(),
-                datatype(T::DTYPE),
-                operation::<T>(op),
+                datatype(dtype),
+                operation(dtype, op),
                 self.raw,
             )
         };
-        self.check(rc, "MPI_Reduce_scatter")?;
-        if op == ReduceOp::Avg {
-            scale_avg(output, n);
-        }
-        Ok(())
+        self.check(rc, "MPI_Reduce_scatter")
     }
 
-    pub fn all_gather<T: Element>(&mut self, input: &[T], output: &mut [T]) -> Result<()> {
-        let (n, m) = (self.size(), input.len());
-        arg_check::all_gather(n, m, output.len())?;
-        self.begin(OpKind::AllGather, std::mem::size_of_val(input))?;
-        let (c, dt) = (count(m, "all_gather")?, datatype(T::DTYPE));
+    fn all_gather(&mut self, dtype: DType, input: &[u8], output: &mut [u8]) -> Result<()> {
+        self.begin(OpKind::AllGather, input.len())?;
+        let (c, dt) = (
+            count(elems(input.len(), dtype), "all_gather")?,
+            datatype(dtype),
+        );
         // SAFETY: m elements in, n × m out.
         let rc =
             unsafe { ffi::MPI_Allgather(in_ptr(input), c, dt, out_ptr(output), c, dt, self.raw) };
         self.check(rc, "MPI_Allgather")
     }
 
-    pub fn all_gather_v<T: Element>(&mut self, input: &[T]) -> Result<(Vec<T>, Vec<usize>)> {
-        let n = self.size();
-        self.begin(OpKind::AllGatherV, std::mem::size_of_val(input))?;
-        let mine = count(input.len(), "all_gather_v")?;
+    fn all_gather_v(&mut self, dtype: DType, input: &[u8]) -> Result<(Vec<u8>, Vec<usize>)> {
+        let n = self.size;
+        self.begin(OpKind::AllGatherV, input.len())?;
+        let mine = count(elems(input.len(), dtype), "all_gather_v")?;
         let mut lens: Vec<c_int> = vec![0; n];
         // SAFETY: one int in, n out.
         let rc = unsafe {
@@ -576,9 +578,9 @@ impl MpiGroup {
         self.check(rc, "MPI_Allgather")?;
         let displs = displacements(&lens, "all_gather_v")?;
         let lens: Vec<usize> = lens.iter().map(|&c| c as usize).collect();
-        let mut out = vec![T::zeroed(); lens.iter().sum()];
+        let mut out = vec![0u8; lens.iter().sum::<usize>() * dtype.size()];
         let counts_c = counts(&lens, "all_gather_v")?;
-        let dt = datatype(T::DTYPE);
+        let dt = datatype(dtype);
         // SAFETY: out holds the sum of the counts; displacements are their prefix sums.
         let rc = unsafe {
             ffi::MPI_Allgatherv(
@@ -596,66 +598,69 @@ impl MpiGroup {
         Ok((out, lens))
     }
 
-    pub fn gather<T: Element>(
+    fn gather(
         &mut self,
-        input: &[T],
-        output: Option<&mut [T]>,
+        dtype: DType,
+        input: &[u8],
+        output: Option<&mut [u8]>,
         root: usize,
     ) -> Result<()> {
-        let root_c = self.check_root("gather", root)?;
-        let (n, m) = (self.size(), input.len());
-        let out: *mut c_void = if self.rank() == root {
-            out_ptr(arg_check::root_blocks("gather", "output", n, m, output)?)
-        } else {
-            std::ptr::null_mut()
+        let out: *mut c_void = match output {
+            Some(o) if self.rank == root => out_ptr(o),
+            _ => std::ptr::null_mut(),
         };
-        self.begin(OpKind::Gather, std::mem::size_of_val(input))?;
-        let (c, dt) = (count(m, "gather")?, datatype(T::DTYPE));
-        // SAFETY: m elements in; n × m out on the root.
-        let rc = unsafe { ffi::MPI_Gather(in_ptr(input), c, dt, out, c, dt, root_c, self.raw) };
+        self.begin(OpKind::Gather, input.len())?;
+        let (c, dt) = (count(elems(input.len(), dtype), "gather")?, datatype(dtype));
+        // SAFETY: m elements in; n × m out on the root (checked by comm).
+        let rc =
+            unsafe { ffi::MPI_Gather(in_ptr(input), c, dt, out, c, dt, root as c_int, self.raw) };
         self.check(rc, "MPI_Gather")
     }
 
-    pub fn scatter<T: Element>(
+    fn scatter(
         &mut self,
-        input: Option<&[T]>,
-        output: &mut [T],
+        dtype: DType,
+        input: Option<&[u8]>,
+        output: &mut [u8],
         root: usize,
     ) -> Result<()> {
-        let root_c = self.check_root("scatter", root)?;
-        let (n, m) = (self.size(), output.len());
-        let (inp, sent): (*const c_void, usize) = if self.rank() == root {
-            let i = arg_check::root_blocks("scatter", "input", n, m, input)?;
-            (in_ptr(i), std::mem::size_of_val(i))
-        } else {
-            (std::ptr::null(), 0)
+        let (inp, sent): (*const c_void, usize) = match input {
+            Some(i) if self.rank == root => (in_ptr(i), i.len()),
+            _ => (std::ptr::null(), 0),
         };
         self.begin(OpKind::Scatter, sent)?;
-        let (c, dt) = (count(m, "scatter")?, datatype(T::DTYPE));
-        // SAFETY: n × m elements in on the root; m out.
-        let rc = unsafe { ffi::MPI_Scatter(inp, c, dt, out_ptr(output), c, dt, root_c, self.raw) };
+        let (c, dt) = (
+            count(elems(output.len(), dtype), "scatter")?,
+            datatype(dtype),
+        );
+        // SAFETY: n × m elements in on the root (checked by comm); m out.
+        let rc = unsafe {
+            ffi::MPI_Scatter(inp, c, dt, out_ptr(output), c, dt, root as c_int, self.raw)
+        };
         self.check(rc, "MPI_Scatter")
     }
 
-    pub fn all_to_all<T: Element>(&mut self, input: &[T], output: &mut [T]) -> Result<()> {
-        let n = self.size();
-        arg_check::all_to_all(n, input.len(), output.len())?;
-        self.begin(OpKind::AllToAll, std::mem::size_of_val(input))?;
-        let (c, dt) = (count(input.len() / n, "all_to_all")?, datatype(T::DTYPE));
+    fn all_to_all(&mut self, dtype: DType, input: &[u8], output: &mut [u8]) -> Result<()> {
+        let n = self.size;
+        self.begin(OpKind::AllToAll, input.len())?;
+        let (c, dt) = (
+            count(elems(input.len(), dtype) / n, "all_to_all")?,
+            datatype(dtype),
+        );
         // SAFETY: n blocks of c elements in and out.
         let rc =
             unsafe { ffi::MPI_Alltoall(in_ptr(input), c, dt, out_ptr(output), c, dt, self.raw) };
         self.check(rc, "MPI_Alltoall")
     }
 
-    pub fn all_to_all_v<T: Element>(
+    fn all_to_all_v(
         &mut self,
-        input: &[T],
+        dtype: DType,
+        input: &[u8],
         send_counts: &[usize],
-    ) -> Result<(Vec<T>, Vec<usize>)> {
-        let n = self.size();
-        arg_check::all_to_all_v(n, input.len(), send_counts)?;
-        self.begin(OpKind::AllToAllV, std::mem::size_of_val(input))?;
+    ) -> Result<(Vec<u8>, Vec<usize>)> {
+        let n = self.size;
+        self.begin(OpKind::AllToAllV, input.len())?;
         let sc = counts(send_counts, "all_to_all_v")?;
         let mut rc_counts: Vec<c_int> = vec![0; n];
         // SAFETY: one int to and from each rank.
@@ -676,8 +681,8 @@ impl MpiGroup {
             displacements(&rc_counts, "all_to_all_v")?,
         );
         let recv_counts: Vec<usize> = rc_counts.iter().map(|&c| c as usize).collect();
-        let mut out = vec![T::zeroed(); recv_counts.iter().sum()];
-        let dt = datatype(T::DTYPE);
+        let mut out = vec![0u8; recv_counts.iter().sum::<usize>() * dtype.size()];
+        let dt = datatype(dtype);
         // SAFETY: counts and displacements describe `input` and `out` exactly.
         let rc = unsafe {
             ffi::MPI_Alltoallv(
@@ -696,7 +701,7 @@ impl MpiGroup {
         Ok((out, recv_counts))
     }
 
-    pub fn barrier(&mut self) -> Result<()> {
+    fn barrier(&mut self) -> Result<()> {
         self.begin(OpKind::Barrier, 0)?;
         // SAFETY: a barrier on this group's communicator.
         let rc = unsafe { ffi::MPI_Barrier(self.raw) };
@@ -705,7 +710,7 @@ impl MpiGroup {
 }
 
 /// The MPI library's version line (e.g. `Open MPI v4.1.4, ...`).
-pub fn library_version() -> String {
+fn library_version() -> String {
     mpi::environment::library_version()
         .unwrap_or_default()
         .lines()

@@ -1,7 +1,7 @@
 //! Every operation of the MPI backend against the own backend, bit for bit, under `mpirun`:
 //!
 //! ```text
-//! cargo build --release -p comm --features mpi --example mpi_parity
+//! cargo build --release -p comm-mpi --features mpi --example mpi_parity
 //! mpirun -np 4 target/release/examples/mpi_parity
 //! ```
 //! Each rank joins both worlds (MPI's, and the own one through the rendezvous store that
@@ -183,6 +183,7 @@ fn check_group(c: &mut Checker, own: &ProcessGroup, mpi: &ProcessGroup) {
 }
 
 fn main() {
+    comm_mpi::register();
     let options = Options::from_env().expect("options");
     let (mpi, _) = comm::env::init_with(Options {
         backend: CommBackend::Mpi,
