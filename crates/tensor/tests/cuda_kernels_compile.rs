@@ -7,13 +7,19 @@
 use tensor::cuda::{kernels, nvrtc, sys};
 
 /// `(module, source without the prelude)` of every kernel under `dev/`: candidates measured
-/// against the library's before they replace them (e.g. `dev/attention/attention_tc_next.cu`,
-/// by `examples/attention_next.rs`), checked here too so that one that no longer compiles is
-/// seen before someone takes it to a GPU.
-const DEV_SOURCES: &[(&str, &str)] = &[(
-    "attention_tc_next",
-    include_str!("../../../dev/attention/attention_tc_next.cu"),
-)];
+/// against the library's before they replace them (e.g. `dev/attention/attention_tc_next.cu`
+/// and `attention_tc_bwd_next.cu`, by `examples/attention_next.rs`), checked here too so that
+/// one that no longer compiles is seen before someone takes it to a GPU.
+const DEV_SOURCES: &[(&str, &str)] = &[
+    (
+        "attention_tc_next",
+        include_str!("../../../dev/attention/attention_tc_next.cu"),
+    ),
+    (
+        "attention_tc_bwd_next",
+        include_str!("../../../dev/attention/attention_tc_bwd_next.cu"),
+    ),
+];
 
 /// The full source of module `module`: the library's, or a dev kernel with the prelude in
 /// front as the library builds its modules.

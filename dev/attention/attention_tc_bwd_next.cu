@@ -1,0 +1,935 @@
+// Candidate for the tensor-core FlashAttention-2 backward (kernels attn_bwd_dq_tc_next_k4 /
+// _k8 and attn_bwd_dkv_tc_next_k4 / _k8; _k4 for D <= 64, _k8 for D <= 128), the counterpart of
+// the forward candidate dev/attention/attention_tc_next.cu, kept out of the library until it is
+// measured against attn_bwd_dq_tc_k4 / _k8 and attn_bwd_dkv_tc_k4 / _k8 of
+// crates/tensor/src/cuda/kernels/attention_tc.cu (crates/tensor/examples/attention_next.rs
+// compares them for correctness and speed). Like every kernel module it is compiled with the
+// prelude (kernels/prelude.cuh) put in front.
+//
+// Contract: that of the library's two backward kernels, argument for argument.
+//   attn_bwd_dq_tc_next_k{4,8}(q, k, v, dout, lse, delta, dq, B, Sq, Sk, H, Hkv, D, causal,
+//                              q_start, k_start, scale):  dq += scale * dS K
+//   attn_bwd_dkv_tc_next_k{4,8}(q, k, v, dout, lse, delta, dk, dv, B, Sq, Sk, H, Hkv, D,
+//                               causal, q_start, k_start, scale): dv += P^T dO,
+//                                                                 dk += scale * dS^T Q
+// with P = exp(S scale - lse), S = Q K^T, dP = dO V^T, dS = P (dP - delta). q, dout, dq
+// [B, Sq, H, D] fp32; k, v, dk, dv [B, Sk, Hkv, D] fp32; lse, delta [B, H, Sq] fp32 (lse the
+// forward's natural-log log-sum-exp, -inf for a row that sees no key; delta = rowsum(dO * O),
+// the "attention" module's attn_bwd_delta); causal by global positions (query i at q_start + i
+// sees key j iff k_start + j <= q_start + i); grouped KV heads h -> h / (H / Hkv), dk and dv
+// summing over the H / Hkv query heads of their group; D a multiple of 16 in 16..128. The
+// outputs are accumulated (+=), every element by one thread in a fixed order (deterministic,
+// no atomics). A pair (i, j) that is masked (causal, or i >= Sq, or j >= Sk) contributes
+// exactly 0, so a row that sees no key (lse = -inf) gets nothing and gives nothing. Numerics:
+// Q, K, V, dO rounded to bf16 (nearest even) on their way into registers or shared memory; S
+// and dP one mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 product each (fp32
+// accumulation, sm_80+); P and dS fp32, rounded to bf16 (nearest even) as the operands of the
+// three gradient products, which accumulate in fp32; scale applied to dQ and dK once, at the
+// end. The sums run in the library's order: dK and dV over the group's heads, then query steps
+// of 32 from the library's first step, then 16-query k-steps; dQ over key tiles of 64, halves
+// of 32, k-steps of 16.
+//
+// Launch: the library's grids and blocks.
+//   dQ:    grid (ceil(Sq / 64), B * H), block 128, dynamic shared memory 768 D + 2048 bytes
+//          (51200 for D = 64, 100352 for D = 128; the library's: 256 (D + 8)).
+//   dK/dV: grid (ceil(Sk / 64), B * Hkv), block 128, dynamic shared memory 640 D + 3584 bytes
+//          (44544 for D = 64, 85504 for D = 128; the library's: 384 (D + 8) + 256).
+// Both need the opt-in above 48 KiB (cuFuncSetAttribute MAX_DYNAMIC_SHARED_SIZE_BYTES) at
+// D = 128, and dQ at D = 64 too (the library's kernels need it only for dK/dV at D = 128).
+// Requirements the library kernels do not have: q, k, v and dout 16-byte aligned (cp.async
+// copies and float4 loads of 16 bytes; rows of D fp32 are then 16-byte aligned too, D being a
+// multiple of 16), dq, dk and dv 8-byte aligned (float2 read-modify-write), lse and delta
+// 4-byte aligned (as any fp32). Unlike the forward candidate, `scale` may have either sign.
+//
+// What differs from the library kernels, and why (the forward candidate's techniques: Nsight
+// Compute showed the library's forward latency-bound on tiles loaded synchronously with nothing
+// to overlap them, and the library's backward kernels load theirs the same way):
+//  a. The tiles a CTA streams over come in with cp.async (PTX ISA, "Data Movement and
+//     Conversion Instructions: cp.async"), 16 bytes a copy, L2 only (.cg), into an fp32
+//     staging area, and are converted to the bf16 tiles by the threads that copied them
+//     (cvt.rn.bf16x2.f32: round to nearest even, as the library's f32_to_bf16; no barrier
+//     between a thread's cp.async.wait_group and its conversion); the copies of step n + 1 fly
+//     while step n is computed. dQ streams the K and V tiles of 64 keys (as the forward
+//     candidate); dK/dV streams the Q and dO tiles of 32 query rows plus their 32 lse and
+//     delta values (4-byte cp.async.ca, zero-filled past Sq). Rows past the end are zero-filled
+//     by the copy (src-size 0), so a masked P or dS of 0 never meets a NaN of stale memory.
+//     dK/dV's own K and V tiles (64 keys, read once per CTA) are read with float4 loads and
+//     rounded while the first step's copies fly.
+//  b. B fragments come from the bf16 tiles with ldmatrix (.x4: two n-tiles of 8 at once), .trans
+//     where the product's k index runs down the tile's rows: K in dS K (dQ), dO in P^T dO and
+//     Q in dS^T Q (dK/dV). dK/dV's A fragments of its warp's 16 keys of K and V come from
+//     ldmatrix too (the library used 32-bit loads), and at D <= 64 (_k4) stay in registers for
+//     the whole CTA (TB_DKV_KV_REGS_K4; at D = 128 they would take 64 more registers and
+//     spill, so _k8 reloads them every step: TB_DKV_KV_REGS_K8 = 0).
+//  c. P is recomputed in the exp2 domain: p = 2^(s * scale * log2(e) - lse * log2(e)), one FFMA
+//     and ex2.approx.ftz (PTX ISA, "ex2"), lse * log2(e) computed once per row (dQ: in
+//     registers; dK/dV: when the step's lse is moved from the stage).
+//  d. Masks only where some pair of a warp's tile is masked: a warp of dQ tests its 16 rows
+//     against the 64 keys of a tile (the forward candidate's rule: every row sees every key ->
+//     no mask; no row sees any -> skipped; else the 16-key steps past the last key its last
+//     row sees are skipped and the rest masked per element); a warp of dK/dV tests its 16 keys
+//     against the step's 32 queries (all 16 keys below Sk, all 32 rows below Sq and the last
+//     key seen by the first row -> no mask; its first key seen by no row of the step, or past
+//     Sk -> skipped; else the 16-query halves no row sees are skipped and the rest masked).
+//     In an unmasked tile every row below Sq sees some key, so its lse is finite (a row past
+//     Sq has lse = delta = 0 and zero Q and dO there: finite, and never stored or summed).
+//  e. dQ takes its query blocks in reverse order (blockIdx.x = 0 takes the last rows, which see
+//     the most keys under a causal mask), as the forward candidate; dK/dV keeps the library's
+//     order, which already starts with the longest blocks (key 0 is seen by every query).
+//  f. dq, dk, dv are read and written as float2 (the library: one float at a time).
+//
+// Fragments of mma.m16n8k16 (PTX ISA, "Matrix Fragments for mma.m16n8k16 with floating point
+// type"), with g = lane >> 2 (groupID) and t = lane & 3 (threadID_in_group); a 32-bit register
+// holds two bf16, the lower-indexed element in the lower 16 bits:
+//   A (16 x 16, row-major, M x K), 4 registers:
+//     a[0] = (row g,     cols 2t, 2t+1)      a[1] = (row g + 8, cols 2t, 2t+1)
+//     a[2] = (row g,     cols 2t+8, 2t+9)    a[3] = (row g + 8, cols 2t+8, 2t+9)
+//   B (16 x 8, K x N, "col"), 2 registers:
+//     b[0] = (rows k = 2t, 2t+1, col n = g)  b[1] = (rows k = 2t+8, 2t+9, col n = g)
+//   C/D (16 x 8 fp32), 4 registers:
+//     c[0], c[1] = (row g, cols 2t, 2t+1)    c[2], c[3] = (row g + 8, cols 2t, 2t+1)
+// The C fragments of two adjacent n-tiles (columns 16kk..16kk+7 and 16kk+8..16kk+15) are the A
+// fragment of k-step kk of the next product: a = {pack(c0[0], c0[1]), pack(c0[2], c0[3]),
+// pack(c1[0], c1[1]), pack(c1[2], c1[3])} (dS for dS K; P^T, dS^T for P^T dO, dS^T Q).
+//
+// ldmatrix .m8n8 .x4: lanes 8i .. 8i + 7 give the 8 row addresses (16 bytes each: 8 bf16) of
+// matrix i, and destination register i receives matrix i; lane l holds, of an 8 x 8 matrix M
+// whose row r starts at the r-th address, M[l >> 2][2 (l & 3)], M[l >> 2][2 (l & 3) + 1]
+// (lower half first), or with .trans M[2 (l & 3)][l >> 2], M[2 (l & 3) + 1][l >> 2]. So, for a
+// bf16 tile X (row stride ld) and a pair of n-tiles 2p, 2p + 1 at k-step kk:
+//   B(k = d, n = r) = X[r][d] (K and V in S = Q K^T and dP = dO V^T; Q and dO in S^T = K Q^T and
+//     dP^T = V dO^T): the four matrices are (rows 16p, cols 16kk), (16p, 16kk + 8),
+//     (16p + 8, 16kk), (16p + 8, 16kk + 8) -> lane l addresses row 16p + 8 (l >> 4) + (l & 7),
+//     column 16kk + 8 ((l >> 3) & 1) ("nt" below): b[0], b[1] of n-tile 2p, then of 2p + 1.
+//   B(k = r, n = d) = X[r][d] (K in dS K; dO in P^T dO and Q in dS^T Q), .trans: the four
+//     matrices are (rows 16kk, cols 16p), (16kk + 8, 16p), (16kk, 16p + 8), (16kk + 8,
+//     16p + 8) -> lane l addresses row 16kk + 8 ((l >> 3) & 1) + (l & 7), column 16p +
+//     8 (l >> 4) ("tr" below).
+//   A = X[r][d] for rows 16w .. 16w + 15 of X (dK/dV's K and V, A of S^T and dP^T), k-step kk:
+//     the four matrices are (rows 16w, cols 16kk), (16w + 8, 16kk), (16w, 16kk + 8),
+//     (16w + 8, 16kk + 8) -> lane l addresses row 16w + 8 ((l >> 3) & 1) + (l & 7), column
+//     16kk + 8 (l >> 4) (the "tr" addressing, without .trans).
+// The bf16 tiles have a row stride of D + 8 elements, (D + 8) / 2 = 4 (mod 8) 32-bit words
+// since D is a multiple of 16: the 8 rows of one matrix start on 8 distinct groups of 4 banks,
+// so every ldmatrix phase is free of bank conflicts.
+//
+// Shared memory (dynamic, 16-byte aligned), bf16 tiles with row stride D + 8, fp32 stages
+// unpadded (the copies and the conversion read and write them 16 bytes a thread):
+//   dQ:    fp32 stage of a K and a V tile (2 x 64 x D x 4), bf16 K and V tiles
+//          (2 x 64 x (D + 8) x 2): 768 D + 2048 bytes.
+//   dK/dV: fp32 stage of a Q and a dO step (2 x 32 x D x 4), bf16 K and V tiles
+//          (2 x 64 x (D + 8) x 2), bf16 Q and dO tiles (2 x 32 x (D + 8) x 2), the step's lse and
+//          delta staged and current (4 x 32 x 4): 640 D + 3584 bytes.
+// No static shared memory. An H100 / H200 SM has 228 KiB (227 KiB at most a block, opt-in
+// above 48 KiB; 1 KiB reserved per block), an A100's 164 KiB.
+//
+// ptxas (NVRTC 12.9 and 13.0 give the same figures; `-Xptxas -v` on the source as the compile
+// check builds it; 0 bytes of spills and stack everywhere), registers a thread, sm_90 / sm_80,
+// under the cap of __launch_bounds__(128, blocks) (the *_MIN_BLOCKS below), and blocks an SM
+// as registers and shared memory allow (H100 / A100):
+//   attn_bwd_dq_tc_next_k4    166 / 164 (cap 168)  shared 51200 B   3 / 3 blocks
+//   attn_bwd_dq_tc_next_k8    235 / 241 (cap 255)  shared 100352 B  2 / 1
+//   attn_bwd_dkv_tc_next_k4   168 / 168 (cap 168)  shared 44544 B   3 / 3
+//   attn_bwd_dkv_tc_next_k8   255 / 254 (cap 255)  shared 85504 B   2 / 1
+// (the library's, same compilers: dq_k4 128 / 128, dq_k8 231 / 200, dkv_k4 165 / 163, dkv_k8
+// 235 / 235; blocks an SM 4, 2, 3, 2 on an H100). attn_bwd_dkv_tc_next_k8 sits at the 255 of
+// the hardware with no margin: a compiler that needs one more register spills (the figures
+// above are the ones to compare against after a change). At D = 64 shared memory would allow
+// 4 blocks of dQ and 5 of dK/dV, but a cap of 128 registers (4 blocks) spills (sm_90: dQ 136
+// bytes, dK/dV 252). TB_DKV_KV_REGS_K8 = 1 (K and V fragments in registers at D = 128)
+// spills 116 bytes on sm_90; TB_DKV_KV_REGS_K4 = 0 leaves dK/dV_k4 at 168 (the compiler
+// fills the cap either way).
+//
+// Checked without a GPU only: NVRTC 12.9 / 13.0 compile it for sm_80 and sm_90 with no warning
+// (tests/cuda_kernels_compile.rs), and attention_tc_bwd_next_emu.py, a lane-level numpy
+// transliteration of both kernels (ldmatrix and mma fragment layouts as the PTX ISA gives them,
+// the shared-memory byte layout, the piece ownership of the staging), matches a dense float64
+// reference of the library's formulas (P and dS rounded to bf16 too) on 15 shapes (head sizes
+// 16 to 128, causal with offsets, rows that see no key, GQA, ragged edges, both choices of the
+// K/V fragments in registers): to about 1e-7 of the largest gradient where both round every P
+// and dS alike, at most 7e-4 where one element rounds to the other bf16 neighbour (its S sums
+// differ in the last fp32 bits). Not checked: the barriers and cp.async ordering on hardware,
+// ex2.approx's error, the speed; examples/attention_next.rs checks on a GPU.
+//
+// The kernels are templates on MAXK, the most k-steps of 16 a register tile holds (D <= 16 MAXK),
+// instantiated for MAXK = 4 and 8 as the library's, and on FULL (D == 16 MAXK: D a constant,
+// loops without guards), chosen at run time as the forward candidate does.
+
+#define TB_BM 64  // query rows per dQ CTA (16 per warp, 4 warps)
+#define TB_BN 64  // keys per K/V tile of dQ; keys per dK/dV CTA (16 per warp)
+#define TB_KC 32  // keys per step of a dQ warp (half a key tile; the library's)
+#define TB_QC 32  // query rows per step of dK/dV (the library's)
+#define TB_PAD 8  // bf16 of padding per row of the bf16 tiles
+#define TB_THREADS 128
+#define TB_LOG2E 1.4426950408889634f
+#define TB_NONE (1 << 28) // "no query of the step sees this key"
+
+// Two fp32 as a bf16 pair, round to nearest even: `lo` in the lower 16 bits (cvt.rn.bf16x2.f32
+// d, a, b puts a in the upper half, b in the lower).
+__device__ __forceinline__ u32 tb_pack(float lo, float hi) {
+    u32 r;
+    asm("cvt.rn.bf16x2.f32 %0, %1, %2;\n" : "=r"(r) : "f"(hi), "f"(lo));
+    return r;
+}
+
+// 2^x (ex2.approx.ftz.f32: 2^-inf = +0; results below 2^-126 flush to 0, far below what a bf16
+// P or dS keeps next to the largest term of its row, at most 1).
+__device__ __forceinline__ float tb_exp2(float x) {
+    float y;
+    asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
+    return y;
+}
+
+// d += a * b (16 x 8 x 16, bf16 operands, fp32 accumulate).
+__device__ __forceinline__ void tb_mma(float* d, const u32* a, u32 b0, u32 b1) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
+        "{%8, %9}, {%0, %1, %2, %3};\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+// Four 8 x 8 bf16 matrices from shared memory (`addr`: this lane's row address, see above).
+// volatile with a memory clobber: the tiles are rewritten at the same addresses every step, so
+// these loads must neither be merged across steps nor moved across the barriers.
+__device__ __forceinline__ void tb_ldsm_x4(u32* r, u32 addr) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(addr)
+                 : "memory");
+}
+
+__device__ __forceinline__ void tb_ldsm_x4_trans(u32* r, u32 addr) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(addr)
+                 : "memory");
+}
+
+// 16 bytes global -> shared, cached in L2 only; `src_bytes` of them read from `src`, the rest
+// zero-filled (0: a row past the end, nothing is read).
+__device__ __forceinline__ void tb_cp_async16(u32 dst, const float* src, int src_bytes) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst),
+                 "l"((u64)__cvta_generic_to_global(src)), "r"(src_bytes)
+                 : "memory");
+}
+
+// 4 bytes global -> shared (.ca: .cg takes 16-byte copies only); `src_bytes` 4 or 0.
+__device__ __forceinline__ void tb_cp_async4(u32 dst, const float* src, int src_bytes) {
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(dst),
+                 "l"((u64)__cvta_generic_to_global(src)), "r"(src_bytes)
+                 : "memory");
+}
+
+__device__ __forceinline__ void tb_cp_async_commit() {
+    asm volatile("cp.async.commit_group;\n" ::: "memory");
+}
+
+// Waits for every cp.async group of this thread; its copies are then visible to it.
+__device__ __forceinline__ void tb_cp_async_wait_all() {
+    asm volatile("cp.async.wait_group 0;\n" ::: "memory");
+}
+
+__device__ __forceinline__ u32 tb_smem_addr(const void* p) {
+    return (u32)__cvta_generic_to_shared(p);
+}
+
+// Keys visible to some query of rows [0, i_end): all of them, or up to the last row's.
+__device__ __forceinline__ int tb_keys_seen(int i_end, int Sk, int causal, int q_start,
+                                            int k_start) {
+    if (!causal) return Sk;
+    int v = q_start + i_end - k_start; // keys j with k_start + j <= q_start + i_end - 1
+    return v < 0 ? 0 : (v > Sk ? Sk : v);
+}
+
+// The 16-byte pieces of a tile of ROWS rows that this thread copies and converts: pieces
+// e = threadIdx.x + 128 i for i < ROWS D / 512 (ROWS rows of D / 4 pieces), piece e at byte
+// 16 e of the fp32 stage, tile row e / (D / 4), column 4 (e % (D / 4)). The row and column of
+// piece i + 1 are those of piece i advanced by 128 pieces: `dr` rows and `dc` pieces, with a
+// carry (no division in the loops).
+struct TbPieces {
+    int r, c;   // row and piece column of the first piece (i = 0)
+    int dr, dc; // 128 / (D / 4), 128 % (D / 4)
+    int cpr;    // pieces a row, D / 4
+};
+
+__device__ __forceinline__ TbPieces tb_pieces(int D) {
+    TbPieces pc;
+    pc.cpr = D >> 2;
+    pc.r = threadIdx.x / pc.cpr;
+    pc.c = threadIdx.x - pc.r * pc.cpr;
+    pc.dr = TB_THREADS / pc.cpr;
+    pc.dc = TB_THREADS - pc.dr * pc.cpr;
+    return pc;
+}
+
+__device__ __forceinline__ void tb_next_piece(int& r, int& c, const TbPieces& pc) {
+    c += pc.dc;
+    r += pc.dr;
+    if (c >= pc.cpr) {
+        c -= pc.cpr;
+        r++;
+    }
+}
+
+// Issues the copies of rows row0 .. row0 + ROWS - 1 of two tensors of rows (`xa`, `xb`: row 0
+// of the head; `stride` between rows) into fp32 stages (shared addresses `sta`, `stb`); rows at
+// or past S are zero-filled.
+template <int ROWS, int MAXK>
+__device__ __forceinline__ void tb_copy_rows(u32 sta, u32 stb, const float* xa, const float* xb,
+                                             long long stride, int row0, int S, int D) {
+    const TbPieces pc = tb_pieces(D);
+    int r = pc.r, c = pc.c;
+#pragma unroll
+    for (int i = 0; i < ROWS * MAXK / 32; i++) {
+        if (i < ROWS * D / 512) {
+            const int row = row0 + r;
+            const bool in = row < S;
+            // A row past the end reads nothing; its address stays inside row 0 of the head.
+            const long long off = (in ? (long long)row * stride : 0) + 4 * c;
+            const u32 so = (u32)(threadIdx.x + TB_THREADS * i) * 16u;
+            tb_cp_async16(sta + so, xa + off, in ? 16 : 0);
+            tb_cp_async16(stb + so, xb + off, in ? 16 : 0);
+            tb_next_piece(r, c, pc);
+        }
+    }
+}
+
+// This thread's pieces of the fp32 stages (`sta`, `stb`) rounded into the bf16 tiles (`ta`,
+// `tb`, row stride ld): 4 fp32 -> 4 bf16 (8 bytes) a piece. In batches of 2 pieces, loads
+// first: the compiler cannot tell the stage's loads from the tiles' stores apart, so it would
+// otherwise wait out one shared-memory load latency per piece.
+template <int ROWS, int MAXK>
+__device__ __forceinline__ void tb_convert_rows(const float* sta, const float* stb, u16* ta,
+                                                u16* tb, int D, int ld) {
+    const TbPieces pc = tb_pieces(D);
+    int r = pc.r, c = pc.c;
+#pragma unroll
+    for (int i0 = 0; i0 < ROWS * MAXK / 32; i0 += 2) {
+        float4 x[2], y[2];
+#pragma unroll
+        for (int j = 0; j < 2; j++) {
+            if (i0 + j < ROWS * D / 512) {
+                const int e = threadIdx.x + TB_THREADS * (i0 + j);
+                x[j] = ((const float4*)sta)[e];
+                y[j] = ((const float4*)stb)[e];
+            }
+        }
+#pragma unroll
+        for (int j = 0; j < 2; j++) {
+            if (i0 + j < ROWS * D / 512) {
+                const int o = r * ld + 4 * c; // a multiple of 4 elements: 8-byte aligned
+                *(uint2*)(ta + o) = make_uint2(tb_pack(x[j].x, x[j].y), tb_pack(x[j].z, x[j].w));
+                *(uint2*)(tb + o) = make_uint2(tb_pack(y[j].x, y[j].y), tb_pack(y[j].z, y[j].w));
+                tb_next_piece(r, c, pc);
+            }
+        }
+    }
+}
+
+// Rows row0 .. row0 + ROWS - 1 of two tensors of rows straight from global memory (float4
+// loads) rounded into the bf16 tiles `ta`, `tb`; rows at or past S are zeros. The same pieces
+// as above, in batches of 4 pieces, loads first.
+template <int ROWS, int MAXK>
+__device__ __forceinline__ void tb_load_rows(u16* ta, u16* tb, const float* xa, const float* xb,
+                                             long long stride, int row0, int S, int D, int ld) {
+    const TbPieces pc = tb_pieces(D);
+    int r = pc.r, c = pc.c;
+#pragma unroll
+    for (int i0 = 0; i0 < ROWS * MAXK / 32; i0 += 4) {
+        float4 x[4], y[4];
+        int rr = r, cc = c;
+#pragma unroll
+        for (int j = 0; j < 4; j++) {
+            if (i0 + j < ROWS * D / 512) {
+                const int row = row0 + rr;
+                if (row < S) {
+                    const long long off = (long long)row * stride + 4 * cc;
+                    x[j] = *(const float4*)(xa + off);
+                    y[j] = *(const float4*)(xb + off);
+                } else {
+                    x[j] = y[j] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+                }
+                tb_next_piece(rr, cc, pc);
+            }
+        }
+#pragma unroll
+        for (int j = 0; j < 4; j++) {
+            if (i0 + j < ROWS * D / 512) {
+                const int o = r * ld + 4 * c;
+                *(uint2*)(ta + o) = make_uint2(tb_pack(x[j].x, x[j].y), tb_pack(x[j].z, x[j].w));
+                *(uint2*)(tb + o) = make_uint2(tb_pack(y[j].x, y[j].y), tb_pack(y[j].z, y[j].w));
+                tb_next_piece(r, c, pc);
+            }
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// dQ: dq += scale * dS K.
+
+// One key tile of 64 for one warp's 16 query rows, in two steps of 32 keys: S = Q K^T,
+// dP = dO V^T, dS = P (dP - delta), acc += dS K. `ks_nt`, `vs_nt`: this lane's "nt" address
+// in the bf16 K and V tiles, `ks_tr` its "tr" address in the K tile (k-step 0, pair 0).
+// `lse2[hf]`: row r0 + 8 hf's lse * log2(e) (0 for a row past Sq), `del[hf]` its delta.
+// MASKED: some row of the warp does not see some key of the tile; then `kv_lim` is the number
+// of the tile's keys the warp's last row below Sq sees (16-key steps from it on are skipped: no
+// row of the warp sees them) and `vis[hf]` the number row r0 + 8 hf sees (keys 0 .. vis - 1 of
+// the tile; 0 for a row past Sq; may be <= 0 or > 64).
+template <int MAXK, bool MASKED>
+__device__ __forceinline__ void tb_dq_tile(const u32 (&qf)[MAXK][4], const u32 (&gf)[MAXK][4],
+                                           float (&acc)[2 * MAXK][4], u32 ks_nt, u32 vs_nt,
+                                           u32 ks_tr, int ld, int nk, float sl2,
+                                           const float (&lse2)[2], const float (&del)[2],
+                                           int kv_lim, const int (&vis)[2], int t) {
+#pragma unroll 1
+    for (int c0 = 0; c0 < TB_BN; c0 += TB_KC) {
+        if (MASKED && c0 >= kv_lim) break;
+        // S and dP on keys c0 .. c0 + 31: n-tiles 2p, 2p + 1 (keys c0 + 16p ..) from one
+        // ldmatrix.x4 each of K and V per k-step.
+        float s[4][4], dp[4][4];
+#pragma unroll
+        for (int n = 0; n < 4; n++) {
+            s[n][0] = s[n][1] = s[n][2] = s[n][3] = 0.0f;
+            dp[n][0] = dp[n][1] = dp[n][2] = dp[n][3] = 0.0f;
+        }
+#pragma unroll
+        for (int kk = 0; kk < MAXK; kk++) {
+            if (kk < nk) {
+#pragma unroll
+                for (int p = 0; p < 2; p++) {
+                    if (!MASKED || c0 + 16 * p < kv_lim) {
+                        const u32 off = (u32)((c0 + 16 * p) * ld + kk * 16) * 2u;
+                        u32 bk[4], bv[4];
+                        tb_ldsm_x4(bk, ks_nt + off);
+                        tb_ldsm_x4(bv, vs_nt + off);
+                        tb_mma(s[2 * p], qf[kk], bk[0], bk[1]);
+                        tb_mma(s[2 * p + 1], qf[kk], bk[2], bk[3]);
+                        tb_mma(dp[2 * p], gf[kk], bv[0], bv[1]);
+                        tb_mma(dp[2 * p + 1], gf[kk], bv[2], bv[3]);
+                    }
+                }
+            }
+        }
+        // dS = P (dP - delta), P = 2^(s scale log2(e) - lse log2(e)); 0 where masked (a select:
+        // a row that sees no key has lse = -inf and P = 2^inf there). Kept in s. Element x of
+        // n-tile n: row r0 + 8 (x >> 1), key c0 + 8n + 2t + (x & 1) of the tile.
+#pragma unroll
+        for (int n = 0; n < 4; n++) {
+#pragma unroll
+            for (int x = 0; x < 4; x++) {
+                const int hf = x >> 1;
+                const float p = tb_exp2(fmaf(s[n][x], sl2, -lse2[hf]));
+                float ds = p * (dp[n][x] - del[hf]);
+                if (MASKED && c0 + n * 8 + 2 * t + (x & 1) >= vis[hf]) ds = 0.0f;
+                s[n][x] = ds;
+            }
+        }
+        // acc += dS K: A = dS (k-step kk = keys c0 + 16 kk ..: n-tiles 2 kk, 2 kk + 1),
+        // B(k = j, n = d) = K[j][d], output n-tiles 2p, 2p + 1 from one ldmatrix.x4.trans.
+#pragma unroll
+        for (int kk = 0; kk < 2; kk++) {
+            if (!MASKED || c0 + 16 * kk < kv_lim) {
+                u32 a[4];
+                a[0] = tb_pack(s[2 * kk][0], s[2 * kk][1]);
+                a[1] = tb_pack(s[2 * kk][2], s[2 * kk][3]);
+                a[2] = tb_pack(s[2 * kk + 1][0], s[2 * kk + 1][1]);
+                a[3] = tb_pack(s[2 * kk + 1][2], s[2 * kk + 1][3]);
+#pragma unroll
+                for (int p = 0; p < MAXK; p++) {
+                    if (p < nk) {
+                        u32 bk[4];
+                        tb_ldsm_x4_trans(bk, ks_tr + (u32)((c0 + 16 * kk) * ld + p * 16) * 2u);
+                        tb_mma(acc[2 * p], a, bk[0], bk[1]);
+                        tb_mma(acc[2 * p + 1], a, bk[2], bk[3]);
+                    }
+                }
+            }
+        }
+    }
+}
+
+// Grid (ceil(Sq / 64), B * H), block 128; the CTA of blockIdx.x = x owns query rows
+// 64 (gridDim.x - 1 - x) .. + 63, warp w rows + 16 w .. + 15 (its Q and dO fragments stay in
+// registers), and walks the key tiles of 64 that its rows see.
+template <int MAXK, bool FULL>
+__device__ __forceinline__ void attn_bwd_dq_tc_next_body(const float* q, const float* k,
+                                                         const float* v, const float* dout,
+                                                         const float* lse, const float* delta,
+                                                         float* dq, int B, int Sq, int Sk,
+                                                         int H, int Hkv, int D, int causal,
+                                                         int q_start, int k_start,
+                                                         float scale) {
+    extern __shared__ __align__(16) unsigned char tb_smem[];
+    if (FULL) D = 16 * MAXK; // a constant from here on: loops without guards, fixed offsets
+    const int ld = D + TB_PAD;
+    float* kst = (float*)tb_smem; // fp32 stage, 64 x D each, unpadded
+    float* vst = kst + TB_BN * D;
+    u16* kt = (u16*)(vst + TB_BN * D); // bf16 tiles, 64 x ld each (byte offset 512 D)
+    u16* vt = kt + TB_BN * ld;
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+    const int b = blockIdx.y / H, h = blockIdx.y % H, hk = h / (H / Hkv);
+    const int q0 = (gridDim.x - 1 - blockIdx.x) * TB_BM; // longest rows first
+    const int nk = D >> 4, nd = D >> 3;
+    const long long qstride = (long long)H * D, kstride = (long long)Hkv * D;
+    const long long qbase = (long long)b * Sq * qstride + (long long)h * D;
+    const float* kb = k + (long long)b * Sk * kstride + (long long)hk * D;
+    const float* vb = v + (long long)b * Sk * kstride + (long long)hk * D;
+    const int iw = q0 + warp * 16; // the warp's first row
+    const int r0 = iw + g;         // this thread's rows: r0 (half 0) and r0 + 8 (half 1)
+    const float sl2 = scale * TB_LOG2E;
+
+    const int nvis = tb_keys_seen(min(q0 + TB_BM, Sq), Sk, causal, q_start, k_start);
+    const int ntiles = (nvis + TB_BN - 1) / TB_BN;
+    const u32 kst_a = tb_smem_addr(kst), vst_a = tb_smem_addr(vst);
+
+    // The first tile's copies fly while Q, dO, lse and delta are read.
+    if (ntiles > 0) {
+        tb_copy_rows<TB_BN, MAXK>(kst_a, vst_a, kb, vb, kstride, 0, Sk, D);
+        tb_cp_async_commit();
+    }
+
+    // Q's and dO's A fragments (rows r0, r0 + 8; zeros past Sq), rounded to bf16.
+    u32 qf[MAXK][4], gf[MAXK][4];
+    {
+        const bool oka = r0 < Sq, okb = r0 + 8 < Sq;
+        const long long oa = qbase + (long long)r0 * qstride + 2 * t;
+        const long long ob = qbase + (long long)(r0 + 8) * qstride + 2 * t;
+        const float2 z = make_float2(0.0f, 0.0f);
+#pragma unroll
+        for (int kk = 0; kk < MAXK; kk++) {
+            if (kk < nk) {
+                const int c = kk * 16;
+                float2 x0 = oka ? *(const float2*)(q + oa + c) : z;
+                float2 x1 = okb ? *(const float2*)(q + ob + c) : z;
+                float2 x2 = oka ? *(const float2*)(q + oa + c + 8) : z;
+                float2 x3 = okb ? *(const float2*)(q + ob + c + 8) : z;
+                qf[kk][0] = tb_pack(x0.x, x0.y);
+                qf[kk][1] = tb_pack(x1.x, x1.y);
+                qf[kk][2] = tb_pack(x2.x, x2.y);
+                qf[kk][3] = tb_pack(x3.x, x3.y);
+                x0 = oka ? *(const float2*)(dout + oa + c) : z;
+                x1 = okb ? *(const float2*)(dout + ob + c) : z;
+                x2 = oka ? *(const float2*)(dout + oa + c + 8) : z;
+                x3 = okb ? *(const float2*)(dout + ob + c + 8) : z;
+                gf[kk][0] = tb_pack(x0.x, x0.y);
+                gf[kk][1] = tb_pack(x1.x, x1.y);
+                gf[kk][2] = tb_pack(x2.x, x2.y);
+                gf[kk][3] = tb_pack(x3.x, x3.y);
+            }
+        }
+    }
+    // Per row: lse in exp2 units, delta, and the keys it sees (0 past Sq: masked everywhere).
+    float lse2[2], del[2];
+    int vis_row[2];
+#pragma unroll
+    for (int hf = 0; hf < 2; hf++) {
+        const int i = r0 + 8 * hf;
+        const long long li = ((long long)b * H + h) * Sq + i;
+        lse2[hf] = i < Sq ? lse[li] * TB_LOG2E : 0.0f;
+        del[hf] = i < Sq ? delta[li] : 0.0f;
+        vis_row[hf] = i < Sq ? tb_keys_seen(i + 1, Sk, causal, q_start, k_start) : 0;
+    }
+    // What the warp sees (warp-uniform): keys 0 .. wfull - 1 by every row of it (the first row
+    // sees the fewest; rows past Sq are never stored), keys 0 .. wkeys - 1 by some row (the
+    // last row below Sq sees the most); nothing for a warp whose rows are all past Sq.
+    int wfull = 0, wkeys = 0;
+    if (iw < Sq) {
+        wkeys = tb_keys_seen(min(iw + 16, Sq), Sk, causal, q_start, k_start);
+        wfull = tb_keys_seen(iw + 1, Sk, causal, q_start, k_start);
+    }
+
+    // ldmatrix row addresses of this lane (k-step 0, pair 0; see the header).
+    const int nt_row = ((lane >> 4) << 3) + (lane & 7), nt_col = ((lane >> 3) & 1) << 3;
+    const int tr_row = (((lane >> 3) & 1) << 3) + (lane & 7), tr_col = (lane >> 4) << 3;
+    const u32 ks_nt = tb_smem_addr(kt) + (u32)(nt_row * ld + nt_col) * 2u;
+    const u32 vs_nt = tb_smem_addr(vt) + (u32)(nt_row * ld + nt_col) * 2u;
+    const u32 ks_tr = tb_smem_addr(kt) + (u32)(tr_row * ld + tr_col) * 2u;
+
+    float acc[2 * MAXK][4];
+#pragma unroll
+    for (int n = 0; n < 2 * MAXK; n++) acc[n][0] = acc[n][1] = acc[n][2] = acc[n][3] = 0.0f;
+
+    for (int jt = 0; jt < ntiles; jt++) {
+        const int j0 = jt * TB_BN;
+        tb_cp_async_wait_all(); // this thread's pieces of tile jt are in the stage
+        __syncthreads();        // every warp is done with tile jt - 1's bf16 tiles
+        tb_convert_rows<TB_BN, MAXK>(kst, vst, kt, vt, D, ld);
+        __syncthreads(); // the bf16 tiles of tile jt are complete
+        // The stage is free again (each thread converted its own pieces): tile jt + 1's copies
+        // fly while tile jt is computed.
+        if (jt + 1 < ntiles) {
+            tb_copy_rows<TB_BN, MAXK>(kst_a, vst_a, kb, vb, kstride, j0 + TB_BN, Sk, D);
+            tb_cp_async_commit();
+        }
+        if (j0 + TB_BN <= wfull) {
+            const int none[2] = {0, 0};
+            tb_dq_tile<MAXK, false>(qf, gf, acc, ks_nt, vs_nt, ks_tr, ld, nk, sl2, lse2, del,
+                                    TB_BN, none, t);
+        } else if (j0 < wkeys) {
+            const int vis[2] = {vis_row[0] - j0, vis_row[1] - j0};
+            tb_dq_tile<MAXK, true>(qf, gf, acc, ks_nt, vs_nt, ks_tr, ld, nk, sl2, lse2, del,
+                                   wkeys - j0, vis, t);
+        }
+    }
+
+#pragma unroll
+    for (int hf = 0; hf < 2; hf++) {
+        const int i = r0 + 8 * hf;
+        if (i < Sq) {
+            float* row = dq + qbase + (long long)i * qstride + 2 * t;
+#pragma unroll
+            for (int n = 0; n < 2 * MAXK; n++) {
+                if (n < nd) {
+                    float2 x = *(float2*)(row + n * 8);
+                    x.x += scale * acc[n][2 * hf];
+                    x.y += scale * acc[n][2 * hf + 1];
+                    *(float2*)(row + n * 8) = x;
+                }
+            }
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// dK, dV: dv += P^T dO, dk += scale * dS^T Q.
+
+// Whether a dK/dV warp keeps the A fragments of its K and V rows in registers for the whole
+// CTA (else it reloads them with ldmatrix every step): 32 registers at MAXK = 4, 64 at 8.
+#ifndef TB_DKV_KV_REGS_K4
+#define TB_DKV_KV_REGS_K4 1
+#endif
+#ifndef TB_DKV_KV_REGS_K8
+#define TB_DKV_KV_REGS_K8 0
+#endif
+
+// One query step of 32 rows for one warp's 16 keys: S^T = K Q^T and dP^T = V dO^T (keys as
+// the M dimension: P^T and dS^T are A operands straight from the accumulators), P^T, dS^T,
+// dva += P^T dO, dka += dS^T Q. `kf`, `vf`: the warp's K and V A fragments (KV_REGS), else
+// `ka_tr`, `va_tr`: this lane's A ("tr") address in the bf16 K and V tiles (its warp's rows,
+// k-step 0). `qs_nt`, `gs_nt`: its "nt" address in the bf16 Q and dO tiles, `qs_tr`, `gs_tr`
+// its "tr" address (k-step 0, pair 0). `lse_c`, `del_c`: the step's lse * log2(e) and delta
+// (32 each). MASKED: some pair (key, query) of the warp's 16 x 32 is masked; then the 16-query
+// halves p < plo and p >= phi are seen by no key of the warp (skipped), and key row
+// j = g + 8 hf of the warp sees the step's queries lo[hf] <= il < hi.
+template <int MAXK, bool MASKED, bool KV_REGS>
+__device__ __forceinline__ void tb_dkv_step(const u32 (&kf)[MAXK][4], const u32 (&vf)[MAXK][4],
+                                            u32 ka_tr, u32 va_tr, u32 qs_nt, u32 gs_nt,
+                                            u32 qs_tr, u32 gs_tr, const float* lse_c,
+                                            const float* del_c, float (&dka)[2 * MAXK][4],
+                                            float (&dva)[2 * MAXK][4], int ld, int nk,
+                                            float sl2, int plo, int phi, const int (&lo)[2],
+                                            int hi, int t) {
+    // S^T and dP^T (16 keys x 32 queries): n-tiles 2p, 2p + 1 (queries 16p ..) from one
+    // ldmatrix.x4 each of Q and dO per k-step; A = the warp's K (V) rows.
+    float s[4][4], dp[4][4];
+#pragma unroll
+    for (int n = 0; n < 4; n++) {
+        s[n][0] = s[n][1] = s[n][2] = s[n][3] = 0.0f;
+        dp[n][0] = dp[n][1] = dp[n][2] = dp[n][3] = 0.0f;
+    }
+#pragma unroll
+    for (int kk = 0; kk < MAXK; kk++) {
+        if (kk < nk) {
+            u32 ka[4], va[4];
+            if (KV_REGS) {
+#pragma unroll
+                for (int x = 0; x < 4; x++) {
+                    ka[x] = kf[kk][x];
+                    va[x] = vf[kk][x];
+                }
+            } else {
+                tb_ldsm_x4(ka, ka_tr + (u32)(kk * 16) * 2u);
+                tb_ldsm_x4(va, va_tr + (u32)(kk * 16) * 2u);
+            }
+#pragma unroll
+            for (int p = 0; p < 2; p++) {
+                if (!MASKED || (p >= plo && p < phi)) {
+                    const u32 off = (u32)(p * 16 * ld + kk * 16) * 2u;
+                    u32 bq[4], bg[4];
+                    tb_ldsm_x4(bq, qs_nt + off);
+                    tb_ldsm_x4(bg, gs_nt + off);
+                    tb_mma(s[2 * p], ka, bq[0], bq[1]);
+                    tb_mma(s[2 * p + 1], ka, bq[2], bq[3]);
+                    tb_mma(dp[2 * p], va, bg[0], bg[1]);
+                    tb_mma(dp[2 * p + 1], va, bg[2], bg[3]);
+                }
+            }
+        }
+    }
+    // P^T (kept in s) and dS^T (kept in dp); element x of n-tile n is key row g + 8 (x >> 1) of
+    // the warp, query il = 8n + 2t + (x & 1) of the step. 0 where masked (selects: a row that
+    // sees no key has lse = -inf and P = 2^inf there).
+#pragma unroll
+    for (int n = 0; n < 4; n++) {
+        const float2 l2 = *(const float2*)(lse_c + n * 8 + 2 * t);
+        const float2 dl = *(const float2*)(del_c + n * 8 + 2 * t);
+#pragma unroll
+        for (int x = 0; x < 4; x++) {
+            const int e = x & 1;
+            float p = tb_exp2(fmaf(s[n][x], sl2, -(e ? l2.y : l2.x)));
+            float ds = p * (dp[n][x] - (e ? dl.y : dl.x));
+            if (MASKED) {
+                const int il = n * 8 + 2 * t + e;
+                if (il < lo[x >> 1] || il >= hi) p = ds = 0.0f;
+            }
+            s[n][x] = p;
+            dp[n][x] = ds;
+        }
+    }
+    // dV += P^T dO and dK += dS^T Q: A = P^T, dS^T (k-step kk = queries 16 kk ..: n-tiles
+    // 2 kk, 2 kk + 1), B(k = i, n = d) = dO[i][d], Q[i][d]: output n-tiles 2p, 2p + 1 from one
+    // ldmatrix.x4.trans each.
+#pragma unroll
+    for (int kk = 0; kk < 2; kk++) {
+        if (!MASKED || (kk >= plo && kk < phi)) {
+            u32 a[4];
+            a[0] = tb_pack(s[2 * kk][0], s[2 * kk][1]);
+            a[1] = tb_pack(s[2 * kk][2], s[2 * kk][3]);
+            a[2] = tb_pack(s[2 * kk + 1][0], s[2 * kk + 1][1]);
+            a[3] = tb_pack(s[2 * kk + 1][2], s[2 * kk + 1][3]);
+#pragma unroll
+            for (int p = 0; p < MAXK; p++) {
+                if (p < nk) {
+                    u32 bg[4];
+                    tb_ldsm_x4_trans(bg, gs_tr + (u32)(kk * 16 * ld + p * 16) * 2u);
+                    tb_mma(dva[2 * p], a, bg[0], bg[1]);
+                    tb_mma(dva[2 * p + 1], a, bg[2], bg[3]);
+                }
+            }
+            a[0] = tb_pack(dp[2 * kk][0], dp[2 * kk][1]);
+            a[1] = tb_pack(dp[2 * kk][2], dp[2 * kk][3]);
+            a[2] = tb_pack(dp[2 * kk + 1][0], dp[2 * kk + 1][1]);
+            a[3] = tb_pack(dp[2 * kk + 1][2], dp[2 * kk + 1][3]);
+#pragma unroll
+            for (int p = 0; p < MAXK; p++) {
+                if (p < nk) {
+                    u32 bq[4];
+                    tb_ldsm_x4_trans(bq, qs_tr + (u32)(kk * 16 * ld + p * 16) * 2u);
+                    tb_mma(dka[2 * p], a, bq[0], bq[1]);
+                    tb_mma(dka[2 * p + 1], a, bq[2], bq[3]);
+                }
+            }
+        }
+    }
+}
+
+// Issues the copies of query step c0 of head h: rows c0 .. c0 + 31 of Q and dO into their fp32
+// stages, and lse, delta of those rows into theirs (threads 0 .. 31 and 32 .. 63, one value
+// each); rows at or past Sq zero-filled. One commit group.
+template <int MAXK>
+__device__ __forceinline__ void tb_dkv_copy_step(u32 qst_a, u32 gst_a, u32 lst_a, u32 dst_a,
+                                                 const float* q, const float* dout,
+                                                 const float* lse, const float* delta, int b,
+                                                 int h, int c0, int Sq, int H, int D,
+                                                 long long qstride) {
+    const long long qbase = (long long)b * Sq * qstride + (long long)h * D;
+    tb_copy_rows<TB_QC, MAXK>(qst_a, gst_a, q + qbase, dout + qbase, qstride, c0, Sq, D);
+    const long long lbase = ((long long)b * H + h) * Sq;
+    const int r = threadIdx.x & (TB_QC - 1);
+    const bool in = c0 + r < Sq;
+    const long long li = lbase + (in ? c0 + r : 0);
+    if (threadIdx.x < TB_QC)
+        tb_cp_async4(lst_a + 4u * r, lse + li, in ? 4 : 0);
+    else if (threadIdx.x < 2 * TB_QC)
+        tb_cp_async4(dst_a + 4u * r, delta + li, in ? 4 : 0);
+    tb_cp_async_commit();
+}
+
+// Grid (ceil(Sk / 64), B * Hkv), block 128; the CTA of blockIdx.x = x owns keys 64 x .. + 63,
+// warp w keys + 16 w .. + 15, and walks, for each query head of the group, the query steps of
+// 32 rows that see its keys.
+template <int MAXK, bool FULL, bool KV_REGS>
+__device__ __forceinline__ void attn_bwd_dkv_tc_next_body(
+    const float* q, const float* k, const float* v, const float* dout, const float* lse,
+    const float* delta, float* dk, float* dv, int B, int Sq, int Sk, int H, int Hkv, int D,
+    int causal, int q_start, int k_start, float scale) {
+    extern __shared__ __align__(16) unsigned char tb_smem[];
+    if (FULL) D = 16 * MAXK;
+    const int ld = D + TB_PAD;
+    float* qst = (float*)tb_smem; // fp32 stages, 32 x D each, unpadded
+    float* gst = qst + TB_QC * D;
+    u16* kt = (u16*)(gst + TB_QC * D); // bf16 tiles (byte offset 256 D)
+    u16* vt = kt + TB_BN * ld;
+    u16* qt = vt + TB_BN * ld;
+    u16* gt = qt + TB_QC * ld;
+    float* lse_st = (float*)(gt + TB_QC * ld); // byte offset 256 D + 384 ld: 16-aligned
+    float* del_st = lse_st + TB_QC;
+    float* lse_c = del_st + TB_QC;
+    float* del_c = lse_c + TB_QC;
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+    const int b = blockIdx.y / Hkv, hk = blockIdx.y % Hkv, group = H / Hkv;
+    const int j0 = blockIdx.x * TB_BN;
+    const int nk = D >> 4, nd = D >> 3;
+    const long long qstride = (long long)H * D, kstride = (long long)Hkv * D;
+    const long long kbase = (long long)b * Sk * kstride + (long long)hk * D;
+    const int jw = j0 + warp * 16; // the warp's first key; this thread's: jw + g, jw + g + 8
+    const int jdiag = k_start + jw - q_start; // the first query (causal) that sees key jw
+    const float sl2 = scale * TB_LOG2E;
+
+    // The query steps: the library's, from the step of 32 holding the first query that sees
+    // key j0 (q_start + i >= k_start + j0), for each head of the group.
+    int i0 = causal ? k_start + j0 - q_start : 0;
+    i0 = i0 < 0 ? 0 : (i0 / TB_QC) * TB_QC;
+    const int nsteps = i0 < Sq ? (Sq - i0 + TB_QC - 1) / TB_QC : 0;
+    const int total = group * nsteps;
+    const u32 qst_a = tb_smem_addr(qst), gst_a = tb_smem_addr(gst);
+    const u32 lst_a = tb_smem_addr(lse_st), dst_a = tb_smem_addr(del_st);
+
+    // The first step's copies fly while K and V are read.
+    if (total > 0)
+        tb_dkv_copy_step<MAXK>(qst_a, gst_a, lst_a, dst_a, q, dout, lse, delta, b,
+                               hk * group, i0, Sq, H, D, qstride);
+    tb_load_rows<TB_BN, MAXK>(kt, vt, k + kbase, v + kbase, kstride, j0, Sk, D, ld);
+    __syncthreads(); // the K and V tiles are complete
+
+    // ldmatrix row addresses of this lane (see the header).
+    const int nt_row = ((lane >> 4) << 3) + (lane & 7), nt_col = ((lane >> 3) & 1) << 3;
+    const int tr_row = (((lane >> 3) & 1) << 3) + (lane & 7), tr_col = (lane >> 4) << 3;
+    const u32 ka_tr = tb_smem_addr(kt) + (u32)((warp * 16 + tr_row) * ld + tr_col) * 2u;
+    const u32 va_tr = tb_smem_addr(vt) + (u32)((warp * 16 + tr_row) * ld + tr_col) * 2u;
+    const u32 qs_nt = tb_smem_addr(qt) + (u32)(nt_row * ld + nt_col) * 2u;
+    const u32 gs_nt = tb_smem_addr(gt) + (u32)(nt_row * ld + nt_col) * 2u;
+    const u32 qs_tr = tb_smem_addr(qt) + (u32)(tr_row * ld + tr_col) * 2u;
+    const u32 gs_tr = tb_smem_addr(gt) + (u32)(tr_row * ld + tr_col) * 2u;
+
+    u32 kf[MAXK][4], vf[MAXK][4];
+    if (KV_REGS) {
+#pragma unroll
+        for (int kk = 0; kk < MAXK; kk++) {
+            if (kk < nk) {
+                tb_ldsm_x4(kf[kk], ka_tr + (u32)(kk * 16) * 2u);
+                tb_ldsm_x4(vf[kk], va_tr + (u32)(kk * 16) * 2u);
+            }
+        }
+    }
+
+    float dka[2 * MAXK][4], dva[2 * MAXK][4];
+#pragma unroll
+    for (int n = 0; n < 2 * MAXK; n++) {
+        dka[n][0] = dka[n][1] = dka[n][2] = dka[n][3] = 0.0f;
+        dva[n][0] = dva[n][1] = dva[n][2] = dva[n][3] = 0.0f;
+    }
+
+    int c0 = i0;          // the step being computed
+    int ngi = 0, nc0 = i0; // the step being copied
+    for (int it = 0; it < total; it++) {
+        tb_cp_async_wait_all(); // this thread's pieces of step it are in the stages
+        __syncthreads();        // every warp is done with step it - 1's tiles, lse and delta
+        tb_convert_rows<TB_QC, MAXK>(qst, gst, qt, gt, D, ld);
+        if (threadIdx.x < TB_QC)
+            lse_c[threadIdx.x] = lse_st[threadIdx.x] * TB_LOG2E;
+        else if (threadIdx.x < 2 * TB_QC)
+            del_c[threadIdx.x - TB_QC] = del_st[threadIdx.x - TB_QC];
+        __syncthreads(); // step it's tiles, lse and delta are complete
+        // The stages are free again (each thread moved its own pieces): step it + 1's copies
+        // fly while step it is computed.
+        nc0 += TB_QC;
+        if (nc0 >= Sq) {
+            nc0 = i0;
+            ngi++;
+        }
+        if (it + 1 < total)
+            tb_dkv_copy_step<MAXK>(qst_a, gst_a, lst_a, dst_a, q, dout, lse, delta, b,
+                                   hk * group + ngi, nc0, Sq, H, D, qstride);
+
+        // What the warp's keys see of queries c0 .. c0 + 31 (warp-uniform): query il of the
+        // step sees key jw + x iff il >= k_start + jw + x - q_start - c0 (causal) and
+        // il < hi = Sq - c0, and jw + x < Sk.
+        // Non-causal: every query below Sq sees every key below Sk (first = 0).
+        const int hi = Sq - c0;
+        const int first = causal ? jdiag - c0 : 0; // first query of key jw
+        const int first_last = causal ? first + 15 : 0;              // ... of key jw + 15
+        if (jw < Sk && first < min(hi, TB_QC)) {
+            if (jw + 16 <= Sk && hi >= TB_QC && first_last <= 0) {
+                const int none[2] = {0, 0};
+                tb_dkv_step<MAXK, false, KV_REGS>(kf, vf, ka_tr, va_tr, qs_nt, gs_nt, qs_tr,
+                                                  gs_tr, lse_c, del_c, dka, dva, ld, nk, sl2,
+                                                  0, 2, none, TB_QC, t);
+            } else {
+                int lo[2];
+#pragma unroll
+                for (int hf = 0; hf < 2; hf++)
+                    lo[hf] = jw + g + 8 * hf >= Sk ? TB_NONE : (causal ? first + g + 8 * hf : 0);
+                const int plo = first > 0 ? first >> 4 : 0;
+                const int phi = (min(hi, TB_QC) + 15) >> 4;
+                tb_dkv_step<MAXK, true, KV_REGS>(kf, vf, ka_tr, va_tr, qs_nt, gs_nt, qs_tr,
+                                                 gs_tr, lse_c, del_c, dka, dva, ld, nk, sl2,
+                                                 plo, phi, lo, hi, t);
+            }
+        }
+        c0 += TB_QC;
+        if (c0 >= Sq) c0 = i0;
+    }
+
+    // (b, hk) from blockIdx again: nothing 64-bit stays live across the loop for the stores.
+    const long long obase = ((long long)(blockIdx.y / Hkv) * Sk * Hkv + blockIdx.y % Hkv) * D;
+#pragma unroll
+    for (int hf = 0; hf < 2; hf++) {
+        const int j = jw + g + 8 * hf;
+        if (j < Sk) {
+            const long long off = obase + (long long)j * Hkv * D + 2 * t;
+#pragma unroll
+            for (int n = 0; n < 2 * MAXK; n++) {
+                if (n < nd) {
+                    float2 x = *(float2*)(dk + off + n * 8);
+                    x.x += scale * dka[n][2 * hf];
+                    x.y += scale * dka[n][2 * hf + 1];
+                    *(float2*)(dk + off + n * 8) = x;
+                    float2 y = *(float2*)(dv + off + n * 8);
+                    y.x += dva[n][2 * hf];
+                    y.y += dva[n][2 * hf + 1];
+                    *(float2*)(dv + off + n * 8) = y;
+                }
+            }
+        }
+    }
+}
+
+// Blocks an SM each kernel is compiled for (__launch_bounds__' second argument: the register
+// cap is 64K / (128 x blocks)); see the ptxas figures in the header. Each may be overridden by
+// a #define in front of the source (examples/attention_next.rs: `-- TB_DQ_K4_MIN_BLOCKS=4`).
+#ifndef TB_DQ_K4_MIN_BLOCKS
+#define TB_DQ_K4_MIN_BLOCKS 3
+#endif
+#ifndef TB_DQ_K8_MIN_BLOCKS
+#define TB_DQ_K8_MIN_BLOCKS 2
+#endif
+#ifndef TB_DKV_K4_MIN_BLOCKS
+#define TB_DKV_K4_MIN_BLOCKS 3
+#endif
+#ifndef TB_DKV_K8_MIN_BLOCKS
+#define TB_DKV_K8_MIN_BLOCKS 2
+#endif
+
+#define TB_KERNELS(MAXK, DQ_MIN_BLOCKS, DKV_MIN_BLOCKS, KV_REGS)                                \
+    extern "C" __global__ void __launch_bounds__(TB_THREADS, DQ_MIN_BLOCKS)                     \
+        attn_bwd_dq_tc_next_k##MAXK(const float* q, const float* k, const float* v,             \
+                                    const float* dout, const float* lse, const float* delta,    \
+                                    float* dq, int B, int Sq, int Sk, int H, int Hkv, int D,    \
+                                    int causal, int q_start, int k_start, float scale) {        \
+        if (D == 16 * MAXK)                                                                     \
+            attn_bwd_dq_tc_next_body<MAXK, true>(q, k, v, dout, lse, delta, dq, B, Sq, Sk, H,   \
+                                                 Hkv, D, causal, q_start, k_start, scale);      \
+        else                                                                                    \
+            attn_bwd_dq_tc_next_body<MAXK, false>(q, k, v, dout, lse, delta, dq, B, Sq, Sk, H,  \
+                                                  Hkv, D, causal, q_start, k_start, scale);     \
+    }                                                                                           \
+    extern "C" __global__ void __launch_bounds__(TB_THREADS, DKV_MIN_BLOCKS)                    \
+        attn_bwd_dkv_tc_next_k##MAXK(const float* q, const float* k, const float* v,            \
+                                     const float* dout, const float* lse, const float* delta,   \
+                                     float* dk, float* dv, int B, int Sq, int Sk, int H,        \
+                                     int Hkv, int D, int causal, int q_start, int k_start,      \
+                                     float scale) {                                             \
+        if (D == 16 * MAXK)                                                                     \
+            attn_bwd_dkv_tc_next_body<MAXK, true, KV_REGS>(q, k, v, dout, lse, delta, dk, dv,   \
+                                                           B, Sq, Sk, H, Hkv, D, causal,        \
+                                                           q_start, k_start, scale);            \
+        else                                                                                    \
+            attn_bwd_dkv_tc_next_body<MAXK, false, KV_REGS>(q, k, v, dout, lse, delta, dk, dv,  \
+                                                            B, Sq, Sk, H, Hkv, D, causal,       \
+                                                            q_start, k_start, scale);           \
+    }
+
+TB_KERNELS(4, TB_DQ_K4_MIN_BLOCKS, TB_DKV_K4_MIN_BLOCKS, (TB_DKV_KV_REGS_K4 != 0))
+TB_KERNELS(8, TB_DQ_K8_MIN_BLOCKS, TB_DKV_K8_MIN_BLOCKS, (TB_DKV_KV_REGS_K8 != 0))
