@@ -160,14 +160,15 @@ PY
     timeout 60 "$dir/xtrain" bench kernels --preset medium --device cuda "${m124[@]}" "${bf16[@]}" \
         >>"$report" 2>&1 || echo "xtrain bench kernels failed" >>"$report"
     echo '```' >>"$report"
-    # The candidate tensor-core attention forward (dev/attention/attention_tc_next.cu) against
-    # the library's: errors against the CPU for both, time and the ratio, per shape.
+    # The candidate tensor-core attention forward and backward (dev/attention/
+    # attention_tc_next.cu, attention_tc_bwd_next.cu) against the library's: errors against the
+    # CPU for both, time and the ratio, per shape and kernel.
     {
         echo
-        echo "## Candidate attention forward (dev/attention) against the library's"
+        echo "## Candidate attention forward and backward (dev/attention) against the library's"
         echo
         echo '```'
-        timeout 90 "$dir/attention_next" 2>&1 || echo "attention_next: FAILED or timed out (exit $?)"
+        timeout 150 "$dir/attention_next" 2>&1 || echo "attention_next: FAILED or timed out (exit $?)"
         echo '```'
     } >>"$report"
     # Launched processes sharing the GPU (each opens cuda:LOCAL_RANK mod count): dp 2 at
