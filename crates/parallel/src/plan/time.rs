@@ -38,14 +38,19 @@
 //! host's figures in [`Cluster::host`]) replaces the device's step: for a rank's optimizer
 //! shard of `S` elements ([`super::memory::optimizer_shard`]: `⌈Φ/N⌉` at ZeRO ≥ 1, `Φ` at
 //! ZeRO-0) on the host link (α, β per device and direction),
-//! - the gradients go device → host, `g·S` bytes (`g` = 2 for 16-bit gradients, 4 for
-//!   Megatron's fp32 ones), bucket by bucket as the last micro-batch's backward finishes them
-//!   (DeepSpeed overlaps the copy with the backward): `max(0, α + g·S/β − backward)` exposed;
 //! - the CPU's AdamW, `S / (R / devices per node)` seconds (R: the node's rate, its devices'
 //!   ranks updating their shards at once), exposed (DeepSpeed's one-step delayed update,
 //!   which hides it behind the next step, is not modelled);
-//! - the updated 16-bit weights go host → device, `α + 2·S/β`, exposed (ZeRO-1/2 all-gather
-//!   them among the group afterwards, as without offload).
+//! - the gradients go device → host, `g·S` bytes (`g` = 2 for 16-bit gradients, 4 for
+//!   Megatron's fp32 ones), and the updated 16-bit weights host → device, `2·S` (ZeRO-1/2
+//!   all-gather them among the group afterwards, as without offload). With Megatron's
+//!   conventions, DeepSpeed's overlap: the gradients bucket by bucket as the last
+//!   micro-batch's backward finishes them, `max(0, α + g·S/β − backward)` exposed, then the
+//!   weights, `α + 2·S/β`, exposed. With this engine's, its overlap
+//!   (`executor::optimizer`, chunks of `C` = 4 Mi elements): the next chunk's gradients come
+//!   down and the last chunk's weights go up while the CPU updates, so
+//!   `max(0, (α + g·S/β) + (α + 2·S/β) − AdamW)` shows, plus one chunk's fill and drain
+//!   (`α + g·C/β + α + 2·C/β`).
 //!
 //! **Pipeline.** The rank's schedule is simulated with unit costs (F = I = W = 1, B = 2); the
 //! step's compute is the makespan in those units times the slowest stage's seconds per unit.
@@ -316,8 +321,22 @@ pub fn offload(
         Conventions::Megatron => 4.0,
         Conventions::Xtrain => job.precision.compute_bytes() as f64,
     };
+    let weight_bytes = job.precision.compute_bytes() as f64;
     let to_host = host.link.time(grad_bytes * shard);
-    let to_device = host.link.time(job.precision.compute_bytes() as f64 * shard);
+    let to_device = host.link.time(weight_bytes * shard);
     let adam = shard * devices_per_node as f64 / host.adam_params_per_s;
-    (adam, (to_host - backward).max(0.0) + to_device)
+    let exposed = match job.conventions {
+        // DeepSpeed: the gradients' copy behind the last backward, the weights' after AdamW.
+        Conventions::Megatron => (to_host - backward).max(0.0) + to_device,
+        // This engine (`executor::optimizer`): chunk by chunk, the next chunk's gradients come
+        // down and the last chunk's weights go up (one stream, one after the other) while the
+        // CPU updates; what the copies take beyond AdamW shows, and the pipeline's fill and
+        // drain (the first chunk's download, the last one's upload).
+        Conventions::Xtrain => {
+            let chunk = (crate::precision::DEVICE_CHUNK as f64).min(shard);
+            let fill = host.link.time(grad_bytes * chunk) + host.link.time(weight_bytes * chunk);
+            (to_host + to_device - adam).max(0.0) + fill
+        }
+    };
+    (adam, exposed)
 }
