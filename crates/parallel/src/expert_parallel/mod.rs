@@ -126,3 +126,29 @@ impl ExpertExchange for EpExchange {
         }))
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn counts_and_rows_travel_on_one_rank_and_bad_counts_are_refused() {
+        let comm = comm::Communicator::single_process().unwrap();
+        let ex = EpExchange::new(comm.world().clone());
+        assert_eq!(ex.exchange_counts(&[vec![3, 0, 2]]).unwrap(), [[3, 0, 2]]);
+        for bad in [vec![], vec![vec![1], vec![2]], vec![vec![]]] {
+            let e = ex.exchange_counts(&bad).unwrap_err().to_string();
+            assert!(e.contains("count lists"), "{bad:?}: {e}");
+        }
+        let rows: Vec<f32> = (0..12).map(|i| i as f32).collect();
+        let wait = ex
+            .all_to_all_rows(Buf::Host(rows.clone()), &[3], &[3], 4)
+            .unwrap();
+        assert_eq!(wait().unwrap().to_vec().unwrap(), rows);
+        // Rows that disagree with the counts the receiver was told are an error, not a
+        // silent misread.
+        let wait = ex.all_to_all_rows(Buf::Host(rows), &[3], &[2], 4).unwrap();
+        let e = wait().unwrap_err().to_string();
+        assert!(e.contains("the counts said"), "{e}");
+    }
+}
