@@ -472,6 +472,10 @@ impl<T: Copy> From<&DevSliceMut<'_, T>> for KArg {
 fn copy_to_host<T: Copy>(gpu: &Gpu, ptr: CUdeviceptr, len: usize) -> Result<Vec<T>, CudaError> {
     let mut out = Vec::<T>::with_capacity(len);
     gpu.bind()?;
+    if len == 0 {
+        gpu.synchronize()?; // still a wait for the queue, as for any download
+        return Ok(out);
+    }
     // SAFETY: `out` has capacity for `len` elements; the copy completes before `set_len`
     // (stream synchronised).
     unsafe {
@@ -511,6 +515,9 @@ fn copy_from_host<T: Copy>(
             "copy_from_host: {} elements into a buffer of {len}",
             src.len()
         )));
+    }
+    if len == 0 {
+        return Ok(()); // nothing to queue (an empty exchange's rows, say)
     }
     gpu.bind()?;
     // SAFETY: `src` holds `len` elements; the device range as well.
