@@ -786,46 +786,35 @@ fn nccl_groups(
             "{BACKEND_ENV}=nccl communicates between GPUs: train with --device cuda (or unset it)"
         )));
     };
-    let dp_group = NcclGroup::new(
+    // Every communicator made, for the GPU's watch.
+    let mut all: Vec<NcclGroup> = Vec::new();
+    let mut make = |group: &comm::ProcessGroup, stream: Stream, what: &str| {
+        let g = NcclGroup::new(group, gpu, stream, what).map_err(perr)?;
+        all.push(g.clone());
+        Ok::<_, TrainError>(g)
+    };
+    let dp_group = make(
         dp,
-        gpu,
         Stream::Comm,
         "gradient reductions and ZeRO weight gathers",
-    )
-    .map_err(perr)?;
-    let mut all = vec![dp_group.clone()];
+    )?;
     if let Some(region) = region.filter(|r| r.tp() > 1) {
-        let tp_group = NcclGroup::new(
-            region.group(),
-            gpu,
-            Stream::Compute,
-            "tensor-parallel activations and their gradients",
-        )
-        .map_err(perr)?;
-        all.push(tp_group.clone());
-        region.attach_nccl(tp_group).map_err(perr)?;
+        let what = "tensor-parallel activations and their gradients";
+        region
+            .attach_nccl(make(region.group(), Stream::Compute, what)?)
+            .map_err(perr)?;
     }
     if let Some(attention) = &par.stage.cp_attention {
-        let cp_group = NcclGroup::new(
-            attention.group(),
-            gpu,
-            Stream::Comm,
-            "context-parallel K/V blocks and their gradients",
-        )
-        .map_err(perr)?;
-        all.push(cp_group.clone());
-        attention.attach_nccl(cp_group).map_err(perr)?;
+        let what = "context-parallel K/V blocks and their gradients";
+        attention
+            .attach_nccl(make(attention.group(), Stream::Comm, what)?)
+            .map_err(perr)?;
     }
     if let Some(exchange) = &par.stage.ep_exchange {
-        let ep_group = NcclGroup::new(
-            exchange.group(),
-            gpu,
-            Stream::Comm,
-            "expert-parallel token rows and their gradients",
-        )
-        .map_err(perr)?;
-        all.push(ep_group.clone());
-        exchange.attach_nccl(ep_group).map_err(perr)?;
+        let what = "expert-parallel token rows and their gradients";
+        exchange
+            .attach_nccl(make(exchange.group(), Stream::Comm, what)?)
+            .map_err(perr)?;
     }
     if let Some(pipe) = &mut par.pipe {
         all.extend(pipe.use_nccl(gpu).map_err(perr)?);

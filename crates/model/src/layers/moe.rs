@@ -195,6 +195,28 @@ impl SendPlan {
         }
         plan
     }
+
+    /// Adds `rows` (laid out as sent: what came back) into their tokens' rows of `y`, expert
+    /// by expert — so each token sums its experts in index order, as without expert
+    /// parallelism — scaled by the routing weights where `weighted`.
+    fn combine(
+        &self,
+        rows: BufRef<'_>,
+        weighted: bool,
+        mut y: BufMut<'_>,
+        hidden: usize,
+    ) -> Result<()> {
+        for r in self.expert_rows.iter().filter(|r| !r.is_empty()) {
+            tensor::ops::scatter_add_rows(
+                rows.slice(r.start * hidden..r.end * hidden),
+                &self.tokens[r.clone()],
+                weighted.then(|| &self.weights[r.clone()]),
+                y.reborrow(),
+                hidden,
+            )?;
+        }
+        Ok(())
+    }
 }
 
 /// The rows of held expert `l` in a buffer laid out member after member, each member's block
@@ -487,16 +509,7 @@ impl Moe {
         let wait = ex.all_to_all_rows(back, &recv_rows, &plan.member_rows, hidden)?;
         let returned = time(Kernel::ExpertExchange, wait)?;
         time(Kernel::Router, || {
-            for rows in plan.expert_rows.iter().filter(|r| !r.is_empty()) {
-                tensor::ops::scatter_add_rows(
-                    returned.r().slice(rows.start * hidden..rows.end * hidden),
-                    &plan.tokens[rows.clone()],
-                    Some(&plan.weights[rows.clone()]),
-                    y.reborrow(),
-                    hidden,
-                )?;
-            }
-            Ok::<_, tensor::TensorError>(())
+            plan.combine(returned.r(), true, y.reborrow(), hidden)
         })?;
         let shared = match shared {
             Some((ys, c)) => {
@@ -527,7 +540,7 @@ impl Moe {
         dy: &Act,
         ex: &Arc<dyn ExpertExchange>,
         shared: (Option<(&SwiGlu, MlpCache)>, &Act),
-        mut dx: BufMut<'_>,
+        dx: BufMut<'_>,
         dw: &mut [f32],
         store: &mut WeightGradStore,
     ) -> Result<Option<Buf>> {
@@ -568,16 +581,7 @@ impl Moe {
         let wait = ex.all_to_all_rows(back, &recv_rows, &plan.member_rows, hidden)?;
         let grads = time(Kernel::ExpertExchange, wait)?;
         time(Kernel::Router, || {
-            for rows in plan.expert_rows.iter().filter(|r| !r.is_empty()) {
-                tensor::ops::scatter_add_rows(
-                    grads.r().slice(rows.start * hidden..rows.end * hidden),
-                    &plan.tokens[rows.clone()],
-                    None,
-                    dx.reborrow(),
-                    hidden,
-                )?;
-            }
-            Ok::<_, tensor::TensorError>(())
+            plan.combine(grads.r(), false, dx, hidden)
         })?;
         Ok(shared_dx)
     }

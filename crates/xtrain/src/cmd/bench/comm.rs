@@ -528,9 +528,7 @@ impl Case {
     /// The collective; on a GPU the input downloaded first and the result uploaded after
     /// (finished before it returns).
     fn run(&mut self, comm: &Communicator) -> anyhow::Result<()> {
-        if let Some((input, _)) = &self.dev {
-            input.r().read_into(&mut self.input)?;
-        }
+        self.download()?;
         match self.op {
             Op::AllReduce => comm.all_reduce_with(&mut self.input, ReduceOp::Sum, self.algo),
             Op::Broadcast => comm.broadcast(&mut self.input, 0),
@@ -541,15 +539,27 @@ impl Case {
         self.upload()
     }
 
+    /// The input from the GPU (`--device cuda`).
+    fn download(&mut self) -> anyhow::Result<()> {
+        if let Some((input, _)) = &self.dev {
+            input.r().read_into(&mut self.input)?;
+        }
+        Ok(())
+    }
+
+    /// The host buffer holding the result and its GPU copy (`--device cuda`).
+    fn result(&mut self) -> Option<(&mut Vec<f32>, &mut Buf)> {
+        let in_place = self.in_place();
+        let (input, output) = self.dev.as_mut()?;
+        Some(match in_place {
+            true => (&mut self.input, input),
+            false => (&mut self.output, output),
+        })
+    }
+
     /// The result onto the GPU, waiting until it is there.
     fn upload(&mut self) -> anyhow::Result<()> {
-        let in_place = self.in_place();
-        if let Some((input, output)) = &mut self.dev {
-            let (host, buf) = if in_place {
-                (&self.input, input)
-            } else {
-                (&self.output, output)
-            };
+        if let Some((host, buf)) = self.result() {
             buf.m().copy_from_host(host)?;
             if let Buf::Cuda(d) = buf {
                 d.gpu().synchronize()?; // the copy is queued: done once the stream is
@@ -560,21 +570,13 @@ impl Case {
 
     /// The download and the upload alone (`--device cuda`).
     fn copy(&mut self) -> anyhow::Result<()> {
-        if let Some((input, _)) = &self.dev {
-            input.r().read_into(&mut self.input)?;
-        }
+        self.download()?;
         self.upload()
     }
 
     /// The GPU's result into the host buffers (what the check reads).
     fn fetch(&mut self) -> anyhow::Result<()> {
-        let in_place = self.in_place();
-        if let Some((input, output)) = &self.dev {
-            let (buf, host) = if in_place {
-                (input, &mut self.input)
-            } else {
-                (output, &mut self.output)
-            };
+        if let Some((host, buf)) = self.result() {
             host.fill(f32::NAN);
             buf.r().read_into(host)?;
         }
