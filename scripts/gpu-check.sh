@@ -25,6 +25,15 @@ build() {
     # The candidate attention kernel's harness (dev/attention, against the library's kernel).
     cargo build --release -p tensor --example attention_next
     cp target/release/examples/attention_next "$dir/attention_next"
+    # xtrain with the candidate attention kernels promoted into the library
+    # (dev/attention/promote.sh), built from a copy of this tree beside it, so that the check
+    # measures the candidates end to end without the library changing before they have run.
+    local tree=target/next-attention-tree
+    rm -rf "$tree" && mkdir -p "$tree"
+    git ls-files -z --cached --others --exclude-standard | tar --null -T - -cf - | tar -xf - -C "$tree"
+    dev/attention/promote.sh "$tree"
+    (cd "$tree" && CARGO_TARGET_DIR=../next-attention cargo build --release -p xtrain)
+    cp target/next-attention/release/xtrain "$dir/xtrain-next"
     # Test binaries: cargo prints their paths as JSON artifacts.
     cargo test --release -p tensor -p model -p train -p xtrain --test cuda_kernels \
         --test cuda_kernels_compile --test gpu_nccl --test gpu_model --test gpu_train \
@@ -129,18 +138,24 @@ PY
         --set model.num_layers=12 --set model.num_heads=12 --set model.num_kv_heads=12
         --set model.seq_len=1024 --set train.micro_batch=8 --set 'data.tokenizer="byte"')
     local bf16=(--set 'train.precision="bf16"') fp32=(--set 'train.precision="fp32"')
+    # The small models once (launch-bound: xtrain 2.1-2.4x PyTorch when last measured), the
+    # 124M twice; xtrain-next is xtrain with the candidate attention kernels (build()).
+    timeout 120 "$dir/xtrain" bench train --preset small --device cuda --steps 10 "${fp32[@]}" \
+        >>"$report" 2>&1 || echo "xtrain bench small fp32 failed" >>"$report"
+    PYTHONUNBUFFERED=1 timeout 120 python3 benches/peers/torch_peer.py train \
+        --preset small --device cuda --steps 10 >>"$report" 2>&1 ||
+        echo "torch peer small fp32 failed" >>"$report"
+    timeout 120 "$dir/xtrain" bench train --preset medium --device cuda --steps 10 "${bf16[@]}" \
+        >>"$report" 2>&1 || echo "xtrain bench medium bf16 failed" >>"$report"
+    PYTHONUNBUFFERED=1 timeout 120 python3 benches/peers/torch_peer.py train --preset medium \
+        --device cuda --dtype bf16 --steps 10 >>"$report" 2>&1 || echo "torch peer medium bf16 failed" >>"$report"
     for round in 1 2; do
-        timeout 120 "$dir/xtrain" bench train --preset small --device cuda --steps 10 "${fp32[@]}" \
-            >>"$report" 2>&1 || echo "xtrain bench small fp32 failed" >>"$report"
-        PYTHONUNBUFFERED=1 timeout 120 python3 benches/peers/torch_peer.py train \
-            --preset small --device cuda --steps 10 >>"$report" 2>&1 ||
-            echo "torch peer small fp32 failed" >>"$report"
-        timeout 120 "$dir/xtrain" bench train --preset medium --device cuda --steps 10 "${bf16[@]}" \
-            >>"$report" 2>&1 || echo "xtrain bench medium bf16 failed" >>"$report"
-        PYTHONUNBUFFERED=1 timeout 120 python3 benches/peers/torch_peer.py train --preset medium \
-            --device cuda --dtype bf16 --steps 10 >>"$report" 2>&1 || echo "torch peer medium bf16 failed" >>"$report"
-        timeout 120 "$dir/xtrain" bench train --preset medium --device cuda --steps 10 "${m124[@]}" "${bf16[@]}" \
-            >>"$report" 2>&1 || echo "xtrain bench 124M bf16 failed" >>"$report"
+        local bin
+        for bin in xtrain xtrain-next; do
+            echo "[$bin]" >>"$report"
+            timeout 120 "$dir/$bin" bench train --preset medium --device cuda --steps 10 "${m124[@]}" "${bf16[@]}" \
+                >>"$report" 2>&1 || echo "$bin bench 124M bf16 failed" >>"$report"
+        done
         PYTHONUNBUFFERED=1 timeout 120 python3 benches/peers/torch_peer.py train --device cuda --dtype bf16 \
             --model 32000,768,2048,12,12,12,1024,8 --steps 10 >>"$report" 2>&1 ||
             echo "torch peer 124M bf16 failed" >>"$report"
@@ -150,15 +165,21 @@ PY
     local m1b=(--set model.vocab_size=32000 --set model.hidden_size=2048 --set model.intermediate_size=5504
         --set model.num_layers=16 --set model.num_heads=16 --set model.num_kv_heads=16
         --set model.seq_len=1024 --set train.micro_batch=4 --set 'data.tokenizer="byte"')
-    timeout 120 "$dir/xtrain" bench train --preset medium --device cuda --steps 5 "${m1b[@]}" "${bf16[@]}" \
-        >>"$report" 2>&1 || echo "xtrain bench 1B bf16 failed" >>"$report"
+    for bin in xtrain xtrain-next; do
+        echo "[$bin]" >>"$report"
+        timeout 120 "$dir/$bin" bench train --preset medium --device cuda --steps 5 "${m1b[@]}" "${bf16[@]}" \
+            >>"$report" 2>&1 || echo "$bin bench 1B bf16 failed" >>"$report"
+    done
     PYTHONUNBUFFERED=1 timeout 120 python3 benches/peers/torch_peer.py train --device cuda --dtype bf16 \
         --model 32000,2048,5504,16,16,16,1024,4 --steps 5 >>"$report" 2>&1 ||
         echo "torch peer 1B bf16 failed" >>"$report"
     # Attention forward + backward against the MLP product per FLOP, at the 124M's shapes
     # (the issue's floor: within 2×).
-    timeout 60 "$dir/xtrain" bench kernels --preset medium --device cuda "${m124[@]}" "${bf16[@]}" \
-        >>"$report" 2>&1 || echo "xtrain bench kernels failed" >>"$report"
+    for bin in xtrain xtrain-next; do
+        echo "[$bin]" >>"$report"
+        timeout 60 "$dir/$bin" bench kernels --preset medium --device cuda "${m124[@]}" "${bf16[@]}" \
+            >>"$report" 2>&1 || echo "$bin bench kernels failed" >>"$report"
+    done
     echo '```' >>"$report"
     # The candidate tensor-core attention forward and backward (dev/attention/
     # attention_tc_next.cu, attention_tc_bwd_next.cu) against the library's: errors against the
@@ -170,7 +191,20 @@ PY
         echo '```'
         timeout 150 "$dir/attention_next" 2>&1 || echo "attention_next: FAILED or timed out (exit $?)"
         echo '```'
+        echo
+        echo "End to end, bf16 training of tiny (200 steps), library kernels against the candidates:"
+        echo
+        echo '```'
     } >>"$report"
+    for bin in xtrain xtrain-next; do
+        if timeout 60 "$dir/$bin" train --preset tiny --device cuda --set 'train.precision="bf16"' \
+            --set train.steps=200 --out "$out/e2e-$bin" >"$out/e2e-$bin.log" 2>&1; then
+            echo "$bin: $(grep -o 'loss [0-9.]* -> [0-9.]*' "$out/e2e-$bin.log" | tail -1)" >>"$report"
+        else
+            echo "$bin: FAILED (log: e2e-$bin.log)" >>"$report"
+        fi
+    done
+    echo '```' >>"$report"
     # Launched processes sharing the GPU (each opens cuda:LOCAL_RANK mod count): dp 2 at
     # ZeRO-2 and pp 2 1F1B through the CLI, 30 steps each (the parity against one GPU is in
     # gpu_train's layouts test; this is the launcher, the store and the processes' contexts).
