@@ -425,26 +425,56 @@ impl Flat {
 
     /// Elements `r` as fp32 into host slice `out` (downloaded from a GPU).
     pub fn read_into(&self, r: Range<usize>, out: &mut [f32]) -> Result<(), TensorError> {
+        self.read_into_via(r, out, None)
+    }
+
+    /// [`Flat::read_into`], a 16-bit GPU buffer's bits downloaded into `stage` (its first
+    /// `r.len()` elements) instead of a new vector: page-locked memory the caller keeps
+    /// ([`tensor::cuda::Pinned`]), which the copy engine writes at the link's speed. Other
+    /// storage does not use it.
+    pub fn read_into_via(
+        &self,
+        r: Range<usize>,
+        out: &mut [f32],
+        stage: Option<&mut [u16]>,
+    ) -> Result<(), TensorError> {
         match self {
             Flat::F32(v) => out.copy_from_slice(&v[r]),
             Flat::Half { kind, bits } => kind.upcast(&bits[r], out),
             Flat::Dev(b) => b.r().slice(r).read_into(out)?,
-            Flat::DevHalf { kind, bits } => kind.upcast(&bits.slice(r).to_host()?, out),
+            Flat::DevHalf { kind, bits } => {
+                let mut fresh = Vec::new();
+                let h = half_stage(stage, r.len(), &mut fresh)?;
+                bits.slice(r).read_into(h)?;
+                kind.upcast(h, out);
+            }
         }
         Ok(())
     }
 
     /// Stores host values `src` (rounded for 16-bit storage) at `start..` (uploaded to a GPU).
     pub fn write(&mut self, start: usize, src: &[f32]) -> Result<(), TensorError> {
+        self.write_via(start, src, None)
+    }
+
+    /// [`Flat::write`], a 16-bit GPU buffer's rounded values uploaded from `stage` (its first
+    /// `src.len()` elements; see [`Flat::read_into_via`]) instead of a new vector.
+    pub fn write_via(
+        &mut self,
+        start: usize,
+        src: &[f32],
+        stage: Option<&mut [u16]>,
+    ) -> Result<(), TensorError> {
         let r = start..start + src.len();
         match self {
             Flat::F32(v) => v[r].copy_from_slice(src),
             Flat::Half { kind, bits } => kind.downcast(src, &mut bits[r]),
             Flat::Dev(b) => b.m().slice_mut(r).copy_from_host(src)?,
             Flat::DevHalf { kind, bits } => {
-                let mut h = vec![0; src.len()];
-                kind.downcast(src, &mut h);
-                bits.slice_mut(r).copy_from_host(&h)?;
+                let mut fresh = Vec::new();
+                let h = half_stage(stage, src.len(), &mut fresh)?;
+                kind.downcast(src, h);
+                bits.slice_mut(r).copy_from_host(h)?;
             }
         }
         Ok(())
@@ -772,10 +802,29 @@ impl Bucketed {
 
     /// Flat range `r` as fp32 into host slice `out`.
     pub fn read_into(&self, r: Range<usize>, out: &mut [f32]) -> Result<(), TensorError> {
+        self.read_into_via(r, out, None)
+    }
+
+    /// [`Bucketed::read_into`] through `stage` ([`Flat::read_into_via`]: its element `i`
+    /// stages element `r.start + i`).
+    pub fn read_into_via(
+        &self,
+        r: Range<usize>,
+        out: &mut [f32],
+        mut stage: Option<&mut [u16]>,
+    ) -> Result<(), TensorError> {
         let base = r.start;
         for (b, p) in self.pieces(r) {
             let s = self.ranges[b].start + p.start - base;
-            self.buf(b).read_into(p.clone(), &mut out[s..s + p.len()])?;
+            let piece_stage = match stage.as_deref_mut() {
+                Some(st) if st.len() < s + p.len() => {
+                    return Err(short_stage(st.len(), s + p.len()))
+                }
+                Some(st) => Some(&mut st[s..s + p.len()]),
+                None => None,
+            };
+            self.buf(b)
+                .read_into_via(p.clone(), &mut out[s..s + p.len()], piece_stage)?;
         }
         Ok(())
     }
@@ -842,6 +891,28 @@ impl LossScaler {
         }
         finite
     }
+}
+
+/// The first `n` elements of `stage`, or of `fresh` made `n` long where there is no stage.
+fn half_stage<'a>(
+    stage: Option<&'a mut [u16]>,
+    n: usize,
+    fresh: &'a mut Vec<u16>,
+) -> Result<&'a mut [u16], TensorError> {
+    match stage {
+        Some(st) if st.len() < n => Err(short_stage(st.len(), n)),
+        Some(st) => Ok(&mut st[..n]),
+        None => {
+            fresh.resize(n, 0);
+            Ok(fresh)
+        }
+    }
+}
+
+fn short_stage(have: usize, need: usize) -> TensorError {
+    TensorError::Shape(format!(
+        "a 16-bit staging buffer of {have} elements for a copy of {need}"
+    ))
 }
 
 #[cfg(test)]
@@ -912,5 +983,27 @@ mod tests {
         b.f32_pieces_mut(1..7, |s, p| seen.push((s, p.len())))
             .unwrap();
         assert_eq!(seen, vec![(1, 1), (2, 4), (6, 1)]);
+    }
+
+    /// Reads and writes through a staging buffer give what they give without one (host
+    /// storage does not use it; a GPU's 16-bit storage copies through it), and a stage too
+    /// short for the range is an error before anything is read.
+    #[test]
+    fn staged_reads_and_writes_equal_the_plain_ones() {
+        let mut b = Bucketed::zeros(vec![4..7, 0..4], Precision::Bf16);
+        b.write(1, 0, &[1.0, 2.0, 3.0, 4.0]).unwrap();
+        b.write(0, 4, &[5.0, 6.0, 7.0]).unwrap();
+        let mut stage = vec![0u16; 6];
+        let (mut plain, mut staged) = (vec![0.0; 5], vec![0.0; 5]);
+        b.read_into(1..6, &mut plain).unwrap();
+        b.read_into_via(1..6, &mut staged, Some(&mut stage))
+            .unwrap();
+        assert_eq!(plain, vec![2.0, 3.0, 4.0, 5.0, 6.0]);
+        assert_eq!(staged, plain);
+        let e = b.read_into_via(1..6, &mut staged, Some(&mut stage[..4]));
+        assert!(matches!(e, Err(TensorError::Shape(_))), "{e:?}");
+        let mut f = Flat::from_f32(vec![0.0; 3], Precision::Bf16);
+        f.write_via(1, &[1.5, 2.5], Some(&mut stage)).unwrap();
+        assert_eq!(f.read(0..3).unwrap(), vec![0.0, 1.5, 2.5]);
     }
 }

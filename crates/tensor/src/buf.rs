@@ -20,6 +20,34 @@ pub enum Dev {
     Cuda(Arc<Gpu>),
 }
 
+/// fp32 host memory through which a device's buffers are staged ([`Dev::host_zeros`]):
+/// page-locked for a GPU ([`crate::cuda::Pinned`]: its copies run at the link's speed, with
+/// no staging by the driver), an ordinary vector for the CPU; a slice either way.
+#[derive(Debug)]
+pub enum HostBuf {
+    Vec(Vec<f32>),
+    Pinned(crate::cuda::Pinned<f32>),
+}
+
+impl std::ops::Deref for HostBuf {
+    type Target = [f32];
+    fn deref(&self) -> &[f32] {
+        match self {
+            HostBuf::Vec(v) => v,
+            HostBuf::Pinned(p) => p,
+        }
+    }
+}
+
+impl std::ops::DerefMut for HostBuf {
+    fn deref_mut(&mut self) -> &mut [f32] {
+        match self {
+            HostBuf::Vec(v) => v,
+            HostBuf::Pinned(p) => p,
+        }
+    }
+}
+
 /// Environment variable choosing the device (`cpu`, `cuda`, `cuda:N`).
 pub const DEVICE_ENV: &str = "XTRAIN_DEVICE";
 
@@ -82,6 +110,15 @@ impl Dev {
         Ok(match self {
             Dev::Cpu => Buf::Host(crate::threads::zeros(n)),
             Dev::Cuda(g) => Buf::Cuda(g.zeros(n)?),
+        })
+    }
+
+    /// `n` zeros in host memory for staging this device's buffers ([`HostBuf`]):
+    /// page-locked for a GPU, an ordinary vector for the CPU.
+    pub fn host_zeros(&self, n: usize) -> Result<HostBuf, TensorError> {
+        Ok(match self {
+            Dev::Cpu => HostBuf::Vec(vec![0.0; n]),
+            Dev::Cuda(g) => HostBuf::Pinned(g.pinned(n)?),
         })
     }
 
@@ -323,7 +360,7 @@ impl<'a> BufRef<'a> {
         crate::error::check_len("read_into", out.len(), self.len())?;
         match self {
             BufRef::Host(s) => out.copy_from_slice(s),
-            BufRef::Cuda(s) => out.copy_from_slice(&s.to_host()?),
+            BufRef::Cuda(s) => s.read_into(out)?,
         }
         Ok(())
     }

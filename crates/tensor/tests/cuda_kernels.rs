@@ -1284,3 +1284,39 @@ fn watched_waits_end_with_the_check_or_the_limit() {
     g.synchronize().unwrap();
     drop(held);
 }
+
+/// Page-locked host memory: zeroed when made; a download straight into it and an upload from
+/// it carry the values exactly, and the upload has finished when the call returns (the buffer
+/// is overwritten at once, and the device keeps what was sent); an empty one is fine.
+#[test]
+fn pinned_host_memory_copies_both_ways() {
+    let Some(gpu) = gpu("pinned_host_memory_copies_both_ways") else {
+        return;
+    };
+    let n = 3 << 20; // 12 MiB of f32: beyond any single staging chunk of the driver
+    let mut p = gpu.pinned::<f32>(n).unwrap();
+    assert!(p.iter().all(|&x| x == 0.0));
+    let want = rand(n, 41);
+    let mut d = gpu.upload(&want).unwrap();
+    d.as_slice().read_into(&mut p).unwrap();
+    assert_eq!(&p[..], &want[..]);
+    // Upload from the pinned buffer, then overwrite it before anything else waits.
+    p.iter_mut().for_each(|x| *x = -*x);
+    let sent: Vec<f32> = p.to_vec();
+    d.copy_from_host(&p).unwrap();
+    p.iter_mut().for_each(|x| *x = 7.0);
+    assert_eq!(host(&d), sent);
+    // A part of it, into a sub-range of the device buffer.
+    d.slice_mut(5..1005).copy_from_host(&p[10..1010]).unwrap();
+    p[10..1010].fill(0.0);
+    assert!(host(&d)[5..1005].iter().all(|&x| x == 7.0));
+    let mut empty = gpu.pinned::<u16>(0).unwrap();
+    assert!(empty.is_empty());
+    gpu.zeros::<u16>(0)
+        .unwrap()
+        .as_slice()
+        .read_into(&mut empty)
+        .unwrap();
+    // A length mismatch is an error, not a partial copy.
+    assert!(d.as_slice().read_into(&mut p[..10]).is_err());
+}

@@ -348,6 +348,10 @@ pub struct Executor<M: StageModel> {
     /// (`reduce::reduce_tied`).
     tied: Vec<Range<usize>>,
     tied_bucket: Vec<bool>,
+    /// ZeRO-Offload of 16-bit weights on a GPU: the page-locked host buffers through which a
+    /// chunk's gradients come down and its rounded weights go up, one per chunk in flight
+    /// (`optimizer::pipelined_chunks`); made at the first step, kept.
+    offload_stages: Option<[tensor::cuda::Pinned<u16>; 2]>,
 }
 
 impl<M: StageModel> Executor<M> {
@@ -529,6 +533,7 @@ impl<M: StageModel> Executor<M> {
             powersgd,
             tied,
             tied_bucket,
+            offload_stages: None,
         })
     }
 

@@ -170,12 +170,31 @@ impl<M: StageModel> Executor<M> {
                 } else {
                     CHUNK
                 };
+                // 16-bit weights on a GPU: each chunk's bits travel through page-locked
+                // memory (made once, kept in `offload_stages`).
+                if let (None, Flat::DevHalf { bits, .. }) = (&self.offload_stages, &*params) {
+                    let gpu = bits.gpu();
+                    let stage = || gpu.pinned(chunk).map_err(|e| terr(e.into()));
+                    self.offload_stages = Some([stage()?, stage()?]);
+                }
+                let bufs = match &mut self.offload_stages {
+                    Some([a, b]) if matches!(params, Flat::DevHalf { .. }) => [
+                        (Vec::new(), Some(&mut a[..])),
+                        (Vec::new(), Some(&mut b[..])),
+                    ],
+                    _ => [(Vec::new(), None), (Vec::new(), None)],
+                };
                 let grads: &Bucketed = grads;
                 pipelined_chunks(
                     master.len(),
                     chunk,
-                    |r, g| grads.read_into(gr.start + r.start..gr.start + r.end, g),
-                    |r, g| {
+                    bufs,
+                    |r, (g, stage)| {
+                        g.resize(r.len(), 0.0);
+                        let flat = gr.start + r.start..gr.start + r.end;
+                        grads.read_into_via(flat, g, stage.as_deref_mut())
+                    },
+                    |r, (g, stage)| {
                         scale_grads(g, factor);
                         let (s, e) = (r.start, r.end);
                         opt.update(
@@ -187,7 +206,7 @@ impl<M: StageModel> Executor<M> {
                             &mut m[s..e],
                             &mut v[s..e],
                         );
-                        params.write(pr.start + s, &master[s..e])
+                        params.write_via(pr.start + s, &master[s..e], stage.as_deref_mut())
                     },
                 )
                 .map_err(terr)?;
@@ -264,16 +283,17 @@ impl<M: StageModel> Executor<M> {
 
 /// Runs `update` over the chunks `0..n` (`chunk` elements each, the last shorter) of a
 /// buffer whose values `read` fetches, with the read of the next chunk overlapping the update
-/// of this one: `read` runs on a second thread, a chunk ahead, into one of two host buffers
-/// handed back and forth. ZeRO-Offload's step from a GPU: the copy engine downloads chunk
+/// of this one: `read` runs on a second thread, a chunk ahead, into one of the two buffers
+/// `bufs` handed back and forth (host vectors `read` sizes, and their page-locked staging). ZeRO-Offload's step from a GPU: the copy engine downloads chunk
 /// i + 1 while the cores run AdamW on chunk i and chunk i's weights go back up. The chunks
 /// are updated in order, each exactly as without the overlap; the first error of either
 /// side ends the loop (the reader stops when the updater has gone).
-fn pipelined_chunks<E: Send>(
+fn pipelined_chunks<B: Send, E: Send>(
     n: usize,
     chunk: usize,
-    read: impl Fn(Range<usize>, &mut [f32]) -> Result<(), E> + Sync,
-    mut update: impl FnMut(Range<usize>, &mut [f32]) -> Result<(), E>,
+    bufs: [B; 2],
+    read: impl Fn(Range<usize>, &mut B) -> Result<(), E> + Sync,
+    mut update: impl FnMut(Range<usize>, &mut B) -> Result<(), E>,
 ) -> Result<(), E> {
     use std::sync::mpsc::sync_channel;
     if n == 0 {
@@ -282,19 +302,18 @@ fn pipelined_chunks<E: Send>(
     let chunk = chunk.max(1);
     let ranges = move || (0..n).step_by(chunk).map(move |s| s..(s + chunk).min(n));
     std::thread::scope(|scope| {
-        let (full_tx, full_rx) = sync_channel::<(Range<usize>, Vec<f32>, Result<(), E>)>(1);
-        let (empty_tx, empty_rx) = sync_channel::<Vec<f32>>(2);
+        let (full_tx, full_rx) = sync_channel::<(Range<usize>, B, Result<(), E>)>(1);
+        let (empty_tx, empty_rx) = sync_channel::<B>(2);
         // Both buffers are in the channel before the reader starts (it may be done, and its
         // end gone, before this side would send them).
-        for _ in 0..2 {
+        for b in bufs {
             // Cannot fail: the receiving end is here and the channel has room for both.
-            let _ = empty_tx.send(Vec::with_capacity(chunk.min(n)));
+            let _ = empty_tx.send(b);
         }
         let read = &read;
         scope.spawn(move || {
             for r in ranges() {
                 let Ok(mut g) = empty_rx.recv() else { return };
-                g.resize(r.len(), 0.0);
                 let result = read(r.clone(), &mut g);
                 if full_tx.send((r, g, result)).is_err() {
                     return;
@@ -321,18 +340,22 @@ mod tests {
     #[test]
     fn pipelined_chunks_update_every_chunk_in_order_and_stop_at_an_error() {
         let src: Vec<f32> = (0..1000).map(|i| i as f32).collect();
-        let read = |r: Range<usize>, g: &mut [f32]| -> Result<(), String> {
-            if r.start == 900 && g.len() == 1 {
+        // Each buffer carries its own tag, to see both used.
+        let bufs = || [(Vec::new(), 0u8), (Vec::new(), 1u8)];
+        let read = |r: Range<usize>, (g, _): &mut (Vec<f32>, u8)| -> Result<(), String> {
+            if r.start == 900 && r.len() == 1 {
                 return Err("a read error".into()); // only with the chunk size 1 below
             }
-            g.copy_from_slice(&src[r]);
+            g.clear();
+            g.extend_from_slice(&src[r]);
             Ok(())
         };
         for chunk in [7, 100, 1000, 4096] {
             let mut out = vec![0.0f32; src.len()];
-            let mut seen = Vec::new();
-            pipelined_chunks(src.len(), chunk, read, |r, g| {
+            let (mut seen, mut tags) = (Vec::new(), Vec::new());
+            pipelined_chunks(src.len(), chunk, bufs(), read, |r, (g, tag)| {
                 seen.push(r.clone());
+                tags.push(*tag);
                 out[r]
                     .iter_mut()
                     .zip(g.iter())
@@ -348,13 +371,16 @@ mod tests {
                 (0..src.len()).step_by(chunk).collect::<Vec<_>>(),
                 "chunk {chunk}"
             );
+            // The two buffers alternate (the reader takes them back in the order returned).
+            let alternate: Vec<u8> = (0..tags.len()).map(|i| (i % 2) as u8).collect();
+            assert_eq!(tags, alternate, "chunk {chunk}");
         }
         // An error of the reader or of the update ends the loop (no hang: the reader stops
         // once the updater has gone).
-        let e = pipelined_chunks(src.len(), 1, read, |_, _| Ok(())).unwrap_err();
+        let e = pipelined_chunks(src.len(), 1, bufs(), read, |_, _| Ok(())).unwrap_err();
         assert_eq!(e, "a read error");
         let mut updates = 0;
-        let e = pipelined_chunks(src.len(), 10, read, |r, _| {
+        let e = pipelined_chunks(src.len(), 10, bufs(), read, |r, _| {
             updates += 1;
             if r.start == 50 {
                 Err(format!("update of {r:?}"))
@@ -364,7 +390,7 @@ mod tests {
         })
         .unwrap_err();
         assert_eq!((e.as_str(), updates), ("update of 50..60", 6));
-        pipelined_chunks(0, 10, read, |_, _| -> Result<(), String> {
+        pipelined_chunks(0, 10, bufs(), read, |_, _| -> Result<(), String> {
             panic!("no chunk")
         })
         .unwrap();

@@ -320,6 +320,29 @@ impl<'a, T: Copy> DevSlice<'a, T> {
     pub fn to_host(&self) -> Result<Vec<T>, CudaError> {
         copy_to_host(self.gpu, self.ptr, self.len)
     }
+    /// Copies the range into host slice `out` (same length; waits for the stream): straight
+    /// into `out`, by the copy engine alone where `out` is page-locked ([`super::Pinned`]).
+    pub fn read_into(&self, out: &mut [T]) -> Result<(), CudaError> {
+        if out.len() != self.len {
+            return Err(CudaError::Shape(format!(
+                "read_into: {} elements into a host slice of {}",
+                self.len,
+                out.len()
+            )));
+        }
+        // SAFETY: `out` is writable for the range's bytes.
+        unsafe {
+            download(
+                self.gpu,
+                self.ptr,
+                out.as_mut_ptr() as *mut c_void,
+                self.bytes(),
+            )
+        }
+    }
+    fn bytes(&self) -> usize {
+        self.len * std::mem::size_of::<T>()
+    }
 }
 
 impl<'a, T: Copy> DevSliceMut<'a, T> {
@@ -471,27 +494,39 @@ impl<T: Copy> From<&DevSliceMut<'_, T>> for KArg {
 /// `len` elements at device address `ptr` copied to a new host vector (waits for the stream).
 fn copy_to_host<T: Copy>(gpu: &Gpu, ptr: CUdeviceptr, len: usize) -> Result<Vec<T>, CudaError> {
     let mut out = Vec::<T>::with_capacity(len);
-    gpu.bind()?;
-    if len == 0 {
-        gpu.synchronize()?; // still a wait for the queue, as for any download
-        return Ok(out);
-    }
-    // SAFETY: `out` has capacity for `len` elements; the copy completes before `set_len`
-    // (stream synchronised).
+    // SAFETY: `out` has capacity for `len` elements; the copy has completed when `download`
+    // returns Ok (stream synchronised), before `set_len`.
     unsafe {
-        check(
-            (gpu.lib.cuMemcpyDtoHAsync_v2)(
-                out.as_mut_ptr() as *mut c_void,
-                ptr,
-                len * std::mem::size_of::<T>(),
-                gpu.stream,
-            ),
-            "cuMemcpyDtoHAsync",
+        download(
+            gpu,
+            ptr,
+            out.as_mut_ptr() as *mut c_void,
+            len * std::mem::size_of::<T>(),
         )?;
-        gpu.synchronize()?;
         out.set_len(len);
     }
     Ok(out)
+}
+
+/// `bytes` bytes at device address `ptr` copied to host address `dst`, waiting for the stream
+/// (also when there is nothing to copy: a download is a wait for the queue).
+///
+/// # Safety
+/// `dst` must be valid for writes of `bytes` bytes until the call returns.
+unsafe fn download(
+    gpu: &Gpu,
+    ptr: CUdeviceptr,
+    dst: *mut c_void,
+    bytes: usize,
+) -> Result<(), CudaError> {
+    gpu.bind()?;
+    if bytes > 0 {
+        check(
+            (gpu.lib.cuMemcpyDtoHAsync_v2)(dst, ptr, bytes, gpu.stream),
+            "cuMemcpyDtoHAsync",
+        )?;
+    }
+    gpu.synchronize()
 }
 
 /// `src` copied to `len` elements at device address `ptr`, queued on the stream without
@@ -504,6 +539,10 @@ fn copy_to_host<T: Copy>(gpu: &Gpu, ptr: CUdeviceptr, len: usize) -> Result<Vec<
 /// drain the queue of kernels ahead of them. The documentation promises the staging only for
 /// the synchronous copy; every GPU test passed with this on an H200 (driver 580.159.04), and
 /// a pinned staging ring with an event per slot is the way to need no such reading.
+///
+/// From page-locked memory ([`super::Pinned`]) the copy is a DMA that reads `src` after the
+/// call has returned: then the call waits for the stream, so that the caller may still reuse
+/// `src` at once.
 fn copy_from_host<T: Copy>(
     gpu: &Gpu,
     ptr: CUdeviceptr,
@@ -520,17 +559,17 @@ fn copy_from_host<T: Copy>(
         return Ok(()); // nothing to queue (an empty exchange's rows, say)
     }
     gpu.bind()?;
+    let bytes = len * std::mem::size_of::<T>();
+    let src = src.as_ptr() as *const c_void;
     // SAFETY: `src` holds `len` elements; the device range as well.
     unsafe {
         check(
-            (gpu.lib.cuMemcpyHtoDAsync_v2)(
-                ptr,
-                src.as_ptr() as *const c_void,
-                len * std::mem::size_of::<T>(),
-                gpu.stream,
-            ),
+            (gpu.lib.cuMemcpyHtoDAsync_v2)(ptr, src, bytes, gpu.stream),
             "cuMemcpyHtoDAsync",
         )?;
+    }
+    if super::pinned::is_pinned(src, bytes) {
+        gpu.synchronize()?;
     }
     Ok(())
 }

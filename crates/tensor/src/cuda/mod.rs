@@ -7,6 +7,7 @@
 //!   kernel launches;
 //! - [`nvrtc`]: CUDA C → cubin for the GPU found, cached on disk;
 //! - [`alloc`]: the caching allocator (no driver allocation in a steady-state step);
+//! - [`pinned`]: page-locked host memory ([`Pinned`]) for copies at the link's speed;
 //! - [`blas`]: matrix products on cuBLASLt (fp32 without TF32, bf16/fp16 inputs with fp32
 //!   accumulation), plans cached per shape;
 //! - [`kernels`]: the CUDA C sources; [`ops`]: typed launchers with the CPU kernels'
@@ -24,6 +25,7 @@ pub mod kernels;
 pub mod nccl;
 pub mod nvrtc;
 pub mod ops;
+pub mod pinned;
 pub mod sys;
 
 pub use driver::{
@@ -31,6 +33,7 @@ pub use driver::{
     Watch,
 };
 pub use nccl::{NcclBuf, NcclBufMut, NcclComm, NcclId, ReduceOp};
+pub use pinned::Pinned;
 
 /// Why a CUDA operation failed.
 #[derive(Debug, Clone, PartialEq, thiserror::Error)]

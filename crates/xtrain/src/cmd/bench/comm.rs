@@ -23,7 +23,7 @@ use super::super::launch::{run_group, GroupSpec};
 use anyhow::{bail, Context};
 use comm::{AllReduceAlgo, CommBackend, Communicator, Options, ReduceOp, TransportKind};
 use std::time::{Duration, Instant};
-use tensor::buf::{Buf, Dev};
+use tensor::buf::{Buf, Dev, HostBuf};
 
 /// Collective to measure.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
@@ -462,14 +462,15 @@ fn tag_value(rank: usize, i: usize) -> f32 {
 }
 
 /// The buffers of one op at one size: on the host, and with `--device cuda` their GPU copies
-/// (`input`, `output`), which each run stages through the host ones.
+/// (`input`, `output`), which each run stages through the host ones (page-locked then:
+/// `Dev::host_zeros`, as a staged collective of the engine would hold them).
 struct Case {
     op: Op,
     algo: AllReduceAlgo,
     n: usize,
     rank: usize,
-    input: Vec<f32>,
-    output: Vec<f32>,
+    input: HostBuf,
+    output: HostBuf,
     dev: Option<(Buf, Buf)>,
 }
 
@@ -487,6 +488,7 @@ impl Case {
             Op::ReduceScatter => (count, count / n),
             Op::AllToAll => (count, count),
         };
+        let (input, output) = (dev.host_zeros(ilen)?, dev.host_zeros(olen)?);
         let dev = match dev {
             Dev::Cpu => None,
             d => Some((d.zeros(ilen)?, d.zeros(olen)?)),
@@ -496,8 +498,8 @@ impl Case {
             algo,
             n,
             rank,
-            input: vec![0.0; ilen],
-            output: vec![0.0; olen],
+            input,
+            output,
             dev,
         })
     }
@@ -548,7 +550,7 @@ impl Case {
     }
 
     /// The host buffer holding the result and its GPU copy (`--device cuda`).
-    fn result(&mut self) -> Option<(&mut Vec<f32>, &mut Buf)> {
+    fn result(&mut self) -> Option<(&mut HostBuf, &mut Buf)> {
         let in_place = self.in_place();
         let (input, output) = self.dev.as_mut()?;
         Some(match in_place {
