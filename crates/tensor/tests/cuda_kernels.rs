@@ -1320,3 +1320,39 @@ fn pinned_host_memory_copies_both_ways() {
     // A length mismatch is an error, not a partial copy.
     assert!(d.as_slice().read_into(&mut p[..10]).is_err());
 }
+
+/// The kernel timeline names every kernel, product and copy queued while it is on, with its
+/// calls and positive device time, and nothing once it is off.
+#[test]
+fn kernel_timeline_names_every_launch() {
+    let Some(gpu) = gpu("kernel_timeline_names_every_launch") else {
+        return;
+    };
+    let (m, k, n) = (256, 128, 64);
+    let a = gpu.upload(&rand(m * k, 1)).unwrap();
+    let b = gpu.upload(&rand(k * n, 2)).unwrap();
+    let mut c = gpu.zeros::<f32>(m * n).unwrap();
+    gpu.time_kernels(true).unwrap();
+    for _ in 0..3 {
+        tensor::cuda::blas::matmul(&mut c, &a, &b, m, k, n, false, false, false).unwrap();
+        ops::scale(&mut c, 0.5).unwrap();
+    }
+    let host = c.to_host().unwrap();
+    let times = gpu.kernel_times().unwrap();
+    gpu.time_kernels(false).unwrap();
+    let find = |name: &str| {
+        times
+            .iter()
+            .find(|t| t.name == name)
+            .unwrap_or_else(|| panic!("{name} not in {times:?}"))
+    };
+    let gemm = find(&format!("cuBLASLt f32 {m}x{k}x{n} (NN)"));
+    assert_eq!(gemm.calls, 3);
+    assert!(gemm.seconds > 0.0);
+    assert_eq!(find("elementwise::scale_f32").calls, 3);
+    assert_eq!(find("copy device to host").calls, 1);
+    assert!(times.windows(2).all(|w| w[0].seconds >= w[1].seconds));
+    assert_eq!(host.len(), m * n);
+    ops::scale(&mut c, 2.0).unwrap();
+    assert!(gpu.kernel_times().unwrap().is_empty());
+}

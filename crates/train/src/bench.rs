@@ -67,6 +67,53 @@ pub struct BenchReport {
     /// allocator's count) and the bytes the device had in use at the end (`cuMemGetInfo`:
     /// total − free, the allocator's cache and the CUDA context included).
     pub gpu: Option<GpuMemory>,
+    /// On a GPU: one more step with every kernel, product and copy of the compute stream
+    /// bracketed by timing events ([`tensor::cuda::timeline`]): device time by name.
+    pub gpu_kernels: Option<GpuKernels>,
+}
+
+/// Device time of one step by kernel ([`BenchReport::gpu_kernels`]).
+#[derive(Clone, Debug, serde::Serialize)]
+pub struct GpuKernels {
+    /// The step's wall time (the queue running as in training: no waits between kernels).
+    pub step_s: f64,
+    /// `(name, calls, seconds)`, longest first.
+    pub kernels: Vec<(String, usize, f64)>,
+}
+
+/// Names of [`GpuKernels`] printed one a line; the rest are summed in one line.
+const KERNEL_LINES: usize = 15;
+
+impl std::fmt::Display for GpuKernels {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let busy: f64 = self.kernels.iter().map(|k| k.2).sum();
+        let calls: usize = self.kernels.iter().map(|k| k.1).sum();
+        write!(
+            f,
+            "GPU time by kernel (one more step, timing events around each launch): {calls} launches, {:.2} ms of device time in a {:.2} ms step",
+            busy * 1e3,
+            self.step_s * 1e3
+        )?;
+        let line = |f: &mut std::fmt::Formatter<'_>, name: &str, calls: usize, s: f64| {
+            write!(
+                f,
+                "\n  {:5.1}%  {:8.3} ms  {:5}x  {name}",
+                100.0 * s / busy.max(1e-12),
+                s * 1e3,
+                calls
+            )
+        };
+        for (name, calls, s) in self.kernels.iter().take(KERNEL_LINES) {
+            line(f, name, *calls, *s)?;
+        }
+        let rest = &self.kernels[self.kernels.len().min(KERNEL_LINES)..];
+        if !rest.is_empty() {
+            let n = rest.len();
+            let (c, s) = rest.iter().fold((0, 0.0), |(c, s), k| (c + k.1, s + k.2));
+            line(f, &format!("{n} others"), c, s)?;
+        }
+        Ok(())
+    }
 }
 
 /// A GPU run's device and memory.
@@ -202,6 +249,9 @@ impl std::fmt::Display for BenchReport {
                 )?;
             }
         }
+        if let Some(k) = &self.gpu_kernels {
+            writeln!(f, "{k}")?;
+        }
         write!(
             f,
             "memory of rank 0: accounted {} ; peak RSS {} ({})",
@@ -298,6 +348,28 @@ pub fn bench_train(
         waited?;
     }
     model::profile::enable(false);
+    // And one with timing events around every launch, the queue running freely.
+    let gpu_kernels = match &gpu {
+        Some(g) => {
+            let dev = |e: tensor::cuda::CudaError| crate::error::TrainError::Config(e.to_string());
+            g.time_kernels(true).map_err(dev)?;
+            let s = Instant::now();
+            let r = t.train_step();
+            let waited = sync();
+            let step_s = s.elapsed().as_secs_f64();
+            let times = g.kernel_times();
+            g.time_kernels(false).map_err(dev)?;
+            r?;
+            waited?;
+            let kernels = times
+                .map_err(dev)?
+                .into_iter()
+                .map(|k| (k.name, k.calls, k.seconds))
+                .collect();
+            Some(GpuKernels { step_s, kernels })
+        }
+        None => None,
+    };
     let expert_imbalance = (t.dims.ep > 1 && !ep_imbalance.is_empty())
         .then(|| ep_imbalance.iter().sum::<f64>() / ep_imbalance.len() as f64);
     let context = if t.dims.cp > 1 {
@@ -386,6 +458,7 @@ pub fn bench_train(
         pipeline,
         context,
         gpu,
+        gpu_kernels,
     }))
 }
 
@@ -404,5 +477,32 @@ mod tests {
         assert_eq!(steal_share(None, Some(b)), None);
         assert_eq!(parse_cpu_ticks("intr 5\n"), None);
         assert_eq!(parse_cpu_ticks("cpu  1 2 3\n"), None);
+    }
+
+    #[test]
+    fn gpu_kernel_table_lists_the_longest_and_sums_the_rest() {
+        let kernels: Vec<(String, usize, f64)> = (0..KERNEL_LINES + 3)
+            .map(|i| (format!("k{i}"), 2, 0.001 * (KERNEL_LINES + 3 - i) as f64))
+            .collect();
+        let busy: f64 = kernels.iter().map(|k| k.2).sum();
+        let text = GpuKernels {
+            step_s: 0.5,
+            kernels,
+        }
+        .to_string();
+        let lines: Vec<&str> = text.lines().collect();
+        assert_eq!(lines.len(), 1 + KERNEL_LINES + 1, "{text}");
+        assert!(lines[0].contains(&format!("{} launches", 2 * (KERNEL_LINES + 3))));
+        assert!(lines[0].contains(&format!(
+            "{:.2} ms of device time in a 500.00 ms step",
+            busy * 1e3
+        )));
+        assert!(lines[1].ends_with("2x  k0"), "{}", lines[1]);
+        // The last three (3, 2 and 1 ms) in one line.
+        let last = lines.last().unwrap();
+        assert!(
+            last.ends_with("6x  3 others") && last.contains("6.000 ms"),
+            "{last}"
+        );
     }
 }

@@ -16,6 +16,7 @@
 
 use super::driver::{DevBuf, Gpu};
 use super::sys::{self, cublasLtMatmulDesc_t, cublasLtMatrixLayout_t};
+use super::timeline::Timed;
 use super::CudaError;
 use std::collections::HashMap;
 use std::ffi::c_void;
@@ -30,6 +31,15 @@ pub enum GemmInput {
 }
 
 impl GemmInput {
+    /// The operands' format, as the kernel timeline names it.
+    pub fn name(self) -> &'static str {
+        match self {
+            GemmInput::F32 => "f32",
+            GemmInput::Bf16 => "bf16",
+            GemmInput::F16 => "f16",
+        }
+    }
+
     fn cuda_type(self) -> i32 {
         match self {
             GemmInput::F32 => sys::CUDA_R_32F,
@@ -276,10 +286,12 @@ pub unsafe fn matmul_raw(
         drop(guard);
         if !accumulate {
             let lib = gpu.lib;
-            super::driver::check(
-                (lib.cuMemsetD8Async)(c, 0, m * n * 4, gpu.stream),
-                "cuMemsetD8Async",
-            )?;
+            gpu.timed(Timed::Copy("memset"), || {
+                super::driver::check(
+                    (lib.cuMemsetD8Async)(c, 0, m * n * 4, gpu.stream),
+                    "cuMemsetD8Async",
+                )
+            })?;
         }
         return Ok(());
     }
@@ -293,27 +305,30 @@ pub unsafe fn matmul_raw(
     let plan = blas.plan(key)?;
     let (alpha, beta) = (1.0f32, if accumulate { 1.0f32 } else { 0.0 });
     let [lx, ly, lc] = plan.layouts;
-    ok(
-        (lib.cublasLtMatmul)(
-            handle,
-            plan.desc,
-            &alpha as *const f32 as *const c_void,
-            b as *const c_void,
-            lx,
-            a as *const c_void,
-            ly,
-            &beta as *const f32 as *const c_void,
-            c as *const c_void,
-            lc,
-            c as *mut c_void,
-            lc,
-            &plan.algo,
-            ws as *mut c_void,
-            WORKSPACE,
-            gpu.stream,
-        ),
-        "cublasLtMatmul",
-    )
+    let what = Timed::Product(input.name(), [m, k, n], [trans_a, trans_b]);
+    gpu.timed(what, || {
+        ok(
+            (lib.cublasLtMatmul)(
+                handle,
+                plan.desc,
+                &alpha as *const f32 as *const c_void,
+                b as *const c_void,
+                lx,
+                a as *const c_void,
+                ly,
+                &beta as *const f32 as *const c_void,
+                c as *const c_void,
+                lc,
+                c as *mut c_void,
+                lc,
+                &plan.algo,
+                ws as *mut c_void,
+                WORKSPACE,
+                gpu.stream,
+            ),
+            "cublasLtMatmul",
+        )
+    })
 }
 
 /// [`matmul_raw`] on fp32 buffers, with the lengths checked.

@@ -22,6 +22,7 @@
 
 use super::alloc::Allocator;
 use super::sys::{self, CUcontext, CUdevice, CUdeviceptr, CUfunction, CUmodule, CUstream};
+use super::timeline::Timed;
 use super::{nvrtc, CudaError};
 use std::collections::HashMap;
 use std::ffi::{c_void, CStr, CString};
@@ -233,27 +234,33 @@ impl<T: Copy> DevBuf<T> {
         self.gpu.bind()?;
         let size = std::mem::size_of::<T>();
         // SAFETY: both ranges are in bounds (checked above).
-        check(
-            unsafe {
-                (self.gpu.lib.cuMemcpyDtoDAsync_v2)(
-                    self.ptr_at(at),
-                    src.ptr_at(src_at),
-                    len * size,
-                    self.gpu.stream,
-                )
-            },
-            "cuMemcpyDtoDAsync",
-        )
+        self.gpu.timed(Timed::Copy("device to device"), || {
+            check(
+                unsafe {
+                    (self.gpu.lib.cuMemcpyDtoDAsync_v2)(
+                        self.ptr_at(at),
+                        src.ptr_at(src_at),
+                        len * size,
+                        self.gpu.stream,
+                    )
+                },
+                "cuMemcpyDtoDAsync",
+            )
+        })
     }
 
     /// Sets every byte to zero (stream-ordered).
     pub fn zero(&mut self) -> Result<(), CudaError> {
         self.gpu.bind()?;
         // SAFETY: the buffer's bytes.
-        check(
-            unsafe { (self.gpu.lib.cuMemsetD8Async)(self.ptr, 0, self.bytes(), self.gpu.stream) },
-            "cuMemsetD8Async",
-        )
+        self.gpu.timed(Timed::Copy("memset"), || {
+            check(
+                unsafe {
+                    (self.gpu.lib.cuMemsetD8Async)(self.ptr, 0, self.bytes(), self.gpu.stream)
+                },
+                "cuMemsetD8Async",
+            )
+        })
     }
 }
 
@@ -421,33 +428,37 @@ impl<'a, T: Copy> DevSliceMut<'a, T> {
         }
         self.gpu.bind()?;
         // SAFETY: both ranges hold `len` elements of `T` on this device.
-        check(
-            unsafe {
-                (self.gpu.lib.cuMemcpyDtoDAsync_v2)(
-                    self.ptr,
-                    src.ptr,
-                    self.len * std::mem::size_of::<T>(),
-                    self.gpu.stream,
-                )
-            },
-            "cuMemcpyDtoDAsync",
-        )
+        self.gpu.timed(Timed::Copy("device to device"), || {
+            check(
+                unsafe {
+                    (self.gpu.lib.cuMemcpyDtoDAsync_v2)(
+                        self.ptr,
+                        src.ptr,
+                        self.len * std::mem::size_of::<T>(),
+                        self.gpu.stream,
+                    )
+                },
+                "cuMemcpyDtoDAsync",
+            )
+        })
     }
     /// Sets every byte of the range to zero (stream-ordered).
     pub fn zero(&mut self) -> Result<(), CudaError> {
         self.gpu.bind()?;
         // SAFETY: the range's bytes.
-        check(
-            unsafe {
-                (self.gpu.lib.cuMemsetD8Async)(
-                    self.ptr,
-                    0,
-                    self.len * std::mem::size_of::<T>(),
-                    self.gpu.stream,
-                )
-            },
-            "cuMemsetD8Async",
-        )
+        self.gpu.timed(Timed::Copy("memset"), || {
+            check(
+                unsafe {
+                    (self.gpu.lib.cuMemsetD8Async)(
+                        self.ptr,
+                        0,
+                        self.len * std::mem::size_of::<T>(),
+                        self.gpu.stream,
+                    )
+                },
+                "cuMemsetD8Async",
+            )
+        })
     }
 }
 
@@ -521,10 +532,12 @@ unsafe fn download(
 ) -> Result<(), CudaError> {
     gpu.bind()?;
     if bytes > 0 {
-        check(
-            (gpu.lib.cuMemcpyDtoHAsync_v2)(dst, ptr, bytes, gpu.stream),
-            "cuMemcpyDtoHAsync",
-        )?;
+        gpu.timed(Timed::Copy("device to host"), || {
+            check(
+                (gpu.lib.cuMemcpyDtoHAsync_v2)(dst, ptr, bytes, gpu.stream),
+                "cuMemcpyDtoHAsync",
+            )
+        })?;
     }
     gpu.synchronize()
 }
@@ -562,12 +575,12 @@ fn copy_from_host<T: Copy>(
     let bytes = len * std::mem::size_of::<T>();
     let src = src.as_ptr() as *const c_void;
     // SAFETY: `src` holds `len` elements; the device range as well.
-    unsafe {
+    gpu.timed(Timed::Copy("host to device"), || unsafe {
         check(
             (gpu.lib.cuMemcpyHtoDAsync_v2)(ptr, src, bytes, gpu.stream),
             "cuMemcpyHtoDAsync",
-        )?;
-    }
+        )
+    })?;
     if super::pinned::is_pinned(src, bytes) {
         gpu.synchronize()?;
     }
@@ -684,6 +697,8 @@ pub struct Gpu {
     pub(crate) blas: Mutex<Option<super::blas::Blas>>,
     /// What a host wait checks while it waits ([`Gpu::watch`]).
     watch: Mutex<Option<Arc<Watch>>>,
+    /// Device time per kernel, while switched on ([`Gpu::time_kernels`]).
+    pub(crate) timeline: super::timeline::Timeline,
 }
 
 /// A limit on the host's waits for a GPU and a check run while it waits
@@ -801,6 +816,7 @@ impl Gpu {
                 alloc: Allocator::new(lib),
                 blas: Mutex::new(None),
                 watch: Mutex::new(None),
+                timeline: Default::default(),
             }))
         }
     }
@@ -1079,24 +1095,26 @@ impl Gpu {
         let mut params: Vec<*mut c_void> = held.iter_mut().map(KArg::as_param).collect();
         // SAFETY: `params` points into `held`, alive until the call returns (the driver copies
         // the argument values at launch); the kernel's signature is the caller's contract.
-        check(
-            unsafe {
-                (self.lib.cuLaunchKernel)(
-                    f,
-                    cfg.grid.0,
-                    cfg.grid.1,
-                    cfg.grid.2,
-                    cfg.block.0,
-                    cfg.block.1,
-                    cfg.block.2,
-                    cfg.shared_bytes,
-                    self.stream,
-                    params.as_mut_ptr(),
-                    std::ptr::null_mut(),
-                )
-            },
-            &format!("cuLaunchKernel({module}::{func})"),
-        )
+        self.timed(Timed::Kernel(module, func), || {
+            check(
+                unsafe {
+                    (self.lib.cuLaunchKernel)(
+                        f,
+                        cfg.grid.0,
+                        cfg.grid.1,
+                        cfg.grid.2,
+                        cfg.block.0,
+                        cfg.block.1,
+                        cfg.block.2,
+                        cfg.shared_bytes,
+                        self.stream,
+                        params.as_mut_ptr(),
+                        std::ptr::null_mut(),
+                    )
+                },
+                &format!("cuLaunchKernel({module}::{func})"),
+            )
+        })
     }
 
     /// Times `f`'s queued work on the stream with events, in milliseconds.
@@ -1136,6 +1154,8 @@ impl Gpu {
 impl Drop for Gpu {
     fn drop(&mut self) {
         if self.bind().is_ok() {
+            // Timing events not read (a run that stopped with the timeline on).
+            let _ = self.take_marks();
             // SAFETY: the stream is ours; the workspace and the cached blocks go back to the
             // driver (no buffer is live: each holds an `Arc` of this `Gpu`).
             unsafe {

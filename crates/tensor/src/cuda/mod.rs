@@ -8,6 +8,7 @@
 //! - [`nvrtc`]: CUDA C → cubin for the GPU found, cached on disk;
 //! - [`alloc`]: the caching allocator (no driver allocation in a steady-state step);
 //! - [`pinned`]: page-locked host memory ([`Pinned`]) for copies at the link's speed;
+//! - [`timeline`]: device time per kernel, product and copy ([`Gpu::kernel_times`]);
 //! - [`blas`]: matrix products on cuBLASLt (fp32 without TF32, bf16/fp16 inputs with fp32
 //!   accumulation), plans cached per shape;
 //! - [`kernels`]: the CUDA C sources; [`ops`]: typed launchers with the CPU kernels'
@@ -27,6 +28,7 @@ pub mod nvrtc;
 pub mod ops;
 pub mod pinned;
 pub mod sys;
+pub mod timeline;
 
 pub use driver::{
     device_count, DevBuf, DevSlice, DevSliceMut, DeviceInfo, Event, Gpu, KArg, LaunchCfg, Stream,
@@ -34,6 +36,7 @@ pub use driver::{
 };
 pub use nccl::{NcclBuf, NcclBufMut, NcclComm, NcclId, ReduceOp};
 pub use pinned::Pinned;
+pub use timeline::KernelTime;
 
 /// Why a CUDA operation failed.
 #[derive(Debug, Clone, PartialEq, thiserror::Error)]
