@@ -160,6 +160,15 @@ PY
             --model 32000,768,2048,12,12,12,1024,8 --steps 10 >>"$report" 2>&1 ||
             echo "torch peer 124M bf16 failed" >>"$report"
     done
+    # The target peer: the same 124M under torch.compile (its compilation, in the
+    # warm-up steps, takes a minute or more: only where the budget allows).
+    if have_time 180; then
+        PYTHONUNBUFFERED=1 timeout 180 python3 benches/peers/torch_peer.py train --device cuda --dtype bf16 \
+            --model 32000,768,2048,12,12,12,1024,8 --steps 10 --compile >>"$report" 2>&1 ||
+            echo "torch peer 124M bf16 compiled failed or timed out" >>"$report"
+    else
+        echo "torch peer 124M bf16 compiled: skipped (time budget)" >>"$report"
+    fi
     # A ~1B Llama (16 layers, hidden 2048, 16 heads, ffn 5504, vocab 32000, seq 1024,
     # micro-batch 4) in bf16, once each.
     local m1b=(--set model.vocab_size=32000 --set model.hidden_size=2048 --set model.intermediate_size=5504

@@ -12,11 +12,13 @@ alternately in one session on one machine and compared as a ratio:
 
 On a GPU (`--device cuda`): the same training step on the device, fp32 with TF32 off (what
 `xtrain bench train --device cuda` runs today) or `--dtype bf16` (bf16 weights), fused AdamW,
-timed with `torch.cuda.synchronize()` around each step.
+timed with `torch.cuda.synchronize()` around each step; `--compile` wraps the model in
+`torch.compile` (default mode; the warm-up steps, which compile, are not timed).
 
     pip install torch transformers
     python3 benches/peers/torch_peer.py train --preset small --threads 1 --steps 4
     python3 benches/peers/torch_peer.py train --preset small --device cuda --steps 10
+    python3 benches/peers/torch_peer.py train --preset medium --device cuda --dtype bf16 --compile
     python3 benches/peers/torch_peer.py gemm --threads 2 --n 2048
     python3 benches/peers/torch_peer.py attention --threads 2
 """
@@ -87,6 +89,7 @@ def main():
     ap.add_argument("--n", type=int, default=2048)
     ap.add_argument("--device", default="cpu", help="train: cpu or cuda")
     ap.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32", help="train on cuda")
+    ap.add_argument("--compile", action="store_true", help="train: torch.compile the model")
     ap.add_argument("--shape", default="8,8,8,32,256",
                     help="attention: batch,heads,kv_heads,head_dim,seq (medium preset: 4,8,4,64,512)")
     ap.add_argument("--model", default=None,
@@ -124,6 +127,8 @@ def main():
     model = LlamaForCausalLM(cfg).to(device=args.device, dtype=dtype).train()
     opt = torch.optim.AdamW(model.parameters(), lr=3e-4, weight_decay=0.1, fused=cuda)
     n_params = sum(p.numel() for p in model.parameters())
+    if args.compile:
+        model = torch.compile(model)
     ids = torch.randint(0, vocab, (batch, seq), device=args.device)
     sync = torch.cuda.synchronize if cuda else (lambda: None)
 
@@ -138,12 +143,14 @@ def main():
         sync()
         return time.perf_counter() - t0
 
-    step()  # warm-up
+    for _ in range(3 if args.compile else 1):
+        step()  # warm-up (with --compile: compilation, and its recompilations)
     median = statistics.median(step() for _ in range(max(args.steps, 1)))
     tokens = batch * seq
     flops_per_token = 6 * n_params + 12 * layers * hidden * seq
     print(
-        f"torch {torch.__version__} preset {args.model or args.preset} ({n_params} params), "
+        f"torch {torch.__version__}{' compiled' if args.compile else ''} "
+        f"preset {args.model or args.preset} ({n_params} params), "
         f"{torch.cuda.get_device_name() + ' ' + args.dtype if cuda else str(args.threads) + ' thread(s)'}: "
         f"median step {median:.4f} s -> {tokens / median:.0f} tokens/s, "
         f"{flops_per_token * tokens / median / 1e9:.1f} GFLOP/s"
