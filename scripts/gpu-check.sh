@@ -83,7 +83,8 @@ print(":".join(sorted(dirs)))
 PY
 )
     export XTRAIN_CUDA_LIB_PATH="${XTRAIN_CUDA_LIB_PATH:+$XTRAIN_CUDA_LIB_PATH:}$libs"
-    export XTRAIN_REQUIRE_GPU=1 XTRAIN_REQUIRE=gpu,nvrtc RUST_BACKTRACE=1
+    # Backtraces for panics (a test failing), not for the errors a command reports.
+    export XTRAIN_REQUIRE_GPU=1 XTRAIN_REQUIRE=gpu,nvrtc RUST_BACKTRACE=1 RUST_LIB_BACKTRACE=0
     export XTRAIN_KERNEL_CACHE="$out/kernel-cache" XTRAIN_BIN="$PWD/$dir/xtrain"
     {
         echo "# xtrain GPU check, $(date -u '+%Y-%m-%d %H:%M UTC')"
