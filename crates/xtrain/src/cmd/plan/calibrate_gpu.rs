@@ -4,16 +4,17 @@
 //! run's peak one decoder layer's forward and backward reach in the run's precision (the
 //! planner's own FLOP count as the numerator, as on the CPU), the bytes/s of the optimizer
 //! phase on the device, the device's memory, and the host ↔ device copies (the path of the
-//! host-staged collectives and of ZeRO-Offload). Ranks on this host's GPUs exchange through
-//! host memory ("Several ranks" in docs/GPU.md): a link of the shared-memory transport in
-//! series with a download and an upload.
+//! host-staged collectives through ordinary memory, and of ZeRO-Offload through page-locked
+//! memory). Ranks on this host's GPUs exchange through host memory ("Several ranks" in
+//! docs/GPU.md): a link of the shared-memory transport in series with a download and an
+//! upload.
 use std::time::Instant;
 
 use anyhow::{Context, Result};
 use model::{Batch, Model, ModelConfig, StepOptions};
 use parallel::plan::{Cluster, Host, Link};
 use parallel::Precision;
-use tensor::buf::Dev;
+use tensor::buf::{Dev, HostBuf};
 use tensor::cuda::ops::{matmul_prepared, AdamScalars, Operand};
 use tensor::cuda::Gpu;
 use tensor::operands::{Operands, Scope};
@@ -120,17 +121,20 @@ fn optimizer_bandwidth(dev: &Dev, gpu: &Gpu) -> Result<f64> {
     Ok(36.0 * n as f64 / t)
 }
 
-/// Host ↔ device copies of 256 MiB from and to pageable memory (what the staged collectives
-/// and ZeRO-Offload use): the slower direction's bandwidth, and a 4-byte copy as the latency.
-fn host_link(gpu: &std::sync::Arc<Gpu>) -> Result<Link> {
+/// Host ↔ device copies of 256 MiB: the slower direction's bandwidth, and a 4-byte copy as
+/// the latency. From and to ordinary (pageable) memory, which the host-staged collectives
+/// use, or (`pinned`) page-locked memory, through which ZeRO-Offload's chunks travel.
+fn host_link(gpu: &std::sync::Arc<Gpu>, pinned: bool) -> Result<Link> {
     let n = 64 << 20;
-    let host = vec![1.0f32; n];
+    let mut host = if pinned {
+        HostBuf::Pinned(gpu.pinned::<f32>(n)?)
+    } else {
+        HostBuf::Vec(vec![0.0f32; n])
+    };
+    host.fill(1.0);
     let mut d = gpu.alloc::<f32>(n)?;
     let up = best_of(gpu, 3, || Ok(d.copy_from_host(&host)?))?;
-    let down = best_of(gpu, 3, || {
-        std::hint::black_box(d.to_host()?);
-        Ok(())
-    })?;
+    let down = best_of(gpu, 3, || Ok(d.as_slice().read_into(&mut host)?))?;
     let mut one = gpu.alloc::<f32>(1)?;
     let latency = best_of(gpu, 5, || Ok(one.copy_from_host(&[0.0])?))?;
     Ok(Link {
@@ -171,9 +175,9 @@ pub fn this_gpus(
     };
     let bandwidth = optimizer_bandwidth(&dev, gpu)?;
     let (_, memory) = gpu.memory_info()?;
-    let pcie = host_link(gpu)?;
+    let pcie = host_link(gpu, false)?;
     // A message between two GPUs of this host: downloaded, over the shared-memory
-    // transport, uploaded.
+    // transport, uploaded (through ordinary memory).
     let shm = super::calibrate::link()?;
     let link = Link {
         latency: shm.latency + 2.0 * pcie.latency,
@@ -184,11 +188,12 @@ pub fn this_gpus(
     cluster.peak_flops_32 = peak_32;
     cluster.process_bytes = process;
     cluster.group_peer_bytes = 2 * comm::Options::default().shm_ring_bytes as u64;
-    // The host's side, for ZeRO-Offload: its memory, the copies, and the CPU's AdamW rate
+    // The host's side, for ZeRO-Offload: its memory, the copies (page-locked), and the CPU's
+    // AdamW rate
     // (the CPU calibration's optimizer phase over its 36 bytes a parameter).
     cluster.host = Some(Host {
         memory_bytes: super::calibrate::total_memory(),
-        link: pcie,
+        link: host_link(gpu, true)?,
         adam_params_per_s: super::calibrate::memory_bandwidth() / 36.0,
     });
     Ok(cluster)
