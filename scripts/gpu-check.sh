@@ -10,9 +10,12 @@
 #
 # The report names the GPU, the driver and the CUDA version (nvidia-smi), NVRTC's version,
 # and each test's result, and ends with the check's duration; past GPU_CHECK_BUDGET seconds
-# (default 450) the optional sections say "skipped (time budget)" instead of running. The CUDA libraries (NVRTC, cuBLASLt, NCCL) are found in a CUDA
-# toolkit or in the pip wheels of the machine's Python (nvidia-cuda-nvrtc, nvidia-cublas,
-# nvidia-nccl-cu12 / -cu13), whose folders go in XTRAIN_CUDA_LIB_PATH.
+# (default 450) the optional sections say "skipped (time budget)" instead of running.
+# GPU_CHECK_ONLY="tests bench" (any of: tests bench attention processes validate convergence
+# ncu) runs only those sections: a rerun after a fix, within the machine's time. The CUDA
+# libraries (NVRTC, cuBLASLt, NCCL) are found in a CUDA toolkit or in the pip wheels of the
+# machine's Python (nvidia-cuda-nvrtc, nvidia-cublas, nvidia-nccl-cu12 / -cu13), whose
+# folders go in XTRAIN_CUDA_LIB_PATH.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 dir=.gpu-check
@@ -63,40 +66,8 @@ have_time() {
     ((SECONDS + $1 <= ${GPU_CHECK_BUDGET:-450}))
 }
 
-run() {
-    SECONDS=0
-    local out=${1:-gpu-report}
-    mkdir -p "$out"
-    local report="$out/report.md"
-    # NVRTC, cuBLASLt and NCCL from the machine's Python wheels, if no toolkit provides them.
-    local libs
-    libs=$(python3 - <<'PY' 2>/dev/null
-import glob, os, site
-roots = site.getsitepackages() + [site.getusersitepackages()]
-dirs = set()
-for r in roots:
-    for pat in ("nvidia/*/lib", "nvidia/cu*/lib"):
-        for d in glob.glob(os.path.join(r, pat)):
-            if any(glob.glob(os.path.join(d, lib)) for lib in ("libnvrtc.so*", "libcublasLt.so*", "libnccl.so*")):
-                dirs.add(d)
-print(":".join(sorted(dirs)))
-PY
-)
-    export XTRAIN_CUDA_LIB_PATH="${XTRAIN_CUDA_LIB_PATH:+$XTRAIN_CUDA_LIB_PATH:}$libs"
-    # Backtraces for panics (a test failing), not for the errors a command reports.
-    export XTRAIN_REQUIRE_GPU=1 XTRAIN_REQUIRE=gpu,nvrtc RUST_BACKTRACE=1 RUST_LIB_BACKTRACE=0
-    export XTRAIN_KERNEL_CACHE="$out/kernel-cache" XTRAIN_BIN="$PWD/$dir/xtrain"
-    {
-        echo "# xtrain GPU check, $(date -u '+%Y-%m-%d %H:%M UTC')"
-        echo
-        echo '```'
-        nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv 2>&1
-        nvidia-smi 2>/dev/null | grep -o 'CUDA Version: [0-9.]*'
-        echo "XTRAIN_CUDA_LIB_PATH=$XTRAIN_CUDA_LIB_PATH"
-        echo '```'
-        echo
-    } >"$report"
-    local failed=0
+# The GPU test binaries, side by side.
+check_tests() {
     # The test binaries run side by side (each its own process and CUDA context; the kernel
     # cache is written atomically per process), then report in a fixed order.
     local t
@@ -126,19 +97,18 @@ PY
         fi
         grep -E '^test |test result' "$out/$t.log" | sed 's/^/    /' >>"$report"
     done
-    # Benchmarks, alternating xtrain and the PyTorch peer on the same GPU: `small` in fp32
-    # (TF32 off), `medium` and a 124M-class Llama (12 layers, hidden 768, 12 heads, seq 1024,
-    # vocab 32000, micro-batch 8) in bf16.
+}
+
+# Throughput: xtrain (and xtrain-next) beside the PyTorch peer.
+check_bench() {
+    # Alternating xtrain and the PyTorch peer on the same GPU: `small` in fp32 (TF32 off),
+    # `medium` and the 124M-class Llama (`m124`, run()) in bf16.
     {
         echo
         echo "## Benchmarks (xtrain then PyTorch, alternating, twice)"
         echo
         echo '```'
     } >>"$report"
-    local m124=(--set model.vocab_size=32000 --set model.hidden_size=768 --set model.intermediate_size=2048
-        --set model.num_layers=12 --set model.num_heads=12 --set model.num_kv_heads=12
-        --set model.seq_len=1024 --set train.micro_batch=8 --set 'data.tokenizer="byte"')
-    local bf16=(--set 'train.precision="bf16"') fp32=(--set 'train.precision="fp32"')
     # The small models once (launch-bound: xtrain 2.1-2.4x PyTorch when last measured), the
     # 124M twice; xtrain-next is xtrain with the candidate attention kernels (build()).
     timeout 120 "$dir/xtrain" bench train --preset small --device cuda --steps 10 "${fp32[@]}" \
@@ -191,6 +161,10 @@ PY
             >>"$report" 2>&1 || echo "$bin bench kernels failed" >>"$report"
     done
     echo '```' >>"$report"
+}
+
+# The candidate attention kernels against the library's, per kernel and end to end.
+check_attention() {
     # The candidate tensor-core attention forward and backward (dev/attention/
     # attention_tc_next.cu, attention_tc_bwd_next.cu) against the library's: errors against the
     # CPU for both, time and the ratio, per shape and kernel.
@@ -215,6 +189,11 @@ PY
         fi
     done
     echo '```' >>"$report"
+}
+
+# Processes sharing the GPU: the launcher, per-layout throughput, staged collectives,
+# the planner's calibration, the refusal of NCCL on a shared GPU.
+check_processes() {
     # Launched processes sharing the GPU (each opens cuda:LOCAL_RANK mod count): dp 2 at
     # ZeRO-2 and pp 2 1F1B through the CLI, 30 steps each (the parity against one GPU is in
     # gpu_train's layouts test; this is the launcher, the store and the processes' contexts).
@@ -274,6 +253,10 @@ PY
         echo "XTRAIN_BACKEND=nccl, 2 ranks on 1 GPU: refused, naming the shared GPU" >>"$report"
     fi
     echo '```' >>"$report"
+}
+
+# The planner's predictions against measured GPU runs.
+check_validate() {
     # The planner against measured runs on this GPU (medium bf16 and fp32 on one GPU; dp 2
     # and tp 2 where there are two): predicted and measured step time and memory.
     {
@@ -289,6 +272,10 @@ PY
         fi
         echo '```'
     } >>"$report"
+}
+
+# bf16 training on the GPU against fp32 on the CPU, 1500 steps.
+check_convergence() {
     # bf16 convergence: preset tiny, 1500 steps, the final validation loss of the GPU in
     # bf16 within 0.03 of the CPU in fp32 (tinyshakespeare where present, else the built-in
     # corpus).
@@ -318,6 +305,10 @@ PY
         failed=1
     fi
     echo '```' >>"$report"
+}
+
+# Nsight Compute on the attention kernels, where installed.
+check_ncu() {
     # Where Nsight Compute is installed: the tensor-core attention kernels of a bf16 step of
     # the 124M Llama (registers, occupancy, throughput against the peaks), for whoever tunes
     # them next (ncu-attention.txt).
@@ -329,6 +320,56 @@ PY
             echo "Nsight Compute profile: ncu-attention.txt" >>"$report" ||
             echo "Nsight Compute profile: failed (ncu-attention.txt)" >>"$report"
     fi
+}
+
+run() {
+    SECONDS=0
+    local out=${1:-gpu-report}
+    mkdir -p "$out"
+    local report="$out/report.md"
+    # NVRTC, cuBLASLt and NCCL from the machine's Python wheels, if no toolkit provides them.
+    local libs
+    libs=$(python3 - <<'PY' 2>/dev/null
+import glob, os, site
+roots = site.getsitepackages() + [site.getusersitepackages()]
+dirs = set()
+for r in roots:
+    for pat in ("nvidia/*/lib", "nvidia/cu*/lib"):
+        for d in glob.glob(os.path.join(r, pat)):
+            if any(glob.glob(os.path.join(d, lib)) for lib in ("libnvrtc.so*", "libcublasLt.so*", "libnccl.so*")):
+                dirs.add(d)
+print(":".join(sorted(dirs)))
+PY
+)
+    export XTRAIN_CUDA_LIB_PATH="${XTRAIN_CUDA_LIB_PATH:+$XTRAIN_CUDA_LIB_PATH:}$libs"
+    # Backtraces for panics (a test failing), not for the errors a command reports.
+    export XTRAIN_REQUIRE_GPU=1 XTRAIN_REQUIRE=gpu,nvrtc RUST_BACKTRACE=1 RUST_LIB_BACKTRACE=0
+    export XTRAIN_KERNEL_CACHE="$out/kernel-cache" XTRAIN_BIN="$PWD/$dir/xtrain"
+    {
+        echo "# xtrain GPU check, $(date -u '+%Y-%m-%d %H:%M UTC')"
+        echo
+        echo '```'
+        nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv 2>&1
+        nvidia-smi 2>/dev/null | grep -o 'CUDA Version: [0-9.]*'
+        echo "XTRAIN_CUDA_LIB_PATH=$XTRAIN_CUDA_LIB_PATH"
+        echo '```'
+        echo
+    } >"$report"
+    local failed=0
+    # The model shapes of the benchmarks: a 124M-class Llama (12 layers, hidden 768, 12 heads,
+    # seq 1024, vocab 32000, micro-batch 8) and the formats.
+    local m124=(--set model.vocab_size=32000 --set model.hidden_size=768 --set model.intermediate_size=2048
+        --set model.num_layers=12 --set model.num_heads=12 --set model.num_kv_heads=12
+        --set model.seq_len=1024 --set train.micro_batch=8 --set 'data.tokenizer="byte"')
+    local bf16=(--set 'train.precision="bf16"') fp32=(--set 'train.precision="fp32"')
+    local section
+    for section in tests bench attention processes validate convergence ncu; do
+        if [ -z "${GPU_CHECK_ONLY:-}" ] || [[ " $GPU_CHECK_ONLY " == *" $section "* ]]; then
+            "check_$section"
+        else
+            echo "($section: not in GPU_CHECK_ONLY)" >>"$report"
+        fi
+    done
     echo "The check took $SECONDS s (budget ${GPU_CHECK_BUDGET:-450} s)." >>"$report"
     cat "$report"
     return $failed
