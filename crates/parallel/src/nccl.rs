@@ -90,6 +90,32 @@ pub struct NcclGroup {
     rank: usize,
 }
 
+/// A group's background NCCL error seen from outside it ([`NcclGroup::watcher`]): the GPU's
+/// watch lives as long as the process, the communicators only as long as the job that made
+/// them (a group gone reports nothing).
+#[derive(Clone, Debug)]
+pub struct NcclWatcher {
+    comm: std::sync::Weak<Mutex<NcclComm>>,
+    describe: String,
+}
+
+impl NcclWatcher {
+    /// The group's background error as text naming it and the rank; `Ok` once it is gone.
+    pub fn check(&self) -> Result<(), String> {
+        let Some(comm) = self.comm.upgrade() else {
+            return Ok(());
+        };
+        let comm = comm.lock().unwrap_or_else(|p| p.into_inner());
+        comm.async_error()
+            .map_err(|e| format!("{}: {e}", self.describe))
+    }
+
+    /// "NCCL on group … (rank r of n)".
+    pub fn describe(&self) -> &str {
+        &self.describe
+    }
+}
+
 impl std::fmt::Debug for NcclGroup {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         write!(f, "NcclGroup({}, {} ranks)", self.name, self.size)
@@ -177,9 +203,16 @@ impl NcclGroup {
     /// An error NCCL met in the background (a peer that failed, a broken connection), as
     /// text naming the group and the rank.
     pub fn check(&self) -> Result<(), String> {
-        self.comm()
-            .async_error()
-            .map_err(|e| format!("{}: {e}", self.describe()))
+        self.watcher().check()
+    }
+
+    /// What the GPU's watch of host waits holds ([`NcclWatcher`]): this group's background
+    /// error, without keeping its communicator alive.
+    pub fn watcher(&self) -> NcclWatcher {
+        NcclWatcher {
+            comm: Arc::downgrade(&self.comm),
+            describe: self.describe(),
+        }
     }
 
     fn comm(&self) -> MutexGuard<'_, NcclComm> {

@@ -819,14 +819,17 @@ fn nccl_groups(
     if let Some(pipe) = &mut par.pipe {
         all.extend(pipe.use_nccl(gpu).map_err(perr)?);
     }
+    // The watch outlives this job (the GPU is the process's): it holds watchers, which let
+    // the communicators go with the job.
+    let watchers: Vec<parallel::nccl::NcclWatcher> = all.iter().map(|g| g.watcher()).collect();
     gpu.watch(Some(tensor::cuda::Watch {
         limit: timeout,
-        what: all
+        what: watchers
             .iter()
-            .map(|g| g.describe())
+            .map(|w| w.describe())
             .collect::<Vec<_>>()
             .join(", "),
-        check: Box::new(move || all.iter().try_for_each(|g| g.check())),
+        check: Box::new(move || watchers.iter().try_for_each(|w| w.check())),
     }));
     Ok(Some(dp_group))
 }
