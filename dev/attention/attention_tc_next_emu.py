@@ -1,0 +1,558 @@
+"""Lane-level emulation of dev/attention/attention_tc_next.cu (the candidate tensor-core
+forward, attn_fwd_tc_next_k4 / _k8), to check its indexing, fragments and masks where no GPU
+is at hand: `python3 attention_tc_next_emu.py` (numpy; about 20 seconds) prints each case's
+errors and exits 1 on a mismatch.
+
+A transliteration of attn_fwd_tc_next_body<MAXK, FULL> as of the commit that added it (keep
+it in step when the kernel changes), in the manner of attention_tc_bwd_next_emu.py (whose
+primitives are copied here, so that this file stands alone; bf16_bits also turns a NaN into
+the canonical NaN, as cvt.rn does): each warp is 32 lanes as numpy
+vectors, the 128 threads of a CTA one vector where all of them act (the copies, the
+conversion), shared memory one byte buffer laid out as the kernel lays it out (the fp32 stage
+of K and V, then the bf16 K and V tiles with row stride D + 8), filled with NaN first (0xFF
+bytes: a NaN in fp32 and in bf16) so that a read of anything the kernel did not write, a
+padding column or a stale row, poisons the result instead of slipping through as a small
+number; ldmatrix (.x4, .trans) and mma.m16n8k16 as the PTX ISA's fragment layouts say, bf16
+rounding to nearest even, ex2.approx as exact 2^x with flush to zero. cp.async copies land
+when issued, which is equivalent for this kernel because each stage piece is converted by the
+thread that copied it (asserted here, per 16-byte piece), the only reader of the stage; src-
+size 0 zero-fills. The grid's CTAs run one after the other, blockIdx.x in order (so the
+reversed row order is exercised), each with fresh garbage shared memory; every element of out
+and lse must be written exactly once. Not covered: barriers and races, the asm's syntax (the
+NVRTC compile check), timing, register pressure.
+
+The reference is dense float64 softmax attention with Q, K, V rounded to bf16 and (ROUND_P)
+the unnormalised P rounded to bf16 before P V, divided by the row sum of the unrounded P (as
+the kernel sums its fp32 p); lse natural log, -inf (and out 0) for a row that sees no key.
+"""
+import sys
+import time
+import numpy as np
+
+LOG2E = np.float32(1.4426950408889634)
+LN2 = np.float32(0.6931471805599453)
+NEG_INF = np.float32(-np.inf)
+ROUND_P = "tile"  # how the reference rounds the unnormalised P to bf16 before P V (see TOL):
+# "tile": exp(S - m_t), m_t the row's maximum over the 64-key tiles up to that key's (the
+# kernel's running maximum when it rounds that tile), times exp(m_t - m); True: exp(S - m), m
+# the row's maximum; False: not rounded.
+TOL = {"tile": 1e-3, True: 4e-3, False: 5e-3}[ROUND_P]  # out: max |x - ref| / max |ref|.
+# "tile": ~1e-7, except where S (fp32 sums against fp64) puts one p on the other side of a bf16
+# rounding boundary: that row of out then moves by ulp(p) / l |v_j| <= 2^-7 (p / l) |v_j|,
+# measured up to 1.5e-4 over the cases below (5e-5 typically); an extra or missing key, a
+# wrong rescale or a wrong index moves rows by (p / l) |v_j| and more, 128 times that.
+# True: where a row's running maximum grows in a later tile the kernel rounded the earlier
+# tiles' p against the smaller maximum and rescaled them after (corr = 2^(m2_old - m2_new),
+# no power of two), so each such p can land on the other bf16 neighbour of the reference's
+# (up to 2^-8 relative per term, random signs over the row): measured up to 1.5e-3 here.
+# False: every p differs by its rounding (2^-9 relative): measured up to 1.7e-3.
+LSE_TOL = 1e-4  # lse: max |x - ref| over the rows that see a key (fp32 sums of |lse| <~ 10:
+# ~1e-6; the bf16 rounding of P does not enter l); -inf rows must be -inf exactly.
+THREADS = 128
+BM = BN = 64
+PAD = 8
+CVT_BATCH = 2
+lane = np.arange(32)
+G, T = lane >> 2, lane & 3
+TID = np.arange(THREADS)
+
+
+def bf16_bits(x):
+    """cvt.rn.bf16.f32: round to nearest even; a NaN becomes the canonical NaN 0x7FFF (the
+    rounding would carry a NaN with all low bits set into +-0, hiding a read of garbage)."""
+    x = np.asarray(x, dtype=np.float32)
+    u = x.view(np.uint32).astype(np.uint64)
+    u = (u + 0x7FFF + ((u >> 16) & 1)) >> 16
+    return np.where(np.isnan(x), 0x7FFF, u & 0xFFFF).astype(np.uint32)
+
+
+def bits_f32(b):
+    return (np.asarray(b, dtype=np.uint32) << 16).view(np.float32)
+
+
+def bf16(x):
+    return bits_f32(bf16_bits(x))
+
+
+def pack(lo, hi):
+    """tn_pack: cvt.rn.bf16x2.f32, `lo` in the lower 16 bits."""
+    return bf16_bits(lo) | (bf16_bits(hi) << 16)
+
+
+def lo_f(r):
+    return bits_f32(r & 0xFFFF)
+
+
+def hi_f(r):
+    return bits_f32(r >> 16)
+
+
+class Smem:
+    def __init__(self, nbytes, fill=0xFF):
+        self.buf = np.full(nbytes, fill, dtype=np.uint8)  # garbage (0xFF: NaN, fp32 and bf16)
+        self.n = nbytes
+        self.owner = np.full(nbytes // 16, -1)  # thread whose cp.async wrote each 16 bytes
+
+    def u16(self):
+        return self.buf.view(np.uint16)
+
+    def f32(self):
+        return self.buf.view(np.float32)
+
+
+def ldsm_x4(sm, addr, trans=False, region=None):
+    """addr: [32] byte addresses; returns 4 registers, each [32] uint32. `region`: the byte
+    range (lo, hi) the 16-byte rows must lie in (the tile read), if given."""
+    assert np.all(addr % 16 == 0) and np.all(addr >= 0) and np.all(addr + 16 <= sm.n), addr
+    if region is not None:
+        assert np.all(addr >= region[0]) and np.all(addr + 16 <= region[1]), addr
+    u = sm.u16()
+    regs = []
+    for i in range(4):
+        rows = np.stack([u[addr[8 * i + r] // 2: addr[8 * i + r] // 2 + 8] for r in range(8)])
+        rows = rows.astype(np.uint32)
+        if trans:
+            a, b = rows[2 * T, G], rows[2 * T + 1, G]
+        else:
+            a, b = rows[G, 2 * T], rows[G, 2 * T + 1]
+        regs.append(a | (b << 16))
+    return regs
+
+
+def mma(d, a, b0, b1):
+    """d: [4][32] float32 (modified), a: 4 regs, b0, b1 regs."""
+    A = np.zeros((16, 16))
+    B = np.zeros((16, 8))
+    A[G, 2 * T], A[G, 2 * T + 1] = lo_f(a[0]), hi_f(a[0])
+    A[G + 8, 2 * T], A[G + 8, 2 * T + 1] = lo_f(a[1]), hi_f(a[1])
+    A[G, 2 * T + 8], A[G, 2 * T + 9] = lo_f(a[2]), hi_f(a[2])
+    A[G + 8, 2 * T + 8], A[G + 8, 2 * T + 9] = lo_f(a[3]), hi_f(a[3])
+    B[2 * T, G], B[2 * T + 1, G] = lo_f(b0), hi_f(b0)
+    B[2 * T + 8, G], B[2 * T + 9, G] = lo_f(b1), hi_f(b1)
+    with np.errstate(invalid="ignore", over="ignore"):
+        C = A @ B
+        d[0] = (d[0] + C[G, 2 * T]).astype(np.float32)
+        d[1] = (d[1] + C[G, 2 * T + 1]).astype(np.float32)
+        d[2] = (d[2] + C[G + 8, 2 * T]).astype(np.float32)
+        d[3] = (d[3] + C[G + 8, 2 * T + 1]).astype(np.float32)
+
+
+def exp2(x):
+    """tn_exp2: ex2.approx.ftz.f32 as the exact 2^x, results below 2^-126 flushed to 0."""
+    with np.errstate(over="ignore", invalid="ignore"):
+        y = np.exp2(np.asarray(x, dtype=np.float64)).astype(np.float32)
+    return np.where(y < 2.0 ** -126, np.float32(0), y)  # ftz
+
+
+def fmaf(a, b, c):
+    with np.errstate(invalid="ignore", over="ignore"):
+        return (np.float64(a) * np.float64(b) + np.float64(c)).astype(np.float32)
+
+
+def fmul_rn(a, b):
+    with np.errstate(invalid="ignore", over="ignore"):
+        return (np.asarray(a, dtype=np.float32) * np.float32(b)).astype(np.float32)
+
+
+def shfl_xor(x, m):
+    return x[lane ^ m]
+
+
+def keys_seen(i_end, Sk, causal, q_start, k_start):
+    """tn_keys_seen."""
+    if not causal:
+        return Sk
+    v = q_start + i_end - k_start
+    return 0 if v < 0 else (Sk if v > Sk else v)
+
+
+class Pieces:
+    """TnPieces, for every thread of the CTA at once (arrays over threadIdx.x)."""
+
+    def __init__(self, D):
+        self.cpr = D >> 2
+        self.r = TID // self.cpr
+        self.c = TID - self.r * self.cpr
+        self.dr = THREADS // self.cpr
+        self.dc = THREADS - self.dr * self.cpr
+
+    def advance(self, r, c):
+        c = c + self.dc
+        r = r + self.dr
+        carry = c >= self.cpr
+        return np.where(carry, r + 1, r), np.where(carry, c - self.cpr, c)
+
+
+def cp_async16(sm, dst, src, src_idx, src_bytes, region):
+    """tn_cp_async16 for all 128 threads: dst [128] shared byte addresses, src_idx [128]
+    float indices into the global array `src`, src_bytes [128] (16 or 0)."""
+    lo, hi = region
+    assert np.all(dst % 16 == 0) and np.all(dst >= lo) and np.all(dst + 16 <= hi), dst
+    # The address is formed (and must be 16-byte aligned and inside the array) even for
+    # src-size 0.
+    assert np.all(src_idx % 4 == 0) and np.all(src_idx >= 0) and np.all(src_idx + 4 <= src.size)
+    assert np.all((src_bytes == 16) | (src_bytes == 0))
+    assert len(np.unique(dst)) == THREADS
+    f = sm.f32()
+    four = np.arange(4)
+    vals = src[src_idx[:, None] + four]
+    f[(dst // 4)[:, None] + four] = np.where((src_bytes == 16)[:, None], vals, np.float32(0))
+    sm.owner[dst // 16] = TID
+
+
+def copy_tile(sm, kst, vst, kb, vb, k, v, kstride, j0, Sk, D, MAXK, pc):
+    """tn_copy_tile<MAXK>: `kb`, `vb` float offsets of row 0 of the head in k, v."""
+    r, c = pc.r.copy(), pc.c.copy()
+    seen = np.zeros((BN, D // 4), dtype=int)
+    for i in range(2 * MAXK):
+        if i < (D >> 3):
+            row = j0 + r
+            inn = row < Sk
+            off = np.where(inn, row * kstride, 0) + 4 * c
+            # A row past the end reads nothing; its address stays inside row 0 of the head.
+            assert np.all(np.where(inn, True, (off >= 0) & (off + 4 <= D)))
+            assert np.all(r < BN) and np.all(4 * c + 4 <= D)
+            np.add.at(seen, (r, c), 1)
+            so = (TID + THREADS * i) * 16
+            nbytes = np.where(inn, 16, 0)
+            cp_async16(sm, kst + so, k, kb + off, nbytes, (kst, kst + BN * D * 4))
+            cp_async16(sm, vst + so, v, vb + off, nbytes, (vst, vst + BN * D * 4))
+            r, c = pc.advance(r, c)
+    assert np.all(seen == 1), "the copies do not cover the tile exactly once"
+
+
+def convert_tile(sm, kst, vst, kt, vt, D, ld, MAXK, pc):
+    """tn_convert_tile<MAXK>: kst, vst, kt, vt byte offsets in shared memory."""
+    f, u = sm.f32(), sm.u16()
+    r, c = pc.r.copy(), pc.c.copy()
+    seen = np.zeros((BN, D // 4), dtype=int)
+    for i0 in range(0, 2 * MAXK, CVT_BATCH):
+        x, y = [None] * CVT_BATCH, [None] * CVT_BATCH
+        for j in range(CVT_BATCH):
+            if i0 + j < (D >> 3):
+                e = TID + THREADS * (i0 + j)
+                ka, va = kst + 16 * e, vst + 16 * e
+                assert np.all(ka + 16 <= vst) and np.all(va + 16 <= kt)
+                # A thread's own completed cp.async writes are visible to it, no one else's.
+                assert np.all(sm.owner[ka // 16] == TID) and np.all(sm.owner[va // 16] == TID), \
+                    "piece converted by another thread"
+                x[j] = np.stack([f[ka // 4 + q] for q in range(4)])  # [4][128]: .x .y .z .w
+                y[j] = np.stack([f[va // 4 + q] for q in range(4)])
+        for j in range(CVT_BATCH):
+            if i0 + j < (D >> 3):
+                o = r * ld + 4 * c  # elements
+                assert np.all(o % 4 == 0) and np.all(r < BN) and np.all(4 * c + 4 <= D)
+                np.add.at(seen, (r, c), 1)
+                for base, z in ((kt, x[j]), (vt, y[j])):
+                    w = [pack(z[0], z[1]), pack(z[2], z[3])]  # uint2 store, 8 bytes
+                    e16 = base // 2 + o
+                    u[e16] = w[0] & 0xFFFF
+                    u[e16 + 1] = w[0] >> 16
+                    u[e16 + 2] = w[1] & 0xFFFF
+                    u[e16 + 3] = w[1] >> 16
+                r, c = pc.advance(r, c)
+    assert np.all(seen == 1), "the conversion does not cover the tile exactly once"
+
+
+def tn_tile(sm, W, ks_lane, vs_lane, ld, nk, MAXK, sl2, kv_lim, vis, masked):
+    """tn_tile<MAXK, MASKED> for one warp (W: its registers, lanes as vectors)."""
+    qf, o, m, l = W["qf"], W["o"], W["m"], W["l"]
+    # S = Q K^T (16 rows x 64 keys): n-tiles 2p, 2p + 1 from one ldmatrix.x4 per k-step.
+    s = [[np.zeros(32, np.float32) for _ in range(4)] for _ in range(8)]
+    for kk in range(MAXK):
+        if kk < nk:
+            for p in range(4):
+                if not masked or 16 * p < kv_lim:
+                    bk = ldsm_x4(sm, ks_lane + (p * 16 * ld + kk * 16) * 2, region=W["kt"])
+                    mma(s[2 * p], qf[kk], bk[0], bk[1])
+                    mma(s[2 * p + 1], qf[kk], bk[2], bk[3])
+    # Online softmax, row r0 + 8 hf: s[n][2 hf], s[n][2 hf + 1].
+    for hf in range(2):
+        mx = m[hf].copy()
+        for n in range(8):
+            for e in range(2):
+                if masked:
+                    s[n][2 * hf + e] = np.where(n * 8 + 2 * T + e >= vis[hf], NEG_INF,
+                                                s[n][2 * hf + e]).astype(np.float32)
+                mx = np.fmax(mx, s[n][2 * hf + e])
+        mx = np.fmax(mx, shfl_xor(mx, 1))
+        mx = np.fmax(mx, shfl_xor(mx, 2))
+        m2 = np.where(mx == NEG_INF, np.float32(0), fmul_rn(mx, sl2)).astype(np.float32)
+        with np.errstate(invalid="ignore"):
+            corr = exp2((fmul_rn(m[hf], sl2) - m2).astype(np.float32))
+        m[hf] = mx
+        sm_ = np.zeros(32, np.float32)
+        for n in range(8):
+            for e in range(2):
+                p_ = exp2(fmaf(s[n][2 * hf + e], sl2, -m2))
+                s[n][2 * hf + e] = p_
+                sm_ = (sm_ + p_).astype(np.float32)
+        # l * corr + sum: contracted to one FFMA by nvcc's default -fmad=true.
+        l[hf] = fmaf(l[hf], corr, sm_)
+        for n in range(2 * MAXK):
+            o[n][2 * hf] = (o[n][2 * hf] * corr).astype(np.float32)
+            o[n][2 * hf + 1] = (o[n][2 * hf + 1] * corr).astype(np.float32)
+    # O += P V: A = P (k-step kk = keys 16 kk .. 16 kk + 15), B from ldmatrix.x4.trans.
+    for kk in range(4):
+        if not masked or 16 * kk < kv_lim:
+            a = [pack(s[2 * kk][0], s[2 * kk][1]), pack(s[2 * kk][2], s[2 * kk][3]),
+                 pack(s[2 * kk + 1][0], s[2 * kk + 1][1]), pack(s[2 * kk + 1][2], s[2 * kk + 1][3])]
+            for p in range(MAXK):
+                if p < nk:
+                    bv = ldsm_x4(sm, vs_lane + (kk * 16 * ld + p * 16) * 2, trans=True,
+                                 region=W["vt"])
+                    mma(o[2 * p], a, bv[0], bv[1])
+                    mma(o[2 * p + 1], a, bv[2], bv[3])
+
+
+def body(q, k, v, out, lse, wr_out, wr_lse, B, Sq, Sk, H, Hkv, D, causal, q_start, k_start,
+         scale, MAXK, FULL, gx, bx, by):
+    """attn_fwd_tc_next_body<MAXK, FULL> for the CTA (bx, by) of a grid (gx, B * H)."""
+    if FULL:
+        D = 16 * MAXK
+    ld = D + PAD
+    nbytes = 768 * D + 2048
+    kst = 0  # byte offsets in the dynamic shared memory
+    vst = kst + BN * D * 4
+    kt = vst + BN * D * 4
+    vt = kt + BN * ld * 2
+    assert vt + BN * ld * 2 == nbytes and kt % 16 == 0 and vt % 16 == 0
+    sm = Smem(nbytes)
+    b, h = by // H, by % H
+    hk = h // (H // Hkv)
+    q0 = (gx - 1 - bx) * BM  # longest rows first
+    nk, nd = D >> 4, D >> 3
+    qstride, kstride = H * D, Hkv * D
+    qb = b * Sq * qstride + h * D
+    kb = b * Sk * kstride + hk * D
+    vb = b * Sk * kstride + hk * D
+    sl2 = np.float32(np.float32(scale) * LOG2E)
+
+    nvis = keys_seen(min(q0 + BM, Sq), Sk, causal, q_start, k_start)
+    ntiles = (nvis + BN - 1) // BN
+    pc = Pieces(D)
+
+    if ntiles > 0:
+        copy_tile(sm, kst, vst, kb, vb, k, v, kstride, 0, Sk, D, MAXK, pc)
+
+    warps = []
+    for warp in range(4):
+        iw = q0 + warp * 16
+        r0 = iw + G
+        # Q's A fragments (rows r0, r0 + 8; zeros past Sq).
+        pa = qb + r0 * qstride + 2 * T
+        pb = qb + (r0 + 8) * qstride + 2 * T
+        oka, okb = r0 < Sq, r0 + 8 < Sq
+
+        def ld2(ok, ptr):
+            idx = np.where(ok, ptr, 0)
+            assert np.all(idx % 2 == 0) and np.all(idx >= 0) and np.all(idx + 2 <= q.size)
+            assert np.all(np.where(ok, (idx - qb) % qstride + 2 <= D, True))
+            return (np.where(ok, q[idx], 0).astype(np.float32),
+                    np.where(ok, q[idx + 1], 0).astype(np.float32))
+
+        qf = [None] * MAXK
+        for kk in range(MAXK):
+            if kk < nk:
+                x0 = ld2(oka, pa + kk * 16)
+                x1 = ld2(okb, pb + kk * 16)
+                x2 = ld2(oka, pa + kk * 16 + 8)
+                x3 = ld2(okb, pb + kk * 16 + 8)
+                qf[kk] = [pack(*x0), pack(*x1), pack(*x2), pack(*x3)]
+        wfull = wkeys = 0
+        if iw < Sq:
+            wkeys = keys_seen(min(iw + 16, Sq), Sk, causal, q_start, k_start)
+            wfull = keys_seen(iw + 1, Sk, causal, q_start, k_start)
+        vis_row = [np.array([keys_seen(int(x) + 8 * hf + 1, Sk, causal, q_start, k_start)
+                             for x in r0]) for hf in range(2)]
+        warps.append(dict(iw=iw, r0=r0, qf=qf, wfull=wfull, wkeys=wkeys, vis_row=vis_row,
+                          kt=(kt, kt + BN * ld * 2), vt=(vt, vt + BN * ld * 2),
+                          o=[[np.zeros(32, np.float32) for _ in range(4)] for _ in range(2 * MAXK)],
+                          m=[np.full(32, NEG_INF), np.full(32, NEG_INF)],
+                          l=[np.zeros(32, np.float32), np.zeros(32, np.float32)]))
+
+    # ldmatrix row addresses of this lane (k-step 0, n-tile pair 0).
+    krow, kcol = ((lane >> 4) << 3) + (lane & 7), ((lane >> 3) & 1) << 3
+    vrow, vcol = (((lane >> 3) & 1) << 3) + (lane & 7), (lane >> 4) << 3
+    ks_lane = kt + (krow * ld + kcol) * 2
+    vs_lane = vt + (vrow * ld + vcol) * 2
+
+    for jt in range(ntiles):
+        j0 = jt * BN
+        # cp.async.wait_group 0; __syncthreads()
+        convert_tile(sm, kst, vst, kt, vt, D, ld, MAXK, pc)
+        # __syncthreads()
+        if jt + 1 < ntiles:
+            copy_tile(sm, kst, vst, kb, vb, k, v, kstride, j0 + BN, Sk, D, MAXK, pc)
+        for W in warps:
+            if j0 + BN <= W["wfull"]:
+                tn_tile(sm, W, ks_lane, vs_lane, ld, nk, MAXK, sl2, BN, [0, 0], False)
+            elif j0 < W["wkeys"]:
+                vis = [W["vis_row"][0] - j0, W["vis_row"][1] - j0]
+                tn_tile(sm, W, ks_lane, vs_lane, ld, nk, MAXK, sl2, W["wkeys"] - j0, vis, True)
+
+    ob = b * Sq * qstride + h * D
+    for W in warps:
+        for hf in range(2):
+            sum_ = W["l"][hf]
+            sum_ = (sum_ + shfl_xor(sum_, 1)).astype(np.float32)
+            sum_ = (sum_ + shfl_xor(sum_, 2)).astype(np.float32)
+            i = W["r0"] + 8 * hf
+            ok = i < Sq
+            with np.errstate(divide="ignore"):
+                inv = np.where(sum_ > 0, np.float32(1) / sum_, np.float32(0)).astype(np.float32)
+            orow = ob + np.where(ok, i, 0) * qstride + 2 * T
+            for n in range(2 * MAXK):
+                if n < nd:
+                    for e in range(2):
+                        idx = (orow + n * 8 + e)[ok]
+                        with np.errstate(invalid="ignore"):
+                            out[idx] = (W["o"][n][2 * hf + e] * inv).astype(np.float32)[ok]
+                        np.add.at(wr_out, idx, 1)
+            with np.errstate(divide="ignore", invalid="ignore"):
+                val = np.where(sum_ > 0, ((fmul_rn(W["m"][hf], sl2)
+                                           + np.log2(sum_.astype(np.float64)).astype(np.float32))
+                                          * LN2).astype(np.float32), NEG_INF)
+            w = ok & (T == 0)
+            li = ((b * H + h) * Sq + i)[w]
+            lse[li] = val[w]
+            np.add.at(wr_lse, li, 1)
+
+
+def kernel(q, k, v, out, lse, B, Sq, Sk, H, Hkv, D, causal, q_start, k_start, scale, MAXK):
+    """TN_KERNEL(MAXK): attn_fwd_tc_next_k<MAXK> over the whole grid (ceil(Sq / 64), B H)."""
+    assert D % 16 == 0 and 16 <= D <= 16 * MAXK
+    wr_out = np.zeros(out.size, dtype=int)
+    wr_lse = np.zeros(lse.size, dtype=int)
+    gx = (Sq + BM - 1) // BM
+    for by in range(B * H):
+        for bx in range(gx):
+            body(q, k, v, out, lse, wr_out, wr_lse, B, Sq, Sk, H, Hkv, D, causal, q_start,
+                 k_start, scale, MAXK, D == 16 * MAXK, gx, bx, by)
+    assert np.all(wr_out == 1), "out: elements written other than once"
+    assert np.all(wr_lse == 1), "lse: elements written other than once"
+
+
+def reference(q, k, v, B, Sq, Sk, H, Hkv, D, causal, q_start, k_start, scale):
+    """fp64 attention on bf16-rounded Q, K, V; (ROUND_P) P rounded to bf16 before P V,
+    divided by the row sum of the unrounded P."""
+    rb = lambda x: bf16(x.astype(np.float32)).astype(np.float64)
+    q4 = rb(q).reshape(B, Sq, H, D)
+    k4 = rb(k).reshape(B, Sk, Hkv, D)
+    v4 = rb(v).reshape(B, Sk, Hkv, D)
+    i = np.arange(Sq)[:, None]
+    j = np.arange(Sk)[None, :]
+    vis = (k_start + j <= q_start + i) if causal else np.ones((Sq, Sk), bool)
+    lse = np.full((B, H, Sq), -np.inf)
+    out = np.zeros((B, Sq, H, D))
+    for bb in range(B):
+        for h in range(H):
+            hk = h // (H // Hkv)
+            S = q4[bb, :, h] @ k4[bb, :, hk].T * scale
+            S = np.where(vis, S, -np.inf)
+            m = S.max(axis=1, keepdims=True) if Sk > 0 else np.full((Sq, 1), -np.inf)
+            mm = np.where(np.isfinite(m), m, 0)
+            e = np.exp(S - mm)
+            l = e.sum(axis=1, keepdims=True)
+            with np.errstate(divide="ignore"):
+                lse[bb, h] = np.where(l[:, 0] > 0, mm[:, 0] + np.log(l[:, 0]), -np.inf)
+            if ROUND_P == "tile":
+                # The maximum the row has seen by the end of each 64-key tile: the kernel's
+                # running maximum when it rounds that tile's p.
+                nt = (Sk + BN - 1) // BN
+                tm = np.stack([S[:, BN * t:BN * (t + 1)].max(axis=1) for t in range(nt)], 1)
+                mt = np.maximum.accumulate(tm, axis=1)[:, j[0] // BN]
+                mt = np.where(np.isfinite(mt), mt, mm)
+                P = rb(np.exp(S - mt)) * np.exp(mt - mm)
+            elif ROUND_P:
+                P = rb(e)
+            else:
+                P = e
+            out[bb, :, h] = np.where(l > 0, (P / np.where(l > 0, l, 1)) @ v4[bb, :, hk], 0)
+    return out.reshape(-1), lse.reshape(-1)
+
+
+def case(B, Sq, Sk, H, Hkv, D, causal, q_start, k_start, seed=0, note=""):
+    rng = np.random.default_rng(seed)
+    q = rng.standard_normal(B * Sq * H * D).astype(np.float32)
+    k = rng.standard_normal(B * Sk * Hkv * D).astype(np.float32)
+    v = rng.standard_normal(B * Sk * Hkv * D).astype(np.float32)
+    scale = np.float32(1.0 / np.sqrt(D))
+    rout, rlse = reference(q, k, v, B, Sq, Sk, H, Hkv, D, causal, q_start, k_start,
+                           np.float64(scale))
+    MAXK = 4 if D <= 64 else 8
+    out = np.full(B * Sq * H * D, np.nan, np.float32)
+    lse = np.full(B * H * Sq, np.nan, np.float32)
+    t0 = time.time()
+    kernel(q, k, v, out, lse, B, Sq, Sk, H, Hkv, D, int(causal), q_start, k_start, scale, MAXK)
+    dt = time.time() - t0
+    ok = True
+    msgs = []
+    dead = np.isneginf(rlse)  # rows that see no key
+    if not np.array_equal(np.isneginf(lse), dead) or not np.all(np.isfinite(lse[~dead])):
+        ok = False
+        msgs.append(f"lse -inf rows differ ({np.isneginf(lse).sum()} vs {dead.sum()})")
+    dead_o = np.broadcast_to(dead.reshape(B, H, Sq).transpose(0, 2, 1)[..., None],
+                             (B, Sq, H, D)).reshape(-1)
+    if not np.all(out[dead_o] == 0):
+        ok = False
+        msgs.append("out of a row that sees no key not 0")
+    top = max(np.abs(rout).max(), 1e-30)
+    err = np.abs(out - rout).max() / top if np.all(np.isfinite(out)) else np.inf
+    if err >= TOL:
+        ok = False
+        bad = np.argmax(np.abs(out - rout)) if np.isfinite(err) else np.argmax(~np.isfinite(out))
+        msgs.append(f"(out worst at {bad}: {out[bad]} vs {rout[bad]})")
+    live = ~dead
+    if live.any():
+        d = np.abs(lse[live].astype(np.float64) - rlse[live])
+        lerr = d.max() if np.all(np.isfinite(lse[live])) else np.inf
+        lrel = lerr / np.abs(rlse[live]).max()
+    else:
+        lerr = lrel = 0.0
+    if not lerr < LSE_TOL:
+        ok = False
+        msgs.append("lse error")
+    line = (f"B{B} Sq{Sq} Sk{Sk} H{H}/{Hkv} D{D} k{MAXK}{' full' if D == 16 * MAXK else ''} "
+            f"{'c' if causal else 'nc'} {q_start},{k_start}: out {err:.2e}, lse {lerr:.2e} abs "
+            f"{lrel:.2e} rel, -inf rows {dead.sum()}/{dead.size} [{dt:.1f} s]{note}")
+    print(line + ("" if ok else "  MISMATCH " + "; ".join(msgs)), flush=True)
+    return ok
+
+
+CASES = [
+    # B, Sq, Sk, H, Hkv, D, causal, q_start, k_start
+    (1, 70, 70, 2, 1, 64, True, 0, 0),
+    (2, 130, 130, 4, 2, 64, True, 0, 0),
+    (1, 200, 200, 4, 1, 64, True, 0, 0),
+    (1, 1, 17, 2, 1, 32, True, 16, 0),  # one query, the last position (decoding)
+    (1, 17, 1, 2, 2, 16, False, 0, 0),
+    (1, 63, 65, 2, 1, 48, True, 2, 0),
+    (1, 65, 63, 2, 2, 96, False, 0, 0),
+    (1, 130, 100, 4, 1, 128, True, 0, 0),
+    (1, 100, 130, 2, 2, 32, True, 30, 10),
+    (1, 40, 60, 2, 1, 32, True, 0, 20),  # rows 0..19 see no key
+    (1, 40, 100, 2, 1, 16, True, 0, 50),  # no row sees a key (the key block in the future)
+    (2, 130, 130, 4, 2, 16, True, 0, 65),  # rows 0..64 (a whole CTA and more) see no key
+    (1, 150, 170, 2, 2, 128, True, 100, 120),
+    (2, 33, 47, 2, 1, 80, False, 0, 0),
+    (1, 64, 64, 2, 1, 112, True, 0, 0),
+    (1, 97, 33, 3, 3, 48, True, 0, 0),
+    (1, 130, 70, 4, 1, 32, False, 0, 0),
+    (1, 90, 200, 2, 1, 96, True, 110, 0),
+    (1, 129, 129, 2, 1, 128, False, 0, 0),
+    # Offsets that put a warp's or a CTA's last key on the first key of a 16-key step or of a
+    # 64-key tile (q_start - k_start = 1 mod 16), and a warp's first row one key short of a
+    # whole tile (q_start - k_start = 14 mod 16): the boundaries of the skips.
+    (1, 100, 120, 2, 1, 64, True, 1, 0),
+    (1, 90, 80, 2, 2, 32, True, 0, 15),  # rows 0..14 see no key
+    (1, 80, 140, 2, 1, 48, True, 78, 0),
+]
+
+if __name__ == "__main__":
+    t0 = time.time()
+    ok = True
+    for c in CASES:
+        ok &= case(*c)
+    print(f"{'all OK' if ok else 'MISMATCH'} ({time.time() - t0:.0f} s)")
+    sys.exit(0 if ok else 1)
