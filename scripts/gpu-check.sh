@@ -217,7 +217,10 @@ check_processes() {
     # bandwidth, host copies) and its ranking of the medium preset at 1024 tokens.
     if have_time 90; then
         timeout 90 "$dir/xtrain" plan --cluster this --device cuda --model medium --seq-len 1024 \
-            --top 5 >>"$report" 2>&1 || echo "xtrain plan --cluster this --device cuda failed" >>"$report"
+            --top 5 --save-cluster "$out/cluster-this.json" >>"$report" 2>&1 ||
+            echo "xtrain plan --cluster this --device cuda failed" >>"$report"
+        # The calibrated figures (peaks, efficiency, bandwidths, links), for docs/PLAN.md.
+        [ -f "$out/cluster-this.json" ] && tr -d ' \n' <"$out/cluster-this.json" >>"$report" && echo >>"$report"
     else
         echo "xtrain plan --cluster this --device cuda: skipped (time budget)" >>"$report"
     fi

@@ -156,6 +156,21 @@ fn offload_fits_a_7b_model_on_one_h100() {
         explained.contains("host: fp32 master") && explained.contains("on the host's CPUs"),
         "{explained}"
     );
+    // The cluster saved as JSON and read back plans the same (the first line, which times the
+    // search, aside).
+    let ranked = |s: &str| s.lines().skip(1).collect::<Vec<_>>().join("\n");
+    let saved = dir.join("saved.json");
+    let again = ok(&xtrain(
+        &[&base[..], &["--save-cluster", saved.to_str().unwrap()]].concat(),
+    ));
+    assert_eq!(ranked(&again), ranked(&out));
+    let reread = [&base[..4], &[saved.to_str().unwrap()], &base[5..]].concat();
+    assert_eq!(ranked(&ok(&xtrain(&reread))), ranked(&out));
+    let unwritable = dir.join("no-such-dir").join("c.json");
+    let err = failed(&xtrain(
+        &[&base[..], &["--save-cluster", unwritable.to_str().unwrap()]].concat(),
+    ));
+    assert!(err.contains("writing the cluster"), "{err}");
     let on_device = ok(&xtrain(&[&base[..], &["--offload", "none"]].concat()));
     assert!(on_device.contains("nothing fits"), "{on_device}");
     let err = failed(&xtrain(&[&base[..], &["--offload", "disk"]].concat()));

@@ -93,6 +93,10 @@ pub struct PlanArgs {
     /// Write the memory chart of the top layouts (SVG).
     #[arg(long)]
     pub svg: Option<std::path::PathBuf>,
+    /// Write the cluster as JSON (the format `--cluster FILE` reads): this machine's
+    /// calibration kept to plan with again without measuring, or a preset to edit.
+    #[arg(long, value_name = "FILE")]
+    pub save_cluster: Option<std::path::PathBuf>,
     /// Run short benchmarks of small and medium (single process, dp2, tp2, pp2, cp2; ep2 on
     /// moe-small) and print predicted against measured step time and memory; with
     /// `--device cuda`, medium on this machine's GPUs (bf16 and fp32 on one; dp2 and tp2 where
@@ -180,6 +184,11 @@ pub fn run_cmd(a: PlanArgs) -> Result<()> {
     let seq_len = a.seq_len.or(preset.map(|p| p.0)).unwrap_or(4096);
     let micro = preset.map_or(1, |p| p.1);
     let cluster = cluster(&a, &model, seq_len, micro)?;
+    if let Some(path) = &a.save_cluster {
+        let text = serde_json::to_string_pretty(&cluster)?;
+        std::fs::write(path, text + "\n")
+            .with_context(|| format!("writing the cluster to {}", path.display()))?;
+    }
     let global_batch = a
         .global_batch
         .unwrap_or_else(|| preset.map_or(1024, |p| p.1 * cluster.devices()));
