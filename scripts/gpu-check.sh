@@ -12,7 +12,7 @@
 # and each test's result, and ends with the check's duration; past GPU_CHECK_BUDGET seconds
 # (default 450) the optional sections say "skipped (time budget)" instead of running.
 # GPU_CHECK_ONLY="tests bench" (any of: tests bench attention processes validate convergence
-# ncu) runs only those sections: a rerun after a fix, within the machine's time. The CUDA
+# large ncu) runs only those sections: a rerun after a fix, within the machine's time. The CUDA
 # libraries (NVRTC, cuBLASLt, NCCL) are found in a CUDA toolkit or in the pip wheels of the
 # machine's Python (nvidia-cuda-nvrtc, nvidia-cublas, nvidia-nccl-cu12 / -cu13), whose
 # folders go in XTRAIN_CUDA_LIB_PATH.
@@ -131,28 +131,6 @@ check_bench() {
             --model 32000,768,2048,12,12,12,1024,8 --steps 10 >>"$report" 2>&1 ||
             echo "torch peer 124M bf16 failed" >>"$report"
     done
-    # The target peer: the same 124M under torch.compile (its compilation, in the
-    # warm-up steps, takes a minute or more: only where the budget allows).
-    if have_time 180; then
-        PYTHONUNBUFFERED=1 timeout 180 python3 benches/peers/torch_peer.py train --device cuda --dtype bf16 \
-            --model 32000,768,2048,12,12,12,1024,8 --steps 10 --compile >>"$report" 2>&1 ||
-            echo "torch peer 124M bf16 compiled failed or timed out" >>"$report"
-    else
-        echo "torch peer 124M bf16 compiled: skipped (time budget)" >>"$report"
-    fi
-    # A ~1B Llama (16 layers, hidden 2048, 16 heads, ffn 5504, vocab 32000, seq 1024,
-    # micro-batch 4) in bf16, once each.
-    local m1b=(--set model.vocab_size=32000 --set model.hidden_size=2048 --set model.intermediate_size=5504
-        --set model.num_layers=16 --set model.num_heads=16 --set model.num_kv_heads=16
-        --set model.seq_len=1024 --set train.micro_batch=4 --set 'data.tokenizer="byte"')
-    for bin in xtrain xtrain-next; do
-        echo "[$bin]" >>"$report"
-        timeout 120 "$dir/$bin" bench train --preset medium --device cuda --steps 5 "${m1b[@]}" "${bf16[@]}" \
-            >>"$report" 2>&1 || echo "$bin bench 1B bf16 failed" >>"$report"
-    done
-    PYTHONUNBUFFERED=1 timeout 120 python3 benches/peers/torch_peer.py train --device cuda --dtype bf16 \
-        --model 32000,2048,5504,16,16,16,1024,4 --steps 5 >>"$report" 2>&1 ||
-        echo "torch peer 1B bf16 failed" >>"$report"
     # Attention forward + backward against the MLP product per FLOP, at the 124M's shapes
     # (the floor: within 2×).
     for bin in xtrain xtrain-next; do
@@ -310,6 +288,44 @@ check_convergence() {
     echo '```' >>"$report"
 }
 
+# Budget allowing, after everything else: the 124M under torch.compile (the target
+# peer; its compilation takes a minute or more) and a ~1B Llama, xtrain, xtrain-next, PyTorch.
+check_large() {
+    {
+        echo
+        echo "## torch.compile and a ~1B Llama (budget allowing)"
+        echo
+        echo '```'
+    } >>"$report"
+    if have_time 180; then
+        PYTHONUNBUFFERED=1 timeout 180 python3 benches/peers/torch_peer.py train --device cuda --dtype bf16 \
+            --model 32000,768,2048,12,12,12,1024,8 --steps 10 --compile >>"$report" 2>&1 ||
+            echo "torch peer 124M bf16 compiled failed or timed out" >>"$report"
+    else
+        echo "torch peer 124M bf16 compiled: skipped (time budget)" >>"$report"
+    fi
+    # A ~1B Llama (16 layers, hidden 2048, 16 heads, ffn 5504, vocab 32000, seq 1024,
+    # micro-batch 4) in bf16, once each.
+    local m1b=(--set model.vocab_size=32000 --set model.hidden_size=2048 --set model.intermediate_size=5504
+        --set model.num_layers=16 --set model.num_heads=16 --set model.num_kv_heads=16
+        --set model.seq_len=1024 --set train.micro_batch=4 --set 'data.tokenizer="byte"')
+    if ! have_time 150; then
+        echo "1B bf16: skipped (time budget)" >>"$report"
+        echo '```' >>"$report"
+        return
+    fi
+    local bin
+    for bin in xtrain xtrain-next; do
+        echo "[$bin]" >>"$report"
+        timeout 120 "$dir/$bin" bench train --preset medium --device cuda --steps 5 "${m1b[@]}" "${bf16[@]}" \
+            >>"$report" 2>&1 || echo "$bin bench 1B bf16 failed" >>"$report"
+    done
+    PYTHONUNBUFFERED=1 timeout 120 python3 benches/peers/torch_peer.py train --device cuda --dtype bf16 \
+        --model 32000,2048,5504,16,16,16,1024,4 --steps 5 >>"$report" 2>&1 ||
+        echo "torch peer 1B bf16 failed" >>"$report"
+    echo '```' >>"$report"
+}
+
 # Nsight Compute on the attention kernels, where installed.
 check_ncu() {
     # Where Nsight Compute is installed: the tensor-core attention kernels of a bf16 step of
@@ -366,7 +382,7 @@ PY
         --set model.seq_len=1024 --set train.micro_batch=8 --set 'data.tokenizer="byte"')
     local bf16=(--set 'train.precision="bf16"') fp32=(--set 'train.precision="fp32"')
     local section
-    for section in tests bench attention processes validate convergence ncu; do
+    for section in tests bench attention processes validate convergence large ncu; do
         if [ -z "${GPU_CHECK_ONLY:-}" ] || [[ " $GPU_CHECK_ONLY " == *" $section "* ]]; then
             "check_$section"
         else
