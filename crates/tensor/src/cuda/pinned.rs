@@ -14,7 +14,7 @@
 //! (`DevSliceMut::copy_from_host` on its slice) also returns only once the copy is done: from
 //! pageable memory the driver has taken its copy of the data when the call returns, but from
 //! page-locked memory the DMA reads the buffer later, and the caller would otherwise overwrite
-//! data still on its way. [`is_pinned`] is how the upload knows.
+//! data still on its way. A registry of the live buffers (`is_pinned`) is how the upload knows.
 use std::ffi::c_void;
 use std::sync::{Arc, Mutex};
 
