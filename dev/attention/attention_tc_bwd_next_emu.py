@@ -19,40 +19,14 @@ V, dO and (ROUND_P) P and dS rounded to bf16; the kernels accumulate into random
 import sys
 import numpy as np
 
+from emu_common import G, T, bf16, bf16_bits, exp2, fmaf, lane, mma, pack
+
 LOG2E = np.float32(1.4426950408889634)
 ROUND_P = True  # the reference rounds P and dS to bf16 too (sharper: see TOL)
 TOL = 1.5e-3  # max |x - ref| / max |ref|: 1e-7 typically; up to ~7e-4 where the reference
 # and the kernel round one P or dS element to different bf16 neighbours (S sums differ in the
 # last fp32 bits): one row of dq and one of dk (or dv) then differ by that element's ulp.
 THREADS = 128
-lane = np.arange(32)
-G, T = lane >> 2, lane & 3
-
-
-def bf16_bits(x):
-    u = np.asarray(x, dtype=np.float32).view(np.uint32).astype(np.uint64)
-    u = (u + 0x7FFF + ((u >> 16) & 1)) >> 16
-    return (u & 0xFFFF).astype(np.uint32)
-
-
-def bits_f32(b):
-    return (np.asarray(b, dtype=np.uint32) << 16).view(np.float32)
-
-
-def bf16(x):
-    return bits_f32(bf16_bits(x))
-
-
-def pack(lo, hi):
-    return bf16_bits(lo) | (bf16_bits(hi) << 16)
-
-
-def lo_f(r):
-    return bits_f32(r & 0xFFFF)
-
-
-def hi_f(r):
-    return bits_f32(r >> 16)
 
 
 class Smem:
@@ -81,34 +55,6 @@ def ldsm_x4(sm, addr, trans=False):
             a, b = rows[G, 2 * T], rows[G, 2 * T + 1]
         regs.append(a | (b << 16))
     return regs
-
-
-def mma(d, a, b0, b1):
-    """d: [4][32] float32 (modified), a: 4 regs, b0, b1 regs."""
-    A = np.zeros((16, 16))
-    B = np.zeros((16, 8))
-    A[G, 2 * T], A[G, 2 * T + 1] = lo_f(a[0]), hi_f(a[0])
-    A[G + 8, 2 * T], A[G + 8, 2 * T + 1] = lo_f(a[1]), hi_f(a[1])
-    A[G, 2 * T + 8], A[G, 2 * T + 9] = lo_f(a[2]), hi_f(a[2])
-    A[G + 8, 2 * T + 8], A[G + 8, 2 * T + 9] = lo_f(a[3]), hi_f(a[3])
-    B[2 * T, G], B[2 * T + 1, G] = lo_f(b0), hi_f(b0)
-    B[2 * T + 8, G], B[2 * T + 9, G] = lo_f(b1), hi_f(b1)
-    C = A @ B
-    d[0] = (d[0] + C[G, 2 * T]).astype(np.float32)
-    d[1] = (d[1] + C[G, 2 * T + 1]).astype(np.float32)
-    d[2] = (d[2] + C[G + 8, 2 * T]).astype(np.float32)
-    d[3] = (d[3] + C[G + 8, 2 * T + 1]).astype(np.float32)
-
-
-def exp2(x):
-    with np.errstate(over="ignore", invalid="ignore"):
-        y = np.exp2(np.asarray(x, dtype=np.float64)).astype(np.float32)
-    return np.where(y < 2.0 ** -126, np.float32(0), y)  # ftz
-
-
-def fmaf(a, b, c):
-    with np.errstate(invalid="ignore", over="ignore"):
-        return (np.float64(a) * np.float64(b) + np.float64(c)).astype(np.float32)
 
 
 def keys_seen(i_end, Sk, causal, q_start, k_start):
