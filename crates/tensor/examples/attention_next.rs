@@ -513,9 +513,10 @@ fn library_delta(gpu: &Arc<Gpu>, s: &AttnShape, i: &mut BwdIn) -> Result<()> {
     Ok(())
 }
 
-/// The library's dQ kernel alone, with the launcher's grid, block and shared memory
-/// (`256 (D + 8)` bytes), on the library's stream.
-fn library_dq(gpu: &Arc<Gpu>, s: &AttnShape, i: &BwdIn, g: &mut Grads) -> Result<()> {
+/// The library's dQ kernel (`dkv == false`: shared memory `256 (D + 8)` bytes, a block per 64
+/// query rows) or dK/dV kernel (`384 (D + 8) + 256` bytes, a block per 64 keys) alone, with the
+/// launcher's grid, block and shared memory, on the library's stream.
+fn library_bwd(gpu: &Arc<Gpu>, s: &AttnShape, i: &BwdIn, g: &mut Grads, dkv: bool) -> Result<()> {
     let mut args: Vec<KArg> = vec![
         (&i.q).into(),
         (&i.k).into(),
@@ -523,58 +524,28 @@ fn library_dq(gpu: &Arc<Gpu>, s: &AttnShape, i: &BwdIn, g: &mut Grads) -> Result
         (&i.dout).into(),
         (&i.lse).into(),
         (&i.delta).into(),
-        (&g.dq).into(),
     ];
+    let (kernel, rows, heads, shared) = if dkv {
+        args.extend::<[KArg; 2]>([(&g.dk).into(), (&g.dv).into()]);
+        let k = ["attn_bwd_dkv_tc_k4", "attn_bwd_dkv_tc_k8"];
+        (k, s.kv_len, s.n_kv_heads, 384 * (s.head_dim + 8) + 256)
+    } else {
+        args.push((&g.dq).into());
+        let k = ["attn_bwd_dq_tc_k4", "attn_bwd_dq_tc_k8"];
+        (k, s.q_len, s.n_heads, 256 * (s.head_dim + 8))
+    };
     args.extend(shape_args(s));
     gpu.launch(
         "attention_tc",
-        if s.head_dim <= 64 {
-            "attn_bwd_dq_tc_k4"
-        } else {
-            "attn_bwd_dq_tc_k8"
-        },
+        kernel[usize::from(s.head_dim > 64)],
         LaunchCfg {
             grid: (
-                s.q_len.div_ceil(BLOCK_ROWS) as u32,
-                (s.batch * s.n_heads) as u32,
+                rows.div_ceil(BLOCK_ROWS) as u32,
+                (s.batch * heads) as u32,
                 1,
             ),
             block: (THREADS, 1, 1),
-            shared_bytes: (256 * (s.head_dim + 8)) as u32,
-        },
-        &args,
-    )?;
-    Ok(())
-}
-
-/// The library's dK/dV kernel alone (shared memory `384 (D + 8) + 256` bytes).
-fn library_dkv(gpu: &Arc<Gpu>, s: &AttnShape, i: &BwdIn, g: &mut Grads) -> Result<()> {
-    let mut args: Vec<KArg> = vec![
-        (&i.q).into(),
-        (&i.k).into(),
-        (&i.v).into(),
-        (&i.dout).into(),
-        (&i.lse).into(),
-        (&i.delta).into(),
-        (&g.dk).into(),
-        (&g.dv).into(),
-    ];
-    args.extend(shape_args(s));
-    gpu.launch(
-        "attention_tc",
-        if s.head_dim <= 64 {
-            "attn_bwd_dkv_tc_k4"
-        } else {
-            "attn_bwd_dkv_tc_k8"
-        },
-        LaunchCfg {
-            grid: (
-                s.kv_len.div_ceil(BLOCK_ROWS) as u32,
-                (s.batch * s.n_kv_heads) as u32,
-                1,
-            ),
-            block: (THREADS, 1, 1),
-            shared_bytes: (384 * (s.head_dim + 8) + 256) as u32,
+            shared_bytes: shared as u32,
         },
         &args,
     )?;
@@ -722,8 +693,8 @@ fn compare_bwd(
 
     // Times: each kernel of each pair apart (they accumulate into the buffers: harmless).
     let mut lg = Grads::zeros(gpu, s)?;
-    let lib_dq_ms = time_launches(gpu, None, || library_dq(gpu, s, &i, &mut lg))?;
-    let lib_dkv_ms = time_launches(gpu, None, || library_dkv(gpu, s, &i, &mut lg))?;
+    let lib_dq_ms = time_launches(gpu, None, || library_bwd(gpu, s, &i, &mut lg, false))?;
+    let lib_dkv_ms = time_launches(gpu, None, || library_bwd(gpu, s, &i, &mut lg, true))?;
     let cand_dq_ms = time_launches(gpu, Some(cand), || cand.launch_dq(s, &i, &mut cg.dq))?;
     let cand_dkv_ms = time_launches(gpu, Some(cand), || {
         cand.launch_dkv(s, &i, &mut cg.dk, &mut cg.dv)

@@ -177,8 +177,9 @@ impl<M: StageModel> Executor<M> {
                     let stage = || gpu.pinned(chunk).map_err(|e| terr(e.into()));
                     self.offload_stages = Some([stage()?, stage()?]);
                 }
+                // (Made only for 16-bit weights on a GPU, which stay so.)
                 let bufs = match &mut self.offload_stages {
-                    Some([a, b]) if matches!(params, Flat::DevHalf { .. }) => [
+                    Some([a, b]) => [
                         (Vec::new(), Some(&mut a[..])),
                         (Vec::new(), Some(&mut b[..])),
                     ],
