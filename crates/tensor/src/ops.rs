@@ -7,42 +7,48 @@ use crate::attention::{AttnShape, AttnTiles};
 use crate::buf::{mixed, Buf, BufMut, BufRef, Dev};
 use crate::cross_entropy::{CeConfig, CeOutput};
 use crate::cuda::ops as gpu;
+use crate::operands::{Operand, Operands};
 use crate::rope::Rope;
 use crate::TensorError;
 
 type Result<T> = std::result::Result<T, TensorError>;
 
-/// `op(A)·op(B)` as a new buffer ([`crate::gemm::matmul_new`]).
+/// `op(A)·op(B)` as a new buffer ([`crate::gemm::matmul_new`]); `a` and `b` as in [`matmul`].
 #[allow(clippy::too_many_arguments)]
-pub fn matmul_new(
-    a: BufRef<'_>,
-    b: BufRef<'_>,
+pub fn matmul_new<'a, 'b>(
+    a: impl Into<Operand<'a>>,
+    b: impl Into<Operand<'b>>,
     m: usize,
     k: usize,
     n: usize,
     trans_a: bool,
     trans_b: bool,
 ) -> Result<Buf> {
-    match (a, b) {
-        (BufRef::Host(a), BufRef::Host(b)) => Ok(Buf::Host(crate::gemm::matmul_new(
-            a, b, m, k, n, trans_a, trans_b,
-        )?)),
-        (BufRef::Cuda(a), BufRef::Cuda(_)) => {
-            let mut c = Buf::Cuda(a.gpu().alloc::<f32>(m * n)?);
-            matmul(c.m(), BufRef::Cuda(a), b, m, k, n, trans_a, trans_b, false)?;
+    let (a, b): (Operand<'a>, Operand<'b>) = (a.into(), b.into());
+    match (&a, &b) {
+        (Operand::Values(BufRef::Host(a)), Operand::Values(BufRef::Host(b))) => Ok(Buf::Host(
+            crate::gemm::matmul_new(a, b, m, k, n, trans_a, trans_b)?,
+        )),
+        _ => {
+            let mut c = match (a.dev(), b.dev()) {
+                (Dev::Cuda(g), Dev::Cuda(_)) => Buf::Cuda(g.alloc::<f32>(m * n)?),
+                _ => return Err(mixed("matmul")),
+            };
+            matmul(c.m(), a, b, m, k, n, trans_a, trans_b, false)?;
             Ok(c)
         }
-        _ => Err(mixed("matmul")),
     }
 }
 
 /// `C (+)= op(A)·op(B)` ([`crate::gemm::matmul`]); on a GPU with the calling thread's
-/// operand format ([`crate::operands`]).
+/// operand format ([`crate::operands`]): `a` and `b` are fp32 values (a [`BufRef`], rounded
+/// here where the format is 16-bit) or operands rounded once for several products
+/// ([`Operand::new`], in the same format).
 #[allow(clippy::too_many_arguments)]
-pub fn matmul(
+pub fn matmul<'a, 'b>(
     c: BufMut<'_>,
-    a: BufRef<'_>,
-    b: BufRef<'_>,
+    a: impl Into<Operand<'a>>,
+    b: impl Into<Operand<'b>>,
     m: usize,
     k: usize,
     n: usize,
@@ -50,11 +56,12 @@ pub fn matmul(
     trans_b: bool,
     accumulate: bool,
 ) -> Result<()> {
-    match (c, a, b) {
-        (BufMut::Host(c), BufRef::Host(a), BufRef::Host(b)) => {
+    let (a, b): (Operand<'a>, Operand<'b>) = (a.into(), b.into());
+    match (c, &a, &b) {
+        (BufMut::Host(c), Operand::Values(BufRef::Host(a)), Operand::Values(BufRef::Host(b))) => {
             crate::gemm::matmul(c, a, b, m, k, n, trans_a, trans_b, accumulate)
         }
-        (BufMut::Cuda(c), BufRef::Cuda(a), BufRef::Cuda(b)) => {
+        (BufMut::Cuda(c), a, b) if a.dev().is_cuda() && b.dev().is_cuda() => {
             if c.len() != m * n || a.len() != m * k || b.len() != k * n {
                 return Err(TensorError::Shape(format!(
                     "matmul [{m}, {k}] x [{k}, {n}]: buffers of {}, {} and {}",
@@ -63,13 +70,17 @@ pub fn matmul(
                     c.len()
                 )));
             }
+            let format = crate::operands::current();
+            let gpu = c.gpu().clone();
+            let (a, b) = (gpu_operand(a, format)?, gpu_operand(b, format)?);
             // SAFETY: lengths checked; the three ranges are on the same device.
             unsafe {
-                gpu::matmul_operands(
-                    crate::operands::current(),
+                gpu::matmul_prepared(
+                    &gpu,
+                    format,
                     c.ptr(),
-                    a,
-                    b,
+                    &a,
+                    &b,
                     [m, k, n],
                     [trans_a, trans_b, accumulate],
                 )?
@@ -77,6 +88,20 @@ pub fn matmul(
             Ok(())
         }
         _ => Err(mixed("matmul")),
+    }
+}
+
+/// A GPU operand for a product in `format`: fp32 values prepared now, or a copy rounded
+/// earlier for the same format.
+fn gpu_operand<'a>(x: &'a Operand<'_>, format: Operands) -> Result<gpu::Operand<'a>> {
+    match x {
+        Operand::Values(BufRef::Cuda(d)) => Ok(gpu::Operand::new(*d, format)?),
+        Operand::Rounded(r) if r.format() == format => Ok(gpu::Operand::Rounded(r.bits())),
+        Operand::Rounded(r) => Err(TensorError::Shape(format!(
+            "an operand rounded to {:?} given to a {format:?} product",
+            r.format()
+        ))),
+        Operand::Values(BufRef::Host(_)) => Err(mixed("matmul")),
     }
 }
 

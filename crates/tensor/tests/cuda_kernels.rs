@@ -978,6 +978,67 @@ fn sixteen_bit_operand_products_match_rounded_cpu() {
     }
 }
 
+/// Operands rounded once for several products (`tensor::operands::Operand`, `Kept`): every
+/// product equals, bit for bit, the same product given the fp32 values (rounded inside it):
+/// the rounding is one function of the same values, and the product the same cuBLASLt call.
+/// An operand rounded for one format is refused by a product of the other.
+#[test]
+fn operands_rounded_once_give_the_same_products() {
+    use tensor::buf::{BufRef, Dev};
+    use tensor::operands::{Kept, Operand, Operands, Scope};
+    let Some(g) = gpu("operands_rounded_once_give_the_same_products") else {
+        return;
+    };
+    let dev = Dev::Cuda(g.clone());
+    let (m, k, n) = (96, 200, 72);
+    let x = Arc::new(dev.from_vec(rand(m * k, 71)).unwrap());
+    let ws: Vec<Buf> = (0..3)
+        .map(|i| dev.from_vec(rand(n * k, 72 + i)).unwrap())
+        .collect();
+    for format in [Operands::F32, Operands::Bf16, Operands::F16] {
+        let _scope = Scope::enter(format);
+        let once = Operand::new(x.r()).unwrap();
+        assert_eq!(
+            matches!(once, Operand::Rounded(_)),
+            format != Operands::F32,
+            "{format:?}"
+        );
+        let kept = Kept::new(x.clone()).unwrap();
+        let half = if format == Operands::F32 { 4 } else { 2 };
+        assert_eq!(kept.bytes(), half * m * k, "{format:?}: what a task keeps");
+        for w in &ws {
+            let plain = tensor::ops::matmul_new(x.r(), w.r(), m, k, n, false, true).unwrap();
+            let shared =
+                tensor::ops::matmul_new(once.clone(), w.r(), m, k, n, false, true).unwrap();
+            let from_kept = tensor::ops::matmul_new(kept.r(), w.r(), m, k, n, false, true).unwrap();
+            let want = plain.to_vec().unwrap();
+            assert_eq!(shared.to_vec().unwrap(), want, "{format:?}: rounded once");
+            assert_eq!(from_kept.to_vec().unwrap(), want, "{format:?}: kept");
+            // Accumulating into an existing product, the weight gradient's form (xᵀ·dy).
+            let dy = dev.from_vec(rand(m * n, 80)).unwrap();
+            let dyo = Operand::new(dy.r()).unwrap();
+            let mut a = dev.from_vec(rand(n * k, 81)).unwrap();
+            let mut b = a.try_clone().unwrap();
+            tensor::ops::matmul(a.m(), dy.r(), x.r(), n, m, k, true, false, true).unwrap();
+            tensor::ops::matmul(b.m(), dyo, kept.r(), n, m, k, true, false, true).unwrap();
+            assert_eq!(b.to_vec().unwrap(), a.to_vec().unwrap(), "{format:?}: dW");
+        }
+    }
+    // Rounded for bf16, used by an fp16 product: refused, naming both.
+    let bf = {
+        let _s = Scope::enter(Operands::Bf16);
+        Operand::new(BufRef::from(&*x)).unwrap()
+    };
+    let _s = Scope::enter(Operands::F16);
+    let Err(e) = tensor::ops::matmul_new(bf, ws[0].r(), m, k, n, false, true) else {
+        panic!("a bf16 operand in an fp16 product must be refused")
+    };
+    assert!(
+        e.to_string().contains("Bf16") && e.to_string().contains("F16"),
+        "{e}"
+    );
+}
+
 /// Products on views that start 4, 8 or 12 bytes into their buffers (a weight inside the flat
 /// parameter buffer, a chunk of rows of an odd width): cuBLASLt must be told the operands'
 /// real alignment, or the algorithm it picks for 256-byte aligned ones may fault.

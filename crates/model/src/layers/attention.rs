@@ -14,8 +14,9 @@ use tensor::attention::AttnShape;
 use tensor::rope::Rope;
 
 use super::{
-    linear_backward_input, linear_backward_input_new, linear_forward_new, Act, Buf, BufRef, Pass,
-    SeqPart, WeightGradStore, WeightTask,
+    linear_backward_input, linear_backward_input_kept, linear_backward_input_new,
+    linear_forward_new, Act, Buf, BufRef, Kept, Operand, Pass, SeqPart, WeightGradStore,
+    WeightTask,
 };
 use crate::documents::Documents;
 use crate::error::Result;
@@ -116,22 +117,23 @@ impl Attention {
         Ok(s)
     }
 
-    /// `x [tokens, hidden]` (already normed) -> `y [tokens, hidden]` (before the residual add).
+    /// `x [tokens, hidden]` (already normed; values, or prepared for the projections) ->
+    /// `y [tokens, hidden]` (before the residual add).
     pub fn forward<'a1, 'a2>(
         &self,
         p: impl Into<BufRef<'a1>>,
-        x: impl Into<BufRef<'a2>>,
+        x: impl Into<Operand<'a2>>,
         pass: &Pass,
     ) -> Result<(Buf, AttnCache)> {
         let p: BufRef<'_> = p.into();
-        let x: BufRef<'_> = x.into();
         let t = pass.tokens();
         let (dq, dkv) = (
             self.n_heads * self.head_dim,
             self.n_kv_heads * self.head_dim,
         );
-        let mut q = linear_forward_new(p, &self.wq, x)?;
-        let mut k = linear_forward_new(p, &self.wk, x)?;
+        let x = Operand::new(x)?;
+        let mut q = linear_forward_new(p, &self.wq, x.clone())?;
+        let mut k = linear_forward_new(p, &self.wk, x.clone())?;
         let v = linear_forward_new(p, &self.wv, x)?;
         debug_assert_eq!((q.len(), k.len(), v.len()), (t * dq, t * dkv, t * dkv));
         let pos = pass.positions();
@@ -164,11 +166,11 @@ impl Attention {
     }
 
     /// Input gradient `dx` (written) from `dy`; records the four projection weight gradients.
-    /// `x` is the forward input.
+    /// `x` is the forward input, prepared for products.
     pub fn backward_input<'a1>(
         &self,
         p: impl Into<BufRef<'a1>>,
-        x: &Act,
+        x: &Kept,
         cache: AttnCache,
         dy: Act,
         pass: &Pass,
@@ -180,12 +182,12 @@ impl Attention {
             self.n_heads * self.head_dim,
             self.n_kv_heads * self.head_dim,
         );
-        let d_o = linear_backward_input_new(p, &self.wo, dy.r())?;
+        let (d_o, dy) = linear_backward_input_kept(p, &self.wo, dy)?;
         debug_assert_eq!(d_o.len(), t * dqn);
         store.push(WeightTask::Linear {
             w: self.wo.clone(),
             dy,
-            x: cache.o.clone(),
+            x: Kept::new(cache.o.clone())?,
         });
         let shape = self.shape(pass)?;
         let (mut dq, mut dk, dv) = match &self.core {
@@ -230,13 +232,18 @@ impl Attention {
             tensor::ops::rope(&self.rope, dk.m(), self.n_kv_heads, &pos, true)?;
             Ok(())
         })?;
+        let (dq, dk, dv) = (
+            Kept::new(Arc::new(dq))?,
+            Kept::new(Arc::new(dk))?,
+            Kept::new(Arc::new(dv))?,
+        );
         let mut dx = linear_backward_input_new(p, &self.wq, dq.r())?;
         linear_backward_input(p, &self.wk, dk.r(), dx.m(), true)?;
         linear_backward_input(p, &self.wv, dv.r(), dx.m(), true)?;
-        for (w, d) in [(&self.wq, dq), (&self.wk, dk), (&self.wv, dv)] {
+        for (w, dy) in [(&self.wq, dq), (&self.wk, dk), (&self.wv, dv)] {
             store.push(WeightTask::Linear {
                 w: w.clone(),
-                dy: Arc::new(d),
+                dy,
                 x: x.clone(),
             });
         }

@@ -13,7 +13,7 @@ use super::attention::{Attention, AttnCache};
 use super::mlp::{MlpCache, SwiGlu};
 use super::moe::{Moe, MoeCache};
 use super::{
-    act_bytes, rmsnorm, rmsnorm_backward_input, Act, Buf, BufMut, BufRef, Pass, Recompute,
+    act_bytes, rmsnorm, rmsnorm_backward_input, Act, Buf, BufMut, BufRef, Kept, Pass, Recompute,
     WeightGradStore, WeightTask,
 };
 use crate::error::Result;
@@ -60,13 +60,16 @@ pub struct Block {
     pub hooks: Option<Arc<dyn RegionHooks>>,
 }
 
+/// The block's activations between its forward and backward. The two norm outputs are
+/// read again only by weight-gradient products (and a mixture of experts' dispatch), so they
+/// are kept prepared for products ([`Kept`]: on a GPU in bf16 / fp16 the rounded copy alone).
 #[derive(Debug, Clone)]
 struct Saved {
-    xn1: Option<Act>,
+    xn1: Option<Kept>,
     rstd1: Act,
     attn: AttnCache,
     h: Act,
-    xn2: Option<Act>,
+    xn2: Option<Kept>,
     rstd2: Act,
     ffn: FfnCache,
 }
@@ -100,7 +103,7 @@ impl BlockCache {
     /// Bytes this cache holds (the block input, the saved activations and the MoE routing):
     /// what the block keeps alive between its forward and its backward.
     pub fn bytes(&self) -> usize {
-        let opt = |a: &Option<Act>| a.as_ref().map_or(0, |a| act_bytes(a));
+        let opt = |a: &Option<Kept>| a.as_ref().map_or(0, Kept::bytes);
         let saved = self.saved.as_ref().map_or(0, |s| {
             let ffn = match &s.ffn {
                 FfnCache::Dense(c) => c.bytes(),
@@ -150,35 +153,45 @@ impl Block {
     fn forward_saved(&self, p: BufRef<'_>, x: &Act, pass: &Pass) -> Result<(Buf, Saved, f32)> {
         let selective = pass.recompute == Recompute::Selective;
         let (xn1, rstd1) = rmsnorm(p, &self.attn_norm, x.r(), self.eps)?;
-        let xn1 = self.enter(xn1)?;
+        let xn1 = Kept::new(Arc::new(self.enter(xn1)?))?;
         let (a, attn) = self.attn.forward(p, xn1.r(), pass)?;
         let mut h = self.exit(a)?;
         tensor::ops::add_assign(h.m(), x.r())?;
         let (xn2, rstd2) = rmsnorm(p, &self.ffn_norm, h.r(), self.eps)?;
-        let xn2 = self.enter(xn2)?;
-        let (mut y, ffn, aux) = match &self.ffn {
-            Ffn::Dense(m) => {
+        let xn2 = self.ffn_input(self.enter(xn2)?)?;
+        let (mut y, ffn, aux) = match (&self.ffn, xn2.values()) {
+            (Ffn::Dense(m), _) => {
                 let (y, c) = m.forward(p, xn2.r(), !selective)?;
                 (y, FfnCache::Dense(c), 0.0)
             }
-            Ffn::Moe(m) => {
-                let (y, c) = m.forward(p, xn2.r(), pass)?;
+            (Ffn::Moe(m), Some(x)) => {
+                let (y, c) = m.forward(p, x.r(), pass)?;
                 let aux = m.aux_coef * c.aux;
                 (y, FfnCache::Moe(Box::new(c)), aux)
             }
+            (Ffn::Moe(_), None) => unreachable!("a mixture of experts keeps its input's values"),
         };
         y = self.exit(y)?;
         tensor::ops::add_assign(y.m(), h.r())?;
         let saved = Saved {
-            xn1: (!selective).then(|| Arc::new(xn1)),
+            xn1: (!selective).then_some(xn1),
             rstd1: Arc::new(rstd1),
             attn,
             h: Arc::new(h),
-            xn2: (!selective).then(|| Arc::new(xn2)),
+            xn2: (!selective).then_some(xn2),
             rstd2: Arc::new(rstd2),
             ffn,
         };
         Ok((y, saved, aux))
+    }
+
+    /// The feed-forward's input as the block keeps it: prepared for the dense MLP's products;
+    /// the values for a mixture of experts, which also routes and dispatches them.
+    fn ffn_input(&self, x: Buf) -> Result<Kept> {
+        Ok(match self.ffn {
+            Ffn::Dense(_) => Kept::new(Arc::new(x))?,
+            Ffn::Moe(_) => Kept::Values(Arc::new(x)),
+        })
     }
 
     fn enter(&self, x: Buf) -> Result<Buf> {
@@ -229,14 +242,19 @@ impl Block {
         // FFN half.
         let xn2 = match s.xn2 {
             Some(v) => v,
-            None => Arc::new(self.enter(rmsnorm(p, &self.ffn_norm, s.h.r(), self.eps)?.0)?),
+            None => {
+                self.ffn_input(self.enter(rmsnorm(p, &self.ffn_norm, s.h.r(), self.eps)?.0)?)?
+            }
         };
         let dy = Arc::new(dy);
         let dm = self.exit_backward_shared(&dy)?;
         let dxn2 = match (&self.ffn, s.ffn) {
             (Ffn::Dense(m), FfnCache::Dense(c)) => m.backward_input(p, &xn2, c, dm, &mut store)?,
             (Ffn::Moe(m), FfnCache::Moe(c)) => {
-                m.backward_input(p, &xn2, *c, dm, &pass, &mut store)?
+                let x = xn2
+                    .values()
+                    .expect("a mixture of experts keeps its input's values");
+                m.backward_input(p, x, *c, dm, &pass, &mut store)?
             }
             _ => unreachable!("cache built by this block's own forward"),
         };
@@ -258,7 +276,9 @@ impl Block {
         // Attention half.
         let xn1 = match s.xn1 {
             Some(v) => v,
-            None => Arc::new(self.enter(rmsnorm(p, &self.attn_norm, x.r(), self.eps)?.0)?),
+            None => Kept::new(Arc::new(
+                self.enter(rmsnorm(p, &self.attn_norm, x.r(), self.eps)?.0)?,
+            ))?,
         };
         let dh = Arc::new(dh);
         let da = self.exit_backward_shared(&dh)?;

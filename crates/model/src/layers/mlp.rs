@@ -5,8 +5,8 @@
 use std::sync::Arc;
 
 use super::{
-    linear_backward_input, linear_backward_input_new, linear_forward_new, Act, Buf, BufRef,
-    WeightGradStore, WeightTask,
+    linear_backward_input, linear_backward_input_kept, linear_backward_input_new,
+    linear_forward_new, Act, Buf, BufRef, Kept, Operand, WeightGradStore, WeightTask,
 };
 use crate::error::Result;
 use crate::layout::View;
@@ -21,18 +21,19 @@ pub struct SwiGlu {
 }
 
 /// Activations SwiGLU backward needs (besides its input): the gate and up projections and,
-/// unless dropped for selective recomputation, their product `s = silu(g)∘u`.
+/// unless dropped for selective recomputation, their product `s = silu(g)∘u`, which only the
+/// down projection's weight gradient reads again (so kept prepared for that product).
 #[derive(Debug, Clone)]
 pub struct MlpCache {
     pub g: Act,
     pub u: Act,
-    pub s: Option<Act>,
+    pub s: Option<Kept>,
 }
 
 impl MlpCache {
     /// Bytes of the saved activations.
     pub fn bytes(&self) -> usize {
-        let s = self.s.as_ref().map_or(0, |s| super::act_bytes(s));
+        let s = self.s.as_ref().map_or(0, Kept::bytes);
         super::act_bytes(&self.g) + super::act_bytes(&self.u) + s
     }
 }
@@ -48,38 +49,39 @@ impl SwiGlu {
         })?)
     }
 
-    /// `x [n, hidden] -> y [n, hidden]`; `keep_product = false` drops `s` from the cache.
+    /// `x [n, hidden] -> y [n, hidden]` (`x`: values, or prepared for the products);
+    /// `keep_product = false` drops `s` from the cache.
     pub fn forward<'a1, 'a2>(
         &self,
         p: impl Into<BufRef<'a1>>,
-        x: impl Into<BufRef<'a2>>,
+        x: impl Into<Operand<'a2>>,
         keep_product: bool,
     ) -> Result<(Buf, MlpCache)> {
         let p: BufRef<'_> = p.into();
-        let x: BufRef<'_> = x.into();
+        let x = Operand::new(x)?;
         let hidden = self.gate.shape[1];
         let n = x.len() / hidden;
         let f = self.ffn();
-        let g = linear_forward_new(p, &self.gate, x)?;
+        let g = linear_forward_new(p, &self.gate, x.clone())?;
         let u = linear_forward_new(p, &self.up, x)?;
         debug_assert_eq!(g.len(), n * f);
-        let s = Self::product(&g, &u)?;
+        let s = Kept::new(Arc::new(Self::product(&g, &u)?))?;
         let y = linear_forward_new(p, &self.down, s.r())?;
         debug_assert_eq!(y.len(), n * hidden);
         let cache = MlpCache {
             g: Arc::new(g),
             u: Arc::new(u),
-            s: keep_product.then(|| Arc::new(s)),
+            s: keep_product.then_some(s),
         };
         Ok((y, cache))
     }
 
     /// Input gradient (written) from `dy`; records the three weight gradients. `x` is the
-    /// forward input.
+    /// forward input, prepared for products.
     pub fn backward_input<'a1>(
         &self,
         p: impl Into<BufRef<'a1>>,
-        x: &Act,
+        x: &Kept,
         cache: MlpCache,
         dy: Act,
         store: &mut WeightGradStore,
@@ -87,9 +89,9 @@ impl SwiGlu {
         let p: BufRef<'_> = p.into();
         let s = match cache.s {
             Some(s) => s,
-            None => Arc::new(Self::product(&cache.g, &cache.u)?),
+            None => Kept::new(Arc::new(Self::product(&cache.g, &cache.u)?))?,
         };
-        let ds = linear_backward_input_new(p, &self.down, dy.r())?;
+        let (ds, dy) = linear_backward_input_kept(p, &self.down, dy)?;
         store.push(WeightTask::Linear {
             w: self.down.clone(),
             dy,
@@ -98,16 +100,17 @@ impl SwiGlu {
         let (dg, du) = time(Kernel::Activation, || {
             tensor::ops::swiglu_backward(ds.r(), cache.g.r(), cache.u.r())
         })?;
+        let (dg, du) = (Kept::new(Arc::new(dg))?, Kept::new(Arc::new(du))?);
         let mut dx = linear_backward_input_new(p, &self.gate, dg.r())?;
         linear_backward_input(p, &self.up, du.r(), dx.m(), true)?;
         store.push(WeightTask::Linear {
             w: self.gate.clone(),
-            dy: Arc::new(dg),
+            dy: dg,
             x: x.clone(),
         });
         store.push(WeightTask::Linear {
             w: self.up.clone(),
-            dy: Arc::new(du),
+            dy: du,
             x: x.clone(),
         });
         Ok(dx)

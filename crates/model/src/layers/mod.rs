@@ -9,6 +9,8 @@
 //!
 //! Fused backward is simply both in a row, so splitting them (zero-bubble, DualPipe) cannot
 //! change the result. Activations are shared [`Act`]s, so caches and stores never copy them.
+//! A product's operand read by several products is prepared once ([`Operand`]: on a GPU in
+//! bf16 / fp16 its rounded copy), and a weight gradient's task keeps it prepared ([`Kept`]).
 //!
 //! Parameters, gradients and activations are [`Buf`]s (views [`BufRef`], [`BufMut`]) on the
 //! host or a GPU; every kernel goes through [`tensor::ops`], which runs the CPU kernel or its
@@ -23,6 +25,7 @@ pub mod moe;
 use std::sync::Arc;
 
 pub use tensor::buf::{Buf, BufMut, BufRef};
+pub use tensor::operands::{Kept, Operand};
 
 use crate::error::Result;
 use crate::layout::View;
@@ -170,8 +173,9 @@ impl Pass {
 }
 
 /// `y = x·Wᵀ` for `W [out, in]` (Hugging Face layout), into a new buffer (the product writes
-/// it; no zero fill).
-pub fn linear_forward_new(p: BufRef<'_>, w: &View, x: BufRef<'_>) -> Result<Buf> {
+/// it; no zero fill). `x`: values, or an [`Operand`] several products share.
+pub fn linear_forward_new<'x>(p: BufRef<'_>, w: &View, x: impl Into<Operand<'x>>) -> Result<Buf> {
+    let x: Operand<'x> = x.into();
     let (dout, din) = (w.shape[0], w.shape[1]);
     let tokens = x.len() / din;
     Ok(crate::profile::time(
@@ -181,7 +185,12 @@ pub fn linear_forward_new(p: BufRef<'_>, w: &View, x: BufRef<'_>) -> Result<Buf>
 }
 
 /// `dx = dy·W` into a new buffer (the product writes it; no zero fill).
-pub fn linear_backward_input_new(p: BufRef<'_>, w: &View, dy: BufRef<'_>) -> Result<Buf> {
+pub fn linear_backward_input_new<'y>(
+    p: BufRef<'_>,
+    w: &View,
+    dy: impl Into<Operand<'y>>,
+) -> Result<Buf> {
+    let dy: Operand<'y> = dy.into();
     let (dout, din) = (w.shape[0], w.shape[1]);
     let tokens = dy.len() / dout;
     Ok(crate::profile::time(
@@ -191,13 +200,14 @@ pub fn linear_backward_input_new(p: BufRef<'_>, w: &View, dy: BufRef<'_>) -> Res
 }
 
 /// `dx (+)= dy·W` for `W [out, in]`.
-pub fn linear_backward_input(
+pub fn linear_backward_input<'y>(
     p: BufRef<'_>,
     w: &View,
-    dy: BufRef<'_>,
+    dy: impl Into<Operand<'y>>,
     dx: BufMut<'_>,
     accumulate: bool,
 ) -> Result<()> {
+    let dy: Operand<'y> = dy.into();
     let (dout, din) = (w.shape[0], w.shape[1]);
     let tokens = dy.len() / dout;
     crate::profile::time(crate::profile::Kernel::Matmul, || {
@@ -206,11 +216,20 @@ pub fn linear_backward_input(
     Ok(())
 }
 
+/// The output gradient `dy` of a linear layer prepared once for both of its products (the
+/// input gradient now, the weight gradient's task later), with the input gradient
+/// `dx = dy·W` as a new buffer.
+pub fn linear_backward_input_kept(p: BufRef<'_>, w: &View, dy: Act) -> Result<(Buf, Kept)> {
+    let dy = Kept::new(dy)?;
+    let dx = linear_backward_input_new(p, w, dy.r())?;
+    Ok((dx, dy))
+}
+
 /// One deferred weight-gradient computation.
 #[derive(Debug, Clone)]
 pub enum WeightTask {
-    /// `dW += dyᵀ·x` for a linear `W [out, in]`.
-    Linear { w: View, dy: Act, x: Act },
+    /// `dW += dyᵀ·x` for a linear `W [out, in]` (operands prepared for the product).
+    Linear { w: View, dy: Kept, x: Kept },
     /// RMSNorm gain gradient `dγ += Σ_rows dy ∘ x ∘ rstd`.
     Norm { w: View, dy: Act, x: Act, rstd: Act },
 }
@@ -238,19 +257,17 @@ impl WeightGradStore {
     /// share it (a linear's input is shared by the projections that read it).
     pub fn bytes(&self) -> usize {
         let mut seen = std::collections::HashSet::new();
-        let mut add = |a: &Act| {
-            if seen.insert(Arc::as_ptr(a)) {
-                act_bytes(a)
-            } else {
-                0
-            }
-        };
+        let mut add = |id: *const (), bytes: usize| if seen.insert(id) { bytes } else { 0 };
+        let act = |a: &Act| (Arc::as_ptr(a).cast(), act_bytes(a));
         self.tasks
             .iter()
-            .map(|t| match t {
-                WeightTask::Linear { dy, x, .. } => add(dy) + add(x),
-                WeightTask::Norm { dy, x, rstd, .. } => add(dy) + add(x) + add(rstd),
+            .flat_map(|t| match t {
+                WeightTask::Linear { dy, x, .. } => {
+                    vec![(dy.id(), dy.bytes()), (x.id(), x.bytes())]
+                }
+                WeightTask::Norm { dy, x, rstd, .. } => vec![act(dy), act(x), act(rstd)],
             })
+            .map(|(id, bytes)| add(id, bytes))
             .sum()
     }
     /// Move all tasks of `other` into this store.

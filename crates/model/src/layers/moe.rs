@@ -16,8 +16,8 @@ use std::sync::Arc;
 
 use super::mlp::{MlpCache, SwiGlu};
 use super::{
-    linear_backward_input, linear_forward_new, Act, Buf, BufMut, BufRef, Pass, WeightGradStore,
-    WeightTask,
+    linear_backward_input, linear_forward_new, Act, Buf, BufMut, BufRef, Kept, Pass,
+    WeightGradStore, WeightTask,
 };
 use crate::error::Result;
 use crate::layout::View;
@@ -562,7 +562,9 @@ impl Moe {
         let wait = ex.all_to_all_rows(send, &plan.member_rows, &recv_rows, hidden)?;
         let (shared, x) = shared;
         let shared_dx = match shared {
-            Some((s, c)) => Some(s.backward_input(p, x, c, dy.clone(), store)?),
+            Some((s, c)) => {
+                Some(s.backward_input(p, &Kept::new(x.clone())?, c, dy.clone(), store)?)
+            }
             None => None,
         };
         let recv = time(Kernel::ExpertExchange, wait)?;
@@ -573,7 +575,8 @@ impl Moe {
             let dout = time(Kernel::Router, || {
                 tensor::ops::gather_rows(recv.r(), &idx, None, hidden)
             })?;
-            let dxs = expert.backward_input(p, &c.x, c.mlp, Arc::new(dout), store)?;
+            let dxs =
+                expert.backward_input(p, &Kept::new(c.x.clone())?, c.mlp, Arc::new(dout), store)?;
             time(Kernel::Router, || {
                 tensor::ops::scatter_add_rows(dxs.r(), &idx, None, back.m(), hidden)
             })?;
@@ -642,7 +645,13 @@ impl Moe {
                     let dout = time(Kernel::Router, || {
                         tensor::ops::gather_rows(dy.r(), &tokens, Some(&weights), hidden)
                     })?;
-                    let dxs = expert.backward_input(p, &c.x, c.mlp, Arc::new(dout), store)?;
+                    let dxs = expert.backward_input(
+                        p,
+                        &Kept::new(c.x.clone())?,
+                        c.mlp,
+                        Arc::new(dout),
+                        store,
+                    )?;
                     time(Kernel::Router, || {
                         tensor::ops::scatter_add_rows(dxs.r(), &tokens, None, dx.m(), hidden)
                     })?;
@@ -677,17 +686,19 @@ impl Moe {
         time(Kernel::Router, || {
             tensor::softmax::softmax_rows_backward(&dp, &r.probs, e_n, &mut dlogits)
         })?;
-        let dlogits = x.dev().from_vec(dlogits)?;
+        let dlogits = Kept::new(Arc::new(x.dev().from_vec(dlogits)?))?;
         linear_backward_input(p, &self.router, dlogits.r(), dx.m(), true)?;
         store.push(WeightTask::Linear {
             w: self.router.clone(),
-            dy: Arc::new(dlogits),
-            x: x.clone(),
+            dy: dlogits,
+            x: Kept::new(x.clone())?,
         });
         let shared_dx = match shared_dx {
             Some(d) => Some(d),
             None => match (&self.shared, shared_cache) {
-                (Some(s), Some(c)) => Some(s.backward_input(p, x, c, dy, store)?),
+                (Some(s), Some(c)) => {
+                    Some(s.backward_input(p, &Kept::new(x.clone())?, c, dy, store)?)
+                }
                 _ => None,
             },
         };

@@ -13,7 +13,7 @@ use std::sync::Arc;
 
 use model::init::SplitMix64;
 use model::layers::block::Ffn;
-use model::layers::{Pass, WeightGradStore};
+use model::layers::{Kept, Pass, WeightGradStore};
 use model::{Batch, Model, ModelConfig, StepOptions, View};
 
 fn randn(n: usize, seed: u64, std: f32) -> Vec<f32> {
@@ -152,7 +152,7 @@ fn attention_layer() {
     let dx = a
         .backward_input(
             p,
-            &Arc::new(x.clone().into()),
+            &Kept::Values(Arc::new(x.clone().into())),
             cache,
             Arc::new(r.clone().into()),
             &pass,
@@ -183,7 +183,7 @@ fn mlp_layer() {
     let dx = mlp
         .backward_input(
             p,
-            &Arc::new(x.clone().into()),
+            &Kept::Values(Arc::new(x.clone().into())),
             cache,
             Arc::new(r.clone().into()),
             &mut store,

@@ -52,7 +52,7 @@ fn weight_grad(w: &View, dy: &[f32], x: &[f32], g: &mut [f32]) -> Result<()> {
 
 fn local_backward_input(p: &[f32], w: &View, dy: &[f32]) -> Result<Vec<f32>> {
     let mut dx = vec![0.0; dy.len() / w.shape[0] * w.shape[1]];
-    linear_backward_input(p.into(), w, dy.into(), (&mut dx).into(), false)?;
+    linear_backward_input(p.into(), w, dy, (&mut dx).into(), false)?;
     Ok(dx)
 }
 
@@ -60,7 +60,7 @@ impl ColumnParallelLinear {
     /// `x [tokens(, local under sp), in] -> y_r [tokens, out/tp]`.
     pub fn forward(&self, p: &[f32], x: Vec<f32>) -> Result<(Vec<f32>, LinearCache)> {
         let x = self.region.enter_forward(x.into())?.into_host(TP)?;
-        let y = linear_forward_new(p.into(), &self.w, (&x).into())?.into_host(TP)?;
+        let y = linear_forward_new(p.into(), &self.w, &x)?.into_host(TP)?;
         Ok((y, LinearCache { x }))
     }
 
@@ -81,7 +81,7 @@ impl ColumnParallelLinear {
 impl RowParallelLinear {
     /// `x_r [tokens, in/tp] -> y [tokens(, local under sp), out]`.
     pub fn forward(&self, p: &[f32], x: Vec<f32>) -> Result<(Vec<f32>, LinearCache)> {
-        let y = linear_forward_new(p.into(), &self.w, (&x).into())?.into_host(TP)?;
+        let y = linear_forward_new(p.into(), &self.w, &x)?.into_host(TP)?;
         Ok((
             self.region.exit_forward(y.into())?.into_host(TP)?,
             LinearCache { x },

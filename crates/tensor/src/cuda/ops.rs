@@ -27,10 +27,13 @@ fn elements(n: usize) -> LaunchCfg {
 }
 
 /// A product's operand in the format of the product ([`crate::operands`]): the fp32 values
-/// as they are, or their bf16 / fp16 copy (rounded to nearest even) for the tensor cores.
+/// as they are, or their bf16 / fp16 copy (rounded to nearest even) for the tensor cores —
+/// made here, or earlier for several products ([`crate::operands::Operand`]).
 pub enum Operand<'a> {
     F32(DevSlice<'a, f32>),
     Half(DevBuf<u16>),
+    /// A 16-bit copy rounded earlier, in the product's format (the caller's word).
+    Rounded(DevSlice<'a, u16>),
 }
 
 impl Operand<'_> {
@@ -59,6 +62,7 @@ impl Operand<'_> {
         match self {
             Operand::F32(x) => x.ptr(),
             Operand::Half(x) => x.ptr(),
+            Operand::Rounded(x) => x.ptr(),
         }
     }
 
@@ -66,7 +70,12 @@ impl Operand<'_> {
         match self {
             Operand::F32(x) => x.len(),
             Operand::Half(x) => x.len(),
+            Operand::Rounded(x) => x.len(),
         }
+    }
+
+    fn is_16bit(&self) -> bool {
+        !matches!(self, Operand::F32(_))
     }
 }
 
@@ -86,10 +95,10 @@ pub unsafe fn matmul_prepared(
 ) -> Result<(), CudaError> {
     use super::blas::GemmInput;
     use crate::operands::Operands;
-    let input = match (operands, a, b) {
-        (Operands::F32, Operand::F32(_), Operand::F32(_)) => GemmInput::F32,
-        (Operands::Bf16, Operand::Half(_), Operand::Half(_)) => GemmInput::Bf16,
-        (Operands::F16, Operand::Half(_), Operand::Half(_)) => GemmInput::F16,
+    let input = match (operands, a.is_16bit(), b.is_16bit()) {
+        (Operands::F32, false, false) => GemmInput::F32,
+        (Operands::Bf16, true, true) => GemmInput::Bf16,
+        (Operands::F16, true, true) => GemmInput::F16,
         _ => {
             return Err(CudaError::Shape(format!(
                 "a product in {operands:?} given operands prepared for another format"
