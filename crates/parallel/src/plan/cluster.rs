@@ -81,6 +81,9 @@ impl Host {
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct Cluster {
     pub name: String,
+    /// The devices are GPUs (the engine's GPU backend; [`super::Job::gpu`]), not CPUs.
+    #[serde(default)]
+    pub gpu: bool,
     pub nodes: usize,
     pub devices_per_node: usize,
     /// Memory per device, bytes.
@@ -120,6 +123,7 @@ impl Cluster {
         let mut c = match name.to_ascii_lowercase().as_str() {
             "a100-80g" | "a100" => Cluster {
                 name: "A100-80G".into(),
+                gpu: true,
                 nodes: 1,
                 devices_per_node: 8,
                 memory_bytes: 80 * GIB,
@@ -145,6 +149,7 @@ impl Cluster {
             },
             "h100-80g" | "h100" => Cluster {
                 name: "H100-80G".into(),
+                gpu: true,
                 nodes: 1,
                 devices_per_node: 8,
                 memory_bytes: 80 * GIB,
@@ -205,6 +210,7 @@ impl Cluster {
     ) -> Self {
         Cluster {
             name: "this machine".into(),
+            gpu: false,
             nodes: 1,
             devices_per_node: devices,
             memory_bytes,

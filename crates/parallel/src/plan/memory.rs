@@ -19,7 +19,9 @@
 //!   for its backward in this engine (fp32; per block: input, the two norms' outputs and
 //!   rstd, q, k, v, the attention output and log-sum-exp, the residual, SwiGLU's gate, up and
 //!   product; selective recomputation drops the norm outputs and the product, full keeps the
-//!   input only; sequence parallelism divides the residual-region tensors by tp), summed over
+//!   input only; sequence parallelism divides the residual-region tensors by tp; on GPUs in
+//!   bf16 / fp16 ([`Job::gpu`]) what only products read again — the norm outputs, the
+//!   product, the linears' operands of pending weight gradients — in 2 bytes), summed over
 //!   a rank's stages as its schedule holds them: the rank's compute actions are replayed,
 //!   adding a stage's bytes at each forward and releasing them at its backward, and the peak
 //!   kept. With [`Conventions::Megatron`], a layer holds `s·b·h·(10 + 24/t + 5·a·s/(h·t))`
@@ -97,6 +99,10 @@ struct Local {
     /// A MoE block's routing: (experts, top-k, expert FFN width and shared-expert width on
     /// this rank, tokens come back over an all-to-all).
     moe: Option<(usize, usize, usize, usize, bool)>,
+    /// Bytes of an element kept for products only (a linear's input or output gradient
+    /// waiting for its weight gradient): 2 where products read 16-bit operands (GPUs in bf16
+    /// / fp16), else 4.
+    kept: usize,
 }
 
 fn local(job: &Job, l: &Layout, early_head: bool) -> Local {
@@ -131,12 +137,18 @@ fn local(job: &Job, l: &Layout, early_head: bool) -> Local {
                 l.ep > 1,
             )
         }),
+        kept: if job.gpu && job.precision != crate::precision::Precision::Fp32 {
+            2
+        } else {
+            4
+        },
     }
 }
 
 /// Bytes one unit caches for one micro-batch (this engine's caches; see the module doc).
 fn xtrain_cache(part: Part, x: &Local, rc: Recompute) -> usize {
-    let e = match part {
+    // Elements kept as they are (fp32), and those kept for products only (`x.kept` bytes).
+    let (e, kept) = match part {
         Part::Embedding => return 4 * x.t, // the token ids (u32)
         // Input, normed input, rstd, log-sum-exp, i64 targets; without tp the early
         // gradients dxn and dW.
@@ -146,17 +158,31 @@ fn xtrain_cache(part: Part, x: &Local, rc: Recompute) -> usize {
             } else {
                 0
             };
-            x.t_res * x.h + x.t * x.h + x.t_res + x.t + 2 * x.t + early
+            (
+                x.t_res * x.h + x.t * x.h + x.t_res + x.t + 2 * x.t + early,
+                0,
+            )
         }
         Part::Block(_) => match rc {
-            Recompute::Full => x.t_res * x.h,
+            Recompute::Full => (x.t_res * x.h, 0),
             _ => {
                 let selective = rc == Recompute::Selective;
-                let norms_out = if selective { 0 } else { 2 * x.t * x.h };
+                // The two norm outputs (the attention's kept for its projections' weight
+                // gradients; a dense FFN's likewise, a MoE's as values, which it routes).
+                let (attn_in, ffn_in) = if selective {
+                    (0, 0)
+                } else {
+                    (x.t * x.h, x.t * x.h)
+                };
                 let attn = 2 * x.t * x.heads * x.hd + 2 * x.t * x.kv * x.hd + x.t * x.heads;
-                let mlp = |rows: usize, f: usize| rows * f * if selective { 2 } else { 3 };
-                let ffn = match x.moe {
-                    None => mlp(x.t, x.ffn),
+                // Gate and up as values; the product `silu(g)∘u`, unless recomputed, kept.
+                let mlp =
+                    |rows: usize, f: usize| (2 * rows * f, if selective { 0 } else { rows * f });
+                let (ffn, ffn_kept) = match x.moe {
+                    None => {
+                        let (v, k) = mlp(x.t, x.ffn);
+                        (v, k + ffn_in)
+                    }
                     // Expected (balanced) load: T·k routed rows per rank, each keeping its
                     // input, MLP cache and output (and, over ep, the output sent back); the
                     // routing tables (probabilities, weights, choices, counts, assignments;
@@ -164,18 +190,26 @@ fn xtrain_cache(part: Part, x: &Local, rc: Recompute) -> usize {
                     Some((experts, k, fe, fs, exchange)) => {
                         let rows = x.t * k;
                         let routing = x.t * experts + x.t * k + 2 * (x.t * k + experts) + 4 * rows;
-                        rows * 2 * x.h
-                            + mlp(rows, fe)
-                            + if exchange { rows * x.h } else { 0 }
-                            + mlp(x.t, fs)
-                            + 2 * routing
+                        let ((ev, ek), (sv, sk)) = (mlp(rows, fe), mlp(x.t, fs));
+                        (
+                            ffn_in
+                                + rows * 2 * x.h
+                                + ev
+                                + if exchange { rows * x.h } else { 0 }
+                                + sv
+                                + 2 * routing,
+                            ek + sk,
+                        )
                     }
                 };
-                2 * x.t_res * x.h + 2 * x.t_res + norms_out + attn + ffn
+                (
+                    2 * x.t_res * x.h + 2 * x.t_res + attn + ffn,
+                    attn_in + ffn_kept,
+                )
             }
         },
     };
-    4 * e
+    4 * e + x.kept * kept
 }
 
 /// Bytes a unit's pending weight-gradient work holds (split backward): each linear's input
@@ -188,9 +222,11 @@ fn xtrain_pending(part: Part, x: &Local, params: usize) -> usize {
         Part::Head if x.tp_head => params,
         Part::Head => 2 * x.t * x.h + x.t_res * x.h + x.t_res + x.t + 2 * x.t + x.early_dw,
         Part::Block(_) => {
+            // The linears' operands, kept for their products (`x.kept` bytes each).
             let attn = 2 * x.t * x.h + 2 * x.t * x.heads * x.hd + 2 * x.t * x.kv * x.hd;
             let mlp = 2 * x.t * x.h + 3 * x.t * x.ffn;
-            attn + mlp + 2 * (2 * x.t_res * x.h + x.t_res)
+            let norms = 2 * (2 * x.t_res * x.h + x.t_res);
+            return 4 * norms + x.kept * (attn + mlp);
         }
     };
     4 * e
@@ -578,9 +614,50 @@ mod tests {
             seq_len: 16,
             global_batch: 4,
             precision,
+            gpu: false,
             conventions: Conventions::Xtrain,
             expert_imbalance: 1.0,
         }
+    }
+
+    /// On GPUs in 16 bits the operands kept only for products (the norm outputs, SwiGLU's
+    /// product, every linear's input and output gradient waiting for its weight gradient)
+    /// count 2 bytes; everything else, and everything on CPUs or in fp32, 4.
+    #[test]
+    fn gpu_products_keep_their_operands_in_16_bits() {
+        let l: Layout = "dp1 mb2".parse().unwrap();
+        let at = |precision: Precision, gpu: bool| {
+            let x = local(
+                &Job {
+                    gpu,
+                    ..job(precision)
+                },
+                &l,
+                false,
+            );
+            let rc = [Recompute::None, Recompute::Selective, Recompute::Full];
+            let cache = rc.map(|rc| xtrain_cache(Part::Block(0), &x, rc));
+            let pending = xtrain_pending(Part::Block(0), &x, 0);
+            (x, cache, pending)
+        };
+        let (cpu, cpu_cache, cpu_pending) = at(Precision::Bf16, false);
+        assert_eq!(
+            at(Precision::Fp32, true).1,
+            cpu_cache,
+            "fp32 on a GPU keeps fp32"
+        );
+        let (x, cache, pending) = at(Precision::Bf16, true);
+        assert_eq!((cpu.kept, x.kept), (4, 2));
+        let (t, h, f) = (x.t, x.h, x.ffn);
+        assert_eq!((t, h, f), (32, 64, 128), "mb2 × seq 16 tokens");
+        // No recomputation: the two norm outputs and the product, 2 bytes fewer each.
+        assert_eq!(cpu_cache[0] - cache[0], 2 * (2 * t * h + t * f));
+        // Selective recomputation drops exactly those; full keeps the input only.
+        assert_eq!(cache[1], cpu_cache[1]);
+        assert_eq!(cache[2], cpu_cache[2]);
+        // Pending: q, k, v, o's and gate, up, down's operands (heads × head_dim = hidden).
+        let linears = (2 * t * h + 4 * t * h) + (2 * t * h + 3 * t * f);
+        assert_eq!(cpu_pending - pending, 2 * linears);
     }
 
     #[test]

@@ -50,6 +50,10 @@ pub struct Job {
     /// Sequences per optimizer step.
     pub global_batch: usize,
     pub precision: Precision,
+    /// The engine runs on GPUs: in bf16 / fp16 its products read 16-bit operands, and the
+    /// activations only products read again are kept rounded, in 2 bytes
+    /// ([`tensor::operands::Kept`]); on CPUs everything is computed and kept in fp32.
+    pub gpu: bool,
     pub conventions: Conventions,
     /// With expert parallelism: over every MoE layer, the busiest rank's routed rows over the
     /// mean (1 = the balanced load). Routing decides it at run time, so it is an input: it

@@ -18,6 +18,7 @@ fn check(cfg: &model::ModelConfig, l: Layout, precision: Precision, exact_activa
         seq_len: 8,
         global_batch: GLOBAL,
         precision,
+        gpu: false,
         conventions: Conventions::Xtrain,
         expert_imbalance: 1.0,
     };
@@ -150,6 +151,7 @@ fn resident_memory_decides_the_fit_and_imbalance_slows_only_expert_parallelism()
         seq_len: 8,
         global_batch: GLOBAL,
         precision: Precision::Fp32,
+        gpu: false,
         conventions: Conventions::Xtrain,
         expert_imbalance: imbalance,
     };

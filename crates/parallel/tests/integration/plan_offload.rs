@@ -29,6 +29,7 @@ fn job(model: ModelConfig, precision: Precision) -> Job {
         seq_len: 2048,
         global_batch: 8,
         precision,
+        gpu: false,
         conventions: Conventions::Xtrain,
         expert_imbalance: 1.0,
     }

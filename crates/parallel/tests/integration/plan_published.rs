@@ -40,6 +40,7 @@ fn zero_paper_7b_model_states() {
         seq_len: 4096,
         global_batch: 8,
         precision: Precision::Bf16,
+        gpu: false,
         conventions: Conventions::Xtrain,
         expert_imbalance: 1.0,
     };
@@ -62,6 +63,7 @@ fn gpt3() -> (Job, Cluster) {
         seq_len: 2048,
         global_batch: 64,
         precision: Precision::Bf16,
+        gpu: false,
         conventions: Conventions::Megatron,
         expert_imbalance: 1.0,
     };
@@ -113,6 +115,7 @@ fn llama_70b_on_64_a100s_ranks_tp8_pp2_dp4_in_the_top_three() {
         seq_len: 4096,
         global_batch: 512,
         precision: Precision::Bf16,
+        gpu: false,
         conventions: Conventions::Megatron,
         expert_imbalance: 1.0,
     };
@@ -165,6 +168,7 @@ fn a_model_that_fits_nowhere_gets_the_smallest_shortfall_and_a_remedy() {
         seq_len: 4096,
         global_batch: 16,
         precision: Precision::Bf16,
+        gpu: false,
         conventions: Conventions::Megatron,
         expert_imbalance: 1.0,
     };

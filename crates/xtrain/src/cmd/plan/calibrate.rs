@@ -76,6 +76,7 @@ pub(super) fn layer_flops(one: &ModelConfig, seq: usize, micro_batch: usize) -> 
         seq_len: seq,
         global_batch: micro_batch,
         precision: Precision::Fp32,
+        gpu: false,
         conventions: Conventions::Xtrain,
         expert_imbalance: 1.0,
     };

@@ -185,6 +185,7 @@ pub fn this_gpus(
     };
     let mut cluster = Cluster::calibrated(devices, memory as u64, peak_16, eff, bandwidth, link);
     cluster.name = format!("this machine's {} x {}", devices, gpu.info.name);
+    cluster.gpu = true;
     cluster.peak_flops_32 = peak_32;
     cluster.process_bytes = process;
     cluster.group_peer_bytes = 2 * comm::Options::default().shm_ring_bytes as u64;

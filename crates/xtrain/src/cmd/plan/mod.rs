@@ -208,6 +208,7 @@ pub fn run_cmd(a: PlanArgs) -> Result<()> {
         seq_len,
         global_batch,
         precision: parse_precision(&a.precision)?,
+        gpu: cluster.gpu,
         conventions,
         expert_imbalance: a.expert_imbalance,
     };

@@ -218,6 +218,7 @@ fn round(case: &Case, steps: usize, gpu: Option<Precision>) -> Result<Round> {
         seq_len: seq,
         global_batch: l.global_batch(),
         precision: gpu.unwrap_or(Precision::Fp32),
+        gpu: cluster.gpu,
         conventions: Conventions::Xtrain,
         expert_imbalance: num("expert_imbalance").unwrap_or(1.0),
     };
