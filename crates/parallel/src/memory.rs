@@ -142,6 +142,78 @@ pub fn peak_rss_bytes() -> Option<u64> {
     proc_status_bytes("VmHWM:")
 }
 
+/// A memory a rank's model states go to, as it is before the run allocates them: the host's
+/// (with swap) or a GPU's, and how many ranks' states it must hold.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Capacity {
+    /// Named in the error: `host memory`, `GPU 0 (NVIDIA H200)`.
+    pub place: String,
+    /// Bytes free now.
+    pub free: u64,
+    /// Bytes it has in all.
+    pub total: u64,
+    /// Ranks whose model states it holds (this one included): the processes or threads of
+    /// the host, the ranks sharing the GPU.
+    pub ranks: usize,
+}
+
+impl Capacity {
+    /// This host's memory with its swap (`/proc/meminfo`: `MemAvailable` + `SwapFree` free,
+    /// `MemTotal` + `SwapTotal` in all), for `ranks` ranks; `None` where it cannot be read.
+    pub fn host(ranks: usize) -> Option<Capacity> {
+        Capacity::from_meminfo(&std::fs::read_to_string("/proc/meminfo").ok()?, ranks)
+    }
+
+    fn from_meminfo(text: &str, ranks: usize) -> Option<Capacity> {
+        let kib = |field: &str| -> Option<u64> {
+            let line = text.lines().find(|l| l.starts_with(field))?;
+            line.split_whitespace().nth(1)?.parse::<u64>().ok()
+        };
+        let swap = |field| kib(field).unwrap_or(0);
+        Some(Capacity {
+            place: "host memory".into(),
+            free: (kib("MemAvailable:")? + swap("SwapFree:")) * 1024,
+            total: (kib("MemTotal:")? + swap("SwapTotal:")) * 1024,
+            ranks,
+        })
+    }
+}
+
+/// Refuses a rank's model states (`states` bytes; `what` says what they are) that cannot fit
+/// `cap`: more than it has free now, or, times the ranks it holds, more than it has in all.
+/// Activations and buffers come on top, so passing promises nothing; a refusal is certain
+/// to have been an out-of-memory failure (or a kill) later.
+pub fn check_states_fit(
+    rank: usize,
+    states: u64,
+    what: &str,
+    cap: &Capacity,
+) -> Result<(), crate::ParallelError> {
+    let all = states.saturating_mul(cap.ranks as u64);
+    let short = if states > cap.free {
+        format!("{} has {} free", cap.place, human(cap.free))
+    } else if all > cap.total {
+        format!(
+            "{} ranks share {} ({} in all): {} × {} = {}",
+            cap.ranks,
+            cap.place,
+            human(cap.total),
+            cap.ranks,
+            human(states),
+            human(all)
+        )
+    } else {
+        return Ok(());
+    };
+    Err(crate::ParallelError::Config(format!(
+        "rank {rank}: the model states need {} in {} ({what}), but {short}. Raise the ZeRO stage \
+         (parallel.zero), add ranks, offload the optimizer (--offload optimizer) or shrink the \
+         model; `xtrain plan` predicts what fits",
+        human(states),
+        cap.place
+    )))
+}
+
 impl fmt::Display for MemoryAccount {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         let h = |b: usize| human(b as u64);
@@ -162,6 +234,41 @@ impl fmt::Display for MemoryAccount {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn states_that_cannot_fit_are_refused_naming_rank_and_figures() {
+        let meminfo = "MemTotal:       24000000 kB\nMemFree:  1000 kB\nMemAvailable:   20000000 kB\nSwapTotal:     1000000 kB\nSwapFree:       500000 kB\n";
+        let cap = Capacity::from_meminfo(meminfo, 2).unwrap();
+        assert_eq!(cap.free, 20_500_000 * 1024);
+        assert_eq!(cap.total, 25_000_000 * 1024);
+        // Fits alone and twice.
+        check_states_fit(1, 10_000_000_000, "16Φ", &cap).unwrap();
+        // More than is free now.
+        let e = check_states_fit(1, 22_000_000_000, "16Φ", &cap)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("rank 1: the model states need 20.49 GiB in host memory"),
+            "{e}"
+        );
+        assert!(
+            e.contains("host memory has 19.55 GiB free") && e.contains("16Φ"),
+            "{e}"
+        );
+        // Free now, but not for both ranks.
+        let e = check_states_fit(0, 14_000_000_000, "16Φ", &cap)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("rank 0") && e.contains("2 ranks share host memory"),
+            "{e}"
+        );
+        assert!(e.contains("2 × 13.04 GiB = 26.08 GiB"), "{e}");
+        // No swap lines: memory alone; no MemAvailable: unknown.
+        let no_swap = Capacity::from_meminfo("MemTotal: 100 kB\nMemAvailable: 50 kB\n", 1);
+        assert_eq!(no_swap.map(|c| (c.free, c.total)), Some((51_200, 102_400)));
+        assert_eq!(Capacity::from_meminfo("MemTotal: 100 kB\n", 1), None);
+    }
 
     #[test]
     fn formulas_match_the_zero_paper() {

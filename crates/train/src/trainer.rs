@@ -373,6 +373,21 @@ impl Trainer {
         let local_rank = comm::env::LaunchEnv::from_env().map_or(0, |e| e.local_rank);
         let device = tensor::buf::Dev::open_local(&t.device_spec(), local_rank)
             .map_err(|e| TrainError::Config(format!("train.device: {e}")))?;
+        {
+            use parallel::stage::StageModel;
+            let phi = par.stage.units().last().map_or(0, |u| u.end);
+            let n = par.dp.size();
+            let states = parallel::memory::formula(phi, n, dims.zero, t.precision);
+            let formula = format!(
+                "ZeRO-{} in {}: {}, Φ = {:.3} G parameters on this rank, N = {n}",
+                dims.zero.index(),
+                t.precision.name(),
+                parallel::memory::formula_text(dims.zero, t.precision),
+                phi as f64 / 1e9
+            );
+            let offload = p.offload_optimizer()?;
+            check_memory(comm, &device, &t.device_spec(), states, &formula, offload)?;
+        }
         let nccl = nccl_groups(&device, &mut par, comm.options().timeout)?;
         let exec_cfg = ExecConfig {
             zero: dims.zero,
@@ -837,6 +852,90 @@ fn nccl_groups(
 /// Every rank of the job trains on the same kind of device (a CPU rank beside GPU ranks would
 /// meet device buffers it cannot read, or the reverse, somewhere in the first step): checked
 /// over the world before any device is opened, naming each rank's device.
+/// Refuses, before anything is allocated, model states that cannot fit this rank's memory
+/// (the ZeRO formula's bytes, `parallel::memory::check_states_fit`): on the GPU the weights
+/// and gradients, and the optimizer's state unless offloaded; in host memory what the CPU or
+/// the offload keeps. Each memory is shared by the ranks it holds: the processes (or the
+/// threads) of the host, the ranks on the GPU (`LOCAL_RANK mod GPUs`, or all of the host's for
+/// `cuda:N`).
+fn check_memory(
+    comm: &Communicator,
+    device: &tensor::buf::Dev,
+    spec: &str,
+    states: MemoryAccount,
+    formula: &str,
+    offload: bool,
+) -> Result<()> {
+    use parallel::memory::{check_states_fit, human, Capacity};
+    let h = |b: usize| human(b as u64);
+    let weights = format!(
+        "weights {} + gradients {}",
+        h(states.params),
+        h(states.grads)
+    );
+    let master = match states.master {
+        0 => String::new(),
+        b => format!("fp32 master {} + ", h(b)),
+    };
+    let optimizer = format!("{master}AdamW moments {}", h(states.optimizer));
+    // Launched processes of this host, or the ranks as threads of this one.
+    let (local_rank, host_ranks) = match comm::env::LaunchEnv::from_env() {
+        Ok(e) => (e.local_rank, e.local_world_size),
+        Err(_) => (0, comm.size()),
+    };
+    let rank = comm.rank();
+    let bytes = |b: usize| b as u64;
+    let fail = |e: parallel::ParallelError| match e {
+        parallel::ParallelError::Config(m) => TrainError::Parallel(m),
+        e => TrainError::Parallel(e.to_string()),
+    };
+    let all = format!("{weights} + {optimizer}; {formula}");
+    let (host, host_what) = match device {
+        tensor::buf::Dev::Cpu => (states.model_states(), all),
+        tensor::buf::Dev::Cuda(g) => {
+            let (on_gpu, what) = if offload {
+                (
+                    states.params + states.grads,
+                    format!("{weights}; {formula}"),
+                )
+            } else {
+                (states.model_states(), all)
+            };
+            let (free, total) = g
+                .memory_info()
+                .map_err(|e| TrainError::Config(format!("reading the GPU's memory: {e}")))?;
+            let launched = comm::env::LaunchEnv::from_env().is_ok();
+            let sharing = match tensor::cuda::device_count() {
+                // `cuda`: this host's ranks with the same `LOCAL_RANK mod count`.
+                Ok(count) if launched && spec.trim().eq_ignore_ascii_case("cuda") && count > 0 => {
+                    (0..host_ranks)
+                        .filter(|r| r % count == local_rank % count)
+                        .count()
+                }
+                _ => host_ranks,
+            };
+            let cap = Capacity {
+                place: format!("GPU {} ({})", g.info.ordinal, g.info.name),
+                free: bytes(free),
+                total: bytes(total),
+                ranks: sharing.max(1),
+            };
+            check_states_fit(rank, bytes(on_gpu), &what, &cap).map_err(fail)?;
+            if !offload {
+                return Ok(());
+            }
+            (
+                states.master + states.optimizer,
+                format!("offloaded {optimizer}"),
+            )
+        }
+    };
+    match Capacity::host(host_ranks.max(1)) {
+        Some(cap) => check_states_fit(rank, bytes(host), &host_what, &cap).map_err(fail),
+        None => Ok(()),
+    }
+}
+
 fn same_device_kind(comm: &Communicator, spec: &str) -> Result<()> {
     if comm.size() == 1 {
         return Ok(());

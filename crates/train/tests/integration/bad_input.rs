@@ -1,7 +1,7 @@
 //! Bad input gives clear errors, never a panic: corrupt and truncated checkpoints, checksum
 //! mismatches, a failed save (the previous checkpoint stays whole), unknown config keys,
 //! missing or empty datasets, token ids beyond the vocabulary, a layout that does not match
-//! the processes, ranks on different kinds of device.
+//! the processes, ranks on different kinds of device, model states larger than the memory.
 use std::path::PathBuf;
 
 use parallel::checkpoint::Checkpoint;
@@ -172,6 +172,38 @@ fn ranks_on_different_kinds_of_device_are_refused() {
     for e in errs {
         assert!(
             e.contains("rank 0 cpu, rank 1 cuda") && e.contains("XTRAIN_DEVICE"),
+            "{e}"
+        );
+    }
+}
+
+/// Model states that cannot fit the host's memory (a 3 T-parameter model: 48 TiB at 16
+/// bytes a parameter, more than any host has) are refused on every rank before anything is
+/// allocated, naming the rank, the bytes by kind and the formula — not a failed allocation
+/// or a kill later.
+#[test]
+fn model_states_that_cannot_fit_are_refused_before_allocating() {
+    let errs = comm::testing::run_threads(2, |c| {
+        let huge = cfg(&[
+            "parallel.nproc=2",
+            "parallel.dp=2",
+            "parallel.zero=1",
+            "model.hidden_size=32768",
+            "model.intermediate_size=87381",
+            "model.num_layers=256",
+        ]);
+        match Trainer::new(huge, &c) {
+            Ok(_) => "trained".to_string(),
+            Err(e) => e.to_string(),
+        }
+    });
+    for (rank, e) in errs.iter().enumerate() {
+        assert!(
+            e.contains(&format!("rank {rank}: the model states need"))
+                && e.contains("in host memory")
+                && e.contains("ZeRO-1 in fp32: 8Φ + 8Φ/N")
+                && e.contains("N = 2")
+                && e.contains("xtrain plan"),
             "{e}"
         );
     }
