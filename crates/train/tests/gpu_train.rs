@@ -745,3 +745,46 @@ fn context_attention_runs_on_a_one_rank_nccl_communicator() {
         );
     }
 }
+
+/// Two ranks sharing the GPU whose fp32 model states (16 bytes a parameter) each fit its
+/// free memory but not twice its whole: refused on both before anything is allocated,
+/// naming the rank and the GPU.
+#[test]
+fn more_ranks_than_the_gpu_holds_are_refused() {
+    if !has_gpu() {
+        return;
+    }
+    let tensor::buf::Dev::Cuda(g) = tensor::buf::Dev::open("cuda").unwrap() else {
+        unreachable!("a GPU was found")
+    };
+    let (free, total) = g.memory_info().unwrap();
+    // A layer of hidden 8192 and FFN 22016: 4·h² + 3·h·f parameters, 16 bytes each.
+    let (h, f) = (8192usize, 22016usize);
+    let layer = 16 * (4 * h * h + 3 * h * f);
+    let layers = (6 * total / 10).div_ceil(layer);
+    assert!(layers * layer < free, "the GPU has too little free memory for this test");
+    let extra: Vec<String> = [
+        "parallel.nproc=2".to_string(),
+        "parallel.dp=2".to_string(),
+        format!("model.hidden_size={h}"),
+        format!("model.intermediate_size={f}"),
+        format!("model.num_layers={layers}"),
+        // Head size 128, as a real model of this width has.
+        "model.num_heads=64".to_string(),
+        "model.num_kv_heads=64".to_string(),
+    ]
+    .into();
+    let errs = comm::testing::run_threads(2, |c| {
+        match train::trainer::Trainer::new(config_with("tiny", "cuda", &extra), &c) {
+            Ok(_) => "trained".to_string(),
+            Err(e) => e.to_string(),
+        }
+    });
+    for (rank, e) in errs.iter().enumerate() {
+        assert!(
+            e.contains(&format!("rank {rank}: the model states need"))
+                && e.contains("2 ranks share GPU 0"),
+            "{e}"
+        );
+    }
+}
