@@ -762,7 +762,10 @@ fn more_ranks_than_the_gpu_holds_are_refused() {
     let (h, f) = (8192usize, 22016usize);
     let layer = 16 * (4 * h * h + 3 * h * f);
     let layers = (6 * total / 10).div_ceil(layer);
-    assert!(layers * layer < free, "the GPU has too little free memory for this test");
+    assert!(
+        layers * layer < free,
+        "the GPU has too little free memory for this test"
+    );
     let extra: Vec<String> = [
         "parallel.nproc=2".to_string(),
         "parallel.dp=2".to_string(),

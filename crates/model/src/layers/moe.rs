@@ -137,10 +137,11 @@ impl Routing {
     }
 }
 
-/// One expert's saved forward: gathered inputs, its MLP cache, its (unweighted) outputs.
+/// One expert's saved forward: gathered inputs (read again only by its weight gradients, so
+/// kept prepared for those products), its MLP cache, its (unweighted) outputs.
 #[derive(Debug, Clone)]
 pub struct ExpertCache {
-    pub x: Act,
+    pub x: Kept,
     pub mlp: MlpCache,
     pub out: Act,
 }
@@ -258,7 +259,7 @@ impl MoeCache {
             .experts
             .iter()
             .flatten()
-            .map(|e| super::act_bytes(&e.x) + e.mlp.bytes() + super::act_bytes(&e.out))
+            .map(|e| e.x.bytes() + e.mlp.bytes() + super::act_bytes(&e.out))
             .sum();
         let returned: usize = self.dispatch.iter().map(|d| d.returned.bytes()).sum();
         self.routing.bytes() + experts + returned + self.shared.as_ref().map_or(0, MlpCache::bytes)
@@ -434,6 +435,7 @@ impl Moe {
             let xs = time(Kernel::Router, || {
                 tensor::ops::gather_rows(x, &tokens, None, hidden)
             })?;
+            let xs = Kept::new(Arc::new(xs))?;
             let (out, mlp) = expert.forward(p, xs.r(), keep_product)?;
             time(Kernel::Router, || {
                 tensor::ops::scatter_add_rows(
@@ -445,7 +447,7 @@ impl Moe {
                 )
             })?;
             caches.push(Some(ExpertCache {
-                x: Arc::new(xs),
+                x: xs,
                 mlp,
                 out: Arc::new(out),
             }));
@@ -496,12 +498,13 @@ impl Moe {
             let xs = time(Kernel::Router, || {
                 tensor::ops::gather_rows(recv.r(), &idx, None, hidden)
             })?;
+            let xs = Kept::new(Arc::new(xs))?;
             let (out, mlp) = expert.forward(p, xs.r(), keep_product)?;
             time(Kernel::Router, || {
                 tensor::ops::scatter_add_rows(out.r(), &idx, None, back.m(), hidden)
             })?;
             caches.push(Some(ExpertCache {
-                x: Arc::new(xs),
+                x: xs,
                 mlp,
                 out: Arc::new(out),
             }));
@@ -539,7 +542,7 @@ impl Moe {
         d: Dispatch,
         dy: &Act,
         ex: &Arc<dyn ExpertExchange>,
-        shared: (Option<(&SwiGlu, MlpCache)>, &Act),
+        shared: (Option<(&SwiGlu, MlpCache)>, &Kept),
         dx: BufMut<'_>,
         dw: &mut [f32],
         store: &mut WeightGradStore,
@@ -562,9 +565,7 @@ impl Moe {
         let wait = ex.all_to_all_rows(send, &plan.member_rows, &recv_rows, hidden)?;
         let (shared, x) = shared;
         let shared_dx = match shared {
-            Some((s, c)) => {
-                Some(s.backward_input(p, &Kept::new(x.clone())?, c, dy.clone(), store)?)
-            }
+            Some((s, c)) => Some(s.backward_input(p, x, c, dy.clone(), store)?),
             None => None,
         };
         let recv = time(Kernel::ExpertExchange, wait)?;
@@ -575,8 +576,7 @@ impl Moe {
             let dout = time(Kernel::Router, || {
                 tensor::ops::gather_rows(recv.r(), &idx, None, hidden)
             })?;
-            let dxs =
-                expert.backward_input(p, &Kept::new(c.x.clone())?, c.mlp, Arc::new(dout), store)?;
+            let dxs = expert.backward_input(p, &c.x, c.mlp, Arc::new(dout), store)?;
             time(Kernel::Router, || {
                 tensor::ops::scatter_add_rows(dxs.r(), &idx, None, back.m(), hidden)
             })?;
@@ -608,6 +608,8 @@ impl Moe {
         let r = &cache.routing;
         let mut dx = tensor::ops::zeros_like(x.r(), x.len())?;
         let mut dw = vec![0.0f32; t_n * k];
+        // The input as the router's and the shared expert's weight gradients read it.
+        let xk = Kept::new(x.clone())?;
         // Under expert parallelism the shared expert's input gradient is computed while the
         // routed gradients travel, and added last, as without it.
         let mut shared_dx = None;
@@ -625,7 +627,7 @@ impl Moe {
                     d,
                     &dy,
                     ex,
-                    (shared, x),
+                    (shared, &xk),
                     dx.m(),
                     &mut dw,
                     store,
@@ -645,13 +647,7 @@ impl Moe {
                     let dout = time(Kernel::Router, || {
                         tensor::ops::gather_rows(dy.r(), &tokens, Some(&weights), hidden)
                     })?;
-                    let dxs = expert.backward_input(
-                        p,
-                        &Kept::new(c.x.clone())?,
-                        c.mlp,
-                        Arc::new(dout),
-                        store,
-                    )?;
+                    let dxs = expert.backward_input(p, &c.x, c.mlp, Arc::new(dout), store)?;
                     time(Kernel::Router, || {
                         tensor::ops::scatter_add_rows(dxs.r(), &tokens, None, dx.m(), hidden)
                     })?;
@@ -691,14 +687,12 @@ impl Moe {
         store.push(WeightTask::Linear {
             w: self.router.clone(),
             dy: dlogits,
-            x: Kept::new(x.clone())?,
+            x: xk.clone(),
         });
         let shared_dx = match shared_dx {
             Some(d) => Some(d),
             None => match (&self.shared, shared_cache) {
-                (Some(s), Some(c)) => {
-                    Some(s.backward_input(p, &Kept::new(x.clone())?, c, dy, store)?)
-                }
+                (Some(s), Some(c)) => Some(s.backward_input(p, &xk, c, dy, store)?),
                 _ => None,
             },
         };

@@ -184,21 +184,22 @@ fn xtrain_cache(part: Part, x: &Local, rc: Recompute) -> usize {
                         (v, k + ffn_in)
                     }
                     // Expected (balanced) load: T·k routed rows per rank, each keeping its
-                    // input, MLP cache and output (and, over ep, the output sent back); the
-                    // routing tables (probabilities, weights, choices, counts, assignments;
-                    // usize = 8 bytes) are held twice, by the MoE cache and by the block.
+                    // input (kept for the expert's weight gradients), MLP cache and output
+                    // (and, over ep, the output sent back); the routing tables
+                    // (probabilities, weights, choices, counts, assignments; usize = 8
+                    // bytes) are held twice, by the MoE cache and by the block.
                     Some((experts, k, fe, fs, exchange)) => {
                         let rows = x.t * k;
                         let routing = x.t * experts + x.t * k + 2 * (x.t * k + experts) + 4 * rows;
                         let ((ev, ek), (sv, sk)) = (mlp(rows, fe), mlp(x.t, fs));
                         (
                             ffn_in
-                                + rows * 2 * x.h
+                                + rows * x.h
                                 + ev
                                 + if exchange { rows * x.h } else { 0 }
                                 + sv
                                 + 2 * routing,
-                            ek + sk,
+                            rows * x.h + ek + sk,
                         )
                     }
                 };
