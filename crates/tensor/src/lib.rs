@@ -22,7 +22,9 @@
 //!   `gemm` crate or the fp32 product on AMX tiles from an exact bf16 split ([`sgemm::amx`]).
 //! - [`skip`]: tests that cannot run here say so visibly, or fail where `XTRAIN_REQUIRE` says.
 //! - [`buf`]: buffers on a device (host or GPU) and their views; [`ops`]: every kernel on
-//!   either device (the CPU kernel on host buffers, its CUDA twin on GPU buffers).
+//!   either device (the CPU kernel on host buffers, its CUDA twin on GPU buffers);
+//!   [`operands`]: a GPU product's operand format (fp32, bf16, fp16) and operands rounded
+//!   once for several products.
 //! - [`cuda`]: the same kernels on an NVIDIA GPU (driver, NVRTC and cuBLASLt opened at run
 //!   time; CUDA C compiled for the GPU found), each tested against its CPU twin.
 //! - [`norm`]: RMSNorm; [`rope::Rope`]: rotary embedding (HF rotate-half);

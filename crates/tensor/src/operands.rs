@@ -1,5 +1,6 @@
 //! The operand format of matrix products on a GPU: fp32 (the parity path, no TF32), or
-//! bf16 / fp16 for the tensor cores, with fp32 accumulation and fp32 results either way.
+//! bf16 / fp16 for the tensor cores, with fp32 accumulation and fp32 results either way; and
+//! the operands prepared in it once for several products ([`Operand`], [`Kept`]).
 //!
 //! A bf16 or fp16 run on a GPU feeds its products 16-bit operands, as PyTorch's autocast and
 //! Megatron's bf16 mode do: each product rounds `A` and `B` to the format (round to nearest
