@@ -19,69 +19,14 @@ V, dO and (ROUND_P) P and dS rounded to bf16; the kernels accumulate into random
 import sys
 import numpy as np
 
-from emu_common import G, T, bf16, bf16_bits, exp2, fmaf, lane, mma, pack
+from emu_common import (G, T, THREADS, Pieces, Smem, bf16, bf16_bits, exp2, fmaf, keys_seen,
+                        lane, ldsm_x4, mma, pack)
 
 LOG2E = np.float32(1.4426950408889634)
 ROUND_P = True  # the reference rounds P and dS to bf16 too (sharper: see TOL)
 TOL = 1.5e-3  # max |x - ref| / max |ref|: 1e-7 typically; up to ~7e-4 where the reference
 # and the kernel round one P or dS element to different bf16 neighbours (S sums differ in the
 # last fp32 bits): one row of dq and one of dk (or dv) then differ by that element's ulp.
-THREADS = 128
-
-
-class Smem:
-    def __init__(self, nbytes):
-        self.buf = np.full(nbytes, 0xAB, dtype=np.uint8)  # garbage (bf16 0xABAB: -1.2e-12)
-        self.n = nbytes
-
-    def u16(self):
-        return self.buf.view(np.uint16)
-
-    def f32(self):
-        return self.buf.view(np.float32)
-
-
-def ldsm_x4(sm, addr, trans=False):
-    """addr: [32] byte addresses; returns 4 registers, each [32] uint32."""
-    assert np.all(addr % 16 == 0) and np.all(addr + 16 <= sm.n), addr
-    u = sm.u16()
-    regs = []
-    for i in range(4):
-        rows = np.stack([u[addr[8 * i + r] // 2: addr[8 * i + r] // 2 + 8] for r in range(8)])
-        rows = rows.astype(np.uint32)
-        if trans:
-            a, b = rows[2 * T, G], rows[2 * T + 1, G]
-        else:
-            a, b = rows[G, 2 * T], rows[G, 2 * T + 1]
-        regs.append(a | (b << 16))
-    return regs
-
-
-def keys_seen(i_end, Sk, causal, q_start, k_start):
-    if not causal:
-        return Sk
-    v = q_start + i_end - k_start
-    return 0 if v < 0 else min(v, Sk)
-
-
-class Pieces:
-    def __init__(self, D):
-        tid = np.arange(THREADS)
-        self.cpr = D >> 2
-        self.r = tid // self.cpr
-        self.c = tid - self.r * self.cpr
-        self.dr = THREADS // self.cpr
-        self.dc = THREADS - self.dr * self.cpr
-
-    def walk(self, n):
-        r, c = self.r.copy(), self.c.copy()
-        for i in range(n):
-            yield i, r.copy(), c.copy()
-            c = c + self.dc
-            r = r + self.dr
-            carry = c >= self.cpr
-            c = np.where(carry, c - self.cpr, c)
-            r = np.where(carry, r + 1, r)
 
 
 def copy_rows(sm, st_byte, src, row_base, stride, row0, ROWS, S, D, owner, tag):
@@ -156,7 +101,7 @@ def dq_kernel(q, k, v, dout, lse, delta, dq, B, Sq, Sk, H, Hkv, D, causal, q_sta
     gx = (Sq + 63) // 64
     for by in range(B * H):
         for bx in range(gx):
-            sm = Smem(nbytes)
+            sm = Smem(nbytes, 0xAB)  # garbage: bf16 0xABAB is -1.2e-12
             owner = {}
             b, h = by // H, by % H
             hk = h // (H // Hkv)
@@ -282,7 +227,7 @@ def dkv_kernel(q, k, v, dout, lse, delta, dk, dv, B, Sq, Sk, H, Hkv, D, causal, 
     group = H // Hkv
     for by in range(B * Hkv):
         for bx in range((Sk + 63) // 64):
-            sm = Smem(nbytes)
+            sm = Smem(nbytes, 0xAB)  # garbage: bf16 0xABAB is -1.2e-12
             owner = {}
             b, hk = by // Hkv, by % Hkv
             j0 = bx * 64

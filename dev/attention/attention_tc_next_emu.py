@@ -29,7 +29,8 @@ import sys
 import time
 import numpy as np
 
-from emu_common import G, T, bf16, exp2, fmaf, lane, mma, pack
+from emu_common import (G, T, THREADS, TID, Pieces, Smem, bf16, exp2, fmaf, keys_seen, lane,
+                        ldsm_x4, mma, pack)
 
 LOG2E = np.float32(1.4426950408889634)
 LN2 = np.float32(0.6931471805599453)
@@ -50,43 +51,9 @@ TOL = {"tile": 1e-3, True: 4e-3, False: 5e-3}[ROUND_P]  # out: max |x - ref| / m
 # False: every p differs by its rounding (2^-9 relative): measured up to 1.7e-3.
 LSE_TOL = 1e-4  # lse: max |x - ref| over the rows that see a key (fp32 sums of |lse| <~ 10:
 # ~1e-6; the bf16 rounding of P does not enter l); -inf rows must be -inf exactly.
-THREADS = 128
 BM = BN = 64
 PAD = 8
 CVT_BATCH = 2
-TID = np.arange(THREADS)
-
-
-class Smem:
-    def __init__(self, nbytes, fill=0xFF):
-        self.buf = np.full(nbytes, fill, dtype=np.uint8)  # garbage (0xFF: NaN, fp32 and bf16)
-        self.n = nbytes
-        self.owner = np.full(nbytes // 16, -1)  # thread whose cp.async wrote each 16 bytes
-
-    def u16(self):
-        return self.buf.view(np.uint16)
-
-    def f32(self):
-        return self.buf.view(np.float32)
-
-
-def ldsm_x4(sm, addr, trans=False, region=None):
-    """addr: [32] byte addresses; returns 4 registers, each [32] uint32. `region`: the byte
-    range (lo, hi) the 16-byte rows must lie in (the tile read), if given."""
-    assert np.all(addr % 16 == 0) and np.all(addr >= 0) and np.all(addr + 16 <= sm.n), addr
-    if region is not None:
-        assert np.all(addr >= region[0]) and np.all(addr + 16 <= region[1]), addr
-    u = sm.u16()
-    regs = []
-    for i in range(4):
-        rows = np.stack([u[addr[8 * i + r] // 2: addr[8 * i + r] // 2 + 8] for r in range(8)])
-        rows = rows.astype(np.uint32)
-        if trans:
-            a, b = rows[2 * T, G], rows[2 * T + 1, G]
-        else:
-            a, b = rows[G, 2 * T], rows[G, 2 * T + 1]
-        regs.append(a | (b << 16))
-    return regs
 
 
 def fmul_rn(a, b):
@@ -96,31 +63,6 @@ def fmul_rn(a, b):
 
 def shfl_xor(x, m):
     return x[lane ^ m]
-
-
-def keys_seen(i_end, Sk, causal, q_start, k_start):
-    """tn_keys_seen."""
-    if not causal:
-        return Sk
-    v = q_start + i_end - k_start
-    return 0 if v < 0 else (Sk if v > Sk else v)
-
-
-class Pieces:
-    """TnPieces, for every thread of the CTA at once (arrays over threadIdx.x)."""
-
-    def __init__(self, D):
-        self.cpr = D >> 2
-        self.r = TID // self.cpr
-        self.c = TID - self.r * self.cpr
-        self.dr = THREADS // self.cpr
-        self.dc = THREADS - self.dr * self.cpr
-
-    def advance(self, r, c):
-        c = c + self.dc
-        r = r + self.dr
-        carry = c >= self.cpr
-        return np.where(carry, r + 1, r), np.where(carry, c - self.cpr, c)
 
 
 def cp_async16(sm, dst, src, src_idx, src_bytes, region):
@@ -257,7 +199,7 @@ def body(q, k, v, out, lse, wr_out, wr_lse, B, Sq, Sk, H, Hkv, D, causal, q_star
     kt = vst + BN * D * 4
     vt = kt + BN * ld * 2
     assert vt + BN * ld * 2 == nbytes and kt % 16 == 0 and vt % 16 == 0
-    sm = Smem(nbytes)
+    sm = Smem(nbytes, 0xFF)  # garbage: 0xFF is NaN in fp32 and bf16
     b, h = by // H, by % H
     hk = h // (H // Hkv)
     q0 = (gx - 1 - bx) * BM  # longest rows first

@@ -1,12 +1,16 @@
 """The emulation primitives both lane-level emulators of the candidate attention kernels use
 (attention_tc_next_emu.py, attention_tc_bwd_next_emu.py): bf16 rounding as cvt.rn (nearest
 even, a NaN the canonical one), register packing, mma.m16n8k16 on the PTX ISA's fragment
-layouts, ex2.approx and fmaf. Lanes are numpy vectors of 32.
+layouts, ex2.approx and fmaf, shared memory filled with garbage and ldmatrix.x4 from it, the
+causal key count of a query block, and the threads' walk over a tile's 4-element pieces.
+Lanes are numpy vectors of 32; a CTA's threads numpy vectors of THREADS.
 """
 import numpy as np
 
 lane = np.arange(32)
 G, T = lane >> 2, lane & 3
+THREADS = 128
+TID = np.arange(THREADS)
 
 
 def bf16_bits(x):
@@ -67,3 +71,70 @@ def exp2(x):
 def fmaf(a, b, c):
     with np.errstate(invalid="ignore", over="ignore"):
         return (np.float64(a) * np.float64(b) + np.float64(c)).astype(np.float32)
+
+
+class Smem:
+    """A CTA's dynamic shared memory, filled with `fill` bytes (garbage a read of anything not
+    written shows), and the thread whose cp.async wrote each 16 bytes (-1: none)."""
+
+    def __init__(self, nbytes, fill):
+        self.buf = np.full(nbytes, fill, dtype=np.uint8)
+        self.n = nbytes
+        self.owner = np.full(nbytes // 16, -1)
+
+    def u16(self):
+        return self.buf.view(np.uint16)
+
+    def f32(self):
+        return self.buf.view(np.float32)
+
+
+def ldsm_x4(sm, addr, trans=False, region=None):
+    """addr: [32] byte addresses; returns 4 registers, each [32] uint32. `region`: the byte
+    range (lo, hi) the 16-byte rows must lie in (the tile read), if given."""
+    assert np.all(addr % 16 == 0) and np.all(addr >= 0) and np.all(addr + 16 <= sm.n), addr
+    if region is not None:
+        assert np.all(addr >= region[0]) and np.all(addr + 16 <= region[1]), addr
+    u = sm.u16()
+    regs = []
+    for i in range(4):
+        rows = np.stack([u[addr[8 * i + r] // 2: addr[8 * i + r] // 2 + 8] for r in range(8)])
+        rows = rows.astype(np.uint32)
+        if trans:
+            a, b = rows[2 * T, G], rows[2 * T + 1, G]
+        else:
+            a, b = rows[G, 2 * T], rows[G, 2 * T + 1]
+        regs.append(a | (b << 16))
+    return regs
+
+
+def keys_seen(i_end, Sk, causal, q_start, k_start):
+    """tn_keys_seen / tb_keys_seen: keys a query block ending at row `i_end` sees."""
+    if not causal:
+        return Sk
+    v = q_start + i_end - k_start
+    return 0 if v < 0 else min(v, Sk)
+
+
+class Pieces:
+    """TnPieces / TbPieces: every thread of the CTA at once (arrays over threadIdx.x) walking
+    a tile's 4-element pieces, D / 4 a row."""
+
+    def __init__(self, D):
+        self.cpr = D >> 2
+        self.r = TID // self.cpr
+        self.c = TID - self.r * self.cpr
+        self.dr = THREADS // self.cpr
+        self.dc = THREADS - self.dr * self.cpr
+
+    def advance(self, r, c):
+        c = c + self.dc
+        r = r + self.dr
+        carry = c >= self.cpr
+        return np.where(carry, r + 1, r), np.where(carry, c - self.cpr, c)
+
+    def walk(self, n):
+        r, c = self.r.copy(), self.c.copy()
+        for i in range(n):
+            yield i, r.copy(), c.copy()
+            r, c = self.advance(r, c)
