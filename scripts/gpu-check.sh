@@ -99,6 +99,22 @@ check_tests() {
     done
 }
 
+# One Llama shape in bf16, alternating: xtrain, xtrain-next (the candidate attention kernels),
+# then the PyTorch peer. $1: the label, $2: steps, $3: the peer's --model
+# (vocab,hidden,ffn,layers,heads,kv_heads,seq,micro_batch), the rest: xtrain's overrides.
+bench_llama() {
+    local label=$1 steps=$2 model=$3 bin
+    shift 3
+    for bin in xtrain xtrain-next; do
+        echo "[$bin]" >>"$report"
+        timeout 120 "$dir/$bin" bench train --preset medium --device cuda --steps "$steps" "$@" \
+            >>"$report" 2>&1 || echo "$bin bench $label bf16 failed" >>"$report"
+    done
+    PYTHONUNBUFFERED=1 timeout 120 python3 benches/peers/torch_peer.py train --device cuda --dtype bf16 \
+        --model "$model" --steps "$steps" >>"$report" 2>&1 ||
+        echo "torch peer $label bf16 failed" >>"$report"
+}
+
 # Throughput: xtrain (and xtrain-next) beside the PyTorch peer.
 check_bench() {
     # Alternating xtrain and the PyTorch peer on the same GPU: `small` in fp32 (TF32 off),
@@ -121,15 +137,7 @@ check_bench() {
     PYTHONUNBUFFERED=1 timeout 120 python3 benches/peers/torch_peer.py train --preset medium \
         --device cuda --dtype bf16 --steps 10 >>"$report" 2>&1 || echo "torch peer medium bf16 failed" >>"$report"
     for round in 1 2; do
-        local bin
-        for bin in xtrain xtrain-next; do
-            echo "[$bin]" >>"$report"
-            timeout 120 "$dir/$bin" bench train --preset medium --device cuda --steps 10 "${m124[@]}" "${bf16[@]}" \
-                >>"$report" 2>&1 || echo "$bin bench 124M bf16 failed" >>"$report"
-        done
-        PYTHONUNBUFFERED=1 timeout 120 python3 benches/peers/torch_peer.py train --device cuda --dtype bf16 \
-            --model 32000,768,2048,12,12,12,1024,8 --steps 10 >>"$report" 2>&1 ||
-            echo "torch peer 124M bf16 failed" >>"$report"
+        bench_llama 124M 10 32000,768,2048,12,12,12,1024,8 "${m124[@]}" "${bf16[@]}"
     done
     # Attention forward + backward against the MLP product per FLOP, at the 124M's shapes
     # (the floor: within 2×).
@@ -314,15 +322,7 @@ check_large() {
         echo '```' >>"$report"
         return
     fi
-    local bin
-    for bin in xtrain xtrain-next; do
-        echo "[$bin]" >>"$report"
-        timeout 120 "$dir/$bin" bench train --preset medium --device cuda --steps 5 "${m1b[@]}" "${bf16[@]}" \
-            >>"$report" 2>&1 || echo "$bin bench 1B bf16 failed" >>"$report"
-    done
-    PYTHONUNBUFFERED=1 timeout 120 python3 benches/peers/torch_peer.py train --device cuda --dtype bf16 \
-        --model 32000,2048,5504,16,16,16,1024,4 --steps 5 >>"$report" 2>&1 ||
-        echo "torch peer 1B bf16 failed" >>"$report"
+    bench_llama 1B 5 32000,2048,5504,16,16,16,1024,4 "${m1b[@]}" "${bf16[@]}"
     echo '```' >>"$report"
 }
 
