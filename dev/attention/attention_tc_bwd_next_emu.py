@@ -19,8 +19,8 @@ V, dO and (ROUND_P) P and dS rounded to bf16; the kernels accumulate into random
 import sys
 import numpy as np
 
-from emu_common import (G, T, THREADS, Pieces, Smem, bf16, bf16_bits, exp2, fmaf, keys_seen,
-                        lane, ldsm_x4, mma, pack)
+from emu_common import (G, T, THREADS, Pieces, Smem, bf16, bf16_bits, exp2, fmaf, inputs,
+                        keys_seen, lane, ldsm_x4, mma, pack, softmax_rows)
 
 LOG2E = np.float32(1.4426950408889634)
 ROUND_P = True  # the reference rounds P and dS to bf16 too (sharper: see TOL)
@@ -382,12 +382,7 @@ def reference(q, k, v, dout, B, Sq, Sk, H, Hkv, D, causal, q_start, k_start, sca
             hk = h // (H // Hkv)
             S = q4[bb, :, h] @ k4[bb, :, hk].T * scale
             S = np.where(vis, S, -np.inf)
-            m = S.max(axis=1, keepdims=True)
-            mm = np.where(np.isfinite(m), m, 0)
-            e = np.exp(S - mm)
-            l = e.sum(axis=1, keepdims=True)
-            with np.errstate(divide="ignore"):
-                lse[bb, h] = np.where(l[:, 0] > 0, mm[:, 0] + np.log(l[:, 0]), -np.inf)
+            _, e, l, lse[bb, h] = softmax_rows(S)
             out[bb, :, h] = np.where(l > 0, (e / np.where(l > 0, l, 1)) @ v4[bb, :, hk], 0)
     lse = lse.astype(np.float32)
     delta = np.einsum("bihd,bihd->bhi", out.astype(np.float32).astype(np.float64), g4).astype(np.float32)
@@ -411,9 +406,7 @@ def reference(q, k, v, dout, B, Sq, Sk, H, Hkv, D, causal, q_start, k_start, sca
 
 def case(B, Sq, Sk, H, Hkv, D, causal, q_start, k_start, seed=0, kv_regs=None):
     rng = np.random.default_rng(seed)
-    q = rng.standard_normal(B * Sq * H * D).astype(np.float32)
-    k = rng.standard_normal(B * Sk * Hkv * D).astype(np.float32)
-    v = rng.standard_normal(B * Sk * Hkv * D).astype(np.float32)
+    q, k, v = inputs(rng, B, Sq, Sk, H, Hkv, D)
     dout = rng.standard_normal(B * Sq * H * D).astype(np.float32)
     scale = 1.0 / np.sqrt(D)
     lse, delta, rq, rk, rv = reference(q, k, v, dout, B, Sq, Sk, H, Hkv, D, causal, q_start,

@@ -29,8 +29,8 @@ import sys
 import time
 import numpy as np
 
-from emu_common import (G, T, THREADS, TID, Pieces, Smem, bf16, exp2, fmaf, keys_seen, lane,
-                        ldsm_x4, mma, pack)
+from emu_common import (G, T, THREADS, TID, Pieces, Smem, bf16, exp2, fmaf, inputs, keys_seen,
+                        lane, ldsm_x4, mma, pack, softmax_rows)
 
 LOG2E = np.float32(1.4426950408889634)
 LN2 = np.float32(0.6931471805599453)
@@ -332,12 +332,7 @@ def reference(q, k, v, B, Sq, Sk, H, Hkv, D, causal, q_start, k_start, scale):
             hk = h // (H // Hkv)
             S = q4[bb, :, h] @ k4[bb, :, hk].T * scale
             S = np.where(vis, S, -np.inf)
-            m = S.max(axis=1, keepdims=True) if Sk > 0 else np.full((Sq, 1), -np.inf)
-            mm = np.where(np.isfinite(m), m, 0)
-            e = np.exp(S - mm)
-            l = e.sum(axis=1, keepdims=True)
-            with np.errstate(divide="ignore"):
-                lse[bb, h] = np.where(l[:, 0] > 0, mm[:, 0] + np.log(l[:, 0]), -np.inf)
+            mm, e, l, lse[bb, h] = softmax_rows(S)
             if ROUND_P == "tile":
                 # The maximum the row has seen by the end of each 64-key tile: the kernel's
                 # running maximum when it rounds that tile's p.
@@ -356,9 +351,7 @@ def reference(q, k, v, B, Sq, Sk, H, Hkv, D, causal, q_start, k_start, scale):
 
 def case(B, Sq, Sk, H, Hkv, D, causal, q_start, k_start, seed=0, note=""):
     rng = np.random.default_rng(seed)
-    q = rng.standard_normal(B * Sq * H * D).astype(np.float32)
-    k = rng.standard_normal(B * Sk * Hkv * D).astype(np.float32)
-    v = rng.standard_normal(B * Sk * Hkv * D).astype(np.float32)
+    q, k, v = inputs(rng, B, Sq, Sk, H, Hkv, D)
     scale = np.float32(1.0 / np.sqrt(D))
     rout, rlse = reference(q, k, v, B, Sq, Sk, H, Hkv, D, causal, q_start, k_start,
                            np.float64(scale))

@@ -138,3 +138,24 @@ class Pieces:
         for i in range(n):
             yield i, r.copy(), c.copy()
             r, c = self.advance(r, c)
+
+
+def inputs(rng, B, Sq, Sk, H, Hkv, D):
+    """Random q [B, Sq, H, D], k and v [B, Sk, Hkv, D], fp32, flat."""
+    q = rng.standard_normal(B * Sq * H * D).astype(np.float32)
+    k = rng.standard_normal(B * Sk * Hkv * D).astype(np.float32)
+    v = rng.standard_normal(B * Sk * Hkv * D).astype(np.float32)
+    return q, k, v
+
+
+def softmax_rows(S):
+    """Rows of masked scores S (-inf where hidden; float64): the maximum with 0 for rows that
+    see nothing, exp(S - max), its row sums, and the log-sum-exp (-inf for rows that see
+    nothing)."""
+    m = S.max(axis=1, keepdims=True) if S.shape[1] > 0 else np.full((S.shape[0], 1), -np.inf)
+    mm = np.where(np.isfinite(m), m, 0)
+    e = np.exp(S - mm)
+    l = e.sum(axis=1, keepdims=True)
+    with np.errstate(divide="ignore"):
+        lse = np.where(l[:, 0] > 0, mm[:, 0] + np.log(l[:, 0]), -np.inf)
+    return mm, e, l, lse
