@@ -879,9 +879,10 @@ fn check_memory(
     };
     let optimizer = format!("{master}AdamW moments {}", h(states.optimizer));
     // Launched processes of this host, or the ranks as threads of this one.
-    let (local_rank, host_ranks) = match comm::env::LaunchEnv::from_env() {
-        Ok(e) => (e.local_rank, e.local_world_size),
-        Err(_) => (0, comm.size()),
+    let launched = comm::env::LaunchEnv::from_env().ok();
+    let (local_rank, host_ranks) = match &launched {
+        Some(e) => (e.local_rank, e.local_world_size),
+        None => (0, comm.size()),
     };
     let rank = comm.rank();
     let bytes = |b: usize| b as u64;
@@ -904,10 +905,13 @@ fn check_memory(
             let (free, total) = g
                 .memory_info()
                 .map_err(|e| TrainError::Config(format!("reading the GPU's memory: {e}")))?;
-            let launched = comm::env::LaunchEnv::from_env().is_ok();
             let sharing = match tensor::cuda::device_count() {
                 // `cuda`: this host's ranks with the same `LOCAL_RANK mod count`.
-                Ok(count) if launched && spec.trim().eq_ignore_ascii_case("cuda") && count > 0 => {
+                Ok(count)
+                    if launched.is_some()
+                        && spec.trim().eq_ignore_ascii_case("cuda")
+                        && count > 0 =>
+                {
                     (0..host_ranks)
                         .filter(|r| r % count == local_rank % count)
                         .count()
