@@ -12,49 +12,53 @@
 //   attn_bwd_dkv_tc_next_k{4,8}(q, k, v, dout, lse, delta, dk, dv, B, Sq, Sk, H, Hkv, D,
 //                               causal, q_start, k_start, scale): dv += P^T dO,
 //                                                                 dk += scale * dS^T Q
-// with P = exp(S scale - lse), S = Q K^T, dP = dO V^T, dS = P (dP - delta). q, dout, dq
-// [B, Sq, H, D] fp32; k, v, dk, dv [B, Sk, Hkv, D] fp32; lse, delta [B, H, Sq] fp32 (lse the
-// forward's natural-log log-sum-exp, -inf for a row that sees no key; delta = rowsum(dO * O),
-// the "attention" module's attn_bwd_delta); causal by global positions (query i at q_start + i
-// sees key j iff k_start + j <= q_start + i); grouped KV heads h -> h / (H / Hkv), dk and dv
-// summing over the H / Hkv query heads of their group; D a multiple of 16 in 16..128. The
-// outputs are accumulated (+=), every element by one thread in a fixed order (deterministic,
-// no atomics). A pair (i, j) that is masked (causal, or i >= Sq, or j >= Sk) contributes
-// exactly 0, so a row that sees no key (lse = -inf) gets nothing and gives nothing. Numerics:
-// Q, K, V, dO rounded to bf16 (nearest even) on their way into registers or shared memory; S
-// and dP one mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 product each (fp32
-// accumulation, sm_80+); P and dS fp32, rounded to bf16 (nearest even) as the operands of the
-// three gradient products, which accumulate in fp32; scale applied to dQ and dK once, at the
-// end. The sums run in the library's order: dK and dV over the group's heads, then query steps
-// of 32 from the library's first step, then 16-query k-steps; dQ over key tiles of 64, halves
-// of 32, k-steps of 16.
+// with P = exp(S scale - lse), S = Q K^T, dP = dO V^T, dS = P (dP - delta). q, dout
+// [B, Sq, H, D] and k, v [B, Sk, Hkv, D] as bf16 bits (`const u16*`: the caller rounds the
+// fp32 values to nearest even once; the library's backward launcher rounds dout itself, after
+// computing delta from the fp32 dout); dq [B, Sq, H, D] and dk, dv [B, Sk, Hkv, D] fp32; lse,
+// delta [B, H, Sq] fp32 (lse the forward's natural-log log-sum-exp, -inf for a row that sees no
+// key; delta = rowsum(dO * O), the "attention" module's attn_bwd_delta); causal by global
+// positions (query i at q_start + i sees key j iff k_start + j <= q_start + i); grouped KV
+// heads h -> h / (H / Hkv), dk and dv summing over the H / Hkv query heads of their group; D a
+// multiple of 16 in 16..128. The outputs are accumulated (+=), every element by one thread in
+// a fixed order (deterministic, no atomics). A pair (i, j) that is masked (causal, or i >= Sq,
+// or j >= Sk) contributes exactly 0, so a row that sees no key (lse = -inf) gets nothing and
+// gives nothing. Numerics: Q, K, V, dO as given (bf16); S and dP one
+// mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 product each (fp32 accumulation,
+// sm_80+); P and dS fp32, rounded to bf16 (nearest even) as the operands of the three gradient
+// products, which accumulate in fp32; scale applied to dQ and dK once, at the end. The sums run
+// in the library's order: dK and dV over the group's heads, then query steps of 32 from the
+// library's first step, then 16-query k-steps; dQ over key tiles of 64, halves of 32, k-steps
+// of 16.
 //
 // Launch: the library's grids and blocks.
-//   dQ:    grid (ceil(Sq / 64), B * H), block 128, dynamic shared memory 768 D + 2048 bytes
-//          (51200 for D = 64, 100352 for D = 128; the library's: 256 (D + 8)).
-//   dK/dV: grid (ceil(Sk / 64), B * Hkv), block 128, dynamic shared memory 640 D + 3584 bytes
-//          (44544 for D = 64, 85504 for D = 128; the library's: 384 (D + 8) + 256).
+//   dQ:    grid (ceil(Sq / 64), B * H), block 128, dynamic shared memory 512 (D + 8) bytes
+//          (36864 for D = 64, 69632 for D = 128; the library's: 256 (D + 8)).
+//   dK/dV: grid (ceil(Sk / 64), B * Hkv), block 128, dynamic shared memory 512 (D + 8) + 512
+//          bytes (37376 for D = 64, 70144 for D = 128; the library's: 384 (D + 8) + 256).
 // Both need the opt-in above 48 KiB (cuFuncSetAttribute MAX_DYNAMIC_SHARED_SIZE_BYTES) at
-// D = 128, and dQ at D = 64 too (the library's kernels need it only for dK/dV at D = 128).
-// Requirements the library kernels do not have: q, k, v and dout 16-byte aligned (cp.async
-// copies and float4 loads of 16 bytes; rows of D fp32 are then 16-byte aligned too, D being a
-// multiple of 16), dq, dk and dv 8-byte aligned (float2 read-modify-write), lse and delta
-// 4-byte aligned (as any fp32). Unlike the forward candidate, `scale` may have either sign.
+// D = 128 only, as the library's dK/dV kernel. q, k, v and dout 16-byte aligned, as the
+// library launcher checks (cp.async copies 16 bytes of a row; D a multiple of 16 keeps every
+// row 16-byte aligned after the first). Requirements the library kernels do not have: dq, dk
+// and dv 8-byte aligned (float2 read-modify-write); lse and delta 4-byte aligned (as any
+// fp32). Unlike the forward candidate, `scale` may have either sign.
 //
 // What differs from the library kernels, and why (the forward candidate's techniques: Nsight
 // Compute showed the library's forward latency-bound on tiles loaded synchronously with nothing
 // to overlap them, and the library's backward kernels load theirs the same way):
 //  a. The tiles a CTA streams over come in with cp.async (PTX ISA, "Data Movement and
-//     Conversion Instructions: cp.async"), 16 bytes a copy, L2 only (.cg), into an fp32
-//     staging area, and are converted to the bf16 tiles by the threads that copied them
-//     (cvt.rn.bf16x2.f32: round to nearest even, as the library's f32_to_bf16; no barrier
-//     between a thread's cp.async.wait_group and its conversion); the copies of step n + 1 fly
-//     while step n is computed. dQ streams the K and V tiles of 64 keys (as the forward
-//     candidate); dK/dV streams the Q and dO tiles of 32 query rows plus their 32 lse and
-//     delta values (4-byte cp.async.ca, zero-filled past Sq). Rows past the end are zero-filled
-//     by the copy (src-size 0), so a masked P or dS of 0 never meets a NaN of stale memory.
-//     dK/dV's own K and V tiles (64 keys, read once per CTA) are read with float4 loads and
-//     rounded while the first step's copies fly.
+//     Conversion Instructions: cp.async"), 16 bytes (8 bf16) a copy, L2 only (.cg), straight
+//     from the bf16 rows into the bf16 tiles the mma operands are read from (no staging, no
+//     conversion), double-buffered: two stages, the copies of step n + 1 issued into the other
+//     stage right after the barrier that opens step n and in flight while step n is computed
+//     (the forward candidate's pipeline, one barrier a step). dQ streams the K and V tiles of
+//     64 keys (as the forward candidate); dK/dV streams the Q and dO tiles of 32 query rows plus
+//     their 32 lse and delta values (4-byte cp.async.ca, zero-filled past Sq). Rows past the
+//     end are zero-filled by the copy (src-size 0), so a masked P or dS of 0 never meets a NaN
+//     of stale memory. dK/dV's own K and V tiles (64 keys, read once per CTA) come in with
+//     cp.async too, one commit group ahead of the first step's. dQ's Q and dO A fragments are
+//     read from global memory with 32-bit loads (two bf16 a load, as the library's tc_load_a):
+//     each element once per CTA, by one thread (the forward candidate's reasoning for Q).
 //  b. B fragments come from the bf16 tiles with ldmatrix (.x4: two n-tiles of 8 at once), .trans
 //     where the product's k index runs down the tile's rows: K in dS K (dQ), dO in P^T dO and
 //     Q in dS^T Q (dK/dV). dK/dV's A fragments of its warp's 16 keys of K and V come from
@@ -62,8 +66,10 @@
 //     the whole CTA (TB_DKV_KV_REGS_K4; at D = 128 they would take 64 more registers and
 //     spill, so _k8 reloads them every step: TB_DKV_KV_REGS_K8 = 0).
 //  c. P is recomputed in the exp2 domain: p = 2^(s * scale * log2(e) - lse * log2(e)), one FFMA
-//     and ex2.approx.ftz (PTX ISA, "ex2"), lse * log2(e) computed once per row (dQ: in
-//     registers; dK/dV: when the step's lse is moved from the stage).
+//     and ex2.approx.ftz (PTX ISA, "ex2"); lse * log2(e) (one fp32 product, the same bits
+//     either way) once per row in dQ (in registers), and in dK/dV where a thread reads the
+//     step's lse from its stage (2 products per n-tile of 8 queries and step: a copy scaled in
+//     shared memory would take a second barrier per step).
 //  d. Masks only where some pair of a warp's tile is masked: a warp of dQ tests its 16 rows
 //     against the 64 keys of a tile (the forward candidate's rule: every row sees every key ->
 //     no mask; no row sees any -> skipped; else the 16-key steps past the last key its last
@@ -113,43 +119,50 @@
 // since D is a multiple of 16: the 8 rows of one matrix start on 8 distinct groups of 4 banks,
 // so every ldmatrix phase is free of bank conflicts.
 //
-// Shared memory (dynamic, 16-byte aligned), bf16 tiles with row stride D + 8, fp32 stages
-// unpadded (the copies and the conversion read and write them 16 bytes a thread):
-//   dQ:    fp32 stage of a K and a V tile (2 x 64 x D x 4), bf16 K and V tiles
-//          (2 x 64 x (D + 8) x 2): 768 D + 2048 bytes.
-//   dK/dV: fp32 stage of a Q and a dO step (2 x 32 x D x 4), bf16 K and V tiles
-//          (2 x 64 x (D + 8) x 2), bf16 Q and dO tiles (2 x 32 x (D + 8) x 2), the step's lse and
-//          delta staged and current (4 x 32 x 4): 640 D + 3584 bytes.
-// No static shared memory. An H100 / H200 SM has 228 KiB (227 KiB at most a block, opt-in
-// above 48 KiB; 1 KiB reserved per block), an A100's 164 KiB.
+// Shared memory (dynamic, 16-byte aligned), bf16 tiles with row stride D + 8 (ld):
+//   dQ:    two stages of a K and a V tile (2 x 2 x 64 x ld x 2): 512 (D + 8) bytes; stage s at
+//          byte 256 ld s, its V tile 128 ld bytes after its K tile.
+//   dK/dV: two stages of the step's lse and delta (2 x 2 x 32 x 4 = 512 bytes, first: fixed
+//          offsets), the K and V tiles (2 x 64 x ld x 2), two stages of the step's Q and dO
+//          tiles (2 x 2 x 32 x ld x 2): 512 (D + 8) + 512 bytes.
+// (The fp32-input candidate took 768 D + 2048 and 640 D + 3584 bytes: fp32 stages and the bf16
+// tiles beside them.) No static shared memory. An H100 / H200 SM has 228 KiB (227 KiB at most
+// a block, opt-in above 48 KiB; 1 KiB reserved per block), so shared memory allows 6 blocks an
+// SM of either kernel at D = 64 (228 / 37) and 3 at D = 128 (228 / 69, 228 / 69.5); an A100's
+// 164 KiB: 4 and 2. Registers allow fewer (below): they are the limit at both head sizes.
 //
 // ptxas (NVRTC 12.9 and 13.0 give the same figures; `-Xptxas -v` on the source as the compile
 // check builds it; 0 bytes of spills and stack everywhere), registers a thread, sm_90 / sm_80,
 // under the cap of __launch_bounds__(128, blocks) (the *_MIN_BLOCKS below), and blocks an SM
 // as registers and shared memory allow (H100 / A100):
-//   attn_bwd_dq_tc_next_k4    166 / 164 (cap 168)  shared 51200 B   3 / 3 blocks
-//   attn_bwd_dq_tc_next_k8    235 / 241 (cap 255)  shared 100352 B  2 / 1
-//   attn_bwd_dkv_tc_next_k4   168 / 168 (cap 168)  shared 44544 B   3 / 3
-//   attn_bwd_dkv_tc_next_k8   255 / 254 (cap 255)  shared 85504 B   2 / 1
-// (the library's, same compilers: dq_k4 128 / 128, dq_k8 231 / 200, dkv_k4 165 / 163, dkv_k8
-// 235 / 235; blocks an SM 4, 2, 3, 2 on an H100). attn_bwd_dkv_tc_next_k8 sits at the 255 of
-// the hardware with no margin: a compiler that needs one more register spills (the figures
-// above are the ones to compare against after a change). At D = 64 shared memory would allow
-// 4 blocks of dQ and 5 of dK/dV, but a cap of 128 registers (4 blocks) spills (sm_90: dQ 136
-// bytes, dK/dV 252). TB_DKV_KV_REGS_K8 = 1 (K and V fragments in registers at D = 128)
-// spills 116 bytes on sm_90; TB_DKV_KV_REGS_K4 = 0 leaves dK/dV_k4 at 168 (the compiler
-// fills the cap either way).
+//   attn_bwd_dq_tc_next_k4    161 / 157 (cap 168)  shared 36864 B   3 / 3 blocks
+//   attn_bwd_dq_tc_next_k8    234 / 230 (cap 255)  shared 69632 B   2 / 2
+//   attn_bwd_dkv_tc_next_k4   168 / 168 (cap 168)  shared 37376 B   3 / 3
+//   attn_bwd_dkv_tc_next_k8   253 / 250 (cap 255)  shared 70144 B   2 / 2
+// (the fp32-input candidate: 166 / 164, 235 / 241, 168 / 168, 255 / 254, and 1 block an A100's
+// SM at D = 128; the library's, same compilers: dq_k4 128 / 128, dq_k8 232 / 200, dkv_k4
+// 165 / 163, dkv_k8 235 / 235; blocks an SM 4, 2, 3, 2 on an H100). attn_bwd_dkv_tc_next_k8
+// sits 2 registers under the 255 of the hardware: a compiler that needs 3 more spills (the
+// figures above are the ones to compare against after a change), and dK/dV_k4 fills its cap
+// (the dK/dV loop's stage offsets are selects on the step's parity, not products: with the
+// products sm_80 spilled 4 bytes). At D = 64 shared memory would allow 6 blocks, but a cap of
+// 128 registers (4 blocks) spills (sm_90: dQ 28 bytes, dK/dV 776). TB_DKV_KV_REGS_K8 = 1 (K
+// and V fragments in registers at D = 128) takes 255 and spills 8 bytes on sm_80;
+// TB_DKV_KV_REGS_K4 = 0 takes 168 / 164.
 //
 // Checked without a GPU only: NVRTC 12.9 / 13.0 compile it for sm_80 and sm_90 with no warning
 // (tests/cuda_kernels_compile.rs), and attention_tc_bwd_next_emu.py, a lane-level numpy
 // transliteration of both kernels (ldmatrix and mma fragment layouts as the PTX ISA gives them,
-// the shared-memory byte layout, the piece ownership of the staging), matches a dense float64
+// the shared-memory byte layout, the cp.async commit groups and waits, and the barriers as the
+// bounds of phases in which no shared word is both read and copied to), matches a dense float64
 // reference of the library's formulas (P and dS rounded to bf16 too) on 15 shapes (head sizes
 // 16 to 128, causal with offsets, rows that see no key, GQA, ragged edges, both choices of the
-// K/V fragments in registers): to about 1e-7 of the largest gradient where both round every P
-// and dS alike, at most 7e-4 where one element rounds to the other bf16 neighbour (its S sums
-// differ in the last fp32 bits). Not checked: the barriers and cp.async ordering on hardware,
-// ex2.approx's error, the speed; examples/attention_next.rs checks on a GPU.
+// K/V fragments in registers), each run with every copy landing when issued and again with
+// every copy landing at the wait that covers it: to about 1e-7 of the largest gradient where
+// both round every P and dS alike, at most 7e-4 where one element rounds to the other bf16
+// neighbour (its S sums differ in the last fp32 bits). Not checked: the hardware's memory
+// ordering beyond the PTX rules the emulator follows, ex2.approx's error, the speed;
+// examples/attention_next.rs checks on a GPU.
 //
 // The kernels are templates on MAXK, the most k-steps of 16 a register tile holds (D <= 16 MAXK),
 // instantiated for MAXK = 4 and 8 as the library's, and on FULL (D == 16 MAXK: D a constant,
@@ -207,8 +220,8 @@ __device__ __forceinline__ void tb_ldsm_x4_trans(u32* r, u32 addr) {
 }
 
 // 16 bytes global -> shared, cached in L2 only; `src_bytes` of them read from `src`, the rest
-// zero-filled (0: a row past the end, nothing is read).
-__device__ __forceinline__ void tb_cp_async16(u32 dst, const float* src, int src_bytes) {
+// zero-filled (0: a row past the end, nothing is read). `dst` and `src` 16-byte aligned.
+__device__ __forceinline__ void tb_cp_async16(u32 dst, const u16* src, int src_bytes) {
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst),
                  "l"((u64)__cvta_generic_to_global(src)), "r"(src_bytes)
                  : "memory");
@@ -225,9 +238,13 @@ __device__ __forceinline__ void tb_cp_async_commit() {
     asm volatile("cp.async.commit_group;\n" ::: "memory");
 }
 
-// Waits for every cp.async group of this thread; its copies are then visible to it.
-__device__ __forceinline__ void tb_cp_async_wait_all() {
-    asm volatile("cp.async.wait_group 0;\n" ::: "memory");
+// Waits until at most N of this thread's cp.async groups, the newest, are pending; the copies
+// of the others are then visible to it, and to the whole CTA after a barrier (PTX ISA,
+// "cp.async.wait_group"; bar.sync orders the waiting thread's view before every other
+// thread's reads after it).
+template <int N>
+__device__ __forceinline__ void tb_cp_async_wait() {
+    asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
 }
 
 __device__ __forceinline__ u32 tb_smem_addr(const void* p) {
@@ -242,20 +259,22 @@ __device__ __forceinline__ int tb_keys_seen(int i_end, int Sk, int causal, int q
     return v < 0 ? 0 : (v > Sk ? Sk : v);
 }
 
-// The 16-byte pieces of a tile of ROWS rows that this thread copies and converts: pieces
-// e = threadIdx.x + 128 i for i < ROWS D / 512 (ROWS rows of D / 4 pieces), piece e at byte
-// 16 e of the fp32 stage, tile row e / (D / 4), column 4 (e % (D / 4)). The row and column of
-// piece i + 1 are those of piece i advanced by 128 pieces: `dr` rows and `dc` pieces, with a
-// carry (no division in the loops).
+// The 16-byte pieces (8 bf16) of a tile of ROWS rows that this thread copies: pieces
+// e = threadIdx.x + 128 i below ROWS D / 8 (ROWS rows of D / 8 pieces), piece e at tile row
+// e / (D / 8), columns 8 (e % (D / 8)) .. + 7. Consecutive threads take consecutive pieces of
+// a row: at D = 64 and 128 each quarter-warp writes 128 consecutive bytes of one tile row
+// (conflict-free) and a warp reads whole rows, or 512 consecutive bytes of one. The row and
+// column of piece i + 1 are those of piece i advanced by 128 pieces: `dr` rows and `dc`
+// pieces, with a carry (no division in the loops).
 struct TbPieces {
     int r, c;   // row and piece column of the first piece (i = 0)
-    int dr, dc; // 128 / (D / 4), 128 % (D / 4)
-    int cpr;    // pieces a row, D / 4
+    int dr, dc; // 128 / (D / 8), 128 % (D / 8)
+    int cpr;    // pieces a row, D / 8
 };
 
 __device__ __forceinline__ TbPieces tb_pieces(int D) {
     TbPieces pc;
-    pc.cpr = D >> 2;
+    pc.cpr = D >> 3;
     pc.r = threadIdx.x / pc.cpr;
     pc.c = threadIdx.x - pc.r * pc.cpr;
     pc.dr = TB_THREADS / pc.cpr;
@@ -272,95 +291,52 @@ __device__ __forceinline__ void tb_next_piece(int& r, int& c, const TbPieces& pc
     }
 }
 
-// Issues the copies of rows row0 .. row0 + ROWS - 1 of two tensors of rows (`xa`, `xb`: row 0
-// of the head; `stride` between rows) into fp32 stages (shared addresses `sta`, `stb`); rows at
-// or past S are zero-filled.
+// Issues the copies of rows row0 .. row0 + ROWS - 1 of two bf16 tensors of rows (`xa`, `xb`:
+// row 0 of the head; `stride` elements between rows) straight into the bf16 tiles at shared
+// addresses `ta`, `tb` (row stride ld); rows at or past S are zero-filled. Both addresses of
+// a piece are 16-byte aligned: 8 c elements into a row, rows 2 stride (a multiple of 32) and
+// 2 ld (of 16) bytes apart. ROWS D / 8 pieces, at most ROWS MAXK / 64 a thread; a multiple of
+// 128 unless ROWS = 32 and D / 16 is odd (the guard folds away for FULL).
 template <int ROWS, int MAXK>
-__device__ __forceinline__ void tb_copy_rows(u32 sta, u32 stb, const float* xa, const float* xb,
-                                             long long stride, int row0, int S, int D) {
+__device__ __forceinline__ void tb_copy_rows(u32 ta, u32 tb, const u16* xa, const u16* xb,
+                                             long long stride, int row0, int S, int D, int ld) {
     const TbPieces pc = tb_pieces(D);
+    const int n = ROWS * (D >> 3);
     int r = pc.r, c = pc.c;
 #pragma unroll
-    for (int i = 0; i < ROWS * MAXK / 32; i++) {
-        if (i < ROWS * D / 512) {
+    for (int i = 0; i < ROWS * MAXK / 64; i++) {
+        if ((i + 1) * TB_THREADS <= n || (i * TB_THREADS < n && threadIdx.x + i * TB_THREADS < n)) {
             const int row = row0 + r;
             const bool in = row < S;
             // A row past the end reads nothing; its address stays inside row 0 of the head.
-            const long long off = (in ? (long long)row * stride : 0) + 4 * c;
-            const u32 so = (u32)(threadIdx.x + TB_THREADS * i) * 16u;
-            tb_cp_async16(sta + so, xa + off, in ? 16 : 0);
-            tb_cp_async16(stb + so, xb + off, in ? 16 : 0);
+            const long long off = (in ? (long long)row * stride : 0) + 8 * c;
+            const u32 so = (u32)(r * ld + 8 * c) * 2u;
+            tb_cp_async16(ta + so, xa + off, in ? 16 : 0);
+            tb_cp_async16(tb + so, xb + off, in ? 16 : 0);
             tb_next_piece(r, c, pc);
         }
     }
 }
 
-// This thread's pieces of the fp32 stages (`sta`, `stb`) rounded into the bf16 tiles (`ta`,
-// `tb`, row stride ld): 4 fp32 -> 4 bf16 (8 bytes) a piece. In batches of 2 pieces, loads
-// first: the compiler cannot tell the stage's loads from the tiles' stores apart, so it would
-// otherwise wait out one shared-memory load latency per piece.
-template <int ROWS, int MAXK>
-__device__ __forceinline__ void tb_convert_rows(const float* sta, const float* stb, u16* ta,
-                                                u16* tb, int D, int ld) {
-    const TbPieces pc = tb_pieces(D);
-    int r = pc.r, c = pc.c;
+// The A fragments of rows r and r + 8 of one head of a [B, S, H, D] bf16 tensor (`x`: its
+// element (b, 0, h, 0); `stride` = H D), straight from global memory, two bf16 a 32-bit load
+// (the library's tc_load_a): f[kk][0], f[kk][1] columns 16 kk + 2t, + 1 of rows r, r + 8;
+// f[kk][2], f[kk][3] columns 16 kk + 2t + 8, + 9; zeros for rows at or past S. A quad's loads
+// of a row and k-step cover one whole 32-byte sector (rows start 32-byte aligned: 2 D bytes
+// apart, D a multiple of 16).
+template <int MAXK>
+__device__ __forceinline__ void tb_load_a(u32 (&f)[MAXK][4], const u16* x, long long stride,
+                                          int r, int S, int nk, int t) {
+    const u16* pa = x + (long long)r * stride + 2 * t;
+    const u16* pb = x + (long long)(r + 8) * stride + 2 * t;
+    const bool oka = r < S, okb = r + 8 < S;
 #pragma unroll
-    for (int i0 = 0; i0 < ROWS * MAXK / 32; i0 += 2) {
-        float4 x[2], y[2];
-#pragma unroll
-        for (int j = 0; j < 2; j++) {
-            if (i0 + j < ROWS * D / 512) {
-                const int e = threadIdx.x + TB_THREADS * (i0 + j);
-                x[j] = ((const float4*)sta)[e];
-                y[j] = ((const float4*)stb)[e];
-            }
-        }
-#pragma unroll
-        for (int j = 0; j < 2; j++) {
-            if (i0 + j < ROWS * D / 512) {
-                const int o = r * ld + 4 * c; // a multiple of 4 elements: 8-byte aligned
-                *(uint2*)(ta + o) = make_uint2(tb_pack(x[j].x, x[j].y), tb_pack(x[j].z, x[j].w));
-                *(uint2*)(tb + o) = make_uint2(tb_pack(y[j].x, y[j].y), tb_pack(y[j].z, y[j].w));
-                tb_next_piece(r, c, pc);
-            }
-        }
-    }
-}
-
-// Rows row0 .. row0 + ROWS - 1 of two tensors of rows straight from global memory (float4
-// loads) rounded into the bf16 tiles `ta`, `tb`; rows at or past S are zeros. The same pieces
-// as above, in batches of 4 pieces, loads first.
-template <int ROWS, int MAXK>
-__device__ __forceinline__ void tb_load_rows(u16* ta, u16* tb, const float* xa, const float* xb,
-                                             long long stride, int row0, int S, int D, int ld) {
-    const TbPieces pc = tb_pieces(D);
-    int r = pc.r, c = pc.c;
-#pragma unroll
-    for (int i0 = 0; i0 < ROWS * MAXK / 32; i0 += 4) {
-        float4 x[4], y[4];
-        int rr = r, cc = c;
-#pragma unroll
-        for (int j = 0; j < 4; j++) {
-            if (i0 + j < ROWS * D / 512) {
-                const int row = row0 + rr;
-                if (row < S) {
-                    const long long off = (long long)row * stride + 4 * cc;
-                    x[j] = *(const float4*)(xa + off);
-                    y[j] = *(const float4*)(xb + off);
-                } else {
-                    x[j] = y[j] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-                }
-                tb_next_piece(rr, cc, pc);
-            }
-        }
-#pragma unroll
-        for (int j = 0; j < 4; j++) {
-            if (i0 + j < ROWS * D / 512) {
-                const int o = r * ld + 4 * c;
-                *(uint2*)(ta + o) = make_uint2(tb_pack(x[j].x, x[j].y), tb_pack(x[j].z, x[j].w));
-                *(uint2*)(tb + o) = make_uint2(tb_pack(y[j].x, y[j].y), tb_pack(y[j].z, y[j].w));
-                tb_next_piece(r, c, pc);
-            }
+    for (int kk = 0; kk < MAXK; kk++) {
+        if (kk < nk) {
+            f[kk][0] = oka ? *(const u32*)(pa + kk * 16) : 0u;
+            f[kk][1] = okb ? *(const u32*)(pb + kk * 16) : 0u;
+            f[kk][2] = oka ? *(const u32*)(pa + kk * 16 + 8) : 0u;
+            f[kk][3] = okb ? *(const u32*)(pb + kk * 16 + 8) : 0u;
         }
     }
 }
@@ -453,8 +429,8 @@ __device__ __forceinline__ void tb_dq_tile(const u32 (&qf)[MAXK][4], const u32 (
 // 64 (gridDim.x - 1 - x) .. + 63, warp w rows + 16 w .. + 15 (its Q and dO fragments stay in
 // registers), and walks the key tiles of 64 that its rows see.
 template <int MAXK, bool FULL>
-__device__ __forceinline__ void attn_bwd_dq_tc_next_body(const float* q, const float* k,
-                                                         const float* v, const float* dout,
+__device__ __forceinline__ void attn_bwd_dq_tc_next_body(const u16* q, const u16* k,
+                                                         const u16* v, const u16* dout,
                                                          const float* lse, const float* delta,
                                                          float* dq, int B, int Sq, int Sk,
                                                          int H, int Hkv, int D, int causal,
@@ -463,62 +439,36 @@ __device__ __forceinline__ void attn_bwd_dq_tc_next_body(const float* q, const f
     extern __shared__ __align__(16) unsigned char tb_smem[];
     if (FULL) D = 16 * MAXK; // a constant from here on: loops without guards, fixed offsets
     const int ld = D + TB_PAD;
-    float* kst = (float*)tb_smem; // fp32 stage, 64 x D each, unpadded
-    float* vst = kst + TB_BN * D;
-    u16* kt = (u16*)(vst + TB_BN * D); // bf16 tiles, 64 x ld each (byte offset 512 D)
-    u16* vt = kt + TB_BN * ld;
+    // Stage s of the double buffer: the K tile at kt0 + s * stage, the V tile at vt0 + s * stage.
+    const u32 stage = (u32)(2 * TB_BN * ld) * 2u;
+    const u32 kt0 = tb_smem_addr(tb_smem), vt0 = kt0 + (u32)(TB_BN * ld) * 2u;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
     const int b = blockIdx.y / H, h = blockIdx.y % H, hk = h / (H / Hkv);
     const int q0 = (gridDim.x - 1 - blockIdx.x) * TB_BM; // longest rows first
     const int nk = D >> 4, nd = D >> 3;
     const long long qstride = (long long)H * D, kstride = (long long)Hkv * D;
     const long long qbase = (long long)b * Sq * qstride + (long long)h * D;
-    const float* kb = k + (long long)b * Sk * kstride + (long long)hk * D;
-    const float* vb = v + (long long)b * Sk * kstride + (long long)hk * D;
+    const u16* kb = k + (long long)b * Sk * kstride + (long long)hk * D;
+    const u16* vb = v + (long long)b * Sk * kstride + (long long)hk * D;
     const int iw = q0 + warp * 16; // the warp's first row
     const int r0 = iw + g;         // this thread's rows: r0 (half 0) and r0 + 8 (half 1)
     const float sl2 = scale * TB_LOG2E;
 
     const int nvis = tb_keys_seen(min(q0 + TB_BM, Sq), Sk, causal, q_start, k_start);
     const int ntiles = (nvis + TB_BN - 1) / TB_BN;
-    const u32 kst_a = tb_smem_addr(kst), vst_a = tb_smem_addr(vst);
 
-    // The first tile's copies fly while Q, dO, lse and delta are read.
+    // Tile 0's copies (stage 0) fly while Q, dO, lse and delta are read.
     if (ntiles > 0) {
-        tb_copy_rows<TB_BN, MAXK>(kst_a, vst_a, kb, vb, kstride, 0, Sk, D);
+        tb_copy_rows<TB_BN, MAXK>(kt0, vt0, kb, vb, kstride, 0, Sk, D, ld);
         tb_cp_async_commit();
     }
 
-    // Q's and dO's A fragments (rows r0, r0 + 8; zeros past Sq), rounded to bf16.
+    // Q's and dO's A fragments (rows r0, r0 + 8; zeros past Sq) from global memory: each
+    // element is read once per CTA, by one thread, so not through shared memory (the forward
+    // candidate's reasoning).
     u32 qf[MAXK][4], gf[MAXK][4];
-    {
-        const bool oka = r0 < Sq, okb = r0 + 8 < Sq;
-        const long long oa = qbase + (long long)r0 * qstride + 2 * t;
-        const long long ob = qbase + (long long)(r0 + 8) * qstride + 2 * t;
-        const float2 z = make_float2(0.0f, 0.0f);
-#pragma unroll
-        for (int kk = 0; kk < MAXK; kk++) {
-            if (kk < nk) {
-                const int c = kk * 16;
-                float2 x0 = oka ? *(const float2*)(q + oa + c) : z;
-                float2 x1 = okb ? *(const float2*)(q + ob + c) : z;
-                float2 x2 = oka ? *(const float2*)(q + oa + c + 8) : z;
-                float2 x3 = okb ? *(const float2*)(q + ob + c + 8) : z;
-                qf[kk][0] = tb_pack(x0.x, x0.y);
-                qf[kk][1] = tb_pack(x1.x, x1.y);
-                qf[kk][2] = tb_pack(x2.x, x2.y);
-                qf[kk][3] = tb_pack(x3.x, x3.y);
-                x0 = oka ? *(const float2*)(dout + oa + c) : z;
-                x1 = okb ? *(const float2*)(dout + ob + c) : z;
-                x2 = oka ? *(const float2*)(dout + oa + c + 8) : z;
-                x3 = okb ? *(const float2*)(dout + ob + c + 8) : z;
-                gf[kk][0] = tb_pack(x0.x, x0.y);
-                gf[kk][1] = tb_pack(x1.x, x1.y);
-                gf[kk][2] = tb_pack(x2.x, x2.y);
-                gf[kk][3] = tb_pack(x3.x, x3.y);
-            }
-        }
-    }
+    tb_load_a<MAXK>(qf, q + qbase, qstride, r0, Sq, nk, t);
+    tb_load_a<MAXK>(gf, dout + qbase, qstride, r0, Sq, nk, t);
     // Per row: lse in exp2 units, delta, and the keys it sees (0 past Sq: masked everywhere).
     float lse2[2], del[2];
     int vis_row[2];
@@ -539,37 +489,41 @@ __device__ __forceinline__ void attn_bwd_dq_tc_next_body(const float* q, const f
         wfull = tb_keys_seen(iw + 1, Sk, causal, q_start, k_start);
     }
 
-    // ldmatrix row addresses of this lane (k-step 0, pair 0; see the header).
+    // ldmatrix row addresses of this lane in stage 0 (k-step 0, pair 0; see the header).
     const int nt_row = ((lane >> 4) << 3) + (lane & 7), nt_col = ((lane >> 3) & 1) << 3;
     const int tr_row = (((lane >> 3) & 1) << 3) + (lane & 7), tr_col = (lane >> 4) << 3;
-    const u32 ks_nt = tb_smem_addr(kt) + (u32)(nt_row * ld + nt_col) * 2u;
-    const u32 vs_nt = tb_smem_addr(vt) + (u32)(nt_row * ld + nt_col) * 2u;
-    const u32 ks_tr = tb_smem_addr(kt) + (u32)(tr_row * ld + tr_col) * 2u;
+    const u32 ks_nt = kt0 + (u32)(nt_row * ld + nt_col) * 2u;
+    const u32 vs_nt = vt0 + (u32)(nt_row * ld + nt_col) * 2u;
+    const u32 ks_tr = kt0 + (u32)(tr_row * ld + tr_col) * 2u;
 
     float acc[2 * MAXK][4];
 #pragma unroll
     for (int n = 0; n < 2 * MAXK; n++) acc[n][0] = acc[n][1] = acc[n][2] = acc[n][3] = 0.0f;
 
+    // The pipeline, one barrier a tile (the forward candidate's): tile jt is in stage jt & 1;
+    // at the top of iteration jt the only commit group in flight is tile jt's. After this
+    // thread's wait and the barrier every thread's copies of tile jt are visible to the CTA
+    // and every warp is done with tile jt - 1, whose stage tile jt + 1's copies then take,
+    // in flight while tile jt is computed. The loop and its barrier are CTA-uniform.
     for (int jt = 0; jt < ntiles; jt++) {
         const int j0 = jt * TB_BN;
-        tb_cp_async_wait_all(); // this thread's pieces of tile jt are in the stage
-        __syncthreads();        // every warp is done with tile jt - 1's bf16 tiles
-        tb_convert_rows<TB_BN, MAXK>(kst, vst, kt, vt, D, ld);
-        __syncthreads(); // the bf16 tiles of tile jt are complete
-        // The stage is free again (each thread converted its own pieces): tile jt + 1's copies
-        // fly while tile jt is computed.
+        const u32 cur = (u32)(jt & 1) * stage;
+        tb_cp_async_wait<0>();
+        __syncthreads();
         if (jt + 1 < ntiles) {
-            tb_copy_rows<TB_BN, MAXK>(kst_a, vst_a, kb, vb, kstride, j0 + TB_BN, Sk, D);
+            const u32 nxt = stage - cur; // the other stage
+            tb_copy_rows<TB_BN, MAXK>(kt0 + nxt, vt0 + nxt, kb, vb, kstride, j0 + TB_BN, Sk, D,
+                                      ld);
             tb_cp_async_commit();
         }
         if (j0 + TB_BN <= wfull) {
             const int none[2] = {0, 0};
-            tb_dq_tile<MAXK, false>(qf, gf, acc, ks_nt, vs_nt, ks_tr, ld, nk, sl2, lse2, del,
-                                    TB_BN, none, t);
+            tb_dq_tile<MAXK, false>(qf, gf, acc, ks_nt + cur, vs_nt + cur, ks_tr + cur, ld, nk,
+                                    sl2, lse2, del, TB_BN, none, t);
         } else if (j0 < wkeys) {
             const int vis[2] = {vis_row[0] - j0, vis_row[1] - j0};
-            tb_dq_tile<MAXK, true>(qf, gf, acc, ks_nt, vs_nt, ks_tr, ld, nk, sl2, lse2, del,
-                                   wkeys - j0, vis, t);
+            tb_dq_tile<MAXK, true>(qf, gf, acc, ks_nt + cur, vs_nt + cur, ks_tr + cur, ld, nk,
+                                   sl2, lse2, del, wkeys - j0, vis, t);
         }
     }
 
@@ -607,16 +561,17 @@ __device__ __forceinline__ void attn_bwd_dq_tc_next_body(const float* q, const f
 // the M dimension: P^T and dS^T are A operands straight from the accumulators), P^T, dS^T,
 // dva += P^T dO, dka += dS^T Q. `kf`, `vf`: the warp's K and V A fragments (KV_REGS), else
 // `ka_tr`, `va_tr`: this lane's A ("tr") address in the bf16 K and V tiles (its warp's rows,
-// k-step 0). `qs_nt`, `gs_nt`: its "nt" address in the bf16 Q and dO tiles, `qs_tr`, `gs_tr`
-// its "tr" address (k-step 0, pair 0). `lse_c`, `del_c`: the step's lse * log2(e) and delta
-// (32 each). MASKED: some pair (key, query) of the warp's 16 x 32 is masked; then the 16-query
-// halves p < plo and p >= phi are seen by no key of the warp (skipped), and key row
-// j = g + 8 hf of the warp sees the step's queries lo[hf] <= il < hi.
+// k-step 0). `qs_nt`, `gs_nt`: its "nt" address in the step's bf16 Q and dO tiles, `qs_tr`,
+// `gs_tr` its "tr" address (k-step 0, pair 0). `lse_s`, `del_s`: the step's lse (natural log,
+// as copied; times log2(e) here, once per value and thread) and delta, 32 each. MASKED: some
+// pair (key, query) of the warp's 16 x 32 is masked; then the 16-query halves p < plo and
+// p >= phi are seen by no key of the warp (skipped), and key row j = g + 8 hf of the warp sees
+// the step's queries lo[hf] <= il < hi.
 template <int MAXK, bool MASKED, bool KV_REGS>
 __device__ __forceinline__ void tb_dkv_step(const u32 (&kf)[MAXK][4], const u32 (&vf)[MAXK][4],
                                             u32 ka_tr, u32 va_tr, u32 qs_nt, u32 gs_nt,
-                                            u32 qs_tr, u32 gs_tr, const float* lse_c,
-                                            const float* del_c, float (&dka)[2 * MAXK][4],
+                                            u32 qs_tr, u32 gs_tr, const float* lse_s,
+                                            const float* del_s, float (&dka)[2 * MAXK][4],
                                             float (&dva)[2 * MAXK][4], int ld, int nk,
                                             float sl2, int plo, int phi, const int (&lo)[2],
                                             int hi, int t) {
@@ -662,12 +617,13 @@ __device__ __forceinline__ void tb_dkv_step(const u32 (&kf)[MAXK][4], const u32 
     // sees no key has lse = -inf and P = 2^inf there).
 #pragma unroll
     for (int n = 0; n < 4; n++) {
-        const float2 l2 = *(const float2*)(lse_c + n * 8 + 2 * t);
-        const float2 dl = *(const float2*)(del_c + n * 8 + 2 * t);
+        const float2 lr = *(const float2*)(lse_s + n * 8 + 2 * t);
+        const float2 dl = *(const float2*)(del_s + n * 8 + 2 * t);
+        const float l2[2] = {__fmul_rn(lr.x, TB_LOG2E), __fmul_rn(lr.y, TB_LOG2E)};
 #pragma unroll
         for (int x = 0; x < 4; x++) {
             const int e = x & 1;
-            float p = tb_exp2(fmaf(s[n][x], sl2, -(e ? l2.y : l2.x)));
+            float p = tb_exp2(fmaf(s[n][x], sl2, -l2[e]));
             float ds = p * (dp[n][x] - (e ? dl.y : dl.x));
             if (MASKED) {
                 const int il = n * 8 + 2 * t + e;
@@ -714,25 +670,25 @@ __device__ __forceinline__ void tb_dkv_step(const u32 (&kf)[MAXK][4], const u32 
     }
 }
 
-// Issues the copies of query step c0 of head h: rows c0 .. c0 + 31 of Q and dO into their fp32
-// stages, and lse, delta of those rows into theirs (threads 0 .. 31 and 32 .. 63, one value
-// each); rows at or past Sq zero-filled. One commit group.
+// Issues the copies of query step c0 of head h: rows c0 .. c0 + 31 of Q and dO into the bf16
+// tiles at shared addresses `qt`, `gt`, and lse, delta of those rows into `lst`, `dst` (threads
+// 0 .. 31 and 32 .. 63, one value each); rows at or past Sq zero-filled. One commit group.
 template <int MAXK>
-__device__ __forceinline__ void tb_dkv_copy_step(u32 qst_a, u32 gst_a, u32 lst_a, u32 dst_a,
-                                                 const float* q, const float* dout,
-                                                 const float* lse, const float* delta, int b,
-                                                 int h, int c0, int Sq, int H, int D,
+__device__ __forceinline__ void tb_dkv_copy_step(u32 qt, u32 gt, u32 lst, u32 dst, const u16* q,
+                                                 const u16* dout, const float* lse,
+                                                 const float* delta, int b, int h, int c0,
+                                                 int Sq, int H, int D, int ld,
                                                  long long qstride) {
     const long long qbase = (long long)b * Sq * qstride + (long long)h * D;
-    tb_copy_rows<TB_QC, MAXK>(qst_a, gst_a, q + qbase, dout + qbase, qstride, c0, Sq, D);
+    tb_copy_rows<TB_QC, MAXK>(qt, gt, q + qbase, dout + qbase, qstride, c0, Sq, D, ld);
     const long long lbase = ((long long)b * H + h) * Sq;
     const int r = threadIdx.x & (TB_QC - 1);
     const bool in = c0 + r < Sq;
     const long long li = lbase + (in ? c0 + r : 0);
     if (threadIdx.x < TB_QC)
-        tb_cp_async4(lst_a + 4u * r, lse + li, in ? 4 : 0);
+        tb_cp_async4(lst + 4u * r, lse + li, in ? 4 : 0);
     else if (threadIdx.x < 2 * TB_QC)
-        tb_cp_async4(dst_a + 4u * r, delta + li, in ? 4 : 0);
+        tb_cp_async4(dst + 4u * r, delta + li, in ? 4 : 0);
     tb_cp_async_commit();
 }
 
@@ -741,22 +697,21 @@ __device__ __forceinline__ void tb_dkv_copy_step(u32 qst_a, u32 gst_a, u32 lst_a
 // 32 rows that see its keys.
 template <int MAXK, bool FULL, bool KV_REGS>
 __device__ __forceinline__ void attn_bwd_dkv_tc_next_body(
-    const float* q, const float* k, const float* v, const float* dout, const float* lse,
+    const u16* q, const u16* k, const u16* v, const u16* dout, const float* lse,
     const float* delta, float* dk, float* dv, int B, int Sq, int Sk, int H, int Hkv, int D,
     int causal, int q_start, int k_start, float scale) {
     extern __shared__ __align__(16) unsigned char tb_smem[];
     if (FULL) D = 16 * MAXK;
     const int ld = D + TB_PAD;
-    float* qst = (float*)tb_smem; // fp32 stages, 32 x D each, unpadded
-    float* gst = qst + TB_QC * D;
-    u16* kt = (u16*)(gst + TB_QC * D); // bf16 tiles (byte offset 256 D)
-    u16* vt = kt + TB_BN * ld;
-    u16* qt = vt + TB_BN * ld;
-    u16* gt = qt + TB_QC * ld;
-    float* lse_st = (float*)(gt + TB_QC * ld); // byte offset 256 D + 384 ld: 16-aligned
-    float* del_st = lse_st + TB_QC;
-    float* lse_c = del_st + TB_QC;
-    float* del_c = lse_c + TB_QC;
+    // Two stages of a step's lse and delta (32 fp32 each; stage s at byte 256 s: fixed
+    // offsets, no register holds them), then the CTA's K and V tiles (64 rows each), then two
+    // stages of a step's Q and dO tiles (32 rows each; stage s at qt0 + s * qstage). Byte
+    // offsets 0, 512, 512 + 128 ld, 512 + 256 ld, 512 + 320 ld; 512 + 512 ld in all.
+    const float* lse_s0 = (const float*)tb_smem;
+    const u32 lst0 = tb_smem_addr(tb_smem);
+    const u32 kt = lst0 + 4u * 4 * TB_QC, vt = kt + (u32)(TB_BN * ld) * 2u;
+    const u32 qstage = (u32)(2 * TB_QC * ld) * 2u;
+    const u32 qt0 = kt + (u32)(2 * TB_BN * ld) * 2u, gt0 = qt0 + (u32)(TB_QC * ld) * 2u;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
     const int b = blockIdx.y / Hkv, hk = blockIdx.y % Hkv, group = H / Hkv;
     const int j0 = blockIdx.x * TB_BN;
@@ -773,28 +728,33 @@ __device__ __forceinline__ void attn_bwd_dkv_tc_next_body(
     i0 = i0 < 0 ? 0 : (i0 / TB_QC) * TB_QC;
     const int nsteps = i0 < Sq ? (Sq - i0 + TB_QC - 1) / TB_QC : 0;
     const int total = group * nsteps;
-    const u32 qst_a = tb_smem_addr(qst), gst_a = tb_smem_addr(gst);
-    const u32 lst_a = tb_smem_addr(lse_st), dst_a = tb_smem_addr(del_st);
 
-    // The first step's copies fly while K and V are read.
-    if (total > 0)
-        tb_dkv_copy_step<MAXK>(qst_a, gst_a, lst_a, dst_a, q, dout, lse, delta, b,
-                               hk * group, i0, Sq, H, D, qstride);
-    tb_load_rows<TB_BN, MAXK>(kt, vt, k + kbase, v + kbase, kstride, j0, Sk, D, ld);
-    __syncthreads(); // the K and V tiles are complete
+    // The K and V tiles (read once per CTA) come in with cp.async too, one commit group, and
+    // the first step's copies (stage 0) right behind them, a second group; none of it for a
+    // CTA with no step (its dk and dv get += 0).
+    if (total > 0) {
+        tb_copy_rows<TB_BN, MAXK>(kt, vt, k + kbase, v + kbase, kstride, j0, Sk, D, ld);
+        tb_cp_async_commit();
+        tb_dkv_copy_step<MAXK>(qt0, gt0, lst0, lst0 + 4u * TB_QC, q, dout, lse, delta, b,
+                               hk * group, i0, Sq, H, D, ld, qstride);
+    }
 
-    // ldmatrix row addresses of this lane (see the header).
+    // ldmatrix row addresses of this lane (stage 0 for Q and dO; see the header).
     const int nt_row = ((lane >> 4) << 3) + (lane & 7), nt_col = ((lane >> 3) & 1) << 3;
     const int tr_row = (((lane >> 3) & 1) << 3) + (lane & 7), tr_col = (lane >> 4) << 3;
-    const u32 ka_tr = tb_smem_addr(kt) + (u32)((warp * 16 + tr_row) * ld + tr_col) * 2u;
-    const u32 va_tr = tb_smem_addr(vt) + (u32)((warp * 16 + tr_row) * ld + tr_col) * 2u;
-    const u32 qs_nt = tb_smem_addr(qt) + (u32)(nt_row * ld + nt_col) * 2u;
-    const u32 gs_nt = tb_smem_addr(gt) + (u32)(nt_row * ld + nt_col) * 2u;
-    const u32 qs_tr = tb_smem_addr(qt) + (u32)(tr_row * ld + tr_col) * 2u;
-    const u32 gs_tr = tb_smem_addr(gt) + (u32)(tr_row * ld + tr_col) * 2u;
+    const u32 ka_tr = kt + (u32)((warp * 16 + tr_row) * ld + tr_col) * 2u;
+    const u32 va_tr = vt + (u32)((warp * 16 + tr_row) * ld + tr_col) * 2u;
+    const u32 qs_nt = qt0 + (u32)(nt_row * ld + nt_col) * 2u;
+    const u32 gs_nt = gt0 + (u32)(nt_row * ld + nt_col) * 2u;
+    const u32 qs_tr = qt0 + (u32)(tr_row * ld + tr_col) * 2u;
+    const u32 gs_tr = gt0 + (u32)(tr_row * ld + tr_col) * 2u;
 
     u32 kf[MAXK][4], vf[MAXK][4];
     if (KV_REGS) {
+        // This thread's K and V copies have landed (the newest group, step 0's, may still
+        // fly), then everyone's.
+        tb_cp_async_wait<1>();
+        __syncthreads();
 #pragma unroll
         for (int kk = 0; kk < MAXK; kk++) {
             if (kk < nk) {
@@ -811,27 +771,32 @@ __device__ __forceinline__ void attn_bwd_dkv_tc_next_body(
         dva[n][0] = dva[n][1] = dva[n][2] = dva[n][3] = 0.0f;
     }
 
-    int c0 = i0;          // the step being computed
+    // The pipeline, one barrier a step (the forward candidate's): step it is in stage it & 1;
+    // at the top of iteration it the only commit group in flight is step it's (at it = 0 also
+    // the K and V tiles' where KV_REGS has not waited for them). After this thread's wait and
+    // the barrier every thread's copies of step it (and of K and V) are visible to the CTA and
+    // every warp is done with step it - 1, whose stage step it + 1's copies then take, in
+    // flight while step it is computed. The loop and its barrier are CTA-uniform.
+    int c0 = i0;           // the step being computed
     int ngi = 0, nc0 = i0; // the step being copied
     for (int it = 0; it < total; it++) {
-        tb_cp_async_wait_all(); // this thread's pieces of step it are in the stages
-        __syncthreads();        // every warp is done with step it - 1's tiles, lse and delta
-        tb_convert_rows<TB_QC, MAXK>(qst, gst, qt, gt, D, ld);
-        if (threadIdx.x < TB_QC)
-            lse_c[threadIdx.x] = lse_st[threadIdx.x] * TB_LOG2E;
-        else if (threadIdx.x < 2 * TB_QC)
-            del_c[threadIdx.x - TB_QC] = del_st[threadIdx.x - TB_QC];
-        __syncthreads(); // step it's tiles, lse and delta are complete
-        // The stages are free again (each thread moved its own pieces): step it + 1's copies
-        // fly while step it is computed.
+        // Byte offsets of this step's stage (Q and dO tiles; lse and delta) and of the other.
+        const bool odd = it & 1;
+        const u32 qo = odd ? qstage : 0u, lo_ = odd ? 4u * 2 * TB_QC : 0u;
+        tb_cp_async_wait<0>();
+        __syncthreads();
         nc0 += TB_QC;
         if (nc0 >= Sq) {
             nc0 = i0;
             ngi++;
         }
-        if (it + 1 < total)
-            tb_dkv_copy_step<MAXK>(qst_a, gst_a, lst_a, dst_a, q, dout, lse, delta, b,
-                                   hk * group + ngi, nc0, Sq, H, D, qstride);
+        if (it + 1 < total) {
+            const u32 nq = odd ? 0u : qstage, nl = odd ? 0u : 4u * 2 * TB_QC;
+            tb_dkv_copy_step<MAXK>(qt0 + nq, gt0 + nq, lst0 + nl, lst0 + nl + 4u * TB_QC, q, dout,
+                                   lse, delta, b, hk * group + ngi, nc0, Sq, H, D, ld, qstride);
+        }
+        const float* lse_s = (const float*)((const unsigned char*)lse_s0 + lo_);
+        const float* del_s = lse_s + TB_QC;
 
         // What the warp's keys see of queries c0 .. c0 + 31 (warp-uniform): query il of the
         // step sees key jw + x iff il >= k_start + jw + x - q_start - c0 (causal) and
@@ -843,9 +808,9 @@ __device__ __forceinline__ void attn_bwd_dkv_tc_next_body(
         if (jw < Sk && first < min(hi, TB_QC)) {
             if (jw + 16 <= Sk && hi >= TB_QC && first_last <= 0) {
                 const int none[2] = {0, 0};
-                tb_dkv_step<MAXK, false, KV_REGS>(kf, vf, ka_tr, va_tr, qs_nt, gs_nt, qs_tr,
-                                                  gs_tr, lse_c, del_c, dka, dva, ld, nk, sl2,
-                                                  0, 2, none, TB_QC, t);
+                tb_dkv_step<MAXK, false, KV_REGS>(kf, vf, ka_tr, va_tr, qs_nt + qo, gs_nt + qo,
+                                                  qs_tr + qo, gs_tr + qo, lse_s, del_s, dka,
+                                                  dva, ld, nk, sl2, 0, 2, none, TB_QC, t);
             } else {
                 int lo[2];
 #pragma unroll
@@ -853,9 +818,9 @@ __device__ __forceinline__ void attn_bwd_dkv_tc_next_body(
                     lo[hf] = jw + g + 8 * hf >= Sk ? TB_NONE : (causal ? first + g + 8 * hf : 0);
                 const int plo = first > 0 ? first >> 4 : 0;
                 const int phi = (min(hi, TB_QC) + 15) >> 4;
-                tb_dkv_step<MAXK, true, KV_REGS>(kf, vf, ka_tr, va_tr, qs_nt, gs_nt, qs_tr,
-                                                 gs_tr, lse_c, del_c, dka, dva, ld, nk, sl2,
-                                                 plo, phi, lo, hi, t);
+                tb_dkv_step<MAXK, true, KV_REGS>(kf, vf, ka_tr, va_tr, qs_nt + qo, gs_nt + qo,
+                                                 qs_tr + qo, gs_tr + qo, lse_s, del_s, dka,
+                                                 dva, ld, nk, sl2, plo, phi, lo, hi, t);
             }
         }
         c0 += TB_QC;
@@ -904,8 +869,8 @@ __device__ __forceinline__ void attn_bwd_dkv_tc_next_body(
 
 #define TB_KERNELS(MAXK, DQ_MIN_BLOCKS, DKV_MIN_BLOCKS, KV_REGS)                                \
     extern "C" __global__ void __launch_bounds__(TB_THREADS, DQ_MIN_BLOCKS)                     \
-        attn_bwd_dq_tc_next_k##MAXK(const float* q, const float* k, const float* v,             \
-                                    const float* dout, const float* lse, const float* delta,    \
+        attn_bwd_dq_tc_next_k##MAXK(const u16* q, const u16* k, const u16* v,                   \
+                                    const u16* dout, const float* lse, const float* delta,      \
                                     float* dq, int B, int Sq, int Sk, int H, int Hkv, int D,    \
                                     int causal, int q_start, int k_start, float scale) {        \
         if (D == 16 * MAXK)                                                                     \
@@ -916,8 +881,8 @@ __device__ __forceinline__ void attn_bwd_dkv_tc_next_body(
                                                   Hkv, D, causal, q_start, k_start, scale);     \
     }                                                                                           \
     extern "C" __global__ void __launch_bounds__(TB_THREADS, DKV_MIN_BLOCKS)                    \
-        attn_bwd_dkv_tc_next_k##MAXK(const float* q, const float* k, const float* v,            \
-                                     const float* dout, const float* lse, const float* delta,   \
+        attn_bwd_dkv_tc_next_k##MAXK(const u16* q, const u16* k, const u16* v,                  \
+                                     const u16* dout, const float* lse, const float* delta,     \
                                      float* dk, float* dv, int B, int Sq, int Sk, int H,        \
                                      int Hkv, int D, int causal, int q_start, int k_start,      \
                                      float scale) {                                             \

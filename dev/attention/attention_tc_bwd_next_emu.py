@@ -1,15 +1,20 @@
 """Lane-level emulation of dev/attention/attention_tc_bwd_next.cu, to check the candidate's
 indexing, fragments and masks where no GPU is at hand: `python3 attention_tc_bwd_next_emu.py`
-(numpy; about a minute) prints each case's errors and exits 1 on a mismatch.
+(numpy; about half a minute) prints each case's errors and exits 1 on a mismatch.
 
-A transliteration of the two kernels as of the commit that added it (keep it in step when the
-kernels change): each warp is 32 lanes as numpy vectors, shared memory one byte buffer laid
-out as the kernels lay it out (fp32 stages, bf16 tiles with row stride D + 8, lse / delta,
-filled with garbage first), ldmatrix (.x4, .trans) and mma.m16n8k16 as the PTX ISA's fragment
-layouts say, bf16 rounding to nearest even, ex2.approx as exact 2^x with flush to zero.
-cp.async copies land when issued, which is equivalent for these kernels because each stage
-piece is converted by the thread that copied it (asserted here). Not covered: barriers and
-races, the asm's syntax (the NVRTC compile check), timing, register pressure.
+A transliteration of the two kernels (keep it in step when the kernels change): each warp is
+32 lanes as numpy vectors, the 128 threads of a CTA one vector where all of them act (the
+copies), shared memory one byte buffer laid out as the kernels lay it out (two stages of bf16
+tiles with row stride D + 8; dK/dV's lse / delta stages and K / V tiles), filled with garbage
+first, ldmatrix (.x4, .trans) and mma.m16n8k16 as the PTX ISA's fragment layouts say, bf16
+rounding to nearest even, ex2.approx as exact 2^x with flush to zero. Q, K, V and dO come in as
+bf16 bits (u16), the cases' fp32 inputs rounded once before the kernels, as the caller does
+(delta from the fp32 dO, as the library's launcher computes it). cp.async is modelled with its
+commit groups and wait_group, and every case runs twice: with each copy landing when issued
+and with each landing at the wait that covers it (both must give the same bits); the barriers
+bound phases in which no shared word may be both read and copied to, nor read while a copy to
+it flies or before the barrier after its wait (emu_common.Smem). Not covered: the hardware
+beyond those PTX rules, the asm's syntax (the NVRTC compile check), timing, register pressure.
 
 The reference is dense float64 with the library's formulas: the forward's lse on the
 unrounded inputs (natural log, -inf for a row that sees no key), delta = rowsum(dO * O), Q, K,
@@ -19,8 +24,8 @@ V, dO and (ROUND_P) P and dS rounded to bf16; the kernels accumulate into random
 import sys
 import numpy as np
 
-from emu_common import (G, T, THREADS, Pieces, Smem, bf16, bf16_bits, exp2, fmaf, inputs,
-                        keys_seen, lane, ldsm_x4, mma, pack, softmax_rows)
+from emu_common import (G, T, THREADS, TID, CpAsync, Pieces, Smem, bf16, bf16_u16, exp2, fmaf,
+                        inputs, keys_seen, lane, ld_u32, ldsm_x4, mma, pack, softmax_rows)
 
 LOG2E = np.float32(1.4426950408889634)
 ROUND_P = True  # the reference rounds P and dS to bf16 too (sharper: see TOL)
@@ -29,53 +34,31 @@ TOL = 1.5e-3  # max |x - ref| / max |ref|: 1e-7 typically; up to ~7e-4 where the
 # last fp32 bits): one row of dq and one of dk (or dv) then differ by that element's ulp.
 
 
-def copy_rows(sm, st_byte, src, row_base, stride, row0, ROWS, S, D, owner, tag):
-    """cp.async of ROWS rows (16-byte pieces) into an fp32 stage at st_byte; zero past S."""
-    f = sm.f32()
+def copy_rows(cp, ta, tb, xa, xb, row_base, stride, row0, ROWS, S, D, ld, MAXK):
+    """tb_copy_rows<ROWS, MAXK>: rows row0 .. row0 + ROWS - 1 of the bf16 tensors xa, xb
+    (`row_base`: element offset of row 0 of the head) into the bf16 tiles at byte offsets ta,
+    tb (row stride ld) by cp.async, 16 bytes a copy; zero past S."""
     pc = Pieces(D)
-    tid = np.arange(THREADS)
-    for i, r, c in pc.walk(ROWS * D // 512):
-        e = tid + THREADS * i
-        for th in range(THREADS):
-            row = row0 + r[th]
-            dst = (st_byte + 16 * e[th]) // 4
-            owner[(tag, int(e[th]))] = th
-            if row < S:
-                off = row_base + row * stride + 4 * c[th]
-                f[dst:dst + 4] = src[off:off + 4]
-            else:
-                f[dst:dst + 4] = 0.0
-
-
-def convert_rows(sm, st_byte, tile_byte, ROWS, D, ld, owner, tag):
-    f, u = sm.f32(), sm.u16()
-    pc = Pieces(D)
-    tid = np.arange(THREADS)
-    for i, r, c in pc.walk(ROWS * D // 512):
-        e = tid + THREADS * i
-        for th in range(THREADS):
-            assert owner[(tag, int(e[th]))] == th, "piece converted by another thread"
-            src = (st_byte + 16 * e[th]) // 4
-            o = tile_byte // 2 + r[th] * ld + 4 * c[th]
-            assert r[th] < ROWS
-            u[o:o + 4] = bf16_bits(f[src:src + 4])
-
-
-def load_rows(sm, tile_byte, src, row_base, stride, row0, ROWS, S, D, ld):
-    u = sm.u16()
-    pc = Pieces(D)
-    seen = set()
-    for i, r, c in pc.walk(ROWS * D // 512):
-        for th in range(THREADS):
-            row = row0 + r[th]
-            o = tile_byte // 2 + r[th] * ld + 4 * c[th]
-            seen.add((int(r[th]), int(c[th])))
-            if row < S:
-                off = row_base + row * stride + 4 * c[th]
-                u[o:o + 4] = bf16_bits(src[off:off + 4])
-            else:
-                u[o:o + 4] = 0
-    assert len(seen) == ROWS * D // 4
+    n = ROWS * (D >> 3)
+    r, c = pc.r.copy(), pc.c.copy()
+    seen = np.zeros((ROWS, D // 8), dtype=int)
+    for i in range(ROWS * MAXK // 64):
+        act = ((i + 1) * THREADS <= n) | ((i * THREADS < n) & (TID + i * THREADS < n))
+        act = np.broadcast_to(act, TID.shape)
+        if act.any():
+            rr, cc = r[act], c[act]
+            row = row0 + rr
+            inn = row < S
+            off = row_base + np.where(inn, row * stride, 0) + 8 * cc
+            # A row past the end reads nothing; its address stays inside row 0 of the head.
+            assert np.all(np.where(inn, True, (off - row_base >= 0) & (off - row_base + 8 <= D)))
+            assert np.all(rr < ROWS) and np.all(8 * cc + 8 <= D)  # never a padding column
+            np.add.at(seen, (rr, cc), 1)
+            so = (rr * ld + 8 * cc) * 2
+            cp.copy(ta + so, xa, off, inn, 16, (ta, ta + ROWS * ld * 2))
+            cp.copy(tb + so, xb, off, inn, 16, (tb, tb + ROWS * ld * 2))
+        r, c = pc.advance(r, c)
+    assert np.all(seen == 1), "the copies do not cover the tile exactly once"
 
 
 def lane_addr(base, ld, kind, row_off=0):
@@ -89,20 +72,20 @@ def lane_addr(base, ld, kind, row_off=0):
 
 
 def dq_kernel(q, k, v, dout, lse, delta, dq, B, Sq, Sk, H, Hkv, D, causal, q_start, k_start,
-              scale, MAXK):
+              scale, MAXK, late):
+    """attn_bwd_dq_tc_next_k<MAXK> over its grid; q, k, v, dout bf16 bits (u16)."""
     ld = D + 8
-    nbytes = 768 * D + 2048
-    kst, vst = 0, 256 * D
-    kt = 512 * D
-    vt = kt + 64 * ld * 2
-    assert vt + 64 * ld * 2 == nbytes
+    nbytes = 512 * (D + 8)
+    stage = 2 * 64 * ld * 2
+    kt0, vt0 = 0, 64 * ld * 2
+    assert 2 * stage == nbytes
     nk, nd = D >> 4, D >> 3
     sl2 = np.float32(np.float32(scale) * LOG2E)
     gx = (Sq + 63) // 64
     for by in range(B * H):
         for bx in range(gx):
             sm = Smem(nbytes, 0xAB)  # garbage: bf16 0xABAB is -1.2e-12
-            owner = {}
+            cp = CpAsync(sm, late)
             b, h = by // H, by % H
             hk = h // (H // Hkv)
             q0 = (gx - 1 - bx) * 64
@@ -111,6 +94,9 @@ def dq_kernel(q, k, v, dout, lse, delta, dq, B, Sq, Sk, H, Hkv, D, causal, q_sta
             kbase = b * Sk * kstride + hk * D
             nvis = keys_seen(min(q0 + 64, Sq), Sk, causal, q_start, k_start)
             ntiles = (nvis + 63) // 64
+            if ntiles > 0:
+                copy_rows(cp, kt0, vt0, k, v, kbase, kstride, 0, 64, Sk, D, ld, MAXK)
+                cp.commit()
             warps = []
             for w in range(4):
                 iw = q0 + 16 * w
@@ -122,8 +108,8 @@ def dq_kernel(q, k, v, dout, lse, delta, dq, B, Sq, Sk, H, Hkv, D, causal, q_sta
                         row = r0 + rr
                         ok = row < Sq
                         idx = qbase + np.where(ok, row, 0) * qstride + kk * 16 + 2 * T + cc
-                        regs_q.append(np.where(ok, pack(q[idx], q[idx + 1]), 0).astype(np.uint32))
-                        regs_g.append(np.where(ok, pack(dout[idx], dout[idx + 1]), 0).astype(np.uint32))
+                        regs_q.append(ld_u32(q, idx, ok))
+                        regs_g.append(ld_u32(dout, idx, ok))
                     qf.append(regs_q)
                     gf.append(regs_g)
                 lse2, dl, vis_row = [], [], []
@@ -142,19 +128,20 @@ def dq_kernel(q, k, v, dout, lse, delta, dq, B, Sq, Sk, H, Hkv, D, causal, q_sta
                 acc = [[np.zeros(32, np.float32) for _ in range(4)] for _ in range(2 * MAXK)]
                 warps.append(dict(r0=r0, qf=qf, gf=gf, lse2=lse2, dl=dl, vis_row=vis_row,
                                   wfull=wfull, wkeys=wkeys, acc=acc))
-            if ntiles > 0:
-                copy_rows(sm, kst, k, kbase, kstride, 0, 64, Sk, D, owner, "k")
-                copy_rows(sm, vst, v, kbase, kstride, 0, 64, Sk, D, owner, "v")
-            ks_nt = lane_addr(kt, ld, "nt")
-            vs_nt = lane_addr(vt, ld, "nt")
-            ks_tr = lane_addr(kt, ld, "tr")
+            ks_nt = lane_addr(kt0, ld, "nt")
+            vs_nt = lane_addr(vt0, ld, "nt")
+            ks_tr = lane_addr(kt0, ld, "tr")
             for jt in range(ntiles):
                 j0 = jt * 64
-                convert_rows(sm, kst, kt, 64, D, ld, owner, "k")
-                convert_rows(sm, vst, vt, 64, D, ld, owner, "v")
+                cur = (jt & 1) * stage
+                cp.wait(0)
+                sm.barrier()
                 if jt + 1 < ntiles:
-                    copy_rows(sm, kst, k, kbase, kstride, j0 + 64, 64, Sk, D, owner, "k")
-                    copy_rows(sm, vst, v, kbase, kstride, j0 + 64, 64, Sk, D, owner, "v")
+                    nxt = stage - cur  # the other stage
+                    copy_rows(cp, kt0 + nxt, vt0 + nxt, k, v, kbase, kstride, j0 + 64, 64, Sk, D,
+                              ld, MAXK)
+                    cp.commit()
+                regs = ((kt0 + cur, kt0 + cur + 64 * ld * 2), (vt0 + cur, vt0 + cur + 64 * ld * 2))
                 for W in warps:
                     if j0 + 64 <= W["wfull"]:
                         masked, kv_lim, vis = False, 64, [0, 0]
@@ -163,7 +150,9 @@ def dq_kernel(q, k, v, dout, lse, delta, dq, B, Sq, Sk, H, Hkv, D, causal, q_sta
                         vis = [W["vis_row"][0] - j0, W["vis_row"][1] - j0]
                     else:
                         continue
-                    dq_tile(sm, W, ks_nt, vs_nt, ks_tr, ld, nk, MAXK, sl2, masked, kv_lim, vis)
+                    dq_tile(sm, W, ks_nt + cur, vs_nt + cur, ks_tr + cur, regs, ld, nk, MAXK, sl2,
+                            masked, kv_lim, vis)
+            assert cp.idle(), "cp.async left in flight at the end of the CTA"
             for W in warps:
                 for hf in range(2):
                     i = W["r0"] + 8 * hf
@@ -175,7 +164,10 @@ def dq_kernel(q, k, v, dout, lse, delta, dq, B, Sq, Sk, H, Hkv, D, causal, q_sta
                                     dq[o] = np.float32(dq[o] + np.float32(scale) * W["acc"][n][2 * hf + e][ln])
 
 
-def dq_tile(sm, W, ks_nt, vs_nt, ks_tr, ld, nk, MAXK, sl2, masked, kv_lim, vis):
+def dq_tile(sm, W, ks_nt, vs_nt, ks_tr, regs, ld, nk, MAXK, sl2, masked, kv_lim, vis):
+    """tb_dq_tile<MAXK, MASKED> for one warp; regs: the byte ranges of the stage's K and V
+    tiles, which its ldmatrix rows must lie in."""
+    kreg, vreg = regs
     for c0 in (0, 32):
         if masked and c0 >= kv_lim:
             break
@@ -185,8 +177,8 @@ def dq_tile(sm, W, ks_nt, vs_nt, ks_tr, ld, nk, MAXK, sl2, masked, kv_lim, vis):
             for p in range(2):
                 if not masked or c0 + 16 * p < kv_lim:
                     off = ((c0 + 16 * p) * ld + kk * 16) * 2
-                    bk = ldsm_x4(sm, ks_nt + off)
-                    bv = ldsm_x4(sm, vs_nt + off)
+                    bk = ldsm_x4(sm, ks_nt + off, region=kreg)
+                    bv = ldsm_x4(sm, vs_nt + off, region=vreg)
                     mma(s[2 * p], W["qf"][kk], bk[0], bk[1])
                     mma(s[2 * p + 1], W["qf"][kk], bk[2], bk[3])
                     mma(dp[2 * p], W["gf"][kk], bv[0], bv[1])
@@ -205,30 +197,31 @@ def dq_tile(sm, W, ks_nt, vs_nt, ks_tr, ld, nk, MAXK, sl2, masked, kv_lim, vis):
                 a = [pack(s[2 * kk][0], s[2 * kk][1]), pack(s[2 * kk][2], s[2 * kk][3]),
                      pack(s[2 * kk + 1][0], s[2 * kk + 1][1]), pack(s[2 * kk + 1][2], s[2 * kk + 1][3])]
                 for p in range(nk):
-                    bk = ldsm_x4(sm, ks_tr + ((c0 + 16 * kk) * ld + p * 16) * 2, trans=True)
+                    bk = ldsm_x4(sm, ks_tr + ((c0 + 16 * kk) * ld + p * 16) * 2, trans=True,
+                                 region=kreg)
                     mma(W["acc"][2 * p], a, bk[0], bk[1])
                     mma(W["acc"][2 * p + 1], a, bk[2], bk[3])
 
 
 def dkv_kernel(q, k, v, dout, lse, delta, dk, dv, B, Sq, Sk, H, Hkv, D, causal, q_start,
-               k_start, scale, MAXK, KV_REGS):
+               k_start, scale, MAXK, KV_REGS, late):
+    """attn_bwd_dkv_tc_next_k<MAXK> over its grid; q, k, v, dout bf16 bits (u16)."""
     ld = D + 8
-    nbytes = 640 * D + 3584
-    qst, gst = 0, 128 * D
-    kt = 256 * D
+    nbytes = 512 * (D + 8) + 512
+    ls0 = 0  # lse / delta stages: stage s at 256 s (lse 32 fp32, then delta 32)
+    kt = 512
     vt = kt + 64 * ld * 2
-    qt = vt + 64 * ld * 2
-    gt = qt + 32 * ld * 2
-    lse_st = gt + 32 * ld * 2
-    del_st, lse_c, del_c = lse_st + 128, lse_st + 256, lse_st + 384
-    assert del_c + 128 == nbytes and lse_st % 16 == 0
+    qstage = 2 * 32 * ld * 2
+    qt0 = vt + 64 * ld * 2
+    gt0 = qt0 + 32 * ld * 2
+    assert qt0 + 2 * qstage == nbytes and qt0 % 16 == 0
     nk, nd = D >> 4, D >> 3
     sl2 = np.float32(np.float32(scale) * LOG2E)
     group = H // Hkv
     for by in range(B * Hkv):
         for bx in range((Sk + 63) // 64):
             sm = Smem(nbytes, 0xAB)  # garbage: bf16 0xABAB is -1.2e-12
-            owner = {}
+            cp = CpAsync(sm, late)
             b, hk = by // Hkv, by % Hkv
             j0 = bx * 64
             qstride, kstride = H * D, Hkv * D
@@ -238,47 +231,58 @@ def dkv_kernel(q, k, v, dout, lse, delta, dk, dv, B, Sq, Sk, H, Hkv, D, causal, 
             nsteps = (Sq - i0 + 31) // 32 if i0 < Sq else 0
             total = group * nsteps
 
-            def copy_step(h, c0):
+            def copy_step(qt, gt, lst, h, c0):
+                """tb_dkv_copy_step: one commit group."""
                 qbase = b * Sq * qstride + h * D
-                copy_rows(sm, qst, q, qbase, qstride, c0, 32, Sq, D, owner, "q")
-                copy_rows(sm, gst, dout, qbase, qstride, c0, 32, Sq, D, owner, "g")
-                f = sm.f32()
+                copy_rows(cp, qt, gt, q, dout, qbase, qstride, c0, 32, Sq, D, ld, MAXK)
                 lbase = (b * H + h) * Sq
-                for r in range(32):
-                    f[lse_st // 4 + r] = lse[lbase + c0 + r] if c0 + r < Sq else 0.0
-                    f[del_st // 4 + r] = delta[lbase + c0 + r] if c0 + r < Sq else 0.0
+                r = TID & 31
+                inn = c0 + r < Sq
+                li = lbase + np.where(inn, c0 + r, 0)
+                lo, hi = TID < 32, (TID >= 32) & (TID < 64)
+                cp.copy(lst + 4 * r[lo], lse, li[lo], inn[lo], 4, (lst, lst + 128))
+                cp.copy(lst + 128 + 4 * r[hi], delta, li[hi], inn[hi], 4, (lst + 128, lst + 256))
+                cp.commit()
 
             if total > 0:
-                copy_step(hk * group, i0)
-            load_rows(sm, kt, k, kbase, kstride, j0, 64, Sk, D, ld)
-            load_rows(sm, vt, v, kbase, kstride, j0, 64, Sk, D, ld)
+                copy_rows(cp, kt, vt, k, v, kbase, kstride, j0, 64, Sk, D, ld, MAXK)
+                cp.commit()
+                copy_step(qt0, gt0, ls0, hk * group, i0)
             warps = []
+            if KV_REGS:
+                cp.wait(1)
+                sm.barrier()
             for w in range(4):
                 W = dict(jw=j0 + 16 * w)
                 W["ka_tr"] = lane_addr(kt, ld, "tr", 16 * w)
                 W["va_tr"] = lane_addr(vt, ld, "tr", 16 * w)
                 if KV_REGS:
-                    W["kf"] = [ldsm_x4(sm, W["ka_tr"] + kk * 32) for kk in range(nk)]
-                    W["vf"] = [ldsm_x4(sm, W["va_tr"] + kk * 32) for kk in range(nk)]
+                    W["kf"] = [ldsm_x4(sm, W["ka_tr"] + kk * 32, region=(kt, vt))
+                               for kk in range(nk)]
+                    W["vf"] = [ldsm_x4(sm, W["va_tr"] + kk * 32, region=(vt, qt0))
+                               for kk in range(nk)]
                 W["dka"] = [[np.zeros(32, np.float32) for _ in range(4)] for _ in range(2 * MAXK)]
                 W["dva"] = [[np.zeros(32, np.float32) for _ in range(4)] for _ in range(2 * MAXK)]
                 W["jdiag"] = k_start + W["jw"] - q_start
                 warps.append(W)
-            addrs = dict(qs_nt=lane_addr(qt, ld, "nt"), gs_nt=lane_addr(gt, ld, "nt"),
-                         qs_tr=lane_addr(qt, ld, "tr"), gs_tr=lane_addr(gt, ld, "tr"))
             c0, ngi, nc0 = i0, 0, i0
-            f = sm.f32()
             for it in range(total):
-                convert_rows(sm, qst, qt, 32, D, ld, owner, "q")
-                convert_rows(sm, gst, gt, 32, D, ld, owner, "g")
-                f[lse_c // 4: lse_c // 4 + 32] = (f[lse_st // 4: lse_st // 4 + 32] * LOG2E).astype(np.float32)
-                f[del_c // 4: del_c // 4 + 32] = f[del_st // 4: del_st // 4 + 32]
+                odd = it & 1
+                qo, lo_ = (qstage, 256) if odd else (0, 0)
+                cp.wait(0)
+                sm.barrier()
                 nc0 += 32
                 if nc0 >= Sq:
                     nc0 = i0
                     ngi += 1
                 if it + 1 < total:
-                    copy_step(hk * group + ngi, nc0)
+                    nq, nl = (0, 0) if odd else (qstage, 256)
+                    copy_step(qt0 + nq, gt0 + nq, ls0 + nl, hk * group + ngi, nc0)
+                A = dict(qs_nt=lane_addr(qt0 + qo, ld, "nt"), gs_nt=lane_addr(gt0 + qo, ld, "nt"),
+                         qs_tr=lane_addr(qt0 + qo, ld, "tr"), gs_tr=lane_addr(gt0 + qo, ld, "tr"),
+                         qreg=(qt0 + qo, qt0 + qo + 32 * ld * 2),
+                         greg=(gt0 + qo, gt0 + qo + 32 * ld * 2), kreg=(kt, vt), vreg=(vt, qt0),
+                         lse_s=ls0 + lo_, del_s=ls0 + lo_ + 128)
                 hi = Sq - c0
                 for W in warps:
                     jw = W["jw"]
@@ -286,8 +290,7 @@ def dkv_kernel(q, k, v, dout, lse, delta, dk, dv, B, Sq, Sk, H, Hkv, D, causal, 
                     first_last = first + 15 if causal else 0
                     if jw < Sk and first < min(hi, 32):
                         if jw + 16 <= Sk and hi >= 32 and first_last <= 0:
-                            dkv_step(sm, W, addrs, f, lse_c, del_c, ld, nk, MAXK, KV_REGS, sl2,
-                                     False, 0, 2, [0, 0], 32)
+                            dkv_step(sm, W, A, ld, nk, MAXK, KV_REGS, sl2, False, 0, 2, [0, 0], 32)
                         else:
                             lo = []
                             for hf in range(2):
@@ -295,11 +298,11 @@ def dkv_kernel(q, k, v, dout, lse, delta, dk, dv, B, Sq, Sk, H, Hkv, D, causal, 
                                 lo.append(np.where(kj >= Sk, 1 << 28, (first + G + 8 * hf) if causal else 0))
                             plo = first >> 4 if first > 0 else 0
                             phi = (min(hi, 32) + 15) >> 4
-                            dkv_step(sm, W, addrs, f, lse_c, del_c, ld, nk, MAXK, KV_REGS, sl2,
-                                     True, plo, phi, lo, hi)
+                            dkv_step(sm, W, A, ld, nk, MAXK, KV_REGS, sl2, True, plo, phi, lo, hi)
                 c0 += 32
                 if c0 >= Sq:
                     c0 = i0
+            assert cp.idle(), "cp.async left in flight at the end of the CTA"
             for W in warps:
                 for hf in range(2):
                     j = W["jw"] + G + 8 * hf
@@ -312,30 +315,39 @@ def dkv_kernel(q, k, v, dout, lse, delta, dk, dv, B, Sq, Sk, H, Hkv, D, causal, 
                                     dv[o] = np.float32(dv[o] + W["dva"][n][2 * hf + e][ln])
 
 
-def dkv_step(sm, W, A, f, lse_c, del_c, ld, nk, MAXK, KV_REGS, sl2, masked, plo, phi, lo, hi):
+def dkv_step(sm, W, A, ld, nk, MAXK, KV_REGS, sl2, masked, plo, phi, lo, hi):
+    """tb_dkv_step<MAXK, MASKED, KV_REGS> for one warp (A: the step's stage addresses)."""
     s = [[np.zeros(32, np.float32) for _ in range(4)] for _ in range(4)]
     dp = [[np.zeros(32, np.float32) for _ in range(4)] for _ in range(4)]
     for kk in range(nk):
         if KV_REGS:
             ka, va = W["kf"][kk], W["vf"][kk]
         else:
-            ka = ldsm_x4(sm, W["ka_tr"] + kk * 32)
-            va = ldsm_x4(sm, W["va_tr"] + kk * 32)
+            ka = ldsm_x4(sm, W["ka_tr"] + kk * 32, region=A["kreg"])
+            va = ldsm_x4(sm, W["va_tr"] + kk * 32, region=A["vreg"])
         for p in range(2):
             if not masked or (plo <= p < phi):
                 off = (p * 16 * ld + kk * 16) * 2
-                bq = ldsm_x4(sm, A["qs_nt"] + off)
-                bg = ldsm_x4(sm, A["gs_nt"] + off)
+                bq = ldsm_x4(sm, A["qs_nt"] + off, region=A["qreg"])
+                bg = ldsm_x4(sm, A["gs_nt"] + off, region=A["greg"])
                 mma(s[2 * p], ka, bq[0], bq[1])
                 mma(s[2 * p + 1], ka, bq[2], bq[3])
                 mma(dp[2 * p], va, bg[0], bg[1])
                 mma(dp[2 * p + 1], va, bg[2], bg[3])
+    f = sm.f32()
     for n in range(4):
+        # float2 reads of the step's lse and delta (queries 8n + 2t, + 1), lse times log2(e)
+        # (one fp32 product) where read.
+        la = A["lse_s"] + (n * 8 + 2 * T) * 4
+        da = A["del_s"] + (n * 8 + 2 * T) * 4
+        sm.read(la, 8)
+        sm.read(da, 8)
         for x in range(4):
             e = x & 1
             il = n * 8 + 2 * T + e
-            l2 = f[lse_c // 4 + il]
-            dl = f[del_c // 4 + il]
+            with np.errstate(invalid="ignore"):
+                l2 = (f[la // 4 + e] * LOG2E).astype(np.float32)
+            dl = f[da // 4 + e]
             p_ = exp2(fmaf(s[n][x], sl2, -l2))
             with np.errstate(invalid="ignore", over="ignore"):
                 ds = (p_ * (dp[n][x] - dl)).astype(np.float32)
@@ -350,13 +362,15 @@ def dkv_step(sm, W, A, f, lse_c, del_c, ld, nk, MAXK, KV_REGS, sl2, masked, plo,
             a = [pack(s[2 * kk][0], s[2 * kk][1]), pack(s[2 * kk][2], s[2 * kk][3]),
                  pack(s[2 * kk + 1][0], s[2 * kk + 1][1]), pack(s[2 * kk + 1][2], s[2 * kk + 1][3])]
             for p in range(nk):
-                bg = ldsm_x4(sm, A["gs_tr"] + (kk * 16 * ld + p * 16) * 2, trans=True)
+                bg = ldsm_x4(sm, A["gs_tr"] + (kk * 16 * ld + p * 16) * 2, trans=True,
+                             region=A["greg"])
                 mma(W["dva"][2 * p], a, bg[0], bg[1])
                 mma(W["dva"][2 * p + 1], a, bg[2], bg[3])
             a = [pack(dp[2 * kk][0], dp[2 * kk][1]), pack(dp[2 * kk][2], dp[2 * kk][3]),
                  pack(dp[2 * kk + 1][0], dp[2 * kk + 1][1]), pack(dp[2 * kk + 1][2], dp[2 * kk + 1][3])]
             for p in range(nk):
-                bq = ldsm_x4(sm, A["qs_tr"] + (kk * 16 * ld + p * 16) * 2, trans=True)
+                bq = ldsm_x4(sm, A["qs_tr"] + (kk * 16 * ld + p * 16) * 2, trans=True,
+                             region=A["qreg"])
                 mma(W["dka"][2 * p], a, bq[0], bq[1])
                 mma(W["dka"][2 * p + 1], a, bq[2], bq[3])
 
@@ -414,14 +428,24 @@ def case(B, Sq, Sk, H, Hkv, D, causal, q_start, k_start, seed=0, kv_regs=None):
     MAXK = 4 if D <= 64 else 8
     if kv_regs is None:
         kv_regs = MAXK == 4
+    # The kernels' inputs: bf16 bits, rounded once (nearest even) as the caller rounds them
+    # (delta, from the fp32 dO, is the reference's, as the library computes it before).
+    q16, k16, v16, g16 = bf16_u16(q), bf16_u16(k), bf16_u16(v), bf16_u16(dout)
     # Accumulate onto a base to check +=.
     base_q = rng.standard_normal(q.size).astype(np.float32)
     base_k = rng.standard_normal(k.size).astype(np.float32)
     base_v = rng.standard_normal(v.size).astype(np.float32)
-    dq, dk, dv = base_q.copy(), base_k.copy(), base_v.copy()
     args = (B, Sq, Sk, H, Hkv, D, int(causal), q_start, k_start, np.float32(scale))
-    dq_kernel(q, k, v, dout, lse, delta, dq, *args, MAXK)
-    dkv_kernel(q, k, v, dout, lse, delta, dk, dv, *args, MAXK, kv_regs)
+    runs = []
+    for late in (False, True):
+        dq, dk, dv = base_q.copy(), base_k.copy(), base_v.copy()
+        dq_kernel(q16, k16, v16, g16, lse, delta, dq, *args, MAXK, late)
+        dkv_kernel(q16, k16, v16, g16, lse, delta, dk, dv, *args, MAXK, kv_regs, late)
+        runs.append((dq, dk, dv))
+    # Copies landing when issued and at their wait read the same bits everywhere.
+    same = all(np.array_equal(x.view(np.uint32), y.view(np.uint32))
+               for x, y in zip(runs[0], runs[1]))
+    dq, dk, dv = runs[1]
     errs = []
     ok_all = True
     for name, x, base, r in (("dq", dq, base_q, rq), ("dk", dk, base_k, rk), ("dv", dv, base_v, rv)):
@@ -434,6 +458,9 @@ def case(B, Sq, Sk, H, Hkv, D, causal, q_start, k_start, seed=0, kv_regs=None):
         if not ok:
             bad = np.argmax(np.abs(got - r))
             errs.append(f"(worst at {bad}: {got[bad]} vs {r[bad]})")
+    if not same:
+        ok_all = False
+        errs.append("copies landing early and late give different results")
     line = (f"B{B} Sq{Sq} Sk{Sk} H{H}/{Hkv} D{D} {'c' if causal else 'nc'} {q_start},{k_start} "
             f"kv_regs={int(kv_regs)}: " + ", ".join(errs))
     print(line, flush=True)

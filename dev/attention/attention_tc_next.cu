@@ -4,35 +4,40 @@
 // (crates/tensor/examples/attention_next.rs compares the two for correctness and speed). Like
 // every kernel module it is compiled with the prelude (kernels/prelude.cuh) put in front.
 //
-// Contract: that of attn_fwd_tc_k4 / _k8, argument for argument. q, out [B, Sq, H, D] fp32;
-// k, v [B, Sk, Hkv, D] fp32; lse [B, H, Sq] (natural log); causal by global positions (query
-// i at q_start + i sees key j iff k_start + j <= q_start + i); grouped KV heads h -> h / (H /
-// Hkv); a row that sees no key gets lse = -inf and out = 0; D a multiple of 16 in 16..128.
-// Products on the tensor cores with bf16 operands and fp32 accumulation
-// (mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32, sm_80+); Q, K, V are rounded to bf16
-// (nearest even) on their way into registers or shared memory, P before P V; scores, the
-// online softmax and every accumulator stay fp32. `scale` must be positive (the launcher
-// passes 1 / sqrt(D)): the running maximum is taken over the unscaled scores.
+// Contract: that of attn_fwd_tc_k4 / _k8, argument for argument. q [B, Sq, H, D] and k, v
+// [B, Sk, Hkv, D] as bf16 bits (`const u16*`: the caller rounds the fp32 values to nearest even
+// once, for every kernel that reads them); out [B, Sq, H, D] fp32; lse [B, H, Sq] fp32 (natural
+// log); causal by global positions (query i at q_start + i sees key j iff k_start + j <=
+// q_start + i); grouped KV heads h -> h / (H / Hkv); a row that sees no key gets lse = -inf and
+// out = 0; D a multiple of 16 in 16..128. Products on the tensor cores with bf16 operands and
+// fp32 accumulation (mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32, sm_80+) on Q, K, V as
+// given, and P rounded to bf16 (nearest even) before P V; scores, the online softmax and every
+// accumulator stay fp32. `scale` must be positive (the launcher passes 1 / sqrt(D)): the
+// running maximum is taken over the unscaled scores.
 //
 // Launch: grid (ceil(Sq / 64), B * H), block 128 (4 warps), the library's forward grid, and
-// 768 D + 2048 bytes of dynamic shared memory (below). Two requirements the library kernel does
-// not have: k and v must be 16-byte aligned (cp.async copies 16 bytes; rows of D fp32 are then
-// aligned too, D being a multiple of 4), q and out 8-byte aligned (float2 loads and stores).
+// 512 (D + 8) bytes of dynamic shared memory (below). q, k, v 16-byte aligned, as the library
+// launcher checks (cp.async copies 16 bytes of a row of K or V; D a multiple of 16 keeps every
+// row 16-byte aligned after the first); one requirement the library kernel does not have: out
+// 8-byte aligned (float2 stores).
 //
 // What differs from the library kernel, and why (Nsight Compute on an H200 showed that kernel
 // latency-bound: the K and V tiles loaded synchronously with nothing to overlap them):
 //  a. K and V tiles come in with cp.async (PTX ISA, "Data Movement and Conversion
-//     Instructions: cp.async"), 16 bytes a copy, L2 only (.cg), into an fp32 staging tile; the
-//     copies of tile j + 1 are issued right after tile j has been converted to bf16 and stay in
-//     flight while tile j is computed (the fp32 stage and the bf16 tiles are the two buffers of
-//     the pipeline). Rows at or past Sk are zero-filled by the copy (src-size 0), so that a
+//     Instructions: cp.async"), 16 bytes (8 bf16) a copy, L2 only (.cg), straight from the
+//     bf16 rows into the bf16 tiles the mma operands are read from: no staging, no conversion.
+//     Two stages (a K and a V tile each) make a double buffer: the copies of tile j + 1 go to
+//     the other stage right after the barrier that opens tile j, and stay in flight while tile
+//     j is computed (one commit group in flight at a time; see the loop for the barrier
+//     discipline). Rows at or past Sk are zero-filled by the copy (src-size 0), so that a
 //     masked P of 0 never meets a NaN of stale shared memory in P V.
-//  b. The conversion fp32 -> bf16 is one pass over the tile per CTA (each element converted
-//     once, cvt.rn.bf16x2.f32: round to nearest even, as the library's f32_to_bf16 for every
-//     number; a NaN stays a NaN, the canonical one), with no integer division: each thread
-//     converts exactly the 16-byte pieces it copied (so it needs no barrier between its
-//     cp.async.wait_group and the conversion: a thread's completed cp.async writes are visible
-//     to that thread), and their tile coordinates advance by a constant step.
+//  b. Q's A fragments are read from global memory with 32-bit loads (two bf16 a load, as the
+//     library's tc_load_a), not through shared memory and ldmatrix: each element of Q is read
+//     once per CTA, by one thread, so a shared tile would add 64 x (D + 8) x 2 bytes (or a
+//     third use of a stage), a barrier and the ldmatrix for the same bytes from L2. A quad's
+//     two loads of a row and k-step (columns 2t, 2t + 1 and 2t + 8, 2t + 9, t = 0..3) cover
+//     one whole 32-byte sector (rows start 32-byte aligned: 2 D bytes apart, D a multiple of
+//     16), so nothing fetched is wasted, and they are issued while tile 0's copies fly.
 //  c. B fragments come from the bf16 tiles with ldmatrix (PTX ISA, "Warp-level matrix load
 //     instruction: ldmatrix"): .x4 gives the fragments of two n-tiles of 8 at once, .trans for
 //     V in P V (V's k index runs down the tile's rows).
@@ -74,13 +79,16 @@
 // since D is a multiple of 16: the 8 rows of one matrix start 4 (mod 8) words apart, i.e. on
 // 8 distinct groups of 4 banks, so every ldmatrix phase is free of bank conflicts.
 //
-// Shared memory (dynamic, 16-byte aligned): the fp32 stage of a K and a V tile (2 x 64 x D x 4
-// bytes, unpadded: the copies and the conversion read and write it 16 bytes a thread, 512
-// consecutive bytes a warp), then the bf16 K and V tiles (2 x 64 x (D + 8) x 2 bytes):
-// 768 D + 2048 bytes, 51200 (50 KiB) for D = 64 and 100352 (98 KiB) for D = 128. Budget: an
-// H100 or H200 SM has 228 KiB (at most 227 KiB a block, opt-in above 48 KiB; 1 KiB reserved
-// per block): shared memory allows 4 blocks an SM at D = 64 and 2 at D = 128 (an A100's
-// 164 KiB: 3 and 1); registers allow 3 at D = 64 and 2 at D = 128 (TN_K4_MIN_BLOCKS below).
+// Shared memory (dynamic, 16-byte aligned): two stages, each a bf16 K tile and a bf16 V tile of
+// 64 rows with row stride D + 8 (stage s at byte 256 (D + 8) s, its V tile 128 (D + 8) bytes
+// after its K tile): 2 x 2 x 64 x (D + 8) x 2 = 512 (D + 8) bytes, 36864 (36 KiB) for D = 64
+// and 69632 (68 KiB) for D = 128 (the fp32-input candidate took 768 D + 2048: 50 and 98 KiB).
+// Occupancy: an H100 or H200 SM has 228 KiB of shared memory (at most 227 KiB a block, opt-in
+// above 48 KiB, so D = 64 no longer needs it; 1 KiB reserved per block) and 64K registers.
+// Shared memory allows 228 / 37 = 6 blocks an SM at D = 64 and 228 / 69 = 3 at D = 128 (an
+// A100's 164 KiB: 4 and 2, where the fp32 stage allowed 3 and 1); registers allow 3 at D = 64
+// (a cap of 168 a thread) and 2 at D = 128 (255), so registers are the limit at both sizes
+// (TN_K4_MIN_BLOCKS below).
 
 #define TN_BM 64  // query rows per CTA (16 per warp, 4 warps)
 #define TN_BN 64  // keys per tile
@@ -132,8 +140,8 @@ __device__ __forceinline__ void tn_ldsm_x4_trans(u32* r, u32 addr) {
 }
 
 // 16 bytes global -> shared, cached in L2 only; `src_bytes` of them read from `src`, the rest
-// zero-filled (0: a row past the end, nothing is read).
-__device__ __forceinline__ void tn_cp_async16(u32 dst, const float* src, int src_bytes) {
+// zero-filled (0: a row past the end, nothing is read). `dst` and `src` 16-byte aligned.
+__device__ __forceinline__ void tn_cp_async16(u32 dst, const u16* src, int src_bytes) {
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst),
                  "l"((u64)__cvta_generic_to_global(src)), "r"(src_bytes)
                  : "memory");
@@ -143,7 +151,9 @@ __device__ __forceinline__ void tn_cp_async_commit() {
     asm volatile("cp.async.commit_group;\n" ::: "memory");
 }
 
-// Waits for every cp.async group of this thread; its copies are then visible to it.
+// Waits for every cp.async group of this thread; its copies are then visible to it, and to
+// the whole CTA after a barrier (PTX ISA, "cp.async.wait_group"; bar.sync orders the waiting
+// thread's view before every other thread's reads after it).
 __device__ __forceinline__ void tn_cp_async_wait_all() {
     asm volatile("cp.async.wait_group 0;\n" ::: "memory");
 }
@@ -160,77 +170,44 @@ __device__ __forceinline__ int tn_keys_seen(int i_end, int Sk, int causal, int q
     return v < 0 ? 0 : (v > Sk ? Sk : v);
 }
 
-// The 16-byte pieces of a 64-row tile that this thread copies and converts: pieces
-// e = threadIdx.x + 128 i for i < D / 8 (64 rows of D / 4 pieces: 16 D pieces, D / 8 a thread),
-// piece e at byte 16 e of the fp32 stage, tile row e / (D / 4), column 4 (e % (D / 4)). The
-// row and column of piece i + 1 are those of piece i advanced by 128 pieces: `dr` rows and
-// `dc` pieces, with a carry (no division in the loop).
+// The 16-byte pieces (8 bf16) of a 64-row tile that this thread copies: pieces
+// e = threadIdx.x + 128 i for i < D / 16 (64 rows of D / 8 pieces: 8 D pieces, D / 16 a
+// thread), piece e at tile row e / (D / 8), columns 8 (e % (D / 8)) .. + 7. Consecutive
+// threads take consecutive pieces of a row: at D = 64 and 128 a warp reads whole rows, or 512
+// consecutive bytes of one, and each quarter-warp writes 128 consecutive bytes of one tile row
+// (8 pieces, all 32 banks once: conflict-free). The row and column of piece i + 1 are those of
+// piece i advanced by 128 pieces: `dr` rows and `dc` pieces, with a carry (no division in the
+// loop).
 struct TnPieces {
     int r, c;   // row and piece column of the first piece (i = 0)
-    int dr, dc; // 128 / (D / 4), 128 % (D / 4)
-    int cpr;    // pieces a row, D / 4
+    int dr, dc; // 128 / (D / 8), 128 % (D / 8)
+    int cpr;    // pieces a row, D / 8
 };
 
 // Issues the copies of key rows j0 .. j0 + 63 of K and V (`kb`, `vb`: row 0 of the head;
-// `kstride` = Hkv * D) into the fp32 stage (shared addresses `kst`, `vst`); rows at or past Sk
-// are zero-filled.
+// `kstride` = Hkv * D) into the bf16 tiles at shared addresses `kt`, `vt` (row stride ld);
+// rows at or past Sk are zero-filled. Both addresses of a piece are 16-byte aligned: 8 c
+// elements into a row, rows 2 kstride (a multiple of 32) and 2 ld (of 16) bytes apart.
 template <int MAXK>
-__device__ __forceinline__ void tn_copy_tile(u32 kst, u32 vst, const float* kb, const float* vb,
-                                             long long kstride, int j0, int Sk, int D,
+__device__ __forceinline__ void tn_copy_tile(u32 kt, u32 vt, const u16* kb, const u16* vb,
+                                             long long kstride, int j0, int Sk, int D, int ld,
                                              const TnPieces& pc) {
     int r = pc.r, c = pc.c;
 #pragma unroll
-    for (int i = 0; i < 2 * MAXK; i++) {
-        if (i < (D >> 3)) {
+    for (int i = 0; i < MAXK; i++) {
+        if (i < (D >> 4)) {
             const int row = j0 + r;
             const bool in = row < Sk;
             // A row past the end reads nothing; its address stays inside row 0 of the head.
-            const long long off = (in ? (long long)row * kstride : 0) + 4 * c;
-            const u32 so = (u32)(threadIdx.x + TN_THREADS * i) * 16u;
-            tn_cp_async16(kst + so, kb + off, in ? 16 : 0);
-            tn_cp_async16(vst + so, vb + off, in ? 16 : 0);
+            const long long off = (in ? (long long)row * kstride : 0) + 8 * c;
+            const u32 so = (u32)(r * ld + 8 * c) * 2u;
+            tn_cp_async16(kt + so, kb + off, in ? 16 : 0);
+            tn_cp_async16(vt + so, vb + off, in ? 16 : 0);
             c += pc.dc;
             r += pc.dr;
             if (c >= pc.cpr) {
                 c -= pc.cpr;
                 r++;
-            }
-        }
-    }
-}
-
-// This thread's pieces of the fp32 stage (`kst`, `vst`) rounded into the bf16 tiles (`kt`,
-// `vt`, row stride ld): 4 fp32 -> 4 bf16 (8 bytes) a piece. In batches of TN_CVT_BATCH pieces,
-// all loads first: the compiler cannot tell the stage's loads from the tiles' stores apart, so
-// it would otherwise wait out one shared-memory load latency per piece.
-#define TN_CVT_BATCH 2
-template <int MAXK>
-__device__ __forceinline__ void tn_convert_tile(const float* kst, const float* vst, u16* kt,
-                                                u16* vt, int D, int ld, const TnPieces& pc) {
-    int r = pc.r, c = pc.c;
-#pragma unroll
-    for (int i0 = 0; i0 < 2 * MAXK; i0 += TN_CVT_BATCH) {
-        float4 x[TN_CVT_BATCH], y[TN_CVT_BATCH];
-#pragma unroll
-        for (int j = 0; j < TN_CVT_BATCH; j++) {
-            if (i0 + j < (D >> 3)) {
-                const int e = threadIdx.x + TN_THREADS * (i0 + j);
-                x[j] = ((const float4*)kst)[e];
-                y[j] = ((const float4*)vst)[e];
-            }
-        }
-#pragma unroll
-        for (int j = 0; j < TN_CVT_BATCH; j++) {
-            if (i0 + j < (D >> 3)) {
-                const int o = r * ld + 4 * c; // a multiple of 4 elements: 8-byte aligned
-                *(uint2*)(kt + o) = make_uint2(tn_pack(x[j].x, x[j].y), tn_pack(x[j].z, x[j].w));
-                *(uint2*)(vt + o) = make_uint2(tn_pack(y[j].x, y[j].y), tn_pack(y[j].z, y[j].w));
-                c += pc.dc;
-                r += pc.dr;
-                if (c >= pc.cpr) {
-                    c -= pc.cpr;
-                    r++;
-                }
             }
         }
     }
@@ -335,26 +312,24 @@ __device__ __forceinline__ void tn_tile(const u32 (&qf)[MAXK][4], float (&o)[2 *
 // 64 (gridDim.x - 1 - x) .. + 63, warp w rows + 16 w .. + 15 (its Q fragments stay in
 // registers), and walks the key tiles of 64 that its rows see.
 template <int MAXK, bool FULL>
-__device__ __forceinline__ void attn_fwd_tc_next_body(const float* q, const float* k,
-                                                      const float* v, float* out, float* lse,
-                                                      int B, int Sq, int Sk, int H, int Hkv,
-                                                      int D, int causal, int q_start,
-                                                      int k_start, float scale) {
+__device__ __forceinline__ void attn_fwd_tc_next_body(const u16* q, const u16* k, const u16* v,
+                                                      float* out, float* lse, int B, int Sq,
+                                                      int Sk, int H, int Hkv, int D, int causal,
+                                                      int q_start, int k_start, float scale) {
     extern __shared__ __align__(16) unsigned char tn_smem[];
     if (FULL) D = 16 * MAXK; // a constant from here on: loops without guards, fixed offsets
     const int ld = D + TN_PAD;
-    float* kst = (float*)tn_smem; // fp32 stage, 64 x D each, unpadded
-    float* vst = kst + TN_BN * D;
-    u16* kt = (u16*)(vst + TN_BN * D); // bf16 tiles, 64 x ld each (byte offset 512 D)
-    u16* vt = kt + TN_BN * ld;
+    // Stage s of the double buffer: the K tile at kt0 + s * stage, the V tile at vt0 + s * stage.
+    const u32 stage = (u32)(2 * TN_BN * ld) * 2u;
+    const u32 kt0 = tn_smem_addr(tn_smem), vt0 = kt0 + (u32)(TN_BN * ld) * 2u;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
     const int b = blockIdx.y / H, h = blockIdx.y % H, hk = h / (H / Hkv);
     const int q0 = (gridDim.x - 1 - blockIdx.x) * TN_BM; // longest rows first
     const int nk = D >> 4, nd = D >> 3;
     const long long qstride = (long long)H * D, kstride = (long long)Hkv * D;
-    const float* qb = q + (long long)b * Sq * qstride + (long long)h * D;
-    const float* kb = k + (long long)b * Sk * kstride + (long long)hk * D;
-    const float* vb = v + (long long)b * Sk * kstride + (long long)hk * D;
+    const u16* qb = q + (long long)b * Sq * qstride + (long long)h * D;
+    const u16* kb = k + (long long)b * Sk * kstride + (long long)hk * D;
+    const u16* vb = v + (long long)b * Sk * kstride + (long long)hk * D;
     const int iw = q0 + warp * 16; // the warp's first row
     const int r0 = iw + g;         // this thread's rows: r0 (half 0) and r0 + 8 (half 1)
     const float sl2 = scale * TN_LOG2E;
@@ -362,37 +337,33 @@ __device__ __forceinline__ void attn_fwd_tc_next_body(const float* q, const floa
     const int nvis = tn_keys_seen(min(q0 + TN_BM, Sq), Sk, causal, q_start, k_start);
     const int ntiles = (nvis + TN_BN - 1) / TN_BN;
     TnPieces pc;
-    pc.cpr = D >> 2;
+    pc.cpr = D >> 3;
     pc.r = threadIdx.x / pc.cpr;
     pc.c = threadIdx.x - pc.r * pc.cpr;
     pc.dr = TN_THREADS / pc.cpr;
     pc.dc = TN_THREADS - pc.dr * pc.cpr;
-    const u32 kst_a = tn_smem_addr(kst), vst_a = tn_smem_addr(vst);
 
-    // The first tile's copies fly while Q is read.
+    // Tile 0's copies (stage 0) fly while Q is read.
     if (ntiles > 0) {
-        tn_copy_tile<MAXK>(kst_a, vst_a, kb, vb, kstride, 0, Sk, D, pc);
+        tn_copy_tile<MAXK>(kt0, vt0, kb, vb, kstride, 0, Sk, D, ld, pc);
         tn_cp_async_commit();
     }
 
-    // Q's A fragments (rows r0, r0 + 8; zeros past Sq), rounded to bf16, from global memory.
+    // Q's A fragments (rows r0, r0 + 8; zeros past Sq) from global memory, two bf16 a 32-bit
+    // load (see b. in the header): a[0], a[1] columns 16 kk + 2t, + 1 of rows r0, r0 + 8;
+    // a[2], a[3] columns 16 kk + 2t + 8, + 9.
     u32 qf[MAXK][4];
     {
-        const float* pa = qb + (long long)r0 * qstride + 2 * t;
-        const float* pb = qb + (long long)(r0 + 8) * qstride + 2 * t;
+        const u16* pa = qb + (long long)r0 * qstride + 2 * t;
+        const u16* pb = qb + (long long)(r0 + 8) * qstride + 2 * t;
         const bool oka = r0 < Sq, okb = r0 + 8 < Sq;
-        const float2 z = make_float2(0.0f, 0.0f);
 #pragma unroll
         for (int kk = 0; kk < MAXK; kk++) {
             if (kk < nk) {
-                const float2 x0 = oka ? *(const float2*)(pa + kk * 16) : z;
-                const float2 x1 = okb ? *(const float2*)(pb + kk * 16) : z;
-                const float2 x2 = oka ? *(const float2*)(pa + kk * 16 + 8) : z;
-                const float2 x3 = okb ? *(const float2*)(pb + kk * 16 + 8) : z;
-                qf[kk][0] = tn_pack(x0.x, x0.y);
-                qf[kk][1] = tn_pack(x1.x, x1.y);
-                qf[kk][2] = tn_pack(x2.x, x2.y);
-                qf[kk][3] = tn_pack(x3.x, x3.y);
+                qf[kk][0] = oka ? *(const u32*)(pa + kk * 16) : 0u;
+                qf[kk][1] = okb ? *(const u32*)(pb + kk * 16) : 0u;
+                qf[kk][2] = oka ? *(const u32*)(pa + kk * 16 + 8) : 0u;
+                qf[kk][3] = okb ? *(const u32*)(pb + kk * 16 + 8) : 0u;
             }
         }
     }
@@ -411,35 +382,41 @@ __device__ __forceinline__ void attn_fwd_tc_next_body(const float* q, const floa
     for (int hf = 0; hf < 2; hf++)
         vis_row[hf] = tn_keys_seen(r0 + 8 * hf + 1, Sk, causal, q_start, k_start);
 
-    // ldmatrix row addresses of this lane (k-step 0, n-tile pair 0; see the header).
+    // ldmatrix row addresses of this lane in stage 0 (k-step 0, n-tile pair 0; see the header).
     const int krow = ((lane >> 4) << 3) + (lane & 7), kcol = ((lane >> 3) & 1) << 3;
     const int vrow = (((lane >> 3) & 1) << 3) + (lane & 7), vcol = (lane >> 4) << 3;
-    const u32 ks_lane = tn_smem_addr(kt) + (u32)(krow * ld + kcol) * 2u;
-    const u32 vs_lane = tn_smem_addr(vt) + (u32)(vrow * ld + vcol) * 2u;
+    const u32 ks_lane = kt0 + (u32)(krow * ld + kcol) * 2u;
+    const u32 vs_lane = vt0 + (u32)(vrow * ld + vcol) * 2u;
 
     float o[2 * MAXK][4];
 #pragma unroll
     for (int n = 0; n < 2 * MAXK; n++) o[n][0] = o[n][1] = o[n][2] = o[n][3] = 0.0f;
     float m[2] = {XT_NEG_INF, XT_NEG_INF}, l[2] = {0.0f, 0.0f};
 
+    // The pipeline, one barrier a tile: tile jt is in stage jt & 1. At the top of iteration
+    // jt the only commit group in flight is tile jt's; after this thread's wait and the
+    // barrier, (1) every thread's copies of tile jt have landed and are visible to the CTA,
+    // and (2) every warp is done with tile jt - 1, so its stage, (jt + 1) & 1, may be
+    // overwritten: tile jt + 1's copies go there and fly while tile jt is computed. Warps
+    // that skip a tile still pass every barrier (the loop and its barrier are CTA-uniform).
     for (int jt = 0; jt < ntiles; jt++) {
         const int j0 = jt * TN_BN;
-        tn_cp_async_wait_all(); // this thread's pieces of tile jt are in the stage
-        __syncthreads();        // every warp is done with tile jt - 1's bf16 tiles
-        tn_convert_tile<MAXK>(kst, vst, kt, vt, D, ld, pc);
-        __syncthreads(); // the bf16 tiles of tile jt are complete
-        // The stage is free again (each thread converted its own pieces): tile jt + 1's
-        // copies fly while tile jt is computed.
+        const u32 cur = (u32)(jt & 1) * stage;
+        tn_cp_async_wait_all();
+        __syncthreads();
         if (jt + 1 < ntiles) {
-            tn_copy_tile<MAXK>(kst_a, vst_a, kb, vb, kstride, j0 + TN_BN, Sk, D, pc);
+            const u32 nxt = stage - cur; // the other stage
+            tn_copy_tile<MAXK>(kt0 + nxt, vt0 + nxt, kb, vb, kstride, j0 + TN_BN, Sk, D, ld, pc);
             tn_cp_async_commit();
         }
         if (j0 + TN_BN <= wfull) {
             const int none[2] = {0, 0};
-            tn_tile<MAXK, false>(qf, o, m, l, ks_lane, vs_lane, ld, nk, sl2, TN_BN, none, t);
+            tn_tile<MAXK, false>(qf, o, m, l, ks_lane + cur, vs_lane + cur, ld, nk, sl2, TN_BN,
+                                 none, t);
         } else if (j0 < wkeys) {
             const int vis[2] = {vis_row[0] - j0, vis_row[1] - j0};
-            tn_tile<MAXK, true>(qf, o, m, l, ks_lane, vs_lane, ld, nk, sl2, wkeys - j0, vis, t);
+            tn_tile<MAXK, true>(qf, o, m, l, ks_lane + cur, vs_lane + cur, ld, nk, sl2,
+                                wkeys - j0, vis, t);
         }
     }
 
@@ -469,10 +446,14 @@ __device__ __forceinline__ void attn_fwd_tc_next_body(const float* q, const floa
 
 // Blocks an SM each kernel is compiled for (__launch_bounds__' second argument: the register
 // cap is 64K / (128 x blocks)). attn_fwd_tc_next_k4: 3, a cap of 168 registers a thread (ptxas
-// of CUDA 12.9 and 13.0 takes 167 with no spills; a cap of 128, for the 4 blocks that shared
-// memory would allow, spills on sm_90); attn_fwd_tc_next_k8: 2, a cap of 255 (it takes about
-// 245). Either may be overridden by a #define in front of the source to measure the other
-// choice (examples/attention_next.rs: `-- TN_K4_MIN_BLOCKS=4`).
+// of CUDA 12.9 and 13.0 takes 166 on sm_90 and 168 on sm_80 with no spills, against 167 for
+// the fp32-input candidate; a cap of 128, for 4 of the 6 blocks that shared memory allows,
+// spills 36 bytes on sm_90 and 40 on sm_80, where the fp32-input candidate spilled 112 and
+// 104); attn_fwd_tc_next_k8: 2, a cap of 255, which it fills (255 on both, no spills; under a
+// cap of 240, __maxnreg__, it takes 240 with no spills on sm_90 and 8 bytes of stack on sm_80:
+// what it needs is about the fp32-input candidate's 243 / 244, and 2 blocks either way).
+// Either may be overridden by a #define in front of the source to measure the other choice
+// (examples/attention_next.rs: `-- TN_K4_MIN_BLOCKS=4`).
 #ifndef TN_K4_MIN_BLOCKS
 #define TN_K4_MIN_BLOCKS 3
 #endif
@@ -482,7 +463,7 @@ __device__ __forceinline__ void attn_fwd_tc_next_body(const float* q, const floa
 
 #define TN_KERNEL(MAXK, MIN_BLOCKS)                                                            \
     extern "C" __global__ void __launch_bounds__(TN_THREADS, MIN_BLOCKS)                      \
-        attn_fwd_tc_next_k##MAXK(const float* q, const float* k, const float* v, float* out,  \
+        attn_fwd_tc_next_k##MAXK(const u16* q, const u16* k, const u16* v, float* out,        \
                                  float* lse, int B, int Sq, int Sk, int H, int Hkv, int D,     \
                                  int causal, int q_start, int k_start, float scale) {          \
         if (D == 16 * MAXK)                                                                    \

@@ -3,23 +3,25 @@ forward, attn_fwd_tc_next_k4 / _k8), to check its indexing, fragments and masks 
 is at hand: `python3 attention_tc_next_emu.py` (numpy; about 20 seconds) prints each case's
 errors and exits 1 on a mismatch.
 
-A transliteration of attn_fwd_tc_next_body<MAXK, FULL> as of the commit that added it (keep
-it in step when the kernel changes), in the manner of attention_tc_bwd_next_emu.py (whose
-primitives are copied here, so that this file stands alone; bf16_bits also turns a NaN into
-the canonical NaN, as cvt.rn does): each warp is 32 lanes as numpy
-vectors, the 128 threads of a CTA one vector where all of them act (the copies, the
-conversion), shared memory one byte buffer laid out as the kernel lays it out (the fp32 stage
-of K and V, then the bf16 K and V tiles with row stride D + 8), filled with NaN first (0xFF
-bytes: a NaN in fp32 and in bf16) so that a read of anything the kernel did not write, a
-padding column or a stale row, poisons the result instead of slipping through as a small
-number; ldmatrix (.x4, .trans) and mma.m16n8k16 as the PTX ISA's fragment layouts say, bf16
-rounding to nearest even, ex2.approx as exact 2^x with flush to zero. cp.async copies land
-when issued, which is equivalent for this kernel because each stage piece is converted by the
-thread that copied it (asserted here, per 16-byte piece), the only reader of the stage; src-
-size 0 zero-fills. The grid's CTAs run one after the other, blockIdx.x in order (so the
-reversed row order is exercised), each with fresh garbage shared memory; every element of out
-and lse must be written exactly once. Not covered: barriers and races, the asm's syntax (the
-NVRTC compile check), timing, register pressure.
+A transliteration of attn_fwd_tc_next_body<MAXK, FULL> (keep it in step when the kernel
+changes), in the manner of attention_tc_bwd_next_emu.py, on the primitives of emu_common.py
+(bf16_bits also turns a NaN into the canonical NaN, as cvt.rn does): each warp is 32 lanes as
+numpy vectors, the 128 threads of a CTA one vector where all of them act (the copies), shared
+memory one byte buffer laid out as the kernel lays it out (two stages of a bf16 K and V tile
+with row stride D + 8), filled with NaN first (0xFF bytes: a NaN in bf16) so that a read of
+anything the kernel did not write, a padding column or a stale row, poisons the result instead
+of slipping through as a small number; ldmatrix (.x4, .trans) and mma.m16n8k16 as the PTX
+ISA's fragment layouts say, bf16 rounding to nearest even, ex2.approx as exact 2^x with flush
+to zero. Q, K, V come in as bf16 bits (u16), the cases' fp32 inputs rounded once before the
+kernel, as the caller does. cp.async is modelled with its commit groups and wait_group, and
+every case runs twice: with each copy landing when issued and with each landing at the wait
+that covers it (the two extremes the PTX ISA allows; both must give the same bits); the
+barriers bound phases in which no shared word may be both read and copied to, nor read while
+a copy to it flies or before the barrier after its wait (emu_common.Smem). src-size 0
+zero-fills. The grid's CTAs run one after the other, blockIdx.x in order (so the reversed row
+order is exercised), each with fresh garbage shared memory; every element of out and lse must
+be written exactly once. Not covered: the hardware beyond those PTX rules, the asm's syntax
+(the NVRTC compile check), timing, register pressure.
 
 The reference is dense float64 softmax attention with Q, K, V rounded to bf16 and (ROUND_P)
 the unnormalised P rounded to bf16 before P V, divided by the row sum of the unrounded P (as
@@ -29,8 +31,8 @@ import sys
 import time
 import numpy as np
 
-from emu_common import (G, T, THREADS, TID, Pieces, Smem, bf16, exp2, fmaf, inputs, keys_seen,
-                        lane, ldsm_x4, mma, pack, softmax_rows)
+from emu_common import (G, T, CpAsync, Pieces, Smem, bf16, bf16_u16, exp2, fmaf, inputs,
+                        keys_seen, lane, ld_u32, ldsm_x4, mma, pack, softmax_rows)
 
 LOG2E = np.float32(1.4426950408889634)
 LN2 = np.float32(0.6931471805599453)
@@ -53,7 +55,6 @@ LSE_TOL = 1e-4  # lse: max |x - ref| over the rows that see a key (fp32 sums of 
 # ~1e-6; the bf16 rounding of P does not enter l); -inf rows must be -inf exactly.
 BM = BN = 64
 PAD = 8
-CVT_BATCH = 2
 
 
 def fmul_rn(a, b):
@@ -65,79 +66,30 @@ def shfl_xor(x, m):
     return x[lane ^ m]
 
 
-def cp_async16(sm, dst, src, src_idx, src_bytes, region):
-    """tn_cp_async16 for all 128 threads: dst [128] shared byte addresses, src_idx [128]
-    float indices into the global array `src`, src_bytes [128] (16 or 0)."""
-    lo, hi = region
-    assert np.all(dst % 16 == 0) and np.all(dst >= lo) and np.all(dst + 16 <= hi), dst
-    # The address is formed (and must be 16-byte aligned and inside the array) even for
-    # src-size 0.
-    assert np.all(src_idx % 4 == 0) and np.all(src_idx >= 0) and np.all(src_idx + 4 <= src.size)
-    assert np.all((src_bytes == 16) | (src_bytes == 0))
-    assert len(np.unique(dst)) == THREADS
-    f = sm.f32()
-    four = np.arange(4)
-    vals = src[src_idx[:, None] + four]
-    f[(dst // 4)[:, None] + four] = np.where((src_bytes == 16)[:, None], vals, np.float32(0))
-    sm.owner[dst // 16] = TID
-
-
-def copy_tile(sm, kst, vst, kb, vb, k, v, kstride, j0, Sk, D, MAXK, pc):
-    """tn_copy_tile<MAXK>: `kb`, `vb` float offsets of row 0 of the head in k, v."""
+def copy_tile(cp, kt, vt, kb, vb, k, v, kstride, j0, Sk, D, ld, MAXK, pc):
+    """tn_copy_tile<MAXK>: K and V rows j0 .. j0 + 63 (`kb`, `vb`: element offsets of row 0 of
+    the head in the bf16 arrays k, v) into the tiles at byte offsets kt, vt."""
     r, c = pc.r.copy(), pc.c.copy()
-    seen = np.zeros((BN, D // 4), dtype=int)
-    for i in range(2 * MAXK):
-        if i < (D >> 3):
+    seen = np.zeros((BN, D // 8), dtype=int)
+    for i in range(MAXK):
+        if i < (D >> 4):
             row = j0 + r
             inn = row < Sk
-            off = np.where(inn, row * kstride, 0) + 4 * c
+            off = np.where(inn, row * kstride, 0) + 8 * c
             # A row past the end reads nothing; its address stays inside row 0 of the head.
-            assert np.all(np.where(inn, True, (off >= 0) & (off + 4 <= D)))
-            assert np.all(r < BN) and np.all(4 * c + 4 <= D)
+            assert np.all(np.where(inn, True, (off >= 0) & (off + 8 <= D)))
+            assert np.all(r < BN) and np.all(8 * c + 8 <= D)  # never a padding column
             np.add.at(seen, (r, c), 1)
-            so = (TID + THREADS * i) * 16
-            nbytes = np.where(inn, 16, 0)
-            cp_async16(sm, kst + so, k, kb + off, nbytes, (kst, kst + BN * D * 4))
-            cp_async16(sm, vst + so, v, vb + off, nbytes, (vst, vst + BN * D * 4))
+            so = (r * ld + 8 * c) * 2
+            cp.copy(kt + so, k, kb + off, inn, 16, (kt, kt + BN * ld * 2))
+            cp.copy(vt + so, v, vb + off, inn, 16, (vt, vt + BN * ld * 2))
             r, c = pc.advance(r, c)
     assert np.all(seen == 1), "the copies do not cover the tile exactly once"
 
 
-def convert_tile(sm, kst, vst, kt, vt, D, ld, MAXK, pc):
-    """tn_convert_tile<MAXK>: kst, vst, kt, vt byte offsets in shared memory."""
-    f, u = sm.f32(), sm.u16()
-    r, c = pc.r.copy(), pc.c.copy()
-    seen = np.zeros((BN, D // 4), dtype=int)
-    for i0 in range(0, 2 * MAXK, CVT_BATCH):
-        x, y = [None] * CVT_BATCH, [None] * CVT_BATCH
-        for j in range(CVT_BATCH):
-            if i0 + j < (D >> 3):
-                e = TID + THREADS * (i0 + j)
-                ka, va = kst + 16 * e, vst + 16 * e
-                assert np.all(ka + 16 <= vst) and np.all(va + 16 <= kt)
-                # A thread's own completed cp.async writes are visible to it, no one else's.
-                assert np.all(sm.owner[ka // 16] == TID) and np.all(sm.owner[va // 16] == TID), \
-                    "piece converted by another thread"
-                x[j] = np.stack([f[ka // 4 + q] for q in range(4)])  # [4][128]: .x .y .z .w
-                y[j] = np.stack([f[va // 4 + q] for q in range(4)])
-        for j in range(CVT_BATCH):
-            if i0 + j < (D >> 3):
-                o = r * ld + 4 * c  # elements
-                assert np.all(o % 4 == 0) and np.all(r < BN) and np.all(4 * c + 4 <= D)
-                np.add.at(seen, (r, c), 1)
-                for base, z in ((kt, x[j]), (vt, y[j])):
-                    w = [pack(z[0], z[1]), pack(z[2], z[3])]  # uint2 store, 8 bytes
-                    e16 = base // 2 + o
-                    u[e16] = w[0] & 0xFFFF
-                    u[e16 + 1] = w[0] >> 16
-                    u[e16 + 2] = w[1] & 0xFFFF
-                    u[e16 + 3] = w[1] >> 16
-                r, c = pc.advance(r, c)
-    assert np.all(seen == 1), "the conversion does not cover the tile exactly once"
-
-
-def tn_tile(sm, W, ks_lane, vs_lane, ld, nk, MAXK, sl2, kv_lim, vis, masked):
-    """tn_tile<MAXK, MASKED> for one warp (W: its registers, lanes as vectors)."""
+def tn_tile(sm, W, ks_lane, vs_lane, kreg, vreg, ld, nk, MAXK, sl2, kv_lim, vis, masked):
+    """tn_tile<MAXK, MASKED> for one warp (W: its registers, lanes as vectors); kreg, vreg: the
+    byte ranges of the stage's K and V tiles, which its ldmatrix rows must lie in."""
     qf, o, m, l = W["qf"], W["o"], W["m"], W["l"]
     # S = Q K^T (16 rows x 64 keys): n-tiles 2p, 2p + 1 from one ldmatrix.x4 per k-step.
     s = [[np.zeros(32, np.float32) for _ in range(4)] for _ in range(8)]
@@ -145,7 +97,7 @@ def tn_tile(sm, W, ks_lane, vs_lane, ld, nk, MAXK, sl2, kv_lim, vis, masked):
         if kk < nk:
             for p in range(4):
                 if not masked or 16 * p < kv_lim:
-                    bk = ldsm_x4(sm, ks_lane + (p * 16 * ld + kk * 16) * 2, region=W["kt"])
+                    bk = ldsm_x4(sm, ks_lane + (p * 16 * ld + kk * 16) * 2, region=kreg)
                     mma(s[2 * p], qf[kk], bk[0], bk[1])
                     mma(s[2 * p + 1], qf[kk], bk[2], bk[3])
     # Online softmax, row r0 + 8 hf: s[n][2 hf], s[n][2 hf + 1].
@@ -182,24 +134,24 @@ def tn_tile(sm, W, ks_lane, vs_lane, ld, nk, MAXK, sl2, kv_lim, vis, masked):
             for p in range(MAXK):
                 if p < nk:
                     bv = ldsm_x4(sm, vs_lane + (kk * 16 * ld + p * 16) * 2, trans=True,
-                                 region=W["vt"])
+                                 region=vreg)
                     mma(o[2 * p], a, bv[0], bv[1])
                     mma(o[2 * p + 1], a, bv[2], bv[3])
 
 
 def body(q, k, v, out, lse, wr_out, wr_lse, B, Sq, Sk, H, Hkv, D, causal, q_start, k_start,
-         scale, MAXK, FULL, gx, bx, by):
-    """attn_fwd_tc_next_body<MAXK, FULL> for the CTA (bx, by) of a grid (gx, B * H)."""
+         scale, MAXK, FULL, gx, bx, by, late):
+    """attn_fwd_tc_next_body<MAXK, FULL> for the CTA (bx, by) of a grid (gx, B * H); q, k, v
+    bf16 bits (u16)."""
     if FULL:
         D = 16 * MAXK
     ld = D + PAD
-    nbytes = 768 * D + 2048
-    kst = 0  # byte offsets in the dynamic shared memory
-    vst = kst + BN * D * 4
-    kt = vst + BN * D * 4
-    vt = kt + BN * ld * 2
-    assert vt + BN * ld * 2 == nbytes and kt % 16 == 0 and vt % 16 == 0
-    sm = Smem(nbytes, 0xFF)  # garbage: 0xFF is NaN in fp32 and bf16
+    nbytes = 512 * (D + 8)
+    stage = 2 * BN * ld * 2  # byte offsets in the dynamic shared memory
+    kt0, vt0 = 0, BN * ld * 2
+    assert 2 * stage == nbytes and vt0 % 16 == 0 and stage % 16 == 0
+    sm = Smem(nbytes, 0xFF)  # garbage: 0xFFFF is NaN in bf16
+    cp = CpAsync(sm, late)
     b, h = by // H, by % H
     hk = h // (H // Hkv)
     q0 = (gx - 1 - bx) * BM  # longest rows first
@@ -215,32 +167,27 @@ def body(q, k, v, out, lse, wr_out, wr_lse, B, Sq, Sk, H, Hkv, D, causal, q_star
     pc = Pieces(D)
 
     if ntiles > 0:
-        copy_tile(sm, kst, vst, kb, vb, k, v, kstride, 0, Sk, D, MAXK, pc)
+        copy_tile(cp, kt0, vt0, kb, vb, k, v, kstride, 0, Sk, D, ld, MAXK, pc)
+        cp.commit()
 
     warps = []
     for warp in range(4):
         iw = q0 + warp * 16
         r0 = iw + G
-        # Q's A fragments (rows r0, r0 + 8; zeros past Sq).
+        # Q's A fragments (rows r0, r0 + 8; zeros past Sq), 32-bit loads of two bf16.
         pa = qb + r0 * qstride + 2 * T
         pb = qb + (r0 + 8) * qstride + 2 * T
         oka, okb = r0 < Sq, r0 + 8 < Sq
 
         def ld2(ok, ptr):
-            idx = np.where(ok, ptr, 0)
-            assert np.all(idx % 2 == 0) and np.all(idx >= 0) and np.all(idx + 2 <= q.size)
-            assert np.all(np.where(ok, (idx - qb) % qstride + 2 <= D, True))
-            return (np.where(ok, q[idx], 0).astype(np.float32),
-                    np.where(ok, q[idx + 1], 0).astype(np.float32))
+            assert np.all(np.where(ok, (ptr - qb) % qstride + 2 <= D, True))
+            return ld_u32(q, ptr, ok)
 
         qf = [None] * MAXK
         for kk in range(MAXK):
             if kk < nk:
-                x0 = ld2(oka, pa + kk * 16)
-                x1 = ld2(okb, pb + kk * 16)
-                x2 = ld2(oka, pa + kk * 16 + 8)
-                x3 = ld2(okb, pb + kk * 16 + 8)
-                qf[kk] = [pack(*x0), pack(*x1), pack(*x2), pack(*x3)]
+                qf[kk] = [ld2(oka, pa + kk * 16), ld2(okb, pb + kk * 16),
+                          ld2(oka, pa + kk * 16 + 8), ld2(okb, pb + kk * 16 + 8)]
         wfull = wkeys = 0
         if iw < Sq:
             wkeys = keys_seen(min(iw + 16, Sq), Sk, causal, q_start, k_start)
@@ -248,30 +195,37 @@ def body(q, k, v, out, lse, wr_out, wr_lse, B, Sq, Sk, H, Hkv, D, causal, q_star
         vis_row = [np.array([keys_seen(int(x) + 8 * hf + 1, Sk, causal, q_start, k_start)
                              for x in r0]) for hf in range(2)]
         warps.append(dict(iw=iw, r0=r0, qf=qf, wfull=wfull, wkeys=wkeys, vis_row=vis_row,
-                          kt=(kt, kt + BN * ld * 2), vt=(vt, vt + BN * ld * 2),
                           o=[[np.zeros(32, np.float32) for _ in range(4)] for _ in range(2 * MAXK)],
                           m=[np.full(32, NEG_INF), np.full(32, NEG_INF)],
                           l=[np.zeros(32, np.float32), np.zeros(32, np.float32)]))
 
-    # ldmatrix row addresses of this lane (k-step 0, n-tile pair 0).
+    # ldmatrix row addresses of this lane in stage 0 (k-step 0, n-tile pair 0).
     krow, kcol = ((lane >> 4) << 3) + (lane & 7), ((lane >> 3) & 1) << 3
     vrow, vcol = (((lane >> 3) & 1) << 3) + (lane & 7), (lane >> 4) << 3
-    ks_lane = kt + (krow * ld + kcol) * 2
-    vs_lane = vt + (vrow * ld + vcol) * 2
+    ks_lane = kt0 + (krow * ld + kcol) * 2
+    vs_lane = vt0 + (vrow * ld + vcol) * 2
 
     for jt in range(ntiles):
         j0 = jt * BN
-        # cp.async.wait_group 0; __syncthreads()
-        convert_tile(sm, kst, vst, kt, vt, D, ld, MAXK, pc)
-        # __syncthreads()
+        cur = (jt & 1) * stage
+        cp.wait(0)
+        sm.barrier()
         if jt + 1 < ntiles:
-            copy_tile(sm, kst, vst, kb, vb, k, v, kstride, j0 + BN, Sk, D, MAXK, pc)
+            nxt = stage - cur  # the other stage
+            copy_tile(cp, kt0 + nxt, vt0 + nxt, kb, vb, k, v, kstride, j0 + BN, Sk, D, ld, MAXK,
+                      pc)
+            cp.commit()
+        kreg = (kt0 + cur, kt0 + cur + BN * ld * 2)
+        vreg = (vt0 + cur, vt0 + cur + BN * ld * 2)
         for W in warps:
             if j0 + BN <= W["wfull"]:
-                tn_tile(sm, W, ks_lane, vs_lane, ld, nk, MAXK, sl2, BN, [0, 0], False)
+                tn_tile(sm, W, ks_lane + cur, vs_lane + cur, kreg, vreg, ld, nk, MAXK, sl2, BN,
+                        [0, 0], False)
             elif j0 < W["wkeys"]:
                 vis = [W["vis_row"][0] - j0, W["vis_row"][1] - j0]
-                tn_tile(sm, W, ks_lane, vs_lane, ld, nk, MAXK, sl2, W["wkeys"] - j0, vis, True)
+                tn_tile(sm, W, ks_lane + cur, vs_lane + cur, kreg, vreg, ld, nk, MAXK, sl2,
+                        W["wkeys"] - j0, vis, True)
+    assert cp.idle(), "cp.async left in flight at the end of the CTA"
 
     ob = b * Sq * qstride + h * D
     for W in warps:
@@ -301,8 +255,10 @@ def body(q, k, v, out, lse, wr_out, wr_lse, B, Sq, Sk, H, Hkv, D, causal, q_star
             np.add.at(wr_lse, li, 1)
 
 
-def kernel(q, k, v, out, lse, B, Sq, Sk, H, Hkv, D, causal, q_start, k_start, scale, MAXK):
-    """TN_KERNEL(MAXK): attn_fwd_tc_next_k<MAXK> over the whole grid (ceil(Sq / 64), B H)."""
+def kernel(q, k, v, out, lse, B, Sq, Sk, H, Hkv, D, causal, q_start, k_start, scale, MAXK,
+           late):
+    """TN_KERNEL(MAXK): attn_fwd_tc_next_k<MAXK> over the whole grid (ceil(Sq / 64), B H);
+    q, k, v bf16 bits (u16); `late`: the cp.async landing policy (CpAsync)."""
     assert D % 16 == 0 and 16 <= D <= 16 * MAXK
     wr_out = np.zeros(out.size, dtype=int)
     wr_lse = np.zeros(lse.size, dtype=int)
@@ -310,7 +266,7 @@ def kernel(q, k, v, out, lse, B, Sq, Sk, H, Hkv, D, causal, q_start, k_start, sc
     for by in range(B * H):
         for bx in range(gx):
             body(q, k, v, out, lse, wr_out, wr_lse, B, Sq, Sk, H, Hkv, D, causal, q_start,
-                 k_start, scale, MAXK, D == 16 * MAXK, gx, bx, by)
+                 k_start, scale, MAXK, D == 16 * MAXK, gx, bx, by, late)
     assert np.all(wr_out == 1), "out: elements written other than once"
     assert np.all(wr_lse == 1), "lse: elements written other than once"
 
@@ -356,13 +312,24 @@ def case(B, Sq, Sk, H, Hkv, D, causal, q_start, k_start, seed=0, note=""):
     rout, rlse = reference(q, k, v, B, Sq, Sk, H, Hkv, D, causal, q_start, k_start,
                            np.float64(scale))
     MAXK = 4 if D <= 64 else 8
-    out = np.full(B * Sq * H * D, np.nan, np.float32)
-    lse = np.full(B * H * Sq, np.nan, np.float32)
+    # The kernel's inputs: bf16 bits, rounded once (nearest even) as the caller rounds them.
+    q16, k16, v16 = bf16_u16(q), bf16_u16(k), bf16_u16(v)
     t0 = time.time()
-    kernel(q, k, v, out, lse, B, Sq, Sk, H, Hkv, D, int(causal), q_start, k_start, scale, MAXK)
+    runs = []
+    for late in (False, True):
+        out = np.full(B * Sq * H * D, np.nan, np.float32)
+        lse = np.full(B * H * Sq, np.nan, np.float32)
+        kernel(q16, k16, v16, out, lse, B, Sq, Sk, H, Hkv, D, int(causal), q_start, k_start,
+               scale, MAXK, late)
+        runs.append((out, lse))
     dt = time.time() - t0
     ok = True
     msgs = []
+    # Copies landing when issued and at their wait read the same bits everywhere.
+    if not all(np.array_equal(x.view(np.uint32), y.view(np.uint32))
+               for x, y in zip(runs[0], runs[1])):
+        ok = False
+        msgs.append("copies landing early and late give different results")
     dead = np.isneginf(rlse)  # rows that see no key
     if not np.array_equal(np.isneginf(lse), dead) or not np.all(np.isfinite(lse[~dead])):
         ok = False

@@ -1,9 +1,11 @@
 """The emulation primitives both lane-level emulators of the candidate attention kernels use
 (attention_tc_next_emu.py, attention_tc_bwd_next_emu.py): bf16 rounding as cvt.rn (nearest
 even, a NaN the canonical one), register packing, mma.m16n8k16 on the PTX ISA's fragment
-layouts, ex2.approx and fmaf, shared memory filled with garbage and ldmatrix.x4 from it, the
-causal key count of a query block, and the threads' walk over a tile's 4-element pieces.
-Lanes are numpy vectors of 32; a CTA's threads numpy vectors of THREADS.
+layouts, ex2.approx and fmaf, shared memory filled with garbage, cp.async into it (commit
+groups, wait_group, two landing policies) with a check of every read and copy against the
+barriers, ldmatrix.x4 from it, the causal key count of a query block, and the threads' walk
+over a tile's 16-byte (8 bf16) pieces. Lanes are numpy vectors of 32; a CTA's threads numpy
+vectors of THREADS.
 """
 import numpy as np
 
@@ -28,6 +30,12 @@ def bits_f32(b):
 
 def bf16(x):
     return bits_f32(bf16_bits(x))
+
+
+def bf16_u16(x):
+    """The bf16 bits of fp32 values as the kernels take them (u16), rounded once, as the
+    caller does before the launch."""
+    return bf16_bits(x).astype(np.uint16)
 
 
 def pack(lo, hi):
@@ -75,18 +83,106 @@ def fmaf(a, b, c):
 
 class Smem:
     """A CTA's dynamic shared memory, filled with `fill` bytes (garbage a read of anything not
-    written shows), and the thread whose cp.async wrote each 16 bytes (-1: none)."""
+    written shows), and the state of every 4-byte word for the race check: the barriers are
+    the bounds of phases (`barrier()` starts the next one); within a phase the threads are
+    unordered, so a word may not be both read and the target of a cp.async in one phase, nor
+    read while a copy to it is in flight, nor before the phase after the one in which the
+    copy's thread waited for it (cp.async.wait_group makes a copy visible to its own thread;
+    the barrier after it, to the others: the kernels' threads always wait, then barrier)."""
 
     def __init__(self, nbytes, fill):
+        assert nbytes % 16 == 0
         self.buf = np.full(nbytes, fill, dtype=np.uint8)
         self.n = nbytes
-        self.owner = np.full(nbytes // 16, -1)
+        self.phase = 0
+        self.inflight = np.zeros(nbytes // 4, dtype=bool)  # a copy to the word is pending
+        self.ready = np.full(nbytes // 4, -1)  # the phase its last copy was waited for in
+        self.last_read = np.full(nbytes // 4, -1)  # the last phase it was read in
 
     def u16(self):
         return self.buf.view(np.uint16)
 
     def f32(self):
         return self.buf.view(np.float32)
+
+    def barrier(self):
+        """__syncthreads(): the next phase."""
+        self.phase += 1
+
+    def read(self, lo, nbytes):
+        """Every thread of a warp (or CTA) reads `nbytes` at byte addresses `lo` (array)."""
+        lo = np.asarray(lo).reshape(-1)
+        assert np.all(lo % 4 == 0) and nbytes % 4 == 0
+        assert np.all(lo >= 0) and np.all(lo + nbytes <= self.n), lo
+        w = (lo[:, None] // 4 + np.arange(nbytes // 4)).reshape(-1)
+        assert not self.inflight[w].any(), \
+            f"read of shared bytes {4 * w[self.inflight[w]][:4]} while a cp.async to them flies"
+        assert np.all(self.ready[w] < self.phase), \
+            f"read of shared bytes {4 * w[self.ready[w] >= self.phase][:4]} with no barrier " \
+            "after the wait for their copy"
+        self.last_read[w] = self.phase
+
+
+class CpAsync:
+    """cp.async of a CTA whose threads all issue, commit and wait together (as these kernels
+    do: the group counts are CTA-uniform), so one list of commit groups serves every thread.
+    `late`: a copy lands at the wait_group that covers it (the latest the PTX ISA allows: a
+    read before it sees the garbage); else when issued (the earliest: a copy into bytes still
+    to be read overwrites them). The race check (Smem) holds under either."""
+
+    def __init__(self, sm, late):
+        self.sm, self.late = sm, late
+        self.open, self.groups = [], []
+
+    def copy(self, dst, src, src_idx, valid, size, region):
+        """cp.async.{cg,ca}.shared.global [dst], [src + src_idx], size, valid ? size : 0 for
+        the threads given as arrays: dst byte addresses, src a flat numpy array (the global
+        tensor), src_idx element indices into it, valid whether the source is read (else the
+        `size` bytes are zero-filled). `region`: the byte range (lo, hi) dst must lie in."""
+        sm = self.sm
+        dst, src_idx = np.asarray(dst), np.asarray(src_idx)
+        valid = np.broadcast_to(np.asarray(valid, bool), dst.shape)
+        lo, hi = region
+        assert np.all(dst % size == 0) and np.all(dst >= lo) and np.all(dst + size <= hi), dst
+        per = size // src.itemsize  # elements a copy
+        # The source address is formed (aligned, inside the tensor) even for src-size 0.
+        assert np.all((src_idx * src.itemsize) % size == 0), "unaligned cp.async source"
+        assert np.all(src_idx >= 0) and np.all(src_idx + per <= src.size)
+        w = (dst[:, None] // 4 + np.arange(size // 4)).reshape(-1)
+        assert len(np.unique(w)) == w.size, "two copies of one cp.async batch to one word"
+        assert not sm.inflight[w].any(), "a cp.async to shared bytes another still flies to"
+        assert not np.any(sm.last_read[w] == sm.phase), \
+            "a cp.async to shared bytes read in the same phase (no barrier between)"
+        vals = np.where(valid[:, None], src[src_idx[:, None] + np.arange(per)],
+                        np.zeros(1, src.dtype))
+        rec = (dst, vals.astype(src.dtype), w)
+        sm.inflight[w] = True
+        if not self.late:
+            self._land(rec)
+        self.open.append(rec)
+
+    def _land(self, rec):
+        dst, vals, _ = rec
+        b = vals.view(np.uint8).reshape(len(dst), -1)
+        self.sm.buf[dst[:, None] + np.arange(b.shape[1])] = b
+
+    def commit(self):
+        """cp.async.commit_group (a group with no copy is empty, as the PTX ISA says)."""
+        self.groups.append(self.open)
+        self.open = []
+
+    def wait(self, n):
+        """cp.async.wait_group n: every group but the newest n completes."""
+        while len(self.groups) > n:
+            for rec in self.groups.pop(0):
+                if self.late:
+                    self._land(rec)
+                self.sm.inflight[rec[2]] = False
+                self.sm.ready[rec[2]] = self.sm.phase
+
+    def idle(self):
+        """No copy issued but not committed, nor in flight (at the end of a CTA)."""
+        return not self.open and not any(self.groups)
 
 
 def ldsm_x4(sm, addr, trans=False, region=None):
@@ -95,6 +191,7 @@ def ldsm_x4(sm, addr, trans=False, region=None):
     assert np.all(addr % 16 == 0) and np.all(addr >= 0) and np.all(addr + 16 <= sm.n), addr
     if region is not None:
         assert np.all(addr >= region[0]) and np.all(addr + 16 <= region[1]), addr
+    sm.read(addr, 16)
     u = sm.u16()
     regs = []
     for i in range(4):
@@ -108,6 +205,16 @@ def ldsm_x4(sm, addr, trans=False, region=None):
     return regs
 
 
+def ld_u32(x, idx, ok):
+    """A 32-bit load of two bf16 (elements idx, idx + 1 of the u16 array x; the lower-indexed
+    in the lower half) where `ok`, else 0 (no load)."""
+    i = np.where(ok, idx, 0)
+    assert np.all(i % 2 == 0), "unaligned 32-bit load"
+    assert np.all(np.where(ok, (i >= 0) & (i + 2 <= x.size), True))
+    return np.where(ok, x[i].astype(np.uint32) | (x[i + 1].astype(np.uint32) << 16),
+                    0).astype(np.uint32)
+
+
 def keys_seen(i_end, Sk, causal, q_start, k_start):
     """tn_keys_seen / tb_keys_seen: keys a query block ending at row `i_end` sees."""
     if not causal:
@@ -118,10 +225,10 @@ def keys_seen(i_end, Sk, causal, q_start, k_start):
 
 class Pieces:
     """TnPieces / TbPieces: every thread of the CTA at once (arrays over threadIdx.x) walking
-    a tile's 4-element pieces, D / 4 a row."""
+    a tile's 16-byte pieces of 8 bf16, D / 8 a row."""
 
     def __init__(self, D):
-        self.cpr = D >> 2
+        self.cpr = D >> 3
         self.r = TID // self.cpr
         self.c = TID - self.r * self.cpr
         self.dr = THREADS // self.cpr
@@ -132,12 +239,6 @@ class Pieces:
         r = r + self.dr
         carry = c >= self.cpr
         return np.where(carry, r + 1, r), np.where(carry, c - self.cpr, c)
-
-    def walk(self, n):
-        r, c = self.r.copy(), self.c.copy()
-        for i in range(n):
-            yield i, r.copy(), c.copy()
-            r, c = self.advance(r, c)
 
 
 def inputs(rng, B, Sq, Sk, H, Hkv, D):

@@ -8,10 +8,11 @@
 #
 # In TREE: kernels/attention_tc.cu becomes the two candidates with their kernels renamed to
 # the library's names (attn_fwd_tc_next_k4 -> attn_fwd_tc_k4, ...; the launchers, grids and
-# arguments are the same), and promote-ops.patch gives the launchers the candidates' dynamic
-# shared memory (768 D + 2048 bytes for the forward and dQ, 640 D + 3584 for dK/dV). The
-# patch is applied with `git apply`, which refuses a tree whose ops.rs has moved on: then
-# regenerate it (make the two edits in a worktree, `git diff > dev/attention/promote-ops.patch`).
+# arguments are the same: bf16 Q, K, V, dO), and promote-ops.patch gives the launchers the
+# candidates' dynamic shared memory (512 (D + 8) bytes for the forward and dQ, 512 (D + 8) + 512
+# for dK/dV: their double-buffered tiles). The patch is applied with `git apply`, which refuses
+# a tree whose ops.rs has moved on: then regenerate it (make the two edits in a worktree,
+# `git diff > dev/attention/promote-ops.patch`).
 set -euo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
 tree=${1:?usage: dev/attention/promote.sh TREE}

@@ -12,13 +12,21 @@
 //! `TB_DKV_KV_REGS_K8=1` to keep the head-128 dK/dV kernel's K and V fragments in registers).
 //! Without a GPU it prints one line saying so and exits 0.
 //!
+//! The tensor-core kernels, the library's and the candidates, take Q, K, V and dO as bf16 bits
+//! (the fp32 values rounded to nearest even once, by the caller): the example rounds each
+//! uploaded fp32 tensor once on the device (`tensor::cuda::ops::cast_f32_to_bf16`, into a
+//! whole allocation, so 16-byte aligned as the kernels need) and gives the same bf16 buffers
+//! to both wherever it launches them itself.
+//!
 //! # Forward
 //!
 //! Per shape, with the same random inputs (fixed seed, N(0, 1)):
 //! 1. the library's kernel through `tensor::ops::attention_forward` in a bf16 operand scope
 //!    (the tensor-core path: bf16 operands and a head size the kernels take);
 //! 2. the candidate, compiled here with NVRTC for this GPU (prelude in front, as the library
-//!    builds its modules) and launched through the driver on the default stream;
+//!    builds its modules) and launched through the driver on the default stream, on the bf16
+//!    copies of Q, K, V, with `512 (D + 8)` bytes of dynamic shared memory (its two stages of
+//!    K and V tiles);
 //! 3. the CPU fp32 kernel (`tensor::attention::attention_forward`) on the unrounded inputs.
 //!
 //! Errors: `out` as max |x − cpu| / max |cpu|, `lse` as max |x − cpu| over the rows that see a
@@ -31,10 +39,11 @@
 //!
 //! Time: the median over 5 rounds of the mean of 20 back-to-back launches (after 3 warm-ups),
 //! between CUDA events; the library's kernel is timed through `cuda::ops::attention_forward_tc`
-//! (the launch the bf16 path makes, without the allocation and zeroing of new `out` / `lse`
-//! buffers). TFLOP/s count 4·D FLOP per visible (query, key) pair (`AttnShape::flops`, the
-//! two products): for causal attention with Sq = Sk and no offsets that is
-//! 4·B·H·D·S(S + 1)/2, FlashAttention's 4·B·H·S²·D/2 up to a factor (S + 1)/S.
+//! on the same bf16 copies (the launch the bf16 path makes, without the rounding of Q, K, V
+//! and the allocation of new `out` / `lse` buffers). TFLOP/s count 4·D FLOP per visible
+//! (query, key) pair (`AttnShape::flops`, the two products): for causal attention with
+//! Sq = Sk and no offsets that is 4·B·H·D·S(S + 1)/2, FlashAttention's 4·B·H·S²·D/2 up to a
+//! factor (S + 1)/S.
 //!
 //! # Backward
 //!
@@ -44,9 +53,10 @@
 //! 1. the library's kernels through `tensor::ops::attention_backward` in a bf16 operand scope
 //!    (`attn_bwd_delta`, then `attn_bwd_dq_tc`, then `attn_bwd_dkv_tc`), into zeroed `dq`,
 //!    `dk`, `dv`;
-//! 2. the candidate's two kernels on the default stream, into zeroed `dq`, `dk`, `dv`, with
-//!    `delta` from the library's `attn_bwd_delta` (module "attention", the same kernel the
-//!    library's backward runs first);
+//! 2. the candidate's two kernels on the default stream, into zeroed `dq`, `dk`, `dv`, on the
+//!    bf16 copies of Q, K, V and dO, with `delta` from the library's `attn_bwd_delta` (module
+//!    "attention", the same kernel the library's backward runs first, on the fp32 dO), and
+//!    dynamic shared memory `512 (D + 8)` bytes (dQ) and `512 (D + 8) + 512` (dK/dV);
 //! 3. the CPU fp32 kernel (`tensor::attention::attention_backward`) on the unrounded inputs.
 //!
 //! Errors: `dq`, `dk`, `dv` each as max |x − cpu| / max |cpu| (the forward's `out` rule). PASS
@@ -59,8 +69,9 @@
 //!
 //! Time: the dQ kernel and the dK/dV kernel timed apart (the forward's rule: median over 5
 //! rounds of the mean of 20 back-to-back launches, after 3 warm-ups), the library's launched
-//! through `Gpu::launch` with the launcher's grid, block and shared memory, accumulating into
-//! the same buffers; `attn_bwd_delta` (shared by both) is not timed. TFLOP/s count 10·D FLOP
+//! through `Gpu::launch` with the launcher's grid, block and shared memory on the same bf16
+//! buffers, accumulating into the same buffers; `attn_bwd_delta` and the rounding of dO (the
+//! library's launcher runs both before its two kernels) are not timed. TFLOP/s count 10·D FLOP
 //! per visible pair (`AttnShape::flops`: the five products `S`, `dP`, `dV`, `dK`, `dQ`, though
 //! both backward kernels recompute `S` and `dP`), over the sum of the two kernels' times.
 
@@ -154,9 +165,9 @@ fn run(gpu: &Arc<Gpu>, defines: &[String]) -> Result<bool> {
     );
     println!(
         "library attn_fwd_tc_k4/_k8 against candidate attn_fwd_tc_next_k4/_k8 (shared memory \
-         768 D + 2048 bytes); errors against the CPU fp32 kernel: out max|x - cpu| / max|cpu|, \
-         lse max|x - cpu|; ms: median of {ROUNDS} rounds of {LAUNCHES} launches; FLOP = 4 D per \
-         visible pair"
+         512 (D + 8) bytes; bf16 Q, K, V); errors against the CPU fp32 kernel: out \
+         max|x - cpu| / max|cpu|, lse max|x - cpu|; ms: median of {ROUNDS} rounds of \
+         {LAUNCHES} launches; FLOP = 4 D per visible pair"
     );
     println!(
         "{:<40} {:<9} {:>9} {:>9} {:>9} {:>8} {:>7}",
@@ -195,10 +206,10 @@ fn run(gpu: &Arc<Gpu>, defines: &[String]) -> Result<bool> {
     println!();
     println!(
         "library attn_bwd_dq_tc/attn_bwd_dkv_tc_k4/_k8 against candidate \
-         attn_bwd_dq_tc_next/attn_bwd_dkv_tc_next_k4/_k8 (shared memory 768 D + 2048 and \
-         640 D + 3584 bytes); errors against the CPU fp32 kernel: max|x - cpu| / max|cpu|; ms: \
-         median of {ROUNDS} rounds of {LAUNCHES} launches (attn_bwd_delta not timed); FLOP = \
-         10 D per visible pair"
+         attn_bwd_dq_tc_next/attn_bwd_dkv_tc_next_k4/_k8 (shared memory 512 (D + 8) and \
+         512 (D + 8) + 512 bytes; bf16 Q, K, V, dO); errors against the CPU fp32 kernel: \
+         max|x - cpu| / max|cpu|; ms: median of {ROUNDS} rounds of {LAUNCHES} launches \
+         (attn_bwd_delta not timed); FLOP = 10 D per visible pair"
     );
     println!(
         "{:<40} {:<9} {:>9} {:>9} {:>9} {:>8} {:>8} {:>8} {:>8} {:>7}",
@@ -270,6 +281,12 @@ fn compare(
         gpu.upload(&inp.k)?,
         gpu.upload(&inp.v)?,
     );
+    // The tensor-core kernels' operands: bf16, rounded once.
+    let (gq16, gk16, gv16) = (
+        bf16_copy(gpu, &gq)?,
+        bf16_copy(gpu, &gk)?,
+        bf16_copy(gpu, &gv)?,
+    );
 
     // (iii) The CPU fp32 kernel (run by `Inputs::new`).
     let (out_cpu, lse_cpu) = (&inp.out_cpu, &inp.lse_cpu);
@@ -293,8 +310,8 @@ fn compare(
     // (ii) The candidate, into buffers filled with NaN (an element it does not write fails).
     let mut go = gpu.upload(&vec![f32::NAN; s.q_elems()])?;
     let mut gl = gpu.upload(&vec![f32::NAN; s.lse_elems()])?;
-    gpu.synchronize()?; // the uploads ran on the library's stream
-    cand.launch(s, &gq, &gk, &gv, &mut go, &mut gl)?;
+    gpu.synchronize()?; // the uploads and the rounding ran on the library's stream
+    cand.launch(s, &gq16, &gk16, &gv16, &mut go, &mut gl)?;
     cand.synchronize()?;
     let (out_cand, lse_cand) = (go.to_host()?, gl.to_host()?);
 
@@ -311,11 +328,11 @@ fn compare(
     let mut t_lib = Vec::new();
     let mut t_cand = Vec::new();
     for _ in 0..WARMUP {
-        tensor::cuda::ops::attention_forward_tc(s, &gq, &gk, &gv, &mut go_lib, &mut gl_lib)?;
+        tensor::cuda::ops::attention_forward_tc(s, &gq16, &gk16, &gv16, &mut go_lib, &mut gl_lib)?;
     }
     gpu.synchronize()?;
     for _ in 0..WARMUP {
-        cand.launch(s, &gq, &gk, &gv, &mut go, &mut gl)?;
+        cand.launch(s, &gq16, &gk16, &gv16, &mut go, &mut gl)?;
     }
     cand.synchronize()?;
     for _ in 0..ROUNDS {
@@ -323,9 +340,9 @@ fn compare(
             for _ in 0..LAUNCHES {
                 tensor::cuda::ops::attention_forward_tc(
                     s,
-                    &gq,
-                    &gk,
-                    &gv,
+                    &gq16,
+                    &gk16,
+                    &gv16,
                     &mut go_lib,
                     &mut gl_lib,
                 )?;
@@ -336,7 +353,7 @@ fn compare(
         gpu.synchronize()?;
         let ms = cand.time_ms(|| {
             for _ in 0..LAUNCHES {
-                cand.launch(s, &gq, &gk, &gv, &mut go, &mut gl)?;
+                cand.launch(s, &gq16, &gk16, &gv16, &mut go, &mut gl)?;
             }
             Ok(())
         })?;
@@ -440,7 +457,19 @@ fn max_abs(v: &[f32]) -> f32 {
         .max(f32::MIN_POSITIVE)
 }
 
-/// The backward's inputs on the GPU (`out` and `lse`: the CPU forward's).
+/// `x` rounded to bf16 (nearest even) on the device, once, as the library rounds the
+/// tensor-core kernels' operands (`Operand::new` runs the same cast), into a whole allocation:
+/// 16-byte aligned, as the kernels read their rows 16 bytes at a time. On the library's
+/// stream.
+fn bf16_copy(gpu: &Arc<Gpu>, x: &DevBuf<f32>) -> Result<DevBuf<u16>> {
+    let mut y = gpu.alloc::<u16>(x.len())?;
+    tensor::cuda::ops::cast_f32_to_bf16(x, &mut y)?;
+    Ok(y)
+}
+
+/// The backward's inputs on the GPU (`out` and `lse`: the CPU forward's): the fp32 tensors
+/// (for the library's `attention_backward`, which rounds them itself, and for `delta`) and the
+/// bf16 copies of Q, K, V and dO that the tensor-core kernels launched here take.
 struct BwdIn {
     q: DevBuf<f32>,
     k: DevBuf<f32>,
@@ -449,6 +478,10 @@ struct BwdIn {
     lse: DevBuf<f32>,
     dout: DevBuf<f32>,
     delta: DevBuf<f32>,
+    q16: DevBuf<u16>,
+    k16: DevBuf<u16>,
+    v16: DevBuf<u16>,
+    dout16: DevBuf<u16>,
 }
 
 /// `dq`, `dk`, `dv` on the GPU, zeroed.
@@ -515,13 +548,13 @@ fn library_delta(gpu: &Arc<Gpu>, s: &AttnShape, i: &mut BwdIn) -> Result<()> {
 
 /// The library's dQ kernel (`dkv == false`: shared memory `256 (D + 8)` bytes, a block per 64
 /// query rows) or dK/dV kernel (`384 (D + 8) + 256` bytes, a block per 64 keys) alone, with the
-/// launcher's grid, block and shared memory, on the library's stream.
+/// launcher's grid, block and shared memory, on the library's stream, on the bf16 Q, K, V, dO.
 fn library_bwd(gpu: &Arc<Gpu>, s: &AttnShape, i: &BwdIn, g: &mut Grads, dkv: bool) -> Result<()> {
     let mut args: Vec<KArg> = vec![
-        (&i.q).into(),
-        (&i.k).into(),
-        (&i.v).into(),
-        (&i.dout).into(),
+        (&i.q16).into(),
+        (&i.k16).into(),
+        (&i.v16).into(),
+        (&i.dout16).into(),
         (&i.lse).into(),
         (&i.delta).into(),
     ];
@@ -606,13 +639,23 @@ fn compare_bwd(
     what: &str,
     inp: &Inputs,
 ) -> Result<(bool, Vec<String>)> {
+    let (q, k, v, dout) = (
+        gpu.upload(&inp.q)?,
+        gpu.upload(&inp.k)?,
+        gpu.upload(&inp.v)?,
+        gpu.upload(&inp.dout)?,
+    );
     let mut i = BwdIn {
-        q: gpu.upload(&inp.q)?,
-        k: gpu.upload(&inp.k)?,
-        v: gpu.upload(&inp.v)?,
+        q16: bf16_copy(gpu, &q)?,
+        k16: bf16_copy(gpu, &k)?,
+        v16: bf16_copy(gpu, &v)?,
+        dout16: bf16_copy(gpu, &dout)?,
+        q,
+        k,
+        v,
         out: gpu.upload(&inp.out_cpu)?,
         lse: gpu.upload(&inp.lse_cpu)?,
-        dout: gpu.upload(&inp.dout)?,
+        dout,
         delta: gpu.alloc::<f32>(s.lse_elems())?,
     };
 
@@ -662,7 +705,7 @@ fn compare_bwd(
     // (ii) The candidate, with the library's delta; then once more on top of its result.
     library_delta(gpu, s, &mut i)?;
     let mut cg = Grads::zeros(gpu, s)?;
-    gpu.synchronize()?; // delta and the zeroing ran on the library's stream
+    gpu.synchronize()?; // delta, the rounding and the zeroing ran on the library's stream
     cand.launch_dq(s, &i, &mut cg.dq)?;
     cand.launch_dkv(s, &i, &mut cg.dk, &mut cg.dv)?;
     cand.synchronize()?;
@@ -893,15 +936,18 @@ struct Candidate {
     dkv_k8: sys::CUfunction,
 }
 
-/// The forward candidate's dynamic shared memory for head size `d` (the kernel's header); the
-/// backward candidate's dQ kernel takes the same.
+/// The forward candidate's dynamic shared memory for head size `d` (the kernel's header): two
+/// stages of a bf16 K and V tile of 64 rows, row stride `d + 8`; the backward candidate's dQ
+/// kernel takes the same.
 fn shared_bytes(d: usize) -> u32 {
-    (768 * d + 2048) as u32
+    (2 * 2 * BLOCK_ROWS * (d + 8) * 2) as u32
 }
 
-/// The backward candidate's dK/dV kernel's dynamic shared memory (the kernel's header).
+/// The backward candidate's dK/dV kernel's dynamic shared memory (the kernel's header): its
+/// bf16 K and V tiles (64 rows), two stages of the step's Q and dO tiles (32 rows) and of their
+/// lse and delta (32 fp32 each).
 fn dkv_shared_bytes(d: usize) -> u32 {
-    (640 * d + 3584) as u32
+    ((2 * BLOCK_ROWS + 2 * 2 * 32) * (d + 8) * 2 + 2 * 2 * 32 * 4) as u32
 }
 
 impl Candidate {
@@ -920,17 +966,19 @@ impl Candidate {
         })
     }
 
-    /// Queues the forward candidate on the default stream, with the library launcher's grid.
+    /// Queues the forward candidate on the default stream, with the library launcher's grid, on
+    /// bf16 `q`, `k`, `v` (16-byte aligned, as the library's launcher checks its own).
     fn launch(
         &self,
         s: &AttnShape,
-        q: &DevBuf<f32>,
-        k: &DevBuf<f32>,
-        v: &DevBuf<f32>,
+        q: &DevBuf<u16>,
+        k: &DevBuf<u16>,
+        v: &DevBuf<u16>,
         out: &mut DevBuf<f32>,
         lse: &mut DevBuf<f32>,
     ) -> Result<()> {
         assert!(s.head_dim.is_multiple_of(16) && (16..=128).contains(&s.head_dim));
+        check_aligned(&[("q", q.ptr()), ("k", k.ptr()), ("v", v.ptr())])?;
         assert_eq!(
             (q.len(), k.len(), v.len(), out.len(), lse.len()),
             (
@@ -968,10 +1016,10 @@ impl Candidate {
             (s.batch * s.n_heads) as u32,
         );
         let ptrs = [
-            i.q.ptr(),
-            i.k.ptr(),
-            i.v.ptr(),
-            i.dout.ptr(),
+            i.q16.ptr(),
+            i.k16.ptr(),
+            i.v16.ptr(),
+            i.dout16.ptr(),
             i.lse.ptr(),
             i.delta.ptr(),
             dq.ptr(),
@@ -1003,10 +1051,10 @@ impl Candidate {
             (s.batch * s.n_kv_heads) as u32,
         );
         let ptrs = [
-            i.q.ptr(),
-            i.k.ptr(),
-            i.v.ptr(),
-            i.dout.ptr(),
+            i.q16.ptr(),
+            i.k16.ptr(),
+            i.v16.ptr(),
+            i.dout16.ptr(),
             i.lse.ptr(),
             i.delta.ptr(),
             dk.ptr(),
@@ -1015,27 +1063,23 @@ impl Candidate {
         self.launch_raw(f, grid, dkv_shared_bytes(s.head_dim), &ptrs, s)
     }
 
-    /// The backward candidate's requirements beyond the library's: the head size the kernels
-    /// take, the buffers' lengths, and 16-byte aligned q, k, v, dout (cp.async and float4
-    /// loads; the outputs need 8 bytes, which every allocation has).
+    /// The backward candidate's requirements: the head size the kernels take, the buffers'
+    /// lengths, and 16-byte aligned bf16 q, k, v, dout (cp.async copies 16 bytes of a row, as
+    /// the library's launcher checks for its own; the outputs need 8 bytes, which every
+    /// allocation has).
     fn check_bwd(&self, s: &AttnShape, i: &BwdIn) -> Result<()> {
         assert!(s.head_dim.is_multiple_of(16) && (16..=128).contains(&s.head_dim));
         assert_eq!(
-            (i.q.len(), i.k.len(), i.v.len(), i.dout.len()),
+            (i.q16.len(), i.k16.len(), i.v16.len(), i.dout16.len()),
             (s.q_elems(), s.kv_elems(), s.kv_elems(), s.q_elems())
         );
         assert_eq!((i.lse.len(), i.delta.len()), (s.lse_elems(), s.lse_elems()));
-        for (name, p) in [
-            ("q", i.q.ptr()),
-            ("k", i.k.ptr()),
-            ("v", i.v.ptr()),
-            ("dout", i.dout.ptr()),
-        ] {
-            if p % 16 != 0 {
-                return Err(format!("the backward candidate needs {name} 16-byte aligned").into());
-            }
-        }
-        Ok(())
+        check_aligned(&[
+            ("q", i.q16.ptr()),
+            ("k", i.k16.ptr()),
+            ("v", i.v16.ptr()),
+            ("dout", i.dout16.ptr()),
+        ])
     }
 
     /// Queues `f` on the default stream: grid (x, y), 128 threads, `shared` bytes of dynamic
@@ -1144,6 +1188,15 @@ impl Candidate {
             (lib.cuEventDestroy_v2)(b);
         }
         out
+    }
+}
+
+/// The candidates read their bf16 inputs' rows 16 bytes at a time: each named buffer must
+/// start 16-byte aligned.
+fn check_aligned(bufs: &[(&str, u64)]) -> Result<()> {
+    match bufs.iter().find(|(_, p)| !p.is_multiple_of(16)) {
+        Some((name, _)) => Err(format!("the candidates need {name} 16-byte aligned").into()),
+        None => Ok(()),
     }
 }
 

@@ -236,20 +236,79 @@ fn tensor_cores(s: &AttnShape) -> bool {
         && gpu::tensor_core_attention_fits(s)
 }
 
+/// `x` (Q, K or V of attention of shape `s`) prepared once for the attention kernels that will
+/// read it, forward and backward: on a GPU where attention runs on the tensor cores, its bf16
+/// copy alone (half the bytes of the activation: what the layer keeps for its backward);
+/// otherwise the values themselves (the CPU, and GPU steps in fp32 or fp16, compute attention
+/// in fp32).
+pub fn attention_operand(s: &AttnShape, x: std::sync::Arc<Buf>) -> Result<crate::operands::Kept> {
+    use crate::operands::Kept;
+    if tensor_cores(s) {
+        Kept::new(x)
+    } else {
+        Ok(Kept::Values(x))
+    }
+}
+
+/// Q, K, V as the attention kernel for `s` reads them: on the tensor cores bf16 bits (fp32
+/// values rounded here, or operands rounded once already), otherwise fp32 values.
+enum AttnInputs<'a> {
+    Host([&'a [f32]; 3]),
+    Cuda([crate::cuda::DevSlice<'a, f32>; 3]),
+    CudaBf16([crate::cuda::DevSlice<'a, u16>; 3]),
+}
+
+/// Q, K, V rounded for the tensor cores where `s` runs there ([`attention_operand`]'s rule),
+/// so that [`attn_inputs`] can borrow their bits.
+fn attn_prepare<'a>(s: &AttnShape, qkv: [Operand<'a>; 3]) -> Result<[Operand<'a>; 3]> {
+    if !tensor_cores(s) {
+        return Ok(qkv);
+    }
+    let [q, k, v] = qkv;
+    Ok([Operand::new(q)?, Operand::new(k)?, Operand::new(v)?])
+}
+
+fn attn_inputs<'a>(s: &AttnShape, qkv: &'a [Operand<'_>; 3]) -> Result<AttnInputs<'a>> {
+    use BufRef::{Cuda, Host};
+    use Operand::{Rounded, Values};
+    match qkv {
+        [Values(Host(q)), Values(Host(k)), Values(Host(v))] => Ok(AttnInputs::Host([q, k, v])),
+        [Values(Cuda(q)), Values(Cuda(k)), Values(Cuda(v))] => Ok(AttnInputs::Cuda([*q, *k, *v])),
+        [Rounded(q), Rounded(k), Rounded(v)] => {
+            for x in [q, k, v] {
+                if !tensor_cores(s) || x.format() != Operands::Bf16 {
+                    return Err(TensorError::Shape(format!(
+                        "attention was given Q, K, V rounded to {:?}, but this attention (head \
+                         size {}, a {:?} step) computes with {} operands",
+                        x.format(),
+                        s.head_dim,
+                        crate::operands::current(),
+                        if tensor_cores(s) { "bf16" } else { "fp32" }
+                    )));
+                }
+            }
+            Ok(AttnInputs::CudaBf16([q.bits(), k.bits(), v.bits()]))
+        }
+        _ => Err(mixed("attention")),
+    }
+}
+
 /// `(out, lse)` of attention as new buffers ([`crate::attention::attention_forward_docs`]:
-/// `doc_start` masks attention per document; `None` is plain causal attention).
-pub fn attention_forward(
+/// `doc_start` masks attention per document; `None` is plain causal attention). `q`, `k`, `v`
+/// are fp32 values, or operands prepared by [`attention_operand`].
+pub fn attention_forward<'a>(
     s: &AttnShape,
     doc_start: Option<&[usize]>,
-    q: BufRef<'_>,
-    k: BufRef<'_>,
-    v: BufRef<'_>,
+    q: impl Into<Operand<'a>>,
+    k: impl Into<Operand<'a>>,
+    v: impl Into<Operand<'a>>,
 ) -> Result<(Buf, Buf)> {
-    let dev = q.dev();
+    let qkv = attn_prepare(s, [q.into(), k.into(), v.into()])?;
+    let dev = qkv[0].dev();
     let mut out = dev.zeros(s.q_elems())?;
     let mut lse = dev.zeros(s.lse_elems())?;
-    match (q, k, v, out.m(), lse.m()) {
-        (BufRef::Host(q), BufRef::Host(k), BufRef::Host(v), BufMut::Host(o), BufMut::Host(l)) => {
+    match (attn_inputs(s, &qkv)?, out.m(), lse.m()) {
+        (AttnInputs::Host([q, k, v]), BufMut::Host(o), BufMut::Host(l)) => {
             crate::attention::attention_forward_docs(
                 s,
                 doc_start,
@@ -261,13 +320,13 @@ pub fn attention_forward(
                 AttnTiles::default(),
             )?
         }
-        (BufRef::Cuda(_), ..) if doc_start.is_some() => return Err(no_gpu_document_mask()),
-        (BufRef::Cuda(q), BufRef::Cuda(k), BufRef::Cuda(v), BufMut::Cuda(o), BufMut::Cuda(l)) => {
-            if tensor_cores(s) {
-                gpu::attention_forward_tc(s, q, k, v, o, l)?
-            } else {
-                gpu::attention_forward(s, q, k, v, o, l)?
-            }
+        (AttnInputs::Host(_), ..) => return Err(mixed("attention")),
+        _ if doc_start.is_some() => return Err(no_gpu_document_mask()),
+        (AttnInputs::Cuda([q, k, v]), BufMut::Cuda(o), BufMut::Cuda(l)) => {
+            gpu::attention_forward(s, q, k, v, o, l)?
+        }
+        (AttnInputs::CudaBf16([q, k, v]), BufMut::Cuda(o), BufMut::Cuda(l)) => {
+            gpu::attention_forward_tc(s, q, k, v, o, l)?
         }
         _ => return Err(mixed("attention")),
     }
@@ -295,14 +354,15 @@ pub fn attention_merge(
 }
 
 /// Attention backward, accumulated into `dq`, `dk`, `dv`
-/// ([`crate::attention::attention_backward_docs`], the forward's `doc_start`).
+/// ([`crate::attention::attention_backward_docs`], the forward's `doc_start`); `q`, `k`, `v` as
+/// the forward's.
 #[allow(clippy::too_many_arguments)]
-pub fn attention_backward(
+pub fn attention_backward<'a>(
     s: &AttnShape,
     doc_start: Option<&[usize]>,
-    q: BufRef<'_>,
-    k: BufRef<'_>,
-    v: BufRef<'_>,
+    q: impl Into<Operand<'a>>,
+    k: impl Into<Operand<'a>>,
+    v: impl Into<Operand<'a>>,
     out: BufRef<'_>,
     lse: BufRef<'_>,
     dout: BufRef<'_>,
@@ -312,9 +372,10 @@ pub fn attention_backward(
 ) -> Result<()> {
     use BufMut as M;
     use BufRef as R;
-    match ((q, k, v), (out, lse, dout), (dq, dk, dv)) {
+    let qkv = attn_prepare(s, [q.into(), k.into(), v.into()])?;
+    match (attn_inputs(s, &qkv)?, (out, lse, dout), (dq, dk, dv)) {
         (
-            (R::Host(q), R::Host(k), R::Host(v)),
+            AttnInputs::Host([q, k, v]),
             (R::Host(o), R::Host(l), R::Host(d)),
             (M::Host(a), M::Host(b), M::Host(c)),
         ) => crate::attention::attention_backward_docs(
@@ -331,17 +392,18 @@ pub fn attention_backward(
             c,
             AttnTiles::default(),
         ),
-        ((R::Cuda(_), ..), ..) if doc_start.is_some() => Err(no_gpu_document_mask()),
+        (AttnInputs::Host(_), ..) => Err(mixed("attention backward")),
+        _ if doc_start.is_some() => Err(no_gpu_document_mask()),
         (
-            (R::Cuda(q), R::Cuda(k), R::Cuda(v)),
-            (R::Cuda(o), R::Cuda(l), R::Cuda(d)),
-            (M::Cuda(a), M::Cuda(b), M::Cuda(c)),
-        ) if tensor_cores(s) => Ok(gpu::attention_backward_tc(s, q, k, v, o, l, d, a, b, c)?),
-        (
-            (R::Cuda(q), R::Cuda(k), R::Cuda(v)),
+            AttnInputs::Cuda([q, k, v]),
             (R::Cuda(o), R::Cuda(l), R::Cuda(d)),
             (M::Cuda(a), M::Cuda(b), M::Cuda(c)),
         ) => Ok(gpu::attention_backward(s, q, k, v, o, l, d, a, b, c)?),
+        (
+            AttnInputs::CudaBf16([q, k, v]),
+            (R::Cuda(o), R::Cuda(l), R::Cuda(d)),
+            (M::Cuda(a), M::Cuda(b), M::Cuda(c)),
+        ) => Ok(gpu::attention_backward_tc(s, q, k, v, o, l, d, a, b, c)?),
         _ => Err(mixed("attention backward")),
     }
 }

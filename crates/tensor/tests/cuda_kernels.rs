@@ -530,6 +530,13 @@ fn attention_merge_matches_cpu() {
     .is_err());
 }
 
+/// The bf16 bits of `x` (nearest even), as the tensor-core attention kernels take them.
+fn bf16_bits(x: &[f32]) -> Vec<u16> {
+    x.iter()
+        .map(|&v| half::bf16::from_f32(v).to_bits())
+        .collect()
+}
+
 fn round_bf16(x: &[f32]) -> Vec<f32> {
     x.iter()
         .map(|&v| half::bf16::from_f32(v).to_f32())
@@ -611,9 +618,9 @@ fn assert_bf16_close(what: &str, got: &[f32], want: &[f32], scale: &[f64]) {
 /// attention (a query block after its key block, one before it: no query sees a key, out 0
 /// and lse −inf), several batches; the backward accumulates into nonzero dq, dk, dv.
 ///
-/// Tolerance. The CPU kernel runs on inputs rounded to bf16 (the kernels round q, k, v the
-/// same way, nearest even: the GPU gets q, k, v unrounded, dout rounded, since delta is
-/// computed from it in fp32), and the backward of both gets the CPU's out and lse, so the
+/// Tolerance. The CPU kernel runs on inputs rounded to bf16 (the kernels take q, k, v as
+/// their bf16 bits, rounded the same way, nearest even; dout is given rounded to both, since
+/// the GPU computes delta from it in fp32 before rounding it for the products), and the backward of both gets the CPU's out and lse, so the
 /// products of rounded operands and the fp32 softmax agree up to fp32 rounding. What is left
 /// is the rounding of P (forward: O = Σ_j bf16(P_ij) v_j / l; backward: dV = Σ_i bf16(P_ij) dO_i)
 /// and of dS (dQ = scale Σ_j bf16(dS_ij) k_j, dK = scale Σ_i bf16(dS_ij) q_i): rounding to 8
@@ -669,9 +676,9 @@ fn tensor_core_attention_matches_cpu() {
         attention_forward(&s, &qr, &kr, &vr, &mut out, &mut lse, AttnTiles::default()).unwrap();
         let [mo, mq, mk, mv] = bf16_scales(&s, &qr, &kr, &vr, &out, &lse, &dout);
         let (gq, gk, gv) = (
-            g.upload(&q).unwrap(),
-            g.upload(&k).unwrap(),
-            g.upload(&v).unwrap(),
+            g.upload(&bf16_bits(&q)).unwrap(),
+            g.upload(&bf16_bits(&k)).unwrap(),
+            g.upload(&bf16_bits(&v)).unwrap(),
         );
         let (mut go, mut gl) = (
             g.alloc::<f32>(s.q_elems()).unwrap(),
@@ -730,8 +737,8 @@ fn tensor_core_attention_matches_cpu() {
     for d in [8, 40, 256] {
         let s = AttnShape::causal(1, 4, 2, 1, d);
         let (gq, gk) = (
-            g.upload(&rand(s.q_elems(), 1)).unwrap(),
-            g.upload(&rand(s.kv_elems(), 2)).unwrap(),
+            g.upload(&bf16_bits(&rand(s.q_elems(), 1))).unwrap(),
+            g.upload(&bf16_bits(&rand(s.kv_elems(), 2))).unwrap(),
         );
         let (mut go, mut gl) = (
             g.alloc::<f32>(s.q_elems()).unwrap(),
@@ -1037,6 +1044,104 @@ fn operands_rounded_once_give_the_same_products() {
         e.to_string().contains("Bf16") && e.to_string().contains("F16"),
         "{e}"
     );
+}
+
+/// Attention's Q, K, V prepared once (`tensor::ops::attention_operand`, what the model keeps
+/// for the backward) give the same bits, forward and backward, as fp32 values that the
+/// attention rounds itself: in a bf16 step both reach the tensor-core kernels as the same bf16
+/// copies (and prepared, each is half the bytes of the values); in fp32 and fp16 steps,
+/// and at a head size the tensor cores do not take, attention runs the fp32 kernels and the
+/// operands are the values themselves. Refused with a clear error: operands rounded for bf16
+/// given to an fp32 attention, and a bf16 view that is not 16-byte aligned.
+#[test]
+fn attention_operands_rounded_once_give_the_same_results() {
+    use tensor::buf::Dev;
+    use tensor::operands::{Kept, Operands, Scope};
+    let Some(g) = gpu("attention_operands_rounded_once_give_the_same_results") else {
+        return;
+    };
+    let dev = Dev::Cuda(g.clone());
+    for (format, head_dim) in [
+        (Operands::Bf16, 64),
+        (Operands::Bf16, 40),
+        (Operands::F32, 64),
+        (Operands::F16, 64),
+    ] {
+        let _scope = Scope::enter(format);
+        let s = AttnShape::causal(2, 100, 4, 2, head_dim);
+        let up = |n, seed| Arc::new(dev.from_vec(rand(n, seed)).unwrap());
+        let (q, k, v) = (
+            up(s.q_elems(), 90),
+            up(s.kv_elems(), 91),
+            up(s.kv_elems(), 92),
+        );
+        let dout = up(s.q_elems(), 93);
+        let kept: Vec<Kept> = [&q, &k, &v]
+            .iter()
+            .map(|x| tensor::ops::attention_operand(&s, (*x).clone()).unwrap())
+            .collect();
+        let rounds = format == Operands::Bf16 && head_dim == 64;
+        for (x, kx) in [&q, &k, &v].iter().zip(&kept) {
+            assert_eq!(
+                kx.bytes(),
+                x.bytes() / if rounds { 2 } else { 1 },
+                "{format:?}, head {head_dim}: what the layer keeps"
+            );
+        }
+        let (o1, l1) = tensor::ops::attention_forward(&s, None, q.r(), k.r(), v.r()).unwrap();
+        let (o2, l2) =
+            tensor::ops::attention_forward(&s, None, kept[0].r(), kept[1].r(), kept[2].r())
+                .unwrap();
+        let what = format!("{format:?}, head {head_dim}");
+        assert_eq!(o2.to_vec().unwrap(), o1.to_vec().unwrap(), "{what}: out");
+        assert_eq!(l2.to_vec().unwrap(), l1.to_vec().unwrap(), "{what}: lse");
+        let grads = |qkv: [tensor::operands::Operand<'_>; 3]| {
+            let (mut dq, mut dk, mut dv) = (
+                dev.from_vec(rand(s.q_elems(), 94)).unwrap(),
+                dev.from_vec(rand(s.kv_elems(), 95)).unwrap(),
+                dev.from_vec(rand(s.kv_elems(), 96)).unwrap(),
+            );
+            let [q, k, v] = qkv;
+            tensor::ops::attention_backward(
+                &s,
+                None,
+                q,
+                k,
+                v,
+                o1.r(),
+                l1.r(),
+                dout.r(),
+                dq.m(),
+                dk.m(),
+                dv.m(),
+            )
+            .unwrap();
+            [dq, dk, dv].map(|x| x.to_vec().unwrap())
+        };
+        let plain = grads([q.r().into(), k.r().into(), v.r().into()]);
+        let once = grads([kept[0].r(), kept[1].r(), kept[2].r()]);
+        assert_eq!(once, plain, "{what}: dq, dk, dv");
+    }
+    // Rounded for bf16 (a bf16 step), given to attention in an fp32 step: refused.
+    let s = AttnShape::causal(1, 64, 2, 2, 64);
+    let x = Arc::new(dev.from_vec(rand(s.q_elems(), 97)).unwrap());
+    let bf = {
+        let _b = Scope::enter(Operands::Bf16);
+        tensor::ops::attention_operand(&s, x.clone()).unwrap()
+    };
+    let Err(e) = tensor::ops::attention_forward(&s, None, bf.r(), bf.r(), bf.r()) else {
+        panic!("bf16 operands in an fp32 attention must be refused")
+    };
+    assert!(e.to_string().contains("fp32"), "{e}");
+    // A bf16 view 2 bytes into its buffer: the kernels read 16 bytes at a time.
+    let bits = g.upload(&bf16_bits(&rand(s.q_elems() + 1, 98))).unwrap();
+    let view = bits.slice(1..s.q_elems() + 1);
+    let (mut go, mut gl) = (
+        g.alloc::<f32>(s.q_elems()).unwrap(),
+        g.alloc::<f32>(s.lse_elems()).unwrap(),
+    );
+    let err = ops::attention_forward_tc(&s, view, view, view, &mut go, &mut gl).unwrap_err();
+    assert!(err.to_string().contains("16-byte"), "{err}");
 }
 
 /// Products on views that start 4, 8 or 12 bytes into their buffers (a weight inside the flat

@@ -71,12 +71,14 @@ pub struct Attention {
     pub core: Option<Arc<dyn AttentionCore>>,
 }
 
-/// What attention backward needs: rotated q and k, v, the attention output and its lse.
+/// What attention backward needs: rotated q and k, v — prepared for the attention kernels
+/// ([`tensor::ops::attention_operand`]: on the GPU's tensor cores only their bf16 copies) —
+/// the attention output and its lse.
 #[derive(Debug, Clone)]
 pub struct AttnCache {
-    pub q: Act,
-    pub k: Act,
-    pub v: Act,
+    pub q: Kept,
+    pub k: Kept,
+    pub v: Kept,
     pub o: Act,
     pub lse: Act,
 }
@@ -84,10 +86,23 @@ pub struct AttnCache {
 impl AttnCache {
     /// Bytes of the saved activations.
     pub fn bytes(&self) -> usize {
-        [&self.q, &self.k, &self.v, &self.o, &self.lse]
+        [&self.q, &self.k, &self.v]
             .iter()
-            .map(|a| super::act_bytes(a))
+            .map(|x| x.bytes())
+            .chain([&self.o, &self.lse].iter().map(|a| super::act_bytes(a)))
             .sum()
+    }
+}
+
+/// The values of an operand kept for an [`AttentionCore`], which takes Q, K, V as fp32 values
+/// (the layer does not round them for a core: [`Attention::forward`]).
+fn core_values(x: &Kept) -> Result<BufRef<'_>> {
+    match x.values() {
+        Some(v) => Ok(v.r()),
+        None => Err(crate::ModelError::InvalidBatch(
+            "an attention core needs q, k, v as values, but the layer kept only their rounded copies"
+                .into(),
+        )),
     }
 }
 
@@ -143,10 +158,28 @@ impl Attention {
             Ok(())
         })?;
         let shape = self.shape(pass)?;
+        // Q, K, V prepared once for the kernels that read them, forward and backward (on the
+        // tensor cores their bf16 copies: the fp32 projections go). A core (context
+        // parallelism) sends K and V around the ring and slices them per call: it takes the
+        // values, and the kernel it calls rounds its slices.
+        let (q, k, v) = (Arc::new(q), Arc::new(k), Arc::new(v));
+        let (q, k, v) = match &self.core {
+            Some(_) => (Kept::Values(q), Kept::Values(k), Kept::Values(v)),
+            None => (
+                tensor::ops::attention_operand(&shape, q)?,
+                tensor::ops::attention_operand(&shape, k)?,
+                tensor::ops::attention_operand(&shape, v)?,
+            ),
+        };
         let (o, lse) = match &self.core {
-            Some(core) => {
-                core.forward(&shape, pass.part, pass.docs.as_deref(), q.r(), k.r(), v.r())?
-            }
+            Some(core) => core.forward(
+                &shape,
+                pass.part,
+                pass.docs.as_deref(),
+                core_values(&q)?,
+                core_values(&k)?,
+                core_values(&v)?,
+            )?,
             None => {
                 let docs = pass.doc_starts()?;
                 time(Kernel::Attention, || {
@@ -156,9 +189,9 @@ impl Attention {
         };
         let y = linear_forward_new(p, &self.wo, o.r())?;
         let cache = AttnCache {
-            q: Arc::new(q),
-            k: Arc::new(k),
-            v: Arc::new(v),
+            q,
+            k,
+            v,
             o: Arc::new(o),
             lse: Arc::new(lse),
         };
@@ -195,9 +228,9 @@ impl Attention {
                 &shape,
                 pass.part,
                 pass.docs.as_deref(),
-                cache.q.r(),
-                cache.k.r(),
-                cache.v.r(),
+                core_values(&cache.q)?,
+                core_values(&cache.k)?,
+                core_values(&cache.v)?,
                 cache.o.r(),
                 cache.lse.r(),
                 d_o.r(),

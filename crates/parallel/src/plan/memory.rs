@@ -103,6 +103,11 @@ struct Local {
     /// waiting for its weight gradient): 2 where products read 16-bit operands (GPUs in bf16
     /// / fp16), else 4.
     kept: usize,
+    /// Bytes of an element of the rotated q, k and v that attention keeps for its backward: 2
+    /// where attention runs on a GPU's tensor cores (bf16, a head size of 16..=128 in steps of
+    /// 16, this rank's kernel alone: `tensor::ops::attention_operand`), else 4 (a
+    /// context-parallel ring keeps the values it sends).
+    attn_kept: usize,
 }
 
 fn local(job: &Job, l: &Layout, early_head: bool) -> Local {
@@ -142,13 +147,24 @@ fn local(job: &Job, l: &Layout, early_head: bool) -> Local {
         } else {
             4
         },
+        attn_kept: if job.gpu
+            && job.precision == crate::precision::Precision::Bf16
+            && m.head_dim().is_multiple_of(16)
+            && (16..=128).contains(&m.head_dim())
+            && l.cp == 1
+        {
+            2
+        } else {
+            4
+        },
     }
 }
 
 /// Bytes one unit caches for one micro-batch (this engine's caches; see the module doc).
 fn xtrain_cache(part: Part, x: &Local, rc: Recompute) -> usize {
-    // Elements kept as they are (fp32), and those kept for products only (`x.kept` bytes).
-    let (e, kept) = match part {
+    // Elements kept as they are (fp32), those kept for products only (`x.kept` bytes), and
+    // attention's q, k, v (`x.attn_kept` bytes).
+    let (e, kept, qkv) = match part {
         Part::Embedding => return 4 * x.t, // the token ids (u32)
         // Input, normed input, rstd, log-sum-exp, i64 targets; without tp the early
         // gradients dxn and dW.
@@ -161,10 +177,11 @@ fn xtrain_cache(part: Part, x: &Local, rc: Recompute) -> usize {
             (
                 x.t_res * x.h + x.t * x.h + x.t_res + x.t + 2 * x.t + early,
                 0,
+                0,
             )
         }
         Part::Block(_) => match rc {
-            Recompute::Full => (x.t_res * x.h, 0),
+            Recompute::Full => (x.t_res * x.h, 0, 0),
             _ => {
                 let selective = rc == Recompute::Selective;
                 // The two norm outputs (the attention's kept for its projections' weight
@@ -174,7 +191,9 @@ fn xtrain_cache(part: Part, x: &Local, rc: Recompute) -> usize {
                 } else {
                     (x.t * x.h, x.t * x.h)
                 };
-                let attn = 2 * x.t * x.heads * x.hd + 2 * x.t * x.kv * x.hd + x.t * x.heads;
+                // q, k, v (prepared for the attention kernels); the output o and its lse.
+                let qkv = x.t * x.heads * x.hd + 2 * x.t * x.kv * x.hd;
+                let attn = x.t * x.heads * x.hd + x.t * x.heads;
                 // Gate and up as values; the product `silu(g)∘u`, unless recomputed, kept.
                 let mlp =
                     |rows: usize, f: usize| (2 * rows * f, if selective { 0 } else { rows * f });
@@ -206,11 +225,12 @@ fn xtrain_cache(part: Part, x: &Local, rc: Recompute) -> usize {
                 (
                     2 * x.t_res * x.h + 2 * x.t_res + attn + ffn,
                     attn_in + ffn_kept,
+                    qkv,
                 )
             }
         },
     };
-    4 * e + x.kept * kept
+    4 * e + x.kept * kept + x.attn_kept * qkv
 }
 
 /// Bytes a unit's pending weight-gradient work holds (split backward): each linear's input
@@ -623,7 +643,9 @@ mod tests {
 
     /// On GPUs in 16 bits the operands kept only for products (the norm outputs, SwiGLU's
     /// product, every linear's input and output gradient waiting for its weight gradient)
-    /// count 2 bytes; everything else, and everything on CPUs or in fp32, 4.
+    /// count 2 bytes, and in bf16 attention's q, k, v too (the tensor-core kernels read their
+    /// bf16 copies; fp16 runs attention in fp32, as does a context-parallel ring);
+    /// everything else, and everything on CPUs or in fp32, 4.
     #[test]
     fn gpu_products_keep_their_operands_in_16_bits() {
         let l: Layout = "dp1 mb2".parse().unwrap();
@@ -649,13 +671,32 @@ mod tests {
         );
         let (x, cache, pending) = at(Precision::Bf16, true);
         assert_eq!((cpu.kept, x.kept), (4, 2));
+        assert_eq!((cpu.attn_kept, x.attn_kept), (4, 2));
         let (t, h, f) = (x.t, x.h, x.ffn);
         assert_eq!((t, h, f), (32, 64, 128), "mb2 × seq 16 tokens");
-        // No recomputation: the two norm outputs and the product, 2 bytes fewer each.
-        assert_eq!(cpu_cache[0] - cache[0], 2 * (2 * t * h + t * f));
-        // Selective recomputation drops exactly those; full keeps the input only.
-        assert_eq!(cache[1], cpu_cache[1]);
+        // q, k, v: 4 heads and 4 KV heads of 16, i.e. 3 t h elements.
+        let qkv = 3 * t * h;
+        // No recomputation: the two norm outputs, the product and q, k, v, 2 bytes fewer each.
+        assert_eq!(cpu_cache[0] - cache[0], 2 * (2 * t * h + t * f + qkv));
+        // Selective recomputation drops the first three (q, k, v stay); full keeps the input
+        // only.
+        assert_eq!(cpu_cache[1] - cache[1], 2 * qkv);
         assert_eq!(cache[2], cpu_cache[2]);
+        // fp16 runs attention in fp32: only the products' operands are 16-bit.
+        let (x16, cache16, _) = at(Precision::Fp16, true);
+        assert_eq!((x16.kept, x16.attn_kept), (2, 4));
+        assert_eq!(cache16[0] - cache[0], 2 * qkv);
+        // A context-parallel ring keeps the values it sends.
+        let cp: Layout = "dp1 cp2 mb2".parse().unwrap();
+        let ring = local(
+            &Job {
+                gpu: true,
+                ..job(Precision::Bf16)
+            },
+            &cp,
+            false,
+        );
+        assert_eq!((ring.kept, ring.attn_kept), (2, 4));
         // Pending: q, k, v, o's and gate, up, down's operands (heads × head_dim = hidden).
         let linears = (2 * t * h + 4 * t * h) + (2 * t * h + 3 * t * f);
         assert_eq!(cpu_pending - pending, 2 * linears);

@@ -1105,35 +1105,54 @@ fn attn_tc_dkv_shared(s: &AttnShape) -> u32 {
     ((2 * ATT_TC_TILE + 2 * ATT_TC_QSTEP) * (s.head_dim + 8) * 2 + 2 * ATT_TC_QSTEP * 4) as u32
 }
 
+/// Q, K, V (and dO) of the tensor-core kernels: bf16 bits, each row read 16 bytes at a time,
+/// so the buffers must start 16-byte aligned (a whole allocation, as [`Operand::new`] and the
+/// rounding of [`crate::operands`] make, always does; `head_dim` a multiple of 16 keeps every
+/// row aligned after the first).
+fn check_attn_bf16(what: &str, x: &DevSlice<'_, u16>) -> Result<(), CudaError> {
+    if x.ptr().is_multiple_of(16) {
+        Ok(())
+    } else {
+        Err(CudaError::Shape(format!(
+            "tensor-core attention reads {what} 16 bytes at a time: its bf16 buffer must start \
+             16-byte aligned (a whole rounded buffer, not a view at an odd offset)"
+        )))
+    }
+}
+
 /// Forward on the tensor cores (sm_80+), FlashAttention-2 style: writes `out` and `lse` like
 /// [`attention_forward`] (same shapes, layouts, causal mask by global positions, grouped KV
 /// heads, `lse = -inf` and `out = 0` for a row that sees no key).
 ///
-/// Numerics: Q, K, V are rounded to bf16 (nearest even) and `S = Q Kᵀ` is one
-/// `mma.m16n8k16` bf16 product with fp32 accumulation; the online softmax (running max and
-/// sum, rescaling of the output accumulators) is fp32, `P` is rounded to bf16 for `O += P V`
-/// (fp32 accumulation), and `lse = m + ln(l)` with `l` summed from the fp32 `P`. So the result
-/// is the fp32 kernel's up to bf16 rounding of the operands (relative 2⁻⁸ each), not bit-equal.
+/// Numerics: Q, K, V come rounded to bf16 (nearest even: the caller rounds each once, for
+/// every kernel that reads it, [`crate::operands`]) and `S = Q Kᵀ` is one `mma.m16n8k16` bf16
+/// product with fp32 accumulation; the online softmax (running max and sum, rescaling of the
+/// output accumulators) is fp32, `P` is rounded to bf16 for `O += P V` (fp32 accumulation),
+/// and `lse = m + ln(l)` with `l` summed from the fp32 `P`. So the result is the fp32 kernel's
+/// up to bf16 rounding of the operands (relative 2⁻⁸ each), not bit-equal.
 ///
 /// One block of 4 warps per (64 query rows, batch × head); dynamic shared memory
 /// `256 · (head_dim + 8)` bytes (34 816 for head_dim 128). `head_dim` must be a multiple of
 /// 16 in 16..=128: otherwise [`CudaError::Shape`], and the caller uses [`attention_forward`].
 pub fn attention_forward_tc<'a>(
     s: &AttnShape,
-    q: impl Into<DevSlice<'a, f32>>,
-    k: impl Into<DevSlice<'a, f32>>,
-    v: impl Into<DevSlice<'a, f32>>,
+    q: impl Into<DevSlice<'a, u16>>,
+    k: impl Into<DevSlice<'a, u16>>,
+    v: impl Into<DevSlice<'a, u16>>,
     out: impl Into<DevSliceMut<'a, f32>>,
     lse: impl Into<DevSliceMut<'a, f32>>,
 ) -> Result<(), CudaError> {
-    let q: DevSlice<'_, f32> = q.into();
-    let k: DevSlice<'_, f32> = k.into();
-    let v: DevSlice<'_, f32> = v.into();
+    let q: DevSlice<'_, u16> = q.into();
+    let k: DevSlice<'_, u16> = k.into();
+    let v: DevSlice<'_, u16> = v.into();
     let out: DevSliceMut<'_, f32> = out.into();
     let lse: DevSliceMut<'_, f32> = lse.into();
 
     check_attn(s, q.len(), k.len(), v.len())?;
     check_attn_tc(s)?;
+    for (what, x) in [("q", &q), ("k", &k), ("v", &v)] {
+        check_attn_bf16(what, x)?;
+    }
     same_len("attention out", out.len(), s.q_elems())?;
     same_len("attention lse", lse.len(), s.lse_elems())?;
     if s.q_len == 0 {
@@ -1162,24 +1181,26 @@ pub fn attention_forward_tc<'a>(
 /// like it deterministic (no atomics; every output element has one writer summing in a fixed
 /// order).
 ///
-/// Numerics: `delta = rowsum(dO ∘ O)` is the fp32 kernel's; the scores `S = Q Kᵀ` and
-/// `dP = dO Vᵀ` are recomputed with bf16 operands (Q, K, V, dO rounded to nearest even) and
-/// fp32 accumulation, `P = exp(S · scale − lse)` and `dS = P ∘ (dP − delta)` are fp32, then
-/// rounded to bf16 as the operands of `dV += Pᵀ dO`, `dK += scale · dSᵀ Q` and
+/// Numerics: `delta = rowsum(dO ∘ O)` is the fp32 kernel's, from the fp32 `dout`; `dout` is
+/// then rounded to bf16 once for both kernels; the scores `S = Q Kᵀ` and `dP = dO Vᵀ` are
+/// recomputed with bf16 operands (Q, K, V as given, rounded by the caller like the forward's)
+/// and fp32 accumulation, `P = exp(S · scale − lse)` and `dS = P ∘ (dP − delta)` are fp32,
+/// then rounded to bf16 as the operands of `dV += Pᵀ dO`, `dK += scale · dSᵀ Q` and
 /// `dQ += scale · dS K` (fp32 accumulation).
 ///
-/// Three launches: `attn_bwd_delta` (module "attention"); `attn_bwd_dq_tc`, 4 warps per
-/// (64 query rows, batch × head), dynamic shared memory `256 · (head_dim + 8)` bytes (34 816
-/// for head_dim 128); `attn_bwd_dkv_tc`, 4 warps per (64 keys, batch × KV head), dynamic
-/// shared memory `384 · (head_dim + 8) + 256` bytes (52 480 for head_dim 128: two blocks fit an
-/// H100's SM, one an A100's). `head_dim` must be a multiple of 16 in 16..=128: otherwise
-/// [`CudaError::Shape`], and the caller uses [`attention_backward`].
+/// Four launches: `attn_bwd_delta` (module "attention"); the rounding of `dout`;
+/// `attn_bwd_dq_tc`, 4 warps per (64 query rows, batch × head), dynamic shared memory
+/// `256 · (head_dim + 8)` bytes (34 816 for head_dim 128); `attn_bwd_dkv_tc`, 4 warps per
+/// (64 keys, batch × KV head), dynamic shared memory `384 · (head_dim + 8) + 256` bytes
+/// (52 480 for head_dim 128: two blocks fit an H100's SM, one an A100's). `head_dim` must be a
+/// multiple of 16 in 16..=128: otherwise [`CudaError::Shape`], and the caller uses
+/// [`attention_backward`].
 #[allow(clippy::too_many_arguments)]
 pub fn attention_backward_tc<'a>(
     s: &AttnShape,
-    q: impl Into<DevSlice<'a, f32>>,
-    k: impl Into<DevSlice<'a, f32>>,
-    v: impl Into<DevSlice<'a, f32>>,
+    q: impl Into<DevSlice<'a, u16>>,
+    k: impl Into<DevSlice<'a, u16>>,
+    v: impl Into<DevSlice<'a, u16>>,
     out: impl Into<DevSlice<'a, f32>>,
     lse: impl Into<DevSlice<'a, f32>>,
     dout: impl Into<DevSlice<'a, f32>>,
@@ -1187,9 +1208,9 @@ pub fn attention_backward_tc<'a>(
     dk: impl Into<DevSliceMut<'a, f32>>,
     dv: impl Into<DevSliceMut<'a, f32>>,
 ) -> Result<(), CudaError> {
-    let q: DevSlice<'_, f32> = q.into();
-    let k: DevSlice<'_, f32> = k.into();
-    let v: DevSlice<'_, f32> = v.into();
+    let q: DevSlice<'_, u16> = q.into();
+    let k: DevSlice<'_, u16> = k.into();
+    let v: DevSlice<'_, u16> = v.into();
     let out: DevSlice<'_, f32> = out.into();
     let lse: DevSlice<'_, f32> = lse.into();
     let dout: DevSlice<'_, f32> = dout.into();
@@ -1204,16 +1225,23 @@ pub fn attention_backward_tc<'a>(
         [out.len(), lse.len(), dout.len()],
         [dq.len(), dk.len(), dv.len()],
     )?;
+    for (what, x) in [("q", &q), ("k", &k), ("v", &v)] {
+        check_attn_bf16(what, x)?;
+    }
     if s.q_len == 0 || s.kv_len == 0 {
         return Ok(());
     }
     let gpu = q.gpu().clone();
     let delta = attn_delta(s, out, dout)?;
+    let dout = Operand::new(dout, crate::operands::Operands::Bf16)?;
+    let Operand::Half(dout) = dout else {
+        unreachable!("bf16 rounds")
+    };
     let mut args = vec![
         q.into(),
         k.into(),
         v.into(),
-        dout.into(),
+        (&dout).into(),
         lse.into(),
         (&delta).into(),
         (&dq).into(),
@@ -1237,7 +1265,7 @@ pub fn attention_backward_tc<'a>(
         q.into(),
         k.into(),
         v.into(),
-        dout.into(),
+        (&dout).into(),
         lse.into(),
         (&delta).into(),
         (&dk).into(),

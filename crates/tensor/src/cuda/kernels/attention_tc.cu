@@ -4,9 +4,11 @@
 // sees key j iff k_start + j <= q_start + i; grouped KV heads h -> h / (H / Hkv); lse = -inf
 // and out = 0 for a row that sees no key; the backward accumulates (+=) into dq, dk, dv), but
 // every product runs on the tensor cores with bf16 operands and fp32 accumulation:
-// mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 (sm_80+). Q, K, V, dO are read as fp32
-// and rounded to bf16 (nearest even) on their way into registers or shared memory; P and dS are
-// rounded to bf16 before their products; scores, the online softmax (max, sum, rescaling),
+// mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 (sm_80+). Q, K, V, dO come in as bf16
+// (their fp32 values rounded to nearest even once, by the caller: the bits these kernels would
+// get by rounding fp32 themselves, read at half the bytes), each row 16-byte aligned (D being a
+// multiple of 16 and the buffers whole allocations); P and dS are rounded to bf16 before their
+// products; scores, the online softmax (max, sum, rescaling),
 // P = exp(s * scale - lse), dS = P (dP - delta) and every accumulator stay fp32. The backward
 // is deterministic (no atomics): dQ and (dK, dV) come from separate kernels, each output
 // element has one writer and sums in a fixed order; delta = rowsum(dO * O) is the fp32
@@ -69,43 +71,40 @@ __device__ __forceinline__ u32 tc_ld2col(const u16* s, int idx, int ld) {
     return (u32)s[idx] | ((u32)s[idx + ld] << 16);
 }
 
-// Rows row0 .. row0 + rows - 1 of one head of a [B, S, Hx, D] fp32 tensor (`src` points at
-// (b, 0, head, 0), `rstride` = Hx * D) into a bf16 tile with row stride ld; rows at or past
-// S are zeros (so that a masked P or dS of 0 never meets a NaN in the product). The whole
-// CTA calls it (the caller synchronises).
-__device__ __forceinline__ void tc_load_tile(u16* tile, const float* src, long long rstride,
+// Rows row0 .. row0 + rows - 1 of one head of a [B, S, Hx, D] bf16 tensor (`src` points at
+// (b, 0, head, 0), `rstride` = Hx * D) into a bf16 tile with row stride ld, 16 bytes (8
+// elements) a copy: D is a multiple of 16 and ld of 8, so every row of both starts 16-byte
+// aligned. Rows at or past S are zeros (so that a masked P or dS of 0 never meets a NaN in the
+// product). The whole CTA calls it (the caller synchronises).
+__device__ __forceinline__ void tc_load_tile(u16* tile, const u16* src, long long rstride,
                                              int row0, int rows, int S, int D, int ld) {
-    int half = D >> 1;
-    for (int e = threadIdx.x; e < rows * half; e += blockDim.x) {
-        int r = e / half, c = (e - r * half) * 2;
-        int row = row0 + r;
-        float x0 = 0.0f, x1 = 0.0f;
-        if (row < S) {
-            const float* p = src + (long long)row * rstride + c;
-            x0 = p[0];
-            x1 = p[1];
-        }
-        *(u32*)(tile + r * ld + c) = tc_pack(x0, x1);
+    const int per_row = D >> 3;
+    for (int e = threadIdx.x; e < rows * per_row; e += blockDim.x) {
+        const int r = e / per_row, c = (e - r * per_row) * 8;
+        const int row = row0 + r;
+        uint4 x = make_uint4(0u, 0u, 0u, 0u);
+        if (row < S) x = *(const uint4*)(src + (long long)row * rstride + c);
+        *(uint4*)(tile + r * ld + c) = x;
     }
 }
 
 // The A fragments (per k-step of 16 columns, D / 16 of them) of rows r and r + 8 of one head
-// of a [B, S, Hx, D] fp32 tensor, rounded to bf16, straight from global memory; rows at or
-// past S are zeros. `src` points at (b, 0, head, 0).
+// of a [B, S, Hx, D] bf16 tensor, straight from global memory (two bf16 a 32-bit load); rows
+// at or past S are zeros. `src` points at (b, 0, head, 0).
 template <int MAXK>
-__device__ __forceinline__ void tc_load_a(u32 (*f)[4], const float* src, long long rstride,
+__device__ __forceinline__ void tc_load_a(u32 (*f)[4], const u16* src, long long rstride,
                                           int r, int S, int D, int t) {
-    const float* pa = src + (long long)r * rstride;
-    const float* pb = src + (long long)(r + 8) * rstride;
+    const u16* pa = src + (long long)r * rstride;
+    const u16* pb = src + (long long)(r + 8) * rstride;
     bool oka = r < S, okb = r + 8 < S;
 #pragma unroll
     for (int kk = 0; kk < MAXK; kk++) {
         if (kk < (D >> 4)) {
             int c = kk * 16 + 2 * t;
-            f[kk][0] = oka ? tc_pack(pa[c], pa[c + 1]) : 0u;
-            f[kk][1] = okb ? tc_pack(pb[c], pb[c + 1]) : 0u;
-            f[kk][2] = oka ? tc_pack(pa[c + 8], pa[c + 9]) : 0u;
-            f[kk][3] = okb ? tc_pack(pb[c + 8], pb[c + 9]) : 0u;
+            f[kk][0] = oka ? *(const u32*)(pa + c) : 0u;
+            f[kk][1] = okb ? *(const u32*)(pb + c) : 0u;
+            f[kk][2] = oka ? *(const u32*)(pa + c + 8) : 0u;
+            f[kk][3] = okb ? *(const u32*)(pb + c + 8) : 0u;
         }
     }
 }
@@ -128,7 +127,7 @@ __device__ __forceinline__ int tc_keys_seen(int i_end, int Sk, int causal, int q
 // see. Dynamic shared memory: K and V tiles, 2 * 64 * (D + 8) bf16 = 256 (D + 8) bytes
 // (34816 for D = 128, 18432 for D = 64).
 template <int MAXK>
-__device__ __forceinline__ void attn_fwd_tc_body(const float* q, const float* k, const float* v,
+__device__ __forceinline__ void attn_fwd_tc_body(const u16* q, const u16* k, const u16* v,
                                                  float* out, float* lse, int B, int Sq, int Sk,
                                                  int H, int Hkv, int D, int causal, int q_start,
                                                  int k_start, float scale) {
@@ -141,9 +140,9 @@ __device__ __forceinline__ void attn_fwd_tc_body(const float* q, const float* k,
     const int q0 = blockIdx.x * TC_BM;
     const int nk = D >> 4, nd = D >> 3;
     const long long qstride = (long long)H * D, kstride = (long long)Hkv * D;
-    const float* qb = q + (long long)b * Sq * qstride + (long long)h * D;
-    const float* kb = k + (long long)b * Sk * kstride + (long long)hk * D;
-    const float* vb = v + (long long)b * Sk * kstride + (long long)hk * D;
+    const u16* qb = q + (long long)b * Sq * qstride + (long long)h * D;
+    const u16* kb = k + (long long)b * Sk * kstride + (long long)hk * D;
+    const u16* vb = v + (long long)b * Sk * kstride + (long long)hk * D;
     const int r0 = q0 + warp * 16 + g; // this thread's rows: r0 (half 0) and r0 + 8 (half 1)
 
     u32 qf[MAXK][4];
@@ -265,8 +264,8 @@ __device__ __forceinline__ void attn_fwd_tc_body(const float* q, const float* k,
 // fragments in registers) and walks each key tile of 64 in two steps of 32 keys. Dynamic
 // shared memory: K and V tiles, 256 (D + 8) bytes (34816 for D = 128).
 template <int MAXK>
-__device__ __forceinline__ void attn_bwd_dq_tc_body(const float* q, const float* k,
-                                                    const float* v, const float* dout,
+__device__ __forceinline__ void attn_bwd_dq_tc_body(const u16* q, const u16* k,
+                                                    const u16* v, const u16* dout,
                                                     const float* lse, const float* delta,
                                                     float* dq, int B, int Sq, int Sk, int H,
                                                     int Hkv, int D, int causal, int q_start,
@@ -281,8 +280,8 @@ __device__ __forceinline__ void attn_bwd_dq_tc_body(const float* q, const float*
     const int nk = D >> 4, nd = D >> 3;
     const long long qstride = (long long)H * D, kstride = (long long)Hkv * D;
     const long long qbase = (long long)b * Sq * qstride + (long long)h * D;
-    const float* kb = k + (long long)b * Sk * kstride + (long long)hk * D;
-    const float* vb = v + (long long)b * Sk * kstride + (long long)hk * D;
+    const u16* kb = k + (long long)b * Sk * kstride + (long long)hk * D;
+    const u16* vb = v + (long long)b * Sk * kstride + (long long)hk * D;
     const int r0 = q0 + warp * 16 + g;
 
     u32 qf[MAXK][4], gf[MAXK][4];
@@ -385,8 +384,8 @@ __device__ __forceinline__ void attn_bwd_dq_tc_body(const float* q, const float*
 // (2 * 64 + 2 * 32) * (D + 8) * 2 + 2 * 32 * 4 = 384 (D + 8) + 256 bytes (52480 for D = 128,
 // 27904 for D = 64).
 template <int MAXK>
-__device__ __forceinline__ void attn_bwd_dkv_tc_body(const float* q, const float* k,
-                                                     const float* v, const float* dout,
+__device__ __forceinline__ void attn_bwd_dkv_tc_body(const u16* q, const u16* k,
+                                                     const u16* v, const u16* dout,
                                                      const float* lse, const float* delta,
                                                      float* dk, float* dv, int B, int Sq,
                                                      int Sk, int H, int Hkv, int D, int causal,
@@ -524,20 +523,20 @@ __device__ __forceinline__ void attn_bwd_dkv_tc_body(const float* q, const float
 // likewise for the backward's two.
 #define TC_KERNELS(MAXK)                                                                       \
     extern "C" __global__ void __launch_bounds__(128) attn_fwd_tc_k##MAXK(                    \
-        const float* q, const float* k, const float* v, float* out, float* lse, int B, int Sq, \
+        const u16* q, const u16* k, const u16* v, float* out, float* lse, int B, int Sq,       \
         int Sk, int H, int Hkv, int D, int causal, int q_start, int k_start, float scale) {    \
         attn_fwd_tc_body<MAXK>(q, k, v, out, lse, B, Sq, Sk, H, Hkv, D, causal, q_start,       \
                                k_start, scale);                                                \
     }                                                                                          \
     extern "C" __global__ void __launch_bounds__(128) attn_bwd_dq_tc_k##MAXK(                 \
-        const float* q, const float* k, const float* v, const float* dout, const float* lse,   \
+        const u16* q, const u16* k, const u16* v, const u16* dout, const float* lse,           \
         const float* delta, float* dq, int B, int Sq, int Sk, int H, int Hkv, int D,           \
         int causal, int q_start, int k_start, float scale) {                                   \
         attn_bwd_dq_tc_body<MAXK>(q, k, v, dout, lse, delta, dq, B, Sq, Sk, H, Hkv, D, causal, \
                                   q_start, k_start, scale);                                    \
     }                                                                                          \
     extern "C" __global__ void __launch_bounds__(128) attn_bwd_dkv_tc_k##MAXK(                \
-        const float* q, const float* k, const float* v, const float* dout, const float* lse,   \
+        const u16* q, const u16* k, const u16* v, const u16* dout, const float* lse,           \
         const float* delta, float* dk, float* dv, int B, int Sq, int Sk, int H, int Hkv,       \
         int D, int causal, int q_start, int k_start, float scale) {                            \
         attn_bwd_dkv_tc_body<MAXK>(q, k, v, dout, lse, delta, dk, dv, B, Sq, Sk, H, Hkv, D,    \
