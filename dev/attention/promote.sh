@@ -26,5 +26,13 @@ kernels="$tree/crates/tensor/src/cuda/kernels/attention_tc.cu"
 for k in attn_fwd_tc_k4 attn_fwd_tc_k8 attn_bwd_dq_tc_k4 attn_bwd_dq_tc_k8 attn_bwd_dkv_tc_k4 attn_bwd_dkv_tc_k8; do
     grep -q "$k" "$kernels" || { echo "promote.sh: no kernel $k after renaming" >&2; exit 1; }
 done
-git -C "$tree" apply "$here/promote-ops.patch"
+# git apply run inside another repository's working tree (a copy under this checkout's target/,
+# as scripts/gpu-check.sh makes) takes paths relative to that repository's root and silently
+# skips the ones outside the current folder: stop the search for a repository at the tree's
+# parent, and check that the launchers did change.
+ops="$tree/crates/tensor/src/cuda/ops.rs"
+before=$(cksum <"$ops")
+tree_abs=$(cd "$tree" && pwd)
+(cd "$tree_abs" && GIT_CEILING_DIRECTORIES="$(dirname "$tree_abs")" git apply "$here/promote-ops.patch")
+[ "$(cksum <"$ops")" != "$before" ] || { echo "promote.sh: promote-ops.patch changed nothing in $ops" >&2; exit 1; }
 echo "promoted the candidate attention kernels in $tree"

@@ -101,6 +101,47 @@ fn casts_round_like_the_cpu() {
         .map(|&v| half::f16::from_f32(v).to_bits())
         .collect();
     assert_eq!(host(&h), want, "f16 bits");
+    let mut h_back = g.alloc::<f32>(x.len()).unwrap();
+    ops::cast_f16_to_f32(&h, &mut h_back).unwrap();
+    let want_back: Vec<f32> = want
+        .iter()
+        .map(|&b| half::f16::from_bits(b).to_f32())
+        .collect();
+    assert_eq!(host(&h_back), want_back, "f16 widened");
+    // Views at offsets: both 16-byte aligned (8 elements a thread), either not (one a thread);
+    // lengths with a tail past the last group of 8.
+    let bits: Vec<u16> = tensor::dtype::to_bf16_vec(&x)
+        .iter()
+        .map(|h| h.to_bits())
+        .collect();
+    for (ox, oy, m) in [
+        (0, 0, 4099),
+        (1, 0, 4099),
+        (0, 3, 4096),
+        (4, 8, 4101),
+        (8, 8, 17),
+    ] {
+        let mut y = g.alloc::<u16>(m + oy).unwrap();
+        ops::cast_f32_to_bf16(dx.slice(ox..ox + m), y.slice_mut(oy..oy + m)).unwrap();
+        assert_eq!(
+            host(&y)[oy..],
+            bits[ox..ox + m],
+            "bf16 view at {ox}, into {oy}"
+        );
+        let mut w = g.alloc::<f32>(m + oy).unwrap();
+        ops::cast_bf16_to_f32(b.slice(ox..ox + m), w.slice_mut(oy..oy + m)).unwrap();
+        assert_eq!(
+            host(&w)[oy..],
+            want_back_bf16(&bits[ox..ox + m]),
+            "widened view"
+        );
+    }
+}
+
+fn want_back_bf16(bits: &[u16]) -> Vec<f32> {
+    bits.iter()
+        .map(|&b| half::bf16::from_bits(b).to_f32())
+        .collect()
 }
 
 #[test]
