@@ -11,8 +11,8 @@
 # The report names the GPU, the driver and the CUDA version (nvidia-smi), NVRTC's version,
 # and each test's result, and ends with the check's duration; past GPU_CHECK_BUDGET seconds
 # (default 450) the optional sections say "skipped (time budget)" instead of running.
-# GPU_CHECK_ONLY="tests bench" (any of: tests bench attention processes validate convergence
-# large ncu) runs only those sections: a rerun after a fix, within the machine's time. The CUDA
+# GPU_CHECK_ONLY="tests bench" (any of: tests bench processes validate convergence large
+# ncu) runs only those sections: a rerun after a fix, within the machine's time. The CUDA
 # libraries (NVRTC, cuBLASLt, NCCL) are found in a CUDA toolkit or in the pip wheels of the
 # machine's Python (nvidia-cuda-nvrtc, nvidia-cublas, nvidia-nccl-cu12 / -cu13), whose
 # folders go in XTRAIN_CUDA_LIB_PATH.
@@ -25,18 +25,6 @@ build() {
     rm -rf "$dir" && mkdir -p "$dir"
     cargo build --release -p xtrain
     cp target/release/xtrain "$dir/xtrain"
-    # The candidate attention kernel's harness (dev/attention, against the library's kernel).
-    cargo build --release -p tensor --example attention_next
-    cp target/release/examples/attention_next "$dir/attention_next"
-    # xtrain with the candidate attention kernels promoted into the library
-    # (dev/attention/promote.sh), built from a copy of this tree beside it, so that the check
-    # measures the candidates end to end without the library changing before they have run.
-    local tree=target/next-attention-tree
-    rm -rf "$tree" && mkdir -p "$tree"
-    git ls-files -z --cached --others --exclude-standard | tar --null -T - -cf - | tar -xf - -C "$tree"
-    dev/attention/promote.sh "$tree"
-    (cd "$tree" && CARGO_TARGET_DIR=../next-attention cargo build --release -p xtrain)
-    cp target/next-attention/release/xtrain "$dir/xtrain-next"
     # Test binaries: cargo prints their paths as JSON artifacts.
     cargo test --release -p tensor -p model -p train -p xtrain --test cuda_kernels \
         --test cuda_kernels_compile --test gpu_nccl --test gpu_model --test gpu_train \
@@ -99,23 +87,19 @@ check_tests() {
     done
 }
 
-# One Llama shape in bf16, alternating: xtrain, xtrain-next (the candidate attention kernels),
-# then the PyTorch peer. $1: the label, $2: steps, $3: the peer's --model
+# One Llama shape in bf16, alternating: xtrain, then the PyTorch peer. $1: the label, $2: steps, $3: the peer's --model
 # (vocab,hidden,ffn,layers,heads,kv_heads,seq,micro_batch), the rest: xtrain's overrides.
 bench_llama() {
-    local label=$1 steps=$2 model=$3 bin
+    local label=$1 steps=$2 model=$3
     shift 3
-    for bin in xtrain xtrain-next; do
-        echo "[$bin]" >>"$report"
-        timeout 120 "$dir/$bin" bench train --preset medium --device cuda --steps "$steps" "$@" \
-            >>"$report" 2>&1 || echo "$bin bench $label bf16 failed" >>"$report"
-    done
+    timeout 120 "$dir/xtrain" bench train --preset medium --device cuda --steps "$steps" "$@" \
+        >>"$report" 2>&1 || echo "xtrain bench $label bf16 failed" >>"$report"
     PYTHONUNBUFFERED=1 timeout 120 python3 benches/peers/torch_peer.py train --device cuda --dtype bf16 \
         --model "$model" --steps "$steps" >>"$report" 2>&1 ||
         echo "torch peer $label bf16 failed" >>"$report"
 }
 
-# Throughput: xtrain (and xtrain-next) beside the PyTorch peer.
+# Throughput: xtrain beside the PyTorch peer.
 check_bench() {
     # Alternating xtrain and the PyTorch peer on the same GPU: `small` in fp32 (TF32 off),
     # `medium` and the 124M-class Llama (`m124`, run()) in bf16.
@@ -126,7 +110,7 @@ check_bench() {
         echo '```'
     } >>"$report"
     # The small models once (launch-bound: xtrain 2.1-2.4x PyTorch when last measured), the
-    # 124M twice; xtrain-next is xtrain with the candidate attention kernels (build()).
+    # 124M twice.
     timeout 120 "$dir/xtrain" bench train --preset small --device cuda --steps 10 "${fp32[@]}" \
         >>"$report" 2>&1 || echo "xtrain bench small fp32 failed" >>"$report"
     PYTHONUNBUFFERED=1 timeout 120 python3 benches/peers/torch_peer.py train \
@@ -141,39 +125,8 @@ check_bench() {
     done
     # Attention forward + backward against the MLP product per FLOP, at the 124M's shapes
     # (the issue's floor: within 2×).
-    for bin in xtrain xtrain-next; do
-        echo "[$bin]" >>"$report"
-        timeout 60 "$dir/$bin" bench kernels --preset medium --device cuda "${m124[@]}" "${bf16[@]}" \
-            >>"$report" 2>&1 || echo "$bin bench kernels failed" >>"$report"
-    done
-    echo '```' >>"$report"
-}
-
-# The candidate attention kernels against the library's, per kernel and end to end.
-check_attention() {
-    # The candidate tensor-core attention forward and backward (dev/attention/
-    # attention_tc_next.cu, attention_tc_bwd_next.cu) against the library's: errors against the
-    # CPU for both, time and the ratio, per shape and kernel.
-    {
-        echo
-        echo "## Candidate attention forward and backward (dev/attention) against the library's"
-        echo
-        echo '```'
-        timeout 150 "$dir/attention_next" 2>&1 || echo "attention_next: FAILED or timed out (exit $?)"
-        echo '```'
-        echo
-        echo "End to end, bf16 training of tiny (200 steps), library kernels against the candidates:"
-        echo
-        echo '```'
-    } >>"$report"
-    for bin in xtrain xtrain-next; do
-        if timeout 60 "$dir/$bin" train --preset tiny --device cuda --set 'train.precision="bf16"' \
-            --set train.steps=200 --out "$out/e2e-$bin" >"$out/e2e-$bin.log" 2>&1; then
-            echo "$bin: $(grep -o 'loss [0-9.]* -> [0-9.]*' "$out/e2e-$bin.log" | tail -1)" >>"$report"
-        else
-            echo "$bin: FAILED (log: e2e-$bin.log)" >>"$report"
-        fi
-    done
+    timeout 60 "$dir/xtrain" bench kernels --preset medium --device cuda "${m124[@]}" "${bf16[@]}" \
+        >>"$report" 2>&1 || echo "xtrain bench kernels failed" >>"$report"
     echo '```' >>"$report"
 }
 
@@ -297,7 +250,7 @@ check_convergence() {
 }
 
 # Budget allowing, after everything else: the 124M under torch.compile (the issue's target
-# peer; its compilation takes a minute or more) and a ~1B Llama, xtrain, xtrain-next, PyTorch.
+# peer; its compilation takes a minute or more) and a ~1B Llama, xtrain and PyTorch.
 check_large() {
     {
         echo
@@ -382,7 +335,7 @@ PY
         --set model.seq_len=1024 --set train.micro_batch=8 --set 'data.tokenizer="byte"')
     local bf16=(--set 'train.precision="bf16"') fp32=(--set 'train.precision="fp32"')
     local section
-    for section in tests bench attention processes validate convergence large ncu; do
+    for section in tests bench processes validate convergence large ncu; do
         if [ -z "${GPU_CHECK_ONLY:-}" ] || [[ " $GPU_CHECK_ONLY " == *" $section "* ]]; then
             "check_$section"
         else

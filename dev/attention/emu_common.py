@@ -1,5 +1,6 @@
-"""The emulation primitives both lane-level emulators of the candidate attention kernels use
-(attention_tc_next_emu.py, attention_tc_bwd_next_emu.py): bf16 rounding as cvt.rn (nearest
+"""The emulation primitives both lane-level emulators of the library's tensor-core attention
+kernels use (attention_tc_emu.py for crates/tensor/src/cuda/kernels/attention_tc.cu,
+attention_tc_bwd_emu.py for attention_tc_bwd.cu): bf16 rounding as cvt.rn (nearest
 even, a NaN the canonical one), register packing, mma.m16n8k16 on the PTX ISA's fragment
 layouts, ex2.approx and fmaf, shared memory filled with garbage, cp.async into it (commit
 groups, wait_group, two landing policies) with a check of every read and copy against the

@@ -1093,7 +1093,8 @@ fn operands_rounded_once_give_the_same_products() {
 /// copies (and prepared, each is half the bytes of the values); in fp32 and fp16 steps,
 /// and at a head size the tensor cores do not take, attention runs the fp32 kernels and the
 /// operands are the values themselves. Refused with a clear error: operands rounded for bf16
-/// given to an fp32 attention, and a bf16 view that is not 16-byte aligned.
+/// given to an fp32 attention, a bf16 view that is not 16-byte aligned, an output view that is
+/// not 8-byte aligned.
 #[test]
 fn attention_operands_rounded_once_give_the_same_results() {
     use tensor::buf::Dev;
@@ -1183,6 +1184,19 @@ fn attention_operands_rounded_once_give_the_same_results() {
     );
     let err = ops::attention_forward_tc(&s, view, view, view, &mut go, &mut gl).unwrap_err();
     assert!(err.to_string().contains("16-byte"), "{err}");
+    // An output view 4 bytes into its buffer: written as pairs of fp32.
+    let whole = bits.slice(0..s.q_elems());
+    let mut wide = g.alloc::<f32>(s.q_elems() + 1).unwrap();
+    let err = ops::attention_forward_tc(
+        &s,
+        whole,
+        whole,
+        whole,
+        wide.slice_mut(1..s.q_elems() + 1),
+        &mut gl,
+    )
+    .unwrap_err();
+    assert!(err.to_string().contains("8-byte"), "{err}");
 }
 
 /// Products on views that start 4, 8 or 12 bytes into their buffers (a weight inside the flat

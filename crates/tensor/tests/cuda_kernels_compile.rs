@@ -1,34 +1,10 @@
-//! Every CUDA kernel module (and every candidate under `dev/`) compiles with NVRTC, for sm_80
+//! Every CUDA kernel module compiles with NVRTC, for sm_80
 //! (A100) and sm_90 (H100/H200), without a single warning, so a kernel that does not compile
 //! never lands. Needs NVRTC only (no GPU, no driver): CI installs CUDA 12's and CUDA 13's from the pip wheels
 //! `nvidia-cuda-nvrtc-cu12` and `nvidia-cuda-nvrtc` and names their folders in
 //! `XTRAIN_CUDA_LIB_PATH`; every NVRTC found there compiles every kernel. Without NVRTC the
 //! test says SKIPPED (a failure where `XTRAIN_REQUIRE` lists `nvrtc`, as CI's does).
 use tensor::cuda::{kernels, nvrtc, sys};
-
-/// `(module, source without the prelude)` of every kernel under `dev/`: candidates measured
-/// against the library's before they replace them (e.g. `dev/attention/attention_tc_next.cu`
-/// and `attention_tc_bwd_next.cu`, by `examples/attention_next.rs`), checked here too so that
-/// one that no longer compiles is seen before someone takes it to a GPU.
-const DEV_SOURCES: &[(&str, &str)] = &[
-    (
-        "attention_tc_next",
-        include_str!("../../../dev/attention/attention_tc_next.cu"),
-    ),
-    (
-        "attention_tc_bwd_next",
-        include_str!("../../../dev/attention/attention_tc_bwd_next.cu"),
-    ),
-];
-
-/// The full source of module `module`: the library's, or a dev kernel with the prelude in
-/// front as the library builds its modules.
-fn source_of(module: &str) -> String {
-    match DEV_SOURCES.iter().find(|(m, _)| *m == module) {
-        Some((_, src)) => format!("{}\n#line 1 \"{module}.cu\"\n{src}", kernels::PRELUDE),
-        None => kernels::source(module).expect("listed module"),
-    }
-}
 
 /// The NVRTC libraries to check with: each folder of `XTRAIN_CUDA_LIB_PATH` that holds one
 /// (CI gives a CUDA 12 and a CUDA 13 one), else the one the process would load.
@@ -62,7 +38,6 @@ fn every_kernel_compiles_for_sm80_and_sm90_without_warnings() {
         .flat_map(|&lib| {
             kernels::SOURCES
                 .iter()
-                .chain(DEV_SOURCES)
                 .flat_map(move |(module, _)| [80, 90].map(|arch| (lib, *module, arch)))
         })
         .collect();
@@ -79,7 +54,7 @@ fn every_kernel_compiles_for_sm80_and_sm90_without_warnings() {
                             return failed;
                         };
                         let (major, minor) = nvrtc::version_of(lib).unwrap();
-                        let source = source_of(module);
+                        let source = kernels::source(module).expect("listed module");
                         match nvrtc::compile_with(lib, module, &source, arch) {
                             Ok(c) if c.log.is_empty() && !c.cubin.is_empty() => {}
                             Ok(c) => failed.push(format!(

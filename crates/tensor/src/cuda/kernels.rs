@@ -11,6 +11,10 @@ pub const SOURCES: &[(&str, &str)] = &[
     ("cross_entropy", include_str!("kernels/cross_entropy.cu")),
     ("attention", include_str!("kernels/attention.cu")),
     ("attention_tc", include_str!("kernels/attention_tc.cu")),
+    (
+        "attention_tc_bwd",
+        include_str!("kernels/attention_tc_bwd.cu"),
+    ),
     ("optimizer", include_str!("kernels/optimizer.cu")),
     ("moe", include_str!("kernels/moe.cu")),
 ];

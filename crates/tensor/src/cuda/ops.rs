@@ -1102,30 +1102,33 @@ fn check_attn_tc(s: &AttnShape) -> Result<(), CudaError> {
     }
 }
 
-/// Dynamic shared memory of `attn_fwd_tc` and `attn_bwd_dq_tc`: a K and a V tile of 64 rows,
-/// bf16, row stride `head_dim + 8` (34 816 bytes for head_dim 128, 18 432 for 64).
+/// Dynamic shared memory of `attn_fwd_tc` and `attn_bwd_dq_tc`: two stages (the double buffer
+/// of their cp.async pipeline) of a K and a V tile of 64 rows, bf16, row stride
+/// `head_dim + 8`: 36 864 bytes for head_dim 64, 69 632 for 128.
 fn attn_tc_kv_shared(s: &AttnShape) -> u32 {
-    (2 * ATT_TC_TILE * (s.head_dim + 8) * 2) as u32
+    (2 * 2 * ATT_TC_TILE * (s.head_dim + 8) * 2) as u32
 }
 
-/// Dynamic shared memory of `attn_bwd_dkv_tc`: K and V tiles of 64 rows and Q and dO tiles of
-/// 32 rows (bf16, row stride `head_dim + 8`), then lse and delta of the 32 rows (fp32): 52 480
-/// bytes for head_dim 128, 27 904 for 64.
+/// Dynamic shared memory of `attn_bwd_dkv_tc`: two stages of the lse and delta of a step of 32
+/// query rows (fp32), the CTA's K and V tiles of 64 rows, and two stages of the step's Q and dO
+/// tiles of 32 rows (bf16, row stride `head_dim + 8`): 37 376 bytes for head_dim 64, 70 144
+/// for 128.
 fn attn_tc_dkv_shared(s: &AttnShape) -> u32 {
-    ((2 * ATT_TC_TILE + 2 * ATT_TC_QSTEP) * (s.head_dim + 8) * 2 + 2 * ATT_TC_QSTEP * 4) as u32
+    ((2 * ATT_TC_TILE + 4 * ATT_TC_QSTEP) * (s.head_dim + 8) * 2 + 4 * ATT_TC_QSTEP * 4) as u32
 }
 
-/// Q, K, V (and dO) of the tensor-core kernels: bf16 bits, each row read 16 bytes at a time,
-/// so the buffers must start 16-byte aligned (a whole allocation, as [`Operand::new`] and the
-/// rounding of [`crate::operands`] make, always does; `head_dim` a multiple of 16 keeps every
-/// row aligned after the first).
-fn check_attn_bf16(what: &str, x: &DevSlice<'_, u16>) -> Result<(), CudaError> {
-    if x.ptr().is_multiple_of(16) {
+/// A buffer of the tensor-core attention kernels starts `align`-byte aligned: Q, K, V (bf16
+/// bits) 16, each row being copied 16 bytes at a time by cp.async (a whole allocation, as
+/// [`Operand::new`] and the rounding of [`crate::operands`] make, always is; `head_dim` a
+/// multiple of 16 keeps every row aligned after the first); the fp32 outputs 8, written (and
+/// the backward's read back and accumulated) as pairs.
+fn check_attn_aligned(what: &str, ptr: u64, align: u64) -> Result<(), CudaError> {
+    if ptr.is_multiple_of(align) {
         Ok(())
     } else {
         Err(CudaError::Shape(format!(
-            "tensor-core attention reads {what} 16 bytes at a time: its bf16 buffer must start \
-             16-byte aligned (a whole rounded buffer, not a view at an odd offset)"
+            "tensor-core attention accesses {what} {align} bytes at a time: its buffer must start \
+             {align}-byte aligned (a whole buffer, or a view at an even offset), not at {ptr:#x}"
         )))
     }
 }
@@ -1137,13 +1140,16 @@ fn check_attn_bf16(what: &str, x: &DevSlice<'_, u16>) -> Result<(), CudaError> {
 /// Numerics: Q, K, V come rounded to bf16 (nearest even: the caller rounds each once, for
 /// every kernel that reads it, [`crate::operands`]) and `S = Q Kᵀ` is one `mma.m16n8k16` bf16
 /// product with fp32 accumulation; the online softmax (running max and sum, rescaling of the
-/// output accumulators) is fp32, `P` is rounded to bf16 for `O += P V` (fp32 accumulation),
-/// and `lse = m + ln(l)` with `l` summed from the fp32 `P`. So the result is the fp32 kernel's
-/// up to bf16 rounding of the operands (relative 2⁻⁸ each), not bit-equal.
+/// output accumulators) is fp32, in the exp2 domain (`ex2.approx`), `P` is rounded to bf16 for
+/// `O += P V` (fp32 accumulation), and `lse = (m₂ + log₂ l) · ln 2` with `l` summed from the
+/// fp32 `P`. So the result is the fp32 kernel's up to bf16 rounding of the operands (relative
+/// 2⁻⁸ each), not bit-equal.
 ///
-/// One block of 4 warps per (64 query rows, batch × head); dynamic shared memory
-/// `256 · (head_dim + 8)` bytes (34 816 for head_dim 128). `head_dim` must be a multiple of
-/// 16 in 16..=128: otherwise [`CudaError::Shape`], and the caller uses [`attention_forward`].
+/// One block of 4 warps per (64 query rows, batch × head), the longest (last) query blocks
+/// first; dynamic shared memory `512 · (head_dim + 8)` bytes (36 864 for head_dim 64, 69 632
+/// for 128: K and V tiles double-buffered by cp.async; kernels/attention_tc.cu). `head_dim`
+/// must be a multiple of 16 in 16..=128: otherwise [`CudaError::Shape`], and the caller uses
+/// [`attention_forward`].
 pub fn attention_forward_tc<'a>(
     s: &AttnShape,
     q: impl Into<DevSlice<'a, u16>>,
@@ -1161,8 +1167,9 @@ pub fn attention_forward_tc<'a>(
     check_attn(s, q.len(), k.len(), v.len())?;
     check_attn_tc(s)?;
     for (what, x) in [("q", &q), ("k", &k), ("v", &v)] {
-        check_attn_bf16(what, x)?;
+        check_attn_aligned(what, x.ptr(), 16)?;
     }
+    check_attn_aligned("out", out.ptr(), 8)?;
     same_len("attention out", out.len(), s.q_elems())?;
     same_len("attention lse", lse.len(), s.lse_elems())?;
     if s.q_len == 0 {
@@ -1198,11 +1205,11 @@ pub fn attention_forward_tc<'a>(
 /// then rounded to bf16 as the operands of `dV += Pᵀ dO`, `dK += scale · dSᵀ Q` and
 /// `dQ += scale · dS K` (fp32 accumulation).
 ///
-/// Four launches: `attn_bwd_delta` (module "attention"); the rounding of `dout`;
-/// `attn_bwd_dq_tc`, 4 warps per (64 query rows, batch × head), dynamic shared memory
-/// `256 · (head_dim + 8)` bytes (34 816 for head_dim 128); `attn_bwd_dkv_tc`, 4 warps per
-/// (64 keys, batch × KV head), dynamic shared memory `384 · (head_dim + 8) + 256` bytes
-/// (52 480 for head_dim 128: two blocks fit an H100's SM, one an A100's). `head_dim` must be a
+/// Four launches: `attn_bwd_delta` (module "attention"); the rounding of `dout`; from module
+/// "attention_tc_bwd" (kernels/attention_tc_bwd.cu), `attn_bwd_dq_tc`, 4 warps per (64 query
+/// rows, batch × head), dynamic shared memory `512 · (head_dim + 8)` bytes (36 864 for
+/// head_dim 64, 69 632 for 128), and `attn_bwd_dkv_tc`, 4 warps per (64 keys, batch × KV
+/// head), `512 · (head_dim + 8) + 512` bytes (37 376 and 70 144). `head_dim` must be a
 /// multiple of 16 in 16..=128: otherwise [`CudaError::Shape`], and the caller uses
 /// [`attention_backward`].
 #[allow(clippy::too_many_arguments)]
@@ -1236,7 +1243,10 @@ pub fn attention_backward_tc<'a>(
         [dq.len(), dk.len(), dv.len()],
     )?;
     for (what, x) in [("q", &q), ("k", &k), ("v", &v)] {
-        check_attn_bf16(what, x)?;
+        check_attn_aligned(what, x.ptr(), 16)?;
+    }
+    for (what, x) in [("dq", dq.ptr()), ("dk", dk.ptr()), ("dv", dv.ptr())] {
+        check_attn_aligned(what, x, 8)?;
     }
     if s.q_len == 0 || s.kv_len == 0 {
         return Ok(());
@@ -1258,7 +1268,7 @@ pub fn attention_backward_tc<'a>(
     ];
     args.extend(attn_args(s)?);
     gpu.launch(
-        "attention_tc",
+        "attention_tc_bwd",
         tc_kernel(s, "attn_bwd_dq_tc_k4", "attn_bwd_dq_tc_k8"),
         LaunchCfg {
             grid: (
@@ -1283,7 +1293,7 @@ pub fn attention_backward_tc<'a>(
     ];
     args.extend(attn_args(s)?);
     gpu.launch(
-        "attention_tc",
+        "attention_tc_bwd",
         tc_kernel(s, "attn_bwd_dkv_tc_k4", "attn_bwd_dkv_tc_k8"),
         LaunchCfg {
             grid: (

@@ -1,20 +1,59 @@
-// Tensor-core attention (FlashAttention-2 style) for bf16 training: the same contract as the
-// fp32 kernels of the "attention" module (layouts q, out, dq [B, Sq, H, D]; k, v, dk, dv
-// [B, Sk, Hkv, D]; lse, delta [B, H, Sq]; causal by global positions: query i at q_start + i
-// sees key j iff k_start + j <= q_start + i; grouped KV heads h -> h / (H / Hkv); lse = -inf
-// and out = 0 for a row that sees no key; the backward accumulates (+=) into dq, dk, dv), but
-// every product runs on the tensor cores with bf16 operands and fp32 accumulation:
-// mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 (sm_80+). Q, K, V, dO come in as bf16
-// (their fp32 values rounded to nearest even once, by the caller: the bits these kernels would
-// get by rounding fp32 themselves, read at half the bytes), each row 16-byte aligned (D being a
-// multiple of 16 and the buffers whole allocations); P and dS are rounded to bf16 before their
-// products; scores, the online softmax (max, sum, rescaling),
-// P = exp(s * scale - lse), dS = P (dP - delta) and every accumulator stay fp32. The backward
-// is deterministic (no atomics): dQ and (dK, dV) come from separate kernels, each output
-// element has one writer and sums in a fixed order; delta = rowsum(dO * O) is the fp32
-// attn_bwd_delta of the "attention" module.
+// Tensor-core FlashAttention-2 forward for bf16 training (module "attention_tc"): kernels
+// attn_fwd_tc_k4 for D <= 64 and attn_fwd_tc_k8 for D <= 128 (templates on the register tile,
+// below). The backward's two kernels, dQ and dK/dV, are module "attention_tc_bwd"
+// (attention_tc_bwd.cu). Like every kernel module this one is compiled with the prelude
+// (kernels/prelude.cuh) put in front.
 //
-// D (head_dim) is a multiple of 16, 16..128 (checked by the launcher); 4 warps per CTA.
+// Contract: that of the fp32 forward (attn_fwd_f32, module "attention"), on bf16 operands.
+// q [B, Sq, H, D] and k, v [B, Sk, Hkv, D] as bf16 bits (`const u16*`: the caller rounds the
+// fp32 values to nearest even once, for every kernel that reads them); out [B, Sq, H, D] fp32;
+// lse [B, H, Sq] fp32 (natural log); causal by global positions (query i at q_start + i sees
+// key j iff k_start + j <= q_start + i); grouped KV heads h -> h / (H / Hkv); a row that sees
+// no key gets lse = -inf and out = 0; D a multiple of 16 in 16..128. Products on the tensor
+// cores with bf16 operands and fp32 accumulation, Q, K, V as given
+// (mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32, sm_80+), and P rounded to bf16
+// (nearest even) before P V; scores, the online softmax and every accumulator stay fp32.
+// `scale` must be positive (the launcher passes 1 / sqrt(D)): the running maximum is taken over
+// the unscaled scores. Every output element is written once, by one thread.
+//
+// Launch (tensor::cuda::ops::attention_forward_tc, crates/tensor/src/cuda/ops.rs): grid
+// (ceil(Sq / 64), B * H), block 128 (4 warps), and 512 (D + 8) bytes of dynamic shared memory
+// (below: more than the default 48 KiB from D = 96 on, which the launch opts into with
+// cuFuncSetAttribute MAX_DYNAMIC_SHARED_SIZE_BYTES). q, k, v 16-byte aligned, as the launcher
+// checks (cp.async copies 16 bytes of a row of K or V; D a multiple of 16 keeps every row
+// 16-byte aligned after the first); out 8-byte aligned (float2 stores).
+//
+// Design, and why (an earlier version, which loaded its K and V tiles into shared memory
+// synchronously, measured latency-bound on an H200 in Nsight Compute: nothing overlapped the
+// loads; this one, with the backward's, measured 3.5 to 6 times faster there):
+//  a. K and V tiles come in with cp.async (PTX ISA, "Data Movement and Conversion
+//     Instructions: cp.async"), 16 bytes (8 bf16) a copy, L2 only (.cg), straight from the
+//     bf16 rows into the bf16 tiles the mma operands are read from: no staging, no conversion.
+//     Two stages (a K and a V tile each) make a double buffer: the copies of tile j + 1 go to
+//     the other stage right after the barrier that opens tile j, and stay in flight while tile
+//     j is computed (one commit group in flight at a time; see the loop for the barrier
+//     discipline). Rows at or past Sk are zero-filled by the copy (src-size 0), so that a
+//     masked P of 0 never meets a NaN of stale shared memory in P V.
+//  b. Q's A fragments are read from global memory with 32-bit loads (two bf16 a load), not
+//     through shared memory and ldmatrix: each element of Q is read once per CTA, by one
+//     thread, so a shared tile would add 64 x (D + 8) x 2 bytes (or a third use of a stage), a
+//     barrier and the ldmatrix for the same bytes from L2. A quad's two loads of a row and
+//     k-step (columns 2t, 2t + 1 and 2t + 8, 2t + 9, t = 0..3) cover one whole 32-byte sector
+//     (rows start 32-byte aligned: 2 D bytes apart, D a multiple of 16), so nothing fetched is
+//     wasted, and they are issued while tile 0's copies fly.
+//  c. B fragments come from the bf16 tiles with ldmatrix (PTX ISA, "Warp-level matrix load
+//     instruction: ldmatrix"): .x4 gives the fragments of two n-tiles of 8 at once, .trans for
+//     V in P V (V's k index runs down the tile's rows).
+//  d. The online softmax runs in the exp2 domain: p = 2^(s * scale * log2(e) - m2) with one
+//     FFMA and ex2.approx.ftz (PTX ISA, "ex2"), m2 the running maximum of the row in the same
+//     units; lse = (m2 + log2(l)) * ln(2) at the end.
+//  e. The causal (and Sk-edge) mask is applied only on the key tiles where some row of the
+//     warp does not see some key of the tile; a warp skips tiles none of its rows sees, and on
+//     a partly seen tile the 16-key steps past the last key its last row sees.
+//  f. The query blocks are taken in reverse order (blockIdx.x = 0 takes the last rows, which
+//     see the most keys under a causal mask), so the longest blocks start first and the short
+//     ones fill the tail of the grid.
+//  g. out is written as float2 (a thread's two adjacent columns of an accumulator fragment).
 //
 // Fragments of mma.m16n8k16 (PTX ISA, "Matrix Fragments for mma.m16n8k16 with floating point
 // type"), with g = lane >> 2 (groupID) and t = lane & 3 (threadID_in_group); a 32-bit register
@@ -26,212 +65,371 @@
 //     b[0] = (rows k = 2t, 2t+1, col n = g)  b[1] = (rows k = 2t+8, 2t+9, col n = g)
 //   C/D (16 x 8 fp32), 4 registers:
 //     c[0], c[1] = (row g, cols 2t, 2t+1)    c[2], c[3] = (row g + 8, cols 2t, 2t+1)
-// So the C fragments of two adjacent n-tiles (cols 16kk..16kk+7 and 16kk+8..16kk+15) are the A
-// fragment of k-step kk: a = {pack(c0[0], c0[1]), pack(c0[2], c0[3]), pack(c1[0], c1[1]),
-// pack(c1[2], c1[3])} (tc_c_to_a): the score tile feeds the next product without shared memory.
+// The C fragments of two adjacent n-tiles (score columns 16kk..16kk+7 and 16kk+8..16kk+15) are
+// the A fragment of k-step kk of P V: a = {pack(c0[0], c0[1]), pack(c0[2], c0[3]),
+// pack(c1[0], c1[1]), pack(c1[2], c1[3])}.
 //
-// Shared-memory tiles are bf16, row-major with a row stride of D + 8 elements (the 16-byte pad
-// spreads the rows of a fragment load over the banks). A B operand whose K index runs along a
-// tile row (K for Q K^T, Q and dO for the dK/dV scores) is one 32-bit load (tc_ld2); one whose
-// K index runs down the tile's rows (V for P V, K for dS K, dO and Q for P^T dO and dS^T Q) is
-// two 16-bit loads of rows k and k + 1 packed together (tc_ld2col).
+// ldmatrix .m8n8 .x4: lanes 8i .. 8i + 7 give the 8 row addresses (16 bytes each: 8 bf16) of
+// matrix i, and destination register i receives matrix i; lane l holds, of an 8 x 8 matrix M
+// whose row r starts at the r-th address, M[l >> 2][2 (l & 3)], M[l >> 2][2 (l & 3) + 1]
+// (lower half first), or with .trans M[2 (l & 3)][l >> 2], M[2 (l & 3) + 1][l >> 2]. So
+//   S = Q K^T, B(k = d, n = j) = K[j][d]: M[r][c] = K[8n + r][16kk + c] gives lane l
+//     K[8n + g][16kk + 2t, +1] = b[0] of n-tile n at k-step kk (columns 16kk + 8 .. give b[1]);
+//     the four matrices are (n, cols 16kk), (n, 16kk + 8), (n + 1, 16kk), (n + 1, 16kk + 8).
+//   O += P V, B(k = j, n = d) = V[j][d]: M[r][c] = V[16kk + r][8n + c] with .trans gives
+//     V[16kk + 2t, +1][8n + g] = b[0] (rows 16kk + 8 .. give b[1]); the four matrices are
+//     (rows 16kk, n), (16kk + 8, n), (16kk, n + 1), (16kk + 8, n + 1).
+// The bf16 tiles have a row stride of D + 8 elements, (D + 8) / 2 = 4 (mod 8) 32-bit words
+// since D is a multiple of 16: the 8 rows of one matrix start 4 (mod 8) words apart, i.e. on
+// 8 distinct groups of 4 banks, so every ldmatrix phase is free of bank conflicts.
+//
+// Shared memory (dynamic, 16-byte aligned): two stages, each a bf16 K tile and a bf16 V tile of
+// 64 rows with row stride D + 8 (stage s at byte 256 (D + 8) s, its V tile 128 (D + 8) bytes
+// after its K tile): 2 x 2 x 64 x (D + 8) x 2 = 512 (D + 8) bytes, 36864 (36 KiB) for D = 64
+// and 69632 (68 KiB) for D = 128; no static shared memory. (An earlier version took fp32 K
+// and V through an fp32 stage beside the bf16 tiles: 768 D + 2048 bytes, 50 and 98 KiB.)
+// Occupancy: an H100 or H200 SM has 228 KiB of shared memory (at most 227 KiB a block, opt-in
+// above 48 KiB; 1 KiB reserved per block) and 64K registers. Shared memory allows 228 / 37 = 6
+// blocks an SM at D = 64 and 228 / 69 = 3 at D = 128 (an A100's 164 KiB: 4 and 2); registers
+// allow 3 at D = 64 (a cap of 168 a thread) and 2 at D = 128 (255), so registers are the
+// limit at both sizes (TN_K4_MIN_BLOCKS below).
+//
+// Checks: NVRTC 12.9 / 13.0 compile it for sm_80 and sm_90 with no warning
+// (tests/cuda_kernels_compile.rs); on a GPU, tests/cuda_kernels.rs compares
+// attention_forward_tc with the CPU's fp32 forward within the bf16 rounding of P; and without
+// a GPU, dev/attention/attention_tc_emu.py, a lane-level numpy transliteration of this kernel
+// (fragment layouts, shared-memory bytes, cp.async groups and barriers as the PTX ISA gives
+// them; keep it in step), matches a dense float64 reference on 22 shapes (head sizes 16 to
+// 128, causal with offsets, rows that see no key, GQA, ragged edges), each run with every copy
+// landing when issued and again at the wait that covers it.
 
-#define TC_WARPS 4
-#define TC_BM 64   // query rows per CTA of the forward and dQ kernels (16 per warp)
-#define TC_BN 64   // keys per CTA (per key tile of the forward and dQ; per dK/dV CTA)
-#define TC_QC 32   // query rows per step of the dK/dV kernel
-#define TC_KC 32   // keys per step of a dQ warp (half a key tile)
-#define TC_PAD 8   // bf16 of padding per shared-memory row
-// Each kernel is a template on MAXK, the most k-steps of 16 its register tiles hold (D <= 16 MAXK;
-// D / 8 <= 2 MAXK n-tiles), instantiated for MAXK = 4 (D <= 64) and 8 (D <= 128): the tiles of
-// a head of 64 then take half the registers (Nsight Compute on an H200: 213 registers a thread
-// for the head-128 tiles, so 2 CTAs an SM, at head 64).
+#define TN_BM 64  // query rows per CTA (16 per warp, 4 warps)
+#define TN_BN 64  // keys per tile
+#define TN_PAD 8  // bf16 of padding per row of the bf16 tiles
+#define TN_THREADS 128
+#define TN_LOG2E 1.4426950408889634f
+#define TN_LN2 0.6931471805599453f
 
-__device__ __forceinline__ u32 tc_pack(float lo, float hi) {
-    return (u32)f32_to_bf16(lo) | ((u32)f32_to_bf16(hi) << 16);
+// Two fp32 as a bf16 pair, round to nearest even: `lo` in the lower 16 bits (cvt.rn.bf16x2.f32
+// d, a, b puts a in the upper half, b in the lower).
+__device__ __forceinline__ u32 tn_pack(float lo, float hi) {
+    u32 r;
+    asm("cvt.rn.bf16x2.f32 %0, %1, %2;\n" : "=r"(r) : "f"(hi), "f"(lo));
+    return r;
+}
+
+// 2^x (ex2.approx.ftz.f32: 2^-inf = +0; results below 2^-126 flush to 0, far below what bf16
+// P keeps next to the row's largest term, 1).
+__device__ __forceinline__ float tn_exp2(float x) {
+    float y;
+    asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
+    return y;
 }
 
 // d += a * b (16 x 8 x 16, bf16 operands, fp32 accumulate).
-__device__ __forceinline__ void tc_mma(float* d, u32 a0, u32 a1, u32 a2, u32 a3, u32 b0,
-                                       u32 b1) {
+__device__ __forceinline__ void tn_mma(float* d, const u32* a, u32 b0, u32 b1) {
     asm volatile(
         "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
         "{%8, %9}, {%0, %1, %2, %3};\n"
         : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 
-// Elements idx, idx + 1 of a bf16 tile (idx even: 4-byte aligned).
-__device__ __forceinline__ u32 tc_ld2(const u16* s, int idx) {
-    return *(const u32*)(s + idx);
+// Four 8 x 8 bf16 matrices from shared memory (`addr`: this lane's row address, see above).
+// volatile with a memory clobber: the tiles are rewritten at the same addresses every key tile,
+// so these loads must neither be merged across iterations nor moved across the barriers.
+__device__ __forceinline__ void tn_ldsm_x4(u32* r, u32 addr) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(addr)
+                 : "memory");
 }
 
-// Elements idx and idx + ld (the same column of two consecutive rows).
-__device__ __forceinline__ u32 tc_ld2col(const u16* s, int idx, int ld) {
-    return (u32)s[idx] | ((u32)s[idx + ld] << 16);
+__device__ __forceinline__ void tn_ldsm_x4_trans(u32* r, u32 addr) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(addr)
+                 : "memory");
 }
 
-// Rows row0 .. row0 + rows - 1 of one head of a [B, S, Hx, D] bf16 tensor (`src` points at
-// (b, 0, head, 0), `rstride` = Hx * D) into a bf16 tile with row stride ld, 16 bytes (8
-// elements) a copy: D is a multiple of 16 and ld of 8, so every row of both starts 16-byte
-// aligned. Rows at or past S are zeros (so that a masked P or dS of 0 never meets a NaN in the
-// product). The whole CTA calls it (the caller synchronises).
-__device__ __forceinline__ void tc_load_tile(u16* tile, const u16* src, long long rstride,
-                                             int row0, int rows, int S, int D, int ld) {
-    const int per_row = D >> 3;
-    for (int e = threadIdx.x; e < rows * per_row; e += blockDim.x) {
-        const int r = e / per_row, c = (e - r * per_row) * 8;
-        const int row = row0 + r;
-        uint4 x = make_uint4(0u, 0u, 0u, 0u);
-        if (row < S) x = *(const uint4*)(src + (long long)row * rstride + c);
-        *(uint4*)(tile + r * ld + c) = x;
-    }
+// 16 bytes global -> shared, cached in L2 only; `src_bytes` of them read from `src`, the rest
+// zero-filled (0: a row past the end, nothing is read). `dst` and `src` 16-byte aligned.
+__device__ __forceinline__ void tn_cp_async16(u32 dst, const u16* src, int src_bytes) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst),
+                 "l"((u64)__cvta_generic_to_global(src)), "r"(src_bytes)
+                 : "memory");
 }
 
-// The A fragments (per k-step of 16 columns, D / 16 of them) of rows r and r + 8 of one head
-// of a [B, S, Hx, D] bf16 tensor, straight from global memory (two bf16 a 32-bit load); rows
-// at or past S are zeros. `src` points at (b, 0, head, 0).
-template <int MAXK>
-__device__ __forceinline__ void tc_load_a(u32 (*f)[4], const u16* src, long long rstride,
-                                          int r, int S, int D, int t) {
-    const u16* pa = src + (long long)r * rstride;
-    const u16* pb = src + (long long)(r + 8) * rstride;
-    bool oka = r < S, okb = r + 8 < S;
-#pragma unroll
-    for (int kk = 0; kk < MAXK; kk++) {
-        if (kk < (D >> 4)) {
-            int c = kk * 16 + 2 * t;
-            f[kk][0] = oka ? *(const u32*)(pa + c) : 0u;
-            f[kk][1] = okb ? *(const u32*)(pb + c) : 0u;
-            f[kk][2] = oka ? *(const u32*)(pa + c + 8) : 0u;
-            f[kk][3] = okb ? *(const u32*)(pb + c + 8) : 0u;
-        }
-    }
+__device__ __forceinline__ void tn_cp_async_commit() {
+    asm volatile("cp.async.commit_group;\n" ::: "memory");
 }
 
-__device__ __forceinline__ bool tc_visible(int i, int j, int Sq, int Sk, int causal, int q_start,
-                                           int k_start) {
-    return i < Sq && j < Sk && (!causal || k_start + j <= q_start + i);
+// Waits for every cp.async group of this thread; its copies are then visible to it, and to
+// the whole CTA after a barrier (PTX ISA, "cp.async.wait_group"; bar.sync orders the waiting
+// thread's view before every other thread's reads after it).
+__device__ __forceinline__ void tn_cp_async_wait_all() {
+    asm volatile("cp.async.wait_group 0;\n" ::: "memory");
+}
+
+__device__ __forceinline__ u32 tn_smem_addr(const void* p) {
+    return (u32)__cvta_generic_to_shared(p);
 }
 
 // Keys visible to some query of rows [0, i_end): all of them, or up to the last row's.
-__device__ __forceinline__ int tc_keys_seen(int i_end, int Sk, int causal, int q_start,
+__device__ __forceinline__ int tn_keys_seen(int i_end, int Sk, int causal, int q_start,
                                             int k_start) {
     if (!causal) return Sk;
     int v = q_start + i_end - k_start; // keys j with k_start + j <= q_start + i_end - 1
     return v < 0 ? 0 : (v > Sk ? Sk : v);
 }
 
-// Forward. Grid (ceil(Sq / 64), B * H), block 128; warp w owns query rows 64 x + 16 w ..
-// + 15 (its Q fragments stay in registers), the CTA walks the key tiles of 64 that its rows
-// see. Dynamic shared memory: K and V tiles, 2 * 64 * (D + 8) bf16 = 256 (D + 8) bytes
-// (34816 for D = 128, 18432 for D = 64).
+// The 16-byte pieces (8 bf16) of a 64-row tile that this thread copies: pieces
+// e = threadIdx.x + 128 i for i < D / 16 (64 rows of D / 8 pieces: 8 D pieces, D / 16 a
+// thread), piece e at tile row e / (D / 8), columns 8 (e % (D / 8)) .. + 7. Consecutive
+// threads take consecutive pieces of a row: at D = 64 and 128 a warp reads whole rows, or 512
+// consecutive bytes of one, and each quarter-warp writes 128 consecutive bytes of one tile row
+// (8 pieces, all 32 banks once: conflict-free). The row and column of piece i + 1 are those of
+// piece i advanced by 128 pieces: `dr` rows and `dc` pieces, with a carry (no division in the
+// loop).
+struct TnPieces {
+    int r, c;   // row and piece column of the first piece (i = 0)
+    int dr, dc; // 128 / (D / 8), 128 % (D / 8)
+    int cpr;    // pieces a row, D / 8
+};
+
+// Issues the copies of key rows j0 .. j0 + 63 of K and V (`kb`, `vb`: row 0 of the head;
+// `kstride` = Hkv * D) into the bf16 tiles at shared addresses `kt`, `vt` (row stride ld);
+// rows at or past Sk are zero-filled. Both addresses of a piece are 16-byte aligned: 8 c
+// elements into a row, rows 2 kstride (a multiple of 32) and 2 ld (of 16) bytes apart.
 template <int MAXK>
+__device__ __forceinline__ void tn_copy_tile(u32 kt, u32 vt, const u16* kb, const u16* vb,
+                                             long long kstride, int j0, int Sk, int D, int ld,
+                                             const TnPieces& pc) {
+    int r = pc.r, c = pc.c;
+#pragma unroll
+    for (int i = 0; i < MAXK; i++) {
+        if (i < (D >> 4)) {
+            const int row = j0 + r;
+            const bool in = row < Sk;
+            // A row past the end reads nothing; its address stays inside row 0 of the head.
+            const long long off = (in ? (long long)row * kstride : 0) + 8 * c;
+            const u32 so = (u32)(r * ld + 8 * c) * 2u;
+            tn_cp_async16(kt + so, kb + off, in ? 16 : 0);
+            tn_cp_async16(vt + so, vb + off, in ? 16 : 0);
+            c += pc.dc;
+            r += pc.dr;
+            if (c >= pc.cpr) {
+                c -= pc.cpr;
+                r++;
+            }
+        }
+    }
+}
+
+// One key tile of 64 for one warp's 16 query rows: S = Q K^T, the online softmax, O += P V.
+// `ks_lane`, `vs_lane`: this lane's ldmatrix row address in the bf16 K and V tiles (k-step 0,
+// n-tile pair 0). MASKED: some row of the warp does not see some key of the tile; then
+// `kv_lim` is the number of the tile's keys the warp's last row below Sq sees (16-key steps
+// from it on are skipped: no row of the warp sees them) and `vis[hf]` the number row r0 + 8 hf
+// sees (keys 0 .. vis - 1 of the tile; may be <= 0 or > 64).
+template <int MAXK, bool MASKED>
+__device__ __forceinline__ void tn_tile(const u32 (&qf)[MAXK][4], float (&o)[2 * MAXK][4],
+                                        float (&m)[2], float (&l)[2], u32 ks_lane, u32 vs_lane,
+                                        int ld, int nk, float sl2, int kv_lim,
+                                        const int (&vis)[2], int t) {
+    // S = Q K^T (16 rows x 64 keys): n-tiles 2p, 2p + 1 from one ldmatrix.x4 per k-step.
+    float s[8][4];
+#pragma unroll
+    for (int n = 0; n < 8; n++) s[n][0] = s[n][1] = s[n][2] = s[n][3] = 0.0f;
+#pragma unroll
+    for (int kk = 0; kk < MAXK; kk++) {
+        if (kk < nk) {
+#pragma unroll
+            for (int p = 0; p < 4; p++) {
+                if (!MASKED || 16 * p < kv_lim) {
+                    u32 bk[4];
+                    tn_ldsm_x4(bk, ks_lane + (u32)(p * 16 * ld + kk * 16) * 2u);
+                    tn_mma(s[2 * p], qf[kk], bk[0], bk[1]);
+                    tn_mma(s[2 * p + 1], qf[kk], bk[2], bk[3]);
+                }
+            }
+        }
+    }
+    // Online softmax, row r0 + 8 hf: s[n][2 hf], s[n][2 hf + 1] (keys 8n + 2t, +1 of the tile),
+    // the row's 64 scores spread over the 4 threads of the quad. Skipped n-tiles hold 0 and are
+    // masked (no row of the warp sees them).
+#pragma unroll
+    for (int hf = 0; hf < 2; hf++) {
+        float mx = m[hf];
+#pragma unroll
+        for (int n = 0; n < 8; n++) {
+#pragma unroll
+            for (int e = 0; e < 2; e++) {
+                if (MASKED && n * 8 + 2 * t + e >= vis[hf]) s[n][2 * hf + e] = XT_NEG_INF;
+                mx = fmaxf(mx, s[n][2 * hf + e]);
+            }
+        }
+        mx = fmaxf(mx, __shfl_xor_sync(XT_FULL_MASK, mx, 1));
+        mx = fmaxf(mx, __shfl_xor_sync(XT_FULL_MASK, mx, 2));
+        // The new running maximum mx (unscaled; scale > 0) in exp2 units, m2 = mx * scale *
+        // log2(e), rounded once (__fmul_rn: never fused) so that the previous tile's m2 is
+        // recomputed bit for bit below. 0 while the row has seen no key (mx = -inf): p = 2^-inf
+        // = 0, never -inf - -inf.
+        const float m2 = mx == XT_NEG_INF ? 0.0f : __fmul_rn(mx, sl2);
+        // The rescale of what was summed against the previous m2 (2^-inf = 0 on the first
+        // seen tile, where l and o are still 0).
+        const float corr = tn_exp2(__fmul_rn(m[hf], sl2) - m2);
+        m[hf] = mx;
+        float sum = 0.0f;
+#pragma unroll
+        for (int n = 0; n < 8; n++) {
+#pragma unroll
+            for (int e = 0; e < 2; e++) {
+                const float p = tn_exp2(fmaf(s[n][2 * hf + e], sl2, -m2));
+                s[n][2 * hf + e] = p;
+                sum += p;
+            }
+        }
+        l[hf] = l[hf] * corr + sum; // this thread's part of the row sum (quad-summed last)
+#pragma unroll
+        for (int n = 0; n < 2 * MAXK; n++) {
+            o[n][2 * hf] *= corr;
+            o[n][2 * hf + 1] *= corr;
+        }
+    }
+    // O += P V: A = P (k-step kk = keys 16 kk .. 16 kk + 15: n-tiles 2 kk, 2 kk + 1), B(k = j,
+    // n = d) = V[j][d], output n-tiles 2p, 2p + 1 (D / 16 = nk pairs) from one
+    // ldmatrix.x4.trans.
+#pragma unroll
+    for (int kk = 0; kk < 4; kk++) {
+        if (!MASKED || 16 * kk < kv_lim) {
+            u32 a[4];
+            a[0] = tn_pack(s[2 * kk][0], s[2 * kk][1]);
+            a[1] = tn_pack(s[2 * kk][2], s[2 * kk][3]);
+            a[2] = tn_pack(s[2 * kk + 1][0], s[2 * kk + 1][1]);
+            a[3] = tn_pack(s[2 * kk + 1][2], s[2 * kk + 1][3]);
+#pragma unroll
+            for (int p = 0; p < MAXK; p++) {
+                if (p < nk) {
+                    u32 bv[4];
+                    tn_ldsm_x4_trans(bv, vs_lane + (u32)(kk * 16 * ld + p * 16) * 2u);
+                    tn_mma(o[2 * p], a, bv[0], bv[1]);
+                    tn_mma(o[2 * p + 1], a, bv[2], bv[3]);
+                }
+            }
+        }
+    }
+}
+
+// Grid (ceil(Sq / 64), B * H), block 128; the CTA of blockIdx.x = x owns query rows
+// 64 (gridDim.x - 1 - x) .. + 63, warp w rows + 16 w .. + 15 (its Q fragments stay in
+// registers), and walks the key tiles of 64 that its rows see.
+template <int MAXK, bool FULL>
 __device__ __forceinline__ void attn_fwd_tc_body(const u16* q, const u16* k, const u16* v,
-                                                 float* out, float* lse, int B, int Sq, int Sk,
-                                                 int H, int Hkv, int D, int causal, int q_start,
-                                                 int k_start, float scale) {
-    extern __shared__ __align__(16) u16 tc_smem[];
-    const int ld = D + TC_PAD;
-    u16* ks = tc_smem;
-    u16* vs = tc_smem + TC_BN * ld;
+                                                      float* out, float* lse, int B, int Sq,
+                                                      int Sk, int H, int Hkv, int D, int causal,
+                                                      int q_start, int k_start, float scale) {
+    extern __shared__ __align__(16) unsigned char tn_smem[];
+    if (FULL) D = 16 * MAXK; // a constant from here on: loops without guards, fixed offsets
+    const int ld = D + TN_PAD;
+    // Stage s of the double buffer: the K tile at kt0 + s * stage, the V tile at vt0 + s * stage.
+    const u32 stage = (u32)(2 * TN_BN * ld) * 2u;
+    const u32 kt0 = tn_smem_addr(tn_smem), vt0 = kt0 + (u32)(TN_BN * ld) * 2u;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
     const int b = blockIdx.y / H, h = blockIdx.y % H, hk = h / (H / Hkv);
-    const int q0 = blockIdx.x * TC_BM;
+    const int q0 = (gridDim.x - 1 - blockIdx.x) * TN_BM; // longest rows first
     const int nk = D >> 4, nd = D >> 3;
     const long long qstride = (long long)H * D, kstride = (long long)Hkv * D;
     const u16* qb = q + (long long)b * Sq * qstride + (long long)h * D;
     const u16* kb = k + (long long)b * Sk * kstride + (long long)hk * D;
     const u16* vb = v + (long long)b * Sk * kstride + (long long)hk * D;
-    const int r0 = q0 + warp * 16 + g; // this thread's rows: r0 (half 0) and r0 + 8 (half 1)
+    const int iw = q0 + warp * 16; // the warp's first row
+    const int r0 = iw + g;         // this thread's rows: r0 (half 0) and r0 + 8 (half 1)
+    const float sl2 = scale * TN_LOG2E;
 
+    const int nvis = tn_keys_seen(min(q0 + TN_BM, Sq), Sk, causal, q_start, k_start);
+    const int ntiles = (nvis + TN_BN - 1) / TN_BN;
+    TnPieces pc;
+    pc.cpr = D >> 3;
+    pc.r = threadIdx.x / pc.cpr;
+    pc.c = threadIdx.x - pc.r * pc.cpr;
+    pc.dr = TN_THREADS / pc.cpr;
+    pc.dc = TN_THREADS - pc.dr * pc.cpr;
+
+    // Tile 0's copies (stage 0) fly while Q is read.
+    if (ntiles > 0) {
+        tn_copy_tile<MAXK>(kt0, vt0, kb, vb, kstride, 0, Sk, D, ld, pc);
+        tn_cp_async_commit();
+    }
+
+    // Q's A fragments (rows r0, r0 + 8; zeros past Sq) from global memory, two bf16 a 32-bit
+    // load (see b. in the header): a[0], a[1] columns 16 kk + 2t, + 1 of rows r0, r0 + 8;
+    // a[2], a[3] columns 16 kk + 2t + 8, + 9.
     u32 qf[MAXK][4];
-    tc_load_a<MAXK>(qf, qb, qstride, r0, Sq, D, t);
-    float o[(2 * MAXK)][4];
+    {
+        const u16* pa = qb + (long long)r0 * qstride + 2 * t;
+        const u16* pb = qb + (long long)(r0 + 8) * qstride + 2 * t;
+        const bool oka = r0 < Sq, okb = r0 + 8 < Sq;
 #pragma unroll
-    for (int n = 0; n < (2 * MAXK); n++) o[n][0] = o[n][1] = o[n][2] = o[n][3] = 0.0f;
+        for (int kk = 0; kk < MAXK; kk++) {
+            if (kk < nk) {
+                qf[kk][0] = oka ? *(const u32*)(pa + kk * 16) : 0u;
+                qf[kk][1] = okb ? *(const u32*)(pb + kk * 16) : 0u;
+                qf[kk][2] = oka ? *(const u32*)(pa + kk * 16 + 8) : 0u;
+                qf[kk][3] = okb ? *(const u32*)(pb + kk * 16 + 8) : 0u;
+            }
+        }
+    }
+
+    // What the warp sees (warp-uniform): keys 0 .. wfull - 1 by every row of it (the first
+    // row sees the fewest), keys 0 .. wkeys - 1 by some row (the last row below Sq sees the
+    // most); nothing for a warp whose rows are all past Sq. And what each of this thread's
+    // rows sees: keys 0 .. vis_row - 1.
+    int wfull = 0, wkeys = 0;
+    if (iw < Sq) {
+        wkeys = tn_keys_seen(min(iw + 16, Sq), Sk, causal, q_start, k_start);
+        wfull = tn_keys_seen(iw + 1, Sk, causal, q_start, k_start);
+    }
+    int vis_row[2];
+#pragma unroll
+    for (int hf = 0; hf < 2; hf++)
+        vis_row[hf] = tn_keys_seen(r0 + 8 * hf + 1, Sk, causal, q_start, k_start);
+
+    // ldmatrix row addresses of this lane in stage 0 (k-step 0, n-tile pair 0; see the header).
+    const int krow = ((lane >> 4) << 3) + (lane & 7), kcol = ((lane >> 3) & 1) << 3;
+    const int vrow = (((lane >> 3) & 1) << 3) + (lane & 7), vcol = (lane >> 4) << 3;
+    const u32 ks_lane = kt0 + (u32)(krow * ld + kcol) * 2u;
+    const u32 vs_lane = vt0 + (u32)(vrow * ld + vcol) * 2u;
+
+    float o[2 * MAXK][4];
+#pragma unroll
+    for (int n = 0; n < 2 * MAXK; n++) o[n][0] = o[n][1] = o[n][2] = o[n][3] = 0.0f;
     float m[2] = {XT_NEG_INF, XT_NEG_INF}, l[2] = {0.0f, 0.0f};
 
-    const int nvis = tc_keys_seen(min(q0 + TC_BM, Sq), Sk, causal, q_start, k_start);
-    for (int j0 = 0; j0 < nvis; j0 += TC_BN) {
-        __syncthreads(); // every warp is done with the previous tiles
-        tc_load_tile(ks, kb, kstride, j0, TC_BN, Sk, D, ld);
-        tc_load_tile(vs, vb, kstride, j0, TC_BN, Sk, D, ld);
+    // The pipeline, one barrier a tile: tile jt is in stage jt & 1. At the top of iteration
+    // jt the only commit group in flight is tile jt's; after this thread's wait and the
+    // barrier, (1) every thread's copies of tile jt have landed and are visible to the CTA,
+    // and (2) every warp is done with tile jt - 1, so its stage, (jt + 1) & 1, may be
+    // overwritten: tile jt + 1's copies go there and fly while tile jt is computed. Warps
+    // that skip a tile still pass every barrier (the loop and its barrier are CTA-uniform).
+    for (int jt = 0; jt < ntiles; jt++) {
+        const int j0 = jt * TN_BN;
+        const u32 cur = (u32)(jt & 1) * stage;
+        tn_cp_async_wait_all();
         __syncthreads();
-
-        // S = Q K^T (16 rows x 64 keys per warp): B(k = d, n = j) = K[j][d].
-        float s[8][4];
-#pragma unroll
-        for (int n = 0; n < 8; n++) {
-            s[n][0] = s[n][1] = s[n][2] = s[n][3] = 0.0f;
-            const u16* kr = ks + (n * 8 + g) * ld + 2 * t;
-#pragma unroll
-            for (int kk = 0; kk < MAXK; kk++) {
-                if (kk < nk) {
-                    tc_mma(s[n], qf[kk][0], qf[kk][1], qf[kk][2], qf[kk][3],
-                           tc_ld2(kr, kk * 16), tc_ld2(kr, kk * 16 + 8));
-                }
-            }
+        if (jt + 1 < ntiles) {
+            const u32 nxt = stage - cur; // the other stage
+            tn_copy_tile<MAXK>(kt0 + nxt, vt0 + nxt, kb, vb, kstride, j0 + TN_BN, Sk, D, ld, pc);
+            tn_cp_async_commit();
         }
-        // Mask, scale, online softmax; row r0 + 8 hf holds s[n][2 hf], s[n][2 hf + 1], its 64
-        // values spread over the 4 threads of the quad (t = 0..3).
-#pragma unroll
-        for (int hf = 0; hf < 2; hf++) {
-            const int i = r0 + 8 * hf;
-            float mx = XT_NEG_INF;
-#pragma unroll
-            for (int n = 0; n < 8; n++) {
-#pragma unroll
-                for (int e = 0; e < 2; e++) {
-                    int j = j0 + n * 8 + 2 * t + e;
-                    float x = tc_visible(i, j, Sq, Sk, causal, q_start, k_start)
-                                  ? s[n][2 * hf + e] * scale
-                                  : XT_NEG_INF;
-                    s[n][2 * hf + e] = x;
-                    mx = fmaxf(mx, x);
-                }
-            }
-            mx = fmaxf(mx, __shfl_xor_sync(XT_FULL_MASK, mx, 1));
-            mx = fmaxf(mx, __shfl_xor_sync(XT_FULL_MASK, mx, 2));
-            const float mnew = fmaxf(m[hf], mx);
-            // Subtract 0 while no key is seen (mnew = -inf): p = exp(-inf) = 0, corr = 0
-            // (l and o are still 0), never -inf - -inf.
-            const float mu = mnew == XT_NEG_INF ? 0.0f : mnew;
-            const float corr = expf(m[hf] - mu);
-            float sum = 0.0f;
-#pragma unroll
-            for (int n = 0; n < 8; n++) {
-#pragma unroll
-                for (int e = 0; e < 2; e++) {
-                    float p = expf(s[n][2 * hf + e] - mu);
-                    s[n][2 * hf + e] = p;
-                    sum += p;
-                }
-            }
-            l[hf] = l[hf] * corr + sum; // this thread's part of the row sum (quad-summed last)
-            m[hf] = mnew;
-#pragma unroll
-            for (int n = 0; n < (2 * MAXK); n++) {
-                o[n][2 * hf] *= corr;
-                o[n][2 * hf + 1] *= corr;
-            }
-        }
-        // O += P V: A = P (k-step kk = keys 16 kk .. 16 kk + 15: n-tiles 2 kk, 2 kk + 1),
-        // B(k = j, n = d) = V[j][d].
-#pragma unroll
-        for (int kk = 0; kk < 4; kk++) {
-            const u32 a0 = tc_pack(s[2 * kk][0], s[2 * kk][1]);
-            const u32 a1 = tc_pack(s[2 * kk][2], s[2 * kk][3]);
-            const u32 a2 = tc_pack(s[2 * kk + 1][0], s[2 * kk + 1][1]);
-            const u32 a3 = tc_pack(s[2 * kk + 1][2], s[2 * kk + 1][3]);
-            const u16* vr = vs + (kk * 16 + 2 * t) * ld + g;
-#pragma unroll
-            for (int n = 0; n < (2 * MAXK); n++) {
-                if (n < nd) {
-                    tc_mma(o[n], a0, a1, a2, a3, tc_ld2col(vr, n * 8, ld),
-                           tc_ld2col(vr, 8 * ld + n * 8, ld));
-                }
-            }
+        if (j0 + TN_BN <= wfull) {
+            const int none[2] = {0, 0};
+            tn_tile<MAXK, false>(qf, o, m, l, ks_lane + cur, vs_lane + cur, ld, nk, sl2, TN_BN,
+                                 none, t);
+        } else if (j0 < wkeys) {
+            const int vis[2] = {vis_row[0] - j0, vis_row[1] - j0};
+            tn_tile<MAXK, true>(qf, o, m, l, ks_lane + cur, vs_lane + cur, ld, nk, sl2,
+                                wkeys - j0, vis, t);
         }
     }
 
@@ -246,302 +444,47 @@ __device__ __forceinline__ void attn_fwd_tc_body(const u16* q, const u16* k, con
             const float inv = sum > 0.0f ? 1.0f / sum : 0.0f;
             float* orow = ob + (long long)i * qstride + 2 * t;
 #pragma unroll
-            for (int n = 0; n < (2 * MAXK); n++) {
-                if (n < nd) {
-                    orow[n * 8] = o[n][2 * hf] * inv;
-                    orow[n * 8 + 1] = o[n][2 * hf + 1] * inv;
-                }
+            for (int n = 0; n < 2 * MAXK; n++) {
+                if (n < nd)
+                    *(float2*)(orow + n * 8) =
+                        make_float2(o[n][2 * hf] * inv, o[n][2 * hf + 1] * inv);
             }
+            // lse = ln(sum_j e^(s_j scale)) = (m2 + log2(l)) ln 2, l summed against m2.
             if (t == 0)
                 lse[((long long)b * H + h) * Sq + i] =
-                    sum > 0.0f ? m[hf] + logf(sum) : XT_NEG_INF;
+                    sum > 0.0f ? (__fmul_rn(m[hf], sl2) + log2f(sum)) * TN_LN2 : XT_NEG_INF;
         }
     }
 }
 
-// dq += scale * dS K, dS = P (dP - delta), P = exp(s * scale - lse), dP = dO V^T. Grid
-// (ceil(Sq / 64), B * H), block 128; warp w owns query rows 64 x + 16 w .. + 15 (Q and dO
-// fragments in registers) and walks each key tile of 64 in two steps of 32 keys. Dynamic
-// shared memory: K and V tiles, 256 (D + 8) bytes (34816 for D = 128).
-template <int MAXK>
-__device__ __forceinline__ void attn_bwd_dq_tc_body(const u16* q, const u16* k,
-                                                    const u16* v, const u16* dout,
-                                                    const float* lse, const float* delta,
-                                                    float* dq, int B, int Sq, int Sk, int H,
-                                                    int Hkv, int D, int causal, int q_start,
-                                                    int k_start, float scale) {
-    extern __shared__ __align__(16) u16 tc_smem[];
-    const int ld = D + TC_PAD;
-    u16* ks = tc_smem;
-    u16* vs = tc_smem + TC_BN * ld;
-    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
-    const int b = blockIdx.y / H, h = blockIdx.y % H, hk = h / (H / Hkv);
-    const int q0 = blockIdx.x * TC_BM;
-    const int nk = D >> 4, nd = D >> 3;
-    const long long qstride = (long long)H * D, kstride = (long long)Hkv * D;
-    const long long qbase = (long long)b * Sq * qstride + (long long)h * D;
-    const u16* kb = k + (long long)b * Sk * kstride + (long long)hk * D;
-    const u16* vb = v + (long long)b * Sk * kstride + (long long)hk * D;
-    const int r0 = q0 + warp * 16 + g;
+// Blocks an SM each kernel is compiled for (__launch_bounds__' second argument: the register
+// cap is 64K / (128 x blocks)). attn_fwd_tc_k4: 3, a cap of 168 registers a thread (ptxas
+// of CUDA 12.9 and 13.0 takes 166 on sm_90 and 168 on sm_80 with no spills; a cap of 128, for
+// 4 of the 6 blocks that shared memory allows, spills 36 bytes on sm_90 and 40 on sm_80);
+// attn_fwd_tc_k8: 2, a cap of 255, which it fills (255 on both, no spills; under a cap of
+// 240, __maxnreg__, it takes 240 with no spills on sm_90 and 8 bytes of stack on sm_80, and
+// 2 blocks either way). The library builds these defaults; to measure another choice, a
+// #define before the source (e.g. `#define TN_K4_MIN_BLOCKS 4` after the prelude, compiling
+// the module by hand with NVRTC) overrides either.
+#ifndef TN_K4_MIN_BLOCKS
+#define TN_K4_MIN_BLOCKS 3
+#endif
+#ifndef TN_K8_MIN_BLOCKS
+#define TN_K8_MIN_BLOCKS 2
+#endif
 
-    u32 qf[MAXK][4], gf[MAXK][4];
-    tc_load_a<MAXK>(qf, q + qbase, qstride, r0, Sq, D, t);
-    tc_load_a<MAXK>(gf, dout + qbase, qstride, r0, Sq, D, t);
-    float lse_r[2], del_r[2];
-#pragma unroll
-    for (int hf = 0; hf < 2; hf++) {
-        const int i = r0 + 8 * hf;
-        const long long li = ((long long)b * H + h) * Sq + i;
-        lse_r[hf] = i < Sq ? lse[li] : 0.0f;
-        del_r[hf] = i < Sq ? delta[li] : 0.0f;
-    }
-    float acc[(2 * MAXK)][4];
-#pragma unroll
-    for (int n = 0; n < (2 * MAXK); n++) acc[n][0] = acc[n][1] = acc[n][2] = acc[n][3] = 0.0f;
-
-    const int nvis = tc_keys_seen(min(q0 + TC_BM, Sq), Sk, causal, q_start, k_start);
-    for (int j0 = 0; j0 < nvis; j0 += TC_BN) {
-        __syncthreads();
-        tc_load_tile(ks, kb, kstride, j0, TC_BN, Sk, D, ld);
-        tc_load_tile(vs, vb, kstride, j0, TC_BN, Sk, D, ld);
-        __syncthreads();
-#pragma unroll 1
-        for (int c0 = 0; c0 < TC_BN; c0 += TC_KC) {
-            // S = Q K^T and dP = dO V^T on keys c0 .. c0 + 31 of the tile.
-            float s[4][4], dp[4][4];
-#pragma unroll
-            for (int n = 0; n < 4; n++) {
-                s[n][0] = s[n][1] = s[n][2] = s[n][3] = 0.0f;
-                dp[n][0] = dp[n][1] = dp[n][2] = dp[n][3] = 0.0f;
-                const u16* kr = ks + (c0 + n * 8 + g) * ld + 2 * t;
-                const u16* vr = vs + (c0 + n * 8 + g) * ld + 2 * t;
-#pragma unroll
-                for (int kk = 0; kk < MAXK; kk++) {
-                    if (kk < nk) {
-                        tc_mma(s[n], qf[kk][0], qf[kk][1], qf[kk][2], qf[kk][3],
-                               tc_ld2(kr, kk * 16), tc_ld2(kr, kk * 16 + 8));
-                        tc_mma(dp[n], gf[kk][0], gf[kk][1], gf[kk][2], gf[kk][3],
-                               tc_ld2(vr, kk * 16), tc_ld2(vr, kk * 16 + 8));
-                    }
-                }
-            }
-            // dS = P (dP - delta), 0 where masked (kept in s).
-#pragma unroll
-            for (int n = 0; n < 4; n++) {
-#pragma unroll
-                for (int x = 0; x < 4; x++) {
-                    const int hf = x >> 1;
-                    const int i = r0 + 8 * hf, j = j0 + c0 + n * 8 + 2 * t + (x & 1);
-                    float ds = 0.0f;
-                    if (tc_visible(i, j, Sq, Sk, causal, q_start, k_start)) {
-                        const float p = expf(s[n][x] * scale - lse_r[hf]);
-                        ds = p * (dp[n][x] - del_r[hf]);
-                    }
-                    s[n][x] = ds;
-                }
-            }
-            // dQ += dS K: A = dS (k-step kk = keys c0 + 16 kk ..), B(k = j, n = d) = K[j][d].
-#pragma unroll
-            for (int kk = 0; kk < 2; kk++) {
-                const u32 a0 = tc_pack(s[2 * kk][0], s[2 * kk][1]);
-                const u32 a1 = tc_pack(s[2 * kk][2], s[2 * kk][3]);
-                const u32 a2 = tc_pack(s[2 * kk + 1][0], s[2 * kk + 1][1]);
-                const u32 a3 = tc_pack(s[2 * kk + 1][2], s[2 * kk + 1][3]);
-                const u16* kr = ks + (c0 + kk * 16 + 2 * t) * ld + g;
-#pragma unroll
-                for (int n = 0; n < (2 * MAXK); n++) {
-                    if (n < nd) {
-                        tc_mma(acc[n], a0, a1, a2, a3, tc_ld2col(kr, n * 8, ld),
-                               tc_ld2col(kr, 8 * ld + n * 8, ld));
-                    }
-                }
-            }
-        }
+#define TN_KERNEL(MAXK, MIN_BLOCKS)                                                            \
+    extern "C" __global__ void __launch_bounds__(TN_THREADS, MIN_BLOCKS)                       \
+        attn_fwd_tc_k##MAXK(const u16* q, const u16* k, const u16* v, float* out,              \
+                            float* lse, int B, int Sq, int Sk, int H, int Hkv, int D,          \
+                            int causal, int q_start, int k_start, float scale) {               \
+        if (D == 16 * MAXK)                                                                    \
+            attn_fwd_tc_body<MAXK, true>(q, k, v, out, lse, B, Sq, Sk, H, Hkv, D, causal,      \
+                                         q_start, k_start, scale);                             \
+        else                                                                                   \
+            attn_fwd_tc_body<MAXK, false>(q, k, v, out, lse, B, Sq, Sk, H, Hkv, D, causal,     \
+                                          q_start, k_start, scale);                            \
     }
 
-#pragma unroll
-    for (int hf = 0; hf < 2; hf++) {
-        const int i = r0 + 8 * hf;
-        if (i < Sq) {
-            float* row = dq + qbase + (long long)i * qstride + 2 * t;
-#pragma unroll
-            for (int n = 0; n < (2 * MAXK); n++) {
-                if (n < nd) {
-                    row[n * 8] += scale * acc[n][2 * hf];
-                    row[n * 8 + 1] += scale * acc[n][2 * hf + 1];
-                }
-            }
-        }
-    }
-}
-
-// dv += P^T dO, dk += scale * dS^T Q over every query head of the group. Grid
-// (ceil(Sk / 64), B * Hkv), block 128; warp w owns keys 64 x + 16 w .. + 15 and computes the
-// transposed scores S^T = K Q^T directly (keys as the M dimension), so P^T and dS^T are A
-// operands straight from the accumulators. The CTA walks the query rows that see its keys in
-// steps of 32. Dynamic shared memory: K and V tiles (64 rows), Q and dO tiles (32 rows), all
-// bf16 with row stride D + 8, then lse and delta of the 32 rows (fp32):
-// (2 * 64 + 2 * 32) * (D + 8) * 2 + 2 * 32 * 4 = 384 (D + 8) + 256 bytes (52480 for D = 128,
-// 27904 for D = 64).
-template <int MAXK>
-__device__ __forceinline__ void attn_bwd_dkv_tc_body(const u16* q, const u16* k,
-                                                     const u16* v, const u16* dout,
-                                                     const float* lse, const float* delta,
-                                                     float* dk, float* dv, int B, int Sq,
-                                                     int Sk, int H, int Hkv, int D, int causal,
-                                                     int q_start, int k_start, float scale) {
-    extern __shared__ __align__(16) u16 tc_smem[];
-    const int ld = D + TC_PAD;
-    u16* ks = tc_smem;
-    u16* vs = ks + TC_BN * ld;
-    u16* qs = vs + TC_BN * ld;
-    u16* gs = qs + TC_QC * ld;
-    float* lse_s = (float*)(gs + TC_QC * ld); // (2 * 64 + 2 * 32) * ld * 2 bytes: 16-aligned
-    float* del_s = lse_s + TC_QC;
-    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
-    const int b = blockIdx.y / Hkv, hk = blockIdx.y % Hkv, group = H / Hkv;
-    const int j0 = blockIdx.x * TC_BN;
-    const int nk = D >> 4, nd = D >> 3;
-    const long long qstride = (long long)H * D, kstride = (long long)Hkv * D;
-    const long long kbase = (long long)b * Sk * kstride + (long long)hk * D;
-    const int jw = warp * 16; // this warp's keys in the tile: jw + g (half 0), jw + g + 8
-
-    tc_load_tile(ks, k + kbase, kstride, j0, TC_BN, Sk, D, ld);
-    tc_load_tile(vs, v + kbase, kstride, j0, TC_BN, Sk, D, ld);
-    float dka[(2 * MAXK)][4], dva[(2 * MAXK)][4];
-#pragma unroll
-    for (int n = 0; n < (2 * MAXK); n++) {
-        dka[n][0] = dka[n][1] = dka[n][2] = dka[n][3] = 0.0f;
-        dva[n][0] = dva[n][1] = dva[n][2] = dva[n][3] = 0.0f;
-    }
-    // The first query that sees key j0 (the tile's first): q_start + i >= k_start + j0.
-    int i0 = causal ? k_start + j0 - q_start : 0;
-    i0 = i0 < 0 ? 0 : (i0 / TC_QC) * TC_QC;
-
-    for (int gi = 0; gi < group; gi++) {
-        const int h = hk * group + gi;
-        const long long qbase = (long long)b * Sq * qstride + (long long)h * D;
-        const long long lbase = ((long long)b * H + h) * Sq;
-        for (int c0 = i0; c0 < Sq; c0 += TC_QC) {
-            __syncthreads(); // every warp is done with the previous Q, dO, lse, delta
-            tc_load_tile(qs, q + qbase, qstride, c0, TC_QC, Sq, D, ld);
-            tc_load_tile(gs, dout + qbase, qstride, c0, TC_QC, Sq, D, ld);
-            for (int r = threadIdx.x; r < TC_QC; r += blockDim.x) {
-                const bool in = c0 + r < Sq;
-                lse_s[r] = in ? lse[lbase + c0 + r] : 0.0f;
-                del_s[r] = in ? delta[lbase + c0 + r] : 0.0f;
-            }
-            __syncthreads(); // (the first pass also covers the K and V tiles)
-
-            // S^T = K Q^T and dP^T = V dO^T (16 keys x 32 queries per warp):
-            // A = the warp's K (V) rows, B(k = d, n = i) = Q[i][d] (dO[i][d]).
-            float s[4][4], dp[4][4];
-#pragma unroll
-            for (int n = 0; n < 4; n++) {
-                s[n][0] = s[n][1] = s[n][2] = s[n][3] = 0.0f;
-                dp[n][0] = dp[n][1] = dp[n][2] = dp[n][3] = 0.0f;
-            }
-#pragma unroll
-            for (int kk = 0; kk < MAXK; kk++) {
-                if (kk < nk) {
-                    const u16* ka = ks + (jw + g) * ld + kk * 16 + 2 * t;
-                    const u16* va = vs + (jw + g) * ld + kk * 16 + 2 * t;
-                    const u32 k0 = tc_ld2(ka, 0), k1 = tc_ld2(ka, 8 * ld), k2 = tc_ld2(ka, 8),
-                              k3 = tc_ld2(ka, 8 * ld + 8);
-                    const u32 v0 = tc_ld2(va, 0), v1 = tc_ld2(va, 8 * ld), v2 = tc_ld2(va, 8),
-                              v3 = tc_ld2(va, 8 * ld + 8);
-#pragma unroll
-                    for (int n = 0; n < 4; n++) {
-                        const u16* qr = qs + (n * 8 + g) * ld + kk * 16 + 2 * t;
-                        const u16* gr = gs + (n * 8 + g) * ld + kk * 16 + 2 * t;
-                        tc_mma(s[n], k0, k1, k2, k3, tc_ld2(qr, 0), tc_ld2(qr, 8));
-                        tc_mma(dp[n], v0, v1, v2, v3, tc_ld2(gr, 0), tc_ld2(gr, 8));
-                    }
-                }
-            }
-            // P^T (kept in s) and dS^T (kept in dp); element x of n-tile n is key
-            // j0 + jw + g + 8 (x >> 1), query c0 + 8 n + 2 t + (x & 1).
-#pragma unroll
-            for (int n = 0; n < 4; n++) {
-#pragma unroll
-                for (int x = 0; x < 4; x++) {
-                    const int il = n * 8 + 2 * t + (x & 1);
-                    const int j = j0 + jw + g + 8 * (x >> 1);
-                    float p = 0.0f;
-                    if (tc_visible(c0 + il, j, Sq, Sk, causal, q_start, k_start))
-                        p = expf(s[n][x] * scale - lse_s[il]);
-                    s[n][x] = p;
-                    dp[n][x] = p * (dp[n][x] - del_s[il]);
-                }
-            }
-            // dV += P^T dO and dK += dS^T Q: A = P^T, dS^T (k-step kk = queries
-            // c0 + 16 kk ..), B(k = i, n = d) = dO[i][d], Q[i][d].
-#pragma unroll
-            for (int kk = 0; kk < 2; kk++) {
-                const u32 p0 = tc_pack(s[2 * kk][0], s[2 * kk][1]);
-                const u32 p1 = tc_pack(s[2 * kk][2], s[2 * kk][3]);
-                const u32 p2 = tc_pack(s[2 * kk + 1][0], s[2 * kk + 1][1]);
-                const u32 p3 = tc_pack(s[2 * kk + 1][2], s[2 * kk + 1][3]);
-                const u32 d0 = tc_pack(dp[2 * kk][0], dp[2 * kk][1]);
-                const u32 d1 = tc_pack(dp[2 * kk][2], dp[2 * kk][3]);
-                const u32 d2 = tc_pack(dp[2 * kk + 1][0], dp[2 * kk + 1][1]);
-                const u32 d3 = tc_pack(dp[2 * kk + 1][2], dp[2 * kk + 1][3]);
-                const u16* gr = gs + (kk * 16 + 2 * t) * ld + g;
-                const u16* qr = qs + (kk * 16 + 2 * t) * ld + g;
-#pragma unroll
-                for (int n = 0; n < (2 * MAXK); n++) {
-                    if (n < nd) {
-                        tc_mma(dva[n], p0, p1, p2, p3, tc_ld2col(gr, n * 8, ld),
-                               tc_ld2col(gr, 8 * ld + n * 8, ld));
-                        tc_mma(dka[n], d0, d1, d2, d3, tc_ld2col(qr, n * 8, ld),
-                               tc_ld2col(qr, 8 * ld + n * 8, ld));
-                    }
-                }
-            }
-        }
-    }
-
-#pragma unroll
-    for (int hf = 0; hf < 2; hf++) {
-        const int j = j0 + jw + g + 8 * hf;
-        if (j < Sk) {
-            const long long off = kbase + (long long)j * kstride + 2 * t;
-#pragma unroll
-            for (int n = 0; n < (2 * MAXK); n++) {
-                if (n < nd) {
-                    dk[off + n * 8] += scale * dka[n][2 * hf];
-                    dk[off + n * 8 + 1] += scale * dka[n][2 * hf + 1];
-                    dv[off + n * 8] += dva[n][2 * hf];
-                    dv[off + n * 8 + 1] += dva[n][2 * hf + 1];
-                }
-            }
-        }
-    }
-}
-
-// The kernels the launcher names: attn_fwd_tc_k4 (D <= 64) and attn_fwd_tc_k8 (D <= 128), and
-// likewise for the backward's two.
-#define TC_KERNELS(MAXK)                                                                       \
-    extern "C" __global__ void __launch_bounds__(128) attn_fwd_tc_k##MAXK(                    \
-        const u16* q, const u16* k, const u16* v, float* out, float* lse, int B, int Sq,       \
-        int Sk, int H, int Hkv, int D, int causal, int q_start, int k_start, float scale) {    \
-        attn_fwd_tc_body<MAXK>(q, k, v, out, lse, B, Sq, Sk, H, Hkv, D, causal, q_start,       \
-                               k_start, scale);                                                \
-    }                                                                                          \
-    extern "C" __global__ void __launch_bounds__(128) attn_bwd_dq_tc_k##MAXK(                 \
-        const u16* q, const u16* k, const u16* v, const u16* dout, const float* lse,           \
-        const float* delta, float* dq, int B, int Sq, int Sk, int H, int Hkv, int D,           \
-        int causal, int q_start, int k_start, float scale) {                                   \
-        attn_bwd_dq_tc_body<MAXK>(q, k, v, dout, lse, delta, dq, B, Sq, Sk, H, Hkv, D, causal, \
-                                  q_start, k_start, scale);                                    \
-    }                                                                                          \
-    extern "C" __global__ void __launch_bounds__(128) attn_bwd_dkv_tc_k##MAXK(                \
-        const u16* q, const u16* k, const u16* v, const u16* dout, const float* lse,           \
-        const float* delta, float* dk, float* dv, int B, int Sq, int Sk, int H, int Hkv,       \
-        int D, int causal, int q_start, int k_start, float scale) {                            \
-        attn_bwd_dkv_tc_body<MAXK>(q, k, v, dout, lse, delta, dk, dv, B, Sq, Sk, H, Hkv, D,    \
-                                   causal, q_start, k_start, scale);                           \
-    }
-
-TC_KERNELS(4)
-TC_KERNELS(8)
+TN_KERNEL(4, TN_K4_MIN_BLOCKS)
+TN_KERNEL(8, TN_K8_MIN_BLOCKS)

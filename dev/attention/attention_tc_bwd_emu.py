@@ -1,6 +1,8 @@
-"""Lane-level emulation of dev/attention/attention_tc_bwd_next.cu, to check the candidate's
-indexing, fragments and masks where no GPU is at hand: `python3 attention_tc_bwd_next_emu.py`
-(numpy; about half a minute) prints each case's errors and exits 1 on a mismatch.
+"""Lane-level emulation of the library's tensor-core attention backward,
+crates/tensor/src/cuda/kernels/attention_tc_bwd.cu (attn_bwd_dq_tc_k4 / _k8 and
+attn_bwd_dkv_tc_k4 / _k8, module "attention_tc_bwd"), to check their indexing, fragments and
+masks where no GPU is at hand: `python3 dev/attention/attention_tc_bwd_emu.py` (numpy; about
+half a minute) prints each case's errors and exits 1 on a mismatch.
 
 A transliteration of the two kernels (keep it in step when the kernels change): each warp is
 32 lanes as numpy vectors, the 128 threads of a CTA one vector where all of them act (the
@@ -9,14 +11,14 @@ tiles with row stride D + 8; dK/dV's lse / delta stages and K / V tiles), filled
 first, ldmatrix (.x4, .trans) and mma.m16n8k16 as the PTX ISA's fragment layouts say, bf16
 rounding to nearest even, ex2.approx as exact 2^x with flush to zero. Q, K, V and dO come in as
 bf16 bits (u16), the cases' fp32 inputs rounded once before the kernels, as the caller does
-(delta from the fp32 dO, as the library's launcher computes it). cp.async is modelled with its
+(delta from the fp32 dO, as attention_backward_tc computes it). cp.async is modelled with its
 commit groups and wait_group, and every case runs twice: with each copy landing when issued
 and with each landing at the wait that covers it (both must give the same bits); the barriers
 bound phases in which no shared word may be both read and copied to, nor read while a copy to
 it flies or before the barrier after its wait (emu_common.Smem). Not covered: the hardware
 beyond those PTX rules, the asm's syntax (the NVRTC compile check), timing, register pressure.
 
-The reference is dense float64 with the library's formulas: the forward's lse on the
+The reference is dense float64 with the fp32 backward's formulas: the forward's lse on the
 unrounded inputs (natural log, -inf for a row that sees no key), delta = rowsum(dO * O), Q, K,
 V, dO and (ROUND_P) P and dS rounded to bf16; the kernels accumulate into random dq, dk, dv
 (the += contract) and the base is subtracted before comparing.
@@ -73,7 +75,7 @@ def lane_addr(base, ld, kind, row_off=0):
 
 def dq_kernel(q, k, v, dout, lse, delta, dq, B, Sq, Sk, H, Hkv, D, causal, q_start, k_start,
               scale, MAXK, late):
-    """attn_bwd_dq_tc_next_k<MAXK> over its grid; q, k, v, dout bf16 bits (u16)."""
+    """attn_bwd_dq_tc_k<MAXK> over its grid; q, k, v, dout bf16 bits (u16)."""
     ld = D + 8
     nbytes = 512 * (D + 8)
     stage = 2 * 64 * ld * 2
@@ -205,7 +207,7 @@ def dq_tile(sm, W, ks_nt, vs_nt, ks_tr, regs, ld, nk, MAXK, sl2, masked, kv_lim,
 
 def dkv_kernel(q, k, v, dout, lse, delta, dk, dv, B, Sq, Sk, H, Hkv, D, causal, q_start,
                k_start, scale, MAXK, KV_REGS, late):
-    """attn_bwd_dkv_tc_next_k<MAXK> over its grid; q, k, v, dout bf16 bits (u16)."""
+    """attn_bwd_dkv_tc_k<MAXK> over its grid; q, k, v, dout bf16 bits (u16)."""
     ld = D + 8
     nbytes = 512 * (D + 8) + 512
     ls0 = 0  # lse / delta stages: stage s at 256 s (lse 32 fp32, then delta 32)
@@ -377,7 +379,7 @@ def dkv_step(sm, W, A, ld, nk, MAXK, KV_REGS, sl2, masked, plo, phi, lo, hi):
 
 def reference(q, k, v, dout, B, Sq, Sk, H, Hkv, D, causal, q_start, k_start, scale):
     """fp64: forward (lse, out) on the unrounded inputs; backward with bf16-rounded operands,
-    as the library's formulas (P, dS unrounded)."""
+    as the fp32 backward's formulas (P, dS unrounded)."""
     q4 = q.reshape(B, Sq, H, D).astype(np.float64)
     k4 = k.reshape(B, Sk, Hkv, D).astype(np.float64)
     v4 = v.reshape(B, Sk, Hkv, D).astype(np.float64)
@@ -429,7 +431,7 @@ def case(B, Sq, Sk, H, Hkv, D, causal, q_start, k_start, seed=0, kv_regs=None):
     if kv_regs is None:
         kv_regs = MAXK == 4
     # The kernels' inputs: bf16 bits, rounded once (nearest even) as the caller rounds them
-    # (delta, from the fp32 dO, is the reference's, as the library computes it before).
+    # (delta, from the fp32 dO, is the reference's, as the launcher computes it first).
     q16, k16, v16, g16 = bf16_u16(q), bf16_u16(k), bf16_u16(v), bf16_u16(dout)
     # Accumulate onto a base to check +=.
     base_q = rng.standard_normal(q.size).astype(np.float32)

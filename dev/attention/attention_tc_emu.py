@@ -1,27 +1,28 @@
-"""Lane-level emulation of dev/attention/attention_tc_next.cu (the candidate tensor-core
-forward, attn_fwd_tc_next_k4 / _k8), to check its indexing, fragments and masks where no GPU
-is at hand: `python3 attention_tc_next_emu.py` (numpy; about 20 seconds) prints each case's
-errors and exits 1 on a mismatch.
+"""Lane-level emulation of the library's tensor-core attention forward,
+crates/tensor/src/cuda/kernels/attention_tc.cu (attn_fwd_tc_k4 / _k8, module "attention_tc"),
+to check its indexing, fragments and masks where no GPU is at hand:
+`python3 dev/attention/attention_tc_emu.py` (numpy; about 20 seconds) prints each case's errors
+and exits 1 on a mismatch.
 
-A transliteration of attn_fwd_tc_next_body<MAXK, FULL> (keep it in step when the kernel
-changes), in the manner of attention_tc_bwd_next_emu.py, on the primitives of emu_common.py
-(bf16_bits also turns a NaN into the canonical NaN, as cvt.rn does): each warp is 32 lanes as
-numpy vectors, the 128 threads of a CTA one vector where all of them act (the copies), shared
-memory one byte buffer laid out as the kernel lays it out (two stages of a bf16 K and V tile
-with row stride D + 8), filled with NaN first (0xFF bytes: a NaN in bf16) so that a read of
-anything the kernel did not write, a padding column or a stale row, poisons the result instead
-of slipping through as a small number; ldmatrix (.x4, .trans) and mma.m16n8k16 as the PTX
-ISA's fragment layouts say, bf16 rounding to nearest even, ex2.approx as exact 2^x with flush
-to zero. Q, K, V come in as bf16 bits (u16), the cases' fp32 inputs rounded once before the
-kernel, as the caller does. cp.async is modelled with its commit groups and wait_group, and
-every case runs twice: with each copy landing when issued and with each landing at the wait
-that covers it (the two extremes the PTX ISA allows; both must give the same bits); the
-barriers bound phases in which no shared word may be both read and copied to, nor read while
-a copy to it flies or before the barrier after its wait (emu_common.Smem). src-size 0
-zero-fills. The grid's CTAs run one after the other, blockIdx.x in order (so the reversed row
-order is exercised), each with fresh garbage shared memory; every element of out and lse must
-be written exactly once. Not covered: the hardware beyond those PTX rules, the asm's syntax
-(the NVRTC compile check), timing, register pressure.
+A transliteration of attn_fwd_tc_body<MAXK, FULL> (keep it in step when the kernel changes), in
+the manner of attention_tc_bwd_emu.py (the backward's, attention_tc_bwd.cu), on the primitives
+of emu_common.py (bf16_bits also turns a NaN into the canonical NaN, as cvt.rn does): each warp
+is 32 lanes as numpy vectors, the 128 threads of a CTA one vector where all of them act (the
+copies), shared memory one byte buffer laid out as the kernel lays it out (two stages of a bf16
+K and V tile with row stride D + 8), filled with NaN first (0xFF bytes: a NaN in bf16) so that a
+read of anything the kernel did not write, a padding column or a stale row, poisons the result
+instead of slipping through as a small number; ldmatrix (.x4, .trans) and mma.m16n8k16 as the
+PTX ISA's fragment layouts say, bf16 rounding to nearest even, ex2.approx as exact 2^x with
+flush to zero. Q, K, V come in as bf16 bits (u16), the cases' fp32 inputs rounded once before
+the kernel, as the caller does. cp.async is modelled with its commit groups and wait_group, and
+every case runs twice: with each copy landing when issued and with each landing at the wait that
+covers it (the two extremes the PTX ISA allows; both must give the same bits); the barriers
+bound phases in which no shared word may be both read and copied to, nor read while a copy to it
+flies or before the barrier after its wait (emu_common.Smem). src-size 0 zero-fills. The grid's
+CTAs run one after the other, blockIdx.x in order (so the reversed row order is exercised), each
+with fresh garbage shared memory; every element of out and lse must be written exactly once. Not
+covered: the hardware beyond those PTX rules, the asm's syntax (the NVRTC compile check),
+timing, register pressure.
 
 The reference is dense float64 softmax attention with Q, K, V rounded to bf16 and (ROUND_P)
 the unnormalised P rounded to bf16 before P V, divided by the row sum of the unrounded P (as
@@ -141,7 +142,7 @@ def tn_tile(sm, W, ks_lane, vs_lane, kreg, vreg, ld, nk, MAXK, sl2, kv_lim, vis,
 
 def body(q, k, v, out, lse, wr_out, wr_lse, B, Sq, Sk, H, Hkv, D, causal, q_start, k_start,
          scale, MAXK, FULL, gx, bx, by, late):
-    """attn_fwd_tc_next_body<MAXK, FULL> for the CTA (bx, by) of a grid (gx, B * H); q, k, v
+    """attn_fwd_tc_body<MAXK, FULL> for the CTA (bx, by) of a grid (gx, B * H); q, k, v
     bf16 bits (u16)."""
     if FULL:
         D = 16 * MAXK
@@ -257,7 +258,7 @@ def body(q, k, v, out, lse, wr_out, wr_lse, B, Sq, Sk, H, Hkv, D, causal, q_star
 
 def kernel(q, k, v, out, lse, B, Sq, Sk, H, Hkv, D, causal, q_start, k_start, scale, MAXK,
            late):
-    """TN_KERNEL(MAXK): attn_fwd_tc_next_k<MAXK> over the whole grid (ceil(Sq / 64), B H);
+    """TN_KERNEL(MAXK): attn_fwd_tc_k<MAXK> over the whole grid (ceil(Sq / 64), B H);
     q, k, v bf16 bits (u16); `late`: the cp.async landing policy (CpAsync)."""
     assert D % 16 == 0 and 16 <= D <= 16 * MAXK
     wr_out = np.zeros(out.size, dtype=int)

@@ -1,88 +1,89 @@
-// Candidate for the tensor-core FlashAttention-2 backward (kernels attn_bwd_dq_tc_next_k4 /
-// _k8 and attn_bwd_dkv_tc_next_k4 / _k8; _k4 for D <= 64, _k8 for D <= 128), the counterpart of
-// the forward candidate dev/attention/attention_tc_next.cu, kept out of the library until it is
-// measured against attn_bwd_dq_tc_k4 / _k8 and attn_bwd_dkv_tc_k4 / _k8 of
-// crates/tensor/src/cuda/kernels/attention_tc.cu (crates/tensor/examples/attention_next.rs
-// compares them for correctness and speed). Like every kernel module it is compiled with the
-// prelude (kernels/prelude.cuh) put in front.
+// Tensor-core FlashAttention-2 backward for bf16 training (module "attention_tc_bwd"): kernels
+// attn_bwd_dq_tc_k4 / _k8 (dQ) and attn_bwd_dkv_tc_k4 / _k8 (dK and dV), _k4 for D <= 64, _k8
+// for D <= 128; the counterpart of the forward kernel (attention_tc.cu, module "attention_tc"),
+// whose design it shares. Like every kernel module it is compiled with the prelude
+// (kernels/prelude.cuh) put in front.
 //
-// Contract: that of the library's two backward kernels, argument for argument.
-//   attn_bwd_dq_tc_next_k{4,8}(q, k, v, dout, lse, delta, dq, B, Sq, Sk, H, Hkv, D, causal,
-//                              q_start, k_start, scale):  dq += scale * dS K
-//   attn_bwd_dkv_tc_next_k{4,8}(q, k, v, dout, lse, delta, dk, dv, B, Sq, Sk, H, Hkv, D,
-//                               causal, q_start, k_start, scale): dv += P^T dO,
-//                                                                 dk += scale * dS^T Q
+// Contract: that of the fp32 backward (attn_bwd_dq, attn_bwd_dkv, module "attention"), on bf16
+// operands:
+//   attn_bwd_dq_tc_k{4,8}(q, k, v, dout, lse, delta, dq, B, Sq, Sk, H, Hkv, D, causal,
+//                         q_start, k_start, scale):  dq += scale * dS K
+//   attn_bwd_dkv_tc_k{4,8}(q, k, v, dout, lse, delta, dk, dv, B, Sq, Sk, H, Hkv, D,
+//                          causal, q_start, k_start, scale): dv += P^T dO,
+//                                                            dk += scale * dS^T Q
 // with P = exp(S scale - lse), S = Q K^T, dP = dO V^T, dS = P (dP - delta). q, dout
 // [B, Sq, H, D] and k, v [B, Sk, Hkv, D] as bf16 bits (`const u16*`: the caller rounds the
-// fp32 values to nearest even once; the library's backward launcher rounds dout itself, after
-// computing delta from the fp32 dout); dq [B, Sq, H, D] and dk, dv [B, Sk, Hkv, D] fp32; lse,
-// delta [B, H, Sq] fp32 (lse the forward's natural-log log-sum-exp, -inf for a row that sees no
-// key; delta = rowsum(dO * O), the "attention" module's attn_bwd_delta); causal by global
-// positions (query i at q_start + i sees key j iff k_start + j <= q_start + i); grouped KV
-// heads h -> h / (H / Hkv), dk and dv summing over the H / Hkv query heads of their group; D a
-// multiple of 16 in 16..128. The outputs are accumulated (+=), every element by one thread in
-// a fixed order (deterministic, no atomics). A pair (i, j) that is masked (causal, or i >= Sq,
-// or j >= Sk) contributes exactly 0, so a row that sees no key (lse = -inf) gets nothing and
-// gives nothing. Numerics: Q, K, V, dO as given (bf16); S and dP one
-// mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 product each (fp32 accumulation,
-// sm_80+); P and dS fp32, rounded to bf16 (nearest even) as the operands of the three gradient
-// products, which accumulate in fp32; scale applied to dQ and dK once, at the end. The sums run
-// in the library's order: dK and dV over the group's heads, then query steps of 32 from the
-// library's first step, then 16-query k-steps; dQ over key tiles of 64, halves of 32, k-steps
-// of 16.
+// fp32 values to nearest even once, for every kernel that reads them, as for the forward; the
+// backward launcher rounds dout itself, after computing delta from the fp32 dout); dq
+// [B, Sq, H, D] and dk, dv [B, Sk, Hkv, D] fp32; lse, delta [B, H, Sq] fp32 (lse the forward's
+// natural-log log-sum-exp, -inf for a row that sees no key; delta = rowsum(dO * O), the
+// "attention" module's attn_bwd_delta); causal by global positions (query i at q_start + i
+// sees key j iff k_start + j <= q_start + i); grouped KV heads h -> h / (H / Hkv), dk and dv
+// summing over the H / Hkv query heads of their group; D a multiple of 16 in 16..128. The
+// outputs are accumulated (+=), every element by one thread in a fixed order (deterministic,
+// no atomics). A pair (i, j) that is masked (causal, or i >= Sq, or j >= Sk) contributes
+// exactly 0, so a row that sees no key (lse = -inf) gets nothing and gives nothing. Numerics:
+// Q, K, V, dO as given (bf16); S and dP one mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32
+// product each (fp32 accumulation, sm_80+); P and dS fp32, rounded to bf16 (nearest even) as
+// the operands of the three gradient products, which accumulate in fp32; scale applied to dQ
+// and dK once, at the end. The sums run in this order: dK and dV over the group's heads, then
+// the query steps of 32 from the one holding the first query that sees the CTA's first key,
+// then 16-query k-steps; dQ over key tiles of 64, halves of 32, k-steps of 16.
 //
-// Launch: the library's grids and blocks.
-//   dQ:    grid (ceil(Sq / 64), B * H), block 128, dynamic shared memory 512 (D + 8) bytes
-//          (36864 for D = 64, 69632 for D = 128; the library's: 256 (D + 8)).
-//   dK/dV: grid (ceil(Sk / 64), B * Hkv), block 128, dynamic shared memory 512 (D + 8) + 512
-//          bytes (37376 for D = 64, 70144 for D = 128; the library's: 384 (D + 8) + 256).
-// Both need the opt-in above 48 KiB (cuFuncSetAttribute MAX_DYNAMIC_SHARED_SIZE_BYTES) at
-// D = 128 only, as the library's dK/dV kernel. q, k, v and dout 16-byte aligned, as the
-// library launcher checks (cp.async copies 16 bytes of a row; D a multiple of 16 keeps every
-// row 16-byte aligned after the first). Requirements the library kernels do not have: dq, dk
-// and dv 8-byte aligned (float2 read-modify-write); lse and delta 4-byte aligned (as any
-// fp32). Unlike the forward candidate, `scale` may have either sign.
+// Launch (tensor::cuda::ops::attention_backward_tc, crates/tensor/src/cuda/ops.rs, after
+// attn_bwd_delta and the rounding of dout), both with block 128 (4 warps):
+//   dQ:    grid (ceil(Sq / 64), B * H), dynamic shared memory 512 (D + 8) bytes
+//          (36864 for D = 64, 69632 for D = 128).
+//   dK/dV: grid (ceil(Sk / 64), B * Hkv), dynamic shared memory 512 (D + 8) + 512 bytes
+//          (37376 for D = 64, 70144 for D = 128).
+// Both need more than the default 48 KiB from D = 96 on, which the launch opts into
+// (cuFuncSetAttribute MAX_DYNAMIC_SHARED_SIZE_BYTES). q, k, v and dout 16-byte aligned, as the
+// launcher checks (cp.async copies 16 bytes of a row; D a multiple of 16 keeps every row
+// 16-byte aligned after the first); dq, dk and dv 8-byte aligned (float2 read-modify-write);
+// lse and delta 4-byte aligned (as any fp32). Unlike the forward, `scale` may have either sign.
 //
-// What differs from the library kernels, and why (the forward candidate's techniques: Nsight
-// Compute showed the library's forward latency-bound on tiles loaded synchronously with nothing
-// to overlap them, and the library's backward kernels load theirs the same way):
+// Design, and why (the forward's techniques: an earlier version of both, which loaded its
+// tiles into shared memory synchronously, measured latency-bound on an H200 in Nsight Compute,
+// nothing overlapping the loads):
 //  a. The tiles a CTA streams over come in with cp.async (PTX ISA, "Data Movement and
 //     Conversion Instructions: cp.async"), 16 bytes (8 bf16) a copy, L2 only (.cg), straight
 //     from the bf16 rows into the bf16 tiles the mma operands are read from (no staging, no
 //     conversion), double-buffered: two stages, the copies of step n + 1 issued into the other
 //     stage right after the barrier that opens step n and in flight while step n is computed
-//     (the forward candidate's pipeline, one barrier a step). dQ streams the K and V tiles of
-//     64 keys (as the forward candidate); dK/dV streams the Q and dO tiles of 32 query rows plus
-//     their 32 lse and delta values (4-byte cp.async.ca, zero-filled past Sq). Rows past the
-//     end are zero-filled by the copy (src-size 0), so a masked P or dS of 0 never meets a NaN
-//     of stale memory. dK/dV's own K and V tiles (64 keys, read once per CTA) come in with
-//     cp.async too, one commit group ahead of the first step's. dQ's Q and dO A fragments are
-//     read from global memory with 32-bit loads (two bf16 a load, as the library's tc_load_a):
-//     each element once per CTA, by one thread (the forward candidate's reasoning for Q).
+//     (the forward's pipeline, one barrier a step). dQ streams the K and V tiles of 64 keys
+//     (as the forward); dK/dV streams the Q and dO tiles of 32 query rows plus their 32 lse
+//     and delta values (4-byte cp.async.ca, zero-filled past Sq). Rows past the end are
+//     zero-filled by the copy (src-size 0), so a masked P or dS of 0 never meets a NaN of stale
+//     memory. dK/dV's own K and V tiles (64 keys, read once per CTA) come in with cp.async
+//     too, one commit group ahead of the first step's. dQ's Q and dO A fragments are read from
+//     global memory with 32-bit loads (two bf16 a load): each element once per CTA, by one
+//     thread (the forward's reasoning for Q: a shared tile would only add a barrier and an
+//     ldmatrix for the same bytes).
 //  b. B fragments come from the bf16 tiles with ldmatrix (.x4: two n-tiles of 8 at once), .trans
 //     where the product's k index runs down the tile's rows: K in dS K (dQ), dO in P^T dO and
 //     Q in dS^T Q (dK/dV). dK/dV's A fragments of its warp's 16 keys of K and V come from
-//     ldmatrix too (the library used 32-bit loads), and at D <= 64 (_k4) stay in registers for
-//     the whole CTA (TB_DKV_KV_REGS_K4; at D = 128 they would take 64 more registers and
-//     spill, so _k8 reloads them every step: TB_DKV_KV_REGS_K8 = 0).
+//     ldmatrix too, and at D <= 64 (_k4) stay in registers for the whole CTA
+//     (TB_DKV_KV_REGS_K4; at D = 128 they would take 64 more registers and spill, so _k8
+//     reloads them every step: TB_DKV_KV_REGS_K8 = 0).
 //  c. P is recomputed in the exp2 domain: p = 2^(s * scale * log2(e) - lse * log2(e)), one FFMA
 //     and ex2.approx.ftz (PTX ISA, "ex2"); lse * log2(e) (one fp32 product, the same bits
 //     either way) once per row in dQ (in registers), and in dK/dV where a thread reads the
 //     step's lse from its stage (2 products per n-tile of 8 queries and step: a copy scaled in
 //     shared memory would take a second barrier per step).
 //  d. Masks only where some pair of a warp's tile is masked: a warp of dQ tests its 16 rows
-//     against the 64 keys of a tile (the forward candidate's rule: every row sees every key ->
-//     no mask; no row sees any -> skipped; else the 16-key steps past the last key its last
-//     row sees are skipped and the rest masked per element); a warp of dK/dV tests its 16 keys
-//     against the step's 32 queries (all 16 keys below Sk, all 32 rows below Sq and the last
-//     key seen by the first row -> no mask; its first key seen by no row of the step, or past
-//     Sk -> skipped; else the 16-query halves no row sees are skipped and the rest masked).
+//     against the 64 keys of a tile (the forward's rule: every row sees every key -> no mask;
+//     no row sees any -> skipped; else the 16-key steps past the last key its last row sees
+//     are skipped and the rest masked per element); a warp of dK/dV tests its 16 keys against
+//     the step's 32 queries (all 16 keys below Sk, all 32 rows below Sq and the last key seen
+//     by the first row -> no mask; its first key seen by no row of the step, or past Sk ->
+//     skipped; else the 16-query halves no row sees are skipped and the rest masked).
 //     In an unmasked tile every row below Sq sees some key, so its lse is finite (a row past
 //     Sq has lse = delta = 0 and zero Q and dO there: finite, and never stored or summed).
 //  e. dQ takes its query blocks in reverse order (blockIdx.x = 0 takes the last rows, which see
-//     the most keys under a causal mask), as the forward candidate; dK/dV keeps the library's
-//     order, which already starts with the longest blocks (key 0 is seen by every query).
-//  f. dq, dk, dv are read and written as float2 (the library: one float at a time).
+//     the most keys under a causal mask), as the forward; dK/dV takes its key blocks in order,
+//     which already starts with the longest (key 0 is seen by every query).
+//  f. dq, dk, dv are read and written as float2 (a thread's two adjacent columns of an
+//     accumulator fragment): half the memory instructions of one float at a time.
 //
 // Fragments of mma.m16n8k16 (PTX ISA, "Matrix Fragments for mma.m16n8k16 with floating point
 // type"), with g = lane >> 2 (groupID) and t = lane & 3 (threadID_in_group); a 32-bit register
@@ -125,53 +126,51 @@
 //   dK/dV: two stages of the step's lse and delta (2 x 2 x 32 x 4 = 512 bytes, first: fixed
 //          offsets), the K and V tiles (2 x 64 x ld x 2), two stages of the step's Q and dO
 //          tiles (2 x 2 x 32 x ld x 2): 512 (D + 8) + 512 bytes.
-// (The fp32-input candidate took 768 D + 2048 and 640 D + 3584 bytes: fp32 stages and the bf16
-// tiles beside them.) No static shared memory. An H100 / H200 SM has 228 KiB (227 KiB at most
-// a block, opt-in above 48 KiB; 1 KiB reserved per block), so shared memory allows 6 blocks an
-// SM of either kernel at D = 64 (228 / 37) and 3 at D = 128 (228 / 69, 228 / 69.5); an A100's
-// 164 KiB: 4 and 2. Registers allow fewer (below): they are the limit at both head sizes.
+// No static shared memory. An H100 / H200 SM has 228 KiB (227 KiB at most a block, opt-in
+// above 48 KiB; 1 KiB reserved per block), so shared memory allows 6 blocks an SM of either
+// kernel at D = 64 (228 / 37) and 3 at D = 128 (228 / 69, 228 / 69.5); an A100's 164 KiB: 4
+// and 2. Registers allow fewer (below): they are the limit at both head sizes.
 //
 // ptxas (NVRTC 12.9 and 13.0 give the same figures; `-Xptxas -v` on the source as the compile
 // check builds it; 0 bytes of spills and stack everywhere), registers a thread, sm_90 / sm_80,
 // under the cap of __launch_bounds__(128, blocks) (the *_MIN_BLOCKS below), and blocks an SM
 // as registers and shared memory allow (H100 / A100):
-//   attn_bwd_dq_tc_next_k4    161 / 157 (cap 168)  shared 36864 B   3 / 3 blocks
-//   attn_bwd_dq_tc_next_k8    234 / 230 (cap 255)  shared 69632 B   2 / 2
-//   attn_bwd_dkv_tc_next_k4   168 / 168 (cap 168)  shared 37376 B   3 / 3
-//   attn_bwd_dkv_tc_next_k8   253 / 250 (cap 255)  shared 70144 B   2 / 2
-// (the fp32-input candidate: 166 / 164, 235 / 241, 168 / 168, 255 / 254, and 1 block an A100's
-// SM at D = 128; the library's, same compilers: dq_k4 128 / 128, dq_k8 232 / 200, dkv_k4
-// 165 / 163, dkv_k8 235 / 235; blocks an SM 4, 2, 3, 2 on an H100). attn_bwd_dkv_tc_next_k8
-// sits 2 registers under the 255 of the hardware: a compiler that needs 3 more spills (the
-// figures above are the ones to compare against after a change), and dK/dV_k4 fills its cap
-// (the dK/dV loop's stage offsets are selects on the step's parity, not products: with the
-// products sm_80 spilled 4 bytes). At D = 64 shared memory would allow 6 blocks, but a cap of
-// 128 registers (4 blocks) spills (sm_90: dQ 28 bytes, dK/dV 776). TB_DKV_KV_REGS_K8 = 1 (K
-// and V fragments in registers at D = 128) takes 255 and spills 8 bytes on sm_80;
-// TB_DKV_KV_REGS_K4 = 0 takes 168 / 164.
+//   attn_bwd_dq_tc_k4    161 / 157 (cap 168)  shared 36864 B   3 / 3 blocks
+//   attn_bwd_dq_tc_k8    234 / 230 (cap 255)  shared 69632 B   2 / 2
+//   attn_bwd_dkv_tc_k4   168 / 168 (cap 168)  shared 37376 B   3 / 3
+//   attn_bwd_dkv_tc_k8   253 / 250 (cap 255)  shared 70144 B   2 / 2
+// attn_bwd_dkv_tc_k8 sits 2 registers under the 255 of the hardware: a compiler that needs 3
+// more spills (the figures above are the ones to compare against after a change), and
+// dK/dV_k4 fills its cap (the dK/dV loop's stage offsets are selects on the step's parity, not
+// products: with the products sm_80 spilled 4 bytes). At D = 64 shared memory would allow 6
+// blocks, but a cap of 128 registers (4 blocks) spills (sm_90: dQ 28 bytes, dK/dV 776).
+// TB_DKV_KV_REGS_K8 = 1 (K and V fragments in registers at D = 128) takes 255 and spills 8
+// bytes on sm_80; TB_DKV_KV_REGS_K4 = 0 takes 168 / 164.
 //
-// Checked without a GPU only: NVRTC 12.9 / 13.0 compile it for sm_80 and sm_90 with no warning
-// (tests/cuda_kernels_compile.rs), and attention_tc_bwd_next_emu.py, a lane-level numpy
-// transliteration of both kernels (ldmatrix and mma fragment layouts as the PTX ISA gives them,
-// the shared-memory byte layout, the cp.async commit groups and waits, and the barriers as the
-// bounds of phases in which no shared word is both read and copied to), matches a dense float64
-// reference of the library's formulas (P and dS rounded to bf16 too) on 15 shapes (head sizes
-// 16 to 128, causal with offsets, rows that see no key, GQA, ragged edges, both choices of the
-// K/V fragments in registers), each run with every copy landing when issued and again with
-// every copy landing at the wait that covers it: to about 1e-7 of the largest gradient where
-// both round every P and dS alike, at most 7e-4 where one element rounds to the other bf16
-// neighbour (its S sums differ in the last fp32 bits). Not checked: the hardware's memory
-// ordering beyond the PTX rules the emulator follows, ex2.approx's error, the speed;
-// examples/attention_next.rs checks on a GPU.
+// Checks: NVRTC 12.9 / 13.0 compile it for sm_80 and sm_90 with no warning
+// (tests/cuda_kernels_compile.rs); on a GPU, tests/cuda_kernels.rs compares
+// attention_backward_tc with the CPU's fp32 backward within the bf16 rounding of P and dS; and
+// without a GPU, dev/attention/attention_tc_bwd_emu.py, a lane-level numpy transliteration of
+// both kernels (the ldmatrix and mma fragment layouts as the PTX ISA gives them, the
+// shared-memory byte layout, the cp.async commit groups and waits, and the barriers as the
+// bounds of phases in which no shared word is both read and copied to; keep it in step),
+// matches a dense float64 reference of the fp32 backward's formulas (P and dS rounded to bf16
+// too) on 15 shapes (head sizes 16 to 128, causal with offsets, rows that see no key, GQA,
+// ragged edges, both choices of the K/V fragments in registers), each run with every copy
+// landing when issued and again with every copy landing at the wait that covers it: to about
+// 1e-7 of the largest gradient where both round every P and dS alike, at most 7e-4 where one
+// element rounds to the other bf16 neighbour (its S sums differ in the last fp32 bits). What
+// the emulator does not cover: the hardware's memory ordering beyond the PTX rules it follows,
+// ex2.approx's error, the speed.
 //
 // The kernels are templates on MAXK, the most k-steps of 16 a register tile holds (D <= 16 MAXK),
-// instantiated for MAXK = 4 and 8 as the library's, and on FULL (D == 16 MAXK: D a constant,
-// loops without guards), chosen at run time as the forward candidate does.
+// instantiated for MAXK = 4 and 8, and on FULL (D == 16 MAXK: D a constant, loops without
+// guards), chosen at run time as the forward does.
 
 #define TB_BM 64  // query rows per dQ CTA (16 per warp, 4 warps)
 #define TB_BN 64  // keys per K/V tile of dQ; keys per dK/dV CTA (16 per warp)
-#define TB_KC 32  // keys per step of a dQ warp (half a key tile; the library's)
-#define TB_QC 32  // query rows per step of dK/dV (the library's)
+#define TB_KC 32  // keys per step of a dQ warp (half a key tile)
+#define TB_QC 32  // query rows per step of dK/dV
 #define TB_PAD 8  // bf16 of padding per row of the bf16 tiles
 #define TB_THREADS 128
 #define TB_LOG2E 1.4426950408889634f
@@ -320,7 +319,7 @@ __device__ __forceinline__ void tb_copy_rows(u32 ta, u32 tb, const u16* xa, cons
 
 // The A fragments of rows r and r + 8 of one head of a [B, S, H, D] bf16 tensor (`x`: its
 // element (b, 0, h, 0); `stride` = H D), straight from global memory, two bf16 a 32-bit load
-// (the library's tc_load_a): f[kk][0], f[kk][1] columns 16 kk + 2t, + 1 of rows r, r + 8;
+// (as the forward reads Q): f[kk][0], f[kk][1] columns 16 kk + 2t, + 1 of rows r, r + 8;
 // f[kk][2], f[kk][3] columns 16 kk + 2t + 8, + 9; zeros for rows at or past S. A quad's loads
 // of a row and k-step cover one whole 32-byte sector (rows start 32-byte aligned: 2 D bytes
 // apart, D a multiple of 16).
@@ -429,7 +428,7 @@ __device__ __forceinline__ void tb_dq_tile(const u32 (&qf)[MAXK][4], const u32 (
 // 64 (gridDim.x - 1 - x) .. + 63, warp w rows + 16 w .. + 15 (its Q and dO fragments stay in
 // registers), and walks the key tiles of 64 that its rows see.
 template <int MAXK, bool FULL>
-__device__ __forceinline__ void attn_bwd_dq_tc_next_body(const u16* q, const u16* k,
+__device__ __forceinline__ void attn_bwd_dq_tc_body(const u16* q, const u16* k,
                                                          const u16* v, const u16* dout,
                                                          const float* lse, const float* delta,
                                                          float* dq, int B, int Sq, int Sk,
@@ -465,7 +464,7 @@ __device__ __forceinline__ void attn_bwd_dq_tc_next_body(const u16* q, const u16
 
     // Q's and dO's A fragments (rows r0, r0 + 8; zeros past Sq) from global memory: each
     // element is read once per CTA, by one thread, so not through shared memory (the forward
-    // candidate's reasoning).
+    // kernel's reasoning).
     u32 qf[MAXK][4], gf[MAXK][4];
     tb_load_a<MAXK>(qf, q + qbase, qstride, r0, Sq, nk, t);
     tb_load_a<MAXK>(gf, dout + qbase, qstride, r0, Sq, nk, t);
@@ -500,7 +499,7 @@ __device__ __forceinline__ void attn_bwd_dq_tc_next_body(const u16* q, const u16
 #pragma unroll
     for (int n = 0; n < 2 * MAXK; n++) acc[n][0] = acc[n][1] = acc[n][2] = acc[n][3] = 0.0f;
 
-    // The pipeline, one barrier a tile (the forward candidate's): tile jt is in stage jt & 1;
+    // The pipeline, one barrier a tile (the forward kernel's): tile jt is in stage jt & 1;
     // at the top of iteration jt the only commit group in flight is tile jt's. After this
     // thread's wait and the barrier every thread's copies of tile jt are visible to the CTA
     // and every warp is done with tile jt - 1, whose stage tile jt + 1's copies then take,
@@ -696,7 +695,7 @@ __device__ __forceinline__ void tb_dkv_copy_step(u32 qt, u32 gt, u32 lst, u32 ds
 // warp w keys + 16 w .. + 15, and walks, for each query head of the group, the query steps of
 // 32 rows that see its keys.
 template <int MAXK, bool FULL, bool KV_REGS>
-__device__ __forceinline__ void attn_bwd_dkv_tc_next_body(
+__device__ __forceinline__ void attn_bwd_dkv_tc_body(
     const u16* q, const u16* k, const u16* v, const u16* dout, const float* lse,
     const float* delta, float* dk, float* dv, int B, int Sq, int Sk, int H, int Hkv, int D,
     int causal, int q_start, int k_start, float scale) {
@@ -722,8 +721,8 @@ __device__ __forceinline__ void attn_bwd_dkv_tc_next_body(
     const int jdiag = k_start + jw - q_start; // the first query (causal) that sees key jw
     const float sl2 = scale * TB_LOG2E;
 
-    // The query steps: the library's, from the step of 32 holding the first query that sees
-    // key j0 (q_start + i >= k_start + j0), for each head of the group.
+    // The query steps: from the step of 32 holding the first query that sees key j0
+    // (q_start + i >= k_start + j0), for each head of the group.
     int i0 = causal ? k_start + j0 - q_start : 0;
     i0 = i0 < 0 ? 0 : (i0 / TB_QC) * TB_QC;
     const int nsteps = i0 < Sq ? (Sq - i0 + TB_QC - 1) / TB_QC : 0;
@@ -771,7 +770,7 @@ __device__ __forceinline__ void attn_bwd_dkv_tc_next_body(
         dva[n][0] = dva[n][1] = dva[n][2] = dva[n][3] = 0.0f;
     }
 
-    // The pipeline, one barrier a step (the forward candidate's): step it is in stage it & 1;
+    // The pipeline, one barrier a step (the forward kernel's): step it is in stage it & 1;
     // at the top of iteration it the only commit group in flight is step it's (at it = 0 also
     // the K and V tiles' where KV_REGS has not waited for them). After this thread's wait and
     // the barrier every thread's copies of step it (and of K and V) are visible to the CTA and
@@ -852,8 +851,10 @@ __device__ __forceinline__ void attn_bwd_dkv_tc_next_body(
 }
 
 // Blocks an SM each kernel is compiled for (__launch_bounds__' second argument: the register
-// cap is 64K / (128 x blocks)); see the ptxas figures in the header. Each may be overridden by
-// a #define in front of the source (examples/attention_next.rs: `-- TB_DQ_K4_MIN_BLOCKS=4`).
+// cap is 64K / (128 x blocks)); see the ptxas figures in the header. The library builds these
+// defaults; to measure another choice, a #define before the source (e.g.
+// `#define TB_DQ_K4_MIN_BLOCKS 4` after the prelude, compiling the module by hand with NVRTC)
+// overrides each.
 #ifndef TB_DQ_K4_MIN_BLOCKS
 #define TB_DQ_K4_MIN_BLOCKS 3
 #endif
@@ -869,31 +870,31 @@ __device__ __forceinline__ void attn_bwd_dkv_tc_next_body(
 
 #define TB_KERNELS(MAXK, DQ_MIN_BLOCKS, DKV_MIN_BLOCKS, KV_REGS)                                \
     extern "C" __global__ void __launch_bounds__(TB_THREADS, DQ_MIN_BLOCKS)                     \
-        attn_bwd_dq_tc_next_k##MAXK(const u16* q, const u16* k, const u16* v,                   \
-                                    const u16* dout, const float* lse, const float* delta,      \
-                                    float* dq, int B, int Sq, int Sk, int H, int Hkv, int D,    \
-                                    int causal, int q_start, int k_start, float scale) {        \
+        attn_bwd_dq_tc_k##MAXK(const u16* q, const u16* k, const u16* v,                        \
+                               const u16* dout, const float* lse, const float* delta,           \
+                               float* dq, int B, int Sq, int Sk, int H, int Hkv, int D,         \
+                               int causal, int q_start, int k_start, float scale) {             \
         if (D == 16 * MAXK)                                                                     \
-            attn_bwd_dq_tc_next_body<MAXK, true>(q, k, v, dout, lse, delta, dq, B, Sq, Sk, H,   \
-                                                 Hkv, D, causal, q_start, k_start, scale);      \
+            attn_bwd_dq_tc_body<MAXK, true>(q, k, v, dout, lse, delta, dq, B, Sq, Sk, H,        \
+                                            Hkv, D, causal, q_start, k_start, scale);           \
         else                                                                                    \
-            attn_bwd_dq_tc_next_body<MAXK, false>(q, k, v, dout, lse, delta, dq, B, Sq, Sk, H,  \
-                                                  Hkv, D, causal, q_start, k_start, scale);     \
+            attn_bwd_dq_tc_body<MAXK, false>(q, k, v, dout, lse, delta, dq, B, Sq, Sk, H,       \
+                                             Hkv, D, causal, q_start, k_start, scale);          \
     }                                                                                           \
     extern "C" __global__ void __launch_bounds__(TB_THREADS, DKV_MIN_BLOCKS)                    \
-        attn_bwd_dkv_tc_next_k##MAXK(const u16* q, const u16* k, const u16* v,                  \
-                                     const u16* dout, const float* lse, const float* delta,     \
-                                     float* dk, float* dv, int B, int Sq, int Sk, int H,        \
-                                     int Hkv, int D, int causal, int q_start, int k_start,      \
-                                     float scale) {                                             \
+        attn_bwd_dkv_tc_k##MAXK(const u16* q, const u16* k, const u16* v,                       \
+                                const u16* dout, const float* lse, const float* delta,          \
+                                float* dk, float* dv, int B, int Sq, int Sk, int H,             \
+                                int Hkv, int D, int causal, int q_start, int k_start,           \
+                                float scale) {                                                  \
         if (D == 16 * MAXK)                                                                     \
-            attn_bwd_dkv_tc_next_body<MAXK, true, KV_REGS>(q, k, v, dout, lse, delta, dk, dv,   \
-                                                           B, Sq, Sk, H, Hkv, D, causal,        \
-                                                           q_start, k_start, scale);            \
+            attn_bwd_dkv_tc_body<MAXK, true, KV_REGS>(q, k, v, dout, lse, delta, dk, dv,        \
+                                                      B, Sq, Sk, H, Hkv, D, causal,             \
+                                                      q_start, k_start, scale);                 \
         else                                                                                    \
-            attn_bwd_dkv_tc_next_body<MAXK, false, KV_REGS>(q, k, v, dout, lse, delta, dk, dv,  \
-                                                            B, Sq, Sk, H, Hkv, D, causal,       \
-                                                            q_start, k_start, scale);           \
+            attn_bwd_dkv_tc_body<MAXK, false, KV_REGS>(q, k, v, dout, lse, delta, dk, dv,       \
+                                                       B, Sq, Sk, H, Hkv, D, causal,            \
+                                                       q_start, k_start, scale);                \
     }
 
 TB_KERNELS(4, TB_DQ_K4_MIN_BLOCKS, TB_DKV_K4_MIN_BLOCKS, (TB_DKV_KV_REGS_K4 != 0))
