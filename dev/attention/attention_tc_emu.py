@@ -32,8 +32,8 @@ import sys
 import time
 import numpy as np
 
-from emu_common import (G, T, CpAsync, Pieces, Smem, bf16, bf16_u16, exp2, fmaf, inputs,
-                        keys_seen, lane, ld_u32, ldsm_x4, mma, pack, softmax_rows)
+from emu_common import (FORMATS, G, T, CpAsync, Pieces, Smem, exp2, fmaf, inputs, keys_seen,
+                        lane, ld_u32, ldsm_x4, mma, softmax_rows)
 
 LOG2E = np.float32(1.4426950408889634)
 LN2 = np.float32(0.6931471805599453)
@@ -42,7 +42,8 @@ ROUND_P = "tile"  # how the reference rounds the unnormalised P to bf16 before P
 # "tile": exp(S - m_t), m_t the row's maximum over the 64-key tiles up to that key's (the
 # kernel's running maximum when it rounds that tile), times exp(m_t - m); True: exp(S - m), m
 # the row's maximum; False: not rounded.
-TOL = {"tile": 1e-3, True: 4e-3, False: 5e-3}[ROUND_P]  # out: max |x - ref| / max |ref|.
+TOL = {"tile": {"bf16": 1e-3, "fp16": 1.25e-4}, True: {"bf16": 4e-3, "fp16": 5e-4},
+       False: {"bf16": 5e-3, "fp16": 6.25e-4}}[ROUND_P]  # out: max |x - ref| / max |ref|.
 # "tile": ~1e-7, except where S (fp32 sums against fp64) puts one p on the other side of a bf16
 # rounding boundary: that row of out then moves by ulp(p) / l |v_j| <= 2^-7 (p / l) |v_j|,
 # measured up to 1.5e-4 over the cases below (5e-5 typically); an extra or missing key, a
@@ -88,9 +89,10 @@ def copy_tile(cp, kt, vt, kb, vb, k, v, kstride, j0, Sk, D, ld, MAXK, pc):
     assert np.all(seen == 1), "the copies do not cover the tile exactly once"
 
 
-def tn_tile(sm, W, ks_lane, vs_lane, kreg, vreg, ld, nk, MAXK, sl2, kv_lim, vis, masked):
-    """tn_tile<MAXK, MASKED> for one warp (W: its registers, lanes as vectors); kreg, vreg: the
-    byte ranges of the stage's K and V tiles, which its ldmatrix rows must lie in."""
+def tn_tile(sm, W, ks_lane, vs_lane, kreg, vreg, ld, nk, MAXK, sl2, kv_lim, vis, masked, fmt):
+    """tn_tile<MAXK, MASKED, F16> for one warp (W: its registers, lanes as vectors; fmt: the
+    operand format, emu_common.BF16 or FP16); kreg, vreg: the byte ranges of the stage's K and
+    V tiles, which its ldmatrix rows must lie in."""
     qf, o, m, l = W["qf"], W["o"], W["m"], W["l"]
     # S = Q K^T (16 rows x 64 keys): n-tiles 2p, 2p + 1 from one ldmatrix.x4 per k-step.
     s = [[np.zeros(32, np.float32) for _ in range(4)] for _ in range(8)]
@@ -99,8 +101,8 @@ def tn_tile(sm, W, ks_lane, vs_lane, kreg, vreg, ld, nk, MAXK, sl2, kv_lim, vis,
             for p in range(4):
                 if not masked or 16 * p < kv_lim:
                     bk = ldsm_x4(sm, ks_lane + (p * 16 * ld + kk * 16) * 2, region=kreg)
-                    mma(s[2 * p], qf[kk], bk[0], bk[1])
-                    mma(s[2 * p + 1], qf[kk], bk[2], bk[3])
+                    mma(s[2 * p], qf[kk], bk[0], bk[1], fmt)
+                    mma(s[2 * p + 1], qf[kk], bk[2], bk[3], fmt)
     # Online softmax, row r0 + 8 hf: s[n][2 hf], s[n][2 hf + 1].
     for hf in range(2):
         mx = m[hf].copy()
@@ -130,20 +132,21 @@ def tn_tile(sm, W, ks_lane, vs_lane, kreg, vreg, ld, nk, MAXK, sl2, kv_lim, vis,
     # O += P V: A = P (k-step kk = keys 16 kk .. 16 kk + 15), B from ldmatrix.x4.trans.
     for kk in range(4):
         if not masked or 16 * kk < kv_lim:
+            pack = fmt.pack
             a = [pack(s[2 * kk][0], s[2 * kk][1]), pack(s[2 * kk][2], s[2 * kk][3]),
                  pack(s[2 * kk + 1][0], s[2 * kk + 1][1]), pack(s[2 * kk + 1][2], s[2 * kk + 1][3])]
             for p in range(MAXK):
                 if p < nk:
                     bv = ldsm_x4(sm, vs_lane + (kk * 16 * ld + p * 16) * 2, trans=True,
                                  region=vreg)
-                    mma(o[2 * p], a, bv[0], bv[1])
-                    mma(o[2 * p + 1], a, bv[2], bv[3])
+                    mma(o[2 * p], a, bv[0], bv[1], fmt)
+                    mma(o[2 * p + 1], a, bv[2], bv[3], fmt)
 
 
 def body(q, k, v, out, lse, wr_out, wr_lse, B, Sq, Sk, H, Hkv, D, causal, q_start, k_start,
-         scale, MAXK, FULL, gx, bx, by, late):
-    """attn_fwd_tc_body<MAXK, FULL> for the CTA (bx, by) of a grid (gx, B * H); q, k, v
-    bf16 bits (u16)."""
+         scale, MAXK, FULL, gx, bx, by, late, fmt):
+    """attn_fwd_tc_body<MAXK, FULL, F16> for the CTA (bx, by) of a grid (gx, B * H); q, k, v
+    the bits (u16) of the operand format `fmt` (F16: fmt is FP16)."""
     if FULL:
         D = 16 * MAXK
     ld = D + PAD
@@ -151,7 +154,7 @@ def body(q, k, v, out, lse, wr_out, wr_lse, B, Sq, Sk, H, Hkv, D, causal, q_star
     stage = 2 * BN * ld * 2  # byte offsets in the dynamic shared memory
     kt0, vt0 = 0, BN * ld * 2
     assert 2 * stage == nbytes and vt0 % 16 == 0 and stage % 16 == 0
-    sm = Smem(nbytes, 0xFF)  # garbage: 0xFFFF is NaN in bf16
+    sm = Smem(nbytes, 0xFF)  # garbage: 0xFFFF is a NaN in bf16 and in fp16
     cp = CpAsync(sm, late)
     b, h = by // H, by % H
     hk = h // (H // Hkv)
@@ -175,7 +178,7 @@ def body(q, k, v, out, lse, wr_out, wr_lse, B, Sq, Sk, H, Hkv, D, causal, q_star
     for warp in range(4):
         iw = q0 + warp * 16
         r0 = iw + G
-        # Q's A fragments (rows r0, r0 + 8; zeros past Sq), 32-bit loads of two bf16.
+        # Q's A fragments (rows r0, r0 + 8; zeros past Sq), 32-bit loads of two elements.
         pa = qb + r0 * qstride + 2 * T
         pb = qb + (r0 + 8) * qstride + 2 * T
         oka, okb = r0 < Sq, r0 + 8 < Sq
@@ -221,11 +224,11 @@ def body(q, k, v, out, lse, wr_out, wr_lse, B, Sq, Sk, H, Hkv, D, causal, q_star
         for W in warps:
             if j0 + BN <= W["wfull"]:
                 tn_tile(sm, W, ks_lane + cur, vs_lane + cur, kreg, vreg, ld, nk, MAXK, sl2, BN,
-                        [0, 0], False)
+                        [0, 0], False, fmt)
             elif j0 < W["wkeys"]:
                 vis = [W["vis_row"][0] - j0, W["vis_row"][1] - j0]
                 tn_tile(sm, W, ks_lane + cur, vs_lane + cur, kreg, vreg, ld, nk, MAXK, sl2,
-                        W["wkeys"] - j0, vis, True)
+                        W["wkeys"] - j0, vis, True, fmt)
     assert cp.idle(), "cp.async left in flight at the end of the CTA"
 
     ob = b * Sq * qstride + h * D
@@ -257,9 +260,10 @@ def body(q, k, v, out, lse, wr_out, wr_lse, B, Sq, Sk, H, Hkv, D, causal, q_star
 
 
 def kernel(q, k, v, out, lse, B, Sq, Sk, H, Hkv, D, causal, q_start, k_start, scale, MAXK,
-           late):
-    """TN_KERNEL(MAXK): attn_fwd_tc_k<MAXK> over the whole grid (ceil(Sq / 64), B H);
-    q, k, v bf16 bits (u16); `late`: the cp.async landing policy (CpAsync)."""
+           late, fmt):
+    """TN_KERNEL: attn_fwd_tc_k<MAXK> (fmt BF16) or attn_fwd_tc_f16_k<MAXK> (fmt FP16) over
+    the whole grid (ceil(Sq / 64), B H); q, k, v the bits (u16) of `fmt`; `late`: the cp.async
+    landing policy (CpAsync)."""
     assert D % 16 == 0 and 16 <= D <= 16 * MAXK
     wr_out = np.zeros(out.size, dtype=int)
     wr_lse = np.zeros(lse.size, dtype=int)
@@ -267,15 +271,15 @@ def kernel(q, k, v, out, lse, B, Sq, Sk, H, Hkv, D, causal, q_start, k_start, sc
     for by in range(B * H):
         for bx in range(gx):
             body(q, k, v, out, lse, wr_out, wr_lse, B, Sq, Sk, H, Hkv, D, causal, q_start,
-                 k_start, scale, MAXK, D == 16 * MAXK, gx, bx, by, late)
+                 k_start, scale, MAXK, D == 16 * MAXK, gx, bx, by, late, fmt)
     assert np.all(wr_out == 1), "out: elements written other than once"
     assert np.all(wr_lse == 1), "lse: elements written other than once"
 
 
-def reference(q, k, v, B, Sq, Sk, H, Hkv, D, causal, q_start, k_start, scale):
-    """fp64 attention on bf16-rounded Q, K, V; (ROUND_P) P rounded to bf16 before P V,
-    divided by the row sum of the unrounded P."""
-    rb = lambda x: bf16(x.astype(np.float32)).astype(np.float64)
+def reference(q, k, v, B, Sq, Sk, H, Hkv, D, causal, q_start, k_start, scale, fmt):
+    """fp64 attention on Q, K, V rounded to the operand format `fmt`; (ROUND_P) P rounded to
+    `fmt` before P V, divided by the row sum of the unrounded P."""
+    rb = lambda x: fmt.round(x.astype(np.float32)).astype(np.float64)
     q4 = rb(q).reshape(B, Sq, H, D)
     k4 = rb(k).reshape(B, Sk, Hkv, D)
     v4 = rb(v).reshape(B, Sk, Hkv, D)
@@ -306,22 +310,25 @@ def reference(q, k, v, B, Sq, Sk, H, Hkv, D, causal, q_start, k_start, scale):
     return out.reshape(-1), lse.reshape(-1)
 
 
-def case(B, Sq, Sk, H, Hkv, D, causal, q_start, k_start, seed=0, note=""):
+def case(B, Sq, Sk, H, Hkv, D, causal, q_start, k_start, fmt, seed=0, note=""):
+    """One case in the operand format `fmt` (emu_common.BF16 or FP16): the kernel's results
+    against the reference's; prints a line; returns (ok, out error, lse error)."""
     rng = np.random.default_rng(seed)
     q, k, v = inputs(rng, B, Sq, Sk, H, Hkv, D)
     scale = np.float32(1.0 / np.sqrt(D))
     rout, rlse = reference(q, k, v, B, Sq, Sk, H, Hkv, D, causal, q_start, k_start,
-                           np.float64(scale))
+                           np.float64(scale), fmt)
     MAXK = 4 if D <= 64 else 8
-    # The kernel's inputs: bf16 bits, rounded once (nearest even) as the caller rounds them.
-    q16, k16, v16 = bf16_u16(q), bf16_u16(k), bf16_u16(v)
+    # The kernel's inputs: the bits of `fmt`, rounded once (nearest even) as the caller rounds
+    # them.
+    q16, k16, v16 = fmt.u16(q), fmt.u16(k), fmt.u16(v)
     t0 = time.time()
     runs = []
     for late in (False, True):
         out = np.full(B * Sq * H * D, np.nan, np.float32)
         lse = np.full(B * H * Sq, np.nan, np.float32)
         kernel(q16, k16, v16, out, lse, B, Sq, Sk, H, Hkv, D, int(causal), q_start, k_start,
-               scale, MAXK, late)
+               scale, MAXK, late, fmt)
         runs.append((out, lse))
     dt = time.time() - t0
     ok = True
@@ -342,7 +349,7 @@ def case(B, Sq, Sk, H, Hkv, D, causal, q_start, k_start, seed=0, note=""):
         msgs.append("out of a row that sees no key not 0")
     top = max(np.abs(rout).max(), 1e-30)
     err = np.abs(out - rout).max() / top if np.all(np.isfinite(out)) else np.inf
-    if err >= TOL:
+    if not err < TOL[fmt.name]:
         ok = False
         bad = np.argmax(np.abs(out - rout)) if np.isfinite(err) else np.argmax(~np.isfinite(out))
         msgs.append(f"(out worst at {bad}: {out[bad]} vs {rout[bad]})")
@@ -356,11 +363,11 @@ def case(B, Sq, Sk, H, Hkv, D, causal, q_start, k_start, seed=0, note=""):
     if not lerr < LSE_TOL:
         ok = False
         msgs.append("lse error")
-    line = (f"B{B} Sq{Sq} Sk{Sk} H{H}/{Hkv} D{D} k{MAXK}{' full' if D == 16 * MAXK else ''} "
+    line = (f"{fmt} B{B} Sq{Sq} Sk{Sk} H{H}/{Hkv} D{D} k{MAXK}{' full' if D == 16 * MAXK else ''} "
             f"{'c' if causal else 'nc'} {q_start},{k_start}: out {err:.2e}, lse {lerr:.2e} abs "
             f"{lrel:.2e} rel, -inf rows {dead.sum()}/{dead.size} [{dt:.1f} s]{note}")
     print(line + ("" if ok else "  MISMATCH " + "; ".join(msgs)), flush=True)
-    return ok
+    return ok, err, lerr
 
 
 CASES = [
@@ -395,7 +402,15 @@ CASES = [
 if __name__ == "__main__":
     t0 = time.time()
     ok = True
-    for c in CASES:
-        ok &= case(*c)
+    summary = []
+    for fmt in FORMATS:
+        t1 = time.time()
+        res = [case(*c, fmt=fmt) for c in CASES]
+        ok &= all(r[0] for r in res)
+        summary.append(f"{fmt}: {sum(r[0] for r in res)}/{len(res)} cases OK; max out error "
+                       f"{max(r[1] for r in res):.2e} (TOL {TOL[fmt.name]:.2e}), max lse error "
+                       f"{max(r[2] for r in res):.2e} (LSE_TOL {LSE_TOL:.0e}) "
+                       f"[{time.time() - t1:.0f} s]")
+    print("\n".join(summary))
     print(f"{'all OK' if ok else 'MISMATCH'} ({time.time() - t0:.0f} s)")
     sys.exit(0 if ok else 1)

@@ -1,12 +1,13 @@
 """The emulation primitives both lane-level emulators of the library's tensor-core attention
 kernels use (attention_tc_emu.py for crates/tensor/src/cuda/kernels/attention_tc.cu,
-attention_tc_bwd_emu.py for attention_tc_bwd.cu): bf16 rounding as cvt.rn (nearest
-even, a NaN the canonical one), register packing, mma.m16n8k16 on the PTX ISA's fragment
-layouts, ex2.approx and fmaf, shared memory filled with garbage, cp.async into it (commit
-groups, wait_group, two landing policies) with a check of every read and copy against the
-barriers, ldmatrix.x4 from it, the causal key count of a query block, and the threads' walk
-over a tile's 16-byte (8 bf16) pieces. Lanes are numpy vectors of 32; a CTA's threads numpy
-vectors of THREADS.
+attention_tc_bwd_emu.py for attention_tc_bwd.cu): the two operand formats (Format: BF16 and
+FP16, the kernels' F16 = false / true) with their rounding as cvt.rn (nearest even, a NaN the
+canonical one), register packing and decoding, mma.m16n8k16 on the PTX ISA's fragment layouts
+for either format, ex2.approx and fmaf, shared memory filled with garbage, cp.async into it
+(commit groups, wait_group, two landing policies) with a check of every read and copy against
+the barriers, ldmatrix.x4 from it, the causal key count of a query block, and the threads' walk
+over a tile's 16-byte pieces (8 elements of 16 bits). Lanes are numpy vectors of 32; a CTA's
+threads numpy vectors of THREADS.
 """
 import numpy as np
 
@@ -26,48 +27,88 @@ def bf16_bits(x):
 
 
 def bits_f32(b):
+    """bf16 bits (the lower 16 of each uint32) as fp32, exactly."""
     return (np.asarray(b, dtype=np.uint32) << 16).view(np.float32)
 
 
-def bf16(x):
-    return bits_f32(bf16_bits(x))
+def fp16_bits(x):
+    """cvt.rn.f16.f32: round to nearest even, numpy's float32 -> float16 conversion (which is
+    that, subnormals kept: fp16 has them, and cvt.rn without .ftz keeps them; beyond 65504 it
+    gives +-inf, as cvt.rn does without .satfinite); a NaN becomes the canonical NaN 0x7FFF."""
+    x = np.asarray(x, dtype=np.float32)
+    with np.errstate(over="ignore", invalid="ignore"):
+        u = x.astype(np.float16).view(np.uint16).astype(np.uint32)
+    return np.where(np.isnan(x), 0x7FFF, u).astype(np.uint32)
 
 
-def bf16_u16(x):
-    """The bf16 bits of fp32 values as the kernels take them (u16), rounded once, as the
-    caller does before the launch."""
-    return bf16_bits(x).astype(np.uint16)
+def fp16_f32(b):
+    """fp16 bits (the lower 16 of each uint32) as fp32, exactly (subnormals included)."""
+    return (np.asarray(b, dtype=np.uint32) & 0xFFFF).astype(np.uint16).view(np.float16) \
+        .astype(np.float32)
 
 
-def pack(lo, hi):
-    """tn_pack: cvt.rn.bf16x2.f32, `lo` in the lower 16 bits."""
-    return bf16_bits(lo) | (bf16_bits(hi) << 16)
+class Format:
+    """An operand format of the kernels: 16-bit floats, two to a 32-bit register (the
+    lower-indexed element in the lower half), fp32 rounded to it by cvt.rn (tn_pack / tb_pack),
+    multiplied by mma.m16n8k16 into fp32 (tn_mma / tb_mma). `bits`: fp32 -> the 16 bits (as
+    uint32), round to nearest even; `f32`: the 16 bits -> fp32, exact."""
+
+    def __init__(self, name, bits, f32):
+        self.name, self.bits, self.f32 = name, bits, f32
+
+    def __repr__(self):
+        return self.name
+
+    def round(self, x):
+        """fp32 values rounded to the format (as fp32)."""
+        return self.f32(self.bits(x))
+
+    def u16(self, x):
+        """The bits of fp32 values as the kernels take them (u16), rounded once, as the caller
+        does before the launch."""
+        return self.bits(x).astype(np.uint16)
+
+    def pack(self, lo, hi):
+        """tn_pack / tb_pack: cvt.rn.{bf16x2,f16x2}.f32, `lo` in the lower 16 bits."""
+        return self.bits(lo) | (self.bits(hi) << 16)
+
+    def halves(self, r):
+        """Registers (uint32, any shape [..]) as their two elements, [2, ..] fp32: the lower
+        half, then the upper."""
+        r = np.asarray(r, dtype=np.uint32)
+        return self.f32(np.stack([r & 0xFFFF, r >> 16]))
 
 
-def lo_f(r):
-    return bits_f32(r & 0xFFFF)
+BF16 = Format("bf16", bf16_bits, bits_f32)  # F16 = false: .bf16 operands, cvt.rn.bf16x2.f32
+FP16 = Format("fp16", fp16_bits, fp16_f32)  # F16 = true: .f16 operands, cvt.rn.f16x2.f32
+FORMATS = (BF16, FP16)
+
+# The fragments of mma.m16n8k16 (PTX ISA, "Matrix Fragments for mma.m16n8k16"), in the order
+# of Format.halves of the registers stacked as a0..a3, b0, b1: (row, column) of each element.
+_A_RC = [(G, 2 * T), (G, 2 * T + 1), (G + 8, 2 * T), (G + 8, 2 * T + 1),
+         (G, 2 * T + 8), (G, 2 * T + 9), (G + 8, 2 * T + 8), (G + 8, 2 * T + 9)]
+_A_ROW = np.stack([rc[0] for rc in _A_RC])
+_A_COL = np.stack([rc[1] for rc in _A_RC])
+_B_ROW = np.stack([2 * T, 2 * T + 1, 2 * T + 8, 2 * T + 9])
+_B_COL = np.stack([G, G, G, G])
+_D_ROW = np.stack([G, G, G + 8, G + 8])
+_D_COL = np.stack([2 * T, 2 * T + 1, 2 * T, 2 * T + 1])
 
 
-def hi_f(r):
-    return bits_f32(r >> 16)
-
-
-def mma(d, a, b0, b1):
-    """d: [4][32] float32 (modified), a: 4 regs, b0, b1 regs."""
+def mma(d, a, b0, b1, fmt):
+    """mma.sync.aligned.m16n8k16.row.col.f32.{bf16.bf16,f16.f16}.f32 (`fmt`): d: [4][32]
+    float32 (modified), a: 4 regs, b0, b1 regs; the products exact, the sum rounded once to
+    fp32."""
+    h = fmt.halves(np.stack([a[0], a[1], a[2], a[3], b0, b1]))  # [2][6][32]
+    h = h.transpose(1, 0, 2).reshape(12, 32)  # a0 lo, a0 hi, a1 lo, .., b1 hi
     A = np.zeros((16, 16))
     B = np.zeros((16, 8))
-    A[G, 2 * T], A[G, 2 * T + 1] = lo_f(a[0]), hi_f(a[0])
-    A[G + 8, 2 * T], A[G + 8, 2 * T + 1] = lo_f(a[1]), hi_f(a[1])
-    A[G, 2 * T + 8], A[G, 2 * T + 9] = lo_f(a[2]), hi_f(a[2])
-    A[G + 8, 2 * T + 8], A[G + 8, 2 * T + 9] = lo_f(a[3]), hi_f(a[3])
-    B[2 * T, G], B[2 * T + 1, G] = lo_f(b0), hi_f(b0)
-    B[2 * T + 8, G], B[2 * T + 9, G] = lo_f(b1), hi_f(b1)
+    A[_A_ROW, _A_COL] = h[:8]
+    B[_B_ROW, _B_COL] = h[8:]
     with np.errstate(invalid="ignore", over="ignore"):
-        C = A @ B
-        d[0] = (d[0] + C[G, 2 * T]).astype(np.float32)
-        d[1] = (d[1] + C[G, 2 * T + 1]).astype(np.float32)
-        d[2] = (d[2] + C[G + 8, 2 * T]).astype(np.float32)
-        d[3] = (d[3] + C[G + 8, 2 * T + 1]).astype(np.float32)
+        C = (A @ B)[_D_ROW, _D_COL]
+        for i in range(4):
+            d[i] = (d[i] + C[i]).astype(np.float32)
 
 
 def exp2(x):
@@ -193,22 +234,18 @@ def ldsm_x4(sm, addr, trans=False, region=None):
     if region is not None:
         assert np.all(addr >= region[0]) and np.all(addr + 16 <= region[1]), addr
     sm.read(addr, 16)
-    u = sm.u16()
-    regs = []
-    for i in range(4):
-        rows = np.stack([u[addr[8 * i + r] // 2: addr[8 * i + r] // 2 + 8] for r in range(8)])
-        rows = rows.astype(np.uint32)
-        if trans:
-            a, b = rows[2 * T, G], rows[2 * T + 1, G]
-        else:
-            a, b = rows[G, 2 * T], rows[G, 2 * T + 1]
-        regs.append(a | (b << 16))
-    return regs
+    # rows[i, r]: the 8 16-bit elements at lane 8 i + r's address (row r of matrix i).
+    rows = sm.u16()[(addr // 2)[:, None] + np.arange(8)].astype(np.uint32).reshape(4, 8, 8)
+    if trans:
+        a, b = rows[:, 2 * T, G], rows[:, 2 * T + 1, G]
+    else:
+        a, b = rows[:, G, 2 * T], rows[:, G, 2 * T + 1]
+    return list(a | (b << 16))
 
 
 def ld_u32(x, idx, ok):
-    """A 32-bit load of two bf16 (elements idx, idx + 1 of the u16 array x; the lower-indexed
-    in the lower half) where `ok`, else 0 (no load)."""
+    """A 32-bit load of two 16-bit elements (idx, idx + 1 of the u16 array x; the
+    lower-indexed in the lower half) where `ok`, else 0 (no load)."""
     i = np.where(ok, idx, 0)
     assert np.all(i % 2 == 0), "unaligned 32-bit load"
     assert np.all(np.where(ok, (i >= 0) & (i + 2 <= x.size), True))
@@ -226,7 +263,7 @@ def keys_seen(i_end, Sk, causal, q_start, k_start):
 
 class Pieces:
     """TnPieces / TbPieces: every thread of the CTA at once (arrays over threadIdx.x) walking
-    a tile's 16-byte pieces of 8 bf16, D / 8 a row."""
+    a tile's 16-byte pieces of 8 elements (bf16 or fp16), D / 8 a row."""
 
     def __init__(self, D):
         self.cpr = D >> 3

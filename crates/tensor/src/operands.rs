@@ -6,11 +6,11 @@
 //! Megatron's bf16 mode do: each product rounds `A` and `B` to the format (round to nearest
 //! even; the weights already are, being stored in it) and accumulates in fp32, so a product
 //! of depth `k` carries a relative error of about 2⁻⁸ per operand (bf16's 8 significant bits)
-//! instead of fp32's 2⁻²⁴. Attention in a bf16 step runs the tensor-core FlashAttention
-//! kernels (Q, K, V, P, dO and dS rounded to bf16; softmax and sums in fp32) where the head
-//! size allows ([`crate::ops::attention_forward`]). The CPU kernels compute every product in fp32 whatever the format
-//! here: they are the reference, and their bf16 runs keep 16-bit storage with fp32 compute
-//! ([`Operands`] is ignored on host buffers).
+//! instead of fp32's 2⁻²⁴. Attention in a bf16 or fp16 step runs the tensor-core
+//! FlashAttention kernels (Q, K, V, P, dO and dS rounded to the format; softmax and sums in
+//! fp32) where the head size allows ([`crate::ops::attention_forward`]). The CPU kernels
+//! compute every product in fp32 whatever the format here: they are the reference, and their
+//! bf16 runs keep 16-bit storage with fp32 compute ([`Operands`] is ignored on host buffers).
 //!
 //! The format is the calling thread's, set for the duration of a step by the executor
 //! ([`Scope`]) and carried into the kernel thread pool by [`crate::threads::install`], so the

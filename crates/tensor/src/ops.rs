@@ -226,21 +226,20 @@ fn no_gpu_document_mask() -> TensorError {
     )
 }
 
-/// Whether attention on a GPU runs on the tensor cores: in a bf16 step
-/// ([`crate::operands::Operands::Bf16`]; Q, K, V, P, dO and dS rounded to bf16, softmax and
-/// sums in fp32) for head sizes the kernels take (multiples of 16 up to 128). Other head sizes,
-/// fp16 and fp32 steps use the fp32 kernels (the parity path) — by the shape and the run's
+/// Whether attention on a GPU runs on the tensor cores: in a bf16 or fp16 step
+/// ([`crate::operands::Operands`]; Q, K, V, P, dO and dS rounded to the step's format, softmax
+/// and sums in fp32) for head sizes the kernels take (multiples of 16 up to 128). Other head
+/// sizes and fp32 steps use the fp32 kernels (the parity path) — by the shape and the run's
 /// precision, never by a failure.
 fn tensor_cores(s: &AttnShape) -> bool {
-    crate::operands::current() == crate::operands::Operands::Bf16
-        && gpu::tensor_core_attention_fits(s)
+    crate::operands::current() != Operands::F32 && gpu::tensor_core_attention_fits(s)
 }
 
 /// `x` (Q, K or V of attention of shape `s`) prepared once for the attention kernels that will
 /// read it, forward and backward: on a GPU where attention runs on the tensor cores, its bf16
-/// copy alone (half the bytes of the activation: what the layer keeps for its backward);
-/// otherwise the values themselves (the CPU, and GPU steps in fp32 or fp16, compute attention
-/// in fp32).
+/// or fp16 copy alone (half the bytes of the activation: what the layer keeps for its
+/// backward); otherwise the values themselves (the CPU, GPU steps in fp32, and head sizes the
+/// tensor cores do not take compute attention in fp32).
 pub fn attention_operand(s: &AttnShape, x: std::sync::Arc<Buf>) -> Result<crate::operands::Kept> {
     use crate::operands::Kept;
     if tensor_cores(s) {
@@ -250,12 +249,13 @@ pub fn attention_operand(s: &AttnShape, x: std::sync::Arc<Buf>) -> Result<crate:
     }
 }
 
-/// Q, K, V as the attention kernel for `s` reads them: on the tensor cores bf16 bits (fp32
-/// values rounded here, or operands rounded once already), otherwise fp32 values.
+/// Q, K, V as the attention kernel for `s` reads them: on the tensor cores 16-bit bits in the
+/// step's format (fp32 values rounded here, or operands rounded once already), otherwise fp32
+/// values.
 enum AttnInputs<'a> {
     Host([&'a [f32]; 3]),
     Cuda([crate::cuda::DevSlice<'a, f32>; 3]),
-    CudaBf16([crate::cuda::DevSlice<'a, u16>; 3]),
+    Cuda16(Operands, [crate::cuda::DevSlice<'a, u16>; 3]),
 }
 
 /// Q, K, V rounded for the tensor cores where `s` runs there ([`attention_operand`]'s rule),
@@ -275,19 +275,19 @@ fn attn_inputs<'a>(s: &AttnShape, qkv: &'a [Operand<'_>; 3]) -> Result<AttnInput
         [Values(Host(q)), Values(Host(k)), Values(Host(v))] => Ok(AttnInputs::Host([q, k, v])),
         [Values(Cuda(q)), Values(Cuda(k)), Values(Cuda(v))] => Ok(AttnInputs::Cuda([*q, *k, *v])),
         [Rounded(q), Rounded(k), Rounded(v)] => {
+            let step = crate::operands::current();
             for x in [q, k, v] {
-                if !tensor_cores(s) || x.format() != Operands::Bf16 {
+                if !tensor_cores(s) || x.format() != step {
                     return Err(TensorError::Shape(format!(
                         "attention was given Q, K, V rounded to {:?}, but this attention (head \
-                         size {}, a {:?} step) computes with {} operands",
+                         size {}, a {step:?} step) computes with {} operands",
                         x.format(),
                         s.head_dim,
-                        crate::operands::current(),
-                        if tensor_cores(s) { "bf16" } else { "fp32" }
+                        if tensor_cores(s) { "those" } else { "fp32" }
                     )));
                 }
             }
-            Ok(AttnInputs::CudaBf16([q.bits(), k.bits(), v.bits()]))
+            Ok(AttnInputs::Cuda16(step, [q.bits(), k.bits(), v.bits()]))
         }
         _ => Err(mixed("attention")),
     }
@@ -325,8 +325,8 @@ pub fn attention_forward<'a>(
         (AttnInputs::Cuda([q, k, v]), BufMut::Cuda(o), BufMut::Cuda(l)) => {
             gpu::attention_forward(s, q, k, v, o, l)?
         }
-        (AttnInputs::CudaBf16([q, k, v]), BufMut::Cuda(o), BufMut::Cuda(l)) => {
-            gpu::attention_forward_tc(s, q, k, v, o, l)?
+        (AttnInputs::Cuda16(format, [q, k, v]), BufMut::Cuda(o), BufMut::Cuda(l)) => {
+            gpu::attention_forward_tc(s, format, q, k, v, o, l)?
         }
         _ => return Err(mixed("attention")),
     }
@@ -400,10 +400,12 @@ pub fn attention_backward<'a>(
             (M::Cuda(a), M::Cuda(b), M::Cuda(c)),
         ) => Ok(gpu::attention_backward(s, q, k, v, o, l, d, a, b, c)?),
         (
-            AttnInputs::CudaBf16([q, k, v]),
+            AttnInputs::Cuda16(format, [q, k, v]),
             (R::Cuda(o), R::Cuda(l), R::Cuda(d)),
             (M::Cuda(a), M::Cuda(b), M::Cuda(c)),
-        ) => Ok(gpu::attention_backward_tc(s, q, k, v, o, l, d, a, b, c)?),
+        ) => Ok(gpu::attention_backward_tc(
+            s, format, q, k, v, o, l, d, a, b, c,
+        )?),
         _ => Err(mixed("attention backward")),
     }
 }

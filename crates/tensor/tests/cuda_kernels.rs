@@ -7,6 +7,7 @@ use std::sync::Arc;
 use tensor::attention::{attention_backward, attention_forward, AttnShape, AttnTiles};
 use tensor::buf::Buf;
 use tensor::cuda::{ops, DevBuf, Gpu};
+use tensor::operands::Operands;
 
 /// The GPU, or `None` after the one skip line of this file (`test` names the caller for the
 /// failure message where a GPU is required).
@@ -640,17 +641,29 @@ fn bf16_scales(
     [mo, mq, mk, mv]
 }
 
-/// `|got − want| ≤ 2⁻⁷ · scale + 1e-5 · max |want|` element by element (see
+/// `|got − want| ≤ 2 · half_ulp · scale + 1e-5 · max |want|` element by element, `half_ulp`
+/// the format's relative rounding (2⁻⁸ bf16, 2⁻¹¹ fp16; see
 /// `tensor_core_attention_matches_cpu`).
-fn assert_bf16_close(what: &str, got: &[f32], want: &[f32], scale: &[f64]) {
+fn assert_rounded_close(what: &str, got: &[f32], want: &[f32], scale: &[f64], half_ulp: f64) {
     let top = want.iter().fold(0.0f32, |m, x| m.max(x.abs())) as f64;
     for (e, ((&a, &b), &m)) in got.iter().zip(want).zip(scale).enumerate() {
-        let bound = m / 128.0 + 1e-5 * top;
+        let bound = 2.0 * half_ulp * m + 1e-5 * top;
         assert!(
             ((a - b) as f64).abs() <= bound,
-            "{what}[{e}]: GPU {a} vs CPU {b} (bound {bound:e}: bf16 scale {m:e}, max {top:e})"
+            "{what}[{e}]: GPU {a} vs CPU {b} (bound {bound:e}: rounding scale {m:e}, max {top:e})"
         );
     }
+}
+
+/// The fp16 bits of `x` (nearest even).
+fn f16_bits(x: &[f32]) -> Vec<u16> {
+    x.iter()
+        .map(|&v| half::f16::from_f32(v).to_bits())
+        .collect()
+}
+
+fn round_f16(x: &[f32]) -> Vec<f32> {
+    x.iter().map(|&v| half::f16::from_f32(v).to_f32()).collect()
 }
 
 /// The tensor-core kernels (`attention_forward_tc` / `attention_backward_tc`) against the CPU
@@ -659,20 +672,25 @@ fn assert_bf16_close(what: &str, got: &[f32], want: &[f32], scale: &[f64]) {
 /// attention (a query block after its key block, one before it: no query sees a key, out 0
 /// and lse −inf), several batches; the backward accumulates into nonzero dq, dk, dv.
 ///
-/// Tolerance. The CPU kernel runs on inputs rounded to bf16 (the kernels take q, k, v as
-/// their bf16 bits, rounded the same way, nearest even; dout is given rounded to both, since
-/// the GPU computes delta from it in fp32 before rounding it for the products), and the backward of both gets the CPU's out and lse, so the
-/// products of rounded operands and the fp32 softmax agree up to fp32 rounding. What is left
-/// is the rounding of P (forward: O = Σ_j bf16(P_ij) v_j / l; backward: dV = Σ_i bf16(P_ij) dO_i)
-/// and of dS (dQ = scale Σ_j bf16(dS_ij) k_j, dK = scale Σ_i bf16(dS_ij) q_i): rounding to 8
-/// significant bits (nearest) changes each by half an ulp, a relative 2⁻⁸ at most (the ulp is
-/// 2⁻⁷ of the leading bit), so the error of an output element is at most 2⁻⁸ times its "bf16
-/// scale" (`bf16_scales`: the same sum over absolute values, e.g. Σ_j P_ij |v_jd|); a numpy
-/// emulation of the kernels reached 0.82 of that. The bound is twice it, 2⁻⁷ · scale, the
-/// factor 2 for what the derivation leaves out at relative 1e-6 or less (P and dS from fp32 scores summed in another
-/// order, expf vs the CPU's exp, the tensor cores' fp32 accumulation, 1/l), plus the fp32
-/// tolerance of the other tests, 1e-5 of the largest element (the fp32 sums of the initial
-/// dq, dk, dv and a difference dP − delta that cancels).
+/// Both operand formats: bf16 (bf16 steps) and fp16 (fp16 steps).
+///
+/// Tolerance. The CPU kernel runs on inputs rounded to the format (the kernels take q, k, v as
+/// their 16-bit bits, rounded the same way, nearest even; dout is given rounded to both, since
+/// the GPU computes delta from it in fp32 before rounding it for the products), and the
+/// backward of both gets the CPU's out and lse, so the products of rounded operands and the
+/// fp32 softmax agree up to fp32 rounding. What is left is the rounding of P (forward:
+/// O = Σ_j r(P_ij) v_j / l; backward: dV = Σ_i r(P_ij) dO_i) and of dS (dQ = scale Σ_j r(dS_ij)
+/// k_j, dK = scale Σ_i r(dS_ij) q_i): rounding to p significant bits (nearest; bf16 p = 8,
+/// fp16 p = 11) changes each by half an ulp, a relative 2⁻ᵖ at most (the ulp is 2¹⁻ᵖ of the
+/// leading bit), so the error of an output element is at most 2⁻ᵖ times its "rounding scale"
+/// (`bf16_scales`: the same sum over absolute values, e.g. Σ_j P_ij |v_jd|); a numpy emulation
+/// of the kernels reached 0.82 of that in bf16. The bound is twice it, 2¹⁻ᵖ · scale, the
+/// factor 2 for what the derivation leaves out at relative 1e-6 or less (P and dS from fp32
+/// scores summed in another order, expf vs the CPU's exp, the tensor cores' fp32
+/// accumulation, 1/l; in fp16 the few P or dS below 2⁻¹⁴, fp16's subnormals, whose rounding
+/// is absolute, 2⁻²⁵ at most, a relative 4e-6 of the largest v over these ≤ 130 keys), plus
+/// the fp32 tolerance of the other tests, 1e-5 of the largest element (the fp32 sums of the
+/// initial dq, dk, dv and a difference dP − delta that cancels).
 #[test]
 fn tensor_core_attention_matches_cpu() {
     let Some(g) = gpu("tensor_core_attention_matches_cpu") else {
@@ -690,7 +708,7 @@ fn tensor_core_attention_matches_cpu() {
             q_start,
             k_start,
         };
-    for s in [
+    for (s, format) in [
         AttnShape::causal(2, 100, 8, 2, 64),
         AttnShape::causal(1, 100, 4, 4, 128),
         AttnShape::causal(2, 130, 8, 2, 128),
@@ -705,32 +723,41 @@ fn tensor_core_attention_matches_cpu() {
         shape(1, 100, 130, 8, 2, 64, true, 30, 0),
         shape(1, 100, 70, 4, 2, 128, true, 0, 40),
         AttnShape::causal(1, 70, 2, 1, 32),
-    ] {
+    ]
+    .into_iter()
+    .flat_map(|s| [(s, Operands::Bf16), (s, Operands::F16)])
+    {
+        let (round, bits, half_ulp): (fn(&[f32]) -> Vec<f32>, fn(&[f32]) -> Vec<u16>, f64) =
+            match format {
+                Operands::F16 => (round_f16, f16_bits, 2f64.powi(-11)),
+                _ => (round_bf16, bf16_bits, 2f64.powi(-8)),
+            };
         let (q, k, v) = (
             rand(s.q_elems(), 40),
             rand(s.kv_elems(), 41),
             rand(s.kv_elems(), 42),
         );
-        let dout = round_bf16(&rand(s.q_elems(), 43));
-        let (qr, kr, vr) = (round_bf16(&q), round_bf16(&k), round_bf16(&v));
+        let dout = round(&rand(s.q_elems(), 43));
+        let (qr, kr, vr) = (round(&q), round(&k), round(&v));
         let (mut out, mut lse) = (vec![0.0; s.q_elems()], vec![0.0; s.lse_elems()]);
         attention_forward(&s, &qr, &kr, &vr, &mut out, &mut lse, AttnTiles::default()).unwrap();
         let [mo, mq, mk, mv] = bf16_scales(&s, &qr, &kr, &vr, &out, &lse, &dout);
         let (gq, gk, gv) = (
-            g.upload(&bf16_bits(&q)).unwrap(),
-            g.upload(&bf16_bits(&k)).unwrap(),
-            g.upload(&bf16_bits(&v)).unwrap(),
+            g.upload(&bits(&q)).unwrap(),
+            g.upload(&bits(&k)).unwrap(),
+            g.upload(&bits(&v)).unwrap(),
         );
         let (mut go, mut gl) = (
             g.alloc::<f32>(s.q_elems()).unwrap(),
             g.alloc::<f32>(s.lse_elems()).unwrap(),
         );
-        ops::attention_forward_tc(&s, &gq, &gk, &gv, &mut go, &mut gl).unwrap();
-        assert_bf16_close(&format!("{s:?} out"), &host(&go), &out, &mo);
+        ops::attention_forward_tc(&s, format, &gq, &gk, &gv, &mut go, &mut gl).unwrap();
+        let what = format!("{format:?} {s:?}");
+        assert_rounded_close(&format!("{what} out"), &host(&go), &out, &mo, half_ulp);
         for (a, b) in host(&gl).iter().zip(&lse) {
             assert!(
                 a == b || (a - b).abs() <= 1e-5 * b.abs().max(1.0),
-                "{s:?} lse {a} vs {b}"
+                "{what} lse {a} vs {b}"
             );
         }
         let (mut dq, mut dk, mut dv) = (
@@ -759,6 +786,7 @@ fn tensor_core_attention_matches_cpu() {
         .unwrap();
         ops::attention_backward_tc(
             &s,
+            format,
             &gq,
             &gk,
             &gv,
@@ -770,9 +798,9 @@ fn tensor_core_attention_matches_cpu() {
             &mut gdv,
         )
         .unwrap();
-        assert_bf16_close(&format!("{s:?} dq"), &host(&gdq), &dq, &mq);
-        assert_bf16_close(&format!("{s:?} dk"), &host(&gdk), &dk, &mk);
-        assert_bf16_close(&format!("{s:?} dv"), &host(&gdv), &dv, &mv);
+        assert_rounded_close(&format!("{what} dq"), &host(&gdq), &dq, &mq, half_ulp);
+        assert_rounded_close(&format!("{what} dk"), &host(&gdk), &dk, &mk, half_ulp);
+        assert_rounded_close(&format!("{what} dv"), &host(&gdv), &dv, &mv, half_ulp);
     }
     // Head sizes the kernels do not take are a shape error (the caller falls back to fp32).
     for d in [8, 40, 256] {
@@ -785,12 +813,23 @@ fn tensor_core_attention_matches_cpu() {
             g.alloc::<f32>(s.q_elems()).unwrap(),
             g.alloc::<f32>(s.lse_elems()).unwrap(),
         );
-        let err = ops::attention_forward_tc(&s, &gq, &gk, &gk, &mut go, &mut gl).unwrap_err();
+        let err = ops::attention_forward_tc(&s, Operands::Bf16, &gq, &gk, &gk, &mut go, &mut gl)
+            .unwrap_err();
         assert!(
             matches!(err, tensor::cuda::CudaError::Shape(_)),
             "head_dim {d}: {err}"
         );
     }
+    // fp32 "operands" are not a tensor-core format.
+    let s = AttnShape::causal(1, 4, 2, 1, 64);
+    let x = g.upload(&bf16_bits(&rand(s.q_elems(), 3))).unwrap();
+    let (mut go, mut gl) = (
+        g.alloc::<f32>(s.q_elems()).unwrap(),
+        g.alloc::<f32>(s.lse_elems()).unwrap(),
+    );
+    let err =
+        ops::attention_forward_tc(&s, Operands::F32, &x, &x, &x, &mut go, &mut gl).unwrap_err();
+    assert!(err.to_string().contains("fp32"), "{err}");
 }
 
 /// AdamW with two weight-decay segments against `model::optim::AdamW::update`'s formula (the
@@ -1089,16 +1128,16 @@ fn operands_rounded_once_give_the_same_products() {
 
 /// Attention's Q, K, V prepared once (`tensor::ops::attention_operand`, what the model keeps
 /// for the backward) give the same bits, forward and backward, as fp32 values that the
-/// attention rounds itself: in a bf16 step both reach the tensor-core kernels as the same bf16
-/// copies (and prepared, each is half the bytes of the values); in fp32 and fp16 steps,
-/// and at a head size the tensor cores do not take, attention runs the fp32 kernels and the
+/// attention rounds itself: in a bf16 or fp16 step both reach the tensor-core kernels as the
+/// same 16-bit copies (and prepared, each is half the bytes of the values); in fp32 steps, and
+/// at a head size the tensor cores do not take, attention runs the fp32 kernels and the
 /// operands are the values themselves. Refused with a clear error: operands rounded for bf16
 /// given to an fp32 attention, a bf16 view that is not 16-byte aligned, an output view that is
 /// not 8-byte aligned.
 #[test]
 fn attention_operands_rounded_once_give_the_same_results() {
     use tensor::buf::Dev;
-    use tensor::operands::{Kept, Operands, Scope};
+    use tensor::operands::{Kept, Scope};
     let Some(g) = gpu("attention_operands_rounded_once_give_the_same_results") else {
         return;
     };
@@ -1122,7 +1161,7 @@ fn attention_operands_rounded_once_give_the_same_results() {
             .iter()
             .map(|x| tensor::ops::attention_operand(&s, (*x).clone()).unwrap())
             .collect();
-        let rounds = format == Operands::Bf16 && head_dim == 64;
+        let rounds = format != Operands::F32 && head_dim == 64;
         for (x, kx) in [&q, &k, &v].iter().zip(&kept) {
             assert_eq!(
                 kx.bytes(),
@@ -1182,13 +1221,15 @@ fn attention_operands_rounded_once_give_the_same_results() {
         g.alloc::<f32>(s.q_elems()).unwrap(),
         g.alloc::<f32>(s.lse_elems()).unwrap(),
     );
-    let err = ops::attention_forward_tc(&s, view, view, view, &mut go, &mut gl).unwrap_err();
+    let err = ops::attention_forward_tc(&s, Operands::Bf16, view, view, view, &mut go, &mut gl)
+        .unwrap_err();
     assert!(err.to_string().contains("16-byte"), "{err}");
     // An output view 4 bytes into its buffer: written as pairs of fp32.
     let whole = bits.slice(0..s.q_elems());
     let mut wide = g.alloc::<f32>(s.q_elems() + 1).unwrap();
     let err = ops::attention_forward_tc(
         &s,
+        Operands::Bf16,
         whole,
         whole,
         whole,

@@ -104,8 +104,8 @@ struct Local {
     /// / fp16), else 4.
     kept: usize,
     /// Bytes of an element of the rotated q, k and v that attention keeps for its backward: 2
-    /// where attention runs on a GPU's tensor cores (bf16, a head size of 16..=128 in steps of
-    /// 16, this rank's kernel alone: `tensor::ops::attention_operand`), else 4 (a
+    /// where attention runs on a GPU's tensor cores (bf16 or fp16, a head size of 16..=128 in
+    /// steps of 16, this rank's kernel alone: `tensor::ops::attention_operand`), else 4 (a
     /// context-parallel ring keeps the values it sends).
     attn_kept: usize,
 }
@@ -148,7 +148,7 @@ fn local(job: &Job, l: &Layout, early_head: bool) -> Local {
             4
         },
         attn_kept: if job.gpu
-            && job.precision == crate::precision::Precision::Bf16
+            && job.precision != crate::precision::Precision::Fp32
             && m.head_dim().is_multiple_of(16)
             && (16..=128).contains(&m.head_dim())
             && l.cp == 1
@@ -643,9 +643,9 @@ mod tests {
 
     /// On GPUs in 16 bits the operands kept only for products (the norm outputs, SwiGLU's
     /// product, every linear's input and output gradient waiting for its weight gradient)
-    /// count 2 bytes, and in bf16 attention's q, k, v too (the tensor-core kernels read their
-    /// bf16 copies; fp16 runs attention in fp32, as does a context-parallel ring);
-    /// everything else, and everything on CPUs or in fp32, 4.
+    /// count 2 bytes, and attention's q, k, v too (the tensor-core kernels read their 16-bit
+    /// copies; a context-parallel ring keeps the values); everything else, and everything on
+    /// CPUs or in fp32, 4.
     #[test]
     fn gpu_products_keep_their_operands_in_16_bits() {
         let l: Layout = "dp1 mb2".parse().unwrap();
@@ -682,10 +682,10 @@ mod tests {
         // only.
         assert_eq!(cpu_cache[1] - cache[1], 2 * qkv);
         assert_eq!(cache[2], cpu_cache[2]);
-        // fp16 runs attention in fp32: only the products' operands are 16-bit.
+        // fp16 keeps the same 16-bit copies.
         let (x16, cache16, _) = at(Precision::Fp16, true);
-        assert_eq!((x16.kept, x16.attn_kept), (2, 4));
-        assert_eq!(cache16[0] - cache[0], 2 * qkv);
+        assert_eq!((x16.kept, x16.attn_kept), (2, 2));
+        assert_eq!(cache16, cache);
         // A context-parallel ring keeps the values it sends.
         let cp: Layout = "dp1 cp2 mb2".parse().unwrap();
         let ring = local(

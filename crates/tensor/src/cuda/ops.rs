@@ -1074,14 +1074,38 @@ const ATT_TC_TILE: usize = 64;
 /// Query rows per step of the tensor-core dK/dV kernel.
 const ATT_TC_QSTEP: usize = 32;
 
-/// The instantiation of a tensor-core attention kernel for the shape's head size: register
-/// tiles for 64 (`_k4`) or 128 (`_k8`).
-fn tc_kernel(s: &AttnShape, k4: &'static str, k8: &'static str) -> &'static str {
-    if s.head_dim <= 64 {
-        k4
-    } else {
-        k8
-    }
+/// The instantiation of a tensor-core attention kernel (`attn_fwd_tc`, `attn_bwd_dq_tc`,
+/// `attn_bwd_dkv_tc`) for the operand format — bf16, or fp16 (`_f16`) — and the shape's head
+/// size: register tiles for 64 (`_k4`) or 128 (`_k8`).
+fn tc_kernel(
+    s: &AttnShape,
+    kernel: &'static str,
+    format: crate::operands::Operands,
+) -> Result<&'static str, CudaError> {
+    use crate::operands::Operands::{Bf16, F16, F32};
+    let small = s.head_dim <= 64;
+    Ok(match (kernel, format, small) {
+        ("attn_fwd_tc", Bf16, true) => "attn_fwd_tc_k4",
+        ("attn_fwd_tc", Bf16, false) => "attn_fwd_tc_k8",
+        ("attn_fwd_tc", F16, true) => "attn_fwd_tc_f16_k4",
+        ("attn_fwd_tc", F16, false) => "attn_fwd_tc_f16_k8",
+        ("attn_bwd_dq_tc", Bf16, true) => "attn_bwd_dq_tc_k4",
+        ("attn_bwd_dq_tc", Bf16, false) => "attn_bwd_dq_tc_k8",
+        ("attn_bwd_dq_tc", F16, true) => "attn_bwd_dq_tc_f16_k4",
+        ("attn_bwd_dq_tc", F16, false) => "attn_bwd_dq_tc_f16_k8",
+        ("attn_bwd_dkv_tc", Bf16, true) => "attn_bwd_dkv_tc_k4",
+        ("attn_bwd_dkv_tc", Bf16, false) => "attn_bwd_dkv_tc_k8",
+        ("attn_bwd_dkv_tc", F16, true) => "attn_bwd_dkv_tc_f16_k4",
+        ("attn_bwd_dkv_tc", F16, false) => "attn_bwd_dkv_tc_f16_k8",
+        (_, F32, _) => {
+            return Err(CudaError::Shape(
+                "tensor-core attention takes bf16 or fp16 operands, not fp32: use \
+                 attention_forward / attention_backward"
+                    .into(),
+            ))
+        }
+        (k, ..) => unreachable!("no tensor-core attention kernel {k}"),
+    })
 }
 
 /// Whether the tensor-core attention kernels take this shape's head size: a multiple of 16
@@ -1137,13 +1161,14 @@ fn check_attn_aligned(what: &str, ptr: u64, align: u64) -> Result<(), CudaError>
 /// [`attention_forward`] (same shapes, layouts, causal mask by global positions, grouped KV
 /// heads, `lse = -inf` and `out = 0` for a row that sees no key).
 ///
-/// Numerics: Q, K, V come rounded to bf16 (nearest even: the caller rounds each once, for
-/// every kernel that reads it, [`crate::operands`]) and `S = Q Kᵀ` is one `mma.m16n8k16` bf16
-/// product with fp32 accumulation; the online softmax (running max and sum, rescaling of the
-/// output accumulators) is fp32, in the exp2 domain (`ex2.approx`), `P` is rounded to bf16 for
+/// Numerics, in the operand `format` (bf16, or fp16 for fp16 steps; fp32 is an error): Q, K, V
+/// come rounded to it (nearest even: the caller rounds each once, for every kernel that reads
+/// it, [`crate::operands`]) and `S = Q Kᵀ` is one `mma.m16n8k16` product with fp32
+/// accumulation; the online softmax (running max and sum, rescaling of the output
+/// accumulators) is fp32, in the exp2 domain (`ex2.approx`), `P` is rounded to the format for
 /// `O += P V` (fp32 accumulation), and `lse = (m₂ + log₂ l) · ln 2` with `l` summed from the
-/// fp32 `P`. So the result is the fp32 kernel's up to bf16 rounding of the operands (relative
-/// 2⁻⁸ each), not bit-equal.
+/// fp32 `P`. So the result is the fp32 kernel's up to the rounding of the operands (relative
+/// 2⁻⁸ each in bf16, 2⁻¹¹ in fp16), not bit-equal.
 ///
 /// One block of 4 warps per (64 query rows, batch × head), the longest (last) query blocks
 /// first; dynamic shared memory `512 · (head_dim + 8)` bytes (36 864 for head_dim 64, 69 632
@@ -1152,6 +1177,7 @@ fn check_attn_aligned(what: &str, ptr: u64, align: u64) -> Result<(), CudaError>
 /// [`attention_forward`].
 pub fn attention_forward_tc<'a>(
     s: &AttnShape,
+    format: crate::operands::Operands,
     q: impl Into<DevSlice<'a, u16>>,
     k: impl Into<DevSlice<'a, u16>>,
     v: impl Into<DevSlice<'a, u16>>,
@@ -1166,6 +1192,7 @@ pub fn attention_forward_tc<'a>(
 
     check_attn(s, q.len(), k.len(), v.len())?;
     check_attn_tc(s)?;
+    let kernel = tc_kernel(s, "attn_fwd_tc", format)?;
     for (what, x) in [("q", &q), ("k", &k), ("v", &v)] {
         check_attn_aligned(what, x.ptr(), 16)?;
     }
@@ -1179,7 +1206,7 @@ pub fn attention_forward_tc<'a>(
     args.extend(attn_args(s)?);
     q.gpu().launch(
         "attention_tc",
-        tc_kernel(s, "attn_fwd_tc_k4", "attn_fwd_tc_k8"),
+        kernel,
         LaunchCfg {
             grid: (
                 s.q_len.div_ceil(ATT_TC_TILE) as u32,
@@ -1198,12 +1225,13 @@ pub fn attention_forward_tc<'a>(
 /// like it deterministic (no atomics; every output element has one writer summing in a fixed
 /// order).
 ///
-/// Numerics: `delta = rowsum(dO ∘ O)` is the fp32 kernel's, from the fp32 `dout`; `dout` is
-/// then rounded to bf16 once for both kernels; the scores `S = Q Kᵀ` and `dP = dO Vᵀ` are
-/// recomputed with bf16 operands (Q, K, V as given, rounded by the caller like the forward's)
-/// and fp32 accumulation, `P = exp(S · scale − lse)` and `dS = P ∘ (dP − delta)` are fp32,
-/// then rounded to bf16 as the operands of `dV += Pᵀ dO`, `dK += scale · dSᵀ Q` and
-/// `dQ += scale · dS K` (fp32 accumulation).
+/// Numerics, in the operand `format` (the forward's): `delta = rowsum(dO ∘ O)` is the fp32
+/// kernel's, from the fp32 `dout`; `dout` is then rounded to the format once for both kernels;
+/// the scores `S = Q Kᵀ` and `dP = dO Vᵀ` are recomputed with 16-bit operands (Q, K, V as
+/// given, rounded by the caller like the forward's) and fp32 accumulation,
+/// `P = exp(S · scale − lse)` and `dS = P ∘ (dP − delta)` are fp32, then rounded to the format
+/// as the operands of `dV += Pᵀ dO`, `dK += scale · dSᵀ Q` and `dQ += scale · dS K` (fp32
+/// accumulation).
 ///
 /// Four launches: `attn_bwd_delta` (module "attention"); the rounding of `dout`; from module
 /// "attention_tc_bwd" (kernels/attention_tc_bwd.cu), `attn_bwd_dq_tc`, 4 warps per (64 query
@@ -1215,6 +1243,7 @@ pub fn attention_forward_tc<'a>(
 #[allow(clippy::too_many_arguments)]
 pub fn attention_backward_tc<'a>(
     s: &AttnShape,
+    format: crate::operands::Operands,
     q: impl Into<DevSlice<'a, u16>>,
     k: impl Into<DevSlice<'a, u16>>,
     v: impl Into<DevSlice<'a, u16>>,
@@ -1236,6 +1265,8 @@ pub fn attention_backward_tc<'a>(
     let dv: DevSliceMut<'_, f32> = dv.into();
 
     check_attn_tc(s)?;
+    let dq_kernel = tc_kernel(s, "attn_bwd_dq_tc", format)?;
+    let dkv_kernel = tc_kernel(s, "attn_bwd_dkv_tc", format)?;
     check_attn_backward(
         s,
         [q.len(), k.len(), v.len()],
@@ -1253,9 +1284,8 @@ pub fn attention_backward_tc<'a>(
     }
     let gpu = q.gpu().clone();
     let delta = attn_delta(s, out, dout)?;
-    let dout = Operand::new(dout, crate::operands::Operands::Bf16)?;
-    let Operand::Half(dout) = dout else {
-        unreachable!("bf16 rounds")
+    let Operand::Half(dout) = Operand::new(dout, format)? else {
+        unreachable!("a 16-bit format rounds (tc_kernel refused fp32)")
     };
     let mut args = vec![
         q.into(),
@@ -1269,7 +1299,7 @@ pub fn attention_backward_tc<'a>(
     args.extend(attn_args(s)?);
     gpu.launch(
         "attention_tc_bwd",
-        tc_kernel(s, "attn_bwd_dq_tc_k4", "attn_bwd_dq_tc_k8"),
+        dq_kernel,
         LaunchCfg {
             grid: (
                 s.q_len.div_ceil(ATT_TC_TILE) as u32,
@@ -1294,7 +1324,7 @@ pub fn attention_backward_tc<'a>(
     args.extend(attn_args(s)?);
     gpu.launch(
         "attention_tc_bwd",
-        tc_kernel(s, "attn_bwd_dkv_tc_k4", "attn_bwd_dkv_tc_k8"),
+        dkv_kernel,
         LaunchCfg {
             grid: (
                 s.kv_len.div_ceil(ATT_TC_TILE) as u32,

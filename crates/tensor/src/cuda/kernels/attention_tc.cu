@@ -110,11 +110,16 @@
 #define TN_LOG2E 1.4426950408889634f
 #define TN_LN2 0.6931471805599453f
 
-// Two fp32 as a bf16 pair, round to nearest even: `lo` in the lower 16 bits (cvt.rn.bf16x2.f32
-// d, a, b puts a in the upper half, b in the lower).
+// Two fp32 as a pair of the operand format (bf16, or fp16 where F16), round to nearest even:
+// `lo` in the lower 16 bits (cvt.rn.bf16x2.f32 / cvt.rn.f16x2.f32 d, a, b put a in the upper
+// half, b in the lower; PTX ISA, "cvt").
+template <bool F16>
 __device__ __forceinline__ u32 tn_pack(float lo, float hi) {
     u32 r;
-    asm("cvt.rn.bf16x2.f32 %0, %1, %2;\n" : "=r"(r) : "f"(hi), "f"(lo));
+    if constexpr (F16)
+        asm("cvt.rn.f16x2.f32 %0, %1, %2;\n" : "=r"(r) : "f"(hi), "f"(lo));
+    else
+        asm("cvt.rn.bf16x2.f32 %0, %1, %2;\n" : "=r"(r) : "f"(hi), "f"(lo));
     return r;
 }
 
@@ -126,13 +131,21 @@ __device__ __forceinline__ float tn_exp2(float x) {
     return y;
 }
 
-// d += a * b (16 x 8 x 16, bf16 operands, fp32 accumulate).
+// d += a * b (16 x 8 x 16, bf16 operands, or fp16 where F16; fp32 accumulate).
+template <bool F16>
 __device__ __forceinline__ void tn_mma(float* d, const u32* a, u32 b0, u32 b1) {
-    asm volatile(
-        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
-        "{%8, %9}, {%0, %1, %2, %3};\n"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+    if constexpr (F16)
+        asm volatile(
+            "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, "
+            "{%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};\n"
+            : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+            : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+    else
+        asm volatile(
+            "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, "
+            "{%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};\n"
+            : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+            : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 
 // Four 8 x 8 bf16 matrices from shared memory (`addr`: this lane's row address, see above).
@@ -232,7 +245,7 @@ __device__ __forceinline__ void tn_copy_tile(u32 kt, u32 vt, const u16* kb, cons
 // `kv_lim` is the number of the tile's keys the warp's last row below Sq sees (16-key steps
 // from it on are skipped: no row of the warp sees them) and `vis[hf]` the number row r0 + 8 hf
 // sees (keys 0 .. vis - 1 of the tile; may be <= 0 or > 64).
-template <int MAXK, bool MASKED>
+template <int MAXK, bool MASKED, bool F16>
 __device__ __forceinline__ void tn_tile(const u32 (&qf)[MAXK][4], float (&o)[2 * MAXK][4],
                                         float (&m)[2], float (&l)[2], u32 ks_lane, u32 vs_lane,
                                         int ld, int nk, float sl2, int kv_lim,
@@ -249,8 +262,8 @@ __device__ __forceinline__ void tn_tile(const u32 (&qf)[MAXK][4], float (&o)[2 *
                 if (!MASKED || 16 * p < kv_lim) {
                     u32 bk[4];
                     tn_ldsm_x4(bk, ks_lane + (u32)(p * 16 * ld + kk * 16) * 2u);
-                    tn_mma(s[2 * p], qf[kk], bk[0], bk[1]);
-                    tn_mma(s[2 * p + 1], qf[kk], bk[2], bk[3]);
+                    tn_mma<F16>(s[2 * p], qf[kk], bk[0], bk[1]);
+                    tn_mma<F16>(s[2 * p + 1], qf[kk], bk[2], bk[3]);
                 }
             }
         }
@@ -304,17 +317,17 @@ __device__ __forceinline__ void tn_tile(const u32 (&qf)[MAXK][4], float (&o)[2 *
     for (int kk = 0; kk < 4; kk++) {
         if (!MASKED || 16 * kk < kv_lim) {
             u32 a[4];
-            a[0] = tn_pack(s[2 * kk][0], s[2 * kk][1]);
-            a[1] = tn_pack(s[2 * kk][2], s[2 * kk][3]);
-            a[2] = tn_pack(s[2 * kk + 1][0], s[2 * kk + 1][1]);
-            a[3] = tn_pack(s[2 * kk + 1][2], s[2 * kk + 1][3]);
+            a[0] = tn_pack<F16>(s[2 * kk][0], s[2 * kk][1]);
+            a[1] = tn_pack<F16>(s[2 * kk][2], s[2 * kk][3]);
+            a[2] = tn_pack<F16>(s[2 * kk + 1][0], s[2 * kk + 1][1]);
+            a[3] = tn_pack<F16>(s[2 * kk + 1][2], s[2 * kk + 1][3]);
 #pragma unroll
             for (int p = 0; p < MAXK; p++) {
                 if (p < nk) {
                     u32 bv[4];
                     tn_ldsm_x4_trans(bv, vs_lane + (u32)(kk * 16 * ld + p * 16) * 2u);
-                    tn_mma(o[2 * p], a, bv[0], bv[1]);
-                    tn_mma(o[2 * p + 1], a, bv[2], bv[3]);
+                    tn_mma<F16>(o[2 * p], a, bv[0], bv[1]);
+                    tn_mma<F16>(o[2 * p + 1], a, bv[2], bv[3]);
                 }
             }
         }
@@ -324,7 +337,7 @@ __device__ __forceinline__ void tn_tile(const u32 (&qf)[MAXK][4], float (&o)[2 *
 // Grid (ceil(Sq / 64), B * H), block 128; the CTA of blockIdx.x = x owns query rows
 // 64 (gridDim.x - 1 - x) .. + 63, warp w rows + 16 w .. + 15 (its Q fragments stay in
 // registers), and walks the key tiles of 64 that its rows see.
-template <int MAXK, bool FULL>
+template <int MAXK, bool FULL, bool F16>
 __device__ __forceinline__ void attn_fwd_tc_body(const u16* q, const u16* k, const u16* v,
                                                       float* out, float* lse, int B, int Sq,
                                                       int Sk, int H, int Hkv, int D, int causal,
@@ -424,11 +437,11 @@ __device__ __forceinline__ void attn_fwd_tc_body(const u16* q, const u16* k, con
         }
         if (j0 + TN_BN <= wfull) {
             const int none[2] = {0, 0};
-            tn_tile<MAXK, false>(qf, o, m, l, ks_lane + cur, vs_lane + cur, ld, nk, sl2, TN_BN,
+            tn_tile<MAXK, false, F16>(qf, o, m, l, ks_lane + cur, vs_lane + cur, ld, nk, sl2, TN_BN,
                                  none, t);
         } else if (j0 < wkeys) {
             const int vis[2] = {vis_row[0] - j0, vis_row[1] - j0};
-            tn_tile<MAXK, true>(qf, o, m, l, ks_lane + cur, vs_lane + cur, ld, nk, sl2,
+            tn_tile<MAXK, true, F16>(qf, o, m, l, ks_lane + cur, vs_lane + cur, ld, nk, sl2,
                                 wkeys - j0, vis, t);
         }
     }
@@ -473,18 +486,20 @@ __device__ __forceinline__ void attn_fwd_tc_body(const u16* q, const u16* k, con
 #define TN_K8_MIN_BLOCKS 2
 #endif
 
-#define TN_KERNEL(MAXK, MIN_BLOCKS)                                                            \
+#define TN_KERNEL(NAME, MAXK, MIN_BLOCKS, F16)                                                 \
     extern "C" __global__ void __launch_bounds__(TN_THREADS, MIN_BLOCKS)                       \
-        attn_fwd_tc_k##MAXK(const u16* q, const u16* k, const u16* v, float* out,              \
-                            float* lse, int B, int Sq, int Sk, int H, int Hkv, int D,          \
-                            int causal, int q_start, int k_start, float scale) {               \
+        NAME(const u16* q, const u16* k, const u16* v, float* out, float* lse, int B, int Sq,  \
+             int Sk, int H, int Hkv, int D, int causal, int q_start, int k_start, float scale) {\
         if (D == 16 * MAXK)                                                                    \
-            attn_fwd_tc_body<MAXK, true>(q, k, v, out, lse, B, Sq, Sk, H, Hkv, D, causal,      \
-                                         q_start, k_start, scale);                             \
+            attn_fwd_tc_body<MAXK, true, F16>(q, k, v, out, lse, B, Sq, Sk, H, Hkv, D, causal, \
+                                              q_start, k_start, scale);                        \
         else                                                                                   \
-            attn_fwd_tc_body<MAXK, false>(q, k, v, out, lse, B, Sq, Sk, H, Hkv, D, causal,     \
-                                          q_start, k_start, scale);                            \
+            attn_fwd_tc_body<MAXK, false, F16>(q, k, v, out, lse, B, Sq, Sk, H, Hkv, D, causal,\
+                                               q_start, k_start, scale);                       \
     }
 
-TN_KERNEL(4, TN_K4_MIN_BLOCKS)
-TN_KERNEL(8, TN_K8_MIN_BLOCKS)
+// bf16 operands (bf16 steps), and fp16 (fp16 steps).
+TN_KERNEL(attn_fwd_tc_k4, 4, TN_K4_MIN_BLOCKS, false)
+TN_KERNEL(attn_fwd_tc_k8, 8, TN_K8_MIN_BLOCKS, false)
+TN_KERNEL(attn_fwd_tc_f16_k4, 4, TN_K4_MIN_BLOCKS, true)
+TN_KERNEL(attn_fwd_tc_f16_k8, 8, TN_K8_MIN_BLOCKS, true)

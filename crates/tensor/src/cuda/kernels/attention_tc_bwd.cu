@@ -176,11 +176,16 @@
 #define TB_LOG2E 1.4426950408889634f
 #define TB_NONE (1 << 28) // "no query of the step sees this key"
 
-// Two fp32 as a bf16 pair, round to nearest even: `lo` in the lower 16 bits (cvt.rn.bf16x2.f32
-// d, a, b puts a in the upper half, b in the lower).
+// Two fp32 as a pair of the operand format (bf16, or fp16 where F16), round to nearest even:
+// `lo` in the lower 16 bits (cvt.rn.bf16x2.f32 / cvt.rn.f16x2.f32 d, a, b put a in the upper
+// half, b in the lower; PTX ISA, "cvt").
+template <bool F16>
 __device__ __forceinline__ u32 tb_pack(float lo, float hi) {
     u32 r;
-    asm("cvt.rn.bf16x2.f32 %0, %1, %2;\n" : "=r"(r) : "f"(hi), "f"(lo));
+    if constexpr (F16)
+        asm("cvt.rn.f16x2.f32 %0, %1, %2;\n" : "=r"(r) : "f"(hi), "f"(lo));
+    else
+        asm("cvt.rn.bf16x2.f32 %0, %1, %2;\n" : "=r"(r) : "f"(hi), "f"(lo));
     return r;
 }
 
@@ -192,13 +197,21 @@ __device__ __forceinline__ float tb_exp2(float x) {
     return y;
 }
 
-// d += a * b (16 x 8 x 16, bf16 operands, fp32 accumulate).
+// d += a * b (16 x 8 x 16, bf16 operands, or fp16 where F16; fp32 accumulate).
+template <bool F16>
 __device__ __forceinline__ void tb_mma(float* d, const u32* a, u32 b0, u32 b1) {
-    asm volatile(
-        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
-        "{%8, %9}, {%0, %1, %2, %3};\n"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+    if constexpr (F16)
+        asm volatile(
+            "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, "
+            "{%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};\n"
+            : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+            : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+    else
+        asm volatile(
+            "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, "
+            "{%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};\n"
+            : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+            : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 
 // Four 8 x 8 bf16 matrices from shared memory (`addr`: this lane's row address, see above).
@@ -351,7 +364,7 @@ __device__ __forceinline__ void tb_load_a(u32 (&f)[MAXK][4], const u16* x, long 
 // of the tile's keys the warp's last row below Sq sees (16-key steps from it on are skipped: no
 // row of the warp sees them) and `vis[hf]` the number row r0 + 8 hf sees (keys 0 .. vis - 1 of
 // the tile; 0 for a row past Sq; may be <= 0 or > 64).
-template <int MAXK, bool MASKED>
+template <int MAXK, bool MASKED, bool F16>
 __device__ __forceinline__ void tb_dq_tile(const u32 (&qf)[MAXK][4], const u32 (&gf)[MAXK][4],
                                            float (&acc)[2 * MAXK][4], u32 ks_nt, u32 vs_nt,
                                            u32 ks_tr, int ld, int nk, float sl2,
@@ -378,10 +391,10 @@ __device__ __forceinline__ void tb_dq_tile(const u32 (&qf)[MAXK][4], const u32 (
                         u32 bk[4], bv[4];
                         tb_ldsm_x4(bk, ks_nt + off);
                         tb_ldsm_x4(bv, vs_nt + off);
-                        tb_mma(s[2 * p], qf[kk], bk[0], bk[1]);
-                        tb_mma(s[2 * p + 1], qf[kk], bk[2], bk[3]);
-                        tb_mma(dp[2 * p], gf[kk], bv[0], bv[1]);
-                        tb_mma(dp[2 * p + 1], gf[kk], bv[2], bv[3]);
+                        tb_mma<F16>(s[2 * p], qf[kk], bk[0], bk[1]);
+                        tb_mma<F16>(s[2 * p + 1], qf[kk], bk[2], bk[3]);
+                        tb_mma<F16>(dp[2 * p], gf[kk], bv[0], bv[1]);
+                        tb_mma<F16>(dp[2 * p + 1], gf[kk], bv[2], bv[3]);
                     }
                 }
             }
@@ -406,17 +419,17 @@ __device__ __forceinline__ void tb_dq_tile(const u32 (&qf)[MAXK][4], const u32 (
         for (int kk = 0; kk < 2; kk++) {
             if (!MASKED || c0 + 16 * kk < kv_lim) {
                 u32 a[4];
-                a[0] = tb_pack(s[2 * kk][0], s[2 * kk][1]);
-                a[1] = tb_pack(s[2 * kk][2], s[2 * kk][3]);
-                a[2] = tb_pack(s[2 * kk + 1][0], s[2 * kk + 1][1]);
-                a[3] = tb_pack(s[2 * kk + 1][2], s[2 * kk + 1][3]);
+                a[0] = tb_pack<F16>(s[2 * kk][0], s[2 * kk][1]);
+                a[1] = tb_pack<F16>(s[2 * kk][2], s[2 * kk][3]);
+                a[2] = tb_pack<F16>(s[2 * kk + 1][0], s[2 * kk + 1][1]);
+                a[3] = tb_pack<F16>(s[2 * kk + 1][2], s[2 * kk + 1][3]);
 #pragma unroll
                 for (int p = 0; p < MAXK; p++) {
                     if (p < nk) {
                         u32 bk[4];
                         tb_ldsm_x4_trans(bk, ks_tr + (u32)((c0 + 16 * kk) * ld + p * 16) * 2u);
-                        tb_mma(acc[2 * p], a, bk[0], bk[1]);
-                        tb_mma(acc[2 * p + 1], a, bk[2], bk[3]);
+                        tb_mma<F16>(acc[2 * p], a, bk[0], bk[1]);
+                        tb_mma<F16>(acc[2 * p + 1], a, bk[2], bk[3]);
                     }
                 }
             }
@@ -427,7 +440,7 @@ __device__ __forceinline__ void tb_dq_tile(const u32 (&qf)[MAXK][4], const u32 (
 // Grid (ceil(Sq / 64), B * H), block 128; the CTA of blockIdx.x = x owns query rows
 // 64 (gridDim.x - 1 - x) .. + 63, warp w rows + 16 w .. + 15 (its Q and dO fragments stay in
 // registers), and walks the key tiles of 64 that its rows see.
-template <int MAXK, bool FULL>
+template <int MAXK, bool FULL, bool F16>
 __device__ __forceinline__ void attn_bwd_dq_tc_body(const u16* q, const u16* k,
                                                          const u16* v, const u16* dout,
                                                          const float* lse, const float* delta,
@@ -517,11 +530,11 @@ __device__ __forceinline__ void attn_bwd_dq_tc_body(const u16* q, const u16* k,
         }
         if (j0 + TB_BN <= wfull) {
             const int none[2] = {0, 0};
-            tb_dq_tile<MAXK, false>(qf, gf, acc, ks_nt + cur, vs_nt + cur, ks_tr + cur, ld, nk,
+            tb_dq_tile<MAXK, false, F16>(qf, gf, acc, ks_nt + cur, vs_nt + cur, ks_tr + cur, ld, nk,
                                     sl2, lse2, del, TB_BN, none, t);
         } else if (j0 < wkeys) {
             const int vis[2] = {vis_row[0] - j0, vis_row[1] - j0};
-            tb_dq_tile<MAXK, true>(qf, gf, acc, ks_nt + cur, vs_nt + cur, ks_tr + cur, ld, nk,
+            tb_dq_tile<MAXK, true, F16>(qf, gf, acc, ks_nt + cur, vs_nt + cur, ks_tr + cur, ld, nk,
                                    sl2, lse2, del, wkeys - j0, vis, t);
         }
     }
@@ -566,7 +579,7 @@ __device__ __forceinline__ void attn_bwd_dq_tc_body(const u16* q, const u16* k,
 // pair (key, query) of the warp's 16 x 32 is masked; then the 16-query halves p < plo and
 // p >= phi are seen by no key of the warp (skipped), and key row j = g + 8 hf of the warp sees
 // the step's queries lo[hf] <= il < hi.
-template <int MAXK, bool MASKED, bool KV_REGS>
+template <int MAXK, bool MASKED, bool KV_REGS, bool F16>
 __device__ __forceinline__ void tb_dkv_step(const u32 (&kf)[MAXK][4], const u32 (&vf)[MAXK][4],
                                             u32 ka_tr, u32 va_tr, u32 qs_nt, u32 gs_nt,
                                             u32 qs_tr, u32 gs_tr, const float* lse_s,
@@ -603,10 +616,10 @@ __device__ __forceinline__ void tb_dkv_step(const u32 (&kf)[MAXK][4], const u32 
                     u32 bq[4], bg[4];
                     tb_ldsm_x4(bq, qs_nt + off);
                     tb_ldsm_x4(bg, gs_nt + off);
-                    tb_mma(s[2 * p], ka, bq[0], bq[1]);
-                    tb_mma(s[2 * p + 1], ka, bq[2], bq[3]);
-                    tb_mma(dp[2 * p], va, bg[0], bg[1]);
-                    tb_mma(dp[2 * p + 1], va, bg[2], bg[3]);
+                    tb_mma<F16>(s[2 * p], ka, bq[0], bq[1]);
+                    tb_mma<F16>(s[2 * p + 1], ka, bq[2], bq[3]);
+                    tb_mma<F16>(dp[2 * p], va, bg[0], bg[1]);
+                    tb_mma<F16>(dp[2 * p + 1], va, bg[2], bg[3]);
                 }
             }
         }
@@ -639,30 +652,30 @@ __device__ __forceinline__ void tb_dkv_step(const u32 (&kf)[MAXK][4], const u32 
     for (int kk = 0; kk < 2; kk++) {
         if (!MASKED || (kk >= plo && kk < phi)) {
             u32 a[4];
-            a[0] = tb_pack(s[2 * kk][0], s[2 * kk][1]);
-            a[1] = tb_pack(s[2 * kk][2], s[2 * kk][3]);
-            a[2] = tb_pack(s[2 * kk + 1][0], s[2 * kk + 1][1]);
-            a[3] = tb_pack(s[2 * kk + 1][2], s[2 * kk + 1][3]);
+            a[0] = tb_pack<F16>(s[2 * kk][0], s[2 * kk][1]);
+            a[1] = tb_pack<F16>(s[2 * kk][2], s[2 * kk][3]);
+            a[2] = tb_pack<F16>(s[2 * kk + 1][0], s[2 * kk + 1][1]);
+            a[3] = tb_pack<F16>(s[2 * kk + 1][2], s[2 * kk + 1][3]);
 #pragma unroll
             for (int p = 0; p < MAXK; p++) {
                 if (p < nk) {
                     u32 bg[4];
                     tb_ldsm_x4_trans(bg, gs_tr + (u32)(kk * 16 * ld + p * 16) * 2u);
-                    tb_mma(dva[2 * p], a, bg[0], bg[1]);
-                    tb_mma(dva[2 * p + 1], a, bg[2], bg[3]);
+                    tb_mma<F16>(dva[2 * p], a, bg[0], bg[1]);
+                    tb_mma<F16>(dva[2 * p + 1], a, bg[2], bg[3]);
                 }
             }
-            a[0] = tb_pack(dp[2 * kk][0], dp[2 * kk][1]);
-            a[1] = tb_pack(dp[2 * kk][2], dp[2 * kk][3]);
-            a[2] = tb_pack(dp[2 * kk + 1][0], dp[2 * kk + 1][1]);
-            a[3] = tb_pack(dp[2 * kk + 1][2], dp[2 * kk + 1][3]);
+            a[0] = tb_pack<F16>(dp[2 * kk][0], dp[2 * kk][1]);
+            a[1] = tb_pack<F16>(dp[2 * kk][2], dp[2 * kk][3]);
+            a[2] = tb_pack<F16>(dp[2 * kk + 1][0], dp[2 * kk + 1][1]);
+            a[3] = tb_pack<F16>(dp[2 * kk + 1][2], dp[2 * kk + 1][3]);
 #pragma unroll
             for (int p = 0; p < MAXK; p++) {
                 if (p < nk) {
                     u32 bq[4];
                     tb_ldsm_x4_trans(bq, qs_tr + (u32)(kk * 16 * ld + p * 16) * 2u);
-                    tb_mma(dka[2 * p], a, bq[0], bq[1]);
-                    tb_mma(dka[2 * p + 1], a, bq[2], bq[3]);
+                    tb_mma<F16>(dka[2 * p], a, bq[0], bq[1]);
+                    tb_mma<F16>(dka[2 * p + 1], a, bq[2], bq[3]);
                 }
             }
         }
@@ -694,7 +707,7 @@ __device__ __forceinline__ void tb_dkv_copy_step(u32 qt, u32 gt, u32 lst, u32 ds
 // Grid (ceil(Sk / 64), B * Hkv), block 128; the CTA of blockIdx.x = x owns keys 64 x .. + 63,
 // warp w keys + 16 w .. + 15, and walks, for each query head of the group, the query steps of
 // 32 rows that see its keys.
-template <int MAXK, bool FULL, bool KV_REGS>
+template <int MAXK, bool FULL, bool KV_REGS, bool F16>
 __device__ __forceinline__ void attn_bwd_dkv_tc_body(
     const u16* q, const u16* k, const u16* v, const u16* dout, const float* lse,
     const float* delta, float* dk, float* dv, int B, int Sq, int Sk, int H, int Hkv, int D,
@@ -807,7 +820,7 @@ __device__ __forceinline__ void attn_bwd_dkv_tc_body(
         if (jw < Sk && first < min(hi, TB_QC)) {
             if (jw + 16 <= Sk && hi >= TB_QC && first_last <= 0) {
                 const int none[2] = {0, 0};
-                tb_dkv_step<MAXK, false, KV_REGS>(kf, vf, ka_tr, va_tr, qs_nt + qo, gs_nt + qo,
+                tb_dkv_step<MAXK, false, KV_REGS, F16>(kf, vf, ka_tr, va_tr, qs_nt + qo, gs_nt + qo,
                                                   qs_tr + qo, gs_tr + qo, lse_s, del_s, dka,
                                                   dva, ld, nk, sl2, 0, 2, none, TB_QC, t);
             } else {
@@ -817,7 +830,7 @@ __device__ __forceinline__ void attn_bwd_dkv_tc_body(
                     lo[hf] = jw + g + 8 * hf >= Sk ? TB_NONE : (causal ? first + g + 8 * hf : 0);
                 const int plo = first > 0 ? first >> 4 : 0;
                 const int phi = (min(hi, TB_QC) + 15) >> 4;
-                tb_dkv_step<MAXK, true, KV_REGS>(kf, vf, ka_tr, va_tr, qs_nt + qo, gs_nt + qo,
+                tb_dkv_step<MAXK, true, KV_REGS, F16>(kf, vf, ka_tr, va_tr, qs_nt + qo, gs_nt + qo,
                                                  qs_tr + qo, gs_tr + qo, lse_s, del_s, dka,
                                                  dva, ld, nk, sl2, plo, phi, lo, hi, t);
             }
@@ -868,34 +881,38 @@ __device__ __forceinline__ void attn_bwd_dkv_tc_body(
 #define TB_DKV_K8_MIN_BLOCKS 2
 #endif
 
-#define TB_KERNELS(MAXK, DQ_MIN_BLOCKS, DKV_MIN_BLOCKS, KV_REGS)                                \
+#define TB_KERNELS(DQ, DKV, MAXK, DQ_MIN_BLOCKS, DKV_MIN_BLOCKS, KV_REGS, F16)                  \
     extern "C" __global__ void __launch_bounds__(TB_THREADS, DQ_MIN_BLOCKS)                     \
-        attn_bwd_dq_tc_k##MAXK(const u16* q, const u16* k, const u16* v,                        \
-                               const u16* dout, const float* lse, const float* delta,           \
-                               float* dq, int B, int Sq, int Sk, int H, int Hkv, int D,         \
-                               int causal, int q_start, int k_start, float scale) {             \
+        DQ(const u16* q, const u16* k, const u16* v, const u16* dout, const float* lse,         \
+           const float* delta, float* dq, int B, int Sq, int Sk, int H, int Hkv, int D,         \
+           int causal, int q_start, int k_start, float scale) {                                 \
         if (D == 16 * MAXK)                                                                     \
-            attn_bwd_dq_tc_body<MAXK, true>(q, k, v, dout, lse, delta, dq, B, Sq, Sk, H,        \
-                                            Hkv, D, causal, q_start, k_start, scale);           \
+            attn_bwd_dq_tc_body<MAXK, true, F16>(q, k, v, dout, lse, delta, dq, B, Sq, Sk, H,   \
+                                                 Hkv, D, causal, q_start, k_start, scale);      \
         else                                                                                    \
-            attn_bwd_dq_tc_body<MAXK, false>(q, k, v, dout, lse, delta, dq, B, Sq, Sk, H,       \
-                                             Hkv, D, causal, q_start, k_start, scale);          \
+            attn_bwd_dq_tc_body<MAXK, false, F16>(q, k, v, dout, lse, delta, dq, B, Sq, Sk, H,  \
+                                                  Hkv, D, causal, q_start, k_start, scale);     \
     }                                                                                           \
     extern "C" __global__ void __launch_bounds__(TB_THREADS, DKV_MIN_BLOCKS)                    \
-        attn_bwd_dkv_tc_k##MAXK(const u16* q, const u16* k, const u16* v,                       \
-                                const u16* dout, const float* lse, const float* delta,          \
-                                float* dk, float* dv, int B, int Sq, int Sk, int H,             \
-                                int Hkv, int D, int causal, int q_start, int k_start,           \
-                                float scale) {                                                  \
+        DKV(const u16* q, const u16* k, const u16* v, const u16* dout, const float* lse,        \
+            const float* delta, float* dk, float* dv, int B, int Sq, int Sk, int H, int Hkv,    \
+            int D, int causal, int q_start, int k_start, float scale) {                         \
         if (D == 16 * MAXK)                                                                     \
-            attn_bwd_dkv_tc_body<MAXK, true, KV_REGS>(q, k, v, dout, lse, delta, dk, dv,        \
-                                                      B, Sq, Sk, H, Hkv, D, causal,             \
-                                                      q_start, k_start, scale);                 \
+            attn_bwd_dkv_tc_body<MAXK, true, KV_REGS, F16>(q, k, v, dout, lse, delta, dk, dv,   \
+                                                           B, Sq, Sk, H, Hkv, D, causal,        \
+                                                           q_start, k_start, scale);            \
         else                                                                                    \
-            attn_bwd_dkv_tc_body<MAXK, false, KV_REGS>(q, k, v, dout, lse, delta, dk, dv,       \
-                                                       B, Sq, Sk, H, Hkv, D, causal,            \
-                                                       q_start, k_start, scale);                \
+            attn_bwd_dkv_tc_body<MAXK, false, KV_REGS, F16>(q, k, v, dout, lse, delta, dk, dv,  \
+                                                            B, Sq, Sk, H, Hkv, D, causal,       \
+                                                            q_start, k_start, scale);           \
     }
 
-TB_KERNELS(4, TB_DQ_K4_MIN_BLOCKS, TB_DKV_K4_MIN_BLOCKS, (TB_DKV_KV_REGS_K4 != 0))
-TB_KERNELS(8, TB_DQ_K8_MIN_BLOCKS, TB_DKV_K8_MIN_BLOCKS, (TB_DKV_KV_REGS_K8 != 0))
+// bf16 operands (bf16 steps), and fp16 (fp16 steps).
+TB_KERNELS(attn_bwd_dq_tc_k4, attn_bwd_dkv_tc_k4, 4, TB_DQ_K4_MIN_BLOCKS, TB_DKV_K4_MIN_BLOCKS,
+           (TB_DKV_KV_REGS_K4 != 0), false)
+TB_KERNELS(attn_bwd_dq_tc_k8, attn_bwd_dkv_tc_k8, 8, TB_DQ_K8_MIN_BLOCKS, TB_DKV_K8_MIN_BLOCKS,
+           (TB_DKV_KV_REGS_K8 != 0), false)
+TB_KERNELS(attn_bwd_dq_tc_f16_k4, attn_bwd_dkv_tc_f16_k4, 4, TB_DQ_K4_MIN_BLOCKS,
+           TB_DKV_K4_MIN_BLOCKS, (TB_DKV_KV_REGS_K4 != 0), true)
+TB_KERNELS(attn_bwd_dq_tc_f16_k8, attn_bwd_dkv_tc_f16_k8, 8, TB_DQ_K8_MIN_BLOCKS,
+           TB_DKV_K8_MIN_BLOCKS, (TB_DKV_KV_REGS_K8 != 0), true)
