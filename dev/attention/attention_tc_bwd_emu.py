@@ -24,21 +24,22 @@ V, dO and (ROUND_P) P and dS rounded to bf16; the kernels accumulate into random
 (the += contract) and the base is subtracted before comparing.
 """
 import sys
+import time
 import numpy as np
 
-from emu_common import (G, T, THREADS, TID, CpAsync, Pieces, Smem, bf16, bf16_u16, exp2, fmaf,
-                        inputs, keys_seen, lane, ld_u32, ldsm_x4, mma, pack, softmax_rows)
+from emu_common import (FORMATS, G, T, THREADS, TID, CpAsync, Pieces, Smem, exp2, fmaf, inputs,
+                        keys_seen, lane, ld_u32, ldsm_x4, mma, softmax_rows)
 
 LOG2E = np.float32(1.4426950408889634)
 ROUND_P = True  # the reference rounds P and dS to bf16 too (sharper: see TOL)
-TOL = 1.5e-3  # max |x - ref| / max |ref|: 1e-7 typically; up to ~7e-4 where the reference
+TOL = {"bf16": 1.5e-3, "fp16": 1.5e-3}  # max |x - ref| / max |ref|: 1e-7 typically; up to ~7e-4 where the reference
 # and the kernel round one P or dS element to different bf16 neighbours (S sums differ in the
 # last fp32 bits): one row of dq and one of dk (or dv) then differ by that element's ulp.
 
 
 def copy_rows(cp, ta, tb, xa, xb, row_base, stride, row0, ROWS, S, D, ld, MAXK):
-    """tb_copy_rows<ROWS, MAXK>: rows row0 .. row0 + ROWS - 1 of the bf16 tensors xa, xb
-    (`row_base`: element offset of row 0 of the head) into the bf16 tiles at byte offsets ta,
+    """tb_copy_rows<ROWS, MAXK>: rows row0 .. row0 + ROWS - 1 of the 16-bit tensors xa, xb
+    (`row_base`: element offset of row 0 of the head) into the 16-bit tiles at byte offsets ta,
     tb (row stride ld) by cp.async, 16 bytes a copy; zero past S."""
     pc = Pieces(D)
     n = ROWS * (D >> 3)
@@ -74,8 +75,9 @@ def lane_addr(base, ld, kind, row_off=0):
 
 
 def dq_kernel(q, k, v, dout, lse, delta, dq, B, Sq, Sk, H, Hkv, D, causal, q_start, k_start,
-              scale, MAXK, late):
-    """attn_bwd_dq_tc_k<MAXK> over its grid; q, k, v, dout bf16 bits (u16)."""
+              scale, MAXK, late, fmt):
+    """attn_bwd_dq_tc_k<MAXK> (fmt BF16) or attn_bwd_dq_tc_f16_k<MAXK> (fmt FP16) over its
+    grid; q, k, v, dout the bits (u16) of `fmt`."""
     ld = D + 8
     nbytes = 512 * (D + 8)
     stage = 2 * 64 * ld * 2
@@ -86,7 +88,7 @@ def dq_kernel(q, k, v, dout, lse, delta, dq, B, Sq, Sk, H, Hkv, D, causal, q_sta
     gx = (Sq + 63) // 64
     for by in range(B * H):
         for bx in range(gx):
-            sm = Smem(nbytes, 0xAB)  # garbage: bf16 0xABAB is -1.2e-12
+            sm = Smem(nbytes, 0xAB)  # garbage: 0xABAB is -1.2e-12 in bf16, -0.0599 in fp16
             cp = CpAsync(sm, late)
             b, h = by // H, by % H
             hk = h // (H // Hkv)
@@ -153,7 +155,7 @@ def dq_kernel(q, k, v, dout, lse, delta, dq, B, Sq, Sk, H, Hkv, D, causal, q_sta
                     else:
                         continue
                     dq_tile(sm, W, ks_nt + cur, vs_nt + cur, ks_tr + cur, regs, ld, nk, MAXK, sl2,
-                            masked, kv_lim, vis)
+                            masked, kv_lim, vis, fmt)
             assert cp.idle(), "cp.async left in flight at the end of the CTA"
             for W in warps:
                 for hf in range(2):
@@ -166,9 +168,10 @@ def dq_kernel(q, k, v, dout, lse, delta, dq, B, Sq, Sk, H, Hkv, D, causal, q_sta
                                     dq[o] = np.float32(dq[o] + np.float32(scale) * W["acc"][n][2 * hf + e][ln])
 
 
-def dq_tile(sm, W, ks_nt, vs_nt, ks_tr, regs, ld, nk, MAXK, sl2, masked, kv_lim, vis):
-    """tb_dq_tile<MAXK, MASKED> for one warp; regs: the byte ranges of the stage's K and V
-    tiles, which its ldmatrix rows must lie in."""
+def dq_tile(sm, W, ks_nt, vs_nt, ks_tr, regs, ld, nk, MAXK, sl2, masked, kv_lim, vis, fmt):
+    """tb_dq_tile<MAXK, MASKED, F16> for one warp (fmt: the operand format, emu_common.BF16 or
+    FP16); regs: the byte ranges of the stage's K and V tiles, which its ldmatrix rows must lie
+    in."""
     kreg, vreg = regs
     for c0 in (0, 32):
         if masked and c0 >= kv_lim:
@@ -181,10 +184,10 @@ def dq_tile(sm, W, ks_nt, vs_nt, ks_tr, regs, ld, nk, MAXK, sl2, masked, kv_lim,
                     off = ((c0 + 16 * p) * ld + kk * 16) * 2
                     bk = ldsm_x4(sm, ks_nt + off, region=kreg)
                     bv = ldsm_x4(sm, vs_nt + off, region=vreg)
-                    mma(s[2 * p], W["qf"][kk], bk[0], bk[1])
-                    mma(s[2 * p + 1], W["qf"][kk], bk[2], bk[3])
-                    mma(dp[2 * p], W["gf"][kk], bv[0], bv[1])
-                    mma(dp[2 * p + 1], W["gf"][kk], bv[2], bv[3])
+                    mma(s[2 * p], W["qf"][kk], bk[0], bk[1], fmt)
+                    mma(s[2 * p + 1], W["qf"][kk], bk[2], bk[3], fmt)
+                    mma(dp[2 * p], W["gf"][kk], bv[0], bv[1], fmt)
+                    mma(dp[2 * p + 1], W["gf"][kk], bv[2], bv[3], fmt)
         for n in range(4):
             for x in range(4):
                 hf = x >> 1
@@ -194,6 +197,7 @@ def dq_tile(sm, W, ks_nt, vs_nt, ks_tr, regs, ld, nk, MAXK, sl2, masked, kv_lim,
                 if masked:
                     ds = np.where(c0 + n * 8 + 2 * T + (x & 1) >= vis[hf], np.float32(0), ds)
                 s[n][x] = ds.astype(np.float32)
+        pack = fmt.pack
         for kk in range(2):
             if not masked or c0 + 16 * kk < kv_lim:
                 a = [pack(s[2 * kk][0], s[2 * kk][1]), pack(s[2 * kk][2], s[2 * kk][3]),
@@ -201,13 +205,14 @@ def dq_tile(sm, W, ks_nt, vs_nt, ks_tr, regs, ld, nk, MAXK, sl2, masked, kv_lim,
                 for p in range(nk):
                     bk = ldsm_x4(sm, ks_tr + ((c0 + 16 * kk) * ld + p * 16) * 2, trans=True,
                                  region=kreg)
-                    mma(W["acc"][2 * p], a, bk[0], bk[1])
-                    mma(W["acc"][2 * p + 1], a, bk[2], bk[3])
+                    mma(W["acc"][2 * p], a, bk[0], bk[1], fmt)
+                    mma(W["acc"][2 * p + 1], a, bk[2], bk[3], fmt)
 
 
 def dkv_kernel(q, k, v, dout, lse, delta, dk, dv, B, Sq, Sk, H, Hkv, D, causal, q_start,
-               k_start, scale, MAXK, KV_REGS, late):
-    """attn_bwd_dkv_tc_k<MAXK> over its grid; q, k, v, dout bf16 bits (u16)."""
+               k_start, scale, MAXK, KV_REGS, late, fmt):
+    """attn_bwd_dkv_tc_k<MAXK> (fmt BF16) or attn_bwd_dkv_tc_f16_k<MAXK> (fmt FP16) over its
+    grid; q, k, v, dout the bits (u16) of `fmt`."""
     ld = D + 8
     nbytes = 512 * (D + 8) + 512
     ls0 = 0  # lse / delta stages: stage s at 256 s (lse 32 fp32, then delta 32)
@@ -222,7 +227,7 @@ def dkv_kernel(q, k, v, dout, lse, delta, dk, dv, B, Sq, Sk, H, Hkv, D, causal, 
     group = H // Hkv
     for by in range(B * Hkv):
         for bx in range((Sk + 63) // 64):
-            sm = Smem(nbytes, 0xAB)  # garbage: bf16 0xABAB is -1.2e-12
+            sm = Smem(nbytes, 0xAB)  # garbage: 0xABAB is -1.2e-12 in bf16, -0.0599 in fp16
             cp = CpAsync(sm, late)
             b, hk = by // Hkv, by % Hkv
             j0 = bx * 64
@@ -292,7 +297,8 @@ def dkv_kernel(q, k, v, dout, lse, delta, dk, dv, B, Sq, Sk, H, Hkv, D, causal, 
                     first_last = first + 15 if causal else 0
                     if jw < Sk and first < min(hi, 32):
                         if jw + 16 <= Sk and hi >= 32 and first_last <= 0:
-                            dkv_step(sm, W, A, ld, nk, MAXK, KV_REGS, sl2, False, 0, 2, [0, 0], 32)
+                            dkv_step(sm, W, A, ld, nk, MAXK, KV_REGS, sl2, False, 0, 2, [0, 0], 32,
+                                     fmt)
                         else:
                             lo = []
                             for hf in range(2):
@@ -300,7 +306,8 @@ def dkv_kernel(q, k, v, dout, lse, delta, dk, dv, B, Sq, Sk, H, Hkv, D, causal, 
                                 lo.append(np.where(kj >= Sk, 1 << 28, (first + G + 8 * hf) if causal else 0))
                             plo = first >> 4 if first > 0 else 0
                             phi = (min(hi, 32) + 15) >> 4
-                            dkv_step(sm, W, A, ld, nk, MAXK, KV_REGS, sl2, True, plo, phi, lo, hi)
+                            dkv_step(sm, W, A, ld, nk, MAXK, KV_REGS, sl2, True, plo, phi, lo, hi,
+                                     fmt)
                 c0 += 32
                 if c0 >= Sq:
                     c0 = i0
@@ -317,8 +324,9 @@ def dkv_kernel(q, k, v, dout, lse, delta, dk, dv, B, Sq, Sk, H, Hkv, D, causal, 
                                     dv[o] = np.float32(dv[o] + W["dva"][n][2 * hf + e][ln])
 
 
-def dkv_step(sm, W, A, ld, nk, MAXK, KV_REGS, sl2, masked, plo, phi, lo, hi):
-    """tb_dkv_step<MAXK, MASKED, KV_REGS> for one warp (A: the step's stage addresses)."""
+def dkv_step(sm, W, A, ld, nk, MAXK, KV_REGS, sl2, masked, plo, phi, lo, hi, fmt):
+    """tb_dkv_step<MAXK, MASKED, KV_REGS, F16> for one warp (A: the step's stage addresses;
+    fmt: the operand format)."""
     s = [[np.zeros(32, np.float32) for _ in range(4)] for _ in range(4)]
     dp = [[np.zeros(32, np.float32) for _ in range(4)] for _ in range(4)]
     for kk in range(nk):
@@ -332,10 +340,10 @@ def dkv_step(sm, W, A, ld, nk, MAXK, KV_REGS, sl2, masked, plo, phi, lo, hi):
                 off = (p * 16 * ld + kk * 16) * 2
                 bq = ldsm_x4(sm, A["qs_nt"] + off, region=A["qreg"])
                 bg = ldsm_x4(sm, A["gs_nt"] + off, region=A["greg"])
-                mma(s[2 * p], ka, bq[0], bq[1])
-                mma(s[2 * p + 1], ka, bq[2], bq[3])
-                mma(dp[2 * p], va, bg[0], bg[1])
-                mma(dp[2 * p + 1], va, bg[2], bg[3])
+                mma(s[2 * p], ka, bq[0], bq[1], fmt)
+                mma(s[2 * p + 1], ka, bq[2], bq[3], fmt)
+                mma(dp[2 * p], va, bg[0], bg[1], fmt)
+                mma(dp[2 * p + 1], va, bg[2], bg[3], fmt)
     f = sm.f32()
     for n in range(4):
         # float2 reads of the step's lse and delta (queries 8n + 2t, + 1), lse times log2(e)
@@ -359,6 +367,7 @@ def dkv_step(sm, W, A, ld, nk, MAXK, KV_REGS, sl2, masked, plo, phi, lo, hi):
                 ds = np.where(bad, np.float32(0), ds)
             s[n][x] = p_.astype(np.float32)
             dp[n][x] = ds.astype(np.float32)
+    pack = fmt.pack
     for kk in range(2):
         if not masked or (plo <= kk < phi):
             a = [pack(s[2 * kk][0], s[2 * kk][1]), pack(s[2 * kk][2], s[2 * kk][3]),
@@ -366,20 +375,20 @@ def dkv_step(sm, W, A, ld, nk, MAXK, KV_REGS, sl2, masked, plo, phi, lo, hi):
             for p in range(nk):
                 bg = ldsm_x4(sm, A["gs_tr"] + (kk * 16 * ld + p * 16) * 2, trans=True,
                              region=A["greg"])
-                mma(W["dva"][2 * p], a, bg[0], bg[1])
-                mma(W["dva"][2 * p + 1], a, bg[2], bg[3])
+                mma(W["dva"][2 * p], a, bg[0], bg[1], fmt)
+                mma(W["dva"][2 * p + 1], a, bg[2], bg[3], fmt)
             a = [pack(dp[2 * kk][0], dp[2 * kk][1]), pack(dp[2 * kk][2], dp[2 * kk][3]),
                  pack(dp[2 * kk + 1][0], dp[2 * kk + 1][1]), pack(dp[2 * kk + 1][2], dp[2 * kk + 1][3])]
             for p in range(nk):
                 bq = ldsm_x4(sm, A["qs_tr"] + (kk * 16 * ld + p * 16) * 2, trans=True,
                              region=A["qreg"])
-                mma(W["dka"][2 * p], a, bq[0], bq[1])
-                mma(W["dka"][2 * p + 1], a, bq[2], bq[3])
+                mma(W["dka"][2 * p], a, bq[0], bq[1], fmt)
+                mma(W["dka"][2 * p + 1], a, bq[2], bq[3], fmt)
 
 
-def reference(q, k, v, dout, B, Sq, Sk, H, Hkv, D, causal, q_start, k_start, scale):
-    """fp64: forward (lse, out) on the unrounded inputs; backward with bf16-rounded operands,
-    as the fp32 backward's formulas (P, dS unrounded)."""
+def reference(q, k, v, dout, B, Sq, Sk, H, Hkv, D, causal, q_start, k_start, scale, fmt):
+    """fp64: forward (lse, out) on the unrounded inputs; backward with the operands rounded to
+    the format `fmt`, as the fp32 backward's formulas ((ROUND_P) P, dS rounded to `fmt`)."""
     q4 = q.reshape(B, Sq, H, D).astype(np.float64)
     k4 = k.reshape(B, Sk, Hkv, D).astype(np.float64)
     v4 = v.reshape(B, Sk, Hkv, D).astype(np.float64)
@@ -392,7 +401,7 @@ def reference(q, k, v, dout, B, Sq, Sk, H, Hkv, D, causal, q_start, k_start, sca
     dq = np.zeros_like(q4)
     dk = np.zeros_like(k4)
     dv = np.zeros_like(v4)
-    rb = lambda x: bf16(x.astype(np.float32)).astype(np.float64)
+    rb = lambda x: fmt.round(x.astype(np.float32)).astype(np.float64)
     for bb in range(B):
         for h in range(H):
             hk = h // (H // Hkv)
@@ -412,7 +421,7 @@ def reference(q, k, v, dout, B, Sq, Sk, H, Hkv, D, causal, q_start, k_start, sca
                 P = np.where(vis, np.exp(S * scale - np.where(np.isfinite(L), L, 0)), 0)
             dP = G_ @ V.T
             dS = P * (dP - delta[bb, h].astype(np.float64)[:, None])
-            if ROUND_P:  # P and dS rounded to bf16 as the kernels round them
+            if ROUND_P:  # P and dS rounded to `fmt` as the kernels round them
                 P, dS = rb(P), rb(dS)
             dv[bb, :, hk] += P.T @ G_
             dk[bb, :, hk] += scale * dS.T @ Q
@@ -420,19 +429,22 @@ def reference(q, k, v, dout, B, Sq, Sk, H, Hkv, D, causal, q_start, k_start, sca
     return lse.reshape(-1), delta.reshape(-1), dq.reshape(-1), dk.reshape(-1), dv.reshape(-1)
 
 
-def case(B, Sq, Sk, H, Hkv, D, causal, q_start, k_start, seed=0, kv_regs=None):
+def case(B, Sq, Sk, H, Hkv, D, causal, q_start, k_start, fmt, seed=0, kv_regs=None):
+    """One case in the operand format `fmt` (emu_common.BF16 or FP16): the kernels' results
+    against the reference's; prints a line; returns (ok, max error of dq, dk, dv)."""
+    t0 = time.time()
     rng = np.random.default_rng(seed)
     q, k, v = inputs(rng, B, Sq, Sk, H, Hkv, D)
     dout = rng.standard_normal(B * Sq * H * D).astype(np.float32)
     scale = 1.0 / np.sqrt(D)
     lse, delta, rq, rk, rv = reference(q, k, v, dout, B, Sq, Sk, H, Hkv, D, causal, q_start,
-                                       k_start, scale)
+                                       k_start, scale, fmt)
     MAXK = 4 if D <= 64 else 8
     if kv_regs is None:
         kv_regs = MAXK == 4
-    # The kernels' inputs: bf16 bits, rounded once (nearest even) as the caller rounds them
-    # (delta, from the fp32 dO, is the reference's, as the launcher computes it first).
-    q16, k16, v16, g16 = bf16_u16(q), bf16_u16(k), bf16_u16(v), bf16_u16(dout)
+    # The kernels' inputs: the bits of `fmt`, rounded once (nearest even) as the caller rounds
+    # them (delta, from the fp32 dO, is the reference's, as the launcher computes it first).
+    q16, k16, v16, g16 = fmt.u16(q), fmt.u16(k), fmt.u16(v), fmt.u16(dout)
     # Accumulate onto a base to check +=.
     base_q = rng.standard_normal(q.size).astype(np.float32)
     base_k = rng.standard_normal(k.size).astype(np.float32)
@@ -441,21 +453,23 @@ def case(B, Sq, Sk, H, Hkv, D, causal, q_start, k_start, seed=0, kv_regs=None):
     runs = []
     for late in (False, True):
         dq, dk, dv = base_q.copy(), base_k.copy(), base_v.copy()
-        dq_kernel(q16, k16, v16, g16, lse, delta, dq, *args, MAXK, late)
-        dkv_kernel(q16, k16, v16, g16, lse, delta, dk, dv, *args, MAXK, kv_regs, late)
+        dq_kernel(q16, k16, v16, g16, lse, delta, dq, *args, MAXK, late, fmt)
+        dkv_kernel(q16, k16, v16, g16, lse, delta, dk, dv, *args, MAXK, kv_regs, late, fmt)
         runs.append((dq, dk, dv))
     # Copies landing when issued and at their wait read the same bits everywhere.
     same = all(np.array_equal(x.view(np.uint32), y.view(np.uint32))
                for x, y in zip(runs[0], runs[1]))
     dq, dk, dv = runs[1]
     errs = []
+    maxerr = 0.0
     ok_all = True
     for name, x, base, r in (("dq", dq, base_q, rq), ("dk", dk, base_k, rk), ("dv", dv, base_v, rv)):
         got = x.astype(np.float64) - base
         top = max(np.abs(r).max(), 1e-30)
         err = np.abs(got - r).max() / top if np.all(np.isfinite(x)) else np.inf
         errs.append(f"{name} {err:.2e}")
-        ok = err < TOL
+        maxerr = max(maxerr, err)
+        ok = err < TOL[fmt.name]
         ok_all &= ok
         if not ok:
             bad = np.argmax(np.abs(got - r))
@@ -463,10 +477,11 @@ def case(B, Sq, Sk, H, Hkv, D, causal, q_start, k_start, seed=0, kv_regs=None):
     if not same:
         ok_all = False
         errs.append("copies landing early and late give different results")
-    line = (f"B{B} Sq{Sq} Sk{Sk} H{H}/{Hkv} D{D} {'c' if causal else 'nc'} {q_start},{k_start} "
-            f"kv_regs={int(kv_regs)}: " + ", ".join(errs))
+    line = (f"{fmt} B{B} Sq{Sq} Sk{Sk} H{H}/{Hkv} D{D} {'c' if causal else 'nc'} "
+            f"{q_start},{k_start} kv_regs={int(kv_regs)}: " + ", ".join(errs)
+            + f" [{time.time() - t0:.1f} s]")
     print(line, flush=True)
-    return bool(ok_all)
+    return bool(ok_all), maxerr
 
 
 CASES = [
@@ -487,11 +502,19 @@ CASES = [
 ]
 
 if __name__ == "__main__":
+    t0 = time.time()
     ok = True
-    for c in CASES:
-        ok &= case(*c)
-    # The other choice of TB_DKV_KV_REGS_K4 / _K8.
-    ok &= case(1, 70, 75, 2, 1, 128, True, 5, 0, kv_regs=True)
-    ok &= case(1, 70, 70, 2, 1, 64, True, 0, 0, kv_regs=False)
-    print("all OK" if ok else "MISMATCH")
+    summary = []
+    for fmt in FORMATS:
+        t1 = time.time()
+        res = [case(*c, fmt=fmt) for c in CASES]
+        # The other choice of TB_DKV_KV_REGS_K4 / _K8.
+        res.append(case(1, 70, 75, 2, 1, 128, True, 5, 0, fmt=fmt, kv_regs=True))
+        res.append(case(1, 70, 70, 2, 1, 64, True, 0, 0, fmt=fmt, kv_regs=False))
+        ok &= all(r[0] for r in res)
+        summary.append(f"{fmt}: {sum(r[0] for r in res)}/{len(res)} cases OK; max error "
+                       f"{max(r[1] for r in res):.2e} (TOL {TOL[fmt.name]:.2e}) "
+                       f"[{time.time() - t1:.0f} s]")
+    print("\n".join(summary))
+    print(f"{'all OK' if ok else 'MISMATCH'} ({time.time() - t0:.0f} s)")
     sys.exit(0 if ok else 1)

@@ -655,6 +655,10 @@ fn assert_rounded_close(what: &str, got: &[f32], want: &[f32], scale: &[f64], ha
     }
 }
 
+/// A format's rounding of fp32 values, and their bits in it.
+type Rounding = fn(&[f32]) -> Vec<f32>;
+type Bits = fn(&[f32]) -> Vec<u16>;
+
 /// The fp16 bits of `x` (nearest even).
 fn f16_bits(x: &[f32]) -> Vec<u16> {
     x.iter()
@@ -727,11 +731,10 @@ fn tensor_core_attention_matches_cpu() {
     .into_iter()
     .flat_map(|s| [(s, Operands::Bf16), (s, Operands::F16)])
     {
-        let (round, bits, half_ulp): (fn(&[f32]) -> Vec<f32>, fn(&[f32]) -> Vec<u16>, f64) =
-            match format {
-                Operands::F16 => (round_f16, f16_bits, 2f64.powi(-11)),
-                _ => (round_bf16, bf16_bits, 2f64.powi(-8)),
-            };
+        let (round, bits, half_ulp) = match format {
+            Operands::F16 => (round_f16 as Rounding, f16_bits as Bits, 2f64.powi(-11)),
+            _ => (round_bf16 as Rounding, bf16_bits as Bits, 2f64.powi(-8)),
+        };
         let (q, k, v) = (
             rand(s.q_elems(), 40),
             rand(s.kv_elems(), 41),
