@@ -1,16 +1,22 @@
 """Lane-level emulation of the library's tensor-core attention backward,
-crates/tensor/src/cuda/kernels/attention_tc_bwd.cu (attn_bwd_dq_tc_k4 / _k8 and
-attn_bwd_dkv_tc_k4 / _k8, module "attention_tc_bwd"), to check their indexing, fragments and
-masks where no GPU is at hand: `python3 dev/attention/attention_tc_bwd_emu.py` (numpy; about
-half a minute) prints each case's errors and exits 1 on a mismatch.
+crates/tensor/src/cuda/kernels/attention_tc_bwd.cu (module "attention_tc_bwd"), in both of its
+operand formats: bf16 (attn_bwd_dq_tc_k4 / _k8 and attn_bwd_dkv_tc_k4 / _k8, F16 = false) and
+fp16 (attn_bwd_dq_tc_f16_k4 / _k8 and attn_bwd_dkv_tc_f16_k4 / _k8, F16 = true), to check their
+indexing, fragments and masks where no GPU is at hand:
+`python3 dev/attention/attention_tc_bwd_emu.py` (numpy; about half a minute) runs every case in
+bf16, then in fp16, prints each case's errors (the format first) and a summary per format, and
+exits 1 on a mismatch.
 
-A transliteration of the two kernels (keep it in step when the kernels change): each warp is
-32 lanes as numpy vectors, the 128 threads of a CTA one vector where all of them act (the
-copies), shared memory one byte buffer laid out as the kernels lay it out (two stages of bf16
-tiles with row stride D + 8; dK/dV's lse / delta stages and K / V tiles), filled with garbage
-first, ldmatrix (.x4, .trans) and mma.m16n8k16 as the PTX ISA's fragment layouts say, bf16
-rounding to nearest even, ex2.approx as exact 2^x with flush to zero. Q, K, V and dO come in as
-bf16 bits (u16), the cases' fp32 inputs rounded once before the kernels, as the caller does
+A transliteration of the two kernels (keep it in step when the kernels change), the operand
+format an emu_common.Format (BF16 or FP16) passed down to where the kernels' F16 acts, tb_pack
+and tb_mma: each warp is 32 lanes as numpy vectors, the 128 threads of a CTA one vector where
+all of them act (the copies), shared memory one byte buffer laid out as the kernels lay it out
+(two stages of 16-bit tiles with row stride D + 8; dK/dV's lse / delta stages and K / V tiles),
+filled with garbage first, ldmatrix (.x4, .trans) and mma.m16n8k16 as the PTX ISA's fragment
+layouts say (the 16-bit halves decoded as bf16, or as fp16, subnormals included), rounding to
+the format as cvt.rn.bf16x2.f32 / cvt.rn.f16x2.f32 (nearest even, fp16 subnormals kept),
+ex2.approx as exact 2^x with flush to zero. Q, K, V and dO come in as the format's bits (u16),
+the cases' fp32 inputs rounded once (nearest even) before the kernels, as the caller does
 (delta from the fp32 dO, as attention_backward_tc computes it). cp.async is modelled with its
 commit groups and wait_group, and every case runs twice: with each copy landing when issued
 and with each landing at the wait that covers it (both must give the same bits); the barriers
@@ -20,8 +26,8 @@ beyond those PTX rules, the asm's syntax (the NVRTC compile check), timing, regi
 
 The reference is dense float64 with the fp32 backward's formulas: the forward's lse on the
 unrounded inputs (natural log, -inf for a row that sees no key), delta = rowsum(dO * O), Q, K,
-V, dO and (ROUND_P) P and dS rounded to bf16; the kernels accumulate into random dq, dk, dv
-(the += contract) and the base is subtracted before comparing.
+V, dO and (ROUND_P) P and dS rounded to the format; the kernels accumulate into random dq, dk,
+dv (the += contract) and the base is subtracted before comparing.
 """
 import sys
 import time
@@ -31,10 +37,20 @@ from emu_common import (FORMATS, G, T, THREADS, TID, CpAsync, Pieces, Smem, exp2
                         keys_seen, lane, ld_u32, ldsm_x4, mma, softmax_rows)
 
 LOG2E = np.float32(1.4426950408889634)
-ROUND_P = True  # the reference rounds P and dS to bf16 too (sharper: see TOL)
-TOL = {"bf16": 1.5e-3, "fp16": 1.5e-3}  # max |x - ref| / max |ref|: 1e-7 typically; up to ~7e-4 where the reference
-# and the kernel round one P or dS element to different bf16 neighbours (S sums differ in the
-# last fp32 bits): one row of dq and one of dk (or dv) then differ by that element's ulp.
+ROUND_P = True  # the reference rounds P and dS to the format too (sharper: see TOL)
+TOL = {"bf16": 1.5e-3, "fp16": 1.875e-4}  # max |x - ref| / max |ref|, by format.
+# bf16: 1e-7 typically; up to ~7e-4 where the reference and the kernel round one P or dS
+# element to different bf16 neighbours (S sums differ in the last fp32 bits): one row of dq and
+# one of dk (or dv) then differ by that element's ulp (<= 2^-7 of it). A reference that does
+# not round P and dS misses by 1.9e-3 .. 3.3e-3 over these cases: TOL lies between.
+# fp16 (11 significant bits, half an ulp 2^-11 against 2^-8): both sides scale by 2^-3: such a
+# flip moves the rows by <= 2^-10 of the element (2^-24 at most for an fp16 subnormal), the
+# unrounded reference misses by 2.2e-4 .. 4.7e-4; so TOL is bf16's times 2^-3, still under
+# every unrounded miss. The flips come 8 times as often (the fp32 differences against a
+# smaller half ulp), each 8 times smaller: measured up to 4.5e-5. (In either format a single
+# flip of the heaviest element could reach further, 7.9e-3 in bf16 and 9.8e-4 in fp16 over
+# these cases, at the odds of its rounding boundary lying within ~1e-7 of it: the TOLs hold the
+# measured flips, not every possible one.)
 
 
 def copy_rows(cp, ta, tb, xa, xb, row_base, stride, row0, ROWS, S, D, ld, MAXK):

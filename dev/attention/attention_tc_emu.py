@@ -1,32 +1,37 @@
 """Lane-level emulation of the library's tensor-core attention forward,
-crates/tensor/src/cuda/kernels/attention_tc.cu (attn_fwd_tc_k4 / _k8, module "attention_tc"),
-to check its indexing, fragments and masks where no GPU is at hand:
-`python3 dev/attention/attention_tc_emu.py` (numpy; about 20 seconds) prints each case's errors
-and exits 1 on a mismatch.
+crates/tensor/src/cuda/kernels/attention_tc.cu (module "attention_tc"), in both of its operand
+formats: bf16 (attn_fwd_tc_k4 / _k8, F16 = false) and fp16 (attn_fwd_tc_f16_k4 / _k8,
+F16 = true), to check its indexing, fragments and masks where no GPU is at hand:
+`python3 dev/attention/attention_tc_emu.py` (numpy; about 15 seconds) runs every case in bf16,
+then in fp16, prints each case's errors (the format first) and a summary per format, and exits
+1 on a mismatch.
 
-A transliteration of attn_fwd_tc_body<MAXK, FULL> (keep it in step when the kernel changes), in
-the manner of attention_tc_bwd_emu.py (the backward's, attention_tc_bwd.cu), on the primitives
-of emu_common.py (bf16_bits also turns a NaN into the canonical NaN, as cvt.rn does): each warp
-is 32 lanes as numpy vectors, the 128 threads of a CTA one vector where all of them act (the
-copies), shared memory one byte buffer laid out as the kernel lays it out (two stages of a bf16
-K and V tile with row stride D + 8), filled with NaN first (0xFF bytes: a NaN in bf16) so that a
-read of anything the kernel did not write, a padding column or a stale row, poisons the result
+A transliteration of attn_fwd_tc_body<MAXK, FULL, F16> (keep it in step when the kernel
+changes), in the manner of attention_tc_bwd_emu.py (the backward's, attention_tc_bwd.cu), on
+the primitives of emu_common.py, the operand format an emu_common.Format (BF16 or FP16) passed
+down to where the kernel's F16 acts, tn_pack and tn_mma: each warp is 32 lanes as numpy
+vectors, the 128 threads of a CTA one vector where all of them act (the copies), shared memory
+one byte buffer laid out as the kernel lays it out (two stages of a 16-bit K and V tile with
+row stride D + 8), filled with NaN first (0xFF bytes: a NaN in bf16 and in fp16) so that a read
+of anything the kernel did not write, a padding column or a stale row, poisons the result
 instead of slipping through as a small number; ldmatrix (.x4, .trans) and mma.m16n8k16 as the
-PTX ISA's fragment layouts say, bf16 rounding to nearest even, ex2.approx as exact 2^x with
-flush to zero. Q, K, V come in as bf16 bits (u16), the cases' fp32 inputs rounded once before
+PTX ISA's fragment layouts say (the 16-bit halves decoded as bf16, or as fp16, subnormals
+included), rounding to the format as cvt.rn.bf16x2.f32 / cvt.rn.f16x2.f32 (nearest even, fp16
+subnormals kept, a NaN the canonical one), ex2.approx as exact 2^x with flush to zero. Q, K, V
+come in as the format's bits (u16), the cases' fp32 inputs rounded once (nearest even) before
 the kernel, as the caller does. cp.async is modelled with its commit groups and wait_group, and
-every case runs twice: with each copy landing when issued and with each landing at the wait that
-covers it (the two extremes the PTX ISA allows; both must give the same bits); the barriers
-bound phases in which no shared word may be both read and copied to, nor read while a copy to it
-flies or before the barrier after its wait (emu_common.Smem). src-size 0 zero-fills. The grid's
-CTAs run one after the other, blockIdx.x in order (so the reversed row order is exercised), each
-with fresh garbage shared memory; every element of out and lse must be written exactly once. Not
-covered: the hardware beyond those PTX rules, the asm's syntax (the NVRTC compile check),
-timing, register pressure.
+every case runs twice: with each copy landing when issued and with each landing at the wait
+that covers it (the two extremes the PTX ISA allows; both must give the same bits); the
+barriers bound phases in which no shared word may be both read and copied to, nor read while a
+copy to it flies or before the barrier after its wait (emu_common.Smem). src-size 0 zero-fills.
+The grid's CTAs run one after the other, blockIdx.x in order (so the reversed row order is
+exercised), each with fresh garbage shared memory; every element of out and lse must be written
+exactly once. Not covered: the hardware beyond those PTX rules, the asm's syntax (the NVRTC
+compile check), timing, register pressure.
 
-The reference is dense float64 softmax attention with Q, K, V rounded to bf16 and (ROUND_P)
-the unnormalised P rounded to bf16 before P V, divided by the row sum of the unrounded P (as
-the kernel sums its fp32 p); lse natural log, -inf (and out 0) for a row that sees no key.
+The reference is dense float64 softmax attention with Q, K, V rounded to the format and
+(ROUND_P) the unnormalised P rounded to it before P V, divided by the row sum of the unrounded
+P (as the kernel sums its fp32 p); lse natural log, -inf (and out 0) for a row that sees no key.
 """
 import sys
 import time
@@ -38,23 +43,39 @@ from emu_common import (FORMATS, G, T, CpAsync, Pieces, Smem, exp2, fmaf, inputs
 LOG2E = np.float32(1.4426950408889634)
 LN2 = np.float32(0.6931471805599453)
 NEG_INF = np.float32(-np.inf)
-ROUND_P = "tile"  # how the reference rounds the unnormalised P to bf16 before P V (see TOL):
-# "tile": exp(S - m_t), m_t the row's maximum over the 64-key tiles up to that key's (the
+ROUND_P = "tile"  # how the reference rounds the unnormalised P to the format before P V (see
+# TOL): "tile": exp(S - m_t), m_t the row's maximum over the 64-key tiles up to that key's (the
 # kernel's running maximum when it rounds that tile), times exp(m_t - m); True: exp(S - m), m
 # the row's maximum; False: not rounded.
-TOL = {"tile": {"bf16": 1e-3, "fp16": 1.25e-4}, True: {"bf16": 4e-3, "fp16": 5e-4},
-       False: {"bf16": 5e-3, "fp16": 6.25e-4}}[ROUND_P]  # out: max |x - ref| / max |ref|.
-# "tile": ~1e-7, except where S (fp32 sums against fp64) puts one p on the other side of a bf16
-# rounding boundary: that row of out then moves by ulp(p) / l |v_j| <= 2^-7 (p / l) |v_j|,
-# measured up to 1.5e-4 over the cases below (5e-5 typically); an extra or missing key, a
-# wrong rescale or a wrong index moves rows by (p / l) |v_j| and more, 128 times that.
+# out: max |x - ref| / max |ref|, by format.
+TOL = {"tile": {"bf16": 1e-3, "fp16": 1e-3}, True: {"bf16": 4e-3, "fp16": 5e-4},
+       False: {"bf16": 5e-3, "fp16": 6.25e-4}}[ROUND_P]
+# "tile": ~1e-7, except where S (fp32 sums against fp64) puts one p on the other side of a
+# rounding boundary of the format: that row of out then moves by ulp(p) / l |v_j|, at most
+# 2^-7 (p / l) |v_j| in bf16 (8 significant bits), 2^-10 (p / l) |v_j| in fp16 (11; a p under
+# 2^-14, an fp16 subnormal, by 2^-24 / l |v_j| at most); an extra or missing key, a wrong
+# rescale or a wrong index moves rows by (p / l) |v_j| and more, 128 (bf16) or 1024 (fp16)
+# times that. bf16: measured up to 1.5e-4 over the cases below (5e-5 typically).
+# fp16: a boundary is 8 times as likely to fall between the kernel's p and the reference's (a
+# ~1e-7 relative difference against half an ulp of 2^-11, not 2^-8) and a crossing moves the
+# row 8 times less: count times size is the same, so the flips do not shrink with the ulp.
+# Measured up to 1.3e-4 (B1 Sq129 Sk129 D128 nc: one p = 0.5783692, 8e-8 (relative) above the
+# midpoint of its fp16 neighbours, 2.9e-7 lower in the kernel: 2^-11 * |v_j| 2.52 / l 14.79 =
+# 8.3e-5, of max |out| 0.66), which bf16's TOL / 8 = 1.25e-4 would not hold. 1e-3 holds any
+# single flip: the largest move one fp16 flip can make in these cases (2^-10 (p / l) |v_j| over
+# the p that are no fp16 value) is 2.5e-4 .. 5.5e-4 of max |out| by case, so even two in one
+# element stay under it, and a wrong key still moves a row 1024 flips' worth (in bf16 that largest
+# flip is 2.0e-3 .. 4.4e-3: its TOL holds the measured flips, not every possible one).
 # True: where a row's running maximum grows in a later tile the kernel rounded the earlier
 # tiles' p against the smaller maximum and rescaled them after (corr = 2^(m2_old - m2_new),
-# no power of two), so each such p can land on the other bf16 neighbour of the reference's
-# (up to 2^-8 relative per term, random signs over the row): measured up to 1.5e-3 here.
-# False: every p differs by its rounding (2^-9 relative): measured up to 1.7e-3.
+# no power of two), so each such p can land on the other neighbour of the reference's (up to
+# 2^-8 relative per term in bf16, 2^-11 in fp16, random signs over the row): measured up to
+# 1.5e-3 (bf16), 2.4e-4 (fp16) here; the fp16 TOL is bf16's times 2^-3, like the error.
+# False: every p differs by its rounding (2^-9 relative in bf16, 2^-12 in fp16): measured up to
+# 1.7e-3 (bf16), 2.2e-4 (fp16); the fp16 TOL is bf16's times 2^-3.
 LSE_TOL = 1e-4  # lse: max |x - ref| over the rows that see a key (fp32 sums of |lse| <~ 10:
-# ~1e-6; the bf16 rounding of P does not enter l); -inf rows must be -inf exactly.
+# ~1e-6, measured up to 6.8e-7 in both formats; the rounding of P, bf16 or fp16, does not enter
+# l); -inf rows must be -inf exactly.
 BM = BN = 64
 PAD = 8
 
