@@ -22,10 +22,29 @@ pub const SOURCES: &[(&str, &str)] = &[
 /// The shared prelude.
 pub const PRELUDE: &str = include_str!("kernels/prelude.cuh");
 
-/// The full source of `module` (prelude first), or `None` for an unknown name.
+/// `(module, header)`: a header put between the prelude and the modules that share it (the
+/// tensor-core helpers of the two attention modules).
+const HEADERS: &[(&str, &str, &str)] = &[
+    (
+        "attention_tc",
+        "tensor_core.cuh",
+        include_str!("kernels/tensor_core.cuh"),
+    ),
+    (
+        "attention_tc_bwd",
+        "tensor_core.cuh",
+        include_str!("kernels/tensor_core.cuh"),
+    ),
+];
+
+/// The full source of `module` (prelude first, then its shared header if it has one), or
+/// `None` for an unknown name; `#line` marks keep the compiler's messages on each file's lines.
 pub fn source(module: &str) -> Option<String> {
-    SOURCES
+    let (_, src) = SOURCES.iter().find(|(name, _)| *name == module)?;
+    let header = HEADERS
         .iter()
-        .find(|(name, _)| *name == module)
-        .map(|(_, src)| format!("{PRELUDE}\n#line 1 \"{module}.cu\"\n{src}"))
+        .find(|(m, ..)| *m == module)
+        .map(|(_, file, text)| format!("#line 1 \"{file}\"\n{text}\n"))
+        .unwrap_or_default();
+    Some(format!("{PRELUDE}\n{header}#line 1 \"{module}.cu\"\n{src}"))
 }

@@ -110,92 +110,6 @@
 #define TN_LOG2E 1.4426950408889634f
 #define TN_LN2 0.6931471805599453f
 
-// Two fp32 as a pair of the operand format (bf16, or fp16 where F16), round to nearest even:
-// `lo` in the lower 16 bits (cvt.rn.bf16x2.f32 / cvt.rn.f16x2.f32 d, a, b put a in the upper
-// half, b in the lower; PTX ISA, "cvt").
-template <bool F16>
-__device__ __forceinline__ u32 tn_pack(float lo, float hi) {
-    u32 r;
-    if constexpr (F16)
-        asm("cvt.rn.f16x2.f32 %0, %1, %2;\n" : "=r"(r) : "f"(hi), "f"(lo));
-    else
-        asm("cvt.rn.bf16x2.f32 %0, %1, %2;\n" : "=r"(r) : "f"(hi), "f"(lo));
-    return r;
-}
-
-// 2^x (ex2.approx.ftz.f32: 2^-inf = +0; results below 2^-126 flush to 0, far below what bf16
-// P keeps next to the row's largest term, 1).
-__device__ __forceinline__ float tn_exp2(float x) {
-    float y;
-    asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
-    return y;
-}
-
-// d += a * b (16 x 8 x 16, bf16 operands, or fp16 where F16; fp32 accumulate).
-template <bool F16>
-__device__ __forceinline__ void tn_mma(float* d, const u32* a, u32 b0, u32 b1) {
-    if constexpr (F16)
-        asm volatile(
-            "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, "
-            "{%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};\n"
-            : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-            : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-    else
-        asm volatile(
-            "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, "
-            "{%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};\n"
-            : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-            : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-}
-
-// Four 8 x 8 bf16 matrices from shared memory (`addr`: this lane's row address, see above).
-// volatile with a memory clobber: the tiles are rewritten at the same addresses every key tile,
-// so these loads must neither be merged across iterations nor moved across the barriers.
-__device__ __forceinline__ void tn_ldsm_x4(u32* r, u32 addr) {
-    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
-                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-                 : "r"(addr)
-                 : "memory");
-}
-
-__device__ __forceinline__ void tn_ldsm_x4_trans(u32* r, u32 addr) {
-    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
-                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-                 : "r"(addr)
-                 : "memory");
-}
-
-// 16 bytes global -> shared, cached in L2 only; `src_bytes` of them read from `src`, the rest
-// zero-filled (0: a row past the end, nothing is read). `dst` and `src` 16-byte aligned.
-__device__ __forceinline__ void tn_cp_async16(u32 dst, const u16* src, int src_bytes) {
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst),
-                 "l"((u64)__cvta_generic_to_global(src)), "r"(src_bytes)
-                 : "memory");
-}
-
-__device__ __forceinline__ void tn_cp_async_commit() {
-    asm volatile("cp.async.commit_group;\n" ::: "memory");
-}
-
-// Waits for every cp.async group of this thread; its copies are then visible to it, and to
-// the whole CTA after a barrier (PTX ISA, "cp.async.wait_group"; bar.sync orders the waiting
-// thread's view before every other thread's reads after it).
-__device__ __forceinline__ void tn_cp_async_wait_all() {
-    asm volatile("cp.async.wait_group 0;\n" ::: "memory");
-}
-
-__device__ __forceinline__ u32 tn_smem_addr(const void* p) {
-    return (u32)__cvta_generic_to_shared(p);
-}
-
-// Keys visible to some query of rows [0, i_end): all of them, or up to the last row's.
-__device__ __forceinline__ int tn_keys_seen(int i_end, int Sk, int causal, int q_start,
-                                            int k_start) {
-    if (!causal) return Sk;
-    int v = q_start + i_end - k_start; // keys j with k_start + j <= q_start + i_end - 1
-    return v < 0 ? 0 : (v > Sk ? Sk : v);
-}
-
 // The 16-byte pieces (8 bf16) of a 64-row tile that this thread copies: pieces
 // e = threadIdx.x + 128 i for i < D / 16 (64 rows of D / 8 pieces: 8 D pieces, D / 16 a
 // thread), piece e at tile row e / (D / 8), columns 8 (e % (D / 8)) .. + 7. Consecutive
@@ -227,8 +141,8 @@ __device__ __forceinline__ void tn_copy_tile(u32 kt, u32 vt, const u16* kb, cons
             // A row past the end reads nothing; its address stays inside row 0 of the head.
             const long long off = (in ? (long long)row * kstride : 0) + 8 * c;
             const u32 so = (u32)(r * ld + 8 * c) * 2u;
-            tn_cp_async16(kt + so, kb + off, in ? 16 : 0);
-            tn_cp_async16(vt + so, vb + off, in ? 16 : 0);
+            tc_cp_async16(kt + so, kb + off, in ? 16 : 0);
+            tc_cp_async16(vt + so, vb + off, in ? 16 : 0);
             c += pc.dc;
             r += pc.dr;
             if (c >= pc.cpr) {
@@ -261,9 +175,9 @@ __device__ __forceinline__ void tn_tile(const u32 (&qf)[MAXK][4], float (&o)[2 *
             for (int p = 0; p < 4; p++) {
                 if (!MASKED || 16 * p < kv_lim) {
                     u32 bk[4];
-                    tn_ldsm_x4(bk, ks_lane + (u32)(p * 16 * ld + kk * 16) * 2u);
-                    tn_mma<F16>(s[2 * p], qf[kk], bk[0], bk[1]);
-                    tn_mma<F16>(s[2 * p + 1], qf[kk], bk[2], bk[3]);
+                    tc_ldsm_x4(bk, ks_lane + (u32)(p * 16 * ld + kk * 16) * 2u);
+                    tc_mma<F16>(s[2 * p], qf[kk], bk[0], bk[1]);
+                    tc_mma<F16>(s[2 * p + 1], qf[kk], bk[2], bk[3]);
                 }
             }
         }
@@ -291,14 +205,14 @@ __device__ __forceinline__ void tn_tile(const u32 (&qf)[MAXK][4], float (&o)[2 *
         const float m2 = mx == XT_NEG_INF ? 0.0f : __fmul_rn(mx, sl2);
         // The rescale of what was summed against the previous m2 (2^-inf = 0 on the first
         // seen tile, where l and o are still 0).
-        const float corr = tn_exp2(__fmul_rn(m[hf], sl2) - m2);
+        const float corr = tc_exp2(__fmul_rn(m[hf], sl2) - m2);
         m[hf] = mx;
         float sum = 0.0f;
 #pragma unroll
         for (int n = 0; n < 8; n++) {
 #pragma unroll
             for (int e = 0; e < 2; e++) {
-                const float p = tn_exp2(fmaf(s[n][2 * hf + e], sl2, -m2));
+                const float p = tc_exp2(fmaf(s[n][2 * hf + e], sl2, -m2));
                 s[n][2 * hf + e] = p;
                 sum += p;
             }
@@ -317,17 +231,17 @@ __device__ __forceinline__ void tn_tile(const u32 (&qf)[MAXK][4], float (&o)[2 *
     for (int kk = 0; kk < 4; kk++) {
         if (!MASKED || 16 * kk < kv_lim) {
             u32 a[4];
-            a[0] = tn_pack<F16>(s[2 * kk][0], s[2 * kk][1]);
-            a[1] = tn_pack<F16>(s[2 * kk][2], s[2 * kk][3]);
-            a[2] = tn_pack<F16>(s[2 * kk + 1][0], s[2 * kk + 1][1]);
-            a[3] = tn_pack<F16>(s[2 * kk + 1][2], s[2 * kk + 1][3]);
+            a[0] = tc_pack<F16>(s[2 * kk][0], s[2 * kk][1]);
+            a[1] = tc_pack<F16>(s[2 * kk][2], s[2 * kk][3]);
+            a[2] = tc_pack<F16>(s[2 * kk + 1][0], s[2 * kk + 1][1]);
+            a[3] = tc_pack<F16>(s[2 * kk + 1][2], s[2 * kk + 1][3]);
 #pragma unroll
             for (int p = 0; p < MAXK; p++) {
                 if (p < nk) {
                     u32 bv[4];
-                    tn_ldsm_x4_trans(bv, vs_lane + (u32)(kk * 16 * ld + p * 16) * 2u);
-                    tn_mma<F16>(o[2 * p], a, bv[0], bv[1]);
-                    tn_mma<F16>(o[2 * p + 1], a, bv[2], bv[3]);
+                    tc_ldsm_x4_trans(bv, vs_lane + (u32)(kk * 16 * ld + p * 16) * 2u);
+                    tc_mma<F16>(o[2 * p], a, bv[0], bv[1]);
+                    tc_mma<F16>(o[2 * p + 1], a, bv[2], bv[3]);
                 }
             }
         }
@@ -347,7 +261,7 @@ __device__ __forceinline__ void attn_fwd_tc_body(const u16* q, const u16* k, con
     const int ld = D + TN_PAD;
     // Stage s of the double buffer: the K tile at kt0 + s * stage, the V tile at vt0 + s * stage.
     const u32 stage = (u32)(2 * TN_BN * ld) * 2u;
-    const u32 kt0 = tn_smem_addr(tn_smem), vt0 = kt0 + (u32)(TN_BN * ld) * 2u;
+    const u32 kt0 = tc_smem_addr(tn_smem), vt0 = kt0 + (u32)(TN_BN * ld) * 2u;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
     const int b = blockIdx.y / H, h = blockIdx.y % H, hk = h / (H / Hkv);
     const int q0 = (gridDim.x - 1 - blockIdx.x) * TN_BM; // longest rows first
@@ -360,7 +274,7 @@ __device__ __forceinline__ void attn_fwd_tc_body(const u16* q, const u16* k, con
     const int r0 = iw + g;         // this thread's rows: r0 (half 0) and r0 + 8 (half 1)
     const float sl2 = scale * TN_LOG2E;
 
-    const int nvis = tn_keys_seen(min(q0 + TN_BM, Sq), Sk, causal, q_start, k_start);
+    const int nvis = tc_keys_seen(min(q0 + TN_BM, Sq), Sk, causal, q_start, k_start);
     const int ntiles = (nvis + TN_BN - 1) / TN_BN;
     TnPieces pc;
     pc.cpr = D >> 3;
@@ -372,7 +286,7 @@ __device__ __forceinline__ void attn_fwd_tc_body(const u16* q, const u16* k, con
     // Tile 0's copies (stage 0) fly while Q is read.
     if (ntiles > 0) {
         tn_copy_tile<MAXK>(kt0, vt0, kb, vb, kstride, 0, Sk, D, ld, pc);
-        tn_cp_async_commit();
+        tc_cp_async_commit();
     }
 
     // Q's A fragments (rows r0, r0 + 8; zeros past Sq) from global memory, two bf16 a 32-bit
@@ -400,13 +314,13 @@ __device__ __forceinline__ void attn_fwd_tc_body(const u16* q, const u16* k, con
     // rows sees: keys 0 .. vis_row - 1.
     int wfull = 0, wkeys = 0;
     if (iw < Sq) {
-        wkeys = tn_keys_seen(min(iw + 16, Sq), Sk, causal, q_start, k_start);
-        wfull = tn_keys_seen(iw + 1, Sk, causal, q_start, k_start);
+        wkeys = tc_keys_seen(min(iw + 16, Sq), Sk, causal, q_start, k_start);
+        wfull = tc_keys_seen(iw + 1, Sk, causal, q_start, k_start);
     }
     int vis_row[2];
 #pragma unroll
     for (int hf = 0; hf < 2; hf++)
-        vis_row[hf] = tn_keys_seen(r0 + 8 * hf + 1, Sk, causal, q_start, k_start);
+        vis_row[hf] = tc_keys_seen(r0 + 8 * hf + 1, Sk, causal, q_start, k_start);
 
     // ldmatrix row addresses of this lane in stage 0 (k-step 0, n-tile pair 0; see the header).
     const int krow = ((lane >> 4) << 3) + (lane & 7), kcol = ((lane >> 3) & 1) << 3;
@@ -428,12 +342,12 @@ __device__ __forceinline__ void attn_fwd_tc_body(const u16* q, const u16* k, con
     for (int jt = 0; jt < ntiles; jt++) {
         const int j0 = jt * TN_BN;
         const u32 cur = (u32)(jt & 1) * stage;
-        tn_cp_async_wait_all();
+        tc_cp_async_wait<0>();
         __syncthreads();
         if (jt + 1 < ntiles) {
             const u32 nxt = stage - cur; // the other stage
             tn_copy_tile<MAXK>(kt0 + nxt, vt0 + nxt, kb, vb, kstride, j0 + TN_BN, Sk, D, ld, pc);
-            tn_cp_async_commit();
+            tc_cp_async_commit();
         }
         if (j0 + TN_BN <= wfull) {
             const int none[2] = {0, 0};

@@ -176,101 +176,6 @@
 #define TB_LOG2E 1.4426950408889634f
 #define TB_NONE (1 << 28) // "no query of the step sees this key"
 
-// Two fp32 as a pair of the operand format (bf16, or fp16 where F16), round to nearest even:
-// `lo` in the lower 16 bits (cvt.rn.bf16x2.f32 / cvt.rn.f16x2.f32 d, a, b put a in the upper
-// half, b in the lower; PTX ISA, "cvt").
-template <bool F16>
-__device__ __forceinline__ u32 tb_pack(float lo, float hi) {
-    u32 r;
-    if constexpr (F16)
-        asm("cvt.rn.f16x2.f32 %0, %1, %2;\n" : "=r"(r) : "f"(hi), "f"(lo));
-    else
-        asm("cvt.rn.bf16x2.f32 %0, %1, %2;\n" : "=r"(r) : "f"(hi), "f"(lo));
-    return r;
-}
-
-// 2^x (ex2.approx.ftz.f32: 2^-inf = +0; results below 2^-126 flush to 0, far below what a bf16
-// P or dS keeps next to the largest term of its row, at most 1).
-__device__ __forceinline__ float tb_exp2(float x) {
-    float y;
-    asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
-    return y;
-}
-
-// d += a * b (16 x 8 x 16, bf16 operands, or fp16 where F16; fp32 accumulate).
-template <bool F16>
-__device__ __forceinline__ void tb_mma(float* d, const u32* a, u32 b0, u32 b1) {
-    if constexpr (F16)
-        asm volatile(
-            "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, "
-            "{%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};\n"
-            : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-            : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-    else
-        asm volatile(
-            "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, "
-            "{%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};\n"
-            : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-            : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-}
-
-// Four 8 x 8 bf16 matrices from shared memory (`addr`: this lane's row address, see above).
-// volatile with a memory clobber: the tiles are rewritten at the same addresses every step, so
-// these loads must neither be merged across steps nor moved across the barriers.
-__device__ __forceinline__ void tb_ldsm_x4(u32* r, u32 addr) {
-    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
-                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-                 : "r"(addr)
-                 : "memory");
-}
-
-__device__ __forceinline__ void tb_ldsm_x4_trans(u32* r, u32 addr) {
-    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
-                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-                 : "r"(addr)
-                 : "memory");
-}
-
-// 16 bytes global -> shared, cached in L2 only; `src_bytes` of them read from `src`, the rest
-// zero-filled (0: a row past the end, nothing is read). `dst` and `src` 16-byte aligned.
-__device__ __forceinline__ void tb_cp_async16(u32 dst, const u16* src, int src_bytes) {
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst),
-                 "l"((u64)__cvta_generic_to_global(src)), "r"(src_bytes)
-                 : "memory");
-}
-
-// 4 bytes global -> shared (.ca: .cg takes 16-byte copies only); `src_bytes` 4 or 0.
-__device__ __forceinline__ void tb_cp_async4(u32 dst, const float* src, int src_bytes) {
-    asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(dst),
-                 "l"((u64)__cvta_generic_to_global(src)), "r"(src_bytes)
-                 : "memory");
-}
-
-__device__ __forceinline__ void tb_cp_async_commit() {
-    asm volatile("cp.async.commit_group;\n" ::: "memory");
-}
-
-// Waits until at most N of this thread's cp.async groups, the newest, are pending; the copies
-// of the others are then visible to it, and to the whole CTA after a barrier (PTX ISA,
-// "cp.async.wait_group"; bar.sync orders the waiting thread's view before every other
-// thread's reads after it).
-template <int N>
-__device__ __forceinline__ void tb_cp_async_wait() {
-    asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
-}
-
-__device__ __forceinline__ u32 tb_smem_addr(const void* p) {
-    return (u32)__cvta_generic_to_shared(p);
-}
-
-// Keys visible to some query of rows [0, i_end): all of them, or up to the last row's.
-__device__ __forceinline__ int tb_keys_seen(int i_end, int Sk, int causal, int q_start,
-                                            int k_start) {
-    if (!causal) return Sk;
-    int v = q_start + i_end - k_start; // keys j with k_start + j <= q_start + i_end - 1
-    return v < 0 ? 0 : (v > Sk ? Sk : v);
-}
-
 // The 16-byte pieces (8 bf16) of a tile of ROWS rows that this thread copies: pieces
 // e = threadIdx.x + 128 i below ROWS D / 8 (ROWS rows of D / 8 pieces), piece e at tile row
 // e / (D / 8), columns 8 (e % (D / 8)) .. + 7. Consecutive threads take consecutive pieces of
@@ -323,8 +228,8 @@ __device__ __forceinline__ void tb_copy_rows(u32 ta, u32 tb, const u16* xa, cons
             // A row past the end reads nothing; its address stays inside row 0 of the head.
             const long long off = (in ? (long long)row * stride : 0) + 8 * c;
             const u32 so = (u32)(r * ld + 8 * c) * 2u;
-            tb_cp_async16(ta + so, xa + off, in ? 16 : 0);
-            tb_cp_async16(tb + so, xb + off, in ? 16 : 0);
+            tc_cp_async16(ta + so, xa + off, in ? 16 : 0);
+            tc_cp_async16(tb + so, xb + off, in ? 16 : 0);
             tb_next_piece(r, c, pc);
         }
     }
@@ -389,12 +294,12 @@ __device__ __forceinline__ void tb_dq_tile(const u32 (&qf)[MAXK][4], const u32 (
                     if (!MASKED || c0 + 16 * p < kv_lim) {
                         const u32 off = (u32)((c0 + 16 * p) * ld + kk * 16) * 2u;
                         u32 bk[4], bv[4];
-                        tb_ldsm_x4(bk, ks_nt + off);
-                        tb_ldsm_x4(bv, vs_nt + off);
-                        tb_mma<F16>(s[2 * p], qf[kk], bk[0], bk[1]);
-                        tb_mma<F16>(s[2 * p + 1], qf[kk], bk[2], bk[3]);
-                        tb_mma<F16>(dp[2 * p], gf[kk], bv[0], bv[1]);
-                        tb_mma<F16>(dp[2 * p + 1], gf[kk], bv[2], bv[3]);
+                        tc_ldsm_x4(bk, ks_nt + off);
+                        tc_ldsm_x4(bv, vs_nt + off);
+                        tc_mma<F16>(s[2 * p], qf[kk], bk[0], bk[1]);
+                        tc_mma<F16>(s[2 * p + 1], qf[kk], bk[2], bk[3]);
+                        tc_mma<F16>(dp[2 * p], gf[kk], bv[0], bv[1]);
+                        tc_mma<F16>(dp[2 * p + 1], gf[kk], bv[2], bv[3]);
                     }
                 }
             }
@@ -407,7 +312,7 @@ __device__ __forceinline__ void tb_dq_tile(const u32 (&qf)[MAXK][4], const u32 (
 #pragma unroll
             for (int x = 0; x < 4; x++) {
                 const int hf = x >> 1;
-                const float p = tb_exp2(fmaf(s[n][x], sl2, -lse2[hf]));
+                const float p = tc_exp2(fmaf(s[n][x], sl2, -lse2[hf]));
                 float ds = p * (dp[n][x] - del[hf]);
                 if (MASKED && c0 + n * 8 + 2 * t + (x & 1) >= vis[hf]) ds = 0.0f;
                 s[n][x] = ds;
@@ -419,17 +324,17 @@ __device__ __forceinline__ void tb_dq_tile(const u32 (&qf)[MAXK][4], const u32 (
         for (int kk = 0; kk < 2; kk++) {
             if (!MASKED || c0 + 16 * kk < kv_lim) {
                 u32 a[4];
-                a[0] = tb_pack<F16>(s[2 * kk][0], s[2 * kk][1]);
-                a[1] = tb_pack<F16>(s[2 * kk][2], s[2 * kk][3]);
-                a[2] = tb_pack<F16>(s[2 * kk + 1][0], s[2 * kk + 1][1]);
-                a[3] = tb_pack<F16>(s[2 * kk + 1][2], s[2 * kk + 1][3]);
+                a[0] = tc_pack<F16>(s[2 * kk][0], s[2 * kk][1]);
+                a[1] = tc_pack<F16>(s[2 * kk][2], s[2 * kk][3]);
+                a[2] = tc_pack<F16>(s[2 * kk + 1][0], s[2 * kk + 1][1]);
+                a[3] = tc_pack<F16>(s[2 * kk + 1][2], s[2 * kk + 1][3]);
 #pragma unroll
                 for (int p = 0; p < MAXK; p++) {
                     if (p < nk) {
                         u32 bk[4];
-                        tb_ldsm_x4_trans(bk, ks_tr + (u32)((c0 + 16 * kk) * ld + p * 16) * 2u);
-                        tb_mma<F16>(acc[2 * p], a, bk[0], bk[1]);
-                        tb_mma<F16>(acc[2 * p + 1], a, bk[2], bk[3]);
+                        tc_ldsm_x4_trans(bk, ks_tr + (u32)((c0 + 16 * kk) * ld + p * 16) * 2u);
+                        tc_mma<F16>(acc[2 * p], a, bk[0], bk[1]);
+                        tc_mma<F16>(acc[2 * p + 1], a, bk[2], bk[3]);
                     }
                 }
             }
@@ -453,7 +358,7 @@ __device__ __forceinline__ void attn_bwd_dq_tc_body(const u16* q, const u16* k,
     const int ld = D + TB_PAD;
     // Stage s of the double buffer: the K tile at kt0 + s * stage, the V tile at vt0 + s * stage.
     const u32 stage = (u32)(2 * TB_BN * ld) * 2u;
-    const u32 kt0 = tb_smem_addr(tb_smem), vt0 = kt0 + (u32)(TB_BN * ld) * 2u;
+    const u32 kt0 = tc_smem_addr(tb_smem), vt0 = kt0 + (u32)(TB_BN * ld) * 2u;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
     const int b = blockIdx.y / H, h = blockIdx.y % H, hk = h / (H / Hkv);
     const int q0 = (gridDim.x - 1 - blockIdx.x) * TB_BM; // longest rows first
@@ -466,13 +371,13 @@ __device__ __forceinline__ void attn_bwd_dq_tc_body(const u16* q, const u16* k,
     const int r0 = iw + g;         // this thread's rows: r0 (half 0) and r0 + 8 (half 1)
     const float sl2 = scale * TB_LOG2E;
 
-    const int nvis = tb_keys_seen(min(q0 + TB_BM, Sq), Sk, causal, q_start, k_start);
+    const int nvis = tc_keys_seen(min(q0 + TB_BM, Sq), Sk, causal, q_start, k_start);
     const int ntiles = (nvis + TB_BN - 1) / TB_BN;
 
     // Tile 0's copies (stage 0) fly while Q, dO, lse and delta are read.
     if (ntiles > 0) {
         tb_copy_rows<TB_BN, MAXK>(kt0, vt0, kb, vb, kstride, 0, Sk, D, ld);
-        tb_cp_async_commit();
+        tc_cp_async_commit();
     }
 
     // Q's and dO's A fragments (rows r0, r0 + 8; zeros past Sq) from global memory: each
@@ -490,15 +395,15 @@ __device__ __forceinline__ void attn_bwd_dq_tc_body(const u16* q, const u16* k,
         const long long li = ((long long)b * H + h) * Sq + i;
         lse2[hf] = i < Sq ? lse[li] * TB_LOG2E : 0.0f;
         del[hf] = i < Sq ? delta[li] : 0.0f;
-        vis_row[hf] = i < Sq ? tb_keys_seen(i + 1, Sk, causal, q_start, k_start) : 0;
+        vis_row[hf] = i < Sq ? tc_keys_seen(i + 1, Sk, causal, q_start, k_start) : 0;
     }
     // What the warp sees (warp-uniform): keys 0 .. wfull - 1 by every row of it (the first row
     // sees the fewest; rows past Sq are never stored), keys 0 .. wkeys - 1 by some row (the
     // last row below Sq sees the most); nothing for a warp whose rows are all past Sq.
     int wfull = 0, wkeys = 0;
     if (iw < Sq) {
-        wkeys = tb_keys_seen(min(iw + 16, Sq), Sk, causal, q_start, k_start);
-        wfull = tb_keys_seen(iw + 1, Sk, causal, q_start, k_start);
+        wkeys = tc_keys_seen(min(iw + 16, Sq), Sk, causal, q_start, k_start);
+        wfull = tc_keys_seen(iw + 1, Sk, causal, q_start, k_start);
     }
 
     // ldmatrix row addresses of this lane in stage 0 (k-step 0, pair 0; see the header).
@@ -520,13 +425,13 @@ __device__ __forceinline__ void attn_bwd_dq_tc_body(const u16* q, const u16* k,
     for (int jt = 0; jt < ntiles; jt++) {
         const int j0 = jt * TB_BN;
         const u32 cur = (u32)(jt & 1) * stage;
-        tb_cp_async_wait<0>();
+        tc_cp_async_wait<0>();
         __syncthreads();
         if (jt + 1 < ntiles) {
             const u32 nxt = stage - cur; // the other stage
             tb_copy_rows<TB_BN, MAXK>(kt0 + nxt, vt0 + nxt, kb, vb, kstride, j0 + TB_BN, Sk, D,
                                       ld);
-            tb_cp_async_commit();
+            tc_cp_async_commit();
         }
         if (j0 + TB_BN <= wfull) {
             const int none[2] = {0, 0};
@@ -606,20 +511,20 @@ __device__ __forceinline__ void tb_dkv_step(const u32 (&kf)[MAXK][4], const u32 
                     va[x] = vf[kk][x];
                 }
             } else {
-                tb_ldsm_x4(ka, ka_tr + (u32)(kk * 16) * 2u);
-                tb_ldsm_x4(va, va_tr + (u32)(kk * 16) * 2u);
+                tc_ldsm_x4(ka, ka_tr + (u32)(kk * 16) * 2u);
+                tc_ldsm_x4(va, va_tr + (u32)(kk * 16) * 2u);
             }
 #pragma unroll
             for (int p = 0; p < 2; p++) {
                 if (!MASKED || (p >= plo && p < phi)) {
                     const u32 off = (u32)(p * 16 * ld + kk * 16) * 2u;
                     u32 bq[4], bg[4];
-                    tb_ldsm_x4(bq, qs_nt + off);
-                    tb_ldsm_x4(bg, gs_nt + off);
-                    tb_mma<F16>(s[2 * p], ka, bq[0], bq[1]);
-                    tb_mma<F16>(s[2 * p + 1], ka, bq[2], bq[3]);
-                    tb_mma<F16>(dp[2 * p], va, bg[0], bg[1]);
-                    tb_mma<F16>(dp[2 * p + 1], va, bg[2], bg[3]);
+                    tc_ldsm_x4(bq, qs_nt + off);
+                    tc_ldsm_x4(bg, gs_nt + off);
+                    tc_mma<F16>(s[2 * p], ka, bq[0], bq[1]);
+                    tc_mma<F16>(s[2 * p + 1], ka, bq[2], bq[3]);
+                    tc_mma<F16>(dp[2 * p], va, bg[0], bg[1]);
+                    tc_mma<F16>(dp[2 * p + 1], va, bg[2], bg[3]);
                 }
             }
         }
@@ -635,7 +540,7 @@ __device__ __forceinline__ void tb_dkv_step(const u32 (&kf)[MAXK][4], const u32 
 #pragma unroll
         for (int x = 0; x < 4; x++) {
             const int e = x & 1;
-            float p = tb_exp2(fmaf(s[n][x], sl2, -l2[e]));
+            float p = tc_exp2(fmaf(s[n][x], sl2, -l2[e]));
             float ds = p * (dp[n][x] - (e ? dl.y : dl.x));
             if (MASKED) {
                 const int il = n * 8 + 2 * t + e;
@@ -652,30 +557,30 @@ __device__ __forceinline__ void tb_dkv_step(const u32 (&kf)[MAXK][4], const u32 
     for (int kk = 0; kk < 2; kk++) {
         if (!MASKED || (kk >= plo && kk < phi)) {
             u32 a[4];
-            a[0] = tb_pack<F16>(s[2 * kk][0], s[2 * kk][1]);
-            a[1] = tb_pack<F16>(s[2 * kk][2], s[2 * kk][3]);
-            a[2] = tb_pack<F16>(s[2 * kk + 1][0], s[2 * kk + 1][1]);
-            a[3] = tb_pack<F16>(s[2 * kk + 1][2], s[2 * kk + 1][3]);
+            a[0] = tc_pack<F16>(s[2 * kk][0], s[2 * kk][1]);
+            a[1] = tc_pack<F16>(s[2 * kk][2], s[2 * kk][3]);
+            a[2] = tc_pack<F16>(s[2 * kk + 1][0], s[2 * kk + 1][1]);
+            a[3] = tc_pack<F16>(s[2 * kk + 1][2], s[2 * kk + 1][3]);
 #pragma unroll
             for (int p = 0; p < MAXK; p++) {
                 if (p < nk) {
                     u32 bg[4];
-                    tb_ldsm_x4_trans(bg, gs_tr + (u32)(kk * 16 * ld + p * 16) * 2u);
-                    tb_mma<F16>(dva[2 * p], a, bg[0], bg[1]);
-                    tb_mma<F16>(dva[2 * p + 1], a, bg[2], bg[3]);
+                    tc_ldsm_x4_trans(bg, gs_tr + (u32)(kk * 16 * ld + p * 16) * 2u);
+                    tc_mma<F16>(dva[2 * p], a, bg[0], bg[1]);
+                    tc_mma<F16>(dva[2 * p + 1], a, bg[2], bg[3]);
                 }
             }
-            a[0] = tb_pack<F16>(dp[2 * kk][0], dp[2 * kk][1]);
-            a[1] = tb_pack<F16>(dp[2 * kk][2], dp[2 * kk][3]);
-            a[2] = tb_pack<F16>(dp[2 * kk + 1][0], dp[2 * kk + 1][1]);
-            a[3] = tb_pack<F16>(dp[2 * kk + 1][2], dp[2 * kk + 1][3]);
+            a[0] = tc_pack<F16>(dp[2 * kk][0], dp[2 * kk][1]);
+            a[1] = tc_pack<F16>(dp[2 * kk][2], dp[2 * kk][3]);
+            a[2] = tc_pack<F16>(dp[2 * kk + 1][0], dp[2 * kk + 1][1]);
+            a[3] = tc_pack<F16>(dp[2 * kk + 1][2], dp[2 * kk + 1][3]);
 #pragma unroll
             for (int p = 0; p < MAXK; p++) {
                 if (p < nk) {
                     u32 bq[4];
-                    tb_ldsm_x4_trans(bq, qs_tr + (u32)(kk * 16 * ld + p * 16) * 2u);
-                    tb_mma<F16>(dka[2 * p], a, bq[0], bq[1]);
-                    tb_mma<F16>(dka[2 * p + 1], a, bq[2], bq[3]);
+                    tc_ldsm_x4_trans(bq, qs_tr + (u32)(kk * 16 * ld + p * 16) * 2u);
+                    tc_mma<F16>(dka[2 * p], a, bq[0], bq[1]);
+                    tc_mma<F16>(dka[2 * p + 1], a, bq[2], bq[3]);
                 }
             }
         }
@@ -698,10 +603,10 @@ __device__ __forceinline__ void tb_dkv_copy_step(u32 qt, u32 gt, u32 lst, u32 ds
     const bool in = c0 + r < Sq;
     const long long li = lbase + (in ? c0 + r : 0);
     if (threadIdx.x < TB_QC)
-        tb_cp_async4(lst + 4u * r, lse + li, in ? 4 : 0);
+        tc_cp_async4(lst + 4u * r, lse + li, in ? 4 : 0);
     else if (threadIdx.x < 2 * TB_QC)
-        tb_cp_async4(dst + 4u * r, delta + li, in ? 4 : 0);
-    tb_cp_async_commit();
+        tc_cp_async4(dst + 4u * r, delta + li, in ? 4 : 0);
+    tc_cp_async_commit();
 }
 
 // Grid (ceil(Sk / 64), B * Hkv), block 128; the CTA of blockIdx.x = x owns keys 64 x .. + 63,
@@ -720,7 +625,7 @@ __device__ __forceinline__ void attn_bwd_dkv_tc_body(
     // stages of a step's Q and dO tiles (32 rows each; stage s at qt0 + s * qstage). Byte
     // offsets 0, 512, 512 + 128 ld, 512 + 256 ld, 512 + 320 ld; 512 + 512 ld in all.
     const float* lse_s0 = (const float*)tb_smem;
-    const u32 lst0 = tb_smem_addr(tb_smem);
+    const u32 lst0 = tc_smem_addr(tb_smem);
     const u32 kt = lst0 + 4u * 4 * TB_QC, vt = kt + (u32)(TB_BN * ld) * 2u;
     const u32 qstage = (u32)(2 * TB_QC * ld) * 2u;
     const u32 qt0 = kt + (u32)(2 * TB_BN * ld) * 2u, gt0 = qt0 + (u32)(TB_QC * ld) * 2u;
@@ -746,7 +651,7 @@ __device__ __forceinline__ void attn_bwd_dkv_tc_body(
     // CTA with no step (its dk and dv get += 0).
     if (total > 0) {
         tb_copy_rows<TB_BN, MAXK>(kt, vt, k + kbase, v + kbase, kstride, j0, Sk, D, ld);
-        tb_cp_async_commit();
+        tc_cp_async_commit();
         tb_dkv_copy_step<MAXK>(qt0, gt0, lst0, lst0 + 4u * TB_QC, q, dout, lse, delta, b,
                                hk * group, i0, Sq, H, D, ld, qstride);
     }
@@ -765,13 +670,13 @@ __device__ __forceinline__ void attn_bwd_dkv_tc_body(
     if (KV_REGS) {
         // This thread's K and V copies have landed (the newest group, step 0's, may still
         // fly), then everyone's.
-        tb_cp_async_wait<1>();
+        tc_cp_async_wait<1>();
         __syncthreads();
 #pragma unroll
         for (int kk = 0; kk < MAXK; kk++) {
             if (kk < nk) {
-                tb_ldsm_x4(kf[kk], ka_tr + (u32)(kk * 16) * 2u);
-                tb_ldsm_x4(vf[kk], va_tr + (u32)(kk * 16) * 2u);
+                tc_ldsm_x4(kf[kk], ka_tr + (u32)(kk * 16) * 2u);
+                tc_ldsm_x4(vf[kk], va_tr + (u32)(kk * 16) * 2u);
             }
         }
     }
@@ -795,7 +700,7 @@ __device__ __forceinline__ void attn_bwd_dkv_tc_body(
         // Byte offsets of this step's stage (Q and dO tiles; lse and delta) and of the other.
         const bool odd = it & 1;
         const u32 qo = odd ? qstage : 0u, lo_ = odd ? 4u * 2 * TB_QC : 0u;
-        tb_cp_async_wait<0>();
+        tc_cp_async_wait<0>();
         __syncthreads();
         nc0 += TB_QC;
         if (nc0 >= Sq) {
