@@ -231,10 +231,7 @@ __device__ __forceinline__ void tn_tile(const u32 (&qf)[MAXK][4], float (&o)[2 *
     for (int kk = 0; kk < 4; kk++) {
         if (!MASKED || 16 * kk < kv_lim) {
             u32 a[4];
-            a[0] = tc_pack<F16>(s[2 * kk][0], s[2 * kk][1]);
-            a[1] = tc_pack<F16>(s[2 * kk][2], s[2 * kk][3]);
-            a[2] = tc_pack<F16>(s[2 * kk + 1][0], s[2 * kk + 1][1]);
-            a[3] = tc_pack<F16>(s[2 * kk + 1][2], s[2 * kk + 1][3]);
+            tc_c_to_a<F16>(a, s[2 * kk], s[2 * kk + 1]);
 #pragma unroll
             for (int p = 0; p < MAXK; p++) {
                 if (p < nk) {

@@ -324,10 +324,7 @@ __device__ __forceinline__ void tb_dq_tile(const u32 (&qf)[MAXK][4], const u32 (
         for (int kk = 0; kk < 2; kk++) {
             if (!MASKED || c0 + 16 * kk < kv_lim) {
                 u32 a[4];
-                a[0] = tc_pack<F16>(s[2 * kk][0], s[2 * kk][1]);
-                a[1] = tc_pack<F16>(s[2 * kk][2], s[2 * kk][3]);
-                a[2] = tc_pack<F16>(s[2 * kk + 1][0], s[2 * kk + 1][1]);
-                a[3] = tc_pack<F16>(s[2 * kk + 1][2], s[2 * kk + 1][3]);
+                tc_c_to_a<F16>(a, s[2 * kk], s[2 * kk + 1]);
 #pragma unroll
                 for (int p = 0; p < MAXK; p++) {
                     if (p < nk) {
@@ -557,10 +554,7 @@ __device__ __forceinline__ void tb_dkv_step(const u32 (&kf)[MAXK][4], const u32 
     for (int kk = 0; kk < 2; kk++) {
         if (!MASKED || (kk >= plo && kk < phi)) {
             u32 a[4];
-            a[0] = tc_pack<F16>(s[2 * kk][0], s[2 * kk][1]);
-            a[1] = tc_pack<F16>(s[2 * kk][2], s[2 * kk][3]);
-            a[2] = tc_pack<F16>(s[2 * kk + 1][0], s[2 * kk + 1][1]);
-            a[3] = tc_pack<F16>(s[2 * kk + 1][2], s[2 * kk + 1][3]);
+            tc_c_to_a<F16>(a, s[2 * kk], s[2 * kk + 1]);
 #pragma unroll
             for (int p = 0; p < MAXK; p++) {
                 if (p < nk) {
@@ -570,10 +564,7 @@ __device__ __forceinline__ void tb_dkv_step(const u32 (&kf)[MAXK][4], const u32 
                     tc_mma<F16>(dva[2 * p + 1], a, bg[2], bg[3]);
                 }
             }
-            a[0] = tc_pack<F16>(dp[2 * kk][0], dp[2 * kk][1]);
-            a[1] = tc_pack<F16>(dp[2 * kk][2], dp[2 * kk][3]);
-            a[2] = tc_pack<F16>(dp[2 * kk + 1][0], dp[2 * kk + 1][1]);
-            a[3] = tc_pack<F16>(dp[2 * kk + 1][2], dp[2 * kk + 1][3]);
+            tc_c_to_a<F16>(a, dp[2 * kk], dp[2 * kk + 1]);
 #pragma unroll
             for (int p = 0; p < MAXK; p++) {
                 if (p < nk) {

@@ -16,6 +16,18 @@ __device__ __forceinline__ u32 tc_pack(float lo, float hi) {
     return r;
 }
 
+// The A fragment of k-step kk of a product from the C fragments c0, c1 of the previous
+// product's n-tiles 2 kk, 2 kk + 1 (the score tile feeds P V, dS K, P^T dO, dS^T Q without
+// shared memory: the C layout of two adjacent n-tiles is the A layout of one k-step, see the
+// fragment tables of the modules), rounded to the operand format.
+template <bool F16>
+__device__ __forceinline__ void tc_c_to_a(u32* a, const float* c0, const float* c1) {
+    a[0] = tc_pack<F16>(c0[0], c0[1]);
+    a[1] = tc_pack<F16>(c0[2], c0[3]);
+    a[2] = tc_pack<F16>(c1[0], c1[1]);
+    a[3] = tc_pack<F16>(c1[2], c1[3]);
+}
+
 // 2^x (ex2.approx.ftz.f32: 2^-inf = +0; results below 2^-126 flush to 0, far below what a 16-bit
 // P or dS keeps next to the largest term of its row, at most 1).
 __device__ __forceinline__ float tc_exp2(float x) {
