@@ -123,6 +123,10 @@ check_bench() {
     for round in 1 2; do
         bench_llama 124M 10 32000,768,2048,12,12,12,1024,8 "${m124[@]}" "${bf16[@]}"
     done
+    # fp16 (loss scaling; attention on the tensor cores in fp16), xtrain once.
+    echo "[xtrain, 124M fp16]" >>"$report"
+    timeout 120 "$dir/xtrain" bench train --preset medium --device cuda --steps 10 "${m124[@]}" \
+        --set 'train.precision="fp16"' >>"$report" 2>&1 || echo "xtrain bench 124M fp16 failed" >>"$report"
     # Attention forward + backward against the MLP product per FLOP, at the 124M's shapes
     # (the floor: within 2×).
     timeout 60 "$dir/xtrain" bench kernels --preset medium --device cuda "${m124[@]}" "${bf16[@]}" \
