@@ -149,8 +149,7 @@ fn local(job: &Job, l: &Layout, early_head: bool) -> Local {
         },
         attn_kept: if job.gpu
             && job.precision != crate::precision::Precision::Fp32
-            && m.head_dim().is_multiple_of(16)
-            && (16..=128).contains(&m.head_dim())
+            && tensor::cuda::ops::tensor_core_head_dim(m.head_dim())
             && l.cp == 1
         {
             2

@@ -22,19 +22,13 @@ pub const SOURCES: &[(&str, &str)] = &[
 /// The shared prelude.
 pub const PRELUDE: &str = include_str!("kernels/prelude.cuh");
 
-/// `(module, header)`: a header put between the prelude and the modules that share it (the
-/// tensor-core helpers of the two attention modules).
-const HEADERS: &[(&str, &str, &str)] = &[
-    (
-        "attention_tc",
-        "tensor_core.cuh",
-        include_str!("kernels/tensor_core.cuh"),
-    ),
-    (
-        "attention_tc_bwd",
-        "tensor_core.cuh",
-        include_str!("kernels/tensor_core.cuh"),
-    ),
+/// The tensor-core helpers of the two attention modules.
+const TENSOR_CORE: (&str, &str) = ("tensor_core.cuh", include_str!("kernels/tensor_core.cuh"));
+
+/// `(module, (file, text))`: a header put between the prelude and the modules that share it.
+const HEADERS: &[(&str, (&str, &str))] = &[
+    ("attention_tc", TENSOR_CORE),
+    ("attention_tc_bwd", TENSOR_CORE),
 ];
 
 /// The full source of `module` (prelude first, then its shared header if it has one), or
@@ -43,8 +37,8 @@ pub fn source(module: &str) -> Option<String> {
     let (_, src) = SOURCES.iter().find(|(name, _)| *name == module)?;
     let header = HEADERS
         .iter()
-        .find(|(m, ..)| *m == module)
-        .map(|(_, file, text)| format!("#line 1 \"{file}\"\n{text}\n"))
+        .find(|(m, _)| *m == module)
+        .map(|(_, (file, text))| format!("#line 1 \"{file}\"\n{text}\n"))
         .unwrap_or_default();
     Some(format!("{PRELUDE}\n{header}#line 1 \"{module}.cu\"\n{src}"))
 }

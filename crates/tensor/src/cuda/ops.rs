@@ -1108,14 +1108,20 @@ fn tc_kernel(
     })
 }
 
-/// Whether the tensor-core attention kernels take this shape's head size: a multiple of 16
-/// (the `k` of one `mma.m16n8k16`), at most 128 (their register tiles).
+/// Whether the tensor-core attention kernels take this shape's head size
+/// ([`tensor_core_head_dim`]).
 pub fn tensor_core_attention_fits(s: &AttnShape) -> bool {
-    check_attn_tc(s).is_ok()
+    tensor_core_head_dim(s.head_dim)
+}
+
+/// The head sizes of the tensor-core attention kernels: multiples of 16 (the `k` of one
+/// `mma.m16n8k16`) up to 128 (their register tiles).
+pub fn tensor_core_head_dim(head_dim: usize) -> bool {
+    head_dim.is_multiple_of(16) && (16..=128).contains(&head_dim)
 }
 
 fn check_attn_tc(s: &AttnShape) -> Result<(), CudaError> {
-    if s.head_dim.is_multiple_of(16) && (16..=128).contains(&s.head_dim) {
+    if tensor_core_head_dim(s.head_dim) {
         Ok(())
     } else {
         Err(CudaError::Shape(format!(
