@@ -110,6 +110,24 @@ impl AdamW {
         m: &mut [f32],
         v: &mut [f32],
     ) {
+        self.update_scaled(t, lr, weight_decay, 1.0, params, grads, m, v)
+    }
+
+    /// [`AdamW::update`] with the gradients `grad_scale · grads`: the clipping and unscaling
+    /// factor applied in the same pass (one read of the gradients instead of a scaling pass
+    /// and a read; `g · s` rounds as [`scale_grads`] stores it, and `g · 1` is `g`).
+    #[allow(clippy::too_many_arguments)]
+    pub fn update_scaled(
+        &self,
+        t: u64,
+        lr: f32,
+        weight_decay: f32,
+        grad_scale: f32,
+        params: &mut [f32],
+        grads: &[f32],
+        m: &mut [f32],
+        v: &mut [f32],
+    ) {
         let n = params.len();
         assert!(
             grads.len() == n && m.len() == n && v.len() == n,
@@ -134,9 +152,9 @@ impl AdamW {
                 .for_each(|((p, g), (m, v))| {
                     // Zipped iterators (no index bounds checks) let the loop vectorise; each
                     // element sees the same operations in the same order as before.
-                    for (((p, &gi), m), v) in
-                        p.iter_mut().zip(g).zip(m.iter_mut()).zip(v.iter_mut())
+                    for (((p, &g), m), v) in p.iter_mut().zip(g).zip(m.iter_mut()).zip(v.iter_mut())
                     {
+                        let gi = g * grad_scale;
                         *p *= decay;
                         *m += one_m_b1 * (gi - *m);
                         *v = *v * b2f + one_m_b2 * gi * gi;

@@ -13,10 +13,11 @@
 //! `half` does on the host).
 use std::ops::Range;
 
+use half::slice::HalfFloatSliceExt;
 use half::{bf16, f16};
 use serde::{Deserialize, Serialize};
 use tensor::buf::{Buf, BufMut, BufRef, Dev};
-use tensor::cuda::{DevBuf, DevSlice, DevSliceMut, NcclBufMut};
+use tensor::cuda::{DevBuf, DevSlice, DevSliceMut, NcclBufMut, Staged};
 use tensor::dtype::DType;
 use tensor::TensorError;
 
@@ -75,6 +76,34 @@ pub const CHUNK: usize = 1 << 16;
 /// Elements per chunk of chunked passes over 16-bit GPU buffers (a widened chunk is 16 MiB).
 pub const DEVICE_CHUNK: usize = 1 << 22;
 
+/// `f(dst chunk, src chunk)` over chunks of [`CHUNK`] elements of two equally long slices:
+/// on the thread budget when there is more than one.
+fn chunked<D: Send, S: Sync>(dst: &mut [D], src: &[S], f: impl Fn(&mut [D], &[S]) + Sync) {
+    use rayon::prelude::*;
+    if dst.len() <= CHUNK {
+        f(dst, src);
+    } else {
+        tensor::threads::install(|| {
+            dst.par_chunks_mut(CHUNK)
+                .zip(src.par_chunks(CHUNK))
+                .for_each(|(d, s)| f(d, s))
+        });
+    }
+}
+
+/// `half`'s `bf16::from_f32` without branches, so a loop of it vectorises: a NaN keeps its
+/// upper bits with the quiet bit set; otherwise round to nearest even — add one to the upper
+/// half when the dropped half is above 0x8000, or exactly 0x8000 with the kept half odd
+/// (`x & 0x17fff`: the kept half's lowest bit or any dropped bit below the round bit).
+#[inline(always)]
+fn bf16_bits_branchless(x: f32) -> u16 {
+    let b = x.to_bits();
+    let nan = (b & 0x7fff_ffff) > 0x7f80_0000;
+    let up = (b & 0x8000 != 0) & (b & 0x1_7fff != 0);
+    let rounded = (b >> 16) + up as u32;
+    (if nan { (b >> 16) | 0x40 } else { rounded }) as u16
+}
+
 /// A 16-bit storage format.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Half {
@@ -100,16 +129,42 @@ impl Half {
         }
     }
 
+    /// `src` widened into `dst` (same length; exact). Large slices in chunks on the thread
+    /// budget: ZeRO-Offload widens every gradient of a step on the host, and a CPU step in
+    /// 16 bits every weight.
     pub fn upcast(self, src: &[u16], dst: &mut [f32]) {
-        dst.iter_mut()
-            .zip(src)
-            .for_each(|(d, &s)| *d = self.to_f32(s));
+        assert_eq!(
+            src.len(),
+            dst.len(),
+            "upcast of slices of different lengths"
+        );
+        chunked(dst, src, |d, s| match self {
+            // bf16 is fp32's upper half: a shift (a NaN quieted, as `half` does), without
+            // branches so that the compiler vectorises it.
+            Half::Bf16 => d.iter_mut().zip(s).for_each(|(d, &s)| {
+                let quiet = if s & 0x7fff > 0x7f80 { 0x40 } else { 0 };
+                *d = f32::from_bits(((s | quiet) as u32) << 16)
+            }),
+            // `half`'s slice conversion: F16C where the CPU has it, found at run time.
+            Half::F16 => bytemuck::cast_slice::<u16, f16>(s).convert_to_f32_slice(d),
+        });
     }
 
+    /// `src` rounded to nearest even into `dst` (same length), bit for bit
+    /// [`Half::from_f32`]; large slices in chunks on the thread budget.
     pub fn downcast(self, src: &[f32], dst: &mut [u16]) {
-        dst.iter_mut()
-            .zip(src)
-            .for_each(|(d, &s)| *d = self.from_f32(s));
+        assert_eq!(
+            src.len(),
+            dst.len(),
+            "downcast of slices of different lengths"
+        );
+        chunked(dst, src, |d, s| match self {
+            Half::Bf16 => d
+                .iter_mut()
+                .zip(s)
+                .for_each(|(d, &x)| *d = bf16_bits_branchless(x)),
+            Half::F16 => bytemuck::cast_slice_mut::<u16, f16>(d).convert_from_f32_slice(s),
+        });
     }
 
     /// The element type of collectives on this storage.
@@ -425,29 +480,11 @@ impl Flat {
 
     /// Elements `r` as fp32 into host slice `out` (downloaded from a GPU).
     pub fn read_into(&self, r: Range<usize>, out: &mut [f32]) -> Result<(), TensorError> {
-        self.read_into_via(r, out, None)
-    }
-
-    /// [`Flat::read_into`], a 16-bit GPU buffer's bits downloaded into `stage` (its first
-    /// `r.len()` elements) instead of a new vector: page-locked memory the caller keeps
-    /// ([`tensor::cuda::Pinned`]), which the copy engine writes at the link's speed. Other
-    /// storage does not use it.
-    pub fn read_into_via(
-        &self,
-        r: Range<usize>,
-        out: &mut [f32],
-        stage: Option<&mut [u16]>,
-    ) -> Result<(), TensorError> {
         match self {
             Flat::F32(v) => out.copy_from_slice(&v[r]),
             Flat::Half { kind, bits } => kind.upcast(&bits[r], out),
             Flat::Dev(b) => b.r().slice(r).read_into(out)?,
-            Flat::DevHalf { kind, bits } => {
-                let mut fresh = Vec::new();
-                let h = half_stage(stage, r.len(), &mut fresh)?;
-                bits.slice(r).read_into(h)?;
-                kind.upcast(h, out);
-            }
+            Flat::DevHalf { kind, bits } => kind.upcast(&bits.slice(r).to_host()?, out),
         }
         Ok(())
     }
@@ -457,24 +494,39 @@ impl Flat {
         self.write_via(start, src, None)
     }
 
-    /// [`Flat::write`], a 16-bit GPU buffer's rounded values uploaded from `stage` (its first
-    /// `src.len()` elements; see [`Flat::read_into_via`]) instead of a new vector.
+    /// [`Flat::write`], a 16-bit GPU buffer's rounded values going up from `stage` (its first
+    /// `src.len()` elements: page-locked memory the caller keeps) on the stage's own stream:
+    /// the call returns once they are rounded into it, the copy engine uploads them while the
+    /// host goes on, and the compute stream's later work sees them ([`Staged::upload`]). The
+    /// stage's previous upload has finished before it is written again. Other storage does
+    /// not use it.
     pub fn write_via(
         &mut self,
         start: usize,
         src: &[f32],
-        stage: Option<&mut [u16]>,
+        stage: Option<&mut Staged<u16>>,
     ) -> Result<(), TensorError> {
         let r = start..start + src.len();
-        match self {
-            Flat::F32(v) => v[r].copy_from_slice(src),
-            Flat::Half { kind, bits } => kind.downcast(src, &mut bits[r]),
-            Flat::Dev(b) => b.m().slice_mut(r).copy_from_host(src)?,
-            Flat::DevHalf { kind, bits } => {
-                let mut fresh = Vec::new();
-                let h = half_stage(stage, src.len(), &mut fresh)?;
-                kind.downcast(src, h);
-                bits.slice_mut(r).copy_from_host(h)?;
+        match (self, stage) {
+            (Flat::DevHalf { kind, bits }, Some(stage)) => {
+                let n = src.len();
+                let h = stage.host()?;
+                if h.len() < n {
+                    return Err(TensorError::Shape(format!(
+                        "a 16-bit staging buffer of {} elements for a copy of {n}",
+                        h.len()
+                    )));
+                }
+                kind.downcast(src, &mut h[..n]);
+                stage.upload(0..n, bits.slice_mut(r))?;
+            }
+            (Flat::F32(v), _) => v[r].copy_from_slice(src),
+            (Flat::Half { kind, bits }, _) => kind.downcast(src, &mut bits[r]),
+            (Flat::Dev(b), _) => b.m().slice_mut(r).copy_from_host(src)?,
+            (Flat::DevHalf { kind, bits }, None) => {
+                let mut h = vec![0u16; src.len()];
+                kind.downcast(src, &mut h);
+                bits.slice_mut(r).copy_from_host(&h)?;
             }
         }
         Ok(())
@@ -802,29 +854,32 @@ impl Bucketed {
 
     /// Flat range `r` as fp32 into host slice `out`.
     pub fn read_into(&self, r: Range<usize>, out: &mut [f32]) -> Result<(), TensorError> {
-        self.read_into_via(r, out, None)
+        let base = r.start;
+        for (b, p) in self.pieces(r) {
+            let s = self.ranges[b].start + p.start - base;
+            self.buf(b).read_into(p.clone(), &mut out[s..s + p.len()])?;
+        }
+        Ok(())
     }
 
-    /// [`Bucketed::read_into`] through `stage` ([`Flat::read_into_via`]: its element `i`
-    /// stages element `r.start + i`).
-    pub fn read_into_via(
+    /// Queues the download of flat range `r` of 16-bit GPU gradients, as their bits, into
+    /// `landing` at element `at + (i - r.start)` for flat index `i` ([`Staged::download`]:
+    /// behind the compute stream's queued work, while it goes on).
+    pub fn land(
         &self,
         r: Range<usize>,
-        out: &mut [f32],
-        mut stage: Option<&mut [u16]>,
+        landing: &mut Staged<u16>,
+        at: usize,
     ) -> Result<(), TensorError> {
         let base = r.start;
         for (b, p) in self.pieces(r) {
             let s = self.ranges[b].start + p.start - base;
-            let piece_stage = match stage.as_deref_mut() {
-                Some(st) if st.len() < s + p.len() => {
-                    return Err(short_stage(st.len(), s + p.len()))
-                }
-                Some(st) => Some(&mut st[s..s + p.len()]),
-                None => None,
+            let Flat::DevHalf { bits, .. } = self.buf(b) else {
+                return Err(TensorError::Device(
+                    "only 16-bit gradients on a GPU land in page-locked memory".into(),
+                ));
             };
-            self.buf(b)
-                .read_into_via(p.clone(), &mut out[s..s + p.len()], piece_stage)?;
+            landing.download(at + s, bits.slice(p))?;
         }
         Ok(())
     }
@@ -893,28 +948,6 @@ impl LossScaler {
     }
 }
 
-/// The first `n` elements of `stage`, or of `fresh` made `n` long where there is no stage.
-fn half_stage<'a>(
-    stage: Option<&'a mut [u16]>,
-    n: usize,
-    fresh: &'a mut Vec<u16>,
-) -> Result<&'a mut [u16], TensorError> {
-    match stage {
-        Some(st) if st.len() < n => Err(short_stage(st.len(), n)),
-        Some(st) => Ok(&mut st[..n]),
-        None => {
-            fresh.resize(n, 0);
-            Ok(fresh)
-        }
-    }
-}
-
-fn short_stage(have: usize, need: usize) -> TensorError {
-    TensorError::Shape(format!(
-        "a 16-bit staging buffer of {have} elements for a copy of {need}"
-    ))
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -928,6 +961,53 @@ mod tests {
             1.0
         );
         assert!(Half::F16.to_f32(Half::F16.from_f32(1e6)).is_infinite());
+    }
+
+    /// The slice conversions (vectorised, chunked on the thread budget) give the bits of the
+    /// element conversions `half` defines, over a sweep of every sign, exponent and a spread
+    /// of mantissas (rounding ties, NaN payloads, infinities, subnormals included), at a
+    /// length served on one thread and one cut into chunks.
+    #[test]
+    fn slice_casts_equal_the_element_conversions() {
+        let mut x: Vec<f32> = (0..1u64 << 32)
+            .step_by(1021)
+            .map(|b| f32::from_bits(b as u32))
+            .collect();
+        for tie in [
+            0x3f80_8000u32,
+            0x3f81_8000,
+            0x7f7f_8000,
+            0x7f7f_ffff,
+            0x0000_8000,
+        ] {
+            for sign in [0, 0x8000_0000] {
+                x.push(f32::from_bits(tie | sign));
+            }
+        }
+        x.extend([
+            f32::INFINITY,
+            f32::NEG_INFINITY,
+            f32::NAN,
+            -0.0,
+            f32::MIN_POSITIVE,
+        ]);
+        assert!(x.len() > 2 * CHUNK);
+        for kind in [Half::Bf16, Half::F16] {
+            for n in [1000, x.len()] {
+                let src = &x[..n];
+                let mut bits = vec![0u16; n];
+                kind.downcast(src, &mut bits);
+                for (i, (&b, &v)) in bits.iter().zip(src).enumerate() {
+                    assert_eq!(b, kind.from_f32(v), "{kind:?} {i}: {:#x}", v.to_bits());
+                }
+                let all: Vec<u16> = (0..n).map(|i| (i * 65_537 / n) as u16).collect();
+                let mut wide = vec![0f32; n];
+                kind.upcast(&all, &mut wide);
+                for (&w, &b) in wide.iter().zip(&all) {
+                    assert_eq!(w.to_bits(), kind.to_f32(b).to_bits(), "{kind:?} {b:#x}");
+                }
+            }
+        }
     }
 
     #[test]
@@ -983,27 +1063,5 @@ mod tests {
         b.f32_pieces_mut(1..7, |s, p| seen.push((s, p.len())))
             .unwrap();
         assert_eq!(seen, vec![(1, 1), (2, 4), (6, 1)]);
-    }
-
-    /// Reads and writes through a staging buffer give what they give without one (host
-    /// storage does not use it; a GPU's 16-bit storage copies through it), and a stage too
-    /// short for the range is an error before anything is read.
-    #[test]
-    fn staged_reads_and_writes_equal_the_plain_ones() {
-        let mut b = Bucketed::zeros(vec![4..7, 0..4], Precision::Bf16);
-        b.write(1, 0, &[1.0, 2.0, 3.0, 4.0]).unwrap();
-        b.write(0, 4, &[5.0, 6.0, 7.0]).unwrap();
-        let mut stage = vec![0u16; 6];
-        let (mut plain, mut staged) = (vec![0.0; 5], vec![0.0; 5]);
-        b.read_into(1..6, &mut plain).unwrap();
-        b.read_into_via(1..6, &mut staged, Some(&mut stage))
-            .unwrap();
-        assert_eq!(plain, vec![2.0, 3.0, 4.0, 5.0, 6.0]);
-        assert_eq!(staged, plain);
-        let e = b.read_into_via(1..6, &mut staged, Some(&mut stage[..4]));
-        assert!(matches!(e, Err(TensorError::Shape(_))), "{e:?}");
-        let mut f = Flat::from_f32(vec![0.0; 3], Precision::Bf16);
-        f.write_via(1, &[1.5, 2.5], Some(&mut stage)).unwrap();
-        assert_eq!(f.read(0..3).unwrap(), vec![0.0, 1.5, 2.5]);
     }
 }

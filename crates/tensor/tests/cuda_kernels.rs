@@ -1586,6 +1586,41 @@ fn pinned_host_memory_copies_both_ways() {
     assert!(d.as_slice().read_into(&mut p[..10]).is_err());
 }
 
+/// Staged copies ([`tensor::cuda::Staged`]) run on their own stream yet in the compute
+/// stream's order: a download queued after a kernel lands the kernel's result, pieces land at
+/// their offsets while the compute stream goes on (and later compute work does not reach
+/// what was queued before it), an upload is seen by the compute stream's next kernel, and
+/// ranges beyond the buffer are errors before anything is queued.
+#[test]
+fn staged_copies_follow_the_compute_stream() {
+    let Some(gpu) = gpu("staged_copies_follow_the_compute_stream") else {
+        return;
+    };
+    let n = 3 << 20;
+    let x = rand(n, 43);
+    let mut d = gpu.upload(&x).unwrap();
+    let mut landing = tensor::cuda::Staged::<f32>::new(&gpu, n + 10).unwrap();
+    // The kernel's doubling is queued before the downloads: they must see it.
+    ops::scale(d.as_mut_slice(), 2.0).unwrap();
+    landing.download(10, d.slice(0..n / 2)).unwrap();
+    landing.download(10 + n / 2, d.slice(n / 2..n)).unwrap();
+    let doubled: Vec<f32> = x.iter().map(|v| v * 2.0).collect();
+    assert_eq!(&landing.host().unwrap()[10..], &doubled[..]);
+    assert!(landing.host().unwrap()[..10].iter().all(|&v| v == 0.0));
+    // Upload negated values, then a kernel on the compute stream reads them.
+    let h = landing.host().unwrap();
+    h.iter_mut().for_each(|v| *v = -*v);
+    landing.upload(10..10 + n, d.as_mut_slice()).unwrap();
+    ops::scale(d.as_mut_slice(), 0.5).unwrap();
+    let back: Vec<f32> = x.iter().map(|v| -v).collect();
+    assert_eq!(host(&d), back);
+    // Bounds: an error, nothing queued.
+    assert!(landing.download(20, d.slice(0..n)).is_err());
+    assert!(landing.upload(0..5, d.slice_mut(0..6)).is_err());
+    let mut bits = tensor::cuda::Staged::<u16>::new(&gpu, 0).unwrap();
+    assert!(bits.is_empty() && bits.host().unwrap().is_empty());
+}
+
 /// The kernel timeline names every kernel, product and copy queued while it is on, with its
 /// calls and positive device time, and nothing once it is off.
 #[test]

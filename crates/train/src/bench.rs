@@ -43,6 +43,9 @@ pub struct BenchReport {
     /// Of which in host memory while training on a GPU (the optimizer state under
     /// ZeRO-Offload).
     pub offloaded_bytes: u64,
+    /// ZeRO-Offload's page-locked host buffers beside it (the landed gradients, the upload
+    /// stages).
+    pub offload_pinned_bytes: u64,
     pub peak_rss_bytes: Option<u64>,
     /// Seconds per step in each model kernel class, and the rest ("other": optimizer,
     /// precision conversions, data, glue), from the model's kernel timers.
@@ -244,8 +247,9 @@ impl std::fmt::Display for BenchReport {
             if self.offloaded_bytes > 0 {
                 writeln!(
                     f,
-                    "optimizer state offloaded to the host: {}",
-                    human(self.offloaded_bytes)
+                    "optimizer state offloaded to the host: {}, and {} page-locked (the landed gradients, the weights' upload stages)",
+                    human(self.offloaded_bytes),
+                    human(self.offload_pinned_bytes)
                 )?;
             }
         }
@@ -450,6 +454,7 @@ pub fn bench_train(
         fma_peak_gflops: fma_peak.map(|p| p / 1e9),
         accounted_bytes: t.memory().total() as u64,
         offloaded_bytes: t.exec.offloaded_bytes() as u64,
+        offload_pinned_bytes: t.exec.offload_pinned_bytes() as u64,
         peak_rss_bytes: peak_rss_bytes(),
         profile,
         profile_synchronized: profiled_on_gpu,

@@ -455,7 +455,8 @@ fn layouts_match_in(device: &str, with: &[&str], layouts: &[(&str, usize, &[&str
 }
 
 /// ZeRO-Offload on the GPU: the master weights and moments in host memory, AdamW on the CPU,
-/// the gradients downloaded and the weights uploaded each step — against the same layouts
+/// the gradients downloaded (16-bit: landed during the backward) and the weights uploaded
+/// each step — against the same layouts
 /// with the optimizer on the GPU. fp32: within 1e-5 (the CPU's AdamW and the GPU's kernel
 /// round the same formula apart by an ulp or so per step). bf16: the weights are rounded from
 /// masters that agree to ~1e-7, so they agree but where a master lies on a rounding boundary
@@ -484,6 +485,42 @@ fn offloaded_optimizer_on_the_gpu_matches_the_resident_one() {
             "single bf16",
             1,
             &["train.grad_accum=4", "train.precision=\"bf16\""],
+            1.0 / 256.0,
+        ),
+        // 16-bit gradients land on the host bucket by bucket during the backward: the
+        // shards of ZeRO-1 and ZeRO-3 (reduced after every micro-batch, final after the
+        // last), and two pipeline stages.
+        (
+            "dp2 ZeRO-1 bf16",
+            2,
+            &[
+                "parallel.dp=2",
+                "parallel.zero=1",
+                "train.grad_accum=2",
+                "train.precision=\"bf16\"",
+            ],
+            1.0 / 256.0,
+        ),
+        (
+            "dp2 ZeRO-3 bf16",
+            2,
+            &[
+                "parallel.dp=2",
+                "parallel.zero=3",
+                "train.grad_accum=2",
+                "train.precision=\"bf16\"",
+            ],
+            1.0 / 256.0,
+        ),
+        (
+            "pp2 1F1B bf16",
+            2,
+            &[
+                "parallel.pp=2",
+                "parallel.schedule=\"1f1b\"",
+                "train.grad_accum=4",
+                "train.precision=\"bf16\"",
+            ],
             1.0 / 256.0,
         ),
     ] {

@@ -27,7 +27,9 @@
 //! norm is not finite is skipped (every rank computes the same norm, so all skip together).
 //!
 //! Files: [`run`] interprets the actions, [`reduce`] launches and completes the bucket
-//! reductions, [`optimizer`] clips and updates, [`state`] saves and loads checkpoints.
+//! reductions, [`optimizer`] clips and updates, [`offload`] moves ZeRO-Offload's gradients
+//! and weights between a GPU and the host, [`state`] saves and loads checkpoints.
+mod offload;
 mod optimizer;
 mod reduce;
 mod run;
@@ -348,10 +350,10 @@ pub struct Executor<M: StageModel> {
     /// (`reduce::reduce_tied`).
     tied: Vec<Range<usize>>,
     tied_bucket: Vec<bool>,
-    /// ZeRO-Offload of 16-bit weights on a GPU: the page-locked host buffers through which a
-    /// chunk's gradients come down and its rounded weights go up, one per chunk in flight
-    /// (`optimizer::pipelined_chunks`); made at the first step, kept.
-    offload_stages: Option<[tensor::cuda::Pinned<u16>; 2]>,
+    /// ZeRO-Offload of 16-bit weights on a GPU: the page-locked host buffers the gradients
+    /// land in during the backward and the rounded weights go up from ([`offload`]); made at
+    /// the first step, kept.
+    offload: Option<offload::OffloadTraffic>,
 }
 
 impl<M: StageModel> Executor<M> {
@@ -533,7 +535,7 @@ impl<M: StageModel> Executor<M> {
             powersgd,
             tied,
             tied_bucket,
-            offload_stages: None,
+            offload: None,
         })
     }
 
@@ -644,6 +646,12 @@ impl<M: StageModel> Executor<M> {
         } else {
             0
         }
+    }
+
+    /// Bytes of page-locked host memory ZeRO-Offload holds beside [`Self::offloaded_bytes`]:
+    /// the landed 16-bit gradients and the two upload stages (0 before the first step).
+    pub fn offload_pinned_bytes(&self) -> usize {
+        self.offload.as_ref().map_or(0, |t| t.pinned_bytes())
     }
 
     /// Whether gradient reductions wait for `REDUCE_GRAD` (replicated layers: one launch order

@@ -4,7 +4,6 @@
 use std::ops::Range;
 
 use comm::ProcessGroup;
-use model::optim::scale_grads;
 
 use tensor::buf::{Buf, BufMut, BufRef};
 use tensor::cuda::ops::{adamw, AdamScalars};
@@ -28,7 +27,7 @@ fn sum_over(group: &ProcessGroup, x: f64) -> Result<f64, ParallelError> {
 
 impl<M: StageModel> Executor<M> {
     /// The flat range AdamW updates here, as indices of (grads, compute params, master/m/v).
-    fn own_ranges(&self) -> (Range<usize>, Range<usize>, Range<usize>) {
+    pub(super) fn own_ranges(&self) -> (Range<usize>, Range<usize>, Range<usize>) {
         let own = self.spec.range(self.dp.rank());
         let local = 0..own.len();
         let all = 0..self.spec.total();
@@ -143,11 +142,11 @@ impl<M: StageModel> Executor<M> {
                 grads.f32_pieces_mut(gr.clone(), |s, g| {
                     let o = s - gr.start;
                     let n = g.len();
-                    scale_grads(g, factor);
-                    opt.update(
+                    opt.update_scaled(
                         t,
                         lr,
                         opt.weight_decay,
+                        factor,
                         &mut p[pr.start + o..pr.start + o + n],
                         g,
                         &mut m[o..o + n],
@@ -163,45 +162,48 @@ impl<M: StageModel> Executor<M> {
                     .master
                     .as_host_mut("the master weights")
                     .map_err(terr)?[mr.clone()];
-                // Offloaded from a GPU, chunks of DEVICE_CHUNK: each is a synchronous download
-                // and upload, whose fixed cost 64 Ki elements would not amortise.
+                // Offloaded from a GPU, chunks of DEVICE_CHUNK: each costs a copy (or, with
+                // landed gradients, an upload), whose fixed cost 64 Ki elements would not
+                // amortise.
                 let chunk = if self.cfg.device.is_cuda() {
                     DEVICE_CHUNK
                 } else {
                     CHUNK
                 };
-                // 16-bit weights on a GPU: each chunk's bits travel through page-locked
-                // memory (made once, kept in `offload_stages`).
-                if let (None, Flat::DevHalf { bits, .. }) = (&self.offload_stages, &*params) {
-                    let gpu = bits.gpu();
-                    let stage = || gpu.pinned(chunk).map_err(|e| terr(e.into()));
-                    self.offload_stages = Some([stage()?, stage()?]);
-                }
-                // (Made only for 16-bit weights on a GPU, which stay so.)
-                let bufs = match &mut self.offload_stages {
-                    Some([a, b]) => [
-                        (Vec::new(), Some(&mut a[..])),
-                        (Vec::new(), Some(&mut b[..])),
-                    ],
-                    _ => [(Vec::new(), None), (Vec::new(), None)],
+                // 16-bit weights on a GPU: the gradients landed on the host during the
+                // backward ([`super::offload`]), and each chunk's weights go up from a
+                // page-locked stage while the next chunk is updated.
+                let (landed, uploads) = match &mut self.offload {
+                    Some(t) => {
+                        let (bits, [a, b]) = t.landed(grads)?;
+                        (Some(bits), [Some(a), Some(b)])
+                    }
+                    None => (None, [None, None]),
                 };
+                let kind = self.cfg.precision.half();
+                let [a, b] = uploads;
                 let grads: &Bucketed = grads;
                 pipelined_chunks(
                     master.len(),
                     chunk,
-                    bufs,
-                    |r, (g, stage)| {
+                    [(Vec::new(), a), (Vec::new(), b)],
+                    |r, (g, _)| {
                         g.resize(r.len(), 0.0);
-                        let flat = gr.start + r.start..gr.start + r.end;
-                        grads.read_into_via(flat, g, stage.as_deref_mut())
+                        match (landed, kind) {
+                            (Some(bits), Some(kind)) => {
+                                kind.upcast(&bits[r], g);
+                                Ok(())
+                            }
+                            _ => grads.read_into(gr.start + r.start..gr.start + r.end, g),
+                        }
                     },
                     |r, (g, stage)| {
-                        scale_grads(g, factor);
                         let (s, e) = (r.start, r.end);
-                        opt.update(
+                        opt.update_scaled(
                             t,
                             lr,
                             opt.weight_decay,
+                            factor,
                             &mut master[s..e],
                             g,
                             &mut m[s..e],

@@ -291,7 +291,7 @@ impl<M: StageModel> Executor<M> {
                 self.grads
                     .update(b, br.clone(), |g| model.prepare_reduction(br.clone(), g))??;
             }
-            self.record(TraceKind::BucketDone(b));
+            self.bucket_done(b)?;
             return Ok(());
         }
         let mut buf = self.take_bucket(b)?;
@@ -409,7 +409,7 @@ impl<M: StageModel> Executor<M> {
         if !self.cfg.zero.shards_grads() {
             if single {
                 self.store_mean(b, buf)?;
-                self.record(TraceKind::BucketDone(b));
+                self.bucket_done(b)?;
                 return Ok(());
             }
             let powersgd_on = match self.cfg.grad_comm {
@@ -433,7 +433,7 @@ impl<M: StageModel> Executor<M> {
                 g.iter_mut().zip(&buf).for_each(|(g, s)| *g += s);
             })?;
             self.comm_bytes.sub(buf.len() * F32);
-            self.record(TraceKind::BucketDone(b));
+            self.bucket_done(b)?;
             return Ok(());
         }
         // Reduce-scatter with uneven pieces: each piece of the bucket is summed onto the rank
@@ -664,7 +664,7 @@ impl<M: StageModel> Executor<M> {
         }
         for b in consumed {
             if !keep.iter().any(|k| k.bucket() == b) {
-                self.record(TraceKind::BucketDone(b));
+                self.bucket_done(b)?;
             }
         }
         *pending = keep;

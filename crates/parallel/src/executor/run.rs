@@ -226,6 +226,7 @@ impl<M: StageModel> Executor<M> {
         }
         let dp_sent_before = self.dp.stats().total_bytes_sent();
         self.grads.fill_zero().map_err(terr)?;
+        self.begin_offload_step()?;
         let weight_left = self
             .stages
             .iter()
@@ -533,9 +534,13 @@ impl<M: StageModel> Executor<M> {
 
     /// Decrements `stage`'s count of weight-gradient actions; whether this one launches the
     /// bucket reductions (ZeRO-2/3: every one; else the step's last).
-    fn reduces_now(&self, ls: usize, st: &mut StepState<M>) -> bool {
+    fn reduces_now(&mut self, ls: usize, st: &mut StepState<M>) -> bool {
         st.weight_left[ls] = st.weight_left[ls].saturating_sub(1);
-        self.cfg.zero.shards_grads() || st.weight_left[ls] == 0
+        let last = st.weight_left[ls] == 0;
+        if last {
+            self.stage_grads_final(ls);
+        }
+        self.cfg.zero.shards_grads() || last
     }
 
     fn tracker(&self, ls: usize) -> ReadyTracker {

@@ -8,13 +8,15 @@
 //!   executor's buffers, so the prediction equals its accounting exactly (tested).
 //! - **Optimizer offload** ([`Offload::Optimizer`], ZeRO-Offload: Ren et al. 2021, arXiv
 //!   2101.06840, §4.1) moves the fp32 master weights and AdamW moments of the rank's optimizer
-//!   shard to host memory, with an fp32 gradient buffer beside them (DeepSpeed's ZeRO-1/2
-//!   optimizer keeps the partition's fp32 gradients on the host): the device keeps its 16-bit
+//!   shard to host memory, with the shard's gradients beside them: the device keeps its 16-bit
 //!   weights and gradients — `2Φ + 2Φ` at ZeRO-0/1, `2Φ + 2Φ/N` at ZeRO-2, `2Φ/N + 2Φ/N` at
-//!   ZeRO-3 — and the host holds [`HOST_BYTES_PER_PARAM`]` = 4 + 8 + 4 = 16` bytes per
-//!   element of the optimizer shard: `16·⌈Φ/N⌉` at ZeRO-1/2/3 (partitioned over the ZeRO group
-//!   as the optimizer states are), `16Φ` per rank at ZeRO-0 (every rank updates all of it).
-//!   Only 16-bit training offloads (fp32 weights are their own master copy).
+//!   ZeRO-3 — and the host holds [`host_bytes_per_param`] bytes per element of the optimizer
+//!   shard: `4 + 8 + 2 = 14` with this engine's conventions (the 16-bit gradients land in
+//!   page-locked memory, `executor::offload`), `4 + 8 + 4 = 16` with Megatron's (DeepSpeed's
+//!   ZeRO-1/2 optimizer keeps the partition's fp32 gradients on the host); per rank that is
+//!   `⌈Φ/N⌉` elements at ZeRO-1/2/3 (partitioned over the ZeRO group as the optimizer states
+//!   are), `Φ` at ZeRO-0 (every rank updates all of it). Only 16-bit training offloads (fp32
+//!   weights are their own master copy).
 //! - **Activations**, with [`Conventions::Xtrain`], are the bytes of what each unit caches
 //!   for its backward in this engine (fp32; per block: input, the two norms' outputs and
 //!   rstd, q, k, v, the attention output and log-sum-exp, the residual, SwiGLU's gate, up and
@@ -561,8 +563,15 @@ pub fn predict(
 }
 
 /// Bytes per element of a rank's optimizer shard that optimizer offload keeps in host memory:
-/// fp32 master weights 4 + AdamW moments 8 + fp32 gradients 4 (see the module doc).
-pub const HOST_BYTES_PER_PARAM: usize = 16;
+/// fp32 master weights 4 + AdamW moments 8 + the gradients, 16-bit here and fp32 in
+/// DeepSpeed (Megatron's conventions; see the module doc).
+pub fn host_bytes_per_param(job: &Job) -> usize {
+    let grads = match job.conventions {
+        Conventions::Megatron => 4,
+        Conventions::Xtrain => job.precision.compute_bytes(),
+    };
+    4 + 8 + grads
+}
 
 /// Elements of the optimizer shard of a rank holding `params` over a ZeRO group of `n`:
 /// the padded `⌈Φ/N⌉` where the stage shards the optimizer (ZeRO ≥ 1), else all `Φ`.
@@ -588,7 +597,7 @@ pub fn model_states(job: &Job, l: &Layout, params: usize, n: usize) -> (MemoryAc
         Offload::Optimizer => {
             account.master = 0;
             account.optimizer = 0;
-            HOST_BYTES_PER_PARAM * optimizer_shard(params, n, l.zero)
+            host_bytes_per_param(job) * optimizer_shard(params, n, l.zero)
         }
     };
     (account, host)
@@ -702,18 +711,28 @@ mod tests {
     }
 
     #[test]
-    fn offload_moves_master_moments_and_fp32_grads_to_the_host() {
+    fn offload_moves_master_moments_and_grads_to_the_host() {
         // Φ = 1001 does not divide by 2 or 4: shards are padded to ⌈Φ/N⌉ = 501, 251.
         let phi: usize = 1001;
         let job = job(Precision::Bf16);
+        // Host bytes per shard element: master 4, moments 8, the 16-bit gradients 2; with
+        // Megatron's conventions DeepSpeed's fp32 gradients, 4.
+        let megatron = Job {
+            conventions: Conventions::Megatron,
+            ..job.clone()
+        };
+        assert_eq!(
+            (host_bytes_per_param(&job), host_bytes_per_param(&megatron)),
+            (14, 16)
+        );
         for n in [2, 4] {
             let s = phi.div_ceil(n);
             // By hand, per stage: (device weights, device grads, host bytes).
             let want = [
-                (2 * phi, 2 * phi, 16 * phi),
-                (2 * phi, 2 * phi, 16 * s),
-                (2 * phi, 2 * s, 16 * s),
-                (2 * s, 2 * s, 16 * s),
+                (2 * phi, 2 * phi, 14 * phi),
+                (2 * phi, 2 * phi, 14 * s),
+                (2 * phi, 2 * s, 14 * s),
+                (2 * s, 2 * s, 14 * s),
             ];
             for (k, &(params, grads, host)) in want.iter().enumerate() {
                 let l = Layout {

@@ -46,11 +46,11 @@
 //!   all-gather them among the group afterwards, as without offload). With Megatron's
 //!   conventions, DeepSpeed's overlap: the gradients bucket by bucket as the last
 //!   micro-batch's backward finishes them, `max(0, α + g·S/β − backward)` exposed, then the
-//!   weights, `α + 2·S/β`, exposed. With this engine's, its overlap
-//!   (`executor::optimizer`, chunks of `C` = 4 Mi elements): the next chunk's gradients come
-//!   down and the last chunk's weights go up while the CPU updates, so
-//!   `max(0, (α + g·S/β) + (α + 2·S/β) − AdamW)` shows, plus one chunk's fill and drain
-//!   (`α + g·C/β + α + 2·C/β`).
+//!   weights, `α + 2·S/β`, exposed. With this engine's (`executor::offload`): the gradients
+//!   land bucket by bucket behind the last backward as in DeepSpeed, `max(0, α + g·S/β −
+//!   backward)` exposed, and the weights go up chunk by chunk (`C` = 4 Mi elements) while
+//!   the CPU updates the next, `max(0, α + 2·S/β − AdamW)` plus the last chunk's upload
+//!   (`α + 2·C/β`).
 //!
 //! **Pipeline.** The rank's schedule is simulated with unit costs (F = I = W = 1, B = 2); the
 //! step's compute is the makespan in those units times the slowest stage's seconds per unit.
@@ -328,14 +328,14 @@ pub fn offload(
     let exposed = match job.conventions {
         // DeepSpeed: the gradients' copy behind the last backward, the weights' after AdamW.
         Conventions::Megatron => (to_host - backward).max(0.0) + to_device,
-        // This engine (`executor::optimizer`): chunk by chunk, the next chunk's gradients come
-        // down and the last chunk's weights go up (one stream, one after the other) while the
-        // CPU updates; what the copies take beyond AdamW shows, and the pipeline's fill and
-        // drain (the first chunk's download, the last one's upload).
+        // This engine (`executor::offload`): the gradients land behind the last backward,
+        // and the weights go up chunk by chunk while the CPU updates the next chunk; the
+        // last chunk's upload follows the update.
         Conventions::Xtrain => {
             let chunk = (crate::precision::DEVICE_CHUNK as f64).min(shard);
-            let fill = host.link.time(grad_bytes * chunk) + host.link.time(weight_bytes * chunk);
-            (to_host + to_device - adam).max(0.0) + fill
+            (to_host - backward).max(0.0)
+                + (to_device - adam).max(0.0)
+                + host.link.time(weight_bytes * chunk)
         }
     };
     (adam, exposed)

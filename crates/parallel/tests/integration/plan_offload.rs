@@ -1,5 +1,5 @@
 //! Optimizer offload in the planner: a 7B Llama that fits one 80 GB H100 only with its
-//! optimizer in 128 GB of host memory, the host bytes it needs (16Φ), a host too small named
+//! optimizer in 128 GB of host memory, the host bytes it needs (14Φ), a host too small named
 //! as the shortfall, the step time of the CPU's AdamW and the copies, and a small model the
 //! search keeps on the device because offload is slower.
 use model::ModelConfig;
@@ -68,26 +68,26 @@ fn llama_7b_fits_one_h100_only_with_the_optimizer_on_the_host() {
         .iter()
         .all(|x| x.layout.offload == Offload::Optimizer));
     let best = &p.feasible[0];
-    // Device: 16-bit weights and gradients, 2Φ + 2Φ; host: master, m, v and fp32
-    // gradients, 16Φ (one rank: its shard is the whole model).
+    // Device: 16-bit weights and gradients, 2Φ + 2Φ; host: master, m, v and the landed
+    // 16-bit gradients, 14Φ (one rank: its shard is the whole model).
     assert_eq!(best.peak.model_states(), 4 * phi, "{}", best.layout);
     assert_eq!((best.peak.master, best.peak.optimizer), (0, 0));
-    assert_eq!(best.host, 16 * phi);
+    assert_eq!(best.host, 14 * phi);
     assert!(best.resident as u64 <= cluster.memory_bytes);
     assert!(best.host as u64 <= cluster.host_share().unwrap());
 }
 
 #[test]
 fn a_host_too_small_is_the_shortfall() {
-    // 96 GiB of host memory: the offloaded 7B needs 16Φ ≈ 100.4 GiB.
+    // 80 GiB of host memory: the offloaded 7B needs 14Φ ≈ 87.9 GiB.
     let (job, phi) = llama_7b();
-    let cluster = one_h100(96 * GIB);
+    let cluster = one_h100(80 * GIB);
     let p = plan(&job, &cluster, &SearchSpace::default()).unwrap();
     assert!(p.feasible.is_empty());
     let s = p.shortfall.unwrap();
     assert_eq!(s.closest.layout.offload, Offload::Optimizer);
     assert_eq!(s.short_bytes, 0, "the device holds it");
-    assert_eq!(s.short_host_bytes, (16 * phi) as u64 - 96 * GIB);
+    assert_eq!(s.short_host_bytes, (14 * phi) as u64 - 80 * GIB);
     assert!(
         s.suggestions.iter().any(|t| t.contains("host memory")),
         "{:?}",
@@ -108,16 +108,19 @@ fn offload_step_time_is_the_cpu_step_and_the_exposed_copies() {
     let at = |job: &Job, name: &str| evaluate(job, &cluster, &name.parse().unwrap()).unwrap();
     let adam = phi / host.adam_params_per_s;
     // This engine: each direction moves 2 bytes per parameter of the shard (the whole model
-    // here), chunk by chunk while the CPU's AdamW runs; what shows is the copies beyond AdamW
-    // and one chunk's download and upload, whatever the micro-batch. On the H100's PCIe 5
-    // AdamW (1.7 s) hides the copies (0.54 s); on a link of 2 GB/s they show (13.4 s).
+    // here). The gradients land behind the last backward; the weights go up chunk by chunk
+    // while the CPU's AdamW runs, and the last chunk's upload shows. On the H100's PCIe 5
+    // both copies (0.27 s each) hide, behind 8 sequences' backward and AdamW (1.7 s); on a
+    // link of 2 GB/s (6.7 s each) they show; the gradients' less after 8 sequences' backward
+    // than after one's (on PCIe 5 one sequence's hides part of them).
     let chunk = parallel::precision::DEVICE_CHUNK as f64;
     let mut slow = cluster.clone();
     slow.host.as_mut().unwrap().link.bandwidth = 2e9;
     for c in [&cluster, &slow] {
         let h = c.host.as_ref().unwrap();
         let link = |bytes: f64| h.link.latency + bytes / h.link.bandwidth;
-        let want = (2.0 * link(2.0 * phi) - adam).max(0.0) + 2.0 * link(2.0 * chunk);
+        let weights = (link(2.0 * phi) - adam).max(0.0) + link(2.0 * chunk);
+        let mut exposed_by_name = Vec::new();
         for name in [
             "dp1 mb8x1 rc=full offload=optimizer",
             "dp1 mb1x8 rc=full offload=optimizer",
@@ -125,18 +128,29 @@ fn offload_step_time_is_the_cpu_step_and_the_exposed_copies() {
             let x = evaluate(&job, c, &name.parse().unwrap()).unwrap();
             assert!((x.time.optimizer_s - adam).abs() < 1e-9 * adam, "{name}");
             let exposed = x.time.offload_exposed_s;
+            // Beyond the weights' part, the gradients' copy less some backward.
+            let grads = exposed - weights;
             assert!(
-                (exposed - want).abs() < 1e-9 * want,
-                "{name}: {exposed} vs {want}"
+                grads > -1e-9 * weights && grads <= link(2.0 * phi) * (1.0 + 1e-9),
+                "{name}: {exposed} vs {weights} + at most {}",
+                link(2.0 * phi)
             );
+            exposed_by_name.push(grads);
+        }
+        // A step's last backward is 8 sequences' or one's: the one hides more.
+        assert!(
+            exposed_by_name[0] < exposed_by_name[1] && exposed_by_name[1] > 0.0,
+            "{exposed_by_name:?}"
+        );
+        if std::ptr::eq(c, &cluster) {
+            assert_eq!(exposed_by_name[0], 0.0, "hidden on PCIe 5 by 8 sequences");
         }
     }
-    let want = 2.0 * link(2.0 * chunk);
     // The step adds them where the device's step was.
     let short = at(&job, "dp1 mb1x8 rc=full offload=optimizer");
     let on_device = at(&job, "dp1 mb1x8 rc=full");
     let added = short.time.step_s - on_device.time.step_s;
-    let want_added = adam + want - on_device.time.optimizer_s;
+    let want_added = adam + short.time.offload_exposed_s - on_device.time.optimizer_s;
     assert!((added - want_added).abs() < 1e-9, "{added} vs {want_added}");
     // Megatron's conventions, DeepSpeed's overlap: the gradients' copy (fp32, 4 bytes a
     // parameter, ~0.54 s) behind the last backward — hidden by 8 sequences' (~0.7 s), partly

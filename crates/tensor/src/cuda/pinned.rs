@@ -128,3 +128,150 @@ impl<T: Copy> std::fmt::Debug for Pinned<T> {
         )
     }
 }
+
+/// A [`Pinned`] buffer whose copies to and from the GPU run on a stream of its own, so that
+/// the host and the compute stream go on while the copy engine moves the data: ZeRO-Offload's
+/// gradients land in one during the backward, bucket by bucket, and its rounded weights go up
+/// from two while the host updates the next chunk.
+///
+/// Ordering: a download ([`Staged::download`]) starts after the work queued on the compute
+/// stream so far (which wrote its source); an upload ([`Staged::upload`]) also, and the
+/// compute stream's later work starts after it (it reads the new values). The host reaches
+/// the buffer only through [`Staged::host`], which first waits for the queued copies: the
+/// copy engine and the host never touch it at once. A dropped `Staged` waits for its copies
+/// too. The caller keeps a download's source unchanged until it has waited (no compute work
+/// queued after the download writes it): the copy reads it later.
+pub struct Staged<T: Copy> {
+    buf: Pinned<T>,
+    stream: super::driver::Stream,
+    /// The event after the last copy queued: `None` when none is in flight.
+    in_flight: Option<super::driver::Event>,
+}
+
+impl<T: Copy> Staged<T> {
+    /// `len` zeroed page-locked elements with a new stream of their own on `gpu`.
+    pub fn new(gpu: &Arc<Gpu>, len: usize) -> Result<Self, CudaError> {
+        Ok(Staged {
+            buf: gpu.pinned(len)?,
+            stream: gpu.side_stream()?,
+            in_flight: None,
+        })
+    }
+
+    pub fn len(&self) -> usize {
+        self.buf.len
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.buf.len == 0
+    }
+
+    /// Queues the copy of `src` into elements `at..at + src.len()`, behind the compute
+    /// stream's queued work; returns at once.
+    pub fn download(&mut self, at: usize, src: super::DevSlice<'_, T>) -> Result<(), CudaError> {
+        let bytes = src.len() * std::mem::size_of::<T>();
+        self.check_range(at, src.len(), "download")?;
+        let gpu = &self.buf.gpu;
+        self.after_compute()?;
+        // SAFETY: elements `at..` of the buffer are in bounds (checked) and stay allocated
+        // until the copy is waited for (`host` and `drop` wait for `in_flight`); the host does
+        // not touch them before.
+        let dst = unsafe { self.buf.ptr.add(at) } as *mut c_void;
+        if bytes > 0 {
+            check(
+                unsafe {
+                    (gpu.lib.cuMemcpyDtoHAsync_v2)(
+                        dst,
+                        src.ptr(),
+                        bytes,
+                        gpu.stream_of(self.stream)?,
+                    )
+                },
+                "cuMemcpyDtoHAsync (a staged download)",
+            )?;
+        }
+        self.in_flight = Some(gpu.record(self.stream)?);
+        Ok(())
+    }
+
+    /// Queues the copy of elements `range` into `dst` (same length), behind the compute
+    /// stream's queued work and ahead of its later work; returns at once.
+    pub fn upload(
+        &mut self,
+        range: std::ops::Range<usize>,
+        dst: super::DevSliceMut<'_, T>,
+    ) -> Result<(), CudaError> {
+        if range.len() != dst.len() {
+            return Err(CudaError::Shape(format!(
+                "staged upload of {} elements into {}",
+                range.len(),
+                dst.len()
+            )));
+        }
+        self.check_range(range.start, range.len(), "upload")?;
+        let gpu = self.buf.gpu.clone();
+        self.after_compute()?;
+        let bytes = range.len() * std::mem::size_of::<T>();
+        if bytes > 0 {
+            // SAFETY: in bounds (checked); the host does not write the buffer before the
+            // copy is waited for (`host`).
+            let src = unsafe { self.buf.ptr.add(range.start) } as *const c_void;
+            check(
+                unsafe {
+                    (gpu.lib.cuMemcpyHtoDAsync_v2)(
+                        dst.ptr(),
+                        src,
+                        bytes,
+                        gpu.stream_of(self.stream)?,
+                    )
+                },
+                "cuMemcpyHtoDAsync (a staged upload)",
+            )?;
+        }
+        let done = gpu.record(self.stream)?;
+        gpu.wait_for(super::driver::Stream::Compute, &done)?;
+        self.in_flight = Some(done);
+        Ok(())
+    }
+
+    /// The buffer on the host, once the queued copies have finished.
+    pub fn host(&mut self) -> Result<&mut [T], CudaError> {
+        if let Some(e) = self.in_flight.take() {
+            e.synchronize()?;
+        }
+        Ok(&mut self.buf)
+    }
+
+    /// Makes this buffer's stream wait for the compute stream's queued work.
+    fn after_compute(&self) -> Result<(), CudaError> {
+        let gpu = &self.buf.gpu;
+        let queued = gpu.record(super::driver::Stream::Compute)?;
+        gpu.wait_for(self.stream, &queued)
+    }
+
+    fn check_range(&self, at: usize, n: usize, what: &str) -> Result<(), CudaError> {
+        if at + n > self.buf.len {
+            return Err(CudaError::Shape(format!(
+                "staged {what} of {n} elements at {at} into a buffer of {}",
+                self.buf.len
+            )));
+        }
+        Ok(())
+    }
+}
+
+impl<T: Copy> Drop for Staged<T> {
+    fn drop(&mut self) {
+        // The copy engine may still write or read the buffer: wait before it is freed (a
+        // failed context copies nothing more).
+        if let Some(e) = self.in_flight.take() {
+            let _ = e.synchronize();
+        }
+    }
+}
+
+impl<T: Copy> std::fmt::Debug for Staged<T> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "Staged({:?})", self.buf)
+    }
+}
