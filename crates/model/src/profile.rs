@@ -42,9 +42,12 @@ pub enum Kernel {
     ContextWait,
     /// Waiting for expert parallelism's all-to-alls (tokens to their experts and back).
     ExpertExchange,
+    /// The optimizer's update: AdamW on the device, or on the host under ZeRO-Offload
+    /// (with its wait for the landed gradients and the weights' uploads).
+    Optimizer,
 }
 
-const ALL: [Kernel; 11] = [
+const ALL: [Kernel; 12] = [
     Kernel::Matmul,
     Kernel::MatmulWeight,
     Kernel::Attention,
@@ -56,10 +59,11 @@ const ALL: [Kernel; 11] = [
     Kernel::Head,
     Kernel::ContextWait,
     Kernel::ExpertExchange,
+    Kernel::Optimizer,
 ];
 
 static ENABLED: AtomicBool = AtomicBool::new(false);
-static NANOS: [AtomicU64; 11] = [const { AtomicU64::new(0) }; 11];
+static NANOS: [AtomicU64; ALL.len()] = [const { AtomicU64::new(0) }; ALL.len()];
 
 /// Turn timing on or off.
 pub fn enable(on: bool) {

@@ -47,8 +47,8 @@ pub struct BenchReport {
     /// stages).
     pub offload_pinned_bytes: u64,
     pub peak_rss_bytes: Option<u64>,
-    /// Seconds per step in each model kernel class, and the rest ("other": optimizer,
-    /// precision conversions, data, glue), from the model's kernel timers.
+    /// Seconds per step in each model kernel class and the optimizer's update, and the rest
+    /// ("other": precision conversions, gradient norms, data, glue), from the profile timers.
     pub profile: Vec<(String, f64)>,
     /// The profile comes from one extra step with the GPU synchronised around every kernel
     /// class ([`model::profile::synchronize_with`]), not from the timed steps.

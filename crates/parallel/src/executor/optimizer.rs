@@ -98,11 +98,13 @@ impl<M: StageModel> Executor<M> {
         let factor = (clip / loss_scale) as f32;
         self.step += 1;
         let (gr, pr, mr) = self.own_ranges();
-        if self.cfg.device.is_cuda() && !self.cfg.offload_optimizer {
-            self.device_update(factor, (gr, pr, mr))?;
-        } else {
-            self.host_update(factor, (gr, pr, mr))?;
-        }
+        model::profile::time(model::profile::Kernel::Optimizer, || {
+            if self.cfg.device.is_cuda() && !self.cfg.offload_optimizer {
+                self.device_update(factor, (gr, pr, mr))
+            } else {
+                self.host_update(factor, (gr, pr, mr))
+            }
+        })?;
         if matches!(zero, ZeroStage::One | ZeroStage::Two) && self.dp.size() > 1 {
             if let Some(nccl) = self.cfg.nccl.clone() {
                 // In place in the full weight buffer, on the devices.
