@@ -330,9 +330,16 @@ impl ProcessGroup {
         self.run(|e| e.all_reduce(buf, op, algo))
     }
 
-    pub fn all_reduce_async<T: Element>(&self, mut buf: Vec<T>, op: ReduceOp) -> Work<Vec<T>> {
+    /// In-place all-reduce on the group's worker thread; `buf` is any owned buffer of `T`s
+    /// (a `Vec`, or page-locked memory a GPU's copy engine reads and writes), handed back
+    /// by the [`Work`].
+    pub fn all_reduce_async<T: Element, B: AsMut<[T]> + Send + 'static>(
+        &self,
+        mut buf: B,
+        op: ReduceOp,
+    ) -> Work<B> {
         let algo = self.shared.default_algo;
-        self.submit(move |e| e.all_reduce(&mut buf, op, algo).map(|_| buf))
+        self.submit(move |e| e.all_reduce(buf.as_mut(), op, algo).map(|_| buf))
     }
 
     pub fn all_reduce_with_async<T: Element>(
@@ -362,7 +369,13 @@ impl ProcessGroup {
         })
     }
 
-    pub fn all_reduce_compressed_async(&self, mut buf: Vec<f32>, codec: Codec) -> Work<Vec<f32>> {
+    /// [`ProcessGroup::all_reduce_compressed`] on the group's worker thread, on any owned
+    /// buffer (as [`ProcessGroup::all_reduce_async`]).
+    pub fn all_reduce_compressed_async<B: AsMut<[f32]> + Send + 'static>(
+        &self,
+        mut buf: B,
+        codec: Codec,
+    ) -> Work<B> {
         let (name, n, me) = (self.name().to_string(), self.size(), self.rank());
         self.submit(move |e| {
             let on = crate::compress::On {
@@ -370,7 +383,7 @@ impl ProcessGroup {
                 n,
                 me,
             };
-            crate::compress::all_reduce(e, &mut buf, codec, on).map(|_| buf)
+            crate::compress::all_reduce(e, buf.as_mut(), codec, on).map(|_| buf)
         })
     }
 

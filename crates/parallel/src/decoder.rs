@@ -399,10 +399,10 @@ impl DecoderStage {
     /// The sum runs over the host transports (a GPU's gradients go through host memory).
     fn add_synced(&self, unit: usize, gu: Buf, g: BufMut<'_>) -> Result<(), ParallelError> {
         let gu = match (&self.tp, self.partial[unit]) {
-            (Some(tp), true) => gu.through_host(|mut v| -> Result<_, ParallelError> {
+            (Some(tp), true) => gu.on_host(|v| -> Result<_, ParallelError> {
                 self.plan
-                    .sync_grads_in(tp.group(), &mut v, self.layout_ranges[unit].clone())?;
-                Ok(v)
+                    .sync_grads_in(tp.group(), v, self.layout_ranges[unit].clone())?;
+                Ok(())
             })?,
             _ => gu,
         };

@@ -244,16 +244,56 @@ impl Buf {
         }
     }
 
-    /// `f` run on the buffer's values on the host, its result back on the buffer's device:
-    /// the vector itself on the CPU; downloaded, then the result uploaded, on a GPU. How
-    /// host-only code (a collective over the host transports) serves a device buffer.
-    pub fn through_host<E: From<TensorError>>(
-        self,
-        f: impl FnOnce(Vec<f32>) -> Result<Vec<f32>, E>,
+    /// `f` run in place on the buffer's values in host memory: how host-only code (a
+    /// collective over the host transports) serves a device buffer. The vector itself on the
+    /// CPU; on a GPU the values go down into page-locked scratch of the GPU's pool
+    /// ([`crate::cuda::Gpu::host_scratch`]: one DMA each way, no copy through ordinary
+    /// memory), `f` runs on the scratch, and the result goes back up into the buffer.
+    pub fn on_host<E: From<TensorError>>(
+        mut self,
+        f: impl FnOnce(&mut [f32]) -> Result<(), E>,
     ) -> Result<Buf, E> {
-        let dev = self.dev();
-        let out = f(self.into_vec()?)?;
-        Ok(dev.from_vec(out)?)
+        match &mut self {
+            Buf::Host(v) => f(v)?,
+            Buf::Cuda(d) => {
+                let mut s = d.gpu().host_scratch(d.len()).map_err(TensorError::from)?;
+                d.as_slice().read_into(&mut s).map_err(TensorError::from)?;
+                f(&mut s)?;
+                d.copy_from_host(&s).map_err(TensorError::from)?;
+            }
+        }
+        Ok(self)
+    }
+
+    /// `f(values, out)` in host memory with `out` of `out_len` elements (zeroed on the CPU;
+    /// on a GPU page-locked scratch as in [`Buf::on_host`], its prior contents left): the
+    /// result a new buffer on this buffer's device. For collectives whose output differs in
+    /// length from their input (all-gather, reduce-scatter).
+    pub fn on_host_into<E: From<TensorError>>(
+        self,
+        out_len: usize,
+        f: impl FnOnce(&[f32], &mut [f32]) -> Result<(), E>,
+    ) -> Result<Buf, E> {
+        match self {
+            Buf::Host(v) => {
+                let mut out = vec![0.0; out_len];
+                f(&v, &mut out)?;
+                Ok(Buf::Host(out))
+            }
+            Buf::Cuda(d) => {
+                let gpu = d.gpu().clone();
+                let mut input = gpu.host_scratch(d.len()).map_err(TensorError::from)?;
+                d.as_slice()
+                    .read_into(&mut input)
+                    .map_err(TensorError::from)?;
+                drop(d);
+                let mut out = gpu.host_scratch(out_len).map_err(TensorError::from)?;
+                f(&input, &mut out)?;
+                let mut result = gpu.alloc::<f32>(out_len).map_err(TensorError::from)?;
+                result.copy_from_host(&out).map_err(TensorError::from)?;
+                Ok(Buf::Cuda(result))
+            }
+        }
     }
 
     /// A copy on the same device.
@@ -497,10 +537,21 @@ mod tests {
         assert_eq!(out, [7.0, 8.0]);
         assert!(c.m().copy_from_host(&[1.0]).is_err(), "lengths differ");
         let d = c
-            .through_host(|v| Ok::<_, TensorError>(v.iter().map(|x| x * 2.0).collect()))
+            .on_host(|v| {
+                v.iter_mut().for_each(|x| *x *= 2.0);
+                Ok::<_, TensorError>(())
+            })
             .unwrap();
         assert_eq!(d.as_host("test").unwrap(), &[14.0, 16.0]);
-        assert!(d.r().read_into(&mut [0.0; 3]).is_err(), "lengths differ");
+        let e = d
+            .on_host_into(3, |v, out| {
+                out[..2].copy_from_slice(v);
+                out[2] = v[0] + v[1];
+                Ok::<_, TensorError>(())
+            })
+            .unwrap();
+        assert_eq!(e.as_host("test").unwrap(), &[14.0, 16.0, 30.0]);
+        assert!(e.r().read_into(&mut [0.0; 2]).is_err(), "lengths differ");
     }
 
     #[test]

@@ -1586,6 +1586,50 @@ fn pinned_host_memory_copies_both_ways() {
     assert!(d.as_slice().read_into(&mut p[..10]).is_err());
 }
 
+/// The GPU's page-locked scratch pool lends the smallest free buffer that holds a request
+/// (a returned one is lent again, not a new one made), and a GPU buffer's values pass through
+/// it to host code and back: in place (`Buf::on_host`) and into a result of another length
+/// (`Buf::on_host_into`), exactly.
+#[test]
+fn host_scratch_stages_gpu_buffers_for_host_code() {
+    let Some(gpu) = gpu("host_scratch_stages_gpu_buffers_for_host_code") else {
+        return;
+    };
+    let a = gpu.host_scratch(100_000).unwrap();
+    let at = a.as_ptr();
+    assert_eq!(a.len(), 100_000);
+    drop(a);
+    let b = gpu.host_scratch(70_000).unwrap();
+    assert_eq!(
+        (b.as_ptr(), b.len()),
+        (at, 70_000),
+        "the returned buffer lent again"
+    );
+    let c = gpu.host_scratch(70_000).unwrap();
+    assert_ne!(c.as_ptr(), at, "a lent buffer is not lent twice");
+    drop((b, c));
+    let x = rand(3 << 20, 47);
+    let d = Buf::Cuda(gpu.upload(&x).unwrap());
+    let d = d
+        .on_host(|v| {
+            v.iter_mut().for_each(|e| *e = -*e);
+            Ok::<_, tensor::TensorError>(())
+        })
+        .unwrap();
+    let neg: Vec<f32> = x.iter().map(|e| -e).collect();
+    assert_eq!(d.to_vec().unwrap(), neg);
+    let twice = d
+        .on_host_into(2 * x.len(), |v, out| {
+            out[..v.len()].copy_from_slice(v);
+            out[v.len()..].copy_from_slice(v);
+            Ok::<_, tensor::TensorError>(())
+        })
+        .unwrap();
+    assert!(matches!(twice, Buf::Cuda(_)));
+    let t = twice.to_vec().unwrap();
+    assert_eq!((&t[..x.len()], &t[x.len()..]), (&neg[..], &neg[..]));
+}
+
 /// Staged copies ([`tensor::cuda::Staged`]) run on their own stream yet in the compute
 /// stream's order: a download queued after a kernel lands the kernel's result, pieces land at
 /// their offsets while the compute stream goes on (and later compute work does not reach

@@ -10,10 +10,11 @@
 use std::collections::HashMap;
 
 use std::ops::Range;
-use tensor::buf::{Buf, BufMut, BufRef};
+use tensor::buf::{Buf, BufMut, BufRef, Dev};
 
 use comm::{ReduceOp, Work};
 
+use super::run::terr;
 use super::{Executor, TraceKind, F32};
 use crate::data_parallel::grad_comm::GradComm;
 use crate::nccl::{InFlight, NcclGroup};
@@ -22,10 +23,58 @@ use crate::stage::StageModel;
 use crate::ParallelError;
 use comm::compress::Codec;
 
+/// A bucket's fp32 gradients on the host for a collective over the host transports: a
+/// vector (on the CPU the bucket's own allocation, lent), or — from a GPU, ranks sharing it —
+/// page-locked scratch of the GPU's pool, which the copy engine writes and reads directly and
+/// the collective sums in place.
+pub(super) enum HostGrads {
+    Vec(Vec<f32>),
+    Pinned(tensor::cuda::HostScratch),
+}
+
+impl HostGrads {
+    /// The values as a vector: the vector itself, or a copy of the scratch (for the
+    /// reductions that take one: PowerSGD, ZeRO-2/3's pieces).
+    fn into_vec(self) -> Vec<f32> {
+        match self {
+            HostGrads::Vec(v) => v,
+            HostGrads::Pinned(p) => p.to_vec(),
+        }
+    }
+}
+
+impl std::ops::Deref for HostGrads {
+    type Target = [f32];
+    fn deref(&self) -> &[f32] {
+        match self {
+            HostGrads::Vec(v) => v,
+            HostGrads::Pinned(p) => p,
+        }
+    }
+}
+
+impl std::ops::DerefMut for HostGrads {
+    fn deref_mut(&mut self) -> &mut [f32] {
+        match self {
+            HostGrads::Vec(v) => v,
+            HostGrads::Pinned(p) => p,
+        }
+    }
+}
+
+impl AsMut<[f32]> for HostGrads {
+    fn as_mut(&mut self) -> &mut [f32] {
+        self
+    }
+}
+
 /// A reduction in flight.
 pub(super) enum Pending {
     /// Stages 0/1: the bucket's gradients, summed over ranks.
-    AllReduce { bucket: usize, work: Work<Vec<f32>> },
+    AllReduce {
+        bucket: usize,
+        work: Work<HostGrads>,
+    },
     /// Stages 2/3: the piece of a bucket owned by `root`, summed onto `root`.
     Reduce {
         bucket: usize,
@@ -66,7 +115,8 @@ impl Pending {
     }
     fn is_completed(&self) -> bool {
         match self {
-            Pending::AllReduce { work, .. } | Pending::Reduce { work, .. } => work.is_completed(),
+            Pending::AllReduce { work, .. } => work.is_completed(),
+            Pending::Reduce { work, .. } => work.is_completed(),
             Pending::PowerSgd { .. } => false,
             Pending::NcclAllReduce { flight, .. } | Pending::NcclReduce { flight, .. } => {
                 flight.is_done()
@@ -368,23 +418,32 @@ impl<M: StageModel> Executor<M> {
 
     /// Bucket `b`'s fp32 gradients taken out for its reduction, on the host: at ZeRO-2/3 its
     /// staging buffer; else its own fp32 host allocation (lent to the collective, returned in
-    /// `drain`) or an fp32 host copy (16-bit storage — reductions run in fp32 — or a GPU's).
-    fn take_bucket(&mut self, b: usize) -> Result<Vec<f32>, ParallelError> {
+    /// `drain`), an fp32 host copy (16-bit storage — reductions run in fp32), or from a GPU
+    /// page-locked scratch.
+    fn take_bucket(&mut self, b: usize) -> Result<HostGrads, ParallelError> {
         if self.cfg.zero.shards_grads() {
             let staged = self.staging[b].take().ok_or_else(|| {
                 ParallelError::Protocol(format!("bucket {b} has no staged gradients"))
             })?;
-            return Ok(staged.into_vec()?);
+            return Ok(HostGrads::Vec(staged.into_vec()?));
         }
-        if self.grads.is_f32() && !self.cfg.device.is_cuda() {
-            return match self.grads.take(b) {
-                Some(Flat::F32(v)) => Ok(v),
-                _ => Err(ParallelError::Protocol(format!(
-                    "bucket {b} is already in flight"
-                ))),
-            };
-        }
-        let buf = self.grads.read(b, self.buckets[b].range.clone())?;
+        let range = self.buckets[b].range.clone();
+        let buf = match &self.cfg.device {
+            Dev::Cpu if self.grads.is_f32() => {
+                return match self.grads.take(b) {
+                    Some(Flat::F32(v)) => Ok(HostGrads::Vec(v)),
+                    _ => Err(ParallelError::Protocol(format!(
+                        "bucket {b} is already in flight"
+                    ))),
+                };
+            }
+            Dev::Cpu => HostGrads::Vec(self.grads.read(b, range)?),
+            Dev::Cuda(gpu) => {
+                let mut s = gpu.host_scratch(range.len()).map_err(|e| terr(e.into()))?;
+                self.grads.read_into(range, &mut s)?;
+                HostGrads::Pinned(s)
+            }
+        };
         self.comm_bytes.add(buf.len() * F32);
         Ok(buf)
     }
@@ -395,7 +454,7 @@ impl<M: StageModel> Executor<M> {
     fn reduce_taken(
         &mut self,
         b: usize,
-        buf: Vec<f32>,
+        buf: HostGrads,
         pending: &mut Vec<Pending>,
         exact: bool,
     ) -> Result<(), ParallelError> {
@@ -417,6 +476,7 @@ impl<M: StageModel> Executor<M> {
                 _ => false,
             };
             if powersgd_on {
+                let buf = buf.into_vec();
                 pending.push(Pending::PowerSgd { bucket: b, buf });
                 return Ok(());
             }
@@ -427,6 +487,7 @@ impl<M: StageModel> Executor<M> {
             pending.push(Pending::AllReduce { bucket: b, work });
             return Ok(());
         }
+        let buf = buf.into_vec();
         if single {
             // One rank owns the whole shard: the staged gradients are the sum.
             self.grads.update(0, br.clone(), |g| {
@@ -542,13 +603,13 @@ impl<M: StageModel> Executor<M> {
 
     /// Puts bucket `b`'s averaged gradients (a whole-bucket fp32 host buffer) in place: back
     /// into its lent allocation, or written (rounded) into its 16-bit or GPU storage.
-    fn store_mean(&mut self, b: usize, mean: Vec<f32>) -> Result<(), ParallelError> {
+    fn store_mean(&mut self, b: usize, mean: HostGrads) -> Result<(), ParallelError> {
         if self.grads.has(b) {
             let r = self.buckets[b].range.clone();
             self.grads.write(b, r.start, &mean)?;
             self.comm_bytes.sub(mean.len() * F32);
         } else {
-            self.grads.put(b, Flat::F32(mean));
+            self.grads.put(b, Flat::F32(mean.into_vec()));
         }
         Ok(())
     }
@@ -596,7 +657,7 @@ impl<M: StageModel> Executor<M> {
                         ParallelError::Protocol("a PowerSGD reduction without its state".into())
                     })?;
                     state.reduce(bucket, &layouts[bucket], &mut buf, &self.dp)?;
-                    self.store_mean(bucket, buf)?;
+                    self.store_mean(bucket, HostGrads::Vec(buf))?;
                     bucket
                 }
                 Pending::Reduce {

@@ -105,10 +105,7 @@ impl TpRegion {
                 self.timed(|| nccl.all_reduce_sum(d.as_mut_slice())?.join())?;
                 Ok(Buf::Cuda(d))
             }
-            (_, x) => x.through_host(|mut v| {
-                self.all_reduce_op(&mut v, ReduceOp::Sum)?;
-                Ok(v)
-            }),
+            (_, x) => x.on_host(|v| self.all_reduce_op(v, ReduceOp::Sum)),
         }
     }
 
@@ -125,11 +122,8 @@ impl TpRegion {
         if self.tp() == 1 {
             return Ok(x);
         }
-        x.through_host(|v| {
-            let mut out = vec![0.0; v.len() * self.tp()];
-            self.timed(|| self.group.all_gather(&v, &mut out))?;
-            Ok(out)
-        })
+        let n = x.len() * self.tp();
+        x.on_host_into(n, |v, out| self.timed(|| self.group.all_gather(v, out)))
     }
 
     /// This rank's block of `Σ over the ranks of x`.
@@ -155,10 +149,9 @@ impl TpRegion {
         if n == 1 {
             return Ok(x);
         }
-        x.through_host(|v| {
-            let mut out = vec![0.0; v.len() / n];
-            self.timed(|| self.group.reduce_scatter(&v, &mut out, ReduceOp::Sum))?;
-            Ok(out)
+        let len = x.len() / n;
+        x.on_host_into(len, |v, out| {
+            self.timed(|| self.group.reduce_scatter(v, out, ReduceOp::Sum))
         })
     }
 

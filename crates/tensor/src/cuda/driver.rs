@@ -699,6 +699,9 @@ pub struct Gpu {
     watch: Mutex<Option<Arc<Watch>>>,
     /// Device time per kernel, while switched on ([`Gpu::time_kernels`]).
     pub(crate) timeline: super::timeline::Timeline,
+    /// The page-locked scratch buffers not lent out ([`Gpu::host_scratch`]): address and
+    /// capacity in `f32` elements.
+    pub(crate) host_scratch: Mutex<Vec<(usize, usize)>>,
 }
 
 /// A limit on the host's waits for a GPU and a check run while it waits
@@ -817,6 +820,7 @@ impl Gpu {
                 blas: Mutex::new(None),
                 watch: Mutex::new(None),
                 timeline: Default::default(),
+                host_scratch: Mutex::new(Vec::new()),
             }))
         }
     }
@@ -1170,6 +1174,13 @@ impl Drop for Gpu {
                     self.alloc.release(b.workspace, super::blas::WORKSPACE);
                 }
                 self.alloc.release_cached();
+                // No lease is live either (each holds an `Arc` of this `Gpu`).
+                let scratch = std::mem::take(
+                    &mut *self.host_scratch.lock().unwrap_or_else(|e| e.into_inner()),
+                );
+                for (p, _) in scratch {
+                    super::pinned::free_host(self, p as *mut std::ffi::c_void);
+                }
                 (self.lib.cuStreamDestroy_v2)(self.stream);
                 for s in side.into_iter().chain([self.comm_stream]) {
                     (self.lib.cuStreamDestroy_v2)(s);

@@ -46,39 +46,132 @@ pub struct Pinned<T: Copy> {
 unsafe impl<T: Copy + Send> Send for Pinned<T> {}
 unsafe impl<T: Copy + Sync> Sync for Pinned<T> {}
 
+/// `bytes` (> 0) zeroed bytes of page-locked memory for copies with `gpu`, registered as live
+/// ([`is_pinned`]); given back with [`free_host`].
+fn alloc_host(gpu: &Gpu, bytes: usize) -> Result<*mut c_void, CudaError> {
+    gpu.bind()?;
+    let mut p: *mut c_void = std::ptr::null_mut();
+    // SAFETY: a valid out-pointer; the memory is freed by `free_host`.
+    check(
+        unsafe { (gpu.lib.cuMemAllocHost_v2)(&mut p, bytes) },
+        &format!(
+            "cuMemAllocHost({bytes} bytes of page-locked host memory: the host's locked \
+             memory may be exhausted or limited, see `ulimit -l`)"
+        ),
+    )?;
+    // SAFETY: `p` points to `bytes` writable bytes, aligned for any type (the driver's
+    // allocations are page-aligned).
+    unsafe { std::ptr::write_bytes(p as *mut u8, 0, bytes) };
+    LIVE.lock()
+        .unwrap_or_else(|x| x.into_inner())
+        .push((p as usize, p as usize + bytes));
+    Ok(p)
+}
+
+/// Gives back memory of [`alloc_host`], after `gpu`'s queued work (a copy may still use it).
+pub(crate) fn free_host(gpu: &Gpu, p: *mut c_void) {
+    LIVE.lock()
+        .unwrap_or_else(|x| x.into_inner())
+        .retain(|&(a, _)| a != p as usize);
+    // A download into it may still be queued (its caller waits for it, but may have failed
+    // before); a failed context copies nothing more.
+    let _ = gpu.synchronize();
+    if gpu.bind().is_ok() {
+        // SAFETY: memory from cuMemAllocHost, no longer referenced.
+        unsafe { (gpu.lib.cuMemFreeHost)(p) };
+    }
+}
+
 impl Gpu {
     /// `len` zeroed elements of page-locked host memory for copies with this GPU. `T` must be
     /// a plain number type (all-zero bytes a valid value), as for [`Gpu::zeros`].
     pub fn pinned<T: Copy>(self: &Arc<Self>, len: usize) -> Result<Pinned<T>, CudaError> {
         let bytes = len * std::mem::size_of::<T>();
-        if bytes == 0 {
-            return Ok(Pinned {
-                ptr: std::ptr::NonNull::dangling().as_ptr(),
-                len,
-                gpu: self.clone(),
-            });
-        }
-        self.bind()?;
-        let mut p: *mut c_void = std::ptr::null_mut();
-        // SAFETY: a valid out-pointer; the memory is freed in `drop`.
-        check(
-            unsafe { (self.lib.cuMemAllocHost_v2)(&mut p, bytes) },
-            &format!(
-                "cuMemAllocHost({bytes} bytes of page-locked host memory: the host's locked \
-                 memory may be exhausted or limited, see `ulimit -l`)"
-            ),
-        )?;
-        // SAFETY: `p` points to `bytes` writable bytes, aligned for any type (the driver's
-        // allocations are page-aligned).
-        unsafe { std::ptr::write_bytes(p as *mut u8, 0, bytes) };
-        LIVE.lock()
-            .unwrap_or_else(|x| x.into_inner())
-            .push((p as usize, p as usize + bytes));
+        let ptr = if bytes == 0 {
+            std::ptr::NonNull::dangling().as_ptr()
+        } else {
+            alloc_host(self, bytes)? as *mut T
+        };
         Ok(Pinned {
-            ptr: p as *mut T,
+            ptr,
             len,
             gpu: self.clone(),
         })
+    }
+
+    /// `len` elements of page-locked `f32` scratch lent from this GPU's pool (the smallest
+    /// free buffer that holds them, or a new one of the next power of two, at least 64 Ki
+    /// elements), given back when the lease drops. The contents are what the last lease left.
+    pub fn host_scratch(self: &Arc<Self>, len: usize) -> Result<HostScratch, CudaError> {
+        let mut pool = self.host_scratch.lock().unwrap_or_else(|e| e.into_inner());
+        let best = (0..pool.len())
+            .filter(|&i| pool[i].1 >= len)
+            .min_by_key(|&i| pool[i].1);
+        let (ptr, cap) = match best {
+            Some(i) => pool.swap_remove(i),
+            None => {
+                drop(pool);
+                let cap = len.next_power_of_two().max(1 << 16);
+                (alloc_host(self, cap * 4)? as usize, cap)
+            }
+        };
+        Ok(HostScratch {
+            gpu: self.clone(),
+            ptr: ptr as *mut f32,
+            cap,
+            len,
+        })
+    }
+}
+
+/// Page-locked `f32` host memory lent by a GPU's pool ([`Gpu::host_scratch`]): where ranks
+/// share a GPU, the own engine stages a GPU buffer's values through one for a collective that
+/// runs over the host transports — the copy engine writes and reads it directly, and the
+/// collective works on it in place. Returned to the pool when dropped (freed with the GPU).
+pub struct HostScratch {
+    gpu: Arc<Gpu>,
+    ptr: *mut f32,
+    cap: usize,
+    len: usize,
+}
+
+// SAFETY: host memory this lease alone reaches until it drops.
+unsafe impl Send for HostScratch {}
+unsafe impl Sync for HostScratch {}
+
+impl std::ops::Deref for HostScratch {
+    type Target = [f32];
+    fn deref(&self) -> &[f32] {
+        // SAFETY: `len <= cap` initialised (zeroed when made) elements owned by the lease.
+        unsafe { std::slice::from_raw_parts(self.ptr, self.len) }
+    }
+}
+
+impl std::ops::DerefMut for HostScratch {
+    fn deref_mut(&mut self) -> &mut [f32] {
+        // SAFETY: as in `deref`; no copy reads it now (uploads from page-locked memory wait
+        // for their copy, [`is_pinned`]).
+        unsafe { std::slice::from_raw_parts_mut(self.ptr, self.len) }
+    }
+}
+
+impl Drop for HostScratch {
+    fn drop(&mut self) {
+        self.gpu
+            .host_scratch
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .push((self.ptr as usize, self.cap));
+    }
+}
+
+impl std::fmt::Debug for HostScratch {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "HostScratch[{} of {}] for cuda:{}",
+            self.len, self.cap, self.gpu.info.ordinal
+        )
     }
 }
 
@@ -100,19 +193,8 @@ impl<T: Copy> std::ops::DerefMut for Pinned<T> {
 
 impl<T: Copy> Drop for Pinned<T> {
     fn drop(&mut self) {
-        if self.len * std::mem::size_of::<T>() == 0 {
-            return;
-        }
-        let start = self.ptr as usize;
-        LIVE.lock()
-            .unwrap_or_else(|x| x.into_inner())
-            .retain(|&(a, _)| a != start);
-        // A download into it may still be queued (its caller waits for it, but may have
-        // failed before); a failed context copies nothing more.
-        let _ = self.gpu.synchronize();
-        if self.gpu.bind().is_ok() {
-            // SAFETY: memory from cuMemAllocHost, no longer referenced.
-            unsafe { (self.gpu.lib.cuMemFreeHost)(self.ptr as *mut c_void) };
+        if self.len * std::mem::size_of::<T>() > 0 {
+            free_host(&self.gpu, self.ptr as *mut c_void);
         }
     }
 }
