@@ -389,12 +389,12 @@ impl ProcessGroup {
 
     /// Sums `buf` over the group onto `root` with the values on the wire in `codec`
     /// ([`crate::compress::reduce`]); other ranks' buffers are left unchanged.
-    pub fn reduce_compressed_async(
+    pub fn reduce_compressed_async<B: AsMut<[f32]> + Send + 'static>(
         &self,
-        mut buf: Vec<f32>,
+        mut buf: B,
         codec: Codec,
         root: usize,
-    ) -> Work<Vec<f32>> {
+    ) -> Work<B> {
         let (name, n, me) = (self.name().to_string(), self.size(), self.rank());
         self.submit(move |e| {
             let on = crate::compress::On {
@@ -402,7 +402,7 @@ impl ProcessGroup {
                 n,
                 me,
             };
-            crate::compress::reduce(e, &mut buf, codec, root, on).map(|_| buf)
+            crate::compress::reduce(e, buf.as_mut(), codec, root, on).map(|_| buf)
         })
     }
 
@@ -411,13 +411,15 @@ impl ProcessGroup {
         self.run(|e| e.reduce(buf, op, root))
     }
 
-    pub fn reduce_async<T: Element>(
+    /// [`ProcessGroup::reduce`] on the group's worker thread, on any owned buffer (as
+    /// [`ProcessGroup::all_reduce_async`]).
+    pub fn reduce_async<T: Element, B: AsMut<[T]> + Send + 'static>(
         &self,
-        mut buf: Vec<T>,
+        mut buf: B,
         op: ReduceOp,
         root: usize,
-    ) -> Work<Vec<T>> {
-        self.submit(move |e| e.reduce(&mut buf, op, root).map(|_| buf))
+    ) -> Work<B> {
+        self.submit(move |e| e.reduce(buf.as_mut(), op, root).map(|_| buf))
     }
 
     /// Copies `buf` from `root` to every rank.

@@ -82,7 +82,7 @@ pub(super) enum Pending {
         range: Range<usize>,
         /// Bytes accounted for this reduction's buffer.
         bytes: usize,
-        work: Work<Vec<f32>>,
+        work: Work<HostGrads>,
     },
     /// Stages 0/1 under PowerSGD: the bucket's gradients, reduced when drained (its rounds of
     /// products and all-reduces run then, in launch order on every rank).
@@ -322,6 +322,18 @@ impl<M: StageModel> Executor<M> {
         }
     }
 
+    /// A copy of `values` for a collective: page-locked scratch on a GPU, a vector on the CPU.
+    fn host_grads(&self, values: &[f32]) -> Result<HostGrads, ParallelError> {
+        Ok(match &self.cfg.device {
+            Dev::Cuda(gpu) => {
+                let mut s = gpu.host_scratch(values.len()).map_err(|e| terr(e.into()))?;
+                s.copy_from_slice(values);
+                HostGrads::Pinned(s)
+            }
+            Dev::Cpu => HostGrads::Vec(values.to_vec()),
+        })
+    }
+
     /// Launches the reduction of bucket `b` (its gradients are final).
     pub(super) fn launch(
         &mut self,
@@ -425,7 +437,14 @@ impl<M: StageModel> Executor<M> {
             let staged = self.staging[b].take().ok_or_else(|| {
                 ParallelError::Protocol(format!("bucket {b} has no staged gradients"))
             })?;
-            return Ok(HostGrads::Vec(staged.into_vec()?));
+            return match staged {
+                Buf::Host(v) => Ok(HostGrads::Vec(v)),
+                Buf::Cuda(d) => {
+                    let mut s = d.gpu().host_scratch(d.len()).map_err(|e| terr(e.into()))?;
+                    d.as_slice().read_into(&mut s).map_err(|e| terr(e.into()))?;
+                    Ok(HostGrads::Pinned(s))
+                }
+            };
         }
         let range = self.buckets[b].range.clone();
         let buf = match &self.cfg.device {
@@ -487,11 +506,10 @@ impl<M: StageModel> Executor<M> {
             pending.push(Pending::AllReduce { bucket: b, work });
             return Ok(());
         }
-        let buf = buf.into_vec();
         if single {
             // One rank owns the whole shard: the staged gradients are the sum.
             self.grads.update(0, br.clone(), |g| {
-                g.iter_mut().zip(&buf).for_each(|(g, s)| *g += s);
+                g.iter_mut().zip(buf.iter()).for_each(|(g, s)| *g += s);
             })?;
             self.comm_bytes.sub(buf.len() * F32);
             self.bucket_done(b)?;
@@ -510,7 +528,7 @@ impl<M: StageModel> Executor<M> {
             }
         }
         let dp = &self.dp;
-        let reduce = |data: Vec<f32>, root: usize| match codec {
+        let reduce = |data: HostGrads, root: usize| match codec {
             Some(c) => dp.reduce_compressed_async(data, c, root),
             None => dp.reduce_async(data, ReduceOp::Sum, root),
         };
@@ -527,7 +545,7 @@ impl<M: StageModel> Executor<M> {
             return Ok(());
         }
         for (root, piece) in pieces {
-            let data = buf[piece.start - br.start..piece.end - br.start].to_vec();
+            let data = self.host_grads(&buf[piece.start - br.start..piece.end - br.start])?;
             let bytes = data.len() * F32;
             self.comm_bytes.add(bytes);
             let work = reduce(data, root);
@@ -671,7 +689,7 @@ impl<M: StageModel> Executor<M> {
                     if root == me {
                         let local = self.spec.to_local(me, &range);
                         self.grads.update(0, local, |g| {
-                            for (g, s) in g.iter_mut().zip(&sum) {
+                            for (g, s) in g.iter_mut().zip(sum.iter()) {
                                 *g += s * inv;
                             }
                         })?;
