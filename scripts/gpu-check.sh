@@ -351,11 +351,12 @@ PY
     return $failed
 }
 
-# ZeRO-Offload on a model whose optimizer state does not fit beside it on the GPU: a 7B
+# ZeRO-Offload on a model whose optimizer state does not fit beside it on an 80 GB GPU: a 7B
 # Llama (hidden 4096, 32 layers, ffn 11008, vocab 32000; 6.7 G parameters) in bf16, the
 # 16-bit weights and gradients on the GPU (2 x 13.5 GB), the fp32 master and moments on the
-# host (81 GB): tokens/s, GPU and host memory. Separate from `run` (it needs ~100 GB of host
-# memory and a few minutes): scripts/gpu-check.sh offload [OUT].
+# host (81 GB): tokens/s, GPU and host memory, against the same model resident where the GPU
+# holds it. Separate from `run` (it needs ~100 GB of host memory and a few minutes):
+# scripts/gpu-check.sh offload [OUT].
 offload() {
     local out=${1:-gpu-report}
     mkdir -p "$out"
@@ -375,6 +376,12 @@ offload() {
     XTRAIN_KERNEL_CACHE="$out/kernel-cache" timeout 420 "$dir/xtrain" bench train \
         --preset medium --device cuda --offload optimizer --steps 2 "${llama7b[@]}" \
         >>"$report" 2>&1 || echo "offload 7B: FAILED or timed out" >>"$report"
+    # The peer on a card that holds the whole optimizer (an H200's 141 GB does; a smaller
+    # one is refused before anything is allocated): the same model resident.
+    echo "--- the same, resident (no offload) ---" >>"$report"
+    XTRAIN_KERNEL_CACHE="$out/kernel-cache" timeout 300 "$dir/xtrain" bench train \
+        --preset medium --device cuda --steps 2 "${llama7b[@]}" \
+        >>"$report" 2>&1 || echo "resident 7B: FAILED, refused or timed out" >>"$report"
     echo '```' >>"$report"
     cat "$report"
 }
