@@ -104,6 +104,35 @@ fn bf16_bits_branchless(x: f32) -> u16 {
     (if nan { (b >> 16) | 0x40 } else { rounded }) as u16
 }
 
+/// Where ZeRO-Offload's 16-bit gradients land for the host's AdamW (`executor::offload`):
+/// page-locked memory the GPU's copy engine fills, or on the CPU a vector copied into at
+/// once — the same bookkeeping either way, so the CPU runs prove which gradients land when.
+pub enum Landing {
+    Host(Vec<u16>),
+    Gpu(Staged<u16>),
+}
+
+impl Landing {
+    pub fn len(&self) -> usize {
+        match self {
+            Landing::Host(v) => v.len(),
+            Landing::Gpu(s) => s.len(),
+        }
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// The landed bits, once every queued landing has finished.
+    pub fn host(&mut self) -> Result<&[u16], TensorError> {
+        Ok(match self {
+            Landing::Host(v) => v,
+            Landing::Gpu(s) => s.host()?,
+        })
+    }
+}
+
 /// A 16-bit storage format.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Half {
@@ -862,24 +891,31 @@ impl Bucketed {
         Ok(())
     }
 
-    /// Queues the download of flat range `r` of 16-bit GPU gradients, as their bits, into
-    /// `landing` at element `at + (i - r.start)` for flat index `i` ([`Staged::download`]:
-    /// behind the compute stream's queued work, while it goes on).
+    /// Lands flat range `r` of 16-bit gradients, as their bits, in `landing` at element
+    /// `at + (i - r.start)` for flat index `i`: from a GPU a download queued behind the
+    /// compute stream's work while it goes on ([`Staged::download`]), on the host a copy.
     pub fn land(
         &self,
         r: Range<usize>,
-        landing: &mut Staged<u16>,
+        landing: &mut Landing,
         at: usize,
     ) -> Result<(), TensorError> {
         let base = r.start;
         for (b, p) in self.pieces(r) {
-            let s = self.ranges[b].start + p.start - base;
-            let Flat::DevHalf { bits, .. } = self.buf(b) else {
-                return Err(TensorError::Device(
-                    "only 16-bit gradients on a GPU land in page-locked memory".into(),
-                ));
-            };
-            landing.download(at + s, bits.slice(p))?;
+            let s = at + self.ranges[b].start + p.start - base;
+            match (self.buf(b), &mut *landing) {
+                (Flat::DevHalf { bits, .. }, Landing::Gpu(l)) => l.download(s, bits.slice(p))?,
+                (Flat::Half { bits, .. }, Landing::Host(l)) => {
+                    l[s..s + p.len()].copy_from_slice(&bits[p])
+                }
+                _ => {
+                    return Err(TensorError::Device(
+                        "16-bit gradients land where their weights live: from a GPU in \
+                         page-locked memory, on the host in a vector"
+                            .into(),
+                    ))
+                }
+            }
         }
         Ok(())
     }

@@ -4,7 +4,8 @@
 //! host memory bucket by bucket, the moment the backward has made each one final — on a
 //! stream of their own, while the backward goes on — so that the optimizer step finds them on
 //! the host; and the updated weights go up chunk by chunk from two page-locked stages while
-//! the host updates the next chunk (`optimizer::host_update`).
+//! the host updates the next chunk (`optimizer::host_update`). On the CPU the gradients land
+//! in a vector by the same rules (a copy), so the CPU's offload tests check the rules.
 //!
 //! A bucket is final when its reduction is done ([`super::TraceKind::BucketDone`]) after its
 //! pipeline stage's last weight-gradient action of the step: ZeRO-2/3 reduce a bucket after
@@ -17,7 +18,7 @@ use tensor::cuda::Staged;
 
 use super::run::terr;
 use super::{Executor, TraceKind};
-use crate::precision::{Bucketed, Flat, DEVICE_CHUNK};
+use crate::precision::{Bucketed, Flat, Landing, DEVICE_CHUNK};
 use crate::stage::StageModel;
 use crate::ParallelError;
 
@@ -27,63 +28,86 @@ pub(super) struct OffloadTraffic {
     /// `own_ranges().0`).
     grads: Range<usize>,
     /// Their 16-bit bits on the host, landed or in flight.
-    landing: Staged<u16>,
+    landing: Landing,
     /// The pieces of `grads` queued into `landing` this step (relative to `grads.start`).
     landed: Vec<Range<usize>>,
     /// Per local stage: whether its last weight-gradient action of the step has run.
     final_stage: Vec<bool>,
-    /// The rounded weights of a chunk on their way up, one stage per chunk in flight.
-    uploads: [Staged<u16>; 2],
+    /// On a GPU: the rounded weights of a chunk on their way up, one stage per chunk in
+    /// flight.
+    uploads: Option<Uploads>,
 }
 
+/// The two page-locked stages rounded weights go up from, a chunk each in flight.
+pub(super) type Uploads = [Staged<u16>; 2];
+
 impl OffloadTraffic {
-    /// Page-locked bytes held.
+    /// Page-locked bytes held (none on the CPU).
     pub(super) fn pinned_bytes(&self) -> usize {
-        2 * (self.landing.len() + self.uploads.iter().map(|u| u.len()).sum::<usize>())
+        match (&self.landing, &self.uploads) {
+            (Landing::Gpu(l), Some([a, b])) => 2 * (l.len() + a.len() + b.len()),
+            _ => 0,
+        }
     }
 
-    /// Queues the pieces of `grads` not landed yet, waits for every landing, and returns the
+    /// Lands the pieces of `grads` not landed yet, waits for every landing, and returns the
     /// gradients' bits (element `i` is gradient `grads.start + i`) and the upload stages.
     pub(super) fn landed(
         &mut self,
         grads: &Bucketed,
-    ) -> Result<(&[u16], &mut [Staged<u16>; 2]), ParallelError> {
-        let mut landed = std::mem::take(&mut self.landed);
-        landed.sort_by_key(|r| r.start);
-        let mut next = 0;
-        let n = self.grads.len();
-        for r in landed.iter().chain(std::iter::once(&(n..n))) {
-            if r.start > next {
-                let gap = self.grads.start + next..self.grads.start + r.start;
-                grads.land(gap, &mut self.landing, next).map_err(terr)?;
-            }
-            next = next.max(r.end);
+    ) -> Result<(&[u16], Option<&mut Uploads>), ParallelError> {
+        for gap in gaps(std::mem::take(&mut self.landed), self.grads.len()) {
+            let at = gap.start;
+            let flat = self.grads.start + gap.start..self.grads.start + gap.end;
+            grads.land(flat, &mut self.landing, at).map_err(terr)?;
         }
-        let bits = self.landing.host().map_err(|e| terr(e.into()))?;
-        Ok((bits, &mut self.uploads))
+        let bits = self.landing.host().map_err(terr)?;
+        Ok((bits, self.uploads.as_mut()))
     }
 }
 
+/// The parts of `0..n` no range of `landed` covers (ranges in any order, overlapping or
+/// repeated: a ZeRO-2/3 bucket may land once early and again when final).
+fn gaps(mut landed: Vec<Range<usize>>, n: usize) -> Vec<Range<usize>> {
+    landed.sort_by_key(|r| r.start);
+    let mut out = Vec::new();
+    let mut next = 0;
+    for r in landed.iter().chain(std::iter::once(&(n..n))) {
+        if r.start > next {
+            out.push(next..r.start.min(n));
+        }
+        next = next.max(r.end);
+    }
+    out
+}
+
 impl<M: StageModel> Executor<M> {
-    /// At the start of a step: makes the offload buffers (ZeRO-Offload of 16-bit weights on a
-    /// GPU, the first time) and forgets the last step's landings.
+    /// At the start of a step: makes the offload buffers (ZeRO-Offload of 16-bit weights,
+    /// the first time) and forgets the last step's landings.
     pub(super) fn begin_offload_step(&mut self) -> Result<(), ParallelError> {
-        let Flat::DevHalf { bits, .. } = &self.params else {
-            return Ok(());
-        };
         if !self.cfg.offload_optimizer {
             return Ok(());
         }
         if self.offload.is_none() {
-            let gpu = bits.gpu().clone();
             let (grads, _, _) = self.own_ranges();
-            let stage = || Staged::new(&gpu, DEVICE_CHUNK).map_err(|e| terr(e.into()));
+            let (landing, uploads) = match &self.params {
+                Flat::DevHalf { bits, .. } => {
+                    let gpu = bits.gpu().clone();
+                    let staged = |n| Staged::new(&gpu, n).map_err(|e| terr(e.into()));
+                    (
+                        Landing::Gpu(staged(grads.len())?),
+                        Some([staged(DEVICE_CHUNK)?, staged(DEVICE_CHUNK)?]),
+                    )
+                }
+                Flat::Half { .. } => (Landing::Host(vec![0; grads.len()]), None),
+                Flat::F32(_) | Flat::Dev(_) => return Ok(()),
+            };
             self.offload = Some(OffloadTraffic {
-                landing: Staged::new(&gpu, grads.len()).map_err(|e| terr(e.into()))?,
+                landing,
                 grads,
                 landed: Vec::new(),
                 final_stage: Vec::new(),
-                uploads: [stage()?, stage()?],
+                uploads,
             });
         }
         let stages = self.stages.len();
@@ -133,5 +157,23 @@ impl<M: StageModel> Executor<M> {
         self.grads.land(s..e, &mut t.landing, at).map_err(terr)?;
         t.landed.push(at..at + (e - s));
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::gaps;
+
+    #[test]
+    fn gaps_are_what_no_landing_covers() {
+        let whole: Vec<std::ops::Range<usize>> = std::iter::once(0..10).collect();
+        assert_eq!(gaps(Vec::new(), 10), whole);
+        assert_eq!(gaps(whole.clone(), 10), Vec::new());
+        // Out of order, overlapping, repeated, empty, and padding at the end.
+        assert_eq!(
+            gaps(vec![6..8, 2..4, 3..5, 2..4, 5..5], 12),
+            vec![0..2, 5..6, 8..12]
+        );
+        assert_eq!(gaps(vec![0..3, 3..7, 7..9], 9), vec![]);
     }
 }

@@ -172,14 +172,14 @@ impl<M: StageModel> Executor<M> {
                 } else {
                     CHUNK
                 };
-                // 16-bit weights on a GPU: the gradients landed on the host during the
-                // backward ([`super::offload`]), and each chunk's weights go up from a
-                // page-locked stage while the next chunk is updated.
+                // 16-bit weights under ZeRO-Offload: the gradients landed on the host during
+                // the backward ([`super::offload`]); on a GPU each chunk's weights go up from
+                // a page-locked stage while the next chunk is updated.
                 let (landed, uploads) = match &mut self.offload {
-                    Some(t) => {
-                        let (bits, [a, b]) = t.landed(grads)?;
-                        (Some(bits), [Some(a), Some(b)])
-                    }
+                    Some(t) => match t.landed(grads)? {
+                        (bits, Some([a, b])) => (Some(bits), [Some(a), Some(b)]),
+                        (bits, None) => (Some(bits), [None, None]),
+                    },
                     None => (None, [None, None]),
                 };
                 let kind = self.cfg.precision.half();

@@ -1,6 +1,7 @@
 //! ZeRO-Offload (`parallel.offload = "optimizer"`): the fp32 master weights and AdamW moments
 //! in host memory, AdamW on the CPU over them, the weights stored from the master. On the CPU
-//! the same path runs with nothing to move — a separate master beside the weights — so every
+//! the same path runs with nothing to move — a separate master beside the weights, 16-bit
+//! gradients landing in a host vector by the GPU's rules — so every
 //! loss, grad norm and final parameter equals the run without offload bit for bit, at every
 //! ZeRO stage, with a pipeline and in bf16; and checkpoints cross between the two modes with
 //! the uninterrupted run's losses. (The GPU runs, where the state really moves, are in
@@ -9,8 +10,12 @@ use std::path::{Path, PathBuf};
 
 use train::RunConfig;
 
-/// Layouts with 4 sequences per step.
-const LAYOUTS: [(&str, usize, &[&str]); 7] = [
+/// Layouts with 4 sequences per step. In bf16 the gradients land in a host vector bucket by
+/// bucket as they become final (`executor::offload`, by the rules the GPU's page-locked
+/// landing follows): ZeRO-3 with two micro-batches (its buckets reduced after each, final
+/// after the second) and two pipeline stages check those rules — a gradient landed before
+/// its last sum would change the step.
+const LAYOUTS: [(&str, usize, &[&str]); 9] = [
     ("single", 1, &["train.grad_accum=4"]),
     ("dp2 ZeRO-0", 2, &["parallel.dp=2", "train.grad_accum=2"]),
     (
@@ -36,6 +41,25 @@ const LAYOUTS: [(&str, usize, &[&str]); 7] = [
             "parallel.dp=2",
             "parallel.zero=1",
             "train.grad_accum=2",
+            "train.precision=\"bf16\"",
+        ],
+    ),
+    (
+        "dp2 ZeRO-3 bf16",
+        2,
+        &[
+            "parallel.dp=2",
+            "parallel.zero=3",
+            "train.grad_accum=2",
+            "train.precision=\"bf16\"",
+        ],
+    ),
+    (
+        "pp2 1F1B bf16",
+        2,
+        &[
+            "parallel.pp=2",
+            "train.grad_accum=4",
             "train.precision=\"bf16\"",
         ],
     ),
