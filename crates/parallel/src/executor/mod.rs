@@ -350,9 +350,9 @@ pub struct Executor<M: StageModel> {
     /// (`reduce::reduce_tied`).
     tied: Vec<Range<usize>>,
     tied_bucket: Vec<bool>,
-    /// ZeRO-Offload of 16-bit weights on a GPU: the page-locked host buffers the gradients
-    /// land in during the backward and the rounded weights go up from ([`offload`]); made at
-    /// the first step, kept.
+    /// ZeRO-Offload of 16-bit weights: the host buffers the gradients land in during the
+    /// backward and (on a GPU, page-locked) the rounded weights go up from ([`offload`]);
+    /// made at the first step, kept.
     offload: Option<offload::OffloadTraffic>,
 }
 

@@ -126,8 +126,8 @@ impl<M: StageModel> Executor<M> {
         }
     }
 
-    /// Bucket `b`'s reduction is done: traced, and under ZeRO-Offload on a GPU its final
-    /// gradients (this rank's part) queued to land on the host.
+    /// Bucket `b`'s reduction is done: traced, and under ZeRO-Offload of 16-bit weights its
+    /// final gradients (this rank's part) landed on the host (from a GPU: queued).
     pub(super) fn bucket_done(&mut self, b: usize) -> Result<(), ParallelError> {
         self.record(TraceKind::BucketDone(b));
         let Some(ls) = self.stages.iter().position(|s| s.buckets.contains(&b)) else {
