@@ -133,15 +133,7 @@ impl AdamW {
             grads.len() == n && m.len() == n && v.len() == n,
             "AdamW slice lengths differ"
         );
-        assert!(t >= 1, "AdamW step counter starts at 1");
-        // Scalars in f64 as torch computes them in Python floats.
-        let (b1, b2) = (self.beta1 as f64, self.beta2 as f64);
-        let bc1 = 1.0 - b1.powi(t as i32);
-        let bc2_sqrt = (1.0 - b2.powi(t as i32)).sqrt() as f32;
-        let step_size = (lr as f64 / bc1) as f32;
-        let decay = 1.0 - lr * weight_decay;
-        let (one_m_b1, b2f, one_m_b2, eps) =
-            (1.0 - self.beta1, self.beta2, 1.0 - self.beta2, self.eps);
+        let step = self.at_step(t, lr, weight_decay, grad_scale);
         // On the budget pool (as every kernel): a bare parallel iterator would run on rayon's
         // global pool, one thread per core whatever the process's budget.
         tensor::threads::install(|| {
@@ -149,20 +141,59 @@ impl AdamW {
                 .par_chunks_mut(CHUNK)
                 .zip(grads.par_chunks(CHUNK))
                 .zip(m.par_chunks_mut(CHUNK).zip(v.par_chunks_mut(CHUNK)))
-                .for_each(|((p, g), (m, v))| {
-                    // Zipped iterators (no index bounds checks) let the loop vectorise; each
-                    // element sees the same operations in the same order as before.
-                    for (((p, &g), m), v) in p.iter_mut().zip(g).zip(m.iter_mut()).zip(v.iter_mut())
-                    {
-                        let gi = g * grad_scale;
-                        *p *= decay;
-                        *m += one_m_b1 * (gi - *m);
-                        *v = *v * b2f + one_m_b2 * gi * gi;
-                        let denom = v.sqrt() / bc2_sqrt + eps;
-                        *p -= step_size * (*m / denom);
-                    }
-                })
+                .for_each(|((p, g), (m, v))| step.apply(p, g, m, v))
         });
+    }
+
+    /// The update's scalars at step `t` (already incremented): [`AdamStep::apply`] runs it
+    /// on the calling thread, for callers that spread their own pieces over the threads.
+    pub fn at_step(&self, t: u64, lr: f32, weight_decay: f32, grad_scale: f32) -> AdamStep {
+        assert!(t >= 1, "AdamW step counter starts at 1");
+        // Scalars in f64 as torch computes them in Python floats.
+        let (b1, b2) = (self.beta1 as f64, self.beta2 as f64);
+        let bc1 = 1.0 - b1.powi(t as i32);
+        AdamStep {
+            grad_scale,
+            decay: 1.0 - lr * weight_decay,
+            one_m_b1: 1.0 - self.beta1,
+            b2: self.beta2,
+            one_m_b2: 1.0 - self.beta2,
+            eps: self.eps,
+            bc2_sqrt: (1.0 - b2.powi(t as i32)).sqrt() as f32,
+            step_size: (lr as f64 / bc1) as f32,
+        }
+    }
+}
+
+/// One AdamW step's scalars ([`AdamW::at_step`]).
+#[derive(Debug, Clone, Copy)]
+pub struct AdamStep {
+    grad_scale: f32,
+    decay: f32,
+    one_m_b1: f32,
+    b2: f32,
+    one_m_b2: f32,
+    eps: f32,
+    bc2_sqrt: f32,
+    step_size: f32,
+}
+
+impl AdamStep {
+    /// The element-wise update of equally long slices, on the calling thread:
+    /// `g = s·grad; p ← p·(1 − lr·wd); m ← m + (1 − β1)(g − m); v ← β2·v + (1 − β2)·g²;
+    /// p ← p − (lr / (1 − β1ᵗ)) · m / (√v / √(1 − β2ᵗ) + ε)` (torch's AdamW, in its order).
+    pub fn apply(&self, p: &mut [f32], g: &[f32], m: &mut [f32], v: &mut [f32]) {
+        let s = *self;
+        // Zipped iterators (no index bounds checks) let the loop vectorise; each element sees
+        // the same operations in the same order as before.
+        for (((p, &g), m), v) in p.iter_mut().zip(g).zip(m.iter_mut()).zip(v.iter_mut()) {
+            let gi = g * s.grad_scale;
+            *p *= s.decay;
+            *m += s.one_m_b1 * (gi - *m);
+            *v = *v * s.b2 + s.one_m_b2 * gi * gi;
+            let denom = v.sqrt() / s.bc2_sqrt + s.eps;
+            *p -= s.step_size * (*m / denom);
+        }
     }
 }
 

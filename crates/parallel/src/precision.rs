@@ -520,25 +520,35 @@ impl Flat {
 
     /// Stores host values `src` (rounded for 16-bit storage) at `start..` (uploaded to a GPU).
     pub fn write(&mut self, start: usize, src: &[f32]) -> Result<(), TensorError> {
-        self.write_via(start, src, None)
+        let r = start..start + src.len();
+        match self {
+            Flat::F32(v) => v[r].copy_from_slice(src),
+            Flat::Dev(b) => b.m().slice_mut(r).copy_from_host(src)?,
+            Flat::Half { kind, .. } | Flat::DevHalf { kind, .. } => {
+                let kind = *kind;
+                self.store_rounded(start, src.len(), None, |out| kind.downcast(src, out))?;
+            }
+        }
+        Ok(())
     }
 
-    /// [`Flat::write`], a 16-bit GPU buffer's rounded values going up from `stage` (its first
-    /// `src.len()` elements: page-locked memory the caller keeps) on the stage's own stream:
-    /// the call returns once they are rounded into it, the copy engine uploads them while the
-    /// host goes on, and the compute stream's later work sees them ([`Staged::upload`]). The
-    /// stage's previous upload has finished before it is written again. Other storage does
-    /// not use it.
-    pub fn write_via(
+    /// Stores 16-bit values `f` writes into a slice of `n` elements at `start..`: on the host
+    /// straight into the bits; on a GPU into `stage` (page-locked, the caller keeps it), which
+    /// then goes up on its own stream — the call returns once `f` has run, the copy engine
+    /// uploads while the host goes on, and the compute stream's later work sees the values
+    /// ([`Staged::upload`]; the stage's previous upload has finished before `f` writes it) —
+    /// or without a stage through a vector. An error for fp32 storage.
+    pub fn store_rounded(
         &mut self,
         start: usize,
-        src: &[f32],
+        n: usize,
         stage: Option<&mut Staged<u16>>,
+        f: impl FnOnce(&mut [u16]),
     ) -> Result<(), TensorError> {
-        let r = start..start + src.len();
+        let r = start..start + n;
         match (self, stage) {
-            (Flat::DevHalf { kind, bits }, Some(stage)) => {
-                let n = src.len();
+            (Flat::Half { bits, .. }, _) => f(&mut bits[r]),
+            (Flat::DevHalf { bits, .. }, Some(stage)) => {
                 let h = stage.host()?;
                 if h.len() < n {
                     return Err(TensorError::Shape(format!(
@@ -546,16 +556,18 @@ impl Flat {
                         h.len()
                     )));
                 }
-                kind.downcast(src, &mut h[..n]);
+                f(&mut h[..n]);
                 stage.upload(0..n, bits.slice_mut(r))?;
             }
-            (Flat::F32(v), _) => v[r].copy_from_slice(src),
-            (Flat::Half { kind, bits }, _) => kind.downcast(src, &mut bits[r]),
-            (Flat::Dev(b), _) => b.m().slice_mut(r).copy_from_host(src)?,
-            (Flat::DevHalf { kind, bits }, None) => {
-                let mut h = vec![0u16; src.len()];
-                kind.downcast(src, &mut h);
+            (Flat::DevHalf { bits, .. }, None) => {
+                let mut h = vec![0u16; n];
+                f(&mut h);
                 bits.slice_mut(r).copy_from_host(&h)?;
+            }
+            (Flat::F32(_) | Flat::Dev(_), _) => {
+                return Err(TensorError::Shape(
+                    "16-bit values stored into fp32 weights".into(),
+                ))
             }
         }
         Ok(())

@@ -8,6 +8,7 @@ use comm::ProcessGroup;
 use tensor::buf::{Buf, BufMut, BufRef};
 use tensor::cuda::ops::{adamw, AdamScalars};
 
+use super::offload::adamw_from_bits;
 use super::run::terr;
 use super::{Executor, F32};
 use crate::data_parallel::ZeroStage;
@@ -164,42 +165,46 @@ impl<M: StageModel> Executor<M> {
                     .master
                     .as_host_mut("the master weights")
                     .map_err(terr)?[mr.clone()];
-                // Offloaded from a GPU, chunks of DEVICE_CHUNK: each costs a copy (or, with
-                // landed gradients, an upload), whose fixed cost 64 Ki elements would not
-                // amortise.
+                // Offloaded from a GPU, chunks of DEVICE_CHUNK: each costs a copy, whose fixed
+                // cost 64 Ki elements would not amortise.
                 let chunk = if self.cfg.device.is_cuda() {
                     DEVICE_CHUNK
                 } else {
                     CHUNK
                 };
+                let n = master.len();
                 // 16-bit weights under ZeRO-Offload: the gradients landed on the host during
-                // the backward ([`super::offload`]); on a GPU each chunk's weights go up from
-                // a page-locked stage while the next chunk is updated.
-                let (landed, uploads) = match &mut self.offload {
-                    Some(t) => match t.landed(grads)? {
-                        (bits, Some([a, b])) => (Some(bits), [Some(a), Some(b)]),
-                        (bits, None) => (Some(bits), [None, None]),
-                    },
-                    None => (None, [None, None]),
-                };
-                let kind = self.cfg.precision.half();
-                let [a, b] = uploads;
+                // the backward ([`super::offload`]); each chunk (DEVICE_CHUNK on either
+                // device: nothing of its size is allocated) widened, updated and rounded in
+                // one pass over the thread budget, and on a GPU its weights go up from a
+                // page-locked stage while the next chunk is updated.
+                if let (Some(traffic), Some(kind)) = (&mut self.offload, self.cfg.precision.half())
+                {
+                    let (bits, mut uploads) = traffic.landed(grads)?;
+                    let ranges = (0..n)
+                        .step_by(DEVICE_CHUNK)
+                        .map(|s| s..(s + DEVICE_CHUNK).min(n));
+                    for (i, r) in ranges.enumerate() {
+                        let stage = uploads.as_deref_mut().map(|u| &mut u[i % 2]);
+                        let (s, e) = (r.start, r.end);
+                        params.store_rounded(pr.start + s, r.len(), stage, |out| {
+                            let state = (&mut master[s..e], &mut m[s..e], &mut v[s..e]);
+                            let step = (t, lr, factor);
+                            adamw_from_bits(kind, &opt, step, &bits[r], state, out)
+                        })?;
+                    }
+                    return Ok(());
+                }
                 let grads: &Bucketed = grads;
                 pipelined_chunks(
-                    master.len(),
+                    n,
                     chunk,
-                    [(Vec::new(), a), (Vec::new(), b)],
-                    |r, (g, _)| {
+                    [Vec::new(), Vec::new()],
+                    |r, g| {
                         g.resize(r.len(), 0.0);
-                        match (landed, kind) {
-                            (Some(bits), Some(kind)) => {
-                                kind.upcast(&bits[r], g);
-                                Ok(())
-                            }
-                            _ => grads.read_into(gr.start + r.start..gr.start + r.end, g),
-                        }
+                        grads.read_into(gr.start + r.start..gr.start + r.end, g)
                     },
-                    |r, (g, stage)| {
+                    |r, g| {
                         let (s, e) = (r.start, r.end);
                         opt.update_scaled(
                             t,
@@ -211,7 +216,7 @@ impl<M: StageModel> Executor<M> {
                             &mut m[s..e],
                             &mut v[s..e],
                         );
-                        params.write_via(pr.start + s, &master[s..e], stage.as_deref_mut())
+                        params.write(pr.start + s, &master[s..e])
                     },
                 )
                 .map_err(terr)?;
@@ -289,8 +294,9 @@ impl<M: StageModel> Executor<M> {
 /// Runs `update` over the chunks `0..n` (`chunk` elements each, the last shorter) of a
 /// buffer whose values `read` fetches, with the read of the next chunk overlapping the update
 /// of this one: `read` runs on a second thread, a chunk ahead, into one of the two buffers
-/// `bufs` handed back and forth (host vectors `read` sizes, and their page-locked staging). ZeRO-Offload's step from a GPU: the copy engine downloads chunk
-/// i + 1 while the cores run AdamW on chunk i and chunk i's weights go back up. The chunks
+/// `bufs` handed back and forth (host vectors `read` sizes). An fp32 ZeRO-Offload step from
+/// a GPU: the copy engine downloads chunk i + 1 while the cores run AdamW on chunk i and
+/// chunk i's weights go back up. The chunks
 /// are updated in order, each exactly as without the overlap; the first error of either
 /// side ends the loop (the reader stops when the updater has gone).
 fn pipelined_chunks<B: Send, E: Send>(
