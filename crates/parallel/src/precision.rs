@@ -113,17 +113,6 @@ pub enum Landing {
 }
 
 impl Landing {
-    pub fn len(&self) -> usize {
-        match self {
-            Landing::Host(v) => v.len(),
-            Landing::Gpu(s) => s.len(),
-        }
-    }
-
-    pub fn is_empty(&self) -> bool {
-        self.len() == 0
-    }
-
     /// The landed bits, once every queued landing has finished.
     pub fn host(&mut self) -> Result<&[u16], TensorError> {
         Ok(match self {

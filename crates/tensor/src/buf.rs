@@ -256,8 +256,7 @@ impl Buf {
         match &mut self {
             Buf::Host(v) => f(v)?,
             Buf::Cuda(d) => {
-                let mut s = d.gpu().host_scratch(d.len()).map_err(TensorError::from)?;
-                d.as_slice().read_into(&mut s).map_err(TensorError::from)?;
+                let mut s = d.as_slice().to_scratch().map_err(TensorError::from)?;
                 f(&mut s)?;
                 d.copy_from_host(&s).map_err(TensorError::from)?;
             }
@@ -282,10 +281,7 @@ impl Buf {
             }
             Buf::Cuda(d) => {
                 let gpu = d.gpu().clone();
-                let mut input = gpu.host_scratch(d.len()).map_err(TensorError::from)?;
-                d.as_slice()
-                    .read_into(&mut input)
-                    .map_err(TensorError::from)?;
+                let input = d.as_slice().to_scratch().map_err(TensorError::from)?;
                 drop(d);
                 let mut out = gpu.host_scratch(out_len).map_err(TensorError::from)?;
                 f(&input, &mut out)?;

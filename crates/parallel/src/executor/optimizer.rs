@@ -165,13 +165,6 @@ impl<M: StageModel> Executor<M> {
                     .master
                     .as_host_mut("the master weights")
                     .map_err(terr)?[mr.clone()];
-                // Offloaded from a GPU, chunks of DEVICE_CHUNK: each costs a copy, whose fixed
-                // cost 64 Ki elements would not amortise.
-                let chunk = if self.cfg.device.is_cuda() {
-                    DEVICE_CHUNK
-                } else {
-                    CHUNK
-                };
                 let n = master.len();
                 // 16-bit weights under ZeRO-Offload: the gradients landed on the host during
                 // the backward ([`super::offload`]); each chunk (DEVICE_CHUNK on either
@@ -195,6 +188,13 @@ impl<M: StageModel> Executor<M> {
                     }
                     return Ok(());
                 }
+                // Offloaded from a GPU, chunks of DEVICE_CHUNK: each costs a copy, whose fixed
+                // cost 64 Ki elements would not amortise.
+                let chunk = if self.cfg.device.is_cuda() {
+                    DEVICE_CHUNK
+                } else {
+                    CHUNK
+                };
                 let grads: &Bucketed = grads;
                 pipelined_chunks(
                     n,

@@ -439,11 +439,9 @@ impl<M: StageModel> Executor<M> {
             })?;
             return match staged {
                 Buf::Host(v) => Ok(HostGrads::Vec(v)),
-                Buf::Cuda(d) => {
-                    let mut s = d.gpu().host_scratch(d.len()).map_err(|e| terr(e.into()))?;
-                    d.as_slice().read_into(&mut s).map_err(|e| terr(e.into()))?;
-                    Ok(HostGrads::Pinned(s))
-                }
+                Buf::Cuda(d) => Ok(HostGrads::Pinned(
+                    d.as_slice().to_scratch().map_err(|e| terr(e.into()))?,
+                )),
             };
         }
         let range = self.buckets[b].range.clone();

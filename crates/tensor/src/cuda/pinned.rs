@@ -124,6 +124,16 @@ impl Gpu {
     }
 }
 
+impl super::DevSlice<'_, f32> {
+    /// The range's values downloaded into page-locked scratch of its GPU's pool
+    /// ([`Gpu::host_scratch`]; waits for the stream).
+    pub fn to_scratch(&self) -> Result<HostScratch, CudaError> {
+        let mut s = self.gpu().host_scratch(self.len())?;
+        self.read_into(&mut s)?;
+        Ok(s)
+    }
+}
+
 /// Page-locked `f32` host memory lent by a GPU's pool ([`Gpu::host_scratch`]): where ranks
 /// share a GPU, the own engine stages a GPU buffer's values through one for a collective that
 /// runs over the host transports — the copy engine writes and reads it directly, and the
