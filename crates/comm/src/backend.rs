@@ -38,10 +38,12 @@ dispatch! {
     fn reduce_scatter<T>(&mut self, input: &[T], output: &mut [T], op: ReduceOp) -> Result<()>;
     fn all_gather<T>(&mut self, input: &[T], output: &mut [T]) -> Result<()>;
     fn all_gather_v<T>(&mut self, input: &[T]) -> Result<(Vec<T>, Vec<usize>)>;
+    fn all_gather_v_into<T>(&mut self, input: &[T], output: &mut [T]) -> Result<Vec<usize>>;
     fn gather<T>(&mut self, input: &[T], output: Option<&mut [T]>, root: usize) -> Result<()>;
     fn scatter<T>(&mut self, input: Option<&[T]>, output: &mut [T], root: usize) -> Result<()>;
     fn all_to_all<T>(&mut self, input: &[T], output: &mut [T]) -> Result<()>;
     fn all_to_all_v<T>(&mut self, input: &[T], send_counts: &[usize]) -> Result<(Vec<T>, Vec<usize>)>;
+    fn all_to_all_v_into<T>(&mut self, input: &[T], send_counts: &[usize], output: &mut [T]) -> Result<Vec<usize>>;
 }
 
 impl Backend {

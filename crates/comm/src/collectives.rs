@@ -19,7 +19,7 @@ use std::ops::Range;
 use crate::arg_check;
 use crate::element::{reduce_bytes, scale_avg, scale_avg_bytes, Element, ReduceOp, ScaleBytesFn};
 use crate::engine::{Ctx, Engine, Incoming, Outgoing, Sink};
-use crate::error::Result;
+use crate::error::{CommError, Result};
 use crate::single_copy::WriteBack;
 use crate::wire::OpKind;
 
@@ -618,6 +618,37 @@ impl Engine {
     /// All-gather of per-rank inputs of different lengths: returns the concatenation in rank
     /// order and each rank's length.
     pub fn all_gather_v<T: Element>(&mut self, input: &[T]) -> Result<(Vec<T>, Vec<usize>)> {
+        self.all_gather_v_to(input, |total| Ok(vec![T::zeroed(); total]))
+    }
+
+    /// [`Engine::all_gather_v`] into `output`, which must hold the sum of the ranks' lengths;
+    /// returns the lengths.
+    pub fn all_gather_v_into<T: Element>(
+        &mut self,
+        input: &[T],
+        output: &mut [T],
+    ) -> Result<Vec<usize>> {
+        let held = output.len();
+        let fits = |total: usize| match total == held {
+            true => Ok(()),
+            false => Err(CommError::invalid(
+                "all_gather_v",
+                format!("output has {held} elements, the ranks' inputs {total}"),
+            )),
+        };
+        self.all_gather_v_to(input, |total| fits(total).map(|_| output))
+            .map(|(_, counts)| counts)
+    }
+
+    /// All-gather-v into the buffer `output` makes for the total length (phase 1 exchanges
+    /// the lengths). Where `output` refuses (a wrong length), the data still goes round the
+    /// ring through a scratch buffer, so the other ranks finish, and then the refusal is
+    /// returned.
+    fn all_gather_v_to<T: Element, O: AsMut<[T]>>(
+        &mut self,
+        input: &[T],
+        output: impl FnOnce(usize) -> Result<O>,
+    ) -> Result<(O, Vec<usize>)> {
         let (n, r) = (self.size(), self.rank());
         let ctx = self.begin(OpKind::AllGatherV, T::DTYPE, None, 0)?;
         // Phase 1: lengths (as u64) around the ring; phase 2: data with those segments.
@@ -634,14 +665,23 @@ impl Engine {
         for i in 0..n {
             offs[i + 1] = offs[i] + counts[i];
         }
-        let mut out = vec![T::zeroed(); offs[n]];
+        let mut made = output(offs[n]);
+        let mut scratch = Vec::new();
+        let out: &mut [T] = match &mut made {
+            Ok(o) => o.as_mut(),
+            Err(_) => {
+                scratch = vec![T::zeroed(); offs[n]];
+                &mut scratch
+            }
+        };
         out[offs[r]..offs[r + 1]].copy_from_slice(input);
         let segs: Vec<Range<usize>> = (0..n).map(|i| offs[i]..offs[i + 1]).collect();
         let data_ctx = Ctx { count: 1, ..ctx };
         let sc = self.use_single_copy(std::mem::size_of_val(&out[..]));
-        self.ring_all_gather(&data_ctx, &mut out, &segs, 0, sc, n - 1)?;
+        self.ring_all_gather(&data_ctx, out, &segs, 0, sc, n - 1)?;
         self.ring_finish(&data_ctx, sc)?;
-        Ok((out, counts))
+        drop(scratch);
+        Ok((made?, counts))
     }
 
     /// Root receives every rank's `input` (equal lengths) into `output` (n × len, root only).
@@ -710,6 +750,38 @@ impl Engine {
         input: &[T],
         send_counts: &[usize],
     ) -> Result<(Vec<T>, Vec<usize>)> {
+        self.all_to_all_v_to(input, send_counts, |total| Ok(vec![T::zeroed(); total]))
+    }
+
+    /// [`Engine::all_to_all_v`] into `output`, which must hold the sum of what the ranks send
+    /// here; returns the per-rank counts.
+    pub fn all_to_all_v_into<T: Element>(
+        &mut self,
+        input: &[T],
+        send_counts: &[usize],
+        output: &mut [T],
+    ) -> Result<Vec<usize>> {
+        let held = output.len();
+        let fits = |total: usize| match total == held {
+            true => Ok(()),
+            false => Err(CommError::invalid(
+                "all_to_all_v",
+                format!("output has {held} elements, the ranks send {total} here"),
+            )),
+        };
+        self.all_to_all_v_to(input, send_counts, |total| fits(total).map(|_| output))
+            .map(|(_, counts)| counts)
+    }
+
+    /// All-to-all-v into the buffer `output` makes for the received total (the counts are
+    /// exchanged first). Where `output` refuses, the data still moves through a scratch
+    /// buffer, so the other ranks finish, and then the refusal is returned.
+    fn all_to_all_v_to<T: Element, O: AsMut<[T]>>(
+        &mut self,
+        input: &[T],
+        send_counts: &[usize],
+        output: impl FnOnce(usize) -> Result<O>,
+    ) -> Result<(O, Vec<usize>)> {
         let n = self.size();
         arg_check::all_to_all_v(n, input.len(), send_counts)?;
         let ctx = self.begin(OpKind::AllToAllV, T::DTYPE, None, 0)?;
@@ -722,15 +794,25 @@ impl Engine {
         };
         self.all_to_all_blocks(&count_ctx, &sc, &ones, &mut rc, &ones)?;
         let recv_counts: Vec<usize> = rc.iter().map(|&c| c as usize).collect();
-        let mut out = vec![T::zeroed(); recv_counts.iter().sum()];
+        let total = recv_counts.iter().sum();
+        let mut made = output(total);
+        let mut scratch = Vec::new();
+        let out: &mut [T] = match &mut made {
+            Ok(o) => o.as_mut(),
+            Err(_) => {
+                scratch = vec![T::zeroed(); total];
+                &mut scratch
+            }
+        };
         self.all_to_all_blocks(
             &Ctx { count: 1, ..ctx },
             input,
             send_counts,
-            &mut out,
+            out,
             &recv_counts,
         )?;
-        Ok((out, recv_counts))
+        drop(scratch);
+        Ok((made?, recv_counts))
     }
 
     /// All pairwise transfers of an all-to-all at once (the engine interleaves them).

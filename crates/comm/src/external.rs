@@ -16,7 +16,7 @@ use crate::arg_check;
 use crate::collectives::AllReduceAlgo;
 use crate::element::{DType, Element, ReduceOp};
 use crate::engine::Counters;
-use crate::error::Result;
+use crate::error::{CommError, Result};
 use crate::wire::OpKind;
 
 /// Counts a group's operations and the bytes it sends, into its statistics
@@ -242,6 +242,34 @@ pub(crate) fn all_gather_v<T: Element>(
     Ok((from_bytes(&out), counts))
 }
 
+/// [`all_gather_v`] into `output` (the library's result copied; a wrong length an error
+/// after the collective, as on the own engine).
+pub(crate) fn all_gather_v_into<T: Element>(
+    g: &mut dyn ExternalGroup,
+    input: &[T],
+    output: &mut [T],
+) -> Result<Vec<usize>> {
+    let (out, counts) = all_gather_v(g, input)?;
+    copy_whole("all_gather_v", out, output)?;
+    Ok(counts)
+}
+
+/// A collective's result `out` into the caller's `output` of the same length.
+fn copy_whole<T: Element>(op: &str, out: Vec<T>, output: &mut [T]) -> Result<()> {
+    if out.len() != output.len() {
+        return Err(CommError::invalid(
+            op,
+            format!(
+                "output has {} elements, the ranks' data {}",
+                output.len(),
+                out.len()
+            ),
+        ));
+    }
+    output.copy_from_slice(&out);
+    Ok(())
+}
+
 pub(crate) fn gather<T: Element>(
     g: &mut dyn ExternalGroup,
     input: &[T],
@@ -299,4 +327,16 @@ pub(crate) fn all_to_all_v<T: Element>(
     arg_check::all_to_all_v(g.size(), input.len(), send_counts)?;
     let (out, counts) = g.all_to_all_v(T::DTYPE, bytes(input), send_counts)?;
     Ok((from_bytes(&out), counts))
+}
+
+/// [`all_to_all_v`] into `output` (as [`all_gather_v_into`]).
+pub(crate) fn all_to_all_v_into<T: Element>(
+    g: &mut dyn ExternalGroup,
+    input: &[T],
+    send_counts: &[usize],
+    output: &mut [T],
+) -> Result<Vec<usize>> {
+    let (out, counts) = all_to_all_v(g, input, send_counts)?;
+    copy_whole("all_to_all_v", out, output)?;
+    Ok(counts)
 }

@@ -283,31 +283,48 @@ impl ProcessGroup {
         self.run(|e| e.p2p(sends, recvs, tag))
     }
 
-    /// Asynchronous send; the handle gives the buffer back.
-    pub fn isend<T: Element>(&self, buf: Vec<T>, dst: usize, tag: u32) -> Work<Vec<T>> {
-        self.submit(move |e| e.p2p(&[(dst, &buf[..])], &mut [], tag).map(|_| buf))
+    /// Asynchronous send of any owned buffer of `T`s (a `Vec`, or page-locked memory a GPU's
+    /// copy engine wrote); the handle gives the buffer back.
+    pub fn isend<T: Element, B: AsRef<[T]> + Send + 'static>(
+        &self,
+        buf: B,
+        dst: usize,
+        tag: u32,
+    ) -> Work<B> {
+        self.submit(move |e| e.p2p(&[(dst, buf.as_ref())], &mut [], tag).map(|_| buf))
     }
 
-    /// Asynchronous receive into `buf` (its length is the expected length).
-    pub fn irecv<T: Element>(&self, mut buf: Vec<T>, src: usize, tag: u32) -> Work<Vec<T>> {
+    /// Asynchronous receive into any owned buffer (its length is the expected length).
+    pub fn irecv<T: Element, B: AsMut<[T]> + Send + 'static>(
+        &self,
+        mut buf: B,
+        src: usize,
+        tag: u32,
+    ) -> Work<B> {
         self.submit(move |e| {
-            e.p2p::<T>(&[], &mut [(src, &mut buf[..])], tag)
+            e.p2p::<T>(&[], &mut [(src, buf.as_mut())], tag)
                 .map(|_| buf)
         })
     }
 
-    /// Asynchronous batched exchange; returns the receive buffers, filled, in order.
-    pub fn send_recv_async<T: Element>(
+    /// Asynchronous batched exchange of owned buffers; returns the receive buffers, filled,
+    /// in order.
+    pub fn send_recv_async<T, S, R>(
         &self,
-        sends: Vec<(usize, Vec<T>)>,
-        recvs: Vec<(usize, Vec<T>)>,
+        sends: Vec<(usize, S)>,
+        recvs: Vec<(usize, R)>,
         tag: u32,
-    ) -> Work<Vec<Vec<T>>> {
+    ) -> Work<Vec<R>>
+    where
+        T: Element,
+        S: AsRef<[T]> + Send + 'static,
+        R: AsMut<[T]> + Send + 'static,
+    {
         self.submit(move |e| {
-            let s: Vec<(usize, &[T])> = sends.iter().map(|(p, b)| (*p, &b[..])).collect();
+            let s: Vec<(usize, &[T])> = sends.iter().map(|(p, b)| (*p, b.as_ref())).collect();
             let mut recvs = recvs;
             let mut r: Vec<(usize, &mut [T])> =
-                recvs.iter_mut().map(|(p, b)| (*p, &mut b[..])).collect();
+                recvs.iter_mut().map(|(p, b)| (*p, b.as_mut())).collect();
             e.p2p(&s, &mut r, tag)?;
             Ok(recvs.into_iter().map(|(_, b)| b).collect())
         })
@@ -473,6 +490,26 @@ impl ProcessGroup {
         self.submit(move |e| e.all_gather_v(&input))
     }
 
+    /// [`ProcessGroup::all_gather_v`] into `output`, whose length the caller knows (the sum
+    /// of the ranks' lengths: an error otherwise); both any owned buffers of `T`s (`Vec`s, or
+    /// page-locked memory a GPU's copy engine reads and writes). Gives back the input, the
+    /// filled output and the ranks' lengths.
+    pub fn all_gather_v_into_async<T, I, O>(
+        &self,
+        input: I,
+        mut output: O,
+    ) -> Work<(I, O, Vec<usize>)>
+    where
+        T: Element,
+        I: AsRef<[T]> + Send + 'static,
+        O: AsMut<[T]> + Send + 'static,
+    {
+        self.submit(move |e| {
+            let counts = e.all_gather_v_into(input.as_ref(), output.as_mut())?;
+            Ok((input, output, counts))
+        })
+    }
+
     /// `root` receives every rank's `input` (equal lengths) into `output` (size × len).
     pub fn gather<T: Element>(
         &self,
@@ -546,6 +583,27 @@ impl ProcessGroup {
         send_counts: Vec<usize>,
     ) -> Work<(Vec<T>, Vec<usize>)> {
         self.submit(move |e| e.all_to_all_v(&input, &send_counts))
+    }
+
+    /// [`ProcessGroup::all_to_all_v`] into `output`, whose length the caller knows (the sum
+    /// of what the ranks send here: an error otherwise); both any owned buffers of `T`s (as
+    /// [`ProcessGroup::all_gather_v_into_async`]). Gives back the input, the filled output
+    /// and the per-rank received counts.
+    pub fn all_to_all_v_into_async<T, I, O>(
+        &self,
+        input: I,
+        send_counts: Vec<usize>,
+        mut output: O,
+    ) -> Work<(I, O, Vec<usize>)>
+    where
+        T: Element,
+        I: AsRef<[T]> + Send + 'static,
+        O: AsMut<[T]> + Send + 'static,
+    {
+        self.submit(move |e| {
+            let counts = e.all_to_all_v_into(input.as_ref(), &send_counts, output.as_mut())?;
+            Ok((input, output, counts))
+        })
     }
 
     /// Returns once every rank of the group has entered the barrier.

@@ -121,6 +121,15 @@ fn check_type<T: Small>(c: &mut Checker, own: &ProcessGroup, mpi: &ProcessGroup)
         c.same(&format!("all_gather_v {w}"), own, mpi, |g| {
             g.all_gather_v(&input::<T>(r, len + r, 7)).unwrap()
         });
+        c.same(&format!("all_gather_v_into {w}"), own, mpi, |g| {
+            let total = (0..n).map(|q| len + q).sum();
+            let out = vec![T::small(0); total];
+            let (_, out, counts) = g
+                .all_gather_v_into_async(input::<T>(r, len + r, 7), out)
+                .wait()
+                .unwrap();
+            (out, counts)
+        });
         c.same(&format!("gather {w}"), own, mpi, |g| {
             g.gather_async(input::<T>(r, len, 8), 0).wait().unwrap()
         });
@@ -139,6 +148,16 @@ fn check_type<T: Small>(c: &mut Checker, own: &ProcessGroup, mpi: &ProcessGroup)
             let counts: Vec<usize> = (0..n).map(|p| (len + r + 2 * p) % 7).collect();
             let data = input::<T>(r, counts.iter().sum(), 11);
             g.all_to_all_v(&data, &counts).unwrap()
+        });
+        c.same(&format!("all_to_all_v_into {w}"), own, mpi, |g| {
+            let counts: Vec<usize> = (0..n).map(|p| (len + r + 2 * p) % 7).collect();
+            let data = input::<T>(r, counts.iter().sum(), 11);
+            let total = (0..n).map(|q| (len + q + 2 * r) % 7).sum();
+            let (_, out, got) = g
+                .all_to_all_v_into_async(data, counts, vec![T::small(0); total])
+                .wait()
+                .unwrap();
+            (out, got)
         });
         if n > 1 {
             c.same(&format!("ring shift {w}"), own, mpi, |g| {

@@ -16,7 +16,7 @@ use std::ops::Range;
 use half::slice::HalfFloatSliceExt;
 use half::{bf16, f16};
 use serde::{Deserialize, Serialize};
-use tensor::buf::{Buf, BufMut, BufRef, Dev};
+use tensor::buf::{Buf, BufMut, BufRef, Dev, HostBuf};
 use tensor::cuda::{DevBuf, DevSlice, DevSliceMut, NcclBufMut, Staged};
 use tensor::dtype::DType;
 use tensor::TensorError;
@@ -272,6 +272,14 @@ impl Flat {
             Flat::Half { bits, .. } => bits.len(),
             Flat::Dev(b) => b.len(),
             Flat::DevHalf { bits, .. } => bits.len(),
+        }
+    }
+
+    /// The 16-bit format of the storage (`None`: fp32).
+    pub fn half(&self) -> Option<Half> {
+        match self {
+            Flat::F32(_) | Flat::Dev(_) => None,
+            Flat::Half { kind, .. } | Flat::DevHalf { kind, .. } => Some(*kind),
         }
     }
 
@@ -600,19 +608,48 @@ impl Flat {
         }
     }
 
-    /// Elements `r` as a piece to send in the buffer's own precision (16-bit: half the bytes;
-    /// downloaded from a GPU).
+    /// Elements `r` as a piece to send in the buffer's own precision (16-bit: half the bytes),
+    /// in host memory for the host transports: a vector on the CPU, from a GPU downloaded into
+    /// page-locked scratch ([`HostBuf`]).
     pub fn piece(&self, r: Range<usize>) -> Result<Piece, TensorError> {
         let half = |kind: Half, bits: &[u16]| match kind {
-            Half::Bf16 => Piece::Bf16(bytemuck::cast_slice::<u16, bf16>(bits).to_vec()),
-            Half::F16 => Piece::F16(bytemuck::cast_slice::<u16, f16>(bits).to_vec()),
+            Half::Bf16 => Piece::Bf16(HostBuf::Vec(bytemuck::cast_slice(bits).to_vec())),
+            Half::F16 => Piece::F16(HostBuf::Vec(bytemuck::cast_slice(bits).to_vec())),
         };
         Ok(match self {
-            Flat::F32(v) => Piece::F32(v[r].to_vec()),
+            Flat::F32(v) => Piece::F32(HostBuf::Vec(v[r].to_vec())),
             Flat::Half { kind, bits } => half(*kind, &bits[r]),
-            Flat::Dev(b) => Piece::F32(b.r().slice(r).to_vec()?),
-            Flat::DevHalf { kind, bits } => half(*kind, &bits.slice(r).to_host()?),
+            Flat::Dev(b) => Piece::F32(b.r().slice(r).to_host_buf()?),
+            Flat::DevHalf { kind, bits } => {
+                let mut out = Piece::staging(Some(*kind), &Dev::Cuda(bits.gpu().clone()), r.len())?;
+                bits.slice(r).read_into(out.bits_mut().expect("16-bit"))?;
+                out
+            }
         })
+    }
+
+    /// Stores `piece` (values in this buffer's own precision, as [`Flat::piece`] gives them)
+    /// at `start..`, bit for bit: uploaded to a GPU. An error where the precisions differ.
+    pub fn write_piece(&mut self, start: usize, piece: &Piece) -> Result<(), TensorError> {
+        let r = start..start + piece.len();
+        match (self, piece) {
+            (Flat::F32(v), Piece::F32(p)) => v[r].copy_from_slice(p),
+            (Flat::Dev(b), Piece::F32(p)) => b.m().slice_mut(r).copy_from_host(p)?,
+            (Flat::Half { kind, bits }, p) if p.half() == Some(*kind) => {
+                bits[r].copy_from_slice(p.bits().expect("16-bit"))
+            }
+            (Flat::DevHalf { kind, bits }, p) if p.half() == Some(*kind) => bits
+                .slice_mut(r)
+                .copy_from_host(p.bits().expect("16-bit"))?,
+            (flat, p) => {
+                return Err(TensorError::Config(format!(
+                    "a piece of {:?} values written into {:?} storage",
+                    p.half(),
+                    flat.half()
+                )))
+            }
+        }
+        Ok(())
     }
 
     /// This buffer on device `dev`: itself on the CPU, uploaded (16-bit storage as its bits)
@@ -632,14 +669,25 @@ impl Flat {
     }
 }
 
-/// Values on the wire in the buffer's own precision.
+/// Values on the wire in the buffer's own precision, in host memory for the host transports
+/// ([`HostBuf`]: a vector on the CPU, page-locked scratch for a GPU's).
 pub enum Piece {
-    F32(Vec<f32>),
-    Bf16(Vec<bf16>),
-    F16(Vec<f16>),
+    F32(HostBuf<f32>),
+    Bf16(HostBuf<bf16>),
+    F16(HostBuf<f16>),
 }
 
 impl Piece {
+    /// `n` elements of host memory for staging `dev`'s values of the format `half` (fp32
+    /// where `None`), to be written whole ([`Dev::host_buf`]).
+    pub fn staging(half: Option<Half>, dev: &Dev, n: usize) -> Result<Piece, TensorError> {
+        Ok(match half {
+            None => Piece::F32(dev.host_buf(n)?),
+            Some(Half::Bf16) => Piece::Bf16(dev.host_buf(n)?),
+            Some(Half::F16) => Piece::F16(dev.host_buf(n)?),
+        })
+    }
+
     pub fn len(&self) -> usize {
         match self {
             Piece::F32(v) => v.len(),
@@ -652,6 +700,15 @@ impl Piece {
         self.len() == 0
     }
 
+    /// The 16-bit format (`None`: fp32).
+    pub fn half(&self) -> Option<Half> {
+        match self {
+            Piece::F32(_) => None,
+            Piece::Bf16(_) => Some(Half::Bf16),
+            Piece::F16(_) => Some(Half::F16),
+        }
+    }
+
     /// Bytes per element.
     pub fn elem_bytes(&self) -> usize {
         match self {
@@ -660,20 +717,41 @@ impl Piece {
         }
     }
 
-    /// As fp32 (16-bit values widen exactly).
-    pub fn into_f32(self) -> Vec<f32> {
+    /// The bit patterns of 16-bit values (`None` for fp32).
+    pub fn bits(&self) -> Option<&[u16]> {
         match self {
-            Piece::F32(v) => v,
-            Piece::Bf16(v) => {
-                let mut out = vec![0.0; v.len()];
-                Half::Bf16.upcast(bytemuck::cast_slice(&v), &mut out);
-                out
+            Piece::F32(_) => None,
+            Piece::Bf16(v) => Some(bytemuck::cast_slice(v)),
+            Piece::F16(v) => Some(bytemuck::cast_slice(v)),
+        }
+    }
+
+    fn bits_mut(&mut self) -> Option<&mut [u16]> {
+        match self {
+            Piece::F32(_) => None,
+            Piece::Bf16(v) => Some(bytemuck::cast_slice_mut(v)),
+            Piece::F16(v) => Some(bytemuck::cast_slice_mut(v)),
+        }
+    }
+
+    /// As fp32 on `dev` (16-bit values widen exactly): widened on the host for the CPU; for
+    /// a GPU uploaded in their own precision (half the bytes) and widened there.
+    pub fn into_f32_buf(self, dev: &Dev) -> Result<Buf, TensorError> {
+        let kind = match (self.half(), dev) {
+            (None, _) => {
+                let Piece::F32(v) = self else { unreachable!() };
+                return dev.from_host(v);
             }
-            Piece::F16(v) => {
-                let mut out = vec![0.0; v.len()];
-                Half::F16.upcast(bytemuck::cast_slice(&v), &mut out);
-                out
+            (Some(kind), _) => kind,
+        };
+        let bits = self.bits().expect("16-bit");
+        match dev {
+            Dev::Cpu => {
+                let mut out = vec![0.0; bits.len()];
+                kind.upcast(bits, &mut out);
+                Ok(Buf::Host(out))
             }
+            Dev::Cuda(g) => kind.widen_dev(g.upload(bits)?.as_slice()),
         }
     }
 }
@@ -1072,8 +1150,18 @@ mod tests {
             assert_eq!(f.read(0..3).unwrap(), vec![1.0, 2.0, 3.0], "{p:?}");
             f.update(0..1, |g| g[0] += 1.0 / 128.0).unwrap();
             assert_eq!(f.read(0..1).unwrap(), vec![1.0 + 1.0 / 128.0]);
-            assert_eq!(f.piece(1..3).unwrap().into_f32(), vec![2.0, 3.0]);
-            assert_eq!(f.try_sq_sum(1..3).unwrap(), 13.0);
+            let piece = f.piece(1..3).unwrap();
+            assert_eq!((piece.half(), piece.elem_bytes()), (p.half(), 2));
+            // Written back bit for bit, elsewhere in the buffer.
+            f.write_piece(0, &piece).unwrap();
+            assert_eq!(f.read(0..3).unwrap(), vec![2.0, 3.0, 3.0], "{p:?}");
+            assert_eq!(
+                piece.into_f32_buf(&Dev::Cpu).unwrap().into_vec().unwrap(),
+                vec![2.0, 3.0]
+            );
+            let other = Flat::zeros(2, Precision::Fp32).piece(0..2).unwrap();
+            assert!(f.write_piece(0, &other).is_err(), "precisions differ");
+            assert_eq!(f.try_sq_sum(1..3).unwrap(), 18.0);
         }
         let mut g = Flat::zeros(2, Precision::Fp32);
         g.write(0, &[0.1, 0.2]).unwrap();

@@ -20,18 +20,30 @@ pub enum Dev {
     Cuda(Arc<Gpu>),
 }
 
-/// fp32 host memory through which a device's buffers are staged ([`Dev::host_zeros`]):
-/// page-locked for a GPU ([`crate::cuda::Pinned`]: its copies run at the link's speed, with
-/// no staging by the driver), an ordinary vector for the CPU; a slice either way.
+/// Host memory through which a device's buffers are staged for the host transports (a
+/// collective, a pipeline message): an ordinary vector for the CPU (a host buffer's own
+/// allocation where one is handed over: no copy), page-locked scratch of the GPU's pool for a
+/// GPU ([`crate::cuda::HostScratch`]: the copy engine reads and writes it directly, at the
+/// link's speed, and the collective works on it in place). A slice either way.
 #[derive(Debug)]
-pub enum HostBuf {
-    Vec(Vec<f32>),
-    Pinned(crate::cuda::Pinned<f32>),
+pub enum HostBuf<T: Copy = f32> {
+    Vec(Vec<T>),
+    Pinned(crate::cuda::HostScratch<T>),
 }
 
-impl std::ops::Deref for HostBuf {
-    type Target = [f32];
-    fn deref(&self) -> &[f32] {
+impl<T: Copy> HostBuf<T> {
+    /// The values as a vector: the vector itself, or a copy of the scratch.
+    pub fn into_vec(self) -> Vec<T> {
+        match self {
+            HostBuf::Vec(v) => v,
+            HostBuf::Pinned(p) => p.to_vec(),
+        }
+    }
+}
+
+impl<T: Copy> std::ops::Deref for HostBuf<T> {
+    type Target = [T];
+    fn deref(&self) -> &[T] {
         match self {
             HostBuf::Vec(v) => v,
             HostBuf::Pinned(p) => p,
@@ -39,12 +51,24 @@ impl std::ops::Deref for HostBuf {
     }
 }
 
-impl std::ops::DerefMut for HostBuf {
-    fn deref_mut(&mut self) -> &mut [f32] {
+impl<T: Copy> std::ops::DerefMut for HostBuf<T> {
+    fn deref_mut(&mut self) -> &mut [T] {
         match self {
             HostBuf::Vec(v) => v,
             HostBuf::Pinned(p) => p,
         }
+    }
+}
+
+impl<T: Copy> AsRef<[T]> for HostBuf<T> {
+    fn as_ref(&self) -> &[T] {
+        self
+    }
+}
+
+impl<T: Copy> AsMut<[T]> for HostBuf<T> {
+    fn as_mut(&mut self) -> &mut [T] {
+        self
     }
 }
 
@@ -115,10 +139,30 @@ impl Dev {
 
     /// `n` zeros in host memory for staging this device's buffers ([`HostBuf`]):
     /// page-locked for a GPU, an ordinary vector for the CPU.
-    pub fn host_zeros(&self, n: usize) -> Result<HostBuf, TensorError> {
+    pub fn host_zeros<T: Copy + Default>(&self, n: usize) -> Result<HostBuf<T>, TensorError> {
+        let mut h = self.host_buf(n)?;
+        if let HostBuf::Pinned(p) = &mut h {
+            p.fill(T::default());
+        }
+        Ok(h)
+    }
+
+    /// `n` elements of host memory for staging this device's buffers, to be written whole
+    /// (a receive, a collective's output): zeros on the CPU; on a GPU page-locked scratch
+    /// holding what its last lease left.
+    pub fn host_buf<T: Copy + Default>(&self, n: usize) -> Result<HostBuf<T>, TensorError> {
         Ok(match self {
-            Dev::Cpu => HostBuf::Vec(vec![0.0; n]),
-            Dev::Cuda(g) => HostBuf::Pinned(g.pinned(n)?),
+            Dev::Cpu => HostBuf::Vec(vec![T::default(); n]),
+            Dev::Cuda(g) => HostBuf::Pinned(g.host_scratch(n)?),
+        })
+    }
+
+    /// Staged values `h` as a buffer on this device: the vector itself on the CPU, uploaded
+    /// to a GPU (one DMA from page-locked scratch).
+    pub fn from_host(&self, h: HostBuf) -> Result<Buf, TensorError> {
+        Ok(match (self, h) {
+            (Dev::Cpu, h) => Buf::Host(h.into_vec()),
+            (Dev::Cuda(g), h) => Buf::Cuda(g.upload(&h)?),
         })
     }
 
@@ -244,6 +288,15 @@ impl Buf {
         }
     }
 
+    /// The values in host memory for the host transports ([`HostBuf`]): the vector itself
+    /// on the CPU; from a GPU downloaded into page-locked scratch of its pool.
+    pub fn into_host_buf(self) -> Result<HostBuf, TensorError> {
+        match self {
+            Buf::Host(v) => Ok(HostBuf::Vec(v)),
+            Buf::Cuda(d) => Ok(HostBuf::Pinned(d.as_slice().to_scratch()?)),
+        }
+    }
+
     /// `f` run in place on the buffer's values in host memory: how host-only code (a
     /// collective over the host transports) serves a device buffer. The vector itself on the
     /// CPU; on a GPU the values go down into page-locked scratch of the GPU's pool
@@ -273,23 +326,12 @@ impl Buf {
         out_len: usize,
         f: impl FnOnce(&[f32], &mut [f32]) -> Result<(), E>,
     ) -> Result<Buf, E> {
-        match self {
-            Buf::Host(v) => {
-                let mut out = vec![0.0; out_len];
-                f(&v, &mut out)?;
-                Ok(Buf::Host(out))
-            }
-            Buf::Cuda(d) => {
-                let gpu = d.gpu().clone();
-                let input = d.as_slice().to_scratch().map_err(TensorError::from)?;
-                drop(d);
-                let mut out = gpu.host_scratch(out_len).map_err(TensorError::from)?;
-                f(&input, &mut out)?;
-                let mut result = gpu.alloc::<f32>(out_len).map_err(TensorError::from)?;
-                result.copy_from_host(&out).map_err(TensorError::from)?;
-                Ok(Buf::Cuda(result))
-            }
-        }
+        let dev = self.dev();
+        let input = self.into_host_buf()?;
+        let mut out = dev.host_buf(out_len)?;
+        f(&input, &mut out)?;
+        drop(input);
+        Ok(dev.from_host(out)?)
     }
 
     /// A copy on the same device.
@@ -388,6 +430,15 @@ impl<'a> BufRef<'a> {
         match self {
             BufRef::Host(s) => Ok(s.to_vec()),
             BufRef::Cuda(s) => Ok(s.to_host()?),
+        }
+    }
+
+    /// The range's values in host memory for the host transports ([`HostBuf`]): a copy in a
+    /// vector on the CPU; from a GPU downloaded into page-locked scratch of its pool.
+    pub fn to_host_buf(self) -> Result<HostBuf, TensorError> {
+        match self {
+            BufRef::Host(s) => Ok(HostBuf::Vec(s.to_vec())),
+            BufRef::Cuda(s) => Ok(HostBuf::Pinned(s.to_scratch()?)),
         }
     }
 

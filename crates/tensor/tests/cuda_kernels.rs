@@ -1587,27 +1587,36 @@ fn pinned_host_memory_copies_both_ways() {
 }
 
 /// The GPU's page-locked scratch pool lends the smallest free buffer that holds a request
-/// (a returned one is lent again, not a new one made), and a GPU buffer's values pass through
-/// it to host code and back: in place (`Buf::on_host`) and into a result of another length
-/// (`Buf::on_host_into`), exactly.
+/// (a returned one is lent again, not a new one made, whatever its element type), and a GPU
+/// buffer's values pass through it to host code and back: in place (`Buf::on_host`), into a
+/// result of another length (`Buf::on_host_into`), and handed over whole (`into_host_buf`,
+/// `to_host_buf`, `Dev::from_host`), exactly; 16-bit values too.
 #[test]
 fn host_scratch_stages_gpu_buffers_for_host_code() {
     let Some(gpu) = gpu("host_scratch_stages_gpu_buffers_for_host_code") else {
         return;
     };
-    let a = gpu.host_scratch(100_000).unwrap();
-    let at = a.as_ptr();
+    let a = gpu.host_scratch::<f32>(100_000).unwrap();
+    let at = a.as_ptr() as usize;
     assert_eq!(a.len(), 100_000);
     drop(a);
-    let b = gpu.host_scratch(70_000).unwrap();
+    let b = gpu.host_scratch::<f32>(70_000).unwrap();
     assert_eq!(
-        (b.as_ptr(), b.len()),
+        (b.as_ptr() as usize, b.len()),
         (at, 70_000),
         "the returned buffer lent again"
     );
-    let c = gpu.host_scratch(70_000).unwrap();
-    assert_ne!(c.as_ptr(), at, "a lent buffer is not lent twice");
+    let c = gpu.host_scratch::<f32>(70_000).unwrap();
+    let ct = c.as_ptr() as usize;
+    assert_ne!(ct, at, "a lent buffer is not lent twice");
     drop((b, c));
+    let h = gpu.host_scratch::<u16>(200_000).unwrap();
+    let ht = h.as_ptr() as usize;
+    assert!(
+        (ht == at || ht == ct) && h.len() == 200_000,
+        "the pool is in bytes: 16-bit elements reuse an fp32 buffer"
+    );
+    drop(h);
     let x = rand(3 << 20, 47);
     let d = Buf::Cuda(gpu.upload(&x).unwrap());
     let d = d
@@ -1628,6 +1637,27 @@ fn host_scratch_stages_gpu_buffers_for_host_code() {
     assert!(matches!(twice, Buf::Cuda(_)));
     let t = twice.to_vec().unwrap();
     assert_eq!((&t[..x.len()], &t[x.len()..]), (&neg[..], &neg[..]));
+    // Handed over whole, as a message or a collective's buffer travels.
+    let part = twice.r().slice(5..x.len() + 5).to_host_buf().unwrap();
+    assert!(matches!(part, tensor::buf::HostBuf::Pinned(_)));
+    assert_eq!(&part[..], &t[5..x.len() + 5]);
+    let dev = twice.dev();
+    let whole = twice.into_host_buf().unwrap();
+    assert!(matches!(whole, tensor::buf::HostBuf::Pinned(_)));
+    let back = dev.from_host(whole).unwrap();
+    assert!(matches!(back, Buf::Cuda(_)));
+    assert_eq!(back.to_vec().unwrap(), t);
+    let z = dev.host_zeros::<f32>(1 << 20).unwrap();
+    assert!(
+        z.iter().all(|&e| e == 0.0),
+        "host_zeros clears a reused buffer"
+    );
+    let bits: Vec<u16> = (0..70_001u32)
+        .map(|i| (i.wrapping_mul(2654435761u32) >> 16) as u16)
+        .collect();
+    let dbits = gpu.upload(&bits).unwrap();
+    let hb = dbits.as_slice().to_scratch().unwrap();
+    assert_eq!(&hb[..], &bits[..]);
 }
 
 /// Staged copies ([`tensor::cuda::Staged`]) run on their own stream yet in the compute

@@ -94,7 +94,19 @@ fn check_data_movement<T: TestElem>(c: &ProcessGroup, seed: u64, lens: &[usize])
         let want: Vec<T> = (0..n).flat_map(|q| input::<T>(q, len + q, seed)).collect();
         assert_eq!(
             (cat, counts),
-            (want, (0..n).map(|q| len + q).collect::<Vec<_>>())
+            (want.clone(), (0..n).map(|q| len + q).collect::<Vec<_>>())
+        );
+        // Into a buffer the caller owns (any owned slice: here a boxed one), given back.
+        let w = c.all_gather_v_into_async(
+            input::<T>(r, len + r, seed).into_boxed_slice(),
+            vec![T::zeroed(); want.len()].into_boxed_slice(),
+        );
+        let (back, cat, counts) = w.wait().unwrap();
+        assert_eq!(&back[..], &input::<T>(r, len + r, seed)[..]);
+        assert_eq!(
+            (&cat[..], counts.len()),
+            (&want[..], n),
+            "all_gather_v_into"
         );
 
         // all_to_all: block j of rank q's input is input(q)[j*len..]; rank r gets block r of all.
@@ -120,6 +132,13 @@ fn check_data_movement<T: TestElem>(c: &ProcessGroup, seed: u64, lens: &[usize])
         }
         assert_eq!(got, want, "all_to_all_v len={len}");
         assert_eq!(rc, (0..n).map(|q| cnt(q, r)).collect::<Vec<_>>());
+        let w = c.all_to_all_v_into_async(
+            input::<T>(r, total, seed),
+            counts.clone(),
+            vec![T::zeroed(); want.len()].into_boxed_slice(),
+        );
+        let (_, got, rc_into) = w.wait().unwrap();
+        assert_eq!((&got[..], &rc_into), (&want[..], &rc), "all_to_all_v_into");
     }
     c.barrier().unwrap();
 }
@@ -460,11 +479,22 @@ fn point_to_point_blocking_async_and_batched_ring_shift() {
                 2,
             );
             assert_eq!(w.wait().unwrap(), vec![input::<i32>(right, 1 << 18, 2)]);
+            // Any owned buffers: the sends boxed, the receives vectors.
+            let w = c.send_recv_async(
+                vec![(left, big.clone().into_boxed_slice())],
+                vec![(right, vec![0i32; 1 << 18])],
+                4,
+            );
+            assert_eq!(w.wait().unwrap(), vec![input::<i32>(right, 1 << 18, 2)]);
             // isend/irecv handles (the worker runs them in order: send first, then receive).
             let s = c.isend(input::<u8>(r, 5, 3), right, 3);
             let q = c.irecv(vec![0u8; 5], left, 3);
             assert_eq!(s.wait().unwrap(), input::<u8>(r, 5, 3));
             assert_eq!(q.wait().unwrap(), input::<u8>(left, 5, 3));
+            let s = c.isend(input::<u8>(r, 6, 5).into_boxed_slice(), right, 5);
+            let q = c.irecv(vec![0u8; 6].into_boxed_slice(), left, 5);
+            assert_eq!(&s.wait().unwrap()[..], &input::<u8>(r, 6, 5)[..]);
+            assert_eq!(&q.wait().unwrap()[..], &input::<u8>(left, 6, 5)[..]);
         });
     }
 }

@@ -199,6 +199,47 @@ fn mismatched_lengths_types_ops_and_roots_are_reported() {
     }
 }
 
+/// An all-gather-v or all-to-all-v into a caller's buffer of the wrong length fails on the
+/// rank that passed it, naming the lengths, while the others get their data: nobody waits for
+/// a rank that gave up, and the group goes on.
+#[test]
+fn a_wrong_output_length_fails_on_its_rank_alone() {
+    run_threads_with(3, opts(TransportKind::Shm, 5_000), |c| {
+        let r = c.rank();
+        let short = usize::from(r == 1);
+        let mine = vec![r as f32; 4];
+        let got = c
+            .all_gather_v_into_async(mine.clone(), vec![0.0f32; 12 - short])
+            .wait();
+        if r == 1 {
+            let e = got.unwrap_err().to_string();
+            assert!(e.contains("all_gather_v") && e.contains("11"), "{e}");
+        } else {
+            let (_, all, counts) = got.unwrap();
+            assert_eq!(
+                all,
+                [0.0, 0.0, 0.0, 0.0, 1.0, 1.0, 1.0, 1.0, 2.0, 2.0, 2.0, 2.0]
+            );
+            assert_eq!(counts, vec![4, 4, 4]);
+        }
+        // Every rank sends 1, 1 and 2 values: rank 2 receives 6, the others 3.
+        let want = if r == 2 { 6 } else { 3 };
+        let got = c
+            .all_to_all_v_into_async(mine, vec![1, 1, 2], vec![0.0f32; want + 2 * short])
+            .wait();
+        if r == 1 {
+            let e = got.unwrap_err().to_string();
+            assert!(e.contains("all_to_all_v") && e.contains('5'), "{e}");
+        } else {
+            let (_, all, counts) = got.unwrap();
+            let each = want / 3;
+            let expect: Vec<f32> = (0..3).flat_map(|q| vec![q as f32; each]).collect();
+            assert_eq!((all, counts), (expect, vec![each; 3]));
+        }
+        c.barrier().unwrap();
+    });
+}
+
 #[test]
 fn bad_arguments_are_errors() {
     run_threads_with(2, opts(TransportKind::Shm, 2_000), |c| {

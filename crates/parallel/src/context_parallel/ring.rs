@@ -35,6 +35,7 @@ use model::layers::SeqPart;
 use model::layers::{Buf, BufMut, BufRef};
 use model::{Documents, ModelError, Result};
 use tensor::attention::{AttnShape, MergeRows};
+use tensor::buf::HostBuf;
 
 use super::{block_calls, CpComm, CpLayout};
 use crate::nccl::{InFlight, NcclGroup, NcclSlot};
@@ -59,7 +60,7 @@ pub struct ContextAttention {
 /// host transports, or over NCCL (joined before the result is read; the buffer it sends is
 /// kept alive by the caller until then).
 enum Shift {
-    Host(comm::Work<Vec<Vec<f32>>>, tensor::buf::Dev),
+    Host(comm::Work<Vec<HostBuf>>, tensor::buf::Dev),
     Nccl { flight: InFlight, recv: Buf },
 }
 
@@ -68,7 +69,7 @@ impl Shift {
     /// `ContextWait`).
     fn finish(self) -> Result<Buf> {
         match self {
-            Shift::Host(w, dev) => Ok(dev.from_vec(received(w)?)?),
+            Shift::Host(w, dev) => Ok(dev.from_host(received(w)?)?),
             Shift::Nccl { flight, recv } => {
                 model::profile::time(model::profile::Kernel::ContextWait, || flight.join())
                     .map_err(|e| {
@@ -321,12 +322,13 @@ impl ContextAttention {
                 recv: Buf::Cuda(recv),
             });
         }
+        let dev = buf.dev();
         let w = group.send_recv_async(
-            vec![(self.next(), buf.to_vec()?)],
-            vec![(self.prev(), vec![0.0; n])],
+            vec![(self.next(), buf.r().to_host_buf()?)],
+            vec![(self.prev(), dev.host_buf(n)?)],
             tag,
         );
-        Ok(Shift::Host(w, buf.dev()))
+        Ok(Shift::Host(w, dev))
     }
 
     /// Every rank's `mine` in rank order, on the device of `mine` (the all-gather variant).
@@ -346,10 +348,11 @@ impl ContextAttention {
             }
             .finish()
         } else {
-            let mut all = vec![0.0f32; mine.len() * cp];
-            let m = mine.to_vec()?;
+            let dev = mine.dev();
+            let m = mine.r().to_host_buf()?;
+            let mut all = dev.host_buf(mine.len() * cp)?;
             waited(|| self.kv.all_gather(&m, &mut all))?;
-            Ok(mine.dev().from_vec(all)?)
+            Ok(dev.from_host(all)?)
         }
     }
 
@@ -368,16 +371,17 @@ impl ContextAttention {
             }
             .finish()
         } else {
-            let a = all.to_vec()?;
-            let mut own = vec![0.0f32; n];
+            let dev = all.dev();
+            let a = all.r().to_host_buf()?;
+            let mut own = dev.host_buf(n)?;
             waited(|| self.kv.reduce_scatter(&a, &mut own, ReduceOp::Sum))?;
-            Ok(all.dev().from_vec(own)?)
+            Ok(dev.from_host(own)?)
         }
     }
 }
 
 /// The buffer a ring shift received (its wait charged to the profile's `ContextWait`).
-fn received(w: comm::Work<Vec<Vec<f32>>>) -> Result<Vec<f32>> {
+fn received(w: comm::Work<Vec<HostBuf>>) -> Result<HostBuf> {
     model::profile::time(model::profile::Kernel::ContextWait, || w.wait())
         .map_err(cerr)?
         .pop()

@@ -10,7 +10,7 @@ use tensor::cuda::ops::{adamw, AdamScalars};
 
 use super::offload::adamw_from_bits;
 use super::run::terr;
-use super::{Executor, F32};
+use super::Executor;
 use crate::data_parallel::ZeroStage;
 use crate::precision::{Bucketed, Flat, CHUNK, DEVICE_CHUNK};
 use crate::stage::StageModel;
@@ -112,12 +112,13 @@ impl<M: StageModel> Executor<M> {
                 self.gather_updated_nccl(&nccl)?;
                 return Ok((norm as f32, true));
             }
-            // All-gather the updated weights unit by unit (buffer bounded by one unit).
+            // All-gather the updated weights unit by unit (buffer bounded by one unit), in
+            // their own precision, written back bit for bit.
             for u in 0..self.units.len() {
                 let w = self.gather_async(u)?;
-                let full = self.finish_gather(u, w)?;
-                self.gathered_bytes.sub(full.len() * F32);
-                self.params.write(self.units[u].start, &full)?;
+                let full = self.finish_gather_piece(u, w)?;
+                self.params.write_piece(self.units[u].start, &full)?;
+                self.gathered_bytes.sub(full.len() * full.elem_bytes());
             }
         }
         Ok((norm as f32, true))

@@ -10,11 +10,10 @@
 use std::collections::HashMap;
 
 use std::ops::Range;
-use tensor::buf::{Buf, BufMut, BufRef, Dev};
+use tensor::buf::{Buf, BufMut, BufRef, Dev, HostBuf};
 
 use comm::{ReduceOp, Work};
 
-use super::run::terr;
 use super::{Executor, TraceKind, F32};
 use crate::data_parallel::grad_comm::GradComm;
 use crate::nccl::{InFlight, NcclGroup};
@@ -23,58 +22,10 @@ use crate::stage::StageModel;
 use crate::ParallelError;
 use comm::compress::Codec;
 
-/// A bucket's fp32 gradients on the host for a collective over the host transports: a
-/// vector (on the CPU the bucket's own allocation, lent), or — from a GPU, ranks sharing it —
-/// page-locked scratch of the GPU's pool, which the copy engine writes and reads directly and
-/// the collective sums in place.
-pub(super) enum HostGrads {
-    Vec(Vec<f32>),
-    Pinned(tensor::cuda::HostScratch),
-}
-
-impl HostGrads {
-    /// The values as a vector: the vector itself, or a copy of the scratch (for the
-    /// reductions that take one: PowerSGD, ZeRO-2/3's pieces).
-    fn into_vec(self) -> Vec<f32> {
-        match self {
-            HostGrads::Vec(v) => v,
-            HostGrads::Pinned(p) => p.to_vec(),
-        }
-    }
-}
-
-impl std::ops::Deref for HostGrads {
-    type Target = [f32];
-    fn deref(&self) -> &[f32] {
-        match self {
-            HostGrads::Vec(v) => v,
-            HostGrads::Pinned(p) => p,
-        }
-    }
-}
-
-impl std::ops::DerefMut for HostGrads {
-    fn deref_mut(&mut self) -> &mut [f32] {
-        match self {
-            HostGrads::Vec(v) => v,
-            HostGrads::Pinned(p) => p,
-        }
-    }
-}
-
-impl AsMut<[f32]> for HostGrads {
-    fn as_mut(&mut self) -> &mut [f32] {
-        self
-    }
-}
-
 /// A reduction in flight.
 pub(super) enum Pending {
     /// Stages 0/1: the bucket's gradients, summed over ranks.
-    AllReduce {
-        bucket: usize,
-        work: Work<HostGrads>,
-    },
+    AllReduce { bucket: usize, work: Work<HostBuf> },
     /// Stages 2/3: the piece of a bucket owned by `root`, summed onto `root`.
     Reduce {
         bucket: usize,
@@ -82,7 +33,7 @@ pub(super) enum Pending {
         range: Range<usize>,
         /// Bytes accounted for this reduction's buffer.
         bytes: usize,
-        work: Work<HostGrads>,
+        work: Work<HostBuf>,
     },
     /// Stages 0/1 under PowerSGD: the bucket's gradients, reduced when drained (its rounds of
     /// products and all-reduces run then, in launch order on every rank).
@@ -125,11 +76,14 @@ impl Pending {
     }
 }
 
-/// A parameter all-gather in flight, in the weights' precision.
+/// A parameter all-gather in flight, in the weights' precision: over the host transports
+/// from this rank's piece into the unit's buffer, both staged in host memory
+/// ([`Piece`]: vectors on the CPU, page-locked scratch for a GPU), with the ranks' lengths;
+/// or over NCCL.
 pub(super) enum Gather {
-    F32(Work<(Vec<f32>, Vec<usize>)>),
-    Bf16(Work<(Vec<half::bf16>, Vec<usize>)>),
-    F16(Work<(Vec<half::f16>, Vec<usize>)>),
+    F32(Work<(HostBuf<f32>, HostBuf<f32>, Vec<usize>)>),
+    Bf16(Work<(HostBuf<half::bf16>, HostBuf<half::bf16>, Vec<usize>)>),
+    F16(Work<(HostBuf<half::f16>, HostBuf<half::f16>, Vec<usize>)>),
     /// Over NCCL, in place in a new GPU buffer of the unit's length.
     Nccl {
         full: Flat,
@@ -179,11 +133,13 @@ impl<M: StageModel> Executor<M> {
         }
         let r = self.units[u].clone();
         let piece = self.own_piece(&r)?;
+        let full = Piece::staging(piece.half(), &self.cfg.device, r.len())?;
         self.gathered_bytes.add(r.len() * piece.elem_bytes());
-        Ok(match piece {
-            Piece::F32(p) => Gather::F32(self.dp.all_gather_v_async(p)),
-            Piece::Bf16(p) => Gather::Bf16(self.dp.all_gather_v_async(p)),
-            Piece::F16(p) => Gather::F16(self.dp.all_gather_v_async(p)),
+        Ok(match (piece, full) {
+            (Piece::F32(p), Piece::F32(f)) => Gather::F32(self.dp.all_gather_v_into_async(p, f)),
+            (Piece::Bf16(p), Piece::Bf16(f)) => Gather::Bf16(self.dp.all_gather_v_into_async(p, f)),
+            (Piece::F16(p), Piece::F16(f)) => Gather::F16(self.dp.all_gather_v_into_async(p, f)),
+            _ => unreachable!("the unit's buffer is staged in the piece's precision"),
         })
     }
 
@@ -242,8 +198,15 @@ impl<M: StageModel> Executor<M> {
             }
             return Ok(full.into_f32_buf()?);
         }
-        let full = self.finish_gather(u, w)?;
-        Ok(self.cfg.device.from_vec(full)?)
+        let full = self.finish_gather_piece(u, w)?;
+        let elem = full.elem_bytes();
+        if elem != F32 {
+            // Widened to fp32 for the kernels; the 16-bit copy is freed right after.
+            let n = full.len();
+            self.gathered_bytes.add(n * F32);
+            self.gathered_bytes.sub(n * elem);
+        }
+        Ok(full.into_f32_buf(&self.cfg.device)?)
     }
 
     /// ZeRO-1/2 after the optimizer step over NCCL: each unit's updated weights gathered in
@@ -262,31 +225,31 @@ impl<M: StageModel> Executor<M> {
         flights.into_iter().try_for_each(InFlight::join)
     }
 
-    /// Waits for unit `u`'s gather and returns its weights in fp32 (accounted until
-    /// [`Self::release`]).
-    pub(super) fn finish_gather(&mut self, u: usize, w: Gather) -> Result<Vec<f32>, ParallelError> {
-        let full = match w {
-            Gather::F32(w) => Piece::F32(w.wait()?.0),
-            Gather::Bf16(w) => Piece::Bf16(w.wait()?.0),
-            Gather::F16(w) => Piece::F16(w.wait()?.0),
-            nccl @ Gather::Nccl { .. } => {
-                return Ok(self.finish_gather_on_device(u, nccl)?.into_vec()?);
+    /// Waits for unit `u`'s gather over the host transports and returns its weights in their
+    /// own precision, staged in host memory (accounted until released); each rank's block
+    /// checked against the layout.
+    pub(super) fn finish_gather_piece(
+        &mut self,
+        u: usize,
+        w: Gather,
+    ) -> Result<Piece, ParallelError> {
+        let (full, counts) = match w {
+            Gather::F32(w) => w.wait().map(|(_, f, c)| (Piece::F32(f), c))?,
+            Gather::Bf16(w) => w.wait().map(|(_, f, c)| (Piece::Bf16(f), c))?,
+            Gather::F16(w) => w.wait().map(|(_, f, c)| (Piece::F16(f), c))?,
+            Gather::Nccl { .. } => {
+                return Err(ParallelError::Protocol(
+                    "an NCCL gather finishes on the device".into(),
+                ))
             }
         };
-        let want = self.units[u].len();
-        if full.len() != want {
+        let want = self.block_counts(&self.units[u]);
+        if counts != want {
             return Err(ParallelError::Protocol(format!(
-                "gathered {} parameters for unit {u}, expected {want}",
-                full.len()
+                "gathered blocks of {counts:?} parameters for unit {u}, expected {want:?}"
             )));
         }
-        let elem = full.elem_bytes();
-        if elem != F32 {
-            // Widened to fp32 for the kernels; the 16-bit copy is freed right after.
-            self.gathered_bytes.add(want * F32);
-            self.gathered_bytes.sub(want * elem);
-        }
-        Ok(full.into_f32())
+        Ok(full)
     }
 
     /// Unit `u`'s parameters as an fp32 copy when they are not used in place: gathered
@@ -323,15 +286,10 @@ impl<M: StageModel> Executor<M> {
     }
 
     /// A copy of `values` for a collective: page-locked scratch on a GPU, a vector on the CPU.
-    fn host_grads(&self, values: &[f32]) -> Result<HostGrads, ParallelError> {
-        Ok(match &self.cfg.device {
-            Dev::Cuda(gpu) => {
-                let mut s = gpu.host_scratch(values.len()).map_err(|e| terr(e.into()))?;
-                s.copy_from_slice(values);
-                HostGrads::Pinned(s)
-            }
-            Dev::Cpu => HostGrads::Vec(values.to_vec()),
-        })
+    fn host_grads(&self, values: &[f32]) -> Result<HostBuf, ParallelError> {
+        let mut h = self.cfg.device.host_buf(values.len())?;
+        h.copy_from_slice(values);
+        Ok(h)
     }
 
     /// Launches the reduction of bucket `b` (its gradients are final).
@@ -432,33 +390,28 @@ impl<M: StageModel> Executor<M> {
     /// staging buffer; else its own fp32 host allocation (lent to the collective, returned in
     /// `drain`), an fp32 host copy (16-bit storage — reductions run in fp32), or from a GPU
     /// page-locked scratch.
-    fn take_bucket(&mut self, b: usize) -> Result<HostGrads, ParallelError> {
+    fn take_bucket(&mut self, b: usize) -> Result<HostBuf, ParallelError> {
         if self.cfg.zero.shards_grads() {
             let staged = self.staging[b].take().ok_or_else(|| {
                 ParallelError::Protocol(format!("bucket {b} has no staged gradients"))
             })?;
-            return match staged {
-                Buf::Host(v) => Ok(HostGrads::Vec(v)),
-                Buf::Cuda(d) => Ok(HostGrads::Pinned(
-                    d.as_slice().to_scratch().map_err(|e| terr(e.into()))?,
-                )),
-            };
+            return Ok(staged.into_host_buf()?);
         }
         let range = self.buckets[b].range.clone();
         let buf = match &self.cfg.device {
             Dev::Cpu if self.grads.is_f32() => {
                 return match self.grads.take(b) {
-                    Some(Flat::F32(v)) => Ok(HostGrads::Vec(v)),
+                    Some(Flat::F32(v)) => Ok(HostBuf::Vec(v)),
                     _ => Err(ParallelError::Protocol(format!(
                         "bucket {b} is already in flight"
                     ))),
                 };
             }
-            Dev::Cpu => HostGrads::Vec(self.grads.read(b, range)?),
-            Dev::Cuda(gpu) => {
-                let mut s = gpu.host_scratch(range.len()).map_err(|e| terr(e.into()))?;
+            Dev::Cpu => HostBuf::Vec(self.grads.read(b, range)?),
+            dev => {
+                let mut s = dev.host_buf(range.len())?;
                 self.grads.read_into(range, &mut s)?;
-                HostGrads::Pinned(s)
+                s
             }
         };
         self.comm_bytes.add(buf.len() * F32);
@@ -471,7 +424,7 @@ impl<M: StageModel> Executor<M> {
     fn reduce_taken(
         &mut self,
         b: usize,
-        buf: HostGrads,
+        buf: HostBuf,
         pending: &mut Vec<Pending>,
         exact: bool,
     ) -> Result<(), ParallelError> {
@@ -526,7 +479,7 @@ impl<M: StageModel> Executor<M> {
             }
         }
         let dp = &self.dp;
-        let reduce = |data: HostGrads, root: usize| match codec {
+        let reduce = |data: HostBuf, root: usize| match codec {
             Some(c) => dp.reduce_compressed_async(data, c, root),
             None => dp.reduce_async(data, ReduceOp::Sum, root),
         };
@@ -619,7 +572,7 @@ impl<M: StageModel> Executor<M> {
 
     /// Puts bucket `b`'s averaged gradients (a whole-bucket fp32 host buffer) in place: back
     /// into its lent allocation, or written (rounded) into its 16-bit or GPU storage.
-    fn store_mean(&mut self, b: usize, mean: HostGrads) -> Result<(), ParallelError> {
+    fn store_mean(&mut self, b: usize, mean: HostBuf) -> Result<(), ParallelError> {
         if self.grads.has(b) {
             let r = self.buckets[b].range.clone();
             self.grads.write(b, r.start, &mean)?;
@@ -673,7 +626,7 @@ impl<M: StageModel> Executor<M> {
                         ParallelError::Protocol("a PowerSGD reduction without its state".into())
                     })?;
                     state.reduce(bucket, &layouts[bucket], &mut buf, &self.dp)?;
-                    self.store_mean(bucket, HostGrads::Vec(buf))?;
+                    self.store_mean(bucket, HostBuf::Vec(buf))?;
                     bucket
                 }
                 Pending::Reduce {

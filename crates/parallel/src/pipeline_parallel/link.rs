@@ -4,7 +4,8 @@
 //!
 //! A message is the flat `f32` buffer of [`crate::stage::StageModel::act_to_wire`], on the
 //! rank's device. It travels over the host transports (a process group of the two ranks with
-//! its own worker thread; a device buffer is downloaded, and uploaded at the other end), or,
+//! its own worker thread; a device buffer is downloaded into page-locked scratch, sent from
+//! there, received into page-locked scratch at the other end and uploaded from it), or,
 //! with `XTRAIN_BACKEND=nccl` and the buffer on a GPU, over an NCCL communicator of the same
 //! two ranks queued on a side stream of the GPU ([`Link::use_nccl`]): the send waits on the
 //! device for the kernels that made the message, the receiver's kernels wait on the device for
@@ -20,7 +21,7 @@ use std::collections::HashMap;
 use std::sync::Arc;
 
 use comm::{ProcessGroup, Work};
-use tensor::buf::{Buf, Dev};
+use tensor::buf::{Buf, Dev, HostBuf};
 use tensor::cuda::Gpu;
 
 use super::Action;
@@ -37,7 +38,7 @@ pub struct Link {
 /// A message on its way out; waiting for it releases its buffer.
 #[must_use = "a message in flight is waited for before the step ends"]
 pub enum Outgoing {
-    Host(Work<Vec<f32>>),
+    Host(Work<HostBuf>),
     /// The send and the device buffer it reads (alive until the compute stream waited).
     Nccl(InFlight, Buf),
 }
@@ -45,7 +46,7 @@ pub enum Outgoing {
 /// A posted receive; waiting for it gives the message on the receiver's device.
 #[must_use = "a posted receive is waited for before its message is used"]
 pub enum Incoming {
-    Host(Work<Vec<f32>>, Dev),
+    Host(Work<HostBuf>, Dev),
     Nccl(InFlight, Buf),
 }
 
@@ -87,7 +88,11 @@ impl Link {
             let flight = nccl.send(d.as_slice(), 1)?;
             return Ok(Outgoing::Nccl(flight, wire));
         }
-        Ok(Outgoing::Host(self.host.isend(wire.into_vec()?, 1, tag)))
+        Ok(Outgoing::Host(self.host.isend(
+            wire.into_host_buf()?,
+            1,
+            tag,
+        )))
     }
 
     /// Posts the receive of a message of `len` elements onto `dev` (on the receiver).
@@ -98,7 +103,7 @@ impl Link {
             return Ok(Incoming::Nccl(flight, Buf::Cuda(buf)));
         }
         Ok(Incoming::Host(
-            self.host.irecv(vec![0.0; len], 0, tag),
+            self.host.irecv(dev.host_buf(len)?, 0, tag),
             dev.clone(),
         ))
     }
@@ -128,7 +133,7 @@ impl Incoming {
     /// compute stream ordered after its arrival (NCCL: the host does not wait).
     pub fn wait(self) -> Result<Buf, ParallelError> {
         match self {
-            Incoming::Host(w, dev) => Ok(dev.from_vec(w.wait()?)?),
+            Incoming::Host(w, dev) => Ok(dev.from_host(w.wait()?)?),
             Incoming::Nccl(flight, wire) => {
                 flight.join()?;
                 Ok(wire)

@@ -700,7 +700,7 @@ pub struct Gpu {
     /// Device time per kernel, while switched on ([`Gpu::time_kernels`]).
     pub(crate) timeline: super::timeline::Timeline,
     /// The page-locked scratch buffers not lent out ([`Gpu::host_scratch`]): address and
-    /// capacity in `f32` elements.
+    /// capacity in bytes.
     pub(crate) host_scratch: Mutex<Vec<(usize, usize)>>,
 }
 

@@ -6,8 +6,9 @@
 //! of page-locked memory it is one DMA transfer at the link's speed (CUDA C Programming Guide,
 //! "Page-Locked Host Memory"). Page-locked memory is a scarce resource of the host (it cannot
 //! be swapped), so xtrain keeps it for the buffers that carry the bulk of a step's host
-//! traffic and holds them across steps: ZeRO-Offload's gradient and weight chunks
-//! (`parallel::executor::optimizer`), `xtrain bench comm --device cuda`'s staged buffers.
+//! traffic: ZeRO-Offload's gradient and weight chunks, held across steps
+//! (`parallel::executor::offload`), and a pool of scratch buffers lent for each staged
+//! collective or message where ranks share a GPU ([`HostScratch`]).
 //!
 //! Downloads into a [`Pinned`] buffer go through the usual calls (`DevSlice::read_into` on
 //! its slice); they wait for the stream as every download does. An upload from it
@@ -99,73 +100,93 @@ impl Gpu {
         })
     }
 
-    /// `len` elements of page-locked `f32` scratch lent from this GPU's pool (the smallest
-    /// free buffer that holds them, or a new one of the next power of two, at least 64 Ki
-    /// elements), given back when the lease drops. The contents are what the last lease left.
-    pub fn host_scratch(self: &Arc<Self>, len: usize) -> Result<HostScratch, CudaError> {
+    /// `len` elements of page-locked scratch lent from this GPU's pool (the smallest free
+    /// buffer that holds them, or a new one of the next power of two bytes, at least 256 KiB),
+    /// given back when the lease drops. `T` is a plain number type (any bit pattern a valid
+    /// value); the contents are what the last lease left.
+    pub fn host_scratch<T: Copy>(
+        self: &Arc<Self>,
+        len: usize,
+    ) -> Result<HostScratch<T>, CudaError> {
+        let bytes = len * std::mem::size_of::<T>();
         let mut pool = self.host_scratch.lock().unwrap_or_else(|e| e.into_inner());
         let best = (0..pool.len())
-            .filter(|&i| pool[i].1 >= len)
+            .filter(|&i| pool[i].1 >= bytes)
             .min_by_key(|&i| pool[i].1);
         let (ptr, cap) = match best {
             Some(i) => pool.swap_remove(i),
             None => {
                 drop(pool);
-                let cap = len.next_power_of_two().max(1 << 16);
-                (alloc_host(self, cap * 4)? as usize, cap)
+                let cap = bytes.next_power_of_two().max(1 << 18);
+                (alloc_host(self, cap)? as usize, cap)
             }
         };
         Ok(HostScratch {
             gpu: self.clone(),
-            ptr: ptr as *mut f32,
+            ptr: ptr as *mut T,
             cap,
             len,
         })
     }
 }
 
-impl super::DevSlice<'_, f32> {
+impl<T: Copy> super::DevSlice<'_, T> {
     /// The range's values downloaded into page-locked scratch of its GPU's pool
     /// ([`Gpu::host_scratch`]; waits for the stream).
-    pub fn to_scratch(&self) -> Result<HostScratch, CudaError> {
+    pub fn to_scratch(&self) -> Result<HostScratch<T>, CudaError> {
         let mut s = self.gpu().host_scratch(self.len())?;
         self.read_into(&mut s)?;
         Ok(s)
     }
 }
 
-/// Page-locked `f32` host memory lent by a GPU's pool ([`Gpu::host_scratch`]): where ranks
-/// share a GPU, the own engine stages a GPU buffer's values through one for a collective that
-/// runs over the host transports — the copy engine writes and reads it directly, and the
+/// Page-locked host memory lent by a GPU's pool ([`Gpu::host_scratch`]): where ranks share a
+/// GPU, the own engine stages a GPU buffer's values through one for a collective or message
+/// over the host transports — the copy engine writes and reads it directly, and the
 /// collective works on it in place. Returned to the pool when dropped (freed with the GPU).
-pub struct HostScratch {
+pub struct HostScratch<T: Copy = f32> {
     gpu: Arc<Gpu>,
-    ptr: *mut f32,
+    ptr: *mut T,
+    /// Bytes of the pooled buffer.
     cap: usize,
     len: usize,
 }
 
 // SAFETY: host memory this lease alone reaches until it drops.
-unsafe impl Send for HostScratch {}
-unsafe impl Sync for HostScratch {}
+unsafe impl<T: Copy + Send> Send for HostScratch<T> {}
+unsafe impl<T: Copy + Sync> Sync for HostScratch<T> {}
 
-impl std::ops::Deref for HostScratch {
-    type Target = [f32];
-    fn deref(&self) -> &[f32] {
-        // SAFETY: `len <= cap` initialised (zeroed when made) elements owned by the lease.
+impl<T: Copy> std::ops::Deref for HostScratch<T> {
+    type Target = [T];
+    fn deref(&self) -> &[T] {
+        // SAFETY: `len` elements (`len · size_of::<T>() <= cap` bytes) of memory owned by
+        // the lease, initialised (zeroed when made, written since only as `T`s or other plain
+        // numbers, every bit pattern of which is a valid `T`).
         unsafe { std::slice::from_raw_parts(self.ptr, self.len) }
     }
 }
 
-impl std::ops::DerefMut for HostScratch {
-    fn deref_mut(&mut self) -> &mut [f32] {
+impl<T: Copy> std::ops::DerefMut for HostScratch<T> {
+    fn deref_mut(&mut self) -> &mut [T] {
         // SAFETY: as in `deref`; no copy reads it now (uploads from page-locked memory wait
         // for their copy, [`is_pinned`]).
         unsafe { std::slice::from_raw_parts_mut(self.ptr, self.len) }
     }
 }
 
-impl Drop for HostScratch {
+impl<T: Copy> AsRef<[T]> for HostScratch<T> {
+    fn as_ref(&self) -> &[T] {
+        self
+    }
+}
+
+impl<T: Copy> AsMut<[T]> for HostScratch<T> {
+    fn as_mut(&mut self) -> &mut [T] {
+        self
+    }
+}
+
+impl<T: Copy> Drop for HostScratch<T> {
     fn drop(&mut self) {
         self.gpu
             .host_scratch
@@ -175,12 +196,15 @@ impl Drop for HostScratch {
     }
 }
 
-impl std::fmt::Debug for HostScratch {
+impl<T: Copy> std::fmt::Debug for HostScratch<T> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         write!(
             f,
-            "HostScratch[{} of {}] for cuda:{}",
-            self.len, self.cap, self.gpu.info.ordinal
+            "HostScratch<{}>[{}] ({} bytes) for cuda:{}",
+            std::any::type_name::<T>(),
+            self.len,
+            self.cap,
+            self.gpu.info.ordinal
         )
     }
 }

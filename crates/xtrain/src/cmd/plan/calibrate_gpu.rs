@@ -14,7 +14,7 @@ use anyhow::{Context, Result};
 use model::{Batch, Model, ModelConfig, StepOptions};
 use parallel::plan::{Cluster, Host, Link};
 use parallel::Precision;
-use tensor::buf::{Dev, HostBuf};
+use tensor::buf::Dev;
 use tensor::cuda::ops::{matmul_prepared, AdamScalars, Operand};
 use tensor::cuda::Gpu;
 use tensor::operands::{Operands, Scope};
@@ -122,15 +122,11 @@ fn optimizer_bandwidth(dev: &Dev, gpu: &Gpu) -> Result<f64> {
 }
 
 /// Host ↔ device copies of 256 MiB: the slower direction's bandwidth, and a 4-byte copy as
-/// the latency. From and to ordinary (pageable) memory, which the host-staged collectives
-/// use, or (`pinned`) page-locked memory, through which ZeRO-Offload's chunks travel.
-fn host_link(gpu: &std::sync::Arc<Gpu>, pinned: bool) -> Result<Link> {
+/// the latency. From and to page-locked memory, through which the host-staged collectives
+/// and messages and ZeRO-Offload's chunks travel.
+fn host_link(gpu: &std::sync::Arc<Gpu>) -> Result<Link> {
     let n = 64 << 20;
-    let mut host = if pinned {
-        HostBuf::Pinned(gpu.pinned::<f32>(n)?)
-    } else {
-        HostBuf::Vec(vec![0.0f32; n])
-    };
+    let mut host = gpu.host_scratch::<f32>(n)?;
     host.fill(1.0);
     let mut d = gpu.alloc::<f32>(n)?;
     let up = best_of(gpu, 3, || Ok(d.copy_from_host(&host)?))?;
@@ -175,9 +171,9 @@ pub fn this_gpus(
     };
     let bandwidth = optimizer_bandwidth(&dev, gpu)?;
     let (_, memory) = gpu.memory_info()?;
-    let pcie = host_link(gpu, false)?;
+    let pcie = host_link(gpu)?;
     // A message between two GPUs of this host: downloaded, over the shared-memory
-    // transport, uploaded (through ordinary memory).
+    // transport, uploaded (through page-locked memory).
     let shm = super::calibrate::link()?;
     let link = Link {
         latency: shm.latency + 2.0 * pcie.latency,
@@ -194,7 +190,7 @@ pub fn this_gpus(
     // (the CPU calibration's optimizer phase over its 36 bytes a parameter).
     cluster.host = Some(Host {
         memory_bytes: super::calibrate::total_memory(),
-        link: host_link(gpu, true)?,
+        link: pcie,
         adam_params_per_s: super::calibrate::memory_bandwidth() / 36.0,
     });
     Ok(cluster)
