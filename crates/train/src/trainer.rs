@@ -928,10 +928,14 @@ fn check_memory(
             if !offload {
                 return Ok(());
             }
-            (
-                states.master + states.optimizer,
-                format!("offloaded {optimizer}"),
-            )
+            // 16-bit training also lands this rank's gradients in page-locked host memory,
+            // 2 bytes for each of the master's 4 (`parallel::executor::offload`).
+            let landed = states.master / 2;
+            let what = match landed {
+                0 => format!("offloaded {optimizer}"),
+                b => format!("offloaded {optimizer} + landed 16-bit gradients {}", h(b)),
+            };
+            (states.master + states.optimizer + landed, what)
         }
     };
     match Capacity::host(host_ranks.max(1)) {
