@@ -170,13 +170,21 @@ check_processes() {
     # Throughput of layouts as processes sharing the one GPU (small, bf16, 5 steps): what the
     # host-staged communication costs where the ranks share a card (their parity is in
     # gpu_processes above).
-    for layout in "--dp 2 --zero 1" "--dp 2 --zero 3" "--tp 2 --sp" "--pp 2 --schedule 1f1b" "--cp 2"; do
+    # Each entry: processes, preset, layout (every layout of the parity test).
+    local layouts=("2 small --dp 2 --zero 1" "2 small --dp 2 --zero 3" "2 small --tp 2 --sp"
+        "2 small --pp 2 --schedule 1f1b" "2 small --pp 2 --schedule zb-v" "2 small --cp 2"
+        "2 moe-small --ep 2" "4 small --pp 2 --dp 2" "4 small --cp 2 --tp 2")
+    local entry
+    for entry in "${layouts[@]}"; do
+        set -- $entry
+        local nproc=$1 preset=$2
+        shift 2
         if ! have_time 60; then
-            echo "bench nproc 2 $layout: skipped (time budget)" >>"$report"
+            echo "bench nproc $nproc $preset $*: skipped (time budget)" >>"$report"
             continue
         fi
-        echo "bench nproc 2 $layout:" >>"$report"
-        timeout 90 "$dir/xtrain" bench train --preset small --device cuda --nproc 2 $layout \
+        echo "bench nproc $nproc $preset $*:" >>"$report"
+        timeout 90 "$dir/xtrain" bench train --preset "$preset" --device cuda --nproc "$nproc" "$@" \
             --steps 5 2>&1 | grep -E '^preset|median step|peak live|memory of rank' >>"$report" ||
             echo "  failed" >>"$report"
     done
