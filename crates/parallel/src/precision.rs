@@ -410,14 +410,28 @@ impl Flat {
         r: Range<usize>,
         f: impl FnOnce(BufMut<'_>) -> Result<T, E>,
     ) -> Result<T, E> {
+        self.update_buf_in(r, &mut Vec::new(), f)
+    }
+
+    /// [`Flat::update_buf`] with host 16-bit storage widened into `widened` (resized to the
+    /// range where it differs): a buffer the caller reuses.
+    pub fn update_buf_in<T, E: From<TensorError>>(
+        &mut self,
+        r: Range<usize>,
+        widened: &mut Vec<f32>,
+        f: impl FnOnce(BufMut<'_>) -> Result<T, E>,
+    ) -> Result<T, E> {
         match self {
             Flat::F32(v) => f(BufMut::Host(&mut v[r])),
             Flat::Dev(b) => f(b.m().slice_mut(r)),
             Flat::Half { kind, bits } => {
-                let mut g = vec![0.0; r.len()];
-                kind.upcast(&bits[r.clone()], &mut g);
-                let out = f(BufMut::Host(&mut g))?;
-                kind.downcast(&g, &mut bits[r]);
+                if widened.len() != r.len() {
+                    *widened = vec![0.0; r.len()];
+                }
+                let g = &mut widened[..];
+                kind.upcast(&bits[r.clone()], g);
+                let out = f(BufMut::Host(g))?;
+                kind.downcast(g, &mut bits[r]);
                 Ok(out)
             }
             Flat::DevHalf { kind, bits } => {
@@ -845,10 +859,21 @@ impl Bucketed {
         r: Range<usize>,
         f: impl FnOnce(BufMut<'_>) -> Result<T, E>,
     ) -> Result<T, E> {
+        self.update_buf_in(b, r, &mut Vec::new(), f)
+    }
+
+    /// [`Flat::update_buf_in`] on flat range `r` of bucket `b`.
+    pub fn update_buf_in<T, E: From<TensorError>>(
+        &mut self,
+        b: usize,
+        r: Range<usize>,
+        widened: &mut Vec<f32>,
+        f: impl FnOnce(BufMut<'_>) -> Result<T, E>,
+    ) -> Result<T, E> {
         let start = self.ranges[b].start;
         debug_assert!(self.ranges[b].start <= r.start && r.end <= self.ranges[b].end);
         self.buf_mut(b)
-            .update_buf(r.start - start..r.end - start, f)
+            .update_buf_in(r.start - start..r.end - start, widened, f)
     }
 
     /// Runs `f(flat offset, piece)` on the fp32 pieces of flat range `r` as views on their

@@ -7,7 +7,9 @@
 //! faults (system time 0.73 → 0.22 s); small, 2 threads 300 k → 90 k; medium, 2 threads,
 //! 2 steps 722 k → 335 k (system time per 3-step run 2.7 → 1.5 s), peak RSS 1.08× the account
 //! either way (the peak already held these pages). Medium's remaining faults are buffers above
-//! glibc's 32 MiB ceiling for the threshold, which stay mmapped. [`use_one_arena`] keeps the
+//! glibc's 32 MiB ceiling for the threshold, which stay mmapped; of those, a 16-bit run's
+//! widened fp32 copies of each unit's weights and gradients are kept from one layer to the
+//! next by the executor instead (`parallel::executor`'s `Spare`). [`use_one_arena`] keeps the
 //! pool worker that runs the step and the main thread in one arena, so they share those pages.
 
 /// Serve allocations below 32 MiB (glibc's maximum threshold) from the heap and never trim

@@ -291,6 +291,40 @@ impl Gauge {
     }
 }
 
+/// A host fp32 buffer of a widened 16-bit unit (its weights, or its gradients), kept from one
+/// unit to the next of the same size within an action, and counted in the byte account while
+/// kept. Why: a unit's fp32 copy is above glibc's 32 MiB mmap ceiling from a few million
+/// parameters on, so a fresh one is new pages, each faulted in and zeroed by the kernel on
+/// first touch — most of a small-batch bf16 step on the CPU, where the same pages can be
+/// reused by the next layer (all a model's layers are one size).
+#[derive(Debug, Default)]
+struct Spare(Vec<f32>);
+
+impl Spare {
+    /// A buffer of `n` elements for a unit, contents unspecified: the kept one when it holds
+    /// exactly `n`, else a new one (the kept one freed); `gauge` counts it either way.
+    fn take(&mut self, n: usize, gauge: &mut Gauge) -> Vec<f32> {
+        let kept = std::mem::take(&mut self.0);
+        if kept.len() == n && n > 0 {
+            return kept;
+        }
+        gauge.sub(kept.len() * F32);
+        gauge.add(n * F32);
+        vec![0.0; n]
+    }
+
+    /// Keeps a unit's buffer for the next unit (still counted), freeing the one kept before.
+    fn keep(&mut self, v: Vec<f32>, gauge: &mut Gauge) {
+        gauge.sub(self.0.len() * F32);
+        self.0 = v;
+    }
+
+    /// Frees the kept buffer.
+    fn clear(&mut self, gauge: &mut Gauge) {
+        self.keep(Vec::new(), gauge);
+    }
+}
+
 /// A pipeline stage this rank runs.
 #[derive(Clone, Debug)]
 struct LocalStage {
@@ -341,6 +375,9 @@ pub struct Executor<M: StageModel> {
     reduce_scratch: usize,
     /// Gathered (ZeRO-3) or widened (16-bit) unit parameters and widened unit gradients.
     gathered_bytes: Gauge,
+    /// The widened weights and gradients of the last unit (16-bit storage on the host).
+    spare_params: Spare,
+    spare_grads: Spare,
     act_bytes: Gauge,
     trace: Option<Vec<TraceEvent>>,
     /// PowerSGD's state and each bucket's layout (`grad_comm = powersgd:R`).
@@ -530,6 +567,8 @@ impl<M: StageModel> Executor<M> {
             comm_bytes: Gauge::default(),
             reduce_scratch: 0,
             gathered_bytes: Gauge::default(),
+            spare_params: Spare::default(),
+            spare_grads: Spare::default(),
             act_bytes: Gauge::default(),
             trace: None,
             powersgd,
@@ -768,4 +807,36 @@ fn p2p_tag(gradient: bool, to_stage: usize, mb: usize) -> u32 {
 /// The text of a schedule error naming the action.
 fn schedule_err(a: &Action, msg: impl std::fmt::Display) -> ParallelError {
     ParallelError::Schedule(format!("{a}: {msg}"))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A kept buffer is lent again for a unit of its size (the same allocation, still
+    /// counted once), replaced for another size (the gauge follows), and freed by `clear`.
+    #[test]
+    fn spares_are_reused_for_equal_units_and_always_counted() {
+        let (mut spare, mut gauge) = (Spare::default(), Gauge::default());
+        let mut a = spare.take(1000, &mut gauge);
+        assert_eq!((a.len(), gauge.cur), (1000, 4000));
+        a[7] = 3.0;
+        let at = a.as_ptr();
+        spare.keep(a, &mut gauge);
+        assert_eq!(gauge.cur, 4000, "a kept buffer stays counted");
+        let b = spare.take(1000, &mut gauge);
+        assert_eq!(
+            (b.as_ptr(), gauge.cur),
+            (at, 4000),
+            "lent again, counted once"
+        );
+        spare.keep(b, &mut gauge);
+        let c = spare.take(600, &mut gauge);
+        assert_eq!((c.len(), gauge.cur), (600, 2400), "another size: replaced");
+        spare.keep(c, &mut gauge);
+        spare.clear(&mut gauge);
+        assert_eq!((gauge.cur, gauge.peak), (0, 4000));
+        assert!(spare.take(0, &mut gauge).is_empty());
+        assert_eq!(gauge.cur, 0);
+    }
 }

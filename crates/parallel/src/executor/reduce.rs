@@ -274,14 +274,26 @@ impl<M: StageModel> Executor<M> {
             return Ok(None);
         }
         let r = self.units[u].clone();
+        if self.params.half().is_some() && !self.cfg.device.is_cuda() {
+            let mut v = self.spare_params.take(r.len(), &mut self.gathered_bytes);
+            self.params.read_into(r, &mut v)?;
+            return Ok(Some(Buf::Host(v)));
+        }
         self.gathered_bytes.add(r.len() * F32);
         Ok(Some(self.params.read_buf(r)?))
     }
 
-    /// Frees a unit's parameter copy.
+    /// Frees a unit's parameter copy (a widened host one is kept for the next unit of the
+    /// action: [`super::Spare`]).
     pub(super) fn release(&mut self, owned: Option<Buf>) {
-        if let Some(o) = owned {
-            self.gathered_bytes.sub(o.len() * F32);
+        match owned {
+            Some(Buf::Host(v))
+                if self.params.half().is_some() && !self.cfg.zero.shards_params() =>
+            {
+                self.spare_params.keep(v, &mut self.gathered_bytes)
+            }
+            Some(o) => self.gathered_bytes.sub(o.len() * F32),
+            None => {}
         }
     }
 

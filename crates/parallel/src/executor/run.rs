@@ -8,7 +8,7 @@ use std::time::{Duration, Instant};
 use comm::ReduceOp;
 
 use super::reduce::{param_slice, Gather, Pending};
-use super::{p2p_tag, schedule_err, Executor, Gauge, StepStats, TraceKind, F32};
+use super::{p2p_tag, schedule_err, Executor, Gauge, Spare, StepStats, TraceKind, F32};
 use crate::data_parallel::bucket::{Bucket, ReadyTracker};
 use crate::data_parallel::ZeroStage;
 use crate::pipeline_parallel::link::{check_order, Incoming, Outgoing};
@@ -115,6 +115,7 @@ struct GradSink<'a> {
     dev: &'a Dev,
     comm_bytes: &'a mut Gauge,
     gathered_bytes: &'a mut Gauge,
+    spare: &'a mut Spare,
     buckets: &'a [Bucket],
     unit_bucket: &'a [usize],
 }
@@ -129,6 +130,7 @@ macro_rules! grad_sink {
             dev: &$e.cfg.device,
             comm_bytes: &mut $e.comm_bytes,
             gathered_bytes: &mut $e.gathered_bytes,
+            spare: &mut $e.spare_grads,
             buckets: &$e.buckets,
             unit_bucket: &$e.unit_bucket,
         }
@@ -158,14 +160,19 @@ impl GradSink<'_> {
                 .m()
                 .slice_mut(range.start - br.start..range.end - br.start));
         }
-        let widened = !self.grads.is_f32();
-        if widened {
-            self.gathered_bytes.add(range.len() * F32);
+        if self.grads.is_f32() {
+            return self.grads.update_buf(b, range, f);
         }
+        if matches!(self.dev, Dev::Cpu) {
+            // Widened into the last unit's buffer where it has this unit's size.
+            let mut widened = self.spare.take(range.len(), self.gathered_bytes);
+            let r = self.grads.update_buf_in(b, range, &mut widened, f);
+            self.spare.keep(widened, self.gathered_bytes);
+            return r;
+        }
+        self.gathered_bytes.add(range.len() * F32);
         let r = self.grads.update_buf(b, range.clone(), f);
-        if widened {
-            self.gathered_bytes.sub(range.len() * F32);
-        }
+        self.gathered_bytes.sub(range.len() * F32);
         r
     }
 }
@@ -286,7 +293,21 @@ impl<M: StageModel> Executor<M> {
         }
     }
 
+    /// Runs one action of the schedule.
     fn act(
+        &mut self,
+        a: &Action,
+        micro: &[M::Batch],
+        st: &mut StepState<M>,
+    ) -> Result<(), ParallelError> {
+        let done = self.act_on(a, micro, st);
+        // The action's widened buffers are not kept past it.
+        self.spare_params.clear(&mut self.gathered_bytes);
+        self.spare_grads.clear(&mut self.gathered_bytes);
+        done
+    }
+
+    fn act_on(
         &mut self,
         a: &Action,
         micro: &[M::Batch],

@@ -15,7 +15,19 @@ fn run(
     stage: ZeroStage,
     dp: usize,
 ) -> Vec<(MemoryAccount, usize, Vec<TraceKind>)> {
-    let cfg = config(stage);
+    run_in(model, stage, dp, Precision::Fp32)
+}
+
+fn run_in(
+    model: &ToyModel,
+    stage: ZeroStage,
+    dp: usize,
+    precision: Precision,
+) -> Vec<(MemoryAccount, usize, Vec<TraceKind>)> {
+    let cfg = parallel::executor::ExecConfig {
+        precision,
+        ..config(stage)
+    };
     let sampler = DistributedSampler::new(dp, 2, 1).unwrap();
     comm::testing::run_threads(dp, |c| {
         let group = c.world().clone();
@@ -84,6 +96,22 @@ fn accounted_bytes_equal_the_formula() {
         formula(258, 4, ZeroStage::Two, Precision::Fp32).model_states(),
         4 * 258 + 12 * 65
     );
+}
+
+/// 16-bit weights and gradients on the CPU are widened unit by unit (the widened buffers are
+/// reused from one unit to the next of its size within an action, and counted while kept):
+/// at most one unit's fp32 weights and one unit's fp32 gradients at once, whatever the depth.
+#[test]
+fn widened_16_bit_units_are_counted_and_bounded() {
+    for model in [toy(), ToyModel::new(12, 6, 6, 10)] {
+        let max_unit = model.units().iter().map(|u| u.len()).max().unwrap();
+        for (mem, gathered, _) in run_in(&model, ZeroStage::Ddp, 1, Precision::Bf16) {
+            assert!(
+                gathered >= 4 * max_unit && gathered <= 2 * 4 * max_unit,
+                "gathered {gathered} for units of at most {max_unit}: {mem:?}"
+            );
+        }
+    }
 }
 
 #[test]
