@@ -1041,6 +1041,20 @@ impl Bucketed {
         Some(())
     }
 
+    /// The pieces of flat range `r` as the bit patterns of host 16-bit buckets, each with
+    /// its flat start (in address order); `None` for other storage.
+    pub fn half_pieces(&self, r: Range<usize>) -> Option<Vec<(usize, &[u16])>> {
+        let mut out = Vec::new();
+        for (b, p) in self.pieces(r) {
+            let start = self.ranges[b].start + p.start;
+            match self.buf(b) {
+                Flat::Half { bits, .. } => out.push((start, &bits[p])),
+                _ => return None,
+            }
+        }
+        Some(out)
+    }
+
     /// Whether the buffers hold fp32.
     pub fn is_f32(&self) -> bool {
         self.elem_bytes == 4

@@ -202,7 +202,67 @@ impl<M: StageModel> Executor<M> {
 
 #[cfg(test)]
 mod tests {
-    use super::gaps;
+    use super::*;
+
+    /// One pass equals the three it replaces — widen, AdamW with the factor, round — bit for
+    /// bit, in both 16-bit formats, over lengths that end inside a piece and span several
+    /// (the master, the moments and the rounded weights all compared).
+    #[test]
+    fn one_pass_equals_widen_update_round() {
+        let opt = AdamW {
+            lr: 3e-3,
+            weight_decay: 0.1,
+            ..AdamW::default()
+        };
+        let mut rng = 0x9e3779b97f4a7c15u64;
+        let mut next = move || {
+            rng ^= rng << 13;
+            rng ^= rng >> 7;
+            rng ^= rng << 17;
+            ((rng >> 40) as f32 / (1u64 << 24) as f32 - 0.5) * 4.0
+        };
+        for kind in [Half::Bf16, Half::F16] {
+            for n in [1, 1000, CHUNK, 3 * CHUNK + 17] {
+                let values: Vec<f32> = (0..n).map(|_| next() * 1e-2).collect();
+                let mut grads = vec![0u16; n];
+                kind.downcast(&values, &mut grads);
+                let master: Vec<f32> = (0..n).map(|_| next()).collect();
+                let m: Vec<f32> = (0..n).map(|_| next() * 1e-3).collect();
+                let v: Vec<f32> = (0..n).map(|_| next().abs() * 1e-5).collect();
+                let step = (7, 2e-3, 0.75);
+                let (mut p1, mut m1, mut v1, mut out1) =
+                    (master.clone(), m.clone(), v.clone(), vec![0u16; n]);
+                adamw_from_bits(
+                    kind,
+                    &opt,
+                    step,
+                    &grads,
+                    (&mut p1, &mut m1, &mut v1),
+                    &mut out1,
+                );
+                let mut wide = vec![0.0; n];
+                kind.upcast(&grads, &mut wide);
+                let (mut p2, mut m2, mut v2, mut out2) = (master, m, v, vec![0u16; n]);
+                let (t, lr, factor) = step;
+                opt.update_scaled(
+                    t,
+                    lr,
+                    opt.weight_decay,
+                    factor,
+                    &mut p2,
+                    &wide,
+                    &mut m2,
+                    &mut v2,
+                );
+                kind.downcast(&p2, &mut out2);
+                let bits = |x: &[f32]| x.iter().map(|e| e.to_bits()).collect::<Vec<_>>();
+                assert_eq!(bits(&p1), bits(&p2), "{kind:?} n={n}: master");
+                assert_eq!(bits(&m1), bits(&m2), "{kind:?} n={n}: m");
+                assert_eq!(bits(&v1), bits(&v2), "{kind:?} n={n}: v");
+                assert_eq!(out1, out2, "{kind:?} n={n}: rounded weights");
+            }
+        }
+    }
 
     #[test]
     fn gaps_are_what_no_landing_covers() {

@@ -167,6 +167,21 @@ impl<M: StageModel> Executor<M> {
                     .as_host_mut("the master weights")
                     .map_err(terr)?[mr.clone()];
                 let n = master.len();
+                let step = (t, lr, factor);
+                // 16-bit storage on the host (the CPU, no offload): the gradient buckets' bits
+                // widened, updated and rounded into the weights in one pass, piece by piece.
+                if let (Some(kind), false) = (self.cfg.precision.half(), offload) {
+                    if let Some(pieces) = grads.half_pieces(gr.clone()) {
+                        for (s, g) in pieces {
+                            let (o, e) = (s - gr.start, s - gr.start + g.len());
+                            params.store_rounded(pr.start + o, g.len(), None, |out| {
+                                let state = (&mut master[o..e], &mut m[o..e], &mut v[o..e]);
+                                adamw_from_bits(kind, &opt, step, g, state, out)
+                            })?;
+                        }
+                        return Ok(());
+                    }
+                }
                 // 16-bit weights under ZeRO-Offload: the gradients landed on the host during
                 // the backward ([`super::offload`]); each chunk (DEVICE_CHUNK on either
                 // device: nothing of its size is allocated) widened, updated and rounded in
@@ -183,7 +198,6 @@ impl<M: StageModel> Executor<M> {
                         let (s, e) = (r.start, r.end);
                         params.store_rounded(pr.start + s, r.len(), stage, |out| {
                             let state = (&mut master[s..e], &mut m[s..e], &mut v[s..e]);
-                            let step = (t, lr, factor);
                             adamw_from_bits(kind, &opt, step, &bits[r], state, out)
                         })?;
                     }
