@@ -92,3 +92,15 @@ pub(crate) fn all_to_all_v(n: usize, input_len: usize, send_counts: &[usize]) ->
     }
     Ok(())
 }
+
+/// A caller's output of `held` elements receives the `total` a variable-length collective
+/// delivers here (all-gather-v, all-to-all-v into a given buffer).
+pub(crate) fn received_into(op: &str, held: usize, total: usize) -> Result<()> {
+    if held != total {
+        return Err(CommError::invalid(
+            op,
+            format!("output has {held} elements for the {total} received"),
+        ));
+    }
+    Ok(())
+}

@@ -19,7 +19,7 @@ use std::ops::Range;
 use crate::arg_check;
 use crate::element::{reduce_bytes, scale_avg, scale_avg_bytes, Element, ReduceOp, ScaleBytesFn};
 use crate::engine::{Ctx, Engine, Incoming, Outgoing, Sink};
-use crate::error::{CommError, Result};
+use crate::error::Result;
 use crate::single_copy::WriteBack;
 use crate::wire::OpKind;
 
@@ -629,15 +629,8 @@ impl Engine {
         output: &mut [T],
     ) -> Result<Vec<usize>> {
         let held = output.len();
-        let fits = |total: usize| match total == held {
-            true => Ok(()),
-            false => Err(CommError::invalid(
-                "all_gather_v",
-                format!("output has {held} elements, the ranks' inputs {total}"),
-            )),
-        };
-        self.all_gather_v_to(input, |total| fits(total).map(|_| output))
-            .map(|(_, counts)| counts)
+        let fits = |total| arg_check::received_into("all_gather_v", held, total).map(|_| output);
+        self.all_gather_v_to(input, fits).map(|(_, counts)| counts)
     }
 
     /// All-gather-v into the buffer `output` makes for the total length (phase 1 exchanges
@@ -762,14 +755,8 @@ impl Engine {
         output: &mut [T],
     ) -> Result<Vec<usize>> {
         let held = output.len();
-        let fits = |total: usize| match total == held {
-            true => Ok(()),
-            false => Err(CommError::invalid(
-                "all_to_all_v",
-                format!("output has {held} elements, the ranks send {total} here"),
-            )),
-        };
-        self.all_to_all_v_to(input, send_counts, |total| fits(total).map(|_| output))
+        let fits = |total| arg_check::received_into("all_to_all_v", held, total).map(|_| output);
+        self.all_to_all_v_to(input, send_counts, fits)
             .map(|(_, counts)| counts)
     }
 

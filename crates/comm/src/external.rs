@@ -16,7 +16,7 @@ use crate::arg_check;
 use crate::collectives::AllReduceAlgo;
 use crate::element::{DType, Element, ReduceOp};
 use crate::engine::Counters;
-use crate::error::{CommError, Result};
+use crate::error::Result;
 use crate::wire::OpKind;
 
 /// Counts a group's operations and the bytes it sends, into its statistics
@@ -256,16 +256,7 @@ pub(crate) fn all_gather_v_into<T: Element>(
 
 /// A collective's result `out` into the caller's `output` of the same length.
 fn copy_whole<T: Element>(op: &str, out: Vec<T>, output: &mut [T]) -> Result<()> {
-    if out.len() != output.len() {
-        return Err(CommError::invalid(
-            op,
-            format!(
-                "output has {} elements, the ranks' data {}",
-                output.len(),
-                out.len()
-            ),
-        ));
-    }
+    arg_check::received_into(op, output.len(), out.len())?;
     output.copy_from_slice(&out);
     Ok(())
 }

@@ -155,7 +155,7 @@ mod tests {
         let wait = ex.all_to_all_rows(Buf::Host(rows), &[3], &[2], 4).unwrap();
         let e = wait().unwrap_err().to_string();
         assert!(
-            e.contains("output has 8 elements, the ranks send 12 here"),
+            e.contains("output has 8 elements for the 12 received"),
             "{e}"
         );
     }
