@@ -1616,7 +1616,20 @@ fn host_scratch_stages_gpu_buffers_for_host_code() {
         (ht == at || ht == ct) && h.len() == 200_000,
         "the pool is in bytes: 16-bit elements reuse an fp32 buffer"
     );
+    // An empty lease takes no pooled buffer: both are still free for the next two.
+    let empty = gpu.host_scratch::<f32>(0).unwrap();
+    assert!(empty.is_empty());
     drop(h);
+    let (x1, x2) = (
+        gpu.host_scratch::<f32>(70_000).unwrap(),
+        gpu.host_scratch::<f32>(70_000).unwrap(),
+    );
+    let mut got = [x1.as_ptr() as usize, x2.as_ptr() as usize];
+    got.sort();
+    let mut want = [at, ct];
+    want.sort();
+    assert_eq!(got, want, "the empty lease held no buffer");
+    drop((x1, x2, empty));
     let x = rand(3 << 20, 47);
     let d = Buf::Cuda(gpu.upload(&x).unwrap());
     let d = d

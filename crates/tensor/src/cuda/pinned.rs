@@ -109,6 +109,15 @@ impl Gpu {
         len: usize,
     ) -> Result<HostScratch<T>, CudaError> {
         let bytes = len * std::mem::size_of::<T>();
+        if bytes == 0 {
+            // Nothing to hold: no pooled buffer is lent (and none is given back on drop).
+            return Ok(HostScratch {
+                gpu: self.clone(),
+                ptr: std::ptr::NonNull::dangling().as_ptr(),
+                cap: 0,
+                len,
+            });
+        }
         let mut pool = self.host_scratch.lock().unwrap_or_else(|e| e.into_inner());
         let best = (0..pool.len())
             .filter(|&i| pool[i].1 >= bytes)
@@ -161,7 +170,8 @@ impl<T: Copy> std::ops::Deref for HostScratch<T> {
     fn deref(&self) -> &[T] {
         // SAFETY: `len` elements (`len · size_of::<T>() <= cap` bytes) of memory owned by
         // the lease, initialised (zeroed when made, written since only as `T`s or other plain
-        // numbers, every bit pattern of which is a valid `T`).
+        // numbers, every bit pattern of which is a valid `T`); a lease of no bytes has an
+        // aligned dangling pointer, valid for them.
         unsafe { std::slice::from_raw_parts(self.ptr, self.len) }
     }
 }
@@ -188,6 +198,9 @@ impl<T: Copy> AsMut<[T]> for HostScratch<T> {
 
 impl<T: Copy> Drop for HostScratch<T> {
     fn drop(&mut self) {
+        if self.cap == 0 {
+            return;
+        }
         self.gpu
             .host_scratch
             .lock()
