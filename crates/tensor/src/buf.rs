@@ -4,9 +4,11 @@
 //! [`crate::ops`] dispatches each kernel to the CPU implementation or its CUDA twin.
 //!
 //! Host buffers are plain vectors: on the CPU every operation is the CPU kernel on the same
-//! slices as before, bit for bit. Code that needs host data (collectives over host transports,
-//! checkpoints) asks for it explicitly ([`Buf::as_host`], [`BufRef::to_vec`]); a device buffer
-//! there is an error naming the operation, never a silent copy.
+//! slices as before, bit for bit. Code that needs host data asks for it explicitly: a
+//! collective or message over the host transports stages it ([`HostBuf`]: the vector itself on
+//! the CPU, page-locked scratch from a GPU; [`Buf::into_host_buf`], [`Dev::from_host`]),
+//! checkpoints copy it ([`BufRef::to_vec`]), and host-only code borrows it ([`Buf::as_host`]:
+//! a device buffer there is an error naming the operation, never a silent copy).
 
 use crate::cuda::{DevBuf, DevSlice, DevSliceMut, Gpu};
 use crate::TensorError;
