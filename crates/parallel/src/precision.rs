@@ -751,14 +751,12 @@ impl Piece {
     /// As fp32 on `dev` (16-bit values widen exactly): widened on the host for the CPU; for
     /// a GPU uploaded in their own precision (half the bytes) and widened there.
     pub fn into_f32_buf(self, dev: &Dev) -> Result<Buf, TensorError> {
-        let kind = match (self.half(), dev) {
-            (None, _) => {
-                let Piece::F32(v) = self else { unreachable!() };
-                return dev.from_host(v);
-            }
-            (Some(kind), _) => kind,
+        let (Some(kind), Some(bits)) = (self.half(), self.bits()) else {
+            let Piece::F32(v) = self else {
+                unreachable!("a piece without bits is fp32")
+            };
+            return dev.from_host(v);
         };
-        let bits = self.bits().expect("16-bit");
         match dev {
             Dev::Cpu => {
                 let mut out = vec![0.0; bits.len()];

@@ -168,40 +168,40 @@ impl<M: StageModel> Executor<M> {
                     .map_err(terr)?[mr.clone()];
                 let n = master.len();
                 let step = (t, lr, factor);
-                // 16-bit storage on the host (the CPU, no offload): the gradient buckets' bits
-                // widened, updated and rounded into the weights in one pass, piece by piece.
-                if let (Some(kind), false) = (self.cfg.precision.half(), offload) {
-                    if let Some(pieces) = grads.half_pieces(gr.clone()) {
-                        for (s, g) in pieces {
-                            let (o, e) = (s - gr.start, s - gr.start + g.len());
-                            params.store_rounded(pr.start + o, g.len(), None, |out| {
+                // 16-bit gradients as bits on the host — under ZeRO-Offload landed during the
+                // backward ([`super::offload`]), in DEVICE_CHUNK pieces; on the CPU without it
+                // the buckets' own bits — each piece widened, updated and rounded into the
+                // weights in one pass over the thread budget (on a GPU its weights go up from
+                // a page-locked stage while the next piece is updated).
+                if let Some(kind) = self.cfg.precision.half() {
+                    let (pieces, mut uploads) = match &mut self.offload {
+                        Some(traffic) => {
+                            let (bits, uploads) = traffic.landed(grads)?;
+                            let pieces: Vec<(usize, &[u16])> = (0..n)
+                                .step_by(DEVICE_CHUNK)
+                                .map(|s| (s, &bits[s..(s + DEVICE_CHUNK).min(n)]))
+                                .collect();
+                            (Some(pieces), uploads)
+                        }
+                        None if !offload => {
+                            let pieces = grads
+                                .half_pieces(gr.clone())
+                                .map(|p| p.into_iter().map(|(s, g)| (s - gr.start, g)).collect());
+                            (pieces, None)
+                        }
+                        None => (None, None),
+                    };
+                    if let Some(pieces) = pieces {
+                        for (i, (o, g)) in pieces.into_iter().enumerate() {
+                            let stage = uploads.as_deref_mut().map(|u| &mut u[i % 2]);
+                            let e = o + g.len();
+                            params.store_rounded(pr.start + o, g.len(), stage, |out| {
                                 let state = (&mut master[o..e], &mut m[o..e], &mut v[o..e]);
                                 adamw_from_bits(kind, &opt, step, g, state, out)
                             })?;
                         }
                         return Ok(());
                     }
-                }
-                // 16-bit weights under ZeRO-Offload: the gradients landed on the host during
-                // the backward ([`super::offload`]); each chunk (DEVICE_CHUNK on either
-                // device: nothing of its size is allocated) widened, updated and rounded in
-                // one pass over the thread budget, and on a GPU its weights go up from a
-                // page-locked stage while the next chunk is updated.
-                if let (Some(traffic), Some(kind)) = (&mut self.offload, self.cfg.precision.half())
-                {
-                    let (bits, mut uploads) = traffic.landed(grads)?;
-                    let ranges = (0..n)
-                        .step_by(DEVICE_CHUNK)
-                        .map(|s| s..(s + DEVICE_CHUNK).min(n));
-                    for (i, r) in ranges.enumerate() {
-                        let stage = uploads.as_deref_mut().map(|u| &mut u[i % 2]);
-                        let (s, e) = (r.start, r.end);
-                        params.store_rounded(pr.start + s, r.len(), stage, |out| {
-                            let state = (&mut master[s..e], &mut m[s..e], &mut v[s..e]);
-                            adamw_from_bits(kind, &opt, step, &bits[r], state, out)
-                        })?;
-                    }
-                    return Ok(());
                 }
                 // Offloaded from a GPU, chunks of DEVICE_CHUNK: each costs a copy, whose fixed
                 // cost 64 Ki elements would not amortise.
