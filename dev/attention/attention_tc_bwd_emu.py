@@ -1,8 +1,10 @@
 """Lane-level emulation of the library's tensor-core attention backward,
 crates/tensor/src/cuda/kernels/attention_tc_bwd.cu (module "attention_tc_bwd"), in both of its
 operand formats: bf16 (attn_bwd_dq_tc_k4 / _k8 and attn_bwd_dkv_tc_k4 / _k8, F16 = false) and
-fp16 (attn_bwd_dq_tc_f16_k4 / _k8 and attn_bwd_dkv_tc_f16_k4 / _k8, F16 = true), to check their
-indexing, fragments and masks where no GPU is at hand:
+fp16 (attn_bwd_dq_tc_f16_k4 / _k8 and attn_bwd_dkv_tc_f16_k4 / _k8, F16 = true), and their
+_docs twins under a document mask (DOCS: emu_common.DOC_CASES, key_lo and q_end made as
+tensor::cuda::doc_mask::bounds makes them), to check their indexing, fragments and masks where
+no GPU is at hand:
 `python3 dev/attention/attention_tc_bwd_emu.py` (numpy; about half a minute) runs every case in
 bf16, then in fp16, prints each case's errors (the format first) and a summary per format, and
 exits 1 on a mismatch.
@@ -26,15 +28,17 @@ beyond those PTX rules, the asm's syntax (the NVRTC compile check), timing, regi
 
 The reference is dense float64 with the fp32 backward's formulas: the forward's lse on the
 unrounded inputs (natural log, -inf for a row that sees no key), delta = rowsum(dO * O), Q, K,
-V, dO and (ROUND_P) P and dS rounded to the format; the kernels accumulate into random dq, dk,
+V, dO and (ROUND_P) P and dS rounded to the format, under a document mask the CPU kernel's
+rule on the documents' starts (not the kernels' key_lo / q_end); the kernels accumulate into random dq, dk,
 dv (the += contract) and the base is subtracted before comparing.
 """
 import sys
 import time
 import numpy as np
 
-from emu_common import (FORMATS, G, T, THREADS, TID, CpAsync, Pieces, Smem, exp2, fmaf, inputs,
-                        keys_seen, lane, ld_u32, ldsm_x4, mma, softmax_rows)
+from emu_common import (DOC_CASES, FORMATS, G, T, THREADS, TID, CpAsync, Pieces, Smem, doc_bounds,
+                        doc_starts, exp2, fmaf, inputs, keys_seen, lane, ld_u32, ldsm_x4, mma,
+                        softmax_rows)
 
 LOG2E = np.float32(1.4426950408889634)
 ROUND_P = True  # the reference rounds P and dS to the format too (sharper: see TOL)
@@ -91,9 +95,11 @@ def lane_addr(base, ld, kind, row_off=0):
 
 
 def dq_kernel(q, k, v, dout, lse, delta, dq, B, Sq, Sk, H, Hkv, D, causal, q_start, k_start,
-              scale, MAXK, late, fmt):
-    """attn_bwd_dq_tc_k<MAXK> (fmt BF16) or attn_bwd_dq_tc_f16_k<MAXK> (fmt FP16) over its
-    grid; q, k, v, dout the bits (u16) of `fmt`."""
+              scale, MAXK, late, fmt, key_lo=None):
+    """attn_bwd_dq_tc_k<MAXK> (fmt BF16) or attn_bwd_dq_tc_f16_k<MAXK> (fmt FP16), or with a
+    document mask's first keys `key_lo` ([B * Sq]) their _docs twins, over its grid; q, k, v,
+    dout the bits (u16) of `fmt`."""
+    DOCS = key_lo is not None
     ld = D + 8
     nbytes = 512 * (D + 8)
     stage = 2 * 64 * ld * 2
@@ -114,8 +120,10 @@ def dq_kernel(q, k, v, dout, lse, delta, dq, B, Sq, Sk, H, Hkv, D, causal, q_sta
             kbase = b * Sk * kstride + hk * D
             nvis = keys_seen(min(q0 + 64, Sq), Sk, causal, q_start, k_start)
             ntiles = (nvis + 63) // 64
-            if ntiles > 0:
-                copy_rows(cp, kt0, vt0, k, v, kbase, kstride, 0, 64, Sk, D, ld, MAXK)
+            lrow = b * Sq
+            jt0 = int(key_lo[lrow + q0]) // 64 if DOCS else 0
+            if jt0 < ntiles:
+                copy_rows(cp, kt0, vt0, k, v, kbase, kstride, jt0 * 64, 64, Sk, D, ld, MAXK)
                 cp.commit()
             warps = []
             for w in range(4):
@@ -132,7 +140,7 @@ def dq_kernel(q, k, v, dout, lse, delta, dq, B, Sq, Sk, H, Hkv, D, causal, q_sta
                         regs_g.append(ld_u32(dout, idx, ok))
                     qf.append(regs_q)
                     gf.append(regs_g)
-                lse2, dl, vis_row = [], [], []
+                lse2, dl, vis_row, lo_row = [], [], [], []
                 for hf in range(2):
                     i = r0 + 8 * hf
                     ok = i < Sq
@@ -141,19 +149,25 @@ def dq_kernel(q, k, v, dout, lse, delta, dq, B, Sq, Sk, H, Hkv, D, causal, q_sta
                         lse2.append(np.where(ok, (lse[li] * LOG2E).astype(np.float32), 0).astype(np.float32))
                     dl.append(np.where(ok, delta[li], 0).astype(np.float32))
                     vis_row.append(np.array([keys_seen(x + 1, Sk, causal, q_start, k_start) if x < Sq else 0 for x in i]))
-                wfull = wkeys = 0
+                    lo_row.append(np.array([int(key_lo[lrow + x]) if DOCS and x < Sq else 0
+                                            for x in i]))
+                wfull = wkeys = wlo_min = wlo_max = 0
                 if iw < Sq:
                     wkeys = keys_seen(min(iw + 16, Sq), Sk, causal, q_start, k_start)
                     wfull = keys_seen(iw + 1, Sk, causal, q_start, k_start)
+                    if DOCS:
+                        wlo_min = int(key_lo[lrow + iw])
+                        wlo_max = int(key_lo[lrow + min(iw + 15, Sq - 1)])
                 acc = [[np.zeros(32, np.float32) for _ in range(4)] for _ in range(2 * MAXK)]
                 warps.append(dict(r0=r0, qf=qf, gf=gf, lse2=lse2, dl=dl, vis_row=vis_row,
-                                  wfull=wfull, wkeys=wkeys, acc=acc))
+                                  lo_row=lo_row, wfull=wfull, wkeys=wkeys, wlo_min=wlo_min,
+                                  wlo_max=wlo_max, acc=acc))
             ks_nt = lane_addr(kt0, ld, "nt")
             vs_nt = lane_addr(vt0, ld, "nt")
             ks_tr = lane_addr(kt0, ld, "tr")
-            for jt in range(ntiles):
+            for it, jt in enumerate(range(jt0, ntiles)):
                 j0 = jt * 64
-                cur = (jt & 1) * stage
+                cur = (it & 1) * stage
                 cp.wait(0)
                 sm.barrier()
                 if jt + 1 < ntiles:
@@ -163,15 +177,18 @@ def dq_kernel(q, k, v, dout, lse, delta, dq, B, Sq, Sk, H, Hkv, D, causal, q_sta
                     cp.commit()
                 regs = ((kt0 + cur, kt0 + cur + 64 * ld * 2), (vt0 + cur, vt0 + cur + 64 * ld * 2))
                 for W in warps:
-                    if j0 + 64 <= W["wfull"]:
+                    lo = None
+                    if j0 + 64 <= W["wfull"] and (not DOCS or j0 >= W["wlo_max"]):
                         masked, kv_lim, vis = False, 64, [0, 0]
-                    elif j0 < W["wkeys"]:
+                    elif j0 < W["wkeys"] and (not DOCS or j0 + 64 > W["wlo_min"]):
                         masked, kv_lim = True, W["wkeys"] - j0
                         vis = [W["vis_row"][0] - j0, W["vis_row"][1] - j0]
+                        if DOCS:
+                            lo = [W["lo_row"][0] - j0, W["lo_row"][1] - j0]
                     else:
                         continue
                     dq_tile(sm, W, ks_nt + cur, vs_nt + cur, ks_tr + cur, regs, ld, nk, MAXK, sl2,
-                            masked, kv_lim, vis, fmt)
+                            masked, kv_lim, vis, fmt, lo)
             assert cp.idle(), "cp.async left in flight at the end of the CTA"
             for W in warps:
                 for hf in range(2):
@@ -184,7 +201,8 @@ def dq_kernel(q, k, v, dout, lse, delta, dq, B, Sq, Sk, H, Hkv, D, causal, q_sta
                                     dq[o] = np.float32(dq[o] + np.float32(scale) * W["acc"][n][2 * hf + e][ln])
 
 
-def dq_tile(sm, W, ks_nt, vs_nt, ks_tr, regs, ld, nk, MAXK, sl2, masked, kv_lim, vis, fmt):
+def dq_tile(sm, W, ks_nt, vs_nt, ks_tr, regs, ld, nk, MAXK, sl2, masked, kv_lim, vis, fmt,
+            lo=None):
     """tb_dq_tile<MAXK, MASKED, F16> for one warp (fmt: the operand format, emu_common.BF16 or
     FP16); regs: the byte ranges of the stage's K and V tiles, which its ldmatrix rows must lie
     in."""
@@ -211,7 +229,9 @@ def dq_tile(sm, W, ks_nt, vs_nt, ks_tr, regs, ld, nk, MAXK, sl2, masked, kv_lim,
                 with np.errstate(invalid="ignore", over="ignore"):
                     ds = (p_ * (dp[n][x] - W["dl"][hf])).astype(np.float32)
                 if masked:
-                    ds = np.where(c0 + n * 8 + 2 * T + (x & 1) >= vis[hf], np.float32(0), ds)
+                    c = c0 + n * 8 + 2 * T + (x & 1)
+                    cut = (c >= vis[hf]) | ((c < lo[hf]) if lo is not None else False)
+                    ds = np.where(cut, np.float32(0), ds)
                 s[n][x] = ds.astype(np.float32)
         pack = fmt.pack
         for kk in range(2):
@@ -226,9 +246,11 @@ def dq_tile(sm, W, ks_nt, vs_nt, ks_tr, regs, ld, nk, MAXK, sl2, masked, kv_lim,
 
 
 def dkv_kernel(q, k, v, dout, lse, delta, dk, dv, B, Sq, Sk, H, Hkv, D, causal, q_start,
-               k_start, scale, MAXK, KV_REGS, late, fmt):
-    """attn_bwd_dkv_tc_k<MAXK> (fmt BF16) or attn_bwd_dkv_tc_f16_k<MAXK> (fmt FP16) over its
-    grid; q, k, v, dout the bits (u16) of `fmt`."""
+               k_start, scale, MAXK, KV_REGS, late, fmt, q_end=None):
+    """attn_bwd_dkv_tc_k<MAXK> (fmt BF16) or attn_bwd_dkv_tc_f16_k<MAXK> (fmt FP16), or with a
+    document mask's query ends `q_end` ([B * Sk]) their _docs twins, over its grid; q, k, v,
+    dout the bits (u16) of `fmt`."""
+    DOCS = q_end is not None
     ld = D + 8
     nbytes = 512 * (D + 8) + 512
     ls0 = 0  # lse / delta stages: stage s at 256 s (lse 32 fp32, then delta 32)
@@ -251,7 +273,9 @@ def dkv_kernel(q, k, v, dout, lse, delta, dk, dv, B, Sq, Sk, H, Hkv, D, causal, 
             kbase = b * Sk * kstride + hk * D
             i0 = k_start + j0 - q_start if causal else 0
             i0 = 0 if i0 < 0 else (i0 // 32) * 32
-            nsteps = (Sq - i0 + 31) // 32 if i0 < Sq else 0
+            krow = b * Sk
+            iend = min(Sq, int(q_end[krow + min(j0 + 63, Sk - 1)])) if DOCS else Sq
+            nsteps = (iend - i0 + 31) // 32 if i0 < iend else 0
             total = group * nsteps
 
             def copy_step(qt, gt, lst, h, c0):
@@ -287,6 +311,10 @@ def dkv_kernel(q, k, v, dout, lse, delta, dk, dv, B, Sq, Sk, H, Hkv, D, causal, 
                 W["dka"] = [[np.zeros(32, np.float32) for _ in range(4)] for _ in range(2 * MAXK)]
                 W["dva"] = [[np.zeros(32, np.float32) for _ in range(4)] for _ in range(2 * MAXK)]
                 W["jdiag"] = k_start + W["jw"] - q_start
+                W["qe_wmin"] = W["qe_wmax"] = 0
+                if DOCS and W["jw"] < Sk:
+                    W["qe_wmin"] = int(q_end[krow + W["jw"]])
+                    W["qe_wmax"] = int(q_end[krow + min(W["jw"] + 15, Sk - 1)])
                 warps.append(W)
             c0, ngi, nc0 = i0, 0, i0
             for it in range(total):
@@ -295,7 +323,7 @@ def dkv_kernel(q, k, v, dout, lse, delta, dk, dv, B, Sq, Sk, H, Hkv, D, causal, 
                 cp.wait(0)
                 sm.barrier()
                 nc0 += 32
-                if nc0 >= Sq:
+                if nc0 >= iend:
                     nc0 = i0
                     ngi += 1
                 if it + 1 < total:
@@ -311,21 +339,26 @@ def dkv_kernel(q, k, v, dout, lse, delta, dk, dv, B, Sq, Sk, H, Hkv, D, causal, 
                     jw = W["jw"]
                     first = W["jdiag"] - c0 if causal else 0
                     first_last = first + 15 if causal else 0
-                    if jw < Sk and first < min(hi, 32):
-                        if jw + 16 <= Sk and hi >= 32 and first_last <= 0:
+                    whi = min(hi, W["qe_wmax"] - c0) if DOCS else hi
+                    if jw < Sk and first < min(whi, 32):
+                        if (jw + 16 <= Sk and hi >= 32 and first_last <= 0
+                                and (not DOCS or W["qe_wmin"] - c0 >= 32)):
                             dkv_step(sm, W, A, ld, nk, MAXK, KV_REGS, sl2, False, 0, 2, [0, 0], 32,
                                      fmt)
                         else:
-                            lo = []
+                            lo, hr = [], None
                             for hf in range(2):
                                 kj = jw + G + 8 * hf
                                 lo.append(np.where(kj >= Sk, 1 << 28, (first + G + 8 * hf) if causal else 0))
+                            if DOCS:
+                                hr = [np.array([min(hi, int(q_end[krow + x]) - c0) if x < Sk else 0
+                                                for x in jw + G + 8 * hf]) for hf in range(2)]
                             plo = first >> 4 if first > 0 else 0
-                            phi = (min(hi, 32) + 15) >> 4
+                            phi = (min(whi, 32) + 15) >> 4
                             dkv_step(sm, W, A, ld, nk, MAXK, KV_REGS, sl2, True, plo, phi, lo, hi,
-                                     fmt)
+                                     fmt, hr)
                 c0 += 32
-                if c0 >= Sq:
+                if c0 >= iend:
                     c0 = i0
             assert cp.idle(), "cp.async left in flight at the end of the CTA"
             for W in warps:
@@ -340,9 +373,10 @@ def dkv_kernel(q, k, v, dout, lse, delta, dk, dv, B, Sq, Sk, H, Hkv, D, causal, 
                                     dv[o] = np.float32(dv[o] + W["dva"][n][2 * hf + e][ln])
 
 
-def dkv_step(sm, W, A, ld, nk, MAXK, KV_REGS, sl2, masked, plo, phi, lo, hi, fmt):
-    """tb_dkv_step<MAXK, MASKED, KV_REGS, F16> for one warp (A: the step's stage addresses;
-    fmt: the operand format)."""
+def dkv_step(sm, W, A, ld, nk, MAXK, KV_REGS, sl2, masked, plo, phi, lo, hi, fmt, hr=None):
+    """tb_dkv_step<MAXK, MASKED, KV_REGS, F16, DOCS> for one warp (A: the step's stage
+    addresses; fmt: the operand format; hr: the key rows' query ends under a document mask,
+    DOCS, else None)."""
     s = [[np.zeros(32, np.float32) for _ in range(4)] for _ in range(4)]
     dp = [[np.zeros(32, np.float32) for _ in range(4)] for _ in range(4)]
     for kk in range(nk):
@@ -378,7 +412,7 @@ def dkv_step(sm, W, A, ld, nk, MAXK, KV_REGS, sl2, masked, plo, phi, lo, hi, fmt
             with np.errstate(invalid="ignore", over="ignore"):
                 ds = (p_ * (dp[n][x] - dl)).astype(np.float32)
             if masked:
-                bad = (il < lo[x >> 1]) | (il >= hi)
+                bad = (il < lo[x >> 1]) | (il >= (hi if hr is None else hr[x >> 1]))
                 p_ = np.where(bad, np.float32(0), p_)
                 ds = np.where(bad, np.float32(0), ds)
             s[n][x] = p_.astype(np.float32)
@@ -402,16 +436,20 @@ def dkv_step(sm, W, A, ld, nk, MAXK, KV_REGS, sl2, masked, plo, phi, lo, hi, fmt
                 mma(W["dka"][2 * p + 1], a, bq[2], bq[3], fmt)
 
 
-def reference(q, k, v, dout, B, Sq, Sk, H, Hkv, D, causal, q_start, k_start, scale, fmt):
+def reference(q, k, v, dout, B, Sq, Sk, H, Hkv, D, causal, q_start, k_start, scale, fmt,
+              doc_start=None):
     """fp64: forward (lse, out) on the unrounded inputs; backward with the operands rounded to
-    the format `fmt`, as the fp32 backward's formulas ((ROUND_P) P, dS rounded to `fmt`)."""
+    the format `fmt`, as the fp32 backward's formulas ((ROUND_P) P, dS rounded to `fmt`); under
+    a document mask (`doc_start` [B, Sq]: key j seen iff doc_start <= k_start + j) if given."""
     q4 = q.reshape(B, Sq, H, D).astype(np.float64)
     k4 = k.reshape(B, Sk, Hkv, D).astype(np.float64)
     v4 = v.reshape(B, Sk, Hkv, D).astype(np.float64)
     g4 = dout.reshape(B, Sq, H, D).astype(np.float64)
     i = np.arange(Sq)[:, None]
     j = np.arange(Sk)[None, :]
-    vis = (k_start + j <= q_start + i) if causal else np.ones((Sq, Sk), bool)
+    vis0 = (k_start + j <= q_start + i) if causal else np.ones((Sq, Sk), bool)
+    seen = [vis0 if doc_start is None else vis0 & (doc_start[bb][:, None] <= k_start + j)
+            for bb in range(B)]
     lse = np.full((B, H, Sq), -np.inf)
     out = np.zeros((B, Sq, H, D))
     dq = np.zeros_like(q4)
@@ -422,7 +460,7 @@ def reference(q, k, v, dout, B, Sq, Sk, H, Hkv, D, causal, q_start, k_start, sca
         for h in range(H):
             hk = h // (H // Hkv)
             S = q4[bb, :, h] @ k4[bb, :, hk].T * scale
-            S = np.where(vis, S, -np.inf)
+            S = np.where(seen[bb], S, -np.inf)
             _, e, l, lse[bb, h] = softmax_rows(S)
             out[bb, :, h] = np.where(l > 0, (e / np.where(l > 0, l, 1)) @ v4[bb, :, hk], 0)
     lse = lse.astype(np.float32)
@@ -434,7 +472,7 @@ def reference(q, k, v, dout, B, Sq, Sk, H, Hkv, D, causal, q_start, k_start, sca
             S = Q @ K.T
             L = lse[bb, h].astype(np.float64)[:, None]
             with np.errstate(invalid="ignore", over="ignore"):
-                P = np.where(vis, np.exp(S * scale - np.where(np.isfinite(L), L, 0)), 0)
+                P = np.where(seen[bb], np.exp(S * scale - np.where(np.isfinite(L), L, 0)), 0)
             dP = G_ @ V.T
             dS = P * (dP - delta[bb, h].astype(np.float64)[:, None])
             if ROUND_P:  # P and dS rounded to `fmt` as the kernels round them
@@ -445,16 +483,22 @@ def reference(q, k, v, dout, B, Sq, Sk, H, Hkv, D, causal, q_start, k_start, sca
     return lse.reshape(-1), delta.reshape(-1), dq.reshape(-1), dk.reshape(-1), dv.reshape(-1)
 
 
-def case(B, Sq, Sk, H, Hkv, D, causal, q_start, k_start, fmt, seed=0, kv_regs=None):
-    """One case in the operand format `fmt` (emu_common.BF16 or FP16): the kernels' results
-    against the reference's; prints a line; returns (ok, max error of dq, dk, dv)."""
+def case(B, Sq, Sk, H, Hkv, D, causal, q_start, k_start, fmt, seed=0, kv_regs=None,
+         opens=None):
+    """One case in the operand format `fmt` (emu_common.BF16 or FP16), under a document mask
+    where `opens` gives each sequence's document openings (global positions): the kernels'
+    results against the reference's; prints a line; returns (ok, max error of dq, dk, dv)."""
     t0 = time.time()
     rng = np.random.default_rng(seed)
     q, k, v = inputs(rng, B, Sq, Sk, H, Hkv, D)
     dout = rng.standard_normal(B * Sq * H * D).astype(np.float32)
     scale = 1.0 / np.sqrt(D)
+    doc_start = key_lo = q_end = None
+    if opens is not None:
+        doc_start = doc_starts(opens, Sq, q_start)
+        key_lo, q_end = doc_bounds(doc_start, Sq, Sk, k_start)
     lse, delta, rq, rk, rv = reference(q, k, v, dout, B, Sq, Sk, H, Hkv, D, causal, q_start,
-                                       k_start, scale, fmt)
+                                       k_start, scale, fmt, doc_start)
     MAXK = 4 if D <= 64 else 8
     if kv_regs is None:
         kv_regs = MAXK == 4
@@ -469,8 +513,9 @@ def case(B, Sq, Sk, H, Hkv, D, causal, q_start, k_start, fmt, seed=0, kv_regs=No
     runs = []
     for late in (False, True):
         dq, dk, dv = base_q.copy(), base_k.copy(), base_v.copy()
-        dq_kernel(q16, k16, v16, g16, lse, delta, dq, *args, MAXK, late, fmt)
-        dkv_kernel(q16, k16, v16, g16, lse, delta, dk, dv, *args, MAXK, kv_regs, late, fmt)
+        dq_kernel(q16, k16, v16, g16, lse, delta, dq, *args, MAXK, late, fmt, key_lo)
+        dkv_kernel(q16, k16, v16, g16, lse, delta, dk, dv, *args, MAXK, kv_regs, late, fmt,
+                   q_end)
         runs.append((dq, dk, dv))
     # Copies landing when issued and at their wait read the same bits everywhere.
     same = all(np.array_equal(x.view(np.uint32), y.view(np.uint32))
@@ -495,7 +540,7 @@ def case(B, Sq, Sk, H, Hkv, D, causal, q_start, k_start, fmt, seed=0, kv_regs=No
         errs.append("copies landing early and late give different results")
     line = (f"{fmt} B{B} Sq{Sq} Sk{Sk} H{H}/{Hkv} D{D} {'c' if causal else 'nc'} "
             f"{q_start},{k_start} kv_regs={int(kv_regs)}: " + ", ".join(errs)
-            + f" [{time.time() - t0:.1f} s]")
+            + f" [{time.time() - t0:.1f} s]" + (f" documents {opens}" if opens else ""))
     print(line, flush=True)
     return bool(ok_all), maxerr
 
@@ -527,6 +572,8 @@ if __name__ == "__main__":
         # The other choice of TB_DKV_KV_REGS_K4 / _K8.
         res.append(case(1, 70, 75, 2, 1, 128, True, 5, 0, fmt=fmt, kv_regs=True))
         res.append(case(1, 70, 70, 2, 1, 64, True, 0, 0, fmt=fmt, kv_regs=False))
+        # Document masks: the forward emulator's cases (attention_tc_emu.DOC_CASES).
+        res += [case(*c[:6], True, *c[6:8], fmt=fmt, opens=c[8]) for c in DOC_CASES]
         ok &= all(r[0] for r in res)
         summary.append(f"{fmt}: {sum(r[0] for r in res)}/{len(res)} cases OK; max error "
                        f"{max(r[1] for r in res):.2e} (TOL {TOL[fmt.name]:.2e}) "

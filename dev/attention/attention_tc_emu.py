@@ -1,7 +1,9 @@
 """Lane-level emulation of the library's tensor-core attention forward,
 crates/tensor/src/cuda/kernels/attention_tc.cu (module "attention_tc"), in both of its operand
 formats: bf16 (attn_fwd_tc_k4 / _k8, F16 = false) and fp16 (attn_fwd_tc_f16_k4 / _k8,
-F16 = true), to check its indexing, fragments and masks where no GPU is at hand:
+F16 = true), and their _docs twins under a document mask (DOCS: emu_common.DOC_CASES, key_lo
+made as tensor::cuda::doc_mask::bounds makes it), to check its indexing, fragments and masks
+where no GPU is at hand:
 `python3 dev/attention/attention_tc_emu.py` (numpy; about 15 seconds) runs every case in bf16,
 then in fp16, prints each case's errors (the format first) and a summary per format, and exits
 1 on a mismatch.
@@ -31,14 +33,15 @@ compile check), timing, register pressure.
 
 The reference is dense float64 softmax attention with Q, K, V rounded to the format and
 (ROUND_P) the unnormalised P rounded to it before P V, divided by the row sum of the unrounded
-P (as the kernel sums its fp32 p); lse natural log, -inf (and out 0) for a row that sees no key.
+P (as the kernel sums its fp32 p); lse natural log, -inf (and out 0) for a row that sees no key;
+under a document mask the CPU kernel's rule on the documents' starts (not the kernel's key_lo).
 """
 import sys
 import time
 import numpy as np
 
-from emu_common import (FORMATS, G, T, CpAsync, Pieces, Smem, exp2, fmaf, inputs, keys_seen,
-                        lane, ld_u32, ldsm_x4, mma, softmax_rows)
+from emu_common import (DOC_CASES, FORMATS, G, T, CpAsync, Pieces, Smem, doc_bounds, doc_starts,
+                        exp2, fmaf, inputs, keys_seen, lane, ld_u32, ldsm_x4, mma, softmax_rows)
 
 LOG2E = np.float32(1.4426950408889634)
 LN2 = np.float32(0.6931471805599453)
@@ -110,10 +113,12 @@ def copy_tile(cp, kt, vt, kb, vb, k, v, kstride, j0, Sk, D, ld, MAXK, pc):
     assert np.all(seen == 1), "the copies do not cover the tile exactly once"
 
 
-def tn_tile(sm, W, ks_lane, vs_lane, kreg, vreg, ld, nk, MAXK, sl2, kv_lim, vis, masked, fmt):
-    """tn_tile<MAXK, MASKED, F16> for one warp (W: its registers, lanes as vectors; fmt: the
-    operand format, emu_common.BF16 or FP16); kreg, vreg: the byte ranges of the stage's K and
-    V tiles, which its ldmatrix rows must lie in."""
+def tn_tile(sm, W, ks_lane, vs_lane, kreg, vreg, ld, nk, MAXK, sl2, kv_lim, vis, masked, fmt,
+            lo=None):
+    """tn_tile<MAXK, MASKED, F16, DOCS> for one warp (W: its registers, lanes as vectors; fmt:
+    the operand format, emu_common.BF16 or FP16; lo: the rows' first keys under a document
+    mask, DOCS, else None); kreg, vreg: the byte ranges of the stage's K and V tiles, which its
+    ldmatrix rows must lie in."""
     qf, o, m, l = W["qf"], W["o"], W["m"], W["l"]
     # S = Q K^T (16 rows x 64 keys): n-tiles 2p, 2p + 1 from one ldmatrix.x4 per k-step.
     s = [[np.zeros(32, np.float32) for _ in range(4)] for _ in range(8)]
@@ -130,8 +135,9 @@ def tn_tile(sm, W, ks_lane, vs_lane, kreg, vreg, ld, nk, MAXK, sl2, kv_lim, vis,
         for n in range(8):
             for e in range(2):
                 if masked:
-                    s[n][2 * hf + e] = np.where(n * 8 + 2 * T + e >= vis[hf], NEG_INF,
-                                                s[n][2 * hf + e]).astype(np.float32)
+                    c = n * 8 + 2 * T + e
+                    cut = (c >= vis[hf]) | ((c < lo[hf]) if lo is not None else False)
+                    s[n][2 * hf + e] = np.where(cut, NEG_INF, s[n][2 * hf + e]).astype(np.float32)
                 mx = np.fmax(mx, s[n][2 * hf + e])
         mx = np.fmax(mx, shfl_xor(mx, 1))
         mx = np.fmax(mx, shfl_xor(mx, 2))
@@ -165,9 +171,11 @@ def tn_tile(sm, W, ks_lane, vs_lane, kreg, vreg, ld, nk, MAXK, sl2, kv_lim, vis,
 
 
 def body(q, k, v, out, lse, wr_out, wr_lse, B, Sq, Sk, H, Hkv, D, causal, q_start, k_start,
-         scale, MAXK, FULL, gx, bx, by, late, fmt):
-    """attn_fwd_tc_body<MAXK, FULL, F16> for the CTA (bx, by) of a grid (gx, B * H); q, k, v
-    the bits (u16) of the operand format `fmt` (F16: fmt is FP16)."""
+         scale, MAXK, FULL, gx, bx, by, late, fmt, key_lo=None):
+    """attn_fwd_tc_body<MAXK, FULL, F16, DOCS> for the CTA (bx, by) of a grid (gx, B * H); q,
+    k, v the bits (u16) of the operand format `fmt` (F16: fmt is FP16); key_lo the document
+    mask's first keys ([B * Sq] int, DOCS) or None."""
+    DOCS = key_lo is not None
     if FULL:
         D = 16 * MAXK
     ld = D + PAD
@@ -189,10 +197,12 @@ def body(q, k, v, out, lse, wr_out, wr_lse, B, Sq, Sk, H, Hkv, D, causal, q_star
 
     nvis = keys_seen(min(q0 + BM, Sq), Sk, causal, q_start, k_start)
     ntiles = (nvis + BN - 1) // BN
+    lrow = b * Sq
+    jt0 = int(key_lo[lrow + q0]) // BN if DOCS else 0
     pc = Pieces(D)
 
-    if ntiles > 0:
-        copy_tile(cp, kt0, vt0, kb, vb, k, v, kstride, 0, Sk, D, ld, MAXK, pc)
+    if jt0 < ntiles:
+        copy_tile(cp, kt0, vt0, kb, vb, k, v, kstride, jt0 * BN, Sk, D, ld, MAXK, pc)
         cp.commit()
 
     warps = []
@@ -213,13 +223,19 @@ def body(q, k, v, out, lse, wr_out, wr_lse, B, Sq, Sk, H, Hkv, D, causal, q_star
             if kk < nk:
                 qf[kk] = [ld2(oka, pa + kk * 16), ld2(okb, pb + kk * 16),
                           ld2(oka, pa + kk * 16 + 8), ld2(okb, pb + kk * 16 + 8)]
-        wfull = wkeys = 0
+        wfull = wkeys = wlo_min = wlo_max = 0
         if iw < Sq:
             wkeys = keys_seen(min(iw + 16, Sq), Sk, causal, q_start, k_start)
             wfull = keys_seen(iw + 1, Sk, causal, q_start, k_start)
+            if DOCS:
+                wlo_min = int(key_lo[lrow + iw])
+                wlo_max = int(key_lo[lrow + min(iw + 15, Sq - 1)])
         vis_row = [np.array([keys_seen(int(x) + 8 * hf + 1, Sk, causal, q_start, k_start)
                              for x in r0]) for hf in range(2)]
+        lo_row = [np.array([int(key_lo[lrow + x + 8 * hf]) if DOCS and x + 8 * hf < Sq else 0
+                            for x in r0]) for hf in range(2)]
         warps.append(dict(iw=iw, r0=r0, qf=qf, wfull=wfull, wkeys=wkeys, vis_row=vis_row,
+                          wlo_min=wlo_min, wlo_max=wlo_max, lo_row=lo_row,
                           o=[[np.zeros(32, np.float32) for _ in range(4)] for _ in range(2 * MAXK)],
                           m=[np.full(32, NEG_INF), np.full(32, NEG_INF)],
                           l=[np.zeros(32, np.float32), np.zeros(32, np.float32)]))
@@ -230,9 +246,9 @@ def body(q, k, v, out, lse, wr_out, wr_lse, B, Sq, Sk, H, Hkv, D, causal, q_star
     ks_lane = kt0 + (krow * ld + kcol) * 2
     vs_lane = vt0 + (vrow * ld + vcol) * 2
 
-    for jt in range(ntiles):
+    for it, jt in enumerate(range(jt0, ntiles)):
         j0 = jt * BN
-        cur = (jt & 1) * stage
+        cur = (it & 1) * stage
         cp.wait(0)
         sm.barrier()
         if jt + 1 < ntiles:
@@ -243,13 +259,14 @@ def body(q, k, v, out, lse, wr_out, wr_lse, B, Sq, Sk, H, Hkv, D, causal, q_star
         kreg = (kt0 + cur, kt0 + cur + BN * ld * 2)
         vreg = (vt0 + cur, vt0 + cur + BN * ld * 2)
         for W in warps:
-            if j0 + BN <= W["wfull"]:
+            if j0 + BN <= W["wfull"] and (not DOCS or j0 >= W["wlo_max"]):
                 tn_tile(sm, W, ks_lane + cur, vs_lane + cur, kreg, vreg, ld, nk, MAXK, sl2, BN,
                         [0, 0], False, fmt)
-            elif j0 < W["wkeys"]:
+            elif j0 < W["wkeys"] and (not DOCS or j0 + BN > W["wlo_min"]):
                 vis = [W["vis_row"][0] - j0, W["vis_row"][1] - j0]
+                lo = [W["lo_row"][0] - j0, W["lo_row"][1] - j0] if DOCS else None
                 tn_tile(sm, W, ks_lane + cur, vs_lane + cur, kreg, vreg, ld, nk, MAXK, sl2,
-                        W["wkeys"] - j0, vis, True, fmt)
+                        W["wkeys"] - j0, vis, True, fmt, lo)
     assert cp.idle(), "cp.async left in flight at the end of the CTA"
 
     ob = b * Sq * qstride + h * D
@@ -281,10 +298,11 @@ def body(q, k, v, out, lse, wr_out, wr_lse, B, Sq, Sk, H, Hkv, D, causal, q_star
 
 
 def kernel(q, k, v, out, lse, B, Sq, Sk, H, Hkv, D, causal, q_start, k_start, scale, MAXK,
-           late, fmt):
-    """TN_KERNEL: attn_fwd_tc_k<MAXK> (fmt BF16) or attn_fwd_tc_f16_k<MAXK> (fmt FP16) over
-    the whole grid (ceil(Sq / 64), B H); q, k, v the bits (u16) of `fmt`; `late`: the cp.async
-    landing policy (CpAsync)."""
+           late, fmt, key_lo=None):
+    """TN_KERNEL: attn_fwd_tc_k<MAXK> (fmt BF16) or attn_fwd_tc_f16_k<MAXK> (fmt FP16), or
+    with a document mask's first keys `key_lo` their _docs twins, over the whole grid
+    (ceil(Sq / 64), B H); q, k, v the bits (u16) of `fmt`; `late`: the cp.async landing policy
+    (CpAsync)."""
     assert D % 16 == 0 and 16 <= D <= 16 * MAXK
     wr_out = np.zeros(out.size, dtype=int)
     wr_lse = np.zeros(lse.size, dtype=int)
@@ -292,14 +310,16 @@ def kernel(q, k, v, out, lse, B, Sq, Sk, H, Hkv, D, causal, q_start, k_start, sc
     for by in range(B * H):
         for bx in range(gx):
             body(q, k, v, out, lse, wr_out, wr_lse, B, Sq, Sk, H, Hkv, D, causal, q_start,
-                 k_start, scale, MAXK, D == 16 * MAXK, gx, bx, by, late, fmt)
+                 k_start, scale, MAXK, D == 16 * MAXK, gx, bx, by, late, fmt, key_lo)
     assert np.all(wr_out == 1), "out: elements written other than once"
     assert np.all(wr_lse == 1), "lse: elements written other than once"
 
 
-def reference(q, k, v, B, Sq, Sk, H, Hkv, D, causal, q_start, k_start, scale, fmt):
+def reference(q, k, v, B, Sq, Sk, H, Hkv, D, causal, q_start, k_start, scale, fmt,
+              doc_start=None):
     """fp64 attention on Q, K, V rounded to the operand format `fmt`; (ROUND_P) P rounded to
-    `fmt` before P V, divided by the row sum of the unrounded P."""
+    `fmt` before P V, divided by the row sum of the unrounded P; under a document mask
+    (`doc_start`, [B, Sq]: the CPU kernel's rule, key j seen iff doc_start <= k_start + j)."""
     rb = lambda x: fmt.round(x.astype(np.float32)).astype(np.float64)
     q4 = rb(q).reshape(B, Sq, H, D)
     k4 = rb(k).reshape(B, Sk, Hkv, D)
@@ -313,7 +333,8 @@ def reference(q, k, v, B, Sq, Sk, H, Hkv, D, causal, q_start, k_start, scale, fm
         for h in range(H):
             hk = h // (H // Hkv)
             S = q4[bb, :, h] @ k4[bb, :, hk].T * scale
-            S = np.where(vis, S, -np.inf)
+            seen = vis if doc_start is None else vis & (doc_start[bb][:, None] <= k_start + j)
+            S = np.where(seen, S, -np.inf)
             mm, e, l, lse[bb, h] = softmax_rows(S)
             if ROUND_P == "tile":
                 # The maximum the row has seen by the end of each 64-key tile: the kernel's
@@ -331,14 +352,20 @@ def reference(q, k, v, B, Sq, Sk, H, Hkv, D, causal, q_start, k_start, scale, fm
     return out.reshape(-1), lse.reshape(-1)
 
 
-def case(B, Sq, Sk, H, Hkv, D, causal, q_start, k_start, fmt, seed=0, note=""):
-    """One case in the operand format `fmt` (emu_common.BF16 or FP16): the kernel's results
-    against the reference's; prints a line; returns (ok, out error, lse error)."""
+def case(B, Sq, Sk, H, Hkv, D, causal, q_start, k_start, fmt, seed=0, note="", opens=None):
+    """One case in the operand format `fmt` (emu_common.BF16 or FP16), under a document mask
+    where `opens` gives each sequence's document openings (global positions): the kernel's
+    results against the reference's; prints a line; returns (ok, out error, lse error)."""
     rng = np.random.default_rng(seed)
     q, k, v = inputs(rng, B, Sq, Sk, H, Hkv, D)
     scale = np.float32(1.0 / np.sqrt(D))
+    doc_start = key_lo = None
+    if opens is not None:
+        doc_start = doc_starts(opens, Sq, q_start)
+        key_lo, _ = doc_bounds(doc_start, Sq, Sk, k_start)
+        note += f" documents {opens}"
     rout, rlse = reference(q, k, v, B, Sq, Sk, H, Hkv, D, causal, q_start, k_start,
-                           np.float64(scale), fmt)
+                           np.float64(scale), fmt, doc_start)
     MAXK = 4 if D <= 64 else 8
     # The kernel's inputs: the bits of `fmt`, rounded once (nearest even) as the caller rounds
     # them.
@@ -349,7 +376,7 @@ def case(B, Sq, Sk, H, Hkv, D, causal, q_start, k_start, fmt, seed=0, note=""):
         out = np.full(B * Sq * H * D, np.nan, np.float32)
         lse = np.full(B * H * Sq, np.nan, np.float32)
         kernel(q16, k16, v16, out, lse, B, Sq, Sk, H, Hkv, D, int(causal), q_start, k_start,
-               scale, MAXK, late, fmt)
+               scale, MAXK, late, fmt, key_lo)
         runs.append((out, lse))
     dt = time.time() - t0
     ok = True
@@ -427,6 +454,7 @@ if __name__ == "__main__":
     for fmt in FORMATS:
         t1 = time.time()
         res = [case(*c, fmt=fmt) for c in CASES]
+        res += [case(*c[:6], True, *c[6:8], fmt=fmt, opens=c[8]) for c in DOC_CASES]
         ok &= all(r[0] for r in res)
         summary.append(f"{fmt}: {sum(r[0] for r in res)}/{len(res)} cases OK; max out error "
                        f"{max(r[1] for r in res):.2e} (TOL {TOL[fmt.name]:.2e}), max lse error "

@@ -298,3 +298,37 @@ def softmax_rows(S):
     with np.errstate(divide="ignore"):
         lse = np.where(l[:, 0] > 0, mm[:, 0] + np.log(l[:, 0]), -np.inf)
     return mm, e, l, lse
+
+
+# Document masks (causal): B, Sq, Sk, H, Hkv, D, q_start, k_start, each sequence's document
+# openings. Boundaries inside a warp's 16 rows and a CTA's 64, on a tile's edge and one either
+# side, one-token documents; query blocks after their key block (context parallelism), with
+# documents opening before, inside and after the keys; every key in an earlier document than
+# every query (nothing seen); a CTA whose first key tile is past the first (jt0 > 0). No row
+# sees exactly one key: there dS = P (dP - delta) = dP - delta is zero but for the rounding of
+# dO (to the format for dP, fp32 for delta), so the kernel and the reference would compare
+# rounding noise with rounding noise (in fp16, 3e-4 of a tiny largest gradient).
+DOC_CASES = [  # the forward's and the backward's emulators run them all
+    (2, 150, 150, 2, 1, 64, 0, 0, [[0, 1, 2, 63, 64, 65, 100, 149], [0, 37]]),
+    (1, 200, 200, 2, 2, 128, 0, 0, [[0, 50, 120, 127, 128, 129, 180]]),
+    (1, 100, 80, 4, 2, 32, 128, 20, [[0, 10, 60, 90, 150, 210]]),
+    (1, 40, 40, 2, 1, 16, 40, 0, [[0, 40]]),
+    (1, 130, 130, 2, 1, 48, 0, 0, [[0, 70, 71, 72, 73, 74, 75, 76, 77, 78, 79, 80, 81, 82]]),
+    (1, 70, 200, 2, 1, 96, 130, 0, [[0, 5, 135, 160]]),
+]
+
+
+def doc_starts(opens, Sq, q_start):
+    """[B, Sq]: the start of each query's document (global positions)."""
+    return np.array([[max(o for o in row if o <= q_start + i) for i in range(Sq)]
+                     for row in opens], dtype=np.int64)
+
+
+def doc_bounds(doc_start, Sq, Sk, k_start):
+    """(key_lo [B * Sq], q_end [B * Sk]) as tensor::cuda::doc_mask::bounds makes them (keep it
+    in step): key_lo = clamp(doc_start - k_start, 0, Sk), q_end[j] = #{i: doc_start[i] <=
+    k_start + j}."""
+    assert np.all(np.diff(doc_start, axis=1) >= 0), "starts must not decrease"
+    key_lo = np.clip(doc_start - k_start, 0, Sk).reshape(-1)
+    q_end = np.array([[int((row <= k_start + j).sum()) for j in range(Sk)] for row in doc_start])
+    return key_lo, q_end.reshape(-1)

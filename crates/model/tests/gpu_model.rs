@@ -1,7 +1,8 @@
 //! The whole model on a GPU against the same model on the CPU (the reference): a Llama config
 //! (GQA, 2 layers) and Mixtral configs (8 experts, top-2, the auxiliary loss; one with a shared
 //! expert and capacity drops), one forward/backward on the same parameters and batch (loss,
-//! and every gradient within 1e-4 of the largest), then ten AdamW steps with the optimizer on
+//! and every gradient within 1e-4 of the largest; plain batches and batches packed with
+//! documents), then ten AdamW steps with the optimizer on
 //! the device (every loss, each step's gradients against the CPU's on the device's parameters
 //! of that step, and the parameters after every step within 1e-4 relative; a failure names the
 //! step and the tensor). fp32 throughout, no TF32. Skipped with one line where no GPU is found (a failure under `XTRAIN_REQUIRE_GPU=1`).
@@ -33,6 +34,19 @@ fn batch(cfg: &ModelConfig, step: usize) -> Batch {
         })
         .collect();
     Batch::next_token(b, s, &ids).unwrap()
+}
+
+/// [`batch`] packed with documents: row 0 opens documents at 5, 6 and 11, row 1 at 8; with
+/// `restart` RoPE positions restart at each document (`data.document_positions`).
+fn batch_with_documents(cfg: &ModelConfig, restart: bool) -> Batch {
+    let (b, s) = (2, 16);
+    let opens: [&[usize]; 2] = [&[0, 5, 6, 11], &[0, 8]];
+    let start: Vec<usize> = opens
+        .iter()
+        .flat_map(|o| (0..s).map(|p| o.iter().copied().filter(|&x| x <= p).max().unwrap()))
+        .collect();
+    let docs = model::Documents::new(b, s, start, restart).unwrap();
+    batch(cfg, 0).with_documents(docs).unwrap()
 }
 
 fn rel(a: &[f32], b: &[f32]) -> f32 {
@@ -77,13 +91,22 @@ fn configs() -> [ModelConfig; 4] {
     [dense(), moe(false), moe(true), tied_rope3()]
 }
 
+/// One forward and backward, on plain batches and on batches packed with documents (the
+/// attention kernels' document mask, with and without restarted positions).
 #[test]
 fn one_step_matches_the_cpu() {
     let Some(dev) = gpu() else { return };
-    for cfg in configs() {
+    let cases = configs().into_iter().flat_map(|cfg| {
+        [
+            batch(&cfg, 0),
+            batch_with_documents(&cfg, false),
+            batch_with_documents(&cfg, true),
+        ]
+        .map(|b| (cfg.clone(), b))
+    });
+    for (cfg, b) in cases {
         let m = Model::new(cfg.clone()).unwrap();
         let p = m.init_params(3);
-        let b = batch(&cfg, 0);
         let mut g = vec![0.0; p.len()];
         let want = m
             .forward_backward(&p, &mut g, &b, &StepOptions::default(), &mut |_| {})
@@ -102,7 +125,8 @@ fn one_step_matches_the_cpu() {
         let e = rel(&gd.to_vec().unwrap(), &g);
         assert!(
             e <= 1e-4,
-            "{cfg:?}: gradients differ by {e:e} of the largest"
+            "{cfg:?} (documents: {}): gradients differ by {e:e} of the largest",
+            b.docs.is_some()
         );
     }
 }

@@ -218,12 +218,17 @@ pub fn rope(
     }
 }
 
-/// The error of a document mask on the GPU: the CUDA attention kernels have no document
-/// mask, and running without it would silently train another model.
-fn no_gpu_document_mask() -> TensorError {
-    TensorError::Config(
-        "document masking (data.document_mask) is built for the CPU attention kernel only, not for CUDA".into(),
-    )
+/// The document mask as the CUDA attention kernels read it ([`crate::cuda::doc_mask::DocMask`]: built from
+/// `doc_start` and uploaded once per shape and starts), or `None` for plain causal attention.
+fn gpu_docs(
+    gpu: &std::sync::Arc<crate::cuda::Gpu>,
+    s: &AttnShape,
+    doc_start: Option<&[usize]>,
+) -> Result<Option<std::sync::Arc<crate::cuda::doc_mask::DocMask>>> {
+    Ok(match doc_start {
+        Some(ds) => Some(crate::cuda::doc_mask::DocMask::cached(gpu, s, ds)?),
+        None => None,
+    })
 }
 
 /// Whether attention on a GPU runs on the tensor cores: in a bf16 or fp16 step
@@ -321,12 +326,13 @@ pub fn attention_forward<'a>(
             )?
         }
         (AttnInputs::Host(_), ..) => return Err(mixed("attention")),
-        _ if doc_start.is_some() => return Err(no_gpu_document_mask()),
         (AttnInputs::Cuda([q, k, v]), BufMut::Cuda(o), BufMut::Cuda(l)) => {
-            gpu::attention_forward(s, q, k, v, o, l)?
+            let docs = gpu_docs(q.gpu(), s, doc_start)?;
+            gpu::attention_forward(s, docs.as_deref(), q, k, v, o, l)?
         }
         (AttnInputs::Cuda16(format, [q, k, v]), BufMut::Cuda(o), BufMut::Cuda(l)) => {
-            gpu::attention_forward_tc(s, format, q, k, v, o, l)?
+            let docs = gpu_docs(q.gpu(), s, doc_start)?;
+            gpu::attention_forward_tc(s, docs.as_deref(), format, q, k, v, o, l)?
         }
         _ => return Err(mixed("attention")),
     }
@@ -393,19 +399,26 @@ pub fn attention_backward<'a>(
             AttnTiles::default(),
         ),
         (AttnInputs::Host(_), ..) => Err(mixed("attention backward")),
-        _ if doc_start.is_some() => Err(no_gpu_document_mask()),
         (
             AttnInputs::Cuda([q, k, v]),
             (R::Cuda(o), R::Cuda(l), R::Cuda(d)),
             (M::Cuda(a), M::Cuda(b), M::Cuda(c)),
-        ) => Ok(gpu::attention_backward(s, q, k, v, o, l, d, a, b, c)?),
+        ) => {
+            let docs = gpu_docs(q.gpu(), s, doc_start)?;
+            let docs = docs.as_deref();
+            Ok(gpu::attention_backward(s, docs, q, k, v, o, l, d, a, b, c)?)
+        }
         (
             AttnInputs::Cuda16(format, [q, k, v]),
             (R::Cuda(o), R::Cuda(l), R::Cuda(d)),
             (M::Cuda(a), M::Cuda(b), M::Cuda(c)),
-        ) => Ok(gpu::attention_backward_tc(
-            s, format, q, k, v, o, l, d, a, b, c,
-        )?),
+        ) => {
+            let docs = gpu_docs(q.gpu(), s, doc_start)?;
+            let docs = docs.as_deref();
+            Ok(gpu::attention_backward_tc(
+                s, docs, format, q, k, v, o, l, d, a, b, c,
+            )?)
+        }
         _ => Err(mixed("attention backward")),
     }
 }

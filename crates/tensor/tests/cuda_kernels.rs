@@ -4,8 +4,9 @@
 //! `exp` by at most 2 ulp); 16-bit casts: bit for bit. Skipped with one visible line where no
 //! GPU is found (a failure where `XTRAIN_REQUIRE` lists `gpu` or `XTRAIN_REQUIRE_GPU=1`).
 use std::sync::Arc;
-use tensor::attention::{attention_backward, attention_forward, AttnShape, AttnTiles};
+use tensor::attention::{attention_backward_docs, attention_forward_docs, AttnShape, AttnTiles};
 use tensor::buf::Buf;
+use tensor::cuda::doc_mask::DocMask;
 use tensor::cuda::{ops, DevBuf, Gpu};
 use tensor::operands::Operands;
 
@@ -379,6 +380,43 @@ fn cross_entropy_pieces_match_cpu() {
 /// Causal and not, grouped KV heads, head sizes 8 to 128, and the offsets of ring attention
 /// (a query block against a key block from elsewhere in the sequence, including one no query
 /// sees).
+/// Shapes of head size `head_dim` under document masks, with the starts of their queries'
+/// documents (`[batch, q_len]`, in the frame of `q_start` / `k_start`, as the CPU kernel takes
+/// them): boundaries inside a 64-row tile, on a tile's edge and one row either side of it,
+/// documents of one token, a last document that runs past the end; a query block after its
+/// key block (context parallelism's calls: the starts are global positions) with documents
+/// opening before, inside and after the keys; and a block whose keys all lie in an earlier
+/// document than every query (no pair visible: out 0, lse −inf, gradients unchanged).
+fn document_mask_cases(head_dim: usize) -> Vec<(AttnShape, Option<Vec<usize>>)> {
+    // The start of position p's document, documents opening at `opens` (sorted, from 0).
+    let start = |opens: &[usize], p: usize| opens.iter().copied().filter(|&o| o <= p).max();
+    let starts = |s: &AttnShape, rows: &[&[usize]]| {
+        let v: Vec<usize> = rows
+            .iter()
+            .flat_map(|opens| (0..s.q_len).map(|i| start(opens, s.q_start + i).unwrap()))
+            .collect();
+        assert_eq!(v.len(), s.batch * s.q_len);
+        Some(v)
+    };
+    let offset = |q_len, kv_len, q_start, k_start| AttnShape {
+        q_len,
+        kv_len,
+        q_start,
+        k_start,
+        ..AttnShape::causal(1, q_len, 4, 2, head_dim)
+    };
+    let a = AttnShape::causal(2, 150, 4, 2, head_dim);
+    let b = AttnShape::causal(1, 200, 8, 2, head_dim);
+    let c = offset(100, 80, 128, 20);
+    let d = offset(40, 40, 40, 0);
+    vec![
+        (a, starts(&a, &[&[0, 1, 2, 63, 64, 65, 100, 149], &[0, 37]])),
+        (b, starts(&b, &[&[0, 50, 120, 127, 128, 129, 180]])),
+        (c, starts(&c, &[&[0, 10, 60, 90, 150, 210]])),
+        (d, starts(&d, &[&[0, 40]])),
+    ]
+}
+
 #[test]
 fn attention_matches_cpu_forward_and_backward() {
     let Some(g) = gpu("attention_matches_cpu_forward_and_backward") else {
@@ -396,7 +434,7 @@ fn attention_matches_cpu_forward_and_backward() {
             q_start,
             k_start,
         };
-    for s in [
+    for (s, docs) in [
         AttnShape::causal(2, 33, 4, 2, 8),
         AttnShape::causal(1, 100, 8, 4, 32),
         AttnShape::causal(2, 64, 4, 4, 64),
@@ -411,7 +449,15 @@ fn attention_matches_cpu_forward_and_backward() {
         AttnShape::causal(1, 9, 4, 4, 256),
         shape(2, 1, 45, 8, 2, 96, true, 44, 0),
         shape(1, 5, 1, 4, 1, 40, false, 0, 0),
-    ] {
+    ]
+    .into_iter()
+    .map(|s| (s, None))
+    .chain(document_mask_cases(32))
+    {
+        let docs = docs.as_deref();
+        let mask = docs.map(|ds| DocMask::cached(&g, &s, ds).unwrap());
+        let mask = mask.as_deref();
+        let what = format!("{s:?}{}", if docs.is_some() { " documents" } else { "" });
         let (q, k, v, dout) = (
             rand(s.q_elems(), 20),
             rand(s.kv_elems(), 21),
@@ -419,7 +465,8 @@ fn attention_matches_cpu_forward_and_backward() {
             rand(s.q_elems(), 23),
         );
         let (mut out, mut lse) = (vec![0.0; s.q_elems()], vec![0.0; s.lse_elems()]);
-        attention_forward(&s, &q, &k, &v, &mut out, &mut lse, AttnTiles::default()).unwrap();
+        let tiles = AttnTiles::default();
+        attention_forward_docs(&s, docs, &q, &k, &v, &mut out, &mut lse, tiles).unwrap();
         let (gq, gk, gv) = (
             g.upload(&q).unwrap(),
             g.upload(&k).unwrap(),
@@ -429,13 +476,13 @@ fn attention_matches_cpu_forward_and_backward() {
             g.alloc::<f32>(s.q_elems()).unwrap(),
             g.alloc::<f32>(s.lse_elems()).unwrap(),
         );
-        ops::attention_forward(&s, &gq, &gk, &gv, &mut go, &mut gl).unwrap();
-        assert_close(&format!("{s:?} out"), &host(&go), &out);
+        ops::attention_forward(&s, mask, &gq, &gk, &gv, &mut go, &mut gl).unwrap();
+        assert_close(&format!("{what} out"), &host(&go), &out);
         let glse = host(&gl);
         for (a, b) in glse.iter().zip(&lse) {
             assert!(
                 a == b || (a - b).abs() <= 1e-5 * b.abs().max(1.0),
-                "{s:?} lse {a} vs {b}"
+                "{what} lse {a} vs {b}"
             );
         }
         let (mut dq, mut dk, mut dv) = (
@@ -448,22 +495,13 @@ fn attention_matches_cpu_forward_and_backward() {
             g.upload(&dk).unwrap(),
             g.upload(&dv).unwrap(),
         );
-        attention_backward(
-            &s,
-            &q,
-            &k,
-            &v,
-            &out,
-            &lse,
-            &dout,
-            &mut dq,
-            &mut dk,
-            &mut dv,
-            AttnTiles::default(),
+        attention_backward_docs(
+            &s, docs, &q, &k, &v, &out, &lse, &dout, &mut dq, &mut dk, &mut dv, tiles,
         )
         .unwrap();
         ops::attention_backward(
             &s,
+            mask,
             &gq,
             &gk,
             &gv,
@@ -475,9 +513,9 @@ fn attention_matches_cpu_forward_and_backward() {
             &mut gdv,
         )
         .unwrap();
-        assert_close(&format!("{s:?} dq"), &host(&gdq), &dq);
-        assert_close(&format!("{s:?} dk"), &host(&gdk), &dk);
-        assert_close(&format!("{s:?} dv"), &host(&gdv), &dv);
+        assert_close(&format!("{what} dq"), &host(&gdq), &dq);
+        assert_close(&format!("{what} dk"), &host(&gdk), &dk);
+        assert_close(&format!("{what} dv"), &host(&gdv), &dv);
     }
 }
 
@@ -588,10 +626,13 @@ fn round_bf16(x: &[f32]) -> Vec<f32> {
 /// Element-wise scales of the bf16 rounding of `P` and `dS` in the tensor-core kernels, from
 /// the reference's own `P = exp(s · scale − lse)` and `dS = P (dP − delta)` (f64, dense, on the
 /// rounded inputs): `Σ_j P_ij |v_jd|` (out), `scale Σ_j |dS_ij| |k_jd|` (dq),
-/// `scale Σ_h Σ_i |dS_ij| |q_id|` (dk), `Σ_h Σ_i P_ij |dO_id|` (dv).
+/// `scale Σ_h Σ_i |dS_ij| |q_id|` (dk), `Σ_h Σ_i P_ij |dO_id|` (dv); over the pairs that the
+/// causal rule and the document mask (`docs`: the starts of the queries' documents) let see
+/// each other.
 #[allow(clippy::too_many_arguments)]
 fn bf16_scales(
     s: &AttnShape,
+    docs: Option<&[usize]>,
     q: &[f32],
     k: &[f32],
     v: &[f32],
@@ -616,8 +657,9 @@ fn bf16_scales(
                 let delta: f64 = (0..d)
                     .map(|e| dout[qo + e] as f64 * out[qo + e] as f64)
                     .sum();
+                let first = docs.map_or(0, |ds| ds[b * s.q_len + i]);
                 for j in 0..s.kv_len {
-                    if s.causal && s.k_start + j > s.q_start + i {
+                    if s.causal && s.k_start + j > s.q_start + i || s.k_start + j < first {
                         continue;
                     }
                     let ko = ko + j * hkv * d;
@@ -712,7 +754,7 @@ fn tensor_core_attention_matches_cpu() {
             q_start,
             k_start,
         };
-    for (s, format) in [
+    for (s, docs, format) in [
         AttnShape::causal(2, 100, 8, 2, 64),
         AttnShape::causal(1, 100, 4, 4, 128),
         AttnShape::causal(2, 130, 8, 2, 128),
@@ -729,8 +771,14 @@ fn tensor_core_attention_matches_cpu() {
         AttnShape::causal(1, 70, 2, 1, 32),
     ]
     .into_iter()
-    .flat_map(|s| [(s, Operands::Bf16), (s, Operands::F16)])
+    .map(|s| (s, None))
+    .chain(document_mask_cases(64))
+    .chain(document_mask_cases(128))
+    .flat_map(|(s, docs)| [Operands::Bf16, Operands::F16].map(|f| (s, docs.clone(), f)))
     {
+        let docs = docs.as_deref();
+        let mask = docs.map(|ds| DocMask::cached(&g, &s, ds).unwrap());
+        let mask = mask.as_deref();
         let (round, bits, half_ulp) = match format {
             Operands::F16 => (round_f16 as Rounding, f16_bits as Bits, 2f64.powi(-11)),
             _ => (round_bf16 as Rounding, bf16_bits as Bits, 2f64.powi(-8)),
@@ -743,8 +791,9 @@ fn tensor_core_attention_matches_cpu() {
         let dout = round(&rand(s.q_elems(), 43));
         let (qr, kr, vr) = (round(&q), round(&k), round(&v));
         let (mut out, mut lse) = (vec![0.0; s.q_elems()], vec![0.0; s.lse_elems()]);
-        attention_forward(&s, &qr, &kr, &vr, &mut out, &mut lse, AttnTiles::default()).unwrap();
-        let [mo, mq, mk, mv] = bf16_scales(&s, &qr, &kr, &vr, &out, &lse, &dout);
+        let tiles = AttnTiles::default();
+        attention_forward_docs(&s, docs, &qr, &kr, &vr, &mut out, &mut lse, tiles).unwrap();
+        let [mo, mq, mk, mv] = bf16_scales(&s, docs, &qr, &kr, &vr, &out, &lse, &dout);
         let (gq, gk, gv) = (
             g.upload(&bits(&q)).unwrap(),
             g.upload(&bits(&k)).unwrap(),
@@ -754,8 +803,11 @@ fn tensor_core_attention_matches_cpu() {
             g.alloc::<f32>(s.q_elems()).unwrap(),
             g.alloc::<f32>(s.lse_elems()).unwrap(),
         );
-        ops::attention_forward_tc(&s, format, &gq, &gk, &gv, &mut go, &mut gl).unwrap();
-        let what = format!("{format:?} {s:?}");
+        ops::attention_forward_tc(&s, mask, format, &gq, &gk, &gv, &mut go, &mut gl).unwrap();
+        let what = format!(
+            "{format:?} {s:?}{}",
+            if docs.is_some() { " documents" } else { "" }
+        );
         assert_rounded_close(&format!("{what} out"), &host(&go), &out, &mo, half_ulp);
         for (a, b) in host(&gl).iter().zip(&lse) {
             assert!(
@@ -773,22 +825,13 @@ fn tensor_core_attention_matches_cpu() {
             g.upload(&dk).unwrap(),
             g.upload(&dv).unwrap(),
         );
-        attention_backward(
-            &s,
-            &qr,
-            &kr,
-            &vr,
-            &out,
-            &lse,
-            &dout,
-            &mut dq,
-            &mut dk,
-            &mut dv,
-            AttnTiles::default(),
+        attention_backward_docs(
+            &s, docs, &qr, &kr, &vr, &out, &lse, &dout, &mut dq, &mut dk, &mut dv, tiles,
         )
         .unwrap();
         ops::attention_backward_tc(
             &s,
+            mask,
             format,
             &gq,
             &gk,
@@ -816,8 +859,9 @@ fn tensor_core_attention_matches_cpu() {
             g.alloc::<f32>(s.q_elems()).unwrap(),
             g.alloc::<f32>(s.lse_elems()).unwrap(),
         );
-        let err = ops::attention_forward_tc(&s, Operands::Bf16, &gq, &gk, &gk, &mut go, &mut gl)
-            .unwrap_err();
+        let err =
+            ops::attention_forward_tc(&s, None, Operands::Bf16, &gq, &gk, &gk, &mut go, &mut gl)
+                .unwrap_err();
         assert!(
             matches!(err, tensor::cuda::CudaError::Shape(_)),
             "head_dim {d}: {err}"
@@ -830,8 +874,8 @@ fn tensor_core_attention_matches_cpu() {
         g.alloc::<f32>(s.q_elems()).unwrap(),
         g.alloc::<f32>(s.lse_elems()).unwrap(),
     );
-    let err =
-        ops::attention_forward_tc(&s, Operands::F32, &x, &x, &x, &mut go, &mut gl).unwrap_err();
+    let err = ops::attention_forward_tc(&s, None, Operands::F32, &x, &x, &x, &mut go, &mut gl)
+        .unwrap_err();
     assert!(err.to_string().contains("fp32"), "{err}");
 }
 
@@ -1224,14 +1268,16 @@ fn attention_operands_rounded_once_give_the_same_results() {
         g.alloc::<f32>(s.q_elems()).unwrap(),
         g.alloc::<f32>(s.lse_elems()).unwrap(),
     );
-    let err = ops::attention_forward_tc(&s, Operands::Bf16, view, view, view, &mut go, &mut gl)
-        .unwrap_err();
+    let err =
+        ops::attention_forward_tc(&s, None, Operands::Bf16, view, view, view, &mut go, &mut gl)
+            .unwrap_err();
     assert!(err.to_string().contains("16-byte"), "{err}");
     // An output view 4 bytes into its buffer: written as pairs of fp32.
     let whole = bits.slice(0..s.q_elems());
     let mut wide = g.alloc::<f32>(s.q_elems() + 1).unwrap();
     let err = ops::attention_forward_tc(
         &s,
+        None,
         Operands::Bf16,
         whole,
         whole,

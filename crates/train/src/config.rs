@@ -158,7 +158,8 @@ pub struct DataConfig {
     pub corpus_seed: u64,
     /// Block-causal attention: a token attends only to the tokens of its own document inside
     /// its (packed) window. The boundaries come from shard folders' document indexes, so every
-    /// source must be a shard folder. CPU only (the CUDA attention has no document mask).
+    /// source must be a shard folder. On the CPU and on GPUs (the attention kernels of both
+    /// take the mask).
     #[serde(default)]
     pub document_mask: bool,
     /// With `document_mask`: RoPE positions restart at 0 at every document's first token, so
@@ -680,8 +681,6 @@ impl RunConfig {
     /// `.idx` document starts): the built-in corpus, `.tok` streams and text files have none.
     /// Boundaries are not guessed from EOS ids: the byte tokenizer's EOS is byte 0, which a
     /// text may contain, and a `.tok` file does not record which id ended its documents.
-    /// The CUDA attention has no document mask: asking for one there is refused here rather
-    /// than trained without it.
     fn check_documents(&self) -> Result<()> {
         let d = &self.data;
         let bad = |msg: String| Err(TrainError::Config(msg));
@@ -692,12 +691,6 @@ impl RunConfig {
         }
         if !d.document_mask {
             return Ok(());
-        }
-        if self.train.on_gpu() {
-            return bad(format!(
-                "data.document_mask is built for the CPU attention kernel only: train.device = {} has no document mask (train on cpu, or turn the mask off)",
-                self.train.device_spec()
-            ));
         }
         let paths: Vec<&str> = if d.mix.is_empty() {
             vec![d.path.as_str()]

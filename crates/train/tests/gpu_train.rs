@@ -4,7 +4,7 @@
 //! and fp16 under the same 16-bit rule on both devices (bounds from the formats); checkpoints
 //! crossing devices — one written on the CPU continues on the GPU, and one written on the GPU
 //! continues on the CPU, each with the uninterrupted run's losses (1e-4); and greedy
-//! generation from a checkpoint; data parallelism (ZeRO 0-3), tensor, context and pipeline
+//! generation from a checkpoint; packed documents under the document mask; data parallelism (ZeRO 0-3), tensor, context and pipeline
 //! parallelism on one GPU shared
 //! by ranks as threads, against the single-GPU run; ZeRO-Offload against the optimizer on the
 //! GPU. Skipped with one line where no GPU is found (a failure under
@@ -118,6 +118,60 @@ fn ten_steps_on_the_gpu_match_the_cpu() {
             err / scale
         );
     }
+}
+
+/// Packed documents (`data.document_mask`, with and without restarted positions) train on the
+/// GPU as on the CPU: the CUDA attention kernels' document mask (fp32) against the CPU's, ten
+/// steps on a shard folder of short documents (a window of 64 tokens holds several).
+#[test]
+fn document_masks_train_on_the_gpu_as_on_the_cpu() {
+    if !has_gpu() {
+        return;
+    }
+    use train::data::prepare::{prepare, PrepareOptions};
+    let d = tmp("documents");
+    std::fs::create_dir_all(&d).unwrap();
+    let texts: String = (0..200)
+        .map(|k| {
+            let text = format!("doc {k}: {} end", "to be or not ".repeat(1 + k % 4));
+            serde_json::json!({ "text": text }).to_string() + "\n"
+        })
+        .collect();
+    let src = d.join("docs.jsonl");
+    std::fs::write(&src, texts).unwrap();
+    let shards = d.join("shards");
+    let opts = PrepareOptions {
+        field: "text".into(),
+        shard_tokens: 4096,
+        tokenizer_name: "byte".into(),
+        eos: None,
+        bos: None,
+        progress: false,
+    };
+    prepare(&[src], &train::data::Tokenizer::Byte, &shards, &opts).unwrap();
+    for positions in [false, true] {
+        let extra = [
+            format!("data.path=\"{}\"", shards.display()),
+            "data.document_mask=true".into(),
+            format!("data.document_positions={positions}"),
+            "model.seq_len=64".into(),
+        ];
+        let (cpu, p_cpu) = run_cfg(config_with("tiny", "cpu", &extra), None, 10, None);
+        let (gpu, p_gpu) = run_cfg(config_with("tiny", "cuda", &extra), None, 10, None);
+        let what = format!("documents (positions restarted: {positions})");
+        close(&format!("{what}: gpu vs cpu"), &gpu, &cpu);
+        let scale = p_cpu.iter().fold(0.0f32, |m, x| m.max(x.abs()));
+        let err = p_gpu
+            .iter()
+            .zip(&p_cpu)
+            .fold(0.0f32, |m, (a, b)| m.max((a - b).abs()));
+        assert!(
+            err <= 1e-4 * scale,
+            "{what}: parameters differ by {:e} of the largest",
+            err / scale
+        );
+    }
+    std::fs::remove_dir_all(&d).unwrap();
 }
 
 #[test]

@@ -12,7 +12,8 @@
 //! - [`blas`]: matrix products on cuBLASLt (fp32 without TF32, bf16/fp16 inputs with fp32
 //!   accumulation), plans cached per shape;
 //! - [`kernels`]: the CUDA C sources; [`ops`]: typed launchers with the CPU kernels'
-//!   signatures and conventions;
+//!   signatures and conventions; [`doc_mask`]: attention's document mask as the kernels read
+//!   it;
 //! - [`nccl`]: NCCL communicators ([`NcclComm`], [`NcclId`]) and their collectives on device
 //!   buffers, ordered on the [`Gpu`]'s compute stream.
 //!
@@ -21,6 +22,7 @@
 
 pub mod alloc;
 pub mod blas;
+pub mod doc_mask;
 pub mod driver;
 pub mod kernels;
 pub mod nccl;

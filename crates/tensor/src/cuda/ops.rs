@@ -2,6 +2,7 @@
 //! layouts and accumulate/write conventions (see each CPU function), so that the engine can
 //! call either and the tests compare them on the same inputs.
 
+use super::doc_mask::DocMask;
 use super::driver::{to_i32, DevBuf, DevSlice, DevSliceMut, Gpu, KArg, LaunchCfg};
 use super::CudaError;
 use crate::attention::AttnShape;
@@ -550,29 +551,44 @@ impl RopeTable {
         positions: &[usize],
         backward: bool,
     ) -> Result<Arc<RopeTable>, CudaError> {
-        type Cache = Mutex<Vec<(RopeKey, Arc<RopeTable>)>>;
-        static CACHE: OnceLock<Cache> = OnceLock::new();
+        static TABLES: Lru<RopeKey, RopeTable> = OnceLock::new();
         let key = RopeKey {
             gpu: Arc::as_ptr(gpu) as usize,
             inv_freq: rope.inv_freq().iter().map(|f| f.to_bits()).collect(),
             positions: positions.to_vec(),
             backward,
         };
-        let mut cache = CACHE
-            .get_or_init(Default::default)
-            .lock()
-            .unwrap_or_else(|e| e.into_inner());
-        if let Some(i) = cache.iter().position(|(k, _)| *k == key) {
-            let hit = cache.remove(i);
-            let table = hit.1.clone();
-            cache.insert(0, hit);
-            return Ok(table);
-        }
-        let table = Arc::new(RopeTable::new(gpu, rope, positions, backward)?);
-        cache.insert(0, (key, table.clone()));
-        cache.truncate(ROPE_CACHE);
-        Ok(table)
+        lru(&TABLES, key, ROPE_CACHE, || {
+            RopeTable::new(gpu, rope, positions, backward)
+        })
     }
+}
+
+/// A process-wide cache of device tables by key, most recently used first ([`lru`]).
+pub(crate) type Lru<K, V> = OnceLock<Mutex<Vec<(K, Arc<V>)>>>;
+
+/// The value of `key` in `cache` (at most `cap` entries), built by `build` on a miss: the
+/// tables that a step's layers share ([`RopeTable`], [`super::doc_mask::DocMask`]).
+pub(crate) fn lru<K: PartialEq, V>(
+    cache: &Lru<K, V>,
+    key: K,
+    cap: usize,
+    build: impl FnOnce() -> Result<V, CudaError>,
+) -> Result<Arc<V>, CudaError> {
+    let mut cache = cache
+        .get_or_init(Default::default)
+        .lock()
+        .unwrap_or_else(|e| e.into_inner());
+    if let Some(i) = cache.iter().position(|(k, _)| *k == key) {
+        let hit = cache.remove(i);
+        let value = hit.1.clone();
+        cache.insert(0, hit);
+        return Ok(value);
+    }
+    let value = Arc::new(build()?);
+    cache.insert(0, (key, value.clone()));
+    cache.truncate(cap);
+    Ok(value)
 }
 
 /// Rotates `x` (`[tokens, n_heads, head_dim]`) in place ([`crate::rope::Rope::apply`], or
@@ -820,7 +836,9 @@ pub fn ce_loss_sum<'a>(
     Ok(out.to_host()?[0])
 }
 
-fn attn_args(s: &AttnShape) -> Result<Vec<KArg>, CudaError> {
+/// The shape's arguments of every attention kernel, then the document mask's arrays (null
+/// without one: [`super::doc_mask`]).
+fn attn_args(s: &AttnShape, docs: Option<&DocMask>) -> Result<Vec<KArg>, CudaError> {
     Ok(vec![
         to_i32(s.batch, "batch")?.into(),
         to_i32(s.q_len, "q_len")?.into(),
@@ -832,6 +850,8 @@ fn attn_args(s: &AttnShape) -> Result<Vec<KArg>, CudaError> {
         to_i32(s.q_start, "q_start")?.into(),
         to_i32(s.k_start, "k_start")?.into(),
         s.scale().into(),
+        docs.map_or(KArg::Ptr(0), |d| (&d.key_lo).into()),
+        docs.map_or(KArg::Ptr(0), |d| (&d.q_end).into()),
     ])
 }
 
@@ -882,9 +902,11 @@ fn check_attn_backward(
 /// Warps per block of the attention kernels.
 const ATT_WARPS: usize = 4;
 
-/// Forward: writes `out` and `lse` ([`crate::attention::attention_forward`]).
+/// Forward: writes `out` and `lse` ([`crate::attention::attention_forward_docs`], under the
+/// document mask `docs` if given).
 pub fn attention_forward<'a>(
     s: &AttnShape,
+    docs: Option<&DocMask>,
     q: impl Into<DevSlice<'a, f32>>,
     k: impl Into<DevSlice<'a, f32>>,
     v: impl Into<DevSlice<'a, f32>>,
@@ -904,7 +926,7 @@ pub fn attention_forward<'a>(
         return Ok(());
     }
     let mut args = vec![q.into(), k.into(), v.into(), (&out).into(), (&lse).into()];
-    args.extend(attn_args(s)?);
+    args.extend(attn_args(s, docs)?);
     q.gpu().launch(
         "attention",
         "attn_fwd_f32",
@@ -980,11 +1002,13 @@ pub fn attention_merge(
     )
 }
 
-/// Backward: accumulates (`+=`) into `dq`, `dk`, `dv` ([`crate::attention::attention_backward`];
+/// Backward: accumulates (`+=`) into `dq`, `dk`, `dv`
+/// ([`crate::attention::attention_backward_docs`], under the forward's document mask `docs`;
 /// pass the final merged `out` and `lse` for a partial key block).
 #[allow(clippy::too_many_arguments)]
 pub fn attention_backward<'a>(
     s: &AttnShape,
+    docs: Option<&DocMask>,
     q: impl Into<DevSlice<'a, f32>>,
     k: impl Into<DevSlice<'a, f32>>,
     v: impl Into<DevSlice<'a, f32>>,
@@ -1025,7 +1049,7 @@ pub fn attention_backward<'a>(
         (&delta).into(),
         (&dq).into(),
     ];
-    args.extend(attn_args(s)?);
+    args.extend(attn_args(s, docs)?);
     gpu.launch(
         "attention",
         "attn_bwd_dq",
@@ -1050,7 +1074,7 @@ pub fn attention_backward<'a>(
         (&dk).into(),
         (&dv).into(),
     ];
-    args.extend(attn_args(s)?);
+    args.extend(attn_args(s, docs)?);
     gpu.launch(
         "attention",
         "attn_bwd_dkv",
@@ -1075,29 +1099,42 @@ const ATT_TC_TILE: usize = 64;
 const ATT_TC_QSTEP: usize = 32;
 
 /// The instantiation of a tensor-core attention kernel (`attn_fwd_tc`, `attn_bwd_dq_tc`,
-/// `attn_bwd_dkv_tc`) for the operand format — bf16, or fp16 (`_f16`) — and the shape's head
-/// size: register tiles for 64 (`_k4`) or 128 (`_k8`).
+/// `attn_bwd_dkv_tc`) for a document mask or none (`_docs`), the operand format — bf16, or
+/// fp16 (`_f16`) — and the shape's head size: register tiles for 64 (`_k4`) or 128 (`_k8`).
 fn tc_kernel(
     s: &AttnShape,
     kernel: &'static str,
     format: crate::operands::Operands,
+    docs: bool,
 ) -> Result<&'static str, CudaError> {
     use crate::operands::Operands::{Bf16, F16, F32};
     let small = s.head_dim <= 64;
-    Ok(match (kernel, format, small) {
-        ("attn_fwd_tc", Bf16, true) => "attn_fwd_tc_k4",
-        ("attn_fwd_tc", Bf16, false) => "attn_fwd_tc_k8",
-        ("attn_fwd_tc", F16, true) => "attn_fwd_tc_f16_k4",
-        ("attn_fwd_tc", F16, false) => "attn_fwd_tc_f16_k8",
-        ("attn_bwd_dq_tc", Bf16, true) => "attn_bwd_dq_tc_k4",
-        ("attn_bwd_dq_tc", Bf16, false) => "attn_bwd_dq_tc_k8",
-        ("attn_bwd_dq_tc", F16, true) => "attn_bwd_dq_tc_f16_k4",
-        ("attn_bwd_dq_tc", F16, false) => "attn_bwd_dq_tc_f16_k8",
-        ("attn_bwd_dkv_tc", Bf16, true) => "attn_bwd_dkv_tc_k4",
-        ("attn_bwd_dkv_tc", Bf16, false) => "attn_bwd_dkv_tc_k8",
-        ("attn_bwd_dkv_tc", F16, true) => "attn_bwd_dkv_tc_f16_k4",
-        ("attn_bwd_dkv_tc", F16, false) => "attn_bwd_dkv_tc_f16_k8",
-        (_, F32, _) => {
+    Ok(match (kernel, docs, format, small) {
+        ("attn_fwd_tc", false, Bf16, true) => "attn_fwd_tc_k4",
+        ("attn_fwd_tc", false, Bf16, false) => "attn_fwd_tc_k8",
+        ("attn_fwd_tc", false, F16, true) => "attn_fwd_tc_f16_k4",
+        ("attn_fwd_tc", false, F16, false) => "attn_fwd_tc_f16_k8",
+        ("attn_fwd_tc", true, Bf16, true) => "attn_fwd_tc_docs_k4",
+        ("attn_fwd_tc", true, Bf16, false) => "attn_fwd_tc_docs_k8",
+        ("attn_fwd_tc", true, F16, true) => "attn_fwd_tc_docs_f16_k4",
+        ("attn_fwd_tc", true, F16, false) => "attn_fwd_tc_docs_f16_k8",
+        ("attn_bwd_dq_tc", false, Bf16, true) => "attn_bwd_dq_tc_k4",
+        ("attn_bwd_dq_tc", false, Bf16, false) => "attn_bwd_dq_tc_k8",
+        ("attn_bwd_dq_tc", false, F16, true) => "attn_bwd_dq_tc_f16_k4",
+        ("attn_bwd_dq_tc", false, F16, false) => "attn_bwd_dq_tc_f16_k8",
+        ("attn_bwd_dq_tc", true, Bf16, true) => "attn_bwd_dq_tc_docs_k4",
+        ("attn_bwd_dq_tc", true, Bf16, false) => "attn_bwd_dq_tc_docs_k8",
+        ("attn_bwd_dq_tc", true, F16, true) => "attn_bwd_dq_tc_docs_f16_k4",
+        ("attn_bwd_dq_tc", true, F16, false) => "attn_bwd_dq_tc_docs_f16_k8",
+        ("attn_bwd_dkv_tc", false, Bf16, true) => "attn_bwd_dkv_tc_k4",
+        ("attn_bwd_dkv_tc", false, Bf16, false) => "attn_bwd_dkv_tc_k8",
+        ("attn_bwd_dkv_tc", false, F16, true) => "attn_bwd_dkv_tc_f16_k4",
+        ("attn_bwd_dkv_tc", false, F16, false) => "attn_bwd_dkv_tc_f16_k8",
+        ("attn_bwd_dkv_tc", true, Bf16, true) => "attn_bwd_dkv_tc_docs_k4",
+        ("attn_bwd_dkv_tc", true, Bf16, false) => "attn_bwd_dkv_tc_docs_k8",
+        ("attn_bwd_dkv_tc", true, F16, true) => "attn_bwd_dkv_tc_docs_f16_k4",
+        ("attn_bwd_dkv_tc", true, F16, false) => "attn_bwd_dkv_tc_docs_f16_k8",
+        (_, _, F32, _) => {
             return Err(CudaError::Shape(
                 "tensor-core attention takes bf16 or fp16 operands, not fp32: use \
                  attention_forward / attention_backward"
@@ -1180,9 +1217,11 @@ fn check_attn_aligned(what: &str, ptr: u64, align: u64) -> Result<(), CudaError>
 /// first; dynamic shared memory `512 · (head_dim + 8)` bytes (36 864 for head_dim 64, 69 632
 /// for 128: K and V tiles double-buffered by cp.async; kernels/attention_tc.cu). `head_dim`
 /// must be a multiple of 16 in 16..=128: otherwise [`CudaError::Shape`], and the caller uses
-/// [`attention_forward`].
+/// [`attention_forward`]. `docs`: the document mask, as for [`attention_forward`].
+#[allow(clippy::too_many_arguments)]
 pub fn attention_forward_tc<'a>(
     s: &AttnShape,
+    docs: Option<&DocMask>,
     format: crate::operands::Operands,
     q: impl Into<DevSlice<'a, u16>>,
     k: impl Into<DevSlice<'a, u16>>,
@@ -1198,7 +1237,7 @@ pub fn attention_forward_tc<'a>(
 
     check_attn(s, q.len(), k.len(), v.len())?;
     check_attn_tc(s)?;
-    let kernel = tc_kernel(s, "attn_fwd_tc", format)?;
+    let kernel = tc_kernel(s, "attn_fwd_tc", format, docs.is_some())?;
     for (what, x) in [("q", &q), ("k", &k), ("v", &v)] {
         check_attn_aligned(what, x.ptr(), 16)?;
     }
@@ -1209,7 +1248,7 @@ pub fn attention_forward_tc<'a>(
         return Ok(());
     }
     let mut args = vec![q.into(), k.into(), v.into(), (&out).into(), (&lse).into()];
-    args.extend(attn_args(s)?);
+    args.extend(attn_args(s, docs)?);
     q.gpu().launch(
         "attention_tc",
         kernel,
@@ -1245,10 +1284,11 @@ pub fn attention_forward_tc<'a>(
 /// head_dim 64, 69 632 for 128), and `attn_bwd_dkv_tc`, 4 warps per (64 keys, batch × KV
 /// head), `512 · (head_dim + 8) + 512` bytes (37 376 and 70 144). `head_dim` must be a
 /// multiple of 16 in 16..=128: otherwise [`CudaError::Shape`], and the caller uses
-/// [`attention_backward`].
+/// [`attention_backward`]. `docs`: the forward's document mask.
 #[allow(clippy::too_many_arguments)]
 pub fn attention_backward_tc<'a>(
     s: &AttnShape,
+    docs: Option<&DocMask>,
     format: crate::operands::Operands,
     q: impl Into<DevSlice<'a, u16>>,
     k: impl Into<DevSlice<'a, u16>>,
@@ -1271,8 +1311,8 @@ pub fn attention_backward_tc<'a>(
     let dv: DevSliceMut<'_, f32> = dv.into();
 
     check_attn_tc(s)?;
-    let dq_kernel = tc_kernel(s, "attn_bwd_dq_tc", format)?;
-    let dkv_kernel = tc_kernel(s, "attn_bwd_dkv_tc", format)?;
+    let dq_kernel = tc_kernel(s, "attn_bwd_dq_tc", format, docs.is_some())?;
+    let dkv_kernel = tc_kernel(s, "attn_bwd_dkv_tc", format, docs.is_some())?;
     check_attn_backward(
         s,
         [q.len(), k.len(), v.len()],
@@ -1302,7 +1342,7 @@ pub fn attention_backward_tc<'a>(
         (&delta).into(),
         (&dq).into(),
     ];
-    args.extend(attn_args(s)?);
+    args.extend(attn_args(s, docs)?);
     gpu.launch(
         "attention_tc_bwd",
         dq_kernel,
@@ -1327,7 +1367,7 @@ pub fn attention_backward_tc<'a>(
         (&dk).into(),
         (&dv).into(),
     ];
-    args.extend(attn_args(s)?);
+    args.extend(attn_args(s, docs)?);
     gpu.launch(
         "attention_tc_bwd",
         dkv_kernel,

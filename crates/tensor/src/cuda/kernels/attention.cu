@@ -10,6 +10,14 @@
 // (dK, dV) are computed by separate kernels so that every sum has one writer and a fixed
 // order (no atomics): the results are the same bits run to run. All three accumulate (+=) into
 // their outputs, so ring attention sums the contributions of every key block.
+//
+// Document masks (block-causal attention over packed documents; tensor::attention's module
+// doc): key_lo [B, Sq] and q_end [B, Sk], int32 in the kernels' local indices, or both null
+// for none. Query i of sequence b sees key j iff key_lo[b, i] <= j as well as the causal rule;
+// equivalently iff i < q_end[b, j] (the queries whose document starts at or before key j are
+// a prefix, the starts being nondecreasing). The launcher builds both from the per-query
+// document starts (tensor::cuda::ops::DocMask). The forward and dQ start their key loop at
+// key_lo, dK/dV ends its query loop at q_end.
 
 #define ATT_MAXD 256
 #define ATT_PER_LANE (ATT_MAXD / 32)
@@ -24,7 +32,7 @@ __device__ __forceinline__ int att_visible(int i, int Sk, int causal, int q_star
 extern "C" __global__ void attn_fwd_f32(const float* q, const float* k, const float* v,
                                         float* out, float* lse, int B, int Sq, int Sk, int H,
                                         int Hkv, int D, int causal, int q_start, int k_start,
-                                        float scale) {
+                                        float scale, const int* key_lo, const int* q_end) {
     extern __shared__ float qs_all[];
     int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     int i = blockIdx.x * (blockDim.x >> 5) + warp;
@@ -38,10 +46,11 @@ extern "C" __global__ void attn_fwd_f32(const float* q, const float* k, const fl
     const float* kb = k + (long long)b * Sk * kstride + (long long)hk * D;
     const float* vb = v + (long long)b * Sk * kstride + (long long)hk * D;
     int nvis = att_visible(i, Sk, causal, q_start, k_start);
+    int jlo = key_lo ? key_lo[(long long)b * Sq + i] : 0;
     float m = XT_NEG_INF, l = 0.0f;
     float acc[ATT_PER_LANE];
     for (int t = 0; t < ATT_PER_LANE; t++) acc[t] = 0.0f;
-    for (int j0 = 0; j0 < nvis; j0 += 32) {
+    for (int j0 = jlo; j0 < nvis; j0 += 32) {
         int j = j0 + lane;
         float s = XT_NEG_INF;
         if (j < nvis) {
@@ -135,7 +144,8 @@ extern "C" __global__ void attn_merge(float* out, float* lse, const float* part,
 extern "C" __global__ void attn_bwd_dq(const float* q, const float* k, const float* v,
                                        const float* dout, const float* lse, const float* delta,
                                        float* dq, int B, int Sq, int Sk, int H, int Hkv, int D,
-                                       int causal, int q_start, int k_start, float scale) {
+                                       int causal, int q_start, int k_start, float scale,
+                                       const int* key_lo, const int* q_end) {
     int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     int i = blockIdx.x * (blockDim.x >> 5) + warp;
     int b = blockIdx.y / H, h = blockIdx.y % H, hk = h / (H / Hkv);
@@ -154,7 +164,8 @@ extern "C" __global__ void attn_bwd_dq(const float* q, const float* k, const flo
     long long li = ((long long)b * H + h) * Sq + i;
     float lse_i = lse[li], delta_i = delta[li];
     int nvis = att_visible(i, Sk, causal, q_start, k_start);
-    for (int j = 0; j < nvis; j++) {
+    int jlo = key_lo ? key_lo[(long long)b * Sq + i] : 0;
+    for (int j = jlo; j < nvis; j++) {
         const float* kr = kb + j * kstride;
         const float* vr = vb + j * kstride;
         float s = 0.0f, dp = 0.0f;
@@ -186,7 +197,7 @@ extern "C" __global__ void attn_bwd_dkv(const float* q, const float* k, const fl
                                         const float* dout, const float* lse, const float* delta,
                                         float* dk, float* dv, int B, int Sq, int Sk, int H,
                                         int Hkv, int D, int causal, int q_start, int k_start,
-                                        float scale) {
+                                        float scale, const int* key_lo, const int* q_end) {
     int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     int j = blockIdx.x * (blockDim.x >> 5) + warp;
     int b = blockIdx.y / Hkv, hk = blockIdx.y % Hkv;
@@ -204,9 +215,11 @@ extern "C" __global__ void attn_bwd_dkv(const float* q, const float* k, const fl
     // Queries that see key j: q_start + i >= k_start + j.
     int i0 = causal ? k_start + j - q_start : 0;
     if (i0 < 0) i0 = 0;
+    // ... and whose document starts at or before it: i < q_end.
+    int iend = q_end ? min(Sq, q_end[(long long)b * Sk + j]) : Sq;
     for (int g = 0; g < group; g++) {
         int h = hk * group + g;
-        for (int i = i0; i < Sq; i++) {
+        for (int i = i0; i < iend; i++) {
             long long qoff = (((long long)b * Sq + i) * H + h) * D;
             long long li = ((long long)b * H + h) * Sq + i;
             float s = 0.0f, dp = 0.0f;

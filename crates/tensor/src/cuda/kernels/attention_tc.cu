@@ -100,8 +100,15 @@
 // a GPU, dev/attention/attention_tc_emu.py, a lane-level numpy transliteration of this kernel
 // (fragment layouts, shared-memory bytes, cp.async groups and barriers as the PTX ISA gives
 // them; keep it in step), matches a dense float64 reference on 22 shapes (head sizes 16 to
-// 128, causal with offsets, rows that see no key, GQA, ragged edges), each run with every copy
-// landing when issued and again at the wait that covers it.
+// 128, causal with offsets, rows that see no key, GQA, ragged edges) and 6 under document
+// masks (the _docs kernels), each run with every copy landing when issued and again at the
+// wait that covers it.
+//
+// Document masks (the _docs kernels, DOCS): the "attention" module's key_lo (kernels/
+// attention.cu), each row's first visible key. The starts being nondecreasing, a CTA's and a
+// warp's bounds are those of their first and last rows. ptxas: the _docs kernels take 167
+// registers at D = 64 (sm_80 and sm_90) and 255 at D = 128, no spills; the others are
+// unchanged by the parameters (166 / 168 and 255).
 
 #define TN_BM 64  // query rows per CTA (16 per warp, 4 warps)
 #define TN_BN 64  // keys per tile
@@ -158,12 +165,13 @@ __device__ __forceinline__ void tn_copy_tile(u32 kt, u32 vt, const u16* kb, cons
 // n-tile pair 0). MASKED: some row of the warp does not see some key of the tile; then
 // `kv_lim` is the number of the tile's keys the warp's last row below Sq sees (16-key steps
 // from it on are skipped: no row of the warp sees them) and `vis[hf]` the number row r0 + 8 hf
-// sees (keys 0 .. vis - 1 of the tile; may be <= 0 or > 64).
-template <int MAXK, bool MASKED, bool F16>
+// sees (keys 0 .. vis - 1 of the tile; may be <= 0 or > 64), and under a document mask (DOCS)
+// not the keys before lo[hf] either (keys lo .. vis - 1; lo may be <= 0).
+template <int MAXK, bool MASKED, bool F16, bool DOCS>
 __device__ __forceinline__ void tn_tile(const u32 (&qf)[MAXK][4], float (&o)[2 * MAXK][4],
                                         float (&m)[2], float (&l)[2], u32 ks_lane, u32 vs_lane,
                                         int ld, int nk, float sl2, int kv_lim,
-                                        const int (&vis)[2], int t) {
+                                        const int (&vis)[2], const int (&lo)[2], int t) {
     // S = Q K^T (16 rows x 64 keys): n-tiles 2p, 2p + 1 from one ldmatrix.x4 per k-step.
     float s[8][4];
 #pragma unroll
@@ -192,7 +200,8 @@ __device__ __forceinline__ void tn_tile(const u32 (&qf)[MAXK][4], float (&o)[2 *
         for (int n = 0; n < 8; n++) {
 #pragma unroll
             for (int e = 0; e < 2; e++) {
-                if (MASKED && n * 8 + 2 * t + e >= vis[hf]) s[n][2 * hf + e] = XT_NEG_INF;
+                const int c = n * 8 + 2 * t + e;
+                if (MASKED && (c >= vis[hf] || (DOCS && c < lo[hf]))) s[n][2 * hf + e] = XT_NEG_INF;
                 mx = fmaxf(mx, s[n][2 * hf + e]);
             }
         }
@@ -247,12 +256,17 @@ __device__ __forceinline__ void tn_tile(const u32 (&qf)[MAXK][4], float (&o)[2 *
 
 // Grid (ceil(Sq / 64), B * H), block 128; the CTA of blockIdx.x = x owns query rows
 // 64 (gridDim.x - 1 - x) .. + 63, warp w rows + 16 w .. + 15 (its Q fragments stay in
-// registers), and walks the key tiles of 64 that its rows see.
-template <int MAXK, bool FULL, bool F16>
+// registers), and walks the key tiles of 64 that its rows see. DOCS: under a document mask,
+// key_lo [B, Sq] (int32) gives each row's first visible key (the "attention" module's
+// contract): the walk starts at the tile of the CTA's smallest (its first row's: the starts
+// are nondecreasing), a warp skips the tiles wholly before its first row's, and a tile that
+// some row of the warp sees only from a later key is masked per element.
+template <int MAXK, bool FULL, bool F16, bool DOCS>
 __device__ __forceinline__ void attn_fwd_tc_body(const u16* q, const u16* k, const u16* v,
                                                       float* out, float* lse, int B, int Sq,
                                                       int Sk, int H, int Hkv, int D, int causal,
-                                                      int q_start, int k_start, float scale) {
+                                                      int q_start, int k_start, float scale,
+                                                      const int* key_lo) {
     extern __shared__ __align__(16) unsigned char tn_smem[];
     if (FULL) D = 16 * MAXK; // a constant from here on: loops without guards, fixed offsets
     const int ld = D + TN_PAD;
@@ -273,6 +287,9 @@ __device__ __forceinline__ void attn_fwd_tc_body(const u16* q, const u16* k, con
 
     const int nvis = tc_keys_seen(min(q0 + TN_BM, Sq), Sk, causal, q_start, k_start);
     const int ntiles = (nvis + TN_BN - 1) / TN_BN;
+    // The first tile the CTA needs (CTA-uniform): that of its first row's first key.
+    const long long lrow = (long long)b * Sq;
+    const int jt0 = DOCS ? key_lo[lrow + q0] / TN_BN : 0;
     TnPieces pc;
     pc.cpr = D >> 3;
     pc.r = threadIdx.x / pc.cpr;
@@ -280,9 +297,9 @@ __device__ __forceinline__ void attn_fwd_tc_body(const u16* q, const u16* k, con
     pc.dr = TN_THREADS / pc.cpr;
     pc.dc = TN_THREADS - pc.dr * pc.cpr;
 
-    // Tile 0's copies (stage 0) fly while Q is read.
-    if (ntiles > 0) {
-        tn_copy_tile<MAXK>(kt0, vt0, kb, vb, kstride, 0, Sk, D, ld, pc);
+    // Tile jt0's copies (stage 0) fly while Q is read.
+    if (jt0 < ntiles) {
+        tn_copy_tile<MAXK>(kt0, vt0, kb, vb, kstride, jt0 * TN_BN, Sk, D, ld, pc);
         tc_cp_async_commit();
     }
 
@@ -309,15 +326,24 @@ __device__ __forceinline__ void attn_fwd_tc_body(const u16* q, const u16* k, con
     // row sees the fewest), keys 0 .. wkeys - 1 by some row (the last row below Sq sees the
     // most); nothing for a warp whose rows are all past Sq. And what each of this thread's
     // rows sees: keys 0 .. vis_row - 1.
-    int wfull = 0, wkeys = 0;
+    // Under a document mask also: keys from wlo_max on by every row (the last row's first key
+    // is the largest), keys before wlo_min by none (the first row's), and this thread's rows
+    // keys from lo_row on.
+    int wfull = 0, wkeys = 0, wlo_min = 0, wlo_max = 0;
     if (iw < Sq) {
         wkeys = tc_keys_seen(min(iw + 16, Sq), Sk, causal, q_start, k_start);
         wfull = tc_keys_seen(iw + 1, Sk, causal, q_start, k_start);
+        if (DOCS) {
+            wlo_min = key_lo[lrow + iw];
+            wlo_max = key_lo[lrow + min(iw + 15, Sq - 1)];
+        }
     }
-    int vis_row[2];
+    int vis_row[2], lo_row[2] = {0, 0};
 #pragma unroll
-    for (int hf = 0; hf < 2; hf++)
+    for (int hf = 0; hf < 2; hf++) {
         vis_row[hf] = tc_keys_seen(r0 + 8 * hf + 1, Sk, causal, q_start, k_start);
+        if (DOCS && r0 + 8 * hf < Sq) lo_row[hf] = key_lo[lrow + r0 + 8 * hf];
+    }
 
     // ldmatrix row addresses of this lane in stage 0 (k-step 0, n-tile pair 0; see the header).
     const int krow = ((lane >> 4) << 3) + (lane & 7), kcol = ((lane >> 3) & 1) << 3;
@@ -330,15 +356,16 @@ __device__ __forceinline__ void attn_fwd_tc_body(const u16* q, const u16* k, con
     for (int n = 0; n < 2 * MAXK; n++) o[n][0] = o[n][1] = o[n][2] = o[n][3] = 0.0f;
     float m[2] = {XT_NEG_INF, XT_NEG_INF}, l[2] = {0.0f, 0.0f};
 
-    // The pipeline, one barrier a tile: tile jt is in stage jt & 1. At the top of iteration
-    // jt the only commit group in flight is tile jt's; after this thread's wait and the
-    // barrier, (1) every thread's copies of tile jt have landed and are visible to the CTA,
-    // and (2) every warp is done with tile jt - 1, so its stage, (jt + 1) & 1, may be
-    // overwritten: tile jt + 1's copies go there and fly while tile jt is computed. Warps
-    // that skip a tile still pass every barrier (the loop and its barrier are CTA-uniform).
-    for (int jt = 0; jt < ntiles; jt++) {
+    // The pipeline, one barrier a tile: tile jt0 + it is in stage it & 1. At the top of
+    // iteration it the only commit group in flight is that tile's; after this thread's wait
+    // and the barrier, (1) every thread's copies of the tile have landed and are visible to
+    // the CTA, and (2) every warp is done with the previous tile, so its stage, (it + 1) & 1,
+    // may be overwritten: the next tile's copies go there and fly while this one is computed.
+    // Warps that skip a tile still pass every barrier (the loop and its barrier are
+    // CTA-uniform).
+    for (int it = 0, jt = jt0; jt < ntiles; it++, jt++) {
         const int j0 = jt * TN_BN;
-        const u32 cur = (u32)(jt & 1) * stage;
+        const u32 cur = (u32)(it & 1) * stage;
         tc_cp_async_wait<0>();
         __syncthreads();
         if (jt + 1 < ntiles) {
@@ -346,14 +373,15 @@ __device__ __forceinline__ void attn_fwd_tc_body(const u16* q, const u16* k, con
             tn_copy_tile<MAXK>(kt0 + nxt, vt0 + nxt, kb, vb, kstride, j0 + TN_BN, Sk, D, ld, pc);
             tc_cp_async_commit();
         }
-        if (j0 + TN_BN <= wfull) {
+        if (j0 + TN_BN <= wfull && (!DOCS || j0 >= wlo_max)) {
             const int none[2] = {0, 0};
-            tn_tile<MAXK, false, F16>(qf, o, m, l, ks_lane + cur, vs_lane + cur, ld, nk, sl2, TN_BN,
-                                 none, t);
-        } else if (j0 < wkeys) {
+            tn_tile<MAXK, false, F16, DOCS>(qf, o, m, l, ks_lane + cur, vs_lane + cur, ld, nk,
+                                            sl2, TN_BN, none, none, t);
+        } else if (j0 < wkeys && (!DOCS || j0 + TN_BN > wlo_min)) {
             const int vis[2] = {vis_row[0] - j0, vis_row[1] - j0};
-            tn_tile<MAXK, true, F16>(qf, o, m, l, ks_lane + cur, vs_lane + cur, ld, nk, sl2,
-                                wkeys - j0, vis, t);
+            const int lo[2] = {lo_row[0] - j0, lo_row[1] - j0};
+            tn_tile<MAXK, true, F16, DOCS>(qf, o, m, l, ks_lane + cur, vs_lane + cur, ld, nk,
+                                           sl2, wkeys - j0, vis, lo, t);
         }
     }
 
@@ -397,20 +425,28 @@ __device__ __forceinline__ void attn_fwd_tc_body(const u16* q, const u16* k, con
 #define TN_K8_MIN_BLOCKS 2
 #endif
 
-#define TN_KERNEL(NAME, MAXK, MIN_BLOCKS, F16)                                                 \
+// Every kernel takes the document mask's two arrays (the "attention" module's key_lo, q_end);
+// only the _docs kernels read key_lo (the forward needs no q_end), and the others, which may
+// be passed nulls, are the same code as without the parameters.
+#define TN_KERNEL(NAME, MAXK, MIN_BLOCKS, F16, DOCS)                                           \
     extern "C" __global__ void __launch_bounds__(TN_THREADS, MIN_BLOCKS)                       \
         NAME(const u16* q, const u16* k, const u16* v, float* out, float* lse, int B, int Sq,  \
-             int Sk, int H, int Hkv, int D, int causal, int q_start, int k_start, float scale) {\
+             int Sk, int H, int Hkv, int D, int causal, int q_start, int k_start, float scale, \
+             const int* key_lo, const int* q_end) {                                            \
         if (D == 16 * MAXK)                                                                    \
-            attn_fwd_tc_body<MAXK, true, F16>(q, k, v, out, lse, B, Sq, Sk, H, Hkv, D, causal, \
-                                              q_start, k_start, scale);                        \
+            attn_fwd_tc_body<MAXK, true, F16, DOCS>(q, k, v, out, lse, B, Sq, Sk, H, Hkv, D,   \
+                                                    causal, q_start, k_start, scale, key_lo);  \
         else                                                                                   \
-            attn_fwd_tc_body<MAXK, false, F16>(q, k, v, out, lse, B, Sq, Sk, H, Hkv, D, causal,\
-                                               q_start, k_start, scale);                       \
+            attn_fwd_tc_body<MAXK, false, F16, DOCS>(q, k, v, out, lse, B, Sq, Sk, H, Hkv, D,  \
+                                                     causal, q_start, k_start, scale, key_lo); \
     }
 
-// bf16 operands (bf16 steps), and fp16 (fp16 steps).
-TN_KERNEL(attn_fwd_tc_k4, 4, TN_K4_MIN_BLOCKS, false)
-TN_KERNEL(attn_fwd_tc_k8, 8, TN_K8_MIN_BLOCKS, false)
-TN_KERNEL(attn_fwd_tc_f16_k4, 4, TN_K4_MIN_BLOCKS, true)
-TN_KERNEL(attn_fwd_tc_f16_k8, 8, TN_K8_MIN_BLOCKS, true)
+// bf16 operands (bf16 steps), and fp16 (fp16 steps); plain causal, and under a document mask.
+TN_KERNEL(attn_fwd_tc_k4, 4, TN_K4_MIN_BLOCKS, false, false)
+TN_KERNEL(attn_fwd_tc_k8, 8, TN_K8_MIN_BLOCKS, false, false)
+TN_KERNEL(attn_fwd_tc_f16_k4, 4, TN_K4_MIN_BLOCKS, true, false)
+TN_KERNEL(attn_fwd_tc_f16_k8, 8, TN_K8_MIN_BLOCKS, true, false)
+TN_KERNEL(attn_fwd_tc_docs_k4, 4, TN_K4_MIN_BLOCKS, false, true)
+TN_KERNEL(attn_fwd_tc_docs_k8, 8, TN_K8_MIN_BLOCKS, false, true)
+TN_KERNEL(attn_fwd_tc_docs_f16_k4, 4, TN_K4_MIN_BLOCKS, true, true)
+TN_KERNEL(attn_fwd_tc_docs_f16_k8, 8, TN_K8_MIN_BLOCKS, true, true)

@@ -156,12 +156,20 @@
 // bounds of phases in which no shared word is both read and copied to; keep it in step),
 // matches a dense float64 reference of the fp32 backward's formulas (P and dS rounded to bf16
 // too) on 15 shapes (head sizes 16 to 128, causal with offsets, rows that see no key, GQA,
-// ragged edges, both choices of the K/V fragments in registers), each run with every copy
+// ragged edges, both choices of the K/V fragments in registers) and 6 under document masks
+// (the _docs kernels), each run with every copy
 // landing when issued and again with every copy landing at the wait that covers it: to about
 // 1e-7 of the largest gradient where both round every P and dS alike, at most 7e-4 where one
 // element rounds to the other bf16 neighbour (its S sums differ in the last fp32 bits). What
 // the emulator does not cover: the hardware's memory ordering beyond the PTX rules it follows,
 // ex2.approx's error, the speed.
+//
+// Document masks (the _docs kernels, DOCS): the "attention" module's key_lo (dQ: each row's
+// first visible key) and q_end (dK/dV: the queries below it may see the key), nondecreasing,
+// so that a CTA's and a warp's bounds are those of their first and last rows. ptxas, sm_90 /
+// sm_80: attn_bwd_dq_tc_docs 158 / 159 (k4) and 238 / 234 (k8), attn_bwd_dkv_tc_docs 168 / 168
+// (k4; sm_80 spills 8 bytes there) and 243 / 248 (k8); the kernels without a mask are
+// unchanged by the parameters (the figures above).
 //
 // The kernels are templates on MAXK, the most k-steps of 16 a register tile holds (D <= 16 MAXK),
 // instantiated for MAXK = 4 and 8, and on FULL (D == 16 MAXK: D a constant, loops without
@@ -268,13 +276,15 @@ __device__ __forceinline__ void tb_load_a(u32 (&f)[MAXK][4], const u16* x, long 
 // MASKED: some row of the warp does not see some key of the tile; then `kv_lim` is the number
 // of the tile's keys the warp's last row below Sq sees (16-key steps from it on are skipped: no
 // row of the warp sees them) and `vis[hf]` the number row r0 + 8 hf sees (keys 0 .. vis - 1 of
-// the tile; 0 for a row past Sq; may be <= 0 or > 64).
-template <int MAXK, bool MASKED, bool F16>
+// the tile; 0 for a row past Sq; may be <= 0 or > 64), and under a document mask (DOCS) not
+// the keys before lo[hf] either (keys lo .. vis - 1; lo may be <= 0).
+template <int MAXK, bool MASKED, bool F16, bool DOCS>
 __device__ __forceinline__ void tb_dq_tile(const u32 (&qf)[MAXK][4], const u32 (&gf)[MAXK][4],
                                            float (&acc)[2 * MAXK][4], u32 ks_nt, u32 vs_nt,
                                            u32 ks_tr, int ld, int nk, float sl2,
                                            const float (&lse2)[2], const float (&del)[2],
-                                           int kv_lim, const int (&vis)[2], int t) {
+                                           int kv_lim, const int (&vis)[2], const int (&lo)[2],
+                                           int t) {
 #pragma unroll 1
     for (int c0 = 0; c0 < TB_BN; c0 += TB_KC) {
         if (MASKED && c0 >= kv_lim) break;
@@ -314,7 +324,8 @@ __device__ __forceinline__ void tb_dq_tile(const u32 (&qf)[MAXK][4], const u32 (
                 const int hf = x >> 1;
                 const float p = tc_exp2(fmaf(s[n][x], sl2, -lse2[hf]));
                 float ds = p * (dp[n][x] - del[hf]);
-                if (MASKED && c0 + n * 8 + 2 * t + (x & 1) >= vis[hf]) ds = 0.0f;
+                const int c = c0 + n * 8 + 2 * t + (x & 1);
+                if (MASKED && (c >= vis[hf] || (DOCS && c < lo[hf]))) ds = 0.0f;
                 s[n][x] = ds;
             }
         }
@@ -341,15 +352,18 @@ __device__ __forceinline__ void tb_dq_tile(const u32 (&qf)[MAXK][4], const u32 (
 
 // Grid (ceil(Sq / 64), B * H), block 128; the CTA of blockIdx.x = x owns query rows
 // 64 (gridDim.x - 1 - x) .. + 63, warp w rows + 16 w .. + 15 (its Q and dO fragments stay in
-// registers), and walks the key tiles of 64 that its rows see.
-template <int MAXK, bool FULL, bool F16>
+// registers), and walks the key tiles of 64 that its rows see. DOCS: under a document mask
+// (key_lo [B, Sq], the "attention" module's contract), as the forward: the walk starts at the
+// tile of the CTA's first row's first key, a warp skips the tiles wholly before its first
+// row's, and masks per element a tile that some row sees only from a later key.
+template <int MAXK, bool FULL, bool F16, bool DOCS>
 __device__ __forceinline__ void attn_bwd_dq_tc_body(const u16* q, const u16* k,
                                                          const u16* v, const u16* dout,
                                                          const float* lse, const float* delta,
                                                          float* dq, int B, int Sq, int Sk,
                                                          int H, int Hkv, int D, int causal,
                                                          int q_start, int k_start,
-                                                         float scale) {
+                                                         float scale, const int* key_lo) {
     extern __shared__ __align__(16) unsigned char tb_smem[];
     if (FULL) D = 16 * MAXK; // a constant from here on: loops without guards, fixed offsets
     const int ld = D + TB_PAD;
@@ -370,10 +384,13 @@ __device__ __forceinline__ void attn_bwd_dq_tc_body(const u16* q, const u16* k,
 
     const int nvis = tc_keys_seen(min(q0 + TB_BM, Sq), Sk, causal, q_start, k_start);
     const int ntiles = (nvis + TB_BN - 1) / TB_BN;
+    // The first tile the CTA needs (CTA-uniform): that of its first row's first key.
+    const long long lrow = (long long)b * Sq;
+    const int jt0 = DOCS ? key_lo[lrow + q0] / TB_BN : 0;
 
-    // Tile 0's copies (stage 0) fly while Q, dO, lse and delta are read.
-    if (ntiles > 0) {
-        tb_copy_rows<TB_BN, MAXK>(kt0, vt0, kb, vb, kstride, 0, Sk, D, ld);
+    // Tile jt0's copies (stage 0) fly while Q, dO, lse and delta are read.
+    if (jt0 < ntiles) {
+        tb_copy_rows<TB_BN, MAXK>(kt0, vt0, kb, vb, kstride, jt0 * TB_BN, Sk, D, ld);
         tc_cp_async_commit();
     }
 
@@ -385,7 +402,7 @@ __device__ __forceinline__ void attn_bwd_dq_tc_body(const u16* q, const u16* k,
     tb_load_a<MAXK>(gf, dout + qbase, qstride, r0, Sq, nk, t);
     // Per row: lse in exp2 units, delta, and the keys it sees (0 past Sq: masked everywhere).
     float lse2[2], del[2];
-    int vis_row[2];
+    int vis_row[2], lo_row[2] = {0, 0};
 #pragma unroll
     for (int hf = 0; hf < 2; hf++) {
         const int i = r0 + 8 * hf;
@@ -393,14 +410,20 @@ __device__ __forceinline__ void attn_bwd_dq_tc_body(const u16* q, const u16* k,
         lse2[hf] = i < Sq ? lse[li] * TB_LOG2E : 0.0f;
         del[hf] = i < Sq ? delta[li] : 0.0f;
         vis_row[hf] = i < Sq ? tc_keys_seen(i + 1, Sk, causal, q_start, k_start) : 0;
+        if (DOCS && i < Sq) lo_row[hf] = key_lo[lrow + i];
     }
     // What the warp sees (warp-uniform): keys 0 .. wfull - 1 by every row of it (the first row
     // sees the fewest; rows past Sq are never stored), keys 0 .. wkeys - 1 by some row (the
-    // last row below Sq sees the most); nothing for a warp whose rows are all past Sq.
-    int wfull = 0, wkeys = 0;
+    // last row below Sq sees the most); nothing for a warp whose rows are all past Sq. Under
+    // a document mask also: keys from wlo_max on by every row, keys before wlo_min by none.
+    int wfull = 0, wkeys = 0, wlo_min = 0, wlo_max = 0;
     if (iw < Sq) {
         wkeys = tc_keys_seen(min(iw + 16, Sq), Sk, causal, q_start, k_start);
         wfull = tc_keys_seen(iw + 1, Sk, causal, q_start, k_start);
+        if (DOCS) {
+            wlo_min = key_lo[lrow + iw];
+            wlo_max = key_lo[lrow + min(iw + 15, Sq - 1)];
+        }
     }
 
     // ldmatrix row addresses of this lane in stage 0 (k-step 0, pair 0; see the header).
@@ -414,14 +437,15 @@ __device__ __forceinline__ void attn_bwd_dq_tc_body(const u16* q, const u16* k,
 #pragma unroll
     for (int n = 0; n < 2 * MAXK; n++) acc[n][0] = acc[n][1] = acc[n][2] = acc[n][3] = 0.0f;
 
-    // The pipeline, one barrier a tile (the forward kernel's): tile jt is in stage jt & 1;
-    // at the top of iteration jt the only commit group in flight is tile jt's. After this
-    // thread's wait and the barrier every thread's copies of tile jt are visible to the CTA
-    // and every warp is done with tile jt - 1, whose stage tile jt + 1's copies then take,
-    // in flight while tile jt is computed. The loop and its barrier are CTA-uniform.
-    for (int jt = 0; jt < ntiles; jt++) {
+    // The pipeline, one barrier a tile (the forward kernel's): tile jt0 + it is in stage
+    // it & 1; at the top of iteration it the only commit group in flight is that tile's.
+    // After this thread's wait and the barrier every thread's copies of the tile are visible
+    // to the CTA and every warp is done with the previous tile, whose stage the next tile's
+    // copies then take, in flight while this one is computed. The loop and its barrier are
+    // CTA-uniform.
+    for (int it = 0, jt = jt0; jt < ntiles; it++, jt++) {
         const int j0 = jt * TB_BN;
-        const u32 cur = (u32)(jt & 1) * stage;
+        const u32 cur = (u32)(it & 1) * stage;
         tc_cp_async_wait<0>();
         __syncthreads();
         if (jt + 1 < ntiles) {
@@ -430,14 +454,17 @@ __device__ __forceinline__ void attn_bwd_dq_tc_body(const u16* q, const u16* k,
                                       ld);
             tc_cp_async_commit();
         }
-        if (j0 + TB_BN <= wfull) {
+        if (j0 + TB_BN <= wfull && (!DOCS || j0 >= wlo_max)) {
             const int none[2] = {0, 0};
-            tb_dq_tile<MAXK, false, F16>(qf, gf, acc, ks_nt + cur, vs_nt + cur, ks_tr + cur, ld, nk,
-                                    sl2, lse2, del, TB_BN, none, t);
-        } else if (j0 < wkeys) {
+            tb_dq_tile<MAXK, false, F16, DOCS>(qf, gf, acc, ks_nt + cur, vs_nt + cur,
+                                               ks_tr + cur, ld, nk, sl2, lse2, del, TB_BN,
+                                               none, none, t);
+        } else if (j0 < wkeys && (!DOCS || j0 + TB_BN > wlo_min)) {
             const int vis[2] = {vis_row[0] - j0, vis_row[1] - j0};
-            tb_dq_tile<MAXK, true, F16>(qf, gf, acc, ks_nt + cur, vs_nt + cur, ks_tr + cur, ld, nk,
-                                   sl2, lse2, del, wkeys - j0, vis, t);
+            const int lo[2] = {lo_row[0] - j0, lo_row[1] - j0};
+            tb_dq_tile<MAXK, true, F16, DOCS>(qf, gf, acc, ks_nt + cur, vs_nt + cur,
+                                              ks_tr + cur, ld, nk, sl2, lse2, del, wkeys - j0,
+                                              vis, lo, t);
         }
     }
 
@@ -480,15 +507,16 @@ __device__ __forceinline__ void attn_bwd_dq_tc_body(const u16* q, const u16* k,
 // as copied; times log2(e) here, once per value and thread) and delta, 32 each. MASKED: some
 // pair (key, query) of the warp's 16 x 32 is masked; then the 16-query halves p < plo and
 // p >= phi are seen by no key of the warp (skipped), and key row j = g + 8 hf of the warp sees
-// the step's queries lo[hf] <= il < hi.
-template <int MAXK, bool MASKED, bool KV_REGS, bool F16>
+// the step's queries lo[hf] <= il < hi — under a document mask (DOCS) lo[hf] <= il < hr[hf]
+// (hr <= hi: the queries of the key's document).
+template <int MAXK, bool MASKED, bool KV_REGS, bool F16, bool DOCS>
 __device__ __forceinline__ void tb_dkv_step(const u32 (&kf)[MAXK][4], const u32 (&vf)[MAXK][4],
                                             u32 ka_tr, u32 va_tr, u32 qs_nt, u32 gs_nt,
                                             u32 qs_tr, u32 gs_tr, const float* lse_s,
                                             const float* del_s, float (&dka)[2 * MAXK][4],
                                             float (&dva)[2 * MAXK][4], int ld, int nk,
                                             float sl2, int plo, int phi, const int (&lo)[2],
-                                            int hi, int t) {
+                                            int hi, const int (&hr)[2], int t) {
     // S^T and dP^T (16 keys x 32 queries): n-tiles 2p, 2p + 1 (queries 16p ..) from one
     // ldmatrix.x4 each of Q and dO per k-step; A = the warp's K (V) rows.
     float s[4][4], dp[4][4];
@@ -541,7 +569,7 @@ __device__ __forceinline__ void tb_dkv_step(const u32 (&kf)[MAXK][4], const u32 
             float ds = p * (dp[n][x] - (e ? dl.y : dl.x));
             if (MASKED) {
                 const int il = n * 8 + 2 * t + e;
-                if (il < lo[x >> 1] || il >= hi) p = ds = 0.0f;
+                if (il < lo[x >> 1] || il >= (DOCS ? hr[x >> 1] : hi)) p = ds = 0.0f;
             }
             s[n][x] = p;
             dp[n][x] = ds;
@@ -602,12 +630,16 @@ __device__ __forceinline__ void tb_dkv_copy_step(u32 qt, u32 gt, u32 lst, u32 ds
 
 // Grid (ceil(Sk / 64), B * Hkv), block 128; the CTA of blockIdx.x = x owns keys 64 x .. + 63,
 // warp w keys + 16 w .. + 15, and walks, for each query head of the group, the query steps of
-// 32 rows that see its keys.
-template <int MAXK, bool FULL, bool KV_REGS, bool F16>
+// 32 rows that see its keys. DOCS: under a document mask (q_end [B, Sk], the "attention"
+// module's contract: key j is seen by the queries below q_end[j] only) the walk ends at the
+// step holding the last query that sees the CTA's last key (the ends are nondecreasing), a
+// warp skips the steps past its last key's end, and masks per element a step that goes past
+// its first key's.
+template <int MAXK, bool FULL, bool KV_REGS, bool F16, bool DOCS>
 __device__ __forceinline__ void attn_bwd_dkv_tc_body(
     const u16* q, const u16* k, const u16* v, const u16* dout, const float* lse,
     const float* delta, float* dk, float* dv, int B, int Sq, int Sk, int H, int Hkv, int D,
-    int causal, int q_start, int k_start, float scale) {
+    int causal, int q_start, int k_start, float scale, const int* q_end) {
     extern __shared__ __align__(16) unsigned char tb_smem[];
     if (FULL) D = 16 * MAXK;
     const int ld = D + TB_PAD;
@@ -632,10 +664,20 @@ __device__ __forceinline__ void attn_bwd_dkv_tc_body(
 
     // The query steps: from the step of 32 holding the first query that sees key j0
     // (q_start + i >= k_start + j0), for each head of the group.
+    // Under a document mask they end at the last query that sees key j0 + 63 (or Sk - 1).
     int i0 = causal ? k_start + j0 - q_start : 0;
     i0 = i0 < 0 ? 0 : (i0 / TB_QC) * TB_QC;
-    const int nsteps = i0 < Sq ? (Sq - i0 + TB_QC - 1) / TB_QC : 0;
+    const long long krow = (long long)b * Sk;
+    const int iend = DOCS ? min(Sq, q_end[krow + min(j0 + TB_BN - 1, Sk - 1)]) : Sq;
+    const int nsteps = i0 < iend ? (iend - i0 + TB_QC - 1) / TB_QC : 0;
     const int total = group * nsteps;
+    // The ends of the warp's first and last keys' queries (this thread's two keys' are read
+    // where a step needs them: in registers for the whole loop they spill on sm_80).
+    int qe_wmin = 0, qe_wmax = 0;
+    if (DOCS && jw < Sk) {
+        qe_wmin = q_end[krow + jw];
+        qe_wmax = q_end[krow + min(jw + 15, Sk - 1)];
+    }
 
     // The K and V tiles (read once per CTA) come in with cp.async too, one commit group, and
     // the first step's copies (stage 0) right behind them, a second group; none of it for a
@@ -694,7 +736,7 @@ __device__ __forceinline__ void attn_bwd_dkv_tc_body(
         tc_cp_async_wait<0>();
         __syncthreads();
         nc0 += TB_QC;
-        if (nc0 >= Sq) {
+        if (nc0 >= iend) {
             nc0 = i0;
             ngi++;
         }
@@ -710,29 +752,36 @@ __device__ __forceinline__ void attn_bwd_dkv_tc_body(
         // step sees key jw + x iff il >= k_start + jw + x - q_start - c0 (causal) and
         // il < hi = Sq - c0, and jw + x < Sk.
         // Non-causal: every query below Sq sees every key below Sk (first = 0).
+        // Under a document mask the step's queries from qe_wmax - c0 on see none of the
+        // warp's keys, and those from qe_wmin - c0 on not all of them.
         const int hi = Sq - c0;
         const int first = causal ? jdiag - c0 : 0; // first query of key jw
         const int first_last = causal ? first + 15 : 0;              // ... of key jw + 15
-        if (jw < Sk && first < min(hi, TB_QC)) {
-            if (jw + 16 <= Sk && hi >= TB_QC && first_last <= 0) {
+        const int whi = DOCS ? min(hi, qe_wmax - c0) : hi;
+        if (jw < Sk && first < min(whi, TB_QC)) {
+            if (jw + 16 <= Sk && hi >= TB_QC && first_last <= 0 &&
+                (!DOCS || qe_wmin - c0 >= TB_QC)) {
                 const int none[2] = {0, 0};
-                tb_dkv_step<MAXK, false, KV_REGS, F16>(kf, vf, ka_tr, va_tr, qs_nt + qo, gs_nt + qo,
-                                                  qs_tr + qo, gs_tr + qo, lse_s, del_s, dka,
-                                                  dva, ld, nk, sl2, 0, 2, none, TB_QC, t);
+                tb_dkv_step<MAXK, false, KV_REGS, F16, DOCS>(
+                    kf, vf, ka_tr, va_tr, qs_nt + qo, gs_nt + qo, qs_tr + qo, gs_tr + qo, lse_s,
+                    del_s, dka, dva, ld, nk, sl2, 0, 2, none, TB_QC, none, t);
             } else {
-                int lo[2];
+                int lo[2], hr[2] = {0, 0};
 #pragma unroll
-                for (int hf = 0; hf < 2; hf++)
+                for (int hf = 0; hf < 2; hf++) {
                     lo[hf] = jw + g + 8 * hf >= Sk ? TB_NONE : (causal ? first + g + 8 * hf : 0);
+                    if (DOCS && jw + g + 8 * hf < Sk)
+                        hr[hf] = min(hi, q_end[krow + jw + g + 8 * hf] - c0);
+                }
                 const int plo = first > 0 ? first >> 4 : 0;
-                const int phi = (min(hi, TB_QC) + 15) >> 4;
-                tb_dkv_step<MAXK, true, KV_REGS, F16>(kf, vf, ka_tr, va_tr, qs_nt + qo, gs_nt + qo,
-                                                 qs_tr + qo, gs_tr + qo, lse_s, del_s, dka,
-                                                 dva, ld, nk, sl2, plo, phi, lo, hi, t);
+                const int phi = (min(whi, TB_QC) + 15) >> 4;
+                tb_dkv_step<MAXK, true, KV_REGS, F16, DOCS>(
+                    kf, vf, ka_tr, va_tr, qs_nt + qo, gs_nt + qo, qs_tr + qo, gs_tr + qo, lse_s,
+                    del_s, dka, dva, ld, nk, sl2, plo, phi, lo, hi, hr, t);
             }
         }
         c0 += TB_QC;
-        if (c0 >= Sq) c0 = i0;
+        if (c0 >= iend) c0 = i0;
     }
 
     // (b, hk) from blockIdx again: nothing 64-bit stays live across the loop for the stores.
@@ -777,38 +826,53 @@ __device__ __forceinline__ void attn_bwd_dkv_tc_body(
 #define TB_DKV_K8_MIN_BLOCKS 2
 #endif
 
-#define TB_KERNELS(DQ, DKV, MAXK, DQ_MIN_BLOCKS, DKV_MIN_BLOCKS, KV_REGS, F16)                  \
+// Every kernel takes the document mask's two arrays (the "attention" module's key_lo, q_end);
+// only the _docs kernels read them (dQ key_lo, dK/dV q_end), and the others, which may be
+// passed nulls, are the same code as without the parameters.
+#define TB_KERNELS(DQ, DKV, MAXK, DQ_MIN_BLOCKS, DKV_MIN_BLOCKS, KV_REGS, F16, DOCS)            \
     extern "C" __global__ void __launch_bounds__(TB_THREADS, DQ_MIN_BLOCKS)                     \
         DQ(const u16* q, const u16* k, const u16* v, const u16* dout, const float* lse,         \
            const float* delta, float* dq, int B, int Sq, int Sk, int H, int Hkv, int D,         \
-           int causal, int q_start, int k_start, float scale) {                                 \
+           int causal, int q_start, int k_start, float scale, const int* key_lo,                \
+           const int* q_end) {                                                                  \
         if (D == 16 * MAXK)                                                                     \
-            attn_bwd_dq_tc_body<MAXK, true, F16>(q, k, v, dout, lse, delta, dq, B, Sq, Sk, H,   \
-                                                 Hkv, D, causal, q_start, k_start, scale);      \
+            attn_bwd_dq_tc_body<MAXK, true, F16, DOCS>(q, k, v, dout, lse, delta, dq, B, Sq,    \
+                                                       Sk, H, Hkv, D, causal, q_start,          \
+                                                       k_start, scale, key_lo);                 \
         else                                                                                    \
-            attn_bwd_dq_tc_body<MAXK, false, F16>(q, k, v, dout, lse, delta, dq, B, Sq, Sk, H,  \
-                                                  Hkv, D, causal, q_start, k_start, scale);     \
+            attn_bwd_dq_tc_body<MAXK, false, F16, DOCS>(q, k, v, dout, lse, delta, dq, B, Sq,   \
+                                                        Sk, H, Hkv, D, causal, q_start,         \
+                                                        k_start, scale, key_lo);                \
     }                                                                                           \
     extern "C" __global__ void __launch_bounds__(TB_THREADS, DKV_MIN_BLOCKS)                    \
         DKV(const u16* q, const u16* k, const u16* v, const u16* dout, const float* lse,        \
             const float* delta, float* dk, float* dv, int B, int Sq, int Sk, int H, int Hkv,    \
-            int D, int causal, int q_start, int k_start, float scale) {                         \
+            int D, int causal, int q_start, int k_start, float scale, const int* key_lo,        \
+            const int* q_end) {                                                                 \
         if (D == 16 * MAXK)                                                                     \
-            attn_bwd_dkv_tc_body<MAXK, true, KV_REGS, F16>(q, k, v, dout, lse, delta, dk, dv,   \
-                                                           B, Sq, Sk, H, Hkv, D, causal,        \
-                                                           q_start, k_start, scale);            \
+            attn_bwd_dkv_tc_body<MAXK, true, KV_REGS, F16, DOCS>(                               \
+                q, k, v, dout, lse, delta, dk, dv, B, Sq, Sk, H, Hkv, D, causal, q_start,       \
+                k_start, scale, q_end);                                                         \
         else                                                                                    \
-            attn_bwd_dkv_tc_body<MAXK, false, KV_REGS, F16>(q, k, v, dout, lse, delta, dk, dv,  \
-                                                            B, Sq, Sk, H, Hkv, D, causal,       \
-                                                            q_start, k_start, scale);           \
+            attn_bwd_dkv_tc_body<MAXK, false, KV_REGS, F16, DOCS>(                              \
+                q, k, v, dout, lse, delta, dk, dv, B, Sq, Sk, H, Hkv, D, causal, q_start,       \
+                k_start, scale, q_end);                                                         \
     }
 
-// bf16 operands (bf16 steps), and fp16 (fp16 steps).
+// bf16 operands (bf16 steps), and fp16 (fp16 steps); plain causal, and under a document mask.
 TB_KERNELS(attn_bwd_dq_tc_k4, attn_bwd_dkv_tc_k4, 4, TB_DQ_K4_MIN_BLOCKS, TB_DKV_K4_MIN_BLOCKS,
-           (TB_DKV_KV_REGS_K4 != 0), false)
+           (TB_DKV_KV_REGS_K4 != 0), false, false)
 TB_KERNELS(attn_bwd_dq_tc_k8, attn_bwd_dkv_tc_k8, 8, TB_DQ_K8_MIN_BLOCKS, TB_DKV_K8_MIN_BLOCKS,
-           (TB_DKV_KV_REGS_K8 != 0), false)
+           (TB_DKV_KV_REGS_K8 != 0), false, false)
 TB_KERNELS(attn_bwd_dq_tc_f16_k4, attn_bwd_dkv_tc_f16_k4, 4, TB_DQ_K4_MIN_BLOCKS,
-           TB_DKV_K4_MIN_BLOCKS, (TB_DKV_KV_REGS_K4 != 0), true)
+           TB_DKV_K4_MIN_BLOCKS, (TB_DKV_KV_REGS_K4 != 0), true, false)
 TB_KERNELS(attn_bwd_dq_tc_f16_k8, attn_bwd_dkv_tc_f16_k8, 8, TB_DQ_K8_MIN_BLOCKS,
-           TB_DKV_K8_MIN_BLOCKS, (TB_DKV_KV_REGS_K8 != 0), true)
+           TB_DKV_K8_MIN_BLOCKS, (TB_DKV_KV_REGS_K8 != 0), true, false)
+TB_KERNELS(attn_bwd_dq_tc_docs_k4, attn_bwd_dkv_tc_docs_k4, 4, TB_DQ_K4_MIN_BLOCKS,
+           TB_DKV_K4_MIN_BLOCKS, (TB_DKV_KV_REGS_K4 != 0), false, true)
+TB_KERNELS(attn_bwd_dq_tc_docs_k8, attn_bwd_dkv_tc_docs_k8, 8, TB_DQ_K8_MIN_BLOCKS,
+           TB_DKV_K8_MIN_BLOCKS, (TB_DKV_KV_REGS_K8 != 0), false, true)
+TB_KERNELS(attn_bwd_dq_tc_docs_f16_k4, attn_bwd_dkv_tc_docs_f16_k4, 4, TB_DQ_K4_MIN_BLOCKS,
+           TB_DKV_K4_MIN_BLOCKS, (TB_DKV_KV_REGS_K4 != 0), true, true)
+TB_KERNELS(attn_bwd_dq_tc_docs_f16_k8, attn_bwd_dkv_tc_docs_f16_k8, 8, TB_DQ_K8_MIN_BLOCKS,
+           TB_DKV_K8_MIN_BLOCKS, (TB_DKV_KV_REGS_K8 != 0), true, true)
