@@ -892,20 +892,6 @@ impl Bucketed {
         Some(())
     }
 
-    /// Runs `f(flat offset, piece)` on fp32 copies of the pieces of flat range `r` on their
-    /// device ([`Flat::read_buf`]), in address order.
-    pub fn try_for_each_copy<E: From<TensorError>>(
-        &self,
-        r: Range<usize>,
-        mut f: impl FnMut(usize, Buf) -> Result<(), E>,
-    ) -> Result<(), E> {
-        for (b, p) in self.pieces(r) {
-            let start = self.ranges[b].start + p.start;
-            f(start, self.buf(b).read_buf(p)?)?;
-        }
-        Ok(())
-    }
-
     /// Σ x² over flat range `r` on the buffers' device (bucket by bucket).
     pub fn try_sq_sum(&self, r: Range<usize>) -> Result<f64, TensorError> {
         let mut total = 0.0;
@@ -1037,6 +1023,23 @@ impl Bucketed {
             }
         }
         Some(())
+    }
+
+    /// The pieces of flat range `r` as the bit patterns of GPU 16-bit buckets, each with its
+    /// flat start (in address order); `None` for other storage.
+    pub fn dev_half_pieces(
+        &self,
+        r: Range<usize>,
+    ) -> Option<Vec<(usize, tensor::cuda::DevSlice<'_, u16>)>> {
+        let mut out = Vec::new();
+        for (b, p) in self.pieces(r) {
+            let start = self.ranges[b].start + p.start;
+            match self.buf(b) {
+                Flat::DevHalf { bits, .. } => out.push((start, bits.slice(p))),
+                _ => return None,
+            }
+        }
+        Some(out)
     }
 
     /// The pieces of flat range `r` as the bit patterns of host 16-bit buckets, each with

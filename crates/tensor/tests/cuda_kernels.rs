@@ -927,6 +927,70 @@ fn adamw_and_square_sum_match_cpu() {
     assert!((got - want).abs() <= 1e-12 * want, "{got} vs {want}");
 }
 
+/// 16-bit training's one-pass step (`adamw_bits`) against the four kernels it replaces, run
+/// one after the other on the same buffers — widen the gradient bits, scale them by the
+/// clipping factor, `adamw`, round the master into the weights — bit for bit (the same
+/// operations on the same values; the kernel keeps the scaling a separate rounding), in bf16
+/// and fp16, over three steps.
+#[test]
+fn adamw_from_16_bit_gradients_is_widen_scale_update_round() {
+    let Some(g) = gpu("adamw_from_16_bit_gradients_is_widen_scale_update_round") else {
+        return;
+    };
+    let n = 70_001;
+    let (b1, b2, eps, lr, wd, factor) = (0.9f32, 0.95f32, 1e-8f32, 3e-3f32, 0.1f32, 0.37f32);
+    let decay = 1.0 - lr * wd;
+    for f16 in [false, true] {
+        let bits: Bits = if f16 { f16_bits } else { bf16_bits };
+        let master = rand(n, 60);
+        let [(mut p1, mut m1, mut v1), (mut p2, mut m2, mut v2)] = [0, 1].map(|_| {
+            (
+                g.upload(&master).unwrap(),
+                g.zeros::<f32>(n).unwrap(),
+                g.zeros::<f32>(n).unwrap(),
+            )
+        });
+        let (mut w1, mut w2) = (g.zeros::<u16>(n).unwrap(), g.zeros::<u16>(n).unwrap());
+        for t in 1..=3u64 {
+            let s = ops::AdamScalars::new(b1, b2, eps, lr, t);
+            let grad = g.upload(&bits(&rand(n, 60 + t))).unwrap();
+            // One pass.
+            ops::adamw_bits(
+                &mut p1, &grad, &mut m1, &mut v1, &mut w1, f16, factor, decay, s,
+            )
+            .unwrap();
+            // The four kernels.
+            let mut wide = g.zeros::<f32>(n).unwrap();
+            if f16 {
+                ops::cast_f16_to_f32(&grad, &mut wide).unwrap();
+            } else {
+                ops::cast_bf16_to_f32(&grad, &mut wide).unwrap();
+            }
+            ops::scale(&mut wide, factor).unwrap();
+            ops::adamw(&mut p2, &wide, &mut m2, &mut v2, &[(n, decay)], s).unwrap();
+            if f16 {
+                ops::cast_f32_to_f16(&p2, &mut w2).unwrap();
+            } else {
+                ops::cast_f32_to_bf16(&p2, &mut w2).unwrap();
+            }
+        }
+        let format = if f16 { "fp16" } else { "bf16" };
+        for (what, a, b) in [("master", &p1, &p2), ("m", &m1, &m2), ("v", &v1, &v2)] {
+            let (a, b) = (host(a), host(b));
+            let same = a.iter().zip(&b).all(|(x, y)| x.to_bits() == y.to_bits());
+            assert!(
+                same,
+                "{format} {what}: the one pass differs from the four kernels"
+            );
+        }
+        assert_eq!(
+            w1.to_host().unwrap(),
+            w2.to_host().unwrap(),
+            "{format} weights"
+        );
+    }
+}
+
 /// The router's softmax and top-k (ties to the lower expert), and the row movements.
 #[test]
 fn router_and_row_moves_match_cpu() {

@@ -6,13 +6,13 @@ use std::ops::Range;
 use comm::ProcessGroup;
 
 use tensor::buf::{Buf, BufMut, BufRef};
-use tensor::cuda::ops::{adamw, AdamScalars};
+use tensor::cuda::ops::{adamw, adamw_bits, AdamScalars};
 
 use super::offload::adamw_from_bits;
 use super::run::terr;
 use super::Executor;
 use crate::data_parallel::ZeroStage;
-use crate::precision::{Bucketed, Flat, CHUNK, DEVICE_CHUNK};
+use crate::precision::{Bucketed, Flat, Half, CHUNK, DEVICE_CHUNK};
 use crate::stage::StageModel;
 use crate::ParallelError;
 
@@ -292,17 +292,36 @@ impl<M: StageModel> Executor<M> {
             });
             return result.map_err(terr);
         }
-        // 16-bit: the gradient pieces widened into fp32 copies.
-        self.grads
-            .try_for_each_copy(gr.clone(), |at, mut g| -> Result<(), ParallelError> {
-                let o = at - gr.start;
-                let n = g.len();
-                tensor::ops::scale(g.m(), factor)?;
-                let mrange = mr.start + o..mr.start + o + n;
-                step(o, g.r(), master.m().slice_mut(mrange.clone()), m, v)?;
-                params.write_buf(pr.start + o, master.r().slice(mrange))?;
-                Ok(())
-            })
+        // 16-bit: one pass per gradient piece, from its bits to the master, the moments and
+        // the 16-bit weights (widen, scale, AdamW and round in one kernel).
+        let on_gpu = |what: &str| {
+            terr(tensor::TensorError::Device(format!(
+                "16-bit {what} not on the GPU"
+            )))
+        };
+        let Flat::DevHalf { kind, bits: w } = params else {
+            return Err(on_gpu("weights"));
+        };
+        let pieces = self
+            .grads
+            .dev_half_pieces(gr.clone())
+            .ok_or_else(|| on_gpu("gradients"))?;
+        for (at, g) in pieces {
+            let o = at - gr.start;
+            let n = g.len();
+            let mrange = mr.start + o..mr.start + o + n;
+            let (BufMut::Cuda(pd), BufMut::Cuda(md), BufMut::Cuda(vd)) = (
+                master.m().slice_mut(mrange.clone()),
+                m.m().slice_mut(mrange.clone()),
+                v.m().slice_mut(mrange),
+            ) else {
+                return Err(on_gpu("master weights or moments"));
+            };
+            let wd = w.slice_mut(pr.start + o..pr.start + o + n);
+            let f16 = *kind == Half::F16;
+            adamw_bits(pd, g, md, vd, wd, f16, factor, decay, s).map_err(|e| terr(e.into()))?;
+        }
+        Ok(())
     }
 }
 
