@@ -127,8 +127,9 @@ bench_llama() {
     shift 3
     timeout 120 "$dir/xtrain" bench train --preset medium --device cuda --steps "$steps" "$@" \
         >>"$report" 2>&1 || echo "xtrain bench $label bf16 failed" >>"$report"
+    # $peer_extra: more options for the peer (the 1B's --profile: its kernels beside xtrain's).
     PYTHONUNBUFFERED=1 timeout 120 python3 benches/peers/torch_peer.py train --device cuda --dtype bf16 \
-        --model "$model" --steps "$steps" >>"$report" 2>&1 ||
+        --model "$model" --steps "$steps" ${peer_extra:-} >>"$report" 2>&1 ||
         echo "torch peer $label bf16 failed" >>"$report"
 }
 
@@ -320,7 +321,7 @@ check_large() {
         echo '```' >>"$report"
         return
     fi
-    bench_llama 1B 5 32000,2048,5504,16,16,16,1024,4 "${m1b[@]}" "${bf16[@]}"
+    peer_extra=--profile bench_llama 1B 5 32000,2048,5504,16,16,16,1024,4 "${m1b[@]}" "${bf16[@]}"
     echo '```' >>"$report"
 }
 

@@ -13,7 +13,10 @@ alternately in one session on one machine and compared as a ratio:
 On a GPU (`--device cuda`): the same training step on the device, fp32 with TF32 off (what
 `xtrain bench train --device cuda` runs today) or `--dtype bf16` (bf16 weights), fused AdamW,
 timed with `torch.cuda.synchronize()` around each step; `--compile` wraps the model in
-`torch.compile` (default mode; the warm-up steps, which compile, are not timed).
+`torch.compile` (default mode; the warm-up steps, which compile, are not timed). `--profile`
+runs one more step under `torch.profiler` and prints its device time by kind (products,
+attention, optimizer, the rest) and its costliest kernels: the peer's side of the per-kernel
+comparison `xtrain bench train --device cuda` prints for xtrain.
 
     pip install torch transformers
     python3 benches/peers/torch_peer.py train --preset small --threads 1 --steps 4
@@ -90,6 +93,8 @@ def main():
     ap.add_argument("--device", default="cpu", help="train: cpu or cuda")
     ap.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32", help="train on cuda")
     ap.add_argument("--compile", action="store_true", help="train: torch.compile the model")
+    ap.add_argument("--profile", action="store_true",
+                    help="train on cuda: device time of one more step by kind and by kernel")
     ap.add_argument("--shape", default="8,8,8,32,256",
                     help="attention: batch,heads,kv_heads,head_dim,seq (medium preset: 4,8,4,64,512)")
     ap.add_argument("--model", default=None,
@@ -155,6 +160,48 @@ def main():
         f"median step {median:.4f} s -> {tokens / median:.0f} tokens/s, "
         f"{flops_per_token * tokens / median / 1e9:.1f} GFLOP/s"
     )
+    if args.profile and cuda:
+        profile_step(step)
+
+
+# What a kernel's name says it is, for the by-kind summary (cuBLAS / CUTLASS products, the
+# flash / memory-efficient attention kernels, the fused AdamW); the first match wins.
+KINDS = [
+    ("products", ("gemm", "cutlass", "xmma", "nvjet", "cublas", "sm90_", "sm80_")),
+    ("attention", ("flash", "fmha", "attention", "attn")),
+    ("optimizer", ("adam", "multi_tensor", "foreach")),
+]
+
+
+def profile_step(step, top=25):
+    """One training step under torch.profiler: its device time by kind and its `top` costliest
+    kernels (total milliseconds, launches). A failure is printed, never raised: the timing
+    above stands without it."""
+    try:
+        from torch.profiler import ProfilerActivity, profile
+
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            step()
+        rows = []
+        for e in prof.key_averages():
+            t = getattr(e, "self_device_time_total", None)
+            if t is None:
+                t = getattr(e, "self_cuda_time_total", 0)
+            if t > 0:
+                rows.append((t / 1000.0, e.count, e.key))
+        rows.sort(reverse=True)
+        total = sum(r[0] for r in rows)
+        by_kind = {}
+        for ms, _, name in rows:
+            low = name.lower()
+            kind = next((k for k, keys in KINDS if any(x in low for x in keys)), "other")
+            by_kind[kind] = by_kind.get(kind, 0.0) + ms
+        kinds = ", ".join(f"{k} {v:.2f}" for k, v in sorted(by_kind.items(), key=lambda x: -x[1]))
+        print(f"torch profile of one step: device time {total:.2f} ms ({kinds})")
+        for ms, count, name in rows[:top]:
+            print(f"  {ms:8.3f} ms {count:5d}x  {name[:110]}")
+    except Exception as e:  # noqa: BLE001 - any profiler failure only loses the breakdown
+        print(f"torch profile failed: {type(e).__name__}: {e}")
 
 
 if __name__ == "__main__":
