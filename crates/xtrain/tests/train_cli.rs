@@ -314,11 +314,27 @@ fn bench_train_peak_rss_stays_within_one_and_a_half_accounts() {
 }
 
 /// `xtrain bench kernels` on the CPU: attention and the product at the tiny preset's shapes,
-/// each a positive rate, and their ratio; `--nproc` is refused (one process measures).
+/// each a positive rate, and their ratio; with `--doc-len 16` attention over packed documents
+/// too, and the share of the causal pairs its mask leaves (16·17/2 a document, four of them,
+/// of 64·65/2: 0.26); `--nproc` and `--doc-len 0` are refused.
 #[test]
 fn bench_kernels_reports_attention_against_the_product() {
-    let (ok, text) = xtrain(&["bench", "kernels", "--preset", "tiny", "--reps", "2"]);
+    let (ok, text) = xtrain(&[
+        "bench",
+        "kernels",
+        "--preset",
+        "tiny",
+        "--reps",
+        "2",
+        "--doc-len",
+        "16",
+    ]);
     assert!(ok, "{text}");
+    assert!(
+        text.contains("attention over packed documents of 16 tokens: forward")
+            && text.contains("for 0.26 of its pairs"),
+        "{text}"
+    );
     let rate = |after: &str| -> f64 {
         text.split(after)
             .nth(1)
@@ -333,4 +349,6 @@ fn bench_kernels_reports_attention_against_the_product() {
     assert!(text.contains("time per FLOP / the product's: "), "{text}");
     let (ok, text) = xtrain(&["bench", "kernels", "--preset", "tiny", "--nproc", "2"]);
     assert!(!ok && text.contains("one process"), "{text}");
+    let (ok, text) = xtrain(&["bench", "kernels", "--preset", "tiny", "--doc-len", "0"]);
+    assert!(!ok && text.contains("at least 1 token"), "{text}");
 }

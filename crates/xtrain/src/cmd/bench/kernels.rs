@@ -6,6 +6,12 @@
 //! FLOPs counted as FlashAttention-2 does (Dao 2023, §4): a causal forward is
 //! 4·B·H·S²·D / 2 (two products of 2·S·S·D per head, half the scores masked), the backward
 //! 2.5× the forward (five products to the forward's two); the product 2·M·K·N.
+//!
+//! `--doc-len N` also times attention under a document mask (`data.document_mask`): every
+//! sequence packed with documents of N tokens, so that a query sees only the earlier keys of
+//! its own document. The kernels skip the key tiles before a query block's documents, so the
+//! time falls with the pairs the mask leaves (printed beside it: S·(N + 1)/2 of a sequence's
+//! S·(S + 1)/2 causal pairs when N divides S).
 use std::time::Instant;
 
 use anyhow::{bail, Result};
@@ -24,6 +30,10 @@ pub struct Args {
     /// Config overrides (`key=value`, repeatable), e.g. `--set model.seq_len=1024`.
     #[arg(long = "set", value_name = "KEY=VALUE")]
     pub overrides: Vec<String>,
+    /// Also time attention under a document mask, each sequence packed with documents of
+    /// this many tokens.
+    #[arg(long, value_name = "TOKENS")]
+    pub doc_len: Option<usize>,
     #[command(flatten)]
     pub layout: LayoutArgs,
 }
@@ -83,34 +93,54 @@ pub fn run(a: Args) -> Result<()> {
         filled(&dev, shape.kv_elems(), 3)?,
         filled(&dev, shape.q_elems(), 4)?,
     );
-    // The forward allocates its outputs (from the caching allocator on a GPU: no driver call
-    // after the first), as in training.
-    let (mut out, mut lse) = (Buf::Host(Vec::new()), Buf::Host(Vec::new()));
-    let fwd = median_secs(&dev, a.reps, || {
-        (out, lse) = tensor::ops::attention_forward(&shape, None, q.r(), k.r(), v.r())?;
-        Ok(())
-    })?;
-    let (mut dq, mut dk, mut dv) = (
-        dev.zeros(shape.q_elems())?,
-        dev.zeros(shape.kv_elems())?,
-        dev.zeros(shape.kv_elems())?,
-    );
-    let bwd = median_secs(&dev, a.reps, || {
-        tensor::ops::attention_backward(
-            &shape,
-            None,
-            q.r(),
-            k.r(),
-            v.r(),
-            out.r(),
-            lse.r(),
-            dout.r(),
-            dq.m(),
-            dk.m(),
-            dv.m(),
-        )?;
-        Ok(())
-    })?;
+    // Median seconds of attention's forward and backward under `docs` (the document starts
+    // of every query, or none). The forward allocates its outputs (from the caching allocator
+    // on a GPU: no driver call after the first), as in training.
+    let attention = |docs: Option<&[usize]>| -> Result<(f64, f64)> {
+        let (mut out, mut lse) = (Buf::Host(Vec::new()), Buf::Host(Vec::new()));
+        let fwd = median_secs(&dev, a.reps, || {
+            (out, lse) = tensor::ops::attention_forward(&shape, docs, q.r(), k.r(), v.r())?;
+            Ok(())
+        })?;
+        let (mut dq, mut dk, mut dv) = (
+            dev.zeros(shape.q_elems())?,
+            dev.zeros(shape.kv_elems())?,
+            dev.zeros(shape.kv_elems())?,
+        );
+        let bwd = median_secs(&dev, a.reps, || {
+            tensor::ops::attention_backward(
+                &shape,
+                docs,
+                q.r(),
+                k.r(),
+                v.r(),
+                out.r(),
+                lse.r(),
+                dout.r(),
+                dq.m(),
+                dk.m(),
+                dv.m(),
+            )?;
+            Ok(())
+        })?;
+        Ok((fwd, bwd))
+    };
+    let (fwd, bwd) = attention(None)?;
+    let packed = match a.doc_len {
+        Some(0) => bail!("--doc-len must be at least 1 token"),
+        Some(n) => {
+            let starts: Vec<usize> = (0..b)
+                .flat_map(|_| (0..s).map(move |p| p / n * n))
+                .collect();
+            let pairs: usize = (0..s).map(|p| p - p / n * n + 1).sum();
+            Some((
+                n,
+                attention(Some(&starts))?,
+                pairs as f64 / (s * (s + 1) / 2) as f64,
+            ))
+        }
+        None => None,
+    };
     let attn_fwd_flops = 2.0 * (b * shape.n_heads * s * s * shape.head_dim) as f64;
     let attn_flops = 3.5 * attn_fwd_flops;
     let (m, kk, n) = (b * s, mc.hidden_size, mc.intermediate_size);
@@ -152,6 +182,15 @@ pub fn run(a: Args) -> Result<()> {
         gf(2.5 * attn_fwd_flops, bwd),
         gf(attn_flops, fwd + bwd)
     );
+    if let Some((n, (f, bk), share)) = packed {
+        println!(
+            "attention over packed documents of {n} tokens: forward {:.3} ms, backward {:.3} ms: {:.2} of the causal time, for {:.2} of its pairs",
+            f * 1e3,
+            bk * 1e3,
+            (f + bk) / (fwd + bwd),
+            share
+        );
+    }
     println!(
         "product [{m} x {kk}] x [{kk} x {n}] (the MLP's up projection): {:.3} ms ({:.1} GFLOP/s)",
         gemm * 1e3,
