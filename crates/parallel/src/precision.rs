@@ -130,6 +130,15 @@ pub enum Half {
 }
 
 impl Half {
+    /// The products' operand format of the same 16 bits (a GPU step's
+    /// [`tensor::operands::Operands`]).
+    pub fn operands(self) -> tensor::operands::Operands {
+        match self {
+            Half::Bf16 => tensor::operands::Operands::Bf16,
+            Half::F16 => tensor::operands::Operands::F16,
+        }
+    }
+
     #[inline]
     pub fn to_f32(self, b: u16) -> f32 {
         match self {
@@ -313,6 +322,15 @@ impl Flat {
                 kind,
                 bits: g.zeros(n)?,
             }),
+        }
+    }
+
+    /// Elements `r` of GPU 16-bit storage as its bits, with their format (`None` for other
+    /// storage).
+    pub fn dev_bits(&self, r: Range<usize>) -> Option<(Half, tensor::cuda::DevSlice<'_, u16>)> {
+        match self {
+            Flat::DevHalf { kind, bits } => Some((*kind, bits.slice(r))),
+            _ => None,
         }
     }
 

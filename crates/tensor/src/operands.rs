@@ -81,10 +81,10 @@ pub struct Rounded {
 
 impl Rounded {
     fn new(x: DevSlice<'_, f32>, format: Operands) -> Result<Rounded, TensorError> {
-        match crate::cuda::ops::Operand::new(x, format)? {
-            crate::cuda::ops::Operand::Half(bits) => Ok(Rounded { bits, format }),
-            _ => unreachable!("a 16-bit format rounds"),
-        }
+        Ok(Rounded {
+            bits: crate::cuda::ops::rounded_copy(x, format)?,
+            format,
+        })
     }
 
     /// The 16-bit values.

@@ -1180,6 +1180,101 @@ fn sixteen_bit_operand_products_match_rounded_cpu() {
 /// product equals, bit for bit, the same product given the fp32 values (rounded inside it):
 /// the rounding is one function of the same values, and the product the same cuBLASLt call.
 /// An operand rounded for one format is refused by a product of the other.
+/// A registered widening (`cuda::widening`: a unit's 16-bit weights widened for the layers)
+/// makes a product read the 16-bit bits instead of rounding the fp32 copy: bit for bit the
+/// product of the copy rounded inside it (rounding a widened value returns its bits), for the
+/// whole copy and for a slice inside it (a layer's weight in a unit), in bf16 and fp16. That
+/// the bits are what it reads shows when the copy is changed behind the registration's back:
+/// the product keeps the bits' result until the guard drops, then follows the copy. Another
+/// format (a bf16 widening seen by an fp16 product) rounds the copy as before.
+#[test]
+fn registered_widenings_give_products_the_stored_bits() {
+    use tensor::buf::Dev;
+    use tensor::cuda::widening::Widening;
+    use tensor::operands::{Operands, Scope};
+    let Some(g) = gpu("registered_widenings_give_products_the_stored_bits") else {
+        return;
+    };
+    let dev = Dev::Cuda(g.clone());
+    let (m, k, n) = (64, 96, 40);
+    let x = dev.from_vec(rand(m * k, 91)).unwrap();
+    for (format, bits_of, widen) in [
+        (Operands::Bf16, bf16_bits as Bits, round_bf16 as Rounding),
+        (Operands::F16, f16_bits as Bits, round_f16 as Rounding),
+    ] {
+        let _scope = Scope::enter(format);
+        // A unit of two weights: [n, k] at 0 and [n, k] after 8 elements of something else.
+        let unit = rand(2 * n * k + 8, 92);
+        let bits = g.upload(&bits_of(&unit)).unwrap();
+        let mut copy = g.upload(&widen(&unit)).unwrap();
+        let second = 8 + n * k..8 + 2 * n * k;
+        // The product with weight range `r` of `values` in a fresh, unregistered buffer.
+        let product = |values: &[f32], r: std::ops::Range<usize>| {
+            let w = dev.from_vec(values[r].to_vec()).unwrap();
+            let y = tensor::ops::matmul_new(x.r(), w.r(), m, k, n, false, true);
+            y.unwrap().to_vec().unwrap()
+        };
+        let want = [
+            product(&widen(&unit), 0..n * k),
+            product(&widen(&unit), second.clone()),
+        ];
+        let reg = unsafe { Widening::register(copy.as_slice(), bits.as_slice(), format) }.unwrap();
+        // Weight range `r` of the registered copy itself.
+        let in_place = |copy: &DevBuf<f32>, r: std::ops::Range<usize>| {
+            let w = tensor::buf::BufRef::Cuda(copy.as_slice().slice(r));
+            let y = tensor::ops::matmul_new(x.r(), w, m, k, n, false, true);
+            y.unwrap().to_vec().unwrap()
+        };
+        assert_eq!(
+            in_place(&copy, 0..n * k),
+            want[0],
+            "{format:?}: first weight"
+        );
+        assert_eq!(
+            in_place(&copy, second.clone()),
+            want[1],
+            "{format:?}: second"
+        );
+        // Change the copy behind the registration: the products still read the bits.
+        let changed: Vec<f32> = widen(&unit).iter().map(|v| v * 2.0 + 1.0).collect();
+        copy.copy_from_host(&changed).unwrap();
+        assert_eq!(
+            in_place(&copy, 0..n * k),
+            want[0],
+            "{format:?}: reads the bits"
+        );
+        {
+            let _other = Scope::enter(if format == Operands::Bf16 {
+                Operands::F16
+            } else {
+                Operands::Bf16
+            });
+            let other = in_place(&copy, 0..n * k);
+            assert_eq!(
+                other,
+                product(&changed, 0..n * k),
+                "{format:?}: another format"
+            );
+        }
+        drop(reg);
+        let after = in_place(&copy, 0..n * k);
+        assert_ne!(
+            after, want[0],
+            "{format:?}: unregistered, the copy's values again"
+        );
+        assert_eq!(
+            after,
+            product(&changed, 0..n * k),
+            "{format:?}: as any fp32 operand"
+        );
+    }
+    // Mismatched lengths, or fp32, are refused.
+    let (v, b) = (g.zeros::<f32>(4).unwrap(), g.zeros::<u16>(5).unwrap());
+    assert!(unsafe { Widening::register(v.as_slice(), b.as_slice(), Operands::Bf16) }.is_err());
+    let b4 = g.zeros::<u16>(4).unwrap();
+    assert!(unsafe { Widening::register(v.as_slice(), b4.as_slice(), Operands::F32) }.is_err());
+}
+
 #[test]
 fn operands_rounded_once_give_the_same_products() {
     use tensor::buf::{BufRef, Dev};

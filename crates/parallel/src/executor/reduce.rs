@@ -96,17 +96,36 @@ pub(super) enum Gather {
 pub(super) fn param_slice<'a>(
     params: &'a Flat,
     resident: &'a HashMap<usize, Buf>,
-    owned: &'a Option<Buf>,
+    owned: &'a Option<UnitCopy>,
     u: usize,
     range: Range<usize>,
 ) -> BufRef<'a> {
     if let Some(o) = owned {
-        return o.r();
+        return o.buf.r();
     }
     if let Some(r) = resident.get(&u) {
         return r.r();
     }
     params.view(range).expect("fp32 weights are used in place")
+}
+
+/// A unit's parameters as its layers read them where they are not used in place: a gathered
+/// or widened fp32 copy, and, for a copy widened on a GPU from the 16-bit weights, its
+/// registration with those weights ([`tensor::cuda::widening`]: the products read the 16-bit
+/// weights themselves instead of rounding the copy back). Declared first, the registration is
+/// dropped before the copy.
+pub(super) struct UnitCopy {
+    widening: Option<tensor::cuda::widening::Widening>,
+    buf: Buf,
+}
+
+impl UnitCopy {
+    fn plain(buf: Buf) -> Self {
+        UnitCopy {
+            widening: None,
+            buf,
+        }
+    }
 }
 
 impl<M: StageModel> Executor<M> {
@@ -259,16 +278,16 @@ impl<M: StageModel> Executor<M> {
         &mut self,
         u: usize,
         w: Option<Gather>,
-    ) -> Result<Option<Buf>, ParallelError> {
+    ) -> Result<Option<UnitCopy>, ParallelError> {
         if let Some(w) = w {
-            return Ok(Some(self.finish_gather_on_device(u, w)?));
+            return Ok(Some(UnitCopy::plain(self.finish_gather_on_device(u, w)?)));
         }
         if self.resident.contains_key(&u) {
             return Ok(None);
         }
         if self.cfg.zero.shards_params() {
             let w = self.gather_async(u)?;
-            return Ok(Some(self.finish_gather_on_device(u, w)?));
+            return Ok(Some(UnitCopy::plain(self.finish_gather_on_device(u, w)?)));
         }
         if self.params.view(0..0).is_some() {
             return Ok(None);
@@ -277,23 +296,43 @@ impl<M: StageModel> Executor<M> {
         if self.params.half().is_some() && !self.cfg.device.is_cuda() {
             let mut v = self.spare_params.take(r.len(), &mut self.gathered_bytes);
             self.params.read_into(r, &mut v)?;
-            return Ok(Some(Buf::Host(v)));
+            return Ok(Some(UnitCopy::plain(Buf::Host(v))));
         }
         self.gathered_bytes.add(r.len() * F32);
-        Ok(Some(self.params.read_buf(r)?))
+        let buf = self.params.read_buf(r.clone())?;
+        // The 16-bit weights this copy widens, for the products (exactly its rounding).
+        let widening = match (&buf, self.params.dev_bits(r)) {
+            (Buf::Cuda(values), Some((kind, bits))) => {
+                // SAFETY: `bits` are this executor's 16-bit weights, which change only in the
+                // optimizer step, after every action, and outlive the copy; the registration
+                // is dropped with the copy (`release`, or `UnitCopy`'s drop on an error), in
+                // this action.
+                Some(unsafe {
+                    tensor::cuda::widening::Widening::register(
+                        values.as_slice(),
+                        bits,
+                        kind.operands(),
+                    )
+                    .map_err(tensor::TensorError::from)?
+                })
+            }
+            _ => None,
+        };
+        Ok(Some(UnitCopy { widening, buf }))
     }
 
     /// Frees a unit's parameter copy (a widened host one is kept for the next unit of the
     /// action: [`super::Spare`]).
-    pub(super) fn release(&mut self, owned: Option<Buf>) {
-        match owned {
-            Some(Buf::Host(v))
-                if self.params.half().is_some() && !self.cfg.zero.shards_params() =>
-            {
+    pub(super) fn release(&mut self, owned: Option<UnitCopy>) {
+        let Some(UnitCopy { widening, buf }) = owned else {
+            return;
+        };
+        drop(widening);
+        match buf {
+            Buf::Host(v) if self.params.half().is_some() && !self.cfg.zero.shards_params() => {
                 self.spare_params.keep(v, &mut self.gathered_bytes)
             }
-            Some(o) => self.gathered_bytes.sub(o.len() * F32),
-            None => {}
+            o => self.gathered_bytes.sub(o.len() * F32),
         }
     }
 

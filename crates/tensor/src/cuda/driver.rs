@@ -297,6 +297,19 @@ impl<T> Clone for DevSlice<'_, T> {
 impl<T> Copy for DevSlice<'_, T> {}
 
 impl<'a, T: Copy> DevSlice<'a, T> {
+    /// `len` elements at device address `ptr` on `gpu`.
+    ///
+    /// # Safety
+    /// The range must lie inside an allocation on `gpu` that stays allocated, and is not
+    /// written through another handle, for `'a`.
+    pub(crate) unsafe fn from_raw_parts(gpu: &'a Arc<Gpu>, ptr: CUdeviceptr, len: usize) -> Self {
+        DevSlice {
+            ptr,
+            len,
+            gpu,
+            _t: std::marker::PhantomData,
+        }
+    }
     pub fn len(&self) -> usize {
         self.len
     }

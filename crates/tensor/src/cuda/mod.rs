@@ -9,6 +9,8 @@
 //! - [`alloc`]: the caching allocator (no driver allocation in a steady-state step);
 //! - [`pinned`]: page-locked host memory ([`Pinned`]) for copies at the link's speed;
 //! - [`timeline`]: device time per kernel, product and copy ([`Gpu::kernel_times`]);
+//! - [`widening`]: fp32 copies registered with the 16-bit bits they widen, which products
+//!   read instead of rounding the copy back;
 //! - [`blas`]: matrix products on cuBLASLt (fp32 without TF32, bf16/fp16 inputs with fp32
 //!   accumulation), plans cached per shape;
 //! - [`kernels`]: the CUDA C sources; [`ops`]: typed launchers with the CPU kernels'
@@ -31,6 +33,7 @@ pub mod ops;
 pub mod pinned;
 pub mod sys;
 pub mod timeline;
+pub mod widening;
 
 pub use driver::{
     device_count, DevBuf, DevSlice, DevSliceMut, DeviceInfo, Event, Gpu, KArg, LaunchCfg, Stream,

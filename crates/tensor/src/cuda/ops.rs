@@ -27,6 +27,26 @@ fn elements(n: usize) -> LaunchCfg {
     LaunchCfg::linear(n.div_ceil(THREADS as usize).min(65_535), THREADS)
 }
 
+/// `x` rounded (nearest even) to the 16-bit `operands` format (bf16 or fp16) into a new
+/// buffer; fp32 is an error.
+pub fn rounded_copy(
+    x: DevSlice<'_, f32>,
+    operands: crate::operands::Operands,
+) -> Result<DevBuf<u16>, CudaError> {
+    use crate::operands::Operands;
+    let mut y = x.gpu().alloc::<u16>(x.len())?;
+    match operands {
+        Operands::Bf16 => cast_f32_to_bf16(x, &mut y)?,
+        Operands::F16 => cast_f32_to_f16(x, &mut y)?,
+        Operands::F32 => {
+            return Err(CudaError::Shape(
+                "a rounded copy needs a 16-bit format, not fp32".into(),
+            ))
+        }
+    }
+    Ok(y)
+}
+
 /// A product's operand in the format of the product ([`crate::operands`]): the fp32 values
 /// as they are, or their bf16 / fp16 copy (rounded to nearest even) for the tensor cores —
 /// made here, or earlier for several products ([`crate::operands::Operand`]).
@@ -38,25 +58,21 @@ pub enum Operand<'a> {
 }
 
 impl Operand<'_> {
-    /// `x` prepared for products with `operands`: a reference, or a rounded 16-bit copy
+    /// `x` prepared for products with `operands`: a reference; the 16-bit bits `x` was widened
+    /// from, where it lies in a registered widening (a unit's weights in a 16-bit step:
+    /// [`super::widening`], the same bits rounding would give); or a rounded 16-bit copy
     /// (prepare an operand used by several products once).
     pub fn new(
         x: DevSlice<'_, f32>,
         operands: crate::operands::Operands,
     ) -> Result<Operand<'_>, CudaError> {
-        use crate::operands::Operands;
-        let bf16 = match operands {
-            Operands::F32 => return Ok(Operand::F32(x)),
-            Operands::Bf16 => true,
-            Operands::F16 => false,
-        };
-        let mut y = x.gpu().alloc::<u16>(x.len())?;
-        if bf16 {
-            cast_f32_to_bf16(x, &mut y)?;
-        } else {
-            cast_f32_to_f16(x, &mut y)?;
+        if operands == crate::operands::Operands::F32 {
+            return Ok(Operand::F32(x));
         }
-        Ok(Operand::Half(y))
+        if let Some(bits) = super::widening::bits_of(x, operands) {
+            return Ok(Operand::Rounded(bits));
+        }
+        Ok(Operand::Half(rounded_copy(x, operands)?))
     }
 
     fn ptr(&self) -> u64 {
@@ -1330,9 +1346,7 @@ pub fn attention_backward_tc<'a>(
     }
     let gpu = q.gpu().clone();
     let delta = attn_delta(s, out, dout)?;
-    let Operand::Half(dout) = Operand::new(dout, format)? else {
-        unreachable!("a 16-bit format rounds (tc_kernel refused fp32)")
-    };
+    let dout = rounded_copy(dout, format)?;
     let mut args = vec![
         q.into(),
         k.into(),
