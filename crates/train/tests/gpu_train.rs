@@ -107,16 +107,7 @@ fn ten_steps_on_the_gpu_match_the_cpu() {
         let (cpu, p_cpu) = run(preset, "cpu", None, 10, None);
         let (gpu, p_gpu) = run(preset, "cuda", None, 10, None);
         close(&format!("{preset}: gpu vs cpu"), &gpu, &cpu);
-        let scale = p_cpu.iter().fold(0.0f32, |m, x| m.max(x.abs()));
-        let err = p_gpu
-            .iter()
-            .zip(&p_cpu)
-            .fold(0.0f32, |m, (a, b)| m.max((a - b).abs()));
-        assert!(
-            err <= 1e-4 * scale,
-            "{preset}: parameters differ by {:e} of the largest",
-            err / scale
-        );
+        close_params(preset, &p_gpu, &p_cpu, 1e-4);
     }
 }
 
@@ -160,16 +151,7 @@ fn document_masks_train_on_the_gpu_as_on_the_cpu() {
         let (gpu, p_gpu) = run_cfg(config_with("tiny", "cuda", &extra), None, 10, None);
         let what = format!("documents (positions restarted: {positions})");
         close(&format!("{what}: gpu vs cpu"), &gpu, &cpu);
-        let scale = p_cpu.iter().fold(0.0f32, |m, x| m.max(x.abs()));
-        let err = p_gpu
-            .iter()
-            .zip(&p_cpu)
-            .fold(0.0f32, |m, (a, b)| m.max((a - b).abs()));
-        assert!(
-            err <= 1e-4 * scale,
-            "{what}: parameters differ by {:e} of the largest",
-            err / scale
-        );
+        close_params(&what, &p_gpu, &p_cpu, 1e-4);
     }
     std::fs::remove_dir_all(&d).unwrap();
 }
@@ -416,10 +398,16 @@ fn assert_close_runs(
             "{what} step {s}: loss {l} vs {wl}, grad norm {n} vs {wn}"
         );
     }
-    let scale = p_want.iter().fold(0.0f32, |m, x| m.max(x.abs())) as f64;
-    let err = p_got
+    close_params(what, p_got, p_want, rel)
+}
+
+/// Asserts parameters `got` within `rel` of the largest of `want`; returns their largest
+/// difference / the largest.
+fn close_params(what: &str, got: &[f32], want: &[f32], rel: f64) -> f64 {
+    let scale = want.iter().fold(0.0f32, |m, x| m.max(x.abs())) as f64;
+    let err = got
         .iter()
-        .zip(p_want)
+        .zip(want)
         .fold(0.0f64, |m, (a, b)| m.max((a - b).abs() as f64));
     assert!(
         err <= rel * scale,
