@@ -29,8 +29,8 @@ beyond those PTX rules, the asm's syntax (the NVRTC compile check), timing, regi
 The reference is dense float64 with the fp32 backward's formulas: the forward's lse on the
 unrounded inputs (natural log, -inf for a row that sees no key), delta = rowsum(dO * O), Q, K,
 V, dO and (ROUND_P) P and dS rounded to the format, under a document mask the CPU kernel's
-rule on the documents' starts (not the kernels' key_lo / q_end); the kernels accumulate into random dq, dk,
-dv (the += contract) and the base is subtracted before comparing.
+rule on the documents' starts (not the kernels' key_lo / q_end); the kernels accumulate into
+random dq, dk, dv (the += contract) and the base is subtracted before comparing.
 """
 import sys
 import time

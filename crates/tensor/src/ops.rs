@@ -218,8 +218,9 @@ pub fn rope(
     }
 }
 
-/// The document mask as the CUDA attention kernels read it ([`crate::cuda::doc_mask::DocMask`]: built from
-/// `doc_start` and uploaded once per shape and starts), or `None` for plain causal attention.
+/// The document mask as the CUDA attention kernels read it
+/// ([`crate::cuda::doc_mask::DocMask`]: built from `doc_start` and uploaded once per shape and
+/// starts), or `None` for plain causal attention.
 fn gpu_docs(
     gpu: &std::sync::Arc<crate::cuda::Gpu>,
     s: &AttnShape,

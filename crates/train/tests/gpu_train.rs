@@ -4,11 +4,10 @@
 //! and fp16 under the same 16-bit rule on both devices (bounds from the formats); checkpoints
 //! crossing devices — one written on the CPU continues on the GPU, and one written on the GPU
 //! continues on the CPU, each with the uninterrupted run's losses (1e-4); and greedy
-//! generation from a checkpoint; packed documents under the document mask; data parallelism (ZeRO 0-3), tensor, context and pipeline
-//! parallelism on one GPU shared
-//! by ranks as threads, against the single-GPU run; ZeRO-Offload against the optimizer on the
-//! GPU. Skipped with one line where no GPU is found (a failure under
-//! `XTRAIN_REQUIRE_GPU=1`).
+//! generation from a checkpoint; packed documents under the document mask; data parallelism
+//! (ZeRO 0-3), tensor, context and pipeline parallelism on one GPU shared by ranks as
+//! threads, against the single-GPU run; ZeRO-Offload against the optimizer on the GPU.
+//! Skipped with one line where no GPU is found (a failure under `XTRAIN_REQUIRE_GPU=1`).
 use std::path::{Path, PathBuf};
 
 use train::trainer::Trainer;

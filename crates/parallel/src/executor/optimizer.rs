@@ -242,8 +242,9 @@ impl<M: StageModel> Executor<M> {
 
     /// AdamW on the GPU, piece by piece of the gradient buckets: each piece scaled by
     /// `factor` (clipping and unscaling), then AdamW's kernel on the matching ranges of the
-    /// fp32 weights (or, in 16-bit training, of the fp32 master, then rounded into the 16-bit
-    /// weights) and the moments: the same operations as the host path.
+    /// fp32 weights and the moments; in 16-bit training one kernel from the gradient bits
+    /// through the fp32 master and moments into the 16-bit weights (`adamw_bits`): the same
+    /// operations as the host path.
     fn device_update(
         &mut self,
         factor: f32,
