@@ -1398,7 +1398,7 @@ pub fn attention_backward_tc<'a>(
     )
 }
 
-/// The per-step scalars of AdamW ([`model::optim::AdamW::update`]'s, computed the same way).
+/// The per-step scalars of AdamW (`model::optim::AdamW::update`'s, computed the same way).
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct AdamScalars {
     pub one_m_b1: f32,
@@ -1569,7 +1569,7 @@ pub struct Routed {
 
 /// The router's [`Routed`] `(probs, experts, weights)` from its logits (softmax,
 /// top-k by probability plus `bias`, ties to the lower expert, weights renormalised), as
-/// [`model::layers::moe::Moe::route`] before capacity.
+/// `model::layers::moe::Moe::route` before capacity.
 pub fn router_topk<'a>(
     logits: impl Into<DevSlice<'a, f32>>,
     bias: Option<DevSlice<'a, f32>>,
