@@ -417,6 +417,28 @@ fn document_mask_cases(head_dim: usize) -> Vec<(AttnShape, Option<Vec<usize>>)> 
     ]
 }
 
+/// Every log-sum-exp equal, or within 1e-5 relative (the −∞ of a row that sees no key equal).
+fn assert_lse_close(what: &str, got: &[f32], want: &[f32]) {
+    for (a, b) in got.iter().zip(want) {
+        assert!(
+            a == b || (a - b).abs() <= 1e-5 * b.abs().max(1.0),
+            "{what} lse {a} vs {b}"
+        );
+    }
+}
+
+/// Nonzero dq, dk, dv for a backward to accumulate into (seeds `seed`..`seed + 2`), on the
+/// host and their copies on the GPU.
+fn initial_grads(g: &Arc<Gpu>, s: &AttnShape, seed: u64) -> ([Vec<f32>; 3], [DevBuf<f32>; 3]) {
+    let host = [
+        rand(s.q_elems(), seed),
+        rand(s.kv_elems(), seed + 1),
+        rand(s.kv_elems(), seed + 2),
+    ];
+    let dev = [0, 1, 2].map(|i| g.upload(&host[i]).unwrap());
+    (host, dev)
+}
+
 #[test]
 fn attention_matches_cpu_forward_and_backward() {
     let Some(g) = gpu("attention_matches_cpu_forward_and_backward") else {
@@ -478,23 +500,8 @@ fn attention_matches_cpu_forward_and_backward() {
         );
         ops::attention_forward(&s, mask, &gq, &gk, &gv, &mut go, &mut gl).unwrap();
         assert_close(&format!("{what} out"), &host(&go), &out);
-        let glse = host(&gl);
-        for (a, b) in glse.iter().zip(&lse) {
-            assert!(
-                a == b || (a - b).abs() <= 1e-5 * b.abs().max(1.0),
-                "{what} lse {a} vs {b}"
-            );
-        }
-        let (mut dq, mut dk, mut dv) = (
-            rand(s.q_elems(), 24),
-            rand(s.kv_elems(), 25),
-            rand(s.kv_elems(), 26),
-        );
-        let (mut gdq, mut gdk, mut gdv) = (
-            g.upload(&dq).unwrap(),
-            g.upload(&dk).unwrap(),
-            g.upload(&dv).unwrap(),
-        );
+        assert_lse_close(&what, &host(&gl), &lse);
+        let ([mut dq, mut dk, mut dv], [mut gdq, mut gdk, mut gdv]) = initial_grads(&g, &s, 24);
         attention_backward_docs(
             &s, docs, &q, &k, &v, &out, &lse, &dout, &mut dq, &mut dk, &mut dv, tiles,
         )
@@ -809,22 +816,8 @@ fn tensor_core_attention_matches_cpu() {
             if docs.is_some() { " documents" } else { "" }
         );
         assert_rounded_close(&format!("{what} out"), &host(&go), &out, &mo, half_ulp);
-        for (a, b) in host(&gl).iter().zip(&lse) {
-            assert!(
-                a == b || (a - b).abs() <= 1e-5 * b.abs().max(1.0),
-                "{what} lse {a} vs {b}"
-            );
-        }
-        let (mut dq, mut dk, mut dv) = (
-            rand(s.q_elems(), 44),
-            rand(s.kv_elems(), 45),
-            rand(s.kv_elems(), 46),
-        );
-        let (mut gdq, mut gdk, mut gdv) = (
-            g.upload(&dq).unwrap(),
-            g.upload(&dk).unwrap(),
-            g.upload(&dv).unwrap(),
-        );
+        assert_lse_close(&what, &host(&gl), &lse);
+        let ([mut dq, mut dk, mut dv], [mut gdq, mut gdk, mut gdv]) = initial_grads(&g, &s, 44);
         attention_backward_docs(
             &s, docs, &qr, &kr, &vr, &out, &lse, &dout, &mut dq, &mut dk, &mut dv, tiles,
         )
