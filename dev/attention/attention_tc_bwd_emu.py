@@ -572,7 +572,7 @@ if __name__ == "__main__":
         # The other choice of TB_DKV_KV_REGS_K4 / _K8.
         res.append(case(1, 70, 75, 2, 1, 128, True, 5, 0, fmt=fmt, kv_regs=True))
         res.append(case(1, 70, 70, 2, 1, 64, True, 0, 0, fmt=fmt, kv_regs=False))
-        # Document masks: the forward emulator's cases (attention_tc_emu.DOC_CASES).
+        # Document masks (emu_common.DOC_CASES, which the forward emulator runs too).
         res += [case(*c[:6], True, *c[6:8], fmt=fmt, opens=c[8]) for c in DOC_CASES]
         ok &= all(r[0] for r in res)
         summary.append(f"{fmt}: {sum(r[0] for r in res)}/{len(res)} cases OK; max error "
