@@ -86,7 +86,6 @@ pub struct DocMask {
 }
 
 /// The identity of a cached [`DocMask`]: the device, the shape and the starts.
-#[derive(PartialEq)]
 struct Key {
     gpu: usize,
     shape: AttnShape,
@@ -105,12 +104,14 @@ impl DocMask {
         doc_start: &[usize],
     ) -> Result<Arc<DocMask>, CudaError> {
         static MASKS: Lru<Key, DocMask> = OnceLock::new();
-        let key = Key {
-            gpu: Arc::as_ptr(gpu) as usize,
+        let at = Arc::as_ptr(gpu) as usize;
+        let is = |k: &Key| k.gpu == at && k.shape == *s && k.doc_start == doc_start;
+        let key = || Key {
+            gpu: at,
             shape: *s,
             doc_start: doc_start.to_vec(),
         };
-        lru(&MASKS, key, CACHE, || {
+        lru(&MASKS, is, key, CACHE, || {
             let (key_lo, q_end) = bounds(s, doc_start)?;
             Ok(DocMask {
                 key_lo: gpu.upload(&key_lo)?,

@@ -545,7 +545,6 @@ impl RopeTable {
 
 /// The identity of a cached [`RopeTable`]: the device, the rotation's frequencies (bits),
 /// the positions and the direction.
-#[derive(PartialEq)]
 struct RopeKey {
     gpu: usize,
     inv_freq: Vec<u32>,
@@ -568,13 +567,21 @@ impl RopeTable {
         backward: bool,
     ) -> Result<Arc<RopeTable>, CudaError> {
         static TABLES: Lru<RopeKey, RopeTable> = OnceLock::new();
-        let key = RopeKey {
-            gpu: Arc::as_ptr(gpu) as usize,
-            inv_freq: rope.inv_freq().iter().map(|f| f.to_bits()).collect(),
+        let at = Arc::as_ptr(gpu) as usize;
+        let bits = || rope.inv_freq().iter().map(|f| f.to_bits());
+        let is = |k: &RopeKey| {
+            k.gpu == at
+                && k.backward == backward
+                && k.positions == positions
+                && k.inv_freq.iter().copied().eq(bits())
+        };
+        let key = || RopeKey {
+            gpu: at,
+            inv_freq: bits().collect(),
             positions: positions.to_vec(),
             backward,
         };
-        lru(&TABLES, key, ROPE_CACHE, || {
+        lru(&TABLES, is, key, ROPE_CACHE, || {
             RopeTable::new(gpu, rope, positions, backward)
         })
     }
@@ -583,11 +590,14 @@ impl RopeTable {
 /// A process-wide cache of device tables by key, most recently used first ([`lru`]).
 pub(crate) type Lru<K, V> = OnceLock<Mutex<Vec<(K, Arc<V>)>>>;
 
-/// The value of `key` in `cache` (at most `cap` entries), built by `build` on a miss: the
-/// tables that a step's layers share ([`RopeTable`], [`super::doc_mask::DocMask`]).
-pub(crate) fn lru<K: PartialEq, V>(
+/// The value whose key `is` in `cache` (at most `cap` entries), or on a miss the one `build`
+/// makes, kept under `key()`: the tables that a step's layers share ([`RopeTable`],
+/// [`super::doc_mask::DocMask`]). A hit compares the caller's borrowed identity and copies
+/// nothing.
+pub(crate) fn lru<K, V>(
     cache: &Lru<K, V>,
-    key: K,
+    is: impl Fn(&K) -> bool,
+    key: impl FnOnce() -> K,
     cap: usize,
     build: impl FnOnce() -> Result<V, CudaError>,
 ) -> Result<Arc<V>, CudaError> {
@@ -595,14 +605,14 @@ pub(crate) fn lru<K: PartialEq, V>(
         .get_or_init(Default::default)
         .lock()
         .unwrap_or_else(|e| e.into_inner());
-    if let Some(i) = cache.iter().position(|(k, _)| *k == key) {
+    if let Some(i) = cache.iter().position(|(k, _)| is(k)) {
         let hit = cache.remove(i);
         let value = hit.1.clone();
         cache.insert(0, hit);
         return Ok(value);
     }
     let value = Arc::new(build()?);
-    cache.insert(0, (key, value.clone()));
+    cache.insert(0, (key(), value.clone()));
     cache.truncate(cap);
     Ok(value)
 }
