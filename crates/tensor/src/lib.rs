@@ -51,6 +51,7 @@ pub mod norm;
 pub mod operands;
 pub mod ops;
 pub mod peak;
+pub mod prepared;
 pub mod rope;
 pub mod rows;
 pub mod sgemm;

@@ -87,6 +87,11 @@ impl Rounded {
         })
     }
 
+    /// Bits a kernel rounded to `format` as it wrote them ([`crate::prepared`]).
+    pub(crate) fn from_bits(bits: DevBuf<u16>, format: Operands) -> Rounded {
+        Rounded { bits, format }
+    }
+
     /// The 16-bit values.
     pub fn bits(&self) -> DevSlice<'_, u16> {
         self.bits.as_slice()

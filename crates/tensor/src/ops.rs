@@ -237,7 +237,7 @@ fn gpu_docs(
 /// and sums in fp32) for head sizes the kernels take (multiples of 16 up to 128). Other head
 /// sizes and fp32 steps use the fp32 kernels (the parity path) — by the shape and the run's
 /// precision, never by a failure.
-fn tensor_cores(s: &AttnShape) -> bool {
+pub fn attention_runs_on_tensor_cores(s: &AttnShape) -> bool {
     crate::operands::current() != Operands::F32 && gpu::tensor_core_attention_fits(s)
 }
 
@@ -248,7 +248,7 @@ fn tensor_cores(s: &AttnShape) -> bool {
 /// tensor cores do not take compute attention in fp32).
 pub fn attention_operand(s: &AttnShape, x: std::sync::Arc<Buf>) -> Result<crate::operands::Kept> {
     use crate::operands::Kept;
-    if tensor_cores(s) {
+    if attention_runs_on_tensor_cores(s) {
         Kept::new(x)
     } else {
         Ok(Kept::Values(x))
@@ -267,7 +267,7 @@ enum AttnInputs<'a> {
 /// Q, K, V rounded for the tensor cores where `s` runs there ([`attention_operand`]'s rule),
 /// so that [`attn_inputs`] can borrow their bits.
 fn attn_prepare<'a>(s: &AttnShape, qkv: [Operand<'a>; 3]) -> Result<[Operand<'a>; 3]> {
-    if !tensor_cores(s) {
+    if !attention_runs_on_tensor_cores(s) {
         return Ok(qkv);
     }
     let [q, k, v] = qkv;
@@ -283,13 +283,17 @@ fn attn_inputs<'a>(s: &AttnShape, qkv: &'a [Operand<'_>; 3]) -> Result<AttnInput
         [Rounded(q), Rounded(k), Rounded(v)] => {
             let step = crate::operands::current();
             for x in [q, k, v] {
-                if !tensor_cores(s) || x.format() != step {
+                if !attention_runs_on_tensor_cores(s) || x.format() != step {
                     return Err(TensorError::Shape(format!(
                         "attention was given Q, K, V rounded to {:?}, but this attention (head \
                          size {}, a {step:?} step) computes with {} operands",
                         x.format(),
                         s.head_dim,
-                        if tensor_cores(s) { "those" } else { "fp32" }
+                        if attention_runs_on_tensor_cores(s) {
+                            "those"
+                        } else {
+                            "fp32"
+                        }
                     )));
                 }
             }

@@ -1333,6 +1333,124 @@ fn operands_rounded_once_give_the_same_products() {
 /// operands are the values themselves. Refused with a clear error: operands rounded for bf16
 /// given to an fp32 attention, a bf16 view that is not 16-byte aligned, an output view that is
 /// not 8-byte aligned.
+/// The kernels that write their results rounded for the products that read them next
+/// (`tensor::prepared`: RMSNorm, SwiGLU forward and backward, RoPE either way) give, in a bf16
+/// or fp16 step, the bits of the fp32 kernel's result rounded by a copy afterwards — the path
+/// they replace — bit for bit; in an fp32 step, the fp32 kernel's values. RoPE's rounding
+/// leaves its input as it was.
+#[test]
+fn kernels_that_round_their_results_give_the_rounded_copy_bits() {
+    fn r(b: &DevBuf<f32>) -> tensor::buf::BufRef<'_> {
+        tensor::buf::BufRef::Cuda(b.as_slice())
+    }
+    use tensor::buf::Buf;
+    use tensor::operands::{Kept, Scope};
+    use tensor::prepared;
+    let Some(g) = gpu("kernels_that_round_their_results_give_the_rounded_copy_bits") else {
+        return;
+    };
+    let bits = |k: &Kept| match k {
+        Kept::Rounded(r) => r.bits().to_host().unwrap(),
+        Kept::Values(_) => panic!("a 16-bit step on the GPU keeps the rounded copy"),
+    };
+    let values = |k: &Kept| match k {
+        Kept::Values(v) => v.to_vec().unwrap(),
+        Kept::Rounded(_) => panic!("an fp32 step keeps the values"),
+    };
+    let rounded = |x: &DevBuf<f32>, f| host(&ops::rounded_copy(x.as_slice(), f).unwrap());
+    let (rows, dim, heads, d) = (37, 300, 3, 64);
+    let positions: Vec<usize> = (0..rows).map(|t| 5 + 2 * t).collect();
+    let rope = tensor::rope::Rope::new(d, 10000.0).unwrap();
+    // Values spread over many binades, so that rounding has work to do at every magnitude.
+    let spread = |n, seed| -> Vec<f32> {
+        rand(n, seed)
+            .iter()
+            .enumerate()
+            .map(|(i, v)| v * 2f32.powi((i % 23) as i32 - 11))
+            .collect()
+    };
+    let (x, w) = (
+        g.upload(&spread(rows * dim, 60)).unwrap(),
+        g.upload(&rand(dim, 61)).unwrap(),
+    );
+    let (a, b, c) = (
+        g.upload(&spread(rows * dim, 62)).unwrap(),
+        g.upload(&spread(rows * dim, 63)).unwrap(),
+        g.upload(&spread(rows * dim, 64)).unwrap(),
+    );
+    let qk = spread(rows * heads * d, 65);
+    let (y, rstd) = ops::rmsnorm_forward(&x, &w, dim, 1e-5).unwrap();
+    let s = ops::swiglu_forward(&a, &b).unwrap();
+    let (dg, du) = ops::swiglu_backward(&c, &a, &b).unwrap();
+    for format in [Operands::Bf16, Operands::F16, Operands::F32] {
+        let _scope = Scope::enter(format);
+        let what = |k: &str| format!("{k} in a {format:?} step");
+        let (py, prstd) = prepared::rmsnorm_forward(r(&x), r(&w), dim, 1e-5).unwrap();
+        assert_eq!(
+            prstd.to_vec().unwrap(),
+            host(&rstd),
+            "{}",
+            what("rmsnorm rstd")
+        );
+        let ps = prepared::swiglu_forward(r(&a), r(&b)).unwrap();
+        let (pdg, pdu) = prepared::swiglu_backward(r(&c), r(&a), r(&b)).unwrap();
+        let pairs = [
+            ("rmsnorm y", &py, &y),
+            ("swiglu", &ps, &s),
+            ("swiglu dgate", &pdg, &dg),
+            ("swiglu dup", &pdu, &du),
+        ];
+        for (name, got, plain) in pairs {
+            if format == Operands::F32 {
+                assert_eq!(values(got), host(plain), "{}", what(name));
+            } else {
+                assert_eq!(bits(got), rounded(plain, format), "{}", what(name));
+            }
+        }
+        for backward in [false, true] {
+            let t = ops::RopeTable::new(&g, &rope, &positions, backward).unwrap();
+            let mut plain = g.upload(&qk).unwrap();
+            ops::rope_rotate(&mut plain, heads, &t).unwrap();
+            let got = prepared::rope(
+                &rope,
+                Buf::Cuda(g.upload(&qk).unwrap()),
+                heads,
+                &positions,
+                backward,
+            )
+            .unwrap();
+            let name = what(&format!("rope backward={backward}"));
+            if format == Operands::F32 {
+                assert_eq!(values(&got), host(&plain), "{name}");
+                continue;
+            }
+            assert_eq!(bits(&got), rounded(&plain, format), "{name}");
+            // The kernel itself, and its input left as it was.
+            let input = g.upload(&qk).unwrap();
+            let direct = ops::rope_rotate_rounded(&input, heads, &t, format).unwrap();
+            assert_eq!(host(&direct), rounded(&plain, format), "{name}, direct");
+            assert_eq!(host(&input), qk, "{name}: the input is left as it was");
+        }
+        // Attention's Q and K: rounded where attention runs on the tensor cores (head 64 in a
+        // 16-bit step), the values otherwise (head 40 is not a multiple of 16).
+        let at = AttnShape::causal(1, rows, heads, heads, d);
+        let q = prepared::rope_for_attention(
+            &at,
+            &rope,
+            Buf::Cuda(g.upload(&qk).unwrap()),
+            heads,
+            &positions,
+        )
+        .unwrap();
+        assert_eq!(
+            matches!(q, Kept::Rounded(_)),
+            format != Operands::F32,
+            "{}",
+            what("rope for attention")
+        );
+    }
+}
+
 #[test]
 fn attention_operands_rounded_once_give_the_same_results() {
     use tensor::buf::Dev;

@@ -152,24 +152,33 @@ impl Attention {
         let v = linear_forward_new(p, &self.wv, x)?;
         debug_assert_eq!((q.len(), k.len(), v.len()), (t * dq, t * dkv, t * dkv));
         let pos = pass.positions();
-        time(Kernel::Rope, || -> Result<()> {
-            tensor::ops::rope(&self.rope, q.m(), self.n_heads, &pos, false)?;
-            tensor::ops::rope(&self.rope, k.m(), self.n_kv_heads, &pos, false)?;
-            Ok(())
-        })?;
         let shape = self.shape(pass)?;
         // Q, K, V prepared once for the kernels that read them, forward and backward (on the
-        // tensor cores their bf16 copies: the fp32 projections go). A core (context
-        // parallelism) sends K and V around the ring and slices them per call: it takes the
-        // values, and the kernel it calls rounds its slices.
-        let (q, k, v) = (Arc::new(q), Arc::new(k), Arc::new(v));
+        // tensor cores their bf16 copies, Q and K written so by the RoPE kernel: the fp32
+        // projections go). A core (context parallelism) sends K and V around the ring and
+        // slices them per call: it takes the values, and the kernel it calls rounds its slices.
         let (q, k, v) = match &self.core {
-            Some(_) => (Kept::Values(q), Kept::Values(k), Kept::Values(v)),
-            None => (
-                tensor::ops::attention_operand(&shape, q)?,
-                tensor::ops::attention_operand(&shape, k)?,
-                tensor::ops::attention_operand(&shape, v)?,
-            ),
+            Some(_) => {
+                time(Kernel::Rope, || -> Result<()> {
+                    tensor::ops::rope(&self.rope, q.m(), self.n_heads, &pos, false)?;
+                    tensor::ops::rope(&self.rope, k.m(), self.n_kv_heads, &pos, false)?;
+                    Ok(())
+                })?;
+                let (q, k, v) = (Arc::new(q), Arc::new(k), Arc::new(v));
+                (Kept::Values(q), Kept::Values(k), Kept::Values(v))
+            }
+            None => {
+                let rotate = |x: Buf, heads: usize| {
+                    time(Kernel::Rope, || {
+                        tensor::prepared::rope_for_attention(&shape, &self.rope, x, heads, &pos)
+                    })
+                };
+                (
+                    rotate(q, self.n_heads)?,
+                    rotate(k, self.n_kv_heads)?,
+                    tensor::ops::attention_operand(&shape, Arc::new(v))?,
+                )
+            }
         };
         let (o, lse) = match &self.core {
             Some(core) => core.forward(
@@ -223,7 +232,7 @@ impl Attention {
             x: Kept::new(cache.o.clone())?,
         });
         let shape = self.shape(pass)?;
-        let (mut dq, mut dk, dv) = match &self.core {
+        let (dq, dk, dv) = match &self.core {
             Some(core) => core.backward(
                 &shape,
                 pass.part,
@@ -259,17 +268,15 @@ impl Attention {
                 (dq, dk, dv)
             }
         };
+        // Rotated back and prepared for the projections' products (by the RoPE kernel).
         let pos = pass.positions();
-        time(Kernel::Rope, || -> Result<()> {
-            tensor::ops::rope(&self.rope, dq.m(), self.n_heads, &pos, true)?;
-            tensor::ops::rope(&self.rope, dk.m(), self.n_kv_heads, &pos, true)?;
-            Ok(())
+        let (dq, dk) = time(Kernel::Rope, || -> Result<(Kept, Kept)> {
+            Ok((
+                tensor::prepared::rope(&self.rope, dq, self.n_heads, &pos, true)?,
+                tensor::prepared::rope(&self.rope, dk, self.n_kv_heads, &pos, true)?,
+            ))
         })?;
-        let (dq, dk, dv) = (
-            Kept::new(Arc::new(dq))?,
-            Kept::new(Arc::new(dk))?,
-            Kept::new(Arc::new(dv))?,
-        );
+        let dv = Kept::new(Arc::new(dv))?;
         let mut dx = linear_backward_input_new(p, &self.wq, dq.r())?;
         linear_backward_input(p, &self.wk, dk.r(), dx.m(), true)?;
         linear_backward_input(p, &self.wv, dv.r(), dx.m(), true)?;

@@ -13,8 +13,8 @@ use super::attention::{Attention, AttnCache};
 use super::mlp::{MlpCache, SwiGlu};
 use super::moe::{Moe, MoeCache};
 use super::{
-    act_bytes, rmsnorm, rmsnorm_backward_input, Act, Buf, BufMut, BufRef, Kept, Pass, Recompute,
-    WeightGradStore, WeightTask,
+    act_bytes, rmsnorm, rmsnorm_backward_input, rmsnorm_prepared, Act, Buf, BufMut, BufRef, Kept,
+    Pass, Recompute, WeightGradStore, WeightTask,
 };
 use crate::error::Result;
 use crate::layout::View;
@@ -152,13 +152,11 @@ impl Block {
 
     fn forward_saved(&self, p: BufRef<'_>, x: &Act, pass: &Pass) -> Result<(Buf, Saved, f32)> {
         let selective = pass.recompute == Recompute::Selective;
-        let (xn1, rstd1) = rmsnorm(p, &self.attn_norm, x.r(), self.eps)?;
-        let xn1 = Kept::new(Arc::new(self.enter(xn1)?))?;
+        let (xn1, rstd1) = self.normed(p, &self.attn_norm, x.r(), true)?;
         let (a, attn) = self.attn.forward(p, xn1.r(), pass)?;
         let mut h = self.exit(a)?;
         tensor::ops::add_assign(h.m(), x.r())?;
-        let (xn2, rstd2) = rmsnorm(p, &self.ffn_norm, h.r(), self.eps)?;
-        let xn2 = self.ffn_input(self.enter(xn2)?)?;
+        let (xn2, rstd2) = self.normed(p, &self.ffn_norm, h.r(), self.dense())?;
         let (mut y, ffn, aux) = match (&self.ffn, xn2.values()) {
             (Ffn::Dense(m), _) => {
                 let (y, c) = m.forward(p, xn2.r(), !selective)?;
@@ -185,13 +183,35 @@ impl Block {
         Ok((y, saved, aux))
     }
 
-    /// The feed-forward's input as the block keeps it: prepared for the dense MLP's products;
-    /// the values for a mixture of experts, which also routes and dispatches them.
-    fn ffn_input(&self, x: Buf) -> Result<Kept> {
-        Ok(match self.ffn {
-            Ffn::Dense(_) => Kept::new(Arc::new(x))?,
-            Ffn::Moe(_) => Kept::Values(Arc::new(x)),
-        })
+    /// Whether the feed-forward is a dense MLP (its input only feeds products).
+    fn dense(&self) -> bool {
+        matches!(self.ffn, Ffn::Dense(_))
+    }
+
+    /// `(RMSNorm of x, rstd)`, the normed values as the layer after the norm keeps them:
+    /// prepared for its products (`for_products`: the attention projections, a dense MLP), or
+    /// the values (a mixture of experts, which also routes and dispatches them). Without
+    /// hooks the norm kernel itself writes the prepared operand ([`tensor::prepared`]); a
+    /// tensor-parallel region's entry (sequence parallelism's gather) comes between the norm
+    /// and the preparation.
+    fn normed(
+        &self,
+        p: BufRef<'_>,
+        w: &View,
+        x: BufRef<'_>,
+        for_products: bool,
+    ) -> Result<(Kept, Buf)> {
+        if self.hooks.is_none() && for_products {
+            return rmsnorm_prepared(p, w, x, self.eps);
+        }
+        let (y, rstd) = rmsnorm(p, w, x, self.eps)?;
+        let y = Arc::new(self.enter(y)?);
+        let y = if for_products {
+            Kept::new(y)?
+        } else {
+            Kept::Values(y)
+        };
+        Ok((y, rstd))
     }
 
     fn enter(&self, x: Buf) -> Result<Buf> {
@@ -242,9 +262,7 @@ impl Block {
         // FFN half.
         let xn2 = match s.xn2 {
             Some(v) => v,
-            None => {
-                self.ffn_input(self.enter(rmsnorm(p, &self.ffn_norm, s.h.r(), self.eps)?.0)?)?
-            }
+            None => self.normed(p, &self.ffn_norm, s.h.r(), self.dense())?.0,
         };
         let dy = Arc::new(dy);
         let dm = self.exit_backward_shared(&dy)?;
@@ -276,9 +294,7 @@ impl Block {
         // Attention half.
         let xn1 = match s.xn1 {
             Some(v) => v,
-            None => Kept::new(Arc::new(
-                self.enter(rmsnorm(p, &self.attn_norm, x.r(), self.eps)?.0)?,
-            ))?,
+            None => self.normed(p, &self.attn_norm, x.r(), true)?.0,
         };
         let dh = Arc::new(dh);
         let da = self.exit_backward_shared(&dh)?;

@@ -43,9 +43,11 @@ impl SwiGlu {
         self.gate.shape[0]
     }
 
-    fn product(g: &Buf, u: &Buf) -> Result<Buf> {
+    /// `s = silu(g)∘u`, prepared for the down projection (the kernel writes it so:
+    /// [`tensor::prepared`]).
+    fn product(g: &Buf, u: &Buf) -> Result<Kept> {
         Ok(time(Kernel::Activation, || {
-            tensor::ops::swiglu_forward(g.r(), u.r())
+            tensor::prepared::swiglu_forward(g.r(), u.r())
         })?)
     }
 
@@ -65,7 +67,7 @@ impl SwiGlu {
         let g = linear_forward_new(p, &self.gate, x.clone())?;
         let u = linear_forward_new(p, &self.up, x)?;
         debug_assert_eq!(g.len(), n * f);
-        let s = Kept::new(Arc::new(Self::product(&g, &u)?))?;
+        let s = Self::product(&g, &u)?;
         let y = linear_forward_new(p, &self.down, s.r())?;
         debug_assert_eq!(y.len(), n * hidden);
         let cache = MlpCache {
@@ -89,7 +91,7 @@ impl SwiGlu {
         let p: BufRef<'_> = p.into();
         let s = match cache.s {
             Some(s) => s,
-            None => Kept::new(Arc::new(Self::product(&cache.g, &cache.u)?))?,
+            None => Self::product(&cache.g, &cache.u)?,
         };
         let (ds, dy) = linear_backward_input_kept(p, &self.down, dy)?;
         store.push(WeightTask::Linear {
@@ -98,9 +100,8 @@ impl SwiGlu {
             x: s,
         });
         let (dg, du) = time(Kernel::Activation, || {
-            tensor::ops::swiglu_backward(ds.r(), cache.g.r(), cache.u.r())
+            tensor::prepared::swiglu_backward(ds.r(), cache.g.r(), cache.u.r())
         })?;
-        let (dg, du) = (Kept::new(Arc::new(dg))?, Kept::new(Arc::new(du))?);
         let mut dx = linear_backward_input_new(p, &self.gate, dg.r())?;
         linear_backward_input(p, &self.up, du.r(), dx.m(), true)?;
         store.push(WeightTask::Linear {

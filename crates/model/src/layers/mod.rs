@@ -320,6 +320,14 @@ pub fn rmsnorm(p: BufRef<'_>, w: &View, x: BufRef<'_>, eps: f32) -> Result<(Buf,
     })?)
 }
 
+/// [`rmsnorm`] with the output prepared for the products that read it next, written so by the
+/// norm kernel ([`tensor::prepared`]).
+pub fn rmsnorm_prepared(p: BufRef<'_>, w: &View, x: BufRef<'_>, eps: f32) -> Result<(Kept, Buf)> {
+    Ok(crate::profile::time(crate::profile::Kernel::Norm, || {
+        tensor::prepared::rmsnorm_forward(x, w.at(p), w.numel(), eps)
+    })?)
+}
+
 /// RMSNorm input gradient as a new buffer, plus `residual` (the residual stream's gradient)
 /// when given.
 pub fn rmsnorm_backward_input(

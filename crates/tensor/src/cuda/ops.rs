@@ -47,6 +47,24 @@ pub fn rounded_copy(
     Ok(y)
 }
 
+/// The kernel of a kernel family `[fp32, bf16, fp16]` that writes its results rounded to the
+/// 16-bit `format` (the `XtOut` stores of prelude.cuh: the value the fp32 kernel writes, rounded
+/// to nearest even as [`rounded_copy`] rounds it); fp32 is an error.
+fn rounding_kernel(
+    family: [&'static str; 3],
+    format: crate::operands::Operands,
+) -> Result<&'static str, CudaError> {
+    use crate::operands::Operands;
+    match format {
+        Operands::Bf16 => Ok(family[1]),
+        Operands::F16 => Ok(family[2]),
+        Operands::F32 => Err(CudaError::Shape(format!(
+            "{}: a rounded output needs a 16-bit format, not fp32",
+            family[0]
+        ))),
+    }
+}
+
 /// A product's operand in the format of the product ([`crate::operands`]): the fp32 values
 /// as they are, or their bf16 / fp16 copy (rounded to nearest even) for the tensor cores —
 /// made here, or earlier for several products ([`crate::operands::Operand`]).
@@ -296,25 +314,56 @@ pub fn fill<'a>(y: impl Into<DevSliceMut<'a, f32>>, v: f32) -> Result<(), CudaEr
     )
 }
 
+const SWIGLU_FORWARD: [&str; 3] = [
+    "swiglu_forward",
+    "swiglu_forward_bf16",
+    "swiglu_forward_f16",
+];
+const SWIGLU_BACKWARD: [&str; 3] = [
+    "swiglu_backward",
+    "swiglu_backward_bf16",
+    "swiglu_backward_f16",
+];
+
 /// `silu(gate) ∘ up` ([`crate::activation::swiglu_forward`]).
 pub fn swiglu_forward<'a>(
     gate: impl Into<DevSlice<'a, f32>>,
     up: impl Into<DevSlice<'a, f32>>,
 ) -> Result<DevBuf<f32>, CudaError> {
     let gate: DevSlice<'_, f32> = gate.into();
-    let up: DevSlice<'_, f32> = up.into();
-
-    same_len("swiglu", gate.len(), up.len())?;
-    let gpu = gate.gpu().clone();
-    let s = gpu.alloc::<f32>(gate.len())?;
-    let n = to_i32(gate.len(), "elements")?;
-    gpu.launch(
-        "elementwise",
-        "swiglu_forward",
-        elements(gate.len()),
-        &[gate.into(), up.into(), (&s).into(), n.into()],
-    )?;
+    let s = gate.gpu().alloc::<f32>(gate.len())?;
+    swiglu_forward_launch(gate, up.into(), s.ptr(), SWIGLU_FORWARD[0])?;
     Ok(s)
+}
+
+/// [`swiglu_forward`] rounded to the 16-bit `format` by the kernel as it writes (the product
+/// that reads `s` next reads these bits: the same as [`rounded_copy`] of the fp32 result).
+pub fn swiglu_forward_rounded<'a>(
+    gate: impl Into<DevSlice<'a, f32>>,
+    up: impl Into<DevSlice<'a, f32>>,
+    format: crate::operands::Operands,
+) -> Result<DevBuf<u16>, CudaError> {
+    let gate: DevSlice<'_, f32> = gate.into();
+    let kernel = rounding_kernel(SWIGLU_FORWARD, format)?;
+    let s = gate.gpu().alloc::<u16>(gate.len())?;
+    swiglu_forward_launch(gate, up.into(), s.ptr(), kernel)?;
+    Ok(s)
+}
+
+fn swiglu_forward_launch(
+    gate: DevSlice<'_, f32>,
+    up: DevSlice<'_, f32>,
+    s: u64,
+    kernel: &'static str,
+) -> Result<(), CudaError> {
+    same_len("swiglu", gate.len(), up.len())?;
+    let n = to_i32(gate.len(), "elements")?;
+    gate.gpu().launch(
+        "elementwise",
+        kernel,
+        elements(gate.len()),
+        &[gate.into(), up.into(), KArg::Ptr(s), n.into()],
+    )
 }
 
 /// `(dgate, dup)` ([`crate::activation::swiglu_backward`]).
@@ -323,29 +372,53 @@ pub fn swiglu_backward<'a>(
     gate: impl Into<DevSlice<'a, f32>>,
     up: impl Into<DevSlice<'a, f32>>,
 ) -> Result<(DevBuf<f32>, DevBuf<f32>), CudaError> {
-    let dout: DevSlice<'_, f32> = dout.into();
     let gate: DevSlice<'_, f32> = gate.into();
-    let up: DevSlice<'_, f32> = up.into();
-
-    same_len("swiglu dout", dout.len(), gate.len())?;
-    same_len("swiglu up", up.len(), gate.len())?;
     let gpu = gate.gpu().clone();
     let (dg, du) = (gpu.alloc::<f32>(gate.len())?, gpu.alloc::<f32>(gate.len())?);
+    let outs = [dg.ptr(), du.ptr()];
+    swiglu_backward_launch(dout.into(), gate, up.into(), outs, SWIGLU_BACKWARD[0])?;
+    Ok((dg, du))
+}
+
+/// [`swiglu_backward`] with `dgate` and `dup` rounded to the 16-bit `format` by the kernel as
+/// it writes them (for the products that read them next).
+pub fn swiglu_backward_rounded<'a>(
+    dout: impl Into<DevSlice<'a, f32>>,
+    gate: impl Into<DevSlice<'a, f32>>,
+    up: impl Into<DevSlice<'a, f32>>,
+    format: crate::operands::Operands,
+) -> Result<(DevBuf<u16>, DevBuf<u16>), CudaError> {
+    let gate: DevSlice<'_, f32> = gate.into();
+    let kernel = rounding_kernel(SWIGLU_BACKWARD, format)?;
+    let gpu = gate.gpu().clone();
+    let (dg, du) = (gpu.alloc::<u16>(gate.len())?, gpu.alloc::<u16>(gate.len())?);
+    swiglu_backward_launch(dout.into(), gate, up.into(), [dg.ptr(), du.ptr()], kernel)?;
+    Ok((dg, du))
+}
+
+fn swiglu_backward_launch(
+    dout: DevSlice<'_, f32>,
+    gate: DevSlice<'_, f32>,
+    up: DevSlice<'_, f32>,
+    [dg, du]: [u64; 2],
+    kernel: &'static str,
+) -> Result<(), CudaError> {
+    same_len("swiglu dout", dout.len(), gate.len())?;
+    same_len("swiglu up", up.len(), gate.len())?;
     let n = to_i32(gate.len(), "elements")?;
-    gpu.launch(
+    gate.gpu().launch(
         "elementwise",
-        "swiglu_backward",
+        kernel,
         elements(gate.len()),
         &[
             dout.into(),
             gate.into(),
             up.into(),
-            (&dg).into(),
-            (&du).into(),
+            KArg::Ptr(dg),
+            KArg::Ptr(du),
             n.into(),
         ],
-    )?;
-    Ok((dg, du))
+    )
 }
 
 /// How many elements are NaN or infinite (fp16 loss scaling's overflow check).
@@ -377,6 +450,12 @@ fn rows_of(len: usize, dim: usize, what: &str) -> Result<usize, CudaError> {
     Ok(len / dim)
 }
 
+const RMSNORM_FORWARD: [&str; 3] = [
+    "rmsnorm_forward",
+    "rmsnorm_forward_bf16",
+    "rmsnorm_forward_f16",
+];
+
 /// `(y, rstd)` ([`crate::norm::rmsnorm_forward`]).
 pub fn rmsnorm_forward<'a>(
     x: impl Into<DevSlice<'a, f32>>,
@@ -385,25 +464,55 @@ pub fn rmsnorm_forward<'a>(
     eps: f32,
 ) -> Result<(DevBuf<f32>, DevBuf<f32>), CudaError> {
     let x: DevSlice<'_, f32> = x.into();
-    let w: DevSlice<'_, f32> = w.into();
+    let y = x.gpu().alloc::<f32>(x.len())?;
+    let rstd = rmsnorm_forward_launch(x, w.into(), y.ptr(), dim, eps, RMSNORM_FORWARD[0])?;
+    Ok((y, rstd))
+}
+
+/// [`rmsnorm_forward`] with `y` rounded to the 16-bit `format` by the kernel as it writes (for
+/// the products that read it next: the same bits as [`rounded_copy`] of the fp32 `y`).
+pub fn rmsnorm_forward_rounded<'a>(
+    x: impl Into<DevSlice<'a, f32>>,
+    w: impl Into<DevSlice<'a, f32>>,
+    dim: usize,
+    eps: f32,
+    format: crate::operands::Operands,
+) -> Result<(DevBuf<u16>, DevBuf<f32>), CudaError> {
+    let x: DevSlice<'_, f32> = x.into();
+    let kernel = rounding_kernel(RMSNORM_FORWARD, format)?;
+    let y = x.gpu().alloc::<u16>(x.len())?;
+    let rstd = rmsnorm_forward_launch(x, w.into(), y.ptr(), dim, eps, kernel)?;
+    Ok((y, rstd))
+}
+
+/// Launches an RMSNorm forward kernel writing `y` (a buffer of `x.len()` elements of the
+/// kernel's output); returns `rstd`.
+fn rmsnorm_forward_launch(
+    x: DevSlice<'_, f32>,
+    w: DevSlice<'_, f32>,
+    y: u64,
+    dim: usize,
+    eps: f32,
+    kernel: &'static str,
+) -> Result<DevBuf<f32>, CudaError> {
     let rows = rows_of(x.len(), dim, "rmsnorm x")?;
     same_len("rmsnorm w", w.len(), dim)?;
     let gpu = x.gpu().clone();
-    let (y, rstd) = (gpu.alloc::<f32>(x.len())?, gpu.alloc::<f32>(rows)?);
+    let rstd = gpu.alloc::<f32>(rows)?;
     gpu.launch(
         "norm",
-        "rmsnorm_forward",
+        kernel,
         LaunchCfg::linear(rows, row_threads(dim)),
         &[
             x.into(),
             w.into(),
-            (&y).into(),
+            KArg::Ptr(y),
             (&rstd).into(),
             to_i32(dim, "dim")?.into(),
             eps.into(),
         ],
     )?;
-    Ok((y, rstd))
+    Ok(rstd)
 }
 
 /// `dx` (`+ residual` when given) ([`crate::norm::rmsnorm_backward_input`]).
@@ -625,22 +734,50 @@ pub fn rope_rotate<'a>(
     t: &RopeTable,
 ) -> Result<(), CudaError> {
     let x: DevSliceMut<'_, f32> = x.into();
+    rope_launch(x.gpu(), x.ptr(), None, x.len(), n_heads, t, "rope_rotate")
+}
 
-    same_len("rope x", x.len(), t.tokens * n_heads * t.head_dim)?;
+/// `x` rotated as [`rope_rotate`] rotates it, into a new 16-bit copy rounded to `format` by
+/// the kernel as it writes (for the products or the attention that read it next: the same bits
+/// as [`rounded_copy`] of the rotated fp32 values); `x` is left as it was.
+pub fn rope_rotate_rounded<'a>(
+    x: impl Into<DevSlice<'a, f32>>,
+    n_heads: usize,
+    t: &RopeTable,
+    format: crate::operands::Operands,
+) -> Result<DevBuf<u16>, CudaError> {
+    let x: DevSlice<'_, f32> = x.into();
+    let kernel = rounding_kernel(
+        ["rope_rotate", "rope_rotate_bf16", "rope_rotate_f16"],
+        format,
+    )?;
+    let y = x.gpu().alloc::<u16>(x.len())?;
+    rope_launch(x.gpu(), x.ptr(), Some(y.ptr()), x.len(), n_heads, t, kernel)?;
+    Ok(y)
+}
+
+/// Launches a RoPE kernel on `len` elements at `x`: in place, or into `y`.
+fn rope_launch(
+    gpu: &Arc<Gpu>,
+    x: u64,
+    y: Option<u64>,
+    len: usize,
+    n_heads: usize,
+    t: &RopeTable,
+    kernel: &'static str,
+) -> Result<(), CudaError> {
+    same_len("rope x", len, t.tokens * n_heads * t.head_dim)?;
     let n = t.tokens * n_heads * t.head_dim / 2;
-    x.gpu().launch(
-        "rope",
-        "rope_rotate",
-        elements(n),
-        &[
-            (&x).into(),
-            (&t.table).into(),
-            (&t.rows).into(),
-            to_i32(t.tokens, "tokens")?.into(),
-            to_i32(n_heads, "heads")?.into(),
-            to_i32(t.head_dim, "head_dim")?.into(),
-        ],
-    )
+    let mut args = vec![KArg::Ptr(x)];
+    args.extend(y.map(KArg::Ptr));
+    args.extend::<[KArg; 5]>([
+        (&t.table).into(),
+        (&t.rows).into(),
+        to_i32(t.tokens, "tokens")?.into(),
+        to_i32(n_heads, "heads")?.into(),
+        to_i32(t.head_dim, "head_dim")?.into(),
+    ]);
+    gpu.launch("rope", kernel, elements(n), &args)
 }
 
 /// `out[t] = table[ids[t] − vocab_start]` or zeros outside the shard

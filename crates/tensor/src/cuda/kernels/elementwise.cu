@@ -111,22 +111,53 @@ extern "C" __global__ void fill_f32(float* y, float v, int n) {
 
 __device__ __forceinline__ float sigmoid(float g) { return 1.0f / (1.0f + expf(-g)); }
 
-// s = silu(g) * u, silu(g) = g * sigmoid(g)
-extern "C" __global__ void swiglu_forward(const float* g, const float* u, float* s, int n) {
+// s = silu(g) * u, silu(g) = g * sigmoid(g); `_bf16` / `_f16` write s rounded for the product
+// that reads it.
+template <typename Out>
+__device__ __forceinline__ void swiglu_forward_all(const float* g, const float* u, Out s, int n) {
     XT_FOR(i, n) {
         float gi = g[i];
-        s[i] = gi * sigmoid(gi) * u[i];
+        s(i, gi * sigmoid(gi) * u[i]);
     }
 }
 
-// dg = ds * u * silu'(g), du = ds * silu(g); silu'(g) = sig(g) * (1 + g * (1 - sig(g)))
-extern "C" __global__ void swiglu_backward(const float* ds, const float* g, const float* u,
-                                           float* dg, float* du, int n) {
+extern "C" __global__ void swiglu_forward(const float* g, const float* u, float* s, int n) {
+    swiglu_forward_all(g, u, XtOutF32{s}, n);
+}
+
+extern "C" __global__ void swiglu_forward_bf16(const float* g, const float* u, u16* s, int n) {
+    swiglu_forward_all(g, u, XtOutBf16{s}, n);
+}
+
+extern "C" __global__ void swiglu_forward_f16(const float* g, const float* u, u16* s, int n) {
+    swiglu_forward_all(g, u, XtOutF16{s}, n);
+}
+
+// dg = ds * u * silu'(g), du = ds * silu(g); silu'(g) = sig(g) * (1 + g * (1 - sig(g)));
+// `_bf16` / `_f16` write dg and du rounded for the products that read them.
+template <typename Out>
+__device__ __forceinline__ void swiglu_backward_all(const float* ds, const float* g,
+                                                    const float* u, Out dg, Out du, int n) {
     XT_FOR(i, n) {
         float gi = g[i], sg = sigmoid(gi), d = ds[i];
-        dg[i] = d * u[i] * (sg * (1.0f + gi * (1.0f - sg)));
-        du[i] = d * (gi * sg);
+        dg(i, d * u[i] * (sg * (1.0f + gi * (1.0f - sg))));
+        du(i, d * (gi * sg));
     }
+}
+
+extern "C" __global__ void swiglu_backward(const float* ds, const float* g, const float* u,
+                                           float* dg, float* du, int n) {
+    swiglu_backward_all(ds, g, u, XtOutF32{dg}, XtOutF32{du}, n);
+}
+
+extern "C" __global__ void swiglu_backward_bf16(const float* ds, const float* g, const float* u,
+                                                u16* dg, u16* du, int n) {
+    swiglu_backward_all(ds, g, u, XtOutBf16{dg}, XtOutBf16{du}, n);
+}
+
+extern "C" __global__ void swiglu_backward_f16(const float* ds, const float* g, const float* u,
+                                               u16* dg, u16* du, int n) {
+    swiglu_backward_all(ds, g, u, XtOutF16{dg}, XtOutF16{du}, n);
 }
 
 // count[0] += number of non-finite elements (0 when all are finite).

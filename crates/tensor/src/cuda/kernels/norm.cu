@@ -3,18 +3,35 @@
 // dw += sum_rows dy * x * rstd, in two deterministic passes (row chunks, then their sum in
 // chunk order).
 
-// One block per row.
-extern "C" __global__ void rmsnorm_forward(const float* x, const float* w, float* y,
-                                           float* rstd, int dim, float eps) {
+// One block per row; `y` writes each output (fp32, or rounded for the products that read it:
+// `rmsnorm_forward_bf16` / `_f16`).
+template <typename Out>
+__device__ __forceinline__ void rmsnorm_forward_row(const float* x, const float* w, Out y,
+                                                    float* rstd, int dim, float eps) {
     __shared__ float scratch[32];
-    const float* xr = x + (long long)blockIdx.x * dim;
-    float* yr = y + (long long)blockIdx.x * dim;
+    const long long base = (long long)blockIdx.x * dim;
+    const float* xr = x + base;
     float ss = 0.0f;
     for (int i = threadIdx.x; i < dim; i += blockDim.x) ss += xr[i] * xr[i];
     ss = block_sum(ss, scratch);
     float r = 1.0f / sqrtf(ss / (float)dim + eps);
-    for (int i = threadIdx.x; i < dim; i += blockDim.x) yr[i] = r * (xr[i] * w[i]);
+    for (int i = threadIdx.x; i < dim; i += blockDim.x) y(base + i, r * (xr[i] * w[i]));
     if (threadIdx.x == 0) rstd[blockIdx.x] = r;
+}
+
+extern "C" __global__ void rmsnorm_forward(const float* x, const float* w, float* y,
+                                           float* rstd, int dim, float eps) {
+    rmsnorm_forward_row(x, w, XtOutF32{y}, rstd, dim, eps);
+}
+
+extern "C" __global__ void rmsnorm_forward_bf16(const float* x, const float* w, u16* y,
+                                                float* rstd, int dim, float eps) {
+    rmsnorm_forward_row(x, w, XtOutBf16{y}, rstd, dim, eps);
+}
+
+extern "C" __global__ void rmsnorm_forward_f16(const float* x, const float* w, u16* y,
+                                               float* rstd, int dim, float eps) {
+    rmsnorm_forward_row(x, w, XtOutF16{y}, rstd, dim, eps);
 }
 
 // One block per row; `residual` may be null.

@@ -32,6 +32,23 @@ __device__ __forceinline__ u16 f32_to_f16(float f) {
     return h;
 }
 
+// Where a kernel writes an fp32 result: as fp32, or rounded to nearest even into the bf16 or
+// fp16 operand that products read next (`tensor::operands`: the rounding a cast kernel would
+// do afterwards, done by the kernel that computes the value, so the fp32 values are never
+// written, read back and cast). The same value goes through the same function either way.
+struct XtOutF32 {
+    float* p;
+    __device__ __forceinline__ void operator()(long long i, float v) const { p[i] = v; }
+};
+struct XtOutBf16 {
+    u16* p;
+    __device__ __forceinline__ void operator()(long long i, float v) const { p[i] = f32_to_bf16(v); }
+};
+struct XtOutF16 {
+    u16* p;
+    __device__ __forceinline__ void operator()(long long i, float v) const { p[i] = f32_to_f16(v); }
+};
+
 // Sum over the warp (butterfly: every lane gets the same bits).
 __device__ __forceinline__ float warp_sum(float v) {
     for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(XT_FULL_MASK, v, o);
