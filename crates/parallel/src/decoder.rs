@@ -86,6 +86,28 @@ struct Held {
     tied_copy: bool,
 }
 
+impl Held {
+    /// Whether the model reads this tensor only as an operand of matrix products: the
+    /// attention projections, a dense MLP's, and an untied LM head (the fused loss and the
+    /// logits read it through products). The rest — norm gains, the embedding table (rows
+    /// gathered), a tied table, a mixture of experts' router and experts — is read as values.
+    fn product_only(&self) -> bool {
+        const PROJECTIONS: [&str; 7] = [
+            ".self_attn.q_proj.weight",
+            ".self_attn.k_proj.weight",
+            ".self_attn.v_proj.weight",
+            ".self_attn.o_proj.weight",
+            ".mlp.gate_proj.weight",
+            ".mlp.up_proj.weight",
+            ".mlp.down_proj.weight",
+        ];
+        let name = &self.placement.slice.name;
+        !self.experts
+            && !self.tied
+            && (name == "lm_head.weight" || PROJECTIONS.iter().any(|p| name.ends_with(p)))
+    }
+}
+
 /// Routed tokens of the MoE layers since the last [`DecoderStage::take_moe_load`]: per layer
 /// (global index) and expert, and the assignments dropped by a capacity. Training forwards
 /// only, counted on tp rank 0 (the tp ranks route the same tokens).
@@ -429,6 +451,24 @@ impl StageModel for DecoderStage {
 
     fn placements(&self) -> Vec<Placement> {
         self.held.iter().map(|h| h.placement.clone()).collect()
+    }
+
+    /// Everything but the tensors only products read ([`Held::product_only`]): the norm
+    /// gains, the embedding table, and a mixture of experts' tensors.
+    fn value_ranges(&self, unit: usize) -> Vec<Range<usize>> {
+        let u = &self.ranges[unit];
+        let mut parts: Vec<Range<usize>> = Vec::new();
+        for h in &self.held {
+            let r = h.placement.start..h.placement.start + h.local_len;
+            if r.start < u.start || r.end > u.end || h.product_only() {
+                continue;
+            }
+            match parts.last_mut() {
+                Some(last) if last.end == r.start => last.end = r.end,
+                _ => parts.push(r),
+            }
+        }
+        parts
     }
 
     fn is_first(&self, unit: usize) -> bool {

@@ -205,11 +205,21 @@ impl Half {
     /// `src` widened to fp32 in a new GPU buffer.
     fn widen_dev(self, src: DevSlice<'_, u16>) -> Result<Buf, TensorError> {
         let mut out = src.gpu().alloc::<f32>(src.len())?;
-        match self {
-            Half::Bf16 => tensor::cuda::ops::cast_bf16_to_f32(src, &mut out)?,
-            Half::F16 => tensor::cuda::ops::cast_f16_to_f32(src, &mut out)?,
-        }
+        self.widen_into(src, (&mut out).into())?;
         Ok(Buf::Cuda(out))
+    }
+
+    /// `src` widened to fp32 into `dst` on the GPU.
+    fn widen_into(
+        self,
+        src: DevSlice<'_, u16>,
+        dst: DevSliceMut<'_, f32>,
+    ) -> Result<(), TensorError> {
+        match self {
+            Half::Bf16 => tensor::cuda::ops::cast_bf16_to_f32(src, dst)?,
+            Half::F16 => tensor::cuda::ops::cast_f16_to_f32(src, dst)?,
+        }
+        Ok(())
     }
 
     /// `src` rounded into `dst` on the GPU.
@@ -350,6 +360,34 @@ impl Flat {
             Flat::Dev(b) => b.r().slice(r).to_buf(),
             Flat::DevHalf { kind, bits } => kind.widen_dev(bits.slice(r)),
         }
+    }
+
+    /// Elements `r` as an fp32 copy on the buffer's device in which, for 16-bit storage on a
+    /// GPU, only `parts` (flat ranges inside `r`) are widened: the rest of the copy is left
+    /// unwritten, for readers that take those elements' 16-bit bits instead (products through
+    /// a registered widening, [`tensor::cuda::widening`]). Other storage: [`Flat::read_buf`].
+    pub fn read_buf_parts(
+        &self,
+        r: Range<usize>,
+        parts: &[Range<usize>],
+    ) -> Result<Buf, TensorError> {
+        let Flat::DevHalf { kind, bits } = self else {
+            return self.read_buf(r);
+        };
+        if let Some(p) = parts
+            .iter()
+            .find(|p| p.start < r.start || p.end > r.end || p.start > p.end)
+        {
+            return Err(TensorError::Shape(format!(
+                "a widened part {p:?} outside the copied range {r:?}"
+            )));
+        }
+        let mut out = bits.gpu().alloc::<f32>(r.len())?;
+        for p in parts.iter().filter(|p| !p.is_empty()) {
+            let dst = out.slice_mut(p.start - r.start..p.end - r.start);
+            kind.widen_into(bits.slice(p.clone()), dst)?;
+        }
+        Ok(Buf::Cuda(out))
     }
 
     /// Stores `src` (rounded for 16-bit storage) at `start..`; `src` is on the buffer's device.

@@ -39,6 +39,15 @@ pub trait StageModel: Sync {
     fn units(&self) -> Vec<Range<usize>>;
     /// Flat ranges of the individual tensors in layout order.
     fn tensors(&self) -> Vec<Range<usize>>;
+    /// The parts of unit `unit` (flat ranges inside `units()[unit]`, in order) that its
+    /// kernels read as fp32 values, rather than only as operands of matrix products in the
+    /// step's format. In a bf16 or fp16 step on a GPU the executor widens only these into the
+    /// unit's fp32 copy: the products read the other weights' stored 16-bit bits
+    /// ([`tensor::cuda::widening`]), so the rest of the copy is never written. The default,
+    /// the whole unit, is always right.
+    fn value_ranges(&self, unit: usize) -> Vec<Range<usize>> {
+        vec![self.units()[unit].clone()]
+    }
     /// Where each tensor block this rank holds lives in its flat buffer, and which block of
     /// the full tensor it is (what checkpoints save and load).
     fn placements(&self) -> Vec<Placement>;

@@ -180,3 +180,56 @@ fn fp16_layouts_track_the_single_rank_run() {
     check(&llama(), Precision::Fp16);
     check(&moe(), Precision::Fp16);
 }
+
+/// The parts of each unit that a 16-bit GPU step widens into fp32 (`value_ranges`): every
+/// tensor but those the layers read only through products — the attention projections, a
+/// dense MLP's and an untied LM head — so the norm gains, the embedding table, a tied head and
+/// a mixture of experts' router, experts and shared expert are widened; nothing outside the
+/// unit, and in order.
+#[test]
+fn a_16_bit_gpu_step_widens_all_but_the_products_weights() {
+    use parallel::{stage::StageModel, DecoderStage};
+    let mut tied = llama();
+    tied.tie_word_embeddings = true;
+    for (what, cfg) in [("llama", llama()), ("tied", tied), ("moe", moe())] {
+        let stage = DecoderStage::whole(&cfg).unwrap();
+        let units = stage.units();
+        let total = units.last().unwrap().end;
+        // Independently of the stage's rule: each element's tensor by name (a tied model's
+        // head holds its own copy of the table).
+        let products_only = |name: &str| {
+            name == "lm_head.weight"
+                || (name.ends_with("_proj.weight") && !name.contains("shared_expert"))
+        };
+        let mut want = vec![false; total];
+        let mut covered = 0;
+        for p in stage.placements() {
+            covered += p.range().len();
+            want[p.range()].fill(!products_only(&p.slice.name));
+        }
+        assert_eq!(covered, total, "{what}: the tensors tile the stage");
+        let mut got = vec![false; total];
+        for (u, ur) in units.iter().enumerate() {
+            let parts = stage.value_ranges(u);
+            for w in parts.windows(2) {
+                assert!(
+                    w[0].end < w[1].start,
+                    "{what} unit {u}: {parts:?} in order, merged"
+                );
+            }
+            for p in parts {
+                assert!(
+                    ur.start <= p.start && p.end <= ur.end,
+                    "{what} unit {u}: {p:?} in {ur:?}"
+                );
+                got[p].fill(true);
+            }
+        }
+        assert_eq!(got, want, "{what}: widened elements");
+        let widened = got.iter().filter(|&&v| v).count();
+        assert!(
+            0 < widened && widened < total,
+            "{what}: {widened} of {total}"
+        );
+    }
+}
