@@ -236,6 +236,34 @@ impl Half {
     }
 }
 
+/// Checks that `parts` lie inside `r`, in order and apart.
+fn check_parts(r: &Range<usize>, parts: &[Range<usize>]) -> Result<(), TensorError> {
+    let mut at = r.start;
+    for p in parts {
+        if p.start < at || p.end < p.start || p.end > r.end {
+            return Err(TensorError::Shape(format!(
+                "parts {parts:?} of {r:?}: not inside it, in order and apart"
+            )));
+        }
+        at = p.end;
+    }
+    Ok(())
+}
+
+/// The non-empty ranges of `r` between `parts` (inside `r`, in order: [`check_parts`]).
+fn gaps(r: &Range<usize>, parts: &[Range<usize>]) -> Vec<Range<usize>> {
+    let mut out = Vec::new();
+    let mut at = r.start;
+    let end = r.end..r.end;
+    for p in parts.iter().filter(|p| !p.is_empty()).chain([&end]) {
+        if p.start > at {
+            out.push(at..p.start);
+        }
+        at = at.max(p.end);
+    }
+    out
+}
+
 /// A flat buffer of parameters or gradients in the compute precision.
 ///
 /// `Dev` and `DevHalf` live on a GPU. The kernels use them in place through the methods
@@ -374,20 +402,77 @@ impl Flat {
         let Flat::DevHalf { kind, bits } = self else {
             return self.read_buf(r);
         };
-        if let Some(p) = parts
-            .iter()
-            .find(|p| p.start < r.start || p.end > r.end || p.start > p.end)
-        {
-            return Err(TensorError::Shape(format!(
-                "a widened part {p:?} outside the copied range {r:?}"
-            )));
+        if kind.operands() != tensor::operands::current() {
+            // The products would round the copy's values: widen them all.
+            return self.read_buf(r);
         }
+        check_parts(&r, parts)?;
         let mut out = bits.gpu().alloc::<f32>(r.len())?;
         for p in parts.iter().filter(|p| !p.is_empty()) {
             let dst = out.slice_mut(p.start - r.start..p.end - r.start);
             kind.widen_into(bits.slice(p.clone()), dst)?;
         }
         Ok(Buf::Cuda(out))
+    }
+
+    /// [`Flat::update_buf`] where, for bf16 storage on a GPU in a bf16 step, only
+    /// `parts` (flat ranges inside `r`, in order) of the fp32 copy `f` is given are widened and
+    /// rounded back. The rest is registered as accumulated into the 16-bit gradients
+    /// themselves ([`tensor::cuda::widening`]): `f` may only accumulate there with products,
+    /// one per element (each one rounding, as the copy's rounding back would be), and must not
+    /// read it. Other storage (fp16 included), or another step format: [`Flat::update_buf`].
+    pub fn update_buf_parts<T, E: From<TensorError>>(
+        &mut self,
+        r: Range<usize>,
+        parts: &[Range<usize>],
+        f: impl FnOnce(BufMut<'_>) -> Result<T, E>,
+    ) -> Result<T, E> {
+        // fp16 keeps the copy: its overflow to infinity is the loss scaler's signal, and a
+        // product's conversion to fp16 is not promised to overflow rather than saturate.
+        let format = tensor::operands::current();
+        let (kind, bits) = match self {
+            Flat::DevHalf { kind, bits } if *kind == Half::Bf16 && kind.operands() == format => {
+                (*kind, bits)
+            }
+            _ => return self.update_buf(r, f),
+        };
+        check_parts(&r, parts)?;
+        let local = |p: &Range<usize>| p.start - r.start..p.end - r.start;
+        let mut copy = bits
+            .gpu()
+            .alloc::<f32>(r.len())
+            .map_err(TensorError::from)?;
+        for p in parts.iter().filter(|p| !p.is_empty()) {
+            kind.widen_into(bits.slice(p.clone()), copy.slice_mut(local(p)))?;
+        }
+        let mut g = Buf::Cuda(copy);
+        let Buf::Cuda(copy) = &g else {
+            unreachable!("allocated on the GPU")
+        };
+        // Declared after the copy, dropped before it (on an error too): no other thread's
+        // product can meet a registration of memory this copy has given back.
+        let mut guards = Vec::new();
+        for hole in gaps(&r, parts) {
+            // SAFETY: `bits` (this buffer's) and the copy outlive the guards; `f`'s contract
+            // keeps everything but products away from the holes of the copy.
+            let guard = unsafe {
+                tensor::cuda::widening::Widening::register_accumulation(
+                    copy.slice(local(&hole)),
+                    bits.slice(hole),
+                    format,
+                )
+            };
+            guards.push(guard.map_err(TensorError::from)?);
+        }
+        let out = f(g.m())?;
+        drop(guards);
+        let Buf::Cuda(g) = &g else {
+            unreachable!("allocated on the GPU")
+        };
+        for p in parts.iter().filter(|p| !p.is_empty()) {
+            kind.narrow_dev(g.slice(local(p)), bits.slice_mut(p.clone()))?;
+        }
+        Ok(out)
     }
 
     /// Stores `src` (rounded for 16-bit storage) at `start..`; `src` is on the buffer's device.
@@ -916,6 +1001,21 @@ impl Bucketed {
         self.update_buf_in(b, r, &mut Vec::new(), f)
     }
 
+    /// [`Flat::update_buf_parts`] on flat range `r` of bucket `b` (`parts` in flat indices).
+    pub fn update_buf_parts<T, E: From<TensorError>>(
+        &mut self,
+        b: usize,
+        r: Range<usize>,
+        parts: &[Range<usize>],
+        f: impl FnOnce(BufMut<'_>) -> Result<T, E>,
+    ) -> Result<T, E> {
+        let start = self.ranges[b].start;
+        debug_assert!(start <= r.start && r.end <= self.ranges[b].end);
+        let local = |p: &Range<usize>| p.start - start..p.end - start;
+        let parts: Vec<Range<usize>> = parts.iter().map(local).collect();
+        self.buf_mut(b).update_buf_parts(local(&r), &parts, f)
+    }
+
     /// [`Flat::update_buf_in`] on flat range `r` of bucket `b`.
     pub fn update_buf_in<T, E: From<TensorError>>(
         &mut self,
@@ -1162,6 +1262,24 @@ impl LossScaler {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The holes between a unit's value parts are exactly the elements outside them; parts
+    /// outside the range, out of order or overlapping are refused.
+    #[test]
+    #[allow(clippy::single_range_in_vec_init)] // one-part lists are the point
+    fn gaps_are_the_complement_of_the_parts() {
+        let r = 10..50;
+        assert_eq!(gaps(&r, &[]), vec![10..50]);
+        assert_eq!(gaps(&r, &[10..50]), Vec::<Range<usize>>::new());
+        assert_eq!(gaps(&r, &[10..12, 20..30]), vec![12..20, 30..50]);
+        assert_eq!(gaps(&r, &[15..20, 20..25, 49..50]), vec![10..15, 25..49]);
+        assert_eq!(gaps(&r, &[30..30]), vec![10..50]);
+        assert!(check_parts(&r, &[10..12, 20..30]).is_ok());
+        assert!(check_parts(&r, &[5..12]).is_err(), "before the range");
+        assert!(check_parts(&r, &[40..51]).is_err(), "past it");
+        assert!(check_parts(&r, &[20..30, 10..12]).is_err(), "out of order");
+        assert!(check_parts(&r, &[10..20, 15..25]).is_err(), "overlapping");
+    }
 
     #[test]
     fn half_conversions() {

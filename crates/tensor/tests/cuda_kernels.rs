@@ -1268,6 +1268,100 @@ fn registered_widenings_give_products_the_stored_bits() {
     assert!(unsafe { Widening::register(v.as_slice(), b4.as_slice(), Operands::F32) }.is_err());
 }
 
+/// A product accumulating into a registered accumulation (a unit's 16-bit gradients:
+/// `Flat::update_buf_parts`) accumulates into the 16-bit bits, `round(g + dyᵀ·x)`: the one
+/// rounding that the fp32 copy, accumulated and rounded back, makes — to within the last bit,
+/// because cuBLASLt may choose another kernel (another summation order) for a 16-bit `C`. It
+/// leaves the fp32 copy and the bits outside the registration alone; unregistered, the
+/// product accumulates into the copy again.
+#[test]
+fn products_accumulate_into_registered_16_bit_gradients() {
+    use tensor::buf::{BufMut, Dev};
+    use tensor::cuda::widening::Widening;
+    use tensor::operands::{Operands, Scope};
+    let Some(g) = gpu("products_accumulate_into_registered_16_bit_gradients") else {
+        return;
+    };
+    let dev = Dev::Cuda(g.clone());
+    // dW [dout, din] += dyᵀ·x over `tokens`, after 16 elements of another tensor.
+    let (dout, tokens, din, off) = (48, 200, 40, 16);
+    let w = off..off + dout * din;
+    let dy = dev.from_vec(rand(tokens * dout, 93)).unwrap();
+    let x = dev.from_vec(rand(tokens * din, 94)).unwrap();
+    let grads: Vec<f32> = rand(off + dout * din, 95).iter().map(|v| 3.0 * v).collect();
+    for (format, bits_of, widen, last_bit) in [
+        (
+            Operands::Bf16,
+            bf16_bits as Bits,
+            round_bf16 as Rounding,
+            2f32.powi(-7),
+        ),
+        (
+            Operands::F16,
+            f16_bits as Bits,
+            round_f16 as Rounding,
+            2f32.powi(-10),
+        ),
+    ] {
+        let _scope = Scope::enter(format);
+        let dw = |c: BufMut<'_>| {
+            tensor::ops::matmul(c, dy.r(), x.r(), dout, tokens, din, true, false, true).unwrap()
+        };
+        // The fp32 copy's way: widened, accumulated, rounded back.
+        let mut copy = g.upload(&widen(&grads)).unwrap();
+        dw(BufMut::Cuda(copy.slice_mut(w.clone())));
+        let want = widen(&host(&copy)[w.clone()]);
+        // Through the registration, over a copy that must stay as it was.
+        let bits0 = bits_of(&grads);
+        let bits = g.upload(&bits0).unwrap();
+        let mut unwritten = g.upload(&vec![f32::NAN; grads.len()]).unwrap();
+        let reg = unsafe {
+            Widening::register_accumulation(
+                unwritten.as_slice().slice(w.clone()),
+                bits.as_slice().slice(w.clone()),
+                format,
+            )
+        }
+        .unwrap();
+        dw(BufMut::Cuda(unwritten.slice_mut(w.clone())));
+        drop(reg);
+        let got = host(&bits);
+        assert_eq!(
+            got[..off],
+            bits0[..off],
+            "{format:?}: bits outside left alone"
+        );
+        let got: Vec<f32> = host(&bits)[w.clone()]
+            .iter()
+            .map(|&b| match format {
+                Operands::Bf16 => f32::from_bits((b as u32) << 16),
+                _ => half::f16::from_bits(b).to_f32(),
+            })
+            .collect();
+        for (i, (a, b)) in got.iter().zip(&want).enumerate() {
+            assert!(
+                (a - b).abs() <= last_bit * b.abs().max(a.abs()),
+                "{format:?} element {i}: {a} against the copy's {b}"
+            );
+        }
+        assert!(
+            host(&unwritten).iter().all(|v| v.is_nan()),
+            "{format:?}: the fp32 copy is left alone"
+        );
+        // Unregistered: the copy again.
+        dw(BufMut::Cuda(unwritten.slice_mut(w.clone())));
+        assert!(
+            host(&unwritten)[w.clone()].iter().all(|v| v.is_nan()),
+            "{format:?}: NaN + product"
+        );
+        assert_eq!(
+            host(&bits)[w.clone()],
+            bits_of(&got),
+            "{format:?}: the bits stay"
+        );
+    }
+}
+
 #[test]
 fn operands_rounded_once_give_the_same_products() {
     use tensor::buf::{BufRef, Dev};

@@ -299,15 +299,11 @@ impl<M: StageModel> Executor<M> {
             return Ok(Some(UnitCopy::plain(Buf::Host(v))));
         }
         self.gathered_bytes.add(r.len() * F32);
-        // Where this step's products read the 16-bit weights themselves (the registration
-        // below, in the step's format), only what the kernels read as values is widened.
-        let step = tensor::operands::current();
-        let buf = match self.params.dev_bits(0..0) {
-            Some((kind, _)) if kind.operands() == step => self
-                .params
-                .read_buf_parts(r.clone(), &self.model.value_ranges(u))?,
-            _ => self.params.read_buf(r.clone())?,
-        };
+        // The products read the 16-bit weights themselves (the registration below), so only
+        // what the kernels read as values is widened.
+        let buf = self
+            .params
+            .read_buf_parts(r.clone(), &self.model.value_ranges(u))?;
         // The 16-bit weights this copy widens, for the products (exactly its rounding).
         let widening = match (&buf, self.params.dev_bits(r)) {
             (Buf::Cuda(values), Some((kind, bits))) => {

@@ -141,11 +141,13 @@ impl GradSink<'_> {
     /// Accumulates unit `u`'s weight gradients (`f` adds them into the slice it is given, the
     /// unit's flat `range`): into its bucket's fp32 staging buffer at ZeRO-2/3, else into the
     /// gradient buffer (through an fp32 copy of the unit's gradients when they are stored in
-    /// 16 bits).
+    /// 16 bits: on a GPU, of its `parts` only, the products accumulating the rest into the
+    /// 16-bit gradients: [`StageModel::grad_value_ranges`]).
     fn accumulate(
         self,
         u: usize,
         range: Range<usize>,
+        parts: &[Range<usize>],
         f: impl FnOnce(BufMut<'_>) -> Result<(), ParallelError>,
     ) -> Result<(), ParallelError> {
         let b = self.unit_bucket[u];
@@ -171,7 +173,7 @@ impl GradSink<'_> {
             return r;
         }
         self.gathered_bytes.add(range.len() * F32);
-        let r = self.grads.update_buf(b, range.clone(), f);
+        let r = self.grads.update_buf_parts(b, range.clone(), parts, f);
         self.gathered_bytes.sub(range.len() * F32);
         r
     }
@@ -648,7 +650,8 @@ impl<M: StageModel> Executor<M> {
             let (dx, wg) = compute(pin, || model.backward_input(u, p, cache, din, scale))?;
             self.act_bytes.sub(cache_bytes);
             if fused {
-                grad_sink!(self).accumulate(u, range, |g| {
+                let parts = model.grad_value_ranges(u);
+                grad_sink!(self).accumulate(u, range, &parts, |g| {
                     compute(pin, || model.backward_weight(u, p, wg, g))
                 })?;
             } else {
@@ -710,7 +713,8 @@ impl<M: StageModel> Executor<M> {
             let range = self.units[u].clone();
             let p = param_slice(&self.params, &self.resident, &owned, u, range.clone());
             let model = &self.model;
-            grad_sink!(self).accumulate(u, range, |g| {
+            let parts = model.grad_value_ranges(u);
+            grad_sink!(self).accumulate(u, range, &parts, |g| {
                 compute(pin, || model.backward_weight(u, p, wg, g))
             })?;
             self.act_bytes.sub(bytes);

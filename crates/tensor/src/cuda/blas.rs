@@ -49,12 +49,22 @@ impl GemmInput {
     }
 }
 
+/// Element type of `C` (and `D`, the same buffer): fp32, or the inputs' 16-bit format — a
+/// product accumulating into 16-bit storage, `C = round(op(A)·op(B) + β·C)` with fp32 compute
+/// and scaling (`C` widened exactly), one rounding.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum GemmOutput {
+    F32,
+    Input,
+}
+
 /// Bytes of the workspace cuBLASLt may use.
 pub(crate) const WORKSPACE: usize = 32 << 20;
 
 #[derive(Clone, Copy, PartialEq, Eq, Hash)]
 struct Key {
     input: GemmInput,
+    output: GemmOutput,
     mkn: [usize; 3],
     trans: [bool; 2],
     /// Alignments in bytes of the `a`, `b`, `c` addresses ([`alignment`]).
@@ -129,6 +139,10 @@ impl Blas {
         let [m, k, n] = key.mkn.map(|v| v as u64);
         let [trans_a, trans_b] = key.trans;
         let t = key.input.cuda_type();
+        let c_type = match key.output {
+            GemmOutput::F32 => sys::CUDA_R_32F,
+            GemmOutput::Input => t,
+        };
         // First operand (B): N with a [n, k] column-major view (ld n), or T of [k, n] (ld k).
         let (x_rows, x_cols, op_x) = if trans_b {
             (k, n, sys::CUBLAS_OP_T)
@@ -176,7 +190,7 @@ impl Blas {
                 "cublasLtMatrixLayoutCreate",
             )?;
             ok(
-                (lib.cublasLtMatrixLayoutCreate)(&mut lc, sys::CUDA_R_32F, n, m, n as i64),
+                (lib.cublasLtMatrixLayoutCreate)(&mut lc, c_type, n, m, n as i64),
                 "cublasLtMatrixLayoutCreate",
             )?;
             ok(
@@ -270,12 +284,40 @@ pub unsafe fn matmul_raw(
     c: u64,
     a: u64,
     b: u64,
+    mkn: [usize; 3],
+    flags: [bool; 3],
+) -> Result<(), CudaError> {
+    // SAFETY: the caller's contract.
+    unsafe { matmul_raw_into(gpu, input, GemmOutput::F32, c, a, b, mkn, flags) }
+}
+
+/// [`matmul_raw`] with `C` of element type `output`.
+///
+/// # Safety
+/// As [`matmul_raw`], with `c` holding `m·n` elements of `output`.
+#[allow(clippy::too_many_arguments)]
+pub unsafe fn matmul_raw_into(
+    gpu: &Arc<Gpu>,
+    input: GemmInput,
+    output: GemmOutput,
+    c: u64,
+    a: u64,
+    b: u64,
     [m, k, n]: [usize; 3],
     [trans_a, trans_b, accumulate]: [bool; 3],
 ) -> Result<(), CudaError> {
+    if input == GemmInput::F32 && output == GemmOutput::Input {
+        return Err(CudaError::Shape(
+            "a product of fp32 operands writes fp32, not 16 bits".into(),
+        ));
+    }
     if m == 0 || n == 0 {
         return Ok(());
     }
+    let c_bytes = match output {
+        GemmOutput::F32 => 4,
+        GemmOutput::Input => 2,
+    };
     gpu.bind()?;
     let mut guard = gpu.blas.lock().unwrap_or_else(|e| e.into_inner());
     if guard.is_none() {
@@ -288,7 +330,7 @@ pub unsafe fn matmul_raw(
             let lib = gpu.lib;
             gpu.timed(Timed::Copy("memset"), || {
                 super::driver::check(
-                    (lib.cuMemsetD8Async)(c, 0, m * n * 4, gpu.stream),
+                    (lib.cuMemsetD8Async)(c, 0, m * n * c_bytes, gpu.stream),
                     "cuMemsetD8Async",
                 )
             })?;
@@ -297,6 +339,7 @@ pub unsafe fn matmul_raw(
     }
     let key = Key {
         input,
+        output,
         mkn: [m, k, n],
         trans: [trans_a, trans_b],
         align: [alignment(a), alignment(b), alignment(c)],

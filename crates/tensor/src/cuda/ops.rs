@@ -115,7 +115,10 @@ impl Operand<'_> {
 }
 
 /// `C (+)= op(A)·op(B)` ([`super::blas::matmul_raw`]'s conventions) on operands prepared for
-/// `operands` ([`Operand::new`]); accumulation and `C` are fp32.
+/// `operands` ([`Operand::new`]); accumulation and `C` are fp32 — except where `C` lies in a
+/// registered accumulation ([`super::widening::accumulation_target`]: a unit's gradients kept
+/// in 16 bits), where the product accumulates into those 16-bit bits themselves, one rounding
+/// as the fp32 copy rounded back would make.
 ///
 /// # Safety
 /// `c` is a device range of `m·n` fp32 elements on `gpu`; `a` and `b` are on `gpu`.
@@ -128,7 +131,7 @@ pub unsafe fn matmul_prepared(
     [m, k, n]: [usize; 3],
     flags: [bool; 3],
 ) -> Result<(), CudaError> {
-    use super::blas::GemmInput;
+    use super::blas::{GemmInput, GemmOutput};
     use crate::operands::Operands;
     let input = match (operands, a.is_16bit(), b.is_16bit()) {
         (Operands::F32, false, false) => GemmInput::F32,
@@ -142,8 +145,15 @@ pub unsafe fn matmul_prepared(
     };
     same_len("product a", a.len(), m * k)?;
     same_len("product b", b.len(), k * n)?;
-    // SAFETY: the operands hold m·k and k·n elements; `c` per the caller's contract.
-    unsafe { super::blas::matmul_raw(gpu, input, c, a.ptr(), b.ptr(), [m, k, n], flags) }
+    let (output, c) = match super::widening::accumulation_target(gpu, c, m * n, operands) {
+        Some(bits) => (GemmOutput::Input, bits),
+        None => (GemmOutput::F32, c),
+    };
+    // SAFETY: the operands hold m·k and k·n elements; `c` per the caller's contract, or the
+    // registered bits of the same elements (the registration's contract).
+    unsafe {
+        super::blas::matmul_raw_into(gpu, input, output, c, a.ptr(), b.ptr(), [m, k, n], flags)
+    }
 }
 
 /// `C (+)= op(A)·op(B)` with `operands`: [`matmul_prepared`] on `a` and `b` prepared here.
