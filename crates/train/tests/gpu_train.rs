@@ -869,3 +869,124 @@ fn more_ranks_than_the_gpu_holds_are_refused() {
         );
     }
 }
+
+/// The partial fp32 copies of 16-bit weights and gradients on a GPU (what a unit's kernels
+/// read as values, and what its products accumulate otherwise: `StageModel::value_ranges`,
+/// `grad_value_ranges`). In a step of the storage's format `read_buf_parts` widens exactly the
+/// parts (the rest is the products' to read as bits); in another it widens everything. In a
+/// bf16 step `update_buf_parts` lets a product accumulate into the bf16 gradients between the
+/// parts — `round(g + dyᵀ·x)`, to within the last bit of the copy's way (cuBLASLt may choose
+/// another kernel for a bf16 `C`) — rounds back only the parts, and leaves the rest alone;
+/// fp16 storage goes through the whole copy.
+#[test]
+fn partial_copies_of_16_bit_storage_on_the_gpu() {
+    use parallel::precision::Flat;
+    use parallel::Precision;
+    use tensor::buf::{BufMut, Dev};
+    use tensor::operands::{Operands, Scope};
+    if !has_gpu() {
+        return;
+    }
+    let dev = Dev::open("cuda").unwrap();
+    let n = 400;
+    let values: Vec<f32> = (0..n)
+        .map(|i| ((i * 37 % 101) as f32 - 50.0) / 16.0)
+        .collect();
+    let (r, parts) = (10..390, [20..40, 100..101]);
+    let (dout, tokens, din, at) = (8, 16, 12, 200);
+    let w = at..at + dout * din;
+    let dy: Vec<f32> = (0..tokens * dout)
+        .map(|i| ((i % 7) as f32 - 3.0) / 8.0)
+        .collect();
+    let x: Vec<f32> = (0..tokens * din)
+        .map(|i| ((i % 5) as f32 - 2.0) / 4.0)
+        .collect();
+    let (dy, x) = (dev.from_vec(dy).unwrap(), dev.from_vec(x).unwrap());
+    for (precision, format) in [
+        (Precision::Bf16, Operands::Bf16),
+        (Precision::Fp16, Operands::F16),
+    ] {
+        let stored = |f: &Flat| f.download().unwrap();
+        let flat = Flat::from_f32_on(&dev, values.clone(), precision).unwrap();
+        let rounded = stored(&flat);
+        {
+            let _s = Scope::enter(format);
+            let copy = flat
+                .read_buf_parts(r.clone(), &parts)
+                .unwrap()
+                .to_vec()
+                .unwrap();
+            for p in &parts {
+                let local = p.start - r.start..p.end - r.start;
+                assert_eq!(
+                    copy[local],
+                    rounded[p.clone()],
+                    "{precision:?}: part {p:?} widened"
+                );
+            }
+        }
+        let whole = flat
+            .read_buf_parts(r.clone(), &parts)
+            .unwrap()
+            .to_vec()
+            .unwrap();
+        assert_eq!(
+            whole,
+            rounded[r.clone()],
+            "{precision:?} in an fp32 step: all widened"
+        );
+
+        // Gradients: a product into the weight's range, and +1 on the parts by a kernel.
+        let step = |g: BufMut<'_>| -> Result<(), tensor::TensorError> {
+            let mut g = g;
+            let local = w.start - r.start..w.end - r.start;
+            tensor::ops::matmul(
+                g.reborrow().slice_mut(local),
+                dy.r(),
+                x.r(),
+                dout,
+                tokens,
+                din,
+                true,
+                false,
+                true,
+            )?;
+            for p in &parts {
+                let local = p.start - r.start..p.end - r.start;
+                let ones = dev.from_vec(vec![1.0; p.len()])?;
+                tensor::ops::add_assign(g.reborrow().slice_mut(local), ones.r())?;
+            }
+            Ok(())
+        };
+        let _s = Scope::enter(format);
+        // The whole copy's way.
+        let mut want = Flat::from_f32_on(&dev, values.clone(), precision).unwrap();
+        want.update_buf(r.clone(), step).unwrap();
+        let want = stored(&want);
+        let mut got = Flat::from_f32_on(&dev, values.clone(), precision).unwrap();
+        got.update_buf_parts(r.clone(), &parts, step).unwrap();
+        let got = stored(&got);
+        for i in 0..n {
+            let (a, b) = (got[i], want[i]);
+            let ulp = if format == Operands::Bf16 {
+                2f32.powi(-7)
+            } else {
+                2f32.powi(-10)
+            };
+            let close = if w.contains(&i) {
+                (a - b).abs() <= ulp * a.abs().max(b.abs())
+            } else {
+                a == b
+            };
+            assert!(
+                close,
+                "{precision:?} element {i}: {a} against the whole copy's {b}"
+            );
+        }
+        assert_ne!(
+            got[w.clone()],
+            rounded[w.clone()],
+            "{precision:?}: the product landed"
+        );
+    }
+}
