@@ -93,7 +93,7 @@ pub fn matmul<'a, 'b>(
 
 /// A GPU operand for a product in `format`: fp32 values prepared now, or a copy rounded
 /// earlier for the same format.
-fn gpu_operand<'a>(x: &'a Operand<'_>, format: Operands) -> Result<gpu::Operand<'a>> {
+pub(crate) fn gpu_operand<'a>(x: &'a Operand<'_>, format: Operands) -> Result<gpu::Operand<'a>> {
     match x {
         Operand::Values(BufRef::Cuda(d)) => Ok(gpu::Operand::new(*d, format)?),
         Operand::Rounded(r) if r.format() == format => Ok(gpu::Operand::Rounded(r.bits())),

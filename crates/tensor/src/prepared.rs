@@ -11,13 +11,13 @@
 //! kernels) each function is the plain kernel followed by the preparation it replaces.
 //!
 //! Used by the model's layers for a normed input (the attention projections, a dense MLP), the
-//! SwiGLU product and its two gradients, and the rotated Q and K (for attention) or their
-//! gradients (for the projections' backward).
+//! SwiGLU product and its two gradients, the rotated Q and K (for attention) or their
+//! gradients (for the projections' backward), and V, which its projection writes rounded.
 
 use crate::attention::AttnShape;
 use crate::buf::{mixed, Buf, BufRef};
 use crate::cuda::{ops as gpu, DevBuf};
-use crate::operands::{Kept, Operands, Rounded};
+use crate::operands::{Kept, Operand, Operands, Rounded};
 use crate::ops;
 use crate::rope::Rope;
 use crate::TensorError;
@@ -76,6 +76,33 @@ pub fn swiglu_backward(dout: BufRef<'_>, gate: BufRef<'_>, up: BufRef<'_>) -> Re
             let (dg, du) = ops::swiglu_backward(dout, gate, up)?;
             Ok((Kept::new(Arc::new(dg))?, Kept::new(Arc::new(du))?))
         }
+    }
+}
+
+/// `x·Wᵀ` for `w [dout, din]` (the V projection) prepared for attention of shape `s` as
+/// [`ops::attention_operand`] prepares it: where attention runs on the tensor cores, written
+/// rounded by the product itself (cuBLASLt's `D` in the step's format — one rounding of the
+/// fp32 accumulation, as the rounded copy of the fp32 product, up to the summation order of
+/// the kernel cuBLASLt picks for a 16-bit `D`).
+pub fn linear_for_attention(
+    s: &AttnShape,
+    x: Operand<'_>,
+    w: BufRef<'_>,
+    din: usize,
+    dout: usize,
+) -> Result<Kept> {
+    let tokens = x.len() / din.max(1);
+    match (&x, w, rounding()) {
+        (x, BufRef::Cuda(wd), Some(f)) if ops::attention_runs_on_tensor_cores(s) => {
+            let (a, b) = (ops::gpu_operand(x, f)?, gpu::Operand::new(wd, f)?);
+            let y =
+                gpu::matmul_new_rounded(wd.gpu(), f, &a, &b, [tokens, din, dout], [false, true])?;
+            Ok(kept(y, f))
+        }
+        _ => ops::attention_operand(
+            s,
+            Arc::new(ops::matmul_new(x, w, tokens, din, dout, false, true)?),
+        ),
     }
 }
 

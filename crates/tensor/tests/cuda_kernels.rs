@@ -1526,7 +1526,7 @@ fn kernels_that_round_their_results_give_the_rounded_copy_bits() {
             assert_eq!(host(&input), qk, "{name}: the input is left as it was");
         }
         // Attention's Q and K: rounded where attention runs on the tensor cores (head 64 in a
-        // 16-bit step), the values otherwise (head 40 is not a multiple of 16).
+        // 16-bit step), the values otherwise.
         let at = AttnShape::causal(1, rows, heads, heads, d);
         let q = prepared::rope_for_attention(
             &at,
@@ -1542,6 +1542,55 @@ fn kernels_that_round_their_results_give_the_rounded_copy_bits() {
             "{}",
             what("rope for attention")
         );
+        // V written rounded by its projection: the product's fp32 result rounded, to within
+        // the last bit (cuBLASLt may sum in another order for a 16-bit D); head 40 (not a
+        // multiple of 16) runs attention in fp32 and keeps the values.
+        let (din, wv) = (dim, g.upload(&rand(heads * d * dim, 66)).unwrap());
+        let plain = tensor::ops::matmul_new(r(&x), r(&wv), rows, din, heads * d, false, true)
+            .unwrap()
+            .to_vec()
+            .unwrap();
+        let v = prepared::linear_for_attention(&at, r(&x).into(), r(&wv), din, heads * d).unwrap();
+        match (&v, format) {
+            (Kept::Values(v), Operands::F32) => {
+                assert_eq!(v.to_vec().unwrap(), plain, "{}", what("V"))
+            }
+            (Kept::Rounded(b), Operands::Bf16 | Operands::F16) => {
+                let got = b.bits().to_host().unwrap();
+                let widen = |bits: &[u16]| -> Vec<f32> {
+                    bits.iter()
+                        .map(|&h| match format {
+                            Operands::Bf16 => half::bf16::from_bits(h).to_f32(),
+                            _ => half::f16::from_bits(h).to_f32(),
+                        })
+                        .collect()
+                };
+                let want = widen(&rounded(&g.upload(&plain).unwrap(), format));
+                let last_bit = if format == Operands::Bf16 {
+                    2f32.powi(-7)
+                } else {
+                    2f32.powi(-10)
+                };
+                for (i, (a, b)) in widen(&got).iter().zip(&want).enumerate() {
+                    assert!(
+                        (a - b).abs() <= last_bit * a.abs().max(b.abs()),
+                        "{} element {i}: {a} against {b}",
+                        what("V")
+                    );
+                }
+            }
+            _ => panic!("{}: kept as {v:?}", what("V")),
+        }
+        let at40 = AttnShape::causal(1, rows, heads, heads, 40);
+        let v40 = prepared::linear_for_attention(
+            &at40,
+            r(&x).into(),
+            r(&wv).slice(0..heads * 40 * dim),
+            din,
+            heads * 40,
+        )
+        .unwrap();
+        assert!(matches!(v40, Kept::Values(_)), "{}", what("V at head 40"));
     }
 }
 

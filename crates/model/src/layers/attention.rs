@@ -15,8 +15,8 @@ use tensor::rope::Rope;
 
 use super::{
     linear_backward_input, linear_backward_input_kept, linear_backward_input_new,
-    linear_forward_new, Act, Buf, BufRef, Kept, Operand, Pass, SeqPart, WeightGradStore,
-    WeightTask,
+    linear_for_attention, linear_forward_new, Act, Buf, BufRef, Kept, Operand, Pass, SeqPart,
+    WeightGradStore, WeightTask,
 };
 use crate::documents::Documents;
 use crate::error::Result;
@@ -149,16 +149,16 @@ impl Attention {
         let x = Operand::new(x)?;
         let mut q = linear_forward_new(p, &self.wq, x.clone())?;
         let mut k = linear_forward_new(p, &self.wk, x.clone())?;
-        let v = linear_forward_new(p, &self.wv, x)?;
-        debug_assert_eq!((q.len(), k.len(), v.len()), (t * dq, t * dkv, t * dkv));
+        debug_assert_eq!((q.len(), k.len()), (t * dq, t * dkv));
         let pos = pass.positions();
         let shape = self.shape(pass)?;
         // Q, K, V prepared once for the kernels that read them, forward and backward (on the
-        // tensor cores their bf16 copies, Q and K written so by the RoPE kernel: the fp32
-        // projections go). A core (context parallelism) sends K and V around the ring and
+        // tensor cores their bf16 copies, Q and K written so by the RoPE kernel and V by its
+        // projection: the fp32 projections go). A core (context parallelism) sends K and V around the ring and
         // slices them per call: it takes the values, and the kernel it calls rounds its slices.
         let (q, k, v) = match &self.core {
             Some(_) => {
+                let v = linear_forward_new(p, &self.wv, x)?;
                 time(Kernel::Rope, || -> Result<()> {
                     tensor::ops::rope(&self.rope, q.m(), self.n_heads, &pos, false)?;
                     tensor::ops::rope(&self.rope, k.m(), self.n_kv_heads, &pos, false)?;
@@ -176,7 +176,7 @@ impl Attention {
                 (
                     rotate(q, self.n_heads)?,
                     rotate(k, self.n_kv_heads)?,
-                    tensor::ops::attention_operand(&shape, Arc::new(v))?,
+                    linear_for_attention(p, &self.wv, x, &shape)?,
                 )
             }
         };

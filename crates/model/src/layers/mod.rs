@@ -184,6 +184,21 @@ pub fn linear_forward_new<'x>(p: BufRef<'_>, w: &View, x: impl Into<Operand<'x>>
     )?)
 }
 
+/// [`linear_forward_new`] prepared for attention of shape `s`: on the tensor cores, written
+/// rounded by the product ([`tensor::prepared::linear_for_attention`]).
+pub fn linear_for_attention<'x>(
+    p: BufRef<'_>,
+    w: &View,
+    x: impl Into<Operand<'x>>,
+    s: &tensor::attention::AttnShape,
+) -> Result<Kept> {
+    let (dout, din) = (w.shape[0], w.shape[1]);
+    Ok(crate::profile::time(
+        crate::profile::Kernel::Matmul,
+        || tensor::prepared::linear_for_attention(s, x.into(), w.at(p), din, dout),
+    )?)
+}
+
 /// `dx = dy·W` into a new buffer (the product writes it; no zero fill).
 pub fn linear_backward_input_new<'y>(
     p: BufRef<'_>,

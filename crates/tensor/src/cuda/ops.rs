@@ -109,6 +109,14 @@ impl Operand<'_> {
         }
     }
 
+    fn gpu(&self) -> &Arc<Gpu> {
+        match self {
+            Operand::F32(x) => x.gpu(),
+            Operand::Half(x) => x.gpu(),
+            Operand::Rounded(x) => x.gpu(),
+        }
+    }
+
     fn is_16bit(&self) -> bool {
         !matches!(self, Operand::F32(_))
     }
@@ -131,7 +139,28 @@ pub unsafe fn matmul_prepared(
     [m, k, n]: [usize; 3],
     flags: [bool; 3],
 ) -> Result<(), CudaError> {
-    use super::blas::{GemmInput, GemmOutput};
+    use super::blas::GemmOutput;
+    let input = product_input(operands, a, b, [m, k, n])?;
+    let (output, c) = match super::widening::accumulation_target(gpu, c, m * n, operands) {
+        Some(bits) => (GemmOutput::Input, bits),
+        None => (GemmOutput::F32, c),
+    };
+    // SAFETY: the operands hold m·k and k·n elements; `c` per the caller's contract, or the
+    // registered bits of the same elements (the registration's contract).
+    unsafe {
+        super::blas::matmul_raw_into(gpu, input, output, c, a.ptr(), b.ptr(), [m, k, n], flags)
+    }
+}
+
+/// The element type of a product's inputs in `operands`, where `a` and `b` are prepared for
+/// it and hold `m·k` and `k·n` elements.
+fn product_input(
+    operands: crate::operands::Operands,
+    a: &Operand<'_>,
+    b: &Operand<'_>,
+    [m, k, n]: [usize; 3],
+) -> Result<super::blas::GemmInput, CudaError> {
+    use super::blas::GemmInput;
     use crate::operands::Operands;
     let input = match (operands, a.is_16bit(), b.is_16bit()) {
         (Operands::F32, false, false) => GemmInput::F32,
@@ -145,15 +174,43 @@ pub unsafe fn matmul_prepared(
     };
     same_len("product a", a.len(), m * k)?;
     same_len("product b", b.len(), k * n)?;
-    let (output, c) = match super::widening::accumulation_target(gpu, c, m * n, operands) {
-        Some(bits) => (GemmOutput::Input, bits),
-        None => (GemmOutput::F32, c),
-    };
-    // SAFETY: the operands hold m·k and k·n elements; `c` per the caller's contract, or the
-    // registered bits of the same elements (the registration's contract).
-    unsafe {
-        super::blas::matmul_raw_into(gpu, input, output, c, a.ptr(), b.ptr(), [m, k, n], flags)
+    Ok(input)
+}
+
+/// `op(A)·op(B)` rounded to the 16-bit `operands` format, into a new buffer: cuBLASLt writes
+/// `D` in that format (fp32 accumulation, one rounding — the product's rounded copy, up to the
+/// summation order of the kernel cuBLASLt picks for a 16-bit `D`).
+pub fn matmul_new_rounded(
+    gpu: &Arc<Gpu>,
+    operands: crate::operands::Operands,
+    a: &Operand<'_>,
+    b: &Operand<'_>,
+    [m, k, n]: [usize; 3],
+    [trans_a, trans_b]: [bool; 2],
+) -> Result<DevBuf<u16>, CudaError> {
+    use super::blas::GemmOutput;
+    let input = product_input(operands, a, b, [m, k, n])?;
+    if !Arc::ptr_eq(a.gpu(), gpu) || !Arc::ptr_eq(b.gpu(), gpu) {
+        return Err(CudaError::Shape(
+            "a product's operands on another GPU".into(),
+        ));
     }
+    let c = gpu.alloc::<u16>(m * n)?;
+    // SAFETY: the operands hold m·k and k·n elements on `gpu` (checked), `c` m·n 16-bit
+    // ones; a 16-bit output with fp32 operands is refused by `matmul_raw_into`.
+    unsafe {
+        super::blas::matmul_raw_into(
+            gpu,
+            input,
+            GemmOutput::Input,
+            c.ptr(),
+            a.ptr(),
+            b.ptr(),
+            [m, k, n],
+            [trans_a, trans_b, false],
+        )?
+    };
+    Ok(c)
 }
 
 /// `C (+)= op(A)·op(B)` with `operands`: [`matmul_prepared`] on `a` and `b` prepared here.
