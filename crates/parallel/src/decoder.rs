@@ -454,19 +454,24 @@ impl StageModel for DecoderStage {
     }
 
     /// Everything but the tensors only products read ([`Held::product_only`]): the norm
-    /// gains, the embedding table, and a mixture of experts' tensors.
+    /// gains, the embedding table, a mixture of experts' tensors — and anything of the unit no
+    /// tensor is known to cover.
     fn value_ranges(&self, unit: usize) -> Vec<Range<usize>> {
         let u = &self.ranges[unit];
-        let mut parts: Vec<Range<usize>> = Vec::new();
-        for h in &self.held {
+        let mut parts = Vec::new();
+        let mut at = u.start;
+        for h in self.held.iter().filter(|h| h.product_only()) {
             let r = h.placement.start..h.placement.start + h.local_len;
-            if r.start < u.start || r.end > u.end || h.product_only() {
+            if r.start < at || r.end > u.end {
                 continue;
             }
-            match parts.last_mut() {
-                Some(last) if last.end == r.start => last.end = r.end,
-                _ => parts.push(r),
+            if r.start > at {
+                parts.push(at..r.start);
             }
+            at = r.end;
+        }
+        if at < u.end {
+            parts.push(at..u.end);
         }
         parts
     }
