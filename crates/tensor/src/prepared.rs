@@ -7,7 +7,9 @@
 //! and writes the copy: 10 bytes an element and a launch. Here the kernel that computes the
 //! value rounds it as it stores it (the `_bf16` / `_f16` twins of the CUDA kernels, the
 //! `XtOut` stores of their prelude), 2 bytes an element: the same value through the same
-//! rounding, so the same bits. Anywhere else (the CPU, fp32 steps, attention on the fp32
+//! rounding, so the same bits. (A product writing its result rounded — cuBLASLt's `D` in 16
+//! bits — makes the same one rounding, of a sum cuBLASLt may order otherwise for a 16-bit `D`:
+//! the same bits up to the last one.) Anywhere else (the CPU, fp32 steps, attention on the fp32
 //! kernels) each function is the plain kernel followed by the preparation it replaces.
 //!
 //! Used by the model's layers for a normed input (the attention projections, a dense MLP), the
@@ -15,7 +17,7 @@
 //! gradients (for the projections' backward), and V, which its projection writes rounded.
 
 use crate::attention::AttnShape;
-use crate::buf::{mixed, Buf, BufRef};
+use crate::buf::{Buf, BufRef};
 use crate::cuda::{ops as gpu, DevBuf};
 use crate::operands::{Kept, Operand, Operands, Rounded};
 use crate::ops;
@@ -44,9 +46,6 @@ pub fn rmsnorm_forward(x: BufRef<'_>, w: BufRef<'_>, dim: usize, eps: f32) -> Re
         (BufRef::Cuda(x), BufRef::Cuda(w), Some(f)) => {
             let (y, rstd) = gpu::rmsnorm_forward_rounded(x, w, dim, eps, f)?;
             Ok((kept(y, f), Buf::Cuda(rstd)))
-        }
-        (BufRef::Cuda(_), BufRef::Host(_), _) | (BufRef::Host(_), BufRef::Cuda(_), _) => {
-            Err(mixed("rmsnorm"))
         }
         (x, w, _) => {
             let (y, rstd) = ops::rmsnorm_forward(x, w, dim, eps)?;
