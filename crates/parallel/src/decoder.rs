@@ -457,23 +457,15 @@ impl StageModel for DecoderStage {
     /// gains, the embedding table, a mixture of experts' tensors — and anything of the unit no
     /// tensor is known to cover.
     fn value_ranges(&self, unit: usize) -> Vec<Range<usize>> {
-        let u = &self.ranges[unit];
-        let mut parts = Vec::new();
-        let mut at = u.start;
-        for h in self.held.iter().filter(|h| h.product_only()) {
-            let r = h.placement.start..h.placement.start + h.local_len;
-            if r.start < at || r.end > u.end {
-                continue;
-            }
-            if r.start > at {
-                parts.push(at..r.start);
-            }
-            at = r.end;
-        }
-        if at < u.end {
-            parts.push(at..u.end);
-        }
-        parts
+        let u = self.ranges[unit].clone();
+        let products = self
+            .held
+            .iter()
+            .filter(|h| h.product_only())
+            .map(|h| h.placement.start..h.placement.start + h.local_len)
+            .filter(|r| u.start <= r.start && r.end <= u.end)
+            .collect();
+        crate::placement::uncovered(products, u)
     }
 
     /// A block's backward accumulates each projection's gradient with one product (its

@@ -135,9 +135,50 @@ impl Placement {
     }
 }
 
+/// The parts of `within` that no range of `ranges` covers, in order (the ranges in any order,
+/// overlapping, repeated, empty or reaching outside `within`): the buckets' gradients not yet
+/// landed under ZeRO-Offload, a unit's elements outside its value parts.
+pub(crate) fn uncovered(mut ranges: Vec<Range<usize>>, within: Range<usize>) -> Vec<Range<usize>> {
+    ranges.retain(|r| !r.is_empty());
+    ranges.sort_by_key(|r| r.start);
+    let mut out = Vec::new();
+    let mut next = within.start;
+    for r in ranges
+        .iter()
+        .chain(std::iter::once(&(within.end..within.end)))
+    {
+        let start = r.start.min(within.end);
+        if start > next {
+            out.push(next..start);
+        }
+        next = next.max(r.end);
+    }
+    out
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    #[allow(clippy::single_range_in_vec_init)] // one-range lists are the point
+    fn uncovered_is_the_complement_within() {
+        assert_eq!(uncovered(vec![], 0..10), vec![0..10]);
+        assert_eq!(uncovered(vec![0..10], 0..10), vec![]);
+        // Out of order, overlapping, repeated, empty, and a gap at the end.
+        assert_eq!(
+            uncovered(vec![6..8, 2..4, 3..5, 2..4, 5..5], 0..12),
+            vec![0..2, 5..6, 8..12]
+        );
+        assert_eq!(uncovered(vec![0..3, 3..7, 7..9], 0..9), vec![]);
+        // Within a range that does not start at 0, with ranges reaching outside it.
+        assert_eq!(
+            uncovered(vec![12..20, 30..30], 10..50),
+            vec![10..12, 20..50]
+        );
+        assert_eq!(uncovered(vec![0..15, 45..60], 10..50), vec![15..45]);
+        assert_eq!(uncovered(vec![60..70], 10..50), vec![10..50]);
+    }
 
     /// The block's elements, read element by element from the full tensor.
     fn naive(s: &TensorSlice, full: &[f32]) -> Vec<f32> {

@@ -20,6 +20,7 @@ use tensor::cuda::Staged;
 
 use super::run::terr;
 use super::{Executor, TraceKind};
+use crate::placement::uncovered;
 use crate::precision::{Bucketed, Flat, Half, Landing, CHUNK, DEVICE_CHUNK};
 use crate::stage::StageModel;
 use crate::ParallelError;
@@ -58,7 +59,7 @@ impl OffloadTraffic {
         &mut self,
         grads: &Bucketed,
     ) -> Result<(&[u16], Option<&mut Uploads>), ParallelError> {
-        for gap in gaps(std::mem::take(&mut self.landed), self.grads.len()) {
+        for gap in uncovered(std::mem::take(&mut self.landed), 0..self.grads.len()) {
             let at = gap.start;
             let flat = self.grads.start + gap.start..self.grads.start + gap.end;
             grads.land(flat, &mut self.landing, at).map_err(terr)?;
@@ -104,21 +105,6 @@ pub(super) fn adamw_from_bits(
                 })
             })
     });
-}
-
-/// The parts of `0..n` no range of `landed` covers (ranges in any order, overlapping or
-/// repeated: a ZeRO-2/3 bucket may land once early and again when final).
-fn gaps(mut landed: Vec<Range<usize>>, n: usize) -> Vec<Range<usize>> {
-    landed.sort_by_key(|r| r.start);
-    let mut out = Vec::new();
-    let mut next = 0;
-    for r in landed.iter().chain(std::iter::once(&(n..n))) {
-        if r.start > next {
-            out.push(next..r.start.min(n));
-        }
-        next = next.max(r.end);
-    }
-    out
 }
 
 impl<M: StageModel> Executor<M> {
@@ -262,18 +248,5 @@ mod tests {
                 assert_eq!(out1, out2, "{kind:?} n={n}: rounded weights");
             }
         }
-    }
-
-    #[test]
-    fn gaps_are_what_no_landing_covers() {
-        let whole: Vec<std::ops::Range<usize>> = std::iter::once(0..10).collect();
-        assert_eq!(gaps(Vec::new(), 10), whole);
-        assert_eq!(gaps(whole.clone(), 10), Vec::new());
-        // Out of order, overlapping, repeated, empty, and padding at the end.
-        assert_eq!(
-            gaps(vec![6..8, 2..4, 3..5, 2..4, 5..5], 12),
-            vec![0..2, 5..6, 8..12]
-        );
-        assert_eq!(gaps(vec![0..3, 3..7, 7..9], 9), vec![]);
     }
 }
