@@ -146,6 +146,33 @@ fn want_back_bf16(bits: &[u16]) -> Vec<f32> {
         .collect()
 }
 
+/// 16-bit values in the `format` of a product's operands, widened.
+fn widen_bits(bits: &[u16], format: Operands) -> Vec<f32> {
+    match format {
+        Operands::Bf16 => want_back_bf16(bits),
+        _ => bits
+            .iter()
+            .map(|&b| half::f16::from_bits(b).to_f32())
+            .collect(),
+    }
+}
+
+/// Whether `got` is `want` up to the last bit of `format` (bf16's 8 significant bits, fp16's
+/// 11): a product rounded once, of a sum cuBLASLt may order otherwise for a 16-bit output.
+fn assert_within_last_bit(what: &str, got: &[f32], want: &[f32], format: Operands) {
+    let last_bit = match format {
+        Operands::Bf16 => 2f32.powi(-7),
+        _ => 2f32.powi(-10),
+    };
+    assert_eq!(got.len(), want.len(), "{what}");
+    for (i, (a, b)) in got.iter().zip(want).enumerate() {
+        assert!(
+            (a - b).abs() <= last_bit * a.abs().max(b.abs()),
+            "{what} element {i}: {a} against {b}"
+        );
+    }
+}
+
 #[test]
 fn swiglu_matches_cpu() {
     let Some(g) = gpu("swiglu_matches_cpu") else {
@@ -1289,19 +1316,9 @@ fn products_accumulate_into_registered_16_bit_gradients() {
     let dy = dev.from_vec(rand(tokens * dout, 93)).unwrap();
     let x = dev.from_vec(rand(tokens * din, 94)).unwrap();
     let grads: Vec<f32> = rand(off + dout * din, 95).iter().map(|v| 3.0 * v).collect();
-    for (format, bits_of, widen, last_bit) in [
-        (
-            Operands::Bf16,
-            bf16_bits as Bits,
-            round_bf16 as Rounding,
-            2f32.powi(-7),
-        ),
-        (
-            Operands::F16,
-            f16_bits as Bits,
-            round_f16 as Rounding,
-            2f32.powi(-10),
-        ),
+    for (format, bits_of, widen) in [
+        (Operands::Bf16, bf16_bits as Bits, round_bf16 as Rounding),
+        (Operands::F16, f16_bits as Bits, round_f16 as Rounding),
     ] {
         let _scope = Scope::enter(format);
         let dw = |c: BufMut<'_>| {
@@ -1331,29 +1348,20 @@ fn products_accumulate_into_registered_16_bit_gradients() {
             bits0[..off],
             "{format:?}: bits outside left alone"
         );
-        let got: Vec<f32> = host(&bits)[w.clone()]
-            .iter()
-            .map(|&b| match format {
-                Operands::Bf16 => f32::from_bits((b as u32) << 16),
-                _ => half::f16::from_bits(b).to_f32(),
-            })
-            .collect();
-        for (i, (a, b)) in got.iter().zip(&want).enumerate() {
-            assert!(
-                (a - b).abs() <= last_bit * b.abs().max(a.abs()),
-                "{format:?} element {i}: {a} against the copy's {b}"
-            );
-        }
+        let got = widen_bits(&host(&bits)[w.clone()], format);
+        assert_within_last_bit(&format!("{format:?}: accumulated"), &got, &want, format);
         assert!(
             host(&unwritten).iter().all(|v| v.is_nan()),
             "{format:?}: the fp32 copy is left alone"
         );
-        // Unregistered: the copy again.
+        // Unregistered: the same addresses are the copy again (zeros + the product, as in a
+        // buffer never registered), and the bits stay.
+        unwritten.copy_from_host(&vec![0.0; grads.len()]).unwrap();
         dw(BufMut::Cuda(unwritten.slice_mut(w.clone())));
-        assert!(
-            host(&unwritten)[w.clone()].iter().all(|v| v.is_nan()),
-            "{format:?}: NaN + product"
-        );
+        let mut fresh = g.upload(&vec![0.0; grads.len()]).unwrap();
+        dw(BufMut::Cuda(fresh.slice_mut(w.clone())));
+        assert_eq!(host(&unwritten), host(&fresh), "{format:?}: the copy again");
+        assert!(host(&fresh)[w.clone()].iter().any(|&v| v != 0.0));
         assert_eq!(
             host(&bits)[w.clone()],
             bits_of(&got),
@@ -1556,28 +1564,9 @@ fn kernels_that_round_their_results_give_the_rounded_copy_bits() {
                 assert_eq!(v.to_vec().unwrap(), plain, "{}", what("V"))
             }
             (Kept::Rounded(b), Operands::Bf16 | Operands::F16) => {
-                let got = b.bits().to_host().unwrap();
-                let widen = |bits: &[u16]| -> Vec<f32> {
-                    bits.iter()
-                        .map(|&h| match format {
-                            Operands::Bf16 => half::bf16::from_bits(h).to_f32(),
-                            _ => half::f16::from_bits(h).to_f32(),
-                        })
-                        .collect()
-                };
-                let want = widen(&rounded(&g.upload(&plain).unwrap(), format));
-                let last_bit = if format == Operands::Bf16 {
-                    2f32.powi(-7)
-                } else {
-                    2f32.powi(-10)
-                };
-                for (i, (a, b)) in widen(&got).iter().zip(&want).enumerate() {
-                    assert!(
-                        (a - b).abs() <= last_bit * a.abs().max(b.abs()),
-                        "{} element {i}: {a} against {b}",
-                        what("V")
-                    );
-                }
+                let got = widen_bits(&b.bits().to_host().unwrap(), format);
+                let want = widen_bits(&rounded(&g.upload(&plain).unwrap(), format), format);
+                assert_within_last_bit(&what("V"), &got, &want, format);
             }
             _ => panic!("{}: kept as {v:?}", what("V")),
         }
