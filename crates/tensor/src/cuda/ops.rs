@@ -1637,6 +1637,18 @@ impl AdamScalars {
             step_size: (lr as f64 / bc1) as f32,
         }
     }
+
+    /// The kernels' trailing arguments, in the order both AdamW kernels take them.
+    fn args(self) -> [KArg; 6] {
+        [
+            self.one_m_b1.into(),
+            self.b2.into(),
+            self.one_m_b2.into(),
+            self.bc2_sqrt.into(),
+            self.eps.into(),
+            self.step_size.into(),
+        ]
+    }
 }
 
 /// One AdamW step over flat buffers; segment `i` of the buffer ends at `segments[i].0`
@@ -1671,21 +1683,20 @@ pub fn adamw<'a>(
         "adamw",
         elements(n),
         &[
-            (&p).into(),
-            g.into(),
-            (&m).into(),
-            (&v).into(),
-            to_i32(n, "elements")?.into(),
-            (&ends).into(),
-            (&decays).into(),
-            (segments.len() as i32).into(),
-            s.one_m_b1.into(),
-            s.b2.into(),
-            s.one_m_b2.into(),
-            s.bc2_sqrt.into(),
-            s.eps.into(),
-            s.step_size.into(),
-        ],
+            [
+                (&p).into(),
+                g.into(),
+                (&m).into(),
+                (&v).into(),
+                to_i32(n, "elements")?.into(),
+                (&ends).into(),
+                (&decays).into(),
+                (segments.len() as i32).into(),
+            ]
+            .as_slice(),
+            &s.args(),
+        ]
+        .concat(),
     )
 }
 
@@ -1726,22 +1737,21 @@ pub fn adamw_bits<'a>(
         "adamw_bits",
         elements(n),
         &[
-            (&p).into(),
-            g.into(),
-            (&m).into(),
-            (&v).into(),
-            (&w).into(),
-            to_i32(n, "elements")?.into(),
-            (f16 as i32).into(),
-            factor.into(),
-            decay.into(),
-            s.one_m_b1.into(),
-            s.b2.into(),
-            s.one_m_b2.into(),
-            s.bc2_sqrt.into(),
-            s.eps.into(),
-            s.step_size.into(),
-        ],
+            [
+                (&p).into(),
+                g.into(),
+                (&m).into(),
+                (&v).into(),
+                (&w).into(),
+                to_i32(n, "elements")?.into(),
+                (f16 as i32).into(),
+                factor.into(),
+                decay.into(),
+            ]
+            .as_slice(),
+            &s.args(),
+        ]
+        .concat(),
     )
 }
 
