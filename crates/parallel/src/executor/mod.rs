@@ -345,6 +345,11 @@ pub struct Executor<M: StageModel> {
     num_stages: usize,
     cfg: ExecConfig,
     units: Vec<Range<usize>>,
+    /// Per unit, the parts its kernels read as values and the parts whose gradients it writes
+    /// otherwise than by one product each ([`StageModel::value_ranges`],
+    /// [`StageModel::grad_value_ranges`]), asked once.
+    value_parts: Vec<Vec<Range<usize>>>,
+    grad_parts: Vec<Vec<Range<usize>>>,
     spec: ShardSpec,
     buckets: Vec<Bucket>,
     /// The bucket each unit's gradients belong to.
@@ -543,6 +548,10 @@ impl<M: StageModel> Executor<M> {
                     .any(|t| t.start < b.range.end && b.range.start < t.end)
             })
             .collect();
+        let value_parts = (0..units.len()).map(|u| model.value_ranges(u)).collect();
+        let grad_parts = (0..units.len())
+            .map(|u| model.grad_value_ranges(u))
+            .collect();
         Ok(Self {
             model,
             dp,
@@ -551,6 +560,8 @@ impl<M: StageModel> Executor<M> {
             num_stages,
             cfg,
             units,
+            value_parts,
+            grad_parts,
             spec,
             buckets,
             unit_bucket,

@@ -303,7 +303,7 @@ impl<M: StageModel> Executor<M> {
         // what the kernels read as values is widened.
         let buf = self
             .params
-            .read_buf_parts(r.clone(), &self.model.value_ranges(u))?;
+            .read_buf_parts(r.clone(), &self.value_parts[u])?;
         // The 16-bit weights this copy widens, for the products (exactly its rounding).
         let widening = match (&buf, self.params.dev_bits(r)) {
             (Buf::Cuda(values), Some((kind, bits))) => {

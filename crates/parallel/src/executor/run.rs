@@ -116,6 +116,7 @@ struct GradSink<'a> {
     comm_bytes: &'a mut Gauge,
     gathered_bytes: &'a mut Gauge,
     spare: &'a mut Spare,
+    grad_parts: &'a [Vec<Range<usize>>],
     buckets: &'a [Bucket],
     unit_bucket: &'a [usize],
 }
@@ -131,6 +132,7 @@ macro_rules! grad_sink {
             comm_bytes: &mut $e.comm_bytes,
             gathered_bytes: &mut $e.gathered_bytes,
             spare: &mut $e.spare_grads,
+            grad_parts: &$e.grad_parts,
             buckets: &$e.buckets,
             unit_bucket: &$e.unit_bucket,
         }
@@ -141,13 +143,12 @@ impl GradSink<'_> {
     /// Accumulates unit `u`'s weight gradients (`f` adds them into the slice it is given, the
     /// unit's flat `range`): into its bucket's fp32 staging buffer at ZeRO-2/3, else into the
     /// gradient buffer (through an fp32 copy of the unit's gradients when they are stored in
-    /// 16 bits: on a GPU, of its `parts` only, the products accumulating the rest into the
-    /// 16-bit gradients: [`StageModel::grad_value_ranges`]).
+    /// 16 bits: on a GPU, of its `grad_parts` only, the products accumulating the rest into
+    /// the 16-bit gradients: [`StageModel::grad_value_ranges`]).
     fn accumulate(
         self,
         u: usize,
         range: Range<usize>,
-        parts: &[Range<usize>],
         f: impl FnOnce(BufMut<'_>) -> Result<(), ParallelError>,
     ) -> Result<(), ParallelError> {
         let b = self.unit_bucket[u];
@@ -173,7 +174,9 @@ impl GradSink<'_> {
             return r;
         }
         self.gathered_bytes.add(range.len() * F32);
-        let r = self.grads.update_buf_parts(b, range.clone(), parts, f);
+        let r = self
+            .grads
+            .update_buf_parts(b, range.clone(), &self.grad_parts[u], f);
         self.gathered_bytes.sub(range.len() * F32);
         r
     }
@@ -650,8 +653,7 @@ impl<M: StageModel> Executor<M> {
             let (dx, wg) = compute(pin, || model.backward_input(u, p, cache, din, scale))?;
             self.act_bytes.sub(cache_bytes);
             if fused {
-                let parts = model.grad_value_ranges(u);
-                grad_sink!(self).accumulate(u, range, &parts, |g| {
+                grad_sink!(self).accumulate(u, range, |g| {
                     compute(pin, || model.backward_weight(u, p, wg, g))
                 })?;
             } else {
@@ -713,8 +715,7 @@ impl<M: StageModel> Executor<M> {
             let range = self.units[u].clone();
             let p = param_slice(&self.params, &self.resident, &owned, u, range.clone());
             let model = &self.model;
-            let parts = model.grad_value_ranges(u);
-            grad_sink!(self).accumulate(u, range, &parts, |g| {
+            grad_sink!(self).accumulate(u, range, |g| {
                 compute(pin, || model.backward_weight(u, p, wg, g))
             })?;
             self.act_bytes.sub(bytes);
