@@ -422,8 +422,11 @@ PY
 # ZeRO-Offload on a model whose optimizer state does not fit beside it on an 80 GB GPU: a 7B
 # Llama (hidden 4096, 32 layers, ffn 11008, vocab 32000; 6.7 G parameters) in bf16, the
 # 16-bit weights and gradients on the GPU (2 x 13.5 GB), the fp32 master and moments on the
-# host (81 GB): tokens/s, GPU and host memory, against the same model resident where the GPU
-# holds it. Separate from `run` (it needs ~100 GB of host memory and a few minutes):
+# host (81 GB): tokens/s, GPU and host memory, updating in place and with the delayed update
+# (the host's AdamW beside the next step: `parallel.delayed_update_after`, 13.5 GB more of
+# page-locked host memory), against the same model resident where the GPU holds it. Four
+# micro-batches a step, so that the GPU's part is not negligible beside the host's. Separate
+# from `run` (it needs ~110 GB of host memory and a few minutes):
 # scripts/gpu-check.sh offload [OUT].
 offload() {
     local out=${1:-gpu-report}
@@ -440,10 +443,15 @@ offload() {
         --set model.num_heads=32 --set model.num_kv_heads=32
         --set model.intermediate_size=11008 --set model.vocab_size=32000
         --set model.seq_len=256 --set train.micro_batch=1 --set 'train.precision="bf16"'
-        --set 'data.tokenizer="byte"')
-    XTRAIN_KERNEL_CACHE="$out/kernel-cache" timeout 420 "$dir/xtrain" bench train \
+        --set 'data.tokenizer="byte"' --set train.grad_accum=4)
+    XTRAIN_KERNEL_CACHE="$out/kernel-cache" timeout 300 "$dir/xtrain" bench train \
         --preset medium --device cuda --offload optimizer --steps 2 "${llama7b[@]}" \
         >>"$report" 2>&1 || echo "offload 7B: FAILED or timed out" >>"$report"
+    echo "--- the same, every update delayed a step ---" >>"$report"
+    XTRAIN_KERNEL_CACHE="$out/kernel-cache" timeout 300 "$dir/xtrain" bench train \
+        --preset medium --device cuda --offload optimizer --steps 2 "${llama7b[@]}" \
+        --set parallel.delayed_update_after=0 \
+        >>"$report" 2>&1 || echo "delayed offload 7B: FAILED or timed out" >>"$report"
     # The peer on a card that holds the whole optimizer (an H200's 141 GB does; a smaller
     # one is refused before anything is allocated): the same model resident.
     echo "--- the same, resident (no offload) ---" >>"$report"

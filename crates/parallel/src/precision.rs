@@ -114,11 +114,55 @@ pub enum Landing {
 
 impl Landing {
     /// The landed bits, once every queued landing has finished.
-    pub fn host(&mut self) -> Result<&[u16], TensorError> {
+    pub fn host(&mut self) -> Result<&mut [u16], TensorError> {
         Ok(match self {
             Landing::Host(v) => v,
             Landing::Gpu(s) => s.host()?,
         })
+    }
+
+    /// The landed bits when no landing is in flight (after [`Self::host`]).
+    pub fn settled(&self) -> Option<&[u16]> {
+        match self {
+            Landing::Host(v) => Some(v),
+            Landing::Gpu(s) => s.settled(),
+        }
+    }
+
+    pub fn len(&self) -> usize {
+        match self {
+            Landing::Host(v) => v.len(),
+            Landing::Gpu(s) => s.len(),
+        }
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// Page-locked bytes held (none for a host vector).
+    pub fn pinned_bytes(&self) -> usize {
+        match self {
+            Landing::Host(_) => 0,
+            Landing::Gpu(s) => 2 * s.len(),
+        }
+    }
+
+    /// A new buffer of the same length and kind.
+    pub fn twin(&self) -> Result<Landing, TensorError> {
+        Ok(match self {
+            Landing::Host(v) => Landing::Host(vec![0; v.len()]),
+            Landing::Gpu(s) => Landing::Gpu(Staged::new(s.gpu(), s.len())?),
+        })
+    }
+
+    /// Whether `other` is a buffer of the same length and kind.
+    pub fn is_twin(&self, other: &Landing) -> bool {
+        self.len() == other.len()
+            && matches!(
+                (self, other),
+                (Landing::Host(_), Landing::Host(_)) | (Landing::Gpu(_), Landing::Gpu(_))
+            )
     }
 }
 
@@ -701,6 +745,27 @@ impl Flat {
                 let mut h = vec![0u16; n];
                 f(&mut h);
                 bits.slice_mut(r).copy_from_host(&h)?;
+            }
+            (Flat::F32(_) | Flat::Dev(_), _) => {
+                return Err(TensorError::Shape(
+                    "16-bit values stored into fp32 weights".into(),
+                ))
+            }
+        }
+        Ok(())
+    }
+
+    /// Stores the 16-bit bits held in `landing` at `start..` (uploaded to a GPU: from a
+    /// page-locked landing on its stream, ahead of the compute stream's later work).
+    pub fn store_landed(&mut self, start: usize, landing: &mut Landing) -> Result<(), TensorError> {
+        let r = start..start + landing.len();
+        match (self, landing) {
+            (Flat::Half { bits, .. }, l) => bits[r].copy_from_slice(l.host()?),
+            (Flat::DevHalf { bits, .. }, Landing::Gpu(s)) => {
+                s.upload(0..r.len(), bits.slice_mut(r))?
+            }
+            (Flat::DevHalf { bits, .. }, Landing::Host(h)) => {
+                bits.slice_mut(r).copy_from_host(h)?
             }
             (Flat::F32(_) | Flat::Dev(_), _) => {
                 return Err(TensorError::Shape(

@@ -435,10 +435,16 @@ pub fn bench_train(
     };
     Ok(Some(BenchReport {
         preset: preset.to_string(),
-        layout: if t.exec.config().offload_optimizer {
-            format!("{} + optimizer offloaded to the host", t.dims.describe())
-        } else {
-            t.dims.describe()
+        layout: match (
+            t.exec.config().offload_optimizer,
+            t.exec.config().delayed_update_after,
+        ) {
+            (true, None) => format!("{} + optimizer offloaded to the host", t.dims.describe()),
+            (true, Some(n)) => format!(
+                "{} + optimizer offloaded to the host, updates past step {n} delayed a step",
+                t.dims.describe()
+            ),
+            (false, _) => t.dims.describe(),
         },
         ranks: comm.size(),
         threads,

@@ -223,6 +223,12 @@ pub struct ParallelConfig {
     /// moments in host memory, AdamW on the CPU (docs/GPU.md).
     #[serde(default = "default_offload")]
     pub offload: String,
+    /// ZeRO-Offload's delayed update: past this many AdamW steps, each step's update runs on
+    /// the host beside the next step's forward and backward, whose gradients are then taken
+    /// at the weights one update behind (docs/GPU.md). Unset (the default): every update
+    /// before the next step.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub delayed_update_after: Option<u64>,
 }
 
 impl ParallelConfig {
@@ -437,6 +443,7 @@ impl RunConfig {
                 schedule: default_schedule(),
                 bucket_mb: default_bucket_mb(),
                 offload: default_offload(),
+                delayed_update_after: None,
             },
         };
         if name == "moe-small" {
@@ -595,7 +602,13 @@ impl RunConfig {
                 "parallel.bucket_mb must be a positive size in MiB (got {bucket})"
             ));
         }
-        self.parallel.offload_optimizer()?;
+        let offload = self.parallel.offload_optimizer()?;
+        if self.parallel.delayed_update_after.is_some() && !offload {
+            return bad(
+                "parallel.delayed_update_after needs parallel.offload = \"optimizer\" (the delayed update is ZeRO-Offload's: AdamW on the host beside the device's next step)"
+                    .into(),
+            );
+        }
         if !(0.0..0.5).contains(&self.data.val_fraction) {
             return bad("data.val_fraction must lie in [0, 0.5)".into());
         }
@@ -756,8 +769,8 @@ fn parse_value(raw: &str) -> toml::Value {
         .unwrap_or_else(|| toml::Value::String(raw.to_string()))
 }
 
-/// Keys the presets leave out (tables that are absent unless set): a layer may add them.
-const OPTIONAL_KEYS: &[&str] = &["model.rope_scaling"];
+/// Keys the presets leave out (absent unless set): a layer may add them.
+const OPTIONAL_KEYS: &[&str] = &["model.rope_scaling", "parallel.delayed_update_after"];
 
 fn merge(base: &mut toml::Value, user: &toml::Value, prefix: &str) -> Result<()> {
     let (Some(bt), Some(ut)) = (base.as_table_mut(), user.as_table()) else {

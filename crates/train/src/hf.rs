@@ -80,6 +80,7 @@ pub fn from_hf(dir: &Path, out: &Path, preset: &str, overrides: &[String]) -> Re
                 exp_avg: vec![0.0; n],
                 exp_avg_sq: vec![0.0; n],
                 grad_comm_error: None,
+                pending_grad: None,
             }
         })
         .collect();
@@ -104,6 +105,7 @@ pub fn from_hf(dir: &Path, out: &Path, preset: &str, overrides: &[String]) -> Re
             loss_scaler: LossScaler::new(cfg.train.precision, cfg.train.loss_scale),
             router_bias: Vec::new(),
             grad_comm_error: false,
+            pending_update: None,
         },
         files,
     };

@@ -385,7 +385,14 @@ impl Trainer {
                 parallel::memory::formula_text(dims.zero, t.precision),
                 phi as f64 / 1e9
             );
-            let offload = p.offload_optimizer()?;
+            let offload = p.offload_optimizer()?.then_some(Offload {
+                held_bytes: if p.delayed_update_after.is_some() {
+                    // A held update's gradients: the own range in their storage format.
+                    states.master / 4 * t.precision.half().map_or(4, |_| 2)
+                } else {
+                    0
+                },
+            });
             check_memory(comm, &device, &t.device_spec(), states, &formula, offload)?;
         }
         let nccl = nccl_groups(&device, &mut par, comm.options().timeout)?;
@@ -397,13 +404,7 @@ impl Trainer {
                 t.warmup_steps as u64,
             )
             .map_err(TrainError::Config)?,
-            adamw: model::AdamW {
-                lr: t.lr as f32,
-                beta1: t.beta1 as f32,
-                beta2: t.beta2 as f32,
-                eps: t.eps as f32,
-                weight_decay: t.weight_decay as f32,
-            },
+            adamw: adamw(t),
             max_grad_norm: (t.grad_clip > 0.0).then_some(t.grad_clip as f32),
             precision: t.precision,
             loss_scale: t.loss_scale,
@@ -412,6 +413,7 @@ impl Trainer {
             one_rank_per_process: comm.size() == 1 || comm::env::LaunchEnv::from_env().is_ok(),
             device,
             offload_optimizer: p.offload_optimizer()?,
+            delayed_update_after: p.delayed_update_after,
             nccl,
         };
         let init = par.stage.clone();
@@ -708,6 +710,7 @@ impl Trainer {
                 Vec::new()
             },
             grad_comm_error: self.exec.has_powersgd(),
+            pending_update: self.exec.pending_update(),
         }
     }
 
@@ -740,15 +743,44 @@ impl Trainer {
     }
 }
 
+/// AdamW's hyper-parameters of a run (`lr` its peak).
+fn adamw(t: &crate::config::TrainConfig) -> model::AdamW {
+    model::AdamW {
+        lr: t.lr as f32,
+        beta1: t.beta1 as f32,
+        beta2: t.beta2 as f32,
+        eps: t.eps as f32,
+        weight_decay: t.weight_decay as f32,
+    }
+}
+
 /// A model and its full fp32 weights from any checkpoint (any layout): for generation and
-/// export. Returns the run config, the model, the weights and the tokenizer.
+/// export. Returns the run config, the model, the weights and the tokenizer. A checkpoint
+/// holding a delayed update gives the weights with it applied
+/// ([`checkpoint::PendingUpdate::apply`]): every step's update.
 pub fn load_model(path: &Path) -> Result<(RunConfig, Model, Vec<f32>, Tokenizer)> {
+    use checkpoint::Kind;
     let mut ck = Checkpoint::open(path)?;
     let cfg = RunConfig::resolve("tiny", Some(&checkpoint_config_text(&ck)?), &[])?;
     let model = Model::new(model_config(&cfg)).map_err(merr)?;
     let mut params = vec![0.0f32; model.num_params()];
+    let state = ck.manifest.state.clone();
     for e in &model.layout.entries {
-        let t = ck.tensor(checkpoint::Kind::Param, &e.name, e.view.numel())?;
+        let n = e.view.numel();
+        let mut t = ck.tensor(Kind::Param, &e.name, n)?;
+        if let Some(p) = state.pending_update {
+            let g = ck.tensor(Kind::PendingGrad, &e.name, n)?;
+            let mut m = ck.tensor(Kind::ExpAvg, &e.name, n)?;
+            let mut v = ck.tensor(Kind::ExpAvgSq, &e.name, n)?;
+            p.apply(
+                &adamw(&cfg.train),
+                state.adam_step,
+                &mut t,
+                &g,
+                &mut m,
+                &mut v,
+            );
+        }
         e.view.of_mut(&mut params).copy_from_slice(&t);
     }
     let (tokenizer, _) = checkpoint_tokenizer(&ck)?;
@@ -858,13 +890,19 @@ fn nccl_groups(
 /// the offload keeps. Each memory is shared by the ranks it holds: the processes (or the
 /// threads) of the host, the ranks on the GPU (`LOCAL_RANK mod GPUs`, or all of the host's for
 /// `cuda:N`).
+/// ZeRO-Offload's host memory beside the optimizer state.
+struct Offload {
+    /// A delayed update's held gradients (`parallel::executor::delayed`).
+    held_bytes: usize,
+}
+
 fn check_memory(
     comm: &Communicator,
     device: &tensor::buf::Dev,
     spec: &str,
     states: MemoryAccount,
     formula: &str,
-    offload: bool,
+    offload: Option<Offload>,
 ) -> Result<()> {
     use parallel::memory::{check_states_fit, human, Capacity};
     let h = |b: usize| human(b as u64);
@@ -894,7 +932,7 @@ fn check_memory(
     let (host, host_what) = match device {
         tensor::buf::Dev::Cpu => (states.model_states(), all),
         tensor::buf::Dev::Cuda(g) => {
-            let (on_gpu, what) = if offload {
+            let (on_gpu, what) = if offload.is_some() {
                 (
                     states.params + states.grads,
                     format!("{weights}; {formula}"),
@@ -925,17 +963,26 @@ fn check_memory(
                 ranks: sharing.max(1),
             };
             check_states_fit(rank, bytes(on_gpu), &what, &cap).map_err(fail)?;
-            if !offload {
+            let Some(offload) = offload else {
                 return Ok(());
-            }
+            };
             // 16-bit training also lands this rank's gradients in page-locked host memory,
             // 2 bytes for each of the master's 4 (`parallel::executor::offload`).
             let landed = states.master / 2;
-            let what = match landed {
+            let mut what = match landed {
                 0 => format!("offloaded {optimizer}"),
                 b => format!("offloaded {optimizer} + landed 16-bit gradients {}", h(b)),
             };
-            (states.master + states.optimizer + landed, what)
+            if offload.held_bytes > 0 {
+                what += &format!(
+                    " + a delayed update's held gradients {}",
+                    h(offload.held_bytes)
+                );
+            }
+            (
+                states.master + states.optimizer + landed + offload.held_bytes,
+                what,
+            )
         }
     };
     match Capacity::host(host_ranks.max(1)) {

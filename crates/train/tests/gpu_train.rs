@@ -201,32 +201,41 @@ fn sixteen_bit_training_on_the_gpu_matches_the_cpu() {
         let (cpu, p_cpu) = run_cfg(config_with("tiny", "cpu", &extra), None, steps, None);
         let (gpu, p_gpu) = run_cfg(config_with("tiny", "cuda", &extra), None, steps, None);
         let lr = config("tiny", "cpu").train.lr;
-        for (s, (a, b)) in gpu.iter().zip(&cpu).enumerate() {
-            assert!(
-                (a - b).abs() <= b.abs() / 256.0,
-                "{precision} step {s}: loss {a} vs {b}"
-            );
-        }
-        let bound = steps as f64 * lr / 128.0;
-        let sq: f64 = p_gpu
-            .iter()
-            .zip(&p_cpu)
-            .map(|(a, b)| ((a - b) as f64).powi(2))
-            .sum();
-        let rms = (sq / p_cpu.len() as f64).sqrt();
+        assert_16_bit_close(precision, (&gpu, &p_gpu), (&cpu, &p_cpu), lr);
+    }
+}
+
+/// 16-bit training on the GPU (`gpu`: losses, master weights) against the CPU (`cpu`) after
+/// as many steps as there are losses at peak learning rate `lr`, by the bounds of
+/// [`sixteen_bit_training_on_the_gpu_matches_the_cpu`].
+fn assert_16_bit_close(what: &str, gpu: (&[f64], &[f32]), cpu: (&[f64], &[f32]), lr: f64) {
+    let ((gpu, p_gpu), (cpu, p_cpu)) = (gpu, cpu);
+    let steps = cpu.len();
+    for (s, (a, b)) in gpu.iter().zip(cpu).enumerate() {
         assert!(
-            rms <= bound,
-            "{precision}: master weights differ by {rms:e} (root mean square; bound {bound:e})"
-        );
-        let largest = p_gpu
-            .iter()
-            .zip(&p_cpu)
-            .fold(0.0f64, |m, (a, b)| m.max((a - b).abs() as f64));
-        assert!(
-            largest <= 2.0 * steps as f64 * lr,
-            "{precision}: a master weight moved {largest:e} apart, more than {steps} AdamW steps can"
+            (a - b).abs() <= b.abs() / 256.0,
+            "{what} step {s}: loss {a} vs {b}"
         );
     }
+    let bound = steps as f64 * lr / 128.0;
+    let sq: f64 = p_gpu
+        .iter()
+        .zip(p_cpu)
+        .map(|(a, b)| ((a - b) as f64).powi(2))
+        .sum();
+    let rms = (sq / p_cpu.len() as f64).sqrt();
+    assert!(
+        rms <= bound,
+        "{what}: master weights differ by {rms:e} (root mean square; bound {bound:e})"
+    );
+    let largest = p_gpu
+        .iter()
+        .zip(p_cpu)
+        .fold(0.0f64, |m, (a, b)| m.max((a - b).abs() as f64));
+    assert!(
+        largest <= 2.0 * steps as f64 * lr,
+        "{what}: a master weight moved {largest:e} apart, more than {steps} AdamW steps can"
+    );
 }
 
 /// The layouts of [`layouts_on_one_gpu_match_one_gpu`], each with 4 sequences per step.
@@ -570,6 +579,70 @@ fn offloaded_optimizer_on_the_gpu_matches_the_resident_one() {
         let got = run_layout("cuda", nproc, &with);
         let err = assert_close_runs(&format!("offloaded {name}"), &got, &want, rel);
         eprintln!("offloaded {name}: = resident (parameters within {err:e} of the largest)");
+    }
+}
+
+/// ZeRO-Offload's delayed update on the GPU — the held 16-bit gradients in a second
+/// page-locked landing buffer, the host's AdamW beside the next step, its rounded weights
+/// uploaded from that buffer — against the same delayed runs on the CPU: fp32 within 1e-4
+/// (the GPU against the CPU, as in training parity), 16-bit by the bounds of
+/// [`sixteen_bit_training_on_the_gpu_matches_the_cpu`].
+#[test]
+fn a_delayed_update_on_the_gpu_matches_the_cpu() {
+    if !has_gpu() {
+        return;
+    }
+    let delayed = [
+        "parallel.offload=\"optimizer\"",
+        "parallel.delayed_update_after=1",
+    ];
+    let bf16 = "train.precision=\"bf16\"";
+    for (name, nproc, extra) in [
+        ("single fp32", 1, &["train.grad_accum=4"][..]),
+        (
+            "dp2 ZeRO-1 fp32",
+            2,
+            &["parallel.dp=2", "parallel.zero=1", "train.grad_accum=2"],
+        ),
+        ("single bf16", 1, &["train.grad_accum=4", bf16]),
+        (
+            "dp2 ZeRO-3 bf16",
+            2,
+            &[
+                "parallel.dp=2",
+                "parallel.zero=3",
+                "train.grad_accum=2",
+                bf16,
+            ],
+        ),
+        (
+            "pp2 1F1B bf16",
+            2,
+            &[
+                "parallel.pp=2",
+                "parallel.schedule=\"1f1b\"",
+                "train.grad_accum=4",
+                bf16,
+            ],
+        ),
+    ] {
+        let with: Vec<&str> = extra.iter().chain(&delayed).copied().collect();
+        let (gpu, p_gpu) = run_layout("cuda", nproc, &with);
+        let (cpu, p_cpu) = run_layout("cpu", nproc, &with);
+        if extra.contains(&bf16) {
+            let losses = |r: &[(f64, f32)]| r.iter().map(|s| s.0).collect::<Vec<_>>();
+            let lr = config("tiny", "cpu").train.lr;
+            let what = format!("delayed {name}");
+            assert_16_bit_close(&what, (&losses(&gpu), &p_gpu), (&losses(&cpu), &p_cpu), lr);
+        } else {
+            let err = assert_close_runs(
+                &format!("delayed {name}"),
+                &(gpu, p_gpu),
+                &(cpu, p_cpu),
+                1e-4,
+            );
+            eprintln!("delayed {name}: GPU = CPU (parameters within {err:e} of the largest)");
+        }
     }
 }
 

@@ -14,8 +14,16 @@
 //!   shard-00000.safetensors    rank 0's pieces: `param/<tensor>@<start>`, `exp_avg/…`,
 //!   shard-00001.safetensors      `exp_avg_sq/…` (fp32, 1-D: elements start.. of the block),
 //!                                and under PowerSGD `grad_comm_error/…` (the ranks' mean
-//!                                error feedback, which reshards like the moments)
+//!                                error feedback, which reshards like the moments), and with
+//!                                an update held back `pending_grad/…` (below)
 //! ```
+//!
+//! ZeRO-Offload's delayed update (`executor::delayed`) holds a step's gradients until the next
+//! step: a checkpoint taken between them records the master weights and moments before that
+//! update, its gradients (`pending_grad`, unscaled by nothing: as the update reads them) and its
+//! learning rate and clipping factor ([`TrainingState::pending_update`]). A run that delays
+//! continues it exactly; any other reader applies it first ([`PendingUpdate::apply`]), so the
+//! weights it sees have every step's update.
 //!
 //! A piece is elements `start .. start + len` (row-major) of a block: ZeRO cuts a rank's flat
 //! buffer anywhere, so a piece may hold part of a block. Blocks held by several ranks
@@ -79,6 +87,9 @@ pub enum Kind {
     /// PowerSGD's error feedback, the mean over the dp ranks (present when
     /// [`TrainingState::grad_comm_error`] says so).
     GradCommError,
+    /// The gradients of an update held back by the delayed update (present when
+    /// [`TrainingState::pending_update`] is).
+    PendingGrad,
 }
 
 impl Kind {
@@ -90,6 +101,7 @@ impl Kind {
             Kind::ExpAvg => "exp_avg",
             Kind::ExpAvgSq => "exp_avg_sq",
             Kind::GradCommError => "grad_comm_error",
+            Kind::PendingGrad => "pending_grad",
         }
     }
     /// The safetensors key of a piece.
@@ -144,6 +156,38 @@ pub struct TrainingState {
     /// Every piece also holds PowerSGD's mean error feedback ([`Kind::GradCommError`]).
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub grad_comm_error: bool,
+    /// An AdamW update computed from a step's gradients but not yet applied (the delayed
+    /// update): its step is `adam_step`, its gradients every piece's [`Kind::PendingGrad`].
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub pending_update: Option<PendingUpdate>,
+}
+
+/// The scalars of an AdamW update held back ([`TrainingState::pending_update`]).
+#[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
+pub struct PendingUpdate {
+    /// The learning rate of its step.
+    pub lr: f32,
+    /// What its gradients are multiplied by: the clipping factor over the loss scale.
+    pub factor: f32,
+}
+
+impl PendingUpdate {
+    /// Applies the update at AdamW step `t` to elements of the master weights `p` and the
+    /// moments `m`, `v` from the held gradients `g` of the same elements: the operations the
+    /// delayed update itself runs (AdamW is elementwise, so any range of elements gives that
+    /// range's values).
+    #[allow(clippy::too_many_arguments)]
+    pub fn apply(
+        &self,
+        opt: &model::optim::AdamW,
+        t: u64,
+        p: &mut [f32],
+        g: &[f32],
+        m: &mut [f32],
+        v: &mut [f32],
+    ) {
+        opt.update_scaled(t, self.lr, opt.weight_decay, self.factor, p, g, m, v);
+    }
 }
 
 /// One piece: elements `start .. start + len` of a block, in file `file`.
@@ -178,6 +222,8 @@ pub struct SavedPiece {
     pub exp_avg_sq: Vec<f32>,
     /// PowerSGD's mean error feedback over the same elements (`None` without PowerSGD).
     pub grad_comm_error: Option<Vec<f32>>,
+    /// The held-back update's gradients over the same elements (`None` without one).
+    pub pending_grad: Option<Vec<f32>>,
 }
 
 /// What a whole checkpoint records besides the ranks' pieces.
@@ -270,6 +316,7 @@ fn write_shard(
         if p.exp_avg.len() != len
             || p.exp_avg_sq.len() != len
             || p.grad_comm_error.as_ref().is_some_and(|e| e.len() != len)
+            || p.pending_grad.as_ref().is_some_and(|e| e.len() != len)
             || p.start + len > p.slice.numel()
         {
             return Err(CheckpointError::at(
@@ -282,6 +329,7 @@ fn write_shard(
             (Kind::ExpAvg, Some(&p.exp_avg)),
             (Kind::ExpAvgSq, Some(&p.exp_avg_sq)),
             (Kind::GradCommError, p.grad_comm_error.as_ref()),
+            (Kind::PendingGrad, p.pending_grad.as_ref()),
         ];
         for (kind, data) in buffers.iter().filter_map(|(k, d)| d.map(|d| (k, d))) {
             let view = safetensors::tensor::TensorView::new(

@@ -28,7 +28,9 @@
 //!
 //! Files: [`run`] interprets the actions, [`reduce`] launches and completes the bucket
 //! reductions, [`optimizer`] clips and updates, [`offload`] moves ZeRO-Offload's gradients
-//! and weights between a GPU and the host, [`state`] saves and loads checkpoints.
+//! and weights between a GPU and the host, [`delayed`] runs its host update beside the next
+//! step, [`state`] saves and loads checkpoints.
+mod delayed;
 mod offload;
 mod optimizer;
 mod reduce;
@@ -94,6 +96,10 @@ pub struct ExecConfig {
     /// weights go back (rounded). In fp32 the master is then a host copy beside the device
     /// weights. On the CPU nothing moves, but the same path runs (a separate master).
     pub offload_optimizer: bool,
+    /// ZeRO-Offload's delayed update ([`delayed`]): the update of every AdamW step past this
+    /// many runs on the host beside the next step's forward and backward (`None`: each
+    /// update before the next step).
+    pub delayed_update_after: Option<u64>,
     /// GPU ranks with a GPU each: the dp group's NCCL communicator, which takes the exact
     /// (uncompressed) gradient reductions and ZeRO's weight gathers of every stage onto the
     /// devices ([`crate::nccl`]); `None`: all of them through host memory over the own
@@ -128,6 +134,7 @@ impl Default for ExecConfig {
             one_rank_per_process: false,
             device: Dev::Cpu,
             offload_optimizer: false,
+            delayed_update_after: None,
             nccl: None,
         }
     }
@@ -396,6 +403,8 @@ pub struct Executor<M: StageModel> {
     /// backward and (on a GPU, page-locked) the rounded weights go up from ([`offload`]);
     /// made at the first step, kept.
     offload: Option<offload::OffloadTraffic>,
+    /// The update held for the next step, and its buffers ([`delayed`]).
+    delayed: delayed::Delayed,
 }
 
 impl<M: StageModel> Executor<M> {
@@ -586,6 +595,7 @@ impl<M: StageModel> Executor<M> {
             tied,
             tied_bucket,
             offload: None,
+            delayed: delayed::Delayed::default(),
         })
     }
 
@@ -699,9 +709,10 @@ impl<M: StageModel> Executor<M> {
     }
 
     /// Bytes of page-locked host memory ZeRO-Offload holds beside [`Self::offloaded_bytes`]:
-    /// the landed 16-bit gradients and the two upload stages (0 before the first step).
+    /// the landed 16-bit gradients and the two upload stages, and a delayed update's held
+    /// gradients (0 before the first step).
     pub fn offload_pinned_bytes(&self) -> usize {
-        self.offload.as_ref().map_or(0, |t| t.pinned_bytes())
+        self.offload.as_ref().map_or(0, |t| t.pinned_bytes()) + self.delayed.pinned_bytes()
     }
 
     /// Whether gradient reductions wait for `REDUCE_GRAD` (replicated layers: one launch order

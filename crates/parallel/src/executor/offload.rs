@@ -65,7 +65,7 @@ impl OffloadTraffic {
             grads.land(flat, &mut self.landing, at).map_err(terr)?;
         }
         let bits = self.landing.host().map_err(terr)?;
-        Ok((bits, self.uploads.as_mut()))
+        Ok((&*bits, self.uploads.as_mut()))
     }
 }
 
@@ -79,8 +79,32 @@ impl OffloadTraffic {
 pub(super) fn adamw_from_bits(
     kind: Half,
     opt: &AdamW,
-    (t, lr, factor): (u64, f32, f32),
+    step: (u64, f32, f32),
     grads: &[u16],
+    state: (&mut [f32], &mut [f32], &mut [f32]),
+    out: &mut [u16],
+) {
+    adamw_bits_pieces(kind, opt, step, Some(grads), state, out)
+}
+
+/// [`adamw_from_bits`] with the rounded weights written over the gradient bits they came from
+/// (each piece is widened before it is written: the same values).
+pub(super) fn adamw_in_place(
+    kind: Half,
+    opt: &AdamW,
+    step: (u64, f32, f32),
+    state: (&mut [f32], &mut [f32], &mut [f32]),
+    bits: &mut [u16],
+) {
+    adamw_bits_pieces(kind, opt, step, None, state, bits)
+}
+
+/// The pass of [`adamw_from_bits`] from `grads`, or (`None`) from `out` itself.
+fn adamw_bits_pieces(
+    kind: Half,
+    opt: &AdamW,
+    (t, lr, factor): (u64, f32, f32),
+    grads: Option<&[u16]>,
     (master, m, v): (&mut [f32], &mut [f32], &mut [f32]),
     out: &mut [u16],
 ) {
@@ -89,22 +113,43 @@ pub(super) fn adamw_from_bits(
         static WIDE: std::cell::RefCell<Vec<f32>> = const { std::cell::RefCell::new(Vec::new()) };
     }
     let step = opt.at_step(t, lr, opt.weight_decay, factor);
+    let piece = |i: usize, p: &mut [f32], m: &mut [f32], v: &mut [f32], o: &mut [u16]| {
+        WIDE.with_borrow_mut(|wide| {
+            wide.resize(CHUNK, 0.0);
+            let w = &mut wide[..o.len()];
+            match grads {
+                Some(g) => kind.upcast(&g[i * CHUNK..i * CHUNK + o.len()], w),
+                None => kind.upcast(o, w),
+            }
+            step.apply(p, w, m, v);
+            kind.downcast(p, o);
+        })
+    };
     tensor::threads::install(|| {
-        grads
-            .par_chunks(CHUNK)
-            .zip(master.par_chunks_mut(CHUNK))
+        master
+            .par_chunks_mut(CHUNK)
             .zip(m.par_chunks_mut(CHUNK).zip(v.par_chunks_mut(CHUNK)))
             .zip(out.par_chunks_mut(CHUNK))
-            .for_each(|(((g, p), (m, v)), o)| {
-                WIDE.with_borrow_mut(|wide| {
-                    wide.resize(CHUNK, 0.0);
-                    let w = &mut wide[..g.len()];
-                    kind.upcast(g, w);
-                    step.apply(p, w, m, v);
-                    kind.downcast(p, o);
-                })
-            })
+            .enumerate()
+            .for_each(|(i, ((p, (m, v)), o))| piece(i, p, m, v, o))
     });
+}
+
+impl OffloadTraffic {
+    /// [`Self::landed`], handing over the landing buffer itself — the step's gradients, for an
+    /// update that runs later — with `spare` (when it is a twin) or a new buffer in its place.
+    pub(super) fn take_landed(
+        &mut self,
+        grads: &Bucketed,
+        spare: Option<Landing>,
+    ) -> Result<Landing, ParallelError> {
+        self.landed(grads)?;
+        let fresh = match spare {
+            Some(s) if s.is_twin(&self.landing) => s,
+            _ => self.landing.twin().map_err(terr)?,
+        };
+        Ok(std::mem::replace(&mut self.landing, fresh))
+    }
 }
 
 impl<M: StageModel> Executor<M> {
@@ -191,7 +236,7 @@ mod tests {
     use super::*;
 
     /// One pass equals the three it replaces — widen, AdamW with the factor, round — bit for
-    /// bit, in both 16-bit formats, over lengths that end inside a piece and span several
+    /// bit, from separate gradient bits and over them in place, in both 16-bit formats, over lengths that end inside a piece and span several
     /// (the master, the moments and the rounded weights all compared).
     #[test]
     fn one_pass_equals_widen_update_round() {
@@ -228,6 +273,7 @@ mod tests {
                 );
                 let mut wide = vec![0.0; n];
                 kind.upcast(&grads, &mut wide);
+                let (master0, m0, v0) = (master.clone(), m.clone(), v.clone());
                 let (mut p2, mut m2, mut v2, mut out2) = (master, m, v, vec![0u16; n]);
                 let (t, lr, factor) = step;
                 opt.update_scaled(
@@ -246,6 +292,13 @@ mod tests {
                 assert_eq!(bits(&m1), bits(&m2), "{kind:?} n={n}: m");
                 assert_eq!(bits(&v1), bits(&v2), "{kind:?} n={n}: v");
                 assert_eq!(out1, out2, "{kind:?} n={n}: rounded weights");
+                // In place (the delayed update's): the rounded weights over the gradient bits.
+                let (mut p3, mut m3, mut v3, mut io) = (master0, m0, v0, grads.clone());
+                adamw_in_place(kind, &opt, step, (&mut p3, &mut m3, &mut v3), &mut io);
+                assert_eq!(bits(&p3), bits(&p1), "{kind:?} n={n}: master in place");
+                assert_eq!(bits(&m3), bits(&m1), "{kind:?} n={n}: m in place");
+                assert_eq!(bits(&v3), bits(&v1), "{kind:?} n={n}: v in place");
+                assert_eq!(io, out1, "{kind:?} n={n}: rounded weights in place");
             }
         }
     }

@@ -82,12 +82,17 @@ impl<M: StageModel> Executor<M> {
     /// Returns the global gradient norm and whether the step was applied (fp16: skipped when
     /// the gradients overflowed).
     pub(super) fn optimizer_step(&mut self) -> Result<(f32, bool), ParallelError> {
-        let zero = self.cfg.zero;
         let sq = self.global_grad_sq()?;
         let loss_scale = self.scaler.scale;
         // True gradient = stored / scale, so ‖g‖ = sqrt(Σ stored²) / scale.
         let norm = sq.sqrt() / loss_scale;
+        // The delayed update that ran beside this step goes into the weights whatever this
+        // step's fate.
+        let stored = self.store_delayed_update()?;
         if !self.scaler.update(sq.is_finite()) {
+            if stored {
+                self.gather_updated()?;
+            }
             return Ok((norm as f32, false));
         }
         // torch.nn.utils.clip_grad_norm_: g *= min(1, max_norm / (‖g‖ + 1e-6)); the loss scale
@@ -98,6 +103,14 @@ impl<M: StageModel> Executor<M> {
         };
         let factor = (clip / loss_scale) as f32;
         self.step += 1;
+        if self.delays(self.step) {
+            // Held: it runs beside the next step, whose gradients are taken at these weights.
+            self.hold_update(factor)?;
+            if stored {
+                self.gather_updated()?;
+            }
+            return Ok((norm as f32, true));
+        }
         let (gr, pr, mr) = self.own_ranges();
         model::profile::time(model::profile::Kernel::Optimizer, || {
             if self.cfg.device.is_cuda() && !self.cfg.offload_optimizer {
@@ -106,22 +119,28 @@ impl<M: StageModel> Executor<M> {
                 self.host_update(factor, (gr, pr, mr))
             }
         })?;
-        if matches!(zero, ZeroStage::One | ZeroStage::Two) && self.dp.size() > 1 {
-            if let Some(nccl) = self.cfg.nccl.clone() {
-                // In place in the full weight buffer, on the devices.
-                self.gather_updated_nccl(&nccl)?;
-                return Ok((norm as f32, true));
-            }
-            // All-gather the updated weights unit by unit (buffer bounded by one unit), in
-            // their own precision, written back bit for bit.
-            for u in 0..self.units.len() {
-                let w = self.gather_async(u)?;
-                let full = self.finish_gather_piece(u, w)?;
-                self.params.write_piece(self.units[u].start, &full)?;
-                self.gathered_bytes.sub(full.len() * full.elem_bytes());
-            }
-        }
+        self.gather_updated()?;
         Ok((norm as f32, true))
+    }
+
+    /// ZeRO-1/2: the all-gather of the weights each dp rank has updated its shard of.
+    fn gather_updated(&mut self) -> Result<(), ParallelError> {
+        if !(matches!(self.cfg.zero, ZeroStage::One | ZeroStage::Two) && self.dp.size() > 1) {
+            return Ok(());
+        }
+        if let Some(nccl) = self.cfg.nccl.clone() {
+            // In place in the full weight buffer, on the devices.
+            return self.gather_updated_nccl(&nccl);
+        }
+        // All-gather the updated weights unit by unit (buffer bounded by one unit), in their
+        // own precision, written back bit for bit.
+        for u in 0..self.units.len() {
+            let w = self.gather_async(u)?;
+            let full = self.finish_gather_piece(u, w)?;
+            self.params.write_piece(self.units[u].start, &full)?;
+            self.gathered_bytes.sub(full.len() * full.elem_bytes());
+        }
+        Ok(())
     }
 
     /// AdamW on the host, bucket by bucket of the gradients (fp32) or chunk by chunk through

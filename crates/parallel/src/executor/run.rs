@@ -274,12 +274,22 @@ impl<M: StageModel> Executor<M> {
             waited: Duration::ZERO,
             loss: 0.0,
         };
-        for a in &schedule[..schedule.len() - 1] {
-            let start = Instant::now();
-            st.waited = Duration::ZERO;
-            self.act(a, micro, &mut st)?;
-            self.record_span(a, start, st.waited);
-        }
+        // A held update runs on a thread of its own beside this step's actions ([`super::delayed`]).
+        let mut work = self.begin_delayed_work();
+        let (acted, ran) = std::thread::scope(|s| {
+            let update = work.as_mut().map(|w| s.spawn(|| w.run()));
+            let acted = schedule[..schedule.len() - 1].iter().try_for_each(|a| {
+                let start = Instant::now();
+                st.waited = Duration::ZERO;
+                self.act(a, micro, &mut st)?;
+                self.record_span(a, start, st.waited);
+                Ok::<(), ParallelError>(())
+            });
+            (acted, update.map(|u| u.join()))
+        });
+        let ended = self.end_delayed_work(work, ran);
+        acted?;
+        ended?;
         let start = Instant::now();
         let mut stats = self.finish(micro.len(), st)?;
         self.record_span(&Action::Optimizer, start, Duration::ZERO);

@@ -6,10 +6,11 @@ use std::ops::Range;
 
 use tensor::buf::Buf;
 
+use super::delayed::{Held, Pending};
 use super::run::terr;
 use super::Executor;
 use crate::checkpoint::{Checkpoint, Kind, SavedPiece};
-use crate::precision::{Flat, LossScaler};
+use crate::precision::{Flat, Landing, LossScaler};
 use crate::stage::StageModel;
 use crate::ParallelError;
 
@@ -44,6 +45,13 @@ impl<M: StageModel> Executor<M> {
             })
         }
         let (m, v) = (host(&self.m)?, host(&self.v)?);
+        // A held update's gradients, indexed like the moments.
+        let pending = match &self.delayed.pending {
+            Some(p) => Some(p.grads.values(self.cfg.precision.half()).ok_or_else(|| {
+                ParallelError::Model("a held update's gradients are still landing".into())
+            })?),
+            None => None,
+        };
         let own_start = self.spec.range(self.dp.rank()).start;
         let master_base = if master_sharded { own_start } else { 0 };
         let moment_base = if self.cfg.zero.shards_optimizer() {
@@ -65,6 +73,7 @@ impl<M: StageModel> Executor<M> {
                 exp_avg: take(&m, moment_base),
                 exp_avg_sq: take(&v, moment_base),
                 grad_comm_error: error.as_deref().map(|e| take(e, 0)),
+                pending_grad: pending.as_deref().map(|g| take(g, moment_base)),
                 slice: p.slice,
             });
         }
@@ -134,6 +143,7 @@ impl<M: StageModel> Executor<M> {
         let total = self.spec.total();
         let own = self.spec.range(self.dp.rank());
         let zero = self.cfg.zero;
+        let state = ck.manifest.state.clone();
         // A buffer of `len` elements whose first real elements are flat range `r`.
         let mut buf =
             |kind: Kind, r: Range<usize>, len: usize| -> Result<Vec<f32>, ParallelError> {
@@ -148,11 +158,31 @@ impl<M: StageModel> Executor<M> {
                 (0..total, total)
             }
         };
+        // A held update ([`super::delayed`]): continued as held by a run that delays updates,
+        // applied now by any other (AdamW is elementwise: applied to each range read).
+        let delays = self.cfg.delayed_update_after.is_some();
+        let apply = state.pending_update.filter(|_| !delays);
+        let opt = self.cfg.adamw;
+        let mut read = |kind: Kind, r: Range<usize>, len: usize| match apply {
+            None => buf(kind, r, len),
+            Some(p) => {
+                let mut w = buf(Kind::Param, r.clone(), len)?;
+                let g = buf(Kind::PendingGrad, r.clone(), len)?;
+                let mut m = buf(Kind::ExpAvg, r.clone(), len)?;
+                let mut v = buf(Kind::ExpAvgSq, r, len)?;
+                p.apply(&opt, state.adam_step, &mut w, &g, &mut m, &mut v);
+                Ok(match kind {
+                    Kind::ExpAvg => m,
+                    Kind::ExpAvgSq => v,
+                    _ => w,
+                })
+            }
+        };
         let (pr, pl) = cut(zero.shards_params());
-        let weights = buf(Kind::Param, pr, pl)?;
+        let weights = read(Kind::Param, pr, pl)?;
         let master = if self.cfg.precision.half().is_some() || self.cfg.offload_optimizer {
             let (r, l) = cut(zero.shards_optimizer());
-            buf(Kind::Param, r, l)?
+            read(Kind::Param, r, l)?
         } else {
             Vec::new()
         };
@@ -169,8 +199,12 @@ impl<M: StageModel> Executor<M> {
             state_dev.from_vec(master).map_err(terr)?
         };
         let (mr, ml) = cut(zero.shards_optimizer());
-        let m = buf(Kind::ExpAvg, mr.clone(), ml)?;
-        let v = buf(Kind::ExpAvgSq, mr, ml)?;
+        let m = read(Kind::ExpAvg, mr.clone(), ml)?;
+        let v = read(Kind::ExpAvgSq, mr.clone(), ml)?;
+        let held = match state.pending_update.filter(|_| delays) {
+            Some(p) => Some((buf(Kind::PendingGrad, mr.clone(), mr.len())?, p)),
+            None => None,
+        };
         self.params = Flat::from_f32_on(&dev, weights, self.cfg.precision).map_err(terr)?;
         self.master = master;
         self.m = state_dev.from_vec(m).map_err(terr)?;
@@ -187,7 +221,22 @@ impl<M: StageModel> Executor<M> {
                 }
             }
         }
-        let state = &ck.manifest.state;
+        self.delayed = Default::default();
+        if let Some((g, scalars)) = held {
+            let grads = match self.cfg.precision.half() {
+                Some(kind) => {
+                    let mut bits = vec![0u16; g.len()];
+                    kind.downcast(&g, &mut bits);
+                    Held::Bits(Landing::Host(bits))
+                }
+                None => Held::F32(g),
+            };
+            self.delayed.pending = Some(Pending {
+                grads,
+                t: state.adam_step,
+                scalars,
+            });
+        }
         self.step = state.adam_step;
         self.scaler = if ck.manifest.precision == self.cfg.precision {
             state.loss_scaler

@@ -166,50 +166,98 @@ pub fn llm_reference_rows(
     n_micro: usize,
     rows: RowsFn,
 ) -> Reference {
-    let mut p = model.init_params(3);
-    let (mut m, mut v) = (vec![0.0; p.len()], vec![0.0; p.len()]);
-    let micro = global / n_micro;
-    let mut losses = Vec::new();
-    let mut grad_norms = Vec::new();
-    let mut last_grads = Vec::new();
-    for step in 0..steps {
-        let mut g = vec![0.0; p.len()];
-        let mut loss = 0.0;
-        for a in 0..n_micro {
-            let b = rows(&model.cfg, step * global + a * micro, micro);
-            let opts = model::StepOptions {
-                loss_scale: 1.0 / n_micro as f32,
-                ..model::StepOptions::default()
-            };
-            loss += model
-                .forward_backward(&p, &mut g, &b, &opts, &mut |_| {})
-                .unwrap()
-                .loss
-                / n_micro as f32;
-        }
-        losses.push(loss);
-        let sq = grad_sq_sum(&g);
-        grad_norms.push(sq.sqrt() as f32);
-        if let Some(max_norm) = max_norm {
-            let (_, coef) = clip_factor(sq, max_norm);
-            scale_grads(&mut g, coef);
-        }
-        adamw.update(
-            step as u64 + 1,
-            adamw.lr,
-            adamw.weight_decay,
-            &mut p,
-            &g,
-            &mut m,
-            &mut v,
+    let run = ReferenceRun {
+        adamw,
+        max_norm,
+        global,
+        steps,
+        n_micro,
+        ..ReferenceRun::default()
+    };
+    run.train(model, rows)
+}
+
+/// The single-process reference's settings ([`llm_reference_rows`]), with what the plain
+/// one leaves out: 16-bit storage and ZeRO-Offload's delayed update.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct ReferenceRun {
+    pub adamw: AdamW,
+    pub max_norm: Option<f32>,
+    pub global: usize,
+    pub steps: usize,
+    pub n_micro: usize,
+    /// 16-bit storage: the forward reads the master rounded, the gradient is rounded (once:
+    /// one micro-batch).
+    pub storage: Option<parallel::precision::Half>,
+    /// The update of every AdamW step past this one applied at the next step's optimizer
+    /// point, after that step's forward and backward.
+    pub delayed_after: Option<u64>,
+}
+
+impl ReferenceRun {
+    pub fn train(&self, model: &model::Model, rows: RowsFn) -> Reference {
+        assert!(
+            self.storage.is_none() || self.n_micro == 1,
+            "16-bit storage rounds after each micro-batch: one here"
         );
-        last_grads = g;
-    }
-    Reference {
-        losses,
-        grad_norms,
-        params: p,
-        last_grads,
+        let adamw = self.adamw;
+        let round = |x: &[f32]| -> Vec<f32> {
+            match self.storage {
+                Some(k) => x.iter().map(|&v| k.to_f32(k.from_f32(v))).collect(),
+                None => x.to_vec(),
+            }
+        };
+        let mut p = model.init_params(3);
+        let (mut m, mut v) = (vec![0.0; p.len()], vec![0.0; p.len()]);
+        let micro = self.global / self.n_micro;
+        let mut losses = Vec::new();
+        let mut grad_norms = Vec::new();
+        let mut last_grads = Vec::new();
+        let mut held: Option<(Vec<f32>, u64)> = None;
+        for step in 0..self.steps {
+            let weights = round(&p);
+            let mut g = vec![0.0; p.len()];
+            let mut loss = 0.0;
+            for a in 0..self.n_micro {
+                let b = rows(&model.cfg, step * self.global + a * micro, micro);
+                let opts = model::StepOptions {
+                    loss_scale: 1.0 / self.n_micro as f32,
+                    ..model::StepOptions::default()
+                };
+                loss += model
+                    .forward_backward(&weights, &mut g, &b, &opts, &mut |_| {})
+                    .unwrap()
+                    .loss
+                    / self.n_micro as f32;
+            }
+            losses.push(loss);
+            let mut g = round(&g);
+            let sq = grad_sq_sum(&g);
+            grad_norms.push(sq.sqrt() as f32);
+            if let Some(max_norm) = self.max_norm {
+                let (_, coef) = clip_factor(sq, max_norm);
+                scale_grads(&mut g, coef);
+            }
+            let mut update = |g: &[f32], t: u64| {
+                adamw.update(t, adamw.lr, adamw.weight_decay, &mut p, g, &mut m, &mut v)
+            };
+            if let Some((g, t)) = held.take() {
+                update(&g, t);
+            }
+            let t = step as u64 + 1;
+            if self.delayed_after.is_some_and(|n| t > n) {
+                held = Some((g.clone(), t));
+            } else {
+                update(&g, t);
+            }
+            last_grads = g;
+        }
+        Reference {
+            losses,
+            grad_norms,
+            params: p,
+            last_grads,
+        }
     }
 }
 
@@ -509,6 +557,7 @@ pub fn save_meta(
             loss_scaler: *e.loss_scaler(),
             router_bias: Vec::new(),
             grad_comm_error: e.has_powersgd(),
+            pending_update: e.pending_update(),
         },
         files: vec![("note.txt".into(), b"toy".to_vec())],
     }

@@ -8,6 +8,7 @@ mod context_attention;
 mod context_parity;
 mod decoder_parity;
 mod decoder_precision;
+mod delayed_update;
 mod document_mask;
 mod executor_dp_parity;
 mod executor_memory;

@@ -295,6 +295,16 @@ impl<T: Copy> Staged<T> {
         self.buf.len == 0
     }
 
+    /// The GPU whose copies it stages.
+    pub fn gpu(&self) -> &Arc<Gpu> {
+        &self.buf.gpu
+    }
+
+    /// The buffer on the host when no copy is in flight (one waited for by [`Self::host`]).
+    pub fn settled(&self) -> Option<&[T]> {
+        self.in_flight.is_none().then_some(&*self.buf)
+    }
+
     /// Queues the copy of `src` into elements `at..at + src.len()`, behind the compute
     /// stream's queued work; returns at once.
     pub fn download(&mut self, at: usize, src: super::DevSlice<'_, T>) -> Result<(), CudaError> {

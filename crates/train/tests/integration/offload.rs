@@ -148,3 +148,118 @@ fn an_unknown_offload_is_a_config_error() {
         .to_string();
     assert!(e.contains("expected none or optimizer"), "{e}");
 }
+
+/// Layouts of the delayed update: every update past the first runs beside the next step.
+const DELAYED: [(&str, usize, &[&str]); 3] = [
+    (
+        "single bf16",
+        1,
+        &["train.grad_accum=4", "train.precision=\"bf16\""],
+    ),
+    (
+        "dp2 ZeRO-1 bf16",
+        2,
+        &[
+            "parallel.dp=2",
+            "parallel.zero=1",
+            "train.grad_accum=2",
+            "train.precision=\"bf16\"",
+        ],
+    ),
+    ("pp2 1F1B fp32", 2, &["parallel.pp=2", "train.grad_accum=4"]),
+];
+
+fn delayed(nproc: usize, extra: &[&str], after: Option<u64>) -> RunConfig {
+    let mut cfg = config(nproc, extra, true);
+    cfg.parallel.delayed_update_after = after;
+    cfg
+}
+
+/// The master weights a checkpoint holds, as saved (no held update applied).
+fn saved_params(dir: &Path) -> Vec<f32> {
+    use parallel::checkpoint::{Checkpoint, Kind};
+    let (_, model, _, _) = train::trainer::load_model(dir).unwrap();
+    let mut ck = Checkpoint::open(dir).unwrap();
+    let mut p = vec![0.0f32; model.num_params()];
+    for e in &model.layout.entries {
+        let t = ck.tensor(Kind::Param, &e.name, e.view.numel()).unwrap();
+        e.view.of_mut(&mut p).copy_from_slice(&t);
+    }
+    p
+}
+
+fn held(dir: &Path) -> bool {
+    parallel::checkpoint::Checkpoint::open(dir)
+        .unwrap()
+        .manifest
+        .state
+        .pending_update
+        .is_some()
+}
+
+#[test]
+fn a_delayed_update_resumes_where_it_stopped() {
+    let d = tmp("delayed-resume");
+    for (name, nproc, extra) in DELAYED {
+        let cfg = delayed(nproc, extra, Some(1));
+        let (straight, p_straight) = run(&cfg, nproc, None, 4, &d.join("s"));
+        let ck = d.join("first");
+        let (a, _) = run(&cfg, nproc, None, 2, &ck);
+        assert!(held(&ck), "{name}: the checkpoint holds step 2's update");
+        let (b, p) = run(&cfg, nproc, Some(&ck), 2, &d.join("then"));
+        assert_eq!([a, b].concat(), straight, "{name}: losses and grad norms");
+        assert!(p == p_straight, "{name}: parameters");
+        // The delay is real: the same run updating in place differs from step 3 on.
+        let (in_place, _) = run(&delayed(nproc, extra, None), nproc, None, 3, &d.join("i"));
+        assert_eq!(
+            in_place[..2],
+            straight[..2],
+            "{name}: before the first stale step"
+        );
+        assert_ne!(
+            in_place[2], straight[2],
+            "{name}: step 3 is taken one update late"
+        );
+    }
+    let _ = std::fs::remove_dir_all(&d);
+}
+
+/// A checkpoint taken between a held update and the step it runs beside: whoever reads it
+/// otherwise than a delaying run applies the update first — `load_model` (export,
+/// generation) and a run that updates in place — and gets the weights the delaying run's
+/// own update thread makes.
+#[test]
+fn a_held_update_is_applied_by_every_other_reader() {
+    let d = tmp("delayed-readers");
+    let (nproc, extra) = (DELAYED[0].1, DELAYED[0].2);
+    let cfg = delayed(nproc, extra, Some(1));
+    let (ck2, ck3) = (d.join("2"), d.join("3"));
+    let _ = run(&cfg, nproc, None, 2, &ck2);
+    let _ = run(&cfg, nproc, Some(&ck2), 1, &ck3);
+    let (_, exported) = run(&cfg, nproc, Some(&ck2), 0, &d.join("again"));
+    let by_the_thread = saved_params(&ck3);
+    assert!(
+        exported == by_the_thread,
+        "load_model applies the held update"
+    );
+    assert!(
+        saved_params(&ck2) != by_the_thread,
+        "step 2's update was held"
+    );
+    let plain = d.join("plain");
+    let _ = run(&delayed(nproc, extra, None), nproc, Some(&ck2), 0, &plain);
+    assert!(!held(&plain));
+    assert!(
+        saved_params(&plain) == by_the_thread,
+        "a run updating in place applies it on loading"
+    );
+    let _ = std::fs::remove_dir_all(&d);
+}
+
+#[test]
+fn a_delayed_update_without_offload_is_a_config_error() {
+    let e = RunConfig::resolve("tiny", None, &["parallel.delayed_update_after=10".into()])
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("needs parallel.offload"), "{e}");
+}
