@@ -61,6 +61,9 @@ pub struct BenchReport {
     /// over the timed steps of [`crate::trainer::ExpertLoad::ep_imbalance`] (1 = balanced).
     /// The all-to-alls wait for the busiest rank.
     pub expert_imbalance: Option<f64>,
+    /// With ZeRO-Offload's delayed update: the medians over the timed steps of its host
+    /// AdamW's seconds beside the step and of the seconds the step waited for it.
+    pub delayed_update: Option<(f64, f64)>,
     /// With pipeline parallelism: the measured bubble beside the simulator's.
     pub pipeline: Option<crate::pipeline::PipelineReport>,
     /// With context parallelism: each rank's attention compute and exposed ring wait, seconds
@@ -207,6 +210,12 @@ impl std::fmt::Display for BenchReport {
                 100.0 * st
             )?;
         }
+        if let Some((host, waited)) = self.delayed_update {
+            writeln!(
+                f,
+                "delayed update: the host's AdamW {host:.4} s a step beside the forward and backward, {waited:.4} s of it waited for (medians)"
+            )?;
+        }
         if let Some(x) = self.expert_imbalance {
             writeln!(
                 f,
@@ -307,6 +316,7 @@ pub fn bench_train(
     let ticks0 = cpu_ticks();
     let mut times = Vec::with_capacity(steps.max(1));
     let mut ep_imbalance = Vec::new();
+    let mut delayed = Vec::new();
     for _ in 0..steps.max(1) {
         match &gpu {
             // The GPU's dense bf16 tensor-core peak (the usual MFU denominator).
@@ -327,6 +337,7 @@ pub fn bench_train(
         sync()?;
         times.push(s.elapsed().as_secs_f64());
         ep_imbalance.extend(report.experts.map(|x| x.ep_imbalance));
+        delayed.extend(report.stats.delayed_update);
     }
     let cpu_steal = steal_share(ticks0, cpu_ticks());
     // The pipeline's measured bubble comes from the timed steps' trace, before the profiled
@@ -374,6 +385,14 @@ pub fn bench_train(
         }
         None => None,
     };
+    let middle = |mut v: Vec<f64>| {
+        v.sort_by(f64::total_cmp);
+        v[v.len() / 2]
+    };
+    let delayed_update = (!delayed.is_empty()).then(|| {
+        let (host, waited): (Vec<f64>, Vec<f64>) = delayed.into_iter().unzip();
+        (middle(host), middle(waited))
+    });
     let expert_imbalance = (t.dims.ep > 1 && !ep_imbalance.is_empty())
         .then(|| ep_imbalance.iter().sum::<f64>() / ep_imbalance.len() as f64);
     let context = if t.dims.cp > 1 {
@@ -466,6 +485,7 @@ pub fn bench_train(
         profile_synchronized: profiled_on_gpu,
         cpu_steal,
         expert_imbalance,
+        delayed_update,
         pipeline,
         context,
         gpu,

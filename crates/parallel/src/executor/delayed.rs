@@ -24,6 +24,7 @@
 //! gradients and the update's scalars, and a resumed run continues exactly
 //! ([`crate::checkpoint::PendingUpdate`]).
 use std::ops::Range;
+use std::time::Duration;
 
 use rayon::prelude::*;
 use tensor::buf::Buf;
@@ -175,22 +176,22 @@ impl<M: StageModel> Executor<M> {
     }
 
     /// Gives the optimizer state back and keeps the update's result for the optimizer point;
-    /// `ran` is the thread's outcome.
+    /// `ran` is the thread's outcome (the update's time). Returns that time.
     pub(super) fn end_delayed_work(
         &mut self,
         work: Option<Work>,
-        ran: Option<std::thread::Result<Result<(), ParallelError>>>,
-    ) -> Result<(), ParallelError> {
+        ran: Option<std::thread::Result<Result<Duration, ParallelError>>>,
+    ) -> Result<Option<Duration>, ParallelError> {
         let Some(w) = work else {
-            return Ok(());
+            return Ok(None);
         };
         self.master = w.master;
         self.m = w.m;
         self.v = w.v;
         match ran {
-            Some(Ok(Ok(()))) => {
+            Some(Ok(Ok(took))) => {
                 self.delayed.updated = Some(w.pending.grads);
-                Ok(())
+                Ok(Some(took))
             }
             Some(Ok(Err(e))) => Err(e),
             Some(Err(_)) | None => Err(ParallelError::Model(format!(

@@ -253,6 +253,9 @@ pub struct StepStats {
     /// Bytes this rank sent over the dp group during the step (gradient reductions, ZeRO's
     /// gathers): what `train.grad_comm` compresses.
     pub dp_bytes_sent: u64,
+    /// A delayed update ran beside the step ([`delayed`]): its seconds on the host, and the
+    /// seconds the step waited for it at its optimizer point.
+    pub delayed_update: Option<(f64, f64)>,
 }
 
 /// Timeline events recorded when tracing is on: the actions of the schedule as they ran (a

@@ -276,8 +276,13 @@ impl<M: StageModel> Executor<M> {
         };
         // A held update runs on a thread of its own beside this step's actions ([`super::delayed`]).
         let mut work = self.begin_delayed_work();
-        let (acted, ran) = std::thread::scope(|s| {
-            let update = work.as_mut().map(|w| s.spawn(|| w.run()));
+        let (acted, ran, waited) = std::thread::scope(|s| {
+            let update = work.as_mut().map(|w| {
+                s.spawn(|| {
+                    let start = Instant::now();
+                    w.run().map(|()| start.elapsed())
+                })
+            });
             let acted = schedule[..schedule.len() - 1].iter().try_for_each(|a| {
                 let start = Instant::now();
                 st.waited = Duration::ZERO;
@@ -285,13 +290,16 @@ impl<M: StageModel> Executor<M> {
                 self.record_span(a, start, st.waited);
                 Ok::<(), ParallelError>(())
             });
-            (acted, update.map(|u| u.join()))
+            let start = Instant::now();
+            let ran = update.map(|u| u.join());
+            (acted, ran, start.elapsed())
         });
         let ended = self.end_delayed_work(work, ran);
         acted?;
-        ended?;
+        let delayed_update = ended?.map(|took| (took.as_secs_f64(), waited.as_secs_f64()));
         let start = Instant::now();
         let mut stats = self.finish(micro.len(), st)?;
+        stats.delayed_update = delayed_update;
         self.record_span(&Action::Optimizer, start, Duration::ZERO);
         stats.dp_bytes_sent = self.dp.stats().total_bytes_sent() - dp_sent_before;
         Ok(stats)
@@ -795,6 +803,7 @@ impl<M: StageModel> Executor<M> {
             applied,
             loss_scale,
             dp_bytes_sent: 0,
+            delayed_update: None,
         })
     }
 

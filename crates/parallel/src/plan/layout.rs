@@ -23,6 +23,10 @@ pub enum Offload {
     /// optimizer shard in host memory, the AdamW step on the CPU; gradients stream device →
     /// host, the updated 16-bit weights host → device (16-bit training only).
     Optimizer,
+    /// ZeRO-Offload with the one-step delayed update (`parallel.delayed_update_after`): the
+    /// CPU's AdamW of a step runs beside the next step's forward and backward, whose
+    /// gradients are taken one update late; the host holds the shard's gradients twice.
+    Delayed,
 }
 
 impl Offload {
@@ -31,7 +35,13 @@ impl Offload {
         match self {
             Offload::None => "none",
             Offload::Optimizer => "optimizer",
+            Offload::Delayed => "delayed",
         }
+    }
+
+    /// Whether the optimizer runs on the host.
+    pub fn on_host(self) -> bool {
+        self != Offload::None
     }
 }
 
@@ -41,8 +51,9 @@ impl FromStr for Offload {
         match text {
             "none" => Ok(Offload::None),
             "optimizer" => Ok(Offload::Optimizer),
+            "delayed" => Ok(Offload::Delayed),
             other => Err(ParallelError::Config(format!(
-                "offload `{other}` (expected none or optimizer)"
+                "offload `{other}` (expected none, optimizer or delayed)"
             ))),
         }
     }

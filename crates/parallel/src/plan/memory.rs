@@ -16,7 +16,9 @@
 //!   ZeRO-1/2 optimizer keeps the partition's fp32 gradients on the host); per rank that is
 //!   `⌈Φ/N⌉` elements at ZeRO-1/2/3 (partitioned over the ZeRO group as the optimizer states
 //!   are), `Φ` at ZeRO-0 (every rank updates all of it). Only 16-bit training offloads (fp32
-//!   weights are their own master copy).
+//!   weights are their own master copy). With the one-step delayed update
+//!   ([`Offload::Delayed`]) a step's gradients are held while the next step's land: the
+//!   gradients' bytes once more, `16` and `20`.
 //! - **Activations**, with [`Conventions::Xtrain`], are the bytes of what each unit caches
 //!   for its backward in this engine (fp32; per block: input, the two norms' outputs and
 //!   rstd, q, k, v, the attention output and log-sum-exp, the residual, SwiGLU's gate, up and
@@ -564,13 +566,17 @@ pub fn predict(
 
 /// Bytes per element of a rank's optimizer shard that optimizer offload keeps in host memory:
 /// fp32 master weights 4 + AdamW moments 8 + the gradients, 16-bit here and fp32 in
-/// DeepSpeed (Megatron's conventions; see the module doc).
-pub fn host_bytes_per_param(job: &Job) -> usize {
+/// DeepSpeed (Megatron's conventions; see the module doc) — twice under the delayed update.
+pub fn host_bytes_per_param(job: &Job, offload: Offload) -> usize {
     let grads = match job.conventions {
         Conventions::Megatron => 4,
         Conventions::Xtrain => job.precision.compute_bytes(),
     };
-    4 + 8 + grads
+    match offload {
+        Offload::None => 0,
+        Offload::Optimizer => 4 + 8 + grads,
+        Offload::Delayed => 4 + 8 + 2 * grads,
+    }
 }
 
 /// Elements of the optimizer shard of a rank holding `params` over a ZeRO group of `n`:
@@ -592,13 +598,12 @@ pub fn model_states(job: &Job, l: &Layout, params: usize, n: usize) -> (MemoryAc
         // Megatron accumulates gradients in fp32 beside 16-bit weights.
         account.grads *= 2;
     }
-    let host = match l.offload {
-        Offload::None => 0,
-        Offload::Optimizer => {
-            account.master = 0;
-            account.optimizer = 0;
-            host_bytes_per_param(job) * optimizer_shard(params, n, l.zero)
-        }
+    let host = if l.offload.on_host() {
+        account.master = 0;
+        account.optimizer = 0;
+        host_bytes_per_param(job, l.offload) * optimizer_shard(params, n, l.zero)
+    } else {
+        0
     };
     (account, host)
 }
@@ -716,15 +721,17 @@ mod tests {
         let phi: usize = 1001;
         let job = job(Precision::Bf16);
         // Host bytes per shard element: master 4, moments 8, the 16-bit gradients 2; with
-        // Megatron's conventions DeepSpeed's fp32 gradients, 4.
+        // Megatron's conventions DeepSpeed's fp32 gradients, 4; the delayed update holds the
+        // gradients twice.
         let megatron = Job {
             conventions: Conventions::Megatron,
             ..job.clone()
         };
-        assert_eq!(
-            (host_bytes_per_param(&job), host_bytes_per_param(&megatron)),
-            (14, 16)
-        );
+        let per = |job: &Job| {
+            [Offload::None, Offload::Optimizer, Offload::Delayed]
+                .map(|o| host_bytes_per_param(job, o))
+        };
+        assert_eq!((per(&job), per(&megatron)), ([0, 14, 16], [0, 16, 20]));
         for n in [2, 4] {
             let s = phi.div_ceil(n);
             // By hand, per stage: (device weights, device grads, host bytes).
@@ -744,6 +751,13 @@ mod tests {
                 let (dev, h) = model_states(&job, &l, phi, n);
                 let got = (dev.params, dev.grads, dev.master, dev.optimizer, h);
                 assert_eq!(got, (params, grads, 0, 0, host), "z{k} over {n}");
+                // Delayed: the same device bytes, 2 more a shard element on the host.
+                let delayed = Layout {
+                    offload: Offload::Delayed,
+                    ..l
+                };
+                let (d, h) = model_states(&job, &delayed, phi, n);
+                assert_eq!((d, h), (dev, host / 14 * 16), "z{k} over {n}, delayed");
                 // Without offload the same stage keeps 12 bytes per shard element on the
                 // device and nothing on the host.
                 let on_device = Layout {

@@ -75,7 +75,7 @@ impl Default for SearchSpace {
             micro_batches: vec![1, 2, 4, 8],
             recompute: vec![Recompute::None, Recompute::Selective, Recompute::Full],
             sp_always: true,
-            offload: vec![Offload::None, Offload::Optimizer],
+            offload: vec![Offload::None, Offload::Optimizer, Offload::Delayed],
         }
     }
 }

@@ -39,8 +39,10 @@
 //! shard of `S` elements ([`super::memory::optimizer_shard`]: `⌈Φ/N⌉` at ZeRO ≥ 1, `Φ` at
 //! ZeRO-0) on the host link (α, β per device and direction),
 //! - the CPU's AdamW, `S / (R / devices per node)` seconds (R: the node's rate, its devices'
-//!   ranks updating their shards at once), exposed (DeepSpeed's one-step delayed update,
-//!   which hides it behind the next step, is not modelled);
+//!   ranks updating their shards at once), exposed — or, with the one-step delayed update
+//!   ([`Offload::Delayed`], `executor::delayed`), run beside the next step's device work `D`
+//!   (its compute, bubble and exposed dp communication) and the gradients' exposed landing
+//!   `G`: only `max(0, AdamW − D − G)` exposed;
 //! - the gradients go device → host, `g·S` bytes (`g` = 2 for 16-bit gradients, 4 for
 //!   Megatron's fp32 ones), and the updated 16-bit weights host → device, `2·S` (ZeRO-1/2
 //!   all-gather them among the group afterwards, as without offload). With Megatron's
@@ -50,7 +52,8 @@
 //!   land bucket by bucket behind the last backward as in DeepSpeed, `max(0, α + g·S/β −
 //!   backward)` exposed, and the weights go up chunk by chunk (`C` = 4 Mi elements) while
 //!   the CPU updates the next, `max(0, α + 2·S/β − AdamW)` plus the last chunk's upload
-//!   (`α + 2·C/β`).
+//!   (`α + 2·C/β`). Delayed, the update has finished before its weights go up, in one copy
+//!   from the buffer they were rounded into: `α + 2·S/β` exposed (DeepSpeed's the same).
 //!
 //! **Pipeline.** The rank's schedule is simulated with unit costs (F = I = W = 1, B = 2); the
 //! step's compute is the makespan in those units times the slowest stage's seconds per unit.
@@ -281,10 +284,11 @@ pub fn predict(
         };
         let shard = optimizer_shard(params[r], dp_group, l.zero) as f64;
         let (optimizer, offload_exposed) = match (l.offload, &c.host) {
-            (Offload::Optimizer, Some(host)) => {
-                offload(job, host, c.devices_per_node, shard, last_backward)
+            (Offload::None, _) | (_, None) => (36.0 * shard / c.memory_bandwidth, 0.0),
+            (o, Some(host)) => {
+                let device = (last_backward, makespan + dp_exposed);
+                offload(job, host, c.devices_per_node, shard, o, device)
             }
-            _ => (36.0 * shard / c.memory_bandwidth, 0.0),
         };
         let step = makespan + dp_exposed + optimizer + offload_exposed;
         if step > worst.step_s {
@@ -308,14 +312,16 @@ pub fn predict(
 }
 
 /// Optimizer offload's seconds for a shard of `shard` elements whose gradients the last
-/// backward (`backward` seconds) can hide: (the CPU's AdamW, the copies exposed); see the
-/// module doc.
+/// backward can hide, in a step whose device work before its optimizer point (compute,
+/// bubble, exposed dp communication) a delayed update runs beside — `(backward, device)`
+/// seconds: (the CPU's AdamW exposed, the copies exposed); see the module doc.
 pub fn offload(
     job: &Job,
     host: &Host,
     devices_per_node: usize,
     shard: f64,
-    backward: f64,
+    mode: Offload,
+    (backward, device): (f64, f64),
 ) -> (f64, f64) {
     let grad_bytes = match job.conventions {
         Conventions::Megatron => 4.0,
@@ -325,18 +331,25 @@ pub fn offload(
     let to_host = host.link.time(grad_bytes * shard);
     let to_device = host.link.time(weight_bytes * shard);
     let adam = shard * devices_per_node as f64 / host.adam_params_per_s;
-    let exposed = match job.conventions {
-        // DeepSpeed: the gradients' copy behind the last backward, the weights' after AdamW.
-        Conventions::Megatron => (to_host - backward).max(0.0) + to_device,
-        // This engine (`executor::offload`): the gradients land behind the last backward,
-        // and the weights go up chunk by chunk while the CPU updates the next chunk; the
-        // last chunk's upload follows the update.
+    let grads_exposed = (to_host - backward).max(0.0);
+    if mode == Offload::Delayed {
+        // AdamW beside the next step; its weights go up in one copy once it is done.
+        return (
+            (adam - device - grads_exposed).max(0.0),
+            grads_exposed + to_device,
+        );
+    }
+    // The gradients' copy behind the last backward; then the weights'.
+    let weights_exposed = match job.conventions {
+        // DeepSpeed: after AdamW.
+        Conventions::Megatron => to_device,
+        // This engine (`executor::offload`): chunk by chunk while the CPU updates the next
+        // chunk; the last chunk's upload follows the update.
         Conventions::Xtrain => {
             let chunk = (crate::precision::DEVICE_CHUNK as f64).min(shard);
-            (to_host - backward).max(0.0)
-                + (to_device - adam).max(0.0)
-                + host.link.time(weight_bytes * chunk)
+            (to_device - adam).max(0.0) + host.link.time(weight_bytes * chunk)
         }
     };
+    let exposed = grads_exposed + weights_exposed;
     (adam, exposed)
 }

@@ -1,7 +1,8 @@
 //! Optimizer offload in the planner: a 7B Llama that fits one 80 GB H100 only with its
 //! optimizer in 128 GB of host memory, the host bytes it needs (14Φ), a host too small named
 //! as the shortfall, the step time of the CPU's AdamW and the copies, and a small model the
-//! search keeps on the device because offload is slower.
+//! search keeps on the device because offload is slower; the delayed update's host bytes and
+//! step time.
 use model::ModelConfig;
 use parallel::memory::human;
 use parallel::plan::search::layouts;
@@ -63,16 +64,22 @@ fn llama_7b_fits_one_h100_only_with_the_optimizer_on_the_host() {
 
     let p = plan(&job, &cluster, &SearchSpace::default()).unwrap();
     assert!(p.shortfall.is_none(), "{:?}", p.shortfall);
-    assert!(p
-        .feasible
-        .iter()
-        .all(|x| x.layout.offload == Offload::Optimizer));
+    assert!(p.feasible.iter().all(|x| x.layout.offload.on_host()));
+    for offload in [Offload::Optimizer, Offload::Delayed] {
+        let best = p
+            .feasible
+            .iter()
+            .find(|x| x.layout.offload == offload)
+            .unwrap();
+        // Device: 16-bit weights and gradients, 2Φ + 2Φ; host: master, m, v and the landed
+        // 16-bit gradients, 14Φ (one rank: its shard is the whole model), and a delayed
+        // update's held gradients, 2Φ more.
+        assert_eq!(best.peak.model_states(), 4 * phi, "{}", best.layout);
+        assert_eq!((best.peak.master, best.peak.optimizer), (0, 0));
+        let per = if offload == Offload::Delayed { 16 } else { 14 };
+        assert_eq!(best.host, per * phi, "{}", best.layout);
+    }
     let best = &p.feasible[0];
-    // Device: 16-bit weights and gradients, 2Φ + 2Φ; host: master, m, v and the landed
-    // 16-bit gradients, 14Φ (one rank: its shard is the whole model).
-    assert_eq!(best.peak.model_states(), 4 * phi, "{}", best.layout);
-    assert_eq!((best.peak.master, best.peak.optimizer), (0, 0));
-    assert_eq!(best.host, 14 * phi);
     assert!(best.resident as u64 <= cluster.memory_bytes);
     assert!(best.host as u64 <= cluster.host_share().unwrap());
 }
@@ -171,6 +178,49 @@ fn offload_step_time_is_the_cpu_step_and_the_exposed_copies() {
     );
 }
 
+/// The delayed update (`offload=delayed`): the CPU's AdamW beside the next step's device work
+/// D and the gradients' exposed landing G, `max(D + G, AdamW)`, then the updated weights' one
+/// upload `α + 2Φ/β`; the same D and G as updating in place.
+#[test]
+fn a_delayed_update_hides_the_cpu_step_behind_the_next_step() {
+    let (job, phi) = llama_7b();
+    let cluster = one_h100(128_000_000_000);
+    let h = cluster.host.unwrap();
+    let phi = phi as f64;
+    let link = |bytes: f64| h.link.latency + bytes / h.link.bandwidth;
+    let adam = phi / h.adam_params_per_s;
+    let chunk = parallel::precision::DEVICE_CHUNK as f64;
+    let at = |name: &str| evaluate(&job, &cluster, &name.parse().unwrap()).unwrap();
+    for layout in [
+        "dp1 mb1x8 rc=full",
+        "dp1 mb8x1 rc=full",
+        "dp1 mb2x4 rc=none",
+    ] {
+        let plain = at(&format!("{layout} offload=optimizer")).time;
+        let delayed = at(&format!("{layout} offload=delayed")).time;
+        let device = plain.step_s - plain.optimizer_s - plain.offload_exposed_s;
+        let grads = plain.offload_exposed_s - (link(2.0 * phi) - adam).max(0.0) - link(2.0 * chunk);
+        let want = (device + grads).max(adam) + link(2.0 * phi);
+        let close = |a: f64, b: f64| (a - b).abs() <= 1e-9 * b;
+        assert!(
+            close(delayed.step_s, want),
+            "{layout}: {} vs {want}",
+            delayed.step_s
+        );
+        assert!(
+            close(delayed.offload_exposed_s, grads + link(2.0 * phi)),
+            "{layout}"
+        );
+        assert!(
+            (delayed.optimizer_s - (adam - device - grads).max(0.0)).abs() <= 1e-9 * adam,
+            "{layout}: AdamW exposed {}",
+            delayed.optimizer_s
+        );
+        // Here (PCIe 5: the weights' upload 0.27 s, AdamW 1.7 s) hiding AdamW wins.
+        assert!(delayed.step_s < plain.step_s, "{layout}");
+    }
+}
+
 #[test]
 fn a_small_model_keeps_its_optimizer_on_the_device() {
     // ~1.4B parameters: 16Φ ≈ 22 GB fits the device, and the CPU's AdamW is slower.
@@ -180,14 +230,16 @@ fn a_small_model_keeps_its_optimizer_on_the_device() {
     let p = plan(&job, &cluster, &SearchSpace::default()).unwrap();
     let best = &p.feasible[0];
     assert_eq!(best.layout.offload, Offload::None, "{}", best.layout);
-    let twin = Layout {
-        offload: Offload::Optimizer,
-        ..best.layout
-    };
-    let x = evaluate(&job, &cluster, &twin).unwrap();
-    assert!(x.fits, "{twin} fits too");
-    assert!(x.time.tokens_per_s < best.time.tokens_per_s);
-    assert!(x.resident < best.resident);
+    for offload in [Offload::Optimizer, Offload::Delayed] {
+        let twin = Layout {
+            offload,
+            ..best.layout
+        };
+        let x = evaluate(&job, &cluster, &twin).unwrap();
+        assert!(x.fits, "{twin} fits too");
+        assert!(x.time.tokens_per_s < best.time.tokens_per_s, "{twin}");
+        assert!(x.resident < best.resident);
+    }
 }
 
 #[test]
@@ -205,7 +257,7 @@ fn offload_needs_16_bit_weights_and_a_host() {
     let offloaded = |j: &Job, c: &Cluster| {
         layouts(j, c, &space)
             .iter()
-            .filter(|l| l.offload == Offload::Optimizer)
+            .filter(|l| l.offload.on_host())
             .count()
     };
     assert_eq!(offloaded(&fp32, &cluster), 0);

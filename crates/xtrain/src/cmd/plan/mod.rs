@@ -74,7 +74,8 @@ pub struct PlanArgs {
     pub zero: Vec<usize>,
     /// Where the optimizer may run (comma-separated): `none` (on the device), `optimizer`
     /// (ZeRO-Offload: master weights, moments and the step on the host; 16-bit precisions on
-    /// a cluster with a host side). Default: both.
+    /// a cluster with a host side), `delayed` (the same with the one-step delayed update:
+    /// `train --offload optimizer --set parallel.delayed_update_after=N`). Default: all three.
     #[arg(long, value_delimiter = ',')]
     pub offload: Vec<String>,
     /// Deepest pipeline searched when --pp is not given.
@@ -299,7 +300,7 @@ pub fn run_cmd(a: PlanArgs) -> Result<()> {
             human(s.closest.resident as u64),
             human(s.short_bytes)
         );
-        if s.closest.layout.offload == Offload::Optimizer {
+        if s.closest.layout.offload.on_host() {
             need += &format!(
                 " and {} of host memory per device ({} more)",
                 human(s.closest.host as u64),
@@ -328,7 +329,7 @@ fn table(preds: &[Prediction]) {
     for (i, x) in preds.iter().enumerate() {
         let host = match x.layout.offload {
             Offload::None => "-".to_string(),
-            Offload::Optimizer => human(x.host as u64),
+            Offload::Optimizer | Offload::Delayed => human(x.host as u64),
         };
         println!(
             "{:>3}  {:<68} {:>12.0} {:>9.3} {:>6.1}% {:>11} {:>11}",
@@ -371,9 +372,13 @@ fn explain(p: &Prediction, c: &Cluster) {
             human(r.process as u64),
             human(r.resident() as u64)
         );
-        if l.offload == Offload::Optimizer {
+        if l.offload.on_host() {
+            let grads = match l.offload {
+                Offload::Delayed => "gradients twice (one step's held)",
+                _ => "gradients",
+            };
             println!(
-                "      host: fp32 master + adam m,v + fp32 grads of its optimizer shard = {} (limit {} per device)",
+                "      host: fp32 master + adam m,v + {grads} of its optimizer shard = {} (limit {} per device)",
                 human(r.host as u64),
                 human(c.host_share().unwrap_or(0))
             );
@@ -396,6 +401,9 @@ fn explain(p: &Prediction, c: &Cluster) {
             match l.offload {
                 Offload::None => "optimizer step",
                 Offload::Optimizer => "optimizer step, on the host's CPUs",
+                Offload::Delayed => {
+                    "optimizer step, on the host's CPUs beside the next step, exposed"
+                }
             },
             t.optimizer_s,
         ),
