@@ -32,6 +32,7 @@
 //! step, [`state`] saves and loads checkpoints.
 mod delayed;
 mod offload;
+pub use offload::host_update_rate;
 mod optimizer;
 mod reduce;
 mod run;

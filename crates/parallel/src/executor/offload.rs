@@ -135,6 +135,25 @@ fn adamw_bits_pieces(
     });
 }
 
+/// Parameters a second the host's update of ZeRO-Offload moves through: [`adamw_from_bits`]
+/// over `n` elements of bf16 gradient bits on the thread budget, the best of three passes
+/// (for the planner's calibration of a host; `n` well beyond the last-level cache, as a
+/// model's optimizer state is).
+pub fn host_update_rate(n: usize) -> f64 {
+    let opt = AdamW::default();
+    let grads = vec![0x3c00u16; n];
+    let (mut p, mut m, mut v, mut out) = (vec![0.1f32; n], vec![0.0; n], vec![0.0; n], vec![0; n]);
+    let best = (1..=3)
+        .map(|t| {
+            let start = std::time::Instant::now();
+            let state = (&mut p[..], &mut m[..], &mut v[..]);
+            adamw_from_bits(Half::Bf16, &opt, (t, 1e-3, 1.0), &grads, state, &mut out);
+            start.elapsed().as_secs_f64()
+        })
+        .fold(f64::INFINITY, f64::min);
+    n as f64 / best.max(1e-9)
+}
+
 impl OffloadTraffic {
     /// [`Self::landed`], handing over the landing buffer itself — the step's gradients, for an
     /// update that runs later — with `spare` (when it is a twin) or a new buffer in its place.
@@ -238,6 +257,12 @@ mod tests {
     /// One pass equals the three it replaces — widen, AdamW with the factor, round — bit for
     /// bit, from separate gradient bits and over them in place, in both 16-bit formats, over lengths that end inside a piece and span several
     /// (the master, the moments and the rounded weights all compared).
+    #[test]
+    fn the_host_update_rate_is_a_rate() {
+        let r = host_update_rate(1 << 16);
+        assert!(r.is_finite() && r > 1e5, "{r} parameters/s");
+    }
+
     #[test]
     fn one_pass_equals_widen_update_round() {
         let opt = AdamW {

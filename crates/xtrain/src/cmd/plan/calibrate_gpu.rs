@@ -185,13 +185,13 @@ pub fn this_gpus(
     cluster.peak_flops_32 = peak_32;
     cluster.process_bytes = process;
     cluster.group_peer_bytes = 2 * comm::Options::default().shm_ring_bytes as u64;
-    // The host's side, for ZeRO-Offload: its memory, the copies (page-locked), and the CPU's
-    // AdamW rate
-    // (the CPU calibration's optimizer phase over its 36 bytes a parameter).
+    // The host's side, for ZeRO-Offload: its memory, the copies (page-locked), and the rate
+    // of the host's update as the offload runs it (from 16-bit gradient bits through the
+    // fp32 master and moments into the rounded weights, over 16 Mi parameters).
     cluster.host = Some(Host {
         memory_bytes: super::calibrate::total_memory(),
         link: pcie,
-        adam_params_per_s: super::calibrate::memory_bandwidth() / 36.0,
+        adam_params_per_s: parallel::executor::host_update_rate(1 << 24),
     });
     Ok(cluster)
 }
