@@ -129,6 +129,14 @@ impl Landing {
         }
     }
 
+    /// [`Self::settled`], to write (no call into the driver: from any thread).
+    pub fn settled_mut(&mut self) -> Option<&mut [u16]> {
+        match self {
+            Landing::Host(v) => Some(v),
+            Landing::Gpu(s) => s.settled_mut(),
+        }
+    }
+
     pub fn len(&self) -> usize {
         match self {
             Landing::Host(v) => v.len(),

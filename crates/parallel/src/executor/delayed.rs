@@ -128,7 +128,11 @@ impl Work {
         let step = (p.t, p.scalars.lr, p.scalars.factor);
         match (&mut self.pending.grads, self.kind) {
             (Held::Bits(landing), Some(kind)) => {
-                let bits = landing.host().map_err(terr)?;
+                // Landed before it was held (`take_landed` waited): on this thread, which has
+                // no GPU context, nothing calls into the driver.
+                let bits = landing.settled_mut().ok_or_else(|| {
+                    ParallelError::Model("a held update's gradients are still landing".into())
+                })?;
                 adamw_in_place(kind, &self.opt, step, (master, m, v), bits);
             }
             (Held::F32(g), None) => {

@@ -305,6 +305,11 @@ impl<T: Copy> Staged<T> {
         self.in_flight.is_none().then_some(&*self.buf)
     }
 
+    /// [`Self::settled`], to write: no call into the driver, so any thread may make it.
+    pub fn settled_mut(&mut self) -> Option<&mut [T]> {
+        self.in_flight.is_none().then_some(&mut *self.buf)
+    }
+
     /// Queues the copy of `src` into elements `at..at + src.len()`, behind the compute
     /// stream's queued work; returns at once.
     pub fn download(&mut self, at: usize, src: super::DevSlice<'_, T>) -> Result<(), CudaError> {
