@@ -150,7 +150,7 @@ fn an_unknown_offload_is_a_config_error() {
 }
 
 /// Layouts of the delayed update: every update past the first runs beside the next step.
-const DELAYED: [(&str, usize, &[&str]); 3] = [
+const DELAYED: [(&str, usize, &[&str]); 4] = [
     (
         "single bf16",
         1,
@@ -167,6 +167,16 @@ const DELAYED: [(&str, usize, &[&str]); 3] = [
         ],
     ),
     ("pp2 1F1B fp32", 2, &["parallel.pp=2", "train.grad_accum=4"]),
+    (
+        "tp2 sp bf16",
+        2,
+        &[
+            "parallel.tp=2",
+            "parallel.sp=true",
+            "train.grad_accum=4",
+            "train.precision=\"bf16\"",
+        ],
+    ),
 ];
 
 fn delayed(nproc: usize, extra: &[&str], after: Option<u64>) -> RunConfig {
