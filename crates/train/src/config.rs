@@ -225,9 +225,13 @@ pub struct ParallelConfig {
     pub offload: String,
     /// ZeRO-Offload's delayed update: past this many AdamW steps, each step's update runs on
     /// the host beside the next step's forward and backward, whose gradients are then taken
-    /// at the weights one update behind (docs/GPU.md). Unset (the default): every update
-    /// before the next step.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
+    /// at the weights one update behind (docs/GPU.md). Unset (the default), or `"none"` (to
+    /// turn it off in a resumed run's config): every update before the next step.
+    #[serde(
+        default,
+        skip_serializing_if = "Option::is_none",
+        deserialize_with = "steps_or_none"
+    )]
     pub delayed_update_after: Option<u64>,
 }
 
@@ -322,6 +326,34 @@ fn default_schedule() -> String {
 
 fn default_bucket_mb() -> f64 {
     25.0
+}
+
+/// A number of steps, or the string `"none"` for no value.
+fn steps_or_none<'de, D: serde::Deserializer<'de>>(
+    d: D,
+) -> std::result::Result<Option<u64>, D::Error> {
+    struct Steps;
+    impl serde::de::Visitor<'_> for Steps {
+        type Value = Option<u64>;
+        fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+            f.write_str("a number of steps (0 or more) or \"none\"")
+        }
+        fn visit_u64<E: serde::de::Error>(self, n: u64) -> std::result::Result<Self::Value, E> {
+            Ok(Some(n))
+        }
+        fn visit_i64<E: serde::de::Error>(self, n: i64) -> std::result::Result<Self::Value, E> {
+            u64::try_from(n)
+                .map(Some)
+                .map_err(|_| E::invalid_value(serde::de::Unexpected::Signed(n), &self))
+        }
+        fn visit_str<E: serde::de::Error>(self, w: &str) -> std::result::Result<Self::Value, E> {
+            match w {
+                "none" => Ok(None),
+                _ => Err(E::invalid_value(serde::de::Unexpected::Str(w), &self)),
+            }
+        }
+    }
+    d.deserialize_any(Steps)
 }
 
 fn default_offload() -> String {
@@ -605,7 +637,7 @@ impl RunConfig {
         let offload = self.parallel.offload_optimizer()?;
         if self.parallel.delayed_update_after.is_some() && !offload {
             return bad(
-                "parallel.delayed_update_after needs parallel.offload = \"optimizer\" (the delayed update is ZeRO-Offload's: AdamW on the host beside the device's next step)"
+                "parallel.delayed_update_after needs parallel.offload = \"optimizer\" (the delayed update is ZeRO-Offload's: AdamW on the host beside the device's next step); without offload set it to \"none\""
                     .into(),
             );
         }

@@ -268,8 +268,27 @@ fn a_held_update_is_applied_by_every_other_reader() {
 
 #[test]
 fn a_delayed_update_without_offload_is_a_config_error() {
-    let e = RunConfig::resolve("tiny", None, &["parallel.delayed_update_after=10".into()])
+    let resolve = |o: &[&str]| {
+        let o: Vec<String> = o.iter().map(|s| s.to_string()).collect();
+        RunConfig::resolve("tiny", None, &o)
+    };
+    let e = resolve(&["parallel.delayed_update_after=10"])
         .unwrap_err()
         .to_string();
     assert!(e.contains("needs parallel.offload"), "{e}");
+    for bad in ["-3", "\"soon\"", "1.5"] {
+        let e = resolve(&[&format!("parallel.delayed_update_after={bad}")])
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("a number of steps (0 or more) or \"none\""),
+            "{bad}: {e}"
+        );
+    }
+    // "none" turns it off (a resumed run's config holds the number).
+    let off = [
+        "parallel.delayed_update_after=3",
+        "parallel.delayed_update_after=\"none\"",
+    ];
+    assert_eq!(resolve(&off).unwrap().parallel.delayed_update_after, None);
 }
