@@ -2149,6 +2149,21 @@ fn staged_copies_follow_the_compute_stream() {
     ops::scale(d.as_mut_slice(), 0.5).unwrap();
     let back: Vec<f32> = x.iter().map(|v| -v).collect();
     assert_eq!(host(&d), back);
+    // Unordered uploads (a delayed update's weights, unit by unit): a kernel queued after the
+    // compute stream is ordered after each reads the uploaded values.
+    let h = landing.host().unwrap();
+    h[10..].iter_mut().zip(&x).for_each(|(v, x)| *v = 4.0 * x);
+    let first = landing
+        .upload_unordered(10..10 + n / 2, d.slice_mut(0..n / 2))
+        .unwrap();
+    let second = landing
+        .upload_unordered(10 + n / 2..10 + n, d.slice_mut(n / 2..n))
+        .unwrap();
+    first.order_compute().unwrap();
+    second.order_compute().unwrap();
+    ops::scale(d.as_mut_slice(), 0.25).unwrap();
+    assert_eq!(host(&d), x);
+    assert!(landing.upload_unordered(0..5, d.slice_mut(0..6)).is_err());
     // Bounds: an error, nothing queued.
     assert!(landing.download(20, d.slice(0..n)).is_err());
     assert!(landing.upload(0..5, d.slice_mut(0..6)).is_err());

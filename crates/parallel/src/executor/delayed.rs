@@ -28,11 +28,13 @@ use std::time::Duration;
 
 use rayon::prelude::*;
 use tensor::buf::Buf;
+use tensor::cuda::Unordered;
 
 use super::offload::adamw_in_place;
 use super::run::terr;
 use super::Executor;
 use crate::checkpoint::PendingUpdate;
+use crate::data_parallel::ZeroStage;
 use crate::precision::{Flat, Half, Landing, CHUNK};
 use crate::stage::StageModel;
 use crate::ParallelError;
@@ -87,6 +89,10 @@ pub(super) struct Delayed {
     updated: Option<Held>,
     /// A stored result's buffer, kept for the next held update.
     spare: Option<Held>,
+    /// The stored weights' uploads the compute stream is not yet ordered after, by flat
+    /// range of the weights (ZeRO-0 on a GPU: unit by unit, each unit's first reader waits for
+    /// its own, [`Executor::order_uploads`]).
+    unordered: Vec<(Range<usize>, Unordered)>,
 }
 
 impl Delayed {
@@ -206,22 +212,55 @@ impl<M: StageModel> Executor<M> {
     }
 
     /// At the optimizer point: stores the weights of the update that ran beside this step
-    /// into the compute weights. Returns whether there was one.
+    /// into the compute weights. Returns whether there was one. At ZeRO-0 on a GPU they go
+    /// up unit by unit without holding the compute stream: the next step's forward of each
+    /// unit waits for its own upload only, so the copies run behind the units before it
+    /// (the weights' upload is otherwise exposed between the steps, the update having run
+    /// beside the step instead of beside the copies).
     pub(super) fn store_delayed_update(&mut self) -> Result<bool, ParallelError> {
         let Some(mut held) = self.delayed.updated.take() else {
             return Ok(false);
         };
+        self.order_uploads(None)?;
         let (_, pr, mr) = self.own_ranges();
-        match &mut held {
-            Held::Bits(landing) => self.params.store_landed(pr.start, landing),
-            Held::F32(_) => {
+        let by_units = self.cfg.zero == ZeroStage::Ddp;
+        match (&mut held, &mut self.params) {
+            (Held::Bits(Landing::Gpu(stage)), Flat::DevHalf { bits, .. }) if by_units => {
+                // ZeRO-0: the landing's element i is weight i, and the units tile them.
+                for r in &self.units {
+                    let up = stage
+                        .upload_unordered(r.clone(), bits.slice_mut(r.clone()))
+                        .map_err(|e| terr(e.into()))?;
+                    self.delayed.unordered.push((r.clone(), up));
+                }
+                Ok(())
+            }
+            (Held::Bits(landing), params) => params.store_landed(pr.start, landing),
+            (Held::F32(_), params) => {
                 let master = &self.master.as_host("the master weights").map_err(terr)?[mr];
-                self.params.write(pr.start, master)
+                params.write(pr.start, master)
             }
         }
         .map_err(terr)?;
         self.delayed.spare = Some(held);
         Ok(true)
+    }
+
+    /// Orders the compute stream after the unordered uploads of the weights in flat range
+    /// `r` (`None`: all of them): before anything reads them.
+    pub(super) fn order_uploads(&mut self, r: Option<&Range<usize>>) -> Result<(), ParallelError> {
+        if self.delayed.unordered.is_empty() {
+            return Ok(());
+        }
+        let mut ordered = Ok(());
+        self.delayed.unordered.retain(|(u, up)| {
+            let reads = r.is_none_or(|r| u.start < r.end && r.start < u.end);
+            if reads && ordered.is_ok() {
+                ordered = up.order_compute();
+            }
+            !reads
+        });
+        ordered.map_err(|e| terr(e.into()))
     }
 
     /// At the optimizer point of a delayed step: holds this rank's gradients, with the step's

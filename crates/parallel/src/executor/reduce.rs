@@ -147,6 +147,7 @@ impl<M: StageModel> Executor<M> {
     /// Starts gathering unit `u`'s compute weights from the shards (pieces arrive in rank
     /// order, which is flat order; 16-bit weights travel as 16 bits).
     pub(super) fn gather_async(&mut self, u: usize) -> Result<Gather, ParallelError> {
+        self.order_uploads(None)?;
         if let Some(nccl) = self.cfg.nccl.clone() {
             return self.gather_nccl(u, &nccl);
         }
@@ -231,6 +232,7 @@ impl<M: StageModel> Executor<M> {
     /// ZeRO-1/2 after the optimizer step over NCCL: each unit's updated weights gathered in
     /// place in the full weight buffer from the ranks that updated them.
     pub(super) fn gather_updated_nccl(&mut self, nccl: &NcclGroup) -> Result<(), ParallelError> {
+        self.order_uploads(None)?;
         let mut flights = Vec::with_capacity(self.units.len());
         for u in 0..self.units.len() {
             let r = self.units[u].clone();
@@ -279,6 +281,9 @@ impl<M: StageModel> Executor<M> {
         u: usize,
         w: Option<Gather>,
     ) -> Result<Option<UnitCopy>, ParallelError> {
+        // A delayed update's weights may still be going up (`delayed`): this unit's first.
+        let r = self.units[u].clone();
+        self.order_uploads(Some(&r))?;
         if let Some(w) = w {
             return Ok(Some(UnitCopy::plain(self.finish_gather_on_device(u, w)?)));
         }
@@ -292,7 +297,6 @@ impl<M: StageModel> Executor<M> {
         if self.params.view(0..0).is_some() {
             return Ok(None);
         }
-        let r = self.units[u].clone();
         if self.params.half().is_some() && !self.cfg.device.is_cuda() {
             let mut v = self.spare_params.take(r.len(), &mut self.gathered_bytes);
             self.params.read_into(r, &mut v)?;

@@ -52,8 +52,11 @@
 //!   land bucket by bucket behind the last backward as in DeepSpeed, `max(0, α + g·S/β −
 //!   backward)` exposed, and the weights go up chunk by chunk (`C` = 4 Mi elements) while
 //!   the CPU updates the next, `max(0, α + 2·S/β − AdamW)` plus the last chunk's upload
-//!   (`α + 2·C/β`). Delayed, the update has finished before its weights go up, in one copy
-//!   from the buffer they were rounded into: `α + 2·S/β` exposed (DeepSpeed's the same).
+//!   (`α + 2·C/β`). Delayed, the update has finished before its weights go up from the
+//!   buffer they were rounded into: at ZeRO-0 unit by unit, each unit's forward of the next
+//!   step waiting for its own (`executor::delayed`), so `max(0, α + 2·S/β − F)` plus the
+//!   largest unit's upload is exposed (F: one micro-batch's forward); at ZeRO-1/2 (whose
+//!   all-gather follows) and ZeRO-3, and with Megatron's conventions, `α + 2·S/β`.
 //!
 //! **Pipeline.** The rank's schedule is simulated with unit costs (F = I = W = 1, B = 2); the
 //! step's compute is the makespan in those units times the slowest stage's seconds per unit.
@@ -286,8 +289,13 @@ pub fn predict(
         let (optimizer, offload_exposed) = match (l.offload, &c.host) {
             (Offload::None, _) | (_, None) => (36.0 * shard / c.memory_bandwidth, 0.0),
             (o, Some(host)) => {
-                let device = (last_backward, makespan + dp_exposed);
-                offload(job, host, c.devices_per_node, shard, o, device)
+                let device = Overlap {
+                    backward: last_backward,
+                    step: makespan + dp_exposed,
+                    forward: cost.iter().map(|s| s.f).sum(),
+                    unit: stages[r].iter().map(|s| s.max_unit).max().unwrap_or(0) as f64,
+                };
+                offload(job, host, c.devices_per_node, shard, (o, l.zero), device)
             }
         };
         let step = makespan + dp_exposed + optimizer + offload_exposed;
@@ -311,17 +319,30 @@ pub fn predict(
     worst
 }
 
-/// Optimizer offload's seconds for a shard of `shard` elements whose gradients the last
-/// backward can hide, in a step whose device work before its optimizer point (compute,
-/// bubble, exposed dp communication) a delayed update runs beside — `(backward, device)`
-/// seconds: (the CPU's AdamW exposed, the copies exposed); see the module doc.
+/// What of a step the offload's work can hide behind ([`offload`]).
+#[derive(Clone, Copy, Debug)]
+pub struct Overlap {
+    /// The last micro-batch's backward, seconds (the gradients' copy).
+    pub backward: f64,
+    /// The device's work before the optimizer point (compute, bubble, exposed dp
+    /// communication), seconds (a delayed update's AdamW).
+    pub step: f64,
+    /// One micro-batch's forward, seconds (a delayed update's weights, unit by unit).
+    pub forward: f64,
+    /// The rank's largest unit, elements.
+    pub unit: f64,
+}
+
+/// Optimizer offload's seconds for a shard of `shard` elements, updated in place or delayed
+/// (`mode`) at ZeRO stage `zero`, behind the step's work `o`: (the CPU's AdamW exposed, the
+/// copies exposed); see the module doc.
 pub fn offload(
     job: &Job,
     host: &Host,
     devices_per_node: usize,
     shard: f64,
-    mode: Offload,
-    (backward, device): (f64, f64),
+    (mode, zero): (Offload, crate::data_parallel::ZeroStage),
+    o: Overlap,
 ) -> (f64, f64) {
     let grad_bytes = match job.conventions {
         Conventions::Megatron => 4.0,
@@ -331,12 +352,19 @@ pub fn offload(
     let to_host = host.link.time(grad_bytes * shard);
     let to_device = host.link.time(weight_bytes * shard);
     let adam = shard * devices_per_node as f64 / host.adam_params_per_s;
-    let grads_exposed = (to_host - backward).max(0.0);
+    let grads_exposed = (to_host - o.backward).max(0.0);
     if mode == Offload::Delayed {
-        // AdamW beside the next step; its weights go up in one copy once it is done.
+        // AdamW beside the next step; its weights go up once it is done: at ZeRO-0 (this
+        // engine) unit by unit behind the next forward, else in one copy.
+        let weights = match (job.conventions, zero) {
+            (Conventions::Xtrain, crate::data_parallel::ZeroStage::Ddp) => {
+                (to_device - o.forward).max(0.0) + host.link.time(weight_bytes * o.unit)
+            }
+            _ => to_device,
+        };
         return (
-            (adam - device - grads_exposed).max(0.0),
-            grads_exposed + to_device,
+            (adam - o.step - grads_exposed).max(0.0),
+            grads_exposed + weights,
         );
     }
     // The gradients' copy behind the last backward; then the weights'.

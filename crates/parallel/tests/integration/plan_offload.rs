@@ -4,8 +4,10 @@
 //! search keeps on the device because offload is slower; the delayed update's host bytes and
 //! step time.
 use model::ModelConfig;
+use parallel::data_parallel::ZeroStage;
 use parallel::memory::human;
 use parallel::plan::search::layouts;
+use parallel::plan::time::{offload, Overlap};
 use parallel::plan::{
     evaluate, plan, shapes, Cluster, Conventions, Host, Job, Layout, Offload, SearchSpace,
 };
@@ -179,8 +181,11 @@ fn offload_step_time_is_the_cpu_step_and_the_exposed_copies() {
 }
 
 /// The delayed update (`offload=delayed`): the CPU's AdamW beside the next step's device work
-/// D and the gradients' exposed landing G, `max(D + G, AdamW)`, then the updated weights' one
-/// upload `α + 2Φ/β`; the same D and G as updating in place.
+/// D and the gradients' exposed landing G, `max(D + G, AdamW)`, then the updated weights' upload
+/// W; the same D and G as updating in place. At ZeRO-0 the weights go up unit by unit behind
+/// the next step's first forward F: W = max(0, α + 2Φ/β − F) plus the largest unit's upload —
+/// that unit's alone where F is the longer (8 sequences' forward here), more where it is not
+/// (one sequence's); at other stages all of α + 2Φ/β.
 #[test]
 fn a_delayed_update_hides_the_cpu_step_behind_the_next_step() {
     let (job, phi) = llama_7b();
@@ -190,26 +195,37 @@ fn a_delayed_update_hides_the_cpu_step_behind_the_next_step() {
     let link = |bytes: f64| h.link.latency + bytes / h.link.bandwidth;
     let adam = phi / h.adam_params_per_s;
     let chunk = parallel::precision::DEVICE_CHUNK as f64;
+    // The largest unit: a block (norms, the four attention projections, the MLP's three).
+    let m = &job.model;
+    let (hid, ffn) = (m.hidden_size as f64, m.intermediate_size as f64);
+    let kv = (m.kv_heads() * m.head_dim()) as f64;
+    let block = 2.0 * hid + 2.0 * hid * hid + 2.0 * hid * kv + 3.0 * hid * ffn;
+    let unit_up = link(2.0 * block);
     let at = |name: &str| evaluate(&job, &cluster, &name.parse().unwrap()).unwrap();
-    for layout in [
-        "dp1 mb1x8 rc=full",
-        "dp1 mb8x1 rc=full",
-        "dp1 mb2x4 rc=none",
+    let close = |a: f64, b: f64| (a - b).abs() <= 1e-9 * b;
+    for (layout, hidden) in [
+        ("dp1 mb8x1 rc=full", true),
+        ("dp1 mb1x8 rc=full", false),
+        ("dp1 mb2x4 rc=none", false),
     ] {
         let plain = at(&format!("{layout} offload=optimizer")).time;
         let delayed = at(&format!("{layout} offload=delayed")).time;
         let device = plain.step_s - plain.optimizer_s - plain.offload_exposed_s;
         let grads = plain.offload_exposed_s - (link(2.0 * phi) - adam).max(0.0) - link(2.0 * chunk);
-        let want = (device + grads).max(adam) + link(2.0 * phi);
-        let close = |a: f64, b: f64| (a - b).abs() <= 1e-9 * b;
+        let weights = delayed.offload_exposed_s - grads;
+        if hidden {
+            assert!(close(weights, unit_up), "{layout}: {weights} vs {unit_up}");
+        } else {
+            assert!(
+                weights > unit_up && weights < link(2.0 * phi) + unit_up,
+                "{layout}: {weights}"
+            );
+        }
+        let want = (device + grads).max(adam) + weights;
         assert!(
             close(delayed.step_s, want),
             "{layout}: {} vs {want}",
             delayed.step_s
-        );
-        assert!(
-            close(delayed.offload_exposed_s, grads + link(2.0 * phi)),
-            "{layout}"
         );
         assert!(
             (delayed.optimizer_s - (adam - device - grads).max(0.0)).abs() <= 1e-9 * adam,
@@ -219,6 +235,41 @@ fn a_delayed_update_hides_the_cpu_step_behind_the_next_step() {
         // Here (PCIe 5: the weights' upload 0.27 s, AdamW 1.7 s) hiding AdamW wins.
         assert!(delayed.step_s < plain.step_s, "{layout}");
     }
+    // Where a gather follows (ZeRO-1/2) or the weights are sharded (ZeRO-3), and with
+    // DeepSpeed's conventions: one upload, all exposed.
+    let o = Overlap {
+        backward: 1.0,
+        step: 1.0,
+        forward: 10.0,
+        unit: block,
+    };
+    let megatron = Job {
+        conventions: Conventions::Megatron,
+        ..job.clone()
+    };
+    for (j, zero) in [
+        (&job, ZeroStage::One),
+        (&job, ZeroStage::Three),
+        (&megatron, ZeroStage::Ddp),
+    ] {
+        let grad_bytes = if j.conventions == Conventions::Megatron {
+            4.0
+        } else {
+            2.0
+        };
+        let (_, exposed) = offload(j, &h, 1, phi, (Offload::Delayed, zero), o);
+        let want = (link(grad_bytes * phi) - 1.0).max(0.0) + link(2.0 * phi);
+        assert!(
+            close(exposed, want),
+            "{zero:?} {:?}: {exposed} vs {want}",
+            j.conventions
+        );
+    }
+    let (_, exposed) = offload(&job, &h, 1, phi, (Offload::Delayed, ZeroStage::Ddp), o);
+    assert!(
+        close(exposed, unit_up),
+        "ZeRO-0 behind a long forward: {exposed}"
+    );
 }
 
 #[test]

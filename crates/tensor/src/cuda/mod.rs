@@ -40,7 +40,7 @@ pub use driver::{
     Watch,
 };
 pub use nccl::{NcclBuf, NcclBufMut, NcclComm, NcclId, ReduceOp};
-pub use pinned::{HostScratch, Pinned, Staged};
+pub use pinned::{HostScratch, Pinned, Staged, Unordered};
 pub use timeline::KernelTime;
 
 /// Why a CUDA operation failed.

@@ -345,6 +345,35 @@ impl<T: Copy> Staged<T> {
         range: std::ops::Range<usize>,
         dst: super::DevSliceMut<'_, T>,
     ) -> Result<(), CudaError> {
+        let done = self.queue_upload(range, dst)?;
+        self.buf
+            .gpu
+            .wait_for(super::driver::Stream::Compute, &done)?;
+        self.in_flight = Some(done);
+        Ok(())
+    }
+
+    /// [`Self::upload`] without ordering the compute stream's later work after it: the copy
+    /// runs while the compute stream goes on, and the caller makes the compute stream wait
+    /// ([`Unordered::order_compute`]) before it first reads `dst`.
+    pub fn upload_unordered(
+        &mut self,
+        range: std::ops::Range<usize>,
+        dst: super::DevSliceMut<'_, T>,
+    ) -> Result<Unordered, CudaError> {
+        let done = self.queue_upload(range, dst)?;
+        let gpu = self.buf.gpu.clone();
+        self.in_flight = Some(gpu.record(self.stream)?);
+        Ok(Unordered { gpu, done })
+    }
+
+    /// Queues the copy of [`Self::upload`] on this buffer's stream, behind the compute
+    /// stream's queued work; returns the event after it.
+    fn queue_upload(
+        &mut self,
+        range: std::ops::Range<usize>,
+        dst: super::DevSliceMut<'_, T>,
+    ) -> Result<super::driver::Event, CudaError> {
         if range.len() != dst.len() {
             return Err(CudaError::Shape(format!(
                 "staged upload of {} elements into {}",
@@ -372,10 +401,7 @@ impl<T: Copy> Staged<T> {
                 "cuMemcpyHtoDAsync (a staged upload)",
             )?;
         }
-        let done = gpu.record(self.stream)?;
-        gpu.wait_for(super::driver::Stream::Compute, &done)?;
-        self.in_flight = Some(done);
-        Ok(())
+        gpu.record(self.stream)
     }
 
     /// The buffer on the host, once the queued copies have finished.
@@ -401,6 +427,26 @@ impl<T: Copy> Staged<T> {
             )));
         }
         Ok(())
+    }
+}
+
+/// A staged upload the compute stream is not yet ordered after ([`Staged::upload_unordered`]).
+pub struct Unordered {
+    gpu: Arc<Gpu>,
+    done: super::driver::Event,
+}
+
+impl Unordered {
+    /// Makes the compute stream's work queued from now on wait for the upload.
+    pub fn order_compute(&self) -> Result<(), CudaError> {
+        self.gpu
+            .wait_for(super::driver::Stream::Compute, &self.done)
+    }
+}
+
+impl std::fmt::Debug for Unordered {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("Unordered")
     }
 }
 
