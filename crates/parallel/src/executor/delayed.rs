@@ -95,6 +95,16 @@ pub(super) struct Delayed {
     unordered: Vec<(Range<usize>, Unordered)>,
 }
 
+impl Drop for Delayed {
+    /// Uploads still unordered go into weights that may be freed before them: the compute
+    /// stream, on which freed device memory is used again, waits for them.
+    fn drop(&mut self) {
+        for (_, up) in self.unordered.drain(..) {
+            let _ = up.order_compute();
+        }
+    }
+}
+
 impl Delayed {
     pub(super) fn pinned_bytes(&self) -> usize {
         let pending = self.pending.iter().map(|p| &p.grads);

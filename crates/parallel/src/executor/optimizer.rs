@@ -111,6 +111,8 @@ impl<M: StageModel> Executor<M> {
             }
             return Ok((norm as f32, true));
         }
+        // Weights written in place: after any upload of a delayed update still unordered.
+        self.order_uploads(None)?;
         let (gr, pr, mr) = self.own_ranges();
         model::profile::time(model::profile::Kernel::Optimizer, || {
             if self.cfg.device.is_cuda() && !self.cfg.offload_optimizer {

@@ -140,6 +140,8 @@ impl<M: StageModel> Executor<M> {
     /// weights). The loss scaler is restored when the checkpoint was saved in the same
     /// precision, and starts afresh otherwise.
     pub fn load_checkpoint(&mut self, ck: &mut Checkpoint) -> Result<(), ParallelError> {
+        // The weights are replaced: nothing may still be going up into them.
+        self.order_uploads(None)?;
         let total = self.spec.total();
         let own = self.spec.range(self.dp.rank());
         let zero = self.cfg.zero;
