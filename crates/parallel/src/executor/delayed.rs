@@ -278,7 +278,7 @@ impl<M: StageModel> Executor<M> {
     pub(super) fn hold_update(&mut self, factor: f32) -> Result<(), ParallelError> {
         let (gr, _, _) = self.own_ranges();
         let spare = self.delayed.spare.take();
-        let grads = if matches!(self.params, Flat::Half { .. } | Flat::DevHalf { .. }) {
+        let grads = if self.cfg.precision.half().is_some() {
             let traffic = self.offload.as_mut().ok_or_else(|| {
                 ParallelError::Config(
                     "a delayed update of 16-bit weights needs ZeRO-Offload's landing".into(),

@@ -161,23 +161,34 @@ impl<M: StageModel> Executor<M> {
             }
         };
         // A held update ([`super::delayed`]): continued as held by a run that delays updates,
-        // applied now by any other (AdamW is elementwise: applied to each range read).
+        // applied now by any other — once, over every element a buffer below reads (the
+        // weights' and the optimizer's ranges are each the shard or everything, so the longer
+        // holds the other; AdamW is elementwise).
         let delays = self.cfg.delayed_update_after.is_some();
-        let apply = state.pending_update.filter(|_| !delays);
-        let opt = self.cfg.adamw;
-        let mut read = |kind: Kind, r: Range<usize>, len: usize| match apply {
-            None => buf(kind, r, len),
+        let applied = match state.pending_update.filter(|_| !delays) {
+            None => None,
             Some(p) => {
-                let mut w = buf(Kind::Param, r.clone(), len)?;
-                let g = buf(Kind::PendingGrad, r.clone(), len)?;
-                let mut m = buf(Kind::ExpAvg, r.clone(), len)?;
-                let mut v = buf(Kind::ExpAvgSq, r, len)?;
-                p.apply(&opt, state.adam_step, &mut w, &g, &mut m, &mut v);
-                Ok(match kind {
+                let (wr, or) = (cut(zero.shards_params()).0, cut(zero.shards_optimizer()).0);
+                let u = if wr.len() >= or.len() { wr } else { or };
+                let mut w = buf(Kind::Param, u.clone(), u.len())?;
+                let g = buf(Kind::PendingGrad, u.clone(), u.len())?;
+                let mut m = buf(Kind::ExpAvg, u.clone(), u.len())?;
+                let mut v = buf(Kind::ExpAvgSq, u.clone(), u.len())?;
+                p.apply(&self.cfg.adamw, state.adam_step, &mut w, &g, &mut m, &mut v);
+                Some((u, w, m, v))
+            }
+        };
+        let mut read = |kind: Kind, r: Range<usize>, len: usize| match &applied {
+            None => buf(kind, r, len),
+            Some((u, w, m, v)) => {
+                let src = match kind {
                     Kind::ExpAvg => m,
                     Kind::ExpAvgSq => v,
                     _ => w,
-                })
+                };
+                let mut b = vec![0.0; len];
+                b[..r.len()].copy_from_slice(&src[r.start - u.start..r.end - u.start]);
+                Ok(b)
             }
         };
         let (pr, pl) = cut(zero.shards_params());
