@@ -9,11 +9,14 @@
 __device__ __forceinline__ void adamw_element(float& p, float g, float& m, float& v, float decay,
                                               float one_m_b1, float b2, float one_m_b2,
                                               float bc2_sqrt, float eps, float step_size) {
-    float pi = p * decay;
-    float mi = m + one_m_b1 * (g - m);
-    float vi = v * b2 + one_m_b2 * g * g;
-    float denom = sqrtf(vi) / bc2_sqrt + eps;
-    p = pi - step_size * (mi / denom);
+    // Every operation rounded on its own, in the CPU's order (model::optim::AdamStep::apply):
+    // with --fmad=true the compiler would contract products into the adds as it sees fit,
+    // differently from kernel to kernel (adamw against adamw_bits), and unlike the CPU.
+    float pi = __fmul_rn(p, decay);
+    float mi = __fadd_rn(m, __fmul_rn(one_m_b1, __fsub_rn(g, m)));
+    float vi = __fadd_rn(__fmul_rn(v, b2), __fmul_rn(__fmul_rn(one_m_b2, g), g));
+    float denom = __fadd_rn(__fdiv_rn(__fsqrt_rn(vi), bc2_sqrt), eps);
+    p = __fsub_rn(pi, __fmul_rn(step_size, __fdiv_rn(mi, denom)));
     m = mi;
     v = vi;
 }
