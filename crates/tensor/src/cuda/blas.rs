@@ -212,6 +212,17 @@ impl Blas {
                 )?;
                 // cuBLASLt's first operand is B, its second A (module doc); C and D are `c`.
                 let [align_a, align_b, align_c] = key.align;
+                // A 16-bit C is rounded once, from the fp32 sum: no split-K whose partial
+                // sums are added up in C's own type (the in-place and output-type reduction
+                // schemes round each partial to 16 bits; seen as 2-ulp errors on an H200).
+                if c_type != sys::CUDA_R_32F {
+                    let compute_type_only = sys::CUBLASLT_REDUCTION_SCHEME_COMPUTE_TYPE;
+                    set_pref(
+                        sys::CUBLASLT_MATMUL_PREF_REDUCTION_SCHEME_MASK,
+                        &compute_type_only as *const u32 as *const c_void,
+                        4,
+                    )?;
+                }
                 for (attr, align) in [
                     (sys::CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, align_b),
                     (sys::CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES, align_a),

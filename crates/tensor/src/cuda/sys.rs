@@ -67,6 +67,12 @@ pub const CUDA_R_16BF: c_int = 14;
 pub const CUBLASLT_MATMUL_DESC_TRANSA: c_int = 3;
 pub const CUBLASLT_MATMUL_DESC_TRANSB: c_int = 4;
 pub const CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES: c_int = 1;
+/// The split-K reduction schemes the heuristic may choose (`uint32_t` mask of
+/// `cublasLtReductionScheme_t`; algorithms without split-K always pass).
+pub const CUBLASLT_MATMUL_PREF_REDUCTION_SCHEME_MASK: c_int = 3;
+/// `cublasLtReductionScheme_t::CUBLASLT_REDUCTION_SCHEME_COMPUTE_TYPE`: the partial sums added
+/// up in the compute type (fp32) in the workspace, then rounded to `C`'s type once.
+pub const CUBLASLT_REDUCTION_SCHEME_COMPUTE_TYPE: u32 = 2;
 /// Minimum alignments (bytes, `uint32_t`) of the operands the heuristic may assume; the
 /// default is 256, so an algorithm chosen without them may fault on a less aligned pointer.
 pub const CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES: c_int = 5;
