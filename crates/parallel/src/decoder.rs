@@ -468,17 +468,6 @@ impl StageModel for DecoderStage {
         crate::placement::uncovered(products, u)
     }
 
-    /// A block's backward accumulates each projection's gradient with one product (its
-    /// `WeightGradStore`), so only its value tensors remain; a block whose gradients are
-    /// summed over tensor-parallel ranks (added from a buffer), the embedding (scatter-add)
-    /// and the head (chunked products, early gradients added) write theirs otherwise.
-    fn grad_value_ranges(&self, unit: usize) -> Vec<Range<usize>> {
-        match self.parts[unit] {
-            Part::Block(_) if !self.partial[unit] => self.value_ranges(unit),
-            _ => vec![self.ranges[unit].clone()],
-        }
-    }
-
     fn is_first(&self, unit: usize) -> bool {
         self.parts[unit] == Part::Embedding
     }

@@ -453,66 +453,6 @@ impl Flat {
         Ok(Buf::Cuda(out))
     }
 
-    /// [`Flat::update_buf`] where, for bf16 storage on a GPU in a bf16 step, only
-    /// `parts` (flat ranges inside `r`, in order) of the fp32 copy `f` is given are widened and
-    /// rounded back. The rest is registered as accumulated into the 16-bit gradients
-    /// themselves ([`tensor::cuda::widening`]): `f` may only accumulate there with products,
-    /// one per element (each one rounding, as the copy's rounding back would be), and must not
-    /// read it. Other storage (fp16 included), or another step format: [`Flat::update_buf`].
-    pub fn update_buf_parts<T, E: From<TensorError>>(
-        &mut self,
-        r: Range<usize>,
-        parts: &[Range<usize>],
-        f: impl FnOnce(BufMut<'_>) -> Result<T, E>,
-    ) -> Result<T, E> {
-        // fp16 keeps the copy: its overflow to infinity is the loss scaler's signal, and a
-        // product's conversion to fp16 is not promised to overflow rather than saturate.
-        let format = tensor::operands::current();
-        let (kind, bits) = match self {
-            Flat::DevHalf { kind, bits } if *kind == Half::Bf16 && kind.operands() == format => {
-                (*kind, bits)
-            }
-            _ => return self.update_buf(r, f),
-        };
-        check_parts(&r, parts)?;
-        let local = |p: &Range<usize>| p.start - r.start..p.end - r.start;
-        let mut copy = bits
-            .gpu()
-            .alloc::<f32>(r.len())
-            .map_err(TensorError::from)?;
-        for p in parts.iter().filter(|p| !p.is_empty()) {
-            kind.widen_into(bits.slice(p.clone()), copy.slice_mut(local(p)))?;
-        }
-        let mut g = Buf::Cuda(copy);
-        let Buf::Cuda(copy) = &g else {
-            unreachable!("allocated on the GPU")
-        };
-        // Declared after the copy, dropped before it (on an error too): no other thread's
-        // product can meet a registration of memory this copy has given back.
-        let mut guards = Vec::new();
-        for hole in crate::placement::uncovered(parts.to_vec(), r.clone()) {
-            // SAFETY: `bits` (this buffer's) and the copy outlive the guards; `f`'s contract
-            // keeps everything but products away from the holes of the copy.
-            let guard = unsafe {
-                tensor::cuda::widening::Widening::register_accumulation(
-                    copy.slice(local(&hole)),
-                    bits.slice(hole),
-                    format,
-                )
-            };
-            guards.push(guard.map_err(TensorError::from)?);
-        }
-        let out = f(g.m())?;
-        drop(guards);
-        let Buf::Cuda(g) = &g else {
-            unreachable!("allocated on the GPU")
-        };
-        for p in parts.iter().filter(|p| !p.is_empty()) {
-            kind.narrow_dev(g.slice(local(p)), bits.slice_mut(p.clone()))?;
-        }
-        Ok(out)
-    }
-
     /// Stores `src` (rounded for 16-bit storage) at `start..`; `src` is on the buffer's device.
     pub fn write_buf(&mut self, start: usize, src: BufRef<'_>) -> Result<(), TensorError> {
         let r = start..start + src.len();
@@ -1058,21 +998,6 @@ impl Bucketed {
         f: impl FnOnce(BufMut<'_>) -> Result<T, E>,
     ) -> Result<T, E> {
         self.update_buf_in(b, r, &mut Vec::new(), f)
-    }
-
-    /// [`Flat::update_buf_parts`] on flat range `r` of bucket `b` (`parts` in flat indices).
-    pub fn update_buf_parts<T, E: From<TensorError>>(
-        &mut self,
-        b: usize,
-        r: Range<usize>,
-        parts: &[Range<usize>],
-        f: impl FnOnce(BufMut<'_>) -> Result<T, E>,
-    ) -> Result<T, E> {
-        let start = self.ranges[b].start;
-        debug_assert!(start <= r.start && r.end <= self.ranges[b].end);
-        let local = |p: &Range<usize>| p.start - start..p.end - start;
-        let parts: Vec<Range<usize>> = parts.iter().map(local).collect();
-        self.buf_mut(b).update_buf_parts(local(&r), &parts, f)
     }
 
     /// [`Flat::update_buf_in`] on flat range `r` of bucket `b`.

@@ -48,15 +48,6 @@ pub trait StageModel: Sync {
     fn value_ranges(&self, unit: usize) -> Vec<Range<usize>> {
         vec![self.units()[unit].clone()]
     }
-    /// The parts of unit `unit` (flat ranges inside it, in order) whose gradients its
-    /// backward writes otherwise than by one matrix product per element. The rest is
-    /// accumulated by products only, one each — in a bf16 or fp16 step on a GPU into the
-    /// 16-bit gradients themselves ([`tensor::cuda::widening`]), with the one rounding the
-    /// unit's fp32 gradient copy would make, so that part of the copy is neither widened nor
-    /// rounded back. The default, the whole unit, is always right.
-    fn grad_value_ranges(&self, unit: usize) -> Vec<Range<usize>> {
-        vec![self.units()[unit].clone()]
-    }
     /// Where each tensor block this rank holds lives in its flat buffer, and which block of
     /// the full tensor it is (what checkpoints save and load).
     fn placements(&self) -> Vec<Placement>;

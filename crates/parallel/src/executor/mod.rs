@@ -356,11 +356,9 @@ pub struct Executor<M: StageModel> {
     num_stages: usize,
     cfg: ExecConfig,
     units: Vec<Range<usize>>,
-    /// Per unit, the parts its kernels read as values and the parts whose gradients it writes
-    /// otherwise than by one product each ([`StageModel::value_ranges`],
-    /// [`StageModel::grad_value_ranges`]), asked once.
+    /// Per unit, the parts its kernels read as values ([`StageModel::value_ranges`]), asked
+    /// once.
     value_parts: Vec<Vec<Range<usize>>>,
-    grad_parts: Vec<Vec<Range<usize>>>,
     spec: ShardSpec,
     buckets: Vec<Bucket>,
     /// The bucket each unit's gradients belong to.
@@ -562,9 +560,6 @@ impl<M: StageModel> Executor<M> {
             })
             .collect();
         let value_parts = (0..units.len()).map(|u| model.value_ranges(u)).collect();
-        let grad_parts = (0..units.len())
-            .map(|u| model.grad_value_ranges(u))
-            .collect();
         Ok(Self {
             model,
             dp,
@@ -574,7 +569,6 @@ impl<M: StageModel> Executor<M> {
             cfg,
             units,
             value_parts,
-            grad_parts,
             spec,
             buckets,
             unit_bucket,

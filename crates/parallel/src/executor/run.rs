@@ -116,7 +116,6 @@ struct GradSink<'a> {
     comm_bytes: &'a mut Gauge,
     gathered_bytes: &'a mut Gauge,
     spare: &'a mut Spare,
-    grad_parts: &'a [Vec<Range<usize>>],
     buckets: &'a [Bucket],
     unit_bucket: &'a [usize],
 }
@@ -132,7 +131,6 @@ macro_rules! grad_sink {
             comm_bytes: &mut $e.comm_bytes,
             gathered_bytes: &mut $e.gathered_bytes,
             spare: &mut $e.spare_grads,
-            grad_parts: &$e.grad_parts,
             buckets: &$e.buckets,
             unit_bucket: &$e.unit_bucket,
         }
@@ -143,8 +141,7 @@ impl GradSink<'_> {
     /// Accumulates unit `u`'s weight gradients (`f` adds them into the slice it is given, the
     /// unit's flat `range`): into its bucket's fp32 staging buffer at ZeRO-2/3, else into the
     /// gradient buffer (through an fp32 copy of the unit's gradients when they are stored in
-    /// 16 bits: on a GPU, of its `grad_parts` only, the products accumulating the rest into
-    /// the 16-bit gradients: [`StageModel::grad_value_ranges`]).
+    /// 16 bits).
     fn accumulate(
         self,
         u: usize,
@@ -174,9 +171,7 @@ impl GradSink<'_> {
             return r;
         }
         self.gathered_bytes.add(range.len() * F32);
-        let r = self
-            .grads
-            .update_buf_parts(b, range.clone(), &self.grad_parts[u], f);
+        let r = self.grads.update_buf(b, range.clone(), f);
         self.gathered_bytes.sub(range.len() * F32);
         r
     }

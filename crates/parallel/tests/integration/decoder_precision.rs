@@ -185,8 +185,7 @@ fn fp16_layouts_track_the_single_rank_run() {
 /// tensor but those the layers read only through products — the attention projections, a
 /// dense MLP's and an untied LM head — so the norm gains, the embedding table, a tied head and
 /// a mixture of experts' router, experts and shared expert are widened; nothing outside the
-/// unit, and in order. Of the gradients (`grad_value_ranges`), a block's are those same parts,
-/// the embedding's and the head's all of theirs.
+/// unit, and in order.
 #[test]
 fn a_16_bit_gpu_step_widens_all_but_the_products_weights() {
     use parallel::{stage::StageModel, DecoderStage};
@@ -227,16 +226,6 @@ fn a_16_bit_gpu_step_widens_all_but_the_products_weights() {
             }
         }
         assert_eq!(got, want, "{what}: widened elements");
-        // Gradients: a block's products accumulate its projections' gradients, one product
-        // each; the embedding and the head write theirs otherwise (the whole unit).
-        for (u, ur) in units.iter().enumerate() {
-            let grads = stage.grad_value_ranges(u);
-            if u == 0 || u + 1 == units.len() {
-                assert_eq!(grads, vec![ur.clone()], "{what} unit {u}: gradients");
-            } else {
-                assert_eq!(grads, stage.value_ranges(u), "{what} block {u}: gradients");
-            }
-        }
         let widened = got.iter().filter(|&&v| v).count();
         assert!(
             0 < widened && widened < total,

@@ -212,9 +212,9 @@ impl Blas {
                 )?;
                 // cuBLASLt's first operand is B, its second A (module doc); C and D are `c`.
                 let [align_a, align_b, align_c] = key.align;
-                // A 16-bit C is rounded once, from the fp32 sum: no split-K whose partial
-                // sums are added up in C's own type (the in-place and output-type reduction
-                // schemes round each partial to 16 bits; seen as 2-ulp errors on an H200).
+                // A 16-bit D is rounded once, from the fp32 sum: no split-K whose partial
+                // sums are added up in D's own type (the in-place and output-type reduction
+                // schemes would round each partial to 16 bits).
                 if c_type != sys::CUDA_R_32F {
                     let compute_type_only = sys::CUBLASLT_REDUCTION_SCHEME_COMPUTE_TYPE;
                     set_pref(
@@ -302,7 +302,9 @@ pub unsafe fn matmul_raw(
     unsafe { matmul_raw_into(gpu, input, GemmOutput::F32, c, a, b, mkn, flags) }
 }
 
-/// [`matmul_raw`] with `C` of element type `output`.
+/// [`matmul_raw`] with `C` of element type `output`. A 16-bit `C` is written, never
+/// accumulated into: cuBLASLt's `D = A·B + C` in bf16 rounds `A·B` to bf16 before adding `C`
+/// (an H200, CUDA 13), two roundings where an fp32 `C` rounded back makes one.
 ///
 /// # Safety
 /// As [`matmul_raw`], with `c` holding `m·n` elements of `output`.
@@ -320,6 +322,11 @@ pub unsafe fn matmul_raw_into(
     if input == GemmInput::F32 && output == GemmOutput::Input {
         return Err(CudaError::Shape(
             "a product of fp32 operands writes fp32, not 16 bits".into(),
+        ));
+    }
+    if accumulate && output == GemmOutput::Input {
+        return Err(CudaError::Shape(
+            "a product accumulates into fp32 only: into 16 bits cuBLASLt rounds it twice".into(),
         ));
     }
     if m == 0 || n == 0 {

@@ -123,10 +123,7 @@ impl Operand<'_> {
 }
 
 /// `C (+)= op(A)·op(B)` ([`super::blas::matmul_raw`]'s conventions) on operands prepared for
-/// `operands` ([`Operand::new`]); accumulation and `C` are fp32 — except where `C` lies in a
-/// registered accumulation ([`super::widening::accumulation_target`]: a unit's gradients kept
-/// in 16 bits), where the product accumulates into those 16-bit bits themselves, one rounding
-/// as the fp32 copy rounded back would make.
+/// `operands` ([`Operand::new`]); accumulation and `C` are fp32.
 ///
 /// # Safety
 /// `c` is a device range of `m·n` fp32 elements on `gpu`; `a` and `b` are on `gpu`.
@@ -139,17 +136,9 @@ pub unsafe fn matmul_prepared(
     [m, k, n]: [usize; 3],
     flags: [bool; 3],
 ) -> Result<(), CudaError> {
-    use super::blas::GemmOutput;
     let input = product_input(operands, a, b, [m, k, n])?;
-    let (output, c) = match super::widening::accumulation_target(gpu, c, m * n, operands) {
-        Some(bits) => (GemmOutput::Input, bits),
-        None => (GemmOutput::F32, c),
-    };
-    // SAFETY: the operands hold m·k and k·n elements; `c` per the caller's contract, or the
-    // registered bits of the same elements (the registration's contract).
-    unsafe {
-        super::blas::matmul_raw_into(gpu, input, output, c, a.ptr(), b.ptr(), [m, k, n], flags)
-    }
+    // SAFETY: the operands hold m·k and k·n elements; `c` per the caller's contract.
+    unsafe { super::blas::matmul_raw(gpu, input, c, a.ptr(), b.ptr(), [m, k, n], flags) }
 }
 
 /// The element type of a product's inputs in `operands`, where `a` and `b` are prepared for

@@ -12,14 +12,12 @@
 //! lookup ([`bits_of`]) maps any sub-range of the registered fp32 values to the same
 //! sub-range of the bits, on the same GPU and in the same format only.
 //!
-//! The gradients go the other way: a unit's 16-bit gradients used to be widened into an fp32
-//! copy, each weight gradient product accumulated into it, and the copy rounded back — one
-//! rounding of `g + A·B`, 12 bytes a parameter of casts. An *accumulation*
-//! ([`Widening::register_accumulation`]) registers a part of that copy whose elements only
-//! products accumulate into (one product each): a product whose `C` lies inside it
-//! accumulates into the 16-bit bits directly ([`accumulation_target`]; cuBLASLt with `C` in
-//! 16 bits and fp32 compute: the same single rounding of `g + A·B`), and the copy's part is
-//! neither widened nor rounded back.
+//! The gradients are not accumulated into 16 bits this way: cuBLASLt, asked for
+//! `D = A·B + C` with `C` and `D` in bf16 and fp32 compute, rounds the product to bf16 before
+//! it adds `C` (seen on an H200 with CUDA 13's cuBLASLt: `round(g + round(A·B))`, one bf16
+//! unit of `A·B` off where the fp32 copy's one rounding is exact to half a unit of the sum).
+//! So a product accumulates into an fp32 copy of the gradients, widened and rounded back
+//! ([`super::blas`] refuses a 16-bit `D` that accumulates).
 
 use super::driver::DevSlice;
 use crate::operands::Operands;
@@ -31,20 +29,11 @@ use std::sync::Mutex;
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 struct Entry {
     id: u64,
-    role: Role,
     gpu: usize,
     values: u64,
     len: usize,
     bits: u64,
     format: Operands,
-}
-
-/// What a registration maps: reads of widened values ([`bits_of`]), or products
-/// accumulating into a gradient copy ([`accumulation_target`]).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-enum Role {
-    Read,
-    Accumulate,
 }
 
 static ENTRIES: Mutex<Vec<Entry>> = Mutex::new(Vec::new());
@@ -70,35 +59,6 @@ impl Widening {
         bits: DevSlice<'_, u16>,
         format: Operands,
     ) -> Result<Widening, super::CudaError> {
-        // SAFETY: the caller's contract.
-        unsafe { Self::insert(Role::Read, values, bits, format) }
-    }
-
-    /// Registers `values` (an fp32 gradient copy's part) as accumulated into `bits` (16-bit
-    /// gradients in `format`): a product accumulating into any sub-range of `values`
-    /// accumulates into the same elements of `bits` instead ([`accumulation_target`]).
-    ///
-    /// # Safety
-    /// For as long as the guard lives, `bits` must stay allocated, and nothing but products
-    /// may read or write `values` (a product that accumulates there writes `bits`; `values`
-    /// keeps whatever it held). Drop the guard before either buffer.
-    pub unsafe fn register_accumulation(
-        values: DevSlice<'_, f32>,
-        bits: DevSlice<'_, u16>,
-        format: Operands,
-    ) -> Result<Widening, super::CudaError> {
-        // SAFETY: the caller's contract.
-        unsafe { Self::insert(Role::Accumulate, values, bits, format) }
-    }
-
-    /// # Safety
-    /// That of [`Self::register`] or [`Self::register_accumulation`], by `role`.
-    unsafe fn insert(
-        role: Role,
-        values: DevSlice<'_, f32>,
-        bits: DevSlice<'_, u16>,
-        format: Operands,
-    ) -> Result<Widening, super::CudaError> {
         if values.len() != bits.len()
             || format == Operands::F32
             || !std::sync::Arc::ptr_eq(values.gpu(), bits.gpu())
@@ -113,7 +73,6 @@ impl Widening {
         let id = NEXT.fetch_add(1, Ordering::Relaxed);
         let entry = Entry {
             id,
-            role,
             gpu: std::sync::Arc::as_ptr(values.gpu()) as usize,
             values: values.ptr(),
             len: values.len(),
@@ -136,19 +95,11 @@ fn entries() -> std::sync::MutexGuard<'static, Vec<Entry>> {
 }
 
 /// The bits address of fp32 range `(values, len)` on `gpu` in `format`, where a registration
-/// of `role` holds the whole range.
-fn find(
-    entries: &[Entry],
-    role: Role,
-    gpu: usize,
-    values: u64,
-    len: usize,
-    format: Operands,
-) -> Option<u64> {
+/// holds the whole range.
+fn find(entries: &[Entry], gpu: usize, values: u64, len: usize, format: Operands) -> Option<u64> {
     entries.iter().find_map(|e| {
         let end = e.values + 4 * e.len as u64;
-        let inside = e.role == role
-            && e.gpu == gpu
+        let inside = e.gpu == gpu
             && e.format == format
             && values >= e.values
             && values + 4 * len as u64 <= end
@@ -165,27 +116,12 @@ pub fn bits_of<'a>(x: DevSlice<'a, f32>, format: Operands) -> Option<DevSlice<'a
         return None;
     }
     let gpu = std::sync::Arc::as_ptr(x.gpu()) as usize;
-    let at = find(&entries(), Role::Read, gpu, x.ptr(), x.len(), format)?;
+    let at = find(&entries(), gpu, x.ptr(), x.len(), format)?;
     // SAFETY: `at .. at + 2 len` lies inside registered bits (`find`), which the registration's
     // contract keeps allocated and unchanged while the widening is registered; it is, for
     // longer than `'a`, since `x` borrows the registered values, which the contract keeps
     // allocated no longer than the guard.
     Some(unsafe { DevSlice::from_raw_parts(x.gpu(), at, x.len()) })
-}
-
-/// The bits address that a product in `format` accumulating into the `len` fp32 elements at
-/// `c` on `gpu` accumulates into instead, where a registered accumulation holds them all.
-pub fn accumulation_target(
-    gpu: &std::sync::Arc<super::Gpu>,
-    c: u64,
-    len: usize,
-    format: Operands,
-) -> Option<u64> {
-    if len == 0 || format == Operands::F32 {
-        return None;
-    }
-    let gpu = std::sync::Arc::as_ptr(gpu) as usize;
-    find(&entries(), Role::Accumulate, gpu, c, len, format)
 }
 
 #[cfg(test)]
@@ -195,7 +131,6 @@ mod tests {
     fn entry(id: u64, values: u64, len: usize, bits: u64) -> Entry {
         Entry {
             id,
-            role: Role::Read,
             gpu: 7,
             values,
             len,
@@ -210,7 +145,7 @@ mod tests {
     #[test]
     fn sub_ranges_map_to_the_same_elements_of_the_bits() {
         let es = [entry(1, 0x1000, 100, 0x9000), entry(2, 0x4000, 10, 0xA000)];
-        let f = |values, len| find(&es, Role::Read, 7, values, len, Operands::Bf16);
+        let f = |values, len| find(&es, 7, values, len, Operands::Bf16);
         assert_eq!(f(0x1000, 100), Some(0x9000));
         assert_eq!(f(0x1000 + 4 * 30, 20), Some(0x9000 + 2 * 30));
         assert_eq!(f(0x1000 + 4 * 99, 1), Some(0x9000 + 2 * 99));
@@ -219,37 +154,11 @@ mod tests {
         assert_eq!(f(0x0FFC, 2), None, "before the start");
         assert_eq!(f(0x1002, 1), None, "between elements");
         assert_eq!(f(0x3000, 1), None, "not registered");
+        assert_eq!(find(&es, 8, 0x1000, 1, Operands::Bf16), None, "another GPU");
         assert_eq!(
-            find(&es, Role::Read, 8, 0x1000, 1, Operands::Bf16),
-            None,
-            "another GPU"
-        );
-        assert_eq!(
-            find(&es, Role::Read, 7, 0x1000, 1, Operands::F16),
+            find(&es, 7, 0x1000, 1, Operands::F16),
             None,
             "another format"
         );
-    }
-
-    /// Reads find only widenings and products' accumulations only accumulations: a weight
-    /// copy is never a product's destination, a gradient copy never its operand.
-    #[test]
-    fn reads_and_accumulations_are_looked_up_apart() {
-        let mut acc = entry(3, 0x8000, 16, 0xC000);
-        acc.role = Role::Accumulate;
-        let es = [entry(1, 0x1000, 100, 0x9000), acc];
-        assert_eq!(
-            find(&es, Role::Read, 7, 0x1000, 4, Operands::Bf16),
-            Some(0x9000)
-        );
-        assert_eq!(
-            find(&es, Role::Accumulate, 7, 0x1000, 4, Operands::Bf16),
-            None
-        );
-        assert_eq!(
-            find(&es, Role::Accumulate, 7, 0x8000 + 8, 4, Operands::Bf16),
-            Some(0xC004)
-        );
-        assert_eq!(find(&es, Role::Read, 7, 0x8000, 4, Operands::Bf16), None);
     }
 }
