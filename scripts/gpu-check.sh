@@ -12,7 +12,7 @@
 # and each test's result, and ends with the check's duration; past GPU_CHECK_BUDGET seconds
 # (default 450) the optional sections say "skipped (time budget)" instead of running.
 # GPU_CHECK_ONLY="tests bench" (any of: tests bench processes validate convergence large
-# tune ncu) runs only those sections: a rerun after a fix, within the machine's time. The CUDA
+# ncu) runs only those sections: a rerun after a fix, within the machine's time. The CUDA
 # libraries (NVRTC, cuBLASLt, NCCL) are found in a CUDA toolkit or in the pip wheels of the
 # machine's Python (nvidia-cuda-nvrtc, nvidia-cublas, nvidia-nccl-cu12 / -cu13), whose
 # folders go in XTRAIN_CUDA_LIB_PATH.
@@ -38,7 +38,6 @@ for line in sys.stdin:
     if m.get("reason") == "compiler-artifact" and m.get("executable") and m["target"]["kind"] == ["test"]:
         print(m["target"]["name"], m["executable"])
 ' | while read -r name exe; do cp "$exe" "$dir/$name"; done
-    variant_build || true
     strip "$dir"/*
     # The real corpus of the bf16 convergence check, where this checkout has it beside it.
     if [ -f ../shared/data/tinyshakespeare.txt ]; then
@@ -46,38 +45,6 @@ for line in sys.stdin:
     fi
     du -sh "$dir"
     ls -la "$dir"
-}
-
-# A second xtrain for the `tune` section, differing only in the attention kernels' register
-# caps: the head-64 forward and dQ kernels compiled for 4 blocks an SM (a 128-register cap;
-# ptxas spills 36 and 28 bytes there) instead of 3 — the next step docs/GPU.md names, measured
-# against the default in the same minutes without a library switch. The sources are patched
-# for this build only and restored (also on failure).
-variant_build() {
-    variant_fwd=crates/tensor/src/cuda/kernels/attention_tc.cu
-    variant_bwd=crates/tensor/src/cuda/kernels/attention_tc_bwd.cu
-    variant_keep=$(mktemp -d)
-    cp "$variant_fwd" "$variant_bwd" "$variant_keep/"
-    trap variant_restore EXIT
-    local built=0
-    if sed -i 's/^#define TN_K4_MIN_BLOCKS 3$/#define TN_K4_MIN_BLOCKS 4/' "$variant_fwd" &&
-        sed -i 's/^#define TB_DQ_K4_MIN_BLOCKS 3$/#define TB_DQ_K4_MIN_BLOCKS 4/' "$variant_bwd" &&
-        grep -q '^#define TN_K4_MIN_BLOCKS 4$' "$variant_fwd" &&
-        grep -q '^#define TB_DQ_K4_MIN_BLOCKS 4$' "$variant_bwd" &&
-        cargo build --release -p xtrain; then
-        cp target/release/xtrain "$dir/xtrain-k4x4"
-    else
-        echo "variant build failed: the check runs without its tune section" >&2
-        built=1
-    fi
-    variant_restore
-    trap - EXIT
-    return $built
-}
-# Puts the attention sources back as they were before variant_build.
-variant_restore() {
-    cp "$variant_keep/attention_tc.cu" "$variant_fwd"
-    cp "$variant_keep/attention_tc_bwd.cu" "$variant_bwd"
 }
 
 # Whether `$1` more seconds fit in the check's budget (GPU_CHECK_BUDGET, default 450 s from the
@@ -326,31 +293,6 @@ check_large() {
     echo '```' >>"$report"
 }
 
-# The attention kernels under another register cap (variant_build) against the default, at
-# the 124M's shapes, alternating twice: forward and backward time per FLOP of each.
-check_tune() {
-    {
-        echo
-        echo "## Attention register caps: default (3 blocks an SM at head 64) vs 4 (xtrain-k4x4)"
-        echo
-        echo '```'
-    } >>"$report"
-    if [ ! -x "$dir/xtrain-k4x4" ] || ! have_time 60; then
-        echo "tune: skipped (no variant binary, or time budget)" >>"$report"
-    else
-        local round bin
-        for round in 1 2; do
-            for bin in xtrain xtrain-k4x4; do
-                echo "[$bin, round $round]" >>"$report"
-                timeout 60 "$dir/$bin" bench kernels --preset medium --device cuda "${m124[@]}" "${bf16[@]}" \
-                    2>&1 | grep -E 'forward|backward|per FLOP' >>"$report" ||
-                    echo "  $bin bench kernels failed" >>"$report"
-            done
-        done
-    fi
-    echo '```' >>"$report"
-}
-
 # Nsight Compute on the attention kernels, where installed.
 check_ncu() {
     # Where Nsight Compute is installed: the tensor-core attention kernels of a bf16 step of
@@ -407,7 +349,7 @@ PY
         --set model.seq_len=1024 --set train.micro_batch=8 --set 'data.tokenizer="byte"')
     local bf16=(--set 'train.precision="bf16"') fp32=(--set 'train.precision="fp32"')
     local section
-    for section in tests bench processes validate convergence large tune ncu; do
+    for section in tests bench processes validate convergence large ncu; do
         if [ -z "${GPU_CHECK_ONLY:-}" ] || [[ " $GPU_CHECK_ONLY " == *" $section "* ]]; then
             "check_$section"
         else
