@@ -5,10 +5,14 @@
 //! The budget is read once from the environment variable `XTRAIN_THREADS` (a positive
 //! integer) when first needed, defaulting to the number of available cores, and can be
 //! changed at any time with [`set_thread_budget`] (work already running keeps its pool).
+//!
+//! Long host work that runs *beside* a training step (the delayed optimizer update) runs on a
+//! second pool of the same size ([`beside`]), so that it never holds the kernels' workers.
 
 use crate::TensorError;
 use rayon::prelude::*;
 use rayon::{ThreadPool, ThreadPoolBuilder};
+use std::cell::Cell;
 use std::mem::MaybeUninit;
 use std::ops::Range;
 use std::sync::{Arc, OnceLock, RwLock};
@@ -47,6 +51,43 @@ fn build_pool(n: usize) -> Result<ThreadPool, TensorError> {
         .map_err(|e| TensorError::Threads(e.to_string()))
 }
 
+/// The pool of [`beside`], built on first use at the budget's size; [`set_thread_budget`]
+/// drops it, so that the next use builds it at the new size.
+fn side_cell() -> &'static RwLock<Option<Arc<ThreadPool>>> {
+    static SIDE: OnceLock<RwLock<Option<Arc<ThreadPool>>>> = OnceLock::new();
+    SIDE.get_or_init(|| RwLock::new(None))
+}
+
+thread_local! {
+    /// Whether this thread is one of [`beside`]'s workers.
+    static ON_SIDE: Cell<bool> = const { Cell::new(false) };
+}
+
+fn side_pool() -> Result<Arc<ThreadPool>, TensorError> {
+    let mut cell = side_cell().write().unwrap_or_else(|e| e.into_inner());
+    if let Some(pool) = cell.as_ref() {
+        return Ok(pool.clone());
+    }
+    let pool = ThreadPoolBuilder::new()
+        .num_threads(thread_budget())
+        .thread_name(|i| format!("xtrain-beside-{i}"))
+        .start_handler(|_| ON_SIDE.with(|on| on.set(true)))
+        .build()
+        .map_err(|e| TensorError::Threads(e.to_string()))?;
+    Ok(cell.insert(Arc::new(pool)).clone())
+}
+
+/// Runs `f` on a pool of its own beside the kernels' (as many threads as the budget): for
+/// long host work that runs while a training step's kernels go on — the delayed optimizer
+/// update. On the kernels' pool it would hold every worker, and each of the step's kernels,
+/// handed to that pool by [`install`] from the step's thread, would queue behind it (a rayon
+/// worker takes its own tasks before work handed in from outside): the step would wait for
+/// the update it was meant to overlap. [`install`] inside `f` runs inline, so `f`'s parallel
+/// iterators use this pool; the two pools share the cores by the OS's scheduling.
+pub fn beside<R: Send>(f: impl FnOnce() -> R + Send) -> Result<R, TensorError> {
+    Ok(side_pool()?.install(f))
+}
+
 fn current_pool() -> Arc<ThreadPool> {
     pool_cell()
         .read()
@@ -71,6 +112,7 @@ pub fn set_thread_budget(n: usize) -> Result<(), TensorError> {
     }
     let pool = Arc::new(build_pool(n)?);
     *pool_cell().write().unwrap_or_else(|e| e.into_inner()) = pool;
+    *side_cell().write().unwrap_or_else(|e| e.into_inner()) = None;
     Ok(())
 }
 
@@ -89,11 +131,13 @@ pub fn thread_budget() -> usize {
 /// rather than passing every activation between two cores' caches (preset small, 1 thread:
 /// 7–13 % less CPU time per run, docs/PERFORMANCE.md "Training throughput against PyTorch"). Only wrap work that does
 /// not wait for another thread that itself needs the pool (ranks as threads of one process
-/// share it): such a wait would hold a worker that the other thread needs.
+/// share it): such a wait would hold a worker that the other thread needs. On a worker of
+/// [`beside`]'s pool it runs `f` there.
 pub fn install<R: Send>(f: impl FnOnce() -> R + Send) -> R {
     let pool = current_pool();
-    if pool.current_thread_index().is_some() {
-        // Already on one of this pool's workers: run directly, no re-entry.
+    if pool.current_thread_index().is_some() || ON_SIDE.with(|on| on.get()) {
+        // Already on one of this pool's workers (or the side pool's): run directly, no
+        // re-entry.
         f()
     } else {
         // The worker runs with the caller's GPU operand format.
@@ -148,6 +192,56 @@ mod tests {
         assert_eq!(parse_budget(" 4 ").unwrap(), 4);
         // Nested install does not deadlock.
         assert_eq!(install(|| install(|| 7)), 7);
+    }
+
+    /// Work beside the kernels never holds them up: while every worker of the side pool waits
+    /// for a flag, a kernel handed to the budget pool runs and sets it. (On one pool the kernel
+    /// would queue behind the waiters, which give up after 30 s and fail the test.) Kernels
+    /// called inside the side work run on its pool.
+    #[test]
+    fn work_beside_the_kernels_never_holds_them_up() {
+        use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+        use std::time::{Duration, Instant};
+        let (flag, waiting, size) = (
+            AtomicBool::new(false),
+            AtomicUsize::new(0),
+            AtomicUsize::new(0),
+        );
+        let patience = Duration::from_secs(30);
+        std::thread::scope(|s| {
+            let side = s.spawn(|| {
+                beside(|| {
+                    size.store(rayon::current_num_threads(), Ordering::SeqCst);
+                    let on_side = install(|| std::thread::current().name().map(str::to_owned));
+                    let n = rayon::current_num_threads();
+                    let set = (0..4 * n).into_par_iter().all(|_| {
+                        waiting.fetch_add(1, Ordering::SeqCst);
+                        let start = Instant::now();
+                        while !flag.load(Ordering::SeqCst) && start.elapsed() < patience {
+                            std::thread::sleep(Duration::from_millis(1));
+                        }
+                        flag.load(Ordering::SeqCst)
+                    });
+                    (set, on_side)
+                })
+                .unwrap()
+            });
+            // Once every side worker waits, hand a kernel to the budget pool.
+            let start = Instant::now();
+            while (size.load(Ordering::SeqCst) == 0
+                || waiting.load(Ordering::SeqCst) < size.load(Ordering::SeqCst))
+                && start.elapsed() < patience
+            {
+                std::thread::sleep(Duration::from_millis(1));
+            }
+            install(|| flag.store(true, Ordering::SeqCst));
+            let (set, on_side) = side.join().unwrap();
+            assert!(set, "the kernel waited for the work beside it");
+            assert!(
+                on_side.is_some_and(|name| name.starts_with("xtrain-beside-")),
+                "a kernel inside the side work runs on its pool"
+            );
+        });
     }
 }
 

@@ -1,7 +1,8 @@
 //! ZeRO-Offload's one-step delayed parameter update (Ren et al. 2021, "ZeRO-Offload", arXiv
 //! 2101.06840, "Delayed Parameter Update"): past a warm-up of `delayed_update_after` AdamW
-//! steps, the host's update from step t's gradients runs on a thread of its own while step
-//! t+1's forward and backward run, instead of between them. Step t+1's gradients are then
+//! steps, the host's update from step t's gradients runs on a thread of its own (its
+//! parallel loops on a pool beside the kernels', `tensor::threads::beside`) while step t+1's
+//! forward and backward run, instead of between them. Step t+1's gradients are then
 //! taken at the weights before update t — one step stale — and the host's AdamW time hides
 //! behind the device's compute: a step costs about max(compute, host update) instead of their
 //! sum. The paper turns it on only after the first steps, while the gradients still change
@@ -131,8 +132,13 @@ pub(super) struct Work {
 
 impl Work {
     /// Runs the update (on the thread beside the step): AdamW over the held gradients, the
-    /// 16-bit weights rounded over them in place.
+    /// 16-bit weights rounded over them in place — on the pool beside the kernels'
+    /// ([`tensor::threads::beside`]), so that the step's own kernels never queue behind it.
     pub(super) fn run(&mut self) -> Result<(), ParallelError> {
+        tensor::threads::beside(|| self.update()).map_err(terr)?
+    }
+
+    fn update(&mut self) -> Result<(), ParallelError> {
         let r = self.range.clone();
         let master = &mut self
             .master
@@ -153,14 +159,12 @@ impl Work {
             }
             (Held::F32(g), None) => {
                 let (opt, (t, lr, factor)) = (&self.opt, step);
-                tensor::threads::install(|| {
-                    g.par_chunks(CHUNK)
-                        .zip(master.par_chunks_mut(CHUNK))
-                        .zip(m.par_chunks_mut(CHUNK).zip(v.par_chunks_mut(CHUNK)))
-                        .for_each(|((g, p), (m, v))| {
-                            opt.update_scaled(t, lr, opt.weight_decay, factor, p, g, m, v)
-                        })
-                });
+                g.par_chunks(CHUNK)
+                    .zip(master.par_chunks_mut(CHUNK))
+                    .zip(m.par_chunks_mut(CHUNK).zip(v.par_chunks_mut(CHUNK)))
+                    .for_each(|((g, p), (m, v))| {
+                        opt.update_scaled(t, lr, opt.weight_decay, factor, p, g, m, v)
+                    });
             }
             _ => {
                 return Err(ParallelError::Config(
