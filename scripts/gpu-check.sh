@@ -295,16 +295,28 @@ check_large() {
 
 # Nsight Compute on the attention kernels, where installed.
 check_ncu() {
-    # Where Nsight Compute is installed: the tensor-core attention kernels of a bf16 step of
-    # the 124M Llama (registers, occupancy, throughput against the peaks), for whoever tunes
-    # them next (ncu-attention.txt).
-    if command -v ncu >/dev/null && have_time 100; then
-        timeout 100 ncu --kernel-name 'regex:attn_.*' --launch-skip 4 --launch-count 8 \
+    # Where Nsight Compute is installed: each tensor-core attention kernel once, at the 124M's
+    # shapes (`bench kernels`; causal, and over packed documents of 256 tokens) — registers,
+    # occupancy, throughput against the peaks, shared-memory wavefronts and bank conflicts,
+    # and where the warps stall — for whoever tunes them next (ncu-attention.txt).
+    if ! command -v ncu >/dev/null || ! have_time 120; then
+        return
+    fi
+    local kernel ok=1
+    : >"$out/ncu-attention.txt"
+    for kernel in attn_fwd_tc_k4 attn_bwd_dq_tc_k4 attn_bwd_dkv_tc_k4 attn_fwd_tc_docs_k4 \
+        attn_bwd_dkv_tc_docs_k4; do
+        timeout 40 ncu --kernel-name "regex:^${kernel}\$" --launch-count 1 \
             --section SpeedOfLight --section LaunchStats --section Occupancy \
-            "$dir/xtrain" bench train --preset medium --device cuda --steps 1 "${m124[@]}" "${bf16[@]}" \
-            >"$out/ncu-attention.txt" 2>&1 &&
-            echo "Nsight Compute profile: ncu-attention.txt" >>"$report" ||
-            echo "Nsight Compute profile: failed (ncu-attention.txt)" >>"$report"
+            --section MemoryWorkloadAnalysis_Tables --section WarpStateStats \
+            --section SchedulerStats --section InstructionStats \
+            "$dir/xtrain" bench kernels --preset medium --device cuda "${m124[@]}" "${bf16[@]}" \
+            --doc-len 256 >>"$out/ncu-attention.txt" 2>&1 || ok=0
+    done
+    if [ $ok = 1 ]; then
+        echo "Nsight Compute profile: ncu-attention.txt" >>"$report"
+    else
+        echo "Nsight Compute profile: failed or timed out (ncu-attention.txt)" >>"$report"
     fi
 }
 
@@ -349,7 +361,7 @@ PY
         --set model.seq_len=1024 --set train.micro_batch=8 --set 'data.tokenizer="byte"')
     local bf16=(--set 'train.precision="bf16"') fp32=(--set 'train.precision="fp32"')
     local section
-    for section in tests bench processes validate convergence large ncu; do
+    for section in tests bench processes validate convergence ncu large; do
         if [ -z "${GPU_CHECK_ONLY:-}" ] || [[ " $GPU_CHECK_ONLY " == *" $section "* ]]; then
             "check_$section"
         else
