@@ -11,8 +11,8 @@
 # The report names the GPU, the driver and the CUDA version (nvidia-smi), NVRTC's version,
 # and each test's result, and ends with the check's duration; past GPU_CHECK_BUDGET seconds
 # (default 450) the optional sections say "skipped (time budget)" instead of running.
-# GPU_CHECK_ONLY="tests bench" (any of: tests bench processes validate convergence large
-# ncu) runs only those sections: a rerun after a fix, within the machine's time. The CUDA
+# GPU_CHECK_ONLY="tests bench" (any of: tests bench processes convergence ncu large
+# validate) runs only those sections: a rerun after a fix, within the machine's time. The CUDA
 # libraries (NVRTC, cuBLASLt, NCCL) are found in a CUDA toolkit or in the pip wheels of the
 # machine's Python (nvidia-cuda-nvrtc, nvidia-cublas, nvidia-nccl-cu12 / -cu13), whose
 # folders go in XTRAIN_CUDA_LIB_PATH.
@@ -361,7 +361,7 @@ PY
         --set model.seq_len=1024 --set train.micro_batch=8 --set 'data.tokenizer="byte"')
     local bf16=(--set 'train.precision="bf16"') fp32=(--set 'train.precision="fp32"')
     local section
-    for section in tests bench processes validate convergence ncu large; do
+    for section in tests bench processes convergence ncu large validate; do
         if [ -z "${GPU_CHECK_ONLY:-}" ] || [[ " $GPU_CHECK_ONLY " == *" $section "* ]]; then
             "check_$section"
         else
