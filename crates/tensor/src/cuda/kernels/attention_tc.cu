@@ -415,7 +415,8 @@ __device__ __forceinline__ void attn_fwd_tc_body(const u16* q, const u16* k, con
 // 4 of the 6 blocks that shared memory allows, spills 36 bytes on sm_90 and 40 on sm_80);
 // attn_fwd_tc_k8: 2, a cap of 255, which it fills (255 on both, no spills; under a cap of
 // 240, __maxnreg__, it takes 240 with no spills on sm_90 and 8 bytes of stack on sm_80, and
-// 2 blocks either way). The library builds these defaults; to measure another choice, a
+// 2 blocks either way). The cap of 128 (4 blocks) measured on an H200 no faster than these
+// (docs/GPU.md). The library builds these defaults; to measure another choice, a
 // #define before the source (e.g. `#define TN_K4_MIN_BLOCKS 4` after the prelude, compiling
 // the module by hand with NVRTC) overrides either.
 #ifndef TN_K4_MIN_BLOCKS
