@@ -385,13 +385,9 @@ pub fn bench_train(
         }
         None => None,
     };
-    let middle = |mut v: Vec<f64>| {
-        v.sort_by(f64::total_cmp);
-        v[v.len() / 2]
-    };
     let delayed_update = (!delayed.is_empty()).then(|| {
         let (host, waited): (Vec<f64>, Vec<f64>) = delayed.into_iter().unzip();
-        (middle(host), middle(waited))
+        (median(host), median(waited))
     });
     let expert_imbalance = (t.dims.ep > 1 && !ep_imbalance.is_empty())
         .then(|| ep_imbalance.iter().sum::<f64>() / ep_imbalance.len() as f64);
@@ -427,8 +423,7 @@ pub fn bench_train(
         .collect();
     let kernels: f64 = profile.iter().map(|p| p.1).sum();
     profile.push(("other".into(), (profiled.1 / profiled.0 - kernels).max(0.0)));
-    times.sort_by(f64::total_cmp);
-    let median = times[times.len() / 2];
+    let median = median(times);
     let tokens = t.tokens_per_step();
     let tps = tokens as f64 / median;
     let fpt = t.flops_per_token();
@@ -491,6 +486,12 @@ pub fn bench_train(
         gpu,
         gpu_kernels,
     }))
+}
+
+/// The middle value of `v` (the upper one of an even count); `v` is not empty.
+fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(f64::total_cmp);
+    v[v.len() / 2]
 }
 
 #[cfg(test)]

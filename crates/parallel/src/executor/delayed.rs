@@ -27,7 +27,6 @@
 use std::ops::Range;
 use std::time::Duration;
 
-use rayon::prelude::*;
 use tensor::buf::Buf;
 use tensor::cuda::Unordered;
 
@@ -36,7 +35,7 @@ use super::run::terr;
 use super::Executor;
 use crate::checkpoint::PendingUpdate;
 use crate::data_parallel::ZeroStage;
-use crate::precision::{Flat, Half, Landing, CHUNK};
+use crate::precision::{Flat, Half, Landing};
 use crate::stage::StageModel;
 use crate::ParallelError;
 
@@ -146,8 +145,7 @@ impl Work {
             .map_err(terr)?[r.clone()];
         let m = &mut self.m.as_host_mut("the optimizer").map_err(terr)?[r.clone()];
         let v = &mut self.v.as_host_mut("the optimizer").map_err(terr)?[r];
-        let p = &self.pending;
-        let step = (p.t, p.scalars.lr, p.scalars.factor);
+        let (t, scalars) = (self.pending.t, self.pending.scalars);
         match (&mut self.pending.grads, self.kind) {
             (Held::Bits(landing), Some(kind)) => {
                 // Landed before it was held (`take_landed` waited): on this thread, which has
@@ -155,17 +153,10 @@ impl Work {
                 let bits = landing.settled_mut().ok_or_else(|| {
                     ParallelError::Model("a held update's gradients are still landing".into())
                 })?;
+                let step = (t, scalars.lr, scalars.factor);
                 adamw_in_place(kind, &self.opt, step, (master, m, v), bits);
             }
-            (Held::F32(g), None) => {
-                let (opt, (t, lr, factor)) = (&self.opt, step);
-                g.par_chunks(CHUNK)
-                    .zip(master.par_chunks_mut(CHUNK))
-                    .zip(m.par_chunks_mut(CHUNK).zip(v.par_chunks_mut(CHUNK)))
-                    .for_each(|((g, p), (m, v))| {
-                        opt.update_scaled(t, lr, opt.weight_decay, factor, p, g, m, v)
-                    });
-            }
+            (Held::F32(g), None) => scalars.apply(&self.opt, t, master, g, m, v),
             _ => {
                 return Err(ParallelError::Config(
                     "a held update's gradients are not in the training's precision".into(),

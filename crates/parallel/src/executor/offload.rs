@@ -254,15 +254,16 @@ impl<M: StageModel> Executor<M> {
 mod tests {
     use super::*;
 
-    /// One pass equals the three it replaces — widen, AdamW with the factor, round — bit for
-    /// bit, from separate gradient bits and over them in place, in both 16-bit formats, over lengths that end inside a piece and span several
-    /// (the master, the moments and the rounded weights all compared).
     #[test]
     fn the_host_update_rate_is_a_rate() {
         let r = host_update_rate(1 << 16);
         assert!(r.is_finite() && r > 1e5, "{r} parameters/s");
     }
 
+    /// One pass equals the three it replaces — widen, AdamW with the factor, round — bit for
+    /// bit, from separate gradient bits and over them in place, in both 16-bit formats, over
+    /// lengths that end inside a piece and span several (the master, the moments and the
+    /// rounded weights all compared).
     #[test]
     fn one_pass_equals_widen_update_round() {
         let opt = AdamW {
