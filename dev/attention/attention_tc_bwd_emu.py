@@ -9,7 +9,9 @@ no GPU is at hand:
 bf16, then in fp16, prints each case's errors (the format first) and a summary per format, and
 exits 1 on a mismatch.
 
-A transliteration of the two kernels (keep it in step when the kernels change), the operand
+A transliteration of the two kernels (keep it in step when the kernels change), dQ at D <= 64
+also with two m-tiles a warp (XT_ATTN_K4_MTILES = 2), whose dq must be the bits of one m-tile's
+(the same sums in the same order), the operand
 format an emu_common.Format (BF16 or FP16) passed down to where the kernels' F16 acts, tb_pack
 and tb_mma: each warp is 32 lanes as numpy vectors, the 128 threads of a CTA one vector where
 all of them act (the copies), shared memory one byte buffer laid out as the kernels lay it out
@@ -95,10 +97,11 @@ def lane_addr(base, ld, kind, row_off=0):
 
 
 def dq_kernel(q, k, v, dout, lse, delta, dq, B, Sq, Sk, H, Hkv, D, causal, q_start, k_start,
-              scale, MAXK, late, fmt, key_lo=None):
+              scale, MAXK, late, fmt, key_lo=None, MT=1):
     """attn_bwd_dq_tc_k<MAXK> (fmt BF16) or attn_bwd_dq_tc_f16_k<MAXK> (fmt FP16), or with a
-    document mask's first keys `key_lo` ([B * Sq]) their _docs twins, over its grid; q, k, v,
-    dout the bits (u16) of `fmt`."""
+    document mask's first keys `key_lo` ([B * Sq]) their _docs twins, over its grid, with MT
+    m-tiles of 16 rows a warp (XT_ATTN_K4_MTILES at D <= 64); q, k, v, dout the bits (u16) of
+    `fmt`."""
     DOCS = key_lo is not None
     ld = D + 8
     nbytes = 512 * (D + 8)
@@ -107,18 +110,19 @@ def dq_kernel(q, k, v, dout, lse, delta, dq, B, Sq, Sk, H, Hkv, D, causal, q_sta
     assert 2 * stage == nbytes
     nk, nd = D >> 4, D >> 3
     sl2 = np.float32(np.float32(scale) * LOG2E)
-    gx = (Sq + 63) // 64
+    bm = 64 * MT  # query rows of a CTA
+    gx = (Sq + bm - 1) // bm
     for by in range(B * H):
         for bx in range(gx):
             sm = Smem(nbytes, 0xAB)  # garbage: 0xABAB is -1.2e-12 in bf16, -0.0599 in fp16
             cp = CpAsync(sm, late)
             b, h = by // H, by % H
             hk = h // (H // Hkv)
-            q0 = (gx - 1 - bx) * 64
+            q0 = (gx - 1 - bx) * bm
             qstride, kstride = H * D, Hkv * D
             qbase = b * Sq * qstride + h * D
             kbase = b * Sk * kstride + hk * D
-            nvis = keys_seen(min(q0 + 64, Sq), Sk, causal, q_start, k_start)
+            nvis = keys_seen(min(q0 + bm, Sq), Sk, causal, q_start, k_start)
             ntiles = (nvis + 63) // 64
             lrow = b * Sq
             jt0 = int(key_lo[lrow + q0]) // 64 if DOCS else 0
@@ -127,38 +131,53 @@ def dq_kernel(q, k, v, dout, lse, delta, dq, B, Sq, Sk, H, Hkv, D, causal, q_sta
                 cp.commit()
             warps = []
             for w in range(4):
-                iw = q0 + 16 * w
+                iw = q0 + 16 * MT * w
+                wlast = iw + 16 * MT - 1
                 r0 = iw + G
-                qf, gf = [], []
-                for kk in range(nk):
-                    regs_q, regs_g = [], []
-                    for (rr, cc) in ((0, 0), (8, 0), (0, 8), (8, 8)):
-                        row = r0 + rr
-                        ok = row < Sq
-                        idx = qbase + np.where(ok, row, 0) * qstride + kk * 16 + 2 * T + cc
-                        regs_q.append(ld_u32(q, idx, ok))
-                        regs_g.append(ld_u32(dout, idx, ok))
-                    qf.append(regs_q)
-                    gf.append(regs_g)
-                lse2, dl, vis_row, lo_row = [], [], [], []
-                for hf in range(2):
-                    i = r0 + 8 * hf
-                    ok = i < Sq
-                    li = (b * H + h) * Sq + np.where(ok, i, 0)
-                    with np.errstate(invalid="ignore"):
-                        lse2.append(np.where(ok, (lse[li] * LOG2E).astype(np.float32), 0).astype(np.float32))
-                    dl.append(np.where(ok, delta[li], 0).astype(np.float32))
-                    vis_row.append(np.array([keys_seen(x + 1, Sk, causal, q_start, k_start) if x < Sq else 0 for x in i]))
-                    lo_row.append(np.array([int(key_lo[lrow + x]) if DOCS and x < Sq else 0
+                # Per m-tile mt (rows r0 + 16 mt, + 8): the Q and dO fragments, and per row
+                # lse in exp2 units, delta, the keys it sees and its first key.
+                qf, gf, lse2, dl, vis_row, lo_row = [], [], [], [], [], []
+                for mt in range(MT):
+                    rm = r0 + 16 * mt
+                    fq, fg = [], []
+                    for kk in range(nk):
+                        regs_q, regs_g = [], []
+                        for (rr, cc) in ((0, 0), (8, 0), (0, 8), (8, 8)):
+                            row = rm + rr
+                            ok = row < Sq
+                            idx = qbase + np.where(ok, row, 0) * qstride + kk * 16 + 2 * T + cc
+                            regs_q.append(ld_u32(q, idx, ok))
+                            regs_g.append(ld_u32(dout, idx, ok))
+                        fq.append(regs_q)
+                        fg.append(regs_g)
+                    qf.append(fq)
+                    gf.append(fg)
+                    l2, d_, vr, lr = [], [], [], []
+                    for hf in range(2):
+                        i = rm + 8 * hf
+                        ok = i < Sq
+                        li = (b * H + h) * Sq + np.where(ok, i, 0)
+                        with np.errstate(invalid="ignore"):
+                            l2.append(np.where(ok, (lse[li] * LOG2E).astype(np.float32),
+                                               0).astype(np.float32))
+                        d_.append(np.where(ok, delta[li], 0).astype(np.float32))
+                        vr.append(np.array([keys_seen(x + 1, Sk, causal, q_start, k_start)
+                                            if x < Sq else 0 for x in i]))
+                        lr.append(np.array([int(key_lo[lrow + x]) if DOCS and x < Sq else 0
                                             for x in i]))
+                    lse2.append(l2)
+                    dl.append(d_)
+                    vis_row.append(vr)
+                    lo_row.append(lr)
                 wfull = wkeys = wlo_min = wlo_max = 0
                 if iw < Sq:
-                    wkeys = keys_seen(min(iw + 16, Sq), Sk, causal, q_start, k_start)
+                    wkeys = keys_seen(min(wlast + 1, Sq), Sk, causal, q_start, k_start)
                     wfull = keys_seen(iw + 1, Sk, causal, q_start, k_start)
                     if DOCS:
                         wlo_min = int(key_lo[lrow + iw])
-                        wlo_max = int(key_lo[lrow + min(iw + 15, Sq - 1)])
-                acc = [[np.zeros(32, np.float32) for _ in range(4)] for _ in range(2 * MAXK)]
+                        wlo_max = int(key_lo[lrow + min(wlast, Sq - 1)])
+                acc = [[[np.zeros(32, np.float32) for _ in range(4)] for _ in range(2 * MAXK)]
+                       for _ in range(MT)]
                 warps.append(dict(r0=r0, qf=qf, gf=gf, lse2=lse2, dl=dl, vis_row=vis_row,
                                   lo_row=lo_row, wfull=wfull, wkeys=wkeys, wlo_min=wlo_min,
                                   wlo_max=wlo_max, acc=acc))
@@ -179,70 +198,80 @@ def dq_kernel(q, k, v, dout, lse, delta, dq, B, Sq, Sk, H, Hkv, D, causal, q_sta
                 for W in warps:
                     lo = None
                     if j0 + 64 <= W["wfull"] and (not DOCS or j0 >= W["wlo_max"]):
-                        masked, kv_lim, vis = False, 64, [0, 0]
+                        masked, kv_lim, vis = False, 64, None
                     elif j0 < W["wkeys"] and (not DOCS or j0 + 64 > W["wlo_min"]):
                         masked, kv_lim = True, W["wkeys"] - j0
-                        vis = [W["vis_row"][0] - j0, W["vis_row"][1] - j0]
+                        vis = [[x - j0 for x in v_] for v_ in W["vis_row"]]
                         if DOCS:
-                            lo = [W["lo_row"][0] - j0, W["lo_row"][1] - j0]
+                            lo = [[x - j0 for x in v_] for v_ in W["lo_row"]]
                     else:
                         continue
-                    dq_tile(sm, W, ks_nt + cur, vs_nt + cur, ks_tr + cur, regs, ld, nk, MAXK, sl2,
-                            masked, kv_lim, vis, fmt, lo)
+                    dq_tile(sm, W, ks_nt + cur, vs_nt + cur, ks_tr + cur, regs, ld, nk, MAXK, MT,
+                            sl2, masked, kv_lim, vis, fmt, lo)
             assert cp.idle(), "cp.async left in flight at the end of the CTA"
             for W in warps:
-                for hf in range(2):
-                    i = W["r0"] + 8 * hf
-                    for n in range(nd):
-                        for e in range(2):
-                            for ln in range(32):
-                                if i[ln] < Sq:
-                                    o = qbase + i[ln] * qstride + 2 * T[ln] + n * 8 + e
-                                    dq[o] = np.float32(dq[o] + np.float32(scale) * W["acc"][n][2 * hf + e][ln])
+                for mt in range(MT):
+                    for hf in range(2):
+                        i = W["r0"] + 16 * mt + 8 * hf
+                        for n in range(nd):
+                            for e in range(2):
+                                for ln in range(32):
+                                    if i[ln] < Sq:
+                                        o = qbase + i[ln] * qstride + 2 * T[ln] + n * 8 + e
+                                        dq[o] = np.float32(dq[o] + np.float32(scale)
+                                                           * W["acc"][mt][n][2 * hf + e][ln])
 
 
-def dq_tile(sm, W, ks_nt, vs_nt, ks_tr, regs, ld, nk, MAXK, sl2, masked, kv_lim, vis, fmt,
+def dq_tile(sm, W, ks_nt, vs_nt, ks_tr, regs, ld, nk, MAXK, MT, sl2, masked, kv_lim, vis, fmt,
             lo=None):
-    """tb_dq_tile<MAXK, MASKED, F16> for one warp (fmt: the operand format, emu_common.BF16 or
-    FP16); regs: the byte ranges of the stage's K and V tiles, which its ldmatrix rows must lie
-    in."""
+    """tb_dq_tile<MAXK, MT, MASKED, F16, DOCS> for one warp (fmt: the operand format,
+    emu_common.BF16 or FP16; its registers indexed [mt] by m-tile); regs: the byte ranges of
+    the stage's K and V tiles, which its ldmatrix rows must lie in."""
     kreg, vreg = regs
-    for c0 in (0, 32):
+    KC = 32 // MT  # keys a step
+    NT = KC // 8
+    for c0 in range(0, 64, KC):
         if masked and c0 >= kv_lim:
             break
-        s = [[np.zeros(32, np.float32) for _ in range(4)] for _ in range(4)]
-        dp = [[np.zeros(32, np.float32) for _ in range(4)] for _ in range(4)]
+        s = [[[np.zeros(32, np.float32) for _ in range(4)] for _ in range(NT)] for _ in range(MT)]
+        dp = [[[np.zeros(32, np.float32) for _ in range(4)] for _ in range(NT)]
+              for _ in range(MT)]
         for kk in range(nk):
-            for p in range(2):
+            for p in range(NT // 2):
                 if not masked or c0 + 16 * p < kv_lim:
                     off = ((c0 + 16 * p) * ld + kk * 16) * 2
                     bk = ldsm_x4(sm, ks_nt + off, region=kreg)
                     bv = ldsm_x4(sm, vs_nt + off, region=vreg)
-                    mma(s[2 * p], W["qf"][kk], bk[0], bk[1], fmt)
-                    mma(s[2 * p + 1], W["qf"][kk], bk[2], bk[3], fmt)
-                    mma(dp[2 * p], W["gf"][kk], bv[0], bv[1], fmt)
-                    mma(dp[2 * p + 1], W["gf"][kk], bv[2], bv[3], fmt)
-        for n in range(4):
-            for x in range(4):
-                hf = x >> 1
-                p_ = exp2(fmaf(s[n][x], sl2, -W["lse2"][hf]))
-                with np.errstate(invalid="ignore", over="ignore"):
-                    ds = (p_ * (dp[n][x] - W["dl"][hf])).astype(np.float32)
-                if masked:
-                    c = c0 + n * 8 + 2 * T + (x & 1)
-                    cut = (c >= vis[hf]) | ((c < lo[hf]) if lo is not None else False)
-                    ds = np.where(cut, np.float32(0), ds)
-                s[n][x] = ds.astype(np.float32)
+                    for mt in range(MT):
+                        mma(s[mt][2 * p], W["qf"][mt][kk], bk[0], bk[1], fmt)
+                        mma(s[mt][2 * p + 1], W["qf"][mt][kk], bk[2], bk[3], fmt)
+                        mma(dp[mt][2 * p], W["gf"][mt][kk], bv[0], bv[1], fmt)
+                        mma(dp[mt][2 * p + 1], W["gf"][mt][kk], bv[2], bv[3], fmt)
+        for mt in range(MT):
+            for n in range(NT):
+                for x in range(4):
+                    hf = x >> 1
+                    p_ = exp2(fmaf(s[mt][n][x], sl2, -W["lse2"][mt][hf]))
+                    with np.errstate(invalid="ignore", over="ignore"):
+                        ds = (p_ * (dp[mt][n][x] - W["dl"][mt][hf])).astype(np.float32)
+                    if masked:
+                        c = c0 + n * 8 + 2 * T + (x & 1)
+                        cut = (c >= vis[mt][hf]) | ((c < lo[mt][hf]) if lo is not None else False)
+                        ds = np.where(cut, np.float32(0), ds)
+                    s[mt][n][x] = ds.astype(np.float32)
         pack = fmt.pack
-        for kk in range(2):
+        for kk in range(NT // 2):
             if not masked or c0 + 16 * kk < kv_lim:
-                a = [pack(s[2 * kk][0], s[2 * kk][1]), pack(s[2 * kk][2], s[2 * kk][3]),
-                     pack(s[2 * kk + 1][0], s[2 * kk + 1][1]), pack(s[2 * kk + 1][2], s[2 * kk + 1][3])]
+                a = [[pack(s[mt][2 * kk][0], s[mt][2 * kk][1]),
+                      pack(s[mt][2 * kk][2], s[mt][2 * kk][3]),
+                      pack(s[mt][2 * kk + 1][0], s[mt][2 * kk + 1][1]),
+                      pack(s[mt][2 * kk + 1][2], s[mt][2 * kk + 1][3])] for mt in range(MT)]
                 for p in range(nk):
                     bk = ldsm_x4(sm, ks_tr + ((c0 + 16 * kk) * ld + p * 16) * 2, trans=True,
                                  region=kreg)
-                    mma(W["acc"][2 * p], a, bk[0], bk[1], fmt)
-                    mma(W["acc"][2 * p + 1], a, bk[2], bk[3], fmt)
+                    for mt in range(MT):
+                        mma(W["acc"][mt][2 * p], a[mt], bk[0], bk[1], fmt)
+                        mma(W["acc"][mt][2 * p + 1], a[mt], bk[2], bk[3], fmt)
 
 
 def dkv_kernel(q, k, v, dout, lse, delta, dk, dv, B, Sq, Sk, H, Hkv, D, causal, q_start,
@@ -520,6 +549,14 @@ def case(B, Sq, Sk, H, Hkv, D, causal, q_start, k_start, fmt, seed=0, kv_regs=No
     # Copies landing when issued and at their wait read the same bits everywhere.
     same = all(np.array_equal(x.view(np.uint32), y.view(np.uint32))
                for x, y in zip(runs[0], runs[1]))
+    # dQ with two m-tiles a warp (XT_ATTN_K4_MTILES = 2, D <= 64): the same sums in the same
+    # order, so the same bits, with copies landing early and late.
+    same_m2 = True
+    if MAXK == 4:
+        for late in (False, True):
+            dq2 = base_q.copy()
+            dq_kernel(q16, k16, v16, g16, lse, delta, dq2, *args, MAXK, late, fmt, key_lo, MT=2)
+            same_m2 &= np.array_equal(dq2.view(np.uint32), runs[0][0].view(np.uint32))
     dq, dk, dv = runs[1]
     errs = []
     maxerr = 0.0
@@ -538,8 +575,12 @@ def case(B, Sq, Sk, H, Hkv, D, causal, q_start, k_start, fmt, seed=0, kv_regs=No
     if not same:
         ok_all = False
         errs.append("copies landing early and late give different results")
+    if not same_m2:
+        ok_all = False
+        errs.append("dQ with two m-tiles a warp differs from one's")
     line = (f"{fmt} B{B} Sq{Sq} Sk{Sk} H{H}/{Hkv} D{D} {'c' if causal else 'nc'} "
-            f"{q_start},{k_start} kv_regs={int(kv_regs)}: " + ", ".join(errs)
+            f"{q_start},{k_start} kv_regs={int(kv_regs)}"
+            f"{' (dQ m2 bitwise)' if MAXK == 4 else ''}: " + ", ".join(errs)
             + f" [{time.time() - t0:.1f} s]" + (f" documents {opens}" if opens else ""))
     print(line, flush=True)
     return bool(ok_all), maxerr

@@ -8,9 +8,10 @@ where no GPU is at hand:
 then in fp16, prints each case's errors (the format first) and a summary per format, and exits
 1 on a mismatch.
 
-A transliteration of attn_fwd_tc_body<MAXK, FULL, F16> (keep it in step when the kernel
-changes), in the manner of attention_tc_bwd_emu.py (the backward's, attention_tc_bwd.cu), on
-the primitives of emu_common.py, the operand format an emu_common.Format (BF16 or FP16) passed
+A transliteration of attn_fwd_tc_body<MAXK, MT, FULL, F16, DOCS> (keep it in step when the
+kernel changes), run at D <= 64 with both choices of m-tiles a warp (MT: XT_ATTN_K4_MTILES,
+1 and 2; the reference's rounding of P follows the kernel's steps of 64 / MT keys), in the
+manner of attention_tc_bwd_emu.py (the backward's, attention_tc_bwd.cu), on the primitives of emu_common.py, the operand format an emu_common.Format (BF16 or FP16) passed
 down to where the kernel's F16 acts, tn_pack and tn_mma: each warp is 32 lanes as numpy
 vectors, the 128 threads of a CTA one vector where all of them act (the copies), shared memory
 one byte buffer laid out as the kernel lays it out (two stages of a 16-bit K and V tile with
@@ -79,7 +80,7 @@ TOL = {"tile": {"bf16": 1e-3, "fp16": 1e-3}, True: {"bf16": 4e-3, "fp16": 5e-4},
 LSE_TOL = 1e-4  # lse: max |x - ref| over the rows that see a key (fp32 sums of |lse| <~ 10:
 # ~1e-6, measured up to 6.8e-7 in both formats; the rounding of P, bf16 or fp16, does not enter
 # l); -inf rows must be -inf exactly.
-BM = BN = 64
+BN = 64
 PAD = 8
 
 
@@ -113,66 +114,87 @@ def copy_tile(cp, kt, vt, kb, vb, k, v, kstride, j0, Sk, D, ld, MAXK, pc):
     assert np.all(seen == 1), "the copies do not cover the tile exactly once"
 
 
-def tn_tile(sm, W, ks_lane, vs_lane, kreg, vreg, ld, nk, MAXK, sl2, kv_lim, vis, masked, fmt,
-            lo=None):
-    """tn_tile<MAXK, MASKED, F16, DOCS> for one warp (W: its registers, lanes as vectors; fmt:
-    the operand format, emu_common.BF16 or FP16; lo: the rows' first keys under a document
-    mask, DOCS, else None); kreg, vreg: the byte ranges of the stage's K and V tiles, which its
-    ldmatrix rows must lie in."""
+def tn_step(sm, W, ks_lane, vs_lane, kreg, vreg, ld, nk, MAXK, MT, sl2, kv_lim, vis, masked,
+            fmt, c0, lo=None):
+    """tn_step<MAXK, MT, MASKED, F16, DOCS> for one warp (W: its registers, lanes as vectors,
+    indexed [mt] by m-tile; fmt: the operand format, emu_common.BF16 or FP16; lo: the rows'
+    first keys under a document mask, DOCS, else None): keys c0 .. c0 + 64 / MT - 1 of the
+    tile; kreg, vreg: the byte ranges of the stage's K and V tiles, which its ldmatrix rows must
+    lie in."""
     qf, o, m, l = W["qf"], W["o"], W["m"], W["l"]
-    # S = Q K^T (16 rows x 64 keys): n-tiles 2p, 2p + 1 from one ldmatrix.x4 per k-step.
-    s = [[np.zeros(32, np.float32) for _ in range(4)] for _ in range(8)]
+    KC = BN // MT
+    NT = KC // 8
+    # S = Q K^T (16 MT rows x KC keys): n-tiles 2p, 2p + 1 from one ldmatrix.x4 per k-step,
+    # for every m-tile.
+    s = [[[np.zeros(32, np.float32) for _ in range(4)] for _ in range(NT)] for _ in range(MT)]
     for kk in range(MAXK):
         if kk < nk:
-            for p in range(4):
-                if not masked or 16 * p < kv_lim:
-                    bk = ldsm_x4(sm, ks_lane + (p * 16 * ld + kk * 16) * 2, region=kreg)
-                    mma(s[2 * p], qf[kk], bk[0], bk[1], fmt)
-                    mma(s[2 * p + 1], qf[kk], bk[2], bk[3], fmt)
-    # Online softmax, row r0 + 8 hf: s[n][2 hf], s[n][2 hf + 1].
-    for hf in range(2):
-        mx = m[hf].copy()
-        for n in range(8):
-            for e in range(2):
-                if masked:
-                    c = n * 8 + 2 * T + e
-                    cut = (c >= vis[hf]) | ((c < lo[hf]) if lo is not None else False)
-                    s[n][2 * hf + e] = np.where(cut, NEG_INF, s[n][2 * hf + e]).astype(np.float32)
-                mx = np.fmax(mx, s[n][2 * hf + e])
-        mx = np.fmax(mx, shfl_xor(mx, 1))
-        mx = np.fmax(mx, shfl_xor(mx, 2))
-        m2 = np.where(mx == NEG_INF, np.float32(0), fmul_rn(mx, sl2)).astype(np.float32)
-        with np.errstate(invalid="ignore"):
-            corr = exp2((fmul_rn(m[hf], sl2) - m2).astype(np.float32))
-        m[hf] = mx
-        sm_ = np.zeros(32, np.float32)
-        for n in range(8):
-            for e in range(2):
-                p_ = exp2(fmaf(s[n][2 * hf + e], sl2, -m2))
-                s[n][2 * hf + e] = p_
-                sm_ = (sm_ + p_).astype(np.float32)
-        # l * corr + sum: contracted to one FFMA by nvcc's default -fmad=true.
-        l[hf] = fmaf(l[hf], corr, sm_)
-        for n in range(2 * MAXK):
-            o[n][2 * hf] = (o[n][2 * hf] * corr).astype(np.float32)
-            o[n][2 * hf + 1] = (o[n][2 * hf + 1] * corr).astype(np.float32)
-    # O += P V: A = P (k-step kk = keys 16 kk .. 16 kk + 15), B from ldmatrix.x4.trans.
-    for kk in range(4):
-        if not masked or 16 * kk < kv_lim:
+            for p in range(NT // 2):
+                if not masked or c0 + 16 * p < kv_lim:
+                    bk = ldsm_x4(sm, ks_lane + ((c0 + 16 * p) * ld + kk * 16) * 2, region=kreg)
+                    for mt in range(MT):
+                        mma(s[mt][2 * p], qf[mt][kk], bk[0], bk[1], fmt)
+                        mma(s[mt][2 * p + 1], qf[mt][kk], bk[2], bk[3], fmt)
+    # Online softmax, row r0 + 16 mt + 8 hf: s[mt][n][2 hf], s[mt][n][2 hf + 1].
+    for mt in range(MT):
+        for hf in range(2):
+            mx = m[mt][hf].copy()
+            for n in range(NT):
+                for e in range(2):
+                    if masked:
+                        c = c0 + n * 8 + 2 * T + e
+                        cut = (c >= vis[mt][hf]) | ((c < lo[mt][hf]) if lo is not None else False)
+                        s[mt][n][2 * hf + e] = np.where(cut, NEG_INF,
+                                                        s[mt][n][2 * hf + e]).astype(np.float32)
+                    mx = np.fmax(mx, s[mt][n][2 * hf + e])
+            mx = np.fmax(mx, shfl_xor(mx, 1))
+            mx = np.fmax(mx, shfl_xor(mx, 2))
+            m2 = np.where(mx == NEG_INF, np.float32(0), fmul_rn(mx, sl2)).astype(np.float32)
+            with np.errstate(invalid="ignore"):
+                corr = exp2((fmul_rn(m[mt][hf], sl2) - m2).astype(np.float32))
+            m[mt][hf] = mx
+            sm_ = np.zeros(32, np.float32)
+            for n in range(NT):
+                for e in range(2):
+                    p_ = exp2(fmaf(s[mt][n][2 * hf + e], sl2, -m2))
+                    s[mt][n][2 * hf + e] = p_
+                    sm_ = (sm_ + p_).astype(np.float32)
+            # l * corr + sum: contracted to one FFMA by nvcc's default -fmad=true.
+            l[mt][hf] = fmaf(l[mt][hf], corr, sm_)
+            for n in range(2 * MAXK):
+                o[mt][n][2 * hf] = (o[mt][n][2 * hf] * corr).astype(np.float32)
+                o[mt][n][2 * hf + 1] = (o[mt][n][2 * hf + 1] * corr).astype(np.float32)
+    # O += P V: A = P (k-step kk = keys c0 + 16 kk ..), B from ldmatrix.x4.trans, for every
+    # m-tile.
+    for kk in range(NT // 2):
+        if not masked or c0 + 16 * kk < kv_lim:
             pack = fmt.pack
-            a = [pack(s[2 * kk][0], s[2 * kk][1]), pack(s[2 * kk][2], s[2 * kk][3]),
-                 pack(s[2 * kk + 1][0], s[2 * kk + 1][1]), pack(s[2 * kk + 1][2], s[2 * kk + 1][3])]
+            a = [[pack(s[mt][2 * kk][0], s[mt][2 * kk][1]),
+                  pack(s[mt][2 * kk][2], s[mt][2 * kk][3]),
+                  pack(s[mt][2 * kk + 1][0], s[mt][2 * kk + 1][1]),
+                  pack(s[mt][2 * kk + 1][2], s[mt][2 * kk + 1][3])] for mt in range(MT)]
             for p in range(MAXK):
                 if p < nk:
-                    bv = ldsm_x4(sm, vs_lane + (kk * 16 * ld + p * 16) * 2, trans=True,
+                    bv = ldsm_x4(sm, vs_lane + ((c0 + 16 * kk) * ld + p * 16) * 2, trans=True,
                                  region=vreg)
-                    mma(o[2 * p], a, bv[0], bv[1], fmt)
-                    mma(o[2 * p + 1], a, bv[2], bv[3], fmt)
+                    for mt in range(MT):
+                        mma(o[mt][2 * p], a[mt], bv[0], bv[1], fmt)
+                        mma(o[mt][2 * p + 1], a[mt], bv[2], bv[3], fmt)
+
+
+def tn_tile(sm, W, ks_lane, vs_lane, kreg, vreg, ld, nk, MAXK, MT, sl2, kv_lim, vis, masked,
+            fmt, lo=None):
+    """tn_tile<MAXK, MT, MASKED, F16, DOCS>: the tile's keys in MT steps of 64 / MT."""
+    for c0 in range(0, BN, BN // MT):
+        if masked and c0 >= kv_lim:
+            break
+        tn_step(sm, W, ks_lane, vs_lane, kreg, vreg, ld, nk, MAXK, MT, sl2, kv_lim, vis, masked,
+                fmt, c0, lo)
 
 
 def body(q, k, v, out, lse, wr_out, wr_lse, B, Sq, Sk, H, Hkv, D, causal, q_start, k_start,
-         scale, MAXK, FULL, gx, bx, by, late, fmt, key_lo=None):
-    """attn_fwd_tc_body<MAXK, FULL, F16, DOCS> for the CTA (bx, by) of a grid (gx, B * H); q,
+         scale, MAXK, MT, FULL, gx, bx, by, late, fmt, key_lo=None):
+    """attn_fwd_tc_body<MAXK, MT, FULL, F16, DOCS> for the CTA (bx, by) of a grid (gx, B * H); q,
     k, v the bits (u16) of the operand format `fmt` (F16: fmt is FP16); key_lo the document
     mask's first keys ([B * Sq] int, DOCS) or None."""
     DOCS = key_lo is not None
@@ -187,7 +209,8 @@ def body(q, k, v, out, lse, wr_out, wr_lse, B, Sq, Sk, H, Hkv, D, causal, q_star
     cp = CpAsync(sm, late)
     b, h = by // H, by % H
     hk = h // (H // Hkv)
-    q0 = (gx - 1 - bx) * BM  # longest rows first
+    bm = 16 * MT * 4  # query rows of the CTA
+    q0 = (gx - 1 - bx) * bm  # longest rows first
     nk, nd = D >> 4, D >> 3
     qstride, kstride = H * D, Hkv * D
     qb = b * Sq * qstride + h * D
@@ -195,7 +218,7 @@ def body(q, k, v, out, lse, wr_out, wr_lse, B, Sq, Sk, H, Hkv, D, causal, q_star
     vb = b * Sk * kstride + hk * D
     sl2 = np.float32(np.float32(scale) * LOG2E)
 
-    nvis = keys_seen(min(q0 + BM, Sq), Sk, causal, q_start, k_start)
+    nvis = keys_seen(min(q0 + bm, Sq), Sk, causal, q_start, k_start)
     ntiles = (nvis + BN - 1) // BN
     lrow = b * Sq
     jt0 = int(key_lo[lrow + q0]) // BN if DOCS else 0
@@ -207,38 +230,47 @@ def body(q, k, v, out, lse, wr_out, wr_lse, B, Sq, Sk, H, Hkv, D, causal, q_star
 
     warps = []
     for warp in range(4):
-        iw = q0 + warp * 16
+        iw = q0 + warp * 16 * MT
+        wlast = iw + 16 * MT - 1
         r0 = iw + G
-        # Q's A fragments (rows r0, r0 + 8; zeros past Sq), 32-bit loads of two elements.
-        pa = qb + r0 * qstride + 2 * T
-        pb = qb + (r0 + 8) * qstride + 2 * T
-        oka, okb = r0 < Sq, r0 + 8 < Sq
+        qf = []
+        for mt in range(MT):
+            # Q's A fragments (rows r0 + 16 mt, + 8; zeros past Sq), 32-bit loads of two
+            # elements.
+            ra = r0 + 16 * mt
+            pa = qb + ra * qstride + 2 * T
+            pb = qb + (ra + 8) * qstride + 2 * T
+            oka, okb = ra < Sq, ra + 8 < Sq
 
-        def ld2(ok, ptr):
-            assert np.all(np.where(ok, (ptr - qb) % qstride + 2 <= D, True))
-            return ld_u32(q, ptr, ok)
+            def ld2(ok, ptr):
+                assert np.all(np.where(ok, (ptr - qb) % qstride + 2 <= D, True))
+                return ld_u32(q, ptr, ok)
 
-        qf = [None] * MAXK
-        for kk in range(MAXK):
-            if kk < nk:
-                qf[kk] = [ld2(oka, pa + kk * 16), ld2(okb, pb + kk * 16),
-                          ld2(oka, pa + kk * 16 + 8), ld2(okb, pb + kk * 16 + 8)]
+            f = [None] * MAXK
+            for kk in range(MAXK):
+                if kk < nk:
+                    f[kk] = [ld2(oka, pa + kk * 16), ld2(okb, pb + kk * 16),
+                             ld2(oka, pa + kk * 16 + 8), ld2(okb, pb + kk * 16 + 8)]
+            qf.append(f)
         wfull = wkeys = wlo_min = wlo_max = 0
         if iw < Sq:
-            wkeys = keys_seen(min(iw + 16, Sq), Sk, causal, q_start, k_start)
+            wkeys = keys_seen(min(wlast + 1, Sq), Sk, causal, q_start, k_start)
             wfull = keys_seen(iw + 1, Sk, causal, q_start, k_start)
             if DOCS:
                 wlo_min = int(key_lo[lrow + iw])
-                wlo_max = int(key_lo[lrow + min(iw + 15, Sq - 1)])
-        vis_row = [np.array([keys_seen(int(x) + 8 * hf + 1, Sk, causal, q_start, k_start)
-                             for x in r0]) for hf in range(2)]
-        lo_row = [np.array([int(key_lo[lrow + x + 8 * hf]) if DOCS and x + 8 * hf < Sq else 0
-                            for x in r0]) for hf in range(2)]
+                wlo_max = int(key_lo[lrow + min(wlast, Sq - 1)])
+        rows = [[r0 + 16 * mt + 8 * hf for hf in range(2)] for mt in range(MT)]
+        vis_row = [[np.array([keys_seen(int(x) + 1, Sk, causal, q_start, k_start) for x in i])
+                    for i in rr] for rr in rows]
+        lo_row = [[np.array([int(key_lo[lrow + x]) if DOCS and x < Sq else 0 for x in i])
+                   for i in rr] for rr in rows]
         warps.append(dict(iw=iw, r0=r0, qf=qf, wfull=wfull, wkeys=wkeys, vis_row=vis_row,
                           wlo_min=wlo_min, wlo_max=wlo_max, lo_row=lo_row,
-                          o=[[np.zeros(32, np.float32) for _ in range(4)] for _ in range(2 * MAXK)],
-                          m=[np.full(32, NEG_INF), np.full(32, NEG_INF)],
-                          l=[np.zeros(32, np.float32), np.zeros(32, np.float32)]))
+                          o=[[[np.zeros(32, np.float32) for _ in range(4)]
+                              for _ in range(2 * MAXK)] for _ in range(MT)],
+                          m=[[np.full(32, NEG_INF), np.full(32, NEG_INF)] for _ in range(MT)],
+                          l=[[np.zeros(32, np.float32), np.zeros(32, np.float32)]
+                             for _ in range(MT)]))
 
     # ldmatrix row addresses of this lane in stage 0 (k-step 0, n-tile pair 0).
     krow, kcol = ((lane >> 4) << 3) + (lane & 7), ((lane >> 3) & 1) << 3
@@ -260,45 +292,49 @@ def body(q, k, v, out, lse, wr_out, wr_lse, B, Sq, Sk, H, Hkv, D, causal, q_star
         vreg = (vt0 + cur, vt0 + cur + BN * ld * 2)
         for W in warps:
             if j0 + BN <= W["wfull"] and (not DOCS or j0 >= W["wlo_max"]):
-                tn_tile(sm, W, ks_lane + cur, vs_lane + cur, kreg, vreg, ld, nk, MAXK, sl2, BN,
-                        [0, 0], False, fmt)
+                tn_tile(sm, W, ks_lane + cur, vs_lane + cur, kreg, vreg, ld, nk, MAXK, MT, sl2,
+                        BN, None, False, fmt)
             elif j0 < W["wkeys"] and (not DOCS or j0 + BN > W["wlo_min"]):
-                vis = [W["vis_row"][0] - j0, W["vis_row"][1] - j0]
-                lo = [W["lo_row"][0] - j0, W["lo_row"][1] - j0] if DOCS else None
-                tn_tile(sm, W, ks_lane + cur, vs_lane + cur, kreg, vreg, ld, nk, MAXK, sl2,
+                vis = [[x - j0 for x in v_] for v_ in W["vis_row"]]
+                lo = [[x - j0 for x in v_] for v_ in W["lo_row"]] if DOCS else None
+                tn_tile(sm, W, ks_lane + cur, vs_lane + cur, kreg, vreg, ld, nk, MAXK, MT, sl2,
                         W["wkeys"] - j0, vis, True, fmt, lo)
     assert cp.idle(), "cp.async left in flight at the end of the CTA"
 
     ob = b * Sq * qstride + h * D
     for W in warps:
-        for hf in range(2):
-            sum_ = W["l"][hf]
-            sum_ = (sum_ + shfl_xor(sum_, 1)).astype(np.float32)
-            sum_ = (sum_ + shfl_xor(sum_, 2)).astype(np.float32)
-            i = W["r0"] + 8 * hf
-            ok = i < Sq
-            with np.errstate(divide="ignore"):
-                inv = np.where(sum_ > 0, np.float32(1) / sum_, np.float32(0)).astype(np.float32)
-            orow = ob + np.where(ok, i, 0) * qstride + 2 * T
-            for n in range(2 * MAXK):
-                if n < nd:
-                    for e in range(2):
-                        idx = (orow + n * 8 + e)[ok]
-                        with np.errstate(invalid="ignore"):
-                            out[idx] = (W["o"][n][2 * hf + e] * inv).astype(np.float32)[ok]
-                        np.add.at(wr_out, idx, 1)
-            with np.errstate(divide="ignore", invalid="ignore"):
-                val = np.where(sum_ > 0, ((fmul_rn(W["m"][hf], sl2)
-                                           + np.log2(sum_.astype(np.float64)).astype(np.float32))
-                                          * LN2).astype(np.float32), NEG_INF)
-            w = ok & (T == 0)
-            li = ((b * H + h) * Sq + i)[w]
-            lse[li] = val[w]
-            np.add.at(wr_lse, li, 1)
+        for mt in range(MT):
+            for hf in range(2):
+                sum_ = W["l"][mt][hf]
+                sum_ = (sum_ + shfl_xor(sum_, 1)).astype(np.float32)
+                sum_ = (sum_ + shfl_xor(sum_, 2)).astype(np.float32)
+                i = W["r0"] + 16 * mt + 8 * hf
+                ok = i < Sq
+                with np.errstate(divide="ignore"):
+                    inv = np.where(sum_ > 0, np.float32(1) / sum_,
+                                   np.float32(0)).astype(np.float32)
+                orow = ob + np.where(ok, i, 0) * qstride + 2 * T
+                for n in range(2 * MAXK):
+                    if n < nd:
+                        for e in range(2):
+                            idx = (orow + n * 8 + e)[ok]
+                            with np.errstate(invalid="ignore"):
+                                out[idx] = (W["o"][mt][n][2 * hf + e] * inv).astype(
+                                    np.float32)[ok]
+                            np.add.at(wr_out, idx, 1)
+                with np.errstate(divide="ignore", invalid="ignore"):
+                    val = np.where(sum_ > 0, ((fmul_rn(W["m"][mt][hf], sl2)
+                                               + np.log2(sum_.astype(np.float64)).astype(
+                                                   np.float32)) * LN2).astype(np.float32),
+                                   NEG_INF)
+                w = ok & (T == 0)
+                li = ((b * H + h) * Sq + i)[w]
+                lse[li] = val[w]
+                np.add.at(wr_lse, li, 1)
 
 
 def kernel(q, k, v, out, lse, B, Sq, Sk, H, Hkv, D, causal, q_start, k_start, scale, MAXK,
-           late, fmt, key_lo=None):
+           MT, late, fmt, key_lo=None):
     """TN_KERNEL: attn_fwd_tc_k<MAXK> (fmt BF16) or attn_fwd_tc_f16_k<MAXK> (fmt FP16), or
     with a document mask's first keys `key_lo` their _docs twins, over the whole grid
     (ceil(Sq / 64), B H); q, k, v the bits (u16) of `fmt`; `late`: the cp.async landing policy
@@ -306,20 +342,22 @@ def kernel(q, k, v, out, lse, B, Sq, Sk, H, Hkv, D, causal, q_start, k_start, sc
     assert D % 16 == 0 and 16 <= D <= 16 * MAXK
     wr_out = np.zeros(out.size, dtype=int)
     wr_lse = np.zeros(lse.size, dtype=int)
-    gx = (Sq + BM - 1) // BM
+    bm = 64 * MT
+    gx = (Sq + bm - 1) // bm
     for by in range(B * H):
         for bx in range(gx):
             body(q, k, v, out, lse, wr_out, wr_lse, B, Sq, Sk, H, Hkv, D, causal, q_start,
-                 k_start, scale, MAXK, D == 16 * MAXK, gx, bx, by, late, fmt, key_lo)
+                 k_start, scale, MAXK, MT, D == 16 * MAXK, gx, bx, by, late, fmt, key_lo)
     assert np.all(wr_out == 1), "out: elements written other than once"
     assert np.all(wr_lse == 1), "lse: elements written other than once"
 
 
 def reference(q, k, v, B, Sq, Sk, H, Hkv, D, causal, q_start, k_start, scale, fmt,
-              doc_start=None):
+              doc_start=None, kc=BN):
     """fp64 attention on Q, K, V rounded to the operand format `fmt`; (ROUND_P) P rounded to
     `fmt` before P V, divided by the row sum of the unrounded P; under a document mask
-    (`doc_start`, [B, Sq]: the CPU kernel's rule, key j seen iff doc_start <= k_start + j)."""
+    (`doc_start`, [B, Sq]: the CPU kernel's rule, key j seen iff doc_start <= k_start + j);
+    `kc`: the keys of the kernel's softmax steps (64 / MT)."""
     rb = lambda x: fmt.round(x.astype(np.float32)).astype(np.float64)
     q4 = rb(q).reshape(B, Sq, H, D)
     k4 = rb(k).reshape(B, Sk, Hkv, D)
@@ -337,11 +375,11 @@ def reference(q, k, v, B, Sq, Sk, H, Hkv, D, causal, q_start, k_start, scale, fm
             S = np.where(seen, S, -np.inf)
             mm, e, l, lse[bb, h] = softmax_rows(S)
             if ROUND_P == "tile":
-                # The maximum the row has seen by the end of each 64-key tile: the kernel's
-                # running maximum when it rounds that tile's p.
-                nt = (Sk + BN - 1) // BN
-                tm = np.stack([S[:, BN * t:BN * (t + 1)].max(axis=1) for t in range(nt)], 1)
-                mt = np.maximum.accumulate(tm, axis=1)[:, j[0] // BN]
+                # The maximum the row has seen by the end of each step of kc keys: the kernel's
+                # running maximum when it rounds that step's p.
+                nt = (Sk + kc - 1) // kc
+                tm = np.stack([S[:, kc * t:kc * (t + 1)].max(axis=1) for t in range(nt)], 1)
+                mt = np.maximum.accumulate(tm, axis=1)[:, j[0] // kc]
                 mt = np.where(np.isfinite(mt), mt, mm)
                 P = rb(np.exp(S - mt)) * np.exp(mt - mm)
             elif ROUND_P:
@@ -354,8 +392,10 @@ def reference(q, k, v, B, Sq, Sk, H, Hkv, D, causal, q_start, k_start, scale, fm
 
 def case(B, Sq, Sk, H, Hkv, D, causal, q_start, k_start, fmt, seed=0, note="", opens=None):
     """One case in the operand format `fmt` (emu_common.BF16 or FP16), under a document mask
-    where `opens` gives each sequence's document openings (global positions): the kernel's
-    results against the reference's; prints a line; returns (ok, out error, lse error)."""
+    where `opens` gives each sequence's document openings (global positions), with each choice
+    of m-tiles a warp the head size has (1, and 2 at D <= 64: XT_ATTN_K4_MTILES): the kernel's
+    results against the reference's; prints a line each; returns (ok, out error, lse error)
+    over them."""
     rng = np.random.default_rng(seed)
     q, k, v = inputs(rng, B, Sq, Sk, H, Hkv, D)
     scale = np.float32(1.0 / np.sqrt(D))
@@ -364,58 +404,64 @@ def case(B, Sq, Sk, H, Hkv, D, causal, q_start, k_start, fmt, seed=0, note="", o
         doc_start = doc_starts(opens, Sq, q_start)
         key_lo, _ = doc_bounds(doc_start, Sq, Sk, k_start)
         note += f" documents {opens}"
-    rout, rlse = reference(q, k, v, B, Sq, Sk, H, Hkv, D, causal, q_start, k_start,
-                           np.float64(scale), fmt, doc_start)
     MAXK = 4 if D <= 64 else 8
     # The kernel's inputs: the bits of `fmt`, rounded once (nearest even) as the caller rounds
     # them.
     q16, k16, v16 = fmt.u16(q), fmt.u16(k), fmt.u16(v)
-    t0 = time.time()
-    runs = []
-    for late in (False, True):
-        out = np.full(B * Sq * H * D, np.nan, np.float32)
-        lse = np.full(B * H * Sq, np.nan, np.float32)
-        kernel(q16, k16, v16, out, lse, B, Sq, Sk, H, Hkv, D, int(causal), q_start, k_start,
-               scale, MAXK, late, fmt, key_lo)
-        runs.append((out, lse))
-    dt = time.time() - t0
-    ok = True
-    msgs = []
-    # Copies landing when issued and at their wait read the same bits everywhere.
-    if not all(np.array_equal(x.view(np.uint32), y.view(np.uint32))
-               for x, y in zip(runs[0], runs[1])):
-        ok = False
-        msgs.append("copies landing early and late give different results")
-    dead = np.isneginf(rlse)  # rows that see no key
-    if not np.array_equal(np.isneginf(lse), dead) or not np.all(np.isfinite(lse[~dead])):
-        ok = False
-        msgs.append(f"lse -inf rows differ ({np.isneginf(lse).sum()} vs {dead.sum()})")
-    dead_o = np.broadcast_to(dead.reshape(B, H, Sq).transpose(0, 2, 1)[..., None],
-                             (B, Sq, H, D)).reshape(-1)
-    if not np.all(out[dead_o] == 0):
-        ok = False
-        msgs.append("out of a row that sees no key not 0")
-    top = max(np.abs(rout).max(), 1e-30)
-    err = np.abs(out - rout).max() / top if np.all(np.isfinite(out)) else np.inf
-    if not err < TOL[fmt.name]:
-        ok = False
-        bad = np.argmax(np.abs(out - rout)) if np.isfinite(err) else np.argmax(~np.isfinite(out))
-        msgs.append(f"(out worst at {bad}: {out[bad]} vs {rout[bad]})")
-    live = ~dead
-    if live.any():
-        d = np.abs(lse[live].astype(np.float64) - rlse[live])
-        lerr = d.max() if np.all(np.isfinite(lse[live])) else np.inf
-        lrel = lerr / np.abs(rlse[live]).max()
-    else:
-        lerr = lrel = 0.0
-    if not lerr < LSE_TOL:
-        ok = False
-        msgs.append("lse error")
-    line = (f"{fmt} B{B} Sq{Sq} Sk{Sk} H{H}/{Hkv} D{D} k{MAXK}{' full' if D == 16 * MAXK else ''} "
-            f"{'c' if causal else 'nc'} {q_start},{k_start}: out {err:.2e}, lse {lerr:.2e} abs "
-            f"{lrel:.2e} rel, -inf rows {dead.sum()}/{dead.size} [{dt:.1f} s]{note}")
-    print(line + ("" if ok else "  MISMATCH " + "; ".join(msgs)), flush=True)
-    return ok, err, lerr
+    results = []
+    for MT in ((1, 2) if MAXK == 4 else (1,)):
+        rout, rlse = reference(q, k, v, B, Sq, Sk, H, Hkv, D, causal, q_start, k_start,
+                               np.float64(scale), fmt, doc_start, BN // MT)
+        t0 = time.time()
+        runs = []
+        for late in (False, True):
+            out = np.full(B * Sq * H * D, np.nan, np.float32)
+            lse = np.full(B * H * Sq, np.nan, np.float32)
+            kernel(q16, k16, v16, out, lse, B, Sq, Sk, H, Hkv, D, int(causal), q_start,
+                   k_start, scale, MAXK, MT, late, fmt, key_lo)
+            runs.append((out, lse))
+        dt = time.time() - t0
+        ok = True
+        msgs = []
+        # Copies landing when issued and at their wait read the same bits everywhere.
+        if not all(np.array_equal(x.view(np.uint32), y.view(np.uint32))
+                   for x, y in zip(runs[0], runs[1])):
+            ok = False
+            msgs.append("copies landing early and late give different results")
+        dead = np.isneginf(rlse)  # rows that see no key
+        if not np.array_equal(np.isneginf(lse), dead) or not np.all(np.isfinite(lse[~dead])):
+            ok = False
+            msgs.append(f"lse -inf rows differ ({np.isneginf(lse).sum()} vs {dead.sum()})")
+        dead_o = np.broadcast_to(dead.reshape(B, H, Sq).transpose(0, 2, 1)[..., None],
+                                 (B, Sq, H, D)).reshape(-1)
+        if not np.all(out[dead_o] == 0):
+            ok = False
+            msgs.append("out of a row that sees no key not 0")
+        top = max(np.abs(rout).max(), 1e-30)
+        err = np.abs(out - rout).max() / top if np.all(np.isfinite(out)) else np.inf
+        if not err < TOL[fmt.name]:
+            ok = False
+            bad = (np.argmax(np.abs(out - rout)) if np.isfinite(err)
+                   else np.argmax(~np.isfinite(out)))
+            msgs.append(f"(out worst at {bad}: {out[bad]} vs {rout[bad]})")
+        live = ~dead
+        if live.any():
+            d = np.abs(lse[live].astype(np.float64) - rlse[live])
+            lerr = d.max() if np.all(np.isfinite(lse[live])) else np.inf
+            lrel = lerr / np.abs(rlse[live]).max()
+        else:
+            lerr = lrel = 0.0
+        if not lerr < LSE_TOL:
+            ok = False
+            msgs.append("lse error")
+        line = (f"{fmt} B{B} Sq{Sq} Sk{Sk} H{H}/{Hkv} D{D} k{MAXK} m{MT}"
+                f"{' full' if D == 16 * MAXK else ''} {'c' if causal else 'nc'} "
+                f"{q_start},{k_start}: out {err:.2e}, lse {lerr:.2e} abs {lrel:.2e} rel, -inf "
+                f"rows {dead.sum()}/{dead.size} [{dt:.1f} s]{note}")
+        print(line + ("" if ok else "  MISMATCH " + "; ".join(msgs)), flush=True)
+        results.append((ok, err, lerr))
+    return (all(r[0] for r in results), max(r[1] for r in results),
+            max(r[2] for r in results))
 
 
 CASES = [

@@ -803,6 +803,8 @@ fn tensor_core_attention_matches_cpu() {
         shape(1, 100, 130, 8, 2, 64, true, 30, 0),
         shape(1, 100, 70, 4, 2, 128, true, 0, 40),
         AttnShape::causal(1, 70, 2, 1, 32),
+        // Three blocks of 128 query rows, the last ragged (two m-tiles a warp at head 64).
+        AttnShape::causal(1, 300, 2, 1, 64),
     ]
     .into_iter()
     .map(|s| (s, None))

@@ -1311,8 +1311,19 @@ pub fn attention_backward<'a>(
 }
 
 /// Query rows (forward, dQ) and keys (dK/dV) per block of the tensor-core attention kernels;
-/// 4 warps of 16 rows each.
+/// 4 warps of 16 rows each (the key and value tiles they stream are as long).
 const ATT_TC_TILE: usize = 64;
+
+/// Query rows per block of the tensor-core forward and dQ kernels at this shape's head size:
+/// 4 warps of [`super::kernels::ATTN_K4_MTILES`] m-tiles of 16 at head sizes up to 64, of one
+/// above.
+fn attn_tc_query_rows(s: &AttnShape) -> usize {
+    if s.head_dim <= 64 {
+        ATT_TC_TILE * super::kernels::ATTN_K4_MTILES
+    } else {
+        ATT_TC_TILE
+    }
+}
 
 /// Query rows per step of the tensor-core dK/dV kernel.
 const ATT_TC_QSTEP: usize = 32;
@@ -1432,10 +1443,11 @@ fn check_attn_aligned(what: &str, ptr: u64, align: u64) -> Result<(), CudaError>
 /// fp32 `P`. So the result is the fp32 kernel's up to the rounding of the operands (relative
 /// 2⁻⁸ each in bf16, 2⁻¹¹ in fp16), not bit-equal.
 ///
-/// One block of 4 warps per (64 query rows, batch × head), the longest (last) query blocks
-/// first; dynamic shared memory `512 · (head_dim + 8)` bytes (36 864 for head_dim 64, 69 632
-/// for 128: K and V tiles double-buffered by cp.async; kernels/attention_tc.cu). `head_dim`
-/// must be a multiple of 16 in 16..=128: otherwise [`CudaError::Shape`], and the caller uses
+/// One block of 4 warps per (query rows, batch × head), the longest (last) query blocks first:
+/// 64 rows, or at head sizes up to 64 `64 · ATTN_K4_MTILES` ([`super::kernels::ATTN_K4_MTILES`]);
+/// dynamic shared memory `512 · (head_dim + 8)` bytes (36 864 for head_dim 64, 69 632 for 128:
+/// K and V tiles double-buffered by cp.async; kernels/attention_tc.cu). `head_dim` must be a
+/// multiple of 16 in 16..=128: otherwise [`CudaError::Shape`], and the caller uses
 /// [`attention_forward`]. `docs`: the document mask, as for [`attention_forward`].
 #[allow(clippy::too_many_arguments)]
 pub fn attention_forward_tc<'a>(
@@ -1473,7 +1485,7 @@ pub fn attention_forward_tc<'a>(
         kernel,
         LaunchCfg {
             grid: (
-                s.q_len.div_ceil(ATT_TC_TILE) as u32,
+                s.q_len.div_ceil(attn_tc_query_rows(s)) as u32,
                 (s.batch * s.n_heads) as u32,
                 1,
             ),
@@ -1498,8 +1510,8 @@ pub fn attention_forward_tc<'a>(
 /// accumulation).
 ///
 /// Four launches: `attn_bwd_delta` (module "attention"); the rounding of `dout`; from module
-/// "attention_tc_bwd" (kernels/attention_tc_bwd.cu), `attn_bwd_dq_tc`, 4 warps per (64 query
-/// rows, batch × head), dynamic shared memory `512 · (head_dim + 8)` bytes (36 864 for
+/// "attention_tc_bwd" (kernels/attention_tc_bwd.cu), `attn_bwd_dq_tc`, 4 warps per (query rows
+/// as the forward's, batch × head), dynamic shared memory `512 · (head_dim + 8)` bytes (36 864 for
 /// head_dim 64, 69 632 for 128), and `attn_bwd_dkv_tc`, 4 warps per (64 keys, batch × KV
 /// head), `512 · (head_dim + 8) + 512` bytes (37 376 and 70 144). `head_dim` must be a
 /// multiple of 16 in 16..=128: otherwise [`CudaError::Shape`], and the caller uses
@@ -1565,7 +1577,7 @@ pub fn attention_backward_tc<'a>(
         dq_kernel,
         LaunchCfg {
             grid: (
-                s.q_len.div_ceil(ATT_TC_TILE) as u32,
+                s.q_len.div_ceil(attn_tc_query_rows(s)) as u32,
                 (s.batch * s.n_heads) as u32,
                 1,
             ),

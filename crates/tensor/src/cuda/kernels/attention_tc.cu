@@ -17,11 +17,11 @@
 // the unscaled scores. Every output element is written once, by one thread.
 //
 // Launch (tensor::cuda::ops::attention_forward_tc, crates/tensor/src/cuda/ops.rs): grid
-// (ceil(Sq / 64), B * H), block 128 (4 warps), and 512 (D + 8) bytes of dynamic shared memory
-// (below: more than the default 48 KiB from D = 96 on, which the launch opts into with
-// cuFuncSetAttribute MAX_DYNAMIC_SHARED_SIZE_BYTES). q, k, v 16-byte aligned, as the launcher
-// checks (cp.async copies 16 bytes of a row of K or V; D a multiple of 16 keeps every row
-// 16-byte aligned after the first); out 8-byte aligned (float2 stores).
+// (ceil(Sq / (64 MT)), B * H) (MT: h. below), block 128 (4 warps), and 512 (D + 8) bytes of
+// dynamic shared memory (below: more than the default 48 KiB from D = 96 on, which the launch
+// opts into with cuFuncSetAttribute MAX_DYNAMIC_SHARED_SIZE_BYTES). q, k, v 16-byte aligned,
+// as the launcher checks (cp.async copies 16 bytes of a row of K or V; D a multiple of 16
+// keeps every row 16-byte aligned after the first); out 8-byte aligned (float2 stores).
 //
 // Design, and why (an earlier version, which loaded its K and V tiles into shared memory
 // synchronously, measured latency-bound on an H200 in Nsight Compute: nothing overlapped the
@@ -54,6 +54,16 @@
 //     see the most keys under a causal mask), so the longest blocks start first and the short
 //     ones fill the tail of the grid.
 //  g. out is written as float2 (a thread's two adjacent columns of an accumulator fragment).
+//  h. Rows a warp: MT m-tiles of 16 (the _k4 kernels XT_ATTN_K4_MTILES, 1 or 2; the _k8 ones
+//     1). With two, FlashAttention-2's layout (32 rows a warp, 128 a CTA), every ldmatrix of K
+//     or V feeds the products of both m-tiles: at one m-tile a warp reads 16 KiB of shared
+//     memory (32 ldmatrix.x4) for the 64 mma of a 64-key tile at D = 64, at two the same
+//     16 KiB for 128. At 128 bytes a clock an SM the 16 KiB take 128 clocks, and 64 mma take
+//     64 at Hopper's dense tensor-core peak (2048 FMA a clock an SM; mma.sync is reported to
+//     reach about 2/3 of it, ~96): with one m-tile a warp shared memory is the tighter bound,
+//     with two (128 mma: 128 to ~192 clocks) the tensor cores are. The tile's keys then go in
+//     two steps of 32 (tn_step), so that the scores stay 32 registers a thread (one step of
+//     64 spilled).
 //
 // Fragments of mma.m16n8k16 (PTX ISA, "Matrix Fragments for mma.m16n8k16 with floating point
 // type"), with g = lane >> 2 (groupID) and t = lane & 3 (threadID_in_group); a 32-bit register
@@ -91,8 +101,8 @@
 // Occupancy: an H100 or H200 SM has 228 KiB of shared memory (at most 227 KiB a block, opt-in
 // above 48 KiB; 1 KiB reserved per block) and 64K registers. Shared memory allows 228 / 37 = 6
 // blocks an SM at D = 64 and 228 / 69 = 3 at D = 128 (an A100's 164 KiB: 4 and 2); registers
-// allow 3 at D = 64 (a cap of 168 a thread) and 2 at D = 128 (255), so registers are the
-// limit at both sizes (TN_K4_MIN_BLOCKS below).
+// allow 3 at D = 64 with one m-tile a warp (a cap of 168 a thread), 2 with two (255), and 2
+// at D = 128 (255), so registers are the limit everywhere (TN_K4_MIN_BLOCKS below).
 //
 // Checks: NVRTC 12.9 / 13.0 compile it for sm_80 and sm_90 with no warning
 // (tests/cuda_kernels_compile.rs); on a GPU, tests/cuda_kernels.rs compares
@@ -101,16 +111,17 @@
 // (fragment layouts, shared-memory bytes, cp.async groups and barriers as the PTX ISA gives
 // them; keep it in step), matches a dense float64 reference on 22 shapes (head sizes 16 to
 // 128, causal with offsets, rows that see no key, GQA, ragged edges) and 6 under document
-// masks (the _docs kernels), each run with every copy landing when issued and again at the
-// wait that covers it.
+// masks (the _docs kernels), at D <= 64 with one m-tile a warp and with two, each run with
+// every copy landing when issued and again at the wait that covers it.
 //
 // Document masks (the _docs kernels, DOCS): the "attention" module's key_lo (kernels/
 // attention.cu), each row's first visible key. The starts being nondecreasing, a CTA's and a
 // warp's bounds are those of their first and last rows. ptxas: the _docs kernels take 167
-// registers at D = 64 (sm_80 and sm_90) and 255 at D = 128, no spills; the others are
-// unchanged by the parameters (166 / 168 and 255).
+// registers at D = 64 (sm_80 and sm_90; with two m-tiles a warp 252 on sm_90, 234 on sm_80)
+// and 255 at D = 128, no spills; the others are unchanged by the parameters (166 / 168 and
+// 255).
 
-#define TN_BM 64  // query rows per CTA (16 per warp, 4 warps)
+#define TN_WARP_ROWS 16 // query rows of an m-tile (a warp owns MT of them: 16 MT rows)
 #define TN_BN 64  // keys per tile
 #define TN_PAD 8  // bf16 of padding per row of the bf16 tiles
 #define TN_THREADS 128
@@ -160,108 +171,156 @@ __device__ __forceinline__ void tn_copy_tile(u32 kt, u32 vt, const u16* kb, cons
     }
 }
 
-// One key tile of 64 for one warp's 16 query rows: S = Q K^T, the online softmax, O += P V.
-// `ks_lane`, `vs_lane`: this lane's ldmatrix row address in the bf16 K and V tiles (k-step 0,
-// n-tile pair 0). MASKED: some row of the warp does not see some key of the tile; then
-// `kv_lim` is the number of the tile's keys the warp's last row below Sq sees (16-key steps
-// from it on are skipped: no row of the warp sees them) and `vis[hf]` the number row r0 + 8 hf
-// sees (keys 0 .. vis - 1 of the tile; may be <= 0 or > 64), and under a document mask (DOCS)
-// not the keys before lo[hf] either (keys lo .. vis - 1; lo may be <= 0).
-template <int MAXK, bool MASKED, bool F16, bool DOCS>
-__device__ __forceinline__ void tn_tile(const u32 (&qf)[MAXK][4], float (&o)[2 * MAXK][4],
-                                        float (&m)[2], float (&l)[2], u32 ks_lane, u32 vs_lane,
-                                        int ld, int nk, float sl2, int kv_lim,
-                                        const int (&vis)[2], const int (&lo)[2], int t) {
-    // S = Q K^T (16 rows x 64 keys): n-tiles 2p, 2p + 1 from one ldmatrix.x4 per k-step.
-    float s[8][4];
+// Keys c0 .. c0 + KC - 1 (KC = 64 / MT) of a key tile of 64 for one warp's 16 MT query rows
+// (MT m16 tiles: rows 16 mt .. + 15 of the warp's in tile mt): S = Q K^T, the online softmax,
+// O += P V. Every K and V fragment read from shared memory serves the MT tiles' products
+// (see "Rows a warp" in the header). `ks_lane`, `vs_lane`: this lane's ldmatrix row address
+// in the bf16 K and V tiles (k-step 0, n-tile pair 0). MASKED: some row of the warp does not
+// see some key of the tile; then `kv_lim` is the number of the tile's keys the warp's last
+// row below Sq sees (16-key steps from it on are skipped: no row of the warp sees them) and
+// `vis[mt][hf]` the number row r0 + 16 mt + 8 hf sees (keys 0 .. vis - 1 of the tile; may be
+// <= 0 or > 64),
+// and under a document mask (DOCS) not the keys before lo[mt][hf] either (keys lo .. vis - 1;
+// lo may be <= 0).
+template <int MAXK, int MT, bool MASKED, bool F16, bool DOCS>
+__device__ __forceinline__ void tn_step(const u32 (&qf)[MT][MAXK][4],
+                                        float (&o)[MT][2 * MAXK][4], float (&m)[MT][2],
+                                        float (&l)[MT][2], u32 ks_lane, u32 vs_lane, int ld,
+                                        int nk, float sl2, int kv_lim, const int (&vis)[MT][2],
+                                        const int (&lo)[MT][2], int t, int c0) {
+    constexpr int KC = TN_BN / MT; // keys a step
+    constexpr int NT = KC / 8;     // n-tiles of 8 keys a step
+    // S = Q K^T (16 MT rows x KC keys): n-tiles 2p, 2p + 1 (keys c0 + 16p ..) from one
+    // ldmatrix.x4 per k-step, for every m-tile.
+    float s[MT][NT][4];
 #pragma unroll
-    for (int n = 0; n < 8; n++) s[n][0] = s[n][1] = s[n][2] = s[n][3] = 0.0f;
+    for (int mt = 0; mt < MT; mt++)
+#pragma unroll
+        for (int n = 0; n < NT; n++)
+            s[mt][n][0] = s[mt][n][1] = s[mt][n][2] = s[mt][n][3] = 0.0f;
 #pragma unroll
     for (int kk = 0; kk < MAXK; kk++) {
         if (kk < nk) {
 #pragma unroll
-            for (int p = 0; p < 4; p++) {
-                if (!MASKED || 16 * p < kv_lim) {
+            for (int p = 0; p < NT / 2; p++) {
+                if (!MASKED || c0 + 16 * p < kv_lim) {
                     u32 bk[4];
-                    tc_ldsm_x4(bk, ks_lane + (u32)(p * 16 * ld + kk * 16) * 2u);
-                    tc_mma<F16>(s[2 * p], qf[kk], bk[0], bk[1]);
-                    tc_mma<F16>(s[2 * p + 1], qf[kk], bk[2], bk[3]);
+                    tc_ldsm_x4(bk, ks_lane + (u32)((c0 + 16 * p) * ld + kk * 16) * 2u);
+#pragma unroll
+                    for (int mt = 0; mt < MT; mt++) {
+                        tc_mma<F16>(s[mt][2 * p], qf[mt][kk], bk[0], bk[1]);
+                        tc_mma<F16>(s[mt][2 * p + 1], qf[mt][kk], bk[2], bk[3]);
+                    }
                 }
             }
         }
     }
-    // Online softmax, row r0 + 8 hf: s[n][2 hf], s[n][2 hf + 1] (keys 8n + 2t, +1 of the tile),
-    // the row's 64 scores spread over the 4 threads of the quad. Skipped n-tiles hold 0 and are
-    // masked (no row of the warp sees them).
+    // Online softmax, row r0 + 16 mt + 8 hf: s[mt][n][2 hf], s[mt][n][2 hf + 1] (keys
+    // c0 + 8n + 2t, +1 of the tile), the row's KC scores spread over the 4 threads of the
+    // quad. Skipped n-tiles hold 0 and are masked (no row of the warp sees them).
 #pragma unroll
-    for (int hf = 0; hf < 2; hf++) {
-        float mx = m[hf];
+    for (int mt = 0; mt < MT; mt++) {
 #pragma unroll
-        for (int n = 0; n < 8; n++) {
+        for (int hf = 0; hf < 2; hf++) {
+            float mx = m[mt][hf];
 #pragma unroll
-            for (int e = 0; e < 2; e++) {
-                const int c = n * 8 + 2 * t + e;
-                if (MASKED && (c >= vis[hf] || (DOCS && c < lo[hf]))) s[n][2 * hf + e] = XT_NEG_INF;
-                mx = fmaxf(mx, s[n][2 * hf + e]);
+            for (int n = 0; n < NT; n++) {
+#pragma unroll
+                for (int e = 0; e < 2; e++) {
+                    const int c = c0 + n * 8 + 2 * t + e;
+                    if (MASKED && (c >= vis[mt][hf] || (DOCS && c < lo[mt][hf])))
+                        s[mt][n][2 * hf + e] = XT_NEG_INF;
+                    mx = fmaxf(mx, s[mt][n][2 * hf + e]);
+                }
             }
-        }
-        mx = fmaxf(mx, __shfl_xor_sync(XT_FULL_MASK, mx, 1));
-        mx = fmaxf(mx, __shfl_xor_sync(XT_FULL_MASK, mx, 2));
-        // The new running maximum mx (unscaled; scale > 0) in exp2 units, m2 = mx * scale *
-        // log2(e), rounded once (__fmul_rn: never fused) so that the previous tile's m2 is
-        // recomputed bit for bit below. 0 while the row has seen no key (mx = -inf): p = 2^-inf
-        // = 0, never -inf - -inf.
-        const float m2 = mx == XT_NEG_INF ? 0.0f : __fmul_rn(mx, sl2);
-        // The rescale of what was summed against the previous m2 (2^-inf = 0 on the first
-        // seen tile, where l and o are still 0).
-        const float corr = tc_exp2(__fmul_rn(m[hf], sl2) - m2);
-        m[hf] = mx;
-        float sum = 0.0f;
+            mx = fmaxf(mx, __shfl_xor_sync(XT_FULL_MASK, mx, 1));
+            mx = fmaxf(mx, __shfl_xor_sync(XT_FULL_MASK, mx, 2));
+            // The new running maximum mx (unscaled; scale > 0) in exp2 units, m2 = mx *
+            // scale * log2(e), rounded once (__fmul_rn: never fused) so that the previous
+            // step's m2 is recomputed bit for bit below. 0 while the row has seen no key
+            // (mx = -inf): p = 2^-inf = 0, never -inf - -inf.
+            const float m2 = mx == XT_NEG_INF ? 0.0f : __fmul_rn(mx, sl2);
+            // The rescale of what was summed against the previous m2 (2^-inf = 0 on the
+            // first seen step, where l and o are still 0).
+            const float corr = tc_exp2(__fmul_rn(m[mt][hf], sl2) - m2);
+            m[mt][hf] = mx;
+            float sum = 0.0f;
 #pragma unroll
-        for (int n = 0; n < 8; n++) {
+            for (int n = 0; n < NT; n++) {
 #pragma unroll
-            for (int e = 0; e < 2; e++) {
-                const float p = tc_exp2(fmaf(s[n][2 * hf + e], sl2, -m2));
-                s[n][2 * hf + e] = p;
-                sum += p;
+                for (int e = 0; e < 2; e++) {
+                    const float p = tc_exp2(fmaf(s[mt][n][2 * hf + e], sl2, -m2));
+                    s[mt][n][2 * hf + e] = p;
+                    sum += p;
+                }
             }
-        }
-        l[hf] = l[hf] * corr + sum; // this thread's part of the row sum (quad-summed last)
+            l[mt][hf] = l[mt][hf] * corr + sum; // this thread's part of the row sum
 #pragma unroll
-        for (int n = 0; n < 2 * MAXK; n++) {
-            o[n][2 * hf] *= corr;
-            o[n][2 * hf + 1] *= corr;
+            for (int n = 0; n < 2 * MAXK; n++) {
+                o[mt][n][2 * hf] *= corr;
+                o[mt][n][2 * hf + 1] *= corr;
+            }
         }
     }
-    // O += P V: A = P (k-step kk = keys 16 kk .. 16 kk + 15: n-tiles 2 kk, 2 kk + 1), B(k = j,
+    // O += P V: A = P (k-step kk = keys c0 + 16 kk ..: n-tiles 2 kk, 2 kk + 1), B(k = j,
     // n = d) = V[j][d], output n-tiles 2p, 2p + 1 (D / 16 = nk pairs) from one
-    // ldmatrix.x4.trans.
+    // ldmatrix.x4.trans, for every m-tile.
 #pragma unroll
-    for (int kk = 0; kk < 4; kk++) {
-        if (!MASKED || 16 * kk < kv_lim) {
-            u32 a[4];
-            tc_c_to_a<F16>(a, s[2 * kk], s[2 * kk + 1]);
+    for (int kk = 0; kk < NT / 2; kk++) {
+        if (!MASKED || c0 + 16 * kk < kv_lim) {
+            u32 a[MT][4];
+#pragma unroll
+            for (int mt = 0; mt < MT; mt++)
+                tc_c_to_a<F16>(a[mt], s[mt][2 * kk], s[mt][2 * kk + 1]);
 #pragma unroll
             for (int p = 0; p < MAXK; p++) {
                 if (p < nk) {
                     u32 bv[4];
-                    tc_ldsm_x4_trans(bv, vs_lane + (u32)(kk * 16 * ld + p * 16) * 2u);
-                    tc_mma<F16>(o[2 * p], a, bv[0], bv[1]);
-                    tc_mma<F16>(o[2 * p + 1], a, bv[2], bv[3]);
+                    tc_ldsm_x4_trans(bv,
+                                     vs_lane + (u32)((c0 + 16 * kk) * ld + p * 16) * 2u);
+#pragma unroll
+                    for (int mt = 0; mt < MT; mt++) {
+                        tc_mma<F16>(o[mt][2 * p], a[mt], bv[0], bv[1]);
+                        tc_mma<F16>(o[mt][2 * p + 1], a[mt], bv[2], bv[3]);
+                    }
                 }
             }
         }
     }
 }
 
-// Grid (ceil(Sq / 64), B * H), block 128; the CTA of blockIdx.x = x owns query rows
-// 64 (gridDim.x - 1 - x) .. + 63, warp w rows + 16 w .. + 15 (its Q fragments stay in
-// registers), and walks the key tiles of 64 that its rows see. DOCS: under a document mask,
-// key_lo [B, Sq] (int32) gives each row's first visible key (the "attention" module's
-// contract): the walk starts at the tile of the CTA's smallest (its first row's: the starts
-// are nondecreasing), a warp skips the tiles wholly before its first row's, and a tile that
-// some row of the warp sees only from a later key is masked per element.
-template <int MAXK, bool FULL, bool F16, bool DOCS>
+// One key tile of 64 for one warp's 16 MT query rows, in MT steps of 64 / MT keys (tn_step):
+// the scores of 16 MT rows by 64 / MT keys are 32 registers a thread either way. The arguments
+// are tn_step's.
+template <int MAXK, int MT, bool MASKED, bool F16, bool DOCS>
+__device__ __forceinline__ void tn_tile(const u32 (&qf)[MT][MAXK][4],
+                                        float (&o)[MT][2 * MAXK][4], float (&m)[MT][2],
+                                        float (&l)[MT][2], u32 ks_lane, u32 vs_lane, int ld,
+                                        int nk, float sl2, int kv_lim, const int (&vis)[MT][2],
+                                        const int (&lo)[MT][2], int t) {
+    if (MT == 1) {
+        tn_step<MAXK, MT, MASKED, F16, DOCS>(qf, o, m, l, ks_lane, vs_lane, ld, nk, sl2, kv_lim,
+                                             vis, lo, t, 0);
+    } else {
+        // Not unrolled: unrolled, the two steps took more registers than the 255 there are.
+#pragma unroll 1
+        for (int c0 = 0; c0 < TN_BN; c0 += TN_BN / MT) {
+            if (MASKED && c0 >= kv_lim) break;
+            tn_step<MAXK, MT, MASKED, F16, DOCS>(qf, o, m, l, ks_lane, vs_lane, ld, nk, sl2,
+                                                 kv_lim, vis, lo, t, c0);
+        }
+    }
+}
+
+// Grid (ceil(Sq / (64 MT)), B * H), block 128; the CTA of blockIdx.x = x owns query rows
+// 64 MT (gridDim.x - 1 - x) .. + 64 MT - 1, warp w rows + 16 MT w .. + 16 MT - 1 (its Q
+// fragments stay in registers; m-tile mt of them rows + 16 mt .. + 15), and walks the key tiles
+// of 64 that its rows see. DOCS: under a document mask, key_lo [B, Sq] (int32) gives each
+// row's first visible key (the "attention" module's contract): the walk starts at the tile of
+// the CTA's smallest (its first row's: the starts are nondecreasing), a warp skips the tiles
+// wholly before its first row's, and a tile that some row of the warp sees only from a later
+// key is masked per element.
+template <int MAXK, int MT, bool FULL, bool F16, bool DOCS>
 __device__ __forceinline__ void attn_fwd_tc_body(const u16* q, const u16* k, const u16* v,
                                                       float* out, float* lse, int B, int Sq,
                                                       int Sk, int H, int Hkv, int D, int causal,
@@ -270,22 +329,25 @@ __device__ __forceinline__ void attn_fwd_tc_body(const u16* q, const u16* k, con
     extern __shared__ __align__(16) unsigned char tn_smem[];
     if (FULL) D = 16 * MAXK; // a constant from here on: loops without guards, fixed offsets
     const int ld = D + TN_PAD;
+    const int bm = TN_WARP_ROWS * MT * 4; // query rows of the CTA
     // Stage s of the double buffer: the K tile at kt0 + s * stage, the V tile at vt0 + s * stage.
     const u32 stage = (u32)(2 * TN_BN * ld) * 2u;
     const u32 kt0 = tc_smem_addr(tn_smem), vt0 = kt0 + (u32)(TN_BN * ld) * 2u;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
     const int b = blockIdx.y / H, h = blockIdx.y % H, hk = h / (H / Hkv);
-    const int q0 = (gridDim.x - 1 - blockIdx.x) * TN_BM; // longest rows first
+    const int q0 = (gridDim.x - 1 - blockIdx.x) * bm; // longest rows first
     const int nk = D >> 4, nd = D >> 3;
     const long long qstride = (long long)H * D, kstride = (long long)Hkv * D;
     const u16* qb = q + (long long)b * Sq * qstride + (long long)h * D;
     const u16* kb = k + (long long)b * Sk * kstride + (long long)hk * D;
     const u16* vb = v + (long long)b * Sk * kstride + (long long)hk * D;
-    const int iw = q0 + warp * 16; // the warp's first row
-    const int r0 = iw + g;         // this thread's rows: r0 (half 0) and r0 + 8 (half 1)
+    const int iw = q0 + warp * TN_WARP_ROWS * MT; // the warp's first row
+    const int wlast = iw + TN_WARP_ROWS * MT - 1;   // and its last
+    // This thread's rows: r0 + 16 mt (half 0 of m-tile mt) and r0 + 16 mt + 8 (half 1).
+    const int r0 = iw + g;
     const float sl2 = scale * TN_LOG2E;
 
-    const int nvis = tc_keys_seen(min(q0 + TN_BM, Sq), Sk, causal, q_start, k_start);
+    const int nvis = tc_keys_seen(min(q0 + bm, Sq), Sk, causal, q_start, k_start);
     const int ntiles = (nvis + TN_BN - 1) / TN_BN;
     // The first tile the CTA needs (CTA-uniform): that of its first row's first key.
     const long long lrow = (long long)b * Sq;
@@ -303,21 +365,23 @@ __device__ __forceinline__ void attn_fwd_tc_body(const u16* q, const u16* k, con
         tc_cp_async_commit();
     }
 
-    // Q's A fragments (rows r0, r0 + 8; zeros past Sq) from global memory, two bf16 a 32-bit
-    // load (see b. in the header): a[0], a[1] columns 16 kk + 2t, + 1 of rows r0, r0 + 8;
-    // a[2], a[3] columns 16 kk + 2t + 8, + 9.
-    u32 qf[MAXK][4];
-    {
-        const u16* pa = qb + (long long)r0 * qstride + 2 * t;
-        const u16* pb = qb + (long long)(r0 + 8) * qstride + 2 * t;
-        const bool oka = r0 < Sq, okb = r0 + 8 < Sq;
+    // Q's A fragments (m-tile mt: rows r0 + 16 mt, + 8; zeros past Sq) from global memory, two
+    // bf16 a 32-bit load (see b. in the header): a[0], a[1] columns 16 kk + 2t, + 1 of the two
+    // rows; a[2], a[3] columns 16 kk + 2t + 8, + 9.
+    u32 qf[MT][MAXK][4];
+#pragma unroll
+    for (int mt = 0; mt < MT; mt++) {
+        const int ra = r0 + TN_WARP_ROWS * mt;
+        const u16* pa = qb + (long long)ra * qstride + 2 * t;
+        const u16* pb = qb + (long long)(ra + 8) * qstride + 2 * t;
+        const bool oka = ra < Sq, okb = ra + 8 < Sq;
 #pragma unroll
         for (int kk = 0; kk < MAXK; kk++) {
             if (kk < nk) {
-                qf[kk][0] = oka ? *(const u32*)(pa + kk * 16) : 0u;
-                qf[kk][1] = okb ? *(const u32*)(pb + kk * 16) : 0u;
-                qf[kk][2] = oka ? *(const u32*)(pa + kk * 16 + 8) : 0u;
-                qf[kk][3] = okb ? *(const u32*)(pb + kk * 16 + 8) : 0u;
+                qf[mt][kk][0] = oka ? *(const u32*)(pa + kk * 16) : 0u;
+                qf[mt][kk][1] = okb ? *(const u32*)(pb + kk * 16) : 0u;
+                qf[mt][kk][2] = oka ? *(const u32*)(pa + kk * 16 + 8) : 0u;
+                qf[mt][kk][3] = okb ? *(const u32*)(pb + kk * 16 + 8) : 0u;
             }
         }
     }
@@ -331,18 +395,22 @@ __device__ __forceinline__ void attn_fwd_tc_body(const u16* q, const u16* k, con
     // keys from lo_row on.
     int wfull = 0, wkeys = 0, wlo_min = 0, wlo_max = 0;
     if (iw < Sq) {
-        wkeys = tc_keys_seen(min(iw + 16, Sq), Sk, causal, q_start, k_start);
+        wkeys = tc_keys_seen(min(wlast + 1, Sq), Sk, causal, q_start, k_start);
         wfull = tc_keys_seen(iw + 1, Sk, causal, q_start, k_start);
         if (DOCS) {
             wlo_min = key_lo[lrow + iw];
-            wlo_max = key_lo[lrow + min(iw + 15, Sq - 1)];
+            wlo_max = key_lo[lrow + min(wlast, Sq - 1)];
         }
     }
-    int vis_row[2], lo_row[2] = {0, 0};
+    int vis_row[MT][2], lo_row[MT][2];
 #pragma unroll
-    for (int hf = 0; hf < 2; hf++) {
-        vis_row[hf] = tc_keys_seen(r0 + 8 * hf + 1, Sk, causal, q_start, k_start);
-        if (DOCS && r0 + 8 * hf < Sq) lo_row[hf] = key_lo[lrow + r0 + 8 * hf];
+    for (int mt = 0; mt < MT; mt++) {
+#pragma unroll
+        for (int hf = 0; hf < 2; hf++) {
+            const int i = r0 + TN_WARP_ROWS * mt + 8 * hf;
+            vis_row[mt][hf] = tc_keys_seen(i + 1, Sk, causal, q_start, k_start);
+            lo_row[mt][hf] = DOCS && i < Sq ? key_lo[lrow + i] : 0;
+        }
     }
 
     // ldmatrix row addresses of this lane in stage 0 (k-step 0, n-tile pair 0; see the header).
@@ -351,10 +419,15 @@ __device__ __forceinline__ void attn_fwd_tc_body(const u16* q, const u16* k, con
     const u32 ks_lane = kt0 + (u32)(krow * ld + kcol) * 2u;
     const u32 vs_lane = vt0 + (u32)(vrow * ld + vcol) * 2u;
 
-    float o[2 * MAXK][4];
+    float o[MT][2 * MAXK][4], m[MT][2], l[MT][2];
 #pragma unroll
-    for (int n = 0; n < 2 * MAXK; n++) o[n][0] = o[n][1] = o[n][2] = o[n][3] = 0.0f;
-    float m[2] = {XT_NEG_INF, XT_NEG_INF}, l[2] = {0.0f, 0.0f};
+    for (int mt = 0; mt < MT; mt++) {
+#pragma unroll
+        for (int n = 0; n < 2 * MAXK; n++)
+            o[mt][n][0] = o[mt][n][1] = o[mt][n][2] = o[mt][n][3] = 0.0f;
+        m[mt][0] = m[mt][1] = XT_NEG_INF;
+        l[mt][0] = l[mt][1] = 0.0f;
+    }
 
     // The pipeline, one barrier a tile: tile jt0 + it is in stage it & 1. At the top of
     // iteration it the only commit group in flight is that tile's; after this thread's wait
@@ -374,53 +447,76 @@ __device__ __forceinline__ void attn_fwd_tc_body(const u16* q, const u16* k, con
             tc_cp_async_commit();
         }
         if (j0 + TN_BN <= wfull && (!DOCS || j0 >= wlo_max)) {
-            const int none[2] = {0, 0};
-            tn_tile<MAXK, false, F16, DOCS>(qf, o, m, l, ks_lane + cur, vs_lane + cur, ld, nk,
-                                            sl2, TN_BN, none, none, t);
+            const int none[MT][2] = {};
+            tn_tile<MAXK, MT, false, F16, DOCS>(qf, o, m, l, ks_lane + cur, vs_lane + cur, ld,
+                                                nk, sl2, TN_BN, none, none, t);
         } else if (j0 < wkeys && (!DOCS || j0 + TN_BN > wlo_min)) {
-            const int vis[2] = {vis_row[0] - j0, vis_row[1] - j0};
-            const int lo[2] = {lo_row[0] - j0, lo_row[1] - j0};
-            tn_tile<MAXK, true, F16, DOCS>(qf, o, m, l, ks_lane + cur, vs_lane + cur, ld, nk,
-                                           sl2, wkeys - j0, vis, lo, t);
+            int vis[MT][2], lo[MT][2];
+#pragma unroll
+            for (int mt = 0; mt < MT; mt++) {
+#pragma unroll
+                for (int hf = 0; hf < 2; hf++) {
+                    vis[mt][hf] = vis_row[mt][hf] - j0;
+                    lo[mt][hf] = lo_row[mt][hf] - j0;
+                }
+            }
+            tn_tile<MAXK, MT, true, F16, DOCS>(qf, o, m, l, ks_lane + cur, vs_lane + cur, ld,
+                                               nk, sl2, wkeys - j0, vis, lo, t);
         }
     }
 
     float* ob = out + (long long)b * Sq * qstride + (long long)h * D;
 #pragma unroll
-    for (int hf = 0; hf < 2; hf++) {
-        float sum = l[hf];
-        sum += __shfl_xor_sync(XT_FULL_MASK, sum, 1);
-        sum += __shfl_xor_sync(XT_FULL_MASK, sum, 2);
-        const int i = r0 + 8 * hf;
-        if (i < Sq) {
-            const float inv = sum > 0.0f ? 1.0f / sum : 0.0f;
-            float* orow = ob + (long long)i * qstride + 2 * t;
+    for (int mt = 0; mt < MT; mt++) {
 #pragma unroll
-            for (int n = 0; n < 2 * MAXK; n++) {
-                if (n < nd)
-                    *(float2*)(orow + n * 8) =
-                        make_float2(o[n][2 * hf] * inv, o[n][2 * hf + 1] * inv);
+        for (int hf = 0; hf < 2; hf++) {
+            float sum = l[mt][hf];
+            sum += __shfl_xor_sync(XT_FULL_MASK, sum, 1);
+            sum += __shfl_xor_sync(XT_FULL_MASK, sum, 2);
+            const int i = r0 + TN_WARP_ROWS * mt + 8 * hf;
+            if (i < Sq) {
+                const float inv = sum > 0.0f ? 1.0f / sum : 0.0f;
+                float* orow = ob + (long long)i * qstride + 2 * t;
+#pragma unroll
+                for (int n = 0; n < 2 * MAXK; n++) {
+                    if (n < nd)
+                        *(float2*)(orow + n * 8) =
+                            make_float2(o[mt][n][2 * hf] * inv, o[mt][n][2 * hf + 1] * inv);
+                }
+                // lse = ln(sum_j e^(s_j scale)) = (m2 + log2(l)) ln 2, l summed against m2.
+                if (t == 0)
+                    lse[((long long)b * H + h) * Sq + i] =
+                        sum > 0.0f ? (__fmul_rn(m[mt][hf], sl2) + log2f(sum)) * TN_LN2
+                                   : XT_NEG_INF;
             }
-            // lse = ln(sum_j e^(s_j scale)) = (m2 + log2(l)) ln 2, l summed against m2.
-            if (t == 0)
-                lse[((long long)b * H + h) * Sq + i] =
-                    sum > 0.0f ? (__fmul_rn(m[hf], sl2) + log2f(sum)) * TN_LN2 : XT_NEG_INF;
         }
     }
 }
 
+// M-tiles of 16 query rows a warp owns (the CTA's 4 warps own 64 MT rows): at D <= 64
+// XT_ATTN_K4_MTILES, which the loader defines from the launchers' own constant
+// (tensor::cuda::kernels::ATTN_K4_MTILES, so that grid and kernel agree), 1 or 2; at D = 128
+// always 1 (two m-tiles' accumulators, 2 x 64 registers, would not fit beside the rest).
+#ifndef XT_ATTN_K4_MTILES
+#error "XT_ATTN_K4_MTILES is defined by the loader (tensor::cuda::kernels::source)"
+#endif
+#if XT_ATTN_K4_MTILES != 1 && XT_ATTN_K4_MTILES != 2
+#error "XT_ATTN_K4_MTILES must be 1 or 2"
+#endif
+
 // Blocks an SM each kernel is compiled for (__launch_bounds__' second argument: the register
-// cap is 64K / (128 x blocks)). attn_fwd_tc_k4: 3, a cap of 168 registers a thread (ptxas
-// of CUDA 12.9 and 13.0 takes 166 on sm_90 and 168 on sm_80 with no spills; a cap of 128, for
-// 4 of the 6 blocks that shared memory allows, spills 36 bytes on sm_90 and 40 on sm_80);
-// attn_fwd_tc_k8: 2, a cap of 255, which it fills (255 on both, no spills; under a cap of
-// 240, __maxnreg__, it takes 240 with no spills on sm_90 and 8 bytes of stack on sm_80, and
-// 2 blocks either way). The cap of 128 (4 blocks) measured on an H200 no faster than these
-// (docs/GPU.md). The library builds these defaults; to measure another choice, a
-// #define before the source (e.g. `#define TN_K4_MIN_BLOCKS 4` after the prelude, compiling
-// the module by hand with NVRTC) overrides either.
+// cap is 64K / (128 x blocks)). attn_fwd_tc_k4 with one m-tile a warp: 3, a cap of 168
+// registers a thread (ptxas of CUDA 12.9 and 13.0 takes 166 on sm_90 and 168 on sm_80 with no
+// spills; a cap of 128, for 4 of the 6 blocks that shared memory allows, spills 36 bytes on
+// sm_90 and 40 on sm_80; measured on an H200 no faster, docs/GPU.md); with two: 2, a cap of
+// 255 (ptxas takes 240 on sm_90 and 224 on sm_80, no spills: 8 warps an SM of 32 rows each,
+// against 12 of 16). attn_fwd_tc_k8: 2, a cap of 255, which it fills (255 on both, no
+// spills; under a cap of 240, __maxnreg__, it takes 240 with no spills on sm_90 and 8 bytes
+// of stack on sm_80, and 2 blocks either way). The library builds these defaults; to measure
+// another choice, a #define before the source (e.g. `#define TN_K4_MIN_BLOCKS 4` after the
+// prelude, compiling the module by hand with NVRTC) overrides either.
 #ifndef TN_K4_MIN_BLOCKS
-#define TN_K4_MIN_BLOCKS 3
+#define TN_K4_MIN_BLOCKS (XT_ATTN_K4_MTILES == 1 ? 3 : 2)
 #endif
 #ifndef TN_K8_MIN_BLOCKS
 #define TN_K8_MIN_BLOCKS 2
@@ -429,25 +525,27 @@ __device__ __forceinline__ void attn_fwd_tc_body(const u16* q, const u16* k, con
 // Every kernel takes the document mask's two arrays (the "attention" module's key_lo, q_end);
 // only the _docs kernels read key_lo (the forward needs no q_end), and the others, which may
 // be passed nulls, are the same code as without the parameters.
-#define TN_KERNEL(NAME, MAXK, MIN_BLOCKS, F16, DOCS)                                           \
+#define TN_KERNEL(NAME, MAXK, MT, MIN_BLOCKS, F16, DOCS)                                       \
     extern "C" __global__ void __launch_bounds__(TN_THREADS, MIN_BLOCKS)                       \
         NAME(const u16* q, const u16* k, const u16* v, float* out, float* lse, int B, int Sq,  \
              int Sk, int H, int Hkv, int D, int causal, int q_start, int k_start, float scale, \
              const int* key_lo, const int* q_end) {                                            \
         if (D == 16 * MAXK)                                                                    \
-            attn_fwd_tc_body<MAXK, true, F16, DOCS>(q, k, v, out, lse, B, Sq, Sk, H, Hkv, D,   \
-                                                    causal, q_start, k_start, scale, key_lo);  \
+            attn_fwd_tc_body<MAXK, MT, true, F16, DOCS>(q, k, v, out, lse, B, Sq, Sk, H, Hkv,  \
+                                                        D, causal, q_start, k_start, scale,    \
+                                                        key_lo);                               \
         else                                                                                   \
-            attn_fwd_tc_body<MAXK, false, F16, DOCS>(q, k, v, out, lse, B, Sq, Sk, H, Hkv, D,  \
-                                                     causal, q_start, k_start, scale, key_lo); \
+            attn_fwd_tc_body<MAXK, MT, false, F16, DOCS>(q, k, v, out, lse, B, Sq, Sk, H, Hkv, \
+                                                         D, causal, q_start, k_start, scale,   \
+                                                         key_lo);                              \
     }
 
 // bf16 operands (bf16 steps), and fp16 (fp16 steps); plain causal, and under a document mask.
-TN_KERNEL(attn_fwd_tc_k4, 4, TN_K4_MIN_BLOCKS, false, false)
-TN_KERNEL(attn_fwd_tc_k8, 8, TN_K8_MIN_BLOCKS, false, false)
-TN_KERNEL(attn_fwd_tc_f16_k4, 4, TN_K4_MIN_BLOCKS, true, false)
-TN_KERNEL(attn_fwd_tc_f16_k8, 8, TN_K8_MIN_BLOCKS, true, false)
-TN_KERNEL(attn_fwd_tc_docs_k4, 4, TN_K4_MIN_BLOCKS, false, true)
-TN_KERNEL(attn_fwd_tc_docs_k8, 8, TN_K8_MIN_BLOCKS, false, true)
-TN_KERNEL(attn_fwd_tc_docs_f16_k4, 4, TN_K4_MIN_BLOCKS, true, true)
-TN_KERNEL(attn_fwd_tc_docs_f16_k8, 8, TN_K8_MIN_BLOCKS, true, true)
+TN_KERNEL(attn_fwd_tc_k4, 4, XT_ATTN_K4_MTILES, TN_K4_MIN_BLOCKS, false, false)
+TN_KERNEL(attn_fwd_tc_k8, 8, 1, TN_K8_MIN_BLOCKS, false, false)
+TN_KERNEL(attn_fwd_tc_f16_k4, 4, XT_ATTN_K4_MTILES, TN_K4_MIN_BLOCKS, true, false)
+TN_KERNEL(attn_fwd_tc_f16_k8, 8, 1, TN_K8_MIN_BLOCKS, true, false)
+TN_KERNEL(attn_fwd_tc_docs_k4, 4, XT_ATTN_K4_MTILES, TN_K4_MIN_BLOCKS, false, true)
+TN_KERNEL(attn_fwd_tc_docs_k8, 8, 1, TN_K8_MIN_BLOCKS, false, true)
+TN_KERNEL(attn_fwd_tc_docs_f16_k4, 4, XT_ATTN_K4_MTILES, TN_K4_MIN_BLOCKS, true, true)
+TN_KERNEL(attn_fwd_tc_docs_f16_k8, 8, 1, TN_K8_MIN_BLOCKS, true, true)

@@ -28,12 +28,13 @@
 // the operands of the three gradient products, which accumulate in fp32; scale applied to dQ
 // and dK once, at the end. The sums run in this order: dK and dV over the group's heads, then
 // the query steps of 32 from the one holding the first query that sees the CTA's first key,
-// then 16-query k-steps; dQ over key tiles of 64, halves of 32, k-steps of 16.
+// then 16-query k-steps; dQ over key tiles of 64, then k-steps of 16 (in steps of 32 keys, or
+// of 16 with two m-tiles a warp: the same order, the same bits).
 //
 // Launch (tensor::cuda::ops::attention_backward_tc, crates/tensor/src/cuda/ops.rs, after
 // attn_bwd_delta and the rounding of dout), both with block 128 (4 warps):
-//   dQ:    grid (ceil(Sq / 64), B * H), dynamic shared memory 512 (D + 8) bytes
-//          (36864 for D = 64, 69632 for D = 128).
+//   dQ:    grid (ceil(Sq / (64 MT)), B * H) (MT: m-tiles of 16 rows a warp, below),
+//          dynamic shared memory 512 (D + 8) bytes (36864 for D = 64, 69632 for D = 128).
 //   dK/dV: grid (ceil(Sk / 64), B * Hkv), dynamic shared memory 512 (D + 8) + 512 bytes
 //          (37376 for D = 64, 70144 for D = 128).
 // Both need more than the default 48 KiB from D = 96 on, which the launch opts into
@@ -84,6 +85,10 @@
 //     which already starts with the longest (key 0 is seen by every query).
 //  f. dq, dk, dv are read and written as float2 (a thread's two adjacent columns of an
 //     accumulator fragment): half the memory instructions of one float at a time.
+//  g. dQ's rows a warp: MT m-tiles of 16 (the _k4 kernels XT_ATTN_K4_MTILES, 1 or 2; the _k8
+//     ones 1), as the forward's (attention_tc.cu, h.): with two, every ldmatrix of K or V
+//     feeds both m-tiles' products, half the shared-memory reads per mma; the key steps are
+//     then 16 keys, so that S and dP stay 32 registers a thread.
 //
 // Fragments of mma.m16n8k16 (PTX ISA, "Matrix Fragments for mma.m16n8k16 with floating point
 // type"), with g = lane >> 2 (groupID) and t = lane & 3 (threadID_in_group); a 32-bit register
@@ -136,6 +141,7 @@
 // under the cap of __launch_bounds__(128, blocks) (the *_MIN_BLOCKS below), and blocks an SM
 // as registers and shared memory allow (H100 / A100):
 //   attn_bwd_dq_tc_k4    161 / 157 (cap 168)  shared 36864 B   3 / 3 blocks
+//     two m-tiles a warp 230 / 231 (cap 255)                   2 / 2
 //   attn_bwd_dq_tc_k8    234 / 230 (cap 255)  shared 69632 B   2 / 2
 //   attn_bwd_dkv_tc_k4   168 / 168 (cap 168)  shared 37376 B   3 / 3
 //   attn_bwd_dkv_tc_k8   253 / 250 (cap 255)  shared 70144 B   2 / 2
@@ -157,7 +163,8 @@
 // matches a dense float64 reference of the fp32 backward's formulas (P and dS rounded to bf16
 // too) on 15 shapes (head sizes 16 to 128, causal with offsets, rows that see no key, GQA,
 // ragged edges, both choices of the K/V fragments in registers) and 6 under document masks
-// (the _docs kernels), each run with every copy
+// (the _docs kernels), dQ at D <= 64 also with two m-tiles a warp (the same bits as one's),
+// each run with every copy
 // landing when issued and again with every copy landing at the wait that covers it: to about
 // 1e-7 of the largest gradient where both round every P and dS alike, at most 7e-4 where one
 // element rounds to the other bf16 neighbour (its S sums differ in the last fp32 bits). What
@@ -175,9 +182,9 @@
 // instantiated for MAXK = 4 and 8, and on FULL (D == 16 MAXK: D a constant, loops without
 // guards), chosen at run time as the forward does.
 
-#define TB_BM 64  // query rows per dQ CTA (16 per warp, 4 warps)
+#define TB_WARP_ROWS 16 // query rows of a dQ m-tile (a warp owns MT of them: 16 MT rows)
 #define TB_BN 64  // keys per K/V tile of dQ; keys per dK/dV CTA (16 per warp)
-#define TB_KC 32  // keys per step of a dQ warp (half a key tile)
+#define TB_KC 32  // keys per step of a dQ warp with one m-tile (half a key tile; 32 / MT)
 #define TB_QC 32  // query rows per step of dK/dV
 #define TB_PAD 8  // bf16 of padding per row of the bf16 tiles
 #define TB_THREADS 128
@@ -269,80 +276,105 @@ __device__ __forceinline__ void tb_load_a(u32 (&f)[MAXK][4], const u16* x, long 
 // ---------------------------------------------------------------------------------------------
 // dQ: dq += scale * dS K.
 
-// One key tile of 64 for one warp's 16 query rows, in two steps of 32 keys: S = Q K^T,
-// dP = dO V^T, dS = P (dP - delta), acc += dS K. `ks_nt`, `vs_nt`: this lane's "nt" address
-// in the bf16 K and V tiles, `ks_tr` its "tr" address in the K tile (k-step 0, pair 0).
-// `lse2[hf]`: row r0 + 8 hf's lse * log2(e) (0 for a row past Sq), `del[hf]` its delta.
-// MASKED: some row of the warp does not see some key of the tile; then `kv_lim` is the number
-// of the tile's keys the warp's last row below Sq sees (16-key steps from it on are skipped: no
-// row of the warp sees them) and `vis[hf]` the number row r0 + 8 hf sees (keys 0 .. vis - 1 of
-// the tile; 0 for a row past Sq; may be <= 0 or > 64), and under a document mask (DOCS) not
-// the keys before lo[hf] either (keys lo .. vis - 1; lo may be <= 0).
-template <int MAXK, bool MASKED, bool F16, bool DOCS>
-__device__ __forceinline__ void tb_dq_tile(const u32 (&qf)[MAXK][4], const u32 (&gf)[MAXK][4],
-                                           float (&acc)[2 * MAXK][4], u32 ks_nt, u32 vs_nt,
+// One key tile of 64 for one warp's 16 MT query rows (MT m-tiles of 16: rows 16 mt .. + 15 of
+// the warp's in tile mt), in steps of KC = 32 / MT keys (the scores and dP of 16 MT rows by
+// KC keys are 32 registers a thread either way): S = Q K^T, dP = dO V^T, dS = P (dP - delta),
+// acc += dS K. Every K and V fragment read from shared memory serves the MT tiles' products
+// (the forward's "Rows a warp"); the sums into acc run over the same 16-key k-steps in the
+// same order for either MT, so dQ is the same bits with one m-tile a warp or two.
+// `ks_nt`, `vs_nt`: this lane's "nt" address in the bf16 K and V tiles, `ks_tr` its "tr"
+// address in the K tile (k-step 0, pair 0). `lse2[mt][hf]`: row r0 + 16 mt + 8 hf's
+// lse * log2(e) (0 for a row past Sq), `del[mt][hf]` its delta. MASKED: some row of the warp
+// does not see some key of the tile; then `kv_lim` is the number of the tile's keys the
+// warp's last row below Sq sees (16-key steps from it on are skipped: no row of the warp sees
+// them) and `vis[mt][hf]` the number row r0 + 16 mt + 8 hf sees (keys 0 .. vis - 1 of the
+// tile; 0 for a row past Sq; may be <= 0 or > 64), and under a document mask (DOCS) not the
+// keys before lo[mt][hf] either (keys lo .. vis - 1; lo may be <= 0).
+template <int MAXK, int MT, bool MASKED, bool F16, bool DOCS>
+__device__ __forceinline__ void tb_dq_tile(const u32 (&qf)[MT][MAXK][4],
+                                           const u32 (&gf)[MT][MAXK][4],
+                                           float (&acc)[MT][2 * MAXK][4], u32 ks_nt, u32 vs_nt,
                                            u32 ks_tr, int ld, int nk, float sl2,
-                                           const float (&lse2)[2], const float (&del)[2],
-                                           int kv_lim, const int (&vis)[2], const int (&lo)[2],
+                                           const float (&lse2)[MT][2],
+                                           const float (&del)[MT][2], int kv_lim,
+                                           const int (&vis)[MT][2], const int (&lo)[MT][2],
                                            int t) {
+    constexpr int KC = TB_KC / MT; // keys a step
+    constexpr int NT = KC / 8;     // n-tiles of 8 keys a step
 #pragma unroll 1
-    for (int c0 = 0; c0 < TB_BN; c0 += TB_KC) {
+    for (int c0 = 0; c0 < TB_BN; c0 += KC) {
         if (MASKED && c0 >= kv_lim) break;
-        // S and dP on keys c0 .. c0 + 31: n-tiles 2p, 2p + 1 (keys c0 + 16p ..) from one
-        // ldmatrix.x4 each of K and V per k-step.
-        float s[4][4], dp[4][4];
+        // S and dP on keys c0 .. c0 + KC - 1: n-tiles 2p, 2p + 1 (keys c0 + 16p ..) from one
+        // ldmatrix.x4 each of K and V per k-step, for every m-tile.
+        float s[MT][NT][4], dp[MT][NT][4];
 #pragma unroll
-        for (int n = 0; n < 4; n++) {
-            s[n][0] = s[n][1] = s[n][2] = s[n][3] = 0.0f;
-            dp[n][0] = dp[n][1] = dp[n][2] = dp[n][3] = 0.0f;
+        for (int mt = 0; mt < MT; mt++) {
+#pragma unroll
+            for (int n = 0; n < NT; n++) {
+                s[mt][n][0] = s[mt][n][1] = s[mt][n][2] = s[mt][n][3] = 0.0f;
+                dp[mt][n][0] = dp[mt][n][1] = dp[mt][n][2] = dp[mt][n][3] = 0.0f;
+            }
         }
 #pragma unroll
         for (int kk = 0; kk < MAXK; kk++) {
             if (kk < nk) {
 #pragma unroll
-                for (int p = 0; p < 2; p++) {
+                for (int p = 0; p < NT / 2; p++) {
                     if (!MASKED || c0 + 16 * p < kv_lim) {
                         const u32 off = (u32)((c0 + 16 * p) * ld + kk * 16) * 2u;
                         u32 bk[4], bv[4];
                         tc_ldsm_x4(bk, ks_nt + off);
                         tc_ldsm_x4(bv, vs_nt + off);
-                        tc_mma<F16>(s[2 * p], qf[kk], bk[0], bk[1]);
-                        tc_mma<F16>(s[2 * p + 1], qf[kk], bk[2], bk[3]);
-                        tc_mma<F16>(dp[2 * p], gf[kk], bv[0], bv[1]);
-                        tc_mma<F16>(dp[2 * p + 1], gf[kk], bv[2], bv[3]);
+#pragma unroll
+                        for (int mt = 0; mt < MT; mt++) {
+                            tc_mma<F16>(s[mt][2 * p], qf[mt][kk], bk[0], bk[1]);
+                            tc_mma<F16>(s[mt][2 * p + 1], qf[mt][kk], bk[2], bk[3]);
+                            tc_mma<F16>(dp[mt][2 * p], gf[mt][kk], bv[0], bv[1]);
+                            tc_mma<F16>(dp[mt][2 * p + 1], gf[mt][kk], bv[2], bv[3]);
+                        }
                     }
                 }
             }
         }
         // dS = P (dP - delta), P = 2^(s scale log2(e) - lse log2(e)); 0 where masked (a select:
         // a row that sees no key has lse = -inf and P = 2^inf there). Kept in s. Element x of
-        // n-tile n: row r0 + 8 (x >> 1), key c0 + 8n + 2t + (x & 1) of the tile.
+        // n-tile n of m-tile mt: row r0 + 16 mt + 8 (x >> 1), key c0 + 8n + 2t + (x & 1) of the
+        // tile.
 #pragma unroll
-        for (int n = 0; n < 4; n++) {
+        for (int mt = 0; mt < MT; mt++) {
 #pragma unroll
-            for (int x = 0; x < 4; x++) {
-                const int hf = x >> 1;
-                const float p = tc_exp2(fmaf(s[n][x], sl2, -lse2[hf]));
-                float ds = p * (dp[n][x] - del[hf]);
-                const int c = c0 + n * 8 + 2 * t + (x & 1);
-                if (MASKED && (c >= vis[hf] || (DOCS && c < lo[hf]))) ds = 0.0f;
-                s[n][x] = ds;
+            for (int n = 0; n < NT; n++) {
+#pragma unroll
+                for (int x = 0; x < 4; x++) {
+                    const int hf = x >> 1;
+                    const float p = tc_exp2(fmaf(s[mt][n][x], sl2, -lse2[mt][hf]));
+                    float ds = p * (dp[mt][n][x] - del[mt][hf]);
+                    const int c = c0 + n * 8 + 2 * t + (x & 1);
+                    if (MASKED && (c >= vis[mt][hf] || (DOCS && c < lo[mt][hf]))) ds = 0.0f;
+                    s[mt][n][x] = ds;
+                }
             }
         }
         // acc += dS K: A = dS (k-step kk = keys c0 + 16 kk ..: n-tiles 2 kk, 2 kk + 1),
-        // B(k = j, n = d) = K[j][d], output n-tiles 2p, 2p + 1 from one ldmatrix.x4.trans.
+        // B(k = j, n = d) = K[j][d], output n-tiles 2p, 2p + 1 from one ldmatrix.x4.trans, for
+        // every m-tile.
 #pragma unroll
-        for (int kk = 0; kk < 2; kk++) {
+        for (int kk = 0; kk < NT / 2; kk++) {
             if (!MASKED || c0 + 16 * kk < kv_lim) {
-                u32 a[4];
-                tc_c_to_a<F16>(a, s[2 * kk], s[2 * kk + 1]);
+                u32 a[MT][4];
+#pragma unroll
+                for (int mt = 0; mt < MT; mt++)
+                    tc_c_to_a<F16>(a[mt], s[mt][2 * kk], s[mt][2 * kk + 1]);
 #pragma unroll
                 for (int p = 0; p < MAXK; p++) {
                     if (p < nk) {
                         u32 bk[4];
                         tc_ldsm_x4_trans(bk, ks_tr + (u32)((c0 + 16 * kk) * ld + p * 16) * 2u);
-                        tc_mma<F16>(acc[2 * p], a, bk[0], bk[1]);
-                        tc_mma<F16>(acc[2 * p + 1], a, bk[2], bk[3]);
+#pragma unroll
+                        for (int mt = 0; mt < MT; mt++) {
+                            tc_mma<F16>(acc[mt][2 * p], a[mt], bk[0], bk[1]);
+                            tc_mma<F16>(acc[mt][2 * p + 1], a[mt], bk[2], bk[3]);
+                        }
                     }
                 }
             }
@@ -350,13 +382,14 @@ __device__ __forceinline__ void tb_dq_tile(const u32 (&qf)[MAXK][4], const u32 (
     }
 }
 
-// Grid (ceil(Sq / 64), B * H), block 128; the CTA of blockIdx.x = x owns query rows
-// 64 (gridDim.x - 1 - x) .. + 63, warp w rows + 16 w .. + 15 (its Q and dO fragments stay in
-// registers), and walks the key tiles of 64 that its rows see. DOCS: under a document mask
-// (key_lo [B, Sq], the "attention" module's contract), as the forward: the walk starts at the
-// tile of the CTA's first row's first key, a warp skips the tiles wholly before its first
-// row's, and masks per element a tile that some row sees only from a later key.
-template <int MAXK, bool FULL, bool F16, bool DOCS>
+// Grid (ceil(Sq / (64 MT)), B * H), block 128; the CTA of blockIdx.x = x owns query rows
+// 64 MT (gridDim.x - 1 - x) .. + 64 MT - 1, warp w rows + 16 MT w .. + 16 MT - 1 (its Q and dO
+// fragments stay in registers; m-tile mt of them rows + 16 mt .. + 15), and walks the key
+// tiles of 64 that its rows see. DOCS: under a document mask (key_lo [B, Sq], the "attention"
+// module's contract), as the forward: the walk starts at the tile of the CTA's first row's
+// first key, a warp skips the tiles wholly before its first row's, and masks per element a
+// tile that some row sees only from a later key.
+template <int MAXK, int MT, bool FULL, bool F16, bool DOCS>
 __device__ __forceinline__ void attn_bwd_dq_tc_body(const u16* q, const u16* k,
                                                          const u16* v, const u16* dout,
                                                          const float* lse, const float* delta,
@@ -367,22 +400,25 @@ __device__ __forceinline__ void attn_bwd_dq_tc_body(const u16* q, const u16* k,
     extern __shared__ __align__(16) unsigned char tb_smem[];
     if (FULL) D = 16 * MAXK; // a constant from here on: loops without guards, fixed offsets
     const int ld = D + TB_PAD;
+    const int bm = TB_WARP_ROWS * MT * 4; // query rows of the CTA
     // Stage s of the double buffer: the K tile at kt0 + s * stage, the V tile at vt0 + s * stage.
     const u32 stage = (u32)(2 * TB_BN * ld) * 2u;
     const u32 kt0 = tc_smem_addr(tb_smem), vt0 = kt0 + (u32)(TB_BN * ld) * 2u;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
     const int b = blockIdx.y / H, h = blockIdx.y % H, hk = h / (H / Hkv);
-    const int q0 = (gridDim.x - 1 - blockIdx.x) * TB_BM; // longest rows first
+    const int q0 = (gridDim.x - 1 - blockIdx.x) * bm; // longest rows first
     const int nk = D >> 4, nd = D >> 3;
     const long long qstride = (long long)H * D, kstride = (long long)Hkv * D;
     const long long qbase = (long long)b * Sq * qstride + (long long)h * D;
     const u16* kb = k + (long long)b * Sk * kstride + (long long)hk * D;
     const u16* vb = v + (long long)b * Sk * kstride + (long long)hk * D;
-    const int iw = q0 + warp * 16; // the warp's first row
-    const int r0 = iw + g;         // this thread's rows: r0 (half 0) and r0 + 8 (half 1)
+    const int iw = q0 + warp * TB_WARP_ROWS * MT; // the warp's first row
+    const int wlast = iw + TB_WARP_ROWS * MT - 1;   // and its last
+    // This thread's rows: r0 + 16 mt (half 0 of m-tile mt) and r0 + 16 mt + 8 (half 1).
+    const int r0 = iw + g;
     const float sl2 = scale * TB_LOG2E;
 
-    const int nvis = tc_keys_seen(min(q0 + TB_BM, Sq), Sk, causal, q_start, k_start);
+    const int nvis = tc_keys_seen(min(q0 + bm, Sq), Sk, causal, q_start, k_start);
     const int ntiles = (nvis + TB_BN - 1) / TB_BN;
     // The first tile the CTA needs (CTA-uniform): that of its first row's first key.
     const long long lrow = (long long)b * Sq;
@@ -394,23 +430,26 @@ __device__ __forceinline__ void attn_bwd_dq_tc_body(const u16* q, const u16* k,
         tc_cp_async_commit();
     }
 
-    // Q's and dO's A fragments (rows r0, r0 + 8; zeros past Sq) from global memory: each
-    // element is read once per CTA, by one thread, so not through shared memory (the forward
-    // kernel's reasoning).
-    u32 qf[MAXK][4], gf[MAXK][4];
-    tb_load_a<MAXK>(qf, q + qbase, qstride, r0, Sq, nk, t);
-    tb_load_a<MAXK>(gf, dout + qbase, qstride, r0, Sq, nk, t);
+    // Q's and dO's A fragments (m-tile mt: rows r0 + 16 mt, + 8; zeros past Sq) from global
+    // memory: each element is read once per CTA, by one thread, so not through shared memory
+    // (the forward kernel's reasoning).
+    u32 qf[MT][MAXK][4], gf[MT][MAXK][4];
     // Per row: lse in exp2 units, delta, and the keys it sees (0 past Sq: masked everywhere).
-    float lse2[2], del[2];
-    int vis_row[2], lo_row[2] = {0, 0};
+    float lse2[MT][2], del[MT][2];
+    int vis_row[MT][2], lo_row[MT][2];
 #pragma unroll
-    for (int hf = 0; hf < 2; hf++) {
-        const int i = r0 + 8 * hf;
-        const long long li = ((long long)b * H + h) * Sq + i;
-        lse2[hf] = i < Sq ? lse[li] * TB_LOG2E : 0.0f;
-        del[hf] = i < Sq ? delta[li] : 0.0f;
-        vis_row[hf] = i < Sq ? tc_keys_seen(i + 1, Sk, causal, q_start, k_start) : 0;
-        if (DOCS && i < Sq) lo_row[hf] = key_lo[lrow + i];
+    for (int mt = 0; mt < MT; mt++) {
+        tb_load_a<MAXK>(qf[mt], q + qbase, qstride, r0 + TB_WARP_ROWS * mt, Sq, nk, t);
+        tb_load_a<MAXK>(gf[mt], dout + qbase, qstride, r0 + TB_WARP_ROWS * mt, Sq, nk, t);
+#pragma unroll
+        for (int hf = 0; hf < 2; hf++) {
+            const int i = r0 + TB_WARP_ROWS * mt + 8 * hf;
+            const long long li = ((long long)b * H + h) * Sq + i;
+            lse2[mt][hf] = i < Sq ? lse[li] * TB_LOG2E : 0.0f;
+            del[mt][hf] = i < Sq ? delta[li] : 0.0f;
+            vis_row[mt][hf] = i < Sq ? tc_keys_seen(i + 1, Sk, causal, q_start, k_start) : 0;
+            lo_row[mt][hf] = DOCS && i < Sq ? key_lo[lrow + i] : 0;
+        }
     }
     // What the warp sees (warp-uniform): keys 0 .. wfull - 1 by every row of it (the first row
     // sees the fewest; rows past Sq are never stored), keys 0 .. wkeys - 1 by some row (the
@@ -418,11 +457,11 @@ __device__ __forceinline__ void attn_bwd_dq_tc_body(const u16* q, const u16* k,
     // a document mask also: keys from wlo_max on by every row, keys before wlo_min by none.
     int wfull = 0, wkeys = 0, wlo_min = 0, wlo_max = 0;
     if (iw < Sq) {
-        wkeys = tc_keys_seen(min(iw + 16, Sq), Sk, causal, q_start, k_start);
+        wkeys = tc_keys_seen(min(wlast + 1, Sq), Sk, causal, q_start, k_start);
         wfull = tc_keys_seen(iw + 1, Sk, causal, q_start, k_start);
         if (DOCS) {
             wlo_min = key_lo[lrow + iw];
-            wlo_max = key_lo[lrow + min(iw + 15, Sq - 1)];
+            wlo_max = key_lo[lrow + min(wlast, Sq - 1)];
         }
     }
 
@@ -433,9 +472,12 @@ __device__ __forceinline__ void attn_bwd_dq_tc_body(const u16* q, const u16* k,
     const u32 vs_nt = vt0 + (u32)(nt_row * ld + nt_col) * 2u;
     const u32 ks_tr = kt0 + (u32)(tr_row * ld + tr_col) * 2u;
 
-    float acc[2 * MAXK][4];
+    float acc[MT][2 * MAXK][4];
 #pragma unroll
-    for (int n = 0; n < 2 * MAXK; n++) acc[n][0] = acc[n][1] = acc[n][2] = acc[n][3] = 0.0f;
+    for (int mt = 0; mt < MT; mt++)
+#pragma unroll
+        for (int n = 0; n < 2 * MAXK; n++)
+            acc[mt][n][0] = acc[mt][n][1] = acc[mt][n][2] = acc[mt][n][3] = 0.0f;
 
     // The pipeline, one barrier a tile (the forward kernel's): tile jt0 + it is in stage
     // it & 1; at the top of iteration it the only commit group in flight is that tile's.
@@ -455,31 +497,41 @@ __device__ __forceinline__ void attn_bwd_dq_tc_body(const u16* q, const u16* k,
             tc_cp_async_commit();
         }
         if (j0 + TB_BN <= wfull && (!DOCS || j0 >= wlo_max)) {
-            const int none[2] = {0, 0};
-            tb_dq_tile<MAXK, false, F16, DOCS>(qf, gf, acc, ks_nt + cur, vs_nt + cur,
-                                               ks_tr + cur, ld, nk, sl2, lse2, del, TB_BN,
-                                               none, none, t);
+            const int none[MT][2] = {};
+            tb_dq_tile<MAXK, MT, false, F16, DOCS>(qf, gf, acc, ks_nt + cur, vs_nt + cur,
+                                                   ks_tr + cur, ld, nk, sl2, lse2, del, TB_BN,
+                                                   none, none, t);
         } else if (j0 < wkeys && (!DOCS || j0 + TB_BN > wlo_min)) {
-            const int vis[2] = {vis_row[0] - j0, vis_row[1] - j0};
-            const int lo[2] = {lo_row[0] - j0, lo_row[1] - j0};
-            tb_dq_tile<MAXK, true, F16, DOCS>(qf, gf, acc, ks_nt + cur, vs_nt + cur,
-                                              ks_tr + cur, ld, nk, sl2, lse2, del, wkeys - j0,
-                                              vis, lo, t);
+            int vis[MT][2], lo[MT][2];
+#pragma unroll
+            for (int mt = 0; mt < MT; mt++) {
+#pragma unroll
+                for (int hf = 0; hf < 2; hf++) {
+                    vis[mt][hf] = vis_row[mt][hf] - j0;
+                    lo[mt][hf] = lo_row[mt][hf] - j0;
+                }
+            }
+            tb_dq_tile<MAXK, MT, true, F16, DOCS>(qf, gf, acc, ks_nt + cur, vs_nt + cur,
+                                                  ks_tr + cur, ld, nk, sl2, lse2, del,
+                                                  wkeys - j0, vis, lo, t);
         }
     }
 
 #pragma unroll
-    for (int hf = 0; hf < 2; hf++) {
-        const int i = r0 + 8 * hf;
-        if (i < Sq) {
-            float* row = dq + qbase + (long long)i * qstride + 2 * t;
+    for (int mt = 0; mt < MT; mt++) {
 #pragma unroll
-            for (int n = 0; n < 2 * MAXK; n++) {
-                if (n < nd) {
-                    float2 x = *(float2*)(row + n * 8);
-                    x.x += scale * acc[n][2 * hf];
-                    x.y += scale * acc[n][2 * hf + 1];
-                    *(float2*)(row + n * 8) = x;
+        for (int hf = 0; hf < 2; hf++) {
+            const int i = r0 + TB_WARP_ROWS * mt + 8 * hf;
+            if (i < Sq) {
+                float* row = dq + qbase + (long long)i * qstride + 2 * t;
+#pragma unroll
+                for (int n = 0; n < 2 * MAXK; n++) {
+                    if (n < nd) {
+                        float2 x = *(float2*)(row + n * 8);
+                        x.x += scale * acc[mt][n][2 * hf];
+                        x.y += scale * acc[mt][n][2 * hf + 1];
+                        *(float2*)(row + n * 8) = x;
+                    }
                 }
             }
         }
@@ -808,13 +860,25 @@ __device__ __forceinline__ void attn_bwd_dkv_tc_body(
     }
 }
 
+// M-tiles of 16 query rows a dQ warp owns (the CTA's 4 warps own 64 MT rows): at D <= 64
+// XT_ATTN_K4_MTILES, which the loader defines from the launchers' own constant
+// (tensor::cuda::kernels::ATTN_K4_MTILES, so that grid and kernel agree), 1 or 2, as for the
+// forward (attention_tc.cu); at D = 128 always 1.
+#ifndef XT_ATTN_K4_MTILES
+#error "XT_ATTN_K4_MTILES is defined by the loader (tensor::cuda::kernels::source)"
+#endif
+#if XT_ATTN_K4_MTILES != 1 && XT_ATTN_K4_MTILES != 2
+#error "XT_ATTN_K4_MTILES must be 1 or 2"
+#endif
+
 // Blocks an SM each kernel is compiled for (__launch_bounds__' second argument: the register
-// cap is 64K / (128 x blocks)); see the ptxas figures in the header. The library builds these
+// cap is 64K / (128 x blocks)); see the ptxas figures in the header (dQ at D <= 64 with two
+// m-tiles a warp: 2 blocks, a cap of 255). The library builds these
 // defaults; to measure another choice, a #define before the source (e.g.
 // `#define TB_DQ_K4_MIN_BLOCKS 4` after the prelude, compiling the module by hand with NVRTC)
 // overrides each.
 #ifndef TB_DQ_K4_MIN_BLOCKS
-#define TB_DQ_K4_MIN_BLOCKS 3
+#define TB_DQ_K4_MIN_BLOCKS (XT_ATTN_K4_MTILES == 1 ? 3 : 2)
 #endif
 #ifndef TB_DQ_K8_MIN_BLOCKS
 #define TB_DQ_K8_MIN_BLOCKS 2
@@ -829,20 +893,20 @@ __device__ __forceinline__ void attn_bwd_dkv_tc_body(
 // Every kernel takes the document mask's two arrays (the "attention" module's key_lo, q_end);
 // only the _docs kernels read them (dQ key_lo, dK/dV q_end), and the others, which may be
 // passed nulls, are the same code as without the parameters.
-#define TB_KERNELS(DQ, DKV, MAXK, DQ_MIN_BLOCKS, DKV_MIN_BLOCKS, KV_REGS, F16, DOCS)            \
+#define TB_KERNELS(DQ, DKV, MAXK, MT, DQ_MIN_BLOCKS, DKV_MIN_BLOCKS, KV_REGS, F16, DOCS)        \
     extern "C" __global__ void __launch_bounds__(TB_THREADS, DQ_MIN_BLOCKS)                     \
         DQ(const u16* q, const u16* k, const u16* v, const u16* dout, const float* lse,         \
            const float* delta, float* dq, int B, int Sq, int Sk, int H, int Hkv, int D,         \
            int causal, int q_start, int k_start, float scale, const int* key_lo,                \
            const int* q_end) {                                                                  \
         if (D == 16 * MAXK)                                                                     \
-            attn_bwd_dq_tc_body<MAXK, true, F16, DOCS>(q, k, v, dout, lse, delta, dq, B, Sq,    \
-                                                       Sk, H, Hkv, D, causal, q_start,          \
-                                                       k_start, scale, key_lo);                 \
+            attn_bwd_dq_tc_body<MAXK, MT, true, F16, DOCS>(q, k, v, dout, lse, delta, dq, B,    \
+                                                           Sq, Sk, H, Hkv, D, causal, q_start,  \
+                                                           k_start, scale, key_lo);             \
         else                                                                                    \
-            attn_bwd_dq_tc_body<MAXK, false, F16, DOCS>(q, k, v, dout, lse, delta, dq, B, Sq,   \
-                                                        Sk, H, Hkv, D, causal, q_start,         \
-                                                        k_start, scale, key_lo);                \
+            attn_bwd_dq_tc_body<MAXK, MT, false, F16, DOCS>(q, k, v, dout, lse, delta, dq, B,   \
+                                                            Sq, Sk, H, Hkv, D, causal, q_start, \
+                                                            k_start, scale, key_lo);            \
     }                                                                                           \
     extern "C" __global__ void __launch_bounds__(TB_THREADS, DKV_MIN_BLOCKS)                    \
         DKV(const u16* q, const u16* k, const u16* v, const u16* dout, const float* lse,        \
@@ -860,19 +924,18 @@ __device__ __forceinline__ void attn_bwd_dkv_tc_body(
     }
 
 // bf16 operands (bf16 steps), and fp16 (fp16 steps); plain causal, and under a document mask.
-TB_KERNELS(attn_bwd_dq_tc_k4, attn_bwd_dkv_tc_k4, 4, TB_DQ_K4_MIN_BLOCKS, TB_DKV_K4_MIN_BLOCKS,
-           (TB_DKV_KV_REGS_K4 != 0), false, false)
-TB_KERNELS(attn_bwd_dq_tc_k8, attn_bwd_dkv_tc_k8, 8, TB_DQ_K8_MIN_BLOCKS, TB_DKV_K8_MIN_BLOCKS,
-           (TB_DKV_KV_REGS_K8 != 0), false, false)
-TB_KERNELS(attn_bwd_dq_tc_f16_k4, attn_bwd_dkv_tc_f16_k4, 4, TB_DQ_K4_MIN_BLOCKS,
-           TB_DKV_K4_MIN_BLOCKS, (TB_DKV_KV_REGS_K4 != 0), true, false)
-TB_KERNELS(attn_bwd_dq_tc_f16_k8, attn_bwd_dkv_tc_f16_k8, 8, TB_DQ_K8_MIN_BLOCKS,
-           TB_DKV_K8_MIN_BLOCKS, (TB_DKV_KV_REGS_K8 != 0), true, false)
-TB_KERNELS(attn_bwd_dq_tc_docs_k4, attn_bwd_dkv_tc_docs_k4, 4, TB_DQ_K4_MIN_BLOCKS,
-           TB_DKV_K4_MIN_BLOCKS, (TB_DKV_KV_REGS_K4 != 0), false, true)
-TB_KERNELS(attn_bwd_dq_tc_docs_k8, attn_bwd_dkv_tc_docs_k8, 8, TB_DQ_K8_MIN_BLOCKS,
-           TB_DKV_K8_MIN_BLOCKS, (TB_DKV_KV_REGS_K8 != 0), false, true)
-TB_KERNELS(attn_bwd_dq_tc_docs_f16_k4, attn_bwd_dkv_tc_docs_f16_k4, 4, TB_DQ_K4_MIN_BLOCKS,
-           TB_DKV_K4_MIN_BLOCKS, (TB_DKV_KV_REGS_K4 != 0), true, true)
-TB_KERNELS(attn_bwd_dq_tc_docs_f16_k8, attn_bwd_dkv_tc_docs_f16_k8, 8, TB_DQ_K8_MIN_BLOCKS,
-           TB_DKV_K8_MIN_BLOCKS, (TB_DKV_KV_REGS_K8 != 0), true, true)
+// The head-64 kernels' tiling (m-tiles a dQ warp, blocks an SM, K and V in registers) and the
+// head-128 kernels'.
+#define TB_K4                                                                              \
+    4, XT_ATTN_K4_MTILES, TB_DQ_K4_MIN_BLOCKS, TB_DKV_K4_MIN_BLOCKS, (TB_DKV_KV_REGS_K4 != 0)
+#define TB_K8 8, 1, TB_DQ_K8_MIN_BLOCKS, TB_DKV_K8_MIN_BLOCKS, (TB_DKV_KV_REGS_K8 != 0)
+// TB_KERNELS_ expands a tiling's commas into TB_KERNELS's arguments.
+#define TB_KERNELS_(...) TB_KERNELS(__VA_ARGS__)
+TB_KERNELS_(attn_bwd_dq_tc_k4, attn_bwd_dkv_tc_k4, TB_K4, false, false)
+TB_KERNELS_(attn_bwd_dq_tc_k8, attn_bwd_dkv_tc_k8, TB_K8, false, false)
+TB_KERNELS_(attn_bwd_dq_tc_f16_k4, attn_bwd_dkv_tc_f16_k4, TB_K4, true, false)
+TB_KERNELS_(attn_bwd_dq_tc_f16_k8, attn_bwd_dkv_tc_f16_k8, TB_K8, true, false)
+TB_KERNELS_(attn_bwd_dq_tc_docs_k4, attn_bwd_dkv_tc_docs_k4, TB_K4, false, true)
+TB_KERNELS_(attn_bwd_dq_tc_docs_k8, attn_bwd_dkv_tc_docs_k8, TB_K8, false, true)
+TB_KERNELS_(attn_bwd_dq_tc_docs_f16_k4, attn_bwd_dkv_tc_docs_f16_k4, TB_K4, true, true)
+TB_KERNELS_(attn_bwd_dq_tc_docs_f16_k8, attn_bwd_dkv_tc_docs_f16_k8, TB_K8, true, true)
