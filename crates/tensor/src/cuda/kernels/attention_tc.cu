@@ -179,9 +179,8 @@ __device__ __forceinline__ void tn_copy_tile(u32 kt, u32 vt, const u16* kb, cons
 // see some key of the tile; then `kv_lim` is the number of the tile's keys the warp's last
 // row below Sq sees (16-key steps from it on are skipped: no row of the warp sees them) and
 // `vis[mt][hf]` the number row r0 + 16 mt + 8 hf sees (keys 0 .. vis - 1 of the tile; may be
-// <= 0 or > 64),
-// and under a document mask (DOCS) not the keys before lo[mt][hf] either (keys lo .. vis - 1;
-// lo may be <= 0).
+// <= 0 or > 64), and under a document mask (DOCS) not the keys before lo[mt][hf] either (keys
+// lo .. vis - 1; lo may be <= 0).
 template <int MAXK, int MT, bool MASKED, bool F16, bool DOCS>
 __device__ __forceinline__ void tn_step(const u32 (&qf)[MT][MAXK][4],
                                         float (&o)[MT][2 * MAXK][4], float (&m)[MT][2],
