@@ -451,14 +451,7 @@ __device__ __forceinline__ void attn_fwd_tc_body(const u16* q, const u16* k, con
                                                 nk, sl2, TN_BN, none, none, t);
         } else if (j0 < wkeys && (!DOCS || j0 + TN_BN > wlo_min)) {
             int vis[MT][2], lo[MT][2];
-#pragma unroll
-            for (int mt = 0; mt < MT; mt++) {
-#pragma unroll
-                for (int hf = 0; hf < 2; hf++) {
-                    vis[mt][hf] = vis_row[mt][hf] - j0;
-                    lo[mt][hf] = lo_row[mt][hf] - j0;
-                }
-            }
+            tc_tile_bounds<MT>(vis, lo, vis_row, lo_row, j0);
             tn_tile<MAXK, MT, true, F16, DOCS>(qf, o, m, l, ks_lane + cur, vs_lane + cur, ld,
                                                nk, sl2, wkeys - j0, vis, lo, t);
         }

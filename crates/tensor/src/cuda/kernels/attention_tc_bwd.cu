@@ -503,14 +503,7 @@ __device__ __forceinline__ void attn_bwd_dq_tc_body(const u16* q, const u16* k,
                                                    none, none, t);
         } else if (j0 < wkeys && (!DOCS || j0 + TB_BN > wlo_min)) {
             int vis[MT][2], lo[MT][2];
-#pragma unroll
-            for (int mt = 0; mt < MT; mt++) {
-#pragma unroll
-                for (int hf = 0; hf < 2; hf++) {
-                    vis[mt][hf] = vis_row[mt][hf] - j0;
-                    lo[mt][hf] = lo_row[mt][hf] - j0;
-                }
-            }
+            tc_tile_bounds<MT>(vis, lo, vis_row, lo_row, j0);
             tb_dq_tile<MAXK, MT, true, F16, DOCS>(qf, gf, acc, ks_nt + cur, vs_nt + cur,
                                                   ks_tr + cur, ld, nk, sl2, lse2, del,
                                                   wkeys - j0, vis, lo, t);

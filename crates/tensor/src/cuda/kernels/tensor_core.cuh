@@ -109,3 +109,21 @@ __device__ __forceinline__ int tc_keys_seen(int i_end, int Sk, int causal, int q
     int v = q_start + i_end - k_start; // keys j with k_start + j <= q_start + i_end - 1
     return v < 0 ? 0 : (v > Sk ? Sk : v);
 }
+
+// A warp's row bounds relative to the key tile that starts at key j0 (the forward's and dQ's
+// masked tiles): for each of its MT m-tiles and halves, the keys the row sees (vis: keys
+// 0 .. vis - 1 of the tile) and, under a document mask, its first (lo), from the rows'
+// absolute ones.
+template <int MT>
+__device__ __forceinline__ void tc_tile_bounds(int (&vis)[MT][2], int (&lo)[MT][2],
+                                               const int (&vis_row)[MT][2],
+                                               const int (&lo_row)[MT][2], int j0) {
+#pragma unroll
+    for (int mt = 0; mt < MT; mt++) {
+#pragma unroll
+        for (int hf = 0; hf < 2; hf++) {
+            vis[mt][hf] = vis_row[mt][hf] - j0;
+            lo[mt][hf] = lo_row[mt][hf] - j0;
+        }
+    }
+}
