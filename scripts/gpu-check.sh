@@ -352,6 +352,8 @@ check_tune() {
         echo '```' >>"$report"
         return
     fi
+    # Extracted under OUT (the ncu section profiles its kernels too; the binaries are left out
+    # of what comes back).
     local vdir="$out/variant"
     mkdir -p "$vdir"
     python3 -c 'import sys, tarfile; tarfile.open(sys.argv[1]).extractall(sys.argv[2])' \
@@ -372,7 +374,6 @@ check_tune() {
                 echo "  $(basename "$bin") bench kernels failed" >>"$report"
         done
     done
-    rm -rf "$vdir"
     echo '```' >>"$report"
 }
 
@@ -387,13 +388,22 @@ check_ncu() {
     fi
     local kernel ok=1
     : >"$out/ncu-attention.txt"
-    for kernel in attn_fwd_tc_k4 attn_bwd_dq_tc_k4 attn_bwd_dkv_tc_k4 attn_fwd_tc_docs_k4 \
-        attn_bwd_dkv_tc_docs_k4; do
+    # The tune section's variant (two m-tiles a warp) too, where it was extracted: its forward
+    # and dQ kernels ("m2:" entries).
+    local entries=(attn_fwd_tc_k4 attn_bwd_dq_tc_k4 attn_bwd_dkv_tc_k4 attn_fwd_tc_docs_k4
+        attn_bwd_dkv_tc_docs_k4)
+    [ -x "$out/variant/xtrain-m2" ] && entries+=(m2:attn_fwd_tc_k4 m2:attn_bwd_dq_tc_k4)
+    local entry bin
+    for entry in "${entries[@]}"; do
+        kernel=${entry#m2:}
+        bin="$dir/xtrain"
+        [ "$entry" != "$kernel" ] && bin="$out/variant/xtrain-m2"
+        echo "=== $entry ($bin)" >>"$out/ncu-attention.txt"
         timeout 40 ncu --kernel-name "regex:^${kernel}\$" --launch-count 1 \
             --section SpeedOfLight --section LaunchStats --section Occupancy \
             --section MemoryWorkloadAnalysis_Tables --section WarpStateStats \
             --section SchedulerStats --section InstructionStats \
-            "$dir/xtrain" bench kernels --preset medium --device cuda "${m124[@]}" "${bf16[@]}" \
+            "$bin" bench kernels --preset medium --device cuda "${m124[@]}" "${bf16[@]}" \
             --doc-len 256 >>"$out/ncu-attention.txt" 2>&1 || ok=0
     done
     if [ $ok = 1 ]; then
@@ -451,6 +461,7 @@ PY
             echo "($section: not in GPU_CHECK_ONLY)" >>"$report"
         fi
     done
+    rm -rf "$out/variant"
     echo "The check took $SECONDS s (budget ${GPU_CHECK_BUDGET:-450} s)." >>"$report"
     cat "$report"
     return $failed
