@@ -27,6 +27,12 @@ fn elements(n: usize) -> LaunchCfg {
     LaunchCfg::linear(n.div_ceil(THREADS as usize).min(65_535), THREADS)
 }
 
+/// A block for each of `rows` rows, at most 65 535 (the kernels over rows, `XT_FOR_ROWS` in
+/// prelude.cuh: grid-stride over the rows, the block's threads over a row's columns).
+fn rows_of_blocks(rows: usize) -> LaunchCfg {
+    LaunchCfg::linear(rows.min(65_535), THREADS)
+}
+
 /// `x` rounded (nearest even) to the 16-bit `operands` format (bf16 or fp16) into a new
 /// buffer; fp32 is an error.
 pub fn rounded_copy(
@@ -823,7 +829,9 @@ fn rope_launch(
     kernel: &'static str,
 ) -> Result<(), CudaError> {
     same_len("rope x", len, t.tokens * n_heads * t.head_dim)?;
-    let n = t.tokens * n_heads * t.head_dim / 2;
+    // A warp per (token, head) row; the kernel indexes the rows in 32 bits.
+    let rows = t.tokens * n_heads;
+    to_i32(rows, "tokens × heads")?;
     let mut args = vec![KArg::Ptr(x)];
     args.extend(y.map(KArg::Ptr));
     args.extend::<[KArg; 5]>([
@@ -833,7 +841,7 @@ fn rope_launch(
         to_i32(n_heads, "heads")?.into(),
         to_i32(t.head_dim, "head_dim")?.into(),
     ]);
-    gpu.launch("rope", kernel, elements(n), &args)
+    gpu.launch("rope", kernel, elements(rows * 32), &args)
 }
 
 /// `out[t] = table[ids[t] − vocab_start]` or zeros outside the shard
@@ -852,7 +860,7 @@ pub fn embedding_forward<'a>(
     gpu.launch(
         "embedding",
         "embedding_forward",
-        elements(ids.len() * dim),
+        rows_of_blocks(ids.len()),
         &[
             ids.into(),
             table.into(),
@@ -1011,7 +1019,7 @@ pub fn ce_grad_inplace<'a>(
     logits.gpu().launch(
         "cross_entropy",
         "ce_grad_inplace",
-        elements(rows * shard),
+        rows_of_blocks(rows),
         &[
             (&logits).into(),
             targets.into(),
@@ -1849,7 +1857,7 @@ pub fn gather_rows<'a>(
     gpu.launch(
         "moe",
         "gather_rows",
-        elements(rows * dim),
+        rows_of_blocks(rows),
         &[
             src.into(),
             idx.into(),
@@ -1883,7 +1891,7 @@ pub fn scatter_add_rows<'a>(
     y.gpu().launch(
         "moe",
         "scatter_add_rows",
-        elements(n * dim),
+        rows_of_blocks(n),
         &[
             rows.into(),
             idx.into(),

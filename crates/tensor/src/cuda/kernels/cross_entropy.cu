@@ -31,20 +31,23 @@ extern "C" __global__ void ce_lse(const float* row_max, const float* sumexp, flo
     XT_FOR(i, rows) lse[i] = row_max[i] == XT_NEG_INF ? XT_NEG_INF : row_max[i] + logf(sumexp[i]);
 }
 
-// In place: dz = exp(z - lse) * scale, minus scale at the target; zero for ignored rows.
+// In place: dz = exp(z - lse) * scale, minus scale at the target; zero for ignored rows. A
+// block a row (XT_FOR_ROWS).
 extern "C" __global__ void ce_grad_inplace(float* logits, const long long* targets,
                                            const float* lse, int rows, int shard,
                                            int vocab_start, long long ignore, float scale) {
-    long long n = (long long)rows * shard;
-    XT_FOR(idx, n) {
-        int row = (int)(idx / shard), j = (int)(idx % shard);
-        long long t = targets[row];
-        float v = 0.0f;
-        if (t != ignore) {
-            v = expf(logits[idx] - lse[row]) * scale;
-            if (t - vocab_start == j) v -= scale;
+    XT_FOR_ROWS(row, rows) {
+        float* z = logits + row * shard;
+        const long long t = targets[row];
+        const float l = lse[row];
+        XT_FOR_COLS(j, shard) {
+            float v = 0.0f;
+            if (t != ignore) {
+                v = expf(z[j] - l) * scale;
+                if (t - vocab_start == j) v -= scale;
+            }
+            z[j] = v;
         }
-        logits[idx] = v;
     }
 }
 

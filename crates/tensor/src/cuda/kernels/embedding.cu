@@ -1,14 +1,13 @@
 // Embedding lookup and its backward (`tensor::embedding`), full table or a vocabulary shard
 // [vocab_start, vocab_start + rows): tokens outside the shard get zero rows and no gradient.
 
-// out[t] = table[ids[t] - vocab_start] (or zeros). One thread per output element.
+// out[t] = table[ids[t] - vocab_start] (or zeros). A block a token (XT_FOR_ROWS).
 extern "C" __global__ void embedding_forward(const u32* ids, const float* table, float* out,
                                              int tokens, int dim, int vocab_start, int rows) {
-    long long n = (long long)tokens * dim;
-    XT_FOR(idx, n) {
-        int t = (int)(idx / dim), c = (int)(idx % dim);
-        long long r = (long long)ids[t] - vocab_start;
-        out[idx] = (r >= 0 && r < rows) ? table[r * dim + c] : 0.0f;
+    XT_FOR_ROWS(t, tokens) {
+        const long long r = (long long)ids[t] - vocab_start;
+        const bool in = r >= 0 && r < rows;
+        XT_FOR_COLS(c, dim) out[t * dim + c] = in ? table[r * dim + c] : 0.0f;
     }
 }
 

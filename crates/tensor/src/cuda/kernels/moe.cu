@@ -50,28 +50,29 @@ extern "C" __global__ void router_topk(const float* logits, const float* bias, f
         for (int j = 0; j < k; j++) weights[t * k + j] = p[experts[t * k + j]] / sum;
 }
 
-// dst[r] = src[idx[r]] * (scale ? scale[r] : 1), rows of `dim`.
+// dst[r] = src[idx[r]] * (scale ? scale[r] : 1), rows of `dim`; a block a row (XT_FOR_ROWS).
 extern "C" __global__ void gather_rows(const float* src, const int* idx, const float* scale,
                                        float* dst, int rows, int dim) {
-    long long n = (long long)rows * dim;
-    XT_FOR(i, n) {
-        int r = (int)(i / dim), c = (int)(i % dim);
-        float v = src[(long long)idx[r] * dim + c];
-        dst[i] = scale ? v * scale[r] : v;
+    XT_FOR_ROWS(r, rows) {
+        const float* s = src + (long long)idx[r] * dim;
+        XT_FOR_COLS(c, dim) {
+            const float v = s[c];
+            dst[r * dim + c] = scale ? v * scale[r] : v;
+        }
     }
 }
 
-// y[idx[r]] += (w ? w[r] : 1) * rows[r], rows of `dim`. The indices of one call are distinct
-// (one expert's tokens), so no two threads add into the same element; calls in expert order
-// give the host's summation order.
+// y[idx[r]] += (w ? w[r] : 1) * rows[r], rows of `dim`; a block a row (XT_FOR_ROWS). The
+// indices of one call are distinct (one expert's tokens), so no two threads add into the same
+// element; calls in expert order give the host's summation order.
 extern "C" __global__ void scatter_add_rows(const float* rows, const int* idx, const float* w,
                                             float* y, int n_rows, int dim) {
-    long long n = (long long)n_rows * dim;
-    XT_FOR(i, n) {
-        int r = (int)(i / dim), c = (int)(i % dim);
-        float v = rows[i];
-        float* dst = y + (long long)idx[r] * dim + c;
-        *dst = w ? *dst + w[r] * v : *dst + v;
+    XT_FOR_ROWS(r, n_rows) {
+        float* d = y + (long long)idx[r] * dim;
+        XT_FOR_COLS(c, dim) {
+            const float v = rows[r * dim + c];
+            d[c] = w ? d[c] + w[r] * v : d[c] + v;
+        }
     }
 }
 

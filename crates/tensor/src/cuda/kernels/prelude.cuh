@@ -82,3 +82,12 @@ __device__ __forceinline__ float block_sum(float v, float* scratch) {
 #define XT_FOR(i, n) \
     for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < (long long)(n); \
          i += (long long)blockDim.x * gridDim.x)
+
+// The element kernels over the rows of a matrix take a block a row (XT_FOR_ROWS, grid-stride
+// over the rows) and its threads over the row's columns (XT_FOR_COLS), so that no element
+// finds its row and column by a division: a 64-bit integer division is a subroutine of
+// dozens of instructions on the GPU, which made such kernels compute-bound (the logits'
+// gradient divides each of rows x vocabulary elements).
+#define XT_FOR_ROWS(r, rows) \
+    for (long long r = blockIdx.x; r < (long long)(rows); r += gridDim.x)
+#define XT_FOR_COLS(c, cols) for (int c = threadIdx.x; c < (cols); c += blockDim.x)
