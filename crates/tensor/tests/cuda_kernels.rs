@@ -195,6 +195,18 @@ fn swiglu_matches_cpu() {
     let (wg, wu) = tensor::activation::swiglu_backward(&d, &gate, &up).unwrap();
     assert_close("swiglu dgate", &host(&dg), &wg);
     assert_close("swiglu dup", &host(&du), &wu);
+    // Views one element in (not 16-byte aligned: the kernels' one element a thread, against
+    // the 8 of whole buffers above) give each element the same bits.
+    let (gg, gu, gd) = (
+        g.upload(&gate).unwrap(),
+        g.upload(&up).unwrap(),
+        g.upload(&d).unwrap(),
+    );
+    let s1 = ops::swiglu_forward(gg.slice(1..n), gu.slice(1..n)).unwrap();
+    assert_eq!(host(&s1), host(&s)[1..], "swiglu, unaligned views");
+    let (dg1, du1) = ops::swiglu_backward(gd.slice(1..n), gg.slice(1..n), gu.slice(1..n)).unwrap();
+    assert_eq!(host(&dg1), host(&dg)[1..], "swiglu dgate, unaligned views");
+    assert_eq!(host(&du1), host(&du)[1..], "swiglu dup, unaligned views");
 }
 
 #[test]

@@ -284,15 +284,16 @@ fn cast(
     gpu.launch(
         "elementwise",
         func,
-        elements(nx.div_ceil(cast_per_thread(x, y))),
+        elements(nx.div_ceil(per_thread(&[x, y]))),
         &[KArg::Ptr(x), KArg::Ptr(y), n.into()],
     )
 }
 
-/// Elements a thread of the cast kernels converts: 8 where both buffers start 16-byte aligned
-/// (16-byte loads and stores), else 1 — the kernels' own test (`xt_cast` in elementwise.cu).
-fn cast_per_thread(x: u64, y: u64) -> usize {
-    if (x | y).is_multiple_of(16) {
+/// Elements a thread of the cast and SwiGLU kernels takes: 8 where every buffer starts 16-byte
+/// aligned (16-byte loads and stores), else 1 — the kernels' own test (`xt_aligned16` in
+/// elementwise.cu).
+fn per_thread(buffers: &[u64]) -> usize {
+    if buffers.iter().fold(0, |a, b| a | b).is_multiple_of(16) {
         8
     } else {
         1
@@ -420,10 +421,11 @@ fn swiglu_forward_launch(
 ) -> Result<(), CudaError> {
     same_len("swiglu", gate.len(), up.len())?;
     let n = to_i32(gate.len(), "elements")?;
+    let per = per_thread(&[gate.ptr(), up.ptr(), s]);
     gate.gpu().launch(
         "elementwise",
         kernel,
-        elements(gate.len()),
+        elements(gate.len().div_ceil(per)),
         &[gate.into(), up.into(), KArg::Ptr(s), n.into()],
     )
 }
@@ -468,10 +470,11 @@ fn swiglu_backward_launch(
     same_len("swiglu dout", dout.len(), gate.len())?;
     same_len("swiglu up", up.len(), gate.len())?;
     let n = to_i32(gate.len(), "elements")?;
+    let per = per_thread(&[dout.ptr(), gate.ptr(), up.ptr(), dg, du]);
     gate.gpu().launch(
         "elementwise",
         kernel,
-        elements(gate.len()),
+        elements(gate.len().div_ceil(per)),
         &[
             dout.into(),
             gate.into(),

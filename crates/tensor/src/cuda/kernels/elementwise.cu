@@ -7,9 +7,10 @@
 // float4 or one uint4): a cast is bandwidth-bound, and one element a thread (a 2-byte store
 // each) reached about a quarter of an H200's bandwidth on the 124M's activations. A view at
 // another offset takes one element a thread. The launcher sizes the grid by the same test
-// (`cast_per_thread` in ops.rs).
-__device__ __forceinline__ bool xt_aligned16(const void* a, const void* b) {
-    return (((u64)a | (u64)b) & 15u) == 0;
+// (`per_thread` in ops.rs).
+__device__ __forceinline__ bool xt_aligned16(const void* a, const void* b,
+                                             const void* c = nullptr, const void* d = nullptr) {
+    return (((u64)a | (u64)b | (u64)c | (u64)d) & 15u) == 0;
 }
 
 __device__ __forceinline__ void xt_ld8(const float* p, float* v) {
@@ -29,10 +30,7 @@ __device__ __forceinline__ void xt_st8(float* p, const float* v) {
     ((float4*)p)[1] = make_float4(v[4], v[5], v[6], v[7]);
 }
 
-__device__ __forceinline__ void xt_st8(u16* p, const u16* v) {
-    *(uint4*)p = make_uint4((u32)v[0] | ((u32)v[1] << 16), (u32)v[2] | ((u32)v[3] << 16),
-                            (u32)v[4] | ((u32)v[5] << 16), (u32)v[6] | ((u32)v[7] << 16));
-}
+__device__ __forceinline__ void xt_st8(u16* p, const u16* v) { xt_st8_u16(p, v); }
 
 struct XtToBf16 {
     __device__ u16 operator()(float f) const { return f32_to_bf16(f); }
@@ -111,13 +109,32 @@ extern "C" __global__ void fill_f32(float* y, float v, int n) {
 
 __device__ __forceinline__ float sigmoid(float g) { return 1.0f / (1.0f + expf(-g)); }
 
+// SwiGLU's kernels take 8 elements a thread where every buffer starts 16-byte aligned (16-byte
+// loads and stores, as the casts above; the launcher sizes the grid by the same test,
+// `per_thread` in ops.rs), else one; each element's arithmetic is the same either way.
+
 // s = silu(g) * u, silu(g) = g * sigmoid(g); `_bf16` / `_f16` write s rounded for the product
 // that reads it.
+__device__ __forceinline__ float xt_swiglu(float g, float u) { return g * sigmoid(g) * u; }
+
 template <typename Out>
 __device__ __forceinline__ void swiglu_forward_all(const float* g, const float* u, Out s, int n) {
-    XT_FOR(i, n) {
-        float gi = g[i];
-        s(i, gi * sigmoid(gi) * u[i]);
+    if (xt_aligned16(g, u, s.p)) {
+        const long long groups = n >> 3;
+        XT_FOR(k, groups) {
+            float a[8], b[8], r[8];
+            xt_ld8(g + 8 * k, a);
+            xt_ld8(u + 8 * k, b);
+#pragma unroll
+            for (int e = 0; e < 8; e++) r[e] = xt_swiglu(a[e], b[e]);
+            s.st8(8 * k, r);
+        }
+        XT_FOR(i, n - 8 * groups) {
+            const long long j = 8 * groups + i;
+            s(j, xt_swiglu(g[j], u[j]));
+        }
+    } else {
+        XT_FOR(i, n) s(i, xt_swiglu(g[i], u[i]));
     }
 }
 
@@ -135,13 +152,42 @@ extern "C" __global__ void swiglu_forward_f16(const float* g, const float* u, u1
 
 // dg = ds * u * silu'(g), du = ds * silu(g); silu'(g) = sig(g) * (1 + g * (1 - sig(g)));
 // `_bf16` / `_f16` write dg and du rounded for the products that read them.
+__device__ __forceinline__ void xt_swiglu_grad(float d, float g, float u, float& dg,
+                                               float& du) {
+    const float sg = sigmoid(g);
+    dg = d * u * (sg * (1.0f + g * (1.0f - sg)));
+    du = d * (g * sg);
+}
+
 template <typename Out>
 __device__ __forceinline__ void swiglu_backward_all(const float* ds, const float* g,
                                                     const float* u, Out dg, Out du, int n) {
-    XT_FOR(i, n) {
-        float gi = g[i], sg = sigmoid(gi), d = ds[i];
-        dg(i, d * u[i] * (sg * (1.0f + gi * (1.0f - sg))));
-        du(i, d * (gi * sg));
+    if (xt_aligned16(ds, g, u, dg.p) && xt_aligned16(du.p, nullptr)) {
+        const long long groups = n >> 3;
+        XT_FOR(k, groups) {
+            float d[8], a[8], b[8], rg[8], ru[8];
+            xt_ld8(ds + 8 * k, d);
+            xt_ld8(g + 8 * k, a);
+            xt_ld8(u + 8 * k, b);
+#pragma unroll
+            for (int e = 0; e < 8; e++) xt_swiglu_grad(d[e], a[e], b[e], rg[e], ru[e]);
+            dg.st8(8 * k, rg);
+            du.st8(8 * k, ru);
+        }
+        XT_FOR(i, n - 8 * groups) {
+            const long long j = 8 * groups + i;
+            float x, y;
+            xt_swiglu_grad(ds[j], g[j], u[j], x, y);
+            dg(j, x);
+            du(j, y);
+        }
+    } else {
+        XT_FOR(i, n) {
+            float x, y;
+            xt_swiglu_grad(ds[i], g[i], u[i], x, y);
+            dg(i, x);
+            du(i, y);
+        }
     }
 }
 

@@ -36,17 +36,40 @@ __device__ __forceinline__ u16 f32_to_f16(float f) {
 // fp16 operand that products read next (`tensor::operands`: the rounding a cast kernel would
 // do afterwards, done by the kernel that computes the value, so the fp32 values are never
 // written, read back and cast). The same value goes through the same function either way.
+// `st8` stores 8 consecutive results at i (a multiple of 8, the buffer 16-byte aligned), 16
+// bytes at a time: two float4, or one uint4 of 16-bit values (the lower-indexed one in the
+// lower half of each word).
 struct XtOutF32 {
     float* p;
     __device__ __forceinline__ void operator()(long long i, float v) const { p[i] = v; }
+    __device__ __forceinline__ void st8(long long i, const float* v) const {
+        ((float4*)(p + i))[0] = make_float4(v[0], v[1], v[2], v[3]);
+        ((float4*)(p + i))[1] = make_float4(v[4], v[5], v[6], v[7]);
+    }
 };
+__device__ __forceinline__ void xt_st8_u16(u16* p, const u16* h) {
+    *(uint4*)p = make_uint4((u32)h[0] | ((u32)h[1] << 16), (u32)h[2] | ((u32)h[3] << 16),
+                            (u32)h[4] | ((u32)h[5] << 16), (u32)h[6] | ((u32)h[7] << 16));
+}
 struct XtOutBf16 {
     u16* p;
     __device__ __forceinline__ void operator()(long long i, float v) const { p[i] = f32_to_bf16(v); }
+    __device__ __forceinline__ void st8(long long i, const float* v) const {
+        u16 h[8];
+#pragma unroll
+        for (int k = 0; k < 8; k++) h[k] = f32_to_bf16(v[k]);
+        xt_st8_u16(p + i, h);
+    }
 };
 struct XtOutF16 {
     u16* p;
     __device__ __forceinline__ void operator()(long long i, float v) const { p[i] = f32_to_f16(v); }
+    __device__ __forceinline__ void st8(long long i, const float* v) const {
+        u16 h[8];
+#pragma unroll
+        for (int k = 0; k < 8; k++) h[k] = f32_to_f16(v[k]);
+        xt_st8_u16(p + i, h);
+    }
 };
 
 // Sum over the warp (butterfly: every lane gets the same bits).
