@@ -486,15 +486,8 @@ __device__ __forceinline__ void attn_fwd_tc_body(const u16* q, const u16* k, con
 }
 
 // M-tiles of 16 query rows a warp owns (the CTA's 4 warps own 64 MT rows): at D <= 64
-// XT_ATTN_K4_MTILES, which the loader defines from the launchers' own constant
-// (tensor::cuda::kernels::ATTN_K4_MTILES, so that grid and kernel agree), 1 or 2; at D = 128
-// always 1 (two m-tiles' accumulators, 2 x 64 registers, would not fit beside the rest).
-#ifndef XT_ATTN_K4_MTILES
-#error "XT_ATTN_K4_MTILES is defined by the loader (tensor::cuda::kernels::source)"
-#endif
-#if XT_ATTN_K4_MTILES != 1 && XT_ATTN_K4_MTILES != 2
-#error "XT_ATTN_K4_MTILES must be 1 or 2"
-#endif
+// XT_ATTN_K4_MTILES (tensor_core.cuh), 1 or 2; at D = 128 always 1 (two m-tiles'
+// accumulators, 2 x 64 registers, would not fit beside the rest).
 
 // Blocks an SM each kernel is compiled for (__launch_bounds__' second argument: the register
 // cap is 64K / (128 x blocks)). attn_fwd_tc_k4 with one m-tile a warp: 3, a cap of 168
