@@ -11,8 +11,8 @@
 # The report names the GPU, the driver and the CUDA version (nvidia-smi), NVRTC's version,
 # and each test's result, and ends with the check's duration; past GPU_CHECK_BUDGET seconds
 # (default 450) the optional sections say "skipped (time budget)" instead of running.
-# GPU_CHECK_ONLY="tests bench" (any of: tests bench tune processes convergence ncu large
-# validate) runs only those sections: a rerun after a fix, within the machine's time. The CUDA
+# GPU_CHECK_ONLY="tests bench" (any of: tests bench tune probe processes convergence ncu
+# large validate) runs only those sections: a rerun after a fix, within the machine's time. The CUDA
 # libraries (NVRTC, cuBLASLt, NCCL) are found in a CUDA toolkit or in the pip wheels of the
 # machine's Python (nvidia-cuda-nvrtc, nvidia-cublas, nvidia-nccl-cu12 / -cu13), whose
 # folders go in XTRAIN_CUDA_LIB_PATH.
@@ -377,6 +377,20 @@ check_tune() {
     echo '```' >>"$report"
 }
 
+# Hopper's warpgroup product (wgmma), probed: which shared-memory layouts, descriptors and
+# register fragments give the product (dev/wgmma/probe.py, a few seconds; prints a line per
+# candidate) — the ground truth for the Hopper attention kernels to come.
+check_probe() {
+    {
+        echo
+        echo "## wgmma probes (dev/wgmma)"
+        echo
+        echo '```'
+    } >>"$report"
+    timeout 90 python3 dev/wgmma/probe.py >>"$report" 2>&1 || echo "probe: exit $?" >>"$report"
+    echo '```' >>"$report"
+}
+
 # Nsight Compute on the attention kernels, where installed.
 check_ncu() {
     # Where Nsight Compute is installed: each tensor-core attention kernel once, at the 124M's
@@ -454,7 +468,7 @@ PY
         --set model.seq_len=1024 --set train.micro_batch=8 --set 'data.tokenizer="byte"')
     local bf16=(--set 'train.precision="bf16"') fp32=(--set 'train.precision="fp32"')
     local section
-    for section in tests bench tune processes convergence ncu large validate; do
+    for section in tests bench tune probe processes convergence ncu large validate; do
         if [ -z "${GPU_CHECK_ONLY:-}" ] || [[ " $GPU_CHECK_ONLY " == *" $section "* ]]; then
             "check_$section"
         else
