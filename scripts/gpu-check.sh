@@ -379,7 +379,8 @@ check_tune() {
 
 # Hopper's warpgroup product (wgmma), probed: which shared-memory layouts, descriptors and
 # register fragments give the product (dev/wgmma/probe.py, a few seconds; prints a line per
-# candidate) — the ground truth for the Hopper attention kernels to come.
+# candidate) — the ground truth for the Hopper attention kernels to come — and an attention
+# forward prototype on them (dev/wgmma/attn_fwd.py) checked and timed against PyTorch's.
 check_probe() {
     {
         echo
@@ -388,6 +389,9 @@ check_probe() {
         echo '```'
     } >>"$report"
     timeout 90 python3 dev/wgmma/probe.py >>"$report" 2>&1 || echo "probe: exit $?" >>"$report"
+    # The attention forward prototype on those products against PyTorch's, timed beside it.
+    timeout 120 python3 dev/wgmma/attn_fwd.py >>"$report" 2>&1 ||
+        echo "attn_fwd: exit $?" >>"$report"
     echo '```' >>"$report"
 }
 

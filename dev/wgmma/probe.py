@@ -35,10 +35,11 @@ def load_nvrtc():
     raise SystemExit("probe: no NVRTC (name its folder in XTRAIN_CUDA_LIB_PATH)")
 
 
-def compile_cubin(nvrtc):
-    src = open(os.path.join(HERE, "probe.cu"), "rb").read()
+def compile_cubin(nvrtc, name="probe.cu"):
+    """`name` (beside this script) compiled for sm_90a: the cubin."""
+    src = open(os.path.join(HERE, name), "rb").read()
     prog = ctypes.c_void_p()
-    assert nvrtc.nvrtcCreateProgram(ctypes.byref(prog), src, b"probe.cu", 0, None, None) == 0
+    assert nvrtc.nvrtcCreateProgram(ctypes.byref(prog), src, name.encode(), 0, None, None) == 0
     opts = [b"--gpu-architecture=sm_90a", b"--std=c++17"]
     arr = (ctypes.c_char_p * len(opts))(*opts)
     r = nvrtc.nvrtcCompileProgram(prog, len(opts), arr)
@@ -47,7 +48,7 @@ def compile_cubin(nvrtc):
     log = ctypes.create_string_buffer(n.value)
     nvrtc.nvrtcGetProgramLog(prog, log)
     if r != 0:
-        raise SystemExit(f"probe: probe.cu did not compile:\n{log.value.decode()}")
+        raise SystemExit(f"probe: {name} did not compile:\n{log.value.decode()}")
     nvrtc.nvrtcGetCUBINSize(prog, ctypes.byref(n))
     cubin = ctypes.create_string_buffer(n.value)
     assert nvrtc.nvrtcGetCUBIN(prog, cubin) == 0
@@ -59,47 +60,75 @@ def check(r, what):
         raise SystemExit(f"probe: {what} failed: CUresult {r}")
 
 
-def main():
+def hopper():
+    """Whether the GPU at hand is a Hopper (sm_90); the primary context made current."""
     if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
-        print("probe: no Hopper GPU (sm_90): nothing to probe")
-        return 2
+        return False
     torch.cuda.init()
     torch.zeros(1, device="cuda")  # the primary context, current on this thread
-    cubin = compile_cubin(load_nvrtc())
-    cu = ctypes.CDLL("libcuda.so.1")
+    return True
+
+
+def function(cu, cubin, name):
     mod, fn = ctypes.c_void_p(), ctypes.c_void_p()
     check(cu.cuModuleLoadData(ctypes.byref(mod), cubin), "cuModuleLoadData")
-    check(cu.cuModuleGetFunction(ctypes.byref(fn), mod, b"probe"), "cuModuleGetFunction")
+    check(cu.cuModuleGetFunction(ctypes.byref(fn), mod, name.encode()), "cuModuleGetFunction")
+    return fn
+
+
+def launch(cu, fn, grid, block, shared, args, what):
+    """Launches `fn` with ctypes values `args` on PyTorch's current stream."""
+    params = (ctypes.c_void_p * len(args))(
+        *[ctypes.cast(ctypes.pointer(x), ctypes.c_void_p) for x in args])
+    stream = ctypes.c_void_p(torch.cuda.current_stream().cuda_stream)
+    check(cu.cuLaunchKernel(fn, *grid, *block, shared, stream, params, None), what)
+
+
+NAMES = {0: "A, B in shared memory, K-major (S = Q K^T)",
+         1: "A in registers, B K-major (S = Q K^T)",
+         2: "A in registers, B MN-major (O = P V)"}
+# (leading, stride) byte offsets: the expected ones first (K-major swizzled: LBO unused, SBO
+# 1024 = 8 rows of 128 bytes; MN-major: the two 8-row groups of a 16-row k-step 1024 bytes
+# apart), then their neighbours.
+CANDIDATES = {0: [(16, 1024), (1024, 1024), (0, 1024), (1024, 16), (8192, 1024)],
+              1: [(16, 1024), (1024, 1024), (0, 1024), (1024, 16), (8192, 1024)],
+              2: [(1024, 16), (16, 1024), (1024, 1024), (1024, 8192), (8192, 1024),
+                  (2048, 1024), (1024, 2048), (128, 1024), (1024, 128)]}
+
+
+def sweep(cu, fn, mode, quiet=False):
+    """The (lbo, sbo) candidates of `mode` that give the product, each line printed."""
     torch.manual_seed(0)
     a = torch.randn(64, 64, device="cuda").to(torch.bfloat16)
     b = torch.randn(64, 64, device="cuda").to(torch.bfloat16)
     out = torch.empty(64, 64, device="cuda", dtype=torch.float32)
-    refs = {0: a.float() @ b.float().T, 1: a.float() @ b.float().T, 2: a.float() @ b.float()}
-    # (leading, stride) byte offsets: the expected ones first (K-major swizzled: LBO unused,
-    # SBO 1024 = 8 rows of 128 bytes; MN-major: the two 8-row groups of a 16-row k-step 1024
-    # bytes apart), then their neighbours.
-    cands = {0: [(16, 1024), (1024, 1024), (0, 1024), (1024, 16), (8192, 1024)],
-             1: [(16, 1024), (1024, 1024), (0, 1024), (1024, 16), (8192, 1024)],
-             2: [(1024, 16), (16, 1024), (1024, 1024), (1024, 8192), (8192, 1024),
-                 (2048, 1024), (1024, 2048), (128, 1024), (1024, 128)]}
-    names = {0: "A, B in shared memory, K-major (S = Q K^T)",
-             1: "A in registers, B K-major (S = Q K^T)",
-             2: "A in registers, B MN-major (O = P V)"}
-    for mode in (0, 1, 2):
-        for lbo, sbo in cands[mode]:
-            out.fill_(float("nan"))
-            args = [ctypes.c_void_p(a.data_ptr()), ctypes.c_void_p(b.data_ptr()),
-                    ctypes.c_void_p(out.data_ptr()), ctypes.c_int(mode), ctypes.c_int(lbo),
-                    ctypes.c_int(sbo)]
-            params = (ctypes.c_void_p * len(args))(
-                *[ctypes.cast(ctypes.pointer(x), ctypes.c_void_p) for x in args])
-            check(cu.cuLaunchKernel(fn, 1, 1, 1, 128, 1, 1, 0, None, params, None),
-                  "cuLaunchKernel")
-            check(cu.cuCtxSynchronize(), f"mode {mode} lbo {lbo} sbo {sbo}")
-            err = (out - refs[mode]).abs().max().item()
-            ok = err < 1e-3 * refs[mode].abs().max().item()
-            print(f"mode {mode} ({names[mode]}), lbo {lbo}, sbo {sbo}: max |diff| {err:.3g}"
+    ref = a.float() @ (b.float() if mode == 2 else b.float().T)
+    good = []
+    for lbo, sbo in CANDIDATES[mode]:
+        out.fill_(float("nan"))
+        launch(cu, fn, (1, 1, 1), (128, 1, 1), 0,
+               [ctypes.c_void_p(a.data_ptr()), ctypes.c_void_p(b.data_ptr()),
+                ctypes.c_void_p(out.data_ptr()), ctypes.c_int(mode), ctypes.c_int(lbo),
+                ctypes.c_int(sbo)], "cuLaunchKernel")
+        check(cu.cuCtxSynchronize(), f"mode {mode} lbo {lbo} sbo {sbo}")
+        err = (out - ref).abs().max().item()
+        ok = err < 1e-3 * ref.abs().max().item()
+        if ok:
+            good.append((lbo, sbo))
+        if not quiet:
+            print(f"mode {mode} ({NAMES[mode]}), lbo {lbo}, sbo {sbo}: max |diff| {err:.3g}"
                   f"{'  OK' if ok else ''}", flush=True)
+    return good
+
+
+def main():
+    if not hopper():
+        print("probe: no Hopper GPU (sm_90): nothing to probe")
+        return 2
+    cu = ctypes.CDLL("libcuda.so.1")
+    fn = function(cu, compile_cubin(load_nvrtc()), "probe")
+    for mode in (0, 1, 2):
+        sweep(cu, fn, mode)
     return 0
 
 
