@@ -266,25 +266,8 @@ __device__ __forceinline__ void tn_step(const u32 (&qf)[MT][MAXK][4],
     // ldmatrix.x4.trans, for every m-tile.
 #pragma unroll
     for (int kk = 0; kk < NT / 2; kk++) {
-        if (!MASKED || c0 + 16 * kk < kv_lim) {
-            u32 a[MT][4];
-#pragma unroll
-            for (int mt = 0; mt < MT; mt++)
-                tc_c_to_a<F16>(a[mt], s[mt][2 * kk], s[mt][2 * kk + 1]);
-#pragma unroll
-            for (int p = 0; p < MAXK; p++) {
-                if (p < nk) {
-                    u32 bv[4];
-                    tc_ldsm_x4_trans(bv,
-                                     vs_lane + (u32)((c0 + 16 * kk) * ld + p * 16) * 2u);
-#pragma unroll
-                    for (int mt = 0; mt < MT; mt++) {
-                        tc_mma<F16>(o[mt][2 * p], a[mt], bv[0], bv[1]);
-                        tc_mma<F16>(o[mt][2 * p + 1], a[mt], bv[2], bv[3]);
-                    }
-                }
-            }
-        }
+        if (!MASKED || c0 + 16 * kk < kv_lim)
+            tc_mma_rows_tr<MAXK, MT, NT, F16>(o, s, kk, vs_lane, c0 + 16 * kk, ld, nk);
     }
 }
 

@@ -360,24 +360,8 @@ __device__ __forceinline__ void tb_dq_tile(const u32 (&qf)[MT][MAXK][4],
         // every m-tile.
 #pragma unroll
         for (int kk = 0; kk < NT / 2; kk++) {
-            if (!MASKED || c0 + 16 * kk < kv_lim) {
-                u32 a[MT][4];
-#pragma unroll
-                for (int mt = 0; mt < MT; mt++)
-                    tc_c_to_a<F16>(a[mt], s[mt][2 * kk], s[mt][2 * kk + 1]);
-#pragma unroll
-                for (int p = 0; p < MAXK; p++) {
-                    if (p < nk) {
-                        u32 bk[4];
-                        tc_ldsm_x4_trans(bk, ks_tr + (u32)((c0 + 16 * kk) * ld + p * 16) * 2u);
-#pragma unroll
-                        for (int mt = 0; mt < MT; mt++) {
-                            tc_mma<F16>(acc[mt][2 * p], a[mt], bk[0], bk[1]);
-                            tc_mma<F16>(acc[mt][2 * p + 1], a[mt], bk[2], bk[3]);
-                        }
-                    }
-                }
-            }
+            if (!MASKED || c0 + 16 * kk < kv_lim)
+                tc_mma_rows_tr<MAXK, MT, NT, F16>(acc, s, kk, ks_tr, c0 + 16 * kk, ld, nk);
         }
     }
 }

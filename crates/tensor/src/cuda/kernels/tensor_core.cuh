@@ -120,6 +120,32 @@ __device__ __forceinline__ int tc_keys_seen(int i_end, int Sk, int causal, int q
     return v < 0 ? 0 : (v > Sk ? Sk : v);
 }
 
+// acc[mt] += A_mt X for each of a warp's MT m-tiles: A_mt the k-step of 16 whose C fragments
+// are c[mt][2 kk], c[mt][2 kk + 1] (the score-shaped product before: P for P V, dS for dS K;
+// rounded to the format by tc_c_to_a), X rows row .. row + 15 of a 16-bit tile (row stride
+// ld; `x_tr`: this lane's "tr" ldmatrix address at row 0, column 0) by D = 16 nk columns;
+// output n-tiles 2p, 2p + 1 of every m-tile from one ldmatrix.x4.trans.
+template <int MAXK, int MT, int NT, bool F16>
+__device__ __forceinline__ void tc_mma_rows_tr(float (&acc)[MT][2 * MAXK][4],
+                                               const float (&c)[MT][NT][4], int kk, u32 x_tr,
+                                               int row, int ld, int nk) {
+    u32 a[MT][4];
+#pragma unroll
+    for (int mt = 0; mt < MT; mt++) tc_c_to_a<F16>(a[mt], c[mt][2 * kk], c[mt][2 * kk + 1]);
+#pragma unroll
+    for (int p = 0; p < MAXK; p++) {
+        if (p < nk) {
+            u32 b[4];
+            tc_ldsm_x4_trans(b, x_tr + (u32)(row * ld + p * 16) * 2u);
+#pragma unroll
+            for (int mt = 0; mt < MT; mt++) {
+                tc_mma<F16>(acc[mt][2 * p], a[mt], b[0], b[1]);
+                tc_mma<F16>(acc[mt][2 * p + 1], a[mt], b[2], b[3]);
+            }
+        }
+    }
+}
+
 // A warp's row bounds relative to the key tile that starts at key j0 (the forward's and dQ's
 // masked tiles): for each of its MT m-tiles and halves, the keys the row sees (vis: keys
 // 0 .. vis - 1 of the tile) and, under a document mask, its first (lo), from the rows'
