@@ -11,20 +11,12 @@
 // shared memory), the online softmax in registers (exp2 domain), O += P V (4 wgmma, P from
 // registers in mma.sync's A layout, V from shared memory MN-major). K and V double-buffered
 // by cp.async. Shared tiles: rows of 128 bytes (64 bf16) with the 128-byte swizzle
-// (probe.cu's sw128), 1024-byte aligned: Q, then two stages of K and V: 40 KiB.
-// `vlbo`, `vsbo`: V's descriptor byte offsets, as probe.py finds them.
-typedef unsigned short u16;
-typedef unsigned int u32;
-typedef unsigned long long u64;
+// (wgmma.cuh, put in front by probe.py), 1024-byte aligned: Q, then two stages of K and V:
+// 40 KiB. `vlbo`, `vsbo`: V's descriptor byte offsets, as probe.py finds them.
 
 #define NEG_INF (__int_as_float(0xff800000))
 #define LOG2E 1.4426950408889634f
 #define LN2 0.6931471805599453f
-
-__device__ __forceinline__ u64 desc(u32 addr, u32 lbo, u32 sbo) {
-    return (u64)((addr & 0x3FFFF) >> 4) | ((u64)((lbo & 0x3FFFF) >> 4) << 16) |
-           ((u64)((sbo & 0x3FFFF) >> 4) << 32) | (1ull << 62);
-}
 
 __device__ __forceinline__ u32 pack_bf16(float lo, float hi) {
     u32 r;
@@ -56,38 +48,6 @@ __device__ __forceinline__ void load_tile(u32 tile, const u16* x, long long stri
         const u16* src = x + (in ? (long long)(r0 + r) * stride : 0) + 8 * c;
         cp16(tile + (u32)r * 128 + ((u32)(c ^ (r & 7)) << 4), src, in ? 16 : 0);
     }
-}
-
-#define WG_D32(d)                                                                              \
-    "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]),       \
-        "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]),            \
-        "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]),         \
-        "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]),         \
-        "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
-#define WG_REGS32                                                                              \
-    "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, "  \
-    "%19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}"
-
-__device__ __forceinline__ void wg_ss(float* d, u64 da, u64 db) {
-    asm volatile("wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 " WG_REGS32
-                 ", %32, %33, 1, 1, 1, 0, 0;\n"
-                 : WG_D32(d)
-                 : "l"(da), "l"(db));
-}
-
-__device__ __forceinline__ void wg_rs_t(float* d, const u32* a, u64 db) {
-    asm volatile("wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 " WG_REGS32
-                 ", {%32, %33, %34, %35}, %36, 1, 1, 1, 1;\n"
-                 : WG_D32(d)
-                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db));
-}
-
-__device__ __forceinline__ void wg_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
-__device__ __forceinline__ void wg_commit() {
-    asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
-}
-__device__ __forceinline__ void wg_wait0() {
-    asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
 }
 
 extern "C" __global__ void __launch_bounds__(128) attn_fwd_wgmma(
@@ -191,7 +151,7 @@ extern "C" __global__ void __launch_bounds__(128) attn_fwd_wgmma(
             a[1] = pack_bf16(s[8 * kk + 2], s[8 * kk + 3]);
             a[2] = pack_bf16(s[8 * kk + 4], s[8 * kk + 5]);
             a[3] = pack_bf16(s[8 * kk + 6], s[8 * kk + 7]);
-            wg_rs_t(o, a, desc(vt0 + cur + 2048 * kk, (u32)vlbo, (u32)vsbo));
+            wg_rs<1>(o, a, desc(vt0 + cur + 2048 * kk, (u32)vlbo, (u32)vsbo));
         }
         wg_commit();
         wg_wait0();

@@ -36,8 +36,10 @@ def load_nvrtc():
 
 
 def compile_cubin(nvrtc, name="probe.cu"):
-    """`name` (beside this script) compiled for sm_90a: the cubin."""
-    src = open(os.path.join(HERE, name), "rb").read()
+    """`name` (beside this script), after wgmma.cuh, compiled for sm_90a: the cubin."""
+    # The shared pieces (wgmma.cuh) in front, `#line` marks keeping the messages on each file.
+    src = b"".join(b'#line 1 "%s"\n' % f.encode() + open(os.path.join(HERE, f), "rb").read()
+                   for f in ("wgmma.cuh", name))
     prog = ctypes.c_void_p()
     assert nvrtc.nvrtcCreateProgram(ctypes.byref(prog), src, name.encode(), 0, None, None) == 0
     opts = [b"--gpu-architecture=sm_90a", b"--std=c++17"]
