@@ -172,8 +172,9 @@ check_bench() {
     timeout 120 "$dir/xtrain" bench train --preset medium --device cuda --steps 10 "${m124[@]}" \
         --set 'train.precision="fp16"' >>"$report" 2>&1 || echo "xtrain bench 124M fp16 failed" >>"$report"
     # Attention forward + backward against the MLP product per FLOP, at the 124M's shapes
-    # (the floor: within 2×); and over packed documents of 256 tokens (the _docs
-    # kernels: their time against their share of the causal pairs, 0.25).
+    # (the floor: within 2×), the backward's split and fused kernels alternating;
+    # and over packed documents of 256 tokens (the _docs kernels: their time against their
+    # share of the causal pairs, 0.25).
     timeout 60 "$dir/xtrain" bench kernels --preset medium --device cuda "${m124[@]}" "${bf16[@]}" \
         --doc-len 256 >>"$report" 2>&1 || echo "xtrain bench kernels failed" >>"$report"
     echo '```' >>"$report"
@@ -408,8 +409,8 @@ check_ncu() {
     : >"$out/ncu-attention.txt"
     # The tune section's variant (two m-tiles a warp) too, where it was extracted: its forward
     # and dQ kernels ("m2:" entries).
-    local entries=(attn_fwd_tc_k4 attn_bwd_dq_tc_k4 attn_bwd_dkv_tc_k4 attn_fwd_tc_docs_k4
-        attn_bwd_dkv_tc_docs_k4)
+    local entries=(attn_fwd_tc_k4 attn_bwd_dq_tc_k4 attn_bwd_dkv_tc_k4 attn_bwd_fused_tc_k4
+        attn_fwd_tc_docs_k4 attn_bwd_dkv_tc_docs_k4)
     [ -x "$out/variant/xtrain-m2" ] && entries+=(m2:attn_fwd_tc_k4 m2:attn_bwd_dq_tc_k4)
     local entry bin
     for entry in "${entries[@]}"; do

@@ -11,7 +11,12 @@ exits 1 on a mismatch.
 
 A transliteration of the two kernels (keep it in step when the kernels change), dQ at D <= 64
 also with two m-tiles a warp (XT_ATTN_K4_MTILES = 2), whose dq must be the bits of one m-tile's
-(the same sums in the same order), the operand
+(the same sums in the same order), and at D <= 64 without a document mask the fused kernel
+(attn_bwd_fused_tc_k4: dK/dV's code plus dQ's share of each query step through a shared dS^T
+tile, added into dq in the order its counters allow; its CTAs run in block order and each
+checks that its turn has come where it adds, so that the kernel's waits only ever wait on a
+block of lower index; its dk and dv must be the split kernel's bits, its dq match the
+reference), the operand
 format an emu_common.Format (BF16 or FP16) passed down to where the kernels' F16 acts, tb_pack
 and tb_mma: each warp is 32 lanes as numpy vectors, the 128 threads of a CTA one vector where
 all of them act (the copies), shared memory one byte buffer laid out as the kernels lay it out
@@ -275,29 +280,39 @@ def dq_tile(sm, W, ks_nt, vs_nt, ks_tr, regs, ld, nk, MAXK, MT, sl2, masked, kv_
 
 
 def dkv_kernel(q, k, v, dout, lse, delta, dk, dv, B, Sq, Sk, H, Hkv, D, causal, q_start,
-               k_start, scale, MAXK, KV_REGS, late, fmt, q_end=None):
+               k_start, scale, MAXK, KV_REGS, late, fmt, q_end=None, dq=None):
     """attn_bwd_dkv_tc_k<MAXK> (fmt BF16) or attn_bwd_dkv_tc_f16_k<MAXK> (fmt FP16), or with a
     document mask's query ends `q_end` ([B * Sk]) their _docs twins, over its grid; q, k, v,
-    dout the bits (u16) of `fmt`."""
+    dout the bits (u16) of `fmt`. With `dq`: the fused kernel attn_bwd_fused_tc(_f16)_k4
+    (FUSED), which adds dQ too, its CTAs run one after another in the order of their block
+    index, which its waits must allow: each CTA's turn in a query step's count must have come
+    when it gets there (the kernel's wait would otherwise wait on a later block)."""
     DOCS = q_end is not None
+    FUSED = dq is not None
+    assert not FUSED or (MAXK == 4 and not DOCS)
     ld = D + 8
-    nbytes = 512 * (D + 8) + 512
+    nbytes = 512 * (D + 8) + 512 + (64 * 40 * 2 if FUSED else 0)
     ls0 = 0  # lse / delta stages: stage s at 256 s (lse 32 fp32, then delta 32)
     kt = 512
     vt = kt + 64 * ld * 2
     qstage = 2 * 32 * ld * 2
     qt0 = vt + 64 * ld * 2
     gt0 = qt0 + 32 * ld * 2
-    assert qt0 + 2 * qstage == nbytes and qt0 % 16 == 0
+    assert qt0 + 2 * qstage + (64 * 40 * 2 if FUSED else 0) == nbytes and qt0 % 16 == 0
     nk, nd = D >> 4, D >> 3
     sl2 = np.float32(np.float32(scale) * LOG2E)
     group = H // Hkv
+    nblocks = (Sk + 63) // 64
+    nqs = (Sq + 31) // 32
+    turns = np.zeros(B * H * nqs, np.int64)  # the fused kernel's counters, zeroed
+    dst0 = qt0 + 2 * qstage  # FUSED: the dS^T tile (64 keys, row stride 40)
     for by in range(B * Hkv):
-        for bx in range((Sk + 63) // 64):
+        for bx in range(nblocks):
             sm = Smem(nbytes, 0xAB)  # garbage: 0xABAB is -1.2e-12 in bf16, -0.0599 in fp16
             cp = CpAsync(sm, late)
             b, hk = by // Hkv, by % Hkv
-            j0 = bx * 64
+            jb = nblocks - 1 - bx if FUSED else bx
+            j0 = jb * 64
             qstride, kstride = H * D, Hkv * D
             kbase = b * Sk * kstride + hk * D
             i0 = k_start + j0 - q_start if causal else 0
@@ -345,7 +360,7 @@ def dkv_kernel(q, k, v, dout, lse, delta, dk, dv, B, Sq, Sk, H, Hkv, D, causal, 
                     W["qe_wmin"] = int(q_end[krow + W["jw"]])
                     W["qe_wmax"] = int(q_end[krow + min(W["jw"] + 15, Sk - 1)])
                 warps.append(W)
-            c0, ngi, nc0 = i0, 0, i0
+            c0, gi, ngi, nc0 = i0, 0, 0, i0
             for it in range(total):
                 odd = it & 1
                 qo, lo_ = (qstage, 256) if odd else (0, 0)
@@ -365,6 +380,7 @@ def dkv_kernel(q, k, v, dout, lse, delta, dk, dv, B, Sq, Sk, H, Hkv, D, causal, 
                          lse_s=ls0 + lo_, del_s=ls0 + lo_ + 128)
                 hi = Sq - c0
                 for W in warps:
+                    W["ds"] = None
                     jw = W["jw"]
                     first = W["jdiag"] - c0 if causal else 0
                     first_last = first + 15 if causal else 0
@@ -372,8 +388,8 @@ def dkv_kernel(q, k, v, dout, lse, delta, dk, dv, B, Sq, Sk, H, Hkv, D, causal, 
                     if jw < Sk and first < min(whi, 32):
                         if (jw + 16 <= Sk and hi >= 32 and first_last <= 0
                                 and (not DOCS or W["qe_wmin"] - c0 >= 32)):
-                            dkv_step(sm, W, A, ld, nk, MAXK, KV_REGS, sl2, False, 0, 2, [0, 0], 32,
-                                     fmt)
+                            W["ds"] = dkv_step(sm, W, A, ld, nk, MAXK, KV_REGS, sl2, False, 0, 2,
+                                               [0, 0], 32, fmt)
                         else:
                             lo, hr = [], None
                             for hf in range(2):
@@ -384,11 +400,16 @@ def dkv_kernel(q, k, v, dout, lse, delta, dk, dv, B, Sq, Sk, H, Hkv, D, causal, 
                                                 for x in jw + G + 8 * hf]) for hf in range(2)]
                             plo = first >> 4 if first > 0 else 0
                             phi = (min(whi, 32) + 15) >> 4
-                            dkv_step(sm, W, A, ld, nk, MAXK, KV_REGS, sl2, True, plo, phi, lo, hi,
-                                     fmt, hr)
+                            W["ds"] = dkv_step(sm, W, A, ld, nk, MAXK, KV_REGS, sl2, True, plo, phi,
+                                               lo, hi, fmt, hr)
+                if FUSED:
+                    fused_dq_step(sm, warps, turns, dq, fmt, b, H, D, Sq, ld, nk, nqs, dst0, kt,
+                                  hk * group + gi, c0, jb, nblocks, causal, q_start, k_start,
+                                  scale)
                 c0 += 32
                 if c0 >= iend:
                     c0 = i0
+                    gi += 1
             assert cp.idle(), "cp.async left in flight at the end of the CTA"
             for W in warps:
                 for hf in range(2):
@@ -446,6 +467,7 @@ def dkv_step(sm, W, A, ld, nk, MAXK, KV_REGS, sl2, masked, plo, phi, lo, hi, fmt
                 ds = np.where(bad, np.float32(0), ds)
             s[n][x] = p_.astype(np.float32)
             dp[n][x] = ds.astype(np.float32)
+    ds_t = [[x.copy() for x in n] for n in dp]  # dS^T, for the fused kernel's dQ
     pack = fmt.pack
     for kk in range(2):
         if not masked or (plo <= kk < phi):
@@ -463,6 +485,57 @@ def dkv_step(sm, W, A, ld, nk, MAXK, KV_REGS, sl2, masked, plo, phi, lo, hi, fmt
                              region=A["qreg"])
                 mma(W["dka"][2 * p], a, bq[0], bq[1], fmt)
                 mma(W["dka"][2 * p + 1], a, bq[2], bq[3], fmt)
+    return ds_t
+
+
+def fused_dq_step(sm, warps, turns, dq, fmt, b, H, D, Sq, ld, nk, nqs, dst0, kt, h, c0, jb,
+                  nblocks, causal, q_start, k_start, scale):
+    """The fused kernel's dQ share of query step c0 of head h (its FUSED block): each warp's
+    dS^T into the shared tile (tb_store_ds, or tb_zero_ds for a warp that skipped the step),
+    the barrier, the product (tb_fused_dq), the turn (tb_fused_turn, checked against the
+    count: the CTAs run in block order), the barrier, the adds; the count."""
+    for w, W in enumerate(warps):
+        for hf in range(2):
+            for n in range(4):
+                addr = dst0 + ((16 * w + G + 8 * hf) * 40 + 8 * n + 2 * T) * 2
+                if W["ds"] is None:
+                    word = np.zeros(32, np.uint32)
+                else:
+                    word = fmt.pack(W["ds"][n][2 * hf], W["ds"][n][2 * hf + 1])
+                sm.write(addr, word)
+    sm.barrier()
+    qa = []
+    for w in range(4):
+        acc = [[np.zeros(32, np.float32) for _ in range(4)] for _ in range(8)]  # [n-tile][x]
+        ds_nt = lane_addr(dst0 + 16 * (w & 1) * 2, 40, "nt")
+        ks_tr = lane_addr(kt, ld, "tr")
+        for kk in range(4):
+            a = ldsm_x4(sm, ds_nt + kk * 16 * 40 * 2, trans=True, region=(dst0, dst0 + 64 * 80))
+            for p in range(w >> 1, nk, 2):
+                bb = ldsm_x4(sm, ks_tr + (kk * 16 * ld + p * 16) * 2, trans=True,
+                             region=(kt, kt + 64 * ld * 2))
+                mma(acc[2 * p], a, bb[0], bb[1], fmt)
+                mma(acc[2 * p + 1], a, bb[2], bb[3], fmt)
+        qa.append(acc)
+    last = nblocks - 1
+    if causal:
+        last = min(last, (c0 + 32 + q_start - k_start + 63) // 64 - 1)
+    turn = (b * H + h) * nqs + c0 // 32
+    assert turns[turn] == last - jb, \
+        f"key block {jb} at query step {c0}: count {turns[turn]}, its turn {last - jb}"
+    sm.barrier()
+    for w in range(4):
+        for hf in range(2):
+            i = c0 + 16 * (w & 1) + G + 8 * hf
+            for p in range(w >> 1, nk, 2):
+                for n in range(2):
+                    for e in range(2):
+                        col = 16 * p + 8 * n + 2 * T + e
+                        o = ((b * Sq + i) * H + h) * D + col
+                        ok = i < Sq
+                        dq[o[ok]] = fmaf(np.float32(scale), qa[w][2 * p + n][2 * hf + e][ok],
+                                         dq[o[ok]])
+    turns[turn] += 1
 
 
 def reference(q, k, v, dout, B, Sq, Sk, H, Hkv, D, causal, q_start, k_start, scale, fmt,
@@ -557,11 +630,29 @@ def case(B, Sq, Sk, H, Hkv, D, causal, q_start, k_start, fmt, seed=0, kv_regs=No
             dq2 = base_q.copy()
             dq_kernel(q16, k16, v16, g16, lse, delta, dq2, *args, MAXK, late, fmt, key_lo, MT=2)
             same_m2 &= np.array_equal(dq2.view(np.uint32), runs[0][0].view(np.uint32))
+    # The fused kernel (D <= 64, no document mask): dK and dV the split kernel's bits (the same
+    # code), dq to the reference, copies landing early and late alike.
+    fused = MAXK == 4 and opens is None
+    same_fused = True
+    if fused:
+        fruns = []
+        for late in (False, True):
+            dq3, dk3, dv3 = base_q.copy(), base_k.copy(), base_v.copy()
+            dkv_kernel(q16, k16, v16, g16, lse, delta, dk3, dv3, *args, MAXK, kv_regs, late, fmt,
+                       dq=dq3)
+            fruns.append((dq3, dk3, dv3))
+        same_fused = (all(np.array_equal(x.view(np.uint32), y.view(np.uint32))
+                          for x, y in zip(fruns[0], fruns[1]))
+                      and all(np.array_equal(x.view(np.uint32), y.view(np.uint32))
+                              for x, y in zip(fruns[0][1:], runs[0][1:])))
     dq, dk, dv = runs[1]
     errs = []
     maxerr = 0.0
     ok_all = True
-    for name, x, base, r in (("dq", dq, base_q, rq), ("dk", dk, base_k, rk), ("dv", dv, base_v, rv)):
+    checks = [("dq", dq, base_q, rq), ("dk", dk, base_k, rk), ("dv", dv, base_v, rv)]
+    if fused:
+        checks.append(("fused dq", fruns[1][0], base_q, rq))
+    for name, x, base, r in checks:
         got = x.astype(np.float64) - base
         top = max(np.abs(r).max(), 1e-30)
         err = np.abs(got - r).max() / top if np.all(np.isfinite(x)) else np.inf
@@ -575,12 +666,16 @@ def case(B, Sq, Sk, H, Hkv, D, causal, q_start, k_start, fmt, seed=0, kv_regs=No
     if not same:
         ok_all = False
         errs.append("copies landing early and late give different results")
+    if not same_fused:
+        ok_all = False
+        errs.append("the fused kernel's dk, dv differ from the split's, or early and late copies")
     if not same_m2:
         ok_all = False
         errs.append("dQ with two m-tiles a warp differs from one's")
     line = (f"{fmt} B{B} Sq{Sq} Sk{Sk} H{H}/{Hkv} D{D} {'c' if causal else 'nc'} "
             f"{q_start},{k_start} kv_regs={int(kv_regs)}"
-            f"{' (dQ m2 bitwise)' if MAXK == 4 else ''}: " + ", ".join(errs)
+            f"{' (dQ m2 bitwise)' if MAXK == 4 else ''}{' (fused)' if fused else ''}: "
+            + ", ".join(errs)
             + f" [{time.time() - t0:.1f} s]" + (f" documents {opens}" if opens else ""))
     print(line, flush=True)
     return bool(ok_all), maxerr

@@ -165,6 +165,22 @@ class Smem:
         self.last_read[w] = self.phase
 
 
+    def write(self, addr, words):
+        """Every thread of a warp stores one 32-bit word each: `addr` [32] byte addresses,
+        `words` [32] uint32. A word may not be written while a copy to it flies, nor in a
+        phase in which it is read (no barrier between), and is read only after a barrier that
+        follows the store (the other warps' reads)."""
+        addr = np.asarray(addr).reshape(-1)
+        assert np.all(addr % 4 == 0) and np.all(addr >= 0) and np.all(addr + 4 <= self.n), addr
+        w = addr // 4
+        assert len(np.unique(w)) == w.size, "two lanes store to one shared word"
+        assert not self.inflight[w].any(), "a store to shared bytes a cp.async flies to"
+        assert not np.any(self.last_read[w] == self.phase), \
+            "a store to shared bytes read in the same phase (no barrier between)"
+        self.buf.view(np.uint32)[w] = np.asarray(words, np.uint32)
+        self.ready[w] = self.phase
+
+
 class CpAsync:
     """cp.async of a CTA whose threads all issue, commit and wait together (as these kernels
     do: the group counts are CTA-uniform), so one list of commit groups serves every thread.

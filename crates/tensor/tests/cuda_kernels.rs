@@ -7,6 +7,7 @@ use std::sync::Arc;
 use tensor::attention::{attention_backward_docs, attention_forward_docs, AttnShape, AttnTiles};
 use tensor::buf::Buf;
 use tensor::cuda::doc_mask::DocMask;
+use tensor::cuda::ops::AttnBackwardKernels;
 use tensor::cuda::{ops, DevBuf, Gpu};
 use tensor::operands::Operands;
 
@@ -783,6 +784,13 @@ fn round_f16(x: &[f32]) -> Vec<f32> {
 /// is absolute, 2⁻²⁵ at most, a relative 4e-6 of the largest v over these ≤ 130 keys), plus
 /// the fp32 tolerance of the other tests, 1e-5 of the largest element (the fp32 sums of the
 /// initial dq, dk, dv and a difference dP − delta that cancels).
+///
+/// The backward runs with both of its kernel choices (`AttnBackwardKernels`): the split kernels
+/// and the fused one (head sizes up to 64 without a document mask; otherwise the same split
+/// kernels). The fused kernel's dk and dv are the split kernel's bits; its dq adds each key
+/// block's share into dq in turn, one more fp32 rounding per block of 64 keys (at most 16
+/// here, well inside the 1e-5), and is the same bits run to run (checked on the longest shape,
+/// 16 key blocks over 4 query heads a KV head, where the blocks' adds wait on each other).
 #[test]
 fn tensor_core_attention_matches_cpu() {
     let Some(g) = gpu("tensor_core_attention_matches_cpu") else {
@@ -817,6 +825,8 @@ fn tensor_core_attention_matches_cpu() {
         AttnShape::causal(1, 70, 2, 1, 32),
         // Three blocks of 128 query rows, the last ragged (two m-tiles a warp at head 64).
         AttnShape::causal(1, 300, 2, 1, 64),
+        // 16 key blocks: the fused kernel's ordered adds, many CTAs at once.
+        AttnShape::causal(2, 1024, 8, 2, 64),
     ]
     .into_iter()
     .map(|s| (s, None))
@@ -858,29 +868,45 @@ fn tensor_core_attention_matches_cpu() {
         );
         assert_rounded_close(&format!("{what} out"), &host(&go), &out, &mo, half_ulp);
         assert_lse_close(&what, &host(&gl), &lse);
-        let ([mut dq, mut dk, mut dv], [mut gdq, mut gdk, mut gdv]) = initial_grads(&g, &s, 44);
+        let ([mut dq, mut dk, mut dv], _) = initial_grads(&g, &s, 44);
         attention_backward_docs(
             &s, docs, &qr, &kr, &vr, &out, &lse, &dout, &mut dq, &mut dk, &mut dv, tiles,
         )
         .unwrap();
-        ops::attention_backward_tc(
-            &s,
-            mask,
-            format,
-            &gq,
-            &gk,
-            &gv,
-            &g.upload(&out).unwrap(),
-            &g.upload(&lse).unwrap(),
-            &g.upload(&dout).unwrap(),
-            &mut gdq,
-            &mut gdk,
-            &mut gdv,
-        )
-        .unwrap();
-        assert_rounded_close(&format!("{what} dq"), &host(&gdq), &dq, &mq, half_ulp);
-        assert_rounded_close(&format!("{what} dk"), &host(&gdk), &dk, &mk, half_ulp);
-        assert_rounded_close(&format!("{what} dv"), &host(&gdv), &dv, &mv, half_ulp);
+        let (go, gl, gdo) = (
+            g.upload(&out).unwrap(),
+            g.upload(&lse).unwrap(),
+            g.upload(&dout).unwrap(),
+        );
+        let backward = |kernels| {
+            let (_, [mut gdq, mut gdk, mut gdv]) = initial_grads(&g, &s, 44);
+            ops::attention_backward_tc_using(
+                kernels, &s, mask, format, &gq, &gk, &gv, &go, &gl, &gdo, &mut gdq, &mut gdk,
+                &mut gdv,
+            )
+            .unwrap();
+            [host(&gdq), host(&gdk), host(&gdv)]
+        };
+        let split = backward(AttnBackwardKernels::Split);
+        let fused = backward(AttnBackwardKernels::Fused);
+        for (kernels, [gdq, gdk, gdv]) in [("split", &split), ("fused", &fused)] {
+            let what = format!("{what} {kernels}");
+            assert_rounded_close(&format!("{what} dq"), gdq, &dq, &mq, half_ulp);
+            assert_rounded_close(&format!("{what} dk"), gdk, &dk, &mk, half_ulp);
+            assert_rounded_close(&format!("{what} dv"), gdv, &dv, &mv, half_ulp);
+        }
+        let bits = |x: &[f32]| x.iter().map(|v| v.to_bits()).collect::<Vec<_>>();
+        assert!(
+            bits(&fused[1]) == bits(&split[1]) && bits(&fused[2]) == bits(&split[2]),
+            "{what}: the fused kernel's dk, dv are not the split kernel's"
+        );
+        if s.q_len == 1024 {
+            let again = backward(AttnBackwardKernels::Fused);
+            assert!(
+                bits(&again[0]) == bits(&fused[0]),
+                "{what}: the fused kernel's dq differs run to run"
+            );
+        }
     }
     // Head sizes the kernels do not take are a shape error (the caller falls back to fp32).
     for d in [8, 40, 256] {

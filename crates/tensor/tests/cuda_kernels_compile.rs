@@ -103,10 +103,11 @@ fn every_kernel_compiles_for_sm80_and_sm90_without_warnings() {
 fn launched_kernels_are_compiled(cubins: &[(String, Vec<u8>)]) {
     // Not kernels: the tensor-core attention's kernel families (`tc_kernel` picks the entry)
     // and argument names in error messages.
-    const OTHER: [&str; 11] = [
+    const OTHER: [&str; 12] = [
         "attn_fwd_tc",
         "attn_bwd_dq_tc",
         "attn_bwd_dkv_tc",
+        "attn_bwd_fused_tc",
         "head_dim",
         "k_start",
         "kv_len",

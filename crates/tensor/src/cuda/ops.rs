@@ -1371,6 +1371,8 @@ fn tc_kernel(
         ("attn_bwd_dkv_tc", false, Bf16, false) => "attn_bwd_dkv_tc_k8",
         ("attn_bwd_dkv_tc", false, F16, true) => "attn_bwd_dkv_tc_f16_k4",
         ("attn_bwd_dkv_tc", false, F16, false) => "attn_bwd_dkv_tc_f16_k8",
+        ("attn_bwd_fused_tc", false, Bf16, true) => "attn_bwd_fused_tc_k4",
+        ("attn_bwd_fused_tc", false, F16, true) => "attn_bwd_fused_tc_f16_k4",
         ("attn_bwd_dkv_tc", true, Bf16, true) => "attn_bwd_dkv_tc_docs_k4",
         ("attn_bwd_dkv_tc", true, Bf16, false) => "attn_bwd_dkv_tc_docs_k8",
         ("attn_bwd_dkv_tc", true, F16, true) => "attn_bwd_dkv_tc_docs_f16_k4",
@@ -1424,6 +1426,10 @@ fn attn_tc_kv_shared(s: &AttnShape) -> u32 {
 fn attn_tc_dkv_shared(s: &AttnShape) -> u32 {
     ((2 * ATT_TC_TILE + 4 * ATT_TC_QSTEP) * (s.head_dim + 8) * 2 + 4 * ATT_TC_QSTEP * 4) as u32
 }
+
+/// The fused backward's `dSᵀ` tile beside `attn_bwd_dkv_tc`'s shared memory: 64 keys by a
+/// query step of 32 bf16 plus 8 of padding (`TB_DS_LD`).
+const ATT_TC_FUSED_DS_BYTES: u32 = (ATT_TC_TILE * (ATT_TC_QSTEP + 8) * 2) as u32;
 
 /// A buffer of the tensor-core attention kernels starts `align`-byte aligned: Q, K, V (bf16
 /// bits) 16, each row being copied 16 bytes at a time by cp.async (a whole allocation, as
@@ -1507,6 +1513,24 @@ pub fn attention_forward_tc<'a>(
     )
 }
 
+/// The kernels of the tensor-core attention backward at head sizes up to 64 without a document
+/// mask (the others always take [`AttnBackwardKernels::Split`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum AttnBackwardKernels {
+    /// `attn_bwd_dq_tc` per query block beside `attn_bwd_dkv_tc` per key block: each computes
+    /// `S` and `dP` itself, so seven products where FlashAttention-2's backward has five.
+    Split,
+    /// One kernel per key block (`attn_bwd_fused_tc`): dK and dV as the split kernel, and each
+    /// key block's share of dQ (`dS K`) added into dQ in a fixed order (the last key block
+    /// first, a count per query step of 32 rows ordering the adds: deterministic, no atomic
+    /// sums), five products.
+    Fused,
+}
+
+/// The library's choice of [`AttnBackwardKernels`]: the split kernels, measured;
+/// `xtrain bench kernels --device cuda` times the fused kernel beside them.
+pub const ATTN_BACKWARD_KERNELS: AttnBackwardKernels = AttnBackwardKernels::Split;
+
 /// Backward on the tensor cores (sm_80+): accumulates (`+=`) into `dq`, `dk`, `dv` like
 /// [`attention_backward`] (pass the final merged `out` and `lse` for a partial key block), and
 /// like it deterministic (no atomics; every output element has one writer summing in a fixed
@@ -1526,9 +1550,51 @@ pub fn attention_forward_tc<'a>(
 /// head_dim 64, 69 632 for 128), and `attn_bwd_dkv_tc`, 4 warps per (64 keys, batch × KV
 /// head), `512 · (head_dim + 8) + 512` bytes (37 376 and 70 144). `head_dim` must be a
 /// multiple of 16 in 16..=128: otherwise [`CudaError::Shape`], and the caller uses
-/// [`attention_backward`]. `docs`: the forward's document mask.
+/// [`attention_backward`]. `docs`: the forward's document mask. The kernels are
+/// [`ATTN_BACKWARD_KERNELS`]; [`attention_backward_tc_using`] takes the choice.
 #[allow(clippy::too_many_arguments)]
 pub fn attention_backward_tc<'a>(
+    s: &AttnShape,
+    docs: Option<&DocMask>,
+    format: crate::operands::Operands,
+    q: impl Into<DevSlice<'a, u16>>,
+    k: impl Into<DevSlice<'a, u16>>,
+    v: impl Into<DevSlice<'a, u16>>,
+    out: impl Into<DevSlice<'a, f32>>,
+    lse: impl Into<DevSlice<'a, f32>>,
+    dout: impl Into<DevSlice<'a, f32>>,
+    dq: impl Into<DevSliceMut<'a, f32>>,
+    dk: impl Into<DevSliceMut<'a, f32>>,
+    dv: impl Into<DevSliceMut<'a, f32>>,
+) -> Result<(), CudaError> {
+    attention_backward_tc_using(
+        ATTN_BACKWARD_KERNELS,
+        s,
+        docs,
+        format,
+        q,
+        k,
+        v,
+        out,
+        lse,
+        dout,
+        dq,
+        dk,
+        dv,
+    )
+}
+
+/// [`attention_backward_tc`] with the `kernels` given. [`AttnBackwardKernels::Fused`] (at
+/// head sizes up to 64, without a document mask) is one launch after the delta and the
+/// rounding of `dout`: `attn_bwd_fused_tc`, 4 warps per (64 keys, batch × KV head),
+/// `attn_bwd_dkv_tc`'s shared memory and a 64 × 40 bf16 tile of `dSᵀ` (42 496 bytes at
+/// head_dim 64), with `batch · n_heads · ⌈q_len / 32⌉` counters zeroed before it. Its dQ sums
+/// in another order than the split kernel's (each key block's share rounded into `dq` in
+/// turn), so the two agree to fp32's rounding of those sums, not bit for bit; dK and dV are the
+/// split kernel's bits.
+#[allow(clippy::too_many_arguments)]
+pub fn attention_backward_tc_using<'a>(
+    kernels: AttnBackwardKernels,
     s: &AttnShape,
     docs: Option<&DocMask>,
     format: crate::operands::Operands,
@@ -1553,6 +1619,7 @@ pub fn attention_backward_tc<'a>(
     let dv: DevSliceMut<'_, f32> = dv.into();
 
     check_attn_tc(s)?;
+    let fused = kernels == AttnBackwardKernels::Fused && s.head_dim <= 64 && docs.is_none();
     let dq_kernel = tc_kernel(s, "attn_bwd_dq_tc", format, docs.is_some())?;
     let dkv_kernel = tc_kernel(s, "attn_bwd_dkv_tc", format, docs.is_some())?;
     check_attn_backward(
@@ -1573,6 +1640,41 @@ pub fn attention_backward_tc<'a>(
     let gpu = q.gpu().clone();
     let delta = attn_delta(s, out, dout)?;
     let dout = rounded_copy(dout, format)?;
+    let dkv_grid = (
+        s.kv_len.div_ceil(ATT_TC_TILE) as u32,
+        (s.batch * s.n_kv_heads) as u32,
+        1,
+    );
+    if fused {
+        // The counters of the adds into each (batch, head, query step of 32), zeroed; the
+        // kernel indexes them with an int.
+        let steps = s.batch * s.n_heads * s.q_len.div_ceil(ATT_TC_QSTEP);
+        to_i32(steps, "batch × n_heads × query steps")?;
+        let turns = gpu.zeros::<u32>(steps)?;
+        let mut args = vec![
+            q.into(),
+            k.into(),
+            v.into(),
+            (&dout).into(),
+            lse.into(),
+            (&delta).into(),
+            (&dq).into(),
+            (&dk).into(),
+            (&dv).into(),
+            (&turns).into(),
+        ];
+        args.extend(attn_args(s, docs)?);
+        return gpu.launch(
+            "attention_tc_bwd",
+            tc_kernel(s, "attn_bwd_fused_tc", format, false)?,
+            LaunchCfg {
+                grid: dkv_grid,
+                block: (32 * ATT_WARPS as u32, 1, 1),
+                shared_bytes: attn_tc_dkv_shared(s) + ATT_TC_FUSED_DS_BYTES,
+            },
+            &args,
+        );
+    }
     let mut args = vec![
         q.into(),
         k.into(),
@@ -1612,11 +1714,7 @@ pub fn attention_backward_tc<'a>(
         "attention_tc_bwd",
         dkv_kernel,
         LaunchCfg {
-            grid: (
-                s.kv_len.div_ceil(ATT_TC_TILE) as u32,
-                (s.batch * s.n_kv_heads) as u32,
-                1,
-            ),
+            grid: dkv_grid,
             block: (32 * ATT_WARPS as u32, 1, 1),
             shared_bytes: attn_tc_dkv_shared(s),
         },

@@ -1,6 +1,7 @@
 // Tensor-core FlashAttention-2 backward for bf16 training (module "attention_tc_bwd"): kernels
 // attn_bwd_dq_tc_k4 / _k8 (dQ) and attn_bwd_dkv_tc_k4 / _k8 (dK and dV), _k4 for D <= 64, _k8
-// for D <= 128; the counterpart of the forward kernel (attention_tc.cu, module "attention_tc"),
+// for D <= 128, and attn_bwd_fused_tc_k4 (dK, dV and dQ in one kernel, D <= 64; design h.);
+// the counterpart of the forward kernel (attention_tc.cu, module "attention_tc"),
 // whose design it shares. Like every kernel module it is compiled with the prelude
 // (kernels/prelude.cuh) put in front.
 //
@@ -37,6 +38,9 @@
 //          dynamic shared memory 512 (D + 8) bytes (36864 for D = 64, 69632 for D = 128).
 //   dK/dV: grid (ceil(Sk / 64), B * Hkv), dynamic shared memory 512 (D + 8) + 512 bytes
 //          (37376 for D = 64, 70144 for D = 128).
+//   fused (instead of both, D <= 64, no document mask): dK/dV's grid, its shared memory and a
+//          dS^T tile of 64 x 40 bf16 (42496 bytes at D = 64), and B * H * ceil(Sq / 32)
+//          counters (u32) zeroed before it.
 // Both need more than the default 48 KiB from D = 96 on, which the launch opts into
 // (cuFuncSetAttribute MAX_DYNAMIC_SHARED_SIZE_BYTES). q, k, v and dout 16-byte aligned, as the
 // launcher checks (cp.async copies 16 bytes of a row; D a multiple of 16 keeps every row
@@ -82,13 +86,35 @@
 //     Sq has lse = delta = 0 and zero Q and dO there: finite, and never stored or summed).
 //  e. dQ takes its query blocks in reverse order (blockIdx.x = 0 takes the last rows, which see
 //     the most keys under a causal mask), as the forward; dK/dV takes its key blocks in order,
-//     which already starts with the longest (key 0 is seen by every query).
+//     which already starts with the longest (key 0 is seen by every query); the fused kernel
+//     in reverse (h.).
 //  f. dq, dk, dv are read and written as float2 (a thread's two adjacent columns of an
 //     accumulator fragment): half the memory instructions of one float at a time.
 //  g. dQ's rows a warp: MT m-tiles of 16 (the _k4 kernels XT_ATTN_K4_MTILES, 1 or 2; the _k8
 //     ones 1), as the forward's (attention_tc.cu, h.): with two, every ldmatrix of K or V
 //     feeds both m-tiles' products, half the shared-memory reads per mma; the key steps are
 //     then 16 keys, so that S and dP stay 32 registers a thread.
+//  h. The fused kernel (attn_bwd_fused_tc_k4; FlashAttention-2's backward, Dao 2023,
+//     Algorithm 2, with its atomic adds of dQ replaced by ordered ones): the split kernels
+//     compute S and dP twice, once per kernel, seven products where FlashAttention-2 has five.
+//     The fused kernel is dK/dV's (the same code, the same bits of dk and dv) plus, every query
+//     step, the CTA's share of dQ: each warp writes its dS^T (16 keys x 32 queries, rounded as
+//     for dK) into a shared tile; after a barrier each warp computes dS K over the CTA's 64 keys
+//     for 16 queries and two pairs of 16 columns (ldmatrix.trans of the dS^T tile gives dS's A
+//     fragments directly), and adds it into dq in global memory, fp32, L2 only. The order of the
+//     adds into a query step is fixed, so the result is the same bits run to run (no atomic
+//     sums): the key blocks that visit the step add from the last down (tb_fused_turn), each
+//     waiting (one thread, ld.acquire) until a counter of the step's adds reaches its turn, and
+//     counting its own (red.release) after the barrier that follows them. The CTAs take the
+//     key blocks from the last down (blockIdx.x = 0 the last), so a CTA only ever waits for a
+//     block of lower index: the hardware starts blocks in index order (not a documented
+//     guarantee, but what FlashAttention-3's deterministic backward and CUTLASS's stream-K
+//     reductions rely on too), so the one waited for has started, and it never waits on its
+//     waiter: no deadlock however few CTAs fit at once. And the query steps ascending, key
+//     block jb + 1 starts its walk 64 queries further on than jb, so it reaches every step two
+//     steps before jb does: at the same speed its add is done when jb gets there, and the
+//     waits are short. A wait that sees no progress for ~4 s traps (the launch fails, no hang). Two
+//     more barriers a step; 168 registers as dK/dV's (ptxas below).
 //
 // Fragments of mma.m16n8k16 (PTX ISA, "Matrix Fragments for mma.m16n8k16 with floating point
 // type"), with g = lane >> 2 (groupID) and t = lane & 3 (threadID_in_group); a 32-bit register
@@ -145,6 +171,7 @@
 //   attn_bwd_dq_tc_k8    234 / 230 (cap 255)  shared 69632 B   2 / 2
 //   attn_bwd_dkv_tc_k4   168 / 168 (cap 168)  shared 37376 B   3 / 3
 //   attn_bwd_dkv_tc_k8   253 / 250 (cap 255)  shared 70144 B   2 / 2
+//   attn_bwd_fused_tc_k4 168 / 168 (cap 168)  shared 42496 B   3 / 3
 // attn_bwd_dkv_tc_k8 sits 2 registers under the 255 of the hardware: a compiler that needs 3
 // more spills (the figures above are the ones to compare against after a change), and
 // dK/dV_k4 fills its cap (the dK/dV loop's stage offsets are selects on the step's parity, not
@@ -161,7 +188,9 @@
 // shared-memory byte layout, the cp.async commit groups and waits, and the barriers as the
 // bounds of phases in which no shared word is both read and copied to; keep it in step),
 // matches a dense float64 reference of the fp32 backward's formulas (P and dS rounded to bf16
-// too) on 15 shapes (head sizes 16 to 128, causal with offsets, rows that see no key, GQA,
+// too), the fused kernel too (its CTAs run in block order, each checking that its turn has
+// come when it gets to a step: the order the kernel's waits allow; its dk, dv bitwise the
+// split kernel's), on 15 shapes (head sizes 16 to 128, causal with offsets, rows that see no key, GQA,
 // ragged edges, both choices of the K/V fragments in registers) and 6 under document masks
 // (the _docs kernels), dQ at D <= 64 also with two m-tiles a warp (the same bits as one's),
 // each run with every copy
@@ -527,6 +556,101 @@ __device__ __forceinline__ void attn_bwd_dq_tc_body(const u16* q, const u16* k,
 #define TB_DKV_KV_REGS_K8 0
 #endif
 
+// ---------------------------------------------------------------------------------------------
+// The fused backward (attn_bwd_fused_tc_k4: dK, dV and dQ from one kernel; design h. above).
+
+#define TB_DS_LD 40 // row stride (bf16) of the fused kernel's dS^T tile: 32 queries + 8 padding
+#define TB_SPIN_LIMIT (1ll << 26) // polls (64 ns sleeps: ~4 s) before a wait is called a hang
+
+// A warp's dS^T (16 keys x 32 queries, the C fragments of tb_dkv_step: element x of n-tile n
+// at key row g + 8 (x >> 1), query 8n + 2t + (x & 1)) into the shared dS^T tile, rounded to
+// the format as tc_c_to_a rounds it for dK: `row` is this lane's word of key row g, queries
+// 2t, 2t + 1 (tile row 16 w + g). Lane (g, t) writes word 20 g + 4 n + t of its rows (+ 160
+// for the second half): the 32 lanes take 32 distinct banks (20 g mod 32 is a distinct
+// multiple of 4 for g = 0 .. 7).
+template <bool F16>
+__device__ __forceinline__ void tb_store_ds(u32* row, const float (&ds)[4][4]) {
+#pragma unroll
+    for (int n = 0; n < 4; n++) {
+        row[4 * n] = tc_pack<F16>(ds[n][0], ds[n][1]);
+        row[4 * n + TB_DS_LD * 4] = tc_pack<F16>(ds[n][2], ds[n][3]);
+    }
+}
+
+// The same words zeroed: a warp none of whose keys the step's queries see.
+__device__ __forceinline__ void tb_zero_ds(u32* row) {
+#pragma unroll
+    for (int n = 0; n < 4; n++) row[4 * n] = row[4 * n + TB_DS_LD * 4] = 0u;
+}
+
+// This CTA's share of dQ for one query step: acc = dS K over its 64 keys, for the step's
+// m-tile `mt` (queries 16 mt .. + 15) and the column pairs p = pw, pw + 2 (columns 16p .. +
+// 15; those below nk). A(m = query, k = key) = dS^T[key][query] from the dS^T tile with
+// ldmatrix.trans at the "nt" addresses (`ds_nt`: this lane's, k-step 0, at column 16 mt;
+// see the header: the transposed storage turns the "nt" matrices into A's four), B(k = key,
+// n = d) = K[key][d] with ldmatrix.trans at the "tr" addresses (`ks_tr`, as in dQ's dS K).
+// The sum runs over the k-steps of 16 keys in order.
+template <int MAXK, bool F16>
+__device__ __forceinline__ void tb_fused_dq(float (&acc)[MAXK / 2][2][4], u32 ds_nt, u32 ks_tr,
+                                            int ld, int nk, int pw) {
+#pragma unroll
+    for (int i = 0; i < MAXK / 2; i++)
+#pragma unroll
+        for (int n = 0; n < 2; n++) acc[i][n][0] = acc[i][n][1] = acc[i][n][2] = acc[i][n][3] = 0.0f;
+#pragma unroll
+    for (int kk = 0; kk < TB_BN / 16; kk++) {
+        u32 a[4];
+        tc_ldsm_x4_trans(a, ds_nt + (u32)(kk * 16 * TB_DS_LD) * 2u);
+#pragma unroll
+        for (int i = 0; i < MAXK / 2; i++) {
+            const int p = pw + 2 * i;
+            if (p < nk) {
+                u32 b[4];
+                tc_ldsm_x4_trans(b, ks_tr + (u32)(kk * 16 * ld + p * 16) * 2u);
+                tc_mma<F16>(acc[i][0], a, b[0], b[1]);
+                tc_mma<F16>(acc[i][1], a, b[2], b[3]);
+            }
+        }
+    }
+}
+
+// Waits (one thread) until `turn` key blocks have added into the query step `flag` counts for
+// (ld.acquire: their adds are visible after it, and to the CTA after the barrier that follows;
+// PTX ISA, "Memory Consistency Model"). A count past `turn`, or no progress in
+// TB_SPIN_LIMIT polls, traps: the launch fails with an error instead of hanging.
+__device__ __forceinline__ void tb_wait_turn(const unsigned* flag, unsigned turn) {
+    for (long long polls = 0;; polls++) {
+        unsigned v;
+        asm volatile("ld.acquire.gpu.global.u32 %0, [%1];\n"
+                     : "=r"(v)
+                     : "l"((u64)__cvta_generic_to_global(flag))
+                     : "memory");
+        if (v == turn) return;
+        if (v > turn || polls >= TB_SPIN_LIMIT) __trap();
+        __nanosleep(64);
+    }
+}
+
+// One more key block has added into the step `flag` counts for (one thread, after a barrier
+// that follows every thread's adds: red.release makes them visible before the count).
+__device__ __forceinline__ void tb_signal(unsigned* flag) {
+    asm volatile("red.release.gpu.global.add.u32 [%0], 1;\n" ::"l"(
+                     (u64)__cvta_generic_to_global(flag))
+                 : "memory");
+}
+
+// The fused kernel's order of adds into query step c0 (rows c0 .. c0 + 31): the key blocks
+// that visit it, jb = 0 .. last, add from the last down, so key block jb's turn is
+// last - jb. Key block jb visits the steps from the one holding the first query that sees
+// its first key on (attn_bwd_dkv_tc_body's i0): causal, iff k_start + 64 jb - q_start <
+// c0 + 32, i.e. jb < (c0 + 32 + q_start - k_start) / 64 (positive for every visitor).
+__device__ __forceinline__ unsigned tb_fused_turn(int jb, int nblocks, int c0, int causal,
+                                                  int q_start, int k_start) {
+    int last = nblocks - 1;
+    if (causal) last = min(last, (c0 + TB_QC + q_start - k_start + TB_BN - 1) / TB_BN - 1);
+    return (unsigned)(last - jb);
+}
+
 // One query step of 32 rows for one warp's 16 keys: S^T = K Q^T and dP^T = V dO^T (keys as
 // the M dimension: P^T and dS^T are A operands straight from the accumulators), P^T, dS^T,
 // dva += P^T dO, dka += dS^T Q. `kf`, `vf`: the warp's K and V A fragments (KV_REGS), else
@@ -538,14 +662,14 @@ __device__ __forceinline__ void attn_bwd_dq_tc_body(const u16* q, const u16* k,
 // p >= phi are seen by no key of the warp (skipped), and key row j = g + 8 hf of the warp sees
 // the step's queries lo[hf] <= il < hi — under a document mask (DOCS) lo[hf] <= il < hr[hf]
 // (hr <= hi: the queries of the key's document).
-template <int MAXK, bool MASKED, bool KV_REGS, bool F16, bool DOCS>
+template <int MAXK, bool MASKED, bool KV_REGS, bool F16, bool DOCS, bool FUSED>
 __device__ __forceinline__ void tb_dkv_step(const u32 (&kf)[MAXK][4], const u32 (&vf)[MAXK][4],
                                             u32 ka_tr, u32 va_tr, u32 qs_nt, u32 gs_nt,
                                             u32 qs_tr, u32 gs_tr, const float* lse_s,
                                             const float* del_s, float (&dka)[2 * MAXK][4],
                                             float (&dva)[2 * MAXK][4], int ld, int nk,
                                             float sl2, int plo, int phi, const int (&lo)[2],
-                                            int hi, const int (&hr)[2], int t) {
+                                            int hi, const int (&hr)[2], int t, u32* ds_row) {
     // S^T and dP^T (16 keys x 32 queries): n-tiles 2p, 2p + 1 (queries 16p ..) from one
     // ldmatrix.x4 each of Q and dO per k-step; A = the warp's K (V) rows.
     float s[4][4], dp[4][4];
@@ -604,6 +728,9 @@ __device__ __forceinline__ void tb_dkv_step(const u32 (&kf)[MAXK][4], const u32 
             dp[n][x] = ds;
         }
     }
+    // FUSED: dS^T, rounded as the dK product's operand below, into the step's shared dS^T
+    // tile for dQ (tb_store_ds).
+    if (FUSED) tb_store_ds<F16>(ds_row, dp);
     // dV += P^T dO and dK += dS^T Q: A = P^T, dS^T (k-step kk = queries 16 kk ..: n-tiles
     // 2 kk, 2 kk + 1), B(k = i, n = d) = dO[i][d], Q[i][d]: output n-tiles 2p, 2p + 1 from one
     // ldmatrix.x4.trans each.
@@ -664,18 +791,21 @@ __device__ __forceinline__ void tb_dkv_copy_step(u32 qt, u32 gt, u32 lst, u32 ds
 // step holding the last query that sees the CTA's last key (the ends are nondecreasing), a
 // warp skips the steps past its last key's end, and masks per element a step that goes past
 // its first key's.
-template <int MAXK, bool FULL, bool KV_REGS, bool F16, bool DOCS>
+template <int MAXK, bool FULL, bool KV_REGS, bool F16, bool DOCS, bool FUSED>
 __device__ __forceinline__ void attn_bwd_dkv_tc_body(
     const u16* q, const u16* k, const u16* v, const u16* dout, const float* lse,
     const float* delta, float* dk, float* dv, int B, int Sq, int Sk, int H, int Hkv, int D,
-    int causal, int q_start, int k_start, float scale, const int* q_end) {
+    int causal, int q_start, int k_start, float scale, const int* q_end, float* dq,
+    unsigned* turns) {
+    static_assert(!FUSED || (MAXK == 4 && !DOCS), "the fused kernel is built for D <= 64");
     extern __shared__ __align__(16) unsigned char tb_smem[];
     if (FULL) D = 16 * MAXK;
     const int ld = D + TB_PAD;
     // Two stages of a step's lse and delta (32 fp32 each; stage s at byte 256 s: fixed
     // offsets, no register holds them), then the CTA's K and V tiles (64 rows each), then two
     // stages of a step's Q and dO tiles (32 rows each; stage s at qt0 + s * qstage). Byte
-    // offsets 0, 512, 512 + 128 ld, 512 + 256 ld, 512 + 320 ld; 512 + 512 ld in all.
+    // offsets 0, 512, 512 + 128 ld, 512 + 256 ld, 512 + 320 ld; 512 + 512 ld in all; FUSED:
+    // then the step's dS^T tile (64 keys x TB_DS_LD bf16), 5120 bytes more.
     const float* lse_s0 = (const float*)tb_smem;
     const u32 lst0 = tc_smem_addr(tb_smem);
     const u32 kt = lst0 + 4u * 4 * TB_QC, vt = kt + (u32)(TB_BN * ld) * 2u;
@@ -683,7 +813,10 @@ __device__ __forceinline__ void attn_bwd_dkv_tc_body(
     const u32 qt0 = kt + (u32)(2 * TB_BN * ld) * 2u, gt0 = qt0 + (u32)(TB_QC * ld) * 2u;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
     const int b = blockIdx.y / Hkv, hk = blockIdx.y % Hkv, group = H / Hkv;
-    const int j0 = blockIdx.x * TB_BN;
+    // FUSED: the last key block first, so that the block whose adds a CTA waits for has the
+    // lower index (design h.).
+    const int jb = FUSED ? gridDim.x - 1 - blockIdx.x : blockIdx.x;
+    const int j0 = jb * TB_BN;
     const int nk = D >> 4, nd = D >> 3;
     const long long qstride = (long long)H * D, kstride = (long long)Hkv * D;
     const long long kbase = (long long)b * Sk * kstride + (long long)hk * D;
@@ -727,6 +860,13 @@ __device__ __forceinline__ void attn_bwd_dkv_tc_body(
     const u32 gs_nt = gt0 + (u32)(nt_row * ld + nt_col) * 2u;
     const u32 qs_tr = qt0 + (u32)(tr_row * ld + tr_col) * 2u;
     const u32 gs_tr = gt0 + (u32)(tr_row * ld + tr_col) * 2u;
+    // FUSED: the dS^T tile after the Q and dO stages; this lane's word of it (key row
+    // 16 w + g, queries 2t, 2t + 1), its "nt" address for dQ's A fragments (m-tile warp & 1)
+    // and its "tr" address in the K tile for dQ's B fragments.
+    const u32 dst0 = qt0 + 2 * qstage;
+    u32* ds_row = (u32*)(tb_smem + (dst0 - lst0)) + (warp * 16 + g) * (TB_DS_LD / 2) + t;
+    const u32 ds_nt = dst0 + (u32)(nt_row * TB_DS_LD + 16 * (warp & 1) + nt_col) * 2u;
+    const u32 ks_tr = kt + (u32)(tr_row * ld + tr_col) * 2u;
 
     u32 kf[MAXK][4], vf[MAXK][4];
     if (KV_REGS) {
@@ -757,13 +897,17 @@ __device__ __forceinline__ void attn_bwd_dkv_tc_body(
     // every warp is done with step it - 1, whose stage step it + 1's copies then take, in
     // flight while step it is computed. The loop and its barrier are CTA-uniform.
     int c0 = i0;           // the step being computed
+    int gi = 0;            // its head of the group
     int ngi = 0, nc0 = i0; // the step being copied
+    int done = -1; // FUSED: the counter (index in turns) of the step this CTA last added into
     for (int it = 0; it < total; it++) {
         // Byte offsets of this step's stage (Q and dO tiles; lse and delta) and of the other.
         const bool odd = it & 1;
         const u32 qo = odd ? qstage : 0u, lo_ = odd ? 4u * 2 * TB_QC : 0u;
         tc_cp_async_wait<0>();
         __syncthreads();
+        // FUSED: every thread's adds of the previous step are done (the barrier): count them.
+        if (FUSED && done >= 0 && threadIdx.x == 0) tb_signal(turns + done);
         nc0 += TB_QC;
         if (nc0 >= iend) {
             nc0 = i0;
@@ -791,9 +935,9 @@ __device__ __forceinline__ void attn_bwd_dkv_tc_body(
             if (jw + 16 <= Sk && hi >= TB_QC && first_last <= 0 &&
                 (!DOCS || qe_wmin - c0 >= TB_QC)) {
                 const int none[2] = {0, 0};
-                tb_dkv_step<MAXK, false, KV_REGS, F16, DOCS>(
+                tb_dkv_step<MAXK, false, KV_REGS, F16, DOCS, FUSED>(
                     kf, vf, ka_tr, va_tr, qs_nt + qo, gs_nt + qo, qs_tr + qo, gs_tr + qo, lse_s,
-                    del_s, dka, dva, ld, nk, sl2, 0, 2, none, TB_QC, none, t);
+                    del_s, dka, dva, ld, nk, sl2, 0, 2, none, TB_QC, none, t, ds_row);
             } else {
                 int lo[2], hr[2] = {0, 0};
 #pragma unroll
@@ -804,13 +948,62 @@ __device__ __forceinline__ void attn_bwd_dkv_tc_body(
                 }
                 const int plo = first > 0 ? first >> 4 : 0;
                 const int phi = (min(whi, TB_QC) + 15) >> 4;
-                tb_dkv_step<MAXK, true, KV_REGS, F16, DOCS>(
+                tb_dkv_step<MAXK, true, KV_REGS, F16, DOCS, FUSED>(
                     kf, vf, ka_tr, va_tr, qs_nt + qo, gs_nt + qo, qs_tr + qo, gs_tr + qo, lse_s,
-                    del_s, dka, dva, ld, nk, sl2, plo, phi, lo, hi, hr, t);
+                    del_s, dka, dva, ld, nk, sl2, plo, phi, lo, hi, hr, t, ds_row);
             }
+        } else if (FUSED) {
+            tb_zero_ds(ds_row);
+        }
+        if (FUSED) {
+            // dQ's share of the step (design h.): every warp's dS^T is in the tile after the
+            // barrier; the product; this CTA's turn among the key blocks adding into the
+            // step; the adds. The next step's dS^T is written after the next barrier.
+            __syncthreads();
+            float qa[MAXK / 2][2][4];
+            tb_fused_dq<MAXK, F16>(qa, ds_nt, ks_tr, ld, nk, warp >> 1);
+            const int h = hk * group + gi;
+            // (The launcher checks that B H ceil(Sq / 32) counters fit an int.)
+            const int turn = (b * H + h) * ((Sq + TB_QC - 1) / TB_QC) + c0 / TB_QC;
+            if (threadIdx.x == 0)
+                tb_wait_turn(turns + turn,
+                             tb_fused_turn(jb, gridDim.x, c0, causal, q_start, k_start));
+            __syncthreads();
+            // Element x of n-tile n of pair i: query c0 + 16 (warp & 1) + g + 8 (x >> 1),
+            // column 16 p + 8 n + 2t + (x & 1). L2 only (.cg): another CTA wrote them last,
+            // and no SM's L1 keeps a copy.
+#pragma unroll
+            for (int hf = 0; hf < 2; hf++) {
+                const int i = c0 + 16 * (warp & 1) + g + 8 * hf;
+                if (i < Sq) {
+                    float* row = dq + ((long long)b * Sq + i) * qstride + (long long)h * D + 2 * t;
+#pragma unroll
+                    for (int x = 0; x < MAXK / 2; x++) {
+                        const int p = (warp >> 1) + 2 * x;
+                        if (p < nk) {
+#pragma unroll
+                            for (int n = 0; n < 2; n++) {
+                                float2* a = (float2*)(row + 16 * p + 8 * n);
+                                float2 y = __ldcg(a);
+                                y.x = fmaf(scale, qa[x][n][2 * hf], y.x);
+                                y.y = fmaf(scale, qa[x][n][2 * hf + 1], y.y);
+                                __stcg(a, y);
+                            }
+                        }
+                    }
+                }
+            }
+            done = turn;
         }
         c0 += TB_QC;
-        if (c0 >= iend) c0 = i0;
+        if (c0 >= iend) {
+            c0 = i0;
+            gi++;
+        }
+    }
+    if (FUSED && done >= 0) {
+        __syncthreads();
+        if (threadIdx.x == 0) tb_signal(turns + done);
     }
 
     // (b, hk) from blockIdx again: nothing 64-bit stays live across the loop for the stores.
@@ -883,13 +1076,13 @@ __device__ __forceinline__ void attn_bwd_dkv_tc_body(
             int D, int causal, int q_start, int k_start, float scale, const int* key_lo,        \
             const int* q_end) {                                                                 \
         if (D == 16 * MAXK)                                                                     \
-            attn_bwd_dkv_tc_body<MAXK, true, KV_REGS, F16, DOCS>(                               \
+            attn_bwd_dkv_tc_body<MAXK, true, KV_REGS, F16, DOCS, false>(                        \
                 q, k, v, dout, lse, delta, dk, dv, B, Sq, Sk, H, Hkv, D, causal, q_start,       \
-                k_start, scale, q_end);                                                         \
+                k_start, scale, q_end, nullptr, nullptr);                                       \
         else                                                                                    \
-            attn_bwd_dkv_tc_body<MAXK, false, KV_REGS, F16, DOCS>(                              \
+            attn_bwd_dkv_tc_body<MAXK, false, KV_REGS, F16, DOCS, false>(                       \
                 q, k, v, dout, lse, delta, dk, dv, B, Sq, Sk, H, Hkv, D, causal, q_start,       \
-                k_start, scale, q_end);                                                         \
+                k_start, scale, q_end, nullptr, nullptr);                                       \
     }
 
 // bf16 operands (bf16 steps), and fp16 (fp16 steps); plain causal, and under a document mask.
@@ -908,3 +1101,28 @@ TB_KERNELS_(attn_bwd_dq_tc_docs_k4, attn_bwd_dkv_tc_docs_k4, TB_K4, false, true)
 TB_KERNELS_(attn_bwd_dq_tc_docs_k8, attn_bwd_dkv_tc_docs_k8, TB_K8, false, true)
 TB_KERNELS_(attn_bwd_dq_tc_docs_f16_k4, attn_bwd_dkv_tc_docs_f16_k4, TB_K4, true, true)
 TB_KERNELS_(attn_bwd_dq_tc_docs_f16_k8, attn_bwd_dkv_tc_docs_f16_k8, TB_K8, true, true)
+
+// The fused backward at D <= 64 (design h.), without a document mask: dK, dV and dQ from one
+// kernel; `turns` [B, H, ceil(Sq / 32)] zeroed before the launch (the adds into each query
+// step counted), dq accumulated (+=) like dk and dv; the trailing key_lo, q_end unread (the
+// arguments of every kernel of the module).
+#define TB_FUSED_KERNEL(NAME, F16)                                                              \
+    extern "C" __global__ void __launch_bounds__(TB_THREADS, TB_FUSED_K4_MIN_BLOCKS)            \
+        NAME(const u16* q, const u16* k, const u16* v, const u16* dout, const float* lse,       \
+             const float* delta, float* dq, float* dk, float* dv, unsigned* turns, int B,       \
+             int Sq, int Sk, int H, int Hkv, int D, int causal, int q_start, int k_start,       \
+             float scale, const int* key_lo, const int* q_end) {                                \
+        if (D == 64)                                                                            \
+            attn_bwd_dkv_tc_body<4, true, (TB_DKV_KV_REGS_K4 != 0), F16, false, true>(          \
+                q, k, v, dout, lse, delta, dk, dv, B, Sq, Sk, H, Hkv, D, causal, q_start,       \
+                k_start, scale, nullptr, dq, turns);                                            \
+        else                                                                                    \
+            attn_bwd_dkv_tc_body<4, false, (TB_DKV_KV_REGS_K4 != 0), F16, false, true>(         \
+                q, k, v, dout, lse, delta, dk, dv, B, Sq, Sk, H, Hkv, D, causal, q_start,       \
+                k_start, scale, nullptr, dq, turns);                                            \
+    }
+#ifndef TB_FUSED_K4_MIN_BLOCKS
+#define TB_FUSED_K4_MIN_BLOCKS 3
+#endif
+TB_FUSED_KERNEL(attn_bwd_fused_tc_k4, false)
+TB_FUSED_KERNEL(attn_bwd_fused_tc_f16_k4, true)

@@ -7,6 +7,10 @@
 //! 4·B·H·S²·D / 2 (two products of 2·S·S·D per head, half the scores masked), the backward
 //! 2.5× the forward (five products to the forward's two); the product 2·M·K·N.
 //!
+//! On a GPU in a 16-bit step at head sizes up to 64 it also times the tensor-core backward's
+//! two kernel choices (`tensor::cuda::ops::AttnBackwardKernels`: split, and fused) against
+//! each other, alternating, and prints the per-FLOP ratio each would give.
+//!
 //! `--doc-len N` also times attention under a document mask (`data.document_mask`): every
 //! sequence packed with documents of N tokens, so that a query sees only the earlier keys of
 //! its own document. The kernels skip the key tiles before a query block's documents, so the
@@ -200,5 +204,83 @@ pub fn run(a: Args) -> Result<()> {
         "attention time per FLOP / the product's: {:.2}",
         ((fwd + bwd) / attn_flops) / (gemm / gemm_flops)
     );
+    if let Some(times) = backward_kernels(&dev, &shape, operands, [&q, &k, &v, &dout], a.reps)? {
+        let ms = |t: &[f64]| {
+            let mut t = t.to_vec();
+            t.sort_by(f64::total_cmp);
+            (t[t.len() / 2] * 1e3, t[0] * 1e3, t[t.len() - 1] * 1e3)
+        };
+        for (name, t) in [("split", &times[0]), ("fused", &times[1])] {
+            let (med, lo, hi) = ms(t);
+            println!(
+                "backward, {name} kernels: {med:.3} ms (rounds {lo:.3}..{hi:.3}); attention time per FLOP / the product's: {:.2}",
+                ((fwd + med / 1e3) / attn_flops) / (gemm / gemm_flops)
+            );
+        }
+    }
     Ok(())
+}
+
+/// On a GPU in a 16-bit step where the fused tensor-core backward applies (head sizes up to
+/// 64): the backward's seconds with the split kernels and with the fused one, the median of
+/// `reps` runs each, in 5 alternating rounds (split, fused, split, ...), so that both see the
+/// same minutes of the machine.
+fn backward_kernels(
+    dev: &Dev,
+    shape: &AttnShape,
+    operands: tensor::operands::Operands,
+    [q, k, v, dout]: [&Buf; 4],
+    reps: usize,
+) -> Result<Option<[Vec<f64>; 2]>> {
+    fn cuda(b: &Buf) -> Result<tensor::cuda::DevSlice<'_, f32>> {
+        match b {
+            Buf::Cuda(x) => Ok(x.as_slice()),
+            Buf::Host(_) => bail!("a host buffer on a GPU run"),
+        }
+    }
+    use tensor::cuda::ops::{self as gpu, AttnBackwardKernels};
+    if !tensor::ops::attention_runs_on_tensor_cores(shape) || shape.head_dim > 64 {
+        return Ok(None);
+    }
+    let (out, lse) = tensor::ops::attention_forward(shape, None, q.r(), k.r(), v.r())?;
+    let [q16, k16, v16] =
+        [q, k, v].map(|x| cuda(x).and_then(|x| Ok(gpu::rounded_copy(x, operands)?)));
+    let (q16, k16, v16) = (q16?, k16?, v16?);
+    let (mut dq, mut dk, mut dv) = (
+        dev.zeros(shape.q_elems())?,
+        dev.zeros(shape.kv_elems())?,
+        dev.zeros(shape.kv_elems())?,
+    );
+    let mut times = [Vec::new(), Vec::new()];
+    for _round in 0..5 {
+        for (i, kernels) in [AttnBackwardKernels::Split, AttnBackwardKernels::Fused]
+            .into_iter()
+            .enumerate()
+        {
+            let t = median_secs(dev, reps, || {
+                let [gq, gk, gv] = [&mut dq, &mut dk, &mut dv].map(|x| match x {
+                    Buf::Cuda(x) => Ok(x.as_mut_slice()),
+                    Buf::Host(_) => bail!("a host buffer on a GPU run"),
+                });
+                gpu::attention_backward_tc_using(
+                    kernels,
+                    shape,
+                    None,
+                    operands,
+                    &q16,
+                    &k16,
+                    &v16,
+                    cuda(&out)?,
+                    cuda(&lse)?,
+                    cuda(dout)?,
+                    gq?,
+                    gk?,
+                    gv?,
+                )?;
+                Ok(())
+            })?;
+            times[i].push(t);
+        }
+    }
+    Ok(Some(times))
 }
