@@ -193,10 +193,11 @@
 // split kernel's), on 16 shapes (head sizes 16 to 128, causal with offsets, rows that see no
 // key, GQA, ragged edges, both choices of the K/V fragments in registers) and 6 under document
 // masks (the _docs kernels), dQ at D <= 64 also with two m-tiles a warp (the same bits as
-// one's), each run with every copy landing when issued and again with every copy landing at the wait that covers it: to about
-// 1e-7 of the largest gradient where both round every P and dS alike, at most 7e-4 where one
-// element rounds to the other bf16 neighbour (its S sums differ in the last fp32 bits). What
-// the emulator does not cover: the hardware's memory ordering beyond the PTX rules it follows,
+// one's), each run with every copy landing when issued and again with every copy landing at
+// the wait that covers it: to about 1e-7 of the largest gradient where both round every P and
+// dS alike, at most 7e-4 where one element rounds to the other bf16 neighbour (its S sums
+// differ in the last fp32 bits). What the emulator does not cover: the hardware's memory
+// ordering beyond the PTX rules it follows (the fused kernel's acquire / release included),
 // ex2.approx's error, the speed.
 //
 // Document masks (the _docs kernels, DOCS): the "attention" module's key_lo (dQ: each row's
