@@ -1640,6 +1640,31 @@ pub fn attention_backward_tc_using<'a>(
     let gpu = q.gpu().clone();
     let delta = attn_delta(s, out, dout)?;
     let dout = rounded_copy(dout, format)?;
+    // Every kernel of the module takes the inputs, its outputs, then the shape's arguments.
+    let inputs: [KArg; 6] = [
+        q.into(),
+        k.into(),
+        v.into(),
+        (&dout).into(),
+        lse.into(),
+        (&delta).into(),
+    ];
+    let args = |outputs: &[KArg]| -> Result<Vec<KArg>, CudaError> {
+        Ok([&inputs[..], outputs]
+            .concat()
+            .into_iter()
+            .chain(attn_args(s, docs)?)
+            .collect())
+    };
+    let launch = |kernel, grid, shared_bytes, args: &[KArg]| {
+        let block = (32 * ATT_WARPS as u32, 1, 1);
+        let cfg = LaunchCfg {
+            grid,
+            block,
+            shared_bytes,
+        };
+        gpu.launch("attention_tc_bwd", kernel, cfg, args)
+    };
     let dkv_grid = (
         s.kv_len.div_ceil(ATT_TC_TILE) as u32,
         (s.batch * s.n_kv_heads) as u32,
@@ -1651,74 +1676,29 @@ pub fn attention_backward_tc_using<'a>(
         let steps = s.batch * s.n_heads * s.q_len.div_ceil(ATT_TC_QSTEP);
         to_i32(steps, "batch × n_heads × query steps")?;
         let turns = gpu.zeros::<u32>(steps)?;
-        let mut args = vec![
-            q.into(),
-            k.into(),
-            v.into(),
-            (&dout).into(),
-            lse.into(),
-            (&delta).into(),
-            (&dq).into(),
-            (&dk).into(),
-            (&dv).into(),
-            (&turns).into(),
-        ];
-        args.extend(attn_args(s, docs)?);
-        return gpu.launch(
-            "attention_tc_bwd",
+        return launch(
             tc_kernel(s, "attn_bwd_fused_tc", format, false)?,
-            LaunchCfg {
-                grid: dkv_grid,
-                block: (32 * ATT_WARPS as u32, 1, 1),
-                shared_bytes: attn_tc_dkv_shared(s) + ATT_TC_FUSED_DS_BYTES,
-            },
-            &args,
+            dkv_grid,
+            attn_tc_dkv_shared(s) + ATT_TC_FUSED_DS_BYTES,
+            &args(&[(&dq).into(), (&dk).into(), (&dv).into(), (&turns).into()])?,
         );
     }
-    let mut args = vec![
-        q.into(),
-        k.into(),
-        v.into(),
-        (&dout).into(),
-        lse.into(),
-        (&delta).into(),
-        (&dq).into(),
-    ];
-    args.extend(attn_args(s, docs)?);
-    gpu.launch(
-        "attention_tc_bwd",
+    let dq_grid = (
+        s.q_len.div_ceil(attn_tc_query_rows(s)) as u32,
+        (s.batch * s.n_heads) as u32,
+        1,
+    );
+    launch(
         dq_kernel,
-        LaunchCfg {
-            grid: (
-                s.q_len.div_ceil(attn_tc_query_rows(s)) as u32,
-                (s.batch * s.n_heads) as u32,
-                1,
-            ),
-            block: (32 * ATT_WARPS as u32, 1, 1),
-            shared_bytes: attn_tc_kv_shared(s),
-        },
-        &args,
+        dq_grid,
+        attn_tc_kv_shared(s),
+        &args(&[(&dq).into()])?,
     )?;
-    let mut args = vec![
-        q.into(),
-        k.into(),
-        v.into(),
-        (&dout).into(),
-        lse.into(),
-        (&delta).into(),
-        (&dk).into(),
-        (&dv).into(),
-    ];
-    args.extend(attn_args(s, docs)?);
-    gpu.launch(
-        "attention_tc_bwd",
+    launch(
         dkv_kernel,
-        LaunchCfg {
-            grid: dkv_grid,
-            block: (32 * ATT_WARPS as u32, 1, 1),
-            shared_bytes: attn_tc_dkv_shared(s),
-        },
-        &args,
+        dkv_grid,
+        attn_tc_dkv_shared(s),
+        &args(&[(&dk).into(), (&dv).into()])?,
     )
 }
 
