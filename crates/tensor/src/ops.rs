@@ -421,7 +421,19 @@ pub fn attention_backward<'a>(
             let docs = gpu_docs(q.gpu(), s, doc_start)?;
             let docs = docs.as_deref();
             Ok(gpu::attention_backward_tc(
-                s, docs, format, q, k, v, o, l, d, a, b, c,
+                gpu::ATTN_BACKWARD_KERNELS,
+                s,
+                docs,
+                format,
+                q,
+                k,
+                v,
+                o,
+                l,
+                d,
+                a,
+                b,
+                c,
             )?)
         }
         _ => Err(mixed("attention backward")),

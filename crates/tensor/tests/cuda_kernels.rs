@@ -880,7 +880,7 @@ fn tensor_core_attention_matches_cpu() {
         );
         let backward = |kernels| {
             let (_, [mut gdq, mut gdk, mut gdv]) = initial_grads(&g, &s, 44);
-            ops::attention_backward_tc_using(
+            ops::attention_backward_tc(
                 kernels, &s, mask, format, &gq, &gk, &gv, &go, &gl, &gdo, &mut gdq, &mut gdk,
                 &mut gdv,
             )

@@ -1533,8 +1533,7 @@ pub const ATTN_BACKWARD_KERNELS: AttnBackwardKernels = AttnBackwardKernels::Spli
 
 /// Backward on the tensor cores (sm_80+): accumulates (`+=`) into `dq`, `dk`, `dv` like
 /// [`attention_backward`] (pass the final merged `out` and `lse` for a partial key block), and
-/// like it deterministic (no atomics; every output element has one writer summing in a fixed
-/// order).
+/// like it deterministic (no atomic sums: every output element is summed in a fixed order).
 ///
 /// Numerics, in the operand `format` (the forward's): `delta = rowsum(dO ∘ O)` is the fp32
 /// kernel's, from the fp32 `dout`; `dout` is then rounded to the format once for both kernels;
@@ -1550,42 +1549,10 @@ pub const ATTN_BACKWARD_KERNELS: AttnBackwardKernels = AttnBackwardKernels::Spli
 /// head_dim 64, 69 632 for 128), and `attn_bwd_dkv_tc`, 4 warps per (64 keys, batch × KV
 /// head), `512 · (head_dim + 8) + 512` bytes (37 376 and 70 144). `head_dim` must be a
 /// multiple of 16 in 16..=128: otherwise [`CudaError::Shape`], and the caller uses
-/// [`attention_backward`]. `docs`: the forward's document mask. The kernels are
-/// [`ATTN_BACKWARD_KERNELS`]; [`attention_backward_tc_using`] takes the choice.
-#[allow(clippy::too_many_arguments)]
-pub fn attention_backward_tc<'a>(
-    s: &AttnShape,
-    docs: Option<&DocMask>,
-    format: crate::operands::Operands,
-    q: impl Into<DevSlice<'a, u16>>,
-    k: impl Into<DevSlice<'a, u16>>,
-    v: impl Into<DevSlice<'a, u16>>,
-    out: impl Into<DevSlice<'a, f32>>,
-    lse: impl Into<DevSlice<'a, f32>>,
-    dout: impl Into<DevSlice<'a, f32>>,
-    dq: impl Into<DevSliceMut<'a, f32>>,
-    dk: impl Into<DevSliceMut<'a, f32>>,
-    dv: impl Into<DevSliceMut<'a, f32>>,
-) -> Result<(), CudaError> {
-    attention_backward_tc_using(
-        ATTN_BACKWARD_KERNELS,
-        s,
-        docs,
-        format,
-        q,
-        k,
-        v,
-        out,
-        lse,
-        dout,
-        dq,
-        dk,
-        dv,
-    )
-}
-
-/// [`attention_backward_tc`] with the `kernels` given. [`AttnBackwardKernels::Fused`] (at
-/// head sizes up to 64, without a document mask) is one launch after the delta and the
+/// [`attention_backward`]. `docs`: the forward's document mask.
+///
+/// `kernels`: the library's choice is [`ATTN_BACKWARD_KERNELS`]; [`AttnBackwardKernels::Fused`]
+/// (at head sizes up to 64, without a document mask) is one launch after the delta and the
 /// rounding of `dout`: `attn_bwd_fused_tc`, 4 warps per (64 keys, batch × KV head),
 /// `attn_bwd_dkv_tc`'s shared memory and a 64 × 40 bf16 tile of `dSᵀ` (42 496 bytes at
 /// head_dim 64), with `batch · n_heads · ⌈q_len / 32⌉` counters zeroed before it. Its dQ sums
@@ -1593,7 +1560,7 @@ pub fn attention_backward_tc<'a>(
 /// turn), so the two agree to fp32's rounding of those sums, not bit for bit; dK and dV are the
 /// split kernel's bits.
 #[allow(clippy::too_many_arguments)]
-pub fn attention_backward_tc_using<'a>(
+pub fn attention_backward_tc<'a>(
     kernels: AttnBackwardKernels,
     s: &AttnShape,
     docs: Option<&DocMask>,

@@ -262,7 +262,7 @@ fn backward_kernels(
                     Buf::Cuda(x) => Ok(x.as_mut_slice()),
                     Buf::Host(_) => bail!("a host buffer on a GPU run"),
                 });
-                gpu::attention_backward_tc_using(
+                gpu::attention_backward_tc(
                     kernels,
                     shape,
                     None,
