@@ -496,7 +496,8 @@ def fused_dq_step(sm, warps, turns, dq, fmt, b, H, D, Sq, ld, nk, nqs, dst0, kt,
     """The fused kernel's dQ share of query step c0 of head h (its FUSED block): each warp's
     dS^T into the shared tile (tb_store_ds, or tb_zero_ds for a warp that skipped the step),
     the barrier, the product (tb_fused_dq), the turn (tb_fused_turn, checked against the
-    count: the CTAs run in block order), the barrier, the adds; the count."""
+    count: the CTAs run in block order; each warp waits for it, no barrier), the adds; the
+    count (after the next barrier in the kernel)."""
     for w, W in enumerate(warps):
         for hf in range(2):
             for n in range(4):
@@ -526,7 +527,6 @@ def fused_dq_step(sm, warps, turns, dq, fmt, b, H, D, Sq, ld, nk, nqs, dst0, kt,
     turn = (b * H + h) * nqs + c0 // 32
     assert turns[turn] == last - jb, \
         f"key block {jb} at query step {c0}: count {turns[turn]}, its turn {last - jb}"
-    sm.barrier()
     for w in range(4):
         for hf in range(2):
             i = c0 + 16 * (w & 1) + G + 8 * hf

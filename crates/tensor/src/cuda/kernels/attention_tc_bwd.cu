@@ -105,7 +105,8 @@
 //     adds into a query step is fixed, so the result is the same bits run to run (no atomic
 //     sums): the key blocks that visit the step add from the last down (tb_fused_turn), each
 //     waiting (one thread, ld.acquire) until a counter of the step's adds reaches its turn, and
-//     counting its own (red.release) after the barrier that follows them. The CTAs take the
+//     counting its own (red.release) after the barrier that follows them (each warp waits on
+//     its own, so one barrier a step is added: the one that completes the dS^T tile). The CTAs take the
 //     key blocks from the last down (blockIdx.x = 0 the last), so a CTA only ever waits for a
 //     block of lower index: the hardware starts blocks in index order (not a documented
 //     guarantee, but what FlashAttention-3's deterministic backward and CUTLASS's stream-K
@@ -113,8 +114,8 @@
 //     waiter: no deadlock however few CTAs fit at once. And the query steps ascending, key
 //     block jb + 1 starts its walk 64 queries further on than jb, so it reaches every step two
 //     steps before jb does: at the same speed its add is done when jb gets there, and the
-//     waits are short. A wait that sees no progress for ~4 s traps (the launch fails, no hang). Two
-//     more barriers a step; 168 registers as dK/dV's (ptxas below).
+//     waits are short. A wait that sees no progress for ~4 s traps (the launch fails, no
+//     hang). 168 registers as dK/dV's (ptxas below).
 //
 // Fragments of mma.m16n8k16 (PTX ISA, "Matrix Fragments for mma.m16n8k16 with floating point
 // type"), with g = lane >> 2 (groupID) and t = lane & 3 (threadID_in_group); a 32-bit register
@@ -171,7 +172,7 @@
 //   attn_bwd_dq_tc_k8    234 / 230 (cap 255)  shared 69632 B   2 / 2
 //   attn_bwd_dkv_tc_k4   168 / 168 (cap 168)  shared 37376 B   3 / 3
 //   attn_bwd_dkv_tc_k8   253 / 250 (cap 255)  shared 70144 B   2 / 2
-//   attn_bwd_fused_tc_k4 168 / 168 (cap 168)  shared 42496 B   3 / 3
+//   attn_bwd_fused_tc_k4 168 / 168 (cap 168)  shared 42496 B   3 / 3 (sm_80 spills 8 bytes)
 // attn_bwd_dkv_tc_k8 sits 2 registers under the 255 of the hardware: a compiler that needs 3
 // more spills (the figures above are the ones to compare against after a change), and
 // dK/dV_k4 fills its cap (the dK/dV loop's stage offsets are selects on the step's parity, not
@@ -560,7 +561,7 @@ __device__ __forceinline__ void attn_bwd_dq_tc_body(const u16* q, const u16* k,
 // The fused backward (attn_bwd_fused_tc_k4: dK, dV and dQ from one kernel; design h. above).
 
 #define TB_DS_LD 40 // row stride (bf16) of the fused kernel's dS^T tile: 32 queries + 8 padding
-#define TB_SPIN_LIMIT (1ll << 26) // polls (64 ns sleeps: ~4 s) before a wait is called a hang
+#define TB_SPIN_LIMIT (1 << 26) // polls (64 ns sleeps: ~4 s) before a wait is called a hang
 
 // A warp's dS^T (16 keys x 32 queries, the C fragments of tb_dkv_step: element x of n-tile n
 // at key row g + 8 (x >> 1), query 8n + 2t + (x & 1)) into the shared dS^T tile, rounded to
@@ -615,11 +616,11 @@ __device__ __forceinline__ void tb_fused_dq(float (&acc)[MAXK / 2][2][4], u32 ds
 }
 
 // Waits (one thread) until `turn` key blocks have added into the query step `flag` counts for
-// (ld.acquire: their adds are visible after it, and to the CTA after the barrier that follows;
-// PTX ISA, "Memory Consistency Model"). A count past `turn`, or no progress in
+// (ld.acquire: their adds are visible after it, and to the other threads after the barrier
+// that follows, __syncwarp for its warp; PTX ISA, "Memory Consistency Model"). A count past `turn`, or no progress in
 // TB_SPIN_LIMIT polls, traps: the launch fails with an error instead of hanging.
 __device__ __forceinline__ void tb_wait_turn(const unsigned* flag, unsigned turn) {
-    for (long long polls = 0;; polls++) {
+    for (int polls = 0;; polls++) {
         unsigned v;
         asm volatile("ld.acquire.gpu.global.u32 %0, [%1];\n"
                      : "=r"(v)
@@ -958,17 +959,20 @@ __device__ __forceinline__ void attn_bwd_dkv_tc_body(
         if (FUSED) {
             // dQ's share of the step (design h.): every warp's dS^T is in the tile after the
             // barrier; the product; this CTA's turn among the key blocks adding into the
-            // step; the adds. The next step's dS^T is written after the next barrier.
+            // step, which each warp waits for on its own (its first lane; __syncwarp orders
+            // the other lanes' loads after that lane's acquire), so that no warp waits for
+            // another's product; the adds. The next step's dS^T is written, and the adds are
+            // counted, after the next barrier, which follows every warp's adds.
             __syncthreads();
             float qa[MAXK / 2][2][4];
             tb_fused_dq<MAXK, F16>(qa, ds_nt, ks_tr, ld, nk, warp >> 1);
             const int h = hk * group + gi;
             // (The launcher checks that B H ceil(Sq / 32) counters fit an int.)
             const int turn = (b * H + h) * ((Sq + TB_QC - 1) / TB_QC) + c0 / TB_QC;
-            if (threadIdx.x == 0)
+            if (lane == 0)
                 tb_wait_turn(turns + turn,
                              tb_fused_turn(jb, gridDim.x, c0, causal, q_start, k_start));
-            __syncthreads();
+            __syncwarp();
             // Element x of n-tile n of pair i: query c0 + 16 (warp & 1) + g + 8 (x >> 1),
             // column 16 p + 8 n + 2t + (x & 1). L2 only (.cg): another CTA wrote them last,
             // and no SM's L1 keeps a copy.
