@@ -11,8 +11,8 @@
 # The report names the GPU, the driver and the CUDA version (nvidia-smi), NVRTC's version,
 # and each test's result, and ends with the check's duration; past GPU_CHECK_BUDGET seconds
 # (default 450) the optional sections say "skipped (time budget)" instead of running.
-# GPU_CHECK_ONLY="tests bench" (any of: tests bench tune probe processes convergence ncu
-# large validate) runs only those sections: a rerun after a fix, within the machine's time. The CUDA
+# GPU_CHECK_ONLY="tests bench" (any of: tests bench probe processes convergence ncu large
+# validate) runs only those sections: a rerun after a fix, within the machine's time. The CUDA
 # libraries (NVRTC, cuBLASLt, NCCL) are found in a CUDA toolkit or in the pip wheels of the
 # machine's Python (nvidia-cuda-nvrtc, nvidia-cublas, nvidia-nccl-cu12 / -cu13), whose
 # folders go in XTRAIN_CUDA_LIB_PATH.
@@ -39,55 +39,12 @@ for line in sys.stdin:
         print(m["target"]["name"], m["executable"])
 ' | while read -r name exe; do cp "$exe" "$dir/$name"; done
     strip "$dir"/*
-    variant_build
     # The real corpus of the bf16 convergence check, where this checkout has it beside it.
     if [ -f ../shared/data/tinyshakespeare.txt ]; then
         cp ../shared/data/tinyshakespeare.txt "$dir/"
     fi
     du -sh "$dir"
     ls -la "$dir"
-}
-
-# The `tune` section's second build, differing only in the head-64 attention forward's rows
-# a warp: two m-tiles of 16 (tensor::cuda::kernels::ATTN_K4_MTILES = 2, FlashAttention-2's
-# layout) instead of the library's one — measured against the default in the same minutes
-# without a switch in the library. Its xtrain and its kernel tests (which check the variant's
-# kernels against the CPU on the GPU) go compressed into $dir/variant.tar.xz (the pack stays
-# under 64 MiB); kernels.rs is patched for this build only and restored, also on failure.
-variant_build() {
-    variant_src=crates/tensor/src/cuda/kernels.rs
-    variant_keep=$(mktemp -d)
-    cp "$variant_src" "$variant_keep/"
-    trap variant_restore EXIT
-    local vdir
-    vdir=$(mktemp -d)
-    if sed -i 's/^pub const ATTN_K4_MTILES: usize = 1;$/pub const ATTN_K4_MTILES: usize = 2;/' "$variant_src" &&
-        grep -q '^pub const ATTN_K4_MTILES: usize = 2;$' "$variant_src" &&
-        cargo build --release -p xtrain &&
-        cp target/release/xtrain "$vdir/xtrain-m2" &&
-        cargo test --release -p tensor --test cuda_kernels --no-run --message-format=json |
-        python3 -c '
-import json, sys
-for line in sys.stdin:
-    try: m = json.loads(line)
-    except ValueError: continue
-    if m.get("reason") == "compiler-artifact" and m.get("executable"):
-        print(m["executable"])
-' | while read -r exe; do cp "$exe" "$vdir/cuda_kernels-m2"; done &&
-        [ -x "$vdir/cuda_kernels-m2" ]; then
-        strip "$vdir"/*
-        tar -C "$vdir" -cJf "$dir/variant.tar.xz" xtrain-m2 cuda_kernels-m2
-    else
-        echo "variant build failed: the check runs without its tune section" >&2
-    fi
-    rm -rf "$vdir"
-    variant_restore
-    trap - EXIT
-}
-# Puts kernels.rs back as it was before variant_build (and the default build's objects with
-# it: the next cargo build rebuilds from the restored source).
-variant_restore() {
-    cp "$variant_keep/kernels.rs" "$variant_src"
 }
 
 # Whether `$1` more seconds fit in the check's budget (GPU_CHECK_BUDGET, default 450 s from the
@@ -337,47 +294,6 @@ check_large() {
     echo '```' >>"$report"
 }
 
-# The attention forward with two m-tiles a warp (variant_build) against the default: its
-# kernel tests on this GPU (the variant's kernels against the CPU), then `bench kernels` at
-# the 124M's shapes, alternating twice (forward and backward time, and per FLOP against the
-# product).
-check_tune() {
-    {
-        echo
-        echo "## Attention forward rows a warp: default (16) vs two m-tiles (32, xtrain-m2)"
-        echo
-        echo '```'
-    } >>"$report"
-    if [ ! -f "$dir/variant.tar.xz" ] || ! have_time 90; then
-        echo "tune: skipped (no variant.tar.xz, or time budget)" >>"$report"
-        echo '```' >>"$report"
-        return
-    fi
-    # Extracted under OUT (the ncu section profiles its kernels too; the binaries are left out
-    # of what comes back).
-    local vdir="$out/variant"
-    mkdir -p "$vdir"
-    python3 -c 'import sys, tarfile; tarfile.open(sys.argv[1]).extractall(sys.argv[2])' \
-        "$dir/variant.tar.xz" "$vdir"
-    if timeout 120 "$vdir/cuda_kernels-m2" --test-threads=1 attention >"$out/cuda_kernels-m2.log" 2>&1; then
-        echo "cuda_kernels-m2 attention tests: ok" >>"$report"
-    else
-        echo "cuda_kernels-m2 attention tests: FAILED (cuda_kernels-m2.log)" >>"$report"
-        failed=1
-    fi
-    grep -E '^test |test result' "$out/cuda_kernels-m2.log" | sed 's/^/    /' >>"$report"
-    local round bin
-    for round in 1 2; do
-        for bin in "$dir/xtrain" "$vdir/xtrain-m2"; do
-            echo "[$(basename "$bin"), round $round]" >>"$report"
-            timeout 60 "$bin" bench kernels --preset medium --device cuda "${m124[@]}" "${bf16[@]}" \
-                2>&1 | grep -E 'forward|per FLOP' >>"$report" ||
-                echo "  $(basename "$bin") bench kernels failed" >>"$report"
-        done
-    done
-    echo '```' >>"$report"
-}
-
 # Hopper's warpgroup product (wgmma), probed: which shared-memory layouts, descriptors and
 # register fragments give the product (dev/wgmma/probe.py, a few seconds; prints a line per
 # candidate) — the ground truth for the Hopper attention kernels to come — and an attention
@@ -407,23 +323,22 @@ check_ncu() {
     fi
     local kernel ok=1
     : >"$out/ncu-attention.txt"
-    # The tune section's variant (two m-tiles a warp) too, where it was extracted: its forward
-    # and dQ kernels ("m2:" entries).
-    local entries=(attn_fwd_tc_k4 attn_bwd_dq_tc_k4 attn_bwd_dkv_tc_k4 attn_bwd_fused_tc_k4
-        attn_fwd_tc_docs_k4 attn_bwd_dkv_tc_docs_k4)
-    [ -x "$out/variant/xtrain-m2" ] && entries+=(m2:attn_fwd_tc_k4 m2:attn_bwd_dq_tc_k4)
-    local entry bin
-    for entry in "${entries[@]}"; do
-        kernel=${entry#m2:}
-        bin="$dir/xtrain"
-        [ "$entry" != "$kernel" ] && bin="$out/variant/xtrain-m2"
-        echo "=== $entry ($bin)" >>"$out/ncu-attention.txt"
+    # Every kernel choice `bench kernels` times (tensor::cuda::ops::AttnKernels): the forward
+    # and dQ with one and two m-tiles a warp, the split and the fused backward.
+    local entries=(attn_fwd_tc_k4 attn_fwd_tc_m2_k4 attn_bwd_dq_tc_k4 attn_bwd_dq_tc_m2_k4
+        attn_bwd_dkv_tc_k4 attn_bwd_fused_tc_k4 attn_fwd_tc_docs_k4 attn_bwd_dkv_tc_docs_k4)
+    for kernel in "${entries[@]}"; do
+        if ! have_time 45; then
+            echo "=== $kernel: skipped (time budget)" >>"$out/ncu-attention.txt"
+            continue
+        fi
+        echo "=== $kernel" >>"$out/ncu-attention.txt"
         timeout 40 ncu --kernel-name "regex:^${kernel}\$" --launch-count 1 \
             --section SpeedOfLight --section LaunchStats --section Occupancy \
             --section MemoryWorkloadAnalysis_Tables --section WarpStateStats \
             --section SchedulerStats --section InstructionStats \
-            "$bin" bench kernels --preset medium --device cuda "${m124[@]}" "${bf16[@]}" \
-            --doc-len 256 >>"$out/ncu-attention.txt" 2>&1 || ok=0
+            "$dir/xtrain" bench kernels --preset medium --device cuda "${m124[@]}" "${bf16[@]}" \
+            --doc-len 256 --reps 1 >>"$out/ncu-attention.txt" 2>&1 || ok=0
     done
     if [ $ok = 1 ]; then
         echo "Nsight Compute profile: ncu-attention.txt" >>"$report"
@@ -473,14 +388,13 @@ PY
         --set model.seq_len=1024 --set train.micro_batch=8 --set 'data.tokenizer="byte"')
     local bf16=(--set 'train.precision="bf16"') fp32=(--set 'train.precision="fp32"')
     local section
-    for section in tests bench tune probe processes convergence ncu large validate; do
+    for section in tests bench probe processes convergence ncu large validate; do
         if [ -z "${GPU_CHECK_ONLY:-}" ] || [[ " $GPU_CHECK_ONLY " == *" $section "* ]]; then
             "check_$section"
         else
             echo "($section: not in GPU_CHECK_ONLY)" >>"$report"
         fi
     done
-    rm -rf "$out/variant"
     echo "The check took $SECONDS s (budget ${GPU_CHECK_BUDGET:-450} s)." >>"$report"
     cat "$report"
     return $failed

@@ -10,7 +10,7 @@ bf16, then in fp16, prints each case's errors (the format first) and a summary p
 exits 1 on a mismatch.
 
 A transliteration of the two kernels (keep it in step when the kernels change), dQ at D <= 64
-also with two m-tiles a warp (XT_ATTN_K4_MTILES = 2), whose dq must be the bits of one m-tile's
+also with two m-tiles a warp (the _m2_k4 kernels), whose dq must be the bits of one m-tile's
 (the same sums in the same order), and at D <= 64 without a document mask the fused kernel
 (attn_bwd_fused_tc_k4: dK/dV's code plus dQ's share of each query step through a shared dS^T
 tile, added into dq in the order its counters allow; its CTAs run in block order and each
@@ -108,7 +108,7 @@ def dq_kernel(q, k, v, dout, lse, delta, dq, B, Sq, Sk, H, Hkv, D, causal, q_sta
               scale, MAXK, late, fmt, key_lo=None, MT=1):
     """attn_bwd_dq_tc_k<MAXK> (fmt BF16) or attn_bwd_dq_tc_f16_k<MAXK> (fmt FP16), or with a
     document mask's first keys `key_lo` ([B * Sq]) their _docs twins, over its grid, with MT
-    m-tiles of 16 rows a warp (XT_ATTN_K4_MTILES at D <= 64); q, k, v, dout the bits (u16) of
+    m-tiles of 16 rows a warp (2: the _m2_k4 kernels, D <= 64); q, k, v, dout the bits (u16) of
     `fmt`."""
     DOCS = key_lo is not None
     ld = D + 8
@@ -625,7 +625,7 @@ def case(B, Sq, Sk, H, Hkv, D, causal, q_start, k_start, fmt, seed=0, kv_regs=No
     # Copies landing when issued and at their wait read the same bits everywhere.
     same = all(np.array_equal(x.view(np.uint32), y.view(np.uint32))
                for x, y in zip(runs[0], runs[1]))
-    # dQ with two m-tiles a warp (XT_ATTN_K4_MTILES = 2, D <= 64): the same sums in the same
+    # dQ with two m-tiles a warp (the _m2_k4 kernels, D <= 64): the same sums in the same
     # order, so the same bits, with copies landing early and late.
     same_m2 = True
     if MAXK == 4:

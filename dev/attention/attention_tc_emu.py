@@ -9,8 +9,9 @@ then in fp16, prints each case's errors (the format first) and a summary per for
 1 on a mismatch.
 
 A transliteration of attn_fwd_tc_body<MAXK, MT, FULL, F16, DOCS> (keep it in step when the
-kernel changes), run at D <= 64 with both choices of m-tiles a warp (MT: XT_ATTN_K4_MTILES,
-1 and 2; the reference's rounding of P follows the kernel's steps of 64 / MT keys), in the
+kernel changes), run at D <= 64 with both choices of m-tiles a warp (MT: 1, the _k4 kernels,
+and 2, the _m2_k4 ones; the reference's rounding of P follows the kernel's steps of 64 / MT
+keys), in the
 manner of attention_tc_bwd_emu.py (the backward's, attention_tc_bwd.cu), on the primitives of emu_common.py, the operand format an emu_common.Format (BF16 or FP16) passed
 down to where the kernel's F16 acts, tn_pack and tn_mma: each warp is 32 lanes as numpy
 vectors, the 128 threads of a CTA one vector where all of them act (the copies), shared memory
@@ -393,7 +394,7 @@ def reference(q, k, v, B, Sq, Sk, H, Hkv, D, causal, q_start, k_start, scale, fm
 def case(B, Sq, Sk, H, Hkv, D, causal, q_start, k_start, fmt, seed=0, note="", opens=None):
     """One case in the operand format `fmt` (emu_common.BF16 or FP16), under a document mask
     where `opens` gives each sequence's document openings (global positions), with each choice
-    of m-tiles a warp the head size has (1, and 2 at D <= 64: XT_ATTN_K4_MTILES): the kernel's
+    of m-tiles a warp the head size has (1, and 2 at D <= 64: the _m2_k4 kernels): the kernel's
     results against the reference's; prints a line each; returns (ok, out error, lse error)
     over them."""
     rng = np.random.default_rng(seed)

@@ -337,7 +337,7 @@ pub fn attention_forward<'a>(
         }
         (AttnInputs::Cuda16(format, [q, k, v]), BufMut::Cuda(o), BufMut::Cuda(l)) => {
             let docs = gpu_docs(q.gpu(), s, doc_start)?;
-            gpu::attention_forward_tc(s, docs.as_deref(), format, q, k, v, o, l)?
+            gpu::attention_forward_tc(gpu::ATTN_KERNELS, s, docs.as_deref(), format, q, k, v, o, l)?
         }
         _ => return Err(mixed("attention")),
     }
@@ -421,7 +421,7 @@ pub fn attention_backward<'a>(
             let docs = gpu_docs(q.gpu(), s, doc_start)?;
             let docs = docs.as_deref();
             Ok(gpu::attention_backward_tc(
-                gpu::ATTN_BACKWARD_KERNELS,
+                gpu::ATTN_KERNELS,
                 s,
                 docs,
                 format,

@@ -7,7 +7,7 @@ use std::sync::Arc;
 use tensor::attention::{attention_backward_docs, attention_forward_docs, AttnShape, AttnTiles};
 use tensor::buf::Buf;
 use tensor::cuda::doc_mask::DocMask;
-use tensor::cuda::ops::AttnBackwardKernels;
+use tensor::cuda::ops::{AttnBackwardKernels, AttnKernels, WarpRows, ATTN_KERNELS};
 use tensor::cuda::{ops, DevBuf, Gpu};
 use tensor::operands::Operands;
 
@@ -785,9 +785,11 @@ fn round_f16(x: &[f32]) -> Vec<f32> {
 /// the fp32 tolerance of the other tests, 1e-5 of the largest element (the fp32 sums of the
 /// initial dq, dk, dv and a difference dP − delta that cancels).
 ///
-/// The backward runs with both of its kernel choices (`AttnBackwardKernels`): the split kernels
-/// and the fused one (head sizes up to 64 without a document mask; otherwise the same split
-/// kernels). The fused kernel's dk and dv are the split kernel's bits; its dq adds each key
+/// Every kernel choice (`AttnKernels`) runs: the forward with one and two m-tiles of query
+/// rows a warp (head sizes up to 64; above, the same kernels), the backward split with either
+/// (dQ the same bits: the same sums in the same order) and fused (head sizes up to 64 without a
+/// document mask; otherwise the split kernels). The fused kernel's dk and dv are the split
+/// kernel's bits; its dq adds each key
 /// block's share into dq in turn, one more fp32 rounding per block of 64 keys (at most 16
 /// here, well inside the 1e-5), and is the same bits run to run (checked on the longest shape,
 /// 16 key blocks over 4 query heads a KV head, where the blocks' adds wait on each other).
@@ -861,13 +863,21 @@ fn tensor_core_attention_matches_cpu() {
             g.alloc::<f32>(s.q_elems()).unwrap(),
             g.alloc::<f32>(s.lse_elems()).unwrap(),
         );
-        ops::attention_forward_tc(&s, mask, format, &gq, &gk, &gv, &mut go, &mut gl).unwrap();
         let what = format!(
             "{format:?} {s:?}{}",
             if docs.is_some() { " documents" } else { "" }
         );
-        assert_rounded_close(&format!("{what} out"), &host(&go), &out, &mo, half_ulp);
-        assert_lse_close(&what, &host(&gl), &lse);
+        for warp_rows in [WarpRows::One, WarpRows::Two] {
+            let kernels = AttnKernels {
+                warp_rows,
+                ..ATTN_KERNELS
+            };
+            ops::attention_forward_tc(kernels, &s, mask, format, &gq, &gk, &gv, &mut go, &mut gl)
+                .unwrap();
+            let what = format!("{what} {warp_rows:?}");
+            assert_rounded_close(&format!("{what} out"), &host(&go), &out, &mo, half_ulp);
+            assert_lse_close(&what, &host(&gl), &lse);
+        }
         let ([mut dq, mut dk, mut dv], _) = initial_grads(&g, &s, 44);
         attention_backward_docs(
             &s, docs, &qr, &kr, &vr, &out, &lse, &dout, &mut dq, &mut dk, &mut dv, tiles,
@@ -878,7 +888,11 @@ fn tensor_core_attention_matches_cpu() {
             g.upload(&lse).unwrap(),
             g.upload(&dout).unwrap(),
         );
-        let backward = |kernels| {
+        let backward = |warp_rows, backward| {
+            let kernels = AttnKernels {
+                warp_rows,
+                backward,
+            };
             let (_, [mut gdq, mut gdk, mut gdv]) = initial_grads(&g, &s, 44);
             ops::attention_backward_tc(
                 kernels, &s, mask, format, &gq, &gk, &gv, &go, &gl, &gdo, &mut gdq, &mut gdk,
@@ -887,9 +901,14 @@ fn tensor_core_attention_matches_cpu() {
             .unwrap();
             [host(&gdq), host(&gdk), host(&gdv)]
         };
-        let split = backward(AttnBackwardKernels::Split);
-        let fused = backward(AttnBackwardKernels::Fused);
-        for (kernels, [gdq, gdk, gdv]) in [("split", &split), ("fused", &fused)] {
+        let split = backward(WarpRows::One, AttnBackwardKernels::Split);
+        let split2 = backward(WarpRows::Two, AttnBackwardKernels::Split);
+        let fused = backward(WarpRows::One, AttnBackwardKernels::Fused);
+        for (kernels, [gdq, gdk, gdv]) in [
+            ("split", &split),
+            ("split, two m-tiles", &split2),
+            ("fused", &fused),
+        ] {
             let what = format!("{what} {kernels}");
             assert_rounded_close(&format!("{what} dq"), gdq, &dq, &mq, half_ulp);
             assert_rounded_close(&format!("{what} dk"), gdk, &dk, &mk, half_ulp);
@@ -900,8 +919,12 @@ fn tensor_core_attention_matches_cpu() {
             bits(&fused[1]) == bits(&split[1]) && bits(&fused[2]) == bits(&split[2]),
             "{what}: the fused kernel's dk, dv are not the split kernel's"
         );
+        assert!(
+            split2.iter().zip(&split).all(|(a, b)| bits(a) == bits(b)),
+            "{what}: dQ with two m-tiles a warp is not the bits of one m-tile's"
+        );
         if s.q_len == 1024 {
-            let again = backward(AttnBackwardKernels::Fused);
+            let again = backward(WarpRows::One, AttnBackwardKernels::Fused);
             assert!(
                 bits(&again[0]) == bits(&fused[0]),
                 "{what}: the fused kernel's dq differs run to run"
@@ -919,9 +942,18 @@ fn tensor_core_attention_matches_cpu() {
             g.alloc::<f32>(s.q_elems()).unwrap(),
             g.alloc::<f32>(s.lse_elems()).unwrap(),
         );
-        let err =
-            ops::attention_forward_tc(&s, None, Operands::Bf16, &gq, &gk, &gk, &mut go, &mut gl)
-                .unwrap_err();
+        let err = ops::attention_forward_tc(
+            ATTN_KERNELS,
+            &s,
+            None,
+            Operands::Bf16,
+            &gq,
+            &gk,
+            &gk,
+            &mut go,
+            &mut gl,
+        )
+        .unwrap_err();
         assert!(
             matches!(err, tensor::cuda::CudaError::Shape(_)),
             "head_dim {d}: {err}"
@@ -935,8 +967,18 @@ fn tensor_core_attention_matches_cpu() {
         g.alloc::<f32>(s.q_elems()).unwrap(),
         g.alloc::<f32>(s.lse_elems()).unwrap(),
     );
-    let err = ops::attention_forward_tc(&s, None, Operands::F32, &x, &x, &x, &mut go, &mut gl)
-        .unwrap_err();
+    let err = ops::attention_forward_tc(
+        ATTN_KERNELS,
+        &s,
+        None,
+        Operands::F32,
+        &x,
+        &x,
+        &x,
+        &mut go,
+        &mut gl,
+    )
+    .unwrap_err();
     assert!(err.to_string().contains("fp32"), "{err}");
 }
 
@@ -1751,14 +1793,24 @@ fn attention_operands_rounded_once_give_the_same_results() {
         g.alloc::<f32>(s.q_elems()).unwrap(),
         g.alloc::<f32>(s.lse_elems()).unwrap(),
     );
-    let err =
-        ops::attention_forward_tc(&s, None, Operands::Bf16, view, view, view, &mut go, &mut gl)
-            .unwrap_err();
+    let err = ops::attention_forward_tc(
+        ATTN_KERNELS,
+        &s,
+        None,
+        Operands::Bf16,
+        view,
+        view,
+        view,
+        &mut go,
+        &mut gl,
+    )
+    .unwrap_err();
     assert!(err.to_string().contains("16-byte"), "{err}");
     // An output view 4 bytes into its buffer: written as pairs of fp32.
     let whole = bits.slice(0..s.q_elems());
     let mut wide = g.alloc::<f32>(s.q_elems() + 1).unwrap();
     let err = ops::attention_forward_tc(
+        ATTN_KERNELS,
         &s,
         None,
         Operands::Bf16,

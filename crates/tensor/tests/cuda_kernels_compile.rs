@@ -33,22 +33,13 @@ fn every_kernel_compiles_for_sm80_and_sm90_without_warnings() {
         all.push(default);
     }
     // Every (compiler, module, architecture) on the cores there are: NVRTC compiles
-    // independent programs concurrently, and the check is CI's longest after the MPI test. A
-    // module that reads the forward's m-tiles a warp (`XT_ATTN_K4_MTILES`) is compiled with
-    // each choice of it, the library's and the other, so that either can be built.
-    let jobs: Vec<(&sys::Nvrtc, &str, u32, usize)> = all
+    // independent programs concurrently, and the check is CI's longest after the MPI test.
+    let jobs: Vec<(&sys::Nvrtc, &str, u32)> = all
         .iter()
         .flat_map(|&lib| {
-            kernels::SOURCES.iter().flat_map(move |(module, src)| {
-                let mtiles: &[usize] = if src.contains("XT_ATTN_K4_MTILES") {
-                    &[1, 2]
-                } else {
-                    &[kernels::ATTN_K4_MTILES]
-                };
-                mtiles
-                    .iter()
-                    .flat_map(move |&mt| [80, 90].map(|arch| (lib, *module, arch, mt)))
-            })
+            kernels::SOURCES
+                .iter()
+                .flat_map(move |(module, _)| [80, 90].map(|arch| (lib, *module, arch)))
         })
         .collect();
     let next = std::sync::atomic::AtomicUsize::new(0);
@@ -62,21 +53,16 @@ fn every_kernel_compiles_for_sm80_and_sm90_without_warnings() {
                     let mut failed = Vec::new();
                     loop {
                         let i = next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-                        let Some(&(lib, module, arch, mtiles)) = jobs.get(i) else {
+                        let Some(&(lib, module, arch)) = jobs.get(i) else {
                             return failed;
                         };
                         let (major, minor) = nvrtc::version_of(lib).unwrap();
-                        let source = kernels::source_with(module, mtiles).expect("listed module");
-                        let what = format!(
-                            "NVRTC {major}.{minor} ({}), {module} (m-tiles {mtiles}) sm_{arch}",
-                            lib.path
-                        );
+                        let source = kernels::source(module).expect("listed module");
+                        let what =
+                            format!("NVRTC {major}.{minor} ({}), {module} sm_{arch}", lib.path);
                         match nvrtc::compile_with(lib, module, &source, arch) {
                             Ok(c) if c.log.is_empty() && !c.cubin.is_empty() => {
-                                if std::ptr::eq(lib, all[0])
-                                    && arch == 90
-                                    && mtiles == kernels::ATTN_K4_MTILES
-                                {
+                                if std::ptr::eq(lib, all[0]) && arch == 90 {
                                     cubins.lock().unwrap().push((module.to_string(), c.cubin));
                                 }
                             }

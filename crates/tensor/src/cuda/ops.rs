@@ -1325,66 +1325,139 @@ pub fn attention_backward<'a>(
 /// 4 warps of 16 rows each (the key and value tiles they stream are as long).
 const ATT_TC_TILE: usize = 64;
 
-/// Query rows per block of the tensor-core forward and dQ kernels at this shape's head size:
-/// 4 warps of [`super::kernels::ATTN_K4_MTILES`] m-tiles of 16 at head sizes up to 64, of one
-/// above.
-fn attn_tc_query_rows(s: &AttnShape) -> usize {
-    if s.head_dim <= 64 {
-        ATT_TC_TILE * super::kernels::ATTN_K4_MTILES
-    } else {
-        ATT_TC_TILE
+/// The tensor-core attention's kernel choices. Each choice computes the same function (the
+/// kernels' contract); they differ in speed and in the order of some fp32 sums, hence in the
+/// last bits. [`ATTN_KERNELS`] is the library's; `xtrain bench kernels --device cuda` times
+/// every choice against the others, alternating.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct AttnKernels {
+    /// Query rows a warp of the forward and of dQ owns at head sizes up to 64 (above, one
+    /// m-tile).
+    pub warp_rows: WarpRows,
+    /// The backward's kernels.
+    pub backward: AttnBackwardKernels,
+}
+
+/// Query rows a warp of the tensor-core forward and dQ kernels owns at head sizes up to 64,
+/// in m-tiles of 16 (a block of 4 warps owns four times as many).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum WarpRows {
+    /// One m-tile (the `_k4` kernels: 166 and 161 registers, 3 blocks an SM).
+    One,
+    /// Two m-tiles (the `_m2_k4` kernels; FlashAttention-2's layout for head 64): each K and V
+    /// fragment read from shared memory serves both tiles' products, half the shared-memory
+    /// reads per FLOP, at 230–240 registers a thread and 2 blocks an SM.
+    Two,
+}
+
+/// The kernels of the tensor-core attention backward at head sizes up to 64 without a document
+/// mask (the others always take [`AttnBackwardKernels::Split`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum AttnBackwardKernels {
+    /// `attn_bwd_dq_tc` per query block beside `attn_bwd_dkv_tc` per key block: each computes
+    /// `S` and `dP` itself, so seven products where FlashAttention-2's backward has five.
+    Split,
+    /// One kernel per key block (`attn_bwd_fused_tc`): dK and dV as the split kernel, and each
+    /// key block's share of dQ (`dS K`) added into dQ in a fixed order (the last key block
+    /// first, a count per query step of 32 rows ordering the adds: deterministic, no atomic
+    /// sums), five products.
+    Fused,
+}
+
+/// The library's choice of [`AttnKernels`]: the measured kernels (docs/GPU.md).
+pub const ATTN_KERNELS: AttnKernels = AttnKernels {
+    warp_rows: WarpRows::One,
+    backward: AttnBackwardKernels::Split,
+};
+
+impl AttnKernels {
+    /// Query rows per block of the forward and dQ kernels at this shape's head size.
+    fn query_rows(self, s: &AttnShape) -> usize {
+        match self.warp_rows {
+            WarpRows::Two if s.head_dim <= 64 => 2 * ATT_TC_TILE,
+            _ => ATT_TC_TILE,
+        }
     }
 }
 
 /// Query rows per step of the tensor-core dK/dV kernel.
 const ATT_TC_QSTEP: usize = 32;
 
+/// The register tiles of a tensor-core attention kernel: head sizes up to 64 (`_k4`; the
+/// forward and dQ also with two m-tiles a warp, `_m2_k4`) or up to 128 (`_k8`).
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum TcTile {
+    K4,
+    M2K4,
+    K8,
+}
+
 /// The instantiation of a tensor-core attention kernel (`attn_fwd_tc`, `attn_bwd_dq_tc`,
-/// `attn_bwd_dkv_tc`) for a document mask or none (`_docs`), the operand format — bf16, or
-/// fp16 (`_f16`) — and the shape's head size: register tiles for 64 (`_k4`) or 128 (`_k8`).
+/// `attn_bwd_dkv_tc`, `attn_bwd_fused_tc`) for a document mask or none (`_docs`), the operand
+/// format — bf16, or fp16 (`_f16`) — and the register tiles for the shape's head size and
+/// `kernels`' rows a warp (the forward's and dQ's).
 fn tc_kernel(
     s: &AttnShape,
     kernel: &'static str,
     format: crate::operands::Operands,
     docs: bool,
+    kernels: AttnKernels,
 ) -> Result<&'static str, CudaError> {
     use crate::operands::Operands::{Bf16, F16, F32};
-    let small = s.head_dim <= 64;
-    Ok(match (kernel, docs, format, small) {
-        ("attn_fwd_tc", false, Bf16, true) => "attn_fwd_tc_k4",
-        ("attn_fwd_tc", false, Bf16, false) => "attn_fwd_tc_k8",
-        ("attn_fwd_tc", false, F16, true) => "attn_fwd_tc_f16_k4",
-        ("attn_fwd_tc", false, F16, false) => "attn_fwd_tc_f16_k8",
-        ("attn_fwd_tc", true, Bf16, true) => "attn_fwd_tc_docs_k4",
-        ("attn_fwd_tc", true, Bf16, false) => "attn_fwd_tc_docs_k8",
-        ("attn_fwd_tc", true, F16, true) => "attn_fwd_tc_docs_f16_k4",
-        ("attn_fwd_tc", true, F16, false) => "attn_fwd_tc_docs_f16_k8",
-        ("attn_bwd_dq_tc", false, Bf16, true) => "attn_bwd_dq_tc_k4",
-        ("attn_bwd_dq_tc", false, Bf16, false) => "attn_bwd_dq_tc_k8",
-        ("attn_bwd_dq_tc", false, F16, true) => "attn_bwd_dq_tc_f16_k4",
-        ("attn_bwd_dq_tc", false, F16, false) => "attn_bwd_dq_tc_f16_k8",
-        ("attn_bwd_dq_tc", true, Bf16, true) => "attn_bwd_dq_tc_docs_k4",
-        ("attn_bwd_dq_tc", true, Bf16, false) => "attn_bwd_dq_tc_docs_k8",
-        ("attn_bwd_dq_tc", true, F16, true) => "attn_bwd_dq_tc_docs_f16_k4",
-        ("attn_bwd_dq_tc", true, F16, false) => "attn_bwd_dq_tc_docs_f16_k8",
-        ("attn_bwd_dkv_tc", false, Bf16, true) => "attn_bwd_dkv_tc_k4",
-        ("attn_bwd_dkv_tc", false, Bf16, false) => "attn_bwd_dkv_tc_k8",
-        ("attn_bwd_dkv_tc", false, F16, true) => "attn_bwd_dkv_tc_f16_k4",
-        ("attn_bwd_dkv_tc", false, F16, false) => "attn_bwd_dkv_tc_f16_k8",
-        ("attn_bwd_fused_tc", false, Bf16, true) => "attn_bwd_fused_tc_k4",
-        ("attn_bwd_fused_tc", false, F16, true) => "attn_bwd_fused_tc_f16_k4",
-        ("attn_bwd_dkv_tc", true, Bf16, true) => "attn_bwd_dkv_tc_docs_k4",
-        ("attn_bwd_dkv_tc", true, Bf16, false) => "attn_bwd_dkv_tc_docs_k8",
-        ("attn_bwd_dkv_tc", true, F16, true) => "attn_bwd_dkv_tc_docs_f16_k4",
-        ("attn_bwd_dkv_tc", true, F16, false) => "attn_bwd_dkv_tc_docs_f16_k8",
-        (_, _, F32, _) => {
+    use TcTile::{K4, K8, M2K4};
+    let rows_a_warp = matches!(kernel, "attn_fwd_tc" | "attn_bwd_dq_tc");
+    let tile = match (s.head_dim <= 64, kernels.warp_rows) {
+        (false, _) => K8,
+        (true, WarpRows::Two) if rows_a_warp => M2K4,
+        (true, _) => K4,
+    };
+    let f16 = match format {
+        Bf16 => false,
+        F16 => true,
+        F32 => {
             return Err(CudaError::Shape(
                 "tensor-core attention takes bf16 or fp16 operands, not fp32: use \
                  attention_forward / attention_backward"
                     .into(),
             ))
         }
-        (k, ..) => unreachable!("no tensor-core attention kernel {k}"),
+    };
+    Ok(match (kernel, docs, f16, tile) {
+        ("attn_fwd_tc", false, false, K4) => "attn_fwd_tc_k4",
+        ("attn_fwd_tc", false, false, M2K4) => "attn_fwd_tc_m2_k4",
+        ("attn_fwd_tc", false, false, K8) => "attn_fwd_tc_k8",
+        ("attn_fwd_tc", false, true, K4) => "attn_fwd_tc_f16_k4",
+        ("attn_fwd_tc", false, true, M2K4) => "attn_fwd_tc_f16_m2_k4",
+        ("attn_fwd_tc", false, true, K8) => "attn_fwd_tc_f16_k8",
+        ("attn_fwd_tc", true, false, K4) => "attn_fwd_tc_docs_k4",
+        ("attn_fwd_tc", true, false, M2K4) => "attn_fwd_tc_docs_m2_k4",
+        ("attn_fwd_tc", true, false, K8) => "attn_fwd_tc_docs_k8",
+        ("attn_fwd_tc", true, true, K4) => "attn_fwd_tc_docs_f16_k4",
+        ("attn_fwd_tc", true, true, M2K4) => "attn_fwd_tc_docs_f16_m2_k4",
+        ("attn_fwd_tc", true, true, K8) => "attn_fwd_tc_docs_f16_k8",
+        ("attn_bwd_dq_tc", false, false, K4) => "attn_bwd_dq_tc_k4",
+        ("attn_bwd_dq_tc", false, false, M2K4) => "attn_bwd_dq_tc_m2_k4",
+        ("attn_bwd_dq_tc", false, false, K8) => "attn_bwd_dq_tc_k8",
+        ("attn_bwd_dq_tc", false, true, K4) => "attn_bwd_dq_tc_f16_k4",
+        ("attn_bwd_dq_tc", false, true, M2K4) => "attn_bwd_dq_tc_f16_m2_k4",
+        ("attn_bwd_dq_tc", false, true, K8) => "attn_bwd_dq_tc_f16_k8",
+        ("attn_bwd_dq_tc", true, false, K4) => "attn_bwd_dq_tc_docs_k4",
+        ("attn_bwd_dq_tc", true, false, M2K4) => "attn_bwd_dq_tc_docs_m2_k4",
+        ("attn_bwd_dq_tc", true, false, K8) => "attn_bwd_dq_tc_docs_k8",
+        ("attn_bwd_dq_tc", true, true, K4) => "attn_bwd_dq_tc_docs_f16_k4",
+        ("attn_bwd_dq_tc", true, true, M2K4) => "attn_bwd_dq_tc_docs_f16_m2_k4",
+        ("attn_bwd_dq_tc", true, true, K8) => "attn_bwd_dq_tc_docs_f16_k8",
+        ("attn_bwd_dkv_tc", false, false, K4) => "attn_bwd_dkv_tc_k4",
+        ("attn_bwd_dkv_tc", false, false, K8) => "attn_bwd_dkv_tc_k8",
+        ("attn_bwd_dkv_tc", false, true, K4) => "attn_bwd_dkv_tc_f16_k4",
+        ("attn_bwd_dkv_tc", false, true, K8) => "attn_bwd_dkv_tc_f16_k8",
+        ("attn_bwd_dkv_tc", true, false, K4) => "attn_bwd_dkv_tc_docs_k4",
+        ("attn_bwd_dkv_tc", true, false, K8) => "attn_bwd_dkv_tc_docs_k8",
+        ("attn_bwd_dkv_tc", true, true, K4) => "attn_bwd_dkv_tc_docs_f16_k4",
+        ("attn_bwd_dkv_tc", true, true, K8) => "attn_bwd_dkv_tc_docs_f16_k8",
+        ("attn_bwd_fused_tc", false, false, K4) => "attn_bwd_fused_tc_k4",
+        ("attn_bwd_fused_tc", false, true, K4) => "attn_bwd_fused_tc_f16_k4",
+        (k, ..) => unreachable!("no tensor-core attention kernel {k} for this shape"),
     })
 }
 
@@ -1461,13 +1534,14 @@ fn check_attn_aligned(what: &str, ptr: u64, align: u64) -> Result<(), CudaError>
 /// 2⁻⁸ each in bf16, 2⁻¹¹ in fp16), not bit-equal.
 ///
 /// One block of 4 warps per (query rows, batch × head), the longest (last) query blocks first:
-/// 64 rows, or at head sizes up to 64 `64 · ATTN_K4_MTILES` ([`super::kernels::ATTN_K4_MTILES`]);
-/// dynamic shared memory `512 · (head_dim + 8)` bytes (36 864 for head_dim 64, 69 632 for 128:
+/// 64 rows, or 128 at head sizes up to 64 with `kernels.warp_rows` [`WarpRows::Two`] (the
+/// library's choice: [`ATTN_KERNELS`]); dynamic shared memory `512 · (head_dim + 8)` bytes (36 864 for head_dim 64, 69 632 for 128:
 /// K and V tiles double-buffered by cp.async; kernels/attention_tc.cu). `head_dim` must be a
 /// multiple of 16 in 16..=128: otherwise [`CudaError::Shape`], and the caller uses
 /// [`attention_forward`]. `docs`: the document mask, as for [`attention_forward`].
 #[allow(clippy::too_many_arguments)]
 pub fn attention_forward_tc<'a>(
+    kernels: AttnKernels,
     s: &AttnShape,
     docs: Option<&DocMask>,
     format: crate::operands::Operands,
@@ -1485,7 +1559,7 @@ pub fn attention_forward_tc<'a>(
 
     check_attn(s, q.len(), k.len(), v.len())?;
     check_attn_tc(s)?;
-    let kernel = tc_kernel(s, "attn_fwd_tc", format, docs.is_some())?;
+    let kernel = tc_kernel(s, "attn_fwd_tc", format, docs.is_some(), kernels)?;
     for (what, x) in [("q", &q), ("k", &k), ("v", &v)] {
         check_attn_aligned(what, x.ptr(), 16)?;
     }
@@ -1502,7 +1576,7 @@ pub fn attention_forward_tc<'a>(
         kernel,
         LaunchCfg {
             grid: (
-                s.q_len.div_ceil(attn_tc_query_rows(s)) as u32,
+                s.q_len.div_ceil(kernels.query_rows(s)) as u32,
                 (s.batch * s.n_heads) as u32,
                 1,
             ),
@@ -1512,24 +1586,6 @@ pub fn attention_forward_tc<'a>(
         &args,
     )
 }
-
-/// The kernels of the tensor-core attention backward at head sizes up to 64 without a document
-/// mask (the others always take [`AttnBackwardKernels::Split`]).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum AttnBackwardKernels {
-    /// `attn_bwd_dq_tc` per query block beside `attn_bwd_dkv_tc` per key block: each computes
-    /// `S` and `dP` itself, so seven products where FlashAttention-2's backward has five.
-    Split,
-    /// One kernel per key block (`attn_bwd_fused_tc`): dK and dV as the split kernel, and each
-    /// key block's share of dQ (`dS K`) added into dQ in a fixed order (the last key block
-    /// first, a count per query step of 32 rows ordering the adds: deterministic, no atomic
-    /// sums), five products.
-    Fused,
-}
-
-/// The library's choice of [`AttnBackwardKernels`]: the split kernels, measured;
-/// `xtrain bench kernels --device cuda` times the fused kernel beside them.
-pub const ATTN_BACKWARD_KERNELS: AttnBackwardKernels = AttnBackwardKernels::Split;
 
 /// Backward on the tensor cores (sm_80+): accumulates (`+=`) into `dq`, `dk`, `dv` like
 /// [`attention_backward`] (pass the final merged `out` and `lse` for a partial key block), and
@@ -1551,8 +1607,9 @@ pub const ATTN_BACKWARD_KERNELS: AttnBackwardKernels = AttnBackwardKernels::Spli
 /// multiple of 16 in 16..=128: otherwise [`CudaError::Shape`], and the caller uses
 /// [`attention_backward`]. `docs`: the forward's document mask.
 ///
-/// `kernels`: the library's choice is [`ATTN_BACKWARD_KERNELS`]; [`AttnBackwardKernels::Fused`]
-/// (at head sizes up to 64, without a document mask) is one launch after the delta and the
+/// `kernels`: the library's choice is [`ATTN_KERNELS`]; dQ's query rows a block are the
+/// forward's, and [`AttnBackwardKernels::Fused`] (at head sizes up to 64, without a document
+/// mask) is one launch after the delta and the
 /// rounding of `dout`: `attn_bwd_fused_tc`, 4 warps per (64 keys, batch × KV head),
 /// `attn_bwd_dkv_tc`'s shared memory and a 64 × 40 bf16 tile of `dSᵀ` (42 496 bytes at
 /// head_dim 64), with `batch · n_heads · ⌈q_len / 32⌉` counters zeroed before it. Its dQ sums
@@ -1561,7 +1618,7 @@ pub const ATTN_BACKWARD_KERNELS: AttnBackwardKernels = AttnBackwardKernels::Spli
 /// split kernel's bits.
 #[allow(clippy::too_many_arguments)]
 pub fn attention_backward_tc<'a>(
-    kernels: AttnBackwardKernels,
+    kernels: AttnKernels,
     s: &AttnShape,
     docs: Option<&DocMask>,
     format: crate::operands::Operands,
@@ -1586,9 +1643,10 @@ pub fn attention_backward_tc<'a>(
     let dv: DevSliceMut<'_, f32> = dv.into();
 
     check_attn_tc(s)?;
-    let fused = kernels == AttnBackwardKernels::Fused && s.head_dim <= 64 && docs.is_none();
-    let dq_kernel = tc_kernel(s, "attn_bwd_dq_tc", format, docs.is_some())?;
-    let dkv_kernel = tc_kernel(s, "attn_bwd_dkv_tc", format, docs.is_some())?;
+    let fused =
+        kernels.backward == AttnBackwardKernels::Fused && s.head_dim <= 64 && docs.is_none();
+    let dq_kernel = tc_kernel(s, "attn_bwd_dq_tc", format, docs.is_some(), kernels)?;
+    let dkv_kernel = tc_kernel(s, "attn_bwd_dkv_tc", format, docs.is_some(), kernels)?;
     check_attn_backward(
         s,
         [q.len(), k.len(), v.len()],
@@ -1644,14 +1702,14 @@ pub fn attention_backward_tc<'a>(
         to_i32(steps, "batch × n_heads × query steps")?;
         let turns = gpu.zeros::<u32>(steps)?;
         return launch(
-            tc_kernel(s, "attn_bwd_fused_tc", format, false)?,
+            tc_kernel(s, "attn_bwd_fused_tc", format, false, kernels)?,
             dkv_grid,
             attn_tc_dkv_shared(s) + ATT_TC_FUSED_DS_BYTES,
             &args(&[(&dq).into(), (&dk).into(), (&dv).into(), (&turns).into()])?,
         );
     }
     let dq_grid = (
-        s.q_len.div_ceil(attn_tc_query_rows(s)) as u32,
+        s.q_len.div_ceil(kernels.query_rows(s)) as u32,
         (s.batch * s.n_heads) as u32,
         1,
     );

@@ -54,7 +54,7 @@
 //     see the most keys under a causal mask), so the longest blocks start first and the short
 //     ones fill the tail of the grid.
 //  g. out is written as float2 (a thread's two adjacent columns of an accumulator fragment).
-//  h. Rows a warp: MT m-tiles of 16 (the _k4 kernels XT_ATTN_K4_MTILES, 1 or 2; the _k8 ones
+//  h. Rows a warp: MT m-tiles of 16 (the _k4 kernels 1, the _m2_k4 ones 2; the _k8 ones
 //     1). With two, FlashAttention-2's layout (32 rows a warp, 128 a CTA), every ldmatrix of K
 //     or V feeds the products of both m-tiles: at one m-tile a warp reads 16 KiB of shared
 //     memory (32 ldmatrix.x4) for the 64 mma of a 64-key tile at D = 64, at two the same
@@ -468,9 +468,10 @@ __device__ __forceinline__ void attn_fwd_tc_body(const u16* q, const u16* k, con
     }
 }
 
-// M-tiles of 16 query rows a warp owns (the CTA's 4 warps own 64 MT rows): at D <= 64
-// XT_ATTN_K4_MTILES (tensor_core.cuh), 1 or 2; at D = 128 always 1 (two m-tiles'
-// accumulators, 2 x 64 registers, would not fit beside the rest).
+// M-tiles of 16 query rows a warp owns (the CTA's 4 warps own 64 MT rows): at D <= 64 1 (the
+// _k4 kernels) or 2 (the _m2_k4 ones: the launcher's choice, tensor::cuda::ops::AttnKernels);
+// at D = 128 always 1 (two m-tiles' accumulators, 2 x 64 registers, would not fit beside the
+// rest).
 
 // Blocks an SM each kernel is compiled for (__launch_bounds__' second argument: the register
 // cap is 64K / (128 x blocks)). attn_fwd_tc_k4 with one m-tile a warp: 3, a cap of 168
@@ -484,7 +485,10 @@ __device__ __forceinline__ void attn_fwd_tc_body(const u16* q, const u16* k, con
 // another choice, a #define before the source (e.g. `#define TN_K4_MIN_BLOCKS 4` after the
 // prelude, compiling the module by hand with NVRTC) overrides either.
 #ifndef TN_K4_MIN_BLOCKS
-#define TN_K4_MIN_BLOCKS (XT_ATTN_K4_MTILES == 1 ? 3 : 2)
+#define TN_K4_MIN_BLOCKS 3
+#endif
+#ifndef TN_M2_K4_MIN_BLOCKS
+#define TN_M2_K4_MIN_BLOCKS 2
 #endif
 #ifndef TN_K8_MIN_BLOCKS
 #define TN_K8_MIN_BLOCKS 2
@@ -508,12 +512,17 @@ __device__ __forceinline__ void attn_fwd_tc_body(const u16* q, const u16* k, con
                                                          key_lo);                              \
     }
 
-// bf16 operands (bf16 steps), and fp16 (fp16 steps); plain causal, and under a document mask.
-TN_KERNEL(attn_fwd_tc_k4, 4, XT_ATTN_K4_MTILES, TN_K4_MIN_BLOCKS, false, false)
+// bf16 operands (bf16 steps), and fp16 (fp16 steps); plain causal, and under a document mask;
+// at D <= 64 one m-tile a warp (_k4) and two (_m2_k4).
+TN_KERNEL(attn_fwd_tc_k4, 4, 1, TN_K4_MIN_BLOCKS, false, false)
+TN_KERNEL(attn_fwd_tc_m2_k4, 4, 2, TN_M2_K4_MIN_BLOCKS, false, false)
 TN_KERNEL(attn_fwd_tc_k8, 8, 1, TN_K8_MIN_BLOCKS, false, false)
-TN_KERNEL(attn_fwd_tc_f16_k4, 4, XT_ATTN_K4_MTILES, TN_K4_MIN_BLOCKS, true, false)
+TN_KERNEL(attn_fwd_tc_f16_k4, 4, 1, TN_K4_MIN_BLOCKS, true, false)
+TN_KERNEL(attn_fwd_tc_f16_m2_k4, 4, 2, TN_M2_K4_MIN_BLOCKS, true, false)
 TN_KERNEL(attn_fwd_tc_f16_k8, 8, 1, TN_K8_MIN_BLOCKS, true, false)
-TN_KERNEL(attn_fwd_tc_docs_k4, 4, XT_ATTN_K4_MTILES, TN_K4_MIN_BLOCKS, false, true)
+TN_KERNEL(attn_fwd_tc_docs_k4, 4, 1, TN_K4_MIN_BLOCKS, false, true)
+TN_KERNEL(attn_fwd_tc_docs_m2_k4, 4, 2, TN_M2_K4_MIN_BLOCKS, false, true)
 TN_KERNEL(attn_fwd_tc_docs_k8, 8, 1, TN_K8_MIN_BLOCKS, false, true)
-TN_KERNEL(attn_fwd_tc_docs_f16_k4, 4, XT_ATTN_K4_MTILES, TN_K4_MIN_BLOCKS, true, true)
+TN_KERNEL(attn_fwd_tc_docs_f16_k4, 4, 1, TN_K4_MIN_BLOCKS, true, true)
+TN_KERNEL(attn_fwd_tc_docs_f16_m2_k4, 4, 2, TN_M2_K4_MIN_BLOCKS, true, true)
 TN_KERNEL(attn_fwd_tc_docs_f16_k8, 8, 1, TN_K8_MIN_BLOCKS, true, true)

@@ -90,7 +90,7 @@
 //     in reverse (h.).
 //  f. dq, dk, dv are read and written as float2 (a thread's two adjacent columns of an
 //     accumulator fragment): half the memory instructions of one float at a time.
-//  g. dQ's rows a warp: MT m-tiles of 16 (the _k4 kernels XT_ATTN_K4_MTILES, 1 or 2; the _k8
+//  g. dQ's rows a warp: MT m-tiles of 16 (the _k4 kernels 1, the _m2_k4 ones 2; the _k8
 //     ones 1), as the forward's (attention_tc.cu, h.): with two, every ldmatrix of K or V
 //     feeds both m-tiles' products, half the shared-memory reads per mma; the key steps are
 //     then 16 keys, so that S and dP stay 32 registers a thread.
@@ -1034,8 +1034,8 @@ __device__ __forceinline__ void attn_bwd_dkv_tc_body(
     }
 }
 
-// M-tiles of 16 query rows a dQ warp owns (the CTA's 4 warps own 64 MT rows): at D <= 64
-// XT_ATTN_K4_MTILES (tensor_core.cuh), 1 or 2, as for the forward; at D = 128 always 1.
+// M-tiles of 16 query rows a dQ warp owns (the CTA's 4 warps own 64 MT rows): at D <= 64 1 (the
+// _k4 kernels) or 2 (the _m2_k4 ones), as for the forward; at D = 128 always 1.
 
 // Blocks an SM each kernel is compiled for (__launch_bounds__' second argument: the register
 // cap is 64K / (128 x blocks)); see the ptxas figures in the header (dQ at D <= 64 with two
@@ -1044,7 +1044,10 @@ __device__ __forceinline__ void attn_bwd_dkv_tc_body(
 // `#define TB_DQ_K4_MIN_BLOCKS 4` after the prelude, compiling the module by hand with NVRTC)
 // overrides each.
 #ifndef TB_DQ_K4_MIN_BLOCKS
-#define TB_DQ_K4_MIN_BLOCKS (XT_ATTN_K4_MTILES == 1 ? 3 : 2)
+#define TB_DQ_K4_MIN_BLOCKS 3
+#endif
+#ifndef TB_DQ_M2_K4_MIN_BLOCKS
+#define TB_DQ_M2_K4_MIN_BLOCKS 2
 #endif
 #ifndef TB_DQ_K8_MIN_BLOCKS
 #define TB_DQ_K8_MIN_BLOCKS 2
@@ -1059,12 +1062,12 @@ __device__ __forceinline__ void attn_bwd_dkv_tc_body(
 // Every kernel takes the document mask's two arrays (the "attention" module's key_lo, q_end);
 // only the _docs kernels read them (dQ key_lo, dK/dV q_end), and the others, which may be
 // passed nulls, are the same code as without the parameters.
-#define TB_KERNELS(DQ, DKV, MAXK, MT, DQ_MIN_BLOCKS, DKV_MIN_BLOCKS, KV_REGS, F16, DOCS)        \
-    extern "C" __global__ void __launch_bounds__(TB_THREADS, DQ_MIN_BLOCKS)                     \
-        DQ(const u16* q, const u16* k, const u16* v, const u16* dout, const float* lse,         \
-           const float* delta, float* dq, int B, int Sq, int Sk, int H, int Hkv, int D,         \
-           int causal, int q_start, int k_start, float scale, const int* key_lo,                \
-           const int* q_end) {                                                                  \
+#define TB_DQ_KERNEL(NAME, MAXK, MT, MIN_BLOCKS, F16, DOCS)                                     \
+    extern "C" __global__ void __launch_bounds__(TB_THREADS, MIN_BLOCKS)                        \
+        NAME(const u16* q, const u16* k, const u16* v, const u16* dout, const float* lse,       \
+             const float* delta, float* dq, int B, int Sq, int Sk, int H, int Hkv, int D,       \
+             int causal, int q_start, int k_start, float scale, const int* key_lo,              \
+             const int* q_end) {                                                                \
         if (D == 16 * MAXK)                                                                     \
             attn_bwd_dq_tc_body<MAXK, MT, true, F16, DOCS>(q, k, v, dout, lse, delta, dq, B,    \
                                                            Sq, Sk, H, Hkv, D, causal, q_start,  \
@@ -1073,12 +1076,13 @@ __device__ __forceinline__ void attn_bwd_dkv_tc_body(
             attn_bwd_dq_tc_body<MAXK, MT, false, F16, DOCS>(q, k, v, dout, lse, delta, dq, B,   \
                                                             Sq, Sk, H, Hkv, D, causal, q_start, \
                                                             k_start, scale, key_lo);            \
-    }                                                                                           \
-    extern "C" __global__ void __launch_bounds__(TB_THREADS, DKV_MIN_BLOCKS)                    \
-        DKV(const u16* q, const u16* k, const u16* v, const u16* dout, const float* lse,        \
-            const float* delta, float* dk, float* dv, int B, int Sq, int Sk, int H, int Hkv,    \
-            int D, int causal, int q_start, int k_start, float scale, const int* key_lo,        \
-            const int* q_end) {                                                                 \
+    }
+#define TB_DKV_KERNEL(NAME, MAXK, MIN_BLOCKS, KV_REGS, F16, DOCS)                               \
+    extern "C" __global__ void __launch_bounds__(TB_THREADS, MIN_BLOCKS)                        \
+        NAME(const u16* q, const u16* k, const u16* v, const u16* dout, const float* lse,       \
+             const float* delta, float* dk, float* dv, int B, int Sq, int Sk, int H, int Hkv,   \
+             int D, int causal, int q_start, int k_start, float scale, const int* key_lo,       \
+             const int* q_end) {                                                                \
         if (D == 16 * MAXK)                                                                     \
             attn_bwd_dkv_tc_body<MAXK, true, KV_REGS, F16, DOCS, false>(                        \
                 q, k, v, dout, lse, delta, dk, dv, B, Sq, Sk, H, Hkv, D, causal, q_start,       \
@@ -1089,22 +1093,36 @@ __device__ __forceinline__ void attn_bwd_dkv_tc_body(
                 k_start, scale, q_end, nullptr, nullptr);                                       \
     }
 
-// bf16 operands (bf16 steps), and fp16 (fp16 steps); plain causal, and under a document mask.
-// The head-64 kernels' tiling (m-tiles a dQ warp, blocks an SM, K and V in registers) and the
-// head-128 kernels'.
-#define TB_K4                                                                              \
-    4, XT_ATTN_K4_MTILES, TB_DQ_K4_MIN_BLOCKS, TB_DKV_K4_MIN_BLOCKS, (TB_DKV_KV_REGS_K4 != 0)
-#define TB_K8 8, 1, TB_DQ_K8_MIN_BLOCKS, TB_DKV_K8_MIN_BLOCKS, (TB_DKV_KV_REGS_K8 != 0)
-// TB_KERNELS_ expands a tiling's commas into TB_KERNELS's arguments.
-#define TB_KERNELS_(...) TB_KERNELS(__VA_ARGS__)
-TB_KERNELS_(attn_bwd_dq_tc_k4, attn_bwd_dkv_tc_k4, TB_K4, false, false)
-TB_KERNELS_(attn_bwd_dq_tc_k8, attn_bwd_dkv_tc_k8, TB_K8, false, false)
-TB_KERNELS_(attn_bwd_dq_tc_f16_k4, attn_bwd_dkv_tc_f16_k4, TB_K4, true, false)
-TB_KERNELS_(attn_bwd_dq_tc_f16_k8, attn_bwd_dkv_tc_f16_k8, TB_K8, true, false)
-TB_KERNELS_(attn_bwd_dq_tc_docs_k4, attn_bwd_dkv_tc_docs_k4, TB_K4, false, true)
-TB_KERNELS_(attn_bwd_dq_tc_docs_k8, attn_bwd_dkv_tc_docs_k8, TB_K8, false, true)
-TB_KERNELS_(attn_bwd_dq_tc_docs_f16_k4, attn_bwd_dkv_tc_docs_f16_k4, TB_K4, true, true)
-TB_KERNELS_(attn_bwd_dq_tc_docs_f16_k8, attn_bwd_dkv_tc_docs_f16_k8, TB_K8, true, true)
+// bf16 operands (bf16 steps), and fp16 (fp16 steps); plain causal, and under a document mask;
+// dQ at D <= 64 with one m-tile a warp (_k4) and two (_m2_k4).
+#define TB_DQ_K4 4, 1, TB_DQ_K4_MIN_BLOCKS
+#define TB_DQ_M2_K4 4, 2, TB_DQ_M2_K4_MIN_BLOCKS
+#define TB_DQ_K8 8, 1, TB_DQ_K8_MIN_BLOCKS
+#define TB_DKV_K4 4, TB_DKV_K4_MIN_BLOCKS, (TB_DKV_KV_REGS_K4 != 0)
+#define TB_DKV_K8 8, TB_DKV_K8_MIN_BLOCKS, (TB_DKV_KV_REGS_K8 != 0)
+// TB_DQ_KERNEL_ and TB_DKV_KERNEL_ expand a tiling's commas into the macro's arguments.
+#define TB_DQ_KERNEL_(...) TB_DQ_KERNEL(__VA_ARGS__)
+#define TB_DKV_KERNEL_(...) TB_DKV_KERNEL(__VA_ARGS__)
+TB_DQ_KERNEL_(attn_bwd_dq_tc_k4, TB_DQ_K4, false, false)
+TB_DQ_KERNEL_(attn_bwd_dq_tc_m2_k4, TB_DQ_M2_K4, false, false)
+TB_DQ_KERNEL_(attn_bwd_dq_tc_k8, TB_DQ_K8, false, false)
+TB_DQ_KERNEL_(attn_bwd_dq_tc_f16_k4, TB_DQ_K4, true, false)
+TB_DQ_KERNEL_(attn_bwd_dq_tc_f16_m2_k4, TB_DQ_M2_K4, true, false)
+TB_DQ_KERNEL_(attn_bwd_dq_tc_f16_k8, TB_DQ_K8, true, false)
+TB_DQ_KERNEL_(attn_bwd_dq_tc_docs_k4, TB_DQ_K4, false, true)
+TB_DQ_KERNEL_(attn_bwd_dq_tc_docs_m2_k4, TB_DQ_M2_K4, false, true)
+TB_DQ_KERNEL_(attn_bwd_dq_tc_docs_k8, TB_DQ_K8, false, true)
+TB_DQ_KERNEL_(attn_bwd_dq_tc_docs_f16_k4, TB_DQ_K4, true, true)
+TB_DQ_KERNEL_(attn_bwd_dq_tc_docs_f16_m2_k4, TB_DQ_M2_K4, true, true)
+TB_DQ_KERNEL_(attn_bwd_dq_tc_docs_f16_k8, TB_DQ_K8, true, true)
+TB_DKV_KERNEL_(attn_bwd_dkv_tc_k4, TB_DKV_K4, false, false)
+TB_DKV_KERNEL_(attn_bwd_dkv_tc_k8, TB_DKV_K8, false, false)
+TB_DKV_KERNEL_(attn_bwd_dkv_tc_f16_k4, TB_DKV_K4, true, false)
+TB_DKV_KERNEL_(attn_bwd_dkv_tc_f16_k8, TB_DKV_K8, true, false)
+TB_DKV_KERNEL_(attn_bwd_dkv_tc_docs_k4, TB_DKV_K4, false, true)
+TB_DKV_KERNEL_(attn_bwd_dkv_tc_docs_k8, TB_DKV_K8, false, true)
+TB_DKV_KERNEL_(attn_bwd_dkv_tc_docs_f16_k4, TB_DKV_K4, true, true)
+TB_DKV_KERNEL_(attn_bwd_dkv_tc_docs_f16_k8, TB_DKV_K8, true, true)
 
 // The fused backward at D <= 64 (design h.), without a document mask: dK, dV and dQ from one
 // kernel; `turns` [B, H, ceil(Sq / 32)] zeroed before the launch (the adds into each query

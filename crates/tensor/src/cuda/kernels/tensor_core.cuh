@@ -3,16 +3,6 @@
 // formats' packing and mma.sync (bf16, or fp16 where F16), ex2, ldmatrix, cp.async, and the
 // causal mask's key count. PTX ISA sections are named where each is used.
 
-// The m-tiles of 16 query rows a warp of the head-64 forward and dQ kernels owns, 1 or 2:
-// defined by the loader from the launchers' own constant (tensor::cuda::kernels::
-// ATTN_K4_MTILES), so that grid and kernel agree.
-#ifndef XT_ATTN_K4_MTILES
-#error "XT_ATTN_K4_MTILES is defined by the loader (tensor::cuda::kernels::source)"
-#endif
-#if XT_ATTN_K4_MTILES != 1 && XT_ATTN_K4_MTILES != 2
-#error "XT_ATTN_K4_MTILES must be 1 or 2"
-#endif
-
 // Two fp32 as a pair of the operand format (bf16, or fp16 where F16), round to nearest even:
 // `lo` in the lower 16 bits (cvt.rn.bf16x2.f32 / cvt.rn.f16x2.f32 d, a, b put a in the upper
 // half, b in the lower; PTX ISA, "cvt").

@@ -7,9 +7,10 @@
 //! 4·B·H·S²·D / 2 (two products of 2·S·S·D per head, half the scores masked), the backward
 //! 2.5× the forward (five products to the forward's two); the product 2·M·K·N.
 //!
-//! On a GPU in a 16-bit step at head sizes up to 64 it also times the tensor-core backward's
-//! two kernel choices (`tensor::cuda::ops::AttnBackwardKernels`: split, and fused) against
-//! each other, alternating, and prints the per-FLOP ratio each would give.
+//! On a GPU in a 16-bit step at head sizes up to 64 it also times the tensor-core kernel
+//! choices (`tensor::cuda::ops::AttnKernels`: the forward and dQ with one or two m-tiles of
+//! query rows a warp, the backward split or fused) against each other, alternating, and
+//! prints the per-FLOP ratio each combination would give.
 //!
 //! `--doc-len N` also times attention under a document mask (`data.document_mask`): every
 //! sequence packed with documents of N tokens, so that a query sees only the earlier keys of
@@ -204,41 +205,69 @@ pub fn run(a: Args) -> Result<()> {
         "attention time per FLOP / the product's: {:.2}",
         ((fwd + bwd) / attn_flops) / (gemm / gemm_flops)
     );
-    if let Some(times) = backward_kernels(&dev, &shape, operands, [&q, &k, &v, &dout], a.reps)? {
-        let ms = |t: &[f64]| {
-            let mut t = t.to_vec();
-            t.sort_by(f64::total_cmp);
-            (t[t.len() / 2] * 1e3, t[0] * 1e3, t[t.len() - 1] * 1e3)
-        };
-        for (name, t) in [("split", &times[0]), ("fused", &times[1])] {
-            let (med, lo, hi) = ms(t);
+    if let Some(choices) = kernel_choices(&dev, &shape, operands, [&q, &k, &v, &dout], a.reps)? {
+        let ratio = |secs: f64| (secs / attn_flops) / (gemm / gemm_flops);
+        println!("tensor-core kernel choices, medians of 5 alternating rounds (range):");
+        for (name, t) in &choices {
+            let (med, lo, hi) = median_range(t);
             println!(
-                "backward, {name} kernels: {med:.3} ms (rounds {lo:.3}..{hi:.3}); attention time per FLOP / the product's: {:.2}",
-                ((fwd + med / 1e3) / attn_flops) / (gemm / gemm_flops)
+                "  {name}: {:.3} ms ({:.3}..{:.3})",
+                med * 1e3,
+                lo * 1e3,
+                hi * 1e3
             );
         }
+        let med = |i: usize| median_range(&choices[i].1).0;
+        println!(
+            "  attention time per FLOP / the product's: {}",
+            [
+                ("one m-tile, split", 0, 2),
+                ("two m-tiles, split", 1, 3),
+                ("one m-tile, fused", 0, 4),
+                ("two m-tiles, fused", 1, 4)
+            ]
+            .map(|(name, f, b)| format!("{name} {:.2}", ratio(med(f) + med(b))))
+            .join(", ")
+        );
     }
     Ok(())
 }
 
-/// On a GPU in a 16-bit step where the fused tensor-core backward applies (head sizes up to
-/// 64): the backward's seconds with the split kernels and with the fused one, the median of
-/// `reps` runs each, in 5 alternating rounds (split, fused, split, ...), so that both see the
-/// same minutes of the machine.
-fn backward_kernels(
+/// A kernel choice's name and its seconds, a median a round.
+type Timed = (&'static str, Vec<f64>);
+
+/// The median, least and greatest of `t`.
+fn median_range(t: &[f64]) -> (f64, f64, f64) {
+    let mut t = t.to_vec();
+    t.sort_by(f64::total_cmp);
+    (t[t.len() / 2], t[0], t[t.len() - 1])
+}
+
+/// On a GPU in a 16-bit step at head sizes up to 64 (where the choices differ): the seconds of
+/// each tensor-core kernel choice (`tensor::cuda::ops::AttnKernels`), by name — the forward
+/// with one and two m-tiles of query rows a warp, then the backward split with each and fused
+/// — the median of `reps` runs each, in 5 rounds that take the choices in turn, so that all
+/// see the same minutes of the machine.
+fn kernel_choices(
     dev: &Dev,
     shape: &AttnShape,
     operands: tensor::operands::Operands,
     [q, k, v, dout]: [&Buf; 4],
     reps: usize,
-) -> Result<Option<[Vec<f64>; 2]>> {
+) -> Result<Option<Vec<Timed>>> {
+    use tensor::cuda::ops::{self as gpu, AttnBackwardKernels as Bwd, AttnKernels, WarpRows};
     fn cuda(b: &Buf) -> Result<tensor::cuda::DevSlice<'_, f32>> {
         match b {
             Buf::Cuda(x) => Ok(x.as_slice()),
             Buf::Host(_) => bail!("a host buffer on a GPU run"),
         }
     }
-    use tensor::cuda::ops::{self as gpu, AttnBackwardKernels};
+    fn cuda_mut(b: &mut Buf) -> Result<tensor::cuda::DevSliceMut<'_, f32>> {
+        match b {
+            Buf::Cuda(x) => Ok(x.as_mut_slice()),
+            Buf::Host(_) => bail!("a host buffer on a GPU run"),
+        }
+    }
     if !tensor::ops::attention_runs_on_tensor_cores(shape) || shape.head_dim > 64 {
         return Ok(None);
     }
@@ -246,22 +275,58 @@ fn backward_kernels(
     let [q16, k16, v16] =
         [q, k, v].map(|x| cuda(x).and_then(|x| Ok(gpu::rounded_copy(x, operands)?)));
     let (q16, k16, v16) = (q16?, k16?, v16?);
+    let (mut o, mut l) = (dev.zeros(shape.q_elems())?, dev.zeros(shape.lse_elems())?);
     let (mut dq, mut dk, mut dv) = (
         dev.zeros(shape.q_elems())?,
         dev.zeros(shape.kv_elems())?,
         dev.zeros(shape.kv_elems())?,
     );
-    let mut times = [Vec::new(), Vec::new()];
+    let choice = |warp_rows, backward| AttnKernels {
+        warp_rows,
+        backward,
+    };
+    let forward = [
+        ("forward, one m-tile a warp", WarpRows::One),
+        ("forward, two m-tiles a warp", WarpRows::Two),
+    ];
+    let backward = [
+        (
+            "backward, split, one m-tile a warp",
+            choice(WarpRows::One, Bwd::Split),
+        ),
+        (
+            "backward, split, two m-tiles a warp",
+            choice(WarpRows::Two, Bwd::Split),
+        ),
+        ("backward, fused", choice(WarpRows::One, Bwd::Fused)),
+    ];
+    let mut times: Vec<Timed> = forward
+        .iter()
+        .map(|f| f.0)
+        .chain(backward.iter().map(|b| b.0))
+        .map(|name| (name, Vec::new()))
+        .collect();
     for _round in 0..5 {
-        for (i, kernels) in [AttnBackwardKernels::Split, AttnBackwardKernels::Fused]
-            .into_iter()
-            .enumerate()
-        {
+        for (i, &(_, warp_rows)) in forward.iter().enumerate() {
+            let kernels = choice(warp_rows, Bwd::Split);
             let t = median_secs(dev, reps, || {
-                let [gq, gk, gv] = [&mut dq, &mut dk, &mut dv].map(|x| match x {
-                    Buf::Cuda(x) => Ok(x.as_mut_slice()),
-                    Buf::Host(_) => bail!("a host buffer on a GPU run"),
-                });
+                gpu::attention_forward_tc(
+                    kernels,
+                    shape,
+                    None,
+                    operands,
+                    &q16,
+                    &k16,
+                    &v16,
+                    cuda_mut(&mut o)?,
+                    cuda_mut(&mut l)?,
+                )?;
+                Ok(())
+            })?;
+            times[i].1.push(t);
+        }
+        for (i, &(_, kernels)) in backward.iter().enumerate() {
+            let t = median_secs(dev, reps, || {
                 gpu::attention_backward_tc(
                     kernels,
                     shape,
@@ -273,13 +338,13 @@ fn backward_kernels(
                     cuda(&out)?,
                     cuda(&lse)?,
                     cuda(dout)?,
-                    gq?,
-                    gk?,
-                    gv?,
+                    cuda_mut(&mut dq)?,
+                    cuda_mut(&mut dk)?,
+                    cuda_mut(&mut dv)?,
                 )?;
                 Ok(())
             })?;
-            times[i].push(t);
+            times[forward.len() + i].1.push(t);
         }
     }
     Ok(Some(times))
