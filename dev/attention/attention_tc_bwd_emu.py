@@ -119,14 +119,14 @@ def dq_kernel(q, k, v, dout, lse, delta, dq, B, Sq, Sk, H, Hkv, D, causal, q_sta
     nk, nd = D >> 4, D >> 3
     sl2 = np.float32(np.float32(scale) * LOG2E)
     bm = 64 * MT  # query rows of a CTA
-    gx = (Sq + bm - 1) // bm
-    for by in range(B * H):
-        for bx in range(gx):
+    gy = (Sq + bm - 1) // bm
+    for by in range(gy):  # the grid (B * H, gy) in the order of its linear index
+        for bx in range(B * H):
             sm = Smem(nbytes, 0xAB)  # garbage: 0xABAB is -1.2e-12 in bf16, -0.0599 in fp16
             cp = CpAsync(sm, late)
-            b, h = by // H, by % H
+            b, h = bx // H, bx % H
             hk = h // (H // Hkv)
-            q0 = (gx - 1 - bx) * bm
+            q0 = (gy - 1 - by) * bm
             qstride, kstride = H * D, Hkv * D
             qbase = b * Sq * qstride + h * D
             kbase = b * Sk * kstride + hk * D
@@ -309,12 +309,12 @@ def dkv_kernel(q, k, v, dout, lse, delta, dk, dv, B, Sq, Sk, H, Hkv, D, causal, 
     nqs = (Sq + 31) // 32
     turns = np.zeros(B * H * nqs, np.int64)  # the fused kernel's counters, zeroed
     dst0 = qt0 + 2 * qstage  # FUSED: the dS^T tile (64 keys, row stride 40)
-    for by in range(B * Hkv):
-        for bx in range(nblocks):
+    for by in range(nblocks):  # the grid (B * Hkv, nblocks) in the order of its linear index
+        for bx in range(B * Hkv):
             sm = Smem(nbytes, 0xAB)  # garbage: 0xABAB is -1.2e-12 in bf16, -0.0599 in fp16
             cp = CpAsync(sm, late)
-            b, hk = by // Hkv, by % Hkv
-            jb = nblocks - 1 - bx if FUSED else bx
+            b, hk = bx // Hkv, bx % Hkv
+            jb = by
             j0 = jb * 64
             qstride, kstride = H * D, Hkv * D
             kbase = b * Sk * kstride + hk * D
@@ -324,6 +324,15 @@ def dkv_kernel(q, k, v, dout, lse, delta, dk, dv, B, Sq, Sk, H, Hkv, D, causal, 
             iend = min(Sq, int(q_end[krow + min(j0 + 63, Sk - 1)])) if DOCS else Sq
             nsteps = (iend - i0 + 31) // 32 if i0 < iend else 0
             total = group * nsteps
+            # tb_first_step / tb_next_step: from the last step down to i0 (DOCS: up from i0),
+            # head after head.
+            c_first = i0 if DOCS else i0 + (iend - 1 - i0) // 32 * 32
+
+            def next_step(c, head):
+                c += 32 if DOCS else -32
+                if (c >= iend) if DOCS else (c < i0):
+                    return c_first, head + 1
+                return c, head
 
             def copy_step(qt, gt, lst, h, c0):
                 """tb_dkv_copy_step: one commit group."""
@@ -341,7 +350,7 @@ def dkv_kernel(q, k, v, dout, lse, delta, dk, dv, B, Sq, Sk, H, Hkv, D, causal, 
             if total > 0:
                 copy_rows(cp, kt, vt, k, v, kbase, kstride, j0, 64, Sk, D, ld, MAXK)
                 cp.commit()
-                copy_step(qt0, gt0, ls0, hk * group, i0)
+                copy_step(qt0, gt0, ls0, hk * group, c_first)
             warps = []
             if KV_REGS:
                 cp.wait(1)
@@ -363,16 +372,13 @@ def dkv_kernel(q, k, v, dout, lse, delta, dk, dv, B, Sq, Sk, H, Hkv, D, causal, 
                     W["qe_wmin"] = int(q_end[krow + W["jw"]])
                     W["qe_wmax"] = int(q_end[krow + min(W["jw"] + 15, Sk - 1)])
                 warps.append(W)
-            c0, gi, ngi, nc0 = i0, 0, 0, i0
+            c0, gi, ngi, nc0 = c_first, 0, 0, c_first
             for it in range(total):
                 odd = it & 1
                 qo, lo_ = (qstage, 256) if odd else (0, 0)
                 cp.wait(0)
                 sm.barrier()
-                nc0 += 32
-                if nc0 >= iend:
-                    nc0 = i0
-                    ngi += 1
+                nc0, ngi = next_step(nc0, ngi)
                 if it + 1 < total:
                     nq, nl = (0, 0) if odd else (qstage, 256)
                     copy_step(qt0 + nq, gt0 + nq, ls0 + nl, hk * group + ngi, nc0)
@@ -409,10 +415,7 @@ def dkv_kernel(q, k, v, dout, lse, delta, dk, dv, B, Sq, Sk, H, Hkv, D, causal, 
                     fused_dq_step(sm, warps, turns, dq, fmt, b, H, D, Sq, ld, nk, nqs, dst0, kt,
                                   hk * group + gi, c0, jb, nblocks, causal, q_start, k_start,
                                   scale)
-                c0 += 32
-                if c0 >= iend:
-                    c0 = i0
-                    gi += 1
+                c0, gi = next_step(c0, gi)
             assert cp.idle(), "cp.async left in flight at the end of the CTA"
             for W in warps:
                 for hf in range(2):
@@ -495,7 +498,7 @@ def fused_dq_step(sm, warps, turns, dq, fmt, b, H, D, Sq, ld, nk, nqs, dst0, kt,
                   nblocks, causal, q_start, k_start, scale):
     """The fused kernel's dQ share of query step c0 of head h (its FUSED block): each warp's
     dS^T into the shared tile (tb_store_ds, or tb_zero_ds for a warp that skipped the step),
-    the barrier, the product (tb_fused_dq), the turn (tb_fused_turn, checked against the
+    the barrier, the product (tb_fused_dq), the turn (key block jb's: jb; checked against the
     count: the CTAs run in block order; each warp waits for it, no barrier), the adds; the
     count (after the next barrier in the kernel)."""
     for w, W in enumerate(warps):
@@ -521,12 +524,9 @@ def fused_dq_step(sm, warps, turns, dq, fmt, b, H, D, Sq, ld, nk, nqs, dst0, kt,
                 mma(acc[2 * p], a, bb[0], bb[1], fmt)
                 mma(acc[2 * p + 1], a, bb[2], bb[3], fmt)
         qa.append(acc)
-    last = nblocks - 1
-    if causal:
-        last = min(last, (c0 + 32 + q_start - k_start + 63) // 64 - 1)
     turn = (b * H + h) * nqs + c0 // 32
-    assert turns[turn] == last - jb, \
-        f"key block {jb} at query step {c0}: count {turns[turn]}, its turn {last - jb}"
+    assert turns[turn] == jb, \
+        f"key block {jb} at query step {c0}: count {turns[turn]}, its turn {jb}"
     for w in range(4):
         for hf in range(2):
             i = c0 + 16 * (w & 1) + G + 8 * hf

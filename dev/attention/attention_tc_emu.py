@@ -28,8 +28,8 @@ every case runs twice: with each copy landing when issued and with each landing 
 that covers it (the two extremes the PTX ISA allows; both must give the same bits); the
 barriers bound phases in which no shared word may be both read and copied to, nor read while a
 copy to it flies or before the barrier after its wait (emu_common.Smem). src-size 0 zero-fills.
-The grid's CTAs run one after the other, blockIdx.x in order (so the reversed row order is
-exercised), each with fresh garbage shared memory; every element of out and lse must be written
+The grid's CTAs run one after the other in the order of their linear index (blockIdx.x, the
+(batch, head), fastest; so the reversed row order is exercised), each with fresh garbage shared memory; every element of out and lse must be written
 exactly once. Not covered: the hardware beyond those PTX rules, the asm's syntax (the NVRTC
 compile check), timing, register pressure.
 
@@ -194,8 +194,8 @@ def tn_tile(sm, W, ks_lane, vs_lane, kreg, vreg, ld, nk, MAXK, MT, sl2, kv_lim, 
 
 
 def body(q, k, v, out, lse, wr_out, wr_lse, B, Sq, Sk, H, Hkv, D, causal, q_start, k_start,
-         scale, MAXK, MT, FULL, gx, bx, by, late, fmt, key_lo=None):
-    """attn_fwd_tc_body<MAXK, MT, FULL, F16, DOCS> for the CTA (bx, by) of a grid (gx, B * H); q,
+         scale, MAXK, MT, FULL, gy, bx, by, late, fmt, key_lo=None):
+    """attn_fwd_tc_body<MAXK, MT, FULL, F16, DOCS> for the CTA (bx, by) of a grid (B * H, gy); q,
     k, v the bits (u16) of the operand format `fmt` (F16: fmt is FP16); key_lo the document
     mask's first keys ([B * Sq] int, DOCS) or None."""
     DOCS = key_lo is not None
@@ -208,10 +208,10 @@ def body(q, k, v, out, lse, wr_out, wr_lse, B, Sq, Sk, H, Hkv, D, causal, q_star
     assert 2 * stage == nbytes and vt0 % 16 == 0 and stage % 16 == 0
     sm = Smem(nbytes, 0xFF)  # garbage: 0xFFFF is a NaN in bf16 and in fp16
     cp = CpAsync(sm, late)
-    b, h = by // H, by % H
+    b, h = bx // H, bx % H
     hk = h // (H // Hkv)
     bm = 16 * MT * 4  # query rows of the CTA
-    q0 = (gx - 1 - bx) * bm  # longest rows first
+    q0 = (gy - 1 - by) * bm  # longest rows first
     nk, nd = D >> 4, D >> 3
     qstride, kstride = H * D, Hkv * D
     qb = b * Sq * qstride + h * D
@@ -344,11 +344,11 @@ def kernel(q, k, v, out, lse, B, Sq, Sk, H, Hkv, D, causal, q_start, k_start, sc
     wr_out = np.zeros(out.size, dtype=int)
     wr_lse = np.zeros(lse.size, dtype=int)
     bm = 64 * MT
-    gx = (Sq + bm - 1) // bm
-    for by in range(B * H):
-        for bx in range(gx):
+    gy = (Sq + bm - 1) // bm
+    for by in range(gy):
+        for bx in range(B * H):
             body(q, k, v, out, lse, wr_out, wr_lse, B, Sq, Sk, H, Hkv, D, causal, q_start,
-                 k_start, scale, MAXK, MT, D == 16 * MAXK, gx, bx, by, late, fmt, key_lo)
+                 k_start, scale, MAXK, MT, D == 16 * MAXK, gy, bx, by, late, fmt, key_lo)
     assert np.all(wr_out == 1), "out: elements written other than once"
     assert np.all(wr_lse == 1), "lse: elements written other than once"
 

@@ -1358,9 +1358,9 @@ pub enum AttnBackwardKernels {
     /// `S` and `dP` itself, so seven products where FlashAttention-2's backward has five.
     Split,
     /// One kernel per key block (`attn_bwd_fused_tc`): dK and dV as the split kernel, and each
-    /// key block's share of dQ (`dS K`) added into dQ in a fixed order (the last key block
-    /// first, a count per query step of 32 rows ordering the adds: deterministic, no atomic
-    /// sums), five products.
+    /// key block's share of dQ (`dS K`) added into dQ in a fixed order (key block 0 first, a
+    /// count per query step of 32 rows ordering the adds: deterministic, no atomic sums),
+    /// five products.
     Fused,
 }
 
@@ -1474,15 +1474,29 @@ pub fn tensor_core_head_dim(head_dim: usize) -> bool {
 }
 
 fn check_attn_tc(s: &AttnShape) -> Result<(), CudaError> {
-    if tensor_core_head_dim(s.head_dim) {
-        Ok(())
-    } else {
-        Err(CudaError::Shape(format!(
+    if !tensor_core_head_dim(s.head_dim) {
+        return Err(CudaError::Shape(format!(
             "tensor-core attention needs head_dim a multiple of 16 in 16..=128 (got {}): use \
              attention_forward / attention_backward (fp32) instead",
             s.head_dim
-        )))
+        )));
     }
+    let blocks = s.q_len.max(s.kv_len).div_ceil(ATT_TC_TILE);
+    if blocks > MAX_GRID_YZ {
+        return Err(CudaError::Shape(format!(
+            "tensor-core attention launches a block per 64 rows of a head in the grid's y \
+             dimension: {blocks} (at most {MAX_GRID_YZ}); split the sequence"
+        )));
+    }
+    Ok(())
+}
+
+/// The grid of a tensor-core attention kernel: `heads` (batch × heads) in x, the head's
+/// `blocks` in y, so that blocks, started in the order of their linear index (x fastest),
+/// start in the kernels' order of blocks (the longest first: kernels/attention_tc.cu, f.)
+/// across all heads.
+fn tc_grid(heads: usize, blocks: usize) -> (u32, u32, u32) {
+    (heads as u32, blocks as u32, 1)
 }
 
 /// Dynamic shared memory of `attn_fwd_tc` and `attn_bwd_dq_tc`: two stages (the double buffer
@@ -1533,7 +1547,8 @@ fn check_attn_aligned(what: &str, ptr: u64, align: u64) -> Result<(), CudaError>
 /// fp32 `P`. So the result is the fp32 kernel's up to the rounding of the operands (relative
 /// 2⁻⁸ each in bf16, 2⁻¹¹ in fp16), not bit-equal.
 ///
-/// One block of 4 warps per (query rows, batch × head), the longest (last) query blocks first:
+/// One block of 4 warps per (query rows, batch × head), the longest (last) query blocks of all
+/// heads first ([`tc_grid`]):
 /// 64 rows, or 128 at head sizes up to 64 with `kernels.warp_rows` [`WarpRows::Two`] (the
 /// library's choice: [`ATTN_KERNELS`]); dynamic shared memory `512 · (head_dim + 8)` bytes (36 864 for head_dim 64, 69 632 for 128:
 /// K and V tiles double-buffered by cp.async; kernels/attention_tc.cu). `head_dim` must be a
@@ -1575,11 +1590,7 @@ pub fn attention_forward_tc<'a>(
         "attention_tc",
         kernel,
         LaunchCfg {
-            grid: (
-                s.q_len.div_ceil(kernels.query_rows(s)) as u32,
-                (s.batch * s.n_heads) as u32,
-                1,
-            ),
+            grid: tc_grid(s.batch * s.n_heads, s.q_len.div_ceil(kernels.query_rows(s))),
             block: (32 * ATT_WARPS as u32, 1, 1),
             shared_bytes: attn_tc_kv_shared(s),
         },
@@ -1690,11 +1701,7 @@ pub fn attention_backward_tc<'a>(
         };
         gpu.launch("attention_tc_bwd", kernel, cfg, args)
     };
-    let dkv_grid = (
-        s.kv_len.div_ceil(ATT_TC_TILE) as u32,
-        (s.batch * s.n_kv_heads) as u32,
-        1,
-    );
+    let dkv_grid = tc_grid(s.batch * s.n_kv_heads, s.kv_len.div_ceil(ATT_TC_TILE));
     if fused {
         // The counters of the adds into each (batch, head, query step of 32), zeroed; the
         // kernel indexes them with an int.
@@ -1708,11 +1715,7 @@ pub fn attention_backward_tc<'a>(
             &args(&[(&dq).into(), (&dk).into(), (&dv).into(), (&turns).into()])?,
         );
     }
-    let dq_grid = (
-        s.q_len.div_ceil(kernels.query_rows(s)) as u32,
-        (s.batch * s.n_heads) as u32,
-        1,
-    );
+    let dq_grid = tc_grid(s.batch * s.n_heads, s.q_len.div_ceil(kernels.query_rows(s)));
     launch(
         dq_kernel,
         dq_grid,

@@ -28,9 +28,11 @@
 // product each (fp32 accumulation, sm_80+); P and dS fp32, rounded to bf16 (nearest even) as
 // the operands of the three gradient products, which accumulate in fp32; scale applied to dQ
 // and dK once, at the end. The sums run in this order: dK and dV over the group's heads, then
-// the query steps of 32 from the one holding the first query that sees the CTA's first key,
-// then 16-query k-steps; dQ over key tiles of 64, then k-steps of 16 (in steps of 32 keys, or
-// of 16 with two m-tiles a warp: the same order, the same bits).
+// the query steps of 32 from the last down to the one holding the first query that sees the
+// CTA's first key (under a document mask up from it), then 16-query k-steps; dQ over key tiles of 64, then k-steps of 16 (in
+// steps of 32 keys, or of 16 with two m-tiles a warp: the same order, the same bits); the
+// fused kernel's dQ over the key blocks from the first, each block's share over its k-steps of
+// 16 keys, rounded into dq in turn.
 //
 // Launch (tensor::cuda::ops::attention_backward_tc, crates/tensor/src/cuda/ops.rs, after
 // attn_bwd_delta and the rounding of dout), both with block 128 (4 warps):
@@ -84,10 +86,11 @@
 //     skipped; else the 16-query halves no row sees are skipped and the rest masked).
 //     In an unmasked tile every row below Sq sees some key, so its lse is finite (a row past
 //     Sq has lse = delta = 0 and zero Q and dO there: finite, and never stored or summed).
-//  e. dQ takes its query blocks in reverse order (blockIdx.x = 0 takes the last rows, which see
-//     the most keys under a causal mask), as the forward; dK/dV takes its key blocks in order,
-//     which already starts with the longest (key 0 is seen by every query); the fused kernel
-//     in reverse (h.).
+//  e. The longest blocks first over the whole grid, as the forward (attention_tc.cu, f.):
+//     blockIdx.y the block, blockIdx.x the (batch, head), so that blocks start longest first
+//     across all heads. dQ's blockIdx.y = 0 takes the last query rows (which see the most keys
+//     under a causal mask), dK/dV's (and the fused kernel's) the first keys (seen by every
+//     query).
 //  f. dq, dk, dv are read and written as float2 (a thread's two adjacent columns of an
 //     accumulator fragment): half the memory instructions of one float at a time.
 //  g. dQ's rows a warp: MT m-tiles of 16 (the _k4 kernels 1, the _m2_k4 ones 2; the _k8
@@ -103,19 +106,20 @@
 //     for 16 queries and two pairs of 16 columns (ldmatrix.trans of the dS^T tile gives dS's A
 //     fragments directly), and adds it into dq in global memory, fp32, L2 only. The order of the
 //     adds into a query step is fixed, so the result is the same bits run to run (no atomic
-//     sums): the key blocks that visit the step add from the last down (tb_fused_turn), each
-//     waiting (one thread, ld.acquire) until a counter of the step's adds reaches its turn, and
-//     counting its own (red.release) after the barrier that follows them (each warp waits on
-//     its own, so one barrier a step is added: the one that completes the dS^T tile). The CTAs take the
-//     key blocks from the last down (blockIdx.x = 0 the last), so a CTA only ever waits for a
-//     block of lower index: the hardware starts blocks in index order (not a documented
-//     guarantee, but what FlashAttention-3's deterministic backward and CUTLASS's stream-K
-//     reductions rely on too), so the one waited for has started, and it never waits on its
-//     waiter: no deadlock however few CTAs fit at once. And the query steps ascending, key
-//     block jb + 1 starts its walk 64 queries further on than jb, so it reaches every step two
-//     steps before jb does: at the same speed its add is done when jb gets there, and the
-//     waits are short. A wait that sees no progress for ~4 s traps (the launch fails, no
-//     hang). 168 registers as dK/dV's (ptxas below).
+//     sums): the key blocks that visit the step add in order, key block jb waiting (its warps'
+//     first lanes, ld.acquire) until a counter of the step's adds reaches jb, and counting its
+//     own (red.release) after the barrier that follows them (each warp waits on its own, so
+//     one barrier a step is added: the one that completes the dS^T tile). A CTA so only ever
+//     waits for a block of lower index (key block jb - 1 has blockIdx.y one less, e.): the
+//     hardware starts blocks in the order of their index (not a documented guarantee, but
+//     what FlashAttention-3's deterministic backward and CUTLASS's stream-K reductions rely on
+//     too), so the one waited for has started, and it never waits on its waiter: no deadlock
+//     however few CTAs fit at once. The dK/dV walk takes the query steps from the last down,
+//     every key block from the same last step, so key block jb - 1, started no later, is at
+//     least as far along its walk as jb at every step: at the same speed its add is done when
+//     jb gets there, and the waits are short (ascending, jb - 1 would start 64 queries before
+//     jb and reach each step two steps later). A wait that sees no progress for ~4 s
+//     traps (the launch fails, no hang). 168 registers as dK/dV's (ptxas below).
 //
 // Fragments of mma.m16n8k16 (PTX ISA, "Matrix Fragments for mma.m16n8k16 with floating point
 // type"), with g = lane >> 2 (groupID) and t = lane & 3 (threadID_in_group); a 32-bit register
@@ -164,15 +168,15 @@
 // and 2. Registers allow fewer (below): they are the limit at both head sizes.
 //
 // ptxas (NVRTC 12.9 and 13.0 give the same figures; `-Xptxas -v` on the source as the compile
-// check builds it; 0 bytes of spills and stack everywhere), registers a thread, sm_90 / sm_80,
-// under the cap of __launch_bounds__(128, blocks) (the *_MIN_BLOCKS below), and blocks an SM
-// as registers and shared memory allow (H100 / A100):
+// check builds it; 0 bytes of spills and stack but where noted), registers a thread, sm_90 /
+// sm_80, under the cap of __launch_bounds__(128, blocks) (the *_MIN_BLOCKS below), and blocks
+// an SM as registers and shared memory allow (H100 / A100):
 //   attn_bwd_dq_tc_k4    161 / 157 (cap 168)  shared 36864 B   3 / 3 blocks
 //     two m-tiles a warp 230 / 231 (cap 255)                   2 / 2
 //   attn_bwd_dq_tc_k8    234 / 230 (cap 255)  shared 69632 B   2 / 2
 //   attn_bwd_dkv_tc_k4   168 / 168 (cap 168)  shared 37376 B   3 / 3
-//   attn_bwd_dkv_tc_k8   253 / 250 (cap 255)  shared 70144 B   2 / 2
-//   attn_bwd_fused_tc_k4 168 / 168 (cap 168)  shared 42496 B   3 / 3 (sm_80 spills 8 bytes)
+//   attn_bwd_dkv_tc_k8   253 / 246 (cap 255)  shared 70144 B   2 / 2
+//   attn_bwd_fused_tc_k4 168 / 168 (cap 168)  shared 42496 B   3 / 3 (sm_80 spills 12 bytes)
 // attn_bwd_dkv_tc_k8 sits 2 registers under the 255 of the hardware: a compiler that needs 3
 // more spills (the figures above are the ones to compare against after a change), and
 // dK/dV_k4 fills its cap (the dK/dV loop's stage offsets are selects on the step's parity, not
@@ -396,8 +400,8 @@ __device__ __forceinline__ void tb_dq_tile(const u32 (&qf)[MT][MAXK][4],
     }
 }
 
-// Grid (ceil(Sq / (64 MT)), B * H), block 128; the CTA of blockIdx.x = x owns query rows
-// 64 MT (gridDim.x - 1 - x) .. + 64 MT - 1, warp w rows + 16 MT w .. + 16 MT - 1 (its Q and dO
+// Grid (B * H, ceil(Sq / (64 MT))), block 128; the CTA of blockIdx.y = y owns query rows
+// 64 MT (gridDim.y - 1 - y) .. + 64 MT - 1 of (batch, head) blockIdx.x, warp w rows + 16 MT w .. + 16 MT - 1 (its Q and dO
 // fragments stay in registers; m-tile mt of them rows + 16 mt .. + 15), and walks the key
 // tiles of 64 that its rows see. DOCS: under a document mask (key_lo [B, Sq], the "attention"
 // module's contract), as the forward: the walk starts at the tile of the CTA's first row's
@@ -419,8 +423,8 @@ __device__ __forceinline__ void attn_bwd_dq_tc_body(const u16* q, const u16* k,
     const u32 stage = (u32)(2 * TB_BN * ld) * 2u;
     const u32 kt0 = tc_smem_addr(tb_smem), vt0 = kt0 + (u32)(TB_BN * ld) * 2u;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
-    const int b = blockIdx.y / H, h = blockIdx.y % H, hk = h / (H / Hkv);
-    const int q0 = (gridDim.x - 1 - blockIdx.x) * bm; // longest rows first
+    const int b = blockIdx.x / H, h = blockIdx.x % H, hk = h / (H / Hkv);
+    const int q0 = (gridDim.y - 1 - blockIdx.y) * bm; // longest rows first (e.)
     const int nk = D >> 4, nd = D >> 3;
     const long long qstride = (long long)H * D, kstride = (long long)Hkv * D;
     const long long qbase = (long long)b * Sq * qstride + (long long)h * D;
@@ -640,16 +644,24 @@ __device__ __forceinline__ void tb_signal(unsigned* flag) {
                  : "memory");
 }
 
-// The fused kernel's order of adds into query step c0 (rows c0 .. c0 + 31): the key blocks
-// that visit it, jb = 0 .. last, add from the last down, so key block jb's turn is
-// last - jb. Key block jb visits the steps from the one holding the first query that sees
-// its first key on (attn_bwd_dkv_tc_body's i0): causal, iff k_start + 64 jb - q_start <
-// c0 + 32, i.e. jb < (c0 + 32 + q_start - k_start) / 64 (positive for every visitor).
-__device__ __forceinline__ unsigned tb_fused_turn(int jb, int nblocks, int c0, int causal,
-                                                  int q_start, int k_start) {
-    int last = nblocks - 1;
-    if (causal) last = min(last, (c0 + TB_QC + q_start - k_start + TB_BN - 1) / TB_BN - 1);
-    return (unsigned)(last - jb);
+// The dK/dV walk over one head's query steps of 32 (i0, i0 + 32, .. below iend): DESC from the
+// last down (for the fused kernel's adds, h.; the split kernel walks the same way, so that
+// the two sum dK and dV in one order), else up from i0 (under a document mask, where iend
+// is the mask's and one more register live across the loop spilled on sm_90): its first
+// step (iend > i0), and the step after c (of head `head` of the group), past the end the
+// first of the next head.
+template <bool DESC>
+__device__ __forceinline__ int tb_first_step(int i0, int iend) {
+    return DESC ? i0 + (iend - 1 - i0) / TB_QC * TB_QC : i0;
+}
+
+template <bool DESC>
+__device__ __forceinline__ void tb_next_step(int& c, int& head, int i0, int iend) {
+    c += DESC ? -TB_QC : TB_QC;
+    if (DESC ? c < i0 : c >= iend) {
+        c = tb_first_step<DESC>(i0, iend);
+        head++;
+    }
 }
 
 // One query step of 32 rows for one warp's 16 keys: S^T = K Q^T and dP^T = V dO^T (keys as
@@ -785,9 +797,9 @@ __device__ __forceinline__ void tb_dkv_copy_step(u32 qt, u32 gt, u32 lst, u32 ds
     tc_cp_async_commit();
 }
 
-// Grid (ceil(Sk / 64), B * Hkv), block 128; the CTA of blockIdx.x = x owns keys 64 x .. + 63,
-// warp w keys + 16 w .. + 15, and walks, for each query head of the group, the query steps of
-// 32 rows that see its keys. DOCS: under a document mask (q_end [B, Sk], the "attention"
+// Grid (B * Hkv, ceil(Sk / 64)), block 128; the CTA of blockIdx.y = y owns keys 64 y .. + 63 of
+// (batch, KV head) blockIdx.x, warp w keys + 16 w .. + 15, and walks, for each query head of
+// the group, the query steps of 32 rows that see its keys, from the last down (DOCS: up). DOCS: under a document mask (q_end [B, Sk], the "attention"
 // module's contract: key j is seen by the queries below q_end[j] only) the walk ends at the
 // step holding the last query that sees the CTA's last key (the ends are nondecreasing), a
 // warp skips the steps past its last key's end, and masks per element a step that goes past
@@ -813,10 +825,8 @@ __device__ __forceinline__ void attn_bwd_dkv_tc_body(
     const u32 qstage = (u32)(2 * TB_QC * ld) * 2u;
     const u32 qt0 = kt + (u32)(2 * TB_BN * ld) * 2u, gt0 = qt0 + (u32)(TB_QC * ld) * 2u;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
-    const int b = blockIdx.y / Hkv, hk = blockIdx.y % Hkv, group = H / Hkv;
-    // FUSED: the last key block first, so that the block whose adds a CTA waits for has the
-    // lower index (design h.).
-    const int jb = FUSED ? gridDim.x - 1 - blockIdx.x : blockIdx.x;
+    const int b = blockIdx.x / Hkv, hk = blockIdx.x % Hkv, group = H / Hkv;
+    const int jb = blockIdx.y; // key block 0 (seen by every query) first (e.)
     const int j0 = jb * TB_BN;
     const int nk = D >> 4, nd = D >> 3;
     const long long qstride = (long long)H * D, kstride = (long long)Hkv * D;
@@ -825,7 +835,7 @@ __device__ __forceinline__ void attn_bwd_dkv_tc_body(
     const int jdiag = k_start + jw - q_start; // the first query (causal) that sees key jw
     const float sl2 = scale * TB_LOG2E;
 
-    // The query steps: from the step of 32 holding the first query that sees key j0
+    // The query steps: down to the step of 32 holding the first query that sees key j0
     // (q_start + i >= k_start + j0), for each head of the group.
     // Under a document mask they end at the last query that sees key j0 + 63 (or Sk - 1).
     int i0 = causal ? k_start + j0 - q_start : 0;
@@ -849,7 +859,8 @@ __device__ __forceinline__ void attn_bwd_dkv_tc_body(
         tb_copy_rows<TB_BN, MAXK>(kt, vt, k + kbase, v + kbase, kstride, j0, Sk, D, ld);
         tc_cp_async_commit();
         tb_dkv_copy_step<MAXK>(qt0, gt0, lst0, lst0 + 4u * TB_QC, q, dout, lse, delta, b,
-                               hk * group, i0, Sq, H, D, ld, qstride);
+                               hk * group, tb_first_step<!DOCS>(i0, iend), Sq, H, D, ld,
+                               qstride);
     }
 
     // ldmatrix row addresses of this lane (stage 0 for Q and dO; see the header).
@@ -897,9 +908,9 @@ __device__ __forceinline__ void attn_bwd_dkv_tc_body(
     // the barrier every thread's copies of step it (and of K and V) are visible to the CTA and
     // every warp is done with step it - 1, whose stage step it + 1's copies then take, in
     // flight while step it is computed. The loop and its barrier are CTA-uniform.
-    int c0 = i0;           // the step being computed
-    int gi = 0;            // its head of the group
-    int ngi = 0, nc0 = i0; // the step being copied
+    int c0 = tb_first_step<!DOCS>(i0, iend); // the step being computed
+    int gi = 0;                              // its head of the group
+    int ngi = 0, nc0 = c0;                   // the step being copied
     int done = -1; // FUSED: the counter (index in turns) of the step this CTA last added into
     for (int it = 0; it < total; it++) {
         // Byte offsets of this step's stage (Q and dO tiles; lse and delta) and of the other.
@@ -909,11 +920,7 @@ __device__ __forceinline__ void attn_bwd_dkv_tc_body(
         __syncthreads();
         // FUSED: every thread's adds of the previous step are done (the barrier): count them.
         if (FUSED && done >= 0 && threadIdx.x == 0) tb_signal(turns + done);
-        nc0 += TB_QC;
-        if (nc0 >= iend) {
-            nc0 = i0;
-            ngi++;
-        }
+        tb_next_step<!DOCS>(nc0, ngi, i0, iend);
         if (it + 1 < total) {
             const u32 nq = odd ? 0u : qstage, nl = odd ? 0u : 4u * 2 * TB_QC;
             tb_dkv_copy_step<MAXK>(qt0 + nq, gt0 + nq, lst0 + nl, lst0 + nl + 4u * TB_QC, q, dout,
@@ -969,9 +976,7 @@ __device__ __forceinline__ void attn_bwd_dkv_tc_body(
             const int h = hk * group + gi;
             // (The launcher checks that B H ceil(Sq / 32) counters fit an int.)
             const int turn = (b * H + h) * ((Sq + TB_QC - 1) / TB_QC) + c0 / TB_QC;
-            if (lane == 0)
-                tb_wait_turn(turns + turn,
-                             tb_fused_turn(jb, gridDim.x, c0, causal, q_start, k_start));
+            if (lane == 0) tb_wait_turn(turns + turn, (unsigned)jb);
             __syncwarp();
             // Element x of n-tile n of pair i: query c0 + 16 (warp & 1) + g + 8 (x >> 1),
             // column 16 p + 8 n + 2t + (x & 1). L2 only (.cg): another CTA wrote them last,
@@ -999,11 +1004,7 @@ __device__ __forceinline__ void attn_bwd_dkv_tc_body(
             }
             done = turn;
         }
-        c0 += TB_QC;
-        if (c0 >= iend) {
-            c0 = i0;
-            gi++;
-        }
+        tb_next_step<!DOCS>(c0, gi, i0, iend);
     }
     if (FUSED && done >= 0) {
         __syncthreads();
@@ -1011,7 +1012,7 @@ __device__ __forceinline__ void attn_bwd_dkv_tc_body(
     }
 
     // (b, hk) from blockIdx again: nothing 64-bit stays live across the loop for the stores.
-    const long long obase = ((long long)(blockIdx.y / Hkv) * Sk * Hkv + blockIdx.y % Hkv) * D;
+    const long long obase = ((long long)(blockIdx.x / Hkv) * Sk * Hkv + blockIdx.x % Hkv) * D;
 #pragma unroll
     for (int hf = 0; hf < 2; hf++) {
         const int j = jw + g + 8 * hf;
