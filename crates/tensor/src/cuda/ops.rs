@@ -1548,10 +1548,10 @@ fn check_attn_aligned(what: &str, ptr: u64, align: u64) -> Result<(), CudaError>
 /// 2⁻⁸ each in bf16, 2⁻¹¹ in fp16), not bit-equal.
 ///
 /// One block of 4 warps per (query rows, batch × head), the longest (last) query blocks of all
-/// heads first ([`tc_grid`]):
-/// 64 rows, or 128 at head sizes up to 64 with `kernels.warp_rows` [`WarpRows::Two`] (the
-/// library's choice: [`ATTN_KERNELS`]); dynamic shared memory `512 · (head_dim + 8)` bytes (36 864 for head_dim 64, 69 632 for 128:
-/// K and V tiles double-buffered by cp.async; kernels/attention_tc.cu). `head_dim` must be a
+/// heads first (the grid is (batch × heads, blocks)): 64 rows, or 128 at head sizes up to 64
+/// with `kernels.warp_rows` [`WarpRows::Two`] (the library's choice: [`ATTN_KERNELS`]);
+/// dynamic shared memory `512 · (head_dim + 8)` bytes (36 864 for head_dim 64, 69 632 for
+/// 128: K and V tiles double-buffered by cp.async; kernels/attention_tc.cu). `head_dim` must be a
 /// multiple of 16 in 16..=128: otherwise [`CudaError::Shape`], and the caller uses
 /// [`attention_forward`]. `docs`: the document mask, as for [`attention_forward`].
 #[allow(clippy::too_many_arguments)]
