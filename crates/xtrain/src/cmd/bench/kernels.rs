@@ -206,42 +206,41 @@ pub fn run(a: Args) -> Result<()> {
         ((fwd + bwd) / attn_flops) / (gemm / gemm_flops)
     );
     if let Some(choices) = kernel_choices(&dev, &shape, operands, [&q, &k, &v, &dout], a.reps)? {
-        let ratio = |secs: f64| (secs / attn_flops) / (gemm / gemm_flops);
         println!("tensor-core kernel choices, medians of 5 alternating rounds (range):");
-        for (name, t) in &choices {
+        let ms = |t: &[f64]| {
             let (med, lo, hi) = median_range(t);
+            format!("{:.3} ms ({:.3}..{:.3})", med * 1e3, lo * 1e3, hi * 1e3)
+        };
+        let total = |c: &Choice| median_range(&c.forward).0 + median_range(&c.backward).0;
+        for c in &choices {
             println!(
-                "  {name}: {:.3} ms ({:.3}..{:.3})",
-                med * 1e3,
-                lo * 1e3,
-                hi * 1e3
+                "  {:?}: forward {}, backward {}; attention time per FLOP / the product's: {:.2}{}",
+                c.kernels,
+                ms(&c.forward),
+                ms(&c.backward),
+                (total(c) / attn_flops) / (gemm / gemm_flops),
+                if c.kernels == tensor::cuda::ops::ATTN_KERNELS {
+                    " (the library's)"
+                } else {
+                    ""
+                }
             );
         }
-        let med = |i: usize| median_range(&choices[i].1).0;
-        // (name, forward's row, backward's row of `choices`)
-        let combinations = [
-            ("one m-tile, split", 0, 2),
-            ("two m-tiles, split", 1, 3),
-            ("one m-tile, fused", 0, 4),
-            ("two m-tiles, fused", 1, 4),
-        ];
-        println!(
-            "  attention time per FLOP / the product's: {}",
-            combinations
-                .map(|(name, f, b)| format!("{name} {:.2}", ratio(med(f) + med(b))))
-                .join(", ")
-        );
-        let (best, ..) = combinations
-            .into_iter()
-            .min_by(|x, y| (med(x.1) + med(x.2)).total_cmp(&(med(y.1) + med(y.2))))
-            .expect("four combinations");
-        println!("  fastest: {best} (the library's: tensor::cuda::ops::ATTN_KERNELS)");
+        let best = choices
+            .iter()
+            .min_by(|x, y| total(x).total_cmp(&total(y)))
+            .expect("four choices");
+        println!("  fastest: {:?}", best.kernels);
     }
     Ok(())
 }
 
-/// A kernel choice's name and its seconds, a median a round.
-type Timed = (&'static str, Vec<f64>);
+/// One tensor-core kernel choice's seconds, a median a round: its forward and its backward.
+struct Choice {
+    kernels: tensor::cuda::ops::AttnKernels,
+    forward: Vec<f64>,
+    backward: Vec<f64>,
+}
 
 /// The median, least and greatest of `t`.
 fn median_range(t: &[f64]) -> (f64, f64, f64) {
@@ -250,19 +249,19 @@ fn median_range(t: &[f64]) -> (f64, f64, f64) {
     (t[t.len() / 2], t[0], t[t.len() - 1])
 }
 
-/// On a GPU in a 16-bit step at head sizes up to 64 (where the choices differ): the seconds of
-/// each tensor-core kernel choice (`tensor::cuda::ops::AttnKernels`), by name — the forward
-/// with one and two m-tiles of query rows a warp, then the backward split with each and fused
-/// — the median of `reps` runs each, in 5 rounds that take the choices in turn, so that all
-/// see the same minutes of the machine.
+/// On a GPU in a 16-bit step at head sizes up to 64 (where the choices differ): every
+/// tensor-core kernel choice (`tensor::cuda::ops::AttnKernels`: one or two m-tiles of query
+/// rows a warp, the backward split or fused), its forward and backward each the median of
+/// `reps` runs, in 5 rounds that take the choices in turn, so that all see the same minutes of
+/// the machine.
 fn kernel_choices(
     dev: &Dev,
     shape: &AttnShape,
     operands: tensor::operands::Operands,
     [q, k, v, dout]: [&Buf; 4],
     reps: usize,
-) -> Result<Option<Vec<Timed>>> {
-    use tensor::cuda::ops::{self as gpu, AttnBackwardKernels as Bwd, AttnKernels, WarpRows};
+) -> Result<Option<Vec<Choice>>> {
+    use tensor::cuda::ops::{self as gpu, AttnBackwardKernels, AttnKernels, WarpRows};
     fn cuda(b: &Buf) -> Result<tensor::cuda::DevSlice<'_, f32>> {
         match b {
             Buf::Cuda(x) => Ok(x.as_slice()),
@@ -288,35 +287,23 @@ fn kernel_choices(
         dev.zeros(shape.kv_elems())?,
         dev.zeros(shape.kv_elems())?,
     );
-    let choice = |warp_rows, backward| AttnKernels {
-        warp_rows,
-        backward,
-    };
-    let forward = [
-        ("forward, one m-tile a warp", WarpRows::One),
-        ("forward, two m-tiles a warp", WarpRows::Two),
-    ];
-    let backward = [
-        (
-            "backward, split, one m-tile a warp",
-            choice(WarpRows::One, Bwd::Split),
-        ),
-        (
-            "backward, split, two m-tiles a warp",
-            choice(WarpRows::Two, Bwd::Split),
-        ),
-        ("backward, fused", choice(WarpRows::One, Bwd::Fused)),
-    ];
-    let mut times: Vec<Timed> = forward
-        .iter()
-        .map(|f| f.0)
-        .chain(backward.iter().map(|b| b.0))
-        .map(|name| (name, Vec::new()))
+    let mut choices: Vec<Choice> = [WarpRows::One, WarpRows::Two]
+        .into_iter()
+        .flat_map(|warp_rows| {
+            [AttnBackwardKernels::Split, AttnBackwardKernels::Fused].map(|backward| Choice {
+                kernels: AttnKernels {
+                    warp_rows,
+                    backward,
+                },
+                forward: Vec::new(),
+                backward: Vec::new(),
+            })
+        })
         .collect();
     for _round in 0..5 {
-        for (i, &(_, warp_rows)) in forward.iter().enumerate() {
-            let kernels = choice(warp_rows, Bwd::Split);
-            let t = median_secs(dev, reps, || {
+        for c in &mut choices {
+            let kernels = c.kernels;
+            c.forward.push(median_secs(dev, reps, || {
                 gpu::attention_forward_tc(
                     kernels,
                     shape,
@@ -329,11 +316,8 @@ fn kernel_choices(
                     cuda_mut(&mut l)?,
                 )?;
                 Ok(())
-            })?;
-            times[i].1.push(t);
-        }
-        for (i, &(_, kernels)) in backward.iter().enumerate() {
-            let t = median_secs(dev, reps, || {
+            })?);
+            c.backward.push(median_secs(dev, reps, || {
                 gpu::attention_backward_tc(
                     kernels,
                     shape,
@@ -350,9 +334,8 @@ fn kernel_choices(
                     cuda_mut(&mut dv)?,
                 )?;
                 Ok(())
-            })?;
-            times[forward.len() + i].1.push(t);
+            })?);
         }
     }
-    Ok(Some(times))
+    Ok(Some(choices))
 }
