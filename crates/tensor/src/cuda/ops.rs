@@ -1551,8 +1551,8 @@ fn check_attn_aligned(what: &str, ptr: u64, align: u64) -> Result<(), CudaError>
 /// heads first (the grid is (batch × heads, blocks)): 64 rows, or 128 at head sizes up to 64
 /// with `kernels.warp_rows` [`WarpRows::Two`] (the library's choice: [`ATTN_KERNELS`]);
 /// dynamic shared memory `512 · (head_dim + 8)` bytes (36 864 for head_dim 64, 69 632 for
-/// 128: K and V tiles double-buffered by cp.async; kernels/attention_tc.cu). `head_dim` must be a
-/// multiple of 16 in 16..=128: otherwise [`CudaError::Shape`], and the caller uses
+/// 128: K and V tiles double-buffered by cp.async; kernels/attention_tc.cu). `head_dim` must
+/// be a multiple of 16 in 16..=128: otherwise [`CudaError::Shape`], and the caller uses
 /// [`attention_forward`]. `docs`: the document mask, as for [`attention_forward`].
 #[allow(clippy::too_many_arguments)]
 pub fn attention_forward_tc<'a>(
@@ -1611,22 +1611,21 @@ pub fn attention_forward_tc<'a>(
 /// accumulation).
 ///
 /// Four launches: `attn_bwd_delta` (module "attention"); the rounding of `dout`; from module
-/// "attention_tc_bwd" (kernels/attention_tc_bwd.cu), `attn_bwd_dq_tc`, 4 warps per (query rows
-/// as the forward's, batch × head), dynamic shared memory `512 · (head_dim + 8)` bytes (36 864 for
-/// head_dim 64, 69 632 for 128), and `attn_bwd_dkv_tc`, 4 warps per (64 keys, batch × KV
+/// "attention_tc_bwd" (kernels/attention_tc_bwd.cu), `attn_bwd_dq_tc`, 4 warps per (query
+/// rows as the forward's, batch × head), dynamic shared memory `512 · (head_dim + 8)` bytes
+/// (36 864 for head_dim 64, 69 632 for 128), and `attn_bwd_dkv_tc`, 4 warps per (64 keys, batch × KV
 /// head), `512 · (head_dim + 8) + 512` bytes (37 376 and 70 144). `head_dim` must be a
 /// multiple of 16 in 16..=128: otherwise [`CudaError::Shape`], and the caller uses
 /// [`attention_backward`]. `docs`: the forward's document mask.
 ///
 /// `kernels`: the library's choice is [`ATTN_KERNELS`]; dQ's query rows a block are the
 /// forward's, and [`AttnBackwardKernels::Fused`] (at head sizes up to 64, without a document
-/// mask) is one launch after the delta and the
-/// rounding of `dout`: `attn_bwd_fused_tc`, 4 warps per (64 keys, batch × KV head),
-/// `attn_bwd_dkv_tc`'s shared memory and a 64 × 40 bf16 tile of `dSᵀ` (42 496 bytes at
-/// head_dim 64), with `batch · n_heads · ⌈q_len / 32⌉` counters zeroed before it. Its dQ sums
-/// in another order than the split kernel's (each key block's share rounded into `dq` in
-/// turn), so the two agree to fp32's rounding of those sums, not bit for bit; dK and dV are the
-/// split kernel's bits.
+/// mask) is one launch after the delta and the rounding of `dout`: `attn_bwd_fused_tc`, 4
+/// warps per (64 keys, batch × KV head), `attn_bwd_dkv_tc`'s shared memory and a 64 × 40 bf16
+/// tile of `dSᵀ` (42 496 bytes at head_dim 64), with `batch · n_heads · ⌈q_len / 32⌉`
+/// counters zeroed before it. Its dQ sums in another order than the split kernel's (each key
+/// block's share rounded into `dq` in turn), so the two agree to fp32's rounding of those
+/// sums, not bit for bit; dK and dV are the split kernel's bits.
 #[allow(clippy::too_many_arguments)]
 pub fn attention_backward_tc<'a>(
     kernels: AttnKernels,
