@@ -5,8 +5,8 @@
 //! Open MPI, a GPU) calls [`skip`] when it is absent: one line `SKIPPED <test>: <reason>` goes
 //! straight to the process's stderr (the test harness captures `eprintln!`, and a skip must be
 //! seen), once per test and reason. Where `XTRAIN_REQUIRE` names the requirement (a comma
-//! separated list: `netns`, `mpi`, `gpu`, `multigpu` (two GPUs or more), `avx512`, `amx`, or
-//! `all`) the skip is a failure instead, so a CI run that should prove something cannot pass
+//! separated list: `netns`, `mpi`, `gpu`, `multigpu` (two GPUs or more), `nvrtc`, `emu` (a C++
+//! compiler, for the GPU tests on the emulated CUDA device), `avx512`, `amx`, or `all`) the skip is a failure instead, so a CI run that should prove something cannot pass
 //! without proving it. `XTRAIN_REQUIRE_GPU=1` is the same as `gpu` in the list.
 
 use std::collections::HashSet;

@@ -11,6 +11,23 @@ use tensor::cuda::ops::{AttnBackwardKernels, AttnKernels, WarpRows, ATTN_KERNELS
 use tensor::cuda::{ops, DevBuf, Gpu};
 use tensor::operands::Operands;
 
+mod cuda_emu;
+
+/// Every other test of this file again on the CPU emulation of a CUDA device
+/// (`tests/cuda_emu`): each kernel against its CPU twin on every machine, GPU or not. Not
+/// there: `watched_waits_end_with_the_check_or_the_limit`, which needs a queue that is busy
+/// while the host waits (the emulated device runs each launch when it is queued).
+#[test]
+fn every_kernel_test_on_the_emulated_device() {
+    cuda_emu::rerun_on_emulated_device(
+        "the GPU kernel tests (tensor/tests/cuda_kernels.rs)",
+        &[
+            "every_kernel_test_on_the_emulated_device",
+            "watched_waits_end_with_the_check_or_the_limit",
+        ],
+    );
+}
+
 /// The GPU, or `None` after the one skip line of this file (`test` names the caller for the
 /// failure message where a GPU is required).
 fn gpu(test: &str) -> Option<Arc<Gpu>> {
@@ -827,8 +844,8 @@ fn tensor_core_attention_matches_cpu() {
         AttnShape::causal(1, 70, 2, 1, 32),
         // Three blocks of 128 query rows, the last ragged (two m-tiles a warp at head 64).
         AttnShape::causal(1, 300, 2, 1, 64),
-        // 16 key blocks: the fused kernel's ordered adds, many CTAs at once.
-        AttnShape::causal(2, 1024, 8, 2, 64),
+        // 16 key blocks: the fused kernel's ordered adds, 32 CTAs at once.
+        AttnShape::causal(1, 1024, 2, 1, 64),
     ]
     .into_iter()
     .map(|s| (s, None))
@@ -2305,7 +2322,9 @@ fn staged_copies_follow_the_compute_stream() {
 }
 
 /// The kernel timeline names every kernel, product and copy queued while it is on, with its
-/// calls and positive device time, and nothing once it is off.
+/// calls and positive device time, and nothing once it is off. (The other tests of this
+/// process share the GPU and its timeline: their launches may land in it while it is on, so
+/// the counts of names they may use are lower bounds; the product's shape is this test's own.)
 #[test]
 fn kernel_timeline_names_every_launch() {
     let Some(gpu) = gpu("kernel_timeline_names_every_launch") else {
@@ -2329,13 +2348,15 @@ fn kernel_timeline_names_every_launch() {
             .find(|t| t.name == name)
             .unwrap_or_else(|| panic!("{name} not in {times:?}"))
     };
-    let gemm = find(&format!("cuBLASLt f32 {m}x{k}x{n} (NN)"));
+    let gemm_name = format!("cuBLASLt f32 {m}x{k}x{n} (NN)");
+    let gemm = find(&gemm_name);
     assert_eq!(gemm.calls, 3);
     assert!(gemm.seconds > 0.0);
-    assert_eq!(find("elementwise::scale_f32").calls, 3);
-    assert_eq!(find("copy device to host").calls, 1);
+    assert!(find("elementwise::scale_f32").calls >= 3);
+    assert!(find("copy device to host").calls >= 1);
     assert!(times.windows(2).all(|w| w[0].seconds >= w[1].seconds));
     assert_eq!(host.len(), m * n);
-    ops::scale(&mut c, 2.0).unwrap();
-    assert!(gpu.kernel_times().unwrap().is_empty());
+    tensor::cuda::blas::matmul(&mut c, &a, &b, m, k, n, false, false, false).unwrap();
+    let after = gpu.kernel_times().unwrap();
+    assert!(!after.iter().any(|t| t.name == gemm_name), "{after:?}");
 }

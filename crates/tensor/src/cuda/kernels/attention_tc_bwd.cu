@@ -619,6 +619,7 @@ __device__ __forceinline__ void tb_fused_dq(float (&acc)[MAXK / 2][2][4], u32 ds
     }
 }
 
+#ifndef XT_EMU_PTX // (prelude.cuh: the CPU emulation supplies these)
 // Waits (one thread) until `turn` key blocks have added into the query step `flag` counts for
 // (ld.acquire: their adds are visible after it, and to the other threads after the barrier
 // that follows, __syncwarp for its warp; PTX ISA, "Memory Consistency Model"). A count past `turn`, or no progress in
@@ -643,6 +644,7 @@ __device__ __forceinline__ void tb_signal(unsigned* flag) {
                      (u64)__cvta_generic_to_global(flag))
                  : "memory");
 }
+#endif // XT_EMU_PTX
 
 // The dK/dV walk over one head's query steps of 32 (i0, i0 + 32, .. below iend): DESC from the
 // last down (for the fused kernel's adds, h.; the split kernel walks the same way, so that

@@ -20,6 +20,9 @@ __device__ __forceinline__ u16 f32_to_bf16(float f) {
     return (u16)(u >> 16);
 }
 
+// The PTX of the kernels is in XT_EMU_PTX sections: the CPU emulation of the kernels that the
+// tests run without a GPU (crates/tensor/tests/cuda_emu) defines each such function itself.
+#ifndef XT_EMU_PTX
 __device__ __forceinline__ float f16_to_f32(u16 h) {
     float f;
     asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h));
@@ -31,6 +34,7 @@ __device__ __forceinline__ u16 f32_to_f16(float f) {
     asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(f));
     return h;
 }
+#endif // XT_EMU_PTX
 
 // Where a kernel writes an fp32 result: as fp32, or rounded to nearest even into the bf16 or
 // fp16 operand that products read next (`tensor::operands`: the rounding a cast kernel would

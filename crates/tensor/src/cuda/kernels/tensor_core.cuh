@@ -3,6 +3,7 @@
 // formats' packing and mma.sync (bf16, or fp16 where F16), ex2, ldmatrix, cp.async, and the
 // causal mask's key count. PTX ISA sections are named where each is used.
 
+#ifndef XT_EMU_PTX // (prelude.cuh: the CPU emulation supplies these)
 // Two fp32 as a pair of the operand format (bf16, or fp16 where F16), round to nearest even:
 // `lo` in the lower 16 bits (cvt.rn.bf16x2.f32 / cvt.rn.f16x2.f32 d, a, b put a in the upper
 // half, b in the lower; PTX ISA, "cvt").
@@ -14,18 +15,6 @@ __device__ __forceinline__ u32 tc_pack(float lo, float hi) {
     else
         asm("cvt.rn.bf16x2.f32 %0, %1, %2;\n" : "=r"(r) : "f"(hi), "f"(lo));
     return r;
-}
-
-// The A fragment of k-step kk of a product from the C fragments c0, c1 of the previous
-// product's n-tiles 2 kk, 2 kk + 1 (the score tile feeds P V, dS K, P^T dO, dS^T Q without
-// shared memory: the C layout of two adjacent n-tiles is the A layout of one k-step, see the
-// fragment tables of the modules), rounded to the operand format.
-template <bool F16>
-__device__ __forceinline__ void tc_c_to_a(u32* a, const float* c0, const float* c1) {
-    a[0] = tc_pack<F16>(c0[0], c0[1]);
-    a[1] = tc_pack<F16>(c0[2], c0[3]);
-    a[2] = tc_pack<F16>(c1[0], c1[1]);
-    a[3] = tc_pack<F16>(c1[2], c1[3]);
 }
 
 // 2^x (ex2.approx.ftz.f32: 2^-inf = +0; results below 2^-126 flush to 0, far below what a 16-bit
@@ -96,6 +85,19 @@ __device__ __forceinline__ void tc_cp_async_commit() {
 template <int N>
 __device__ __forceinline__ void tc_cp_async_wait() {
     asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
+}
+#endif // XT_EMU_PTX
+
+// The A fragment of k-step kk of a product from the C fragments c0, c1 of the previous
+// product's n-tiles 2 kk, 2 kk + 1 (the score tile feeds P V, dS K, P^T dO, dS^T Q without
+// shared memory: the C layout of two adjacent n-tiles is the A layout of one k-step, see the
+// fragment tables of the modules), rounded to the operand format.
+template <bool F16>
+__device__ __forceinline__ void tc_c_to_a(u32* a, const float* c0, const float* c1) {
+    a[0] = tc_pack<F16>(c0[0], c0[1]);
+    a[1] = tc_pack<F16>(c0[2], c0[3]);
+    a[2] = tc_pack<F16>(c1[0], c1[1]);
+    a[3] = tc_pack<F16>(c1[2], c1[3]);
 }
 
 __device__ __forceinline__ u32 tc_smem_addr(const void* p) {

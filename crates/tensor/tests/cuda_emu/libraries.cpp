@@ -1,0 +1,553 @@
+// The three NVIDIA libraries xtrain opens (crates/tensor/src/cuda/sys.rs) — the driver,
+// NVRTC and cuBLASLt — as one CPU library for the tests (mod.rs builds it and names it
+// libcuda.so.1, libnvrtc.so.13 and libcublasLt.so.13 in a folder the tests put in
+// XTRAIN_CUDA_LIB_PATH). Only the calls xtrain makes, with the arguments it passes:
+//
+// - the driver: one device (compute capability 9.0, four multiprocessors, 4 GiB unless
+//   XTRAIN_CUDA_EMU_MEMORY_MIB says otherwise); device memory is host memory; every copy,
+//   fill and launch runs when it is queued (streams and events keep their order trivially;
+//   an event's time is when it was recorded); a launch runs the module's xt_emu_launch
+//   (device.h) under one lock, and its failure is the launch's error, with the message on
+//   stderr;
+// - NVRTC: a program is compiled by the host's C++ compiler ($CXX, else c++) after device.h,
+//   into a shared object that stands for the cubin; its kernels (extern "C" __global__) get a
+//   thunk each that unpacks cuLaunchKernel's argument array;
+// - cuBLASLt: D = alpha op(A) op(B) + beta C in column-major order, fp32, bf16 or fp16
+//   operands, the sums in double rounded once to D's type.
+#include <ctype.h>
+#include <dlfcn.h>
+#include <math.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <sys/time.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <fstream>
+#include <map>
+#include <mutex>
+#include <regex>
+#include <set>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#ifndef XT_EMU_DEVICE_H
+#error "build with -DXT_EMU_DEVICE_H=\"<path of device.h>\""
+#endif
+
+#define API extern "C" __attribute__((visibility("default")))
+
+namespace {
+
+// ---- driver -------------------------------------------------------------------------------
+
+enum : int {
+    SUCCESS = 0,
+    INVALID_VALUE = 1,
+    OUT_OF_MEMORY = 2,
+    INVALID_IMAGE = 200,
+    NOT_FOUND = 500,
+    LAUNCH_FAILED = 719,
+};
+
+std::mutex lock; // one launch, allocation or module load at a time
+std::map<uint64_t, size_t> allocations;
+size_t allocated = 0;
+
+size_t total_memory() {
+    const char* v = getenv("XTRAIN_CUDA_EMU_MEMORY_MIB");
+    size_t mib = v ? strtoull(v, nullptr, 10) : 4096;
+    return (mib ? mib : 4096) << 20;
+}
+
+double now_ms() {
+    struct timeval tv;
+    gettimeofday(&tv, nullptr);
+    return tv.tv_sec * 1e3 + tv.tv_usec * 1e-3;
+}
+
+struct Event {
+    double ms = 0;
+};
+
+typedef int (*LaunchFn)(void (*)(void**), void**, const unsigned*, const unsigned*, unsigned,
+                        char*, size_t);
+
+struct Module {
+    void* so;
+    LaunchFn launch;
+};
+
+struct Function {
+    Module* module;
+    void (*thunk)(void**);
+    std::string name;
+    int max_dynamic_smem = 48 << 10;
+};
+
+const char MAGIC[8] = {'X', 'T', 'E', 'M', 'U', 'S', 'O', 0};
+
+} // namespace
+
+API int cuInit(unsigned) { return SUCCESS; }
+API int cuDriverGetVersion(int* v) { *v = 13000; return SUCCESS; }
+
+API int cuGetErrorName(int r, const char** s) {
+    switch (r) {
+    case SUCCESS: *s = "CUDA_SUCCESS"; break;
+    case INVALID_VALUE: *s = "CUDA_ERROR_INVALID_VALUE"; break;
+    case OUT_OF_MEMORY: *s = "CUDA_ERROR_OUT_OF_MEMORY"; break;
+    case INVALID_IMAGE: *s = "CUDA_ERROR_INVALID_IMAGE"; break;
+    case NOT_FOUND: *s = "CUDA_ERROR_NOT_FOUND"; break;
+    case LAUNCH_FAILED: *s = "CUDA_ERROR_LAUNCH_FAILED"; break;
+    default: *s = "CUDA_ERROR_UNKNOWN"; return INVALID_VALUE;
+    }
+    return SUCCESS;
+}
+API int cuGetErrorString(int r, const char** s) {
+    switch (r) {
+    case SUCCESS: *s = "no error"; break;
+    case INVALID_VALUE: *s = "invalid argument"; break;
+    case OUT_OF_MEMORY: *s = "out of memory"; break;
+    case INVALID_IMAGE: *s = "device kernel image is invalid"; break;
+    case NOT_FOUND: *s = "named symbol not found"; break;
+    case LAUNCH_FAILED: *s = "unspecified launch failure"; break;
+    default: *s = "unknown error"; return INVALID_VALUE;
+    }
+    return SUCCESS;
+}
+
+API int cuDeviceGetCount(int* n) { *n = 1; return SUCCESS; }
+API int cuDeviceGet(int* d, int ordinal) {
+    if (ordinal != 0) return INVALID_VALUE;
+    *d = 0;
+    return SUCCESS;
+}
+API int cuDeviceGetName(char* name, int len, int) {
+    snprintf(name, (size_t)len, "CPU emulation of a CUDA device (xtrain tests)");
+    return SUCCESS;
+}
+API int cuDeviceGetAttribute(int* v, int attr, int) {
+    switch (attr) {
+    case 16: *v = 4; break;          // multiprocessors
+    case 75: *v = 9; break;          // compute capability major
+    case 76: *v = 0; break;          // minor
+    case 97: *v = 232448; break;     // shared memory per block, opt-in (sm_90's)
+    default: return INVALID_VALUE;
+    }
+    return SUCCESS;
+}
+API int cuDeviceTotalMem_v2(size_t* bytes, int) { *bytes = total_memory(); return SUCCESS; }
+API int cuDevicePrimaryCtxRetain(void** ctx, int) {
+    static int context;
+    *ctx = &context;
+    return SUCCESS;
+}
+API int cuCtxSetCurrent(void*) { return SUCCESS; }
+API int cuCtxSynchronize() { return SUCCESS; }
+
+API int cuMemAlloc_v2(uint64_t* p, size_t bytes) {
+    std::lock_guard<std::mutex> g(lock);
+    size_t rounded = (bytes + 255) / 256 * 256;
+    if (rounded == 0) rounded = 256;
+    if (allocated + rounded > total_memory()) return OUT_OF_MEMORY;
+    void* m = aligned_alloc(256, rounded);
+    if (!m) return OUT_OF_MEMORY;
+    *p = (uint64_t)m;
+    allocations[*p] = rounded;
+    allocated += rounded;
+    return SUCCESS;
+}
+API int cuMemFree_v2(uint64_t p) {
+    std::lock_guard<std::mutex> g(lock);
+    auto it = allocations.find(p);
+    if (it == allocations.end()) return INVALID_VALUE;
+    allocated -= it->second;
+    allocations.erase(it);
+    free((void*)p);
+    return SUCCESS;
+}
+API int cuMemAllocHost_v2(void** p, size_t bytes) {
+    *p = aligned_alloc(4096, (bytes + 4095) / 4096 * 4096 + 4096);
+    return *p ? SUCCESS : OUT_OF_MEMORY;
+}
+API int cuMemFreeHost(void* p) { free(p); return SUCCESS; }
+API int cuMemGetInfo_v2(size_t* free_bytes, size_t* total) {
+    std::lock_guard<std::mutex> g(lock);
+    *total = total_memory();
+    *free_bytes = *total - allocated;
+    return SUCCESS;
+}
+API int cuMemcpyHtoDAsync_v2(uint64_t d, const void* h, size_t n, void*) {
+    memcpy((void*)d, h, n);
+    return SUCCESS;
+}
+API int cuMemcpyDtoHAsync_v2(void* h, uint64_t d, size_t n, void*) {
+    memcpy(h, (const void*)d, n);
+    return SUCCESS;
+}
+API int cuMemcpyDtoDAsync_v2(uint64_t d, uint64_t s, size_t n, void*) {
+    memmove((void*)d, (const void*)s, n);
+    return SUCCESS;
+}
+API int cuMemsetD8Async(uint64_t d, unsigned char v, size_t n, void*) {
+    memset((void*)d, v, n);
+    return SUCCESS;
+}
+
+API int cuStreamCreate(void** s, unsigned) {
+    static int streams;
+    *s = &streams;
+    return SUCCESS;
+}
+API int cuStreamDestroy_v2(void*) { return SUCCESS; }
+API int cuStreamSynchronize(void*) { return SUCCESS; }
+API int cuStreamQuery(void*) { return SUCCESS; }
+API int cuStreamWaitEvent(void*, void*, unsigned) { return SUCCESS; }
+API int cuEventCreate(void** e, unsigned) { *e = new Event; return SUCCESS; }
+API int cuEventDestroy_v2(void* e) { delete (Event*)e; return SUCCESS; }
+API int cuEventRecord(void* e, void*) { ((Event*)e)->ms = now_ms(); return SUCCESS; }
+API int cuEventSynchronize(void*) { return SUCCESS; }
+API int cuEventQuery(void*) { return SUCCESS; }
+API int cuEventElapsedTime(float* ms, void* a, void* b) {
+    *ms = (float)(((Event*)b)->ms - ((Event*)a)->ms);
+    return SUCCESS;
+}
+
+// The image is MAGIC, the shared object's length (8 bytes) and the shared object.
+API int cuModuleLoadData(void** module, const void* image) {
+    if (memcmp(image, MAGIC, 8) != 0) {
+        fprintf(stderr, "cuda-emu: cuModuleLoadData was given an image the emulated NVRTC "
+                        "did not make (a cubin from a real NVRTC in the kernel cache?)\n");
+        return INVALID_IMAGE;
+    }
+    uint64_t len;
+    memcpy(&len, (const char*)image + 8, 8);
+    std::lock_guard<std::mutex> g(lock);
+    char path[] = "/tmp/xtrain-cuda-emu-module-XXXXXX";
+    int fd = mkstemp(path);
+    if (fd < 0) return INVALID_IMAGE;
+    const char* bytes = (const char*)image + 16;
+    size_t done = 0;
+    while (done < len) {
+        ssize_t w = write(fd, bytes + done, len - done);
+        if (w <= 0) break;
+        done += (size_t)w;
+    }
+    close(fd);
+    void* so = done == len ? dlopen(path, RTLD_NOW | RTLD_LOCAL) : nullptr;
+    if (!so) fprintf(stderr, "cuda-emu: loading a module failed: %s\n", dlerror());
+    unlink(path);
+    if (!so) return INVALID_IMAGE;
+    LaunchFn launch = (LaunchFn)dlsym(so, "xt_emu_launch");
+    if (!launch) return INVALID_IMAGE;
+    *module = new Module{so, launch};
+    return SUCCESS;
+}
+API int cuModuleGetFunction(void** f, void* module, const char* name) {
+    Module* m = (Module*)module;
+    std::string sym = std::string("xt_emu_thunk_") + name;
+    void* thunk = dlsym(m->so, sym.c_str());
+    if (!thunk) return NOT_FOUND;
+    *f = new Function{m, (void (*)(void**))thunk, name};
+    return SUCCESS;
+}
+API int cuFuncSetAttribute(void* f, int attr, int value) {
+    if (attr != 8) return INVALID_VALUE; // CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
+    if (value < 0 || value > 232448) return INVALID_VALUE;
+    ((Function*)f)->max_dynamic_smem = value;
+    return SUCCESS;
+}
+API int cuLaunchKernel(void* f, unsigned gx, unsigned gy, unsigned gz, unsigned bx, unsigned by,
+                       unsigned bz, unsigned smem, void*, void** params, void** extra) {
+    Function* fn = (Function*)f;
+    if (extra || !params) return INVALID_VALUE;
+    // The GPU's limits: a launch past them fails there, so it fails here.
+    if (gx == 0 || gy == 0 || gz == 0 || gx > 2147483647u || gy > 65535 || gz > 65535 ||
+        bx * by * bz == 0 || bx * by * bz > 1024 || bz > 64 ||
+        smem > (unsigned)fn->max_dynamic_smem) {
+        fprintf(stderr,
+                "cuda-emu: %s launched with grid (%u, %u, %u), block (%u, %u, %u), %u bytes of "
+                "shared memory (at most %d allowed it): past the GPU's limits\n",
+                fn->name.c_str(), gx, gy, gz, bx, by, bz, smem, fn->max_dynamic_smem);
+        return INVALID_VALUE;
+    }
+    unsigned grid[3] = {gx, gy, gz}, block[3] = {bx, by, bz};
+    char error[512] = {0};
+    std::lock_guard<std::mutex> g(lock);
+    if (fn->module->launch(fn->thunk, params, grid, block, smem, error, sizeof error) != 0) {
+        fprintf(stderr, "cuda-emu: %s failed: %s\n", fn->name.c_str(), error);
+        return LAUNCH_FAILED;
+    }
+    return SUCCESS;
+}
+
+// ---- NVRTC ------------------------------------------------------------------------------
+
+namespace {
+
+struct Program {
+    std::string source, name, log;
+    std::vector<char> image;
+};
+
+bool run(const std::string& cmd, std::string& log) {
+    std::string full = cmd + " 2>&1";
+    FILE* p = popen(full.c_str(), "r");
+    if (!p) {
+        log += "cannot run: " + cmd + "\n";
+        return false;
+    }
+    char buf[4096];
+    size_t n;
+    while ((n = fread(buf, 1, sizeof buf, p)) > 0) log.append(buf, n);
+    int status = pclose(p);
+    return WIFEXITED(status) && WEXITSTATUS(status) == 0;
+}
+
+bool slurp(const std::string& path, std::string& out) {
+    std::ifstream in(path, std::ios::binary);
+    if (!in) return false;
+    std::stringstream ss;
+    ss << in.rdbuf();
+    out = ss.str();
+    return true;
+}
+
+// `extern __shared__ [__align__(n)] T name[];` -> `T* name = (T*)xt_emu::smem_base();`
+std::string dynamic_shared_to_pointers(const std::string& src) {
+    static const std::regex decl(
+        R"(extern\s+__shared__\s+(?:__align__\s*\(\s*\d+\s*\)\s+)?([A-Za-z_][\w ]*?)\s+(\w+)\s*\[\s*\]\s*;)");
+    return std::regex_replace(src, decl, "$1* $2 = ($1*)xt_emu::smem_base();");
+}
+
+int compile(Program& p) {
+    const char* cxx_env = getenv("CXX");
+    std::string cxx = cxx_env && *cxx_env ? cxx_env : "c++";
+    char dir_tpl[] = "/tmp/xtrain-cuda-emu-nvrtc-XXXXXX";
+    if (!mkdtemp(dir_tpl)) {
+        p.log = "cannot make a temporary folder";
+        return 1;
+    }
+    std::string dir = dir_tpl;
+    std::string src = dynamic_shared_to_pointers(p.source);
+    {
+        std::ofstream out(dir + "/kernel.cpp");
+        out << src;
+    }
+    std::string common = cxx + " -std=c++17 -w -fPIC -ffp-contract=off -fno-strict-aliasing "
+                               "-include '" XT_EMU_DEVICE_H "' -x c++ ";
+    std::string log, pre;
+    bool ok = run(common + "-E '" + dir + "/kernel.cpp' -o '" + dir + "/kernel.i'", log) &&
+              slurp(dir + "/kernel.i", pre);
+    if (ok) {
+        // The kernels: extern "C" functions marked by device.h's __global__.
+        static const std::regex entry(R"(extern\s+"C"\s+__attribute__\(\(used\)\)\s+void\s+(\w+)\s*\()");
+        std::set<std::string> names;
+        for (auto it = std::sregex_iterator(pre.begin(), pre.end(), entry);
+             it != std::sregex_iterator(); ++it)
+            names.insert((*it)[1]);
+        std::ofstream out(dir + "/kernel.cpp", std::ios::app);
+        out << "\n";
+        for (const auto& n : names)
+            out << "extern \"C\" __attribute__((visibility(\"default\"))) void xt_emu_thunk_" << n
+                << "(void** a) { xt_emu::invoke(&" << n << ", a); }\n";
+        out.close();
+        ok = run(common + "-O1 -shared '" + dir + "/kernel.cpp' -o '" + dir + "/kernel.so'", log);
+    }
+    std::string so;
+    if (ok) ok = slurp(dir + "/kernel.so", so);
+    if (ok) {
+        uint64_t len = so.size();
+        p.image.assign(MAGIC, MAGIC + 8);
+        p.image.insert(p.image.end(), (const char*)&len, (const char*)&len + 8);
+        p.image.insert(p.image.end(), so.begin(), so.end());
+    } else {
+        p.log = p.name + ": the host compiler failed:\n" + log;
+    }
+    run("rm -rf '" + dir + "'", log);
+    return ok ? 0 : 6; // NVRTC_ERROR_COMPILATION
+}
+
+} // namespace
+
+// Reported as NVRTC 99.0: the kernel cache keys entries by NVRTC's version, so the emulated
+// modules never meet a real NVRTC's cubins there.
+API int nvrtcVersion(int* major, int* minor) {
+    *major = 99;
+    *minor = 0;
+    return 0;
+}
+API const char* nvrtcGetErrorString(int r) {
+    return r == 0 ? "NVRTC_SUCCESS" : r == 6 ? "NVRTC_ERROR_COMPILATION" : "NVRTC_ERROR";
+}
+API int nvrtcCreateProgram(void** prog, const char* src, const char* name, int, const char* const*,
+                           const char* const*) {
+    *prog = new Program{src, name ? name : "kernel", "", {}};
+    return 0;
+}
+API int nvrtcCompileProgram(void* prog, int, const char* const*) { return compile(*(Program*)prog); }
+API int nvrtcGetProgramLogSize(void* prog, size_t* n) {
+    *n = ((Program*)prog)->log.size() + 1;
+    return 0;
+}
+API int nvrtcGetProgramLog(void* prog, char* out) {
+    const std::string& l = ((Program*)prog)->log;
+    memcpy(out, l.c_str(), l.size() + 1);
+    return 0;
+}
+API int nvrtcGetCUBINSize(void* prog, size_t* n) {
+    *n = ((Program*)prog)->image.size();
+    return 0;
+}
+API int nvrtcGetCUBIN(void* prog, char* out) {
+    const auto& i = ((Program*)prog)->image;
+    memcpy(out, i.data(), i.size());
+    return 0;
+}
+API int nvrtcDestroyProgram(void** prog) {
+    delete (Program*)*prog;
+    *prog = nullptr;
+    return 0;
+}
+
+// ---- cuBLASLt -----------------------------------------------------------------------------
+
+namespace {
+
+struct Desc {
+    int trans_a = 0, trans_b = 0;
+};
+struct Layout {
+    int type;
+    uint64_t rows, cols;
+    int64_t ld;
+};
+
+float load(const void* p, int type, size_t i) {
+    switch (type) {
+    case 0: return ((const float*)p)[i];
+    case 14: {
+        uint32_t u = (uint32_t)((const uint16_t*)p)[i] << 16;
+        float f;
+        memcpy(&f, &u, 4);
+        return f;
+    }
+    default: { // 2: IEEE half
+        uint16_t h = ((const uint16_t*)p)[i];
+        uint32_t sign = (uint32_t)(h & 0x8000u) << 16, e = (h >> 10) & 0x1fu, m = h & 0x3ffu;
+        float f;
+        if (e == 0) {
+            f = (float)m * 5.9604644775390625e-8f;
+            return sign ? -f : f;
+        }
+        uint32_t u = e == 31 ? (sign | 0x7f800000u | (m << 13)) : (sign | ((e + 112u) << 23) | (m << 13));
+        memcpy(&f, &u, 4);
+        return f;
+    }
+    }
+}
+
+uint16_t to_bf16(float f) {
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40u);
+    u += 0x7fffu + ((u >> 16) & 1u);
+    return (uint16_t)(u >> 16);
+}
+
+uint16_t to_f16(float f) {
+    uint32_t x;
+    memcpy(&x, &f, 4);
+    uint32_t sign = (x >> 16) & 0x8000u, a = x & 0x7fffffffu;
+    if (a > 0x7f800000u) return (uint16_t)(sign | 0x7e00u);
+    if (a >= 0x477ff000u) return (uint16_t)(sign | 0x7c00u);
+    if (a < 0x38800000u) {
+        if (a < 0x33000000u) return (uint16_t)sign;
+        uint32_t m = (a & 0x7fffffu) | 0x800000u;
+        int shift = 126 - (int)(a >> 23) + 1 + 13;
+        uint32_t q = m >> shift, rem = m & ((1u << shift) - 1), half = 1u << (shift - 1);
+        if (rem > half || (rem == half && (q & 1u))) q++;
+        return (uint16_t)(sign | q);
+    }
+    uint32_t q = (a >> 13) - (112u << 10), rem = a & 0x1fffu;
+    if (rem > 0x1000u || (rem == 0x1000u && (q & 1u))) q++;
+    return (uint16_t)(sign | q);
+}
+
+void store(void* p, int type, size_t i, float v) {
+    switch (type) {
+    case 0: ((float*)p)[i] = v; break;
+    case 14: ((uint16_t*)p)[i] = to_bf16(v); break;
+    default: ((uint16_t*)p)[i] = to_f16(v); break;
+    }
+}
+
+} // namespace
+
+API int cublasLtCreate(void** h) { static int handle; *h = &handle; return 0; }
+API int cublasLtDestroy(void*) { return 0; }
+API int cublasLtMatmulDescCreate(void** d, int compute, int scale) {
+    if (compute != 68 || scale != 0) return 7; // CUBLAS_STATUS_INVALID_VALUE
+    *d = new Desc;
+    return 0;
+}
+API int cublasLtMatmulDescDestroy(void* d) { delete (Desc*)d; return 0; }
+API int cublasLtMatmulDescSetAttribute(void* d, int attr, const void* v, size_t size) {
+    if (size != 4) return 7;
+    int op;
+    memcpy(&op, v, 4);
+    if (attr == 3) ((Desc*)d)->trans_a = op;
+    else if (attr == 4) ((Desc*)d)->trans_b = op;
+    else return 7;
+    return 0;
+}
+API int cublasLtMatrixLayoutCreate(void** l, int type, uint64_t rows, uint64_t cols, int64_t ld) {
+    if (type != 0 && type != 2 && type != 14) return 7;
+    *l = new Layout{type, rows, cols, ld};
+    return 0;
+}
+API int cublasLtMatrixLayoutDestroy(void* l) { delete (Layout*)l; return 0; }
+API int cublasLtMatmulPreferenceCreate(void** p) { static int pref; *p = &pref; return 0; }
+API int cublasLtMatmulPreferenceDestroy(void*) { return 0; }
+API int cublasLtMatmulPreferenceSetAttribute(void*, int, const void*, size_t) { return 0; }
+API int cublasLtMatmulAlgoGetHeuristic(void*, void*, void*, void*, void*, void*, void*, int,
+                                       void* result, int* found) {
+    memset(result, 0, 96); // cublasLtMatmulHeuristicResult_t
+    *found = 1;
+    return 0;
+}
+API int cublasLtMatmul(void*, void* desc, const void* alpha, const void* a, void* la, const void* b,
+                       void* lb, const void* beta, const void* c, void* lc, void* d, void* ld,
+                       const void*, void*, size_t, void*) {
+    const Desc& ds = *(Desc*)desc;
+    const Layout &A = *(Layout*)la, &B = *(Layout*)lb, &C = *(Layout*)lc, &D = *(Layout*)ld;
+    const uint64_t m = ds.trans_a ? A.cols : A.rows, k = ds.trans_a ? A.rows : A.cols;
+    const uint64_t kb = ds.trans_b ? B.cols : B.rows, n = ds.trans_b ? B.rows : B.cols;
+    if (k != kb || C.rows != m || C.cols != n || D.rows != m || D.cols != n) return 7;
+    const float al = *(const float*)alpha, be = *(const float*)beta;
+    // op(A) as m rows of k and op(B) as n rows of k, widened to fp32 (exactly) once.
+    std::vector<float> ar(m * k), br(n * k);
+    for (uint64_t i = 0; i < m; i++)
+        for (uint64_t l = 0; l < k; l++)
+            ar[i * k + l] = load(a, A.type, ds.trans_a ? l + i * A.ld : i + l * A.ld);
+    for (uint64_t j = 0; j < n; j++)
+        for (uint64_t l = 0; l < k; l++)
+            br[j * k + l] = load(b, B.type, ds.trans_b ? j + l * B.ld : l + j * B.ld);
+    for (uint64_t j = 0; j < n; j++) {
+        const float* bj = &br[j * k];
+        for (uint64_t i = 0; i < m; i++) {
+            const float* ai = &ar[i * k];
+            double acc = 0;
+            for (uint64_t l = 0; l < k; l++) acc += (double)ai[l] * bj[l];
+            double v = al * acc;
+            if (be != 0) v += (double)be * load(c, C.type, i + j * C.ld);
+            store(d, D.type, i + j * D.ld, (float)v);
+        }
+    }
+    return 0;
+}
