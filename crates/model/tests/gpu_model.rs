@@ -11,6 +11,19 @@ use model::{Batch, Model, ModelConfig, StepOptions};
 use tensor::buf::{Buf, Dev};
 use tensor::cuda::ops::{adamw, AdamScalars};
 
+#[path = "../../tensor/tests/cuda_emu/mod.rs"]
+mod cuda_emu;
+
+/// The tests of this file again on the CPU emulation of a CUDA device
+/// (`tensor/tests/cuda_emu`): the whole model on the device's code path, GPU or not.
+#[test]
+fn every_model_test_on_the_emulated_device() {
+    cuda_emu::rerun_on_emulated_device(
+        "the GPU model tests (model/tests/gpu_model.rs)",
+        &["every_model_test_on_the_emulated_device"],
+    );
+}
+
 fn gpu() -> Option<Dev> {
     match Dev::open("cuda") {
         Ok(d) => Some(d),

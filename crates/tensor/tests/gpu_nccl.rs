@@ -16,6 +16,18 @@ use tensor::dtype::DType;
 
 const FILE: &str = "the NCCL tests (tensor/tests/gpu_nccl.rs)";
 
+mod cuda_emu;
+
+/// The one-rank tests of this file again on the CPU emulation of a CUDA device and of NCCL
+/// (`tests/cuda_emu`: communicators of one rank; the two-rank test needs two devices).
+#[test]
+fn every_nccl_test_on_the_emulated_device() {
+    cuda_emu::rerun_on_emulated_device(
+        "the NCCL tests (tensor/tests/gpu_nccl.rs)",
+        &["every_nccl_test_on_the_emulated_device"],
+    );
+}
+
 /// What a skip names: the test where the run requires a GPU, else this file (one line).
 fn what(test: &str) -> String {
     if tensor::skip::required("gpu") {

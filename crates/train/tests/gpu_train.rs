@@ -15,6 +15,29 @@ use train::RunConfig;
 
 mod common;
 
+#[path = "../../tensor/tests/cuda_emu/mod.rs"]
+mod cuda_emu;
+
+/// The tests of this file again on the CPU emulation of a CUDA device
+/// (`tensor/tests/cuda_emu`), but those that train the fp32 presets for many steps: fp32
+/// attention's kernels take a warp a query row and shuffle for every key, a barrier of 32
+/// emulated threads each time, minutes a test there (they have run on a GPU: docs/GPU.md).
+/// bf16 and fp16 training, the delayed update, generation and the one-rank NCCL paths run.
+#[test]
+fn every_light_training_test_on_the_emulated_device() {
+    cuda_emu::rerun_on_emulated_device(
+        "the GPU training tests (train/tests/gpu_train.rs)",
+        &[
+            "every_light_training_test_on_the_emulated_device",
+            "ten_steps_on_the_gpu_match_the_cpu",
+            "layouts_on_one_gpu_match_one_gpu",
+            "document_masks_train_on_the_gpu_as_on_the_cpu",
+            "checkpoints_cross_devices_with_the_uninterrupted_losses",
+            "offloaded_optimizer_on_the_gpu_matches_the_resident_one",
+        ],
+    );
+}
+
 fn has_gpu() -> bool {
     match tensor::buf::Dev::open("cuda") {
         Ok(_) => true,

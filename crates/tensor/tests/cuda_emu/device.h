@@ -109,7 +109,8 @@ inline u32 exchange[MAX_THREADS / 32][2][32][16];
 extern "C" void xt_emu_switch(void** save_sp, void* to_sp);
 #if defined(__x86_64__)
 // Saves the callee-saved registers and the stack pointer of the caller in *save_sp and
-// resumes the context whose stack pointer is to_sp (System V x86-64).
+// resumes the context whose stack pointer is to_sp (System V x86-64; the floating-point
+// control words are the same in every fiber, no kernel changes them).
 __asm__(".text\n"
         ".p2align 4\n"
         ".globl xt_emu_switch\n"
@@ -117,10 +118,8 @@ __asm__(".text\n"
         ".type xt_emu_switch,@function\n"
         "xt_emu_switch:\n"
         "  pushq %rbp\n  pushq %rbx\n  pushq %r12\n  pushq %r13\n  pushq %r14\n  pushq %r15\n"
-        "  subq $8, %rsp\n  stmxcsr (%rsp)\n  fnstcw 4(%rsp)\n"
         "  movq %rsp, (%rdi)\n"
         "  movq %rsi, %rsp\n"
-        "  ldmxcsr (%rsp)\n  fldcw 4(%rsp)\n  addq $8, %rsp\n"
         "  popq %r15\n  popq %r14\n  popq %r13\n  popq %r12\n  popq %rbx\n  popq %rbp\n"
         "  ret\n"
         ".size xt_emu_switch, .-xt_emu_switch\n");
@@ -141,15 +140,65 @@ inline void fail(const char* what) {
     }
 }
 
+// Threads of the block (and of each warp) that have not returned, and how many of them wait
+// at the block's (the warp's) barrier.
+inline int block_live, block_waiting;
+inline int warp_live[MAX_THREADS / 32], warp_waiting[MAX_THREADS / 32];
+
+// Releases the threads at the barrier `s` of warp `w` (or of the block) once every live one
+// is there; whether it did.
+inline bool release_if_complete(State s, int w) {
+    const int n = launch->nthreads;
+    if (s == AT_WARP_BARRIER) {
+        if (warp_waiting[w] == 0 || warp_waiting[w] < warp_live[w]) return false;
+        for (int i = 32 * w; i < n && i < 32 * (w + 1); i++)
+            if (fibers[i].state == AT_WARP_BARRIER) fibers[i].state = RUNNABLE;
+        warp_waiting[w] = 0;
+    } else {
+        if (block_waiting == 0 || block_waiting < block_live) return false;
+        for (int i = 0; i < n; i++)
+            if (fibers[i].state == AT_BLOCK_BARRIER) fibers[i].state = RUNNABLE;
+        block_waiting = 0;
+    }
+    return true;
+}
+
+// Leaves the current thread (waiting or returned) for the next runnable one after it in the
+// block (the next lane, mostly), or the scheduler where none is.
+inline void yield() {
+    Fiber* me = cur;
+    const int n = launch->nthreads, i = (int)(me - fibers);
+    for (int k = 1; k < n; k++) {
+        Fiber* next = &fibers[(i + k) % n];
+        if (next->state == RUNNABLE) {
+            cur = next;
+            xt_emu_switch(&me->sp, next->sp);
+            return;
+        }
+    }
+    xt_emu_switch(&me->sp, scheduler_sp);
+}
+
+// The current thread arrives at barrier `s`: the last to arrive releases the others and goes
+// on; the others wait, and whoever runs after a release runs them.
 inline void wait_at(State s) {
+    const int w = cur->warp;
     cur->state = s;
-    xt_emu_switch(&cur->sp, scheduler_sp);
+    if (s == AT_WARP_BARRIER) warp_waiting[w]++;
+    else block_waiting++;
+    if (release_if_complete(s, w)) return;
+    yield();
 }
 
 [[noreturn]] inline void fiber_main() {
     launch->thunk(launch->args);
     cur->state = RETURNED;
-    xt_emu_switch(&cur->sp, scheduler_sp);
+    block_live--;
+    warp_live[cur->warp]--;
+    // Those waiting may have waited for this thread only.
+    release_if_complete(AT_WARP_BARRIER, cur->warp);
+    release_if_complete(AT_BLOCK_BARRIER, 0);
+    yield();
     abort(); // never resumed
 }
 
@@ -157,15 +206,10 @@ inline void start_fiber(Fiber& f, int i) {
     unsigned char* top = stacks + (size_t)(i + 1) * STACK_BYTES;
     uintptr_t sp = ((uintptr_t)top - 64) & ~(uintptr_t)15;
     void** s = (void**)sp;
-    // Popped by xt_emu_switch: the control words, six registers, then the return address.
+    // Popped by xt_emu_switch: six registers, then the return address.
     *--s = nullptr; // alignment: the return address at a 16-byte boundary
     *--s = (void*)&fiber_main;
     for (int r = 0; r < 6; r++) *--s = nullptr;
-    u32 csr;
-    unsigned short cw;
-    __asm__ volatile("stmxcsr %0" : "=m"(csr));
-    __asm__ volatile("fnstcw %0" : "=m"(cw));
-    *--s = (void*)((uint64_t)csr | ((uint64_t)cw << 32));
     f.sp = s;
     f.state = RUNNABLE;
     f.ncopies = f.committed = 0;
@@ -186,38 +230,24 @@ inline bool run_block(unsigned char* smem) {
         f.warp = i / 32;
         start_fiber(f, i);
     }
+    block_live = n;
+    block_waiting = 0;
+    for (int w = 0; w < warps; w++) {
+        warp_live[w] = n - 32 * w < 32 ? n - 32 * w : 32;
+        warp_waiting[w] = 0;
+    }
     for (;;) {
+        bool ran = false;
         for (int i = 0; i < n; i++) {
             if (fibers[i].state != RUNNABLE) continue;
+            ran = true;
             cur = &fibers[i];
             xt_emu_switch(&scheduler_sp, cur->sp);
             cur = nullptr;
             if (L.error[0]) return false;
         }
-        bool released = false, all_returned = true, all_at_block = true;
-        for (int w = 0; w < warps; w++) {
-            bool live = false, all_at_warp = true;
-            for (int i = 32 * w; i < n && i < 32 * (w + 1); i++) {
-                State s = fibers[i].state;
-                if (s == RETURNED) continue;
-                live = true;
-                all_returned = false;
-                if (s != AT_WARP_BARRIER) all_at_warp = false;
-                if (s != AT_BLOCK_BARRIER) all_at_block = false;
-            }
-            if (live && all_at_warp) {
-                for (int i = 32 * w; i < n && i < 32 * (w + 1); i++)
-                    if (fibers[i].state == AT_WARP_BARRIER) fibers[i].state = RUNNABLE;
-                released = true;
-            }
-        }
-        if (all_returned) return true;
-        if (released) continue;
-        if (all_at_block) {
-            for (int i = 0; i < n; i++)
-                if (fibers[i].state == AT_BLOCK_BARRIER) fibers[i].state = RUNNABLE;
-            continue;
-        }
+        if (block_live == 0) return true;
+        if (ran) continue;
         snprintf(L.error, sizeof L.error,
                  "block (%u, %u, %u): its threads wait at different barriers (a warp "
                  "operation and __syncthreads): the kernel would hang",

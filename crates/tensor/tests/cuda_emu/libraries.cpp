@@ -1,10 +1,11 @@
-// The three NVIDIA libraries xtrain opens (crates/tensor/src/cuda/sys.rs) — the driver,
-// NVRTC and cuBLASLt — as one CPU library for the tests (mod.rs builds it and names it
-// libcuda.so.1, libnvrtc.so.13 and libcublasLt.so.13 in a folder the tests put in
-// XTRAIN_CUDA_LIB_PATH). Only the calls xtrain makes, with the arguments it passes:
+// The NVIDIA libraries xtrain opens (crates/tensor/src/cuda/sys.rs) — the driver, NVRTC,
+// cuBLASLt and NCCL — as one CPU library for the tests (mod.rs builds it and names it
+// libcuda.so.1, libnvrtc.so.13, libcublasLt.so.13 and libnccl.so.2 in a folder the tests put
+// in XTRAIN_CUDA_LIB_PATH). Only the calls xtrain makes, with the arguments it passes:
 //
-// - the driver: one device (compute capability 9.0, four multiprocessors, 4 GiB unless
-//   XTRAIN_CUDA_EMU_MEMORY_MIB says otherwise); device memory is host memory; every copy,
+// - the driver: one device (compute capability 9.0, four multiprocessors, 80 GiB unless
+//   XTRAIN_CUDA_EMU_MEMORY_MIB says otherwise: an account, the memory is taken from the host
+//   as allocated); device memory is host memory; every copy,
 //   fill and launch runs when it is queued (streams and events keep their order trivially;
 //   an event's time is when it was recorded); a launch runs the module's xt_emu_launch
 //   (device.h) under one lock, and its failure is the launch's error, with the message on
@@ -13,7 +14,9 @@
 //   into a shared object that stands for the cubin; its kernels (extern "C" __global__) get a
 //   thunk each that unpacks cuLaunchKernel's argument array;
 // - cuBLASLt: D = alpha op(A) op(B) + beta C in column-major order, fp32, bf16 or fp16
-//   operands, the sums in double rounded once to D's type.
+//   operands, the sums in double rounded once to D's type;
+// - NCCL: communicators of one rank (the one device), whose collectives copy, and whose sends
+//   to itself are matched with its receives in order when the group ends.
 #include <ctype.h>
 #include <dlfcn.h>
 #include <math.h>
@@ -60,8 +63,8 @@ size_t allocated = 0;
 
 size_t total_memory() {
     const char* v = getenv("XTRAIN_CUDA_EMU_MEMORY_MIB");
-    size_t mib = v ? strtoull(v, nullptr, 10) : 4096;
-    return (mib ? mib : 4096) << 20;
+    size_t mib = v ? strtoull(v, nullptr, 10) : 0;
+    return (mib ? mib : 80 << 10) << 20;
 }
 
 double now_ms() {
@@ -538,16 +541,120 @@ API int cublasLtMatmul(void*, void* desc, const void* alpha, const void* a, void
     for (uint64_t j = 0; j < n; j++)
         for (uint64_t l = 0; l < k; l++)
             br[j * k + l] = load(b, B.type, ds.trans_b ? j + l * B.ld : l + j * B.ld);
+    // Each dot product in eight partial sums of doubles (vectorised), added up in a fixed
+    // order: the same bits whatever the machine's vector width.
     for (uint64_t j = 0; j < n; j++) {
         const float* bj = &br[j * k];
         for (uint64_t i = 0; i < m; i++) {
             const float* ai = &ar[i * k];
-            double acc = 0;
-            for (uint64_t l = 0; l < k; l++) acc += (double)ai[l] * bj[l];
+            double part[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+            uint64_t l = 0;
+            for (; l + 8 <= k; l += 8)
+                for (int q = 0; q < 8; q++) part[q] += (double)ai[l + q] * (double)bj[l + q];
+            for (; l < k; l++) part[l % 8] += (double)ai[l] * (double)bj[l];
+            const double acc = ((part[0] + part[1]) + (part[2] + part[3])) +
+                               ((part[4] + part[5]) + (part[6] + part[7]));
             double v = al * acc;
             if (be != 0) v += (double)be * load(c, C.type, i + j * C.ld);
             store(d, D.type, i + j * D.ld, (float)v);
         }
     }
     return 0;
+}
+
+// ---- NCCL ---------------------------------------------------------------------------------
+
+namespace {
+
+struct Comm {
+    int nranks;
+};
+
+size_t type_bytes(int t) {
+    switch (t) {
+    case 0: case 1: return 1;      // int8, uint8
+    case 6: case 9: return 2;      // half, bfloat16
+    case 2: case 3: case 7: return 4; // int32, uint32, float
+    default: return 8;             // int64, uint64, double
+    }
+}
+
+// The sends and receives of the thread's open group (NCCL pairs them when the group ends).
+thread_local int group_depth = 0;
+thread_local std::vector<std::pair<const void*, size_t>> sends;
+thread_local std::vector<std::pair<void*, size_t>> recvs;
+
+int match_sends_and_recvs() {
+    if (sends.size() != recvs.size()) {
+        fprintf(stderr, "cuda-emu: NCCL group with %zu sends and %zu receives to itself\n",
+                sends.size(), recvs.size());
+        sends.clear(), recvs.clear();
+        return 5; // ncclInvalidUsage
+    }
+    for (size_t i = 0; i < sends.size(); i++) {
+        if (sends[i].second != recvs[i].second) return 5;
+        memmove(recvs[i].first, sends[i].first, sends[i].second);
+    }
+    sends.clear(), recvs.clear();
+    return 0;
+}
+
+} // namespace
+
+API int ncclGetVersion(int* v) { *v = 22005; return 0; } // NCCL 2.20.5
+API int ncclGetUniqueId(void* id) { memset(id, 0x5a, 128); return 0; }
+struct UniqueId {
+    char bytes[128];
+};
+API int ncclCommInitRank(void** comm, int nranks, UniqueId, int rank) {
+    if (nranks != 1 || rank != 0) {
+        fprintf(stderr, "cuda-emu: the emulated NCCL has communicators of one rank only\n");
+        return 5;
+    }
+    *comm = new Comm{nranks};
+    return 0;
+}
+API int ncclCommDestroy(void* comm) { delete (Comm*)comm; return 0; }
+API int ncclCommAbort(void* comm) { delete (Comm*)comm; return 0; }
+API int ncclCommGetAsyncError(void*, int* e) { *e = 0; return 0; }
+API const char* ncclGetErrorString(int r) {
+    return r == 0 ? "no error" : r == 5 ? "invalid usage" : "unhandled error";
+}
+// One rank: every reduction is its own input, every gather and broadcast a copy.
+API int ncclAllReduce(const void* s, void* r, size_t n, int t, int, void*, void*) {
+    memmove(r, s, n * type_bytes(t));
+    return 0;
+}
+API int ncclReduce(const void* s, void* r, size_t n, int t, int, int root, void*, void*) {
+    if (root != 0) return 4;
+    memmove(r, s, n * type_bytes(t));
+    return 0;
+}
+API int ncclBroadcast(const void* s, void* r, size_t n, int t, int root, void*, void*) {
+    if (root != 0) return 4;
+    memmove(r, s, n * type_bytes(t));
+    return 0;
+}
+API int ncclAllGather(const void* s, void* r, size_t n, int t, void*, void*) {
+    memmove(r, s, n * type_bytes(t));
+    return 0;
+}
+API int ncclReduceScatter(const void* s, void* r, size_t n, int t, int, void*, void*) {
+    memmove(r, s, n * type_bytes(t));
+    return 0;
+}
+API int ncclSend(const void* s, size_t n, int t, int peer, void*, void*) {
+    if (peer != 0 || group_depth == 0) return 5;
+    sends.emplace_back(s, n * type_bytes(t));
+    return 0;
+}
+API int ncclRecv(void* r, size_t n, int t, int peer, void*, void*) {
+    if (peer != 0 || group_depth == 0) return 5;
+    recvs.emplace_back(r, n * type_bytes(t));
+    return 0;
+}
+API int ncclGroupStart() { group_depth++; return 0; }
+API int ncclGroupEnd() {
+    if (group_depth == 0) return 5;
+    return --group_depth == 0 ? match_sends_and_recvs() : 0;
 }

@@ -2,8 +2,8 @@
 //! its CPU twin on every machine, GPU or not (what the tests check on an emulated device is
 //! the kernels' logic, not their speed).
 //!
-//! `libraries.cpp` stands in for the three libraries xtrain opens — the driver, NVRTC and
-//! cuBLASLt — and `device.h` for what a GPU gives a kernel (threads, barriers, shared memory,
+//! `libraries.cpp` stands in for the libraries xtrain opens — the driver, NVRTC, cuBLASLt
+//! and NCCL (communicators of one rank) — and `device.h` for what a GPU gives a kernel (threads, barriers, shared memory,
 //! warp shuffles, `mma.sync`, `ldmatrix`, `cp.async`): the kernel modules are compiled by the
 //! host's C++ compiler after it and run on the CPU (their header comments say how). The
 //! library is built here with the host's C++ compiler (`$CXX`, else `c++`) into the test
@@ -24,7 +24,12 @@ const LIBRARIES: &str = include_str!("libraries.cpp");
 
 /// The library file and the names xtrain opens it by.
 const LIBRARY: &str = "libxtrain_cuda_emu.so";
-const NAMES: [&str; 3] = ["libcuda.so.1", "libnvrtc.so.13", "libcublasLt.so.13"];
+const NAMES: [&str; 4] = [
+    "libcuda.so.1",
+    "libnvrtc.so.13",
+    "libcublasLt.so.13",
+    "libnccl.so.2",
+];
 
 /// Whether this process is the child that runs the tests on the emulated device.
 pub fn in_child() -> bool {
@@ -57,7 +62,15 @@ pub fn build(root: &Path) -> Result<PathBuf, String> {
     std::fs::write(tmp.join("libraries.cpp"), LIBRARIES).map_err(|e| e.to_string())?;
     let cxx = compiler();
     let out = Command::new(&cxx)
-        .args(["-std=c++17", "-O2", "-fPIC", "-shared", "-Wall", "-Werror"])
+        .args([
+            "-std=c++17",
+            "-O3",
+            "-march=native",
+            "-fPIC",
+            "-shared",
+            "-Wall",
+            "-Werror",
+        ])
         .arg(format!(
             "-DXT_EMU_DEVICE_H=\"{}\"",
             dir.join("device.h").display()
