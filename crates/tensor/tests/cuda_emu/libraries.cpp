@@ -99,30 +99,35 @@ const char MAGIC[8] = {'X', 'T', 'E', 'M', 'U', 'S', 'O', 0};
 API int cuInit(unsigned) { return SUCCESS; }
 API int cuDriverGetVersion(int* v) { *v = 13000; return SUCCESS; }
 
-API int cuGetErrorName(int r, const char** s) {
-    switch (r) {
-    case SUCCESS: *s = "CUDA_SUCCESS"; break;
-    case INVALID_VALUE: *s = "CUDA_ERROR_INVALID_VALUE"; break;
-    case OUT_OF_MEMORY: *s = "CUDA_ERROR_OUT_OF_MEMORY"; break;
-    case INVALID_IMAGE: *s = "CUDA_ERROR_INVALID_IMAGE"; break;
-    case NOT_FOUND: *s = "CUDA_ERROR_NOT_FOUND"; break;
-    case LAUNCH_FAILED: *s = "CUDA_ERROR_LAUNCH_FAILED"; break;
-    default: *s = "CUDA_ERROR_UNKNOWN"; return INVALID_VALUE;
-    }
-    return SUCCESS;
+namespace {
+
+// The driver's result codes that the emulation returns: name and text.
+const struct {
+    int code;
+    const char *name, *text;
+} ERRORS[] = {
+    {SUCCESS, "CUDA_SUCCESS", "no error"},
+    {INVALID_VALUE, "CUDA_ERROR_INVALID_VALUE", "invalid argument"},
+    {OUT_OF_MEMORY, "CUDA_ERROR_OUT_OF_MEMORY", "out of memory"},
+    {INVALID_IMAGE, "CUDA_ERROR_INVALID_IMAGE", "device kernel image is invalid"},
+    {NOT_FOUND, "CUDA_ERROR_NOT_FOUND", "named symbol not found"},
+    {LAUNCH_FAILED, "CUDA_ERROR_LAUNCH_FAILED", "unspecified launch failure"},
+};
+
+int describe(int r, const char** s, bool name) {
+    for (const auto& e : ERRORS)
+        if (e.code == r) {
+            *s = name ? e.name : e.text;
+            return SUCCESS;
+        }
+    *s = name ? "CUDA_ERROR_UNKNOWN" : "unknown error";
+    return INVALID_VALUE;
 }
-API int cuGetErrorString(int r, const char** s) {
-    switch (r) {
-    case SUCCESS: *s = "no error"; break;
-    case INVALID_VALUE: *s = "invalid argument"; break;
-    case OUT_OF_MEMORY: *s = "out of memory"; break;
-    case INVALID_IMAGE: *s = "device kernel image is invalid"; break;
-    case NOT_FOUND: *s = "named symbol not found"; break;
-    case LAUNCH_FAILED: *s = "unspecified launch failure"; break;
-    default: *s = "unknown error"; return INVALID_VALUE;
-    }
-    return SUCCESS;
-}
+
+} // namespace
+
+API int cuGetErrorName(int r, const char** s) { return describe(r, s, true); }
+API int cuGetErrorString(int r, const char** s) { return describe(r, s, false); }
 
 API int cuDeviceGetCount(int* n) { *n = 1; return SUCCESS; }
 API int cuDeviceGet(int* d, int ordinal) {
