@@ -170,11 +170,15 @@ impl std::fmt::Display for BenchReport {
         )?;
         writeln!(
             f,
-            "FLOPs/token (6N + 12·L·H·S, N = all parameters) {:.3e}  ->  {:.1} GFLOP/s; GEMM peak {:.1} GFLOP/s; MFU {:.1}%",
+            "FLOPs/token (6N + 12·L·H·S, N = all parameters) {:.3e}  ->  {:.1} GFLOP/s; GEMM peak {}; MFU {}",
             self.flops_per_token,
             self.achieved_gflops,
-            self.gemm_peak_gflops,
-            100.0 * self.mfu
+            if self.gemm_peak_gflops.is_finite() {
+                format!("{:.1} GFLOP/s", self.gemm_peak_gflops)
+            } else {
+                "unknown".into()
+            },
+            crate::progress::mfu_percent(self.mfu)
         )?;
         if let Some(p) = self.fma_peak_gflops {
             writeln!(

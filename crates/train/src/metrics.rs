@@ -15,6 +15,8 @@ pub struct StepRecord {
     pub lr: f64,
     pub grad_norm: f64,
     pub tokens_per_s: f64,
+    /// NaN where the device's peak is unknown: written as JSON's `null`, read back as NaN.
+    #[serde(deserialize_with = "null_as_nan")]
     pub mfu: f64,
     #[serde(skip_serializing_if = "Option::is_none", default)]
     pub val_loss: Option<f64>,
@@ -34,6 +36,11 @@ pub struct StepRecord {
     /// Bytes rank 0 sent over its data-parallel group in the step (with dp > 1).
     #[serde(skip_serializing_if = "Option::is_none", default)]
     pub dp_bytes_sent: Option<u64>,
+}
+
+/// A number, or `null` (how serde_json writes a NaN) as NaN.
+fn null_as_nan<'de, D: serde::Deserializer<'de>>(d: D) -> std::result::Result<f64, D::Error> {
+    Ok(Option::<f64>::deserialize(d)?.unwrap_or(f64::NAN))
 }
 
 /// Appends records to a JSONL file.
@@ -275,6 +282,29 @@ mod tests {
         assert!(std::fs::read_to_string(d.join("loss.svg"))
             .unwrap()
             .contains("validation"));
+        std::fs::remove_dir_all(&d).unwrap();
+    }
+
+    /// A run on a GPU whose peak is unknown logs its MFU as NaN: written as `null`, read back.
+    #[test]
+    fn an_unknown_mfu_round_trips() {
+        let d = std::env::temp_dir().join(format!("xtrain-metrics-nan-{}", std::process::id()));
+        std::fs::create_dir_all(&d).unwrap();
+        let p = d.join("metrics.jsonl");
+        let _ = std::fs::remove_file(&p);
+        let mut w = MetricsWriter::append(&p).unwrap();
+        w.write(&StepRecord {
+            step: 1,
+            mfu: f64::NAN,
+            ..Default::default()
+        })
+        .unwrap();
+        drop(w);
+        assert!(std::fs::read_to_string(&p)
+            .unwrap()
+            .contains("\"mfu\":null"));
+        let back = read(&p).unwrap();
+        assert!(back.len() == 1 && back[0].mfu.is_nan() && back[0].step == 1);
         std::fs::remove_dir_all(&d).unwrap();
     }
 

@@ -75,18 +75,23 @@ impl StepBar {
         let tokens_per_s = self.tokens as f64 / secs;
         let rate = Rate {
             tokens_per_s,
-            mfu: tokens_per_s * self.flops_per_token / self.peak.max(1e-9),
+            // NaN where the peak is unknown (a GPU missing from the data-sheet table).
+            mfu: if self.peak > 0.0 {
+                tokens_per_s * self.flops_per_token / self.peak
+            } else {
+                f64::NAN
+            },
         };
         if self.visible() {
             self.bar.set_message(format!(
-                "loss {:.4}{} lr {:.2e} {:.0} tok/s MFU {:.1}% rss {}",
+                "loss {:.4}{} lr {:.2e} {:.0} tok/s MFU {} rss {}",
                 s.loss,
                 self.last_val
                     .map(|v| format!(" val {v:.4}"))
                     .unwrap_or_default(),
                 s.lr,
                 rate.tokens_per_s,
-                100.0 * rate.mfu,
+                mfu_percent(rate.mfu),
                 peak_rss_bytes().map(human).unwrap_or_else(|| "?".into())
             ));
             self.bar.set_position(s.step as u64);
@@ -146,11 +151,11 @@ impl Console {
         let line = done == self.first + 1 || done.is_multiple_of(every) || done == self.total;
         if !self.quiet && !self.bar.visible() && line {
             println!(
-                "step {done:>5} | loss {:.4} | lr {:.2e} | grad norm {grad_norm:.3} | {step_ms:.1} ms | {:.0} tok/s | MFU {:.1}%{}",
+                "step {done:>5} | loss {:.4} | lr {:.2e} | grad norm {grad_norm:.3} | {step_ms:.1} ms | {:.0} tok/s | MFU {}{}",
                 s.loss,
                 s.lr,
                 rate.tokens_per_s,
-                100.0 * rate.mfu,
+                mfu_percent(rate.mfu),
                 detail()
             );
         }
@@ -172,9 +177,25 @@ impl Console {
     }
 }
 
+/// A model-FLOP utilisation as a percentage, or `n/a` where the device's peak is not known
+/// (a GPU missing from `DeviceInfo::bf16_peak_flops`'s table).
+pub(crate) fn mfu_percent(mfu: f64) -> String {
+    if mfu.is_finite() {
+        format!("{:.1}%", 100.0 * mfu)
+    } else {
+        "n/a (this GPU's peak is not known)".into()
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn mfu_of_an_unknown_peak_says_so() {
+        assert_eq!(mfu_percent(0.2771), "27.7%");
+        assert_eq!(mfu_percent(f64::NAN), "n/a (this GPU's peak is not known)");
+    }
 
     #[test]
     fn rate_counts_every_step_and_mfu_divides_by_the_peak() {

@@ -158,9 +158,21 @@ pub fn run(t: &mut Trainer, opts: &RunOptions) -> Result<RunSummary> {
     ));
     say(&format!("memory (rank 0, accounted): {}", t.memory()));
     say(&format!(
-        "FLOPs/token 6N+12LHS = {fpt:.3e}; measured fp32 GEMM peak of all {} rank(s) {:.1} GFLOP/s",
-        t.comm().size(),
-        peak / 1e9
+        "FLOPs/token 6N+12LHS = {fpt:.3e}; {}",
+        match &t.exec.config().device {
+            tensor::buf::Dev::Cuda(_) if peak.is_finite() => format!(
+                "the GPU's dense bf16 peak (data sheet) {:.1} TFLOP/s",
+                peak / 1e12
+            ),
+            tensor::buf::Dev::Cuda(_) => {
+                "this GPU's dense bf16 peak is not known: no MFU figure".to_string()
+            }
+            tensor::buf::Dev::Cpu => format!(
+                "measured fp32 GEMM peak of all {} rank(s) {:.1} GFLOP/s",
+                t.comm().size(),
+                peak / 1e9
+            ),
+        }
     ));
     if t.step > 0 {
         say(&format!("resumed at step {}", t.step));
