@@ -94,6 +94,12 @@ struct Function {
 
 const char MAGIC[8] = {'X', 'T', 'E', 'M', 'U', 'S', 'O', 0};
 
+// A template for mkstemp / mkdtemp in $TMPDIR (else /tmp).
+std::string temp_template(const char* what) {
+    const char* t = getenv("TMPDIR");
+    return std::string(t && *t ? t : "/tmp") + "/xtrain-cuda-emu-" + what + "-XXXXXX";
+}
+
 } // namespace
 
 API int cuInit(unsigned) { return SUCCESS; }
@@ -236,7 +242,8 @@ API int cuModuleLoadData(void** module, const void* image) {
     uint64_t len;
     memcpy(&len, (const char*)image + 8, 8);
     std::lock_guard<std::mutex> g(lock);
-    char path[] = "/tmp/xtrain-cuda-emu-module-XXXXXX";
+    std::string tpl = temp_template("module");
+    char* path = tpl.data();
     int fd = mkstemp(path);
     if (fd < 0) return INVALID_IMAGE;
     const char* bytes = (const char*)image + 16;
@@ -336,7 +343,8 @@ std::string dynamic_shared_to_pointers(const std::string& src) {
 int compile(Program& p) {
     const char* cxx_env = getenv("CXX");
     std::string cxx = cxx_env && *cxx_env ? cxx_env : "c++";
-    char dir_tpl[] = "/tmp/xtrain-cuda-emu-nvrtc-XXXXXX";
+    std::string tpl = temp_template("nvrtc");
+    char* dir_tpl = tpl.data();
     if (!mkdtemp(dir_tpl)) {
         p.log = "cannot make a temporary folder";
         return 1;
