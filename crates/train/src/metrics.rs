@@ -256,13 +256,20 @@ impl Curves {
 mod tests {
     use super::*;
 
-    #[test]
-    fn jsonl_round_trip_and_plot() {
-        let d = std::env::temp_dir().join(format!("xtrain-metrics-{}", std::process::id()));
+    /// A fresh folder `name` (per process) in the temporary folder, its `metrics.jsonl` and
+    /// a writer appending to it.
+    fn fresh(name: &str) -> (std::path::PathBuf, std::path::PathBuf, MetricsWriter) {
+        let d = std::env::temp_dir().join(format!("{name}-{}", std::process::id()));
         std::fs::create_dir_all(&d).unwrap();
         let p = d.join("metrics.jsonl");
         let _ = std::fs::remove_file(&p);
-        let mut w = MetricsWriter::append(&p).unwrap();
+        let w = MetricsWriter::append(&p).unwrap();
+        (d, p, w)
+    }
+
+    #[test]
+    fn jsonl_round_trip_and_plot() {
+        let (d, p, mut w) = fresh("xtrain-metrics");
         let recs: Vec<StepRecord> = (0..20)
             .map(|s| StepRecord {
                 step: s,
@@ -288,11 +295,7 @@ mod tests {
     /// A run on a GPU whose peak is unknown logs its MFU as NaN: written as `null`, read back.
     #[test]
     fn an_unknown_mfu_round_trips() {
-        let d = std::env::temp_dir().join(format!("xtrain-metrics-nan-{}", std::process::id()));
-        std::fs::create_dir_all(&d).unwrap();
-        let p = d.join("metrics.jsonl");
-        let _ = std::fs::remove_file(&p);
-        let mut w = MetricsWriter::append(&p).unwrap();
+        let (d, p, mut w) = fresh("xtrain-metrics-nan");
         w.write(&StepRecord {
             step: 1,
             mfu: f64::NAN,
