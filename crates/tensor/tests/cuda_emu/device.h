@@ -29,6 +29,8 @@
 #include <type_traits>
 #include <utility>
 
+#include "halves.h"
+
 #define XT_EMU_PTX 1 // the kernels' own PTX helpers stand aside for those below
 #define __global__ __attribute__((used))
 #define __device__
@@ -72,6 +74,7 @@ struct Copy {
     void* dst;
     const void* src;
     int bytes, src_bytes;
+    int group; // the cp.async group (commit_group) it belongs to
 };
 
 struct Fiber {
@@ -79,9 +82,8 @@ struct Fiber {
     dim3 tid;
     int lane = 0, warp = 0;
     State state = RETURNED;
-    // cp.async groups: copies[i] belongs to group group_of[i]; `committed` groups closed.
+    // Pending cp.async copies; `committed` groups closed.
     Copy copies[64];
-    int group_of[64];
     int ncopies = 0, committed = 0;
     unsigned ops = 0; // warp-wide operations so far (the exchange set's turn)
 };
@@ -406,44 +408,18 @@ inline unsigned char* shared(u32 addr) { return smem_base() + (int32_t)addr; }
 // ---- The PTX the kernels use (their XT_EMU_PTX sections) ----------------------------------
 
 namespace xt_emu {
-inline u16 to_bf16(float f) {
-    u32 u = __float_as_uint(f);
-    if ((u & 0x7fffffffu) > 0x7f800000u) return 0x7fff; // cvt.rn.bf16x2's canonical NaN
-    u += 0x7fffu + ((u >> 16) & 1u);
-    return (u16)(u >> 16);
-}
-// f32 -> IEEE half, round to nearest even (cvt.rn.f16.f32).
+// cvt.rn.bf16x2.f32 and cvt.rn.f16.f32: a NaN becomes the canonical one.
+inline u16 to_bf16(float f) { return xt_halves::is_nan(f) ? 0x7fff : xt_halves::to_bf16(f); }
 inline u16 to_f16(float f) {
-    u32 x = __float_as_uint(f);
-    u32 sign = (x >> 16) & 0x8000u;
-    u32 a = x & 0x7fffffffu;
-    if (a > 0x7f800000u) return (u16)(sign | 0x7fffu); // NaN
-    if (a >= 0x477ff000u) return (u16)(sign | 0x7c00u); // rounds to >= 65536: infinity
-    if (a < 0x38800000u) {                              // below 2^-14: subnormal or zero
-        if (a < 0x33000000u) return (u16)sign;          // below half the smallest subnormal
-        u32 m = (a & 0x7fffffu) | 0x800000u;
-        int shift = 126 - (int)(a >> 23) + 1 + 13; // to the 2^-24 unit
-        u32 q = m >> shift, rem = m & ((1u << shift) - 1), half = 1u << (shift - 1);
-        if (rem > half || (rem == half && (q & 1u))) q++;
-        return (u16)(sign | q);
-    }
-    u32 q = ((a >> 13) - (112u << 10)), rem = a & 0x1fffu;
-    if (rem > 0x1000u || (rem == 0x1000u && (q & 1u))) q++;
-    return (u16)(sign | q);
+    return xt_halves::is_nan(f) ? (u16)(((__float_as_uint(f) >> 16) & 0x8000u) | 0x7fffu)
+                                : xt_halves::to_f16(f);
 }
-inline float from_f16(u16 h) {
-    u32 sign = (u32)(h & 0x8000u) << 16, e = (h >> 10) & 0x1fu, m = h & 0x3ffu;
-    if (e == 0) {
-        float v = (float)m * 5.9604644775390625e-8f; // m * 2^-24
-        return sign ? -v : v;
-    }
-    if (e == 31) return __uint_as_float(sign | 0x7f800000u | (m << 13));
-    return __uint_as_float(sign | ((e + 112u) << 23) | (m << 13));
+inline float from_bits(u16 h, bool f16) {
+    return f16 ? xt_halves::f16_to_float(h) : xt_halves::bf16_to_float(h);
 }
-inline float from_bits(u16 h, bool f16) { return f16 ? from_f16(h) : __uint_as_float((u32)h << 16); }
 } // namespace xt_emu
 
-inline float f16_to_f32(u16 h) { return xt_emu::from_f16(h); }
+inline float f16_to_f32(u16 h) { return xt_halves::f16_to_float(h); }
 inline u16 f32_to_f16(float f) { return xt_emu::to_f16(f); }
 
 template <bool F16>
@@ -526,8 +502,7 @@ inline void cp_async(u32 dst, const void* src, int bytes, int src_bytes) {
         fail("more than 64 cp.async copies pending in one thread");
         return;
     }
-    f.copies[f.ncopies] = {shared(dst), src, bytes, src_bytes};
-    f.group_of[f.ncopies++] = f.committed;
+    f.copies[f.ncopies++] = {shared(dst), src, bytes, src_bytes, f.committed};
 }
 } // namespace xt_emu
 inline void tc_cp_async16(u32 dst, const u16* src, int src_bytes) {
@@ -546,12 +521,11 @@ inline void tc_cp_async_wait() {
     int kept = 0;
     for (int i = 0; i < f.ncopies; i++) {
         Copy c = f.copies[i];
-        if (f.group_of[i] < done_below) {
+        if (c.group < done_below) {
             memcpy(c.dst, c.src, (size_t)c.src_bytes);
             memset((unsigned char*)c.dst + c.src_bytes, 0, (size_t)(c.bytes - c.src_bytes));
         } else {
-            f.copies[kept] = c;
-            f.group_of[kept++] = f.group_of[i];
+            f.copies[kept++] = c;
         }
     }
     f.ncopies = kept;

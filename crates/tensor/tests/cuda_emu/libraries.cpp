@@ -38,6 +38,8 @@
 #include <string>
 #include <vector>
 
+#include "halves.h"
+
 #ifndef XT_EMU_DEVICE_H
 #error "build with -DXT_EMU_DEVICE_H=\"<path of device.h>\""
 #endif
@@ -447,52 +449,19 @@ struct Layout {
 float load(const void* p, int type, size_t i) {
     switch (type) {
     case 0: return ((const float*)p)[i];
-    case 14: {
-        uint32_t u = (uint32_t)((const uint16_t*)p)[i] << 16;
-        float f;
-        memcpy(&f, &u, 4);
-        return f;
-    }
-    default: { // 2: IEEE half
-        uint16_t h = ((const uint16_t*)p)[i];
-        uint32_t sign = (uint32_t)(h & 0x8000u) << 16, e = (h >> 10) & 0x1fu, m = h & 0x3ffu;
-        float f;
-        if (e == 0) {
-            f = (float)m * 5.9604644775390625e-8f;
-            return sign ? -f : f;
-        }
-        uint32_t u = e == 31 ? (sign | 0x7f800000u | (m << 13)) : (sign | ((e + 112u) << 23) | (m << 13));
-        memcpy(&f, &u, 4);
-        return f;
-    }
+    case 14: return xt_halves::bf16_to_float(((const uint16_t*)p)[i]);
+    default: return xt_halves::f16_to_float(((const uint16_t*)p)[i]); // 2: IEEE half
     }
 }
 
+// As cuBLASLt writes a NaN: quiet, the sign and top payload kept.
 uint16_t to_bf16(float f) {
-    uint32_t u;
-    memcpy(&u, &f, 4);
-    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40u);
-    u += 0x7fffu + ((u >> 16) & 1u);
-    return (uint16_t)(u >> 16);
+    return xt_halves::is_nan(f) ? (uint16_t)((xt_halves::bits(f) >> 16) | 0x40u)
+                                : xt_halves::to_bf16(f);
 }
-
 uint16_t to_f16(float f) {
-    uint32_t x;
-    memcpy(&x, &f, 4);
-    uint32_t sign = (x >> 16) & 0x8000u, a = x & 0x7fffffffu;
-    if (a > 0x7f800000u) return (uint16_t)(sign | 0x7e00u);
-    if (a >= 0x477ff000u) return (uint16_t)(sign | 0x7c00u);
-    if (a < 0x38800000u) {
-        if (a < 0x33000000u) return (uint16_t)sign;
-        uint32_t m = (a & 0x7fffffu) | 0x800000u;
-        int shift = 126 - (int)(a >> 23) + 1 + 13;
-        uint32_t q = m >> shift, rem = m & ((1u << shift) - 1), half = 1u << (shift - 1);
-        if (rem > half || (rem == half && (q & 1u))) q++;
-        return (uint16_t)(sign | q);
-    }
-    uint32_t q = (a >> 13) - (112u << 10), rem = a & 0x1fffu;
-    if (rem > 0x1000u || (rem == 0x1000u && (q & 1u))) q++;
-    return (uint16_t)(sign | q);
+    return xt_halves::is_nan(f) ? (uint16_t)(((xt_halves::bits(f) >> 16) & 0x8000u) | 0x7e00u)
+                                : xt_halves::to_f16(f);
 }
 
 void store(void* p, int type, size_t i, float v) {

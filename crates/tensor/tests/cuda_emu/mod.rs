@@ -11,7 +11,6 @@
 //! `XTRAIN_CUDA_LIB_PATH` names it first: the library code under test is the same, only the
 //! libraries it opens differ. Where no C++ compiler is found the rerun prints one `SKIPPED`
 //! line (a failure where `XTRAIN_REQUIRE` lists `emu`).
-#![allow(dead_code)]
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -20,6 +19,7 @@ use std::process::Command;
 pub const CHILD_ENV: &str = "XTRAIN_CUDA_EMU";
 
 const DEVICE_H: &str = include_str!("device.h");
+const HALVES_H: &str = include_str!("halves.h");
 const LIBRARIES: &str = include_str!("libraries.cpp");
 
 /// The library file and the names xtrain opens it by.
@@ -51,7 +51,11 @@ pub fn build(root: &Path) -> Result<PathBuf, String> {
         return Err("the emulated device's threads (device.h) are written for x86-64 Linux".into());
     }
     let mut h = 0xcbf2_9ce4_8422_2325u64;
-    for b in DEVICE_H.bytes().chain(LIBRARIES.bytes()) {
+    for b in DEVICE_H
+        .bytes()
+        .chain(HALVES_H.bytes())
+        .chain(LIBRARIES.bytes())
+    {
         h = (h ^ b as u64).wrapping_mul(0x0100_0000_01b3);
     }
     let dir = root.join(format!("cuda-emu-{h:016x}"));
@@ -62,6 +66,7 @@ pub fn build(root: &Path) -> Result<PathBuf, String> {
     let _ = std::fs::remove_dir_all(&tmp);
     std::fs::create_dir_all(&tmp).map_err(|e| format!("{}: {e}", tmp.display()))?;
     std::fs::write(tmp.join("device.h"), DEVICE_H).map_err(|e| e.to_string())?;
+    std::fs::write(tmp.join("halves.h"), HALVES_H).map_err(|e| e.to_string())?;
     std::fs::write(tmp.join("libraries.cpp"), LIBRARIES).map_err(|e| e.to_string())?;
     let cxx = compiler();
     let out = Command::new(&cxx)
